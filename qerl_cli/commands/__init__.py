@@ -1,0 +1,1 @@
+"""One module per CLI command: flags -> config dataclass -> library call."""

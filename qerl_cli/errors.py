@@ -1,0 +1,58 @@
+"""One error type for every stage, with an exit code per kind of failure.
+
+Stages raise ``QerlError`` (or a subclass) for anything the user can fix; the CLI prints the
+message as one line on stderr and exits with ``exit_code``. Anything else is a bug and keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+
+class QerlError(Exception):
+    """A failure the user can act on. The message is one line and names the file/flag/tensor."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self) -> str:
+        msg = super().__str__()
+        return f"{msg} ({self.hint})" if self.hint else msg
+
+
+class BadInputError(QerlError):
+    """Malformed, missing or inconsistent input files or flags."""
+
+    exit_code = 2
+
+
+class LineageError(QerlError):
+    """Inputs made for a different base model or adapter (hash mismatch)."""
+
+    exit_code = 3
+
+
+class OutputExistsError(QerlError):
+    """The output directory exists with different inputs and --force was not given."""
+
+    exit_code = 4
+
+
+class NumericalError(QerlError):
+    """NaN/Inf in weights, logits or loss."""
+
+    exit_code = 5
+
+
+class OutOfMemoryError(QerlError):
+    """The device ran out of memory; the message says which flag to lower."""
+
+    exit_code = 6
+
+
+class NotBuiltError(QerlError):
+    """A command whose implementation has not landed yet."""
+
+    exit_code = 64

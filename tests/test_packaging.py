@@ -1,0 +1,31 @@
+"""The install metadata lists every subpackage, and the CLI spine answers."""
+
+import tomllib
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_subpackage_is_listed():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "qerl_cli").rglob("__init__.py")}
+    found |= {"qerl_kernels" + "".join("." + s for s in p.parent.relative_to(ROOT / "kernels").parts)
+              for p in (ROOT / "kernels").rglob("__init__.py")}
+    assert found <= listed, f"add to pyproject [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_help_lists_every_stage():
+    from qerl_cli.cli import app
+
+    out = CliRunner().invoke(app, ["--help"])
+    assert out.exit_code == 0
+    for name in ("quantize", "rollout", "train-step", "merge", "eval"):
+        assert name in out.output
+
+
+def test_kernels_import_under_qerl_name():
+    import qerl_kernels.reference as ref
+
+    assert ref.GROUP == 16
