@@ -1,0 +1,176 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints built offline from a config.
+
+``make_tiny_hf_model(tmp_path)`` writes a complete HF model directory (config.json,
+generation_config.json, safetensors weights, and a real byte-level BPE tokenizer trained in code
+on a few sentences) in well under a second, with no downloads. Every stage's tests can use it as
+a stand-in for a real checkpoint:
+
+>>> from tests.helpers import make_tiny_hf_model
+>>> src = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=2)
+>>> model = transformers.AutoModelForCausalLM.from_pretrained(src)
+>>> tok = transformers.AutoTokenizer.from_pretrained(src)
+
+Sizes default to multiples of 16 so every decoder Linear is NVFP4-quantizable; pass e.g.
+``intermediate=40`` to get a ``down_proj`` whose input size is not (kept dense by quantize).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen2", "llama", "qwen3", "mistral")
+
+# A Qwen-style ChatML template, so code that applies chat templates has one to apply.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CORPUS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "How many clips did Natalia sell altogether in April and May? The answer is 72.",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.",
+    "Let's think step by step. 1 + 2 = 3, 3 * 4 = 12, 12 - 5 = 7, 100 / 4 = 25.",
+    "<think> reasoning </think> <answer> 42 </answer> #### 18",
+]
+
+
+def make_tiny_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` (any text encodes) with ChatML special tokens.
+
+    Trained in code on a fixed corpus, so it is deterministic and needs no network. Its length is
+    at most ``vocab_size``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(
+    arch: str = "qwen2",
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 512,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+):
+    """A transformers config for a tiny decoder of the given architecture."""
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    cls = {
+        "qwen2": transformers.Qwen2Config,
+        "llama": transformers.LlamaConfig,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[arch]
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate if intermediate is not None else 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = hidden // heads
+    return cls(**kwargs)
+
+
+def make_tiny_hf_model(
+    tmp_path: Path,
+    arch: str = "qwen2",
+    hidden: int = 64,
+    layers: int = 2,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 512,
+    dtype: torch.dtype = torch.bfloat16,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    tokenizer: bool = True,
+    max_shard_size: str | int | None = None,
+    name: str = "src",
+    init_std: float = 0.02,
+) -> Path:
+    """Write a tiny random HF causal-LM checkpoint to ``tmp_path / name`` and return that path.
+
+    - ``arch``: qwen2 (q/k/v biases), llama, qwen3 (q/k norms), mistral.
+    - ``dtype``: the on-disk weight dtype (bf16, fp16 or fp32).
+    - ``max_shard_size``: e.g. ``"20KB"`` to force several shards plus ``model.safetensors.index.json``.
+    - ``init_std``: std of the normal init of every weight (biases and norms get small random
+      values too, so tests notice when one is dropped or mis-copied).
+    - ``tokenizer``: also save the byte-level BPE tokenizer (tokenizer.json + config, chat template).
+    """
+    import transformers
+
+    out = Path(tmp_path) / name
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(
+        arch,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        vocab=vocab,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, init_std)
+    model = model.to(dtype)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
+    )
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **kw)
+    if tokenizer:
+        tok = make_tiny_tokenizer(min(vocab, 384))
+        tok.save_pretrained(out)
+    return out
+
+
+def read_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
