@@ -1,0 +1,338 @@
+"""Rollout shards: versioned JSONL records, one completion per line.
+
+A shard is the hand-over between ``qerl rollout`` and ``qerl train-step`` (record fields:
+``../shared/docs/stages.md``). JSONL was chosen over Parquet because it can be *appended* a
+group at a time and survives a crash with at most the last line damaged: the writer appends
+the G lines of one group, flushes and fsyncs, so a killed process loses at most the group in
+flight. The price is size and parse speed (a few MB per thousand completions, negligible next to
+generation time).
+
+Reading validates every line: not JSON, a missing field, a wrong type or a ragged
+``logprobs``/``completion_token_ids`` pair is a ``BadInputError`` naming ``file:line``, unless
+``skip_bad_lines`` (then bad lines are counted in the ``ReadReport``). Records of different
+``schema_version`` in one read are refused: a trainer must not silently mix layouts.
+
+Resume (``load_complete_groups``) is more forgiving on purpose: a torn last line (no newline)
+or a group with fewer than G lines is what a crash leaves, so it is cut off and regenerated,
+and the file is rewritten atomically to hold only complete groups.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import BadInputError
+
+SCHEMA_VERSION = 1
+
+# field -> accepted JSON types. ``None`` inside a tuple means the field may be null.
+FIELDS: dict[str, tuple] = {
+    "schema_version": (int,),
+    "prompt_id": (str,),
+    "group_id": (str,),
+    "prompt": (str, list),
+    "prompt_token_ids": (list,),
+    "completion_token_ids": (list,),
+    "completion": (str,),
+    "logprobs": (list,),
+    "finish_reason": (str,),
+    "rewards": (dict,),
+    "reward": (int, float),
+    "answer": (str, type(None)),
+    "step": (int,),
+    "policy": (dict,),
+    "sampling": (dict,),
+    "noise": (dict,),
+    "engine": (str,),
+}
+FINISH_REASONS = ("stop", "length")
+SHARD_GLOB = "shard-*-of-*.jsonl"
+
+
+def shard_name(index: int, num_shards: int) -> str:
+    """``shard-00003-of-00008.jsonl``: zero-based index, total count (the Hugging Face convention)."""
+    if not (0 <= index < num_shards):
+        raise BadInputError(f"shard index {index} is outside 0..{num_shards - 1}", hint="check --shard-index/--num-shards")
+    return f"shard-{index:05d}-of-{num_shards:05d}.jsonl"
+
+
+def make_record(
+    *,
+    prompt_id: str,
+    group_id: str,
+    prompt: str | list,
+    prompt_token_ids: Sequence[int],
+    completion_token_ids: Sequence[int],
+    completion: str,
+    logprobs: Sequence[float],
+    finish_reason: str,
+    rewards: dict[str, float],
+    reward: float,
+    answer: str | None,
+    step: int,
+    policy: dict,
+    sampling: dict,
+    noise: dict,
+    engine: str,
+    **extra: Any,
+) -> dict:
+    """One record with every field of the schema, in the documented order (extra keys appended)."""
+    rec = {
+        "schema_version": SCHEMA_VERSION,
+        "prompt_id": str(prompt_id),
+        "group_id": str(group_id),
+        "prompt": prompt,
+        "prompt_token_ids": [int(t) for t in prompt_token_ids],
+        "completion_token_ids": [int(t) for t in completion_token_ids],
+        "completion": completion,
+        "logprobs": [float(x) for x in logprobs],
+        "finish_reason": finish_reason,
+        "rewards": {k: float(v) for k, v in rewards.items()},
+        "reward": float(reward),
+        "answer": answer,
+        "step": int(step),
+        "policy": policy,
+        "sampling": sampling,
+        "noise": noise,
+        "engine": engine,
+    }
+    rec.update(extra)
+    return rec
+
+
+def validate_record(rec: Any) -> str | None:
+    """Why ``rec`` is not a valid record, or None when it is."""
+    if not isinstance(rec, dict):
+        return f"expected a JSON object, got {type(rec).__name__}"
+    missing = [k for k in FIELDS if k not in rec]
+    if missing:
+        return f"missing field(s) {', '.join(missing)}"
+    for k, types in FIELDS.items():
+        v = rec[k]
+        # bool is an int subclass in Python; a boolean reward or step is a bug upstream.
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            return f"field {k!r} should be {want}, got {type(v).__name__}"
+    if rec["schema_version"] > SCHEMA_VERSION:
+        return f"schema_version {rec['schema_version']} is newer than this qerl reads ({SCHEMA_VERSION}); upgrade qerl"
+    if rec["finish_reason"] not in FINISH_REASONS:
+        return f"finish_reason {rec['finish_reason']!r} is not one of {', '.join(FINISH_REASONS)}"
+    if len(rec["logprobs"]) != len(rec["completion_token_ids"]):
+        return (
+            f"{len(rec['logprobs'])} logprobs for {len(rec['completion_token_ids'])} completion tokens "
+            "(one logprob per sampled token expected)"
+        )
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in rec["completion_token_ids"]):
+        return "completion_token_ids must be integers"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in rec["prompt_token_ids"]):
+        return "prompt_token_ids must be integers"
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rec["logprobs"]):
+        return "logprobs must be numbers"
+    for k in ("base", "adapter"):
+        if k not in rec["policy"]:
+            return f"policy lacks {k!r}"
+    return None
+
+
+def _dumps(rec: dict) -> str:
+    # allow_nan=False: a NaN logprob or reward would be written as bare NaN, which is not JSON.
+    try:
+        return json.dumps(rec, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError as e:
+        raise BadInputError(
+            f"record {rec.get('prompt_id')!r}/{rec.get('group_id')!r} holds NaN or Inf ({e})",
+            hint="a reward function or the sampler produced a non-finite value",
+        ) from None
+
+
+class ShardWriter:
+    """Appends groups of records to one shard file; each group is flushed and fsynced.
+
+    >>> with ShardWriter(work / shard_name(0, 1)) as w:
+    ...     w.write_group(records_of_one_prompt)
+    """
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self.groups_written = 0
+        self.records_written = 0
+
+    def write_group(self, records: Sequence[dict]) -> None:
+        for rec in records:
+            err = validate_record(rec)
+            if err:
+                raise ValueError(f"refusing to write an invalid record: {err}")
+        # One write call per group: with the fsync below, a crash leaves whole groups plus at
+        # most one torn group at the end, which resume cuts off.
+        self._f.write("".join(_dumps(r) + "\n" for r in records))
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.groups_written += 1
+        self.records_written += len(records)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_records(path: Path | str, records: Iterable[dict]) -> int:
+    """Append ``records`` to ``path`` one group (consecutive equal ``group_id``) at a time."""
+    n = 0
+    with ShardWriter(path) as w:
+        group: list[dict] = []
+        for rec in records:
+            if group and rec.get("group_id") != group[-1].get("group_id"):
+                w.write_group(group)
+                group = []
+            group.append(rec)
+            n += 1
+        if group:
+            w.write_group(group)
+    return n
+
+
+# ---- reading ---------------------------------------------------------------------------------
+@dataclass
+class ReadReport:
+    """What a read saw: files, good records, and the bad lines skipped (``file:line: why``)."""
+
+    files: list[Path] = field(default_factory=list)
+    records: int = 0
+    bad_lines: list[str] = field(default_factory=list)
+
+
+def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path]:
+    """Shard files named by a directory (its ``shard-*.jsonl``), a file, or a glob; several allowed."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    files: list[Path] = []
+    for src in sources:
+        s = str(src)
+        if any(c in s for c in "*?["):
+            matched = sorted(_glob.glob(s))
+            if not matched:
+                raise BadInputError(f"no files match the shard glob {s!r}")
+            paths = [Path(m) for m in matched]
+        else:
+            paths = [Path(s)]
+        for p in paths:
+            if p.is_dir():
+                found = sorted(p.glob(SHARD_GLOB)) or sorted(p.glob("*.jsonl"))
+                if not found:
+                    raise BadInputError(f"{p} holds no shard files ({SHARD_GLOB})", hint="is it a rollout output dir?")
+                files.extend(found)
+            elif p.is_file():
+                files.append(p)
+            else:
+                raise BadInputError(f"shard path {p} does not exist")
+    # The same file named twice (a dir and a glob inside it) would double its records.
+    seen: set[Path] = set()
+    unique = []
+    for f in files:
+        r = f.resolve()
+        if r not in seen:
+            seen.add(r)
+            unique.append(f)
+    return unique
+
+
+def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator[dict]:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BadInputError(f"cannot read shard {path}: {e.strerror}") from None
+    lines = data.split(b"\n")
+    torn_tail = bool(lines) and lines[-1] != b""  # last line lacks its newline: a crash mid-write
+    if not torn_tail:
+        lines = lines[:-1]
+    for i, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            err = validate_record(rec)
+        except (ValueError, UnicodeDecodeError) as e:
+            rec, err = None, f"not valid JSON ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
+        if err is not None and torn_tail and i == len(lines):
+            err = f"truncated last line, probably a crash mid-write ({err})"
+        if err is not None:
+            msg = f"{path}:{i}: {err}"
+            if not skip_bad_lines:
+                raise BadInputError(msg, hint="pass --skip-bad-lines to skip such lines")
+            report.bad_lines.append(msg)
+            continue
+        report.records += 1
+        yield rec
+
+
+def iter_records(
+    sources: str | Path | Iterable[str | Path], *, skip_bad_lines: bool = False, report: ReadReport | None = None
+) -> Iterator[dict]:
+    """Validated records of every shard named by ``sources`` (see ``resolve_shard_files``)."""
+    report = report if report is not None else ReadReport()
+    report.files = resolve_shard_files(sources)
+    version: tuple[int, str] | None = None
+    for path in report.files:
+        for rec in _iter_file(path, skip_bad_lines, report):
+            v = rec["schema_version"]
+            if version is None:
+                version = (v, f"{path}")
+            elif v != version[0]:
+                raise BadInputError(
+                    f"{path}: schema_version {v} mixed with schema_version {version[0]} from {version[1]}",
+                    hint="regenerate the older shards with this qerl version",
+                )
+            yield rec
+
+
+def read_records(
+    sources: str | Path | Iterable[str | Path], *, skip_bad_lines: bool = False, report: ReadReport | None = None
+) -> list[dict]:
+    """All validated records (in file order) of a shard dir, file or glob, or several of them."""
+    return list(iter_records(sources, skip_bad_lines=skip_bad_lines, report=report))
+
+
+# ---- resume ----------------------------------------------------------------------------------
+def load_complete_groups(path: Path, group_size: int) -> tuple[dict[str, list[dict]], int]:
+    """Complete groups already in a partial shard, and how many lines were dropped.
+
+    Keeps only groups with exactly ``group_size`` valid records; a torn last line, an
+    unparseable line or an incomplete group is dropped, and the file is rewritten (atomically)
+    to hold exactly the kept groups in their original order, so appending can continue.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}, 0
+    report = ReadReport()
+    recs = list(_iter_file(path, True, report))
+    counts = Counter(r["group_id"] for r in recs)
+    groups: dict[str, list[dict]] = {}
+    for r in recs:
+        if counts[r["group_id"]] == group_size:
+            groups.setdefault(r["group_id"], []).append(r)
+    kept = sum(len(g) for g in groups.values())
+    dropped = len(report.bad_lines) + (len(recs) - kept)
+    if dropped:
+        tmp = path.with_name(path.name + ".repair")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for g in groups.values():
+                f.write("".join(_dumps(r) + "\n" for r in g))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return groups, dropped

@@ -1,0 +1,164 @@
+"""Rollout shard records: round trip, validation with file:line, resume repair."""
+
+import json
+
+import pytest
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.shards import (
+    SCHEMA_VERSION,
+    ReadReport,
+    ShardWriter,
+    load_complete_groups,
+    make_record,
+    read_records,
+    shard_name,
+    write_records,
+)
+
+
+def rec(pid="p0", k=0, reward=1.0, **over):
+    r = make_record(
+        prompt_id=pid,
+        group_id=f"g-{pid}",
+        prompt="What is 2+2?",
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5 + k],
+        completion=f"#### {4 + k}",
+        logprobs=[-0.5, -1.25],
+        finish_reason="stop",
+        rewards={"gsm8k": reward},
+        reward=reward,
+        answer="4",
+        step=3,
+        policy={"base": "abc", "adapter": None},
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 7},
+        noise={"sigma": 0.01, "seed": 1},
+        engine="native",
+    )
+    r.update(over)
+    return r
+
+
+def group(pid, g=2):
+    return [rec(pid, k) for k in range(g)]
+
+
+def test_shard_name():
+    assert shard_name(0, 1) == "shard-00000-of-00001.jsonl"
+    assert shard_name(3, 8) == "shard-00003-of-00008.jsonl"
+    with pytest.raises(BadInputError, match="outside"):
+        shard_name(2, 2)
+
+
+def test_round_trip_dir_file_glob(tmp_path):
+    recs = group("a") + group("b")
+    write_records(tmp_path / shard_name(0, 2), recs[:2])
+    write_records(tmp_path / shard_name(1, 2), recs[2:])
+    assert read_records(tmp_path) == recs
+    assert read_records(tmp_path / shard_name(1, 2)) == recs[2:]
+    assert read_records(str(tmp_path / "shard-*.jsonl")) == recs
+    # a dir and a glob inside it name the same files: no duplicates
+    assert read_records([tmp_path, str(tmp_path / "shard-*.jsonl")]) == recs
+    assert recs[0]["schema_version"] == SCHEMA_VERSION
+    assert list(recs[0])[:3] == ["schema_version", "prompt_id", "group_id"]
+
+
+def test_writer_appends_and_fsyncs_per_group(tmp_path):
+    p = tmp_path / shard_name(0, 1)
+    with ShardWriter(p) as w:
+        w.write_group(group("a"))
+        # visible on disk before close: a crash now keeps group a
+        assert len(p.read_text().splitlines()) == 2
+        w.write_group(group("b"))
+    assert w.groups_written == 2 and w.records_written == 4
+
+
+def test_writer_refuses_invalid_and_nan(tmp_path):
+    with ShardWriter(tmp_path / "s.jsonl") as w:
+        with pytest.raises(ValueError, match="logprobs"):
+            w.write_group([rec(logprobs=[0.0])])
+        with pytest.raises(BadInputError, match="NaN"):
+            w.write_group([{**rec(), "reward": float("nan")}])
+
+
+def _write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("not json at all", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({k: v for k, v in rec().items() if k != "logprobs"}), "missing field.*logprobs"),
+        (json.dumps({**rec(), "reward": "high"}), "'reward' should be"),
+        (json.dumps(rec(step=True)), "'step' should be int"),
+        (json.dumps(rec(finish_reason="eos")), "finish_reason"),
+        (json.dumps(rec(logprobs=[0.1])), "1 logprobs for 2 completion tokens"),
+        (json.dumps(rec(completion_token_ids=[1, "x"], logprobs=[0.0, 0.0])), "integers"),
+        (json.dumps(rec(policy={"base": "x"})), "policy lacks 'adapter'"),
+        (json.dumps(rec(schema_version=SCHEMA_VERSION + 1)), "newer than this qerl"),
+    ],
+    ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future"],
+)
+def test_bad_line_names_file_and_line(tmp_path, bad, why):
+    p = tmp_path / shard_name(0, 1)
+    _write_lines(p, [json.dumps(rec("a")), bad, json.dumps(rec("b"))])
+    with pytest.raises(BadInputError, match=rf"{p.name}:2: .*{why}") as e:
+        read_records(p)
+    assert "--skip-bad-lines" in str(e.value)
+    report = ReadReport()
+    got = read_records(p, skip_bad_lines=True, report=report)
+    assert [r["prompt_id"] for r in got] == ["a", "b"]
+    assert len(report.bad_lines) == 1 and f"{p}:2:" in report.bad_lines[0]
+    assert report.records == 2
+
+
+def test_blank_lines_are_ignored(tmp_path):
+    p = tmp_path / "s.jsonl"
+    _write_lines(p, [json.dumps(rec("a")), "", "  ", json.dumps(rec("b"))])
+    assert len(read_records(p)) == 2
+
+
+def test_mixed_schema_versions_rejected(tmp_path):
+    write_records(tmp_path / shard_name(0, 2), [rec("a")])
+    write_records(tmp_path / shard_name(1, 2), [rec("b", schema_version=0)])
+    with pytest.raises(BadInputError, match="schema_version 0 mixed with schema_version 1"):
+        read_records(tmp_path)
+
+
+def test_truncated_last_line_is_reported(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text(json.dumps(rec("a")) + "\n" + json.dumps(rec("b"))[:40])
+    with pytest.raises(BadInputError, match=r"s.jsonl:2: truncated last line"):
+        read_records(p)
+    assert len(read_records(p, skip_bad_lines=True)) == 1
+
+
+def test_missing_sources(tmp_path):
+    with pytest.raises(BadInputError, match="does not exist"):
+        read_records(tmp_path / "nope")
+    with pytest.raises(BadInputError, match="no files match"):
+        read_records(str(tmp_path / "x-*.jsonl"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInputError, match="holds no shard files"):
+        read_records(tmp_path / "empty")
+
+
+def test_resume_keeps_complete_groups_and_repairs_file(tmp_path):
+    p = tmp_path / shard_name(0, 1)
+    a, b, c = group("a", 3), group("b", 3), group("c", 3)
+    # a and b complete, c torn: two lines written, the third cut mid-line by the crash
+    text = "".join(json.dumps(r) + "\n" for r in a + b + c[:2]) + json.dumps(c[2])[:25]
+    p.write_text(text)
+    groups, dropped = load_complete_groups(p, group_size=3)
+    assert list(groups) == ["g-a", "g-b"] and dropped == 3
+    assert read_records(p) == a + b  # file now clean: appending continues from here
+    write_records(p, c)
+    assert read_records(p) == a + b + c
+    # nothing to repair: the file is left alone
+    before = p.stat().st_mtime_ns
+    groups, dropped = load_complete_groups(p, group_size=3)
+    assert dropped == 0 and len(groups) == 3 and p.stat().st_mtime_ns == before
+    assert load_complete_groups(tmp_path / "absent.jsonl", 3) == ({}, 0)
