@@ -1,0 +1,165 @@
+"""Benchmark statistics for `qerl eval`: pass@k, confidence intervals, length stats, run tables.
+
+pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of which ``c`` are
+correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, averaged over problems. Taking the best of k of
+the n samples directly (or ``1 - (1-c/n)^k``) is biased; the combinatorial form is exact in
+expectation. It is computed as a running product, ``prod_{i=n-c+1..n} (1 - k/i)``, because
+``C(n, k)`` overflows floats for the n of a large sampling run.
+
+The 95% interval is Wilson's score interval over problems. For greedy pass@1 every problem is a
+Bernoulli trial and the interval is the textbook one. For pass@k with several samples the
+per-problem score is a fraction in [0, 1]; its variance is at most p(1-p), so treating the mean
+as a binomial proportion over the problems gives an interval at least as wide as the true one
+(conservative), without a bootstrap. It says how much the score would move on another draw of
+problems of the same kind -- the number that matters when comparing two checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from qerl_cli.errors import BadInputError
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased probability that at least one of k samples drawn from the n is correct."""
+    if not (0 <= c <= n) or k < 1:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and k >= 1, got n={n} c={c} k={k}")
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    # 1 - C(n-c, k)/C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k/i)
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
+    """Mean pass@k over problems given (n, c) per problem."""
+    if not counts:
+        raise ValueError("no problems to score")
+    return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
+
+
+def wilson_interval(p_hat: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion ``p_hat`` measured on ``n`` trials."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p_hat = min(max(p_hat, 0.0), 1.0)
+    z2 = z * z
+    denom = 1.0 + z2 / n
+    centre = (p_hat + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p_hat * (1 - p_hat) / n + z2 / (4 * n * n)) / denom
+    lo, hi = max(0.0, centre - half), min(1.0, centre + half)
+    # analytically exact at the ends; float rounding would otherwise leave 0.9999999999999999
+    return (0.0 if p_hat == 0.0 else lo, 1.0 if p_hat == 1.0 else hi)
+
+
+def k_values(max_k: int) -> list[int]:
+    """The k's reported for ``--k max_k``: 1, powers of two below it, and max_k itself."""
+    ks, k = [], 1
+    while k < max_k:
+        ks.append(k)
+        k *= 2
+    ks.append(max_k)
+    return ks
+
+
+def length_stats(lengths: Sequence[int]) -> dict:
+    """Completion length summary in tokens (mean, percentiles, min, max)."""
+    if not lengths:
+        return {"mean": 0.0, "p50": 0, "p90": 0, "min": 0, "max": 0}
+    xs = sorted(lengths)
+
+    def pct(q: float) -> int:
+        # nearest-rank percentile: an observed length, not an interpolation
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+    return {
+        "mean": round(sum(xs) / len(xs), 2),
+        "p50": pct(0.5),
+        "p90": pct(0.9),
+        "min": xs[0],
+        "max": xs[-1],
+    }
+
+
+def score_block(counts: Sequence[tuple[int, int]], ks: Sequence[int]) -> dict:
+    """{"pass@k": {"value", "ci95"}} for each k, from (n, c) per problem."""
+    out = {}
+    for k in ks:
+        v = mean_pass_at_k(counts, k)
+        lo, hi = wilson_interval(v, len(counts))
+        out[f"pass@{k}"] = {"value": round(v, 6), "ci95": [round(lo, 6), round(hi, 6)]}
+    return out
+
+
+# ---- reading and comparing finished runs -------------------------------------------------
+METRICS = "metrics.json"
+SAMPLES = "samples.jsonl"
+
+
+def read_metrics(eval_dir: Path) -> dict:
+    """metrics.json of a finished eval directory; BadInputError naming the path otherwise."""
+    path = Path(eval_dir) / METRICS
+    if not Path(eval_dir).is_dir():
+        raise BadInputError(f"--compare: {eval_dir} is not a directory")
+    if not path.exists():
+        raise BadInputError(f"--compare: {path} not found (is {eval_dir} a finished `qerl eval` output?)")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise BadInputError(f"--compare: {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or "scores" not in data:
+        raise BadInputError(f"--compare: {path} has no 'scores' (not written by `qerl eval`)")
+    return data
+
+
+def _fmt_score(entry: dict | None) -> str:
+    if not entry:
+        return "-"
+    lo, hi = entry["ci95"]
+    return f"{100 * entry['value']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def compare_table(eval_dirs: Sequence[Path]):
+    """A rich Table with one column per run: scores with 95% CI, counts, lengths, time.
+
+    Runs on different datasets are still shown side by side, but the dataset row makes the
+    mismatch visible (their scores are not comparable).
+    """
+    from rich.table import Table
+
+    runs = [(Path(d), read_metrics(d)) for d in eval_dirs]
+    ks = sorted({int(k.split("@")[1]) for _, m in runs for k in m["scores"]})
+    table = Table(title="qerl eval: side by side (scores in %, 95% CI)", show_lines=False)
+    table.add_column("", style="bold")
+    for d, _ in runs:
+        table.add_column(d.name or str(d), justify="right")
+
+    def row(label, fn):
+        table.add_row(label, *[fn(m) for _, m in runs])
+
+    row("model", lambda m: Path(m.get("model", "?")).name)
+    row("adapter", lambda m: Path(m["adapter"]).name if m.get("adapter") else "-")
+    row("dataset", lambda m: f"{Path(m.get('dataset', '?')).name} ({m.get('dataset_hash', '')[:8]})")
+    row("problems", lambda m: str(m["counts"]["problems"]))
+    row("samples/problem", lambda m: str(m["counts"]["samples_per_problem"]))
+    row("temperature", lambda m: str(m.get("sampling", {}).get("temperature", "-")))
+    for k in ks:
+        row(f"pass@{k}", lambda m, k=k: _fmt_score(m["scores"].get(f"pass@{k}")))
+    row("no answer", lambda m: f"{100 * m['counts']['no_answer'] / max(1, m['counts']['samples']):.1f}%")
+    row("truncated", lambda m: f"{100 * m['counts']['truncated'] / max(1, m['counts']['samples']):.1f}%")
+    row("mean length (tok)", lambda m: f"{m['lengths']['mean']:.0f}")
+    row("time (s)", lambda m: f"{m['time']['total_s']:.1f}")
+    datasets = {m.get("dataset_hash") for _, m in runs}
+    if len(datasets) > 1:
+        table.caption = "warning: the runs used different datasets; their scores are not comparable"
+    return table

@@ -1,0 +1,133 @@
+"""pass@k estimator, Wilson interval, length stats and the --compare table."""
+
+import itertools
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.eval_metrics import (
+    compare_table,
+    k_values,
+    length_stats,
+    mean_pass_at_k,
+    pass_at_k,
+    score_block,
+    wilson_interval,
+)
+
+
+def brute_pass_at_k(n, c, k):
+    """Fraction of all k-subsets of n samples (c of them correct) holding a correct one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+@given(st.integers(1, 200), st.data())
+def test_pass_at_k_matches_closed_form(n, data):
+    c = data.draw(st.integers(0, n))
+    k = data.draw(st.integers(1, n))
+    want = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-9)
+
+
+def test_pass_at_1_is_fraction_correct_and_monotone_in_k():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    vals = [pass_at_k(10, 3, k) for k in range(1, 11)]
+    assert all(a <= b + 1e-15 for a, b in zip(vals, vals[1:]))
+    assert vals[-1] == 1.0 and pass_at_k(10, 0, 5) == 0.0
+
+
+def test_pass_at_k_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        pass_at_k(3, 1, 4)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+    with pytest.raises(ValueError, match="no problems"):
+        mean_pass_at_k([], 1)
+
+
+def test_wilson_known_values():
+    lo, hi = wilson_interval(0.5, 100)
+    assert (lo, hi) == (pytest.approx(0.4038, abs=1e-4), pytest.approx(0.5962, abs=1e-4))
+    # p_hat = 0 still gives a non-degenerate upper bound (the normal interval would give [0, 0])
+    lo, hi = wilson_interval(0.0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson_interval(1.0, 10)
+    assert hi == 1.0 and lo == pytest.approx(0.7225, abs=1e-4)
+
+
+@given(st.floats(0, 1), st.integers(1, 10_000))
+def test_wilson_contains_estimate(p, n):
+    lo, hi = wilson_interval(p, n)
+    assert 0.0 <= lo <= p + 1e-12 and p - 1e-12 <= hi <= 1.0
+
+
+def test_k_values_and_score_block():
+    assert k_values(1) == [1]
+    assert k_values(8) == [1, 2, 4, 8]
+    assert k_values(5) == [1, 2, 4, 5]
+    block = score_block([(4, 0), (4, 2), (4, 4)], [1, 4])
+    assert block["pass@1"]["value"] == pytest.approx(0.5)
+    assert block["pass@4"]["value"] == pytest.approx(2 / 3, abs=1e-6)
+    lo, hi = block["pass@1"]["ci95"]
+    assert lo < 0.5 < hi
+
+
+def test_length_stats():
+    s = length_stats([5, 1, 3, 10, 2, 8, 7, 4, 6, 9])
+    assert s == {"mean": 5.5, "p50": 5, "p90": 9, "min": 1, "max": 10}
+    assert length_stats([])["mean"] == 0.0
+
+
+def _fake_run(path, name, p1, dataset_hash="abc"):
+    path.mkdir()
+    m = {
+        "model": f"/m/{name}",
+        "adapter": None,
+        "dataset": "/d/gsm8k.jsonl",
+        "dataset_hash": dataset_hash,
+        "sampling": {"temperature": 0.0},
+        "scores": {"pass@1": {"value": p1, "ci95": [p1 - 0.1, p1 + 0.1]}},
+        "counts": {"problems": 10, "samples_per_problem": 1, "samples": 10, "no_answer": 2, "truncated": 1},
+        "lengths": {"mean": 12.0},
+        "time": {"total_s": 3.0},
+    }
+    (path / "metrics.json").write_text(json.dumps(m))
+    return path
+
+
+def test_compare_table_renders_runs_side_by_side(tmp_path):
+    from rich.console import Console
+
+    a = _fake_run(tmp_path / "base", "base", 0.4)
+    b = _fake_run(tmp_path / "trained", "trained", 0.7, dataset_hash="other")
+    console = Console(record=True, width=200)
+    console.print(compare_table([a, b]))
+    text = console.export_text()
+    assert "base" in text and "trained" in text
+    assert "40.0 [30.0, 50.0]" in text and "70.0 [60.0, 80.0]" in text
+    assert "different datasets" in text
+
+
+def test_compare_rejects_non_eval_dirs(tmp_path):
+    with pytest.raises(BadInputError, match="not a directory"):
+        compare_table([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInputError, match="metrics.json not found"):
+        compare_table([tmp_path / "empty"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.json").write_text("{")
+    with pytest.raises(BadInputError, match="not valid JSON"):
+        compare_table([tmp_path / "bad"])
