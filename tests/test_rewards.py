@@ -1,0 +1,193 @@
+"""Reward registry and answer extractors (shared with eval)."""
+
+import textwrap
+
+import pytest
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.rewards import (
+    REWARDS,
+    RewardSet,
+    extract_answer,
+    format_reward,
+    get_reward,
+    is_correct,
+    last_boxed,
+    normalize_number,
+    parse_reward_specs,
+    reference_answer,
+)
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("She sold 48 + 24 = 72 clips.\n#### 72", "72"),
+        ("#### 1,234", "1234"),
+        ("#### $1,234.50 dollars", "1234.5"),
+        ("#### 18.0", "18"),
+        ("#### -3", "-3"),
+        ("#### \u22127", "-7"),  # unicode minus
+        ("#### - 5", "-5"),
+        ("#### 1/2", "0.5"),
+        ("#### .25", "0.25"),
+        ("#### 12 apples", "12"),
+        ("#### 40%", "40"),
+        ("so the answer is \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{2}", "2"),  # last box wins
+        ("\\boxed{\\frac{3}{4}}", "0.75"),
+        ("\\boxed{\\dfrac{1}{3}}", "1/3"),
+        ("\\boxed{\\$18.00}", "18"),
+        ("\\boxed{18\\text{ dollars}}", "18"),
+        ("\\boxed{1{,}000}", "1000"),
+        ("\\boxed{-2.50}", "-2.5"),
+        ("\\boxed 7", "7"),
+        ("<think>x</think><answer>3.0</answer>", "3"),
+        ("#### 5 \\boxed{6}", "5"),  # #### takes precedence
+        ("The answer is 42", None),  # no "last number" fallback
+        ("\\boxed{3", None),  # box cut off by max tokens
+        ("#### unknown", None),
+        ("", None),
+    ],
+)
+def test_gsm8k_extract(text, want):
+    assert extract_answer(text, "gsm8k") == want
+
+
+def test_last_boxed_nested_braces():
+    assert last_boxed("x \\boxed{\\frac{1}{\\sqrt{2}}} y") == "\\frac{1}{\\sqrt{2}}"
+    assert last_boxed("nothing") is None
+    assert extract_answer("\\boxed{x^{2}+1}", "math") == "x^{2}+1"
+
+
+def test_normalize_number():
+    assert normalize_number("-0") == "0"
+    assert normalize_number("007") == "7"
+    assert normalize_number("1,000,000.000") == "1000000"
+    assert normalize_number("abc") is None
+
+
+@pytest.mark.parametrize(
+    "completion, ref, ok",
+    [
+        ("#### 72", "72", True),
+        ("#### 72.00", "Natalia sold 48/2 = 24 clips in May.\n#### 72", True),  # raw GSM8K answer
+        ("#### 0.5", "1/2", True),
+        ("#### 1,000", "1000", True),
+        ("#### 71", "72", False),
+        ("#### -72", "72", False),
+        ("no answer", "72", False),
+        ("#### 5", None, False),
+    ],
+)
+def test_gsm8k_is_correct(completion, ref, ok):
+    assert is_correct(completion, ref, "gsm8k") is ok
+
+
+@pytest.mark.parametrize(
+    "completion, ref, ok",
+    [
+        ("\\boxed{0.5}", "\\frac{1}{2}", True),
+        ("\\boxed{\\frac12}", "0.5", True),
+        ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
+        ("\\boxed{[1,2)}", "[1,2)", True),
+        ("\\boxed{3}", "\\boxed{3}", True),  # reference given as a boxed solution
+        ("\\boxed{4}", "3", False),
+        ("the answer is 3", "3", False),  # math wants a box
+    ],
+)
+def test_math_is_correct(completion, ref, ok):
+    assert is_correct(completion, ref, "math") is ok
+
+
+def test_reference_answer():
+    assert reference_answer("blah\n#### 1,234", "gsm8k") == "1234"
+    assert reference_answer("The answer is \\boxed{5}", "math") == "5"
+    with pytest.raises(BadInputError, match="unknown answer kind"):
+        reference_answer("1", "nope")
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("<think>step</think><answer>4</answer>", 1.0),
+        ("  <think>a\nb</think>\n<answer> 4 </answer>\n", 1.0),
+        ("step</think><answer>4</answer>", 1.0),  # <think> opened by the chat template
+        ("<think>a</think><answer>4</answer> trailing", 0.0),
+        ("<answer>4</answer>", 0.0),
+        ("<think>a</think>", 0.0),
+        ("<think>a</think><answer> </answer>", 0.0),
+        ("<think>a</think><think>b</think><answer>4</answer>", 0.0),
+    ],
+)
+def test_format_reward(text, want):
+    assert format_reward(text) == want
+
+
+def test_specs_weights_and_scoring():
+    rs = RewardSet.from_specs(["gsm8k", "format=0.1"])
+    assert rs.weights == {"gsm8k": 1.0, "format": 0.1}
+    vals, total = rs.score("<think>a</think><answer>#### 4</answer>", "4")
+    assert vals == {"gsm8k": 1.0, "format": 1.0} and total == pytest.approx(1.1)
+    vals, total = rs.score("#### 5", "4")
+    assert vals == {"gsm8k": 0.0, "format": 0.0} and total == 0.0
+    assert rs.needs_answer == ["gsm8k"]
+    # comma form is the same thing
+    assert [s.name for s in parse_reward_specs(["gsm8k,format=-0.5"])] == ["gsm8k", "format"]
+
+
+@pytest.mark.parametrize(
+    "specs, msg",
+    [
+        (["nope"], r"unknown reward 'nope' \(known: format, gsm8k, math"),
+        (["format=abc"], "weight 'abc' is not a number"),
+        (["format=inf"], "finite"),
+        (["gsm8k", "gsm8k=2"], "named twice"),
+        ([], "no reward named"),
+        (["no_such_module_xyz:fn"], "cannot import no_such_module_xyz"),
+        (["json:no_such_fn"], "json has no attribute 'no_such_fn'"),
+        (["json:__doc__"], "not callable"),
+        (["missing_file.py:f"], "does not exist"),
+    ],
+)
+def test_bad_specs(specs, msg):
+    with pytest.raises(BadInputError, match=msg):
+        parse_reward_specs(specs)
+
+
+def test_user_reward_module_function(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(
+        textwrap.dedent(
+            """
+            CALLS = []
+            def length_penalty(completion, answer, prompt=None):
+                CALLS.append(prompt)
+                return -len(completion) / 100
+            def two_args(completion, answer):
+                return 1 if answer in completion else 0
+            def bad(completion, answer):
+                return "lots"
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(__import__("sys").modules, "my_rewards_mod", raising=False)
+    assert "my_rewards_mod:length_penalty" not in REWARDS  # user functions are not registered globally
+    rs = RewardSet.from_specs(["my_rewards_mod:length_penalty=2", "my_rewards_mod:two_args"])
+    vals, total = rs.score("x" * 10, "x", prompt="P")
+    assert vals == {"my_rewards_mod:length_penalty": -0.1, "my_rewards_mod:two_args": 1.0}
+    assert total == pytest.approx(2 * -0.1 + 1.0)
+    import my_rewards_mod
+
+    assert my_rewards_mod.CALLS == ["P"]
+    bad = RewardSet.from_specs(["my_rewards_mod:bad"])
+    with pytest.raises(BadInputError, match="returned str 'lots' for prompt 7, not a number"):
+        bad.score("x", "y", where=" for prompt 7")
+    # a file path works too, without touching sys.path
+    fileset = RewardSet.from_specs([f"{tmp_path / 'my_rewards_mod.py'}:two_args"])
+    assert fileset.score("abc", "b")[1] == 1.0
+
+
+def test_get_reward_builtin():
+    assert get_reward("gsm8k")("#### 3", "3") == 1.0
+    assert get_reward("math").needs_answer and not get_reward("format").needs_answer
