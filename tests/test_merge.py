@@ -1,0 +1,190 @@
+"""`qerl merge`: merged logits equal base + adapter, lineage and shape checks, atomic reruns."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
+from qerl_cli.hashing import model_hash
+from qerl_cli.merge import MergeConfig, merge, read_adapter
+from tests.helpers import make_tiny_hf_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapter(base_dir: Path, out: Path, *, r=4, alpha=8, seed=1, scale=0.05,
+                      modules_to_save=None, trainer_state=True, targets=TARGETS, base_hash=None) -> Path:
+    """A PEFT adapter for ``base_dir`` with random (non-zero) A and B, as training would leave it."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), modules_to_save=modules_to_save)
+    pm = peft.get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.1)
+    pm.save_pretrained(out)
+    if trainer_state:
+        state = {"global_step": 3, "base_model_hash": base_hash or model_hash(base_dir)}
+        (out / "trainer_state.json").write_text(json.dumps(state))
+    return out
+
+
+def peft_logits(base_dir, adapter_dir, ids):
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def hf_logits(model_dir, ids):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("merge")
+    base = make_tiny_hf_model(tmp, arch="qwen2", hidden=64, layers=2)
+    adapter = make_peft_adapter(base, tmp / "adapter", modules_to_save=["input_layernorm", "norm"])
+    return base, adapter
+
+
+IDS = torch.tensor([[1, 5, 9, 200, 17, 33, 2, 101, 7, 64]])
+
+
+def test_bf16_merge_matches_base_plus_adapter(pair, tmp_path):
+    base, adapter = pair
+    m = merge(MergeConfig(base, adapter, tmp_path / "merged"), progress=False)
+    out = tmp_path / "merged"
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["torch_dtype"] == "bfloat16"
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / f).exists(), f
+    s = m["summary"]
+    assert s["merged_modules"] == 2 * len(TARGETS)
+    assert s["replaced_tensors"] == 2 * 2 + 1  # both layer norms of 2 layers + final norm
+    assert s["lineage"] == "verified" and s["delta_rel_norm_max"] > 0.01
+
+    merged = hf_logits(out, IDS)
+    ref = peft_logits(base, adapter, IDS)
+    plain = peft_logits(base, None, IDS)
+    err = (merged - ref).abs().max().item()
+    effect = (ref - plain).abs().max().item()
+    # the adapter moves the logits far more than the merged checkpoint's bf16 rounding does
+    assert effect > 20 * err, (effect, err)
+    assert err < 2e-2 * ref.abs().max().item()
+
+
+def test_merged_tensors_are_exact_fp32_sums_rounded_once(pair, tmp_path):
+    from safetensors.torch import load_file
+
+    base, adapter = pair
+    merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
+    got = load_file(tmp_path / "m" / "model.safetensors")
+    src = load_file(base / "model.safetensors")
+    a = load_file(adapter / "adapter_model.safetensors")
+    pre = "base_model.model.model.layers.1.mlp.down_proj"
+    want = src["model.layers.1.mlp.down_proj.weight"].float() + \
+        a[f"{pre}.lora_B.weight"] @ a[f"{pre}.lora_A.weight"] * (8 / 4)
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight"], want.to(torch.bfloat16))
+    assert torch.equal(got["model.norm.weight"], a["base_model.model.model.norm.weight"].to(torch.bfloat16))
+    assert torch.equal(got["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+    assert got.keys() == src.keys()
+
+
+def test_rerun_is_idempotent_and_force_redoes(pair, tmp_path):
+    base, adapter = pair
+    out = tmp_path / "m"
+    first = merge(MergeConfig(base, adapter, out), progress=False)
+    again = merge(MergeConfig(base, adapter, out), progress=False)
+    assert again.get("already_done") and again["fingerprint"] == first["fingerprint"]
+    with pytest.raises(OutputExistsError, match="--force"):
+        merge(MergeConfig(base, adapter, out, max_shard_size=1 << 20), progress=False)
+    redo = merge(MergeConfig(base, adapter, out, max_shard_size=40_000, force=True), progress=False)
+    assert not redo.get("already_done")
+    assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
+    torch.testing.assert_close(hf_logits(out, IDS), peft_logits(base, adapter, IDS), rtol=0, atol=0.05)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temp dirs left behind
+
+
+def test_sharded_fp32_base_and_plain_peft_adapter(tmp_path):
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32,
+                              max_shard_size="20KB")
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, trainer_state=False,
+                                targets=["q_proj", "v_proj"])
+    m = merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
+    assert m["summary"]["lineage"] == "unverified"
+    assert m["summary"]["merged_modules"] == 2
+    ref = peft_logits(base, adapter, IDS % 300)
+    torch.testing.assert_close(hf_logits(tmp_path / "out", IDS % 300), ref, rtol=0, atol=2e-2 * ref.abs().max())
+
+
+def test_refuses_adapter_for_another_base(pair, tmp_path):
+    base, adapter = pair
+    other = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=2, seed=7, name="other")
+    with pytest.raises(LineageError) as e:
+        merge(MergeConfig(other, adapter, tmp_path / "m"), progress=False)
+    msg = str(e.value)
+    assert model_hash(other)[:12] in msg and model_hash(base)[:12] in msg and "trainer_state.json" in msg
+    assert not (tmp_path / "m").exists()
+
+
+def test_refuses_shape_mismatch(tmp_path):
+    base = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=1)
+    wider = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=32, layers=1, name="wider", tokenizer=False)
+    adapter = make_peft_adapter(wider, tmp_path / "ad", trainer_state=False)
+    with pytest.raises(BadInputError, match=r"model.layers.0.mlp.down_proj LoRA maps 64 -> 32 features .* \[64, 128\]"):
+        merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
+    deeper = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=2, name="deeper", tokenizer=False)
+    adapter2 = make_peft_adapter(deeper, tmp_path / "ad2", trainer_state=False)
+    with pytest.raises(BadInputError, match=r"module model.layers.1.\S+ is not in --model"):
+        merge(MergeConfig(base, adapter2, tmp_path / "m"), progress=False)
+
+
+def test_refuses_missing_files(pair, tmp_path):
+    base, adapter = pair
+    with pytest.raises(BadInputError, match="not a directory"):
+        merge(MergeConfig(base, tmp_path / "nope", tmp_path / "m"), progress=False)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    with pytest.raises(BadInputError, match="adapter_model.safetensors not found"):
+        merge(MergeConfig(base, broken, tmp_path / "m"), progress=False)
+    empty_model = tmp_path / "empty_model"
+    empty_model.mkdir()
+    (empty_model / "config.json").write_text("{}")
+    with pytest.raises(BadInputError, match="no \\*.safetensors"):
+        merge(MergeConfig(empty_model, adapter, tmp_path / "m"), progress=False)
+    with pytest.raises(BadInputError, match="--dtype"):
+        MergeConfig(base, adapter, tmp_path / "m", dtype="fp8")
+
+
+def test_read_adapter_scaling_and_rslora(pair, tmp_path):
+    _, adapter = pair
+    a = read_adapter(adapter)
+    assert {d.scaling for d in a.deltas.values()} == {2.0}
+    import shutil
+
+    rs = tmp_path / "rs"
+    shutil.copytree(adapter, rs)
+    cfg = json.loads((rs / "adapter_config.json").read_text())
+    cfg.update(use_rslora=True, alpha_pattern={"down_proj": 2})
+    (rs / "adapter_config.json").write_text(json.dumps(cfg))
+    b = read_adapter(rs)
+    assert b.deltas["model.layers.0.mlp.down_proj"].scaling == pytest.approx(2 / 2)
+    assert b.deltas["model.layers.0.self_attn.q_proj"].scaling == pytest.approx(8 / 2)
