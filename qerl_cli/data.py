@@ -1,0 +1,262 @@
+"""Prompt datasets for rollout and eval: JSONL, JSON or Parquet rows -> token ids.
+
+Accepted row shapes (first match wins), each with an optional ``id`` (or ``unique_id`` /
+``prompt_id``; default: the row's index, which is stable as long as the file is):
+
+- ``{"prompt": "...", "answer": "..."}``: plain text prompt;
+- ``{"messages": [{"role": "user", "content": "..."}, ...], "answer": ...}``: a chat;
+- GSM8K rows ``{"question": ..., "answer": "...#### 72"}``: the reference becomes ``72``;
+- MATH / MATH-500 rows ``{"problem": ..., "answer": ...}`` (or only ``solution``: its last ``\\boxed{}``).
+
+An ``answer`` holding ``####`` anywhere is treated as a worked solution and reduced to the number
+after it, so a reward never compares against a whole paragraph.
+
+Rendering: an optional ``--prompt-template`` (must contain ``{prompt}``; substituted by plain
+replacement, so braces in LaTeX prompts are safe) wraps the prompt text; then, when the tokenizer
+has a chat template (and it is not turned off), the prompt becomes a user message (plus an optional
+system prompt) rendered with ``add_generation_prompt=True``. Without a chat template the text is
+tokenized as is; a ``messages`` row then is an error, since there is no faithful way to flatten a
+chat for a model that was never taught one.
+
+Every error names ``file:line`` (``file:row N`` for Parquet). Rows are loaded whole: prompt sets
+are MBs, and knowing the row count up front is what lets ``--prompts-per-step`` and
+``--shard-index`` slice deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.rewards import last_boxed, reference_answer
+
+ID_FIELDS = ("id", "prompt_id", "unique_id")
+LONG_PROMPT_POLICIES = ("skip", "error")
+
+
+@dataclass
+class PromptRow:
+    """One dataset row: ``prompt`` text or ``messages``, optional reference ``answer``."""
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    answer: str | None = None
+    where: str = ""  # "file:line", for error messages
+
+    @property
+    def prompt_field(self) -> str | list[dict]:
+        """What the shard record stores as ``prompt``: the text, or the chat messages."""
+        return self.messages if self.messages is not None else self.prompt
+
+
+@dataclass
+class EncodedPrompt:
+    row: PromptRow
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class EncodeReport:
+    skipped_long: list[str] = field(default_factory=list)  # "file:line (N tokens)"
+    max_prompt_tokens: int | None = None
+
+
+# ---- loading -------------------------------------------------------------------------------
+def _read_rows(path: Path) -> list[tuple[str, Any]]:
+    """(location, parsed row) pairs; JSON syntax errors name file:line."""
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise BadInputError(f"{path}: reading Parquet needs pyarrow", hint="pip install 'qerl[parquet]'") from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise BadInputError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        return [(f"{path}:row {i + 1}", r) for i, r in enumerate(rows)]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadInputError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        return [(f"{path}:item {i + 1}", r) for i, r in enumerate(rows)]
+    out = []
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{i}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise BadInputError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+    return out
+
+
+def _check_messages(msgs: Any, where: str) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadInputError(f"{where}: messages[{j}] needs string `role` and `content`")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def _answer(raw: Any, where: str) -> str | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
+        raise BadInputError(f"{where}: `answer` must be a string or number, got {type(raw).__name__}")
+    s = str(raw).strip()
+    if "####" in s:  # a GSM8K worked solution: the reference is the number after ####
+        num = reference_answer(s, "gsm8k")
+        if num is None:
+            raise BadInputError(f"{where}: `answer` has #### but no number after it")
+        return num
+    return s
+
+
+def parse_row(raw: Any, where: str, index: int) -> PromptRow:
+    """One dataset row -> PromptRow (see the module docstring for the accepted shapes)."""
+    if not isinstance(raw, dict):
+        raise BadInputError(f"{where}: expected a JSON object per row, got {type(raw).__name__}")
+    rid = next((raw[k] for k in ID_FIELDS if raw.get(k) is not None), index)
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise BadInputError(f"{where}: `id` must be a string or integer")
+    answer = _answer(raw.get("answer"), where)
+    if raw.get("prompt") is not None:
+        if not isinstance(raw["prompt"], str) or not raw["prompt"].strip():
+            raise BadInputError(f"{where}: `prompt` must be a non-empty string")
+        return PromptRow(str(rid), prompt=raw["prompt"], answer=answer, where=where)
+    if raw.get("messages") is not None:
+        return PromptRow(str(rid), messages=_check_messages(raw["messages"], where), answer=answer, where=where)
+    for key in ("question", "problem"):  # GSM8K, MATH / MATH-500
+        if isinstance(raw.get(key), str) and raw[key].strip():
+            if answer is None and isinstance(raw.get("solution"), str):
+                answer = last_boxed(raw["solution"])
+            return PromptRow(str(rid), prompt=raw[key], answer=answer, where=where)
+    keys = ", ".join(sorted(map(str, raw))) or "none"
+    raise BadInputError(
+        f"{where}: row has neither `prompt` nor `messages` (keys: {keys})",
+        hint="each row needs `prompt` (text) or `messages` (chat list); GSM8K `question` and MATH `problem` also work",
+    )
+
+
+def load_prompts(path: str | Path) -> list[PromptRow]:
+    """All rows of a JSONL / JSON / Parquet prompt file, validated; ids unique."""
+    path = Path(path)
+    if not path.exists():
+        raise BadInputError(f"prompt file {path} does not exist", hint="check --prompts")
+    if path.is_dir():
+        raise BadInputError(f"--prompts {path} is a directory; name a .jsonl, .json or .parquet file")
+    raw_rows = _read_rows(path)
+    if not raw_rows:
+        raise BadInputError(f"prompt file {path} holds no rows")
+    rows: list[PromptRow] = []
+    seen: dict[str, str] = {}
+    for i, (where, raw) in enumerate(raw_rows):
+        row = parse_row(raw, where, i)
+        if row.id in seen:
+            raise BadInputError(f"{where}: id {row.id!r} already used at {seen[row.id]}", hint="ids must be unique")
+        seen[row.id] = where
+        rows.append(row)
+    return rows
+
+
+# ---- rendering -----------------------------------------------------------------------------
+def load_template(template: str | None) -> str | None:
+    """A template string, or the text of a file of that name; must contain ``{prompt}``."""
+    if template is None:
+        return None
+    p = Path(template)
+    if "{prompt}" not in template and len(template) < 4096 and p.is_file():
+        template = p.read_text(encoding="utf-8")
+    if "{prompt}" not in template:
+        raise BadInputError("--prompt-template must contain {prompt} (or name a file that does)")
+    return template
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(
+    row: PromptRow,
+    tokenizer,
+    *,
+    template: str | None = None,
+    system_prompt: str | None = None,
+    chat_template: bool | None = None,
+) -> str:
+    """The exact text the model is prompted with (see the module docstring)."""
+    use_chat = has_chat_template(tokenizer) if chat_template is None else chat_template
+    if use_chat and not has_chat_template(tokenizer):
+        raise BadInputError("--chat-template was requested but the tokenizer has no chat template")
+    if row.messages is not None:
+        if not use_chat:
+            raise BadInputError(
+                f"{row.where}: row has `messages` but the tokenizer has no chat template (or it is turned off)",
+                hint="give such rows a `prompt` string instead",
+            )
+        msgs = [dict(m) for m in row.messages]
+        if template is not None:  # wrap the last user turn
+            for m in reversed(msgs):
+                if m["role"] == "user":
+                    m["content"] = template.replace("{prompt}", m["content"])
+                    break
+    else:
+        text = row.prompt if template is None else template.replace("{prompt}", row.prompt)
+        if not use_chat:
+            return text
+        msgs = [{"role": "user", "content": text}]
+    if system_prompt and not any(m["role"] == "system" for m in msgs):
+        msgs = [{"role": "system", "content": system_prompt}, *msgs]
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja errors from a model's own template
+        raise BadInputError(f"{row.where}: the tokenizer's chat template failed ({type(e).__name__}: {e})") from None
+
+
+def encode_prompts(
+    rows: Sequence[PromptRow],
+    tokenizer,
+    *,
+    template: str | None = None,
+    system_prompt: str | None = None,
+    chat_template: bool | None = None,
+    max_prompt_tokens: int | None = None,
+    on_long: str = "skip",
+    report: EncodeReport | None = None,
+) -> list[EncodedPrompt]:
+    """Render and tokenize rows; prompts over ``max_prompt_tokens`` are skipped (counted) or an error."""
+    if on_long not in LONG_PROMPT_POLICIES:
+        raise BadInputError(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {on_long!r}")
+    report = report if report is not None else EncodeReport()
+    report.max_prompt_tokens = max_prompt_tokens
+    use_chat = has_chat_template(tokenizer) if chat_template is None else chat_template
+    out = []
+    for row in rows:
+        text = render_prompt(row, tokenizer, template=template, system_prompt=system_prompt, chat_template=chat_template)
+        # A chat template writes its own BOS/special tokens; raw text gets the tokenizer's usual ones.
+        ids = tokenizer(text, add_special_tokens=not use_chat)["input_ids"]
+        if not ids:
+            raise BadInputError(f"{row.where}: prompt encodes to zero tokens")
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if on_long == "error":
+                raise BadInputError(
+                    f"{row.where}: prompt has {len(ids)} tokens, more than the {max_prompt_tokens} that fit the context",
+                    hint="pass --long-prompts skip to skip such prompts, or raise --max-model-len",
+                )
+            report.skipped_long.append(f"{row.where} ({len(ids)} tokens)")
+            continue
+        out.append(EncodedPrompt(row, text, list(ids)))
+    return out

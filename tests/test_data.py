@@ -1,0 +1,144 @@
+"""Prompt datasets: row shapes, file:line errors, templates, chat template, long prompts."""
+
+import json
+
+import pytest
+
+from qerl_cli.data import EncodeReport, encode_prompts, load_prompts, load_template, render_prompt
+from qerl_cli.errors import BadInputError
+from tests.helpers import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def plain_tok():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = None
+    return tok
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_row_shapes(tmp_path):
+    p = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "What is 2+2?", "answer": 4, "id": "a"},
+            {"messages": [{"role": "user", "content": "hi"}]},
+            {"question": "Natalia sold 48 clips...", "answer": "48/2 = 24\n#### 1,072"},  # GSM8K
+            {"problem": "Find x.", "answer": "\\frac{1}{2}", "unique_id": "test/algebra/1.json"},  # MATH-500
+            {"problem": "Find y.", "solution": "So $y = \\boxed{7}$."},
+            "",
+            {"prompt": "no answer"},
+        ],
+    )
+    rows = load_prompts(p)
+    assert [r.id for r in rows] == ["a", "1", "2", "test/algebra/1.json", "4", "5"]
+    assert [r.answer for r in rows] == ["4", None, "1072", "\\frac{1}{2}", "7", None]
+    assert rows[1].messages == [{"role": "user", "content": "hi"}] and rows[1].prompt is None
+    assert rows[1].prompt_field == rows[1].messages and rows[0].prompt_field == "What is 2+2?"
+    assert rows[2].prompt.startswith("Natalia")
+    assert rows[6 - 1].where == f"{p}:7"
+
+
+def test_parquet_and_json_list(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), tmp_path / "d.parquet")
+    rows = load_prompts(tmp_path / "d.parquet")
+    assert [(r.prompt, r.answer, r.id) for r in rows] == [("a", "1", "0"), ("b", "2", "1")]
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "bad.parquet")
+    with pytest.raises(BadInputError, match=r"bad.parquet:row 1: row has neither `prompt` nor `messages` \(keys: text\)"):
+        load_prompts(tmp_path / "bad.parquet")
+    (tmp_path / "d.json").write_text(json.dumps([{"prompt": "x"}]))
+    assert load_prompts(tmp_path / "d.json")[0].prompt == "x"
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(BadInputError, match="not a readable Parquet file"):
+        load_prompts(tmp_path / "junk.parquet")
+
+
+@pytest.mark.parametrize(
+    "lines, msg",
+    [
+        ([{"prompt": "ok"}, "{not json"], r"d.jsonl:2: not valid JSON"),
+        ([{"prompt": "ok"}, {"text": "x"}], r"d.jsonl:2: row has neither `prompt` nor `messages` \(keys: text\)"),
+        (["[1, 2]"], r"d.jsonl:1: expected a JSON object"),
+        ([{"prompt": ""}], r"d.jsonl:1: `prompt` must be a non-empty string"),
+        ([{"prompt": 5}], r"d.jsonl:1: `prompt` must be a non-empty string"),
+        ([{"messages": []}], r"d.jsonl:1: `messages` must be a non-empty list"),
+        ([{"messages": [{"role": "user"}]}], r"d.jsonl:1: messages\[0\] needs string `role` and `content`"),
+        ([{"prompt": "a", "answer": {"x": 1}}], r"d.jsonl:1: `answer` must be a string or number"),
+        ([{"prompt": "a", "answer": "#### none"}], r"d.jsonl:1: `answer` has #### but no number"),
+        ([{"prompt": "a", "id": 1}, {"prompt": "b", "id": "1"}], r"d.jsonl:2: id '1' already used at .*d.jsonl:1"),
+        ([{"prompt": "a", "id": [1]}], r"d.jsonl:1: `id` must be"),
+    ],
+)
+def test_bad_rows_name_file_and_line(tmp_path, lines, msg):
+    p = write_jsonl(tmp_path / "d.jsonl", lines)
+    with pytest.raises(BadInputError, match=msg):
+        load_prompts(p)
+
+
+def test_missing_empty_and_dir(tmp_path):
+    with pytest.raises(BadInputError, match="does not exist"):
+        load_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "e.jsonl").write_text("\n\n")
+    with pytest.raises(BadInputError, match="holds no rows"):
+        load_prompts(tmp_path / "e.jsonl")
+    with pytest.raises(BadInputError, match="is a directory"):
+        load_prompts(tmp_path)
+    (tmp_path / "b.jsonl").write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(BadInputError, match="not UTF-8"):
+        load_prompts(tmp_path / "b.jsonl")
+
+
+def test_render_chat_and_plain(tmp_path, chat_tok, plain_tok):
+    rows = load_prompts(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+2?"}, {"messages": [{"role": "user", "content": "hi"}]}]))
+    assert render_prompt(rows[0], chat_tok) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(rows[0], chat_tok, chat_template=False) == "2+2?"
+    assert render_prompt(rows[0], plain_tok) == "2+2?"
+    with_sys = render_prompt(rows[0], chat_tok, system_prompt="Be brief.")
+    assert with_sys.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?")
+    assert render_prompt(rows[1], chat_tok, template="Q: {prompt}") == "<|im_start|>user\nQ: hi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(BadInputError, match=r"d.jsonl:2: row has `messages` but the tokenizer has no chat template"):
+        render_prompt(rows[1], plain_tok)
+    with pytest.raises(BadInputError, match="tokenizer has no chat template"):
+        render_prompt(rows[0], plain_tok, chat_template=True)
+
+
+def test_template_string_and_file(tmp_path, plain_tok):
+    assert load_template(None) is None
+    t = load_template("Solve: {prompt}\nPut the answer after ####.")
+    rows = load_prompts(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "\\frac{1}{2} + {x}"}]))
+    # braces in the prompt must survive (plain replacement, not str.format)
+    assert render_prompt(rows[0], plain_tok, template=t) == "Solve: \\frac{1}{2} + {x}\nPut the answer after ####."
+    (tmp_path / "t.txt").write_text("Q: {prompt}\nA:")
+    assert load_template(str(tmp_path / "t.txt")) == "Q: {prompt}\nA:"
+    with pytest.raises(BadInputError, match=r"must contain \{prompt\}"):
+        load_template("no placeholder")
+
+
+def test_encode_and_long_prompts(tmp_path, plain_tok, chat_tok):
+    rows = load_prompts(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}, {"prompt": "Natalia sold clips " * 20}, {"prompt": "ok"}]))
+    enc = encode_prompts(rows, plain_tok)
+    assert [e.token_ids for e in enc][0] == plain_tok("hi")["input_ids"]
+    n_long = len(enc[1].token_ids)
+    report = EncodeReport()
+    kept = encode_prompts(rows, plain_tok, max_prompt_tokens=n_long - 1, report=report)
+    assert [e.row.id for e in kept] == ["0", "2"]
+    assert report.skipped_long == [f"{tmp_path / 'd.jsonl'}:2 ({n_long} tokens)"]
+    with pytest.raises(BadInputError, match=rf"d.jsonl:2: prompt has {n_long} tokens, more than the {n_long - 1}"):
+        encode_prompts(rows, plain_tok, max_prompt_tokens=n_long - 1, on_long="error")
+    with pytest.raises(BadInputError, match="--long-prompts must be one of"):
+        encode_prompts(rows, plain_tok, on_long="truncate")
+    # chat-rendered ids are the template text's ids, with no extra special tokens in front
+    chat = encode_prompts(rows[:1], chat_tok)[0]
+    assert chat_tok.decode(chat.token_ids) == chat.text
