@@ -1,0 +1,83 @@
+"""torchrun support: process group setup, micro-batch ownership, gradient and stats all-reduce.
+
+``torchrun --nproc-per-node N -m qerl_cli train-step ...`` starts N copies of the same step.
+Every rank reads the same shards, builds the same micro-batch list (packing is deterministic),
+and takes micro-batches ``rank, rank + N, ...`` (longest-first order, so the load is roughly
+even). Losses are pre-normalized for the whole step (see ``qerl_cli.train.losses``), so the
+gradients of all ranks are *summed*, not averaged, and each rank then takes the same optimizer
+step on identical gradients: the result equals a single-process run up to float summation order.
+
+This is hand-rolled rather than DDP because only a few MB of LoRA gradients move, once per
+optimizer step (one flat bucket), and ranks may own different numbers of micro-batches, which
+DDP's per-backward hooks do not allow. Backend: NCCL on CUDA, gloo on CPU. Rank 0 alone writes
+the output; the others wait at a barrier, so nobody exits before the directory is in place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, microbatch_index: int) -> bool:
+        return microbatch_index % self.world_size == self.rank
+
+    def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return t
+
+    def all_reduce_grads_(self, params: list[torch.Tensor]) -> None:
+        """Sum the gradients of ``params`` over ranks in one flat fp32 bucket."""
+        if not self.enabled:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        off = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.dtype)
+            off += n
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def setup(device: str) -> Dist:
+    """Join the torchrun process group if the environment asks for one (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if dist.is_initialized():
+        return Dist(dist.get_rank(), dist.get_world_size(), local, False)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return Dist(rank, world, local, True)

@@ -1,0 +1,134 @@
+"""AdamW on the trainable (fp32) parameters, the LR schedule, and ``optimizer.safetensors``.
+
+Each ``qerl train-step`` is a fresh process, so the optimizer must survive a round trip through
+files bit-exactly: the moments are saved as fp32 tensors keyed by parameter name
+(``<name>.exp_avg``, ``<name>.exp_avg_sq``, ``<name>.step``) in safetensors (no pickle, loadable
+without qerl) and restored into ``torch.optim.AdamW``. Names make the file robust to parameter
+order and let a mismatch name the offending tensor.
+
+The learning rate is a pure function of the *schedule position* (``lr_at``), counted in RL steps
+(a train-step with ``--epochs E`` advances it by 1 in E increments of 1/E), so a resumed or
+restarted run never depends on a stateful scheduler object: linear warmup to ``lr`` over
+``warmup_steps`` (the first step already gets ``lr / warmup_steps``, not 0), then cosine decay
+to ``min_lr_ratio * lr`` at ``total_steps`` (constant when ``total_steps`` is not given).
+Weight decay applies to LoRA matrices only: decaying a trained norm weight would pull it
+toward 0, not toward its pretrained value.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qerl_cli.errors import BadInputError
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def lr_at(position: float, lr: float, warmup_steps: int = 0, total_steps: int | None = None,
+          min_lr_ratio: float = 0.0) -> float:
+    """Learning rate at schedule ``position`` (RL steps already taken, fractional with epochs)."""
+    if warmup_steps > 0 and position < warmup_steps:
+        return lr * min(1.0, (position + 1.0) / warmup_steps)
+    if not total_steps or total_steps <= warmup_steps:
+        return lr
+    progress = min(1.0, max(0.0, (position - warmup_steps) / (total_steps - warmup_steps)))
+    floor = lr * min_lr_ratio
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float,
+                   betas=(0.9, 0.99), eps: float = 1e-8, weight_decay: float = 0.1) -> torch.optim.AdamW:
+    """AdamW with decay on LoRA matrices and none on norm weights; groups remember names."""
+    decay = [(n, p) for n, p in named_params if "lora_" in n]
+    no_decay = [(n, p) for n, p in named_params if "lora_" not in n]
+    groups = []
+    for items, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        if items:
+            groups.append({"params": [p for _, p in items], "names": [n for n, _ in items], "weight_decay": wd})
+    # foreach=False: one code path on CPU and GPU, so a gloo run and an NCCL run update alike.
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=False)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+def _named(opt: torch.optim.Optimizer):
+    for g in opt.param_groups:
+        yield from zip(g["names"], g["params"])
+
+
+def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    tensors = {}
+    for name, p in _named(opt):
+        st = opt.state.get(p)
+        if not st:
+            continue
+        tensors[f"{name}.exp_avg"] = st["exp_avg"].detach().float().cpu().contiguous()
+        tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().cpu().contiguous()
+        tensors[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+    g0 = opt.param_groups[0]
+    meta = {"format": "pt", "optimizer": "adamw", "betas": f"{g0['betas'][0]},{g0['betas'][1]}", "eps": str(g0["eps"])}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> int:
+    """Restore moments saved by ``save_optimizer``; returns how many parameters had state.
+
+    Every saved tensor must belong to a trainable parameter of the same shape, and a parameter
+    with saved state must have all three entries; anything else is a BadInputError naming it.
+    """
+    path = Path(path)
+    try:
+        f = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types
+        raise BadInputError(f"{path}: not a readable safetensors optimizer state ({e})") from None
+    with f:
+        keys = set(f.keys())
+        params = dict(_named(opt))
+        known = {f"{n}.{s}" for n in params for s in ("exp_avg", "exp_avg_sq", "step")}
+        stray = sorted(keys - known)
+        if stray:
+            raise BadInputError(
+                f"{path}: optimizer state for {stray[0]!r} matches no trainable parameter",
+                hint="the adapter was trained with other --lora-targets/--train-norms",
+            )
+        restored = 0
+        for name, p in params.items():
+            have = [k in keys for k in (f"{name}.exp_avg", f"{name}.exp_avg_sq", f"{name}.step")]
+            if not any(have):
+                continue
+            if not all(have):
+                raise BadInputError(f"{path}: incomplete optimizer state for {name!r}")
+            avg, sq = f.get_tensor(f"{name}.exp_avg"), f.get_tensor(f"{name}.exp_avg_sq")
+            if avg.shape != p.shape or sq.shape != p.shape:
+                raise BadInputError(
+                    f"{path}: optimizer state {name}.exp_avg has shape {tuple(avg.shape)}, parameter has {tuple(p.shape)}"
+                )
+            step = f.get_tensor(f"{name}.step").reshape(())
+            opt.state[p] = {
+                "step": step.to(torch.float32),
+                "exp_avg": avg.to(device=p.device, dtype=p.dtype),
+                "exp_avg_sq": sq.to(device=p.device, dtype=p.dtype),
+            }
+            restored += 1
+    return restored
+
+
+def grad_norm_and_clip(params: list[torch.Tensor], max_norm: float | None) -> float:
+    """Global L2 norm of the grads (before clipping); clips in place when ``max_norm`` > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if max_norm and max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return float(norm)

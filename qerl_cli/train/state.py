@@ -1,0 +1,81 @@
+"""``trainer_state.json``: what a train-step needs from the previous one besides weights.
+
+Plain JSON (readable with ``jq``), written next to the adapter. It records
+
+- ``global_step``: RL steps taken so far (the adapter in this directory is the policy of
+  rollout step ``global_step``); ``optimizer_steps`` counts updates (``--epochs`` per step).
+- ``schedule``: the LR schedule's position and parameters, so the next step continues it.
+- ``rng``: the seed and the torch CPU/CUDA generator states after the step, restored by the next
+  step (dropout masks themselves are drawn from generators seeded per (seed, step, epoch,
+  micro-batch) so they do not depend on how micro-batches are spread over GPUs).
+- ``base_model_hash`` and ``lineage`` (hashes of every adapter this one descends from, oldest
+  first): a later step refuses a base model or shards that do not belong to this chain.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from qerl_cli.errors import BadInputError
+
+STATE_FILE = "trainer_state.json"
+STATE_SCHEMA = 1
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0
+    optimizer_steps: int = 0
+    base_model_hash: str | None = None
+    lineage: list[str] = field(default_factory=list)
+    schedule: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+    lora: dict = field(default_factory=dict)
+    last_shards: list[str] = field(default_factory=list)
+    schema: int = STATE_SCHEMA
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> TrainerState:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise BadInputError(f"{path}: unreadable trainer state ({e})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
+            raise BadInputError(f"{path}: not a qerl trainer state (no integer global_step)")
+        if data.get("schema", STATE_SCHEMA) > STATE_SCHEMA:
+            raise BadInputError(f"{path}: trainer state schema {data['schema']} is newer than this qerl ({STATE_SCHEMA})")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def capture_rng(seed: int) -> dict:
+    out = {"seed": seed, "torch_cpu": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng(rng: dict) -> None:
+    if "torch_cpu" in rng:
+        torch.set_rng_state(_unb64(rng["torch_cpu"]))
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        states = [_unb64(s) for s in rng["torch_cuda"]]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)

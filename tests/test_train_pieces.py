@@ -1,0 +1,148 @@
+"""Micro-batching, LR schedule, optimizer state round trip, trainer state, metrics files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.train.batching import collate, pack_microbatches
+from qerl_cli.train.metrics import Accumulator, append_jsonl, clean
+from qerl_cli.train.optim import grad_norm_and_clip, load_optimizer, lr_at, make_optimizer, save_optimizer
+from qerl_cli.train.state import TrainerState, capture_rng, restore_rng
+
+
+def test_pack_respects_budget_longest_first_and_covers_everything():
+    lengths = [5, 30, 12, 12, 7, 40, 3, 29]
+    mbs = pack_microbatches(lengths, budget=64)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
+    assert mbs[0] == [5]  # the longest sequence comes first
+    for mb in mbs:
+        assert len(mb) * max(lengths[i] for i in mb) <= 64
+    # longest first across micro-batches: each batch's longest is <= the previous batch's
+    heads = [max(lengths[i] for i in mb) for mb in mbs]
+    assert heads == sorted(heads, reverse=True)
+    assert mbs == pack_microbatches(lengths, budget=64)
+
+
+def test_oversized_sequence_gets_its_own_microbatch_and_bad_budget_errors():
+    assert pack_microbatches([100, 3, 3], budget=10) == [[0], [1, 2]]
+    with pytest.raises(BadInputError, match="--micro-batch-tokens"):
+        pack_microbatches([1], 0)
+
+
+def test_collate_positions_predict_completion_tokens():
+    prompts = [[1, 2, 3], [4, 5]]
+    comps = [[6, 7], [8, 9, 10]]
+    mb = collate(0, [1, 0], prompts, comps, pad_id=0)
+    assert mb.input_ids.tolist() == [[4, 5, 8, 9, 10], [1, 2, 3, 6, 7]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    # hidden state at column c predicts the token at column c + 1
+    for r, c, t in zip(mb.rows, mb.cols, mb.targets):
+        assert mb.input_ids[r, c + 1] == t
+    assert mb.seq_of_token.tolist() == [1, 1, 1, 0, 0]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_at(0, 1e-5, warmup_steps=4) == pytest.approx(2.5e-6)
+    assert lr_at(3, 1e-5, warmup_steps=4) == pytest.approx(1e-5)
+    assert lr_at(4, 1e-5, warmup_steps=4, total_steps=14) == pytest.approx(1e-5)
+    assert lr_at(9, 1e-5, warmup_steps=4, total_steps=14) == pytest.approx(5e-6)
+    assert lr_at(14, 1e-5, warmup_steps=4, total_steps=14) == pytest.approx(0.0, abs=1e-15)
+    assert lr_at(99, 1e-5, warmup_steps=4, total_steps=14, min_lr_ratio=0.1) == pytest.approx(1e-6)
+    assert lr_at(50, 1e-5) == 1e-5
+    mid = lr_at(6.5, 1.0, warmup_steps=4, total_steps=14)
+    assert mid == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.25)))
+
+
+def _params():
+    torch.manual_seed(0)
+    return [("a.lora_A", torch.nn.Parameter(torch.randn(2, 3))), ("a.lora_B", torch.nn.Parameter(torch.randn(3, 2))),
+            ("n.weight", torch.nn.Parameter(torch.ones(3)))]
+
+
+def _steps(opt, params, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(k):
+        for _, p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def test_optimizer_round_trip_is_bit_exact(tmp_path):
+    # uninterrupted: 4 steps; resumed: 2 steps, save, fresh params+optimizer, load, 2 steps
+    ref = _params()
+    opt = make_optimizer(ref, lr=1e-2)
+    _steps(opt, ref, 2, 1)
+    _steps(opt, ref, 2, 2)
+
+    a = _params()
+    opt_a = make_optimizer(a, lr=1e-2)
+    _steps(opt_a, a, 2, 1)
+    save_optimizer(opt_a, tmp_path / "optimizer.safetensors")
+    b = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in a]
+    opt_b = make_optimizer(b, lr=1e-2)
+    assert load_optimizer(opt_b, tmp_path / "optimizer.safetensors") == 3
+    _steps(opt_b, b, 2, 2)
+    for (_, p), (_, q) in zip(ref, b):
+        assert torch.equal(p, q)
+    # weight decay only on LoRA tensors
+    assert [g["weight_decay"] for g in opt_b.param_groups] == [0.1, 0.0]
+
+
+def test_optimizer_load_names_mismatches(tmp_path):
+    a = _params()
+    opt = make_optimizer(a, lr=1e-2)
+    _steps(opt, a, 1, 0)
+    save_optimizer(opt, tmp_path / "o.safetensors")
+    other = [("a.lora_A", torch.nn.Parameter(torch.zeros(4, 3))), ("a.lora_B", torch.nn.Parameter(torch.zeros(3, 4))),
+             ("n.weight", torch.nn.Parameter(torch.ones(3)))]
+    with pytest.raises(BadInputError, match=r"a\.lora_A\.exp_avg has shape \(2, 3\)"):
+        load_optimizer(make_optimizer(other, lr=1e-2), tmp_path / "o.safetensors")
+    with pytest.raises(BadInputError, match="n.weight"):
+        load_optimizer(make_optimizer(_params()[:2], lr=1e-2), tmp_path / "o.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"nope")
+    with pytest.raises(BadInputError, match="junk.safetensors"):
+        load_optimizer(make_optimizer(_params(), lr=1e-2), tmp_path / "junk.safetensors")
+
+
+def test_grad_clip_reports_pre_clip_norm():
+    p = torch.nn.Parameter(torch.zeros(2))
+    q = torch.nn.Parameter(torch.zeros(1))
+    p.grad, q.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert grad_norm_and_clip([p, q], 0.5) == pytest.approx(5.0)
+    assert torch.linalg.vector_norm(torch.cat([p.grad, q.grad])).item() == pytest.approx(0.5, rel=1e-5)
+
+
+def test_trainer_state_and_rng_round_trip(tmp_path):
+    torch.manual_seed(7)
+    rng = capture_rng(7)
+    first = torch.rand(3)
+    st = TrainerState(global_step=3, optimizer_steps=6, base_model_hash="abc", lineage=["h1", "h2"], rng=rng)
+    st.save(tmp_path / "trainer_state.json")
+    back = TrainerState.load(tmp_path / "trainer_state.json")
+    assert back == st
+    torch.manual_seed(123)
+    restore_rng(back.rng)
+    assert torch.equal(torch.rand(3), first)
+    (tmp_path / "bad.json").write_text(json.dumps({"step": 1}))
+    with pytest.raises(BadInputError, match="no integer global_step"):
+        TrainerState.load(tmp_path / "bad.json")
+
+
+def test_accumulator_and_jsonl(tmp_path):
+    acc = Accumulator()
+    acc.add(tokens=3, ent=1.5)
+    acc.add(tokens=1, ent=0.5)
+    acc.min(x=2)
+    acc.min(x=-1)
+    acc.max(x=2)
+    assert acc.mean("ent", "tokens") == pytest.approx(0.5)
+    assert (acc.mins["x"], acc.maxs["x"]) == (-1, 2)
+    rec = clean({"a": 1.23456789, "b": float("nan"), "c": "s"})
+    assert rec == {"a": 1.23457, "b": None, "c": "s"}
+    append_jsonl(tmp_path / "m" / "metrics.jsonl", rec)
+    append_jsonl(tmp_path / "m" / "metrics.jsonl", {"a": 2})
+    lines = (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["a"] for x in lines] == [1.23457, 2]
