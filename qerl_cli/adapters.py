@@ -1,0 +1,170 @@
+"""PEFT-format LoRA adapters: save from / load into a qerl model.
+
+Keys and config are PEFT's own (``base_model.model.<module>.lora_A.weight`` [r, in],
+``lora_B.weight`` [out, r], ``adapter_config.json`` written by ``peft.LoraConfig``), so an adapter
+saved here loads with ``peft.PeftModel.from_pretrained`` on the dequantized base and in vLLM, and
+an adapter trained with PEFT loads here. Loading is strict: every tensor must land on a wrapped
+Linear with the right shape, and an adapter with nonzero B that nevertheless leaves the logits
+unchanged on a probe input is an error (the failure mode of silently applying nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.hashing import dir_hash
+from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_modules
+
+PREFIX = "base_model.model."
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+    hash: str
+
+
+def _read_config(adapter_dir: Path) -> dict:
+    path = Path(adapter_dir) / CONFIG
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInputError(f"{path}: not found (is {adapter_dir} a PEFT adapter directory?)") from None
+    except ValueError as e:
+        raise BadInputError(f"{path}: not valid JSON ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise BadInputError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    for key, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+        if cfg.get(key, ok) not in (ok, None):
+            raise BadInputError(f"{path}: {key}={cfg.get(key)!r} is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise BadInputError(f"{path}: per-module {key} is not supported")
+    for key in ("modules_to_save", "layers_to_transform"):
+        if cfg.get(key):
+            raise BadInputError(f"{path}: {key} is not supported")
+    if not isinstance(cfg.get("r"), int) or cfg["r"] <= 0:
+        raise BadInputError(f"{path}: missing or invalid 'r'")
+    return cfg
+
+
+def read_adapter_spec(adapter_dir) -> LoraSpec:
+    """The LoraSpec an adapter directory was trained with (targets as module-name suffixes)."""
+    cfg = _read_config(adapter_dir)
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):  # PEFT allows a regex; resolve it from the saved keys instead
+        targets = _targets_from_weights(Path(adapter_dir))
+    return LoraSpec(r=cfg["r"], alpha=float(cfg.get("lora_alpha", cfg["r"])), dropout=float(cfg.get("lora_dropout") or 0.0),
+                    targets=tuple(sorted(targets)), use_rslora=bool(cfg.get("use_rslora", False)))
+
+
+def _targets_from_weights(adapter_dir: Path) -> set[str]:
+    with safe_open(str(adapter_dir / WEIGHTS), framework="pt") as fh:
+        return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in fh.keys() if ".lora_" in k}
+
+
+def save_adapter(model, out_dir, *, base_model_path, extra_config: dict | None = None) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (fp32) for every LoRALinear."""
+    from peft import LoraConfig
+
+    mods = list(lora_modules(model))
+    if not mods:
+        raise ValueError("model has no LoRA modules to save")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    first = mods[0][1]
+    targets = sorted({n.rsplit(".", 1)[-1] for n, _ in mods})
+    rslora = abs(first.scaling - first.alpha / first.r) > 1e-12
+    cfg = LoraConfig(r=first.r, lora_alpha=first.alpha, lora_dropout=float(getattr(first.dropout, "p", 0.0)),
+                     target_modules=targets, bias="none", task_type="CAUSAL_LM", use_rslora=rslora,
+                     base_model_name_or_path=str(base_model_path))
+    cfg.save_pretrained(str(out))
+    if extra_config:
+        path = out / CONFIG
+        data = json.loads(path.read_text())
+        data.update(extra_config)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    tensors = {}
+    for name, m in mods:
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    return out
+
+
+_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
+    """Copy a PEFT adapter into the model's LoRALinears (they must exist: ``load_model(lora=...)``)."""
+    adapter_dir = Path(adapter_dir)
+    cfg = _read_config(adapter_dir)
+    wpath = adapter_dir / WEIGHTS
+    if not wpath.exists():
+        raise BadInputError(f"{wpath}: not found")
+    mods = dict(lora_modules(model))
+    if not mods:
+        raise BadInputError(f"{adapter_dir}: the model has no LoRA modules to load the adapter into")
+    seen: dict[str, set] = {n: set() for n in mods}
+    values = {}
+    with safe_open(str(wpath), framework="pt") as fh:
+        for key in fh.keys():
+            m = _KEY.match(key[len(PREFIX):] if key.startswith(PREFIX) else key)
+            if m is None:
+                raise BadInputError(f"{wpath}: tensor {key!r} is not a LoRA A/B weight")
+            name, ab = m["mod"], m["ab"]
+            if name not in mods:
+                raise BadInputError(f"{wpath}: tensor {key!r} targets {name!r}, which is not a LoRA module of this model "
+                                    f"(targets here: {sorted({n.rsplit('.', 1)[-1] for n in mods})})")
+            lin = mods[name]
+            want = lin.lora_A if ab == "A" else lin.lora_B
+            t = fh.get_tensor(key)
+            if tuple(t.shape) != tuple(want.shape):
+                raise BadInputError(f"{wpath}: tensor {key!r} has shape {tuple(t.shape)}, the model expects "
+                                    f"{tuple(want.shape)} (rank r={lin.r})")
+            if not torch.isfinite(t).all():
+                raise BadInputError(f"{wpath}: tensor {key!r} contains NaN or Inf")
+            values[(name, ab)] = t
+            seen[name].add(ab)
+    incomplete = [n for n, s in seen.items() if s != {"A", "B"}]
+    if incomplete:
+        raise BadInputError(f"{wpath}: no lora_A/lora_B for {incomplete[0]!r}" + (f" (and {len(incomplete) - 1} more)" if len(incomplete) > 1 else ""))
+    alpha = float(cfg.get("lora_alpha", cfg["r"]))
+    scaling = alpha / (cfg["r"] ** 0.5) if cfg.get("use_rslora") else alpha / cfg["r"]
+    with torch.no_grad():
+        for (name, ab), t in values.items():
+            lin = mods[name]
+            (lin.lora_A if ab == "A" else lin.lora_B).copy_(t)
+            lin.alpha, lin.scaling = alpha, scaling
+    if probe and any(bool(mods[n].lora_B.abs().sum() > 0) for n in mods):
+        _probe_changes_output(model, adapter_dir)
+    targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in mods}))
+    return AdapterInfo(r=cfg["r"], alpha=alpha, targets=targets, hash=adapter_hash(adapter_dir))
+
+
+def adapter_hash(adapter_dir) -> str:
+    return dir_hash(Path(adapter_dir), names=[CONFIG, WEIGHTS])
+
+
+def _probe_changes_output(model, adapter_dir) -> None:
+    vocab = model.config.vocab_size
+    ids = (torch.arange(8, device=model.device) * 7919 % vocab).unsqueeze(0)
+    with torch.no_grad():
+        with_lora = model.compute_logits(model.forward_train(ids))
+        with lora_disabled(model):
+            base = model.compute_logits(model.forward_train(ids))
+    if torch.equal(with_lora, base):
+        raise BadInputError(f"{adapter_dir}: adapter has nonzero lora_B but does not change the model's output "
+                            "on a probe input (it would be a silent no-op)")

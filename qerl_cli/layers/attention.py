@@ -1,0 +1,94 @@
+"""Grouped-query attention with two paths: training (whole sequences) and cached (engine).
+
+Trade-off: the training path is a single causal SDPA call over right-padded sequences (padding at
+the end cannot leak into earlier positions under a causal mask, so no mask tensor is built and
+PyTorch picks its fused kernel). The cached path reads a *forward context* set by the engine
+(nano-vllm style): prefill writes the prompt's K/V into the paged cache and attends within the
+prompt; decode writes one token per sequence and attends over the sequence's blocks through
+``paged_decode_attention`` (Triton on CUDA, a gather + SDPA fallback elsewhere). Keeping the context
+global rather than threading it through every call lets a CUDA graph capture the decode step with
+its input tensors fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl_cli.layers.linear import QLinear
+from qerl_cli.layers.norm import RMSNorm
+from qerl_cli.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class ForwardContext:
+    """What the engine tells attention about the current batch (tensors on the model device)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot per token (pads -> a scratch slot)
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, decode only
+    context_lens: torch.Tensor | None = None  # [B] int32 tokens in cache incl. the new one, decode only
+    max_context_len: int = 0  # upper bound of context_lens (sizes the fallback's gather)
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def set_context(ctx: ForwardContext | None) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_context() -> ForwardContext | None:
+    return _CONTEXT
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding, quantized: dict, device=None, dtype=None):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.scale = d**-0.5
+        kw = dict(device=device, dtype=dtype)
+        self.q_proj = QLinear(h, cfg.num_heads * d, bias=cfg.qkv_bias, quantized=quantized.get("q_proj", False), **kw)
+        self.k_proj = QLinear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, quantized=quantized.get("k_proj", False), **kw)
+        self.v_proj = QLinear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, quantized=quantized.get("v_proj", False), **kw)
+        self.o_proj = QLinear(cfg.num_heads * d, h, bias=cfg.o_bias, quantized=quantized.get("o_proj", False), **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        # Set by the engine: this layer's views into the paged cache, [num_blocks, block, Hk, D] each.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        ctx = get_context()
+        if ctx is not None and self.k_cache is not None:
+            nt = b * s
+            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, k.reshape(nt, self.num_kv_heads, self.head_dim))
+            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, v.reshape(nt, self.num_kv_heads, self.head_dim))
+        if ctx is None or ctx.is_prefill:
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            ).transpose(1, 2)
+        else:
+            from qerl_cli.layers.paged_attention import paged_decode_attention
+
+            o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
+                                       ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
+        return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))

@@ -1,0 +1,132 @@
+"""LoRA around a frozen base Linear (torchtune style: the adapter is a wrapper, the base stays put).
+
+``y = base(x) + dropout(x) @ A^T @ B^T * alpha / r``, with fp32 master ``lora_A`` [r, in] and
+``lora_B`` [out, r]; the two small matmuls run in x's dtype (the fp32 masters are cast per call,
+which costs r*(in+out) elements, nothing next to the base weight read). B starts at zero so a fresh
+adapter is the base policy; A uses PEFT's kaiming-uniform(a=sqrt(5)) init, seeded per module so two
+runs with the same seed build identical adapters. The adapter is never merged into the base, so the
+NVFP4 weight stays packed and the same LoRA tensors serve rollout and training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int = 16
+    alpha: float = 16
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+    use_rslora: bool = False
+    seed: int = 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, *, scaling: float | None = None,
+                 generator: torch.Generator | None = None):
+        super().__init__()
+        if r <= 0:
+            raise ValueError(f"LoRA rank must be positive, got {r}")
+        self.base, self.r, self.alpha = base, r, alpha
+        self.scaling = alpha / r if scaling is None else scaling
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        dev = _device_of(base)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        self.lora_A.data = self.lora_A.data.to(dev)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=dev))
+        self.enabled = True
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.enabled:
+            return y
+        a = self.lora_A.to(x.dtype)
+        b = self.lora_B.to(x.dtype)
+        return y + (self.dropout(x) @ a.t()) @ b.t() * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+def _device_of(m: nn.Module) -> torch.device:
+    for t in list(m.parameters()) + list(m.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
+    """Wrap every Linear whose last name component is in ``spec.targets``; returns the wrapped names.
+
+    Only decoder-layer projections are candidates (never ``lm_head``), matching PEFT's target
+    matching on module-name suffixes. Raises ValueError if a target matches nothing.
+    """
+    from qerl_cli.layers.linear import QLinear
+
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in spec.targets and isinstance(module, QLinear) and ".layers." in f".{name}":
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            g = torch.Generator().manual_seed(_module_seed(spec.seed, name))
+            setattr(parent, leaf, LoRALinear(module, spec.r, spec.alpha, spec.dropout, scaling=spec.scaling, generator=g))
+            wrapped.append(name)
+    missing = set(spec.targets) - {n.rsplit(".", 1)[-1] for n in wrapped}
+    if missing:
+        raise ValueError(f"LoRA targets {sorted(missing)} match no Linear in the model")
+    return wrapped
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            yield name, m
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable LoRA tensors (A and B of every wrapped Linear), in module order."""
+    out = []
+    for _, m in lora_modules(model):
+        out += [m.lora_A, m.lora_B]
+    return out
+
+
+@contextmanager
+def lora_disabled(model: nn.Module):
+    """Run the base policy: every LoRALinear returns base(x) inside the block."""
+    mods = [m for _, m in lora_modules(model)]
+    old = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, e in zip(mods, old):
+            m.enabled = e

@@ -1,0 +1,37 @@
+"""RMSNorm with an Adaptive Quantization Noise slot.
+
+AQN folds channel-wise Gaussian noise into the norm weight: ``y = (w_clean + Z) * x / rms(x)``.
+``noise`` is a separate fp32 buffer that is *overwritten* (``copy_``) for each step and never added
+into ``weight``, so the clean weight cannot drift and a CUDA graph captured once sees every new
+noise vector. The scale multiply runs in fp32 and rounds once: in bf16, ``w + Z`` with ``w ~ 1`` and
+``sigma = 1e-4`` would round the noise away entirely (bf16 spacing near 1 is 2^-7).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, *, noise_slot: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype), requires_grad=False)
+        self.noise_slot = noise_slot
+        if noise_slot:
+            self.register_buffer("noise", torch.zeros(dim, dtype=torch.float32, device=device), persistent=False)
+        else:
+            self.noise = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        if self.noise is not None:
+            w = w + self.noise
+        return (h * w).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, noise_slot={self.noise_slot}"

@@ -1,0 +1,64 @@
+"""Rotary position embedding (rotate-half convention of Llama/Qwen/Mistral).
+
+cos/sin for every position up to ``max_positions`` are precomputed once in fp32 (a few MB) so the
+decode step only gathers rows, which keeps it CUDA-graph friendly. Supports the rope types these
+model families ship with: default, linear and llama3 (Llama 3.1+ frequency smoothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wl, high_wl = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None, device=None):
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos_sin", self._table(device), persistent=False)
+
+    def _table(self, device) -> torch.Tensor:
+        inv = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)  # [P, head_dim]
+
+    def reset(self, device) -> None:
+        self.cos_sin = self._table(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [..., Hq, D], k [..., Hk, D], positions [...] -> rotated (q, k) in their dtype."""
+        cs = self.cos_sin[positions]  # [..., D]
+        half = self.head_dim // 2
+        cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(q.dtype)
+        sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(q.dtype)
+        return _rot(q, cos, sin, half), _rot(k, cos, sin, half)
+
+
+def _rot(x, cos, sin, half):
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin

@@ -1,0 +1,124 @@
+"""The one decoder implementation (Llama / Mistral / Qwen2 / Qwen2.5 / Qwen3) used by rollout, train and eval.
+
+Module names mirror Hugging Face's (``model.layers.{i}.self_attn.q_proj`` ...), so checkpoint keys,
+compressed-tensors names and PEFT adapter keys map onto ``named_modules()`` without a table. The same
+``forward`` serves training (no cache: ``forward_train``) and the engine (paged cache through the
+attention forward context), so rollout and training run identical numerics, LoRA and AQN noise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from qerl_cli.layers.attention import Attention
+from qerl_cli.layers.linear import QLinear
+from qerl_cli.layers.norm import RMSNorm
+from qerl_cli.layers.rotary import RotaryEmbedding
+from qerl_cli.models.config import ModelConfig
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, quantized: dict, device=None, dtype=None):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        kw = dict(device=device, dtype=dtype)
+        self.gate_proj = QLinear(h, i, bias=b, quantized=quantized.get("gate_proj", False), **kw)
+        self.up_proj = QLinear(h, i, bias=b, quantized=quantized.get("up_proj", False), **kw)
+        self.down_proj = QLinear(i, h, bias=b, quantized=quantized.get("down_proj", False), **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding, quantized: dict, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.self_attn = Attention(cfg, idx, rotary, quantized, **kw)
+        self.mlp = MLP(cfg, quantized, **kw)
+        # The two norms that feed Linears carry the AQN noise slot (q/k/v share one vector, gate/up the other).
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, noise_slot=True, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, noise_slot=True, **kw)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, quantized: set[str], device=None, dtype=None, max_positions: int | None = None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, device=device)
+        layers = []
+        for i in range(cfg.num_layers):
+            q = {n.rsplit(".", 1)[-1]: True for n in quantized if n.startswith(f"model.layers.{i}.")}
+            layers.append(DecoderLayer(cfg, i, self.rotary, q, **kw))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+
+
+class CausalLM(nn.Module):
+    """``model.forward_train(ids, mask) -> hidden``; ``model.compute_logits(hidden) -> fp32 logits``."""
+
+    def __init__(self, cfg: ModelConfig, quantized: set[str] = frozenset(), device=None, dtype=None,
+                 max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, quantized, device, dtype, max_positions)
+        self.lm_head = QLinear(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+        self.is_quantized = bool(quantized)
+        self.base_hash: str | None = None
+        self.model_dir = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [B, L, H] for token ids [B, L] at the given positions [B, L]."""
+        x = self.model.embed_tokens(input_ids)
+        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            x = checkpoint(layer, x, positions, use_reentrant=False) if ckpt else layer(x, positions)
+        return self.model.norm(x)
+
+    def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Right-padded batch [B, L] -> hidden [B, L, H]; causal attention, no KV cache.
+
+        Right padding needs no mask: under causal attention a pad at the end is never seen by an
+        earlier position. Left padding would shift positions and leak pads, so it is rejected.
+        """
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        b, seq = input_ids.shape
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+            m = attention_mask.to(torch.int8)
+            if seq > 1 and bool((m[:, 1:] > m[:, :-1]).any()):
+                raise ValueError("attention_mask must be right-padded (ones then zeros in every row)")
+        if seq > self.model.rotary.max_positions:
+            raise ValueError(f"sequence length {seq} exceeds the model's {self.model.rotary.max_positions} positions")
+        if self.config.sliding_window and seq > self.config.sliding_window:
+            raise ValueError(f"sequence length {seq} exceeds sliding_window {self.config.sliding_window} (not implemented)")
+        positions = torch.arange(seq, device=input_ids.device).expand(b, seq)
+        return self(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,216 @@
+"""load_model: config.json + safetensors -> CausalLM (NVFP4 or dense base), optional LoRA/adapter.
+
+How it works: the safetensors headers are read first (no data) to learn which Linears are stored
+as NVFP4 (``<m>.weight_packed``), the model is built on the meta device (no memory), then each
+tensor is read with ``safe_open`` (memory-mapped) one at a time, checked against the expected
+shape and moved to the target device/dtype, so peak host memory stays about one tensor. NVFP4
+tensors keep their packed on-disk layout; dense Linears (ignored by quantization, or a plain bf16
+checkpoint: the 16-bit LoRA baseline) are cast to ``dtype``. ``build_random_model`` builds the same
+module directly on a device with random weights for benchmarks that should not need 15-60 GB files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.layers.linear import QLinear
+from qerl_cli.layers.lora import LoraSpec, apply_lora
+from qerl_cli.models.config import ModelConfig
+from qerl_cli.models.decoder import CausalLM
+
+_QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+_IGNORED = ("rotary_emb.inv_freq",)
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise BadInputError(f"{index}: malformed index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.exists():
+                raise BadInputError(f"{index}: lists {f.name}, which does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise BadInputError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def _check_quant_config(model_dir: Path) -> dict | None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method")
+    fmt = q.get("format")
+    if method != "compressed-tensors" or fmt not in ("nvfp4-pack-quantized", "mixed-precision", None):
+        raise BadInputError(
+            f"{model_dir / 'config.json'}: quantization_config quant_method={method!r} format={fmt!r} is not supported "
+            "(qerl reads compressed-tensors nvfp4-pack-quantized or unquantized checkpoints)"
+        )
+    return q
+
+
+def _index_tensors(files: list[Path]) -> dict[str, Path]:
+    where = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    where[k] = f
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise BadInputError(f"{f}: cannot read safetensors header ({e})") from None
+    return where
+
+
+def _quantized_linears(names) -> set[str]:
+    return {n[: -len(".weight_packed")] for n in names if n.endswith(".weight_packed")}
+
+
+def _expected(model: CausalLM) -> dict[str, torch.Tensor]:
+    exp = dict(model.named_parameters(remove_duplicate=False))
+    exp.update(dict(model.named_buffers()))
+    # Non-persistent buffers (rotary table, AQN noise) are built, never loaded.
+    for name, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            exp.pop(f"{name}.{b}" if name else b, None)
+    return exp
+
+
+def _set_tensor(model: CausalLM, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if attr in mod._parameters:
+        mod._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[attr] = value
+
+
+def _init_runtime_buffers(model: CausalLM, device) -> None:
+    model.model.rotary.reset(device)
+    for mod in model.modules():
+        if getattr(mod, "noise_slot", False):
+            mod.noise = torch.zeros(mod.weight.shape[0], dtype=torch.float32, device=device)
+
+
+def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lora: LoraSpec | None = None,
+               adapter_dir=None, max_positions: int | None = None) -> CausalLM:
+    """Build the decoder from ``model_dir`` (see module docstring); LoRA wraps after the base loads."""
+    from qerl_cli.hashing import model_hash
+
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    _check_quant_config(model_dir)
+    files = _shard_files(model_dir)
+    where = _index_tensors(files)
+    quantized = _quantized_linears(where)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg, quantized, dtype=dtype, max_positions=max_positions)
+    expected = _expected(model)
+    tied = cfg.tie_word_embeddings
+    missing = [n for n in expected if n not in where and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise BadInputError(f"{model_dir}: checkpoint lacks tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    by_file: dict[Path, list[str]] = {}
+    for name, f in where.items():
+        if name in expected:
+            by_file.setdefault(f, []).append(name)
+        elif tied and name == "lm_head.weight":
+            continue  # tied: HF ignores a stored lm_head too
+        elif not name.endswith(_IGNORED):
+            raise BadInputError(f"{f}: unexpected tensor {name!r} (not part of a {cfg.arch} decoder qerl can load)")
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in names:
+                t = fh.get_tensor(name)
+                want = expected[name]
+                if tuple(t.shape) != tuple(want.shape):
+                    raise BadInputError(f"{f}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(want.shape)}")
+                if name.endswith(_QUANT_SUFFIXES):
+                    if t.dtype != want.dtype:
+                        raise BadInputError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected {want.dtype}")
+                    t = t.to(device)
+                else:
+                    if not (t.is_floating_point()):
+                        raise BadInputError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a float tensor")
+                    t = t.to(device=device, dtype=dtype)
+                _set_tensor(model, name, t)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _init_runtime_buffers(model, device)
+    model.base_hash = model_hash(model_dir)
+    model.model_dir = model_dir
+    model.eval()
+    _attach_lora(model, lora, adapter_dir)
+    return model
+
+
+def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
+    from qerl_cli.adapters import load_adapter, read_adapter_spec
+
+    if adapter_dir is not None and lora is None:
+        lora = read_adapter_spec(adapter_dir)
+    if lora is not None:
+        try:
+            apply_lora(model, lora)
+        except ValueError as e:
+            raise BadInputError(str(e)) from None
+    if adapter_dir is not None:
+        load_adapter(model, adapter_dir)
+
+
+def build_random_model(config: ModelConfig, device="cuda", dtype: torch.dtype = torch.bfloat16, quantized: bool = True,
+                       lora: LoraSpec | None = None, seed: int = 0, std: float = 0.02,
+                       max_positions: int | None = None) -> CausalLM:
+    """The decoder with random weights made directly on ``device`` (speed does not depend on values).
+
+    Quantized Linears get random E2M1 codes with block scales and a global scale chosen so the
+    dequantized weights have about ``std`` spread, so activations stay finite at any depth.
+    """
+    from qerl_cli.models.decoder import LINEAR_NAMES
+
+    device = torch.device(device)
+    names = set()
+    if quantized:
+        names = {f"model.layers.{i}.{'self_attn' if n.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{n}"
+                 for i in range(config.num_layers) for n in LINEAR_NAMES}
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = CausalLM(config, names, dtype=dtype, max_positions=max_positions)
+    for name, t in _expected(model).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("weight_packed"):
+            v = torch.randint(0, 256, t.shape, dtype=torch.uint8, device=device, generator=g)
+        elif name.endswith("weight_scale"):
+            v = (0.75 + 0.5 * torch.rand(t.shape, device=device, generator=g)).to(torch.float8_e4m3fn)
+        elif name.endswith("weight_global_scale"):
+            # |e2m1| averages ~2.3 with scale ~1, so 2.3 / global ~= std.
+            v = torch.full(t.shape, 2.3 / std, dtype=torch.float32, device=device)
+        elif name.endswith("norm.weight"):
+            v = torch.ones(t.shape, dtype=dtype, device=device)
+        else:
+            v = (torch.randn(t.shape, device=device, generator=g, dtype=torch.float32) * std).to(dtype)
+        _set_tensor(model, name, v)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _init_runtime_buffers(model, device)
+    model.base_hash = f"random-{seed}"
+    model.eval()
+    if lora is not None:
+        apply_lora(model, lora)
+    return model
+
+
+def quantized_linear_names(model: CausalLM) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, QLinear) and m.quantized]

@@ -1,0 +1,197 @@
+"""The qerl decoder equals Hugging Face's on tiny random models (dense and NVFP4), and bad checkpoints fail clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.models import ModelConfig, build_random_model, load_model
+from qerl_kernels import reference
+from tests.helpers import make_tiny_hf_model
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def nvfp4_checkpoint(src, dst, keep_dense=()):
+    """Rewrite a dense HF dir as a compressed-tensors NVFP4 one; also return the dequantized fp32 HF dir."""
+    dst.mkdir()
+    deq = dst.parent / (dst.name + "-deq")
+    deq.mkdir()
+    sd = load_file(str(src / "model.safetensors"))
+    q, d = {}, {}
+    for name, t in sd.items():
+        mod = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and mod.endswith(LINEARS) and not mod.endswith(tuple(keep_dense)):
+            packed, scale, g = reference.quantize(t)
+            q[f"{mod}.weight_packed"], q[f"{mod}.weight_scale"], q[f"{mod}.weight_global_scale"] = packed, scale, g
+            d[name] = reference.dequantize(packed, scale, g, torch.float32)
+        else:
+            q[name] = t
+            d[name] = t.float()
+    save_file(q, str(dst / "model.safetensors"))
+    save_file(d, str(deq / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    (deq / "config.json").write_text(json.dumps(cfg))
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                        "dynamic": False}}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst, deq
+
+
+def right_padded(batch=3, length=12, vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(1, batch):
+        mask[b, length - 3 * b:] = 0
+    return ids * mask, mask
+
+
+def hf_logits(model_dir, ids, mask):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=mask).logits
+
+
+def ours(model, ids, mask):
+    with torch.no_grad():
+        return model.compute_logits(model.forward_train(ids, mask))
+
+
+def assert_close_on_mask(a, b, mask, atol=1e-4):
+    diff = ((a - b).abs() * mask[..., None]).max().item()
+    assert diff <= atol, f"max |diff| on real tokens = {diff}"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
+def test_dense_logits_equal_hf(tmp_path, arch):
+    src = make_tiny_hf_model(tmp_path, arch=arch, dtype=torch.float32, tokenizer=False)
+    ids, mask = right_padded()
+    model = load_model(src, dtype=torch.float32)
+    assert not model.is_quantized
+    assert_close_on_mask(ours(model, ids, mask), hf_logits(src, ids, mask), mask)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_nvfp4_logits_equal_hf_on_dequantized(tmp_path, arch):
+    src = make_tiny_hf_model(tmp_path, arch=arch, dtype=torch.bfloat16, tokenizer=False)
+    qdir, deq = nvfp4_checkpoint(src, tmp_path / "q")
+    model = load_model(qdir, dtype=torch.float32)
+    assert model.is_quantized
+    assert model.model.layers[0].self_attn.q_proj.quantized and not model.lm_head.quantized
+    ids, mask = right_padded()
+    assert_close_on_mask(ours(model, ids, mask), hf_logits(deq, ids, mask), mask)
+
+
+def test_ignored_linear_stays_dense(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", dtype=torch.float32, tokenizer=False)
+    qdir, deq = nvfp4_checkpoint(src, tmp_path / "q", keep_dense=("down_proj",))
+    model = load_model(qdir, dtype=torch.float32)
+    mlp = model.model.layers[1].mlp
+    assert mlp.gate_proj.quantized and not mlp.down_proj.quantized
+    ids, mask = right_padded()
+    assert_close_on_mask(ours(model, ids, mask), hf_logits(deq, ids, mask), mask)
+
+
+def test_tied_embeddings_and_sharded_checkpoint(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, tie_word_embeddings=True,
+                             max_shard_size="40KB", tokenizer=False)
+    assert (src / "model.safetensors.index.json").exists()
+    model = load_model(src, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, mask = right_padded()
+    assert_close_on_mask(ours(model, ids, mask), hf_logits(src, ids, mask), mask)
+
+
+def test_bf16_load_keeps_dtype_and_hash(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", tokenizer=False)
+    model = load_model(src, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.base_hash
+    ids, mask = right_padded()
+    assert ours(model, ids, mask).dtype == torch.float32
+
+
+def test_left_padding_is_rejected(tmp_path):
+    model = build_random_model(ModelConfig.from_hf(_tiny_cfg()), device="cpu", dtype=torch.float32, quantized=False)
+    ids = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="right-padded"):
+        model.forward_train(ids, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+
+
+def _tiny_cfg(**kw):
+    cfg = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2)
+    cfg.update(kw)
+    return cfg
+
+
+def test_random_nvfp4_model_is_finite():
+    model = build_random_model(ModelConfig.from_hf(_tiny_cfg()), device="cpu", dtype=torch.float32, quantized=True)
+    assert model.is_quantized
+    logits = ours(model, *right_padded(vocab=64))
+    assert torch.isfinite(logits).all()
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_unknown_architecture(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match="unsupported architecture model_type='gpt2'"):
+        load_model(src)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", tokenizer=False)
+    sd = load_file(str(src / "model.safetensors"))
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(src / "model.safetensors"))
+    with pytest.raises(BadInputError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(src)
+
+
+def test_shape_mismatch_is_named(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", tokenizer=False)
+    sd = load_file(str(src / "model.safetensors"))
+    sd["model.layers.0.self_attn.o_proj.weight"] = sd["model.layers.0.self_attn.o_proj.weight"][:, :32].contiguous()
+    save_file(sd, str(src / "model.safetensors"))
+    with pytest.raises(BadInputError, match=r"o_proj.weight' has shape \(64, 32\), expected \(64, 64\)"):
+        load_model(src)
+
+
+def test_missing_config_and_weights(tmp_path):
+    with pytest.raises(BadInputError, match="config.json: not found"):
+        load_model(tmp_path)
+    src = make_tiny_hf_model(tmp_path, arch="llama", tokenizer=False)
+    shutil.move(src / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    with pytest.raises(BadInputError, match="no \\*.safetensors"):
+        load_model(src)
+
+
+def test_unsupported_quantization(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match="quant_method='gptq'"):
+        load_model(src)
+
+
+def test_config_parsing_llama3_rope_and_eos_list():
+    cfg = ModelConfig.from_hf(_tiny_cfg(model_type="llama", eos_token_id=[5, 7], rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}))
+    assert cfg.eos_token_ids == (5, 7) and cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert not cfg.qkv_bias and not cfg.qk_norm
+    with pytest.raises(BadInputError, match="hidden_act"):
+        ModelConfig.from_hf(_tiny_cfg(hidden_act="gelu"))
