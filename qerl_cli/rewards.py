@@ -6,7 +6,8 @@ unweighted value is kept in the record's ``rewards`` so training can re-weight w
 regenerating. Built-ins:
 
 - ``gsm8k``: 1 if the final number equals the reference. The number is the first one after the
-  last ``####``, else in the last ``\\boxed{}``, else in the last ``<answer>...</answer>``.
+  first ``####`` (a base model that runs on past its answer and starts another "Q: ... ####"
+  is still judged on the answer it gave), else in the last ``\\boxed{}``, else in the last ``<answer>...</answer>``.
   Numbers are normalised (``$``, thousands commas, units, ``%``, trailing ``.0``, ``\\frac``,
   unicode minus) and compared as exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
@@ -126,10 +127,12 @@ def normalize_number(text: str) -> str | None:
 
 
 def _after_hashes(text: str) -> str | None:
-    idx = text.rfind("####")
-    if idx < 0:
-        return None
-    return text[idx + 4 :].split("\n", 1)[0]
+    """The rest of the line after the first ``####`` that is followed by a number."""
+    spans = [text[m.end() :].split("\n", 1)[0] for m in re.finditer("####", text)]
+    for span in spans:
+        if first_number(span) is not None:
+            return span
+    return spans[0] if spans else None
 
 
 def _answer_tag(text: str) -> str | None:
@@ -140,7 +143,7 @@ def _answer_tag(text: str) -> str | None:
 def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     """The answer a completion gives, or None when it gives none.
 
-    ``gsm8k``: normalised number after the last ``####``, else in the last ``\\boxed{}``, else in
+    ``gsm8k``: normalised number after the first ``####``, else in the last ``\\boxed{}``, else in
     the last ``<answer>`` tag. ``math``: the raw content of the last ``\\boxed{}``.
     """
     if kind == "gsm8k":

@@ -44,6 +44,8 @@ from qerl_cli.rewards import (
         ("\\boxed 7", "7"),
         ("<think>x</think><answer>3.0</answer>", "3"),
         ("#### 5 \\boxed{6}", "5"),  # #### takes precedence
+        ("17+5=22. #### 22\nQ: Tom has 3 pens.\nA: 3+1=4. #### 4", "22"),  # ran on past its answer
+        ("#### \n#### 9", "9"),  # a bare #### does not hide the next one
         ("The answer is 42", None),  # no "last number" fallback
         ("\\boxed{3", None),  # box cut off by max tokens
         ("#### unknown", None),
