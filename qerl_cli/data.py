@@ -68,8 +68,8 @@ class EncodeReport:
 
 
 # ---- loading -------------------------------------------------------------------------------
-def _read_rows(path: Path) -> list[tuple[str, Any]]:
-    """(location, parsed row) pairs; JSON syntax errors name file:line."""
+def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str, Any]]:
+    """(location, parsed row) pairs; JSON syntax errors name file:line (collected in ``bad_lines`` if given)."""
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
         try:
@@ -98,7 +98,10 @@ def _read_rows(path: Path) -> list[tuple[str, Any]]:
         try:
             out.append((f"{path}:{i}", json.loads(line)))
         except json.JSONDecodeError as e:
-            raise BadInputError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            msg = f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})"
+            if bad_lines is None:
+                raise BadInputError(msg, hint="pass --skip-bad-lines to skip such rows") from None
+            bad_lines.append(msg)
     return out
 
 
@@ -151,24 +154,37 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     )
 
 
-def load_prompts(path: str | Path) -> list[PromptRow]:
-    """All rows of a JSONL / JSON / Parquet prompt file, validated; ids unique."""
+def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: list[str] | None = None) -> list[PromptRow]:
+    """All rows of a JSONL / JSON / Parquet prompt file, validated; ids unique.
+
+    ``skip_bad_lines``: a row that is not JSON or not a valid prompt row is skipped and its error
+    appended to ``bad_lines`` instead of raised (a missing or empty file still raises).
+    """
     path = Path(path)
     if not path.exists():
         raise BadInputError(f"prompt file {path} does not exist", hint="check --prompts")
     if path.is_dir():
         raise BadInputError(f"--prompts {path} is a directory; name a .jsonl, .json or .parquet file")
-    raw_rows = _read_rows(path)
-    if not raw_rows:
+    bad_lines = bad_lines if bad_lines is not None else []
+    raw_rows = _read_rows(path, bad_lines if skip_bad_lines else None)
+    if not raw_rows and not bad_lines:
         raise BadInputError(f"prompt file {path} holds no rows")
     rows: list[PromptRow] = []
     seen: dict[str, str] = {}
     for i, (where, raw) in enumerate(raw_rows):
-        row = parse_row(raw, where, i)
-        if row.id in seen:
-            raise BadInputError(f"{where}: id {row.id!r} already used at {seen[row.id]}", hint="ids must be unique")
+        try:
+            row = parse_row(raw, where, i)
+            if row.id in seen:
+                raise BadInputError(f"{where}: id {row.id!r} already used at {seen[row.id]}", hint="ids must be unique")
+        except BadInputError as e:
+            if not skip_bad_lines:
+                raise
+            bad_lines.append(str(e))
+            continue
         seen[row.id] = where
         rows.append(row)
+    if not rows:
+        raise BadInputError(f"prompt file {path} holds no valid rows ({len(bad_lines)} bad, first: {bad_lines[0]})")
     return rows
 
 

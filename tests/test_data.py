@@ -142,3 +142,16 @@ def test_encode_and_long_prompts(tmp_path, plain_tok, chat_tok):
     # chat-rendered ids are the template text's ids, with no extra special tokens in front
     chat = encode_prompts(rows[:1], chat_tok)[0]
     assert chat_tok.decode(chat.token_ids) == chat.text
+
+
+def test_skip_bad_lines(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, "{oops", {"text": "x"}, {"prompt": "b", "id": "0"}, {"prompt": "c"}])
+    with pytest.raises(BadInputError, match="d.jsonl:2: not valid JSON.*--skip-bad-lines"):
+        load_prompts(p)
+    bad = []
+    rows = load_prompts(p, skip_bad_lines=True, bad_lines=bad)
+    assert [r.prompt for r in rows] == ["a", "c"]
+    assert [b.split(": ")[0].rsplit("/", 1)[-1] for b in bad] == ["d.jsonl:2", "d.jsonl:3", "d.jsonl:4"]
+    write_jsonl(tmp_path / "all_bad.jsonl", ["{", "{"])
+    with pytest.raises(BadInputError, match="holds no valid rows"):
+        load_prompts(tmp_path / "all_bad.jsonl", skip_bad_lines=True)
