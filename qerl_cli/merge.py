@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.errors import BadInputError, LineageError
+from qerl_cli.errors import BadInputError, LineageError, NumericalError
 from qerl_cli.hashing import dir_hash, model_hash
 from qerl_cli.outputs import StageOutput
 
@@ -189,84 +189,69 @@ def check_lineage(adapter: Adapter, model_dir: Path, base_hash: str | None = Non
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------
-class SafetensorsDir:
-    """Lazy, name-addressed access to the tensors of a (possibly sharded) safetensors model dir."""
+def open_base(model_dir: Path):
+    """The base as a streaming ``SourceModel`` (headers only); errors name ``--model``."""
+    from qerl_cli.checkpoint import open_source
 
-    def __init__(self, model_dir: Path):
-        from safetensors import safe_open
-
-        self.dir = Path(model_dir)
-        if not self.dir.is_dir():
-            raise BadInputError(f"--model {self.dir}: not a directory")
-        if not (self.dir / "config.json").exists():
-            raise BadInputError(f"--model {self.dir}: config.json not found (expected a Hugging Face model dir)")
-        files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            raise BadInputError(f"--model {self.dir}: no *.safetensors weights found")
-        self._handles = {}
-        self.where: dict[str, Path] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
-        for f in files:
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:
-                raise BadInputError(f"{f}: unreadable safetensors file ({e})") from None
-            self._handles[f] = h
-            for k in h.keys():
-                s = h.get_slice(k)
-                self.where[k], self.shapes[k], self.dtypes[k] = f, tuple(s.get_shape()), s.get_dtype()
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name)
-
-    def names(self) -> list[str]:
-        return list(self.where)
+    try:
+        return open_source(model_dir)
+    except BadInputError as e:
+        raise BadInputError(f"--model: {e}") from None
 
 
-def module_shapes(base: SafetensorsDir) -> dict[str, tuple[int, int]]:
+def _is_scale_of_packed(base, name: str) -> bool:
+    return name.endswith((".weight_scale", ".weight_global_scale")) and \
+        name.rsplit(".", 1)[0] + ".weight_packed" in base.tensors
+
+
+def module_shapes(base) -> dict[str, tuple[int, int]]:
     """(out, in) of every 2-D weight the checkpoint holds, dense or NVFP4-packed."""
     out = {}
-    for name, shape in base.shapes.items():
-        if name.endswith(".weight_packed") and len(shape) == 2:
-            out[name.removesuffix(".weight_packed")] = (shape[0], shape[1] * 2)
-        elif name.endswith(".weight") and len(shape) == 2:
-            out[name.removesuffix(".weight")] = shape
+    for name, info in base.tensors.items():
+        if name.endswith(".weight_packed") and len(info.shape) == 2:
+            out[name.removesuffix(".weight_packed")] = (info.shape[0], info.shape[1] * 2)
+        elif name.endswith(".weight") and len(info.shape) == 2:
+            out[name.removesuffix(".weight")] = info.shape
     return out
 
 
-def validate_pair(adapter: Adapter, base: SafetensorsDir) -> None:
+def validate_pair(adapter: Adapter, base) -> None:
     """Every LoRA module and replaced tensor exists in the base with fitting shapes."""
     shapes = module_shapes(base)
     for module, d in adapter.deltas.items():
         if module not in shapes:
-            raise BadInputError(f"--adapter {adapter.path}: module {module} is not in --model {base.dir}")
+            raise BadInputError(f"--adapter {adapter.path}: module {module} is not in --model {base.path}")
         out_f, in_f = shapes[module]
         want = (in_f, out_f) if d.embedding else (out_f, in_f)
         got = (d.B.shape[0], d.A.shape[1])
         if got != want:
             raise BadInputError(
                 f"--adapter {adapter.path}: {module} LoRA maps {got[1]} -> {got[0]} features but the base "
-                f"weight is [{out_f}, {in_f}] in --model {base.dir}"
+                f"weight is [{out_f}, {in_f}] in --model {base.path}"
             )
     for name, t in adapter.replacements.items():
-        if name not in base.shapes:
-            raise BadInputError(f"--adapter {adapter.path}: trained tensor {name} is not in --model {base.dir}")
-        if tuple(t.shape) != base.shapes[name]:
+        if name not in base.tensors:
+            raise BadInputError(f"--adapter {adapter.path}: trained tensor {name} is not in --model {base.path}")
+        if tuple(t.shape) != base.tensors[name].shape:
             raise BadInputError(
                 f"--adapter {adapter.path}: trained tensor {name} has shape {tuple(t.shape)}, "
-                f"the base has {base.shapes[name]}"
+                f"the base has {base.tensors[name].shape}"
             )
 
 
-def _dense_base_weight(base: SafetensorsDir, module: str) -> torch.Tensor:
-    """The module's weight in fp32 (dequantized if NVFP4)."""
-    from qerl_kernels.reference import dequantize
+def merged_plan(base, dtype: torch.dtype = torch.bfloat16) -> list:
+    """Names, dtypes and shapes of the merged checkpoint, in the base's file order."""
+    from qerl_cli.checkpoint import PlannedTensor
 
-    if f"{module}.weight_packed" in base.shapes:
-        return dequantize(base.get(f"{module}.weight_packed"), base.get(f"{module}.weight_scale"),
-                          base.get(f"{module}.weight_global_scale"), dtype=torch.float32)
-    return base.get(f"{module}.weight").float()
+    plan = []
+    for name, info in base.tensors.items():
+        if _is_scale_of_packed(base, name):
+            continue
+        if name.endswith(".weight_packed"):
+            plan.append(PlannedTensor(name.removesuffix("_packed"), dtype, (info.shape[0], info.shape[1] * 2)))
+        else:
+            plan.append(PlannedTensor(name, dtype if info.dtype.is_floating_point else info.dtype, info.shape))
+    return plan
 
 
 @dataclass
@@ -292,16 +277,21 @@ class MergeStats:
         return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in d.items()}
 
 
-def merged_tensors(base: SafetensorsDir, adapter: Adapter, stats: MergeStats,
+def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats,
                    dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the merged checkpoint in the base's tensor order, one at a time."""
-    for name in base.names():
-        if name.endswith((".weight_scale", ".weight_global_scale")) and \
-                name.rsplit(".", 1)[0] + ".weight_packed" in base.shapes:
+    """(name, tensor) of the merged checkpoint in ``merged_plan`` order, one at a time.
+
+    LoRA-targeted and NVFP4 weights are formed in fp32 and rounded to ``dtype`` once.
+    """
+    from qerl_kernels.reference import dequantize
+
+    for name in base.tensors:
+        if _is_scale_of_packed(base, name):
             continue  # consumed with its weight_packed
         if name.endswith(".weight_packed"):
             module = name.removesuffix(".weight_packed")
-            w = _dense_base_weight(base, module)
+            w = dequantize(reader.get(name), reader.get(f"{module}.weight_scale"),
+                           reader.get(f"{module}.weight_global_scale"), dtype=torch.float32)
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
         elif name in adapter.replacements:
@@ -309,7 +299,7 @@ def merged_tensors(base: SafetensorsDir, adapter: Adapter, stats: MergeStats,
             yield name, adapter.replacements[name].to(dtype)
             continue
         else:
-            t = base.get(name)
+            t = reader.get(name)
             module = name.removesuffix(".weight") if name.endswith(".weight") else None
             if module is None or module not in adapter.deltas:
                 yield name, t.to(dtype) if t.is_floating_point() else t
@@ -320,47 +310,26 @@ def merged_tensors(base: SafetensorsDir, adapter: Adapter, stats: MergeStats,
             stats.add_delta(w, d)
             w = w + d
         if not torch.isfinite(w).all():
-            from qerl_cli.errors import NumericalError
-
             raise NumericalError(f"merged weight {out_name} has NaN/Inf (check --adapter {adapter.path})")
         yield out_name, w.to(dtype)
 
 
 # ---- output ----------------------------------------------------------------------------------
-def write_sharded(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_size: int,
-                  on_tensor=None) -> list[str]:
-    """Write tensors into HF-style shards (+ index when more than one); one shard in memory at most."""
-    from safetensors.torch import save_file
+def write_checkpoint(plan, tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_size: int,
+                     on_tensor=None) -> None:
+    """Stream tensors into planned HF shards (+ index): one tensor in memory at a time."""
+    from qerl_cli.checkpoint import ShardedWriter
 
-    current: dict[str, torch.Tensor] = {}
-    size = total = 0
-    written: list[tuple[Path, list[str]]] = []
-
-    def flush():
-        p = out_dir / f".shard-{len(written):05d}.safetensors"
-        save_file(current, str(p), metadata={"format": "pt"})
-        written.append((p, list(current)))
-
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_size:
-            flush()
-            current, size = {}, 0
-        current[name] = t.contiguous()
-        size += nbytes
-        total += nbytes
-        if on_tensor:
-            on_tensor(name)
-    flush()
-    n = len(written)
-    final = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for (p, _), fname in zip(written, final):
-        p.rename(out_dir / fname)
-    if n > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: fname for (_, names), fname in zip(written, final) for k in names}}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return final
+    writer = ShardedWriter(out_dir, plan, max_shard_size)
+    try:
+        for name, t in tensors:
+            writer.write(name, t)
+            if on_tensor:
+                on_tensor(name)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def write_plain_config(model_dir: Path, out_dir: Path, torch_dtype: str = "bfloat16") -> None:
@@ -384,7 +353,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 
     t0 = time.time()
     adapter = read_adapter(cfg.adapter)
-    base = SafetensorsDir(cfg.model)
+    base = open_base(cfg.model)
     base_hash = model_hash(cfg.model)
     lineage = check_lineage(adapter, cfg.model, base_hash)
     validate_pair(adapter, base)
@@ -399,13 +368,15 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
         so.manifest["already_done"] = True
         return so.manifest
 
+    from qerl_cli.checkpoint import TensorReader
+
     stats = MergeStats()
-    n_out = sum(1 for n in base.names() if not n.endswith((".weight_scale", ".weight_global_scale")))
-    with so as work, Progress(
+    plan = merged_plan(base)
+    with so as work, TensorReader(base.tensors) as reader, Progress(
         TextColumn("[bold]merge[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), disable=not progress, transient=True,
     ) as bar:
-        task = bar.add_task("", total=n_out)
+        task = bar.add_task("", total=len(plan))
 
         def tick(name):
             stats.tensors_written += 1
@@ -413,7 +384,8 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 
         bf16_dir = work if cfg.dtype == "bf16" else work / ".merged-bf16"
         bf16_dir.mkdir(exist_ok=True)
-        write_sharded(merged_tensors(base, adapter, stats), bf16_dir, cfg.max_shard_size, on_tensor=tick)
+        write_checkpoint(plan, merged_tensors(base, reader, adapter, stats), bf16_dir, cfg.max_shard_size,
+                         on_tensor=tick)
         write_plain_config(cfg.model, bf16_dir)
         summary = {
             "dtype": cfg.dtype,
@@ -424,14 +396,14 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
             **stats.as_dict(),
         }
         if cfg.dtype == "nvfp4":
-            summary["requantization"] = requantize_nvfp4(bf16_dir, work, progress=progress)
+            summary["requantization"] = requantize_nvfp4(bf16_dir, work, cfg, progress=progress)
             shutil.rmtree(bf16_dir)
         so.timings["merge_s"] = round(time.time() - t0, 3)
         so.extra["summary"] = summary
     return so.manifest
 
 
-def requantize_nvfp4(bf16_dir: Path, out_dir: Path, *, progress: bool = True) -> dict:
+def requantize_nvfp4(bf16_dir: Path, out_dir: Path, cfg: MergeConfig, *, progress: bool = True) -> dict:
     """Quantize the merged bf16 checkpoint into ``out_dir`` with `qerl quantize`'s code; return
     the re-quantization error summary."""
     from qerl_cli.errors import NotBuiltError

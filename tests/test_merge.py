@@ -188,3 +188,23 @@ def test_read_adapter_scaling_and_rslora(pair, tmp_path):
     b = read_adapter(rs)
     assert b.deltas["model.layers.0.mlp.down_proj"].scaling == pytest.approx(2 / 2)
     assert b.deltas["model.layers.0.self_attn.q_proj"].scaling == pytest.approx(8 / 2)
+
+
+def test_cli_merge_rerun_and_lineage_exit_code(pair, tmp_path):
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    base, adapter = pair
+    out = tmp_path / "cli"
+    args = ["merge", "--model", str(base), "--adapter", str(adapter), "--out", str(out), "-q"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "merged 14 LoRA modules (+5 trained tensors)" in r.output and "lineage verified" in r.output
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "already done" in r.output
+    r = CliRunner().invoke(app, [*args, "--max-shard-size", "lots"])
+    assert r.exit_code == 2 and "--max-shard-size 'lots' is not a size" in r.output
+    other = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=2, seed=9, name="other", tokenizer=False)
+    r = CliRunner().invoke(app, ["merge", "--model", str(other), "--adapter", str(adapter), "--out", str(tmp_path / "x")])
+    assert r.exit_code == 3 and "error:" in r.output and "trained on base" in r.output

@@ -1,12 +1,69 @@
-"""`qerl merge`: not built yet (tracked by issue 5)."""
+"""`qerl merge`: flags -> MergeConfig -> qerl_cli.merge.merge."""
 
 from __future__ import annotations
 
-from qerl_cli.errors import NotBuiltError
+import re
+from pathlib import Path
+
+import typer
+
+from qerl_cli.errors import BadInputError
 
 SHORT = "Merge a LoRA adapter into the base: a servable bf16 or NVFP4 checkpoint."
-HELP = SHORT + "\n\nNot built yet: this command exits with an error until its issue lands."
+HELP = (
+    SHORT + "\n\n"
+    "Dequantizes the base (NVFP4 or plain bf16/fp32 HF dir), adds the LoRA update B@A*alpha/r in fp32 and "
+    "copies trained norm weights (PEFT modules_to_save), streaming one tensor at a time. The output is a plain "
+    "Hugging Face checkpoint (config without quantization_config, tokenizer copied) that transformers and vLLM "
+    "load, or with --dtype nvfp4 a compressed-tensors NVFP4 checkpoint (re-quantization error reported).\n\n"
+    "An adapter trained by `qerl train-step` is refused on any other base (hash in trainer_state.json).\n\n"
+    "Example:\n\n"
+    "  qerl merge --model runs/q/qwen-nvfp4 --adapter runs/step-0100 --out runs/merged-bf16\n\n"
+    "  qerl merge --model runs/q/qwen-nvfp4 --adapter runs/step-0100 --out runs/merged-fp4 --dtype nvfp4"
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
-def command() -> None:
-    raise NotBuiltError("`qerl merge` is not built yet (see issue 5); nothing was done")
+def parse_size(text: str, flag: str) -> int:
+    """'5GB' / '500MiB' / '1048576' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise BadInputError(f"{flag} {text!r} is not a size", hint="e.g. 5GB, 500MiB or a byte count")
+    unit = m.group(2).upper().removesuffix("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def command(
+    model: Path = typer.Option(..., "--model", help="Base model dir: a qerl/compressed-tensors NVFP4 QDIR or a plain "
+                               "bf16/fp32 Hugging Face dir. Example: --model runs/q/qwen-nvfp4"),
+    adapter: Path = typer.Option(..., "--adapter", help="PEFT LoRA adapter dir (adapter_config.json + "
+                                 "adapter_model.safetensors), e.g. a `qerl train-step` output. Example: --adapter runs/step-0100"),
+    out: Path = typer.Option(..., "--out", help="Output model directory, written atomically. Example: --out runs/merged"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16: plain HF bf16 checkpoint (serving, further SFT). "
+                              "nvfp4: re-quantized compressed-tensors NVFP4 (next RL phase, FP4 serving). Example: --dtype nvfp4"),
+    max_shard_size: str = typer.Option("4GB", "--max-shard-size", help="Largest safetensors shard. Example: --max-shard-size 2GB"),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; print only the result line."),
+) -> None:
+    from rich.console import Console
+
+    from qerl_cli.merge import MergeConfig, merge
+
+    cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
+                      max_shard_size=parse_size(max_shard_size, "--max-shard-size"), force=force)
+    m = merge(cfg, progress=not quiet)
+    console = Console(stderr=False, highlight=False)
+    s = m.get("summary", {})
+    if m.get("already_done"):
+        console.print(f"already done: {out} holds this merge (pass --force to redo)")
+        return
+    line = (f"merged {s.get('merged_modules', 0)} LoRA modules"
+            f" (+{s.get('replaced_tensors', 0)} trained tensors) into {out} as {s.get('dtype')} "
+            f"in {m['timings'].get('total_s', 0):.1f}s; lineage {s.get('lineage')}")
+    rq = s.get("requantization")
+    if rq:
+        line += f"; re-quantization rel. error mean {rq['rel_err_mean']:.4f}, max {rq['rel_err_max']:.4f}"
+    console.print(line)
