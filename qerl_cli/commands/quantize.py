@@ -1,12 +1,82 @@
-"""`qerl quantize`: not built yet (tracked by issue 2)."""
+"""`qerl quantize`: flags -> QuantizeConfig -> qerl_cli.quantize.quantize."""
 
 from __future__ import annotations
 
-from qerl_cli.errors import NotBuiltError
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
 
 SHORT = "Quantize a Hugging Face safetensors checkpoint to NVFP4 (compressed-tensors)."
-HELP = SHORT + "\n\nNot built yet: this command exits with an error until its issue lands."
+HELP = (
+    SHORT
+    + "\n\nEvery decoder Linear (q/k/v/o, gate/up/down) becomes NVFP4 weight-only (E2M1 values, one e4m3 "
+    "scale per 16 inputs, one fp32 global scale; q/k/v and gate/up share their global). Embeddings, "
+    "lm_head, norms and biases stay in the source dtype; Linears whose input size is not a multiple of "
+    "16 are kept and listed. The bytes are bit-identical to compressed-tensors/llm-compressor, and the "
+    "output loads in vLLM and in transformers as it is. Streams tensor by tensor: host memory stays "
+    "near the largest layer, whatever the model size.\n\n"
+    "Rerun with the same inputs: 'already done' (exit 0). Output written to a temp dir and renamed, so "
+    "an interrupt leaves nothing behind.\n\n"
+    "Example:\n\n"
+    "  qerl quantize ./Qwen2.5-7B-Instruct --out ./qwen7b-nvfp4\n\n"
+    "  qerl quantize ./Qwen2.5-7B-Instruct --out ./qwen7b-modelopt --format modelopt --device cpu"
+)
 
 
-def command() -> None:
-    raise NotBuiltError("`qerl quantize` is not built yet (see issue 2); nothing was done")
+def command(
+    src: Path = typer.Argument(
+        ...,
+        help="Source Hugging Face model directory: config.json + *.safetensors (+ index), tokenizer files. "
+        "Pickle .bin checkpoints are refused. Example: ./Qwen2.5-0.5B-Instruct",
+        show_default=False,
+    ),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="Output directory (QDIR) to create. Example: --out ./qwen-nvfp4",
+        show_default=False,
+    ),
+    format: str = typer.Option(
+        "compressed-tensors",
+        "--format",
+        help="On-disk format: 'compressed-tensors' (nvfp4-pack-quantized; vLLM/transformers/llm-compressor) "
+        "or 'modelopt' (weight/weight_scale/weight_scale_2 + hf_quant_config.json). Example: --format modelopt",
+    ),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        help="Where to quantize: 'auto' (CUDA if present), 'cpu' or 'cuda'. Same bytes either way. "
+        "Example: --device cpu",
+    ),
+    max_shard_size: str = typer.Option(
+        "5GB", "--max-shard-size", help="Largest output shard file. Example: --max-shard-size 2GB"
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace an existing --out even if it was made from other inputs."
+    ),
+    progress: bool = typer.Option(
+        True, "--progress/--no-progress", help="Show the progress bar and summary table."
+    ),
+) -> None:
+    from qerl_cli.quantize import QuantizeConfig, quantize, render_summary
+
+    cfg = QuantizeConfig(
+        src=src,
+        out=out,
+        format=format,
+        device=device,
+        max_shard_size=max_shard_size,
+        force=force,
+        progress=progress,
+    )
+    console = Console(file=sys.stderr)
+    result = quantize(cfg, console=console)
+    if result.already_done:
+        print(f"already done: {result.out} holds a quantize output of these inputs (pass --force to redo)")
+        return
+    if progress:
+        render_summary(result, console)
+    print(f"wrote {result.out}")

@@ -1,0 +1,442 @@
+"""Stage ``quantize``: a Hugging Face safetensors checkpoint -> an NVFP4 (W4A16) checkpoint.
+
+How it works. The source is validated and its tensors listed from the safetensors headers
+alone (``checkpoint.source``). Tensors are then processed in *units*, in file order so
+reads are sequential: a unit is one tensor, except that q/k/v of a layer form one unit and
+gate/up another, because those siblings must share one global scale (vLLM fuses them) and
+the shared scale needs every sibling's amax. Grouping by layer costs at most
+``gate + up`` in memory, while a separate amax pass would read every Linear twice. Each
+quantized Linear goes through ``qerl_kernels.reference.quantize`` (bit-identical to
+compressed-tensors) on ``--device``; everything else (embeddings, lm_head, norms, biases,
+Linears whose in-features is not a multiple of 16) is copied byte for byte.
+
+Memory and speed trade-off. Three units are in flight: the next one being read (a thread),
+the current one on the device, the previous one being written (a thread), so disk reads,
+device compute and disk writes overlap while host memory stays about three times the
+largest unit (~1 GB for a 7B model, ~2 GB for 32B), independent of model size. Output
+shards are laid out from the source headers before any weight is read
+(``checkpoint.safetensors_io.ShardedWriter``) and written as tensors arrive.
+
+The output directory goes through ``StageOutput``: temp dir, manifest, rename, so an
+interrupted run leaves nothing; a rerun with the same source and arguments is "already done".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from qerl_kernels import reference as nvfp4
+
+from qerl_cli.checkpoint import (
+    FORMATS,
+    SUPPORTED_MODEL_TYPES,
+    NVFP4Format,
+    PlannedTensor,
+    ShardedWriter,
+    SourceModel,
+    TensorReader,
+    open_source,
+    parse_linear,
+)
+from qerl_cli.checkpoint.source import PICKLE_SUFFIXES
+from qerl_cli.errors import BadInputError, NumericalError, OutOfMemoryError
+from qerl_cli.hashing import model_hash, sha256_file
+from qerl_cli.outputs import MANIFEST, StageOutput
+
+STAGE = "quantize"
+DEVICES = ("auto", "cpu", "cuda")
+_QUANT_SUFFIXES = (
+    "weight_packed",
+    "weight_scale",
+    "weight_global_scale",
+    "weight_scale_2",
+    "qweight",
+    "scales",
+)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class QuantizeConfig:
+    """Arguments of one quantize run (what the CLI flags parse into)."""
+
+    src: Path
+    out: Path
+    format: str = "compressed-tensors"
+    device: str = "auto"
+    max_shard_size: str = "5GB"
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class QuantizeResult:
+    out: Path
+    already_done: bool
+    summary: dict = field(default_factory=dict)
+    manifest: dict | None = None
+
+
+# ---- planning ------------------------------------------------------------------------------
+@dataclass
+class Unit:
+    """Tensors processed together. ``quant``: (tensor name, module) pairs sharing one global scale."""
+
+    key: str
+    quant: list[tuple[str, str]] = field(default_factory=list)
+    copy: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.quant] + self.copy
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '64KiB' or a byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise BadInputError(f"--max-shard-size {text!r} is not a size (examples: 5GB, 500MB)")
+    base = 1024 if m[3] else 1000
+    return int(float(m[1]) * base ** " KMGT".index(m[2].upper() or " "))
+
+
+def _check_source(source: SourceModel) -> None:
+    cfg = source.config
+    for key in ("quantization_config", "compression_config"):
+        if key in cfg:
+            method = (cfg[key] or {}).get("quant_method", "?") if isinstance(cfg[key], dict) else "?"
+            raise BadInputError(
+                f"source {source.path} is already quantized (config.json has {key}, quant_method={method})",
+                hint="pass the original bf16/fp16 checkpoint",
+            )
+    if (source.path / "hf_quant_config.json").exists():
+        raise BadInputError(f"source {source.path} is already quantized (it has hf_quant_config.json)")
+    for name, info in source.tensors.items():
+        if name.rsplit(".", 1)[-1] in _QUANT_SUFFIXES or info.dtype in (
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        ):
+            raise BadInputError(
+                f"source {source.path} is already quantized (tensor {name} in {info.file.name})"
+            )
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise BadInputError(
+            f"{source.path / 'config.json'}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+def plan_units(source: SourceModel) -> tuple[list[Unit], list[str]]:
+    """Group tensors into units in file order; returns (units, Linears kept unquantized)."""
+    units: dict[str, Unit] = {}
+    kept_linears: list[str] = []
+    for name, info in source.tensors.items():
+        lin = parse_linear(name)
+        quantizable = (
+            lin is not None
+            and len(info.shape) == 2
+            and info.shape[1] % nvfp4.GROUP == 0
+            and info.dtype in _FLOAT_DTYPES
+        )
+        if lin is not None and not quantizable:
+            kept_linears.append(lin.module)
+        if quantizable:
+            unit = units.setdefault(lin.fusion_key, Unit(lin.fusion_key))
+            unit.quant.append((name, lin.module))
+        else:
+            units.setdefault(name, Unit(name)).copy.append(name)
+    for unit in units.values():
+        unit.quant.sort(key=lambda nm: parse_linear(nm[0]).order)
+    return list(units.values()), kept_linears
+
+
+def plan_outputs(source: SourceModel, units: list[Unit], fmt: NVFP4Format) -> list[PlannedTensor]:
+    plan = []
+    for unit in units:
+        for name, module in unit.quant:
+            n, k = source.tensors[name].shape
+            plan += fmt.planned(module, n, k)
+        for name in unit.copy:
+            info = source.tensors[name]
+            plan.append(PlannedTensor(name, info.dtype, info.shape))
+    return plan
+
+
+def resolve_device(device: str) -> torch.device:
+    if device not in DEVICES:
+        raise BadInputError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError(
+            "--device cuda was given but no CUDA device is available", hint="use --device cpu"
+        )
+    return torch.device(device)
+
+
+# ---- the work --------------------------------------------------------------------------------
+def _check_finite(name: str, t: torch.Tensor, source: SourceModel) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise NumericalError(
+            f"tensor {name} in {source.tensors[name].file.name} has {bad} NaN/Inf values; nothing was written"
+        )
+
+
+def _process_unit(unit: Unit, tensors: dict[str, torch.Tensor], source, fmt, device, stats) -> list:
+    """Quantize/copy one unit; returns the output (name, cpu tensor) list in plan order."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if unit.quant:
+        ws = []
+        for name, _ in unit.quant:
+            w = tensors[name].to(device)
+            _check_finite(name, w, source)
+            ws.append(w)
+        # Shared global = min of the siblings' globals, each computed as compressed-tensors does.
+        g = torch.min(torch.cat([nvfp4.global_scale_for(w.abs().amax()) for w in ws])).reshape(1)
+        for (_, module), w in zip(unit.quant, ws):
+            packed, scale, gs = nvfp4.quantize(w, g)
+            wf = w.to(torch.float32)
+            deq = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
+            denom = torch.linalg.vector_norm(wf)
+            err = float(torch.linalg.vector_norm(deq - wf) / denom) if float(denom) > 0 else 0.0
+            stats["rel_errors"][module] = err
+            stats["quantized_params"] += w.numel()
+            for oname, t in fmt.tensors(module, packed, scale, gs):
+                out.append((oname, t.to("cpu")))
+            del deq, wf
+    for name in unit.copy:
+        t = tensors[name]
+        if t.is_floating_point():
+            _check_finite(name, t.to(device) if device.type != "cpu" else t, source)
+        out.append((name, t))
+    return out
+
+
+def _copy_side_files(source: SourceModel, work: Path) -> list[str]:
+    """Tokenizer, generation config, chat template, custom code...: every top-level file that is not a weight."""
+    skip = {"config.json", MANIFEST, "hf_quant_config.json", *source.weight_files}
+    copied = []
+    for p in sorted(source.path.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.name in skip:
+            continue
+        if (
+            p.suffix in PICKLE_SUFFIXES
+            or p.suffix == ".safetensors"
+            or p.name.endswith(".safetensors.index.json")
+        ):
+            continue
+        shutil.copy2(p, work / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def _source_inputs(source: SourceModel) -> dict[str, str]:
+    inputs = {
+        "src_model_hash": model_hash(source.path),
+        "src_config_sha256": sha256_file(source.path / "config.json"),
+    }
+    if source.index_file is not None:
+        inputs["src_index_sha256"] = sha256_file(source.index_file)
+    return inputs
+
+
+def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
+    """Run the stage; see the module docstring. Raises QerlError subclasses on bad input."""
+    if cfg.format not in FORMATS:
+        raise BadInputError(f"--format {cfg.format!r} is not one of {', '.join(FORMATS)}")
+    max_shard = parse_size(cfg.max_shard_size)
+    if max_shard <= 0:
+        raise BadInputError("--max-shard-size must be positive")
+    device = resolve_device(cfg.device)
+    src, out = Path(cfg.src), Path(cfg.out)
+    source = open_source(src)
+    _check_source(source)
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise BadInputError(f"--out {out} must not be the source directory or inside it")
+
+    fmt = NVFP4Format(cfg.format)
+    # device is not part of the fingerprint: CPU and CUDA produce the same bytes.
+    # Nor is the source path: its content hashes are the inputs, so a moved source is still "done".
+    stage_cfg = {"format": cfg.format, "max_shard_size": max_shard}
+    so = StageOutput(out, STAGE, config=stage_cfg, inputs=_source_inputs(source), force=cfg.force)
+    if so.already_done():
+        return QuantizeResult(out, True, (so.manifest or {}).get("summary", {}), so.manifest)
+
+    units, kept_linears = plan_units(source)
+    plan = plan_outputs(source, units, fmt)
+    ignore = ["lm_head", *kept_linears]
+    stats = {"rel_errors": {}, "quantized_params": 0}
+    t0 = time.time()
+    with so as work:
+        writer = ShardedWriter(work, plan, max_shard)
+        try:
+            _run_pipeline(units, source, fmt, device, writer, stats, cfg.progress, console)
+            writer.close()
+        finally:
+            writer.abort()
+        config = fmt.update_config(source.config, ignore)
+        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for fname, data in fmt.extra_files(ignore).items():
+            (work / fname).write_text(json.dumps(data, indent=2) + "\n")
+        copied = _copy_side_files(source, work)
+        elapsed = time.time() - t0
+        summary = _summary(source, units, plan, kept_linears, stats, elapsed, device, cfg.format, copied)
+        so.extra["source"] = str(src.resolve())
+        so.extra["summary"] = summary
+        so.timings["quantize_s"] = round(elapsed, 3)
+    return QuantizeResult(out, False, summary, so.manifest)
+
+
+def _run_pipeline(units, source, fmt, device, writer, stats, show_progress, console) -> None:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    total = sum(source.tensors[n].nbytes for u in units for n in u.names())
+    n_tensors = sum(len(u.names()) for u in units)
+    progress = Progress(
+        TextColumn("[bold]quantize[/]"),
+        BarColumn(),
+        TextColumn("{task.fields[done]}/{task.fields[n]} tensors"),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not show_progress,
+        transient=False,
+    )
+    reader = TensorReader(source.tensors)
+
+    def load(unit: Unit) -> dict[str, torch.Tensor]:
+        return {n: reader.get(n) for n in unit.names()}
+
+    def write(outs: list) -> None:
+        for name, t in outs:
+            writer.write(name, t)
+
+    read_ex = ThreadPoolExecutor(1, thread_name_prefix="qerl-read")
+    write_ex = ThreadPoolExecutor(1, thread_name_prefix="qerl-write")
+    pending = None
+    done = 0
+    try:
+        with progress:
+            task = progress.add_task("quantize", total=total, done=0, n=n_tensors)
+            nxt = read_ex.submit(load, units[0]) if units else None
+            for i, unit in enumerate(units):
+                tensors = nxt.result()
+                nxt = read_ex.submit(load, units[i + 1]) if i + 1 < len(units) else None
+                try:
+                    outs = _process_unit(unit, tensors, source, fmt, device, stats)
+                except torch.cuda.OutOfMemoryError:
+                    raise OutOfMemoryError(
+                        f"out of GPU memory quantizing {unit.key}", hint="free the GPU or use --device cpu"
+                    ) from None
+                del tensors
+                if pending is not None:
+                    pending.result()
+                pending = write_ex.submit(write, outs)
+                done += len(unit.names())
+                progress.update(task, advance=sum(source.tensors[n].nbytes for n in unit.names()), done=done)
+            if pending is not None:
+                pending.result()
+    finally:
+        read_ex.shutdown(wait=True, cancel_futures=True)
+        write_ex.shutdown(wait=True, cancel_futures=True)
+        reader.close()
+
+
+def _summary(source, units, plan, kept_linears, stats, elapsed, device, fmt_name, copied) -> dict:
+    before = source.total_bytes
+    after = sum(t.nbytes for t in plan)
+    quant_bytes = sum(
+        t.nbytes
+        for t in plan
+        if t.name.rsplit(".", 1)[-1]
+        in ("weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2")
+        or (fmt_name == "modelopt" and t.dtype == torch.uint8 and t.name.endswith(".weight"))
+    )
+    qparams = stats["quantized_params"]
+    total_params = sum(t.numel for t in source.tensors.values())
+    errs = stats["rel_errors"]
+    worst = max(errs.items(), key=lambda kv: kv[1]) if errs else (None, 0.0)
+    n_quant = len(errs)
+    return {
+        "format": fmt_name,
+        "device": str(device),
+        "quantized_linears": n_quant,
+        "kept_tensors": len(source.tensors) - n_quant,
+        "kept_linears": kept_linears,
+        "quantized_params": qparams,
+        "total_params": total_params,
+        "size_before_bytes": before,
+        "size_after_bytes": after,
+        "bits_per_weight_quantized": round(8 * quant_bytes / qparams, 4) if qparams else None,
+        "bits_per_param_overall": round(8 * after / total_params, 4) if total_params else None,
+        "max_rel_error": {"module": worst[0], "value": round(worst[1], 6)},
+        "mean_rel_error": round(sum(errs.values()) / n_quant, 6) if n_quant else 0.0,
+        "per_layer_max_rel_error": _per_layer_max(errs),
+        "copied_files": copied,
+        "seconds": round(elapsed, 3),
+        "source_mb_per_s": round(before / 1e6 / elapsed, 1) if elapsed > 0 else None,
+    }
+
+
+def _per_layer_max(errs: dict[str, float]) -> dict[str, float]:
+    layers: dict[str, float] = {}
+    for module, e in errs.items():
+        m = re.search(r"layers\.(\d+)\.", module)
+        key = m[1] if m else module
+        layers[key] = max(layers.get(key, 0.0), round(e, 6))
+    return layers
+
+
+def render_summary(result: QuantizeResult, console) -> None:
+    """The end-of-run table: sizes, bits per weight, worst relative error, kept Linears."""
+    from rich.table import Table
+
+    s = result.summary
+    if not s:
+        return
+    t = Table(title=f"qerl quantize -> {result.out}", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("format", s["format"])
+    ratio = s["size_before_bytes"] / max(s["size_after_bytes"], 1)
+    t.add_row("size before", _human(s["size_before_bytes"]))
+    t.add_row("size after", f"{_human(s['size_after_bytes'])} ({ratio:.2f}x smaller)")
+    t.add_row("quantized Linears / kept tensors", f"{s['quantized_linears']} / {s['kept_tensors']}")
+    if s["bits_per_weight_quantized"] is not None:
+        t.add_row("bits per quantized weight", f"{s['bits_per_weight_quantized']:.3f}")
+    if s["bits_per_param_overall"] is not None:
+        t.add_row("bits per parameter (whole model)", f"{s['bits_per_param_overall']:.3f}")
+    worst = s["max_rel_error"]
+    t.add_row("largest per-layer relative error", f"{worst['value']:.4f} ({worst['module']})")
+    t.add_row("mean relative error", f"{s['mean_rel_error']:.4f}")
+    t.add_row("time", f"{s['seconds']:.1f} s on {s['device']} ({s['source_mb_per_s']} MB/s)")
+    kept = s["kept_linears"]
+    if kept:
+        shown = ", ".join(kept[:6]) + (f" (+{len(kept) - 6} more)" if len(kept) > 6 else "")
+        t.add_row("Linears kept unquantized (in-features % 16 != 0)", shown)
+    console.print(t)
+
+
+def _human(n: int) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
