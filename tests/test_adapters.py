@@ -1,0 +1,128 @@
+"""PEFT round trips: our saved adapter works in peft on the dequantized base, and peft's adapter works here."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from qerl_cli.adapters import load_adapter, read_adapter_spec, save_adapter
+from qerl_cli.errors import BadInputError
+from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_parameters
+from qerl_cli.models import load_model
+from tests.helpers import make_tiny_hf_model
+from tests.test_models import nvfp4_checkpoint, right_padded
+
+
+def _randomize_lora(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model.compute_logits(model.forward_train(ids, mask))
+
+
+@pytest.fixture
+def nvfp4_dirs(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", tokenizer=False)
+    return nvfp4_checkpoint(src, tmp_path / "q")
+
+
+def test_saved_adapter_loads_in_peft_on_dequantized_base(tmp_path, nvfp4_dirs):
+    qdir, deq = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8))
+    _randomize_lora(model)
+    save_adapter(model, tmp_path / "adapter", base_model_path=qdir)
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["peft_type"] == "LORA"
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids, mask = right_padded()
+    with torch.no_grad():
+        ref = pm(input_ids=ids, attention_mask=mask).logits
+    ours = _logits(model, ids, mask)
+    with lora_disabled(model):
+        base_only = _logits(model, ids, mask)
+    m = mask[..., None].bool()
+    assert (ours - base_only).abs().masked_select(m).max() > 1e-2  # the adapter matters...
+    assert (ours - ref).abs().masked_select(m).max() < 1e-4  # ...and peft agrees with us
+
+
+def test_peft_adapter_loads_here(tmp_path, nvfp4_dirs):
+    qdir, deq = nvfp4_dirs
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.save_pretrained(tmp_path / "peft")
+    ids, mask = right_padded()
+    with torch.no_grad():
+        ref = pm.eval()(input_ids=ids, attention_mask=mask).logits
+    model = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
+    spec = read_adapter_spec(tmp_path / "peft")
+    assert spec.r == 8 and spec.alpha == 16 and set(spec.targets) == {"q_proj", "v_proj", "down_proj"}
+    assert (_logits(model, ids, mask) - ref).abs().masked_select(mask[..., None].bool()).max() < 1e-4
+
+
+def test_rank_mismatch_names_tensor(tmp_path, nvfp4_dirs):
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4))
+    _randomize_lora(model)
+    save_adapter(model, tmp_path / "a", base_model_path=qdir)
+    with pytest.raises(BadInputError, match=r"lora_A.weight. has shape \(4, \d+\), the model expects \(8, \d+\)"):
+        load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=8, alpha=8), adapter_dir=tmp_path / "a")
+
+
+def test_target_mismatch_names_tensor(tmp_path, nvfp4_dirs):
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4))
+    _randomize_lora(model)
+    save_adapter(model, tmp_path / "a", base_model_path=qdir)
+    with pytest.raises(BadInputError, match="targets 'model.layers.0.mlp.down_proj'"):
+        load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4, targets=("q_proj", "v_proj")),
+                   adapter_dir=tmp_path / "a")
+
+
+def test_adapter_that_changes_nothing_is_rejected(tmp_path, nvfp4_dirs):
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4))
+    _randomize_lora(model)
+    save_adapter(model, tmp_path / "a", base_model_path=qdir)
+    path = tmp_path / "a" / "adapter_model.safetensors"
+    sd = load_file(str(path))
+    save_file({k: (torch.zeros_like(v) if "lora_A" in k else v) for k, v in sd.items()}, str(path))
+    with pytest.raises(BadInputError, match="silent no-op"):
+        load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
+
+
+def test_fresh_adapter_round_trip_is_base_policy(tmp_path, nvfp4_dirs):
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4, seed=7))
+    save_adapter(model, tmp_path / "a", base_model_path=qdir)
+    again = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
+    for a, b in zip(lora_parameters(model), lora_parameters(again)):
+        assert torch.equal(a, b)
+    ids, mask = right_padded()
+    with lora_disabled(again):
+        assert torch.equal(_logits(again, ids, mask), _logits(model, ids, mask))
+
+
+def test_unsupported_adapter_config(tmp_path, nvfp4_dirs):
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4))
+    save_adapter(model, tmp_path / "a", base_model_path=qdir, extra_config={"use_dora": True})
+    with pytest.raises(BadInputError, match="use_dora"):
+        load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
+    with pytest.raises(BadInputError, match="adapter_config.json: not found"):
+        load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path)
