@@ -1,12 +1,86 @@
-"""`qerl train-step`: not built yet (tracked by issue 4)."""
+"""`qerl train-step`: flags -> TrainStepConfig -> qerl_cli.train_step.train_step."""
 
 from __future__ import annotations
 
-from qerl_cli.errors import NotBuiltError
+from pathlib import Path
+from typing import Annotated
+
+import typer
 
 SHORT = "One GRPO/DAPO step: rollout shards -> next LoRA adapter + optimizer state."
-HELP = SHORT + "\n\nNot built yet: this command exits with an error until its issue lands."
+HELP = SHORT + """
+
+Reads one step's rollout shards, computes group advantages, recomputes the completion log-probs
+on the frozen NVFP4 base (+ LoRA, + the rollout's AQN noise), and takes one AdamW step per epoch
+on the LoRA weights with a PPO-clipped, importance-corrected (TIS) policy-gradient loss. Writes a
+PEFT adapter (adapter_config.json + adapter_model.safetensors), optimizer.safetensors,
+trainer_state.json and metrics.jsonl atomically to --out.
+
+Example (first step, fresh adapter):
+
+  qerl train-step --model qwen-nvfp4 --shards rollouts/step-0 --out adapters/step-1
+
+Next step, 2 GPUs:
+
+  torchrun --nproc-per-node 2 -m qerl_cli train-step --model qwen-nvfp4 --adapter adapters/step-1 \\
+      --shards rollouts/step-1 --out adapters/step-2 --metrics-file run/metrics.jsonl
+
+16-bit LoRA baseline: pass a plain bf16 Hugging Face directory as --model (add --baseline bf16 to
+make qerl check that it is not quantized).
+"""
 
 
-def command() -> None:
-    raise NotBuiltError("`qerl train-step` is not built yet (see issue 4); nothing was done")
+def command(
+    model: Annotated[Path, typer.Option("--model", help="Base model dir: qerl NVFP4 QDIR, or a plain HF dir (16-bit baseline). Example: --model qwen-nvfp4")],
+    shards: Annotated[list[str], typer.Option("--shards", help="Rollout shard dir, file or glob; repeat for several. Example: --shards rollouts/step-3")],
+    out: Annotated[Path, typer.Option("--out", help="Output adapter dir (written atomically). Example: --out adapters/step-4")],
+    adapter: Annotated[Path | None, typer.Option("--adapter", help="Adapter dir to continue (the one the rollout used); omit at step 0 for a fresh adapter (seeded init, B = 0).")] = None,
+    loss: Annotated[str, typer.Option("--loss", help="grpo (per-sequence mean) | dapo (token mean over the step) | dr_grpo (divide by max completion length) | bnpo (token mean per micro-batch). Example: --loss grpo")] = "dapo",
+    scale_rewards: Annotated[str, typer.Option("--scale-rewards", help="Divide reward - group mean by the group's std (group), the step's std (batch) or nothing (none).")] = "group",
+    clip_eps: Annotated[float, typer.Option("--clip-eps", help="PPO clip range below 1: ratio >= 1 - eps.")] = 0.2,
+    clip_eps_high: Annotated[float, typer.Option("--clip-eps-high", help="PPO clip range above 1 (DAPO clip-higher): ratio <= 1 + eps_high.")] = 0.28,
+    beta: Annotated[float, typer.Option("--beta", help="KL penalty to the base policy (the same model with LoRA off; k3 estimator). 0 disables. Example: --beta 0.04")] = 0.0,
+    tis_cap: Annotated[float, typer.Option("--tis-cap", help="Cap of the truncated importance weight exp(train logprob - sampling logprob); 0 disables TIS.")] = 2.0,
+    mask_truncated: Annotated[bool, typer.Option("--mask-truncated/--no-mask-truncated", help="Drop completions that hit the length limit (finish_reason=length) from the loss.")] = False,
+    max_completion_length: Annotated[int | None, typer.Option("--max-completion-length", help="dr_grpo's constant divisor; default: the longest completion in the step. Example: --max-completion-length 2048")] = None,
+    epochs: Annotated[int, typer.Option("--epochs", help="Optimizer steps over the same shards (PPO mu); epochs > 1 use epoch 1's log-probs as the old policy.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (the paper: 1e-5 for NVFP4, ~5e-6 for bf16 LoRA). Example: --lr 3e-5")] = 1e-5,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", help="Linear warmup length in RL steps (the paper: 10% of --total-steps).")] = 0,
+    total_steps: Annotated[int | None, typer.Option("--total-steps", help="Run length in RL steps for the cosine decay; omit for a constant LR after warmup. Example: --total-steps 500")] = None,
+    min_lr_ratio: Annotated[float, typer.Option("--min-lr-ratio", help="LR at the end of the cosine, as a fraction of --lr.")] = 0.0,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay on the LoRA matrices.")] = 0.1,
+    adam_beta1: Annotated[float, typer.Option("--adam-beta1", help="AdamW beta1.")] = 0.9,
+    adam_beta2: Annotated[float, typer.Option("--adam-beta2", help="AdamW beta2.")] = 0.99,
+    max_grad_norm: Annotated[float, typer.Option("--max-grad-norm", help="Clip the global grad norm to this (0 disables; the paper: 0.2).")] = 0.2,
+    lora_rank: Annotated[int | None, typer.Option("--lora-rank", help="LoRA rank r for a fresh adapter (default 16); must match --adapter if given.")] = None,
+    lora_alpha: Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha (scaling alpha/r) for a fresh adapter (default 16).")] = None,
+    lora_dropout: Annotated[float | None, typer.Option("--lora-dropout", help="Dropout on the LoRA input (default 0, or the adapter's).")] = None,
+    lora_targets: Annotated[str | None, typer.Option("--lora-targets", help="Comma-separated Linear names to adapt (default q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj). Example: --lora-targets q_proj,v_proj")] = None,
+    train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="Also train the RMSNorm weights (fp32 master, no weight decay; saved as norms.safetensors).")] = False,
+    micro_batch_tokens: Annotated[int, typer.Option("--micro-batch-tokens", help="Padded tokens (rows x longest) per micro-batch; lower it on out-of-memory. Example: --micro-batch-tokens 8192")] = 16384,
+    logits_chunk_tokens: Annotated[int, typer.Option("--logits-chunk-tokens", help="Tokens per fp32 logits chunk (memory = chunk x vocab x 4 bytes, twice).")] = 2048,
+    gradient_checkpointing: Annotated[bool, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute each decoder layer in backward (less memory, ~30% more time).")] = True,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N] (under torchrun each rank uses cuda:LOCAL_RANK).")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32. LoRA masters and AdamW states are fp32 regardless.")] = "auto",
+    baseline: Annotated[str | None, typer.Option("--baseline", help="bf16: check --model is a plain 16-bit HF dir (the 16-bit LoRA comparison run).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds the fresh adapter's init and the LoRA dropout masks.")] = 0,
+    skip_bad_lines: Annotated[bool, typer.Option("--skip-bad-lines", help="Skip unparseable shard lines instead of stopping.")] = False,
+    metrics_file: Annotated[Path | None, typer.Option("--metrics-file", help="Also append this step's metrics line here (one file for the whole run). Example: --metrics-file run/metrics.jsonl")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Redo the step even if --out already holds it / holds something else.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary line.")] = False,
+) -> None:
+    from qerl_cli.train_step import TrainStepConfig, train_step
+
+    targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
+    cfg = TrainStepConfig(
+        model=model, shards=list(shards), out=out, adapter=adapter, loss=loss, scale_rewards=scale_rewards,
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, tis_cap=tis_cap, mask_truncated=mask_truncated,
+        max_completion_length=max_completion_length, epochs=epochs, lr=lr, warmup_steps=warmup_steps,
+        total_steps=total_steps, min_lr_ratio=min_lr_ratio, weight_decay=weight_decay, adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2, max_grad_norm=max_grad_norm, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout, lora_targets=targets, train_norms=train_norms,
+        micro_batch_tokens=micro_batch_tokens, logits_chunk_tokens=logits_chunk_tokens,
+        gradient_checkpointing=gradient_checkpointing, device=device, dtype=dtype, baseline=baseline, seed=seed,
+        skip_bad_lines=skip_bad_lines, metrics_file=metrics_file, force=force, progress=not quiet,
+    )
+    train_step(cfg)

@@ -67,7 +67,7 @@ def sequence_weights(
     microbatch_of: list[int] | None = None,
     max_completion_length: int | None = None,
 ) -> torch.Tensor:
-    """fp64 [N] per-token weight of each sequence (see the module table).
+    """fp64 [N] per-token weight of each sequence (see the module table); 0 where ``n_b`` is 0.
 
     ``token_counts`` are unmasked completion tokens (0 for a masked sequence);
     ``microbatch_of[b]`` is b's micro-batch (bnpo only); ``max_completion_length`` defaults to
@@ -78,6 +78,10 @@ def sequence_weights(
     total = float(n.sum())
     if num == 0 or total == 0:
         raise BadInputError("no completion tokens left to train on (all completions empty or masked)")
+    return _weights(loss_type, n, num, total, microbatch_of, max_completion_length) * (n > 0)
+
+
+def _weights(loss_type, n, num, total, microbatch_of, max_completion_length) -> torch.Tensor:
     if loss_type == "grpo":
         return torch.where(n > 0, 1.0 / (n.clamp(min=1) * num), torch.zeros_like(n))
     if loss_type == "dapo":

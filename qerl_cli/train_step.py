@@ -1,0 +1,677 @@
+"""The ``train-step`` stage: one step's rollout shards + the current adapter -> the next adapter.
+
+How it works, in order:
+
+1. Read and check the shards (one schema version, one base model, one adapter, one AQN noise
+   record, >= 2 completions per group) and the input adapter's ``trainer_state.json``.
+2. Group advantages (``train.advantages``); per-sequence loss weights for the whole step
+   (``train.losses``); token-budget micro-batches, longest first (``train.batching``).
+3. Load the base (NVFP4 QDIR, or a plain HF dir for the 16-bit LoRA baseline) through the one
+   shared decoder; its Linears run ``qerl_kernels.ops.nvfp4_linear`` forward and backward, so no
+   dequantized copy of the model ever exists. LoRA wraps q,k,v,o,gate,up,down; only LoRA (and with
+   ``--train-norms`` the RMSNorm weights) require grad. The AQN noise vectors of the rollout are
+   rebuilt from the shard's ``noise`` record (same seeds -> same vectors).
+4. For each epoch: forward each owned micro-batch (gradient checkpointing per decoder layer),
+   log-probs of the completion tokens in vocabulary chunks (never a [tokens, vocab] tensor for the
+   whole micro-batch), the PPO/TIS/KL loss, backward; then all-reduce the LoRA grads, clip, AdamW.
+   Epoch 1's log-probs (detached) are the "old" policy: the PPO ratio is exactly 1 there, and later
+   epochs reuse them, as do the TIS weights ``min(exp(old - sampling), cap)``.
+5. Rank 0 writes the adapter (PEFT), ``optimizer.safetensors``, ``trainer_state.json`` and
+   ``metrics.jsonl`` through ``StageOutput`` (atomic; same inputs -> "already done").
+
+Determinism: the adapter init, the micro-batch packing and the dropout masks (seeded per
+(seed, step, epoch, micro-batch)) depend only on the inputs, so rerunning a step from the same
+inputs reproduces the adapter bit for bit on the same machine, and a multi-GPU run equals the
+single-process run up to float summation order.
+
+Trade-offs: log-probs are recomputed at the training policy instead of trusting the rollout's
+(costs one forward, which the backward needs anyway); the reference policy for ``--beta`` is the
+same model with LoRA switched off (one more no-grad forward per micro-batch, no second model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
+from qerl_cli.hashing import model_hash, sha256_file
+from qerl_cli.layers.lora import DEFAULT_TARGETS
+from qerl_cli.outputs import StageOutput
+from qerl_cli.train import distributed
+from qerl_cli.train.advantages import SCALES, group_advantages
+from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
+from qerl_cli.train.losses import LossConfig, policy_loss, sequence_weights, tis_weights
+from qerl_cli.train.metrics import Accumulator, append_jsonl, clean
+from qerl_cli.train.optim import (
+    OPTIMIZER_FILE,
+    grad_norm_and_clip,
+    load_optimizer,
+    lr_at,
+    make_optimizer,
+    save_optimizer,
+    set_lr,
+)
+from qerl_cli.train.state import STATE_FILE, TrainerState, capture_rng, restore_rng
+
+STAGE = "train-step"
+METRICS_FILE = "metrics.jsonl"
+NORMS_FILE = "norms.safetensors"
+
+
+@dataclass
+class TrainStepConfig:
+    model: Path
+    shards: list[str]
+    out: Path
+    adapter: Path | None = None
+    # algorithm
+    loss: str = "dapo"
+    scale_rewards: str = "group"
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.28
+    beta: float = 0.0
+    tis_cap: float = 2.0
+    mask_truncated: bool = False
+    max_completion_length: int | None = None
+    epochs: int = 1
+    # optimizer / schedule
+    lr: float = 1e-5
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 0.2
+    # LoRA (None: 16/16/0.0/default targets for a fresh adapter, the adapter's own when resuming)
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_targets: tuple[str, ...] | None = None
+    train_norms: bool = False
+    # machinery
+    micro_batch_tokens: int = 16384
+    logits_chunk_tokens: int = 2048
+    gradient_checkpointing: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    baseline: str | None = None
+    seed: int = 0
+    skip_bad_lines: bool = False
+    metrics_file: Path | None = None
+    force: bool = False
+    progress: bool = True
+
+    # arguments that do not change the result (where things go, how they are shown)
+    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "skip_bad_lines")
+
+    def fingerprint_config(self) -> dict:
+        d = asdict(self)
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in self._NOT_RESULT}
+
+
+@dataclass
+class StepData:
+    """Everything the step needs from the shards, in record order."""
+
+    records: list[dict]
+    files: list[Path]
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    temperatures: list[float]
+    truncated: list[bool]
+    rewards: list[float]
+    group_ids: list[str]
+    base_hash: str
+    adapter_hash: str | None
+    step: int
+    noise: dict | None
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInputError(f"--device {device}: no CUDA GPU is visible")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise BadInputError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype == "auto":
+        # bf16 on GPU (the paper's compute dtype); fp32 on CPU, where bf16 matmuls are slow and
+        # the tests compare against fp32 references.
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in table:
+        raise BadInputError(f"--dtype must be auto, bf16, fp16 or fp32, got {dtype!r}")
+    return table[dtype]
+
+
+def read_step(cfg: TrainStepConfig) -> StepData:
+    """Read the shards and check that they form one consistent step."""
+    from qerl_cli.shards import ReadReport, read_records
+
+    report = ReadReport()
+    recs = read_records(cfg.shards, skip_bad_lines=cfg.skip_bad_lines, report=report)
+    where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
+    if not recs:
+        raise BadInputError(f"{where}: no rollout records to train on")
+    first = recs[0]
+    for i, r in enumerate(recs):
+        if r["policy"].get("base") != first["policy"].get("base"):
+            raise LineageError(
+                f"shards mix base models: record {i} ({r['group_id']}) has base {r['policy'].get('base')!s:.12} "
+                f"but record 0 has {first['policy'].get('base')!s:.12}")
+        if r["policy"].get("adapter") != first["policy"].get("adapter"):
+            raise LineageError(
+                f"shards mix policies: record {i} ({r['group_id']}) was sampled with adapter "
+                f"{r['policy'].get('adapter')!s:.12}, record 0 with {first['policy'].get('adapter')!s:.12}")
+        if r["step"] != first["step"]:
+            raise BadInputError(f"shards mix rollout steps {first['step']} and {r['step']} (record {i}, {r['group_id']})",
+                                hint="train on the shards of one step at a time")
+        if _noise_key(r["noise"]) != _noise_key(first["noise"]):
+            raise BadInputError(f"shards mix AQN noise records: {r['noise']} (record {i}) vs {first['noise']}")
+    temps = []
+    for r in recs:
+        t = r["sampling"].get("temperature", 1.0)
+        t = 1.0 if t is None else float(t)
+        # Greedy (t = 0) records carry the untempered log-prob of the argmax (engine contract).
+        temps.append(t if t > 0 else 1.0)
+    noise = first["noise"] or None
+    if noise is not None and not float(noise.get("sigma", 0.0) or 0.0):
+        noise = None
+    return StepData(
+        records=recs,
+        files=report.files,
+        prompts=[r["prompt_token_ids"] for r in recs],
+        completions=[r["completion_token_ids"] for r in recs],
+        sampling_logprobs=[r["logprobs"] for r in recs],
+        temperatures=temps,
+        truncated=[r["finish_reason"] == "length" for r in recs],
+        rewards=[float(r["reward"]) for r in recs],
+        group_ids=[r["group_id"] for r in recs],
+        base_hash=first["policy"].get("base"),
+        adapter_hash=first["policy"].get("adapter"),
+        step=int(first["step"]),
+        noise=noise,
+    )
+
+
+def _noise_key(noise: dict | None):
+    if not noise or not float(noise.get("sigma", 0.0) or 0.0):
+        return None
+    return (float(noise["sigma"]), int(noise.get("seed", 0)), int(noise.get("step", 0)))
+
+
+def _shards_hash(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _adapter_inputs_hash(adapter: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors", OPTIMIZER_FILE, STATE_FILE, NORMS_FILE):
+        p = Path(adapter) / name
+        if p.exists():
+            h.update(name.encode())
+            h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter_hash: str | None,
+                   state: TrainerState) -> None:
+    src = data.files[0]
+    if data.base_hash != base_hash:
+        raise LineageError(
+            f"{src}: shards were sampled from base model {data.base_hash!s:.12}, but --model {cfg.model} "
+            f"has hash {base_hash:.12}", hint="roll out and train with the same --model")
+    if state.base_model_hash and state.base_model_hash != base_hash:
+        raise LineageError(
+            f"--adapter {cfg.adapter} was trained on base model {state.base_model_hash:.12}, but --model "
+            f"{cfg.model} has hash {base_hash:.12}")
+    if data.adapter_hash != adapter_hash:
+        got = "no adapter (a fresh start)" if adapter_hash is None else f"adapter {adapter_hash:.12} ({cfg.adapter})"
+        was = "no adapter" if data.adapter_hash is None else f"adapter {data.adapter_hash:.12}"
+        raise LineageError(f"{src}: shards were sampled with {was}, but this step continues from {got}",
+                           hint="pass the --adapter the rollout used")
+
+
+# ---- model ---------------------------------------------------------------------------------------
+def _load(cfg: TrainStepConfig, device: str, dtype: torch.dtype):
+    from qerl_cli.adapters import adapter_hash, read_adapter_spec
+    from qerl_cli.layers.lora import LoraSpec
+    from qerl_cli.models import load_model
+
+    if cfg.adapter is not None:
+        spec = read_adapter_spec(cfg.adapter)
+        for flag, mine, theirs in (("--lora-rank", cfg.lora_rank, spec.r), ("--lora-alpha", cfg.lora_alpha, spec.alpha),
+                                   ("--lora-targets", tuple(sorted(cfg.lora_targets)) if cfg.lora_targets else None,
+                                    tuple(sorted(spec.targets)))):
+            if mine is not None and mine != theirs:
+                raise BadInputError(f"{flag} {mine} does not fit --adapter {cfg.adapter} (trained with {theirs})",
+                                    hint=f"drop {flag} to continue the adapter as it is")
+        dropout = spec.dropout if cfg.lora_dropout is None else cfg.lora_dropout
+        spec = LoraSpec(r=spec.r, alpha=spec.alpha, dropout=dropout, targets=spec.targets,
+                        use_rslora=spec.use_rslora, seed=cfg.seed)
+    else:
+        spec = LoraSpec(r=cfg.lora_rank or 16, alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 16.0,
+                        dropout=cfg.lora_dropout or 0.0, targets=tuple(cfg.lora_targets or DEFAULT_TARGETS),
+                        seed=cfg.seed)
+        if spec.r <= 0:
+            raise BadInputError(f"--lora-rank must be positive, got {spec.r}")
+    model = load_model(cfg.model, device=device, dtype=dtype, lora=spec, adapter_dir=cfg.adapter)
+    if cfg.baseline == "bf16" and model.is_quantized:
+        raise BadInputError(f"--baseline bf16 expects a plain 16-bit HF model dir, but {cfg.model} is NVFP4-quantized")
+    parent = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
+    return model, spec, parent
+
+
+def _trainable(model, train_norms: bool) -> list[tuple[str, torch.nn.Parameter]]:
+    from qerl_cli.layers.norm import RMSNorm
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    named = []
+    for name, p in model.named_parameters():
+        if ".lora_A" in name or ".lora_B" in name:
+            p.requires_grad_(True)
+            named.append((name, p))
+    if train_norms:
+        for mname, m in model.named_modules():
+            if isinstance(m, RMSNorm):
+                # Master copy in fp32: bf16 cannot hold lr-sized updates of a weight near 1.
+                m.weight.data = m.weight.data.float()
+                m.weight.requires_grad_(True)
+                named.append((f"{mname}.weight", m.weight))
+    return named
+
+
+def _load_norms(model, path: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as fh:
+        for k in fh.keys():
+            if k not in params:
+                raise BadInputError(f"{path}: norm weight {k!r} matches no norm of this model")
+            t = fh.get_tensor(k)
+            if t.shape != params[k].shape:
+                raise BadInputError(f"{path}: {k!r} has shape {tuple(t.shape)}, the model's is {tuple(params[k].shape)}")
+            with torch.no_grad():
+                params[k].copy_(t.to(params[k].dtype))
+
+
+# ---- log-probs -----------------------------------------------------------------------------------
+def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor):
+    logits = model.compute_logits(h) * inv_temp.unsqueeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, ent
+
+
+def token_logprobs(model, hidden_sel: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor,
+                   chunk: int = 2048):
+    """Log-prob (differentiable) and entropy (detached) of ``targets`` [T] from hidden states [T, H].
+
+    Chunks of ``chunk`` tokens with activation checkpointing: only one chunk's fp32 logits
+    ([chunk, vocab]) exist at a time, forward or backward (a 150k vocab makes the whole
+    micro-batch's logits several GB).
+    """
+    lps, ents = [], []
+    grad = hidden_sel.requires_grad and torch.is_grad_enabled()
+    for i in range(0, hidden_sel.shape[0], max(1, chunk)):
+        args = (hidden_sel[i : i + chunk], targets[i : i + chunk], inv_temp[i : i + chunk])
+        if grad:
+            lp, ent = checkpoint(lambda a, b, c: _chunk_logprobs(model, a, b, c), *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(model, *args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        z = hidden_sel.new_zeros(0, dtype=torch.float32)
+        return z, z
+    return torch.cat(lps), torch.cat(ents)
+
+
+def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int):
+    """Completion-token log-probs [T] (and entropies) of one micro-batch under the current model."""
+    ids = mb.input_ids.to(device)
+    mask = mb.attention_mask.to(device)
+    hidden = model.forward_train(ids, mask)
+    sel = hidden[mb.rows.to(device), mb.cols.to(device)]
+    inv_t = inv_temp_seq[mb.seq_of_token].to(device=device, dtype=torch.float32)
+    return token_logprobs(model, sel, mb.targets.to(device), inv_t, chunk)
+
+
+def _dropout_seed(seed: int, step: int, epoch: int, mb: int) -> int:
+    key = f"qerl-dropout:{seed}:{step}:{epoch}:{mb}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+# ---- the stage -----------------------------------------------------------------------------------
+def train_step(cfg: TrainStepConfig) -> dict:
+    """Run one training step; returns the output manifest (with ``metrics``)."""
+    LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap).validate()
+    if cfg.scale_rewards not in SCALES:
+        raise BadInputError(f"--scale-rewards must be one of {', '.join(SCALES)}, got {cfg.scale_rewards!r}")
+    if cfg.epochs < 1:
+        raise BadInputError(f"--epochs must be >= 1, got {cfg.epochs}")
+    if cfg.lr < 0 or not math.isfinite(cfg.lr):
+        raise BadInputError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+    if cfg.baseline not in (None, "bf16"):
+        raise BadInputError(f"--baseline must be bf16 (or omitted), got {cfg.baseline!r}")
+    if cfg.adapter is not None and not Path(cfg.adapter).is_dir():
+        raise BadInputError(f"--adapter {cfg.adapter} is not a directory")
+    if not Path(cfg.model).is_dir():
+        raise BadInputError(f"--model {cfg.model} is not a directory")
+    device = _resolve_device(cfg.device)
+    dtype = _resolve_dtype(cfg.dtype, device)
+
+    data = read_step(cfg)
+    base_hash = model_hash(Path(cfg.model))
+    inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
+    if cfg.adapter is not None:
+        inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
+    out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(), inputs=inputs, force=cfg.force)
+    if out.already_done():
+        _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)")
+        return out.manifest
+
+    state = TrainerState()
+    if cfg.adapter is not None and (Path(cfg.adapter) / STATE_FILE).exists():
+        state = TrainerState.load(Path(cfg.adapter) / STATE_FILE)
+    elif cfg.adapter is not None:
+        _say(cfg, f"note: {cfg.adapter} has no {STATE_FILE}; starting the schedule at step {data.step}")
+        state.global_step = data.step
+    if data.step != state.global_step:
+        _say(cfg, f"warning: shards are from rollout step {data.step} but the adapter is at step {state.global_step}")
+
+    adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
+    lengths = [len(p) + len(c) for p, c in zip(data.prompts, data.completions)]
+    groups = pack_microbatches(lengths, cfg.micro_batch_tokens)
+    mb_of = [0] * len(lengths)
+    for j, g in enumerate(groups):
+        for s in g:
+            mb_of[s] = j
+    live_tokens = [0 if (cfg.mask_truncated and tr) else len(c) for c, tr in zip(data.completions, data.truncated)]
+    seq_w = sequence_weights(cfg.loss, live_tokens, mb_of, cfg.max_completion_length)
+
+    dist = distributed.setup(device)
+    try:
+        if dist.enabled and device.startswith("cuda"):
+            device = f"cuda:{dist.local_rank}"
+        return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash)
+    finally:
+        dist.close()
+
+
+def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash):
+    from qerl_cli.aqn import apply_noise, clear_noise
+    from qerl_cli.layers.lora import lora_disabled
+
+    t_start = time.time()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        model, spec, parent_hash = _load(cfg, device, dtype)
+    except torch.OutOfMemoryError:
+        raise OutOfMemoryError(f"out of GPU memory loading {cfg.model} on {device}",
+                               hint="the base model alone does not fit this GPU") from None
+    _check_lineage(cfg, data, base_hash, parent_hash, state)
+    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
+        if not cfg.train_norms:
+            raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS_FILE}); pass --train-norms")
+    named = _trainable(model, cfg.train_norms)
+    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
+        _load_norms(model, Path(cfg.adapter) / NORMS_FILE)
+    params = [p for _, p in named]
+    if data.noise is not None:
+        rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]))
+        if data.noise.get("norms") and list(data.noise["norms"]) != list(rec["norms"]):
+            raise BadInputError(f"{data.files[0]}: noise was applied to norms {data.noise['norms']}, this qerl noises {rec['norms']}")
+    else:
+        clear_noise(model)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.train()
+
+    opt = make_optimizer(named, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                         weight_decay=cfg.weight_decay)
+    if cfg.adapter is not None and (Path(cfg.adapter) / OPTIMIZER_FILE).exists():
+        load_optimizer(opt, Path(cfg.adapter) / OPTIMIZER_FILE)
+    elif cfg.adapter is not None:
+        _say(cfg, f"note: {cfg.adapter} has no {OPTIMIZER_FILE}; AdamW moments start from zero")
+    if state.rng:
+        restore_rng(state.rng)
+    else:
+        torch.manual_seed(cfg.seed)
+
+    inv_temp = torch.tensor([1.0 / t for t in data.temperatures], dtype=torch.float32)
+    adv_seq = adv.values
+    w_seq = seq_w.to(torch.float32)  # already 0 for masked (--mask-truncated) sequences
+    samp_lp = data.sampling_logprobs
+    lcfg = LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap)
+    owned = [j for j in range(len(groups)) if dist.owns(j)]
+    mbs = {j: collate(j, groups[j], data.prompts, data.completions) for j in owned}
+    old_lp: dict[int, torch.Tensor] = {}
+    ref_lp: dict[int, torch.Tensor] = {}
+    isw: dict[int, torch.Tensor] = {}
+    acc = Accumulator()
+    losses_per_epoch, grad_norms, lrs = [], [], []
+    step = state.global_step
+    progress = _progress(cfg, dist, len(owned) * cfg.epochs)
+    try:
+        for epoch in range(cfg.epochs):
+            lr = lr_at(step + epoch / cfg.epochs, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
+            set_lr(opt, lr)
+            lrs.append(lr)
+            opt.zero_grad(set_to_none=True)
+            epoch_loss = torch.zeros((), dtype=torch.float64)
+            bad_mb = -1
+            for j in owned:
+                mb = mbs[j]
+                tok_seq = mb.seq_of_token
+                torch.manual_seed(_dropout_seed(cfg.seed, step, epoch, j))
+                logp, ent = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens)
+                if epoch == 0:
+                    old_lp[j] = logp.detach()
+                    samp = torch.tensor([x for s in mb.seqs for x in samp_lp[s]], dtype=torch.float32, device=device)
+                    w_is, raw = tis_weights(old_lp[j], samp, cfg.tis_cap)
+                    isw[j] = w_is if cfg.tis_cap else None
+                    if cfg.beta > 0:
+                        with torch.no_grad(), lora_disabled(model):
+                            ref_lp[j] = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens)[0]
+                    live = (w_seq[tok_seq] > 0).to(device)
+                    n_live = float(live.sum())
+                    if n_live:
+                        diff = (old_lp[j] - samp)[live]
+                        acc.add(tokens=n_live, entropy=float(ent[live].sum()), is_ratio=float(raw[live].sum()),
+                                is_capped=float((raw[live] > cfg.tis_cap).sum()) if cfg.tis_cap else 0.0,
+                                lp_abs_diff=float(diff.abs().sum()))
+                        acc.min(is_ratio=float(raw[live].min()))
+                        acc.max(is_ratio=float(raw[live].max()), lp_abs_diff=float(diff.abs().max()))
+                adv_t = adv_seq[tok_seq].to(device)
+                w_t = w_seq[tok_seq].to(device)
+                loss, _, st = policy_loss(logp, old_lp[j], adv_t, w_t, lcfg, is_weight=isw.get(j), ref_logp=ref_lp.get(j))
+                if not torch.isfinite(loss):
+                    bad_mb = j
+                    break
+                loss.backward()
+                epoch_loss += float(loss.detach())
+                if epoch == 0:
+                    acc.add(clip_low=st.clip_low, clip_high=st.clip_high, kl=st.kl)
+                progress.advance()
+            flag = torch.tensor([float(bad_mb)], dtype=torch.float64)
+            dist.all_reduce_(flag.to(device) if cuda and dist.enabled else flag, "max")
+            if float(flag) >= 0:
+                raise NumericalError(f"non-finite loss at step {step} (epoch {epoch + 1}), micro-batch {int(float(flag))}",
+                                     hint="lower --lr or check the shard's rewards/log-probs; nothing was written")
+            loss_t = epoch_loss.to(device) if cuda and dist.enabled else epoch_loss
+            losses_per_epoch.append(float(dist.all_reduce_(loss_t)))
+            dist.all_reduce_grads_(params)
+            gn = grad_norm_and_clip(params, cfg.max_grad_norm)
+            if not math.isfinite(gn):
+                raise NumericalError(f"non-finite gradient norm at step {step} (epoch {epoch + 1})",
+                                     hint="lower --lr; nothing was written")
+            grad_norms.append(gn)
+            opt.step()
+    except torch.OutOfMemoryError:
+        biggest = max((mbs[j].padded_tokens for j in owned), default=0)
+        raise OutOfMemoryError(
+            f"out of GPU memory in a training micro-batch on {device} (largest has {biggest} padded tokens)",
+            hint=f"lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens") from None
+    finally:
+        progress.stop()
+    if cuda:
+        torch.cuda.synchronize(device)
+    step_time = time.time() - t_start
+
+    keys = {"sum": ["tokens", "entropy", "is_ratio", "is_capped", "lp_abs_diff", "clip_low", "clip_high", "kl"],
+            "min": ["is_ratio"], "max": ["is_ratio", "lp_abs_diff"]}
+    acc.reduce(dist, keys)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    if dist.enabled and cuda:
+        t = torch.tensor([peak], device=device)
+        peak = float(dist.all_reduce_(t, "max"))
+    metrics = _metrics(cfg, data, adv, groups, live_tokens, acc, losses_per_epoch, grad_norms, lrs, step_time, peak, step)
+
+    new_state = TrainerState(
+        global_step=step + 1,
+        optimizer_steps=state.optimizer_steps + cfg.epochs,
+        base_model_hash=base_hash,
+        lineage=state.lineage + ([parent_hash] if parent_hash else []),
+        schedule={"position": step + 1, "lr": cfg.lr, "last_lr": lrs[-1], "warmup_steps": cfg.warmup_steps,
+                  "total_steps": cfg.total_steps, "min_lr_ratio": cfg.min_lr_ratio, "epochs": cfg.epochs},
+        rng=capture_rng(cfg.seed),
+        lora={"r": spec.r, "alpha": spec.alpha, "dropout": spec.dropout, "targets": list(spec.targets),
+              "train_norms": cfg.train_norms},
+        last_shards=[str(f) for f in data.files],
+    )
+    manifest = None
+    if dist.is_main:
+        out.extra["metrics"] = metrics
+        with out as work:
+            _write_outputs(work, cfg, model, opt, new_state, named, metrics)
+        manifest = out.manifest
+        if cfg.metrics_file is not None:
+            append_jsonl(Path(cfg.metrics_file), metrics)
+        _say(cfg, f"step {step} -> {cfg.out}: loss {metrics['loss']:.4g}, reward {metrics['reward_mean']:.3f}, "
+                  f"grad norm {metrics['grad_norm']:.3g}, {metrics['tokens_per_s']:.0f} tok/s")
+    dist.barrier()
+    return manifest if manifest is not None else {"metrics": metrics}
+
+
+def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metrics) -> None:
+    from safetensors.torch import save_file
+
+    from qerl_cli.adapters import save_adapter
+
+    save_adapter(model, work, base_model_path=str(cfg.model))
+    save_optimizer(opt, work / OPTIMIZER_FILE)
+    if cfg.train_norms:
+        norms = {n: p.detach().float().cpu().contiguous() for n, p in named if ".lora_" not in n}
+        save_file(norms, str(work / NORMS_FILE), metadata={"format": "pt"})
+    state.save(work / STATE_FILE)
+    append_jsonl(work / METRICS_FILE, metrics)
+
+
+def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_norms, lrs, step_time, peak, step) -> dict:
+    rewards = torch.tensor(data.rewards, dtype=torch.float64)
+    clen = torch.tensor([len(c) for c in data.completions], dtype=torch.float64)
+    total_tokens = sum(len(p) + len(c) for p, c in zip(data.prompts, data.completions)) * cfg.epochs
+    n = acc.sums.get("tokens", 0.0)
+    mean = (lambda k: acc.sums.get(k, 0.0) / n if n else None)  # noqa: E731
+    rec = {
+        "step": step,
+        "loss": losses[0],
+        "loss_last_epoch": losses[-1],
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "zero_variance_groups": adv.zero_variance_fraction,
+        "groups": adv.num_groups,
+        "completions": len(data.records),
+        "advantage_abs_mean": float(adv.values.abs().mean()),
+        "entropy": mean("entropy"),
+        "clip_ratio_low": mean("clip_low"),
+        "clip_ratio_high": mean("clip_high"),
+        "is_ratio_mean": mean("is_ratio"),
+        "is_ratio_min": acc.mins.get("is_ratio"),
+        "is_ratio_max": acc.maxs.get("is_ratio"),
+        "is_capped_fraction": mean("is_capped") if cfg.tis_cap else None,
+        "logprob_abs_diff_mean": mean("lp_abs_diff"),
+        "logprob_abs_diff_max": acc.maxs.get("lp_abs_diff"),
+        "kl": mean("kl") if cfg.beta > 0 else None,
+        "completion_length_mean": float(clen.mean()),
+        "completion_length_min": int(clen.min()),
+        "completion_length_max": int(clen.max()),
+        "truncated_fraction": float(sum(data.truncated) / len(data.truncated)),
+        "trained_tokens": int(sum(live_tokens)),
+        "grad_norm": grad_norms[-1],
+        "grad_norm_per_epoch": grad_norms if len(grad_norms) > 1 else None,
+        "lr": lrs[0],
+        "micro_batches": len(groups),
+        "tokens_per_s": total_tokens / step_time if step_time > 0 else None,
+        "step_time_s": step_time,
+        "peak_gpu_memory_gib": peak,
+        "aqn_sigma": float(data.noise["sigma"]) if data.noise else 0.0,
+    }
+    return clean({k: v for k, v in rec.items() if v is not None or k in ("kl", "peak_gpu_memory_gib")})
+
+
+class _NoProgress:
+    def advance(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+class _RichProgress:
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.p = Progress(TextColumn("train-step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          transient=True, console=_console())
+        self.task = self.p.add_task("micro-batches", total=total)
+        self.p.start()
+
+    def advance(self):
+        self.p.advance(self.task)
+
+    def stop(self):
+        self.p.stop()
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=sys.stderr)
+
+
+def _progress(cfg, dist, total):
+    if cfg.progress and dist.is_main and sys.stderr.isatty():
+        return _RichProgress(total)
+    return _NoProgress()
+
+
+def _say(cfg, msg: str) -> None:
+    if cfg.progress:
+        print(msg, file=sys.stderr)
