@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import BadInputError, LineageError, NumericalError
-from qerl_cli.hashing import dir_hash, model_hash
+from qerl_cli.hashing import model_hash
 from qerl_cli.outputs import StageOutput
 
 DTYPES = ("bf16", "nvfp4")
@@ -169,8 +169,9 @@ def read_adapter(adapter_dir: Path) -> Adapter:
             base_hash = json.loads(state_path.read_text()).get("base_model_hash")
         except (ValueError, AttributeError) as e:
             raise BadInputError(f"{state_path}: unreadable trainer state ({e})") from None
-    return Adapter(adapter_dir, cfg, deltas, replacements, base_hash,
-                   hash=dir_hash(adapter_dir, names=[ADAPTER_CONFIG, ADAPTER_WEIGHTS]))
+    from qerl_cli.adapters import adapter_hash
+
+    return Adapter(adapter_dir, cfg, deltas, replacements, base_hash, hash=adapter_hash(adapter_dir))
 
 
 def check_lineage(adapter: Adapter, model_dir: Path, base_hash: str | None = None) -> str:
@@ -404,8 +405,27 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 
 
 def requantize_nvfp4(bf16_dir: Path, out_dir: Path, cfg: MergeConfig, *, progress: bool = True) -> dict:
-    """Quantize the merged bf16 checkpoint into ``out_dir`` with `qerl quantize`'s code; return
-    the re-quantization error summary."""
-    from qerl_cli.errors import NotBuiltError
+    """Quantize the merged bf16 checkpoint into ``out_dir`` with `qerl quantize`'s own code (same
+    format, same shared q/k/v and gate/up global scales, same error measure) and return the
+    re-quantization error summary: relative Frobenius error of each re-quantized Linear against the
+    merged bf16 weight."""
+    from qerl_cli.quantize import QuantizeConfig, quantize
 
-    raise NotBuiltError("merge --dtype nvfp4 needs the quantize stage, which has not landed yet")
+    tmp = out_dir / ".nvfp4"
+    res = quantize(QuantizeConfig(src=bf16_dir, out=tmp, format="compressed-tensors", device="auto",
+                                  max_shard_size=str(cfg.max_shard_size), progress=progress))
+    for p in tmp.iterdir():
+        if p.name != "manifest.json":  # the merge manifest replaces quantize's
+            p.rename(out_dir / p.name)
+    shutil.rmtree(tmp)
+    s = res.summary
+    return {
+        "format": s["format"],
+        "quantized_linears": s["quantized_linears"],
+        "kept_linears": s["kept_linears"],
+        "rel_err_mean": s["mean_rel_error"],
+        "rel_err_max": s["max_rel_error"]["value"],
+        "rel_err_max_module": s["max_rel_error"]["module"],
+        "per_layer_max_rel_error": s["per_layer_max_rel_error"],
+        "size_bytes": s["size_after_bytes"],
+    }

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import typer
-
-from qerl_cli.errors import BadInputError
 
 SHORT = "Merge a LoRA adapter into the base: a servable bf16 or NVFP4 checkpoint."
 HELP = (
@@ -21,20 +18,6 @@ HELP = (
     "  qerl merge --model runs/q/qwen-nvfp4 --adapter runs/step-0100 --out runs/merged-bf16\n\n"
     "  qerl merge --model runs/q/qwen-nvfp4 --adapter runs/step-0100 --out runs/merged-fp4 --dtype nvfp4"
 )
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'5GB' / '500MiB' / '1048576' -> bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise BadInputError(f"{flag} {text!r} is not a size", hint="e.g. 5GB, 500MiB or a byte count")
-    unit = m.group(2).upper().removesuffix("B")
-    return int(float(m.group(1)) * _UNITS[unit])
-
 
 def command(
     model: Path = typer.Option(..., "--model", help="Base model dir: a qerl/compressed-tensors NVFP4 QDIR or a plain "
@@ -51,9 +34,10 @@ def command(
     from rich.console import Console
 
     from qerl_cli.merge import MergeConfig, merge
+    from qerl_cli.quantize import parse_size
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
-                      max_shard_size=parse_size(max_shard_size, "--max-shard-size"), force=force)
+                      max_shard_size=parse_size(max_shard_size), force=force)
     m = merge(cfg, progress=not quiet)
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})

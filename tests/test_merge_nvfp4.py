@@ -1,0 +1,99 @@
+"""`qerl merge` from an NVFP4 base: bf16 output equals qerl's unmerged forward; --dtype nvfp4 error bound."""
+
+import json
+
+import pytest
+import torch
+from qerl_kernels.reference import dequantize
+from safetensors.torch import load_file
+
+from qerl_cli.hashing import model_hash
+from qerl_cli.merge import MergeConfig, merge
+from qerl_cli.quantize import QuantizeConfig, quantize
+from tests.helpers import make_tiny_hf_model
+from tests.test_merge import IDS, hf_logits, make_peft_adapter
+
+
+def qerl_logits(model_dir, adapter_dir, ids):
+    """The unmerged forward: qerl's own decoder, NVFP4 base + LoRA wrapper (not merge's code)."""
+    from qerl_cli.models import load_model
+
+    model = load_model(model_dir, device="cpu", dtype=torch.float32, adapter_dir=adapter_dir)
+    with torch.no_grad():
+        return model.compute_logits(model.forward_train(ids, torch.ones_like(ids)))
+
+
+@pytest.fixture(scope="module")
+def qpair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mq")
+    src = make_tiny_hf_model(tmp, arch="qwen2", hidden=64, layers=2)
+    qdir = tmp / "q"
+    quantize(QuantizeConfig(src=src, out=qdir, device="cpu", progress=False))
+    adapter = make_peft_adapter(src, tmp / "adapter", base_hash=model_hash(qdir))
+    return src, qdir, adapter
+
+
+def test_bf16_merge_of_nvfp4_base_matches_unmerged_forward(qpair, tmp_path):
+    _, qdir, adapter = qpair
+    m = merge(MergeConfig(qdir, adapter, tmp_path / "m"), progress=False)
+    s = m["summary"]
+    assert s["base_quantized"] and s["dequantized_modules"] == 14 and s["lineage"] == "verified"
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    ref = qerl_logits(qdir, adapter, IDS)
+    plain = qerl_logits(qdir, None, IDS)
+    got = hf_logits(tmp_path / "m", IDS)
+    err = (got - ref).abs().max().item()
+    assert (ref - plain).abs().max().item() > 20 * err
+    assert err < 2e-2 * ref.abs().max().item()
+
+
+def test_nvfp4_merge_is_quantize_of_bf16_merge_with_bounded_error(qpair, tmp_path):
+    _, qdir, adapter = qpair
+    mb = tmp_path / "bf16"
+    merge(MergeConfig(qdir, adapter, mb), progress=False)
+    m = merge(MergeConfig(qdir, adapter, tmp_path / "fp4", dtype="nvfp4"), progress=False)
+    out = tmp_path / "fp4"
+    rq = m["summary"]["requantization"]
+    assert rq["quantized_linears"] == 14
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert (out / "tokenizer.json").exists()
+
+    # The same bytes `qerl quantize` writes for the merged bf16 checkpoint (one code path).
+    again = tmp_path / "requant"
+    quantize(QuantizeConfig(src=mb, out=again, device="cpu", progress=False))
+    a, b = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
+    # q/k/v share one global scale, gate/up another (vLLM fuses them).
+    pre = "model.layers.0"
+    gq = {a[f"{pre}.self_attn.{p}_proj.weight_global_scale"].item() for p in "qkv"}
+    gm = {a[f"{pre}.mlp.{p}_proj.weight_global_scale"].item() for p in ("gate", "up")}
+    assert len(gq) == 1 and len(gm) == 1
+
+    # The reported error is the relative Frobenius error against the merged bf16 weights.
+    merged = load_file(mb / "model.safetensors")
+    errs = {}
+    for name in merged:
+        if name.endswith("_proj.weight"):
+            mod = name.removesuffix(".weight")
+            w = merged[name].float()
+            deq = dequantize(a[f"{mod}.weight_packed"], a[f"{mod}.weight_scale"], a[f"{mod}.weight_global_scale"],
+                             dtype=torch.float32)
+            errs[mod] = ((deq - w).norm() / w.norm()).item()
+    assert max(errs.values()) == pytest.approx(rq["rel_err_max"], abs=1e-5)
+    assert sum(errs.values()) / len(errs) == pytest.approx(rq["rel_err_mean"], abs=1e-5)
+    # E2M1 with a per-16 fp8 scale: worst-case rounding is 1/6 of a block's max per element
+    # (between 4 and 6); Gaussian weights land near 0.1 in Frobenius norm.
+    assert 0.02 < rq["rel_err_max"] < 0.17
+
+    # End to end: the FP4 checkpoint's logits stay within the same order as the base's own
+    # quantization error of the unmerged (NVFP4 base + adapter) forward.
+    ref = qerl_logits(qdir, adapter, IDS)
+    got = qerl_logits(out, None, IDS)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 0.25, rel
