@@ -1,12 +1,21 @@
 """Dispatch for NVFP4 linear algebra: Triton kernels on CUDA, the torch reference elsewhere.
 
-``nvfp4_linear(x, w)`` is differentiable with respect to ``x`` (the base weight is frozen;
-LoRA trains around it), so training backpropagates through the quantized base without
-ever materialising a dequantized copy of the model.
+``nvfp4_linear(x, w, bias)`` is differentiable with respect to ``x`` and ``bias`` (the base
+weight is frozen; LoRA trains around it), so training backpropagates through the quantized base
+without ever materialising a dequantized copy of the model: on CUDA the forward is
+``gemm_fwd.nvfp4_matmul`` (bias fused into its epilogue) and the backward's grad-input is
+``gemm_bwd.nvfp4_matmul_grad_input``, both decoding the on-disk layout in registers.
+
+Dispatch rule: CUDA tensors in bf16/fp16 take the Triton kernels; fp32 activations on CUDA take
+the reference (dequantize + cuBLAS fp32: exact, and fp32 models are for tests, not speed); CPU
+always takes the reference. ``QERL_KERNELS=reference`` forces the reference everywhere (debugging);
+``QERL_KERNELS=triton`` forces the kernels for any device and dtype (with ``TRITON_INTERPRET=1``
+that runs them on CPU, which is how the CPU test suite checks them).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,20 +46,53 @@ class NVFP4Weight:
         return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device))
 
 
+def _use_triton(x: torch.Tensor) -> bool:
+    mode = os.environ.get("QERL_KERNELS", "auto")
+    if mode == "triton":  # forced: any device/dtype (the CPU interpreter tests use this)
+        return True
+    return mode != "reference" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _forward(x2d, packed, scale, global_scale, bias):
+    if _use_triton(x2d):
+        from qerl_kernels.gemm_fwd import nvfp4_matmul
+
+        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias)
+    return reference.linear(x2d, packed, scale, global_scale, bias)
+
+
+def _grad_input(gy, packed, scale, global_scale):
+    if _use_triton(gy):
+        from qerl_kernels.gemm_bwd import nvfp4_matmul_grad_input
+
+        return nvfp4_matmul_grad_input(gy, packed, scale, global_scale)
+    return gy @ reference.dequantize(packed, scale, global_scale, dtype=gy.dtype)
+
+
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale):
+    def forward(ctx, x2d, packed, scale, global_scale, bias):
         ctx.save_for_backward(packed, scale, global_scale)
-        return reference.linear(x, packed, scale, global_scale)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return _forward(x2d, packed, scale, global_scale, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         packed, scale, global_scale = ctx.saved_tensors
-        w = reference.dequantize(packed, scale, global_scale, dtype=grad_out.dtype)
-        return grad_out @ w, None, None, None
+        grad_out = grad_out.contiguous()
+        gx = _grad_input(grad_out, packed, scale, global_scale) if ctx.needs_input_grad[0] else None
+        gb = None
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            gb = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return gx, None, None, None, gb
 
 
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(w)^T (+ bias); gradients flow to x (and bias), never to w."""
-    y = _NVFP4LinearFn.apply(x, w.packed, w.scale, w.global_scale)
-    return y if bias is None else y + bias
+    """y = x @ dequant(w)^T (+ bias), any leading dims on x; gradients flow to x and bias, never to w."""
+    k = w.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
+    lead = x.shape[:-1]
+    y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias)
+    return y.reshape(*lead, w.out_features)

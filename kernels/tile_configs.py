@@ -1,0 +1,157 @@
+"""Tile configurations for the NVFP4 GEMMs: a measured table for known shapes, a heuristic otherwise.
+
+Trade-off: Triton's autotuner would time every candidate on first use of each shape, which
+costs seconds per shape in every process (and is unsafe during CUDA-graph capture). A small
+table measured once on an H100 (``benchmarks/bench_kernels.py --sweep`` prints its entries)
+plus a shape heuristic gives a config instantly and deterministically; an unknown shape gets the
+heuristic, which follows the same rules the sweep picked for the known shapes.
+
+Rules (why the shapes are what they are):
+- M <= 64: weight-read-bound. ``swap`` computes Y^T = W X^T so the decoded weight tile is the
+  MMA's M operand (>= 64 rows for wgmma) and the few activation rows are its N (16..64).
+  Split-K fills the 132 SMs when N / BLOCK_N tiles alone are too few.
+- M >= 128: compute-bound. BLOCK_M a multiple of 64 so Triton emits wgmma; each decoded
+  weight tile is reused across BLOCK_M rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
+NUM_SMS_DEFAULT = 132
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    bm: int  # rows of X per tile (the MMA's N when swap)
+    bn: int  # output features per tile
+    bkh: int  # packed bytes of K per step (= 2 * bkh elements)
+    split_k: int = 1
+    warps: int = 4
+    stages: int = 3
+    swap: bool = False
+    group_m: int = 8
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    bm: int  # rows of dY per tile
+    bn: int  # reduction (output features of the forward) per step
+    bkh: int  # packed bytes of K per tile: the tile writes 2 * bkh columns of dX
+    warps: int = 8
+    stages: int = 3
+    group_m: int = 8
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def m_bucket(m: int) -> int:
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+# (m_bucket, N, K) -> FwdConfig, measured on an H100 (see docs/benchmarks.md, "kernels").
+FWD_TABLE: dict[tuple[int, int, int], FwdConfig] = {}
+# (N, K) -> BwdConfig for the grad-input kernel at M >= 1024.
+BWD_TABLE: dict[tuple[int, int], BwdConfig] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_split(m: int, n: int, k: int, cfg: FwdConfig, num_sms: int = NUM_SMS_DEFAULT) -> int:
+    """Split-K factor that gives about two waves of programs without starving each of K."""
+    tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
+    ksteps = _cdiv(k // 2, cfg.bkh)
+    if tiles >= num_sms:
+        return 1
+    want = _cdiv(2 * num_sms, tiles)
+    # Keep >= 4 K steps per program so the software pipeline has something to overlap.
+    return max(1, min(want, ksteps // 4, 32))
+
+
+def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig:
+    if m <= 16:
+        cfg = FwdConfig(bm=16, bn=64, bkh=128, warps=4, stages=4, swap=True)
+    elif m <= 32:
+        cfg = FwdConfig(bm=32, bn=64, bkh=128, warps=4, stages=4, swap=True)
+    elif m <= 64:
+        cfg = FwdConfig(bm=64, bn=64, bkh=64, warps=4, stages=4, swap=True)
+    elif m <= 128:
+        cfg = FwdConfig(bm=64, bn=128, bkh=32, warps=4, stages=4)
+    elif m <= 256:
+        cfg = FwdConfig(bm=128, bn=128, bkh=32, warps=8, stages=3)
+    else:
+        cfg = FwdConfig(bm=128, bn=256, bkh=32, warps=8, stages=3)
+    split = choose_split(m, n, k, cfg, num_sms)
+    return FwdConfig(**{**cfg.as_dict(), "split_k": split})
+
+
+def fwd_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig:
+    hit = FWD_TABLE.get((m_bucket(m), n, k))
+    return hit if hit is not None else heuristic_fwd(m, n, k, num_sms)
+
+
+def bwd_config(m: int, n: int, k: int) -> BwdConfig:
+    hit = BWD_TABLE.get((n, k)) if m >= 1024 else None
+    if hit is not None:
+        return hit
+    if m <= 64:
+        return BwdConfig(bm=64, bn=64, bkh=32, warps=4, stages=3)
+    return BwdConfig(bm=128, bn=64, bkh=64, warps=8, stages=3)
+
+
+def fwd_candidates(m: int) -> list[FwdConfig]:
+    """Configs the sweep times for one M bucket (split_k filled in per shape by ``choose_split``)."""
+    if m <= 16:
+        base = [
+            FwdConfig(16, 64, 128, warps=4, stages=4, swap=True),
+            FwdConfig(16, 128, 64, warps=4, stages=4, swap=True),
+            FwdConfig(16, 64, 64, warps=4, stages=5, swap=True),
+            FwdConfig(16, 128, 128, warps=8, stages=3, swap=True),
+            FwdConfig(16, 64, 128, warps=4, stages=4, swap=False),
+        ]
+    elif m <= 64:
+        bm = 32 if m <= 32 else 64
+        base = [
+            FwdConfig(bm, 64, 128, warps=4, stages=4, swap=True),
+            FwdConfig(bm, 128, 64, warps=4, stages=4, swap=True),
+            FwdConfig(bm, 64, 64, warps=4, stages=5, swap=True),
+            FwdConfig(bm, 128, 128, warps=8, stages=3, swap=True),
+            FwdConfig(bm, 64, 64, warps=4, stages=4, swap=False),
+        ]
+    elif m <= 256:
+        base = [
+            FwdConfig(64, 128, 32, warps=4, stages=4),
+            FwdConfig(128, 128, 32, warps=8, stages=3),
+            FwdConfig(128, 64, 64, warps=4, stages=4),
+            FwdConfig(64, 128, 64, warps=4, stages=4, swap=True),
+            FwdConfig(128, 128, 64, warps=8, stages=3, swap=True),
+        ]
+    else:
+        base = [
+            FwdConfig(128, 256, 32, warps=8, stages=3),
+            FwdConfig(128, 128, 32, warps=8, stages=4),
+            FwdConfig(128, 128, 64, warps=8, stages=3),
+            FwdConfig(256, 128, 32, warps=8, stages=3, swap=True),
+            FwdConfig(128, 128, 64, warps=8, stages=3, swap=True),
+        ]
+    return base
+
+
+def bwd_candidates() -> list[BwdConfig]:
+    return [
+        BwdConfig(128, 64, 64, warps=8, stages=3),
+        BwdConfig(128, 64, 128, warps=8, stages=3),
+        BwdConfig(128, 32, 128, warps=8, stages=4),
+        BwdConfig(64, 64, 128, warps=4, stages=4),
+        BwdConfig(128, 64, 64, warps=4, stages=4),
+    ]

@@ -1,0 +1,63 @@
+"""The Triton kernels on a CUDA GPU in bf16 (the fast sm_90 decode) and fp16, against fp64."""
+
+import pytest
+import torch
+
+from qerl_kernels.testing import TOL, grad_check, run_case
+from qerl_kernels.tile_configs import bwd_candidates, fwd_candidates
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 72, 96), (3, 200, 272), (17, 1000, 528), (100, 384, 1040), (1000, 520, 336)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_forward_default_config(m, n, k, dtype):
+    for bias in (False, True):
+        err = run_case("fwd", m, n, k, dtype, None, bias, device="cuda", seed=m + n)
+        assert err < TOL[getattr(torch, dtype)], (m, n, k, dtype, bias, err)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 128, 1024])
+def test_forward_every_sweep_candidate(m):
+    # Every config the benchmark may put in the table must be right, split-K variants included.
+    for cfg in fwd_candidates(m):
+        for split in (1, 3):
+            d = {**cfg.as_dict(), "split_k": split}
+            err = run_case("fwd", m, 264, 784, "bfloat16", d, True, device="cuda", seed=split)
+            assert err < TOL[torch.bfloat16], (d, err)
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 200, 272), (100, 384, 1040), (1000, 520, 336), (2048, 256, 512)])
+def test_grad_input(m, n, k):
+    for dtype in ("bfloat16", "float16"):
+        err = run_case("bwd", m, n, k, dtype, None, False, device="cuda", seed=k)
+        assert err < TOL[getattr(torch, dtype)], (m, n, k, dtype, err)
+    for cfg in bwd_candidates():
+        err = run_case("bwd", m, n, k, "bfloat16", cfg.as_dict(), False, device="cuda", seed=1)
+        assert err < TOL[torch.bfloat16], (cfg, err)
+
+
+def test_portable_decode_on_gpu_in_bf16():
+    err = run_case("fwd", 17, 200, 272, "bfloat16", None, True, device="cuda", fast=False)
+    assert err < TOL[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autograd_through_kernels(dtype):
+    res = grad_check(37, 200, 272, dtype, device="cuda")
+    tol = TOL[getattr(torch, dtype)]
+    assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res
+
+
+def test_split_k_is_deterministic_and_reusable():
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.testing import random_nvfp4
+    from qerl_kernels.tile_configs import FwdConfig
+
+    p, s, g = random_nvfp4(3584, 3584, seed=9, device="cuda")
+    x = torch.randn(4, 3584, device="cuda", dtype=torch.bfloat16)
+    cfg = FwdConfig(16, 64, 128, split_k=8, swap=True)
+    ys = [nvfp4_matmul(x, p, s, g, config=cfg) for _ in range(5)]
+    assert all(torch.equal(ys[0], y) for y in ys[1:])

@@ -1,0 +1,66 @@
+"""Triton kernels on CPU through Triton's interpreter, against the fp64 reference.
+
+TRITON_INTERPRET must be set before triton compiles or launches anything, and it would turn
+every other Triton use in this pytest process into the (slow) interpreter, so the kernels run
+once in a subprocess that reports every case's error as JSON; each case is one test here.
+fp16/fp32 only: the interpreter's bf16 ``tl.dot`` is wrong.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qerl_kernels.testing import INTERP_CASES
+
+pytest.importorskip("triton")
+
+_SCRIPT = r"""
+import json, sys, torch
+from qerl_kernels.testing import INTERP_CASES, run_case, grad_check
+out = {}
+for name, kind, m, n, k, dtype, cfg, bias in INTERP_CASES:
+    try:
+        out[name] = run_case(kind, m, n, k, dtype, cfg, bias, device="cpu", seed=len(name))
+    except Exception as e:  # report, do not hide: the test prints it
+        out[name] = repr(e)
+for dtype in ("float32", "float16"):
+    try:
+        out["grad_" + dtype] = grad_check(5, 40, 48, dtype, device="cpu")
+    except Exception as e:
+        out["grad_" + dtype] = repr(e)
+print("RESULTS" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", QERL_KERNELS="triton", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS")]
+    assert proc.returncode == 0 and line, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(line[-1][len("RESULTS"):])
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])
+def test_kernel_matches_reference_in_interpreter(interp_results, case):
+    from qerl_kernels.testing import TOL
+    import torch
+
+    name, dtype = case[0], case[5]
+    err = interp_results[name]
+    assert not isinstance(err, str), err
+    assert err < TOL[getattr(torch, dtype)], f"{name}: rel err {err}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_autograd_through_kernel_matches_reference(interp_results, dtype):
+    from qerl_kernels.testing import TOL
+    import torch
+
+    res = interp_results["grad_" + dtype]
+    assert not isinstance(res, str), res
+    tol = TOL[getattr(torch, dtype)]
+    assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res
