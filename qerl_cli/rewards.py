@@ -217,6 +217,7 @@ class Reward:
     description: str
     needs_answer: bool = False
     takes_prompt: bool = True
+    source: str | None = None  # a user function's file: hashed into the rollout's inputs
 
     def __call__(self, completion: str, answer: str | None, prompt=None) -> float:
         if self.takes_prompt:
@@ -299,7 +300,11 @@ def _load_user_function(name: str) -> Reward:
         takes_prompt = "prompt" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
     except (TypeError, ValueError):
         takes_prompt = False
-    return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt)
+    try:
+        source = inspect.getsourcefile(fn)
+    except TypeError:
+        source = None
+    return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt, source=source)
 
 
 def get_reward(name: str) -> Reward:

@@ -1,0 +1,540 @@
+"""The ``qerl rollout`` stage: prompts -> G scored completions each -> JSONL rollout shards.
+
+How it works
+------------
+1. Everything that can be wrong with the inputs is checked before any model is loaded: flags,
+   reward names (user ``module:function`` rewards are imported here), the prompt file (file:line
+   errors), whether rewards that need a reference have one, and adapter lineage (an adapter whose
+   ``trainer_state.json`` names another base hash is refused, naming both).
+2. Prompt selection is a pure function of the flags, so every shard of a Slurm array and every
+   step of an RL loop agree on it without talking to each other: ``--max-prompts`` caps the
+   dataset, ``--prompts-per-step P`` makes step k use rows ``[k*P, (k+1)*P)`` (wrapping around,
+   optionally reshuffled every epoch), and ``--shard-index i --num-shards n`` keeps every n-th of
+   those (round robin, so shards are balanced, disjoint, and cover the step).
+3. The output is a resumable ``StageOutput``: records go to ``shard-I-of-N.jsonl`` in a partial
+   directory named by the run's fingerprint. Prompts are generated in fixed *batches* (cut from
+   the shard's prompt list, so a rerun cuts the same ones); each batch is sampled with a seed
+   derived from (``--seed``, step, its first prompt id), so it reproduces exactly. Every group is
+   appended and fsynced as soon as its batch is done. A rerun after a crash keeps the complete
+   groups, regenerates only batches with missing groups and appends only the missing ones,
+   which yields the records of an uninterrupted run. The trade-off: a crash costs up to one
+   batch of generation (``--batch-prompts``), not one group.
+4. Noise: for ``--aqn-sigma-start > 0``, sigma(step) follows the AQN schedule and the seeded
+   vectors (``qerl_cli.aqn``) are set on the model's RMSNorms before generation; every record
+   carries ``noise {sigma, seed, step}`` so ``train-step`` rebuilds the same vectors.
+5. Rich progress (prompts, tokens/s, mean reward so far); the manifest's ``summary`` holds reward
+   mean/std per function, completion lengths, the fraction of zero-variance groups (which carry
+   no GRPO signal) and throughput.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
+from qerl_cli.errors import BadInputError, LineageError
+from qerl_cli.hashing import dir_hash, model_hash, sha256_file
+from qerl_cli.outputs import StageOutput
+from qerl_cli.rewards import RewardSet
+from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
+
+STAGE = "rollout"
+ENGINES = ("native", "vllm")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@dataclass
+class RolloutConfig:
+    """Everything ``qerl rollout`` takes; field names follow the flags (``--num-generations`` ...)."""
+
+    model: Path
+    prompts: Path
+    out: Path
+    adapter: Path | None = None
+    num_generations: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    rewards: tuple[str, ...] = ("gsm8k",)
+    step: int = 0
+    aqn_sigma_start: float = 0.0
+    aqn_sigma_end: float = 0.0
+    aqn_stages: int = 10
+    total_steps: int | None = None
+    run_seed: int = 0
+    shard_index: int = 0
+    num_shards: int = 1
+    engine: str = "native"
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    max_prompts: int | None = None
+    prompts_per_step: int | None = None
+    shuffle: bool = False
+    skip_bad_lines: bool = False
+    prompt_template: str | None = None
+    system_prompt: str | None = None
+    chat_template: bool | None = None
+    max_model_len: int | None = None
+    long_prompts: str = "skip"
+    max_num_seqs: int = 256
+    batch_prompts: int | None = None
+    force: bool = False
+    progress: bool = True
+
+
+# ---- validation ------------------------------------------------------------------------------
+def _check_flags(cfg: RolloutConfig) -> None:
+    def bad(msg: str, hint: str | None = None):
+        raise BadInputError(msg, hint=hint)
+
+    if cfg.num_generations < 1:
+        bad(f"--num-generations must be >= 1, got {cfg.num_generations}")
+    if cfg.max_new_tokens < 1:
+        bad(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.temperature < 0 or not math.isfinite(cfg.temperature):
+        bad(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if not (0 < cfg.top_p <= 1):
+        bad(f"--top-p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k < 0:
+        bad(f"--top-k must be >= 0 (0 = off), got {cfg.top_k}")
+    if not (0 <= cfg.min_p < 1):
+        bad(f"--min-p must be in [0, 1), got {cfg.min_p}")
+    if cfg.step < 0:
+        bad(f"--step must be >= 0, got {cfg.step}")
+    if cfg.num_shards < 1 or not (0 <= cfg.shard_index < cfg.num_shards):
+        bad(f"--shard-index {cfg.shard_index} is outside 0..{cfg.num_shards - 1} (--num-shards {cfg.num_shards})")
+    if cfg.engine not in ENGINES:
+        bad(f"--engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
+    if cfg.device not in DEVICES:
+        bad(f"--device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
+    if cfg.dtype not in DTYPES:
+        bad(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    for flag, v in (("--max-prompts", cfg.max_prompts), ("--prompts-per-step", cfg.prompts_per_step),
+                    ("--max-model-len", cfg.max_model_len), ("--batch-prompts", cfg.batch_prompts)):
+        if v is not None and v < 1:
+            bad(f"{flag} must be >= 1, got {v}")
+    if cfg.max_num_seqs < 1:
+        bad(f"--max-num-seqs must be >= 1, got {cfg.max_num_seqs}")
+    if cfg.aqn_sigma_start < 0 or cfg.aqn_sigma_end < 0:
+        bad("--aqn-sigma-start/--aqn-sigma-end must be >= 0")
+    if cfg.aqn_sigma_start > 0:
+        if cfg.total_steps is None:
+            bad("--aqn-sigma-start needs --total-steps (the schedule spreads its stages over the run)")
+        if cfg.total_steps < 1 or cfg.aqn_stages < 1:
+            bad("--total-steps and --aqn-stages must be >= 1")
+        if cfg.aqn_stages > 1 and cfg.aqn_sigma_end <= 0:
+            bad("--aqn-sigma-end must be > 0 when --aqn-sigma-start > 0 (the schedule is geometric)",
+                hint="e.g. --aqn-sigma-start 1e-2 --aqn-sigma-end 1e-4")
+    if not Path(cfg.model).is_dir():
+        bad(f"--model {cfg.model} is not a directory")
+    if not (Path(cfg.model) / "config.json").is_file():
+        bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)")
+    if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
+        bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)")
+
+
+def aqn_sigma(cfg: RolloutConfig) -> float:
+    """sigma for ``cfg.step`` under the AQN schedule (0 when AQN is off)."""
+    if cfg.aqn_sigma_start <= 0:
+        return 0.0
+    from qerl_cli.aqn import sigma_at
+
+    try:
+        return sigma_at(cfg.step, cfg.total_steps, cfg.aqn_sigma_start, cfg.aqn_sigma_end, cfg.aqn_stages)
+    except ValueError as e:
+        raise BadInputError(f"AQN schedule: {e}") from None
+
+
+def adapter_lineage(adapter: Path, base_hash: str) -> str:
+    """'verified' / 'unverified' (no trainer_state.json); LineageError naming both hashes otherwise."""
+    state = Path(adapter) / "trainer_state.json"
+    if not state.is_file():
+        return "unverified"
+    try:
+        recorded = json.loads(state.read_text()).get("base_model_hash")
+    except (ValueError, AttributeError) as e:
+        raise BadInputError(f"{state}: unreadable trainer state ({e})") from None
+    if recorded is None:
+        return "unverified"
+    if recorded != base_hash:
+        raise LineageError(
+            f"--adapter {adapter} was trained on base {recorded[:12]} ({state.name}) "
+            f"but --model has hash {base_hash[:12]}",
+            hint="roll out with the base model the adapter was trained on",
+        )
+    return "verified"
+
+
+# ---- prompt selection -------------------------------------------------------------------------
+def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[PromptRow]:
+    """The rows this step and shard use (see the module docstring); deterministic in the flags."""
+    rows = list(rows[: cfg.max_prompts] if cfg.max_prompts else rows)
+    n = len(rows)
+    if cfg.prompts_per_step:
+        p = cfg.prompts_per_step
+        if p > n:
+            raise BadInputError(f"--prompts-per-step {p} is more than the {n} prompts in {cfg.prompts}")
+        start = cfg.step * p
+        perms: dict[int, list[int]] = {}
+
+        def order(epoch: int) -> list[int]:
+            if epoch not in perms:
+                idx = list(range(n))
+                if cfg.shuffle:
+                    random.Random(f"qerl-rollout-shuffle:{cfg.run_seed}:{epoch}").shuffle(idx)
+                perms[epoch] = idx
+            return perms[epoch]
+
+        picked, seen = [], set()
+        for j in range(start, start + p):
+            i = order(j // n)[j % n]
+            # With --shuffle a step that straddles two epochs can meet a row twice: keep one.
+            if i not in seen:
+                seen.add(i)
+                picked.append(rows[i])
+        rows = picked
+    return rows[cfg.shard_index :: cfg.num_shards]
+
+
+def group_id(step: int, prompt_id: str) -> str:
+    return f"s{step}:{prompt_id}"
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed from any parts; stable across processes (unlike ``hash()``)."""
+    key = ":".join(str(p) for p in ("qerl-rollout", *parts)).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+# ---- summary -----------------------------------------------------------------------------------
+def _stats(xs: Sequence[float]) -> dict:
+    if not xs:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    return {
+        "mean": statistics.fmean(xs),
+        "std": statistics.pstdev(xs) if len(xs) > 1 else 0.0,
+        "min": min(xs),
+        "max": max(xs),
+    }
+
+
+def summarize(groups: Sequence[Sequence[dict]], reward_names: Sequence[str]) -> dict:
+    """Reward mean/std per function, completion length stats, zero-variance groups."""
+    recs = [r for g in groups for r in g]
+    lengths = [len(r["completion_token_ids"]) for r in recs]
+    totals = [r["reward"] for r in recs]
+    per_fn = {name: _stats([r["rewards"][name] for r in recs if name in r["rewards"]]) for name in reward_names}
+    zero_var = sum(1 for g in groups if len({r["reward"] for r in g}) <= 1)
+    length_stats = _stats(lengths)
+    if lengths:
+        length_stats["p50"] = statistics.median(lengths)
+    return {
+        "groups": len(groups),
+        "completions": len(recs),
+        "reward": _stats(totals),
+        "rewards": per_fn,
+        "completion_tokens": length_stats,
+        "truncated_fraction": (sum(r["finish_reason"] == "length" for r in recs) / len(recs)) if recs else None,
+        "zero_variance_group_fraction": (zero_var / len(groups)) if groups else None,
+    }
+
+
+def summary_table(summary: dict):
+    """A rich Table of a rollout summary (for the command's end-of-run print)."""
+    from rich.table import Table
+
+    def f(x, digits=3):
+        return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+
+    t = Table(title=f"rollout {summary.get('shard', '')}".strip(), show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("prompts (groups)", f"{summary['groups']} ({summary.get('resumed_groups', 0)} resumed)")
+    t.add_row("completions", str(summary["completions"]))
+    if summary.get("skipped_long_prompts"):
+        t.add_row("skipped: prompt too long", str(summary["skipped_long_prompts"]))
+    if summary.get("skipped_bad_rows"):
+        t.add_row("skipped: bad prompt rows", str(summary["skipped_bad_rows"]))
+    r = summary["reward"]
+    t.add_row("reward (weighted) mean ± std", f"{f(r['mean'])} ± {f(r['std'])}")
+    for name, s in summary["rewards"].items():
+        t.add_row(f"  {name} mean ± std", f"{f(s['mean'])} ± {f(s['std'])}")
+    c = summary["completion_tokens"]
+    t.add_row("completion tokens mean / p50 / min / max",
+              f"{f(c['mean'], 1)} / {f(c.get('p50'), 1)} / {f(c['min'])} / {f(c['max'])}")
+    t.add_row("truncated (hit --max-new-tokens)", f(summary["truncated_fraction"]))
+    t.add_row("zero-variance groups", f(summary["zero_variance_group_fraction"]))
+    t.add_row("AQN sigma", f(summary.get("sigma"), 6))
+    thr = summary.get("throughput", {})
+    if thr.get("generated_tokens"):
+        t.add_row("generated tokens / s", f"{thr['generated_tokens']} in {thr['generate_s']:.1f}s = {thr['tokens_per_s']:.1f} tok/s")
+    return t
+
+
+# ---- generation ----------------------------------------------------------------------------------
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError("--device cuda: no CUDA device is visible", hint="use --device cpu")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":
+        # bf16 on CPU is emulated (slow) and loses precision for nothing; fp32 there.
+        dtype = "bf16" if device == "cuda" else "fp32"
+    return dtype, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
+        raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+@dataclass
+class _Generator:
+    """Wraps one engine behind ``generate(prompt_ids, seed) -> list[list[Completion]]``."""
+
+    engine: object
+    sampling: Callable[[int], object]
+    name: str
+    progress: Callable | None = None
+
+    def __call__(self, prompt_ids: list[list[int]], n: int, seed: int):
+        sp = self.sampling(seed)
+        return self.engine.generate(prompt_ids, sp, n=n, progress=self.progress)
+
+
+def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, sigma: float, max_model_len: int):
+    from qerl_cli.aqn import apply_noise, clear_noise
+    from qerl_cli.engine import LLMEngine, SamplingParams
+    from qerl_cli.models import load_model
+
+    model = load_model(cfg.model, device=device, dtype=torch_dtype, adapter_dir=cfg.adapter)
+    if sigma > 0:
+        apply_noise(model, sigma, cfg.run_seed, cfg.step)
+    else:
+        clear_noise(model)
+    engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
+
+    def sampling(seed: int):
+        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                              max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=seed)
+
+    return _Generator(engine, sampling, "native"), model
+
+
+def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigma: float, max_model_len: int):
+    from qerl_cli.engine_vllm import VLLMEngine, vllm_sampling_params
+
+    engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype, max_num_seqs=cfg.max_num_seqs,
+                        max_model_len=max_model_len, seed=cfg.seed)
+    engine.set_noise(sigma, cfg.run_seed, cfg.step)
+
+    def sampling(seed: int):
+        return vllm_sampling_params(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                    max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=seed)
+
+    return _Generator(engine, sampling, "vllm"), None
+
+
+def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPrompt]]:
+    return [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
+
+
+# ---- the stage -----------------------------------------------------------------------------------
+def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weights: dict) -> dict:
+    """The arguments that change the records (batching knobs such as --max-num-seqs do not)."""
+    d = asdict(cfg)
+    for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines"):
+        d.pop(k)
+    d.update(device=device, dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
+    return d
+
+
+def rollout(cfg: RolloutConfig) -> dict:
+    """Run the stage; returns ``{"out", "already_done", "summary", "manifest"}``."""
+    cfg.model, cfg.prompts, cfg.out = Path(cfg.model), Path(cfg.prompts), Path(cfg.out)
+    cfg.adapter = Path(cfg.adapter) if cfg.adapter is not None else None
+    _check_flags(cfg)
+    reward_set = RewardSet.from_specs(cfg.rewards)
+    template = load_template(cfg.prompt_template)
+    bad_rows: list[str] = []
+    rows = load_prompts(cfg.prompts, skip_bad_lines=cfg.skip_bad_lines, bad_lines=bad_rows)
+    selected = select_prompts(rows, cfg)
+    if reward_set.needs_answer:
+        missing = next((r for r in selected if r.answer is None), None)
+        if missing is not None:
+            raise BadInputError(
+                f"{missing.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one",
+                hint="add answers, or use rewards that need none (format, module:function)",
+            )
+    sigma = aqn_sigma(cfg)
+    device = _resolve_device(cfg.device)
+    dtype_name, torch_dtype = _resolve_dtype(cfg.dtype, device)
+    if cfg.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise BadInputError("--engine vllm needs vLLM, which is not installed", hint="pip install 'qerl[vllm]'")
+
+    base_hash = model_hash(cfg.model)
+    adapter_hash = dir_hash(cfg.adapter, names=ADAPTER_FILES) if cfg.adapter is not None else None
+    lineage = adapter_lineage(cfg.adapter, base_hash) if cfg.adapter is not None else None
+    inputs = {"model": base_hash, "prompts": sha256_file(cfg.prompts)}
+    if adapter_hash:
+        inputs["adapter"] = adapter_hash
+    for spec in reward_set.specs:  # a user reward's code is an input too: editing it changes results
+        src = getattr(spec.reward, "source", None)
+        if src:
+            inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
+    out = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, reward_set.weights),
+                      inputs=inputs, force=cfg.force, resumable=True)
+    if out.already_done():
+        return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
+
+    tokenizer = _load_tokenizer(cfg.model)
+    max_model_len = cfg.max_model_len or _context_length(cfg.model)
+    enc_report = EncodeReport()
+    prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
+                             chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
+                             on_long=cfg.long_prompts, report=enc_report)
+    name = shard_name(cfg.shard_index, cfg.num_shards)
+    policy = {"base": base_hash, "adapter": adapter_hash}
+    noise = {"sigma": sigma, "seed": cfg.run_seed, "step": cfg.step}
+    G = cfg.num_generations
+    batch_size = cfg.batch_prompts or max(1, (2 * cfg.max_num_seqs) // G)
+
+    with out as work:
+        done, dropped = load_complete_groups(work / name, G)
+        resumed = len(done)
+        by_gid = {group_id(cfg.step, p.row.id): p for p in prompts}
+        stray = [g for g in done if g not in by_gid]
+        if stray:  # same fingerprint means same selection; anything else is a foreign file
+            raise BadInputError(f"{work / name}: holds group {stray[0]!r}, which this run does not select",
+                                hint="delete the partial directory or pass --force")
+        todo = [b for b in _batches(prompts, batch_size) if any(group_id(cfg.step, p.row.id) not in done for p in b)]
+        t_gen, n_tokens = 0.0, 0
+        if todo:
+            t_gen, n_tokens = _generate_all(cfg, todo, done, work / name, tokenizer, device, torch_dtype, dtype_name,
+                                            sigma, max_model_len, reward_set, policy, noise, len(prompts))
+        elif not (work / name).exists():
+            (work / name).touch()  # zero prompts selected (e.g. more shards than prompts): an empty shard
+        groups = [done[g] for g in (group_id(cfg.step, p.row.id) for p in prompts) if g in done]
+        summary = summarize(groups, [s.name for s in reward_set.specs])
+        summary.update(
+            shard=name,
+            resumed_groups=resumed,
+            dropped_partial_lines=dropped,
+            skipped_long_prompts=len(enc_report.skipped_long),
+            skipped_long=enc_report.skipped_long[:20],
+            skipped_bad_rows=len(bad_rows),
+            bad_rows=bad_rows[:20],
+            sigma=sigma,
+            adapter_lineage=lineage,
+            engine=cfg.engine,
+            device=device,
+            dtype=dtype_name,
+            throughput={"generated_tokens": n_tokens, "generate_s": round(t_gen, 3),
+                        "tokens_per_s": (n_tokens / t_gen) if t_gen > 0 else None},
+        )
+        out.extra["summary"] = summary
+        out.timings["generate_s"] = round(t_gen, 3)
+    return {"out": str(cfg.out), "already_done": False, "summary": summary, "manifest": out.manifest}
+
+
+def _context_length(model_dir: Path) -> int:
+    try:
+        c = json.loads((Path(model_dir) / "config.json").read_text())
+    except ValueError as e:
+        raise BadInputError(f"{model_dir}/config.json: not valid JSON ({e})") from None
+    c = c.get("text_config", c)
+    return int(c.get("max_position_embeddings") or 4096)
+
+
+@dataclass
+class _Live:
+    """Running totals for the progress line."""
+
+    tokens: int = 0
+    reward_sum: float = 0.0
+    completions: int = 0
+    t0: float = field(default_factory=time.time)
+
+    def line(self) -> str:
+        dt = max(time.time() - self.t0, 1e-9)
+        mean = self.reward_sum / self.completions if self.completions else float("nan")
+        return f"{self.tokens / dt:,.0f} tok/s · mean reward {mean:.3f}"
+
+
+def _generate_all(cfg, batches, done, shard_path, tokenizer, device, torch_dtype, dtype_name, sigma, max_model_len,
+                  reward_set, policy, noise, n_prompts) -> tuple[float, int]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if cfg.engine == "vllm":
+        gen, _ = _vllm_generator(cfg, tokenizer, device, dtype_name, sigma, max_model_len)
+    else:
+        gen, _ = _native_generator(cfg, tokenizer, device, torch_dtype, sigma, max_model_len)
+    live = _Live()
+    G = cfg.num_generations
+    t_gen = 0.0
+    progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not cfg.progress, transient=False)
+    with progress, ShardWriter(shard_path) as writer:
+        task = progress.add_task("rollout", total=n_prompts, completed=len(done), info="")
+        for batch in batches:
+            seed = derive_seed(cfg.seed, cfg.step, batch[0].row.id)
+            t0 = time.time()
+            groups = gen([p.token_ids for p in batch], G, seed)
+            t_gen += time.time() - t0
+            if len(groups) != len(batch):
+                raise RuntimeError(f"engine returned {len(groups)} groups for {len(batch)} prompts")
+            for p, comps in zip(batch, groups):
+                gid = group_id(cfg.step, p.row.id)
+                n_tok = sum(len(c.token_ids) for c in comps)
+                live.tokens += n_tok
+                if gid in done:
+                    continue  # regenerated only because its batch had a missing group
+                records = []
+                for c in comps:
+                    vals, total = reward_set.score(c.text, p.row.answer, p.row.prompt_field, where=f" for {p.row.where}")
+                    records.append(make_record(
+                        prompt_id=p.row.id, group_id=gid, prompt=p.row.prompt_field, prompt_token_ids=p.token_ids,
+                        completion_token_ids=c.token_ids, completion=c.text, logprobs=c.logprobs,
+                        finish_reason=c.finish_reason, rewards=vals, reward=total, answer=p.row.answer,
+                        step=cfg.step, policy=policy,
+                        sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+                                  "min_p": cfg.min_p, "max_new_tokens": cfg.max_new_tokens, "seed": seed},
+                        noise=noise, engine=gen.name,
+                    ))
+                    live.reward_sum += total
+                    live.completions += 1
+                if len(records) != G:
+                    raise RuntimeError(f"engine returned {len(records)} completions for {p.row.where}, expected {G}")
+                writer.write_group(records)
+                done[gid] = records
+                progress.update(task, advance=1, info=live.line())
+    return t_gen, live.tokens

@@ -1,0 +1,309 @@
+"""The rollout stage's logic with a scripted engine: selection, sharding, resume, idempotence, errors.
+
+The engine is replaced by a deterministic fake whose samples depend on the batch seed *and* on a
+prompt's position in its batch (as a real batched sampler's may), so these tests prove the stage's
+resume gives the records of an uninterrupted run without relying on per-sequence seeding.
+End-to-end runs on the real engine are in tests/test_rollout_engine.py.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+from typer.testing import CliRunner
+
+import qerl_cli.rollout as ro
+from qerl_cli.cli import app
+from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
+from qerl_cli.outputs import read_manifest
+from qerl_cli.rollout import RolloutConfig, rollout, select_prompts
+from qerl_cli.shards import read_records
+from tests.helpers import make_tiny_hf_model
+
+
+@dataclass
+class FakeCompletion:
+    token_ids: list
+    logprobs: list
+    text: str
+    finish_reason: str
+
+
+class FakeEngine:
+    calls: list = []
+
+    def __init__(self, tokenizer, crash_after_groups=None):
+        self.tok = tokenizer
+        self.crash_after = crash_after_groups
+
+    def generate(self, prompt_ids, sp, n, progress=None):
+        FakeEngine.calls.append(len(prompt_ids))
+        out = []
+        for pos, ids in enumerate(prompt_ids):
+            rng = random.Random(f"{sp}:{pos}:{len(ids)}")
+            group = []
+            for _ in range(n):
+                text = f"#### {rng.randint(0, 3)}"
+                toks = self.tok(text, add_special_tokens=False)["input_ids"]
+                group.append(FakeCompletion(toks, [-rng.random() for _ in toks], text,
+                                            rng.choice(["stop", "length"])))
+            out.append(group)
+        return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("m"), vocab=384)
+
+
+@pytest.fixture()
+def fake_engine(monkeypatch):
+    FakeEngine.calls = []
+
+    def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+        return ro._Generator(FakeEngine(tokenizer), lambda seed: seed, "fake"), None
+
+    monkeypatch.setattr(ro, "_native_generator", make)
+    return FakeEngine
+
+
+def write_prompts(path, n=10, answer=True):
+    with open(path, "w") as f:
+        for i in range(n):
+            row = {"prompt": f"Q{i}: what is {i} mod 4?", "id": f"p{i}"}
+            if answer:
+                row["answer"] = str(i % 4)
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def cfg_for(model_dir, tmp_path, **kw):
+    prompts = tmp_path / "prompts.jsonl"
+    if not prompts.exists():
+        write_prompts(prompts)
+    base = dict(model=model_dir, prompts=prompts, out=tmp_path / "out", num_generations=3, max_new_tokens=8,
+                batch_prompts=3, progress=False, device="cpu")
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def test_records_summary_and_manifest(model_dir, tmp_path, fake_engine):
+    res = rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format=0.5")))
+    recs = read_records(tmp_path / "out")
+    assert len(recs) == 30 and fake_engine.calls == [3, 3, 3, 1]
+    assert (tmp_path / "out" / "shard-00000-of-00001.jsonl").exists()
+    r = recs[0]
+    assert r["group_id"] == "s0:p0" and r["prompt"] == "Q0: what is 0 mod 4?" and r["answer"] == "0"
+    assert r["policy"]["adapter"] is None and len(r["policy"]["base"]) == 64
+    assert r["noise"] == {"sigma": 0.0, "seed": 0, "step": 0} and r["engine"] == "fake"
+    assert set(r["sampling"]) >= {"temperature", "top_p", "top_k", "seed"}
+    for rec in recs:  # the rewards really are the gsm8k verdicts
+        want = 1.0 if rec["completion"] == f"#### {rec['answer']}" else 0.0
+        assert rec["rewards"] == {"gsm8k": want, "format": 0.0} and rec["reward"] == want
+    s = res["summary"]
+    rewards = [x["reward"] for x in recs]
+    assert s["completions"] == 30 and s["groups"] == 10
+    assert s["reward"]["mean"] == pytest.approx(sum(rewards) / 30)
+    zero_var = sum(len({x["reward"] for x in recs[i:i + 3]}) == 1 for i in range(0, 30, 3)) / 10
+    assert s["zero_variance_group_fraction"] == pytest.approx(zero_var)
+    assert s["truncated_fraction"] == pytest.approx(sum(x["finish_reason"] == "length" for x in recs) / 30)
+    assert s["completion_tokens"]["max"] == max(len(x["completion_token_ids"]) for x in recs)
+    m = read_manifest(tmp_path / "out")
+    assert m["stage"] == "rollout" and m["summary"]["groups"] == 10
+    assert m["config"]["rewards"] == {"gsm8k": 1.0, "format": 0.5}
+    assert set(m["inputs"]) == {"model", "prompts"}
+
+
+def test_rerun_is_already_done_and_changes_need_force(model_dir, tmp_path, fake_engine):
+    rollout(cfg_for(model_dir, tmp_path))
+    n_calls = len(fake_engine.calls)
+    res = rollout(cfg_for(model_dir, tmp_path))
+    assert res["already_done"] and len(fake_engine.calls) == n_calls
+    # --max-num-seqs is a batching knob, not part of the fingerprint
+    assert rollout(cfg_for(model_dir, tmp_path, max_num_seqs=7))["already_done"]
+    with pytest.raises(OutputExistsError, match="--force"):
+        rollout(cfg_for(model_dir, tmp_path, temperature=0.5))
+    assert not rollout(cfg_for(model_dir, tmp_path, temperature=0.5, force=True))["already_done"]
+
+
+def test_shards_are_disjoint_and_cover(model_dir, tmp_path, fake_engine):
+    seen = []
+    for i in range(3):
+        rollout(cfg_for(model_dir, tmp_path, out=tmp_path / f"s{i}", shard_index=i, num_shards=3))
+        ids = [r["prompt_id"] for r in read_records(tmp_path / f"s{i}" / f"shard-0000{i}-of-00003.jsonl")]
+        seen.append(set(ids))
+    assert set().union(*seen) == {f"p{i}" for i in range(10)}
+    assert sum(map(len, seen)) == 10
+    # a train-step can read all three dirs by glob
+    assert len(read_records(str(tmp_path / "s*"))) == 30
+
+
+def test_more_shards_than_prompts_gives_empty_shard(model_dir, tmp_path, fake_engine):
+    write_prompts(tmp_path / "prompts.jsonl", n=2)
+    res = rollout(cfg_for(model_dir, tmp_path, shard_index=2, num_shards=3))
+    assert res["summary"]["groups"] == 0 and fake_engine.calls == []
+    assert (tmp_path / "out" / "shard-00002-of-00003.jsonl").read_text() == ""
+
+
+def test_resume_after_crash_equals_uninterrupted(model_dir, tmp_path, fake_engine, monkeypatch):
+    full = tmp_path / "full"
+    rollout(cfg_for(model_dir, tmp_path, out=full))
+    want = read_records(full)
+
+    # crash in the middle of the 3rd batch: its first group is written, then the process dies
+    real_write = ro.ShardWriter.write_group
+    count = {"n": 0}
+
+    def dying_write(self, records):
+        if count["n"] == 7:
+            # the 8th group tears mid-line, as a kill during write() would leave it
+            self._f.write(json.dumps(records[0])[:50])
+            self._f.flush()
+            raise KeyboardInterrupt
+        count["n"] += 1
+        return real_write(self, records)
+
+    monkeypatch.setattr(ro.ShardWriter, "write_group", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        rollout(cfg_for(model_dir, tmp_path))
+    partials = list(tmp_path.glob(".out.partial-*"))
+    assert len(partials) == 1 and not (tmp_path / "out").exists()
+    assert len((partials[0] / "shard-00000-of-00001.jsonl").read_text().splitlines()) == 7 * 3 + 1
+
+    monkeypatch.setattr(ro.ShardWriter, "write_group", real_write)
+    fake_engine.calls.clear()
+    res = rollout(cfg_for(model_dir, tmp_path))
+    # batches 1-2 complete (6 groups) and p6 of batch 3 kept; batch 3 regenerated whole, then batch 4
+    assert fake_engine.calls == [3, 1]
+    assert res["summary"]["resumed_groups"] == 7 and res["summary"]["dropped_partial_lines"] == 1
+    assert read_records(tmp_path / "out") == want
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_prompts_per_step_walks_the_dataset(model_dir, tmp_path):
+    rows = [type("R", (), {"id": str(i)})() for i in range(10)]
+
+    def ids(**kw):
+        return [r.id for r in select_prompts(rows, cfg_for(model_dir, tmp_path, **kw))]
+
+    assert ids(prompts_per_step=4, step=0) == ["0", "1", "2", "3"]
+    assert ids(prompts_per_step=4, step=2) == ["8", "9", "0", "1"]  # wraps into the next epoch
+    assert ids(prompts_per_step=4, step=1, shard_index=1, num_shards=2) == ["5", "7"]
+    assert ids(max_prompts=3) == ["0", "1", "2"]
+    shuffled = [ids(prompts_per_step=5, step=k, shuffle=True, run_seed=1) for k in range(2)]
+    assert sorted(shuffled[0] + shuffled[1], key=int) == [str(i) for i in range(10)]  # one epoch = a permutation
+    assert shuffled[0] != ["0", "1", "2", "3", "4"]
+    with pytest.raises(BadInputError, match="--prompts-per-step 11 is more than the 10"):
+        ids(prompts_per_step=11)
+
+
+def test_step_slice_in_records(model_dir, tmp_path, fake_engine):
+    rollout(cfg_for(model_dir, tmp_path, prompts_per_step=4, step=2))
+    recs = read_records(tmp_path / "out")
+    assert [r["prompt_id"] for r in recs[::3]] == ["p8", "p9", "p0", "p1"]
+    assert {r["step"] for r in recs} == {2} and recs[0]["group_id"] == "s2:p8"
+
+
+def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
+    got = {}
+
+    def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+        got["sigma"] = sigma
+        return ro._Generator(FakeEngine(tokenizer), lambda seed: seed, "fake"), None
+
+    monkeypatch.setattr(ro, "_native_generator", make)
+    rollout(cfg_for(model_dir, tmp_path, step=5, total_steps=11, aqn_sigma_start=1e-2, aqn_sigma_end=1e-4,
+                    aqn_stages=10, run_seed=9, max_prompts=1))
+    # 11 steps in 11 intervals: step 5 is noisy stage 5 -> 1e-2 * (1e-2)**(4/9)
+    want = 1e-2 * (1e-4 / 1e-2) ** (4 / 9)
+    assert got["sigma"] == pytest.approx(want)
+    assert read_records(tmp_path / "out")[0]["noise"] == {"sigma": pytest.approx(want), "seed": 9, "step": 5}
+
+
+@pytest.mark.parametrize(
+    "kw, err, msg",
+    [
+        (dict(rewards=("nope",)), BadInputError, r"unknown reward 'nope' \(known: format, gsm8k, math"),
+        (dict(num_generations=0), BadInputError, "--num-generations must be >= 1"),
+        (dict(top_p=0.0), BadInputError, "--top-p"),
+        (dict(shard_index=2, num_shards=2), BadInputError, "--shard-index 2 is outside 0..1"),
+        (dict(engine="tgi"), BadInputError, "--engine must be one of native, vllm"),
+        (dict(aqn_sigma_start=0.01), BadInputError, "--aqn-sigma-start needs --total-steps"),
+        (dict(long_prompts="cut"), BadInputError, "--long-prompts must be one of"),
+    ],
+)
+def test_bad_flags(model_dir, tmp_path, fake_engine, kw, err, msg):
+    with pytest.raises(err, match=msg):
+        rollout(cfg_for(model_dir, tmp_path, **kw))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_bad_prompt_files(model_dir, tmp_path, fake_engine):
+    with pytest.raises(BadInputError, match="prompt file .*nope.jsonl does not exist"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=tmp_path / "nope.jsonl"))
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"\n')
+    with pytest.raises(BadInputError, match=r"bad.jsonl:2: not valid JSON"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=p))
+    p.write_text('{"prompt": "a", "answer": "1"}\n{"text": "b"}\n')
+    with pytest.raises(BadInputError, match=r"bad.jsonl:2: row has neither `prompt` nor `messages`"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=p))
+    res = rollout(cfg_for(model_dir, tmp_path, prompts=p, skip_bad_lines=True))
+    assert res["summary"]["skipped_bad_rows"] == 1 and res["summary"]["groups"] == 1
+    write_prompts(tmp_path / "noans.jsonl", n=2, answer=False)
+    with pytest.raises(BadInputError, match=r"noans.jsonl:1: row has no `answer`, but reward 'gsm8k' needs one"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=tmp_path / "noans.jsonl", out=tmp_path / "o2"))
+    # a reward that needs no answer is fine without one
+    assert rollout(cfg_for(model_dir, tmp_path, prompts=tmp_path / "noans.jsonl", out=tmp_path / "o2",
+                           rewards=("format",)))["summary"]["groups"] == 2
+    assert fake_engine.calls  # the engine ran only for the valid configurations
+
+
+def test_long_prompts_skip_or_error(model_dir, tmp_path, fake_engine):
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n"
+                 + json.dumps({"prompt": "Natalia sold clips " * 30, "answer": "2"}) + "\n")
+    res = rollout(cfg_for(model_dir, tmp_path, prompts=p, max_model_len=32))
+    assert res["summary"]["groups"] == 1 and res["summary"]["skipped_long_prompts"] == 1
+    assert "long.jsonl:2" in res["summary"]["skipped_long"][0]
+    with pytest.raises(BadInputError, match=r"long.jsonl:2: prompt has \d+ tokens, more than the 31"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=p, max_model_len=32, long_prompts="error", out=tmp_path / "o3"))
+
+
+def test_adapter_lineage_refused(model_dir, tmp_path, fake_engine):
+    a = tmp_path / "adapter"
+    a.mkdir()
+    (a / "adapter_config.json").write_text(json.dumps({"r": 4, "peft_type": "LORA"}))
+    (a / "trainer_state.json").write_text(json.dumps({"base_model_hash": "f" * 64}))
+    with pytest.raises(LineageError, match=r"trained on base ffffffffffff .* --model has hash [0-9a-f]{12}"):
+        rollout(cfg_for(model_dir, tmp_path, adapter=a))
+    with pytest.raises(BadInputError, match="no adapter_config.json"):
+        rollout(cfg_for(model_dir, tmp_path, adapter=tmp_path))
+
+
+def test_user_reward_file_is_an_input(model_dir, tmp_path, fake_engine):
+    f = tmp_path / "myrew.py"
+    f.write_text("def r(completion, answer):\n    return len(completion)\n")
+    res = rollout(cfg_for(model_dir, tmp_path, rewards=(f"{f}:r",), max_prompts=2))
+    recs = read_records(tmp_path / "out")
+    assert all(x["reward"] == len(x["completion"]) for x in recs)
+    assert f"reward:{f}:r" in res["manifest"]["inputs"]
+    f.write_text("def r(completion, answer):\n    return 0.0\n")
+    with pytest.raises(OutputExistsError):  # edited reward code = different inputs
+        rollout(cfg_for(model_dir, tmp_path, rewards=(f"{f}:r",), max_prompts=2))
+
+
+def test_cli(model_dir, tmp_path, fake_engine):
+    prompts = write_prompts(tmp_path / "p.jsonl", n=4)
+    args = ["rollout", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+            "-G", "2", "--reward", "gsm8k", "--reward", "format=0.1", "--device", "cpu"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "wrote 8 completions for 4 prompts" in r.output and "zero-variance groups" in r.output
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and "already done" in r.output
+    r = CliRunner().invoke(app, [*args[:-6], "--reward", "bogus"])
+    assert r.exit_code == 2 and "unknown reward 'bogus'" in r.output
+    r = CliRunner().invoke(app, ["rollout", "--help"])
+    assert r.exit_code == 0 and "--prompts-per-step" in r.output
