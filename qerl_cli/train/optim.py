@@ -73,9 +73,9 @@ def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
         tensors[f"{name}.exp_avg"] = st["exp_avg"].detach().float().cpu().contiguous()
         tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().cpu().contiguous()
         tensors[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
-    g0 = opt.param_groups[0]
-    meta = {"format": "pt", "optimizer": "adamw", "betas": f"{g0['betas'][0]},{g0['betas'][1]}", "eps": str(g0["eps"])}
-    save_file(tensors, str(path), metadata=meta)
+    # One metadata key only: safetensors writes metadata in hash-map order, so several keys would
+    # make the file's bytes differ between identical runs (betas/eps live in trainer_state.json).
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> int:

@@ -1,0 +1,324 @@
+"""`qerl train-step` end to end on a tiny NVFP4 model (CPU, fp32).
+
+The first step's loss is checked against an independent computation: Hugging Face transformers
+running the exact dequantized weights, with the formula written out here. Then: resume/rerun
+determinism, lineage and bad-input errors (nothing written), LoRA gradients through the NVFP4
+layer, and the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qerl_cli.adapters import adapter_hash
+from qerl_cli.aqn import NOISED_NORMS, noise_vector
+from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
+from qerl_cli.shards import read_records, shard_name
+from qerl_cli.train_step import TrainStepConfig, train_step
+from tests.train_fixtures import base_hash_of, dequantized_twin, make_shard, quantized_tiny
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_models")
+    src, qdir = quantized_tiny(root)
+    twin = dequantized_twin(qdir, root / "twin")
+    return {"src": src, "q": qdir, "twin": twin, "qhash": base_hash_of(qdir), "twinhash": base_hash_of(twin)}
+
+
+def _cfg(model, shards, out, **kw):
+    kw.setdefault("micro_batch_tokens", 40)
+    kw.setdefault("progress", False)
+    return TrainStepConfig(model=model, shards=[str(s) for s in shards], out=out, **kw)
+
+
+# ---- independent reference ------------------------------------------------------------------------
+def _hf_token_logprobs(model_dir, records, noise=None):
+    """Per-record completion log-probs (tempered) and entropies from transformers, fp32."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if noise:
+        with torch.no_grad():
+            for i, layer in enumerate(hf.model.layers):
+                for name in NOISED_NORMS:
+                    w = getattr(layer, name).weight
+                    w.add_(noise_vector(w.shape[0], noise["sigma"], noise["seed"], noise["step"], i, name))
+    out = []
+    with torch.no_grad():
+        for r in records:
+            p, c = r["prompt_token_ids"], r["completion_token_ids"]
+            ids = torch.tensor([p + c])
+            logits = hf(ids).logits[0].float() / r["sampling"]["temperature"]
+            lsm = torch.log_softmax(logits, -1)
+            rows = range(len(p) - 1, len(p) - 1 + len(c))
+            lp = [float(lsm[t, tok]) for t, tok in zip(rows, c)]
+            ent = [float(-(lsm[t].exp() * lsm[t]).sum()) for t in rows]
+            out.append((lp, ent))
+    return out
+
+
+def _reference_first_step(records, token_lp, loss_type, mask_truncated, tis_cap=2.0):
+    """Step-0 loss written out: fresh adapter => PPO ratio 1, so loss_t = -A * min(exp(lp - sampled), cap)."""
+    groups = {}
+    for r in records:
+        groups.setdefault(r["group_id"], []).append(r["reward"])
+    terms, live = [], []
+    for r, (lp, _) in zip(records, token_lp):
+        g = groups[r["group_id"]]
+        a = (r["reward"] - statistics.mean(g)) / (statistics.stdev(g) + 1e-4)
+        t = [-a * min(math.exp(x - s), tis_cap) for x, s in zip(lp, r["logprobs"])]
+        masked = mask_truncated and r["finish_reason"] == "length"
+        terms.append(t)
+        live.append(0 if masked else len(t))
+    if loss_type == "dapo":
+        return sum(sum(t) for t, n in zip(terms, live) if n) / sum(live)
+    if loss_type == "grpo":
+        return sum(sum(t) / n for t, n in zip(terms, live) if n) / len(terms)
+    raise AssertionError(loss_type)
+
+
+@pytest.mark.parametrize(
+    "which,loss,mask,noise",
+    [
+        ("q", "dapo", False, None),
+        ("q", "grpo", True, None),
+        ("q", "dapo", False, {"sigma": 0.05, "seed": 11, "step": 0, "norms": list(NOISED_NORMS)}),
+        ("twin", "dapo", False, None),  # the 16-bit LoRA baseline path: plain HF dir as --model
+    ],
+)
+def test_first_step_loss_matches_independent_computation(models, tmp_path, which, loss, mask, noise):
+    model_dir, h = (models["q"], models["qhash"]) if which == "q" else (models["twin"], models["twinhash"])
+    sh = make_shard(tmp_path / "sh", h, noise=noise)
+    m = train_step(_cfg(model_dir, [sh], tmp_path / "a1", loss=loss, mask_truncated=mask,
+                        baseline="bf16" if which == "twin" else None))
+    recs = read_records(sh)
+    lp = _hf_token_logprobs(models["twin"], recs, noise)
+    want = _reference_first_step(recs, lp, loss, mask)
+    got = m["metrics"]
+    assert got["loss"] == pytest.approx(want, rel=2e-4, abs=1e-6)
+    live = [(x, s, e) for r, (lps, ents) in zip(recs, lp) if not (mask and r["finish_reason"] == "length")
+            for x, s, e in zip(lps, r["logprobs"], ents)]
+    assert got["entropy"] == pytest.approx(sum(e for *_, e in live) / len(live), rel=1e-3)
+    assert got["is_ratio_mean"] == pytest.approx(sum(math.exp(x - s) for x, s, _ in live) / len(live), rel=1e-3)
+    assert got["is_ratio_max"] == pytest.approx(max(math.exp(x - s) for x, s, _ in live), rel=1e-3)
+    assert got["zero_variance_groups"] == pytest.approx(1 / 3)
+    assert got["trained_tokens"] == len(live)
+    if noise:  # the noise really reached the training forward
+        clean = _reference_first_step(recs, _hf_token_logprobs(models["twin"], recs), loss, mask)
+        assert abs(clean - want) > 100 * abs(got["loss"] - want)
+
+
+def _read_bytes(d: Path):
+    return {n: (d / n).read_bytes() for n in ("adapter_model.safetensors", "optimizer.safetensors")}
+
+
+def test_outputs_rerun_and_resume_are_deterministic(models, tmp_path, monkeypatch):
+    q, h = models["q"], models["qhash"]
+    sh0 = make_shard(tmp_path / "sh0", h, seed=1)
+    kw = dict(lr=1e-3, lora_rank=4, lora_alpha=8, warmup_steps=2, total_steps=5)
+    m1 = train_step(_cfg(q, [sh0], tmp_path / "a1", **kw))
+    a1 = tmp_path / "a1"
+    for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json",
+                 "metrics.jsonl", "manifest.json"):
+        assert (a1 / name).is_file(), name
+    st = json.loads((a1 / "trainer_state.json").read_text())
+    assert (st["global_step"], st["optimizer_steps"], st["base_model_hash"]) == (1, 1, h)
+    assert m1["metrics"]["lr"] == pytest.approx(0.5e-3)  # warmup step 1 of 2
+    # same inputs, another dir: identical bytes
+    train_step(_cfg(q, [sh0], tmp_path / "a1b", **kw))
+    assert _read_bytes(a1) == _read_bytes(tmp_path / "a1b")
+    # same dir: already done, nothing rewritten
+    before = (a1 / "manifest.json").read_text()
+    train_step(_cfg(q, [sh0], a1, **kw))
+    assert (a1 / "manifest.json").read_text() == before
+
+    sh1 = make_shard(tmp_path / "sh1", h, adapter_hash=adapter_hash(a1), step=1, seed=2)
+    step2 = dict(lr=1e-3, warmup_steps=2, total_steps=5)
+    train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, **step2))
+    # a step that crashes mid-way leaves nothing, and its rerun equals the uninterrupted run
+    import qerl_cli.train_step as ts
+
+    real = ts.save_optimizer
+    monkeypatch.setattr(ts, "save_optimizer", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+    with pytest.raises(RuntimeError, match="killed"):
+        train_step(_cfg(q, [sh1], tmp_path / "a2b", adapter=a1, **step2))
+    assert not (tmp_path / "a2b").exists()
+    assert not list(tmp_path.glob(".a2b*"))
+    monkeypatch.setattr(ts, "save_optimizer", real)
+    train_step(_cfg(q, [sh1], tmp_path / "a2b", adapter=a1, **step2))
+    assert _read_bytes(tmp_path / "a2") == _read_bytes(tmp_path / "a2b")
+    st2 = json.loads((tmp_path / "a2" / "trainer_state.json").read_text())
+    assert st2["global_step"] == 2 and st2["lineage"] == [adapter_hash(a1)]
+    assert st2["lora"]["r"] == 4
+    # the LR schedule continued from the adapter's position (step 1 of warmup 2 -> full lr)
+    line = json.loads((tmp_path / "a2" / "metrics.jsonl").read_text())
+    assert line["lr"] == pytest.approx(1e-3) and line["step"] == 1
+
+
+def test_step_moves_lora_b_and_epochs_reuse_old_logprobs(models, tmp_path):
+    from safetensors.torch import load_file
+
+    q, h = models["q"], models["qhash"]
+    sh = make_shard(tmp_path / "sh", h, seed=3)
+    m = train_step(_cfg(q, [sh], tmp_path / "e2", epochs=3, lr=5e-3, max_grad_norm=0.0,
+                        metrics_file=tmp_path / "run" / "metrics.jsonl"))
+    w = load_file(str(tmp_path / "e2" / "adapter_model.safetensors"))
+    assert all(float(t.abs().max()) > 0 for k, t in w.items() if "lora_B" in k)
+    met = m["metrics"]
+    # epoch 1 is on-policy (ratio 1, nothing clipped); later epochs see ratio != 1 against the stored
+    # epoch-1 log-probs, so the loss moves (and goes down: each epoch descends the same objective)
+    assert met["clip_ratio_low"] == 0 and met["clip_ratio_high"] == 0
+    assert met["loss_last_epoch"] < met["loss"]
+    assert len(met["grad_norm_per_epoch"]) == 3
+    st = json.loads((tmp_path / "e2" / "trainer_state.json").read_text())
+    assert st["optimizer_steps"] == 3 and st["global_step"] == 1
+    run_lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(run_lines) == 1 and json.loads(run_lines[0])["loss"] == met["loss"]
+
+
+def test_lora_grads_through_nvfp4_equal_dequantize_then_matmul():
+    import torch.nn.functional as F
+
+    from qerl_cli.layers.linear import QLinear
+    from qerl_cli.layers.lora import LoRALinear
+    from qerl_kernels import reference
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 64) * 0.1
+    packed, scale, gscale = reference.quantize(w)
+    base = QLinear(64, 48, bias=True, quantized=True)
+    base.weight_packed, base.weight_scale, base.weight_global_scale = packed, scale, gscale.reshape(1)
+    base.bias = torch.nn.Parameter(torch.randn(48) * 0.1, requires_grad=False)
+    lora = LoRALinear(base, r=4, alpha=8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lora.lora_B.normal_()
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    g = torch.randn(3, 5, 48)
+    (lora(x) * g).sum().backward()
+    got = (lora.lora_A.grad.clone(), lora.lora_B.grad.clone(), x.grad.clone())
+
+    wd = reference.dequantize(packed, scale, gscale, torch.float32)
+    a = lora.lora_A.detach().clone().requires_grad_(True)
+    b = lora.lora_B.detach().clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y = F.linear(x2, wd, base.bias) + (x2 @ a.t()) @ b.t() * (8 / 4)
+    (y * g).sum().backward()
+    for u, v in zip(got, (a.grad, b.grad, x2.grad)):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+# ---- bad input: clear errors, nothing written -----------------------------------------------------
+def _assert_nothing_written(out: Path):
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}*"))
+
+
+def test_shards_from_another_base_name_both_hashes(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", "f" * 64)
+    with pytest.raises(LineageError, match=r"ffffffffffff.*" + models["qhash"][:12]):
+        train_step(_cfg(models["q"], [sh], tmp_path / "out"))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_shards_sampled_with_another_adapter_are_refused(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", models["qhash"], adapter_hash="a" * 64)
+    with pytest.raises(LineageError, match="sampled with adapter aaaaaaaaaaaa.*fresh start"):
+        train_step(_cfg(models["q"], [sh], tmp_path / "out"))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_mixed_schema_versions_and_single_completion_groups(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    lines = (sh / shard_name(0, 1)).read_text().splitlines()
+    old = json.loads(lines[-1])
+    old["schema_version"] = 0
+    (sh / shard_name(0, 1)).write_text("\n".join(lines[:-1] + [json.dumps(old)]) + "\n")
+    with pytest.raises(BadInputError, match="schema_version 0 mixed with schema_version 1"):
+        train_step(_cfg(models["q"], [sh], tmp_path / "out"))
+    sh2 = make_shard(tmp_path / "sh2", models["qhash"], per_group=4)
+    lines = (sh2 / shard_name(0, 1)).read_text().splitlines()
+    (sh2 / shard_name(0, 1)).write_text("\n".join(lines[:-3]) + "\n")  # last group keeps one completion
+    with pytest.raises(BadInputError, match="group 's0-g2' has only one completion"):
+        train_step(_cfg(models["q"], [sh2], tmp_path / "out"))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_adapter_that_does_not_fit(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    train_step(_cfg(models["q"], [sh], tmp_path / "a1", lora_rank=4))
+    a1 = tmp_path / "a1"
+    sh1 = make_shard(tmp_path / "sh1", models["qhash"], adapter_hash=adapter_hash(a1), step=1)
+    with pytest.raises(BadInputError, match="--lora-rank 8 does not fit --adapter"):
+        train_step(_cfg(models["q"], [sh1], tmp_path / "out", adapter=a1, lora_rank=8))
+    # tensors of the wrong shape inside the adapter itself
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(a1 / "adapter_model.safetensors"))
+    key = next(k for k in w if "q_proj.lora_A" in k)
+    w[key] = torch.zeros(4, 32)
+    save_file(w, str(a1 / "adapter_model.safetensors"))
+    with pytest.raises(BadInputError, match=r"q_proj.lora_A.weight.*shape \(4, 32\)"):
+        train_step(_cfg(models["q"], [make_shard(tmp_path / "sh2", models["qhash"], adapter_hash=adapter_hash(a1), step=1)],
+                        tmp_path / "out", adapter=a1))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_nan_loss_names_step_and_microbatch(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    path = sh / shard_name(0, 1)
+    lines = path.read_text().splitlines()
+    rec = json.loads(lines[5])
+    rec["logprobs"][0] = float("nan")  # json writes NaN, which Python's reader accepts
+    lines[5] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(NumericalError, match=r"non-finite loss at step 0 \(epoch 1\), micro-batch \d+"):
+        train_step(_cfg(models["q"], [sh], tmp_path / "out"))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_out_of_memory_says_which_flag_to_lower(models, tmp_path, monkeypatch):
+    import qerl_cli.train_step as ts
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(ts, "microbatch_logprobs", boom)
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    with pytest.raises(OutOfMemoryError, match="lower --micro-batch-tokens \\(now 40\\)"):
+        train_step(_cfg(models["q"], [sh], tmp_path / "out"))
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_baseline_bf16_refuses_a_quantized_model(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    with pytest.raises(BadInputError, match="--baseline bf16 expects a plain 16-bit"):
+        train_step(_cfg(models["q"], [sh], tmp_path / "out", baseline="bf16"))
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def test_cli_runs_a_step_and_reports_errors(models, tmp_path):
+    from qerl_cli.cli import app
+
+    runner = CliRunner()
+    help_out = runner.invoke(app, ["train-step", "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert help_out.exit_code == 0
+    for flag in ("--micro-batch-tokens", "--tis-cap", "--clip-eps-high", "--lora-targets", "--epochs", "--beta"):
+        assert flag in help_out.output
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    res = runner.invoke(app, ["train-step", "--model", str(models["q"]), "--shards", str(sh), "--out",
+                              str(tmp_path / "a1"), "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
+                              "--micro-batch-tokens", "64", "--quiet"])
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((tmp_path / "a1" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
+    bad = runner.invoke(app, ["train-step", "--model", str(models["q"]), "--shards", str(sh), "--out",
+                              str(tmp_path / "a2"), "--loss", "ppo"])
+    assert bad.exit_code == 2 and "--loss must be one of" in bad.output
