@@ -1,0 +1,10 @@
+"""The native generation engine (nano-vllm style): scheduler, block manager, model runner, sampler.
+
+>>> engine = LLMEngine(model, tokenizer, max_num_seqs=256)
+>>> groups = engine.generate(prompt_token_ids, SamplingParams(temperature=1.0, max_new_tokens=512), n=8)
+"""
+
+from qerl_cli.engine.llm_engine import LLMEngine
+from qerl_cli.engine.sampling_params import Completion, SamplingParams
+
+__all__ = ["Completion", "LLMEngine", "SamplingParams"]

@@ -1,0 +1,165 @@
+"""LLMEngine: batched, continuously scheduled generation on the shared qerl model.
+
+One ``generate`` call turns P prompts into P groups of n completions. Each step either prefills the
+groups the scheduler just admitted (one forward over their prompts; the n completions of a prompt
+all start from that single prefill, sharing its KV blocks) or decodes one token for every running
+sequence. Finished sequences free their slot and blocks immediately and waiting prompts take them
+(continuous batching). The model, its LoRA and AQN noise are whatever the caller set on it, so the
+rollout policy is exactly the training policy's code.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from qerl_cli.engine.block_manager import BlockManager
+from qerl_cli.engine.model_runner import ModelRunner
+from qerl_cli.engine.sampler import Sampler
+from qerl_cli.engine.sampling_params import Completion, SamplingParams
+from qerl_cli.engine.scheduler import Group, Scheduler
+from qerl_cli.engine.sequence import Sequence
+from qerl_cli.errors import BadInputError
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, max_num_seqs: int = 256, max_model_len: int | None = None, *,
+                 block_size: int = 16, num_blocks: int | None = None, max_num_batched_tokens: int = 16384,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False):
+        cfg = model.config
+        limit = min(cfg.max_position_embeddings, model.model.rotary.max_positions)
+        if cfg.sliding_window:
+            limit = min(limit, cfg.sliding_window)  # windowed attention is not implemented: stay inside it
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        if num_blocks is None:
+            num_blocks = self._auto_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
+        self.num_blocks = num_blocks
+        self.max_num_batched_tokens = max(max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(model, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                  block_size=block_size, num_blocks=num_blocks, enforce_eager=enforce_eager)
+        self.eos_token_ids = self._eos_ids()
+        self.stats: dict = {}
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def _auto_num_blocks(self, max_batched: int, utilization: float) -> int:
+        cfg, dev = self.model.config, self.model.device
+        elem = torch.empty(0, dtype=self.model.dtype).element_size()
+        block_bytes = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        wanted = self.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            act = max_batched * (3 * cfg.intermediate_size + 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim) * elem * 2
+            logits = 4 * self.max_num_seqs * cfg.vocab_size * 4
+            budget = free * utilization - act - logits - (1 << 30)
+        else:
+            budget = 1 << 30  # CPU runs tiny models; 1 GiB of cache is plenty
+        blocks = int(min(wanted, budget // block_bytes))
+        if blocks < 2:
+            raise BadInputError(f"no memory left for the KV cache ({budget / 2**30:.1f} GiB budget)",
+                                hint="lower --max-num-seqs or use a smaller model")
+        return blocks
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model.config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        gen = Path(self.model.model_dir or "/nonexistent") / "generation_config.json"
+        if gen.exists():
+            try:
+                e = json.loads(gen.read_text()).get("eos_token_id")
+                ids.update(e if isinstance(e, list) else [] if e is None else [e])
+            except ValueError:
+                pass
+        return {int(i) for i in ids}
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int = 1,
+                 progress: Callable[[int, int], None] | None = None) -> list[list[Completion]]:
+        """n completions for each prompt, in prompt order. ``progress(prompts_done, tokens_generated)`` is
+        called whenever a prompt's group completes."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        vocab = self.model.config.vocab_size
+        groups = []
+        for i, p in enumerate(prompt_token_ids):
+            if not p:
+                raise BadInputError(f"prompt {i} is empty")
+            if len(p) >= self.max_model_len:
+                raise BadInputError(f"prompt {i} has {len(p)} tokens; the engine's max_model_len is {self.max_model_len}")
+            if min(p) < 0 or max(p) >= vocab:
+                raise BadInputError(f"prompt {i} has a token id outside [0, {vocab})")
+            groups.append(Group(i, list(p), n, min(len(p) + sp.max_new_tokens, self.max_model_len)))
+        sched = Scheduler(BlockManager(self.num_blocks, self.block_size), self.max_num_seqs, self.max_num_batched_tokens)
+        try:
+            for g in groups:
+                sched.add(g)
+        except ValueError as e:
+            raise BadInputError(str(e)) from None
+        sampler = Sampler(self.model.device, sp.seed)
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+        t0 = time.perf_counter()
+        done = tokens = steps = prefill_tokens = 0
+        while sched.has_work():
+            admitted = sched.admit()
+            if admitted:
+                logits = self.runner.prefill(admitted)
+                prefill_tokens += sum(len(g.prompt_ids) for g in admitted)
+                seqs = [s for g in admitted for s in g.seqs]
+                logits = logits.repeat_interleave(n, dim=0)
+            elif sched.running:
+                seqs = list(sched.running)
+                logits = self.runner.decode(seqs)
+                steps += 1
+            else:  # unreachable: add() rejects groups that could never fit
+                raise RuntimeError("scheduler stalled with waiting prompts and nothing running")
+            tok, lp = sampler(logits, sp)
+            tokens += len(seqs)
+            for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
+                if self._append(s, t, l, sp, stop_ids):
+                    sched.finish(s)
+                    g = groups[s.group]
+                    g.done += 1
+                    if g.done == n:
+                        done += 1
+                        if progress is not None:
+                            progress(done, tokens)
+        elapsed = time.perf_counter() - t0
+        self.stats = {"generated_tokens": tokens, "prefill_tokens": prefill_tokens, "decode_steps": steps,
+                      "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+        return [[self._completion(s, sp) for s in g.seqs] for g in groups]
+
+    def _append(self, s: Sequence, token: int, logprob: float, sp: SamplingParams, stop_ids: set[int]) -> bool:
+        s.token_ids.append(token)
+        s.logprobs.append(logprob)
+        if token in stop_ids:
+            s.finish_reason, s.stop_reason = "stop", token
+        elif sp.stop and self.tokenizer is not None and (hit := self._stop_string_hit(s, sp.stop)):
+            s.finish_reason, s.stop_reason = "stop", hit
+        elif len(s) >= s.max_len:
+            s.finish_reason = "length"
+        return s.finished
+
+    def _stop_string_hit(self, s: Sequence, stops: tuple[str, ...]) -> str | None:
+        # Decode only a tail long enough to hold any stop string: O(1) per step instead of O(length).
+        window = max(len(x) for x in stops) + 2
+        tail = self.tokenizer.decode(s.completion_ids[-window:], skip_special_tokens=False)
+        return next((x for x in stops if x in tail), None)
+
+    def _completion(self, s: Sequence, sp: SamplingParams) -> Completion:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+            if isinstance(s.stop_reason, str):
+                cut = min((i for x in sp.stop if (i := text.find(x)) >= 0), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+        return Completion(token_ids=list(s.completion_ids), logprobs=list(s.logprobs), text=text,
+                          finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason)
