@@ -23,7 +23,7 @@ from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_tile, f
 from qerl_kernels.tile_configs import BwdConfig, bwd_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _nvfp4_grad_input_kernel(
     DY, P, S, G, DX,
     M, N, KH,

@@ -40,7 +40,7 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "k_per_split"])
 def _nvfp4_fwd_kernel(
     X, P, S, G, B, Y, WS, CNT,
     M, N, KH, k_per_split,
