@@ -1,0 +1,134 @@
+"""``--engine vllm``: the rollout engine on vLLM, with AQN noise applied inside vLLM's own model.
+
+vLLM reads a compressed-tensors NVFP4 QDIR natively and serves the adapter as a LoRA request, so
+this wrapper only has to (1) turn qerl's sampling flags into a ``vllm.SamplingParams`` asking for
+the sampled token's log-probability under the *processed* distribution (``logprobs_mode=
+"processed_logprobs"``: after temperature and top-k/top-p, as training's importance correction
+needs) and a per-request seed, and (2) put the AQN noise where vLLM's forward reads it.
+
+(2) is the part the QeRL reference code got silently wrong: it searched the vLLM model for Hugging
+Face RMSNorm classes, found none, and applied no noise. Here a function is shipped into every
+vLLM worker with ``LLM.apply_model`` and run on the worker's ``nn.Module``: it matches vLLM's own
+``vllm.model_executor.layers.layernorm.RMSNorm`` modules by their checkpoint names
+(``model.layers.{i}.input_layernorm`` / ``post_attention_layernorm``), keeps a clean copy of each
+weight the first time, and writes ``w_clean + Z`` in place (in place, so captured CUDA graphs see
+it; from the clean copy, so noise never accumulates). Z comes from ``qerl_cli.aqn.noise_vector``:
+the same seeded CPU generator as the native engine and ``train-step``. The function returns how
+many norms it changed, and fewer than 2 per decoder layer is an error rather than a silent no-op.
+
+Trade-off against the native engine: vLLM is faster at large batch and serves bigger models, but
+its kernels differ from the ones training uses, so the behaviour policy and training policy
+differ slightly more (the per-token logprobs recorded here keep TIS correct regardless).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from qerl_cli.errors import BadInputError
+
+NORM_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|post_attention_layernorm)$")
+
+
+def _vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise BadInputError("--engine vllm needs vLLM, which is not installed", hint="pip install 'qerl[vllm]'") from None
+    return vllm
+
+
+def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tuple | None = None) -> int:
+    """Runs inside a vLLM worker: set ``w = w_clean + Z`` on every noised RMSNorm; returns the count.
+
+    ``norm_types`` defaults to vLLM's own RMSNorm class (a parameter so it can be tested without vLLM).
+    """
+    import torch
+
+    from qerl_cli.aqn import noise_vector
+
+    if norm_types is None:
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        norm_types = (RMSNorm,)
+    count = 0
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            m = NORM_NAME.search(name)
+            if m is None or not isinstance(mod, norm_types):
+                continue
+            w = mod.weight
+            clean = getattr(mod, "_qerl_clean_weight", None)
+            if clean is None:
+                clean = w.detach().clone()
+                mod._qerl_clean_weight = clean
+            if sigma > 0:
+                z = noise_vector(w.shape[0], sigma, run_seed, step, int(m.group(1)), m.group(2))
+                w.copy_((clean.float() + z.to(w.device)).to(w.dtype))
+            else:
+                w.copy_(clean)
+            count += 1
+    return count
+
+
+def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p: float, max_new_tokens: int,
+                         stop: Sequence[str], seed: int) -> dict:
+    """qerl sampling flags -> keyword arguments of ``vllm.SamplingParams`` (``n`` is added per call)."""
+    return dict(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1, min_p=min_p,
+                max_tokens=max_new_tokens, stop=list(stop) or None, seed=seed, logprobs=0)
+
+
+class VLLMEngine:
+    """``generate(prompt_ids, sampling_kwargs, n) -> list[list[Completion]]`` on a vLLM ``LLM``."""
+
+    def __init__(self, model_dir: Path, *, adapter_dir: Path | None, dtype: str, max_num_seqs: int,
+                 max_model_len: int | None, seed: int, gpu_memory_utilization: float = 0.85):
+        vllm = _vllm()
+        # apply_model ships a Python function to the engine-core process; vLLM only allows
+        # that with pickle-based serialization switched on.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        kw = dict(model=str(model_dir), dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, "auto"),
+                  max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
+                  gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs")
+        self.lora_request = None
+        if adapter_dir is not None:
+            from qerl_cli.adapters import read_adapter_spec
+
+            spec = read_adapter_spec(adapter_dir)
+            kw.update(enable_lora=True, max_lora_rank=max(spec.r, 8), max_loras=1)
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest("qerl-adapter", 1, str(adapter_dir))
+        self.llm = vllm.LLM(**kw)
+        self.num_layers = self.llm.llm_engine.model_config.hf_config.num_hidden_layers
+
+    def set_noise(self, sigma: float, run_seed: int, step: int) -> None:
+        counts = self.llm.apply_model(functools.partial(set_norm_noise, sigma=sigma, run_seed=run_seed, step=step))
+        want = 2 * self.num_layers
+        if any(c != want for c in counts):
+            raise RuntimeError(f"AQN reached {counts} RMSNorms in the vLLM workers, expected {want} each; "
+                               "refusing to roll out with missing noise")
+
+    def generate(self, prompt_ids: list[list[int]], sampling: dict, n: int, progress: Callable | None = None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from qerl_cli.engine import Completion
+
+        sp = SamplingParams(n=n, **sampling)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], sp,
+                                 lora_request=self.lora_request, use_tqdm=False)
+        groups = []
+        for out in outs:
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+                group.append(Completion(token_ids=ids, logprobs=lps, text=c.text,
+                                        finish_reason="length" if c.finish_reason == "length" else "stop"))
+            groups.append(group)
+        return groups

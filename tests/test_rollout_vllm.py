@@ -1,0 +1,92 @@
+"""--engine vllm: the in-worker AQN noise function (CPU, no vLLM needed) and, where vLLM exists, a run."""
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from qerl_cli.aqn import noise_vector
+from qerl_cli.engine_vllm import set_norm_noise, vllm_sampling_params
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+class FakeVllmRMSNorm(nn.Module):  # stands in for vllm.model_executor.layers.layernorm.RMSNorm
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+
+class HFStyleRMSNorm(nn.Module):  # a class the function must NOT match
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+
+def fake_vllm_model(layers=3, d=16):
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer = nn.Module()
+        layer.input_layernorm = FakeVllmRMSNorm(d)
+        layer.post_attention_layernorm = FakeVllmRMSNorm(d)
+        layer.q_norm = FakeVllmRMSNorm(d)  # Qwen3's q/k norms are not AQN targets
+        model.model.layers.append(layer)
+    model.model.norm = FakeVllmRMSNorm(d)
+    return model
+
+
+def test_noise_lands_on_vllm_norms_as_clean_plus_z():
+    model = fake_vllm_model()
+    clean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert set_norm_noise(model, 0.01, run_seed=7, step=3, norm_types=(FakeVllmRMSNorm,)) == 6
+    for i, layer in enumerate(model.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w = getattr(layer, name).weight
+            z = noise_vector(16, 0.01, 7, 3, i, name)  # the native engine's and train-step's vector
+            torch.testing.assert_close(w.detach(), clean[f"model.layers.{i}.{name}.weight"] + z)
+        torch.testing.assert_close(layer.q_norm.weight.detach(), clean[f"model.layers.{i}.q_norm.weight"])
+    torch.testing.assert_close(model.model.norm.weight.detach(), clean["model.norm.weight"])
+    # applying again (next step) starts from the clean weight: no accumulation
+    set_norm_noise(model, 0.01, run_seed=7, step=4, norm_types=(FakeVllmRMSNorm,))
+    w = model.model.layers[0].input_layernorm.weight.detach()
+    torch.testing.assert_close(w, clean["model.layers.0.input_layernorm.weight"] + noise_vector(16, 0.01, 7, 4, 0, "input_layernorm"))
+    # sigma 0 restores the clean weights exactly
+    set_norm_noise(model, 0.0, run_seed=7, step=5, norm_types=(FakeVllmRMSNorm,))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), clean[n])
+
+
+def test_other_norm_classes_are_not_matched():
+    model = fake_vllm_model(layers=1)
+    model.model.layers[0].input_layernorm = HFStyleRMSNorm(16)
+    # only the post_attention_layernorm is a "vLLM" norm now: the count exposes the miss
+    assert set_norm_noise(model, 0.01, 0, 1, norm_types=(FakeVllmRMSNorm,)) == 1
+
+
+def test_sampling_params_mapping():
+    kw = vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_new_tokens=32, stop=(), seed=3)
+    assert kw == dict(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, max_tokens=32, stop=None, seed=3, logprobs=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'qerl[vllm]'); the vLLM engine is untested here")
+def test_vllm_rollout_end_to_end(tmp_path):
+    import json
+
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+    from qerl_cli.rollout import RolloutConfig, rollout
+    from qerl_cli.shards import read_records
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(json.loads(x)) + "\n" for x in tiny_task_file("test").read_text().splitlines()[:8]))
+    res = rollout(RolloutConfig(model=tiny_model_dir(), prompts=prompts, out=tmp_path / "o", engine="vllm",
+                                num_generations=4, max_new_tokens=32, aqn_sigma_start=1e-2, aqn_sigma_end=1e-4,
+                                total_steps=10, step=5, progress=False))
+    recs = read_records(tmp_path / "o")
+    assert len(recs) == 32 and all(r["engine"] == "vllm" for r in recs)
+    assert all(len(r["logprobs"]) == len(r["completion_token_ids"]) for r in recs)
+    assert res["summary"]["sigma"] > 0
