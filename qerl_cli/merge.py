@@ -162,29 +162,36 @@ def read_adapter(adapter_dir: Path) -> Adapter:
     if not deltas and not replacements:
         raise BadInputError(f"{w_path}: the adapter holds no LoRA tensors")
 
-    base_hash = None
-    state_path = adapter_dir / TRAINER_STATE
-    if state_path.exists():
-        try:
-            base_hash = json.loads(state_path.read_text()).get("base_model_hash")
-        except (ValueError, AttributeError) as e:
-            raise BadInputError(f"{state_path}: unreadable trainer state ({e})") from None
+    base_hash = recorded_base_hash(adapter_dir)
     from qerl_cli.adapters import adapter_hash
 
     return Adapter(adapter_dir, cfg, deltas, replacements, base_hash, hash=adapter_hash(adapter_dir))
 
 
-def check_lineage(adapter: Adapter, model_dir: Path, base_hash: str | None = None) -> str:
+def recorded_base_hash(adapter_dir: Path) -> str | None:
+    """The base-model hash a `qerl train-step` adapter records in trainer_state.json (None if absent)."""
+    state_path = Path(adapter_dir) / TRAINER_STATE
+    if not state_path.exists():
+        return None
+    try:
+        return json.loads(state_path.read_text()).get("base_model_hash")
+    except (ValueError, AttributeError) as e:
+        raise BadInputError(f"{state_path}: unreadable trainer state ({e})") from None
+
+
+def check_lineage(adapter_dir: Path, model_dir: Path, base_hash: str | None = None, *,
+                  recorded: str | None = None, hint: str = "use the model it was trained on") -> str:
     """'verified' when the adapter's recorded base hash equals the model's, 'unverified' when the
     adapter records none; LineageError naming both hashes otherwise."""
-    if adapter.base_hash is None:
+    recorded = recorded if recorded is not None else recorded_base_hash(adapter_dir)
+    if recorded is None:
         return "unverified"
     base_hash = base_hash or model_hash(model_dir)
-    if adapter.base_hash != base_hash:
+    if recorded != base_hash:
         raise LineageError(
-            f"--adapter {adapter.path} was trained on base {adapter.base_hash[:12]} "
+            f"--adapter {adapter_dir} was trained on base {recorded[:12]} "
             f"({TRAINER_STATE}) but --model {model_dir} has hash {base_hash[:12]}",
-            hint="merge it into the model it was trained on",
+            hint=hint,
         )
     return "verified"
 
@@ -356,7 +363,8 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     adapter = read_adapter(cfg.adapter)
     base = open_base(cfg.model)
     base_hash = model_hash(cfg.model)
-    lineage = check_lineage(adapter, cfg.model, base_hash)
+    lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash,
+                            hint="merge it into the model it was trained on")
     validate_pair(adapter, base)
 
     so = StageOutput(

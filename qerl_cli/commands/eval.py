@@ -1,12 +1,103 @@
-"""`qerl eval`: not built yet (tracked by issue 5)."""
+"""`qerl eval`: flags -> EvalConfig -> qerl_cli.evaluate.evaluate; `--compare` prints a table of runs."""
 
 from __future__ import annotations
 
-from qerl_cli.errors import NotBuiltError
+from pathlib import Path
+
+import typer
+
+from qerl_cli.errors import BadInputError
 
 SHORT = "Score a model (+ adapter) on a benchmark: pass@1 / pass@k."
-HELP = SHORT + "\n\nNot built yet: this command exits with an error until its issue lands."
+HELP = (
+    SHORT + "\n\n"
+    "Reads a local dataset (GSM8K rows: question + answer '... #### N'; MATH-500 rows: problem + answer; or "
+    "prompt + answer; JSONL or Parquet), wraps each problem in --prompt-template and the tokenizer's chat "
+    "template, generates with the rollout engine and scores with the training reward's rules: the GSM8K "
+    "final-number rule for numeric answers, math-verify for LaTeX ones (--scorer auto). Greedy pass@1 by "
+    "default; --k K samples K completions per problem and reports pass@1..pass@K (unbiased estimator). "
+    "Writes metrics.json (scores with 95% Wilson CI, counts, lengths, time) and samples.jsonl.\n\n"
+    "Examples:\n\n"
+    "  qerl eval --model runs/q/qwen-nvfp4 --adapter runs/step-0100 --dataset data/gsm8k_test.jsonl --out runs/eval-100\n\n"
+    "  qerl eval --model runs/merged --dataset data/math500.parquet --out runs/eval-m --k 8 --temperature 0.6\n\n"
+    "  qerl eval --compare runs/eval-base runs/eval-100"
+)
 
 
-def command() -> None:
-    raise NotBuiltError("`qerl eval` is not built yet (see issue 5); nothing was done")
+def command(
+    runs: list[Path] = typer.Argument(None, help="With --compare: finished eval output dirs to tabulate.", show_default=False),
+    model: Path = typer.Option(None, "--model", help="Model dir: NVFP4 QDIR, merged or plain HF bf16 dir. "
+                               "Example: --model runs/q/qwen-nvfp4", show_default=False),
+    adapter: Path = typer.Option(None, "--adapter", help="PEFT LoRA adapter applied on top of --model (refused if "
+                                 "trained on another base). Example: --adapter runs/step-0100", show_default=False),
+    dataset: Path = typer.Option(None, "--dataset", help="JSONL/JSON/Parquet benchmark file with reference answers. "
+                                 "Example: --dataset data/gsm8k_test.jsonl", show_default=False),
+    out: Path = typer.Option(None, "--out", help="Output dir for metrics.json + samples.jsonl (atomic). "
+                             "Example: --out runs/eval-100", show_default=False),
+    k: int = typer.Option(1, "--k", help="Report pass@1..pass@K; K > 1 samples at --temperature. Example: --k 8"),
+    num_samples: int = typer.Option(None, "--num-samples", help="Samples per problem (>= K; more samples give a "
+                                    "lower-variance pass@k). Default: K. Example: --num-samples 16", show_default=False),
+    temperature: float = typer.Option(None, "--temperature", help="Sampling temperature. Default: 0 (greedy) for "
+                                      "one sample, 1.0 otherwise. Example: --temperature 0.6", show_default=False),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold. Example: --top-p 0.95"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Completion length cap (longer ones count as "
+                                       "truncated). Example: --max-new-tokens 2048"),
+    prompt_template: str = typer.Option(None, "--prompt-template", help="Instruction around each problem: a string "
+                                        "or file containing {prompt}. Default: '{prompt}\\nPlease reason step by step, "
+                                        "and put your final answer within \\boxed{}.' Example: "
+                                        "--prompt-template '{prompt}\\nEnd with #### <number>.'", show_default=False),
+    system_prompt: str = typer.Option(None, "--system-prompt", help="System message for chat templates. "
+                                      "Example: --system-prompt 'You are a careful mathematician.'", show_default=False),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Prompt with the raw text even if the "
+                                          "tokenizer has a chat template (base models)."),
+    scorer: str = typer.Option("auto", "--scorer", help="auto: gsm8k rule for numeric references, math-verify "
+                               "otherwise; gsm8k: final number (####, \\boxed{}, <answer>); math: math-verify on the "
+                               "last \\boxed{}. Example: --scorer math"),
+    max_problems: int = typer.Option(None, "--max-problems", help="Score only the first N problems (smoke runs). "
+                                     "Example: --max-problems 50", show_default=False),
+    engine: str = typer.Option("native", "--engine", help="native (qerl's engine) or vllm (needs `qerl[vllm]`). "
+                               "Example: --engine vllm"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda. Example: --device cpu"),
+    dtype: str = typer.Option("auto", "--dtype", help="Activation dtype: auto (bf16 on GPU, fp32 on CPU), bf16, "
+                              "fp16, fp32. Example: --dtype bf16"),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (pass@k runs are reproducible). Example: --seed 1"),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Sequences generated at once (memory vs speed). "
+                                     "Example: --max-num-seqs 256"),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length (prompt + completion). "
+                                      "Default: the model's max_position_embeddings. Example: --max-model-len 4096",
+                                      show_default=False),
+    compare: bool = typer.Option(False, "--compare", help="Print a side-by-side table of finished eval dirs "
+                                 "given as arguments (no --model needed). Example: qerl eval --compare runs/e1 runs/e2"),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if compare or runs:
+        if not compare:
+            raise BadInputError(f"unexpected argument {runs[0]}", hint="to tabulate eval dirs pass --compare DIR...")
+        if not runs:
+            raise BadInputError("--compare needs at least one eval output directory")
+        from qerl_cli.eval_metrics import compare_table
+
+        console.print(compare_table(runs))
+        return
+    for flag, value in (("--model", model), ("--dataset", dataset), ("--out", out)):
+        if value is None:
+            raise BadInputError(f"{flag} is required (or use --compare DIR... to tabulate finished runs)")
+
+    from qerl_cli.evaluate import DEFAULT_TEMPLATE, EvalConfig, evaluate, render_metrics
+
+    cfg = EvalConfig(
+        model=model, dataset=dataset, out=out, adapter=adapter, k=k, num_samples=num_samples,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        prompt_template=DEFAULT_TEMPLATE if prompt_template is None else prompt_template,
+        system_prompt=system_prompt, chat_template=False if no_chat_template else None, scorer=scorer,
+        max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, force=force, progress=not quiet,
+    )
+    res = evaluate(cfg, console=console)
+    if res["already_done"]:
+        console.print(f"already done: {out} holds this eval (pass --force to redo)")
+    render_metrics(res["metrics"], console)

@@ -1,0 +1,392 @@
+"""Stage `qerl eval`: score a model (+ LoRA adapter) on a local math benchmark, pass@1 / pass@k.
+
+How it works: the dataset (GSM8K ``question``/``answer ... #### N``, MATH-500 ``problem``/
+``answer``, or plain ``prompt``/``answer``; JSONL or Parquet) is read by ``qerl_cli.data`` -- the
+same loader, prompt template and chat template rollouts use -- and generated with the same
+engine (native, or vLLM with ``--engine vllm``). The model is loaded with the adapter applied
+by ``qerl_cli.models.load_model``, whose loader refuses an adapter that does not change the
+logits on a probe, and the number of wrapped LoRA modules is written into metrics.json: the
+reference code's eval silently dropped the adapter and reported the base model's score.
+
+Scoring reuses ``qerl_cli.rewards.is_correct`` (the training reward's own rule), so "correct"
+in eval and in training can never disagree. ``--scorer auto`` picks per problem: a numeric
+reference (GSM8K) uses the final-number rule (``####``, ``\\boxed{}`` or ``<answer>``, numbers
+compared as exact fractions), anything else (MATH: ``\\frac{\\sqrt3}{2}``, intervals) uses
+math-verify's symbolic equivalence on the last ``\\boxed{}``.
+
+Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--num-samples N``
+(default K) completions per problem at ``--temperature`` and reports pass@1..pass@K with the
+unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
+adapter hashes, dataset hash, template, sampling, seed) goes into the manifest fingerprint, so
+rerunning the same eval is "already done" and two runs can be compared with ``--compare``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qerl_cli.errors import BadInputError, NotBuiltError
+from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
+from qerl_cli.hashing import model_hash, sha256_file
+from qerl_cli.outputs import StageOutput
+
+STAGE = "eval"
+SCORERS = ("auto", "gsm8k", "math")
+ENGINES = ("native", "vllm")
+# Qwen2.5-Math's instruction: the boxed answer is what both scorers read first.
+DEFAULT_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
+_NUMERIC = re.compile(r"\s*[-+\u2212]?\s*\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)\s*(?:/\s*\d+(?:\.\d+)?)?\s*%?\s*")
+
+
+@dataclass
+class EvalConfig:
+    model: Path
+    dataset: Path
+    out: Path
+    adapter: Path | None = None
+    k: int = 1
+    num_samples: int | None = None  # default: k
+    temperature: float | None = None  # default: 0 (greedy) for k = 1, else 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    prompt_template: str | None = DEFAULT_TEMPLATE
+    system_prompt: str | None = None
+    chat_template: bool | None = None  # None: use it when the tokenizer has one
+    scorer: str = "auto"
+    max_problems: int | None = None
+    engine: str = "native"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    force: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        self.model, self.dataset, self.out = Path(self.model), Path(self.dataset), Path(self.out)
+        self.adapter = Path(self.adapter) if self.adapter is not None else None
+        if self.k < 1:
+            raise BadInputError(f"--k must be at least 1, got {self.k}")
+        if self.num_samples is None:
+            self.num_samples = self.k
+        if self.num_samples < self.k:
+            raise BadInputError(f"--num-samples {self.num_samples} is less than --k {self.k}",
+                                hint="pass@k needs at least k samples per problem")
+        if self.temperature is None:
+            self.temperature = 0.0 if self.num_samples == 1 else 1.0
+        if self.temperature < 0:
+            raise BadInputError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.num_samples > 1:
+            raise BadInputError(f"--temperature 0 (greedy) with {self.num_samples} samples per problem gives "
+                                "identical samples", hint="pass --temperature > 0 for pass@k")
+        if not 0 < self.top_p <= 1:
+            raise BadInputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise BadInputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.scorer not in SCORERS:
+            raise BadInputError(f"--scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
+        if self.engine not in ENGINES:
+            raise BadInputError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.max_problems is not None and self.max_problems < 1:
+            raise BadInputError(f"--max-problems must be at least 1, got {self.max_problems}")
+        if self.max_num_seqs < 1:
+            raise BadInputError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+
+
+# ---- scoring -----------------------------------------------------------------------------------
+def scorer_for(reference: str, scorer: str = "auto") -> str:
+    """The answer kind a problem is scored with: numeric references -> gsm8k, others -> math."""
+    if scorer != "auto":
+        return scorer
+    return "gsm8k" if _NUMERIC.fullmatch(reference) else "math"
+
+
+@dataclass
+class Scored:
+    extracted: str | None
+    correct: bool
+    kind: str
+
+
+def score_completion(completion: str, reference: str, scorer: str = "auto") -> Scored:
+    """Extract the completion's answer and judge it against ``reference`` with the rollout rewards' rule."""
+    from qerl_cli.rewards import extract_answer, is_correct
+
+    kind = scorer_for(reference, scorer)
+    extracted = extract_answer(completion, kind)
+    return Scored(extracted, extracted is not None and is_correct(completion, reference, kind), kind)
+
+
+# ---- generation --------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One generated completion, engine-independent."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+# generate(prompt_token_ids, n, seed) -> per prompt, n samples
+GenerateFn = Callable[[list[list[int]], int, int], list[list[Sample]]]
+
+
+def _sampling_kwargs(cfg: EvalConfig, seed: int) -> dict:
+    return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=seed)
+
+
+def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_model_len: int):
+    """(generate, info) over the native engine; the model carries the adapter when one is given."""
+    from qerl_cli.aqn import clear_noise
+    from qerl_cli.layers.lora import lora_modules
+    from qerl_cli.models import load_model
+
+    try:
+        from qerl_cli.engine import LLMEngine, SamplingParams
+    except ImportError as e:
+        raise NotBuiltError(f"the native engine (qerl_cli.engine) is not available: {e}") from None
+
+    model = load_model(cfg.model, device=device, dtype=torch_dtype, adapter_dir=cfg.adapter)
+    clear_noise(model)  # eval measures the clean policy: no AQN noise
+    n_lora = len(list(lora_modules(model)))
+    if cfg.adapter is not None and n_lora == 0:
+        raise BadInputError(f"--adapter {cfg.adapter}: no LoRA module was attached to the model")
+    engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
+
+    def generate(prompt_ids, n, seed):
+        sp = SamplingParams(**_sampling_kwargs(cfg, seed))
+        groups = engine.generate(prompt_ids, sp, n=n)
+        return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
+
+    return generate, {"engine": "native", "lora_modules": n_lora}
+
+
+def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: int):
+    """(generate, info) over the rollout stage's vLLM engine, with the adapter as a LoRA request."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise BadInputError("--engine vllm needs vLLM, which is not installed", hint="pip install 'qerl[vllm]'")
+    try:
+        from qerl_cli.engine_vllm import VLLMEngine, vllm_sampling_params
+    except ImportError as e:
+        raise NotBuiltError(f"--engine vllm: qerl's vLLM engine is not available ({e})", hint="use --engine native") from None
+    engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype_name, max_num_seqs=cfg.max_num_seqs,
+                        max_model_len=max_model_len, seed=cfg.seed)
+
+    def generate(prompt_ids, n, seed):
+        sp = vllm_sampling_params(top_k=0, min_p=0.0, stop=(), **_sampling_kwargs(cfg, seed))
+        groups = engine.generate(prompt_ids, sp, n=n)
+        return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
+
+    return generate, {"engine": "vllm", "lora_modules": None}
+
+
+# ---- the stage ---------------------------------------------------------------------------------
+def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str) -> dict:
+    d = asdict(cfg)
+    for key in ("model", "dataset", "out", "adapter", "force", "progress"):
+        d.pop(key)
+    if cfg.temperature == 0:
+        d.pop("max_num_seqs")  # greedy text does not depend on batching; sampled text does (batch seeds)
+    d.update(device=device, dtype=dtype)
+    return d
+
+
+def _batch_seed(seed: int, start: int) -> int:
+    """The sampling seed of the batch starting at problem ``start``: distinct per batch, reproducible."""
+    return (seed * 1_000_003 + start) % (2**31 - 1)
+
+
+def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=None) -> dict:
+    """Run `qerl eval`; returns ``{"out", "already_done", "metrics", "manifest"}``.
+
+    ``generate`` replaces the engine (tests); by default the native or vLLM engine is built.
+    """
+    from qerl_cli.data import encode_prompts, load_prompts, load_template
+    from qerl_cli.merge import check_lineage
+    from qerl_cli.rollout import _context_length, _load_tokenizer, _resolve_device, _resolve_dtype
+
+    t_start = time.time()
+    if not cfg.model.is_dir():
+        raise BadInputError(f"--model {cfg.model}: not a directory")
+    if cfg.adapter is not None and not cfg.adapter.is_dir():
+        raise BadInputError(f"--adapter {cfg.adapter}: not a directory")
+    if not cfg.dataset.exists():
+        raise BadInputError(f"--dataset {cfg.dataset} does not exist")
+    template = load_template(cfg.prompt_template)
+    try:
+        rows = load_prompts(cfg.dataset)
+    except BadInputError as e:
+        raise BadInputError(f"--dataset: {e}") from None
+    if cfg.max_problems:
+        rows = rows[: cfg.max_problems]
+    missing = next((r for r in rows if r.answer is None), None)
+    if missing is not None:
+        raise BadInputError(f"{missing.where}: row has no reference `answer`; eval needs one per problem")
+
+    device = _resolve_device(cfg.device)
+    dtype_name, torch_dtype = _resolve_dtype(cfg.dtype, device)
+    base_hash = model_hash(cfg.model)
+    inputs = {"model": base_hash, "dataset": sha256_file(cfg.dataset)}
+    lineage = None
+    if cfg.adapter is not None:
+        from qerl_cli.adapters import adapter_hash
+
+        lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on")
+        inputs["adapter"] = adapter_hash(cfg.adapter)
+    so = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name), inputs=inputs,
+                     force=cfg.force)
+    if so.already_done():
+        metrics = json.loads((cfg.out / METRICS).read_text())
+        return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
+
+    tokenizer = _load_tokenizer(cfg.model)
+    max_model_len = cfg.max_model_len or _context_length(cfg.model)
+    room = max_model_len - cfg.max_new_tokens
+    if room < 1:
+        raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "
+                            f"{max_model_len}-token context", hint="lower --max-new-tokens or raise --max-model-len")
+    # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
+    prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
+                             chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error")
+
+    info: dict = {"engine": cfg.engine, "lora_modules": None}
+    if generate is None:
+        if cfg.engine == "vllm":
+            generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
+        else:
+            generate, info = native_generator(cfg, tokenizer, device, torch_dtype, max_model_len)
+
+    with so as work:
+        records, t_gen = _generate_and_score(cfg, prompts, generate, work, console)
+        metrics = _metrics(cfg, records, prompts, base_hash, inputs, lineage, info, device, dtype_name)
+        metrics["time"] = {
+            "total_s": round(time.time() - t_start, 3),
+            "generate_s": round(t_gen, 3),
+            "tokens_per_s": round(sum(r["num_tokens"] for r in records) / t_gen, 1) if t_gen > 0 else None,
+        }
+        (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+        so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
+        so.timings["generate_s"] = round(t_gen, 3)
+    return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
+
+
+def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path, console) -> tuple[list[dict], float]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    n = cfg.num_samples
+    per_batch = max(1, cfg.max_num_seqs // n)
+    records: list[dict] = []
+    t_gen = 0.0
+    solved = 0
+    progress = Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                        disable=not cfg.progress, transient=False)
+    with progress, open(work / SAMPLES, "w", encoding="utf-8") as out:
+        task = progress.add_task("eval", total=len(prompts), info="")
+        for start in range(0, len(prompts), per_batch):
+            batch = prompts[start : start + per_batch]
+            t0 = time.time()
+            groups = generate([p.token_ids for p in batch], n, _batch_seed(cfg.seed, start))
+            t_gen += time.time() - t0
+            if len(groups) != len(batch) or any(len(g) != n for g in groups):
+                raise RuntimeError(f"engine returned {[len(g) for g in groups]} samples for {len(batch)} prompts x {n}")
+            for p, group in zip(batch, groups):
+                any_ok = False
+                for j, s in enumerate(group):
+                    sc = score_completion(s.text, p.row.answer, cfg.scorer)
+                    any_ok |= sc.correct
+                    rec = {
+                        "id": p.row.id,
+                        "sample": j,
+                        "prompt": p.text,
+                        "completion": s.text,
+                        "extracted": sc.extracted,
+                        "reference": p.row.answer,
+                        "correct": sc.correct,
+                        "scorer": sc.kind,
+                        "finish_reason": s.finish_reason,
+                        "num_tokens": len(s.token_ids),
+                    }
+                    records.append(rec)
+                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                solved += any_ok
+            done = min(start + per_batch, len(prompts))
+            progress.update(task, completed=done, info=f"solved {solved}/{done}")
+    return records, t_gen
+
+
+def _metrics(cfg, records: Sequence[dict], prompts, base_hash, inputs, lineage, info, device, dtype_name) -> dict:
+    n = cfg.num_samples
+    per_problem: dict[str, list[dict]] = {}
+    for r in records:
+        per_problem.setdefault(r["id"], []).append(r)
+    counts_nc = [(len(v), sum(x["correct"] for x in v)) for v in per_problem.values()]
+    ks = k_values(cfg.k)
+    scores = score_block(counts_nc, ks)
+    head = f"pass@{cfg.k}"
+    kinds: dict[str, int] = {}
+    for v in per_problem.values():
+        kinds[v[0]["scorer"]] = kinds.get(v[0]["scorer"], 0) + 1
+    return {
+        "schema_version": 1,
+        "model": str(cfg.model),
+        "model_hash": base_hash,
+        "adapter": str(cfg.adapter) if cfg.adapter else None,
+        "adapter_hash": inputs.get("adapter"),
+        "lineage": lineage,
+        "lora_modules": info.get("lora_modules"),
+        "dataset": str(cfg.dataset),
+        "dataset_hash": inputs["dataset"],
+        "score_name": head,
+        "score": scores[head]["value"],
+        "ci95": scores[head]["ci95"],
+        "scores": scores,
+        "scorer": cfg.scorer,
+        "scored_with": kinds,
+        "counts": {
+            "problems": len(per_problem),
+            "samples_per_problem": n,
+            "samples": len(records),
+            "correct_samples": sum(c for _, c in counts_nc),
+            "problems_solved": sum(1 for _, c in counts_nc if c > 0),
+            "no_answer": sum(1 for r in records if r["extracted"] is None),
+            "truncated": sum(1 for r in records if r["finish_reason"] == "length"),
+        },
+        "lengths": length_stats([r["num_tokens"] for r in records]),
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                     "seed": cfg.seed},
+        "prompt_template": cfg.prompt_template,
+        "engine": info.get("engine", cfg.engine),
+        "device": device,
+        "dtype": dtype_name,
+    }
+
+
+def render_metrics(metrics: dict, console) -> None:
+    """The end-of-run table: scores with CI, counts, lengths, time."""
+    from rich.table import Table
+
+    c = metrics["counts"]
+    t = Table(title=f"qerl eval: {Path(metrics['dataset']).name}", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("model", metrics["model"] + (f" + {metrics['adapter']}" if metrics.get("adapter") else ""))
+    for name, s in metrics["scores"].items():
+        lo, hi = s["ci95"]
+        t.add_row(name, f"{100 * s['value']:.2f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")
+    t.add_row("problems / samples", f"{c['problems']} / {c['samples']}")
+    t.add_row("solved", f"{c['problems_solved']}")
+    t.add_row("no answer / truncated", f"{c['no_answer']} / {c['truncated']}")
+    L = metrics["lengths"]
+    t.add_row("completion tokens mean / p90 / max", f"{L['mean']:.0f} / {L['p90']} / {L['max']}")
+    tm = metrics["time"]
+    t.add_row("time", f"{tm['total_s']:.1f}s ({tm['tokens_per_s']} tok/s)" if tm.get("tokens_per_s") else f"{tm['total_s']:.1f}s")
+    console.print(t)

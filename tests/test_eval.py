@@ -1,0 +1,212 @@
+"""`qerl eval`: scoring rules, metrics/samples files, pass@k wiring, reruns and bad inputs.
+
+The engine is replaced by a scripted generator here (fast, exact control over what is correct);
+tests/test_eval_e2e.py runs the real engine on a tiny model.
+"""
+
+import json
+
+import pytest
+
+from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
+from qerl_cli.eval_metrics import pass_at_k
+from qerl_cli.evaluate import EvalConfig, Sample, evaluate, score_completion, scorer_for
+from tests.helpers import make_tiny_hf_model
+
+
+# ---- scoring on crafted answers ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "completion, reference, extracted, correct",
+    [
+        ("so the total is \\boxed{72}.", "72", "72", True),
+        ("She pays 3*24 = 72.\n#### 72", "72", "72", True),
+        ("#### 72\nthen more text #### 5", "72", "72", True),  # the first #### with a number (task rule)
+        ("The answer is 72", "72", None, False),  # no final-answer marker: not credited
+        ("\\boxed{\\frac{1}{2}}", "0.5", "0.5", True),  # fraction vs decimal
+        ("\\boxed{0.5}", "\\frac{1}{2}", "0.5", True),  # math-verify, the other way round
+        ("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", "\\dfrac{\\sqrt{3}}{2}", True),
+        ("\\boxed{3/4}", "\\frac34", "3/4", True),
+        ("\\boxed{x^2+1}", "1+x^2", "x^2+1", True),  # equivalent expressions
+        ("\\boxed{[1,2)}", "[1, 2)", "[1,2)", True),  # intervals
+        ("\\boxed{-3}", "-3", "-3", True),  # negative numbers
+        ("#### -3", "3", "-3", False),
+        ("#### \u22127", "-7", "-7", True),  # unicode minus
+        ("\\boxed{18 \\text{ dollars}}", "18", "18", True),  # units
+        ("#### $1,200", "1200", "1200", True),  # currency and thousands separators
+        ("#### 5 apples", "5", "5", True),
+        ("\\boxed{10\\%}", "10", "10", True),
+        ("I am not sure.", "\\frac{1}{2}", None, False),  # no answer (math scorer)
+        ("I am not sure.", "4", None, False),  # no answer (gsm8k scorer)
+        ("\\boxed{\\frac{1}{3}}", "0.33", "1/3", False),  # not rounded into a match
+    ],
+)
+def test_scoring_crafted_answers(completion, reference, extracted, correct):
+    s = score_completion(completion, reference)
+    assert (s.extracted, s.correct) == (extracted, correct)
+
+
+def test_scorer_choice():
+    for ref in ("72", "-3.5", "1,000", "$12", "3/4", "10%"):
+        assert scorer_for(ref) == "gsm8k", ref
+    for ref in ("\\frac{1}{2}", "x^2", "(1, 2)", "\\sqrt{2}", "B"):
+        assert scorer_for(ref) == "math", ref
+    assert scorer_for("72", "math") == "math"
+    # forcing the math scorer on a GSM8K-style answer still works (math-verify on \boxed{})
+    assert score_completion("\\boxed{72}", "72", "math").correct
+    assert not score_completion("#### 72", "72", "math").correct  # math reads only \boxed{}
+
+
+# ---- the stage with a scripted engine ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("evalm"), arch="qwen2", hidden=32, layers=1)
+
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A pen costs $2. How much are 5 pens?", "answer": "5 * 2 = 10\n#### 10"},
+    {"question": "What is 12 / 4?", "answer": "#### 3"},
+    {"question": "What is 1 - 6?", "answer": "#### -5"},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+class Scripted:
+    """A generator whose i-th call answers from a script: text per (prompt index, sample index)."""
+
+    def __init__(self, answers):
+        self.answers, self.calls, self.seen = answers, [], 0
+
+    def __call__(self, prompt_ids, n, seed):
+        self.calls.append((len(prompt_ids), n, seed))
+        out = []
+        for _ in prompt_ids:
+            texts = self.answers[self.seen]
+            self.seen += 1
+            assert len(texts) == n
+            out.append([Sample(list(range(len(t.split()))), t, "length" if "..." in t else "stop") for t in texts])
+        return out
+
+
+def run(model_dir, tmp_path, rows, answers, name="e", **kw):
+    data = write_jsonl(tmp_path / f"{name}.jsonl", rows) if rows is not None else kw.pop("dataset")
+    kw.setdefault("max_new_tokens", 64)  # the tiny model's context is 512 tokens
+    cfg = EvalConfig(model=model_dir, dataset=data, out=tmp_path / name, progress=False, device="cpu", **kw)
+    gen = Scripted(answers)
+    return evaluate(cfg, generate=gen), gen
+
+
+def test_greedy_pass1_metrics_and_samples(model_dir, tmp_path):
+    answers = [["so \\boxed{7}"], ["#### 10"], ["it is four"], ["#### -5 ..."]]
+    res, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_num_seqs=3)
+    m = res["metrics"]
+    assert m["score_name"] == "pass@1" and m["score"] == pytest.approx(0.75)
+    lo, hi = m["ci95"]
+    assert 0.2 < lo < 0.75 < hi <= 1.0
+    assert m["counts"] == {"problems": 4, "samples_per_problem": 1, "samples": 4, "correct_samples": 3,
+                           "problems_solved": 3, "no_answer": 1, "truncated": 1}
+    assert m["sampling"]["temperature"] == 0.0 and m["scored_with"] == {"gsm8k": 4}
+    assert m["lengths"]["max"] == 3 and m["time"]["total_s"] > 0
+    assert [c[:2] for c in gen.calls] == [(3, 1), (1, 1)]  # batches of max_num_seqs // n prompts
+    out = tmp_path / "e"
+    assert json.loads((out / "metrics.json").read_text()) == m
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["correct"] for s in samples] == [True, True, False, True]
+    assert samples[0]["reference"] == "7" and samples[2]["extracted"] is None
+    # the instruction template and the tokenizer's chat template were both applied
+    assert samples[0]["prompt"].startswith("<|im_start|>user\nTom has 3 apples")
+    assert "\\boxed{}" in samples[0]["prompt"] and samples[0]["prompt"].endswith("<|im_start|>assistant\n")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["stage"] == "eval" and man["summary"]["score"] == pytest.approx(0.75)
+
+
+def test_pass_at_k_uses_unbiased_estimator(model_dir, tmp_path):
+    right, wrong = "#### 7", "#### 8"
+    # n = 4 samples; correct counts per problem: 0, 1, 2, 4
+    answers = [[wrong] * 4, [right] + [wrong] * 3, [right, wrong, right, wrong], [right] * 4]
+    rows = [{"prompt": f"q{i}", "answer": "7"} for i in range(4)]
+    res, gen = run(model_dir, tmp_path, rows, answers, k=2, num_samples=4, temperature=0.8)
+    s = res["metrics"]["scores"]
+    assert set(s) == {"pass@1", "pass@2"}
+    assert s["pass@1"]["value"] == pytest.approx((0 + 1 + 2 + 4) / 16)
+    want = sum(pass_at_k(4, c, 2) for c in (0, 1, 2, 4)) / 4
+    assert s["pass@2"]["value"] == pytest.approx(want) and res["metrics"]["score"] == pytest.approx(want)
+    assert res["metrics"]["counts"]["problems_solved"] == 3
+    assert all(n == 4 for _, n, _ in gen.calls) and len({seed for *_, seed in gen.calls}) == len(gen.calls)
+
+
+def test_math500_parquet_without_chat_template_and_custom_template(model_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"problem": "Simplify $\\frac{2}{4}$.", "answer": "\\frac{1}{2}", "unique_id": "a"},
+            {"problem": "Solve $x+1=3$.", "answer": "2", "unique_id": "b"}]
+    path = tmp_path / "math500.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    res, _ = run(model_dir, tmp_path, None, [["\\boxed{0.5}"], ["\\boxed{3}"]], dataset=path,
+                 prompt_template="Q: {prompt}\nA:", chat_template=False)
+    m = res["metrics"]
+    assert m["score"] == pytest.approx(0.5) and m["scored_with"] == {"math": 1, "gsm8k": 1}
+    first = json.loads((tmp_path / "e" / "samples.jsonl").read_text().splitlines()[0])
+    assert first["prompt"] == "Q: Simplify $\\frac{2}{4}$.\nA:" and first["id"] == "a"
+
+
+def test_rerun_is_already_done_and_force(model_dir, tmp_path):
+    answers = [["#### 7"], ["#### 1"], ["#### 3"], ["#### -5"]]
+    first, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers)
+    again, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers)
+    assert again["already_done"] and gen.calls == [] and again["metrics"] == first["metrics"]
+    with pytest.raises(OutputExistsError, match="--force"):
+        run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=32)
+    redo, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=32, force=True)
+    assert not redo["already_done"] and len(gen.calls) == 1
+
+
+def test_bad_inputs(model_dir, tmp_path):
+    with pytest.raises(BadInputError, match="does not exist"):
+        evaluate(EvalConfig(model=model_dir, dataset=tmp_path / "nope.jsonl", out=tmp_path / "o"), generate=Scripted([]))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(BadInputError, match="holds no rows"):
+        evaluate(EvalConfig(model=model_dir, dataset=tmp_path / "empty.jsonl", out=tmp_path / "o"), generate=Scripted([]))
+    with pytest.raises(BadInputError, match=r"noans.jsonl:2: row has no reference `answer`"):
+        run(model_dir, tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": "b"}], [], name="noans")
+    with pytest.raises(BadInputError, match="--model .*: not a directory"):
+        evaluate(EvalConfig(model=tmp_path / "m", dataset=tmp_path / "empty.jsonl", out=tmp_path / "o"))
+    with pytest.raises(BadInputError, match="--num-samples 2 is less than --k 4"):
+        EvalConfig(model=model_dir, dataset="d", out="o", k=4, num_samples=2)
+    with pytest.raises(BadInputError, match="identical samples"):
+        EvalConfig(model=model_dir, dataset="d", out="o", k=4, temperature=0.0)
+    with pytest.raises(BadInputError, match="--scorer"):
+        EvalConfig(model=model_dir, dataset="d", out="o", scorer="exact")
+    with pytest.raises(BadInputError, match="no room for the prompt"):
+        run(model_dir, tmp_path, GSM8K_ROWS, [], name="long", max_new_tokens=600)
+    assert not (tmp_path / "o").exists()
+
+
+def test_refuses_adapter_for_another_base(model_dir, tmp_path):
+    adapter = tmp_path / "ad"
+    adapter.mkdir()
+    (adapter / "trainer_state.json").write_text(json.dumps({"global_step": 1, "base_model_hash": "f" * 64}))
+    with pytest.raises(LineageError, match=r"trained on base ffffffffffff .* has hash"):
+        run(model_dir, tmp_path, GSM8K_ROWS, [], adapter=adapter)
+
+
+def test_compare_cli_prints_runs_side_by_side(model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    run(model_dir, tmp_path, GSM8K_ROWS, [["#### 7"], ["#### 1"], ["#### 3"], ["#### 0"]], name="base")
+    run(model_dir, tmp_path, GSM8K_ROWS, [["#### 7"], ["#### 10"], ["#### 3"], ["#### -5"]], name="tuned")
+    r = CliRunner().invoke(app, ["eval", "--compare", str(tmp_path / "base"), str(tmp_path / "tuned")],
+                           terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert "50.0 [" in r.output and "100.0 [" in r.output and "pass@1" in r.output
+    r = CliRunner().invoke(app, ["eval", "--compare", str(tmp_path / "base"), str(tmp_path)])
+    assert r.exit_code == 2 and "metrics.json not found" in r.output
+    r = CliRunner().invoke(app, ["eval", "--dataset", "x.jsonl", "--out", "o"])
+    assert r.exit_code == 2 and "--model" in r.output
