@@ -61,6 +61,7 @@ _QUANT_SUFFIXES = (
     "scales",
 )
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_FP4 = nvfp4.FP8_MAX * nvfp4.FP4_MAX
 
 
 @dataclass
@@ -192,6 +193,22 @@ def _check_finite(name: str, t: torch.Tensor, source: SourceModel) -> None:
         )
 
 
+def _global_scale(w: torch.Tensor, module: str, stats: dict) -> torch.Tensor:
+    """compressed-tensors' global (448*6/amax in the weight's dtype), except where that overflows.
+
+    In fp16, 2688/amax overflows for amax < 2688/65504 ~ 0.041; compressed-tensors then falls
+    back to a global of 1.0, which underflows the fp8 block scales and wrecks the layer (~90%
+    relative error). qerl computes such a global in fp32 instead and lists the module in the
+    summary: those tensors are the only ones not bit-identical to llm-compressor's output.
+    """
+    amax = w.abs().amax()
+    g = nvfp4.global_scale_for(amax)
+    if float(amax) > 0 and float(g) == 1.0 and FP8_FP4 / float(amax) > 1.0:
+        stats["fp32_global_fallback"].append(module)
+        g = nvfp4.global_scale_for(amax.to(torch.float32))
+    return g
+
+
 def _process_unit(unit: Unit, tensors: dict[str, torch.Tensor], source, fmt, device, stats) -> list:
     """Quantize/copy one unit; returns the output (name, cpu tensor) list in plan order."""
     out: list[tuple[str, torch.Tensor]] = []
@@ -202,7 +219,8 @@ def _process_unit(unit: Unit, tensors: dict[str, torch.Tensor], source, fmt, dev
             _check_finite(name, w, source)
             ws.append(w)
         # Shared global = min of the siblings' globals, each computed as compressed-tensors does.
-        g = torch.min(torch.cat([nvfp4.global_scale_for(w.abs().amax()) for w in ws])).reshape(1)
+        g = torch.min(torch.cat([_global_scale(w, module, stats) for (_, module), w in zip(unit.quant, ws)]))
+        g = g.reshape(1)
         for (_, module), w in zip(unit.quant, ws):
             packed, scale, gs = nvfp4.quantize(w, g)
             wf = w.to(torch.float32)
@@ -275,7 +293,7 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     units, kept_linears = plan_units(source)
     plan = plan_outputs(source, units, fmt)
     ignore = ["lm_head", *kept_linears]
-    stats = {"rel_errors": {}, "quantized_params": 0}
+    stats = {"rel_errors": {}, "quantized_params": 0, "fp32_global_fallback": []}
     t0 = time.time()
     with so as work:
         writer = ShardedWriter(work, plan, max_shard)
@@ -390,6 +408,7 @@ def _summary(source, units, plan, kept_linears, stats, elapsed, device, fmt_name
         "max_rel_error": {"module": worst[0], "value": round(worst[1], 6)},
         "mean_rel_error": round(sum(errs.values()) / n_quant, 6) if n_quant else 0.0,
         "per_layer_max_rel_error": _per_layer_max(errs),
+        "fp32_global_fallback": stats["fp32_global_fallback"],
         "copied_files": copied,
         "seconds": round(elapsed, 3),
         "source_mb_per_s": round(before / 1e6 / elapsed, 1) if elapsed > 0 else None,
@@ -428,6 +447,8 @@ def render_summary(result: QuantizeResult, console) -> None:
     t.add_row("largest per-layer relative error", f"{worst['value']:.4f} ({worst['module']})")
     t.add_row("mean relative error", f"{s['mean_rel_error']:.4f}")
     t.add_row("time", f"{s['seconds']:.1f} s on {s['device']} ({s['source_mb_per_s']} MB/s)")
+    if s.get("fp32_global_fallback"):
+        t.add_row("fp16 global overflow (fp32 global used)", f"{len(s['fp32_global_fallback'])} Linears")
     kept = s["kept_linears"]
     if kept:
         shown = ", ".join(kept[:6]) + (f" (+{len(kept) - 6} more)" if len(kept) > 6 else "")

@@ -65,7 +65,9 @@ def open_source(src: Path) -> SourceModel:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise BadInputError(f"{index_path}: no 'weight_map' object")
-        shard_names = list(dict.fromkeys(weight_map.values()))
+        shard_names = sorted(
+            set(weight_map.values())
+        )  # file order, so reads go through the shards in sequence
         shards = []
         for name in shard_names:
             p = src / name
