@@ -1,0 +1,48 @@
+"""torchrun with 2 gloo processes on CPU gives the single-process adapter (up to float order)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qerl_cli.train_step import TrainStepConfig, train_step
+from tests.train_fixtures import base_hash_of, make_shard, quantized_tiny
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # ~60 s on 2 shared cores: two extra interpreters import torch + transformers + peft
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    args = dict(lr=1e-3, loss="bnpo", epochs=2, lora_rank=4, micro_batch_tokens=40)
+    single = train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "one", progress=False, **args))
+    assert single["metrics"]["micro_batches"] >= 3  # both ranks get work, one gets more
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(q), "--shards", str(sh),
+           "--out", str(tmp_path / "two"), "--lr", "1e-3", "--loss", "bnpo", "--epochs", "2", "--lora-rank", "4",
+           "--micro-batch-tokens", "40", "--device", "cpu", "--quiet"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = load_file(str(tmp_path / "one" / "adapter_model.safetensors")), load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    moved = 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+        moved += "lora_B" in k and bool(a[k].abs().max() > 0)
+    assert moved
+    m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
+    m1 = single["metrics"]
+    for key in ("loss", "loss_last_epoch", "entropy", "is_ratio_mean", "is_ratio_max", "grad_norm", "trained_tokens"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-4), key
