@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
-from qerl_cli.errors import BadInputError, LineageError
+from qerl_cli.errors import BadInputError, LineageError, QerlError
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file
 from qerl_cli.outputs import StageOutput
 from qerl_cli.rewards import RewardSet
@@ -402,7 +403,7 @@ def rollout(cfg: RolloutConfig) -> dict:
             raise BadInputError("--engine vllm needs vLLM, which is not installed", hint="pip install 'qerl[vllm]'")
 
     base_hash = model_hash(cfg.model)
-    adapter_hash = dir_hash(cfg.adapter, names=ADAPTER_FILES) if cfg.adapter is not None else None
+    adapter_hash = dir_hash(cfg.adapter, names=ADAPTER_FILES) if cfg.adapter is not None else None  # = adapters.adapter_hash
     lineage = adapter_lineage(cfg.adapter, base_hash) if cfg.adapter is not None else None
     inputs = {"model": base_hash, "prompts": sha256_file(cfg.prompts)}
     if adapter_hash:
@@ -417,7 +418,7 @@ def rollout(cfg: RolloutConfig) -> dict:
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
 
     tokenizer = _load_tokenizer(cfg.model)
-    max_model_len = cfg.max_model_len or _context_length(cfg.model)
+    max_model_len = min(cfg.max_model_len or 1 << 62, _context_length(cfg.model))
     enc_report = EncodeReport()
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
@@ -425,9 +426,23 @@ def rollout(cfg: RolloutConfig) -> dict:
     name = shard_name(cfg.shard_index, cfg.num_shards)
     policy = {"base": base_hash, "adapter": adapter_hash}
     noise = {"sigma": sigma, "seed": cfg.run_seed, "step": cfg.step}
+
+    try:
+        return _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,
+                    max_model_len, reward_set, enc_report, bad_rows, lineage)
+    except QerlError:
+        # A bad input found late (an adapter that does not fit, a reward that returns junk) before any
+        # group was saved: leave nothing behind. With groups saved, keep them for the resume.
+        if out.work is not None and out.work.exists() and not any(
+                p.stat().st_size for p in out.work.glob("shard-*.jsonl")):
+            shutil.rmtree(out.work, ignore_errors=True)
+        raise
+
+
+def _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name, max_model_len,
+         reward_set, enc_report, bad_rows, lineage) -> dict:
     G = cfg.num_generations
     batch_size = cfg.batch_prompts or max(1, (2 * cfg.max_num_seqs) // G)
-
     with out as work:
         done, dropped = load_complete_groups(work / name, G)
         resumed = len(done)
@@ -467,12 +482,12 @@ def rollout(cfg: RolloutConfig) -> dict:
 
 
 def _context_length(model_dir: Path) -> int:
-    try:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-    except ValueError as e:
-        raise BadInputError(f"{model_dir}/config.json: not valid JSON ({e})") from None
-    c = c.get("text_config", c)
-    return int(c.get("max_position_embeddings") or 4096)
+    """The longest sequence the native engine serves: max positions, capped by a sliding window
+    (windowed attention is not implemented, so the engine stays inside the window)."""
+    from qerl_cli.models.config import ModelConfig
+
+    c = ModelConfig.from_dir(Path(model_dir))
+    return min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
 
 
 @dataclass
@@ -507,9 +522,18 @@ def _generate_all(cfg, batches, done, shard_path, tokenizer, device, torch_dtype
         task = progress.add_task("rollout", total=n_prompts, completed=len(done), info="")
         for batch in batches:
             seed = derive_seed(cfg.seed, cfg.step, batch[0].row.id)
+            base_done, base_tokens = len(done), live.tokens
+
+            def on_group(groups_done: int, tokens: int, base_done=base_done, base_tokens=base_tokens):
+                # Called by the engine as groups finish inside the batch; records follow at batch end.
+                live.tokens = base_tokens + tokens
+                progress.update(task, completed=min(base_done + groups_done, n_prompts), info=live.line())
+
+            gen.progress = on_group
             t0 = time.time()
             groups = gen([p.token_ids for p in batch], G, seed)
             t_gen += time.time() - t0
+            live.tokens = base_tokens
             if len(groups) != len(batch):
                 raise RuntimeError(f"engine returned {len(groups)} groups for {len(batch)} prompts")
             for p, comps in zip(batch, groups):
@@ -536,5 +560,5 @@ def _generate_all(cfg, batches, done, shard_path, tokenizer, device, torch_dtype
                     raise RuntimeError(f"engine returned {len(records)} completions for {p.row.where}, expected {G}")
                 writer.write_group(records)
                 done[gid] = records
-                progress.update(task, advance=1, info=live.line())
+                progress.update(task, completed=len(done), info=live.line())
     return t_gen, live.tokens
