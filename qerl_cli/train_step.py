@@ -423,60 +423,48 @@ def train_step(cfg: TrainStepConfig) -> dict:
         dist.close()
 
 
-def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash):
-    from qerl_cli.aqn import apply_noise, clear_noise
+@dataclass
+class StepBatch:
+    """One step's sequences, ready for the loop: micro-batch groups and per-sequence tensors."""
+
+    groups: list[list[int]]
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    inv_temp: torch.Tensor  # fp32 [N]: 1 / sampling temperature
+    adv: torch.Tensor       # fp32 [N]
+    weight: torch.Tensor    # fp32 [N]: per-token loss weight of each sequence (0 = masked)
+
+
+@dataclass
+class LoopResult:
+    acc: Accumulator
+    losses: list[float]
+    grad_norms: list[float]
+    lrs: list[float]
+
+
+def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, batch: StepBatch, *, dist=None,
+               device="cpu", step: int = 0) -> LoopResult:
+    """The optimisation itself: ``cfg.epochs`` AdamW steps over the micro-batches this rank owns.
+
+    Shared by the stage and ``benchmarks/bench_train.py`` (which feeds a random model), so the
+    benchmark times exactly this code. Raises NumericalError / OutOfMemoryError (nothing written).
+    """
     from qerl_cli.layers.lora import lora_disabled
 
-    t_start = time.time()
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        model, spec, parent_hash = _load(cfg, device, dtype)
-    except torch.OutOfMemoryError:
-        raise OutOfMemoryError(f"out of GPU memory loading {cfg.model} on {device}",
-                               hint="the base model alone does not fit this GPU") from None
-    _check_lineage(cfg, data, base_hash, parent_hash, state)
-    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
-        if not cfg.train_norms:
-            raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS_FILE}); pass --train-norms")
-    named = _trainable(model, cfg.train_norms)
-    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
-        _load_norms(model, Path(cfg.adapter) / NORMS_FILE)
-    params = [p for _, p in named]
-    if data.noise is not None:
-        rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]))
-        if data.noise.get("norms") and list(data.noise["norms"]) != list(rec["norms"]):
-            raise BadInputError(f"{data.files[0]}: noise was applied to norms {data.noise['norms']}, this qerl noises {rec['norms']}")
-    else:
-        clear_noise(model)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
-    model.train()
-
-    opt = make_optimizer(named, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                         weight_decay=cfg.weight_decay)
-    if cfg.adapter is not None and (Path(cfg.adapter) / OPTIMIZER_FILE).exists():
-        load_optimizer(opt, Path(cfg.adapter) / OPTIMIZER_FILE)
-    elif cfg.adapter is not None:
-        _say(cfg, f"note: {cfg.adapter} has no {OPTIMIZER_FILE}; AdamW moments start from zero")
-    if state.rng:
-        restore_rng(state.rng)
-    else:
-        torch.manual_seed(cfg.seed)
-
-    inv_temp = torch.tensor([1.0 / t for t in data.temperatures], dtype=torch.float32)
-    adv_seq = adv.values
-    w_seq = seq_w.to(torch.float32)  # already 0 for masked (--mask-truncated) sequences
-    samp_lp = data.sampling_logprobs
+    dist = dist or distributed.Dist()
+    cuda = str(device).startswith("cuda")
+    groups = batch.groups
+    inv_temp, adv_seq, w_seq, samp_lp = batch.inv_temp, batch.adv, batch.weight, batch.sampling_logprobs
     lcfg = LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap)
     owned = [j for j in range(len(groups)) if dist.owns(j)]
-    mbs = {j: collate(j, groups[j], data.prompts, data.completions) for j in owned}
+    mbs = {j: collate(j, groups[j], batch.prompts, batch.completions) for j in owned}
     old_lp: dict[int, torch.Tensor] = {}
     ref_lp: dict[int, torch.Tensor] = {}
     isw: dict[int, torch.Tensor] = {}
     acc = Accumulator()
     losses_per_epoch, grad_norms, lrs = [], [], []
-    step = state.global_step
     progress = _progress(cfg, dist, len(owned) * cfg.epochs)
     try:
         for epoch in range(cfg.epochs):
@@ -540,9 +528,61 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
             hint=f"lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens") from None
     finally:
         progress.stop()
+    return LoopResult(acc, losses_per_epoch, grad_norms, lrs)
+
+
+def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash):
+    from qerl_cli.aqn import apply_noise, clear_noise
+
+    t_start = time.time()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        model, spec, parent_hash = _load(cfg, device, dtype)
+    except torch.OutOfMemoryError:
+        raise OutOfMemoryError(f"out of GPU memory loading {cfg.model} on {device}",
+                               hint="the base model alone does not fit this GPU") from None
+    _check_lineage(cfg, data, base_hash, parent_hash, state)
+    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
+        if not cfg.train_norms:
+            raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS_FILE}); pass --train-norms")
+    named = _trainable(model, cfg.train_norms)
+    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
+        _load_norms(model, Path(cfg.adapter) / NORMS_FILE)
+    params = [p for _, p in named]
+    if data.noise is not None:
+        rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]))
+        if data.noise.get("norms") and list(data.noise["norms"]) != list(rec["norms"]):
+            raise BadInputError(f"{data.files[0]}: noise was applied to norms {data.noise['norms']}, this qerl noises {rec['norms']}")
+    else:
+        clear_noise(model)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.train()
+
+    opt = make_optimizer(named, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                         weight_decay=cfg.weight_decay)
+    if cfg.adapter is not None and (Path(cfg.adapter) / OPTIMIZER_FILE).exists():
+        load_optimizer(opt, Path(cfg.adapter) / OPTIMIZER_FILE)
+    elif cfg.adapter is not None:
+        _say(cfg, f"note: {cfg.adapter} has no {OPTIMIZER_FILE}; AdamW moments start from zero")
+    if state.rng:
+        restore_rng(state.rng)
+    else:
+        torch.manual_seed(cfg.seed)
+
+    batch = StepBatch(
+        groups=groups, prompts=data.prompts, completions=data.completions, sampling_logprobs=data.sampling_logprobs,
+        inv_temp=torch.tensor([1.0 / t for t in data.temperatures], dtype=torch.float32),
+        adv=adv.values, weight=seq_w.to(torch.float32))  # weight already 0 for masked sequences
+    step = state.global_step
+    load_time = time.time() - t_start
+    t_loop = time.time()
+    res = run_epochs(cfg, model, params, opt, batch, dist=dist, device=device, step=step)
+    acc, losses_per_epoch, grad_norms, lrs = res.acc, res.losses, res.grad_norms, res.lrs
     if cuda:
         torch.cuda.synchronize(device)
-    step_time = time.time() - t_start
+    step_time = time.time() - t_loop
 
     keys = {"sum": ["tokens", "entropy", "is_ratio", "is_capped", "lp_abs_diff", "clip_low", "clip_high", "kl"],
             "min": ["is_ratio"], "max": ["is_ratio", "lp_abs_diff"]}
@@ -552,6 +592,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         t = torch.tensor([peak], device=device)
         peak = float(dist.all_reduce_(t, "max"))
     metrics = _metrics(cfg, data, adv, groups, live_tokens, acc, losses_per_epoch, grad_norms, lrs, step_time, peak, step)
+    metrics["load_time_s"] = round(load_time, 3)
 
     new_state = TrainerState(
         global_step=step + 1,
@@ -629,7 +670,7 @@ def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_no
         "lr": lrs[0],
         "micro_batches": len(groups),
         "tokens_per_s": total_tokens / step_time if step_time > 0 else None,
-        "step_time_s": step_time,
+        "step_time_s": step_time,  # the optimisation loop (model loading is load_time_s)
         "peak_gpu_memory_gib": peak,
         "aqn_sigma": float(data.noise["sigma"]) if data.noise else 0.0,
     }

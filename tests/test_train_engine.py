@@ -10,7 +10,6 @@ import json
 
 import pytest
 
-import qerl_cli.train_step as ts
 from qerl_cli.rollout import RolloutConfig, rollout
 from qerl_cli.shards import read_records
 from qerl_cli.train_step import TrainStepConfig, train_step

@@ -186,10 +186,10 @@ def test_step_moves_lora_b_and_epochs_reuse_old_logprobs(models, tmp_path):
 
 def test_lora_grads_through_nvfp4_equal_dequantize_then_matmul():
     import torch.nn.functional as F
+    from qerl_kernels import reference
 
     from qerl_cli.layers.linear import QLinear
     from qerl_cli.layers.lora import LoRALinear
-    from qerl_kernels import reference
 
     torch.manual_seed(0)
     w = torch.randn(48, 64) * 0.1

@@ -8,12 +8,12 @@ import random
 from pathlib import Path
 
 import torch
+from qerl_kernels import reference
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qerl_cli.hashing import model_hash
 from qerl_cli.shards import make_record, shard_name, write_records
-from qerl_kernels import reference
 
 
 def quantized_tiny(root: Path, **kw) -> tuple[Path, Path]:
