@@ -1,0 +1,101 @@
+"""`qerl eval` end to end on CPU with the native engine: a tiny model, with and without an adapter.
+
+The adapter test is the regression test for the reference code's eval, which silently dropped the
+LoRA: the same prompts must give different completions once the adapter is applied, and the
+merged checkpoint (base + adapter folded by `qerl merge`) must give the adapter's completions.
+"""
+
+import json
+
+import pytest
+
+from qerl_cli.evaluate import EvalConfig, evaluate
+from qerl_cli.hashing import model_hash
+from tests.helpers import make_tiny_hf_model
+from tests.test_merge import make_peft_adapter
+
+ROWS = [
+    {"question": "Natalia sold 48 clips in April and half as many in May. How many altogether?", "answer": "#### 72"},
+    {"question": "Weng earns $12 an hour. How much for 50 minutes?", "answer": "#### 10"},
+    {"problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?", "answer": "\\frac{3}{4}"},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    base = make_tiny_hf_model(tmp, arch="qwen2", hidden=64, layers=2, init_std=0.05)
+    adapter = make_peft_adapter(base, tmp / "adapter", scale=0.2)
+    data = tmp / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return tmp, base, adapter, data
+
+
+def _eval(model, data, out, **kw):
+    cfg = EvalConfig(model=model, dataset=data, out=out, max_new_tokens=24, device="cpu", progress=False, **kw)
+    return evaluate(cfg)
+
+
+def _completions(out):
+    return [json.loads(x)["completion"] for x in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def test_eval_end_to_end_and_adapter_changes_outputs(setup):
+    tmp, base, adapter, data = setup
+    plain = _eval(base, data, tmp / "e-base")
+    m = plain["metrics"]
+    assert m["counts"]["problems"] == 3 and m["counts"]["samples"] == 3
+    assert m["scored_with"] == {"gsm8k": 2, "math": 1}
+    assert m["lora_modules"] == 0 and m["engine"] == "native" and m["dtype"] == "fp32"
+    assert 0 <= m["score"] <= 1 and m["lengths"]["max"] <= 24
+    samples = [json.loads(x) for x in (tmp / "e-base" / "samples.jsonl").read_text().splitlines()]
+    assert m["counts"]["truncated"] == sum(s["finish_reason"] == "length" for s in samples)
+    assert all(s["num_tokens"] == 24 for s in samples if s["finish_reason"] == "length")
+    assert [s["reference"] for s in samples] == ["72", "10", "\\frac{3}{4}"]
+
+    tuned = _eval(base, data, tmp / "e-adapter", adapter=adapter)
+    assert tuned["metrics"]["lora_modules"] == 14 and tuned["metrics"]["lineage"] == "verified"
+    assert tuned["metrics"]["adapter_hash"] and tuned["metrics"]["model_hash"] == model_hash(base)
+    a, b = _completions(tmp / "e-base"), _completions(tmp / "e-adapter")
+    assert a != b, "the adapter did not change any completion: it was not applied"
+
+    # the same model with the adapter folded in by `qerl merge` generates the adapter's completions
+    from qerl_cli.merge import MergeConfig, merge
+
+    merge(MergeConfig(base, adapter, tmp / "merged"), progress=False)
+    merged = _eval(tmp / "merged", data, tmp / "e-merged")
+    assert merged["metrics"]["lora_modules"] == 0
+    c = _completions(tmp / "e-merged")
+    # bf16 rounding of the merged weights can flip a near-tie of a random model's argmax, after
+    # which greedy texts diverge; so: some completions identical, and all far closer to the
+    # adapter's than to the base's
+    assert any(x == y for x, y in zip(b, c)), (b, c)
+    assert _shared_prefix(b, c) > 2 * _shared_prefix(a, c), (a, b, c)
+
+
+def _shared_prefix(xs, ys):
+    import os
+
+    return sum(len(os.path.commonprefix([x, y])) for x, y in zip(xs, ys))
+
+
+def test_pass_at_k_sampling_is_reproducible(setup):
+    tmp, base, _, data = setup
+    r1 = _eval(base, data, tmp / "k1", k=4, temperature=1.0, seed=3)
+    r2 = _eval(base, data, tmp / "k2", k=4, temperature=1.0, seed=3)
+    assert r1["metrics"]["counts"]["samples"] == 12
+    assert set(r1["metrics"]["scores"]) == {"pass@1", "pass@2", "pass@4"}
+    assert _completions(tmp / "k1") == _completions(tmp / "k2")
+    assert r2["metrics"]["scores"] == r1["metrics"]["scores"]
+    texts = _completions(tmp / "k1")
+    assert len(set(texts[:4])) > 1  # the 4 samples of a problem differ
+
+
+def test_adapter_for_another_base_is_refused(setup):
+    from qerl_cli.errors import LineageError
+
+    tmp, _, adapter, data = setup
+    other = make_tiny_hf_model(tmp, arch="qwen2", hidden=64, layers=2, seed=5, name="other")
+    with pytest.raises(LineageError):
+        _eval(other, data, tmp / "bad", adapter=adapter)
+    assert not (tmp / "bad").exists()
