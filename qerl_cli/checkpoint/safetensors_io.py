@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import BadInputError
+from qerl_cli.outputs import crash_point
 
 DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
@@ -245,6 +246,7 @@ class ShardedWriter:
         self._f.write(data.numpy())
         self.bytes_written += planned.nbytes
         self._pos += 1
+        crash_point("tensor")
 
     def close(self) -> dict:
         """Finish the last shard, write the index when there is more than one shard; return the weight map."""
