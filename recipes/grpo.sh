@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The generic qerl RL loop: quantize -> STEPS x (rollout -> train-step) -> merge -> eval.
+#
+#   bash recipes/grpo.sh CONFIG.env [RUN_DIR]
+#
+# CONFIG.env is a sourced KEY=value file (see recipes/configs/). Every stage writes one
+# step-numbered directory atomically and says "already done" when rerun with the same inputs,
+# so rerunning this script after a crash resumes after the last completed stage; a changed
+# config makes the first changed stage refuse (pass FORCE=1 to redo it).
+#
+# Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
+#          RUN_DIR/step-000012/{shards,adapter,eval}
+#          RUN_DIR/metrics.jsonl               one line per train-step
+#          RUN_DIR/merged/, RUN_DIR/eval-final/
+set -euo pipefail
+
+CONFIG=${1:?usage: bash recipes/grpo.sh CONFIG.env [RUN_DIR]}
+[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
+# shellcheck disable=SC1090
+source "$CONFIG"
+RUN_DIR=${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}
+QERL=${QERL:-qerl}
+EVAL_EVERY=${EVAL_EVERY:-0}          # 0: evaluate only the base (step -1) and the final policy
+EVAL_MAX_PROBLEMS=${EVAL_MAX_PROBLEMS:-0}
+DTYPE=${DTYPE:-auto}
+RUN_SEED=${RUN_SEED:-$SEED}
+FORCE_FLAG=()
+[ "${FORCE:-0}" = 1 ] && FORCE_FLAG=(--force)
+
+for v in MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW_TOKENS LR LORA_RANK LORA_ALPHA; do
+  [ -n "${!v:-}" ] || { echo "error: $CONFIG does not set $v" >&2; exit 2; }
+done
+mkdir -p "$RUN_DIR"
+step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
+say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+reward_flags=()
+for r in $REWARDS; do reward_flags+=(--reward "$r"); done
+eval_flags=(--dataset "${EVAL_DATASET:-$DATASET}" --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE" --dtype "$DTYPE")
+[ "$EVAL_MAX_PROBLEMS" != 0 ] && eval_flags+=(--max-problems "$EVAL_MAX_PROBLEMS")
+
+# 1. The frozen base: NVFP4 (QeRL) or the bf16 checkpoint itself (16-bit LoRA baseline).
+if [ "${BASE_FORMAT:-nvfp4}" = nvfp4 ]; then
+  say "quantize $MODEL"
+  "$QERL" quantize "$MODEL" --out "$RUN_DIR/base" --device "$DEVICE" "${FORCE_FLAG[@]}"
+  BASE=$RUN_DIR/base
+else
+  BASE=$MODEL
+fi
+
+if [ -n "${EVAL_DATASET:-}" ]; then
+  say "eval base policy"
+  "$QERL" eval --model "$BASE" "${eval_flags[@]}" --out "$RUN_DIR/eval-base" "${FORCE_FLAG[@]}"
+fi
+
+# 2. The RL loop. Step s samples with adapter s-1 and writes adapter s.
+adapter_flag=()
+for ((s = 0; s < STEPS; s++)); do
+  d=$(step_dir "$s")
+  say "step $s / $STEPS: rollout"
+  "$QERL" rollout --model "$BASE" "${adapter_flag[@]}" --prompts "$DATASET" --out "$d/shards" \
+    --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" --num-generations "$NUM_GENERATIONS" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${reward_flags[@]}" \
+    --aqn-sigma-start "${AQN_SIGMA_START:-0}" --aqn-sigma-end "${AQN_SIGMA_END:-0}" \
+    --aqn-stages "${AQN_STAGES:-10}" --total-steps "$STEPS" --run-seed "$RUN_SEED" --seed "$SEED" \
+    --device "$DEVICE" --dtype "$DTYPE" "${FORCE_FLAG[@]}"
+  say "step $s / $STEPS: train-step"
+  "$QERL" train-step --model "$BASE" "${adapter_flag[@]}" --shards "$d/shards" --out "$d/adapter" \
+    --loss "$LOSS" --clip-eps "$CLIP_EPS" --clip-eps-high "$CLIP_EPS_HIGH" --beta "$BETA" --tis-cap "$TIS_CAP" \
+    --lr "$LR" --warmup-steps "$WARMUP_STEPS" --total-steps "$STEPS" --max-grad-norm "$MAX_GRAD_NORM" \
+    --lora-rank "$LORA_RANK" --lora-alpha "$LORA_ALPHA" --micro-batch-tokens "$MICRO_BATCH_TOKENS" \
+    --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE" --metrics-file "$RUN_DIR/metrics.jsonl" "${FORCE_FLAG[@]}"
+  adapter_flag=(--adapter "$d/adapter")
+  if [ -n "${EVAL_DATASET:-}" ] && [ "$EVAL_EVERY" -gt 0 ] && (( (s + 1) % EVAL_EVERY == 0 )) && (( s + 1 < STEPS )); then
+    say "step $s: eval"
+    "$QERL" eval --model "$BASE" "${adapter_flag[@]}" "${eval_flags[@]}" --out "$d/eval" "${FORCE_FLAG[@]}"
+  fi
+done
+
+# 3. A servable checkpoint and its score.
+last=$(step_dir $((STEPS - 1)))
+say "merge"
+"$QERL" merge --model "$BASE" --adapter "$last/adapter" --out "$RUN_DIR/merged" --dtype "${MERGE_DTYPE:-bf16}" "${FORCE_FLAG[@]}"
+if [ -n "${EVAL_DATASET:-}" ]; then
+  say "eval merged policy"
+  "$QERL" eval --model "$RUN_DIR/merged" "${eval_flags[@]}" --out "$RUN_DIR/eval-final" "${FORCE_FLAG[@]}"
+  "$QERL" eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"
+fi
