@@ -1,0 +1,192 @@
+"""Train-step speed and memory: NVFP4 + LoRA vs bf16 + LoRA on Qwen2.5-shaped random weights (GPU).
+
+What it times is ``qerl_cli.train_step.run_epochs``, the loop of the ``train-step`` stage: micro-
+batches packed by token budget, gradient-checkpointed forward, chunked log-probs, PPO/TIS DAPO loss,
+backward through the frozen base (NVFP4: the Triton forward and grad-input kernels; bf16: cuBLAS),
+grad clipping and AdamW on fp32 LoRA masters. Weights are random and built directly on the GPU
+(``qerl_cli.models.build_random_model``; speed does not depend on weight values), so no checkpoint
+is needed. Each configuration runs in its own subprocess, so one out-of-memory or crash leaves the
+others' rows intact and every peak-memory figure starts from an empty GPU.
+
+    python benchmarks/bench_train.py --out results/                 # all configs
+    python benchmarks/bench_train.py --configs 7b-nvfp4,7b-bf16 --steps 1 --out results/
+
+Per config: build the model, run one warm-up step on the first micro-batches (Triton compile and
+autotune), then ``--steps`` timed full steps (median reported). Peak memory is
+``torch.cuda.max_memory_allocated`` over a timed step (weights + activations + LoRA/AdamW state).
+Writes ``bench_train.json`` and ``bench_train.md`` (the table for docs/benchmarks.md) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# name -> (preset, quantized, sequences, prompt tokens, completion tokens)
+CONFIGS = {
+    "7b-bf16": ("qwen2.5-7b", False, 64, 256, 1280),
+    "7b-nvfp4": ("qwen2.5-7b", True, 64, 256, 1280),
+    "32b-nvfp4": ("qwen2.5-32b", True, 8, 256, 2304),
+    "32b-bf16": ("qwen2.5-32b", False, 8, 256, 2304),
+    "tiny-nvfp4": ("tiny", True, 8, 16, 48),  # smoke test of this script (runs on CPU too)
+}
+TINY = dict(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, qkv_bias=True)
+
+
+def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda") -> dict:
+    import torch
+
+    from qerl_cli.layers.lora import LoraSpec
+    from qerl_cli.models import ModelConfig, build_random_model, preset
+    from qerl_cli.train.advantages import group_advantages
+    from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train.losses import sequence_weights
+    from qerl_cli.train.optim import make_optimizer
+    from qerl_cli.train_step import StepBatch, TrainStepConfig, _trainable, run_epochs
+
+    preset_name, quantized, n_seq, p_len, c_len = CONFIGS[name]
+    mcfg = ModelConfig(**TINY) if preset_name == "tiny" else preset(preset_name)
+    cuda = dev == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    model = build_random_model(mcfg, device=dev, dtype=torch.bfloat16 if cuda else torch.float32, quantized=quantized,
+                               lora=LoraSpec(r=rank, alpha=rank), max_positions=p_len + c_len + 16)
+    build_s = time.time() - t0
+    named = _trainable(model, False)
+    params = [p for _, p in named]
+    model.gradient_checkpointing = True
+    model.train()
+    opt = make_optimizer(named, lr=1e-5)
+    sync()
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
+
+    g = torch.Generator().manual_seed(0)
+    vocab = mcfg.vocab_size
+    prompts = [torch.randint(0, vocab, (p_len,), generator=g).tolist() for _ in range(n_seq)]
+    comps = [torch.randint(0, vocab, (c_len,), generator=g).tolist() for _ in range(n_seq)]
+    samp = [[-1.0] * c_len for _ in range(n_seq)]
+    rewards = torch.randint(0, 2, (n_seq,), generator=g).float().tolist()
+    group_ids = [f"g{i // 4}" for i in range(n_seq)]
+    adv = group_advantages(rewards, group_ids, scale="group")
+    lengths = [p_len + c_len] * n_seq
+    groups = pack_microbatches(lengths, micro_batch_tokens)
+    mb_of = [j for j, grp in enumerate(groups) for _ in grp]
+    weight = sequence_weights("dapo", [c_len] * n_seq, mb_of).float()
+    cfg = TrainStepConfig(model=Path("-"), shards=[], out=Path("-"), micro_batch_tokens=micro_batch_tokens,
+                          logits_chunk_tokens=logits_chunk, progress=False)
+
+    def batch_of(gs):
+        return StepBatch(groups=gs, prompts=prompts, completions=comps, sampling_logprobs=samp,
+                         inv_temp=torch.ones(n_seq), adv=adv.values, weight=weight)
+
+    # warm-up: compile/autotune on real micro-batch shapes, but only a couple of them
+    t0 = time.time()
+    run_epochs(cfg, model, params, opt, batch_of(groups[:2]), device=dev)
+    sync()
+    warm_s = time.time() - t0
+    times, peaks = [], []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        t0 = time.time()
+        res = run_epochs(cfg, model, params, opt, batch_of(groups), device=dev)
+        sync()
+        times.append(time.time() - t0)
+        peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+    times.sort()
+    step_s = times[len(times) // 2]
+    tokens = n_seq * (p_len + c_len)
+    return {
+        "config": name, "preset": preset_name, "quantized": quantized, "lora_rank": rank,
+        "sequences": n_seq, "tokens_per_sequence": p_len + c_len, "micro_batch_tokens": micro_batch_tokens,
+        "micro_batches": len(groups), "logits_chunk_tokens": logits_chunk,
+        "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in times],
+        "tokens_per_s": round(tokens / step_s, 1), "peak_gib": round(max(peaks), 2),
+        "weights_gib": round(weights_gib, 2), "build_s": round(build_s, 1), "warmup_s": round(warm_s, 1),
+        "loss": res.losses[0], "grad_norm": res.grad_norms[-1],
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    by = {r["config"]: r for r in rows if "step_s" in r}
+    lines = ["| config | tokens | micro-batch tokens | step time (s) | tokens/s | peak memory (GiB) | weights (GiB) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "step_s" in r:
+            lines.append(f"| {r['config']} (LoRA r={r['lora_rank']}) | {r['sequences']} x {r['tokens_per_sequence']} | "
+                         f"{r['micro_batch_tokens']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
+                         f"{r['weights_gib']:.1f} |")
+        else:
+            lines.append(f"| {r['config']} | failed: {r.get('error', '?')[:120]} | | | | | |")
+    for size in ("7b", "32b"):
+        q, b = by.get(f"{size}-nvfp4"), by.get(f"{size}-bf16")
+        if q and b:
+            lines.append("")
+            lines.append(f"{size}: NVFP4/bf16 step time {q['step_s'] / b['step_s']:.2f}x, "
+                         f"peak memory {100 * q['peak_gib'] / b['peak_gib']:.0f}%")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="7b-bf16,7b-nvfp4,32b-nvfp4", help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per config (median reported)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--logits-chunk-tokens", type=int, default=1024)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test with tiny-nvfp4)")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per config subprocess")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.one:  # child: one config, result as JSON
+        try:
+            row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device)
+        except Exception as e:  # noqa: BLE001 - report any failure as a table row
+            row = {"config": a.one, "error": f"{type(e).__name__}: {e}".splitlines()[0], "trace": traceback.format_exc()}
+        a.json.write_text(json.dumps(row))
+        return
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in a.configs.split(","):
+        name = name.strip()
+        if name not in CONFIGS:
+            rows.append({"config": name, "error": "unknown config"})
+            continue
+        res_path = a.out / f"bench_train_{name}.json"
+        cmd = [sys.executable, __file__, "--one", name, "--json", str(res_path), "--steps", str(a.steps),
+               "--micro-batch-tokens", str(a.micro_batch_tokens), "--logits-chunk-tokens", str(a.logits_chunk_tokens),
+               "--lora-rank", str(a.lora_rank), "--device", a.device]
+        t0 = time.time()
+        with open(a.out / f"bench_train_{name}.log", "w") as log:
+            try:
+                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, check=False)
+            except subprocess.TimeoutExpired:
+                rows.append({"config": name, "error": f"timed out after {a.timeout}s"})
+                print(f"{name}: timed out", flush=True)
+                continue
+        row = json.loads(res_path.read_text()) if res_path.exists() else {"config": name, "error": "no result (see log)"}
+        rows.append(row)
+        print(f"{name} ({time.time() - t0:.0f}s): " + json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+        # partial results survive a later crash or the device time limit
+        (a.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
+        (a.out / "bench_train.md").write_text(table(rows))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
