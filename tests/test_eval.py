@@ -210,3 +210,16 @@ def test_compare_cli_prints_runs_side_by_side(model_dir, tmp_path):
     assert r.exit_code == 2 and "metrics.json not found" in r.output
     r = CliRunner().invoke(app, ["eval", "--dataset", "x.jsonl", "--out", "o"])
     assert r.exit_code == 2 and "--model" in r.output
+
+
+def test_vllm_engine_missing_is_a_clear_error(model_dir, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    data = write_jsonl(tmp_path / "d.jsonl", GSM8K_ROWS)
+    cfg = EvalConfig(model=model_dir, dataset=data, out=tmp_path / "o", engine="vllm", max_new_tokens=16,
+                     device="cpu", progress=False)
+    with pytest.raises(BadInputError, match="--engine vllm needs vLLM"):
+        evaluate(cfg)
+    assert not (tmp_path / "o").exists()

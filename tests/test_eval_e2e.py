@@ -99,3 +99,20 @@ def test_adapter_for_another_base_is_refused(setup):
     with pytest.raises(LineageError):
         _eval(other, data, tmp / "bad", adapter=adapter)
     assert not (tmp / "bad").exists()
+
+
+def test_cli_eval_prints_scores_and_rerun_is_done(setup):
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    tmp, base, adapter, data = setup
+    args = ["eval", "--model", str(base), "--adapter", str(adapter), "--dataset", str(data),
+            "--out", str(tmp / "cli"), "--max-new-tokens", "8", "--device", "cpu", "-q"]
+    r = CliRunner().invoke(app, args, terminal_width=160)
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp / "cli" / "metrics.json").read_text())
+    assert "pass@1" in r.output and f"{100 * m['score']:.2f}%" in r.output
+    assert m["lora_modules"] == 14 and m["sampling"]["max_new_tokens"] == 8
+    r = CliRunner().invoke(app, args, terminal_width=160)
+    assert r.exit_code == 0 and "already done" in r.output
