@@ -1,0 +1,179 @@
+"""The native engine: greedy equals HF generate, exact logprobs, seeded sampling, continuous batching, stops."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import transformers
+
+from qerl_cli.aqn import apply_noise
+from qerl_cli.engine import LLMEngine, SamplingParams
+from qerl_cli.engine.block_manager import BlockManager
+from qerl_cli.engine.sampler import truncated_logprobs
+from qerl_cli.engine.scheduler import Group, Scheduler
+from qerl_cli.errors import BadInputError
+from qerl_cli.layers.lora import LoraSpec, lora_parameters
+from qerl_cli.models import ModelConfig, build_random_model, load_model
+from tests.helpers import make_tiny_hf_model
+from tests.test_models import nvfp4_checkpoint
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Decode steps are tiny; with 2 intra-op threads on a shared 2-core box the OpenMP spin-waits
+    # make them ~20x slower. One thread measures the engine, not the contention.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 33)), [30], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # init_std 0.1 gives peaked next-token distributions, so greedy ties (fp noise flips) do not occur.
+    return make_tiny_hf_model(tmp_path_factory.mktemp("m"), arch="qwen2", dtype=torch.float32, init_std=0.1)
+
+
+def _greedy(sp_tokens=12):
+    return SamplingParams(temperature=0, max_new_tokens=sp_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_greedy_equals_hf_generate(tmp_path, arch):
+    src = make_tiny_hf_model(tmp_path, arch=arch, dtype=torch.float32, init_std=0.1, tokenizer=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    # block_size 4: prompts end mid-block, so the fork of partial prompt blocks is exercised (n=2).
+    engine = LLMEngine(load_model(src, dtype=torch.float32), None, max_num_seqs=4, block_size=4)
+    out = engine.generate(PROMPTS, _greedy(), n=2)
+    for p, group in zip(PROMPTS, out):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):]
+        assert group[0].token_ids == ref.tolist()
+        assert group[1].token_ids == ref.tolist()
+        assert group[0].finish_reason == "length"
+
+
+def _recompute_logprobs(model, prompt, completion, sp):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model.compute_logits(model.forward_train(ids))[0, len(prompt) - 1: -1]
+    lp = truncated_logprobs(logits, sp)
+    return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("trunc", [dict(), dict(top_k=20, top_p=0.9, min_p=0.05)], ids=["full", "truncated"])
+def test_logprobs_match_forward_train_with_noise_and_lora(tmp_path, trunc):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
+    qdir, _ = nvfp4_checkpoint(src, tmp_path / "q")
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    apply_noise(model, 0.05, run_seed=3, step=2)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=10, ignore_eos=True, seed=1, **trunc)
+    out = LLMEngine(model, None, max_num_seqs=8, block_size=4).generate(PROMPTS[:3], sp, n=3)
+    for p, group in zip(PROMPTS, out):
+        for c in group:
+            ref = _recompute_logprobs(model, p, c.token_ids, sp)
+            assert torch.isfinite(ref).all()  # sampled tokens lie inside the truncated support
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    model = load_model(tiny, dtype=torch.float32)
+    engine = LLMEngine(model, None, max_num_seqs=6, block_size=8)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, ignore_eos=True, seed=7)
+    a = engine.generate(PROMPTS, sp, n=3)
+    b = engine.generate(PROMPTS, sp, n=3)
+    c = engine.generate(PROMPTS, SamplingParams(**{**sp.__dict__, "seed": 8}), n=3)
+    toks = lambda out: [[x.token_ids for x in g] for g in out]  # noqa: E731
+    assert toks(a) == toks(b)
+    assert [[x.logprobs for x in g] for g in a] == [[x.logprobs for x in g] for g in b]
+    assert toks(a) != toks(c)
+    assert len({tuple(x.token_ids) for x in a[0]}) == 3  # the n children of one prompt differ
+
+
+def test_continuous_batching_more_prompts_than_slots(tiny):
+    model = load_model(tiny, dtype=torch.float32)
+    prompts = [[i + 3, i + 4, i + 5] for i in range(10)]
+    big = LLMEngine(model, None, max_num_seqs=32, block_size=4).generate(prompts, _greedy(8), n=2)
+    small_engine = LLMEngine(model, None, max_num_seqs=3, block_size=4)
+    calls = []
+    small = small_engine.generate(prompts, _greedy(8), n=1, progress=lambda d, t: calls.append(d))
+    assert [g[0].token_ids for g in small] == [g[0].token_ids for g in big]
+    assert calls == list(range(1, 11))
+    # 10 prompts through 3 slots, one token per step per slot: many more decode steps than with 32 slots.
+    assert small_engine.stats["decode_steps"] >= 10 * 7 // 3
+
+
+def test_scheduler_admits_waiting_group_when_a_sequence_finishes():
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=1024)
+    for i in range(3):
+        sched.add(Group(i, [1, 2, 3, 4, 5], n=2, max_len=9))
+    first = sched.admit()
+    assert [g.index for g in first] == [0, 1] and sched.admit() == []
+    # Group 0's shared full prompt block is referenced by both children.
+    shared = first[0].seqs[0].block_table[0]
+    assert first[0].seqs[1].block_table[0] == shared and blocks.refs[shared] == 2
+    sched.finish(first[0].seqs[0])
+    assert sched.admit() == [] and blocks.refs[shared] == 1  # one slot free, group 2 needs two
+    sched.finish(first[0].seqs[1])
+    assert [g.index for g in sched.admit()] == [2]
+    for s in list(sched.running):
+        sched.finish(s)
+    assert blocks.num_free == 63 and not any(blocks.refs)
+
+
+def test_stop_strings_eos_and_length(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", dtype=torch.float32, init_std=0.1)
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    model = load_model(src, dtype=torch.float32)
+    engine = LLMEngine(model, tok, max_num_seqs=4, block_size=4)
+    prompt = [tok.encode("How many clips")]
+    full = engine.generate(prompt, _greedy(24), n=1)[0][0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 24
+    # A stop string taken from the middle of the greedy text ends generation there.
+    text = tok.decode(full.token_ids[:12], skip_special_tokens=True)
+    stop = text[-3:] if text[-3:].strip() else text[-4:]
+    cut = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=(stop,)), n=1)[0][0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) <= 12
+    assert stop not in cut.text and full.text.startswith(cut.text)
+    # A stop token id is kept (with its logprob) and ends the completion.
+    t = full.token_ids[5]
+    eos = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(t,)), n=1)[0][0]
+    k = full.token_ids.index(t)
+    assert eos.token_ids == full.token_ids[: k + 1] and eos.finish_reason == "stop" and eos.stop_reason == t
+    assert len(eos.logprobs) == len(eos.token_ids)
+
+
+def test_max_model_len_and_bad_prompts(tiny):
+    model = load_model(tiny, dtype=torch.float32)
+    engine = LLMEngine(model, None, max_num_seqs=2, max_model_len=16, block_size=4)
+    out = engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], _greedy(50), n=1)[0][0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    with pytest.raises(BadInputError, match="prompt 1 has 16 tokens"):
+        engine.generate([[1], list(range(16))], _greedy(), n=1)
+    with pytest.raises(BadInputError, match="prompt 0 is empty"):
+        engine.generate([[]], _greedy(), n=1)
+    with pytest.raises(BadInputError, match="token id outside"):
+        engine.generate([[10**6]], _greedy(), n=1)
+    with pytest.raises(BadInputError, match="exceeds max_num_seqs"):
+        engine.generate([[1]], _greedy(), n=3)
+
+
+def test_cpu_64_completions_under_30s():
+    cfg = ModelConfig.from_hf(dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+    engine = LLMEngine(model, None, max_num_seqs=64)
+    prompts = [list(range(3 + i, 35 + i)) for i in range(16)]
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True), n=4)
+    elapsed = time.perf_counter() - t0
+    assert sum(len(g) for g in out) == 64 and all(len(c.token_ids) == 64 for g in out for c in g)
+    assert elapsed < 30, f"64 completions took {elapsed:.1f}s"
