@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# qerl's first command: set up, then run a real RL loop on the bundled tiny model and task.
+#
+#   bash recipes/quickstart.sh [RUN_DIR]        (default runs/quickstart; CPU is enough)
+#
+# quantize -> STEPS x (rollout -> train-step) -> merge -> eval, printing the reward per step,
+# then RUN_DIR/curves.png (reward, entropy, pass@1 per step). Rerun it to resume; FORCE=1 redoes.
+# Knobs (environment): STEPS, LR, PROMPTS_PER_STEP, NUM_GENERATIONS, DEVICE, SEED, BASE_FORMAT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${1:-runs/quickstart}
+
+if ! python -c "import torch" 2>/dev/null; then
+  # The CPU build, or pip pulls several GB of CUDA wheels for the project's torch requirement.
+  python -m pip install -q torch==2.13.0
+fi
+if ! python -c "import qerl_cli, matplotlib" 2>/dev/null; then
+  python -m pip install -q -e ".[plot]"
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} TOKENIZERS_PARALLELISM=false
+
+start=$(date +%s)
+bash recipes/grpo.sh recipes/configs/tiny.env "$RUN_DIR"
+python recipes/plot_run.py "$RUN_DIR"
+echo "quickstart finished in $(( $(date +%s) - start )) s; curves: $RUN_DIR/curves.png"
