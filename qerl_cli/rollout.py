@@ -21,7 +21,7 @@ How it works
    batch of generation (``--batch-prompts``), not one group.
 4. Noise: for ``--aqn-sigma-start > 0``, sigma(step) follows the AQN schedule and the seeded
    vectors (``qerl_cli.aqn``) are set on the model's RMSNorms before generation; every record
-   carries ``noise {sigma, seed, step}`` so ``train-step`` rebuilds the same vectors.
+   carries ``noise {sigma, seed, step, norms}`` so ``train-step`` rebuilds the same vectors.
 5. Rich progress (prompts, tokens/s, mean reward so far); the manifest's ``summary`` holds reward
    mean/std per function, completion lengths, the fraction of zero-variance groups (which carry
    no GRPO signal) and throughput.
@@ -425,7 +425,10 @@ def rollout(cfg: RolloutConfig) -> dict:
                              on_long=cfg.long_prompts, report=enc_report)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     policy = {"base": base_hash, "adapter": adapter_hash}
-    noise = {"sigma": sigma, "seed": cfg.run_seed, "step": cfg.step}
+    from qerl_cli.aqn import NOISED_NORMS
+
+    # "norms" lets train-step check that it noises the same RMSNorms this rollout did.
+    noise = {"sigma": sigma, "seed": cfg.run_seed, "step": cfg.step, "norms": list(NOISED_NORMS) if sigma > 0 else []}
 
     try:
         return _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,

@@ -96,7 +96,7 @@ def test_records_summary_and_manifest(model_dir, tmp_path, fake_engine):
     r = recs[0]
     assert r["group_id"] == "s0:p0" and r["prompt"] == "Q0: what is 0 mod 4?" and r["answer"] == "0"
     assert r["policy"]["adapter"] is None and len(r["policy"]["base"]) == 64
-    assert r["noise"] == {"sigma": 0.0, "seed": 0, "step": 0} and r["engine"] == "fake"
+    assert r["noise"] == {"sigma": 0.0, "seed": 0, "step": 0, "norms": []} and r["engine"] == "fake"
     assert set(r["sampling"]) >= {"temperature", "top_p", "top_k", "seed"}
     for rec in recs:  # the rewards really are the gsm8k verdicts
         want = 1.0 if rec["completion"] == f"#### {rec['answer']}" else 0.0
@@ -218,7 +218,8 @@ def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
     # 11 steps in 11 intervals: step 5 is noisy stage 5 -> 1e-2 * (1e-2)**(4/9)
     want = 1e-2 * (1e-4 / 1e-2) ** (4 / 9)
     assert got["sigma"] == pytest.approx(want)
-    assert read_records(tmp_path / "out")[0]["noise"] == {"sigma": pytest.approx(want), "seed": 9, "step": 5}
+    assert read_records(tmp_path / "out")[0]["noise"] == {"sigma": pytest.approx(want), "seed": 9, "step": 5,
+                                                          "norms": ["input_layernorm", "post_attention_layernorm"]}
 
 
 @pytest.mark.parametrize(

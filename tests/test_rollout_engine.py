@@ -108,7 +108,7 @@ def test_aqn_noise_reaches_the_rollout_and_is_rebuilt_from_the_record(model_dir,
     rollout(cfg(model_dir, prompts, tmp_path / "clean", **{**aqn, "aqn_sigma_start": 0.0}))
     rollout(cfg(model_dir, prompts, tmp_path / "noisy", **aqn))
     clean, noisy = read_records(tmp_path / "clean"), read_records(tmp_path / "noisy")
-    assert noisy[0]["noise"] == {"sigma": 0.5, "seed": 4, "step": 1} and clean[0]["noise"]["sigma"] == 0.0
+    assert noisy[0]["noise"] == {"sigma": 0.5, "seed": 4, "step": 1, "norms": ["input_layernorm", "post_attention_layernorm"]} and clean[0]["noise"]["sigma"] == 0.0
     assert [r["logprobs"] for r in clean] != [r["logprobs"] for r in noisy]
     model = load_model(model_dir, device="cpu", dtype=torch.float32)
     r = noisy[0]
@@ -157,3 +157,31 @@ def test_cli_end_to_end_and_idempotent(model_dir, prompts, tmp_path):
     assert all("\n" not in x["completion"] for x in read_records(tmp_path / "o"))
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0 and "already done" in r.output
+
+
+def test_nvfp4_qdir_rollout_matches_its_training_forward(model_dir, prompts, tmp_path):
+    from qerl_cli.quantize import QuantizeConfig, quantize
+
+    q = tmp_path / "q"
+    quantize(QuantizeConfig(src=model_dir, out=q, device="cpu", progress=False))
+    rollout(cfg(q, prompts, tmp_path / "o", max_prompts=2))
+    recs = read_records(tmp_path / "o")
+    model = load_model(q, device="cpu", dtype=torch.float32)
+    assert model.is_quantized and recs[0]["policy"]["base"] == model_hash(q) != model_hash(model_dir)
+    assert recompute_logprobs(model, recs[1]) == pytest.approx(recs[1]["logprobs"], abs=2e-4)
+
+
+def test_rollout_train_step_rollout_loop(model_dir, prompts, tmp_path):
+    """The RL loop through files: rollout step 0 -> train-step -> rollout step 1 with the new adapter."""
+    from qerl_cli.train_step import TrainStepConfig, train_step
+
+    common = dict(prompts_per_step=4, aqn_sigma_start=0.05, aqn_sigma_end=0.01, aqn_stages=2, total_steps=3)
+    rollout(cfg(model_dir, prompts, tmp_path / "r0", step=1, **common))
+    train_step(TrainStepConfig(model=model_dir, shards=[str(tmp_path / "r0")], out=tmp_path / "a1", lora_rank=4,
+                               lora_alpha=8, lr=1e-3, device="cpu", progress=False))
+    res = rollout(cfg(model_dir, prompts, tmp_path / "r1", adapter=tmp_path / "a1", step=2, **common))
+    recs = read_records(tmp_path / "r1")
+    assert res["summary"]["adapter_lineage"] == "verified"
+    assert recs[0]["policy"]["adapter"] == adapter_hash(tmp_path / "a1")
+    assert [r["prompt_id"] for r in recs[::G]] == ["q0", "q1", "q2", "q3"]  # step 2 of 4-prompt steps wraps
+    assert {r["noise"]["step"] for r in recs} == {2} and recs[0]["noise"]["sigma"] == pytest.approx(0.01)
