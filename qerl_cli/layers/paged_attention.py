@@ -32,7 +32,8 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=0):
     if q.is_cuda:
-        from qerl_cli.layers.triton_attention import paged_decode_attention_triton
+        from qerl_cli.layers import triton_attention
 
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if triton_attention.supported(q.shape[-1]):
+            return triton_attention.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)

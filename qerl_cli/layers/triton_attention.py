@@ -1,0 +1,107 @@
+"""Triton split-K paged decode attention (flash-decoding) with GQA sharing.
+
+Grid (batch, kv_head, split): each program walks a contiguous slice of one sequence's context,
+gathering K/V rows through the block table, and serves all ``Hq/Hk`` query heads of its KV head
+with one ``tl.dot`` per tile (query rows padded to 16, the minimum MMA height), so each cached byte
+is read once per step. Splitting the context keeps the GPU full when the batch is small (16
+sequences x 4 KV heads is 64 programs for 132 SMs); a second kernel merges the splits through their
+log-sum-exp. Loop bounds come from ``context_lens`` on the device, so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
+                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
+                  GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(CL + b)
+    per = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per
+    end = tl.minimum(start + per, ctx)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    gmask = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for s in range(start, end, BLOCK_N):
+        offs = s + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        blk = tl.load(BT + b * stride_bt + offs // BS, mask=nmask, other=0).to(tl.int64)
+        row = blk * stride_kn + (offs % BS) * stride_kt + kvh * stride_kh
+        k = tl.load(K + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has = l_i > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(OP + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out, mask=gmask[:, None])
+    tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(OP, LSE, O, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP2)
+    d = tl.arange(0, D)
+    smask = s < NUM_SPLITS
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+    o = tl.load(OP + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_b + h * stride_h + d, out.to(O.dtype.element_ty))
+
+
+def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
+    want = -(-2 * sms // max(batch * kv_heads, 1))
+    return min(16, triton.next_power_of_2(want))
+
+
+def supported(head_dim: int) -> bool:
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+    b, hq, d = q.shape
+    _, bs, hk, _ = k_cache.shape
+    group = hq // hk
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        num_splits = num_splits_for(b, hk, sms)
+    q = q.contiguous()
+    op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _split_kernel[(b, hk, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, op, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), scale,
+        GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=64, NUM_SPLITS=num_splits,
+        num_warps=4, num_stages=2,
+    )
+    _merge_kernel[(b, hq)](
+        op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4,
+    )
+    return out
