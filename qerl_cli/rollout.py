@@ -367,12 +367,19 @@ def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPr
 
 
 # ---- the stage -----------------------------------------------------------------------------------
+def batch_size(cfg: RolloutConfig) -> int:
+    """Prompts per generation batch: enough sequences to keep the engine's slots full past the
+    batch's long tail (4 x --max-num-seqs), few enough that a crash loses little."""
+    return cfg.batch_prompts or max(1, (4 * cfg.max_num_seqs) // cfg.num_generations)
+
+
 def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weights: dict) -> dict:
-    """The arguments that change the records (batching knobs such as --max-num-seqs do not)."""
+    """The arguments that change the records. --max-num-seqs alone does not, but the batch size
+    (which seeds the samples) does, so it enters as the effective ``batch_prompts``."""
     d = asdict(cfg)
     for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines"):
         d.pop(k)
-    d.update(device=device, dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
+    d.update(device=device, dtype=dtype, rewards=reward_weights, stop=list(cfg.stop), batch_prompts=batch_size(cfg))
     return d
 
 
@@ -445,7 +452,6 @@ def rollout(cfg: RolloutConfig) -> dict:
 def _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name, max_model_len,
          reward_set, enc_report, bad_rows, lineage) -> dict:
     G = cfg.num_generations
-    batch_size = cfg.batch_prompts or max(1, (2 * cfg.max_num_seqs) // G)
     with out as work:
         done, dropped = load_complete_groups(work / name, G)
         resumed = len(done)
@@ -454,7 +460,7 @@ def _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch
         if stray:  # same fingerprint means same selection; anything else is a foreign file
             raise BadInputError(f"{work / name}: holds group {stray[0]!r}, which this run does not select",
                                 hint="delete the partial directory or pass --force")
-        todo = [b for b in _batches(prompts, batch_size) if any(group_id(cfg.step, p.row.id) not in done for p in b)]
+        todo = [b for b in _batches(prompts, batch_size(cfg)) if any(group_id(cfg.step, p.row.id) not in done for p in b)]
         t_gen, n_tokens = 0.0, 0
         if todo:
             t_gen, n_tokens = _generate_all(cfg, todo, done, work / name, tokenizer, device, torch_dtype, dtype_name,

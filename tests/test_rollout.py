@@ -308,3 +308,15 @@ def test_cli(model_dir, tmp_path, fake_engine):
     assert r.exit_code == 2 and "unknown reward 'bogus'" in r.output
     r = CliRunner().invoke(app, ["rollout", "--help"])
     assert r.exit_code == 0 and "--prompts-per-step" in r.output
+
+
+def test_cli_interrupt_says_groups_are_kept(model_dir, tmp_path, monkeypatch):
+    prompts = write_prompts(tmp_path / "p.jsonl", n=4)
+
+    def boom(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ro, "_native_generator", boom)
+    r = CliRunner().invoke(app, ["rollout", "--model", str(model_dir), "--prompts", str(prompts),
+                                 "--out", str(tmp_path / "o"), "--device", "cpu", "-q"])
+    assert r.exit_code == 130 and "rerun the same command to resume" in r.output
