@@ -103,8 +103,10 @@ class VLLMEngine:
             from vllm.lora.request import LoRARequest
 
             self.lora_request = LoRARequest("qerl-adapter", 1, str(adapter_dir))
+        from qerl_cli.models.config import ModelConfig
+
+        self.num_layers = ModelConfig.from_dir(Path(model_dir)).num_layers
         self.llm = vllm.LLM(**kw)
-        self.num_layers = self.llm.llm_engine.model_config.hf_config.num_hidden_layers
 
     def set_noise(self, sigma: float, run_seed: int, step: int) -> None:
         counts = self.llm.apply_model(functools.partial(set_norm_noise, sigma=sigma, run_seed=run_seed, step=step))
