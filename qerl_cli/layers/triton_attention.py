@@ -19,7 +19,7 @@ import triton.language as tl
 def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
                   GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -41,14 +41,14 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
         blk = tl.load(BT + b * stride_bt + offs // BS, mask=nmask, other=0).to(tl.int64)
         row = blk * stride_kn + (offs % BS) * stride_kt + kvh * stride_kh
         k = tl.load(K + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -98,6 +98,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), scale,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=64, NUM_SPLITS=num_splits,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 (tests) stays exact; bf16 ignores it
         num_warps=4, num_stages=2,
     )
     _merge_kernel[(b, hq)](

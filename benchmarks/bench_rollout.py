@@ -1,0 +1,214 @@
+"""Rollout engine throughput on an H100: NVFP4 vs bf16, vs transformers generate(), decode bandwidth, 32B.
+
+Random weights built directly on the GPU (speed does not depend on values), Qwen2.5-shaped models,
+256-token random prompts, EOS ignored, G=8 completions per prompt (the RL shape: one prefill per
+prompt shared by its 8 completions). tokens/s = generated tokens / wall time of ``generate`` (prefill,
+decode, sampling and host bookkeeping included). Each configuration runs in its own try block; results
+stream to stdout and ``$OUT/bench_rollout.jsonl`` so a crash or timeout keeps what was measured.
+
+    python benchmarks/bench_rollout.py                    # everything (~5 min on an H100)
+    python benchmarks/bench_rollout.py --only nvfp4-16,bf16-16 --new-tokens 128   # a quick subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from qerl_cli.engine import LLMEngine, SamplingParams
+from qerl_cli.layers.lora import LoraSpec
+from qerl_cli.models import build_random_model, preset
+
+HBM_TBPS = 3.0  # measured H100 SXM HBM3 bandwidth (nvfp4-format.md)
+RESULTS: list[dict] = []
+
+
+def log(rec: dict) -> None:
+    RESULTS.append(rec)
+    print(json.dumps(rec), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_rollout.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (num, length), generator=g).tolist()
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step must read: every Linear (packed NVFP4 or dense), norms, LoRA, lm_head.
+
+    The embedding table is excluded (a step reads one row per sequence) unless tied to lm_head.
+    """
+    seen, total = set(), 0
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    for name, t in named:
+        if name.endswith(("noise", "cos_sin")) or t.data_ptr() in seen:
+            continue
+        if name.startswith("model.embed_tokens") and not model.config.tie_word_embeddings:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, lora=None):
+    free()
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, None, max_num_seqs=seqs, max_model_len=prompt_len + new_tokens + 16)
+    setup = time.perf_counter() - t0
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    ps = prompts(max(seqs // group, 1), prompt_len, model.config.vocab_size)
+    n = min(group, seqs)
+    engine.generate(ps[:1], SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True), n=n)  # warm prefill
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = engine.generate(ps, sp, n=n)
+    torch.cuda.synchronize()
+    st = engine.stats
+    assert all(len(c.token_ids) == new_tokens for g in out for c in g)
+    rec = dict(bench=name, seqs=len(ps) * n, prompt=prompt_len, new_tokens=new_tokens, tok_s=round(st["tokens_per_s"], 1),
+               wall_s=round(st["elapsed_s"], 2), setup_s=round(setup, 1), decode_steps=st["decode_steps"],
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), kv_blocks=engine.num_blocks)
+    return engine, rec
+
+
+def decode_bandwidth(name, engine, model, seqs, ctx):
+    """Replay the captured decode graph for `seqs` sequences at context `ctx`: bytes read / step time."""
+    from qerl_cli.engine.sequence import Sequence
+
+    runner = engine.runner
+    bs = runner.block_size
+    nb = -(-(ctx + 1) // bs)
+    fake = []
+    for i in range(seqs):
+        blocks = list(range(1 + i * nb, 1 + (i + 1) * nb))
+        s = Sequence(group=i, child=0, token_ids=[1] * ctx, num_prompt=ctx, max_len=ctx + 1, block_table=blocks, slot=i)
+        runner.set_block_table(s)
+        fake.append(s)
+    for _ in range(3):
+        runner.decode(fake)
+    torch.cuda.synchronize()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = 20
+    ev0.record()
+    for _ in range(iters):
+        runner.decode(fake)
+    ev1.record()
+    torch.cuda.synchronize()
+    step_ms = ev0.elapsed_time(ev1) / iters
+    wb = weight_bytes(model)
+    kvb = seqs * ctx * runner.kv_bytes_per_token
+    tbps = (wb + kvb) / (step_ms * 1e-3) / 1e12
+    return dict(bench=name, seqs=seqs, context=ctx, step_ms=round(step_ms, 3), weight_gb=round(wb / 1e9, 2),
+                kv_gb=round(kvb / 1e9, 2), tb_s=round(tbps, 2), pct_of_3TBs=round(100 * tbps / HBM_TBPS, 1))
+
+
+def hf_generate(seqs, prompt_len, new_tokens, group=8):
+    import transformers
+
+    free()
+    cfg = preset("qwen2.5-7b")
+    hcfg = transformers.Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                    intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                                    num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                                    max_position_embeddings=4096, rope_theta=cfg.rope_theta)
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf.eval()
+    ps = torch.tensor(prompts(seqs // group, prompt_len, cfg.vocab_size), device="cuda")
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=new_tokens, num_return_sequences=group,
+              pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ps[:1], max_new_tokens=4, **{**kw, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(ps, max_new_tokens=new_tokens, **kw)
+        torch.cuda.synchronize()
+    el = time.perf_counter() - t0
+    gen = out.shape[0] * (out.shape[1] - prompt_len)
+    del hf
+    return dict(bench="hf-generate-bf16-7b", seqs=out.shape[0], prompt=prompt_len, new_tokens=new_tokens,
+                tok_s=round(gen / el, 1), wall_s=round(el, 2))
+
+
+def guarded(fn, *a, **k):
+    try:
+        return fn(*a, **k)
+    except Exception as e:  # keep going: one failing configuration must not lose the others
+        log(dict(bench=getattr(fn, "__name__", "?"), args=str(a[:1]), error=f"{type(e).__name__}: {e}"))
+        traceback.print_exc()
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma list: nvfp4-16,bf16-16,nvfp4-256,bf16-256,hf-64,bw-64,32b")
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--hf-new-tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--big-new-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    want = set(args.only.split(",")) if args.only else {"nvfp4-16", "bf16-16", "nvfp4-256", "bf16-256", "hf-64", "bw-64", "32b"}
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    cfg7 = preset("qwen2.5-7b")
+    for quant in ("nvfp4", "bf16"):
+        if not any(w.startswith(quant) for w in want) and not ("bw-64" in want or (quant == "bf16" and "hf-64" in want)):
+            continue
+        free()
+        model = build_random_model(cfg7, device="cuda", dtype=torch.bfloat16, quantized=quant == "nvfp4",
+                                   max_positions=4096)
+        for seqs in (16, 256):
+            if f"{quant}-{seqs}" in want:
+                r = guarded(run_engine, f"engine-{quant}-7b", model, seqs, args.prompt, args.new_tokens)
+                if r:
+                    log(r[1])
+                    del r
+        if "bw-64" in want or (quant == "bf16" and "hf-64" in want):
+            r = guarded(run_engine, f"engine-{quant}-7b", model, 64, args.prompt, args.hf_new_tokens)
+            if r:
+                engine, rec = r
+                log(rec)
+                if "bw-64" in want:
+                    bw = guarded(decode_bandwidth, f"decode-bw-{quant}-7b", engine, model, 64, args.prompt + args.new_tokens // 2)
+                    if bw:
+                        log(bw)
+                del engine, r
+        del model
+    if "hf-64" in want:
+        r = guarded(hf_generate, 64, args.prompt, args.hf_new_tokens)
+        if r:
+            log(r)
+    if "32b" in want:
+        free()
+        model = guarded(build_random_model, preset("qwen2.5-32b"), device="cuda", dtype=torch.bfloat16, quantized=True,
+                        lora=LoraSpec(r=16, alpha=16), max_positions=4096)
+        if model is not None:
+            r = guarded(run_engine, "engine-nvfp4-lora16-32b", model, 64, args.prompt, args.big_new_tokens)
+            if r:
+                log(r[1])
+    print("\n| bench | seqs | new tok | tok/s | wall s | peak GiB | step ms | TB/s | % of 3 TB/s |", flush=True)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in RESULTS:
+        print(f"| {r.get('bench')} | {r.get('seqs', '')} | {r.get('new_tokens', r.get('context', ''))} | {r.get('tok_s', '')} | "
+              f"{r.get('wall_s', '')} | {r.get('peak_gib', '')} | {r.get('step_ms', '')} | {r.get('tb_s', '')} | "
+              f"{r.get('pct_of_3TBs', r.get('error', ''))} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
