@@ -320,3 +320,19 @@ def test_cli_interrupt_says_groups_are_kept(model_dir, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["rollout", "--model", str(model_dir), "--prompts", str(prompts),
                                  "--out", str(tmp_path / "o"), "--device", "cpu", "-q"])
     assert r.exit_code == 130 and "rerun the same command to resume" in r.output
+
+
+def test_chat_rows_and_gsm8k_rows(model_dir, tmp_path, fake_engine):
+    from transformers import AutoTokenizer
+
+    p = tmp_path / "chat.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n"
+                 + json.dumps({"question": "Natalia sold 48 clips.", "answer": "48/2 = 24\n#### 1,072"}) + "\n")
+    rollout(cfg_for(model_dir, tmp_path, prompts=p, system_prompt="Be brief."))
+    recs = read_records(tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    want = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert recs[0]["prompt"] == [{"role": "user", "content": "2+2?"}]
+    assert recs[0]["prompt_token_ids"] == tok(want, add_special_tokens=False)["input_ids"]
+    assert recs[3]["prompt"] == "Natalia sold 48 clips." and recs[3]["answer"] == "1072"
