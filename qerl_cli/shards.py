@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import BadInputError
+from qerl_cli.outputs import crash_point
 
 SCHEMA_VERSION = 1
 
@@ -178,6 +179,7 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self.groups_written += 1
         self.records_written += len(records)
+        crash_point("shard-group")
 
     def close(self) -> None:
         if not self._f.closed:
@@ -252,32 +254,31 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
 
 
 def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator[dict]:
+    # Streamed line by line: a large step's shards need not fit in memory twice.
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")
     except OSError as e:
         raise BadInputError(f"cannot read shard {path}: {e.strerror}") from None
-    lines = data.split(b"\n")
-    torn_tail = bool(lines) and lines[-1] != b""  # last line lacks its newline: a crash mid-write
-    if not torn_tail:
-        lines = lines[:-1]
-    for i, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            rec = json.loads(raw)
-            err = validate_record(rec)
-        except (ValueError, UnicodeDecodeError) as e:
-            rec, err = None, f"not valid JSON ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
-        if err is not None and torn_tail and i == len(lines):
-            err = f"truncated last line, probably a crash mid-write ({err})"
-        if err is not None:
-            msg = f"{path}:{i}: {err}"
-            if not skip_bad_lines:
-                raise BadInputError(msg, hint="pass --skip-bad-lines to skip such lines")
-            report.bad_lines.append(msg)
-            continue
-        report.records += 1
-        yield rec
+    with f:
+        for i, raw in enumerate(f, start=1):
+            torn = not raw.endswith(b"\n")  # only the last line can lack its newline: a crash mid-write
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+                err = validate_record(rec)
+            except (ValueError, UnicodeDecodeError) as e:
+                rec, err = None, f"not valid JSON ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
+            if err is not None and torn:
+                err = f"truncated last line, probably a crash mid-write ({err})"
+            if err is not None:
+                msg = f"{path}:{i}: {err}"
+                if not skip_bad_lines:
+                    raise BadInputError(msg, hint="pass --skip-bad-lines to skip such lines")
+                report.bad_lines.append(msg)
+                continue
+            report.records += 1
+            yield rec
 
 
 def iter_records(
