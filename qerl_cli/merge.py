@@ -54,6 +54,7 @@ class MergeConfig:
     out: Path
     dtype: str = "bf16"
     max_shard_size: int = 4 << 30
+    device: str = "auto"  # where dequantize + add run; not in the fingerprint (same math, as in quantize)
     force: bool = False
 
     def __post_init__(self):
@@ -74,8 +75,8 @@ class LoraDelta:
     scaling: float
     embedding: bool = False
 
-    def dense(self) -> torch.Tensor:
-        d = (self.B.float() @ self.A.float()) * self.scaling
+    def dense(self, device=None) -> torch.Tensor:
+        d = (self.B.to(device, torch.float32) @ self.A.to(device, torch.float32)) * self.scaling
         return d.t() if self.embedding else d
 
 
@@ -285,11 +286,12 @@ class MergeStats:
         return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in d.items()}
 
 
-def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats,
-                   dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the merged checkpoint in ``merged_plan`` order, one at a time.
 
-    LoRA-targeted and NVFP4 weights are formed in fp32 and rounded to ``dtype`` once.
+    LoRA-targeted and NVFP4 weights are formed in fp32 on ``device`` and rounded to ``dtype`` once;
+    the result is identical on CPU and CUDA up to the fp32 matmul's summation order.
     """
     from qerl_kernels.reference import dequantize
 
@@ -298,8 +300,8 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats,
             continue  # consumed with its weight_packed
         if name.endswith(".weight_packed"):
             module = name.removesuffix(".weight_packed")
-            w = dequantize(reader.get(name), reader.get(f"{module}.weight_scale"),
-                           reader.get(f"{module}.weight_global_scale"), dtype=torch.float32)
+            w = dequantize(reader.get(name).to(device), reader.get(f"{module}.weight_scale").to(device),
+                           reader.get(f"{module}.weight_global_scale").to(device), dtype=torch.float32)
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
         elif name in adapter.replacements:
@@ -312,12 +314,13 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats,
             if module is None or module not in adapter.deltas:
                 yield name, t.to(dtype) if t.is_floating_point() else t
                 continue
-            w, out_name = t.float(), name
+            w, out_name = t.to(device, torch.float32), name
         if module in adapter.deltas:
-            d = adapter.deltas[module].dense()
+            d = adapter.deltas[module].dense(device)
             stats.add_delta(w, d)
             w = w + d
-        if not torch.isfinite(w).all():
+        # amax propagates NaN and Inf: one reduction instead of a full boolean mask
+        if not torch.isfinite(w.abs().amax()):
             raise NumericalError(f"merged weight {out_name} has NaN/Inf (check --adapter {adapter.path})")
         yield out_name, w.to(dtype)
 
@@ -359,7 +362,10 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     """Run `qerl merge`; returns the output manifest (with ``summary``)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from qerl_cli.quantize import resolve_device
+
     t0 = time.time()
+    device = resolve_device(cfg.device)
     adapter = read_adapter(cfg.adapter)
     base = open_base(cfg.model)
     base_hash = model_hash(cfg.model)
@@ -393,11 +399,12 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 
         bf16_dir = work if cfg.dtype == "bf16" else work / ".merged-bf16"
         bf16_dir.mkdir(exist_ok=True)
-        write_checkpoint(plan, merged_tensors(base, reader, adapter, stats), bf16_dir, cfg.max_shard_size,
+        write_checkpoint(plan, merged_tensors(base, reader, adapter, stats, device=device), bf16_dir, cfg.max_shard_size,
                          on_tensor=tick)
         write_plain_config(cfg.model, bf16_dir)
         summary = {
             "dtype": cfg.dtype,
+            "device": str(device),
             "base_quantized": stats.dequantized_modules > 0,
             "lineage": lineage,
             "adapter_base_hash": adapter.base_hash,
@@ -420,7 +427,7 @@ def requantize_nvfp4(bf16_dir: Path, out_dir: Path, cfg: MergeConfig, *, progres
     from qerl_cli.quantize import QuantizeConfig, quantize
 
     tmp = out_dir / ".nvfp4"
-    res = quantize(QuantizeConfig(src=bf16_dir, out=tmp, format="compressed-tensors", device="auto",
+    res = quantize(QuantizeConfig(src=bf16_dir, out=tmp, format="compressed-tensors", device=cfg.device,
                                   max_shard_size=str(cfg.max_shard_size), progress=progress))
     for p in tmp.iterdir():
         if p.name != "manifest.json":  # the merge manifest replaces quantize's

@@ -28,6 +28,8 @@ def command(
     dtype: str = typer.Option("bf16", "--dtype", help="bf16: plain HF bf16 checkpoint (serving, further SFT). "
                               "nvfp4: re-quantized compressed-tensors NVFP4 (next RL phase, FP4 serving). Example: --dtype nvfp4"),
     max_shard_size: str = typer.Option("4GB", "--max-shard-size", help="Largest safetensors shard. Example: --max-shard-size 2GB"),
+    device: str = typer.Option("auto", "--device", help="Where to dequantize, add and re-quantize: auto (cuda if "
+                               "available), cpu or cuda (results agree up to fp32 summation order). Example: --device cpu"),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; print only the result line."),
 ) -> None:
@@ -37,7 +39,7 @@ def command(
     from qerl_cli.quantize import parse_size
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
-                      max_shard_size=parse_size(max_shard_size), force=force)
+                      max_shard_size=parse_size(max_shard_size), device=device, force=force)
     m = merge(cfg, progress=not quiet)
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})
