@@ -322,3 +322,22 @@ def test_cli_runs_a_step_and_reports_errors(models, tmp_path):
     bad = runner.invoke(app, ["train-step", "--model", str(models["q"]), "--shards", str(sh), "--out",
                               str(tmp_path / "a2"), "--loss", "ppo"])
     assert bad.exit_code == 2 and "--loss must be one of" in bad.output
+
+
+def test_train_norms_saves_and_resumes_norm_weights(models, tmp_path):
+    from safetensors.torch import load_file
+
+    q, h = models["q"], models["qhash"]
+    sh = make_shard(tmp_path / "sh", h, seed=6)
+    train_step(_cfg(q, [sh], tmp_path / "a1", train_norms=True, lr=1e-2, lora_rank=4))
+    norms = load_file(str(tmp_path / "a1" / "norms.safetensors"))
+    assert "model.layers.0.input_layernorm.weight" in norms and "model.norm.weight" in norms
+    src = load_file(str(next(q.glob("*.safetensors"))))
+    moved = max(float((norms[k] - src[k].float()).abs().max()) for k in norms)
+    assert moved > 1e-4  # the norm weights trained (fp32 master: bf16 would round lr-sized steps away)
+    a1 = tmp_path / "a1"
+    sh1 = make_shard(tmp_path / "sh1", h, adapter_hash=adapter_hash(a1), step=1, seed=7)
+    with pytest.raises(BadInputError, match="has trained norm weights"):
+        train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1))
+    train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, train_norms=True, lr=1e-2))
+    assert (tmp_path / "a2" / "norms.safetensors").is_file()
