@@ -142,15 +142,25 @@ def validate_record(rec: Any) -> str | None:
     return None
 
 
-def _dumps(rec: dict) -> str:
+def _dumps(rec: dict, ascii: bool = False) -> str:
     # allow_nan=False: a NaN logprob or reward would be written as bare NaN, which is not JSON.
     try:
-        return json.dumps(rec, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return json.dumps(rec, ensure_ascii=ascii, separators=(",", ":"), allow_nan=False)
     except ValueError as e:
         raise BadInputError(
             f"record {rec.get('prompt_id')!r}/{rec.get('group_id')!r} holds NaN or Inf ({e})",
             hint="a reward function or the sampler produced a non-finite value",
         ) from None
+
+
+def _line(rec: dict) -> bytes:
+    """One JSONL line as UTF-8. Text stays readable (no \\u escapes) unless it holds a lone
+    surrogate (possible from a prompt file's JSON escapes), which UTF-8 cannot carry: then
+    that record is written ASCII-escaped, which reads back to the identical string."""
+    try:
+        return _dumps(rec).encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return _dumps(rec, ascii=True).encode("ascii") + b"\n"
 
 
 class ShardWriter:
@@ -163,7 +173,7 @@ class ShardWriter:
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "ab")
         self.groups_written = 0
         self.records_written = 0
 
@@ -174,7 +184,7 @@ class ShardWriter:
                 raise ValueError(f"refusing to write an invalid record: {err}")
         # One write call per group: with the fsync below, a crash leaves whole groups plus at
         # most one torn group at the end, which resume cuts off.
-        self._f.write("".join(_dumps(r) + "\n" for r in records))
+        self._f.write(b"".join(_line(r) for r in records))
         self._f.flush()
         os.fsync(self._f.fileno())
         self.groups_written += 1
@@ -330,9 +340,9 @@ def load_complete_groups(path: Path, group_size: int) -> tuple[dict[str, list[di
     dropped = len(report.bad_lines) + (len(recs) - kept)
     if dropped:
         tmp = path.with_name(path.name + ".repair")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "wb") as f:
             for g in groups.values():
-                f.write("".join(_dumps(r) + "\n" for r in g))
+                f.write(b"".join(_line(r) for r in g))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qerl_cli.errors import BadInputError
 from qerl_cli.shards import (
@@ -162,3 +164,27 @@ def test_resume_keeps_complete_groups_and_repairs_file(tmp_path):
     groups, dropped = load_complete_groups(p, group_size=3)
     assert dropped == 0 and len(groups) == 3 and p.stat().st_mtime_ns == before
     assert load_complete_groups(tmp_path / "absent.jsonl", 3) == ({}, 0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    text=st.text(max_size=40),  # any unicode, incl. newlines and quotes
+    lps=st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), min_size=1, max_size=5),
+    answer=st.one_of(st.none(), st.text(max_size=5)),
+)
+def test_round_trip_any_text_and_floats(tmp_path, text, lps, answer):
+    r = rec("p", completion=text, prompt=text, logprobs=lps, completion_token_ids=list(range(len(lps))), answer=answer)
+    p = tmp_path / "rt.jsonl"
+    p.unlink(missing_ok=True)
+    write_records(p, [r])
+    assert read_records(p) == [r]
+    assert len(p.read_bytes().splitlines()) == 1  # a newline inside the text never splits a record
+
+
+def test_lone_surrogate_round_trips(tmp_path):
+    r = rec("p", completion="a\ud800b \u00e9")
+    write_records(tmp_path / "s.jsonl", [r])
+    assert read_records(tmp_path / "s.jsonl") == [r]
+    ok = rec("q", completion="caf\u00e9")
+    write_records(tmp_path / "t.jsonl", [ok])
+    assert "café".encode() in (tmp_path / "t.jsonl").read_bytes()  # readable UTF-8, not \u escapes
