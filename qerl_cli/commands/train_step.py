@@ -59,7 +59,7 @@ def command(
     train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="Also train the RMSNorm weights (fp32 master, no weight decay; saved as norms.safetensors).")] = False,
     micro_batch_tokens: Annotated[int, typer.Option("--micro-batch-tokens", help="Padded tokens (rows x longest) per micro-batch; lower it on out-of-memory. Example: --micro-batch-tokens 8192")] = 16384,
     logits_chunk_tokens: Annotated[int, typer.Option("--logits-chunk-tokens", help="Tokens per fp32 logits chunk (memory = chunk x vocab x 4 bytes, twice).")] = 2048,
-    gradient_checkpointing: Annotated[bool, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute each decoder layer in backward (less memory, ~30% more time).")] = True,
+    gradient_checkpointing: Annotated[bool, typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute each decoder layer in backward (much less activation memory, one extra forward of time).")] = True,
     device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N] (under torchrun each rank uses cuda:LOCAL_RANK).")] = "auto",
     dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32. LoRA masters and AdamW states are fp32 regardless.")] = "auto",
     baseline: Annotated[str | None, typer.Option("--baseline", help="bf16: check --model is a plain 16-bit HF dir (the 16-bit LoRA comparison run).")] = None,
