@@ -184,6 +184,11 @@ def main(argv=None) -> int:
         if model not in models or layer not in layers:
             continue
         d = ShapeData(n, k, seed=n + k)
+        from qerl_kernels.dequant import nvfp4_dequantize
+
+        us = time_graph([lambda i=i: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs) for i in range(d.r4)])
+        log({"op": "dequant", "model": model, "layer": layer, "N": n, "K": k, "us": round(us, 2),
+             "TBps": round(n * k * (0.5625 + 2) / us / 1e6, 2)})
         for m in ms:
             if time.time() - t0 > args.budget_s:
                 break
@@ -314,6 +319,12 @@ def render(results, command: str) -> str:
         for r in bwd:
             out.append(f"| {r['model']} {r['layer']} ({r['N']}x{r['K']}) | {r['M']} | {r['us']:.1f} | "
                        f"{r['cublas_us']:.1f} | {r['speedup']:.2f}x | {r['TFLOPs']:.0f} |")
+    deq = [r for r in results if r["op"] == "dequant"]
+    if deq:
+        out += ["", "Dequantize kernel (NVFP4 -> bf16, used by the M >= threshold paths), bytes = 0.5625 read + 2 written per weight:", "",
+                "| shape | us | TB/s |", "| --- | --- | --- |"]
+        for r in deq:
+            out.append(f"| {r['model']} {r['layer']} ({r['N']}x{r['K']}) | {r['us']:.1f} | {r['TBps']:.2f} |")
     # Targets: geometric mean speedup per M over the shapes, against the targets.
     out += ["", "Targets (geometric mean over the shapes measured):", "", "| M | geomean speedup | min | target |",
             "| --- | --- | --- | --- |"]

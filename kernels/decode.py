@@ -35,7 +35,7 @@ import triton.language as tl
 FAST_EPILOGUE = 256.0
 PORTABLE_EPILOGUE = 1.0
 
-_DECODE_ASM = r"""
+_DECODE_ASM = tl.constexpr(r"""
 {
 .reg .b32 a, b, t, u;
 prmt.b32 a, $4, 0, 0x1404;
@@ -63,7 +63,7 @@ and.b32 u, b, 0x80008000;
 or.b32 t, t, u;
 mul.rn.bf16x2 $1, t, $6;
 }
-"""
+""")
 # Register map (pack=4): $4 holds bytes b0..b3; prmt spreads them to [0,b0,0,b1] and [0,b2,0,b3]
 # so each byte sits in the top of a 16-bit half: the high nibble's sign is already at bit 15 and
 # its magnitude moves from bits 14..12 to 8..6 with one shift. Shifting left by 4 brings the low
@@ -139,6 +139,131 @@ def decode_tile(p, s, BN: tl.constexpr, BKH: tl.constexpr, FAST: tl.constexpr, d
         sc = broadcast_groups(decode_e4m3(s), BN, BKH)
         lo, hi = decode_portable(p, sc, dtype)
     return lo, hi
+
+
+_WORDS_ASM = tl.constexpr(r"""
+{
+.reg .b32 a, b, t, u;
+prmt.b32 a, $8, $9, 0x5410;
+prmt.b32 b, $8, $9, 0x7632;
+and.b32 t, a, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, a, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $3, t, $10;
+shl.b32 a, a, 4;
+and.b32 t, a, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, a, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $2, t, $10;
+shl.b32 a, a, 4;
+and.b32 t, a, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, a, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $1, t, $10;
+shl.b32 a, a, 4;
+and.b32 t, a, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, a, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $0, t, $10;
+and.b32 t, b, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, b, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $7, t, $10;
+shl.b32 b, b, 4;
+and.b32 t, b, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, b, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $6, t, $10;
+shl.b32 b, b, 4;
+and.b32 t, b, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, b, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $5, t, $10;
+shl.b32 b, b, 4;
+and.b32 t, b, 0x70007000;
+shr.b32 t, t, 6;
+and.b32 u, b, 0x80008000;
+or.b32 t, t, u;
+mul.rn.bf16x2 $4, t, $10;
+}
+""")
+# Word decode (pack=2): $8/$9 are two 32-bit words (8 nibbles each: nibble i = K element 8w+i),
+# $10 the bf16x2 fast scales of the two words. prmt gathers the same 16-bit half of both words
+# into one register (a: nibbles 0-3, b: nibbles 4-7), so nibble i of word 0 and word 1 decode
+# into one bf16x2 together: 8 outputs $0..$7 = elements 8w+0 .. 8w+7, each for both words.
+# About 3 PTX ops per weight, no per-byte unpacking, and each output is already a register pair.
+
+
+@triton.jit
+def decode_words_fast(pw, sc):
+    """int32 [R, C] words (8 codes each), bf16 [R, C] per-word fast scales -> 8 bf16 tiles."""
+    return tl.inline_asm_elementwise(
+        asm=_WORDS_ASM,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+        args=[pw, sc],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def _nib(pw, sh: tl.constexpr, sc, dtype: tl.constexpr):
+    return (_e2m1_fp32((pw >> sh) & 0xF) * sc).to(dtype)
+
+
+@triton.jit
+def decode_words_portable(pw, sc, dtype: tl.constexpr):
+    """int32 words + fp32 per-word scales -> 8 tiles in ``dtype`` (element 8w+i in tile i), exact."""
+    return (_nib(pw, 0, sc, dtype), _nib(pw, 4, sc, dtype), _nib(pw, 8, sc, dtype), _nib(pw, 12, sc, dtype),
+            _nib(pw, 16, sc, dtype), _nib(pw, 20, sc, dtype), _nib(pw, 24, sc, dtype), _nib(pw, 28, sc, dtype))
+
+
+@triton.jit
+def decode_word_tile(pw, s, BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr, dtype: tl.constexpr):
+    """Words [BN, BKW] + raw e4m3 group scales [BN, BKW // 2] -> 8 tiles [BN, BKW] (a group = 2 words)."""
+    if FAST:
+        sc = fast_scales(s)
+    else:
+        sc = decode_e4m3(s)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BKW // 2, 2)), (BN, BKW))
+    if FAST:
+        return decode_words_fast(pw, sc)
+    else:
+        return decode_words_portable(pw, sc, dtype)
+
+
+@triton.jit
+def split8(x, R: tl.constexpr, C: tl.constexpr):
+    """[R, 8C] -> 8 tiles [R, C], tile i holding columns 8c+i (matches ``decode_word_tile``)."""
+    a, b = tl.split(tl.reshape(x, (R, C, 4, 2)))  # b: odd columns
+    a0, a1 = tl.split(tl.reshape(a, (R, C, 2, 2)))
+    b0, b1 = tl.split(tl.reshape(b, (R, C, 2, 2)))
+    x0, x4 = tl.split(a0)
+    x2, x6 = tl.split(a1)
+    x1, x5 = tl.split(b0)
+    x3, x7 = tl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def join8(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, C: tl.constexpr):
+    """Inverse of ``split8``: 8 tiles [R, C] -> [R, 8C] with column 8c+i from tile i."""
+    # tl.join appends the new axis last, so join the slowest bit (4) first and the fastest (1) last.
+    p00 = tl.join(e0, e4)
+    p01 = tl.join(e1, e5)
+    p10 = tl.join(e2, e6)
+    p11 = tl.join(e3, e7)
+    q0 = tl.join(p00, p10)
+    q1 = tl.join(p01, p11)
+    return tl.reshape(tl.join(q0, q1), (R, 8 * C))
 
 
 def fast_decode_supported(device) -> bool:

@@ -11,6 +11,10 @@ How it works: a packed byte holds K elements 2j (low nibble) and 2j+1 (high nibb
 byte tile gives an even-column and an odd-column tile of W, so each program keeps two
 accumulators (even and odd output columns of dX) and interleaves them once in the epilogue
 (``tl.join``), instead of shuffling every decoded tile.
+
+At M >= a measured threshold (``BwdConfig.dequant``) the weight is instead decoded once into a
+transient dense buffer and cuBLAS runs ``dY @ W``: there the GEMM dwarfs the decode pass, and
+cuBLAS's bf16 GEMM is faster than this kernel's decode-in-the-loop tiles.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_tile, fast_decode_supported
+from qerl_kernels.dequant import nvfp4_dequantize
 from qerl_kernels.tile_configs import BwdConfig, bwd_config
 
 
@@ -89,12 +94,15 @@ def nvfp4_matmul_grad_input(
         raise ValueError(f"scale shape {tuple(scale.shape)} does not fit weight [{n}, {2 * kh}]")
     if dy.stride(1) != 1:
         dy = dy.contiguous()
+    cfg = config or bwd_config(m, n, 2 * kh)
+    if cfg.dequant:
+        # Compute-bound regime: decode once to a transient dense weight, cuBLAS for the GEMM.
+        return dy @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy.dtype)
     packed = packed.contiguous()
     scale_u8 = scale.contiguous().view(torch.uint8)
     dx = torch.empty((m, 2 * kh), dtype=dy.dtype, device=dy.device)
     if m == 0:
         return dx
-    cfg = config or bwd_config(m, n, 2 * kh)
     if fast is None:
         fast = dy.dtype == torch.bfloat16 and fast_decode_supported(dy.device)
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(kh, cfg.bkh),)

@@ -7,9 +7,15 @@ Trade-off: one kernel covers every M by its tile config rather than two speciali
   spreads K over programs so N / BLOCK_N tiles still fill all SMs.
 - Large M is compute-bound: BLOCK_M multiples of 64 (wgmma), each weight tile decoded once and
   reused across BLOCK_M rows; a grouped (GROUP_M) launch order keeps W tiles in L2.
-The on-disk byte layout is used as is (no repack, no second copy of the weights in memory): the
-decode yields even-K (``lo``) and odd-K (``hi``) tiles, so X is loaded contiguously and split
-into its even and odd columns in registers, and the tile is two dots of half depth.
+The on-disk byte layout is used as is (no repack, no second copy of the weights in memory), read
+as 32-bit words of 8 codes: the decode yields 8 tiles, tile i holding K elements 8w+i, so X is
+loaded contiguously and split into the matching 8 column sets in registers, and each K step is
+8 dots of depth BLOCK_K/8. Loading words (not bytes) keeps Triton from unpacking bytes one by one
+(a byte-tile version spent ~15 instructions per weight on that and ran at ~1x of cuBLAS).
+- Above a measured M (``FwdConfig.dequant``) the fused kernel loses to cuBLAS's bf16 GEMM, so the
+  weight is decoded once into a transient bf16 buffer (``dequant.py``, memory-bound, ~2.6 B per
+  weight) and cuBLAS does the GEMM: ~0.9x of a bf16 model at M=4096, at the cost of a transient
+  bf16 copy of one weight.
 
 Split-K without extra launches: every split writes its fp32 partial to a workspace, then bumps a
 per-tile counter (acq_rel atomic); the program that arrives last sums the partials in split order
@@ -23,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_tile, fast_decode_supported
+from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_word_tile, fast_decode_supported, split8
+from qerl_kernels.dequant import as_words, nvfp4_dequantize
 from qerl_kernels.tile_configs import FwdConfig, fwd_config
 
 _COUNTER_SLOTS = 1 << 16
@@ -40,12 +47,12 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return buf
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M"])
 def _nvfp4_fwd_kernel(
-    X, P, S, G, B, Y, WS, CNT,
-    M, N, KH, k_per_split,
-    stride_xm, stride_pn, stride_sn, stride_ym,
-    BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, GROUP_M: tl.constexpr,
+    X, PW, S, G, B, Y, WS, CNT,
+    M, N, KW, k_per_split,
+    stride_xm, stride_pw, stride_sn, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
     EPI: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -66,40 +73,45 @@ def _nvfp4_fwd_kernel(
     # hot loads, so they vectorise); their results are dropped by the masked store.
     rm_ld = rm % M
     rn_ld = rn % N
-    rj = tl.arange(0, BKH)
-    rg = tl.arange(0, BKH // 8)
-    rx = tl.arange(0, 2 * BKH)
+    rw = tl.arange(0, BKW)
+    rg = tl.arange(0, BKW // 2)
+    rx = tl.arange(0, 8 * BKW)
     dtype = X.dtype.element_ty
+    IP: tl.constexpr = "ieee" if IEEE else "tf32"
 
     k_lo = pid_k * k_per_split
-    k_hi = min(k_lo + k_per_split, KH)
+    k_hi = min(k_lo + k_per_split, KW)
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(k_lo, k_hi, BKH):
-        kmask = (kb + rj) < KH
-        p = tl.load(P + rn_ld[:, None] * stride_pn + (kb + rj)[None, :], mask=kmask[None, :], other=0)
-        gidx = kb // 8 + rg
-        s = tl.load(S + rn_ld[:, None] * stride_sn + gidx[None, :], mask=(gidx < KH // 8)[None, :], other=0)
-        xk = 2 * kb + rx
-        x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=(xk < 2 * KH)[None, :], other=0.0)
-        lo, hi = decode_tile(p, s, BN, BKH, FAST, dtype)
-        xe, xo = tl.split(tl.reshape(x, (BM, BKH, 2)))
+    for kw in range(k_lo, k_hi, BKW):
+        wmask = (kw + rw) < KW
+        pw = tl.load(PW + rn_ld[:, None] * stride_pw + (kw + rw)[None, :], mask=wmask[None, :], other=0)
+        gidx = kw // 2 + rg
+        s = tl.load(S + rn_ld[:, None] * stride_sn + gidx[None, :], mask=(gidx < KW // 2)[None, :], other=0)
+        xk = 8 * kw + rx
+        x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=(xk < 8 * KW)[None, :], other=0.0)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, dtype)
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(x, BM, BKW)
         if SWAP:
-            if IEEE:
-                acc = tl.dot(lo, tl.trans(xe), acc, input_precision="ieee")
-                acc = tl.dot(hi, tl.trans(xo), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(lo, tl.trans(xe), acc)
-                acc = tl.dot(hi, tl.trans(xo), acc)
+            acc = tl.dot(e0, tl.trans(x0), acc, input_precision=IP)
+            acc = tl.dot(e1, tl.trans(x1), acc, input_precision=IP)
+            acc = tl.dot(e2, tl.trans(x2), acc, input_precision=IP)
+            acc = tl.dot(e3, tl.trans(x3), acc, input_precision=IP)
+            acc = tl.dot(e4, tl.trans(x4), acc, input_precision=IP)
+            acc = tl.dot(e5, tl.trans(x5), acc, input_precision=IP)
+            acc = tl.dot(e6, tl.trans(x6), acc, input_precision=IP)
+            acc = tl.dot(e7, tl.trans(x7), acc, input_precision=IP)
         else:
-            if IEEE:
-                acc = tl.dot(xe, tl.trans(lo), acc, input_precision="ieee")
-                acc = tl.dot(xo, tl.trans(hi), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xe, tl.trans(lo), acc)
-                acc = tl.dot(xo, tl.trans(hi), acc)
+            acc = tl.dot(x0, tl.trans(e0), acc, input_precision=IP)
+            acc = tl.dot(x1, tl.trans(e1), acc, input_precision=IP)
+            acc = tl.dot(x2, tl.trans(e2), acc, input_precision=IP)
+            acc = tl.dot(x3, tl.trans(e3), acc, input_precision=IP)
+            acc = tl.dot(x4, tl.trans(e4), acc, input_precision=IP)
+            acc = tl.dot(x5, tl.trans(e5), acc, input_precision=IP)
+            acc = tl.dot(x6, tl.trans(e6), acc, input_precision=IP)
+            acc = tl.dot(x7, tl.trans(e7), acc, input_precision=IP)
 
     factor = EPI / tl.load(G)
     if SWAP:
@@ -159,33 +171,37 @@ def nvfp4_matmul(
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
-    packed = packed.contiguous()
+    cfg = config or fwd_config(m, n, k)
+    if cfg.dequant:
+        # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
+        w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
+    words = as_words(packed)
     scale_u8 = scale.contiguous().view(torch.uint8)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or fwd_config(m, n, k)
     if fast is None:
         fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
-    kh = k // 2
-    ksteps = triton.cdiv(kh, cfg.bkh)
+    kw = k // 8
+    ksteps = triton.cdiv(kw, cfg.bkw)
     split = max(1, min(cfg.split_k, ksteps))
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     if split > 1 and (grid_mn > _COUNTER_SLOTS or split * m * n >= 2**31):
         split = 1
-    k_per_split = triton.cdiv(ksteps, split) * cfg.bkh
-    split = triton.cdiv(kh, k_per_split)
+    k_per_split = triton.cdiv(ksteps, split) * cfg.bkw
+    split = triton.cdiv(kw, k_per_split)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         cnt = _tile_counters(x.device)
     else:
         ws, cnt = y, y  # unused (SPLIT is a constexpr False)
     _nvfp4_fwd_kernel[(grid_mn, split)](
-        x, packed, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        x, words, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
-        m, n, kh, k_per_split,
-        x.stride(0), packed.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, BKH=cfg.bkh, GROUP_M=cfg.group_m,
+        m, n, kw, k_per_split,
+        x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
+        BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
         EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32,
         num_warps=cfg.warps, num_stages=cfg.stages,

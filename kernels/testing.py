@@ -71,13 +71,16 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 # partial last K tile, N=24/40/72 are not powers of two, and the split-K cases take the
 # counter/workspace path.
 INTERP_CASES = [
-    ("fwd_m1_swap_split3", "fwd", 1, 40, 96, "float32", dict(bm=16, bn=16, bkh=16, split_k=3, swap=True), True),
-    ("fwd_m3_swap", "fwd", 3, 24, 48, "float16", dict(bm=16, bn=16, bkh=16, swap=True), False),
-    ("fwd_m17_nt_split2", "fwd", 17, 40, 80, "float16", dict(bm=16, bn=32, bkh=16, split_k=2), True),
-    ("fwd_m17_fp32", "fwd", 17, 72, 144, "float32", dict(bm=16, bn=32, bkh=16), False),
-    ("fwd_m100_nt", "fwd", 100, 24, 48, "float16", dict(bm=32, bn=16, bkh=16), True),
-    ("fwd_m1000_nt", "fwd", 1000, 24, 48, "float32", dict(bm=64, bn=32, bkh=16, group_m=4), False),
-    ("fwd_m100_swap_split2", "fwd", 100, 72, 80, "float32", dict(bm=32, bn=32, bkh=16, split_k=2, swap=True), True),
+    ("fwd_m1_swap_split3", "fwd", 1, 40, 528, "float32", dict(bm=16, bn=16, bkw=16, split_k=3, swap=True), True),
+    ("fwd_m3_swap", "fwd", 3, 24, 48, "float16", dict(bm=16, bn=16, bkw=16, swap=True), False),
+    ("fwd_m17_nt_split2", "fwd", 17, 40, 272, "float16", dict(bm=16, bn=32, bkw=16, split_k=2), True),
+    ("fwd_m17_fp32", "fwd", 17, 72, 144, "float32", dict(bm=16, bn=32, bkw=16), False),
+    ("fwd_m100_nt", "fwd", 100, 24, 48, "float16", dict(bm=32, bn=16, bkw=16), True),
+    ("fwd_m1000_nt", "fwd", 1000, 24, 48, "float32", dict(bm=64, bn=32, bkw=16, group_m=4), False),
+    ("fwd_m100_swap_split2", "fwd", 100, 72, 272, "float32", dict(bm=32, bn=32, bkw=16, split_k=2, swap=True), True),
+    ("fwd_m1000_dequant", "fwd", 1000, 40, 144, "float32", dict(bm=0, bn=0, bkw=0, dequant=True), True),
+    ("deq_fp32", "deq", 0, 40, 272, "float32", None, False),
+    ("deq_fp16", "deq", 0, 72, 48, "float16", None, False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m17", "bwd", 17, 72, 80, "float16", dict(bm=16, bn=32, bkh=16), False),
     ("bwd_m100", "bwd", 100, 24, 144, "float32", dict(bm=32, bn=16, bkh=16, group_m=2), False),
@@ -94,6 +97,13 @@ def run_case(kind, m, n, k, dtype, cfg, bias, device="cpu", seed=0, fast=None) -
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     packed, scale, gs = random_nvfp4(n, k, seed=seed, device=device)
     gen = torch.Generator().manual_seed(seed + 1)
+    if kind == "deq":
+        from qerl_kernels.dequant import nvfp4_dequantize
+
+        w = nvfp4_dequantize(packed, scale, gs, dtype=dt, fast=fast)
+        if w.shape != (n, k) or w.dtype != dt:
+            return float("inf")
+        return rel_err(w, reference.dequantize(packed.cpu(), scale.cpu(), gs.cpu(), dtype=torch.float64))
     if kind == "fwd":
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=dt)
         b = torch.randn(n, generator=gen).to(device=device, dtype=dt) if bias else None

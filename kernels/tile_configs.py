@@ -26,12 +26,13 @@ NUM_SMS_DEFAULT = 132
 class FwdConfig:
     bm: int  # rows of X per tile (the MMA's N when swap)
     bn: int  # output features per tile
-    bkh: int  # packed bytes of K per step (= 2 * bkh elements)
+    bkw: int  # 32-bit words of packed K per step (= 8 * bkw elements; >= 16 for tl.dot)
     split_k: int = 1
     warps: int = 4
     stages: int = 3
     swap: bool = False
     group_m: int = 8
+    dequant: bool = False  # decode W to a transient bf16 buffer and let cuBLAS do the GEMM
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,9 +46,17 @@ class BwdConfig:
     warps: int = 8
     stages: int = 3
     group_m: int = 8
+    dequant: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+DEQUANT = FwdConfig(bm=0, bn=0, bkw=0, dequant=True)
+BWD_DEQUANT = BwdConfig(bm=0, bn=0, bkh=0, dequant=True)
+# Above these M the fused kernels lose to decode-once + cuBLAS (heuristic; the table overrides).
+DEQUANT_MIN_M = 512
+BWD_DEQUANT_MIN_M = 512
 
 
 def m_bucket(m: int) -> int:
@@ -69,28 +78,28 @@ def _cdiv(a: int, b: int) -> int:
 
 def choose_split(m: int, n: int, k: int, cfg: FwdConfig, num_sms: int = NUM_SMS_DEFAULT) -> int:
     """Split-K factor that gives about two waves of programs without starving each of K."""
+    if cfg.dequant:
+        return 1
     tiles = _cdiv(m, cfg.bm) * _cdiv(n, cfg.bn)
-    ksteps = _cdiv(k // 2, cfg.bkh)
+    ksteps = _cdiv(k // 8, cfg.bkw)
     if tiles >= num_sms:
         return 1
     want = _cdiv(2 * num_sms, tiles)
-    # Keep >= 4 K steps per program so the software pipeline has something to overlap.
-    return max(1, min(want, ksteps // 4, 32))
+    # Keep >= 3 K steps per program so the software pipeline has something to overlap.
+    return max(1, min(want, ksteps // 3, 32))
 
 
 def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig:
+    if m >= DEQUANT_MIN_M:
+        return DEQUANT
     if m <= 16:
-        cfg = FwdConfig(bm=16, bn=64, bkh=128, warps=4, stages=4, swap=True)
+        cfg = FwdConfig(bm=16, bn=64, bkw=16, warps=2, stages=4, swap=True)
     elif m <= 32:
-        cfg = FwdConfig(bm=32, bn=64, bkh=128, warps=4, stages=4, swap=True)
+        cfg = FwdConfig(bm=32, bn=64, bkw=16, warps=2, stages=4, swap=True)
     elif m <= 64:
-        cfg = FwdConfig(bm=64, bn=64, bkh=64, warps=4, stages=4, swap=True)
-    elif m <= 128:
-        cfg = FwdConfig(bm=64, bn=128, bkh=32, warps=4, stages=4)
-    elif m <= 256:
-        cfg = FwdConfig(bm=128, bn=128, bkh=32, warps=8, stages=3)
+        cfg = FwdConfig(bm=64, bn=64, bkw=16, warps=2, stages=4, swap=True)
     else:
-        cfg = FwdConfig(bm=128, bn=256, bkh=32, warps=8, stages=3)
+        cfg = FwdConfig(bm=64, bn=64, bkw=16, warps=2, stages=4)
     split = choose_split(m, n, k, cfg, num_sms)
     return FwdConfig(**{**cfg.as_dict(), "split_k": split})
 
@@ -104,56 +113,59 @@ def bwd_config(m: int, n: int, k: int) -> BwdConfig:
     hit = BWD_TABLE.get((n, k)) if m >= 1024 else None
     if hit is not None:
         return hit
+    if m >= BWD_DEQUANT_MIN_M:
+        return BWD_DEQUANT
     if m <= 64:
         return BwdConfig(bm=64, bn=64, bkh=32, warps=4, stages=3)
     return BwdConfig(bm=128, bn=64, bkh=64, warps=8, stages=3)
 
 
 def fwd_candidates(m: int) -> list[FwdConfig]:
-    """Configs the sweep times for one M bucket (split_k filled in per shape by ``choose_split``)."""
+    """Configs the sweep times for one M bucket (split_k filled in per shape by ``choose_split``).
+
+    ``warps`` < 4 makes Triton use mma.sync (MMAv2) instead of wgmma: with the decoded weights
+    produced in registers, mma.sync takes both operands from registers, while Triton's wgmma path
+    stages the per-nibble operand tiles through shared memory and waits on every dot.
+    """
     if m <= 16:
-        base = [
-            FwdConfig(16, 64, 128, warps=4, stages=4, swap=True),
-            FwdConfig(16, 128, 64, warps=4, stages=4, swap=True),
-            FwdConfig(16, 64, 64, warps=4, stages=5, swap=True),
-            FwdConfig(16, 128, 128, warps=8, stages=3, swap=True),
-            FwdConfig(16, 64, 128, warps=4, stages=4, swap=False),
+        return [
+            FwdConfig(16, 64, 16, warps=2, stages=4, swap=True),
+            FwdConfig(16, 128, 16, warps=2, stages=4, swap=True),
+            FwdConfig(16, 64, 32, warps=2, stages=3, swap=True),
+            FwdConfig(16, 32, 32, warps=1, stages=4, swap=True),
+            FwdConfig(16, 64, 16, warps=2, stages=4, swap=False),
+            FwdConfig(16, 128, 16, warps=4, stages=4, swap=True),
         ]
-    elif m <= 64:
+    if m <= 64:
         bm = 32 if m <= 32 else 64
-        base = [
-            FwdConfig(bm, 64, 128, warps=4, stages=4, swap=True),
-            FwdConfig(bm, 128, 64, warps=4, stages=4, swap=True),
-            FwdConfig(bm, 64, 64, warps=4, stages=5, swap=True),
-            FwdConfig(bm, 128, 128, warps=8, stages=3, swap=True),
-            FwdConfig(bm, 64, 64, warps=4, stages=4, swap=False),
+        return [
+            FwdConfig(bm, 64, 16, warps=2, stages=4, swap=True),
+            FwdConfig(bm, 64, 16, warps=2, stages=4, swap=False),
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True),
+            FwdConfig(bm, 64, 32, warps=2, stages=3, swap=True),
+            FwdConfig(bm, 32, 16, warps=1, stages=4, swap=True),
         ]
-    elif m <= 256:
-        base = [
-            FwdConfig(64, 128, 32, warps=4, stages=4),
-            FwdConfig(128, 128, 32, warps=8, stages=3),
-            FwdConfig(128, 64, 64, warps=4, stages=4),
-            FwdConfig(64, 128, 64, warps=4, stages=4, swap=True),
-            FwdConfig(128, 128, 64, warps=8, stages=3, swap=True),
+    if m <= 256:
+        return [
+            FwdConfig(64, 64, 16, warps=2, stages=4),
+            FwdConfig(64, 128, 16, warps=4, stages=4),
+            FwdConfig(128, 128, 16, warps=8, stages=3),
+            FwdConfig(128, 64, 16, warps=4, stages=4, swap=True),
+            FwdConfig(64, 64, 16, warps=2, stages=4, swap=True),
+            DEQUANT,
         ]
-    else:
-        base = [
-            FwdConfig(128, 256, 32, warps=8, stages=3),
-            FwdConfig(128, 128, 32, warps=8, stages=4),
-            FwdConfig(128, 128, 64, warps=8, stages=3),
-            FwdConfig(256, 128, 32, warps=8, stages=3, swap=True),
-            FwdConfig(128, 128, 64, warps=8, stages=3, swap=True),
-        ]
-    return base
+    return [
+        DEQUANT,
+        FwdConfig(128, 128, 16, warps=8, stages=3),
+        FwdConfig(64, 64, 16, warps=2, stages=4),
+    ]
 
 
 def bwd_candidates() -> list[BwdConfig]:
     return [
+        BWD_DEQUANT,
         BwdConfig(128, 64, 64, warps=8, stages=3),
         BwdConfig(128, 64, 128, warps=8, stages=3),
-        BwdConfig(128, 32, 128, warps=8, stages=4),
-        BwdConfig(64, 64, 128, warps=4, stages=4),
-        BwdConfig(128, 64, 64, warps=4, stages=4),
     ]
 
 
