@@ -158,8 +158,15 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
 
 
+_WHOLE_NUMBER = re.compile(rf"^\s*({_NUMBER.pattern})(?:\s+[A-Za-z]+)*\s*\.?\s*$")
+
+
 def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
-    """Normalise a dataset's reference: a GSM8K solution (``... #### 72``) gives ``72``."""
+    """Normalise a dataset's reference: a GSM8K solution (``... #### 72``) gives ``72``.
+
+    For ``gsm8k`` a bare reference must *be* a number (units after a space allowed: ``18 dollars``);
+    ``x^2`` or ``2x`` give None, so they are compared as text instead of as the number 2.
+    """
     if reference is None:
         return None
     reference = str(reference)
@@ -167,7 +174,11 @@ def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
         span = _after_hashes(reference)
         if span is None:
             span = last_boxed(reference) or reference
-        return first_number(span)
+        m = _WHOLE_NUMBER.match(_clean_number_text(span).replace("%", ""))
+        if m is None:
+            return None
+        f = _to_fraction(m.group(1))
+        return None if f is None else _format_fraction(f)
     if kind == "math":
         return last_boxed(reference) or reference.strip()
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")

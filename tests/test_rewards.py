@@ -105,6 +105,10 @@ def test_math_is_correct(completion, ref, ok):
 def test_reference_answer():
     assert reference_answer("blah\n#### 1,234", "gsm8k") == "1234"
     assert reference_answer("The answer is \\boxed{5}", "math") == "5"
+    assert reference_answer("18 dollars") == "18" and reference_answer("$1,000.00") == "1000"
+    # a non-numeric reference is not mistaken for the number inside it
+    assert reference_answer("x^2") is None and reference_answer("2x") is None
+    assert not is_correct("#### 2", "x^2", "gsm8k")
     with pytest.raises(BadInputError, match="unknown answer kind"):
         reference_answer("1", "nope")
 
