@@ -44,7 +44,6 @@ TRAINER_STATE = "trainer_state.json"
 # rewritten, config.json is edited, quantization side files no longer describe the weights.
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", "manifest.json",
                "recipe.yaml", "quant_summary.json"}
-_QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale")
 
 
 @dataclass
@@ -208,17 +207,49 @@ def open_base(model_dir: Path):
         raise BadInputError(f"--model: {e}") from None
 
 
-def _is_scale_of_packed(base, name: str) -> bool:
-    return name.endswith((".weight_scale", ".weight_global_scale")) and \
-        name.rsplit(".", 1)[0] + ".weight_packed" in base.tensors
+@dataclass(frozen=True)
+class PackedWeight:
+    """Where an NVFP4 Linear's parts live, in either on-disk format (see checkpoint.formats)."""
+
+    module: str
+    packed: str
+    scale: str
+    global_scale: str
+    multiplier: bool  # ModelOpt's weight_scale_2 multiplies; compressed-tensors' global divides
+
+    def side_tensors(self) -> tuple[str, ...]:
+        return (self.scale, self.global_scale, f"{self.module}.input_scale")
+
+
+def packed_weights(base) -> dict[str, PackedWeight]:
+    """Every NVFP4 Linear of the base, keyed by its packed tensor's name."""
+    out = {}
+    for name, info in base.tensors.items():
+        if name.endswith(".weight_packed"):  # compressed-tensors
+            m = name.removesuffix(".weight_packed")
+            out[name] = PackedWeight(m, name, f"{m}.weight_scale", f"{m}.weight_global_scale", False)
+        elif name.endswith(".weight") and info.dtype == torch.uint8 and \
+                name.removesuffix(".weight") + ".weight_scale_2" in base.tensors:  # ModelOpt
+            m = name.removesuffix(".weight")
+            out[name] = PackedWeight(m, name, f"{m}.weight_scale", f"{m}.weight_scale_2", True)
+    for pw in out.values():
+        for side in pw.side_tensors()[:2]:
+            if side not in base.tensors:
+                raise BadInputError(f"--model {base.path}: NVFP4 weight {pw.packed} has no {side}")
+    return out
+
+
+def _side_names(packed: dict[str, PackedWeight]) -> set[str]:
+    return {n for pw in packed.values() for n in pw.side_tensors()}
 
 
 def module_shapes(base) -> dict[str, tuple[int, int]]:
     """(out, in) of every 2-D weight the checkpoint holds, dense or NVFP4-packed."""
+    packed = packed_weights(base)
     out = {}
     for name, info in base.tensors.items():
-        if name.endswith(".weight_packed") and len(info.shape) == 2:
-            out[name.removesuffix(".weight_packed")] = (info.shape[0], info.shape[1] * 2)
+        if name in packed and len(info.shape) == 2:
+            out[packed[name].module] = (info.shape[0], info.shape[1] * 2)
         elif name.endswith(".weight") and len(info.shape) == 2:
             out[name.removesuffix(".weight")] = info.shape
     return out
@@ -252,12 +283,14 @@ def merged_plan(base, dtype: torch.dtype = torch.bfloat16) -> list:
     """Names, dtypes and shapes of the merged checkpoint, in the base's file order."""
     from qerl_cli.checkpoint import PlannedTensor
 
+    packed = packed_weights(base)
+    side = _side_names(packed)
     plan = []
     for name, info in base.tensors.items():
-        if _is_scale_of_packed(base, name):
+        if name in side:
             continue
-        if name.endswith(".weight_packed"):
-            plan.append(PlannedTensor(name.removesuffix("_packed"), dtype, (info.shape[0], info.shape[1] * 2)))
+        if name in packed:
+            plan.append(PlannedTensor(f"{packed[name].module}.weight", dtype, (info.shape[0], info.shape[1] * 2)))
         else:
             plan.append(PlannedTensor(name, dtype if info.dtype.is_floating_point else info.dtype, info.shape))
     return plan
@@ -295,13 +328,20 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
     """
     from qerl_kernels.reference import dequantize
 
+    packed = packed_weights(base)
+    side = _side_names(packed)
     for name in base.tensors:
-        if _is_scale_of_packed(base, name):
-            continue  # consumed with its weight_packed
-        if name.endswith(".weight_packed"):
-            module = name.removesuffix(".weight_packed")
-            w = dequantize(reader.get(name).to(device), reader.get(f"{module}.weight_scale").to(device),
-                           reader.get(f"{module}.weight_global_scale").to(device), dtype=torch.float32)
+        if name in side:
+            continue  # consumed with its packed weight
+        if name in packed:
+            pw = packed[name]
+            module = pw.module
+            g = reader.get(pw.global_scale).to(device, torch.float32).reshape(1)
+            codes, scale = reader.get(name).to(device), reader.get(pw.scale).to(device)
+            if pw.multiplier:  # ModelOpt: w = e2m1 * s * weight_scale_2, as its loaders compute it
+                w = dequantize(codes, scale, torch.ones_like(g), dtype=torch.float32) * g
+            else:
+                w = dequantize(codes, scale, g, dtype=torch.float32)
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
         elif name in adapter.replacements:

@@ -97,3 +97,22 @@ def test_nvfp4_merge_is_quantize_of_bf16_merge_with_bounded_error(qpair, tmp_pat
     got = qerl_logits(out, None, IDS)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 0.25, rel
+
+
+def test_modelopt_base_merges_to_the_same_weights(qpair, tmp_path):
+    import shutil
+
+    src, qdir, adapter = qpair
+    mo = tmp_path / "modelopt"
+    quantize(QuantizeConfig(src=src, out=mo, format="modelopt", device="cpu", progress=False))
+    plain_adapter = tmp_path / "ad"
+    shutil.copytree(adapter, plain_adapter, ignore=shutil.ignore_patterns("trainer_state.json"))
+    merge(MergeConfig(qdir, adapter, tmp_path / "from-ct"), progress=False)
+    m = merge(MergeConfig(mo, plain_adapter, tmp_path / "from-mo"), progress=False)
+    assert m["summary"]["dequantized_modules"] == 14
+    assert not (tmp_path / "from-mo" / "hf_quant_config.json").exists()
+    a = load_file(tmp_path / "from-ct" / "model.safetensors")
+    b = load_file(tmp_path / "from-mo" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
