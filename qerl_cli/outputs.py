@@ -9,13 +9,24 @@ A *fingerprint* (hash of the stage name, its result-affecting arguments and its 
 hashes) decides reruns: same fingerprint -> "already done"; different -> error unless
 ``force``. Resumable stages (rollout) keep their work directory under a name derived from
 the fingerprint, so a rerun after a crash continues where the last one stopped.
+
+Replacing an existing output (``force``) swaps the two directories in one atomic
+``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it; elsewhere it takes
+two renames, and a crash between them is repaired by the next run (the old output is renamed
+back). ``force`` never deletes a non-empty directory that holds no qerl manifest: that is data
+qerl did not write.
+
+``crash_point(name)`` is the test hook of tests/test_kill.py (see docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +38,30 @@ from qerl_cli.errors import OutputExistsError
 from qerl_cli.hashing import sha256_file, sha256_json
 
 MANIFEST = "manifest.json"
+KILL_ENV = "QERL_TEST_KILL_AT"
+_kill_hits: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Test hook: SIGKILL this process at the named point when ``QERL_TEST_KILL_AT=name[:N]``.
+
+    The N-th time (default: the first) the process reaches ``crash_point(name)`` it kills itself
+    with SIGKILL, which no handler can intercept: exactly what an OOM killer or a pre-empted node
+    does. Named points: ``stage-start`` (temp dir just created), ``before-manifest`` (every
+    output file written), ``before-rename`` (manifest written, not yet renamed), ``mid-swap``
+    (replacing an output: between the swap and the removal of the old one), ``shard-group``
+    (a rollout group appended and fsynced), ``tensor`` (a safetensors tensor written). Unset, as
+    always outside the tests, it costs one environment lookup.
+    """
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    _kill_hits[name] = _kill_hits.get(name, 0) + 1
+    if _kill_hits[name] >= int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def read_manifest(out: Path) -> dict | None:
@@ -39,6 +74,21 @@ def read_manifest(out: Path) -> dict | None:
     if not isinstance(data, dict) or "fingerprint" not in data or "stage" not in data:
         return None
     return data
+
+
+def damaged_output(out: Path, manifest: dict) -> str | None:
+    """Why a finished output no longer matches its manifest (a listed file missing or resized), or None.
+
+    Sizes only: re-hashing a 60 GB model on every "already done" would cost minutes.
+    """
+    sizes = manifest.get("output_bytes") or {}
+    for rel in manifest.get("outputs") or {}:
+        p = Path(out) / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if rel in sizes and p.stat().st_size != sizes[rel]:
+            return f"{rel} has {p.stat().st_size} bytes, the manifest says {sizes[rel]}"
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -84,18 +134,31 @@ class StageOutput:
 
         Raises OutputExistsError when ``out`` exists otherwise and ``force`` is not set.
         """
+        self._recover_interrupted_swap()
         if not self.out.exists():
             return False
         m = read_manifest(self.out)
+        if m is None and not _is_empty_dir(self.out):
+            # Never replaced, even with --force: a directory without a manifest is not qerl's
+            # (qerl's outputs appear only complete, manifest included).
+            raise OutputExistsError(
+                f"{self.out} exists but holds no valid qerl manifest, so it is not a finished qerl output",
+                hint="choose another --out, or delete it yourself if it is disposable",
+            )
+        damage = damaged_output(self.out, m) if m is not None else None
         if m is not None and m["stage"] == self.stage and m["fingerprint"] == self.fingerprint and not self.force:
-            self.manifest = m
-            return True
+            if damage is None:
+                self.manifest = m
+                return True
+            raise OutputExistsError(
+                f"{self.out} holds this {self.stage} output but it was damaged after it was written ({damage})",
+                hint="pass --force to redo it",
+            )
         if self.force:
             return False
         if m is None:
-            raise OutputExistsError(
-                f"{self.out} exists but holds no valid qerl manifest", hint="choose another --out or pass --force"
-            )
+            raise OutputExistsError(f"{self.out} exists but holds no valid qerl manifest (it is empty)",
+                                    hint="choose another --out or pass --force")
         raise OutputExistsError(
             f"{self.out} holds a {m['stage']} output made from different inputs or arguments "
             f"(fingerprint {m['fingerprint'][:12]} != {self.fingerprint[:12]})",
@@ -108,7 +171,19 @@ class StageOutput:
             return self.out.parent / f".{self.out.name}.partial-{self.fingerprint[:16]}"
         return self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
+    def _recover_interrupted_swap(self) -> None:
+        """A crash between the two renames of a non-atomic replace leaves ``out`` missing and the
+        old output under ``.<name>.old-*``: put it back (the new one was never complete at ``out``)."""
+        if self.out.exists() or not self.out.parent.is_dir():
+            return
+        olds = [p for p in self.out.parent.glob(f".{self.out.name}.old-*") if read_manifest(p) is not None]
+        if olds:
+            newest = max(olds, key=lambda p: p.stat().st_mtime)
+            os.replace(newest, self.out)
+
     def _clean_stale(self) -> None:
+        for p in self.out.parent.glob(f".{self.out.name}.old-*"):
+            shutil.rmtree(p, ignore_errors=True)
         for p in self.out.parent.glob(f".{self.out.name}.tmp-*"):
             try:
                 pid = int(p.name.split(".tmp-")[1].split("-")[0])
@@ -119,10 +194,12 @@ class StageOutput:
 
     def __enter__(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._recover_interrupted_swap()
         self._clean_stale()
         self.work = self._partial_name()
         self.work.mkdir(parents=True, exist_ok=self.resumable)
         self._t0 = time.time()
+        crash_point("stage-start")
         return self.work
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -132,7 +209,9 @@ class StageOutput:
                 shutil.rmtree(self.work, ignore_errors=True)
             return False
         self.timings.setdefault("total_s", round(time.time() - self._t0, 3))
+        crash_point("before-manifest")
         self.manifest = self._write_manifest(self.work)
+        crash_point("before-rename")
         self._swap_into_place(self.work)
         return False
 
@@ -146,6 +225,7 @@ class StageOutput:
             "config": self.config,
             "inputs": self.inputs,
             "outputs": {str(p.relative_to(work)): sha256_file(p) for p in files},
+            "output_bytes": {str(p.relative_to(work)): p.stat().st_size for p in files},
             "timings": self.timings,
             **self.extra,
         }
@@ -157,14 +237,59 @@ class StageOutput:
 
     def _swap_into_place(self, work: Path) -> None:
         _fsync_dir(work)
-        if self.out.exists():
-            trash = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.out, trash)
-            os.replace(work, self.out)
-            shutil.rmtree(trash, ignore_errors=True)
+        if self.out.exists() or self.out.is_symlink():
+            if self.resumable:
+                # The exchange leaves the old output at the temp name: never at the resumable
+                # partial name, where a later run would resume from it.
+                staged = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                os.replace(work, staged)
+                work = staged
+            if _exchange(work, self.out):
+                old = work  # after the exchange the temp name holds the old output
+            else:
+                old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(self.out, old)
+                crash_point("mid-swap")
+                os.replace(work, self.out)
+            _fsync_dir(self.out.parent)
+            crash_point("mid-swap")
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
         else:
             os.replace(work, self.out)
         _fsync_dir(self.out.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2 = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2 = fn
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if not _renameat2:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # kernel or file system without RENAME_EXCHANGE: fall back to two renames
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
 
 
 def _fsync_file(path: Path) -> None:

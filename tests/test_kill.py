@@ -1,0 +1,126 @@
+"""Kill at any moment: every stage is started as ``python -m qerl_cli <stage>`` and SIGKILLed at
+named points (``QERL_TEST_KILL_AT``, see ``qerl_cli.outputs.crash_point``); then nothing half-made
+is visible at ``--out``, the inputs are untouched, and a plain rerun finishes with the same files
+as an uninterrupted run.
+
+One kill point per stage runs by default (each case starts one interpreter: ~10 s on 2 busy
+cores); the full stage x point matrix is ``-m slow``. The rerun and the uninterrupted reference
+run in-process.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from qerl_cli.outputs import read_manifest
+from tests.reliability_fixtures import invoke, leftovers, output_hashes, pipeline, run_cli
+
+
+def _args(stage: str, p: dict, out) -> list:
+    return {
+        "quantize": ["quantize", p["src"], "--out", out, "--device", "cpu", "--no-progress"],
+        "rollout": ["rollout", "--model", p["q"], "--prompts", p["prompts"], "--out", out, "-G", 2,
+                    "--max-new-tokens", 4, "--batch-prompts", 1, "--device", "cpu", "--seed", 3, "-q"],
+        "train-step": ["train-step", "--model", p["q"], "--shards", p["sh0"], "--out", out, "--device", "cpu",
+                       "--lr", "1e-2", "-q"],
+        "merge": ["merge", "--model", p["q"], "--adapter", p["a1"], "--out", out, "-q"],
+        "eval": ["eval", "--model", p["q"], "--adapter", p["a1"], "--dataset", p["prompts"], "--out", out,
+                 "--max-new-tokens", 4, "--device", "cpu", "-q"],
+    }[stage]
+
+
+def _inputs(stage: str, p: dict) -> list:
+    return {"quantize": [p["src"]], "rollout": [p["q"], p["prompts"].parent / "prompts.jsonl"],
+            "train-step": [p["q"], p["sh0"]], "merge": [p["q"], p["a1"]], "eval": [p["q"], p["a1"]]}[stage]
+
+
+# Files whose bytes must not depend on the run (metrics.json/metrics.jsonl hold timings).
+_COMPARED = {
+    "train-step": {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors"},
+    "eval": {"samples.jsonl"},
+}
+
+# (stage, kill point): early, mid-write, just before the rename. The first listed per stage is the
+# default-suite case.
+POINTS = {
+    "quantize": ["tensor:3", "stage-start", "before-manifest", "before-rename"],
+    "rollout": ["shard-group:2", "stage-start", "before-manifest", "before-rename"],
+    "train-step": ["before-manifest", "stage-start", "before-rename"],
+    "merge": ["tensor:5", "stage-start", "before-rename"],
+    "eval": ["before-rename", "stage-start", "before-manifest"],
+}
+CASES = [pytest.param(stage, point, id=f"{stage}-{point}", marks=() if i == 0 else pytest.mark.slow)
+         for stage, points in POINTS.items() for i, point in enumerate(points)]
+
+_reference: dict[str, dict] = {}
+
+
+def reference(stage: str, tmp_root) -> dict:
+    """File hashes of an uninterrupted run (in-process, once per stage)."""
+    if stage not in _reference:
+        out = tmp_root / f"ref-{stage}"
+        r = invoke(_args(stage, pipeline(), out))
+        assert r.exit_code == 0, (r.stderr, r.exception)
+        _reference[stage] = output_hashes(out, _COMPARED.get(stage))
+        shutil.rmtree(out)
+    return _reference[stage]
+
+
+@pytest.mark.parametrize("stage,point", CASES)
+def test_kill_then_rerun_equals_uninterrupted(stage, point, tmp_path):
+    p = pipeline()
+    inputs_before = {str(d): output_hashes(d) if d.is_dir() else d.read_bytes() for d in _inputs(stage, p)}
+    ref = reference(stage, tmp_path)
+    out = tmp_path / "out"
+
+    killed = run_cli(_args(stage, p, out), kill_at=point)
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
+    assert not out.exists(), f"{point}: a killed {stage} left {out} in place"
+    left = leftovers(tmp_path, "out")
+    if stage == "rollout" and point != "stage-start":
+        assert any(n.startswith(".out.partial-") for n in left), left  # resumable work is kept
+    assert read_manifest(out) is None
+
+    # The rerun runs in-process (what matters is that it is a different process from the killed one).
+    rerun = invoke(_args(stage, p, out))
+    assert rerun.exit_code == 0, (rerun.stderr[-3000:], rerun.exception)
+    assert "already done" not in rerun.stdout
+    m = read_manifest(out)
+    assert m is not None and m["stage"] == stage
+    assert output_hashes(out, _COMPARED.get(stage)) == ref
+    # The manifest's hashes are those of the files on disk.
+    assert {k: v for k, v in m["outputs"].items()} == output_hashes(out)
+    assert leftovers(tmp_path, "out") == ["out"], "temp/partial dirs of the killed run were not cleaned up"
+    assert {str(d): output_hashes(d) if d.is_dir() else d.read_bytes() for d in _inputs(stage, p)} == inputs_before
+
+    if stage != "train-step":  # train-step -q prints nothing, also not "already done"
+        again = invoke(_args(stage, p, out))
+        assert again.exit_code == 0 and "already done" in again.stdout, again.stdout
+
+
+@pytest.mark.parametrize("point", ["before-rename", pytest.param("mid-swap", marks=pytest.mark.slow)])
+def test_kill_while_replacing_keeps_a_complete_output(point, tmp_path):
+    """--force over an existing output, killed before/during the swap: --out holds one complete
+    output (the old one, or after the atomic exchange the new one), never a mix or nothing."""
+    p = pipeline()
+    out = tmp_path / "out"
+    old = invoke(["quantize", p["src"], "--out", out, "--device", "cpu", "--no-progress", "--max-shard-size", "20KB"])
+    assert old.exit_code == 0, old.stderr
+    old_files = output_hashes(out)
+    new_args = ["quantize", p["src"], "--out", out, "--device", "cpu", "--no-progress", "--force"]
+
+    killed = run_cli(new_args, kill_at=point)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    m = read_manifest(out)
+    assert m is not None, f"{point}: the old output vanished"
+    assert m["outputs"] == output_hashes(out), "files at --out do not match its manifest"
+    if point == "before-rename":
+        assert output_hashes(out) == old_files
+
+    rerun = invoke(new_args)
+    assert rerun.exit_code == 0, rerun.stderr[-3000:]
+    assert read_manifest(out)["config"]["max_shard_size"] == 5 * 10**9
+    assert read_manifest(out)["outputs"] == output_hashes(out)
+    assert leftovers(tmp_path, "out") == ["out"]
