@@ -91,11 +91,14 @@ def save_adapter(model, out_dir, *, base_model_path, extra_config: dict | None =
                      target_modules=targets, bias="none", task_type="CAUSAL_LM", use_rslora=rslora,
                      base_model_name_or_path=str(base_model_path))
     cfg.save_pretrained(str(out))
-    if extra_config:
-        path = out / CONFIG
-        data = json.loads(path.read_text())
-        data.update(extra_config)
-        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    # PEFT keeps target_modules as a set and writes it in hash-seed order, so the same adapter
+    # would get different bytes (and adapter hash) in every process: write it sorted.
+    path = out / CONFIG
+    data = json.loads(path.read_text())
+    if isinstance(data.get("target_modules"), list):
+        data["target_modules"] = sorted(data["target_modules"])
+    data.update(extra_config or {})
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
     tensors = {}
     for name, m in mods:
         tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
