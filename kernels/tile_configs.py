@@ -33,6 +33,7 @@ class FwdConfig:
     swap: bool = False
     group_m: int = 8
     dequant: bool = False  # decode W to a transient bf16 buffer and let cuBLAS do the GEMM
+    mma2: bool = False  # compile with wgmma disabled (mma.sync from registers) even at >= 4 warps
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +136,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 32, 32, warps=1, stages=4, swap=True),
             FwdConfig(16, 64, 16, warps=2, stages=4, swap=False),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True),
+            FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, mma2=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
@@ -144,6 +146,8 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True),
             FwdConfig(bm, 64, 32, warps=2, stages=3, swap=True),
             FwdConfig(bm, 32, 16, warps=1, stages=4, swap=True),
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, mma2=True),
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=False, mma2=True),
         ]
     if m <= 256:
         return [
@@ -152,12 +156,15 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(128, 128, 16, warps=8, stages=3),
             FwdConfig(128, 64, 16, warps=4, stages=4, swap=True),
             FwdConfig(64, 64, 16, warps=2, stages=4, swap=True),
+            FwdConfig(64, 128, 16, warps=4, stages=4, mma2=True),
+            FwdConfig(128, 128, 16, warps=8, stages=3, mma2=True),
+            FwdConfig(128, 64, 16, warps=4, stages=4, mma2=True),
             DEQUANT,
         ]
     return [
         DEQUANT,
         FwdConfig(128, 128, 16, warps=8, stages=3),
-        FwdConfig(64, 64, 16, warps=2, stages=4),
+        FwdConfig(128, 128, 16, warps=8, stages=3, mma2=True),
     ]
 
 
