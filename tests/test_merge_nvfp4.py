@@ -115,4 +115,7 @@ def test_modelopt_base_merges_to_the_same_weights(qpair, tmp_path):
     b = load_file(tmp_path / "from-mo" / "model.safetensors")
     assert a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k], b[k]), k
+        # ModelOpt multiplies by 1/global where compressed-tensors divides by it: the fp32 results
+        # differ in the last bit at most, which bf16 rounding almost always hides
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2**-7, atol=0, msg=k)
+        assert (a[k] == b[k]).float().mean() > 0.999, k
