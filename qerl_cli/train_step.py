@@ -253,10 +253,10 @@ def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter
 
 
 # ---- model ---------------------------------------------------------------------------------------
-def _load(cfg: TrainStepConfig, device: str, dtype: torch.dtype):
-    from qerl_cli.adapters import adapter_hash, read_adapter_spec
+def _lora_spec(cfg: TrainStepConfig):
+    """The LoRA layout: the adapter's own when resuming (flags must agree), else from the flags."""
+    from qerl_cli.adapters import read_adapter_spec
     from qerl_cli.layers.lora import LoraSpec
-    from qerl_cli.models import load_model
 
     if cfg.adapter is not None:
         spec = read_adapter_spec(cfg.adapter)
@@ -275,11 +275,16 @@ def _load(cfg: TrainStepConfig, device: str, dtype: torch.dtype):
                         seed=cfg.seed)
         if spec.r <= 0:
             raise BadInputError(f"--lora-rank must be positive, got {spec.r}")
+    return spec
+
+
+def _load(cfg: TrainStepConfig, spec, device: str, dtype: torch.dtype):
+    from qerl_cli.models import load_model
+
     model = load_model(cfg.model, device=device, dtype=dtype, lora=spec, adapter_dir=cfg.adapter)
     if cfg.baseline == "bf16" and model.is_quantized:
         raise BadInputError(f"--baseline bf16 expects a plain 16-bit HF model dir, but {cfg.model} is NVFP4-quantized")
-    parent = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
-    return model, spec, parent
+    return model
 
 
 def _trainable(model, train_norms: bool) -> list[tuple[str, torch.nn.Parameter]]:
@@ -387,13 +392,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
 
     data = read_step(cfg)
     base_hash = model_hash(Path(cfg.model))
-    inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
-    if cfg.adapter is not None:
-        inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
-    out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(), inputs=inputs, force=cfg.force)
-    if out.already_done():
-        _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)")
-        return out.manifest
+    # Every check that needs no model runs before anything is loaded: a wrong input fails in seconds.
+    from qerl_cli.adapters import adapter_hash
 
     state = TrainerState()
     if cfg.adapter is not None and (Path(cfg.adapter) / STATE_FILE).exists():
@@ -403,6 +403,19 @@ def train_step(cfg: TrainStepConfig) -> dict:
         state.global_step = data.step
     if data.step != state.global_step:
         _say(cfg, f"warning: shards are from rollout step {data.step} but the adapter is at step {state.global_step}")
+    spec = _lora_spec(cfg)
+    parent_hash = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
+    _check_lineage(cfg, data, base_hash, parent_hash, state)
+    has_norms = cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists()
+    if has_norms and not cfg.train_norms:
+        raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS_FILE}); pass --train-norms")
+    inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
+    if cfg.adapter is not None:
+        inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
+    out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(), inputs=inputs, force=cfg.force)
+    if out.already_done():
+        _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)")
+        return out.manifest
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
     lengths = [len(p) + len(c) for p, c in zip(data.prompts, data.completions)]
@@ -418,7 +431,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
     try:
         if dist.enabled and device.startswith("cuda"):
             device = f"cuda:{dist.local_rank}"
-        return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash)
+        return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash, spec,
+                    parent_hash)
     finally:
         dist.close()
 
@@ -508,7 +522,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     acc.add(clip_low=st.clip_low, clip_high=st.clip_high, kl=st.kl)
                 progress.advance()
             flag = torch.tensor([float(bad_mb)], dtype=torch.float64)
-            dist.all_reduce_(flag.to(device) if cuda and dist.enabled else flag, "max")
+            flag = dist.all_reduce_(flag.to(device) if cuda and dist.enabled else flag, "max")
             if float(flag) >= 0:
                 raise NumericalError(f"non-finite loss at step {step} (epoch {epoch + 1}), micro-batch {int(float(flag))}",
                                      hint="lower --lr or check the shard's rewards/log-probs; nothing was written")
@@ -531,7 +545,8 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     return LoopResult(acc, losses_per_epoch, grad_norms, lrs)
 
 
-def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash):
+def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash,
+         spec, parent_hash):
     from qerl_cli.aqn import apply_noise, clear_noise
 
     t_start = time.time()
@@ -539,14 +554,10 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        model, spec, parent_hash = _load(cfg, device, dtype)
+        model = _load(cfg, spec, device, dtype)
     except torch.OutOfMemoryError:
         raise OutOfMemoryError(f"out of GPU memory loading {cfg.model} on {device}",
                                hint="the base model alone does not fit this GPU") from None
-    _check_lineage(cfg, data, base_hash, parent_hash, state)
-    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
-        if not cfg.train_norms:
-            raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS_FILE}); pass --train-norms")
     named = _trainable(model, cfg.train_norms)
     if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
         _load_norms(model, Path(cfg.adapter) / NORMS_FILE)

@@ -48,6 +48,8 @@ def test_recomputed_logprobs_match_engine_with_same_noise(rolled, tmp_path):
 
 def test_without_the_noise_logprobs_disagree(rolled, tmp_path, monkeypatch):
     root, qdir = rolled
-    monkeypatch.setattr("qerl_cli.aqn.apply_noise", lambda model, *a, **k: {"norms": None})
+    from qerl_cli.aqn import NOISED_NORMS
+
+    monkeypatch.setattr("qerl_cli.aqn.apply_noise", lambda model, *a, **k: {"norms": list(NOISED_NORMS)})
     m = _step(root, qdir, tmp_path / "b")
     assert m["logprob_abs_diff_max"] > 1e-3
