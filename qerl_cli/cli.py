@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import OutOfMemoryError, QerlError
 
 app = typer.Typer(
     name="qerl",
@@ -27,20 +27,44 @@ app = typer.Typer(
 )
 
 
-def guarded(fn):
-    """Wrap a command: QerlError -> 'error: ...' on stderr and its exit code; KeyboardInterrupt -> 130."""
+# Out of memory anywhere in a stage: the flag that lowers its peak memory.
+OOM_HINTS = {
+    "quantize": "pass --device cpu (host memory stays near three layers), or free the GPU",
+    "rollout": "lower --max-num-seqs (and --batch-prompts) or --max-model-len",
+    "train-step": "lower --micro-batch-tokens or --logits-chunk-tokens",
+    "merge": "merge holds one tensor at a time; free host memory (and GPU memory for --dtype nvfp4)",
+    "eval": "lower --max-num-seqs or --max-model-len",
+}
+
+
+def _is_oom(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    return isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError))
+
+
+def guarded(fn, stage: str | None = None):
+    """Wrap a command: QerlError -> 'error: ...' on stderr and its exit code; an out-of-memory the
+    stage did not handle itself -> OutOfMemoryError (exit 6) naming the flag to lower;
+    KeyboardInterrupt -> 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if not _is_oom(e):
+                    raise
+                what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                raise OutOfMemoryError(f"out of memory in {stage or 'qerl'}: {what}; nothing was written",
+                                       hint=OOM_HINTS.get(stage or "", None)) from None
         except QerlError as e:
             if os.environ.get("QERL_DEBUG"):
                 raise
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
-            print("interrupted: no partial output was kept", file=sys.stderr)
+            print("interrupted: --out was not written (a rerun of rollout resumes its saved groups)", file=sys.stderr)
             raise typer.Exit(130) from None
 
     return wrapper
@@ -57,7 +81,7 @@ def _register() -> None:
         ("merge", merge),
         ("eval", eval_cmd),
     ):
-        app.command(name, help=module.HELP, short_help=module.SHORT, no_args_is_help=True)(guarded(module.command))
+        app.command(name, help=module.HELP, short_help=module.SHORT, no_args_is_help=True)(guarded(module.command, name))
 
 
 _register()
