@@ -94,6 +94,7 @@ def decode_bandwidth(name, engine, model, seqs, ctx):
 
     runner = engine.runner
     bs = runner.block_size
+    ctx = min(ctx, runner.max_model_len - 1)
     nb = -(-(ctx + 1) // bs)
     fake = []
     for i in range(seqs):

@@ -60,3 +60,35 @@ def test_torch_path_equals_dense_attention():
         vv = v_seq[b, :n].repeat_interleave(hq // hk, dim=1)
         att = torch.softmax(torch.einsum("hd,nhd->hn", q[b], kk) * d**-0.5, -1)
         assert torch.allclose(out[b], torch.einsum("hn,nhd->hd", att, vv), atol=1e-5)
+
+
+FUSED = textwrap.dedent("""
+    import torch
+    from qerl_cli.layers import fused
+    from qerl_cli.layers.norm import RMSNorm
+    from qerl_cli.layers.rotary import RotaryEmbedding, _rot
+    torch.manual_seed(0)
+    norm = RMSNorm(48, 1e-6, noise_slot=True)
+    norm.weight.data = 1 + 0.1 * torch.randn(48)
+    norm.noise.copy_(0.01 * torch.randn(48))
+    x, r = torch.randn(5, 48), torch.randn(5, 48)
+    ref_y, ref_r = norm(x, r)  # CPU tensors: the torch path
+    y, ro = fused.rmsnorm(x, norm.weight, norm.noise, 1e-6, r)
+    assert torch.allclose(y, ref_y, atol=1e-5) and torch.allclose(ro, ref_r)
+    norm.noise.zero_()
+    assert torch.allclose(fused.rmsnorm(x, norm.weight, None, 1e-6), norm(x), atol=1e-5)
+    rot = RotaryEmbedding(32, 64, 10000.0)
+    q, k = torch.randn(2, 3, 6, 32), torch.randn(2, 3, 2, 32)
+    pos = torch.tensor([[0, 5, 63], [1, 2, 3]])
+    rq, rk = rot(pos, q.clone(), k.clone())
+    fq, fk = fused.rope_(q.clone(), k.clone(), pos, rot.cos_sin)
+    assert torch.allclose(fq, rq, atol=1e-5) and torch.allclose(fk, rk, atol=1e-5)
+    print("ok")
+""")
+
+
+def test_fused_norm_and_rope_match_torch_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", FUSED], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

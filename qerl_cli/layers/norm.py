@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qerl_cli.layers import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, *, noise_slot: bool = False, device=None, dtype=None):
@@ -24,14 +26,21 @@ class RMSNorm(nn.Module):
         else:
             self.noise = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with ``residual``: (norm(x + residual), x + residual), the residual in x's dtype."""
+        if fused.enabled(x):
+            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float()
         if self.noise is not None:
             w = w + self.noise
-        return (h * w).to(dtype)
+        y = (h * w).to(dtype)
+        return y if residual is None else (y, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, noise_slot={self.noise_slot}"

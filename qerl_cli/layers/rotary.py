@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from qerl_cli.layers import fused
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -51,7 +53,12 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [..., Hq, D], k [..., Hk, D], positions [...] -> rotated (q, k) in their dtype."""
+        """q [..., Hq, D], k [..., Hk, D], positions [...] -> rotated (q, k) in their dtype.
+
+        Outside autograd on CUDA this rotates in place with one fused kernel (see layers/fused.py).
+        """
+        if fused.enabled(q) and self.head_dim in (32, 64, 128, 256) and q.is_contiguous() and k.is_contiguous():
+            return fused.rope_(q, k, positions, self.cos_sin)
         cs = self.cos_sin[positions]  # [..., D]
         half = self.head_dim // 2
         cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(q.dtype)

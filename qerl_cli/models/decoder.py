@@ -45,9 +45,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, noise_slot=True, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, noise_slot=True, **kw)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None):
+        """Residual-stream form (vLLM style): returns (mlp output, residual); the next layer's norm adds them.
+
+        Same arithmetic as HF's ``x + attn(norm(x))`` / ``x + mlp(norm(x))`` (each add rounds to the model
+        dtype), but lets the add fuse into the following norm.
+        """
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -93,10 +104,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [B, L, H] for token ids [B, L] at the given positions [B, L]."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = checkpoint(layer, x, positions, use_reentrant=False) if ckpt else layer(x, positions)
-        return self.model.norm(x)
+            if ckpt:
+                x, residual = checkpoint(layer, x, positions, residual, use_reentrant=False)
+            else:
+                x, residual = layer(x, positions, residual)
+        return self.model.norm(x, residual)[0]
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Right-padded batch [B, L] -> hidden [B, L, H]; causal attention, no KV cache.
