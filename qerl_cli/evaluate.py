@@ -133,8 +133,9 @@ class Sample:
     finish_reason: str
 
 
-# generate(prompt_token_ids, n, seed) -> per prompt, n samples
-GenerateFn = Callable[[list[list[int]], int, int], list[list[Sample]]]
+# generate(prompt_token_ids, n, seed, progress) -> per prompt, n samples; progress(prompts_done, tokens)
+# is called as prompts finish (engines that cannot report it simply never call it)
+GenerateFn = Callable[..., list[list[Sample]]]
 
 
 def _sampling_kwargs(cfg: EvalConfig, seed: int) -> dict:
@@ -159,9 +160,9 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
         raise BadInputError(f"--adapter {cfg.adapter}: no LoRA module was attached to the model")
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
 
-    def generate(prompt_ids, n, seed):
+    def generate(prompt_ids, n, seed, progress=None):
         sp = SamplingParams(**_sampling_kwargs(cfg, seed))
-        groups = engine.generate(prompt_ids, sp, n=n)
+        groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 
     return generate, {"engine": "native", "lora_modules": n_lora}
@@ -180,9 +181,9 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
     engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype_name, max_num_seqs=cfg.max_num_seqs,
                         max_model_len=max_model_len, seed=cfg.seed)
 
-    def generate(prompt_ids, n, seed):
+    def generate(prompt_ids, n, seed, progress=None):
         sp = vllm_sampling_params(top_k=0, min_p=0.0, stop=(), **_sampling_kwargs(cfg, seed))
-        groups = engine.generate(prompt_ids, sp, n=n)
+        groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 
     return generate, {"engine": "vllm", "lora_modules": None}
@@ -282,19 +283,32 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     n = cfg.num_samples
-    per_batch = max(1, cfg.max_num_seqs // n)
+    # Chunks of several engine batches: the engine's continuous batching keeps its slots full
+    # within a chunk (only the chunk's tail runs partly empty), while samples.jsonl and the
+    # progress line still advance chunk by chunk on engines that report no per-prompt progress.
+    chunk = max(1, 4 * cfg.max_num_seqs // n)
     records: list[dict] = []
     t_gen = 0.0
-    solved = 0
+    solved = tokens = 0
+    t_start = time.time()
     progress = Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
                         disable=not cfg.progress, transient=False)
+
+    def info(extra_tokens: int = 0) -> str:
+        rate = (tokens + extra_tokens) / max(time.time() - t_start, 1e-9)
+        return f"{rate:,.0f} tok/s" + (f" · solved {solved}" if records else "")
+
     with progress, open(work / SAMPLES, "w", encoding="utf-8") as out:
         task = progress.add_task("eval", total=len(prompts), info="")
-        for start in range(0, len(prompts), per_batch):
-            batch = prompts[start : start + per_batch]
+        for start in range(0, len(prompts), chunk):
+            batch = prompts[start : start + chunk]
+
+            def on_progress(done: int, generated: int, start=start) -> None:
+                progress.update(task, completed=start + done, info=info(generated))
+
             t0 = time.time()
-            groups = generate([p.token_ids for p in batch], n, _batch_seed(cfg.seed, start))
+            groups = generate([p.token_ids for p in batch], n, _batch_seed(cfg.seed, start), on_progress)
             t_gen += time.time() - t0
             if len(groups) != len(batch) or any(len(g) != n for g in groups):
                 raise RuntimeError(f"engine returned {[len(g) for g in groups]} samples for {len(batch)} prompts x {n}")
@@ -316,10 +330,10 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
                         "num_tokens": len(s.token_ids),
                     }
                     records.append(rec)
+                    tokens += rec["num_tokens"]
                     out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 solved += any_ok
-            done = min(start + per_batch, len(prompts))
-            progress.update(task, completed=done, info=f"solved {solved}/{done}")
+            progress.update(task, completed=start + len(batch), info=info())
     return records, t_gen
 
 

@@ -81,7 +81,7 @@ class Scripted:
     def __init__(self, answers):
         self.answers, self.calls, self.seen = answers, [], 0
 
-    def __call__(self, prompt_ids, n, seed):
+    def __call__(self, prompt_ids, n, seed, progress=None):
         self.calls.append((len(prompt_ids), n, seed))
         out = []
         for _ in prompt_ids:
@@ -89,20 +89,23 @@ class Scripted:
             self.seen += 1
             assert len(texts) == n
             out.append([Sample(list(range(len(t.split()))), t, "length" if "..." in t else "stop") for t in texts])
+            if progress is not None:
+                progress(len(out), 0)
         return out
 
 
 def run(model_dir, tmp_path, rows, answers, name="e", **kw):
     data = write_jsonl(tmp_path / f"{name}.jsonl", rows) if rows is not None else kw.pop("dataset")
     kw.setdefault("max_new_tokens", 64)  # the tiny model's context is 512 tokens
-    cfg = EvalConfig(model=model_dir, dataset=data, out=tmp_path / name, progress=False, device="cpu", **kw)
+    kw.setdefault("progress", False)
+    cfg = EvalConfig(model=model_dir, dataset=data, out=tmp_path / name, device="cpu", **kw)
     gen = Scripted(answers)
     return evaluate(cfg, generate=gen), gen
 
 
 def test_greedy_pass1_metrics_and_samples(model_dir, tmp_path):
     answers = [["so \\boxed{7}"], ["#### 10"], ["it is four"], ["#### -5 ..."]]
-    res, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_num_seqs=3)
+    res, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_num_seqs=3, progress=True)
     m = res["metrics"]
     assert m["score_name"] == "pass@1" and m["score"] == pytest.approx(0.75)
     lo, hi = m["ci95"]
@@ -111,7 +114,7 @@ def test_greedy_pass1_metrics_and_samples(model_dir, tmp_path):
                            "problems_solved": 3, "no_answer": 1, "truncated": 1}
     assert m["sampling"]["temperature"] == 0.0 and m["scored_with"] == {"gsm8k": 4}
     assert m["lengths"]["max"] == 3 and m["time"]["total_s"] > 0
-    assert [c[:2] for c in gen.calls] == [(3, 1), (1, 1)]  # batches of max_num_seqs // n prompts
+    assert [c[:2] for c in gen.calls] == [(4, 1)]  # chunks of 4 * max_num_seqs // n prompts
     out = tmp_path / "e"
     assert json.loads((out / "metrics.json").read_text()) == m
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
@@ -129,14 +132,15 @@ def test_pass_at_k_uses_unbiased_estimator(model_dir, tmp_path):
     # n = 4 samples; correct counts per problem: 0, 1, 2, 4
     answers = [[wrong] * 4, [right] + [wrong] * 3, [right, wrong, right, wrong], [right] * 4]
     rows = [{"prompt": f"q{i}", "answer": "7"} for i in range(4)]
-    res, gen = run(model_dir, tmp_path, rows, answers, k=2, num_samples=4, temperature=0.8)
+    res, gen = run(model_dir, tmp_path, rows, answers, k=2, num_samples=4, temperature=0.8, max_num_seqs=2)
     s = res["metrics"]["scores"]
     assert set(s) == {"pass@1", "pass@2"}
     assert s["pass@1"]["value"] == pytest.approx((0 + 1 + 2 + 4) / 16)
     want = sum(pass_at_k(4, c, 2) for c in (0, 1, 2, 4)) / 4
     assert s["pass@2"]["value"] == pytest.approx(want) and res["metrics"]["score"] == pytest.approx(want)
     assert res["metrics"]["counts"]["problems_solved"] == 3
-    assert all(n == 4 for _, n, _ in gen.calls) and len({seed for *_, seed in gen.calls}) == len(gen.calls)
+    assert [c[:2] for c in gen.calls] == [(2, 4), (2, 4)]  # 4 * max_num_seqs // n prompts per chunk
+    assert len({seed for *_, seed in gen.calls}) == 2  # each chunk draws from its own seed
 
 
 def test_math500_parquet_without_chat_template_and_custom_template(model_dir, tmp_path):
