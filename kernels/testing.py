@@ -44,7 +44,7 @@ def random_nvfp4(n: int, k: int, seed: int = 0, device="cpu", special: bool = Tr
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64, b64 = a.double(), b.double()
+    a64, b64 = a.detach().cpu().double(), b.detach().cpu().double()
     if not torch.isfinite(a64).all():
         return float("inf")
     return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))

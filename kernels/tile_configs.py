@@ -137,6 +137,8 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 64, 16, warps=2, stages=4, swap=False),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, mma2=True),
+            FwdConfig(16, 128, 32, warps=4, stages=3, swap=True),
+            FwdConfig(16, 256, 16, warps=8, stages=3, swap=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
@@ -148,6 +150,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 32, 16, warps=1, stages=4, swap=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, mma2=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=False, mma2=True),
+            FwdConfig(bm, 128, 32, warps=4, stages=3, swap=True),
         ]
     if m <= 256:
         return [

@@ -19,7 +19,7 @@ def test_forward_default_config(m, n, k, dtype):
         assert err < TOL[getattr(torch, dtype)], (m, n, k, dtype, bias, err)
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, 128, 1024])
+@pytest.mark.parametrize("m", [1, 64, 128, 1024])
 def test_forward_every_sweep_candidate(m):
     # Every config the benchmark may put in the table must be right, split-K variants included.
     for cfg in fwd_candidates(m):
