@@ -190,8 +190,9 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
 
 
 # ---- the stage ---------------------------------------------------------------------------------
-def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str) -> dict:
+def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str | None) -> dict:
     d = asdict(cfg)
+    d["prompt_template"] = template  # the text, also when the flag named a file
     for key in ("model", "dataset", "out", "adapter", "force", "progress"):
         d.pop(key)
     if cfg.temperature == 0:
@@ -242,7 +243,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
         lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on")
         inputs["adapter"] = adapter_hash(cfg.adapter)
-    so = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name), inputs=inputs,
+    so = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, template), inputs=inputs,
                      force=cfg.force)
     if so.already_done():
         metrics = json.loads((cfg.out / METRICS).read_text())
@@ -267,7 +268,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
     with so as work:
         records, t_gen = _generate_and_score(cfg, prompts, generate, work, console)
-        metrics = _metrics(cfg, records, prompts, base_hash, inputs, lineage, info, device, dtype_name)
+        metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, device, dtype_name)
         metrics["time"] = {
             "total_s": round(time.time() - t_start, 3),
             "generate_s": round(t_gen, 3),
@@ -337,7 +338,7 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
     return records, t_gen
 
 
-def _metrics(cfg, records: Sequence[dict], prompts, base_hash, inputs, lineage, info, device, dtype_name) -> dict:
+def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage, info, device, dtype_name) -> dict:
     n = cfg.num_samples
     per_problem: dict[str, list[dict]] = {}
     for r in records:
@@ -377,7 +378,7 @@ def _metrics(cfg, records: Sequence[dict], prompts, base_hash, inputs, lineage, 
         "lengths": length_stats([r["num_tokens"] for r in records]),
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                      "seed": cfg.seed},
-        "prompt_template": cfg.prompt_template,
+        "prompt_template": template,
         "engine": info.get("engine", cfg.engine),
         "device": device,
         "dtype": dtype_name,

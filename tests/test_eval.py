@@ -227,3 +227,14 @@ def test_vllm_engine_missing_is_a_clear_error(model_dir, tmp_path):
     with pytest.raises(BadInputError, match="--engine vllm needs vLLM"):
         evaluate(cfg)
     assert not (tmp_path / "o").exists()
+
+
+def test_template_file_content_is_part_of_the_fingerprint(model_dir, tmp_path):
+    tpl = tmp_path / "tpl.txt"
+    tpl.write_text("Solve: {prompt}")
+    answers = [["#### 7"], ["#### 10"], ["#### 3"], ["#### -5"]]
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers, prompt_template=str(tpl))
+    assert res["metrics"]["prompt_template"] == "Solve: {prompt}"
+    tpl.write_text("Answer with ####: {prompt}")
+    with pytest.raises(OutputExistsError):
+        run(model_dir, tmp_path, GSM8K_ROWS, answers, prompt_template=str(tpl))
