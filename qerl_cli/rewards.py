@@ -25,6 +25,7 @@ never disagree on what counts as right.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -184,7 +185,9 @@ def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
+    # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
     from math_verify import LatexExtractionConfig, parse, verify
 
     # math-verify's timeouts use SIGALRM, which only works on the main thread.

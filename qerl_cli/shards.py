@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob as _glob
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -130,12 +131,20 @@ def validate_record(rec: Any) -> str | None:
             f"{len(rec['logprobs'])} logprobs for {len(rec['completion_token_ids'])} completion tokens "
             "(one logprob per sampled token expected)"
         )
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in rec["completion_token_ids"]):
+    # Per-element checks run on every record read or written, so they use the cheapest exact test
+    # (``type(x) is int`` also excludes bool); ~50 us per 1k tokens.
+    if not all(type(t) is int for t in rec["completion_token_ids"]):
         return "completion_token_ids must be integers"
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in rec["prompt_token_ids"]):
+    if not all(type(t) is int for t in rec["prompt_token_ids"]):
         return "prompt_token_ids must be integers"
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rec["logprobs"]):
+    lps = rec["logprobs"]
+    if not all(type(x) is float or type(x) is int for x in lps):
         return "logprobs must be numbers"
+    # Python's json reads NaN/Infinity. One bad value makes the sum non-finite; only then (or on a
+    # freak overflow of huge values) is the exact per-element test paid.
+    if not math.isfinite(rec["reward"]) or (
+            not math.isfinite(sum(lps)) and not all(math.isfinite(x) for x in lps)):
+        return "logprobs and reward must be finite (found NaN or Inf)"
     for k in ("base", "adapter"):
         if k not in rec["policy"]:
             return f"policy lacks {k!r}"

@@ -80,7 +80,7 @@ def test_writer_refuses_invalid_and_nan(tmp_path):
     with ShardWriter(tmp_path / "s.jsonl") as w:
         with pytest.raises(ValueError, match="logprobs"):
             w.write_group([rec(logprobs=[0.0])])
-        with pytest.raises(BadInputError, match="NaN"):
+        with pytest.raises(ValueError, match="finite"):
             w.write_group([{**rec(), "reward": float("nan")}])
 
 
@@ -101,8 +101,9 @@ def _write_lines(path, lines):
         (json.dumps(rec(completion_token_ids=[1, "x"], logprobs=[0.0, 0.0])), "integers"),
         (json.dumps(rec(policy={"base": "x"})), "policy lacks 'adapter'"),
         (json.dumps(rec(schema_version=SCHEMA_VERSION + 1)), "newer than this qerl"),
+        (json.dumps(rec(logprobs=[-0.5, float("nan")])), "must be finite"),  # Python's json writes NaN
     ],
-    ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future"],
+    ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future", "nan"],
 )
 def test_bad_line_names_file_and_line(tmp_path, bad, why):
     p = tmp_path / shard_name(0, 1)
