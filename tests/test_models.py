@@ -195,3 +195,28 @@ def test_config_parsing_llama3_rope_and_eos_list():
     assert not cfg.qkv_bias and not cfg.qk_norm
     with pytest.raises(BadInputError, match="hidden_act"):
         ModelConfig.from_hf(_tiny_cfg(hidden_act="gelu"))
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_fused_projections_keep_logits_and_share_memory(quantized):
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.lora import LoraSpec, lora_parameters
+
+    model = build_random_model(ModelConfig.from_hf(_tiny_cfg()), device="cpu", dtype=torch.float32,
+                               quantized=quantized, lora=LoraSpec(r=4, alpha=8, targets=("q_proj", "v_proj", "up_proj")))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.1)
+    ids, mask = right_padded(vocab=64)
+    before = ours(model, ids, mask)
+    assert fuse_projections(model) == 2 * model.config.num_layers
+    after = ours(model, ids, mask)
+    assert torch.allclose(before, after, atol=1e-5)
+    attn = model.model.layers[0].self_attn
+    fused = attn._qkv[0]
+    name = "weight_packed" if quantized else "weight"
+    # q_proj's tensor is a view into the fused one: no second copy of the weights
+    assert getattr(attn.q_proj.base, name).data_ptr() == getattr(fused, name).data_ptr()
+    loss = model.compute_logits(model.forward_train(ids, mask)).logsumexp(-1).mean()
+    loss.backward()  # the fused path stays differentiable for training
+    assert all(p.grad is not None for p in lora_parameters(model))

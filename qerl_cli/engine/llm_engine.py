@@ -24,6 +24,7 @@ from qerl_cli.engine.sampling_params import Completion, SamplingParams
 from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
 from qerl_cli.errors import BadInputError
+from qerl_cli.layers.attention import fuse_projections
 
 
 class LLMEngine:
@@ -36,6 +37,7 @@ class LLMEngine:
             limit = min(limit, cfg.sliding_window)  # windowed attention is not implemented: stay inside it
         self.max_model_len = min(max_model_len or limit, limit)
         self.model, self.tokenizer = model, tokenizer
+        fuse_projections(model)  # one q/k/v and one gate/up GEMM per layer; shares memory with the parts
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         if num_blocks is None:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl_cli.layers.linear import QLinear
+from qerl_cli.layers.linear import QLinear, fuse_linears
+from qerl_cli.layers.lora import LoRALinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
 
@@ -64,15 +65,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+        # Inference-only fused q/k/v GEMM (see fuse_projections); a list so it is not a registered submodule.
+        self._qkv: list[QLinear] = []
         # Set by the engine: this layer's views into the paged cache, [num_blocks, block, Hk, D] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self._qkv:
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self._qkv[0](x).split([nq, nk, nk], dim=-1)
+            q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
@@ -92,3 +101,37 @@ class Attention(nn.Module):
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                        ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
         return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
+
+
+def base_of(m):
+    return m.base if isinstance(m, LoRALinear) else m
+
+
+def add_lora(m, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (the base output of ``m``) plus m's LoRA term when ``m`` is an enabled LoRALinear."""
+    if isinstance(m, LoRALinear) and m.enabled:
+        return y + m.delta(x)
+    return y
+
+
+def fuse_projections(model) -> int:
+    """Give every layer a fused q/k/v and gate/up GEMM for inference; returns how many were fused.
+
+    The per-projection modules stay (they now view slices of the fused tensors), so LoRA, adapters
+    and training are unaffected. Moving the model to another device afterwards unshares the views:
+    fuse after the final ``.to()``.
+    """
+    count = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if not a._qkv:
+            f = fuse_linears([base_of(a.q_proj), base_of(a.k_proj), base_of(a.v_proj)])
+            if f is not None:
+                a._qkv.append(f)
+                count += 1
+        if not m._gate_up:
+            f = fuse_linears([base_of(m.gate_proj), base_of(m.up_proj)])
+            if f is not None:
+                m._gate_up.append(f)
+                count += 1
+    return count

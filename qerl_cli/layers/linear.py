@@ -57,3 +57,45 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+def fuse_linears(parts: list[QLinear]) -> QLinear | None:
+    """One QLinear computing ``cat([p(x) for p in parts], -1)``, or None when the parts cannot fuse.
+
+    Used for q/k/v and gate/up at inference: one GEMM instead of three reads the same bytes but
+    fills the GPU far better at decode sizes (k/v alone are 512-row matrices on a 7B model). The
+    parts' tensors are re-pointed at slices of the fused tensors, so memory is not duplicated and the
+    per-projection modules (LoRA, PEFT names, training) keep working unchanged. NVFP4 parts fuse only
+    when they share one global scale (qerl and llm-compressor write them that way for vLLM).
+    """
+    first = parts[0]
+    if any(p.quantized != first.quantized or p.in_features != first.in_features or (p.bias is None) != (first.bias is None)
+           for p in parts):
+        return None
+    sizes = [p.out_features for p in parts]
+    if first.quantized:
+        if any(not torch.equal(p.weight_global_scale, first.weight_global_scale) for p in parts):
+            return None
+        ref = first.weight_packed
+    else:
+        ref = first.weight
+    fused = QLinear(first.in_features, sum(sizes), bias=first.bias is not None, quantized=first.quantized,
+                    device="meta", dtype=first.bias.dtype if first.bias is not None else (None if first.quantized else ref.dtype))
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+
+    def share(name: str, frozen_param: bool) -> None:
+        whole = torch.cat([getattr(p, name) for p in parts], dim=0)
+        setattr(fused, name, nn.Parameter(whole, requires_grad=False) if frozen_param else whole)
+        for p, a, b in zip(parts, offsets, offsets[1:]):
+            view = whole[a:b]
+            setattr(p, name, nn.Parameter(view, requires_grad=False) if frozen_param else view)
+
+    if first.quantized:
+        share("weight_packed", False)
+        share("weight_scale", False)
+        fused.weight_global_scale = first.weight_global_scale
+    else:
+        share("weight", True)
+    if first.bias is not None:
+        share("bias", True)
+    return fused

@@ -60,13 +60,15 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if not self.enabled:
-            return y
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The LoRA term alone: dropout(x) @ A^T @ B^T * scaling, in x's dtype."""
         a = self.lora_A.to(x.dtype)
         b = self.lora_B.to(x.dtype)
-        return y + (self.dropout(x) @ a.t()) @ b.t() * self.scaling
+        return (self.dropout(x) @ a.t()) @ b.t() * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return y + self.delta(x) if self.enabled else y
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from qerl_cli.layers.attention import Attention
+from qerl_cli.layers.attention import Attention, add_lora
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
@@ -30,9 +30,15 @@ class MLP(nn.Module):
         self.gate_proj = QLinear(h, i, bias=b, quantized=quantized.get("gate_proj", False), **kw)
         self.up_proj = QLinear(h, i, bias=b, quantized=quantized.get("up_proj", False), **kw)
         self.down_proj = QLinear(i, h, bias=b, quantized=quantized.get("down_proj", False), **kw)
+        self._gate_up: list[QLinear] = []  # inference-only fused GEMM (layers.attention.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up:
+            g, u = self._gate_up[0](x).chunk(2, dim=-1)
+            g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(g) * u)
 
 
 class DecoderLayer(nn.Module):
