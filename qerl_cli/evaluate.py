@@ -97,6 +97,9 @@ class EvalConfig:
             raise BadInputError(f"--max-problems must be at least 1, got {self.max_problems}")
         if self.max_num_seqs < 1:
             raise BadInputError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        from qerl_cli.merge import check_out_apart
+
+        check_out_apart(self.out, model=self.model, adapter=self.adapter, dataset=self.dataset)
 
 
 # ---- scoring -----------------------------------------------------------------------------------

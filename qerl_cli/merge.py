@@ -62,6 +62,18 @@ class MergeConfig:
             raise BadInputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_shard_size <= 0:
             raise BadInputError(f"--max-shard-size must be positive, got {self.max_shard_size}")
+        check_out_apart(self.out, model=self.model, adapter=self.adapter)
+
+
+def check_out_apart(out: Path, **inputs: Path | None) -> None:
+    """--out must not be an input or inside one: --force would replace the input being read."""
+    o = Path(out).resolve()
+    for flag, p in inputs.items():
+        if p is None:
+            continue
+        p = Path(p).resolve()
+        if o == p or p in o.parents or o in p.parents:
+            raise BadInputError(f"--out {out} overlaps --{flag} {p}", hint="write the output to a separate directory")
 
 
 # ---- the adapter -----------------------------------------------------------------------------

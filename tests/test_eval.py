@@ -238,3 +238,8 @@ def test_template_file_content_is_part_of_the_fingerprint(model_dir, tmp_path):
     tpl.write_text("Answer with ####: {prompt}")
     with pytest.raises(OutputExistsError):
         run(model_dir, tmp_path, GSM8K_ROWS, answers, prompt_template=str(tpl))
+
+
+def test_out_must_not_overlap_inputs(model_dir, tmp_path):
+    with pytest.raises(BadInputError, match="--out .* overlaps --model"):
+        EvalConfig(model=model_dir, dataset=tmp_path / "d.jsonl", out=model_dir)

@@ -208,3 +208,10 @@ def test_cli_merge_rerun_and_lineage_exit_code(pair, tmp_path):
     other = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=2, seed=9, name="other", tokenizer=False)
     r = CliRunner().invoke(app, ["merge", "--model", str(other), "--adapter", str(adapter), "--out", str(tmp_path / "x")])
     assert r.exit_code == 3 and "error:" in r.output and "trained on base" in r.output
+
+
+def test_out_must_not_overlap_inputs(pair, tmp_path):
+    base, adapter = pair
+    for out in (base, adapter, base / "sub", base.parent):
+        with pytest.raises(BadInputError, match="overlaps"):
+            MergeConfig(base, adapter, out)
