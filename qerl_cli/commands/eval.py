@@ -26,7 +26,7 @@ HELP = (
 
 def command(
     runs: list[Path] = typer.Argument(None, help="With --compare: finished eval output dirs to tabulate.",
-                                      metavar="[EVAL_DIR]...", show_default=False),
+                                      metavar="EVAL_DIR", show_default=False),
     model: Path = typer.Option(None, "--model", help="Model dir: NVFP4 QDIR, merged or plain HF bf16 dir. "
                                "Example: --model runs/q/qwen-nvfp4", show_default=False),
     adapter: Path = typer.Option(None, "--adapter", help="PEFT LoRA adapter applied on top of --model (refused if "
