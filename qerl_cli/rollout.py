@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import shutil
 import statistics
 import time
@@ -120,8 +121,10 @@ def _check_flags(cfg: RolloutConfig) -> None:
         bad(f"--shard-index {cfg.shard_index} is outside 0..{cfg.num_shards - 1} (--num-shards {cfg.num_shards})")
     if cfg.engine not in ENGINES:
         bad(f"--engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
-    if cfg.device not in DEVICES:
-        bad(f"--device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
+    if cfg.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.device):
+        bad(f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    if any(not s for s in cfg.stop):
+        bad("--stop strings must be non-empty")
     if cfg.dtype not in DTYPES:
         bad(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     for flag, v in (("--max-prompts", cfg.max_prompts), ("--prompts-per-step", cfg.prompts_per_step),
@@ -292,8 +295,11 @@ def _resolve_device(device: str) -> str:
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise BadInputError("--device cuda: no CUDA device is visible", hint="use --device cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInputError(f"--device {device}: no CUDA device is visible", hint="use --device cpu")
+        if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+            raise BadInputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return device
 
 
@@ -302,7 +308,7 @@ def _resolve_dtype(dtype: str, device: str):
 
     if dtype == "auto":
         # bf16 on CPU is emulated (slow) and loses precision for nothing; fp32 there.
-        dtype = "bf16" if device == "cuda" else "fp32"
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
     return dtype, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
@@ -379,7 +385,8 @@ def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weig
     d = asdict(cfg)
     for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines"):
         d.pop(k)
-    d.update(device=device, dtype=dtype, rewards=reward_weights, stop=list(cfg.stop), batch_prompts=batch_size(cfg))
+    # The device *type* changes numerics; which GPU of a node does not.
+    d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop), batch_prompts=batch_size(cfg))
     return d
 
 

@@ -232,6 +232,8 @@ def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
         (dict(engine="tgi"), BadInputError, "--engine must be one of native, vllm"),
         (dict(aqn_sigma_start=0.01), BadInputError, "--aqn-sigma-start needs --total-steps"),
         (dict(long_prompts="cut"), BadInputError, "--long-prompts must be one of"),
+        (dict(device="gpu"), BadInputError, "--device must be auto, cpu, cuda or cuda:N"),
+        (dict(stop=("",)), BadInputError, "--stop strings must be non-empty"),
     ],
 )
 def test_bad_flags(model_dir, tmp_path, fake_engine, kw, err, msg):
