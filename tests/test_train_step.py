@@ -341,3 +341,43 @@ def test_train_norms_saves_and_resumes_norm_weights(models, tmp_path):
         train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1))
     train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, train_norms=True, lr=1e-2))
     assert (tmp_path / "a2" / "norms.safetensors").is_file()
+
+
+def test_kl_to_base_and_resumed_policy_match_peft_reference(models, tmp_path):
+    """Step 1 with --beta: the policy is base + adapter (checked through PEFT on the dequantized
+    weights), the KL reference is the base alone (LoRA switched off), and the loss is the formula."""
+    import peft
+    import transformers
+
+    q, h, twin = models["q"], models["qhash"], models["twin"]
+    sh0 = make_shard(tmp_path / "sh0", h, seed=8)
+    train_step(_cfg(q, [sh0], tmp_path / "a1", lr=2e-2, lora_rank=4, max_grad_norm=0.0))
+    a1 = tmp_path / "a1"
+    sh1 = make_shard(tmp_path / "sh1", h, adapter_hash=adapter_hash(a1), step=1, seed=9)
+    beta = 0.5
+    got = train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, beta=beta, lr=2e-2))["metrics"]
+
+    recs = read_records(sh1)
+    base = _hf_token_logprobs(twin, recs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32)
+    pol_model = peft.PeftModel.from_pretrained(hf, a1)
+    pol = []
+    with torch.no_grad():
+        for r in recs:
+            p, c = r["prompt_token_ids"], r["completion_token_ids"]
+            lsm = torch.log_softmax(pol_model(input_ids=torch.tensor([p + c])).logits[0].float() / r["sampling"]["temperature"], -1)
+            pol.append([float(lsm[len(p) - 1 + t, tok]) for t, tok in enumerate(c)])
+    kls = [math.exp(b - x) - (b - x) - 1 for (bl, _), pl in zip(base, pol) for b, x in zip(bl, pl)]
+    assert max(kls) > 1e-4  # the adapter moved the policy away from the base
+    assert got["kl"] == pytest.approx(sum(kls) / len(kls), rel=2e-3)
+    groups = {}
+    for r in recs:
+        groups.setdefault(r["group_id"], []).append(r["reward"])
+    total, n = 0.0, 0
+    for r, pl, (bl, _) in zip(recs, pol, base):
+        g = groups[r["group_id"]]
+        a = (r["reward"] - statistics.mean(g)) / (statistics.stdev(g) + 1e-4)
+        for x, s, b in zip(pl, r["logprobs"], bl):
+            total += -a * min(math.exp(x - s), 2.0) + beta * (math.exp(b - x) - (b - x) - 1)
+            n += 1
+    assert got["loss"] == pytest.approx(total / n, rel=2e-4, abs=1e-6)
