@@ -119,3 +119,28 @@ def test_modelopt_base_merges_to_the_same_weights(qpair, tmp_path):
         # differ in the last bit at most, which bf16 rounding almost always hides
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2**-7, atol=0, msg=k)
         assert (a[k] == b[k]).float().mean() > 0.999, k
+
+
+def test_adapter_saved_by_qerl_with_trainer_state_merges(qpair, tmp_path):
+    """The train-step output format (qerl_cli.adapters + TrainerState) round-trips through merge."""
+    from qerl_cli.adapters import save_adapter
+    from qerl_cli.layers.lora import LoraSpec, lora_modules
+    from qerl_cli.models import load_model
+    from qerl_cli.train.state import TrainerState
+
+    _, qdir, _ = qpair
+    model = load_model(qdir, device="cpu", dtype=torch.float32, lora=LoraSpec(r=8, alpha=16, use_rslora=True))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, m in lora_modules(model):
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.05)
+    ad = save_adapter(model, tmp_path / "step-1", base_model_path=qdir)
+    TrainerState(global_step=1, base_model_hash=model_hash(qdir)).save(ad / "trainer_state.json")
+    with torch.no_grad():
+        ref = model.compute_logits(model.forward_train(IDS, torch.ones_like(IDS)))
+    m = merge(MergeConfig(qdir, ad, tmp_path / "m"), progress=False)
+    assert m["summary"]["lineage"] == "verified" and m["summary"]["merged_modules"] == 14
+    got = hf_logits(tmp_path / "m", IDS)
+    err = (got - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item()
+    assert (qerl_logits(qdir, None, IDS) - ref).abs().max().item() > 20 * err  # rsLoRA scaling applied
