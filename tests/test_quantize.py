@@ -325,11 +325,17 @@ def test_output_exists_without_force(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(out), "--no-progress"])
-    assert r.exit_code == 4 and "--force" in r.stderr
-    assert (out / "precious.txt").read_text() == "keep me"
-    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(out), "--no-progress", "--force"])
-    assert r.exit_code == 0 and not (out / "precious.txt").exists()
+    for extra in ([], ["--force"]):  # a directory that is not a qerl output is never replaced
+        r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(out), "--no-progress", *extra])
+        assert r.exit_code == 4 and "no valid qerl manifest" in r.stderr
+        assert (out / "precious.txt").read_text() == "keep me"
+    other = tmp_path / "other"
+    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(other), "--no-progress", "--format", "modelopt"])
+    assert r.exit_code == 0
+    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(other), "--no-progress"])
+    assert r.exit_code == 4 and "--force" in r.stderr and (other / "hf_quant_config.json").exists()
+    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(other), "--no-progress", "--force"])
+    assert r.exit_code == 0 and not (other / "hf_quant_config.json").exists()
 
 
 def test_cli_end_to_end_and_already_done(tmp_path):
