@@ -40,10 +40,6 @@ DTYPES = ("bf16", "nvfp4")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 TRAINER_STATE = "trainer_state.json"
-# Files of a model directory that are NOT copied verbatim into the merged output: weights are
-# rewritten, config.json is edited, quantization side files no longer describe the weights.
-_NOT_COPIED = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", "manifest.json",
-               "recipe.yaml", "quant_summary.json"}
 
 
 @dataclass
@@ -358,12 +354,17 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
             out_name = f"{module}.weight"
         elif name in adapter.replacements:
             stats.replaced_tensors += 1
-            yield name, adapter.replacements[name].to(dtype)
+            t = adapter.replacements[name]
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise NumericalError(f"trained tensor {name} has NaN/Inf (in --adapter {adapter.path})")
+            yield name, t.to(dtype)
             continue
         else:
             t = reader.get(name)
             module = name.removesuffix(".weight") if name.endswith(".weight") else None
             if module is None or module not in adapter.deltas:
+                if t.is_floating_point() and not torch.isfinite(t.float()).all():
+                    raise NumericalError(f"base tensor {name} has NaN/Inf (in --model {base.path})")
                 yield name, t.to(dtype) if t.is_floating_point() else t
                 continue
             w, out_name = t.to(device, torch.float32), name
@@ -395,18 +396,19 @@ def write_checkpoint(plan, tensors: Iterator[tuple[str, torch.Tensor]], out_dir:
         raise
 
 
-def write_plain_config(model_dir: Path, out_dir: Path, torch_dtype: str = "bfloat16") -> None:
-    """config.json without quantization_config, plus tokenizer/generation files copied as they are."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16") -> None:
+    """config.json without quantization_config; tokenizer, chat template, generation config and other
+    side files copied as `qerl quantize` copies them (never weights, pickles or quantization files)."""
+    from qerl_cli.quantize import _copy_side_files
+
+    cfg = dict(base.config)
     cfg.pop("quantization_config", None)
     cfg.pop("compression_config", None)
     cfg["torch_dtype"] = torch_dtype
     if "dtype" in cfg:
         cfg["dtype"] = torch_dtype
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    for p in sorted(Path(model_dir).iterdir()):
-        if p.is_file() and p.name not in _NOT_COPIED and not p.name.endswith(".safetensors"):
-            shutil.copy2(p, out_dir / p.name)
+    _copy_side_files(base, out_dir)
 
 
 # ---- the stage -------------------------------------------------------------------------------
@@ -453,7 +455,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
         bf16_dir.mkdir(exist_ok=True)
         write_checkpoint(plan, merged_tensors(base, reader, adapter, stats, device=device), bf16_dir, cfg.max_shard_size,
                          on_tensor=tick)
-        write_plain_config(cfg.model, bf16_dir)
+        write_plain_config(base, bf16_dir)
         summary = {
             "dtype": cfg.dtype,
             "device": str(device),
