@@ -134,6 +134,30 @@ def _check_source(source: SourceModel) -> None:
             f"{source.path / 'config.json'}: model_type {model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    _check_shapes_and_dtypes(source)
+
+
+def _check_shapes_and_dtypes(source: SourceModel) -> None:
+    """Weights must be float tensors, and decoder Linears must have the shapes config.json implies:
+    otherwise quantize would write a checkpoint that no loader accepts."""
+    from qerl_cli.models.config import ModelConfig
+
+    c = ModelConfig.from_hf(source.config, str(source.path / "config.json"))
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    H, inter = c.hidden_size, c.intermediate_size
+    want = {"q_proj": (q_out, H), "k_proj": (kv_out, H), "v_proj": (kv_out, H), "o_proj": (H, q_out),
+            "gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}
+    for name, info in source.tensors.items():
+        if name.endswith((".weight", ".bias")) and info.dtype not in _FLOAT_DTYPES:
+            raise BadInputError(
+                f"{info.file}: tensor {name} has dtype {info.dtype}, expected bf16/fp16/fp32 weights"
+            )
+        lin = parse_linear(name)
+        if lin is not None and name.endswith(".weight") and lin.proj in want and info.shape != want[lin.proj]:
+            raise BadInputError(
+                f"{info.file}: tensor {name} has shape {list(info.shape)} but config.json implies "
+                f"{list(want[lin.proj])}"
+            )
 
 
 def plan_units(source: SourceModel) -> tuple[list[Unit], list[str]]:
