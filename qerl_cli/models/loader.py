@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qerl_cli.errors import BadInputError
+from qerl_cli.errors import BadInputError, NumericalError
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.lora import LoraSpec, apply_lora
 from qerl_cli.models.config import ModelConfig
@@ -86,6 +86,13 @@ def _expected(model: CausalLM) -> dict[str, torch.Tensor]:
     return exp
 
 
+def _check_finite(f: Path, name: str, t: torch.Tensor) -> None:
+    """NaN/Inf weights would generate garbage (or NaN log-probs) without any error: refuse them."""
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise NumericalError(f"{f}: tensor {name!r} has {bad} NaN/Inf values")
+
+
 def _set_tensor(model: CausalLM, name: str, value: torch.Tensor) -> None:
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name)
@@ -139,10 +146,13 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
                 if name.endswith(_QUANT_SUFFIXES):
                     if t.dtype != want.dtype:
                         raise BadInputError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected {want.dtype}")
+                    if t.is_floating_point():  # block and global scales (packed codes cannot be NaN)
+                        _check_finite(f, name, t.float())
                     t = t.to(device)
                 else:
                     if not (t.is_floating_point()):
                         raise BadInputError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a float tensor")
+                    _check_finite(f, name, t)
                     t = t.to(device=device, dtype=dtype)
                 _set_tensor(model, name, t)
     if tied:
