@@ -70,8 +70,18 @@ def read_adapter_spec(adapter_dir) -> LoraSpec:
                     targets=tuple(sorted(targets)), use_rslora=bool(cfg.get("use_rslora", False)))
 
 
+def _open_weights(path: Path):
+    """``safe_open`` with a one-line BadInputError for a truncated or corrupt file."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise BadInputError(f"{path}: not found") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for truncated/corrupt files
+        raise BadInputError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def _targets_from_weights(adapter_dir: Path) -> set[str]:
-    with safe_open(str(adapter_dir / WEIGHTS), framework="pt") as fh:
+    with _open_weights(adapter_dir / WEIGHTS) as fh:
         return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in fh.keys() if ".lora_" in k}
 
 
@@ -122,7 +132,7 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
         raise BadInputError(f"{adapter_dir}: the model has no LoRA modules to load the adapter into")
     seen: dict[str, set] = {n: set() for n in mods}
     values = {}
-    with safe_open(str(wpath), framework="pt") as fh:
+    with _open_weights(wpath) as fh:
         for key in fh.keys():
             m = _KEY.match(key[len(PREFIX):] if key.startswith(PREFIX) else key)
             if m is None:
