@@ -136,7 +136,7 @@ def generate_completions(model, tok, prompts, *, k=1, temperature=0.0, max_new_t
     torch.manual_seed(seed)
     for s in range(0, len(jobs), batch):
         chunk = jobs[s : s + batch]
-        enc = tok([p for _, p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok([p for _, p in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         kw = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
         gen = model.generate(
             **enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw
@@ -157,6 +157,18 @@ def pass_at_k(model, tok, rows, *, k=1, temperature=0.0, seed=0):
     return any_ok, mean_ok, comps
 
 
+def _nvfp4_reference():
+    try:
+        from qerl_kernels import reference
+    except ImportError:  # a source tree that is not installed: load kernels/reference.py by path
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("qerl_nvfp4_reference", ROOT / "kernels" / "reference.py")
+        reference = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(reference)
+    return reference
+
+
 def nvfp4_roundtrip(model):
     """A copy of ``model`` whose decoder Linear weights went through NVFP4 quantize -> dequantize.
 
@@ -165,8 +177,7 @@ def nvfp4_roundtrip(model):
     """
     import copy
 
-    from qerl_kernels import reference as ref
-
+    ref = _nvfp4_reference()
     m = copy.deepcopy(model)
     with torch.no_grad():
         for layer in m.model.layers:
@@ -208,7 +219,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -216,6 +227,8 @@ def main(argv=None):
     ap.add_argument("--save-dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--eval-only", action="store_true", help="measure the model already in --out")
     ap.add_argument("--log-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=0, help="also print greedy test pass@1 every N steps")
+    ap.add_argument("--device", default="cpu", help="cpu (the default the docs measure) or cuda")
     args = ap.parse_args(argv)
 
     import transformers
@@ -238,7 +251,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     tok = build_tokenizer()
     cfg = model_config(tok, args)
-    model = transformers.Qwen2ForCausalLM(cfg)
+    model = transformers.Qwen2ForCausalLM(cfg).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {cfg.vocab_size} ({len(tok)} used)")
 
@@ -262,7 +275,7 @@ def main(argv=None):
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        ids, mask, lab = data.next(args.batch_size)
+        ids, mask, lab = (t.to(args.device) for t in data.next(args.batch_size))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -272,13 +285,18 @@ def main(argv=None):
         if (step + 1) % args.log_every == 0 or step == 0:
             print(f"step {step + 1:5d}/{args.steps}  loss {run_loss:.4f}  lr {lr_at(step):.2e}  {time.time() - t0:6.1f}s",
                   flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            model.eval()
+            acc = pass_at_k(model, tok, test_rows)[0]
+            print(f"step {step + 1:5d}  greedy test pass@1 {acc:.3f}", flush=True)
+            model.train()
     train_s = time.time() - t0
     model.eval()
 
-    model = model.to(dtype)
+    model = model.to("cpu", dtype)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
-        do_sample=False, max_new_tokens=48,
+        max_new_tokens=48,
     )
     res = evaluate(model, tok, test_rows, args.k)
     res.update(train_seconds=round(train_s, 1), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
@@ -288,6 +306,12 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
+    # transformers 5 writes its own class name ("TokenizersBackend"); the generic name also loads
+    # under transformers 4.x (vLLM pins) as PreTrainedTokenizerFast.
+    tc_path = args.out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2) + "\n")
     (args.out / "pretrain_metrics.json").write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")
     return res
