@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
-from qerl_cli.errors import BadInputError, LineageError, QerlError
+from qerl_cli.errors import BadInputError, LineageError, OutputExistsError, QerlError
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file
 from qerl_cli.outputs import StageOutput
 from qerl_cli.rewards import RewardSet
@@ -447,6 +447,8 @@ def rollout(cfg: RolloutConfig) -> dict:
     try:
         return _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,
                     max_model_len, reward_set, enc_report, bad_rows, lineage)
+    except OutputExistsError:
+        raise  # another process owns the partial directory: never touch it
     except QerlError:
         # A bad input found late (an adapter that does not fit, a reward that returns junk) before any
         # group was saved: leave nothing behind. With groups saved, keep them for the resume.
@@ -456,10 +458,33 @@ def rollout(cfg: RolloutConfig) -> dict:
         raise
 
 
+LOCK = ".lock"
+
+
+def _lock_partial(work: Path):
+    """Hold an exclusive lock on the partial directory while appending to it.
+
+    Two processes appending to one partial shard (a Slurm job requeued while the old one still
+    runs, or the same command started twice) would interleave their groups. ``flock`` is
+    released by the kernel however the holder dies, so a crashed run never blocks its resume.
+    """
+    import fcntl
+
+    f = open(work / LOCK, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise OutputExistsError(f"another qerl rollout is writing {work} right now",
+                                hint="wait for it, or stop it; this run resumes where it stops") from None
+    return f
+
+
 def _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name, max_model_len,
          reward_set, enc_report, bad_rows, lineage) -> dict:
     G = cfg.num_generations
     with out as work:
+        lock = _lock_partial(work)
         done, dropped = load_complete_groups(work / name, G)
         resumed = len(done)
         by_gid = {group_id(cfg.step, p.row.id): p for p in prompts}
@@ -494,6 +519,8 @@ def _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch
         )
         out.extra["summary"] = summary
         out.timings["generate_s"] = round(t_gen, 3)
+        (work / LOCK).unlink()  # still held through the open fd until the directory is renamed
+    lock.close()
     return {"out": str(cfg.out), "already_done": False, "summary": summary, "manifest": out.manifest}
 
 

@@ -158,7 +158,7 @@ def test_resume_after_crash_equals_uninterrupted(model_dir, tmp_path, fake_engin
     def dying_write(self, records):
         if count["n"] == 7:
             # the 8th group tears mid-line, as a kill during write() would leave it
-            self._f.write(json.dumps(records[0])[:50])
+            self._f.write(json.dumps(records[0])[:50].encode())
             self._f.flush()
             raise KeyboardInterrupt
         count["n"] += 1
@@ -338,3 +338,20 @@ def test_chat_rows_and_gsm8k_rows(model_dir, tmp_path, fake_engine):
     assert recs[0]["prompt"] == [{"role": "user", "content": "2+2?"}]
     assert recs[0]["prompt_token_ids"] == tok(want, add_special_tokens=False)["input_ids"]
     assert recs[3]["prompt"] == "Natalia sold 48 clips." and recs[3]["answer"] == "1072"
+
+
+def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
+    """The same command started while a run is generating stops at once and leaves its partial dir alone."""
+    seen = {}
+
+    def second_run_meanwhile(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+        part = next(tmp_path.glob(".out.partial-*"))
+        with pytest.raises(OutputExistsError, match="another qerl rollout is writing"):
+            rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
+        seen["partial_kept"] = part.exists() and (part / ".lock").exists()
+        return ro._Generator(FakeEngine(tokenizer), lambda seed: seed, "fake"), None
+
+    monkeypatch.setattr(ro, "_native_generator", second_run_meanwhile)
+    res = rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
+    assert seen == {"partial_kept": True} and res["summary"]["groups"] == 2
+    assert not (tmp_path / "out" / ".lock").exists() and ".lock" not in res["manifest"]["outputs"]
