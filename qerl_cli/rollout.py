@@ -52,7 +52,7 @@ STAGE = "rollout"
 ENGINES = ("native", "vllm")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
-ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]  # hashed as qerl_cli.adapters.adapter_hash does
 
 
 @dataclass
@@ -417,7 +417,7 @@ def rollout(cfg: RolloutConfig) -> dict:
             raise BadInputError("--engine vllm needs vLLM, which is not installed", hint="pip install 'qerl[vllm]'")
 
     base_hash = model_hash(cfg.model)
-    adapter_hash = dir_hash(cfg.adapter, names=ADAPTER_FILES) if cfg.adapter is not None else None  # = adapters.adapter_hash
+    adapter_hash = dir_hash(cfg.adapter, names=ADAPTER_FILES) if cfg.adapter is not None else None
     lineage = adapter_lineage(cfg.adapter, base_hash) if cfg.adapter is not None else None
     inputs = {"model": base_hash, "prompts": sha256_file(cfg.prompts)}
     if adapter_hash:
@@ -444,9 +444,10 @@ def rollout(cfg: RolloutConfig) -> dict:
     # "norms" lets train-step check that it noises the same RMSNorms this rollout did.
     noise = {"sigma": sigma, "seed": cfg.run_seed, "step": cfg.step, "norms": list(NOISED_NORMS) if sigma > 0 else []}
 
+    plan = _Plan(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,
+                 max_model_len, reward_set, enc_report, bad_rows, lineage)
     try:
-        return _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,
-                    max_model_len, reward_set, enc_report, bad_rows, lineage)
+        return _run(plan)
     except OutputExistsError:
         raise  # another process owns the partial directory: never touch it
     except QerlError:
@@ -456,6 +457,31 @@ def rollout(cfg: RolloutConfig) -> dict:
                 p.stat().st_size for p in out.work.glob("shard-*.jsonl")):
             shutil.rmtree(out.work, ignore_errors=True)
         raise
+
+
+@dataclass
+class _Plan:
+    """Everything decided before generation starts (inputs checked, prompts encoded)."""
+
+    cfg: RolloutConfig
+    out: StageOutput
+    prompts: list[EncodedPrompt]
+    shard: str
+    policy: dict
+    noise: dict
+    sigma: float
+    tokenizer: object
+    device: str
+    torch_dtype: object
+    dtype_name: str
+    max_model_len: int
+    reward_set: RewardSet
+    enc_report: EncodeReport
+    bad_rows: list[str]
+    lineage: str | None
+
+    def gid(self, p: EncodedPrompt) -> str:
+        return group_id(self.cfg.step, p.row.id)
 
 
 LOCK = ".lock"
@@ -480,40 +506,39 @@ def _lock_partial(work: Path):
     return f
 
 
-def _run(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name, max_model_len,
-         reward_set, enc_report, bad_rows, lineage) -> dict:
-    G = cfg.num_generations
+def _run(plan: _Plan) -> dict:
+    cfg, out = plan.cfg, plan.out
     with out as work:
         lock = _lock_partial(work)
-        done, dropped = load_complete_groups(work / name, G)
+        shard_path = work / plan.shard
+        done, dropped = load_complete_groups(shard_path, cfg.num_generations)
         resumed = len(done)
-        by_gid = {group_id(cfg.step, p.row.id): p for p in prompts}
-        stray = [g for g in done if g not in by_gid]
+        wanted = {plan.gid(p) for p in plan.prompts}
+        stray = [g for g in done if g not in wanted]
         if stray:  # same fingerprint means same selection; anything else is a foreign file
-            raise BadInputError(f"{work / name}: holds group {stray[0]!r}, which this run does not select",
+            raise BadInputError(f"{shard_path}: holds group {stray[0]!r}, which this run does not select",
                                 hint="delete the partial directory or pass --force")
-        todo = [b for b in _batches(prompts, batch_size(cfg)) if any(group_id(cfg.step, p.row.id) not in done for p in b)]
+        todo = [b for b in _batches(plan.prompts, batch_size(cfg)) if any(plan.gid(p) not in done for p in b)]
         t_gen, n_tokens = 0.0, 0
         if todo:
-            t_gen, n_tokens = _generate_all(cfg, todo, done, work / name, tokenizer, device, torch_dtype, dtype_name,
-                                            sigma, max_model_len, reward_set, policy, noise, len(prompts))
-        elif not (work / name).exists():
-            (work / name).touch()  # zero prompts selected (e.g. more shards than prompts): an empty shard
-        groups = [done[g] for g in (group_id(cfg.step, p.row.id) for p in prompts) if g in done]
-        summary = summarize(groups, [s.name for s in reward_set.specs])
+            t_gen, n_tokens = _generate_all(plan, todo, done, shard_path)
+        elif not shard_path.exists():
+            shard_path.touch()  # zero prompts selected (e.g. more shards than prompts): an empty shard
+        groups = [done[g] for g in map(plan.gid, plan.prompts) if g in done]
+        summary = summarize(groups, [s.name for s in plan.reward_set.specs])
         summary.update(
-            shard=name,
+            shard=plan.shard,
             resumed_groups=resumed,
             dropped_partial_lines=dropped,
-            skipped_long_prompts=len(enc_report.skipped_long),
-            skipped_long=enc_report.skipped_long[:20],
-            skipped_bad_rows=len(bad_rows),
-            bad_rows=bad_rows[:20],
-            sigma=sigma,
-            adapter_lineage=lineage,
+            skipped_long_prompts=len(plan.enc_report.skipped_long),
+            skipped_long=plan.enc_report.skipped_long[:20],
+            skipped_bad_rows=len(plan.bad_rows),
+            bad_rows=plan.bad_rows[:20],
+            sigma=plan.sigma,
+            adapter_lineage=plan.lineage,
             engine=cfg.engine,
-            device=device,
-            dtype=dtype_name,
+            device=plan.device,
+            dtype=plan.dtype_name,
             throughput={"generated_tokens": n_tokens, "generate_s": round(t_gen, 3),
                         "tokens_per_s": (n_tokens / t_gen) if t_gen > 0 else None},
         )
@@ -548,16 +573,18 @@ class _Live:
         return f"{self.tokens / dt:,.0f} tok/s · mean reward {mean:.3f}"
 
 
-def _generate_all(cfg, batches, done, shard_path, tokenizer, device, torch_dtype, dtype_name, sigma, max_model_len,
-                  reward_set, policy, noise, n_prompts) -> tuple[float, int]:
+def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[str, list[dict]],
+                  shard_path: Path) -> tuple[float, int]:
+    """Generate ``batches``, score, and append every group not in ``done``; returns (seconds, tokens)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    cfg = plan.cfg
     if cfg.engine == "vllm":
-        gen, _ = _vllm_generator(cfg, tokenizer, device, dtype_name, sigma, max_model_len)
+        gen, _ = _vllm_generator(cfg, plan.tokenizer, plan.device, plan.dtype_name, plan.sigma, plan.max_model_len)
     else:
-        gen, _ = _native_generator(cfg, tokenizer, device, torch_dtype, sigma, max_model_len)
+        gen, _ = _native_generator(cfg, plan.tokenizer, plan.device, plan.torch_dtype, plan.sigma, plan.max_model_len)
     live = _Live()
-    G = cfg.num_generations
+    G, n_prompts = cfg.num_generations, len(plan.prompts)
     t_gen = 0.0
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not cfg.progress, transient=False)
@@ -579,28 +606,27 @@ def _generate_all(cfg, batches, done, shard_path, tokenizer, device, torch_dtype
             live.tokens = base_tokens
             if len(groups) != len(batch):
                 raise RuntimeError(f"engine returned {len(groups)} groups for {len(batch)} prompts")
+            sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "min_p": cfg.min_p,
+                        "max_new_tokens": cfg.max_new_tokens, "seed": seed}
             for p, comps in zip(batch, groups):
-                gid = group_id(cfg.step, p.row.id)
-                n_tok = sum(len(c.token_ids) for c in comps)
-                live.tokens += n_tok
+                live.tokens += sum(len(c.token_ids) for c in comps)
+                gid = plan.gid(p)
                 if gid in done:
                     continue  # regenerated only because its batch had a missing group
+                if len(comps) != G:
+                    raise RuntimeError(f"engine returned {len(comps)} completions for {p.row.where}, expected {G}")
                 records = []
                 for c in comps:
-                    vals, total = reward_set.score(c.text, p.row.answer, p.row.prompt_field, where=f" for {p.row.where}")
+                    vals, total = plan.reward_set.score(c.text, p.row.answer, p.row.prompt_field,
+                                                        where=f" for {p.row.where}")
                     records.append(make_record(
                         prompt_id=p.row.id, group_id=gid, prompt=p.row.prompt_field, prompt_token_ids=p.token_ids,
                         completion_token_ids=c.token_ids, completion=c.text, logprobs=c.logprobs,
                         finish_reason=c.finish_reason, rewards=vals, reward=total, answer=p.row.answer,
-                        step=cfg.step, policy=policy,
-                        sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                                  "min_p": cfg.min_p, "max_new_tokens": cfg.max_new_tokens, "seed": seed},
-                        noise=noise, engine=gen.name,
+                        step=cfg.step, policy=plan.policy, sampling=sampling, noise=plan.noise, engine=gen.name,
                     ))
                     live.reward_sum += total
                     live.completions += 1
-                if len(records) != G:
-                    raise RuntimeError(f"engine returned {len(records)} completions for {p.row.where}, expected {G}")
                 writer.write_group(records)
                 done[gid] = records
                 progress.update(task, completed=len(done), info=live.line())
