@@ -58,8 +58,8 @@ def command(
     shard_index: int = typer.Option(0, "--shard-index", help="Which shard this job writes, 0-based (e.g. $SLURM_ARRAY_TASK_ID). Example: --shard-index 3"),
     num_shards: int = typer.Option(1, "--num-shards", help="Number of parallel shards; prompts are dealt round robin. Example: --num-shards 8"),
     engine: str = typer.Option("native", "--engine", help="native (qerl's engine, same kernels and noise as training) or "
-                               "vllm (needs qerl[vllm]). Example: --engine vllm"),
-    device: str = typer.Option("auto", "--device", help="auto (cuda if present), cpu or cuda. Example: --device cpu"),
+                               "vllm (needs the extra: pip install 'qerl\\[vllm]'). Example: --engine vllm"),
+    device: str = typer.Option("auto", "--device", help="auto (cuda if present), cpu, cuda or cuda:N. Example: --device cuda:1"),
     dtype: str = typer.Option("auto", "--dtype", help="Activation dtype: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32. Example: --dtype bf16"),
     prompt_template: str | None = typer.Option(None, "--prompt-template", help="Wrap each prompt: a string with "
                                                   "{prompt}, or a file holding one. Example: --prompt-template 'Solve: {prompt}\\nEnd with #### N.'"),
