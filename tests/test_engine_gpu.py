@@ -71,3 +71,14 @@ def test_bf16_nvfp4_graph_engine_logprobs_match_forward_train(tmp_path):
             assert c.token_ids[:n] == e.token_ids[:n]  # bf16 rounding may let long samples drift apart
     d = torch.cat(diffs)
     assert d.mean().item() < 2e-2 and d.max().item() < 0.5, (d.mean().item(), d.max().item())
+
+
+def test_triton_sampler_frequencies_on_gpu():
+    import subprocess
+    import sys
+
+    from tests.test_engine_attention import FREQ
+
+    r = subprocess.run([sys.executable, "-c", FREQ.replace("DEV", "'cuda'"), "200000"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -19,12 +19,14 @@ import torch
 
 from qerl_cli.engine.block_manager import BlockManager
 from qerl_cli.engine.model_runner import ModelRunner
-from qerl_cli.engine.sampler import Sampler
+from qerl_cli.engine.sampler import Sampler, row_seed
 from qerl_cli.engine.sampling_params import Completion, SamplingParams
 from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
 from qerl_cli.errors import BadInputError
 from qerl_cli.layers.attention import fuse_projections
+
+_SEED_MASK = (1 << 62) - 1
 
 
 class LLMEngine:
@@ -115,6 +117,8 @@ class LLMEngine:
                 logits = self.runner.prefill(admitted)
                 prefill_tokens += sum(len(g.prompt_ids) for g in admitted)
                 seqs = [s for g in admitted for s in g.seqs]
+                for s in seqs:
+                    s.rng = row_seed(sp.seed, s.group, s.child, 0)
                 logits = logits.repeat_interleave(n, dim=0)
             elif sched.running:
                 seqs = list(sched.running)
@@ -122,7 +126,8 @@ class LLMEngine:
                 steps += 1
             else:  # unreachable: add() rejects groups that could never fit
                 raise RuntimeError("scheduler stalled with waiting prompts and nothing running")
-            tok, lp = sampler(logits, sp)
+            seeds = [(s.rng + len(s)) & _SEED_MASK for s in seqs]
+            tok, lp = sampler(logits, sp, seeds)
             tokens += len(seqs)
             for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
                 if self._append(s, t, l, sp, stop_ids):

@@ -36,12 +36,40 @@ def truncated_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor
     return logp
 
 
+def row_seed(seed: int, group: int, child: int, position: int) -> int:
+    """A 62-bit seed per (run seed, prompt, completion, position): a cheap integer hash (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + group * 0xBF58476D1CE4E5B9 + child * 0x94D049BB133111EB + position) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 2
+
+
+def _fast_path(logits: torch.Tensor, sp: SamplingParams) -> bool:
+    if not logits.is_cuda or sp.greedy or sp.top_k or sp.top_p < 1.0 or sp.min_p > 0:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class Sampler:
+    """Plain temperature sampling on CUDA uses the one-pass Triton kernel with per-row seeds (a
+    sequence's sample does not depend on its batch); truncated sampling, greedy and CPU use the torch
+    path with one seeded generator (reproducible for the same inputs and batch order)."""
+
     def __init__(self, device, seed: int):
+        self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits: torch.Tensor, sp: SamplingParams, row_seeds: list[int] | None = None):
         """-> (token ids [B] int64, their log-probabilities [B] fp32)."""
+        if row_seeds is not None and _fast_path(logits, sp):
+            from qerl_cli.engine.triton_sampler import gumbel_sample
+
+            seeds = torch.tensor(row_seeds, dtype=torch.int64).pin_memory().to(logits.device, non_blocking=True)
+            return gumbel_sample(logits, sp.temperature, seeds)
         logp = truncated_logprobs(logits.float(), sp)
         if sp.greedy:
             tokens = logits.argmax(dim=-1)

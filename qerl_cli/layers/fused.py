@@ -94,13 +94,23 @@ def _rope_kernel(Q, K, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, HQ, HK
     tl.store(base + HALF, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=m)
 
 
+def rope_ok(x: torch.Tensor) -> bool:
+    """x [..., H, D] can be rotated in place as rows of [T, H, D] (e.g. a slice of a fused qkv output)."""
+    if x.stride(-1) != 1:
+        return False
+    try:
+        return x.view(-1, x.shape[-2], x.shape[-1]).data_ptr() == x.data_ptr()
+    except RuntimeError:
+        return False
+
+
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate q [..., Hq, D] and k [..., Hk, D] in place (rotate-half convention); returns (q, k)."""
     hq, d = q.shape[-2:]
     hk = k.shape[-2]
-    q2, k2 = q.reshape(-1, hq, d), k.reshape(-1, hk, d)
-    if q2.data_ptr() != q.data_ptr() or q2.stride(-1) != 1 or k2.stride(-1) != 1:
-        raise ValueError("rope_ needs views with unit last stride")
+    if not (rope_ok(q) and rope_ok(k)):
+        raise ValueError("rope_ rotates in place: q and k must be viewable as [T, H, D] with unit last stride")
+    q2, k2 = q.view(-1, hq, d), k.view(-1, hk, d)
     p = positions.reshape(-1)
     _rope_kernel[(q2.shape[0],)](q2, k2, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), hq, hk,
                                  HALF=d // 2, HQP=triton.next_power_of_2(hq), HKP=triton.next_power_of_2(hk), num_warps=4)
