@@ -15,6 +15,8 @@ import hashlib
 
 import torch
 
+from qerl_cli.errors import BadInputError
+
 NOISED_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
@@ -61,9 +63,18 @@ def apply_noise(model, sigma: float, run_seed: int, step: int) -> dict:
     if sigma == 0:
         clear_noise(model)
     else:
+        n = 0
         for i, name, norm in _noised_norms(model):
             z = noise_vector(norm.noise.shape[0], sigma, run_seed, step, i, name)
             norm.noise.copy_(z)  # in place: CUDA graphs captured earlier read the same buffer
+            # No silent no-op: the weight the forward uses (fp32 w + Z) must differ from w.
+            w = norm.weight.detach().float()
+            if torch.equal(w + norm.noise.to(w.device), w):
+                raise BadInputError(f"AQN sigma {sigma:g} does not change layer {i} {name} (below fp32 resolution "
+                                    f"of its weights)", hint="raise --aqn-sigma-start/--aqn-sigma-end")
+            n += 1
+        if n == 0:
+            raise BadInputError("AQN sigma > 0 but the model has no noised RMSNorm to apply it to")
     return {"sigma": float(sigma), "seed": int(run_seed), "step": int(step), "norms": list(NOISED_NORMS)}
 
 
