@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
 from qerl_cli.hashing import model_hash, sha256_file
@@ -48,6 +47,7 @@ from qerl_cli.outputs import StageOutput
 from qerl_cli.train import distributed
 from qerl_cli.train.advantages import SCALES, group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
+from qerl_cli.train.logprobs import token_logprobs
 from qerl_cli.train.losses import LossConfig, policy_loss, sequence_weights, tis_weights
 from qerl_cli.train.metrics import Accumulator, append_jsonl, clean
 from qerl_cli.train.optim import (
@@ -323,39 +323,6 @@ def _load_norms(model, path: Path) -> None:
 
 
 # ---- log-probs -----------------------------------------------------------------------------------
-def _chunk_logprobs(model, h: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor):
-    logits = model.compute_logits(h) * inv_temp.unsqueeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, ent
-
-
-def token_logprobs(model, hidden_sel: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor,
-                   chunk: int = 2048):
-    """Log-prob (differentiable) and entropy (detached) of ``targets`` [T] from hidden states [T, H].
-
-    Chunks of ``chunk`` tokens with activation checkpointing: only one chunk's fp32 logits
-    ([chunk, vocab]) exist at a time, forward or backward (a 150k vocab makes the whole
-    micro-batch's logits several GB).
-    """
-    lps, ents = [], []
-    grad = hidden_sel.requires_grad and torch.is_grad_enabled()
-    for i in range(0, hidden_sel.shape[0], max(1, chunk)):
-        args = (hidden_sel[i : i + chunk], targets[i : i + chunk], inv_temp[i : i + chunk])
-        if grad:
-            lp, ent = checkpoint(lambda a, b, c: _chunk_logprobs(model, a, b, c), *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(model, *args)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        z = hidden_sel.new_zeros(0, dtype=torch.float32)
-        return z, z
-    return torch.cat(lps), torch.cat(ents)
-
-
 def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int):
     """Completion-token log-probs [T] (and entropies) of one micro-batch under the current model."""
     ids = mb.input_ids.to(device)
