@@ -7,13 +7,15 @@ regenerating. Built-ins:
 
 - ``gsm8k``: 1 if the final number equals the reference. The number is the first one after the
   first ``####`` (a base model that runs on past its answer and starts another "Q: ... ####"
-  is still judged on the answer it gave), else in the last ``\\boxed{}``, else in the last ``<answer>...</answer>``.
+  is still judged on the answer it gave), else in the last ``\\boxed{}``, else in the last
+  ``<answer>...</answer>``.
   Numbers are normalised (``$``, thousands commas, units, ``%``, trailing ``.0``, ``\\frac``,
   unicode minus) and compared as exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
-  ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy), so only when named.
+  ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy, ~10 ms a verdict), so verdicts are
+  cached per (reference, answer): the G completions of a group mostly repeat a few answers.
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and
   nothing else (the opening ``<think>`` may come from the chat template, so it is optional).
 - ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named.
