@@ -54,6 +54,7 @@ class EvalConfig:
     temperature: float | None = None  # default: 0 (greedy) for k = 1, else 1.0
     top_p: float = 1.0
     max_new_tokens: int = 1024
+    stop: tuple[str, ...] = ()  # stop strings (EOS always stops)
     prompt_template: str | None = DEFAULT_TEMPLATE
     system_prompt: str | None = None
     chat_template: bool | None = None  # None: use it when the tokenizer has one
@@ -89,6 +90,9 @@ class EvalConfig:
             raise BadInputError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise BadInputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        self.stop = tuple(self.stop)
+        if any(not x for x in self.stop):
+            raise BadInputError("--stop strings must be non-empty")
         if self.scorer not in SCORERS:
             raise BadInputError(f"--scorer must be one of {', '.join(SCORERS)}, got {self.scorer!r}")
         if self.engine not in ENGINES:
@@ -142,7 +146,8 @@ GenerateFn = Callable[..., list[list[Sample]]]
 
 
 def _sampling_kwargs(cfg: EvalConfig, seed: int) -> dict:
-    return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=seed)
+    return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
+                seed=seed)
 
 
 def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_model_len: int):
@@ -185,7 +190,7 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
                         max_model_len=max_model_len, seed=cfg.seed)
 
     def generate(prompt_ids, n, seed, progress=None):
-        sp = vllm_sampling_params(top_k=0, min_p=0.0, stop=(), **_sampling_kwargs(cfg, seed))
+        sp = vllm_sampling_params(top_k=0, min_p=0.0, **_sampling_kwargs(cfg, seed))
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 
@@ -380,7 +385,7 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
         },
         "lengths": length_stats([r["num_tokens"] for r in records]),
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                     "seed": cfg.seed},
+                     "stop": list(cfg.stop), "seed": cfg.seed},
         "prompt_template": template,
         "engine": info.get("engine", cfg.engine),
         "device": device,

@@ -135,3 +135,15 @@ def test_bundled_tiny_model_bf16_and_nvfp4(tmp_path):
         # the full test split scores 41% (bf16) / 38% (NVFP4) greedy (docs/merge-eval.md); a broken
         # prompt, scorer or quantized path would give ~0
         assert 0.2 <= m["score"] <= 0.7, m["score"]
+
+
+def test_stop_strings_end_completions(tmp_path):
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+
+    m = _eval(tiny_model_dir(), tiny_task_file("test"), tmp_path / "s", prompt_template="{prompt}",
+              max_problems=3, stop=("=",))["metrics"]
+    samples = [json.loads(x) for x in (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]
+    assert m["sampling"]["stop"] == ["="]
+    # the model writes "21+8=29. ..." : cut before the first "=", so no final answer is given
+    assert all("=" not in s["completion"] and s["finish_reason"] == "stop" for s in samples), samples
+    assert m["counts"]["no_answer"] == 3 and m["score"] == 0.0

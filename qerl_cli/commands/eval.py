@@ -43,6 +43,8 @@ def command(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold. Example: --top-p 0.95"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Completion length cap (longer ones count as "
                                        "truncated). Example: --max-new-tokens 2048"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. For base models "
+                                   "that run on into the next question. Example: --stop '\nQ:'"),
     prompt_template: str = typer.Option(None, "--prompt-template", help="Instruction around each problem: a string "
                                         "or file containing {prompt}. Default: '{prompt}\\nPlease reason step by step, "
                                         "and put your final answer within \\boxed{}.' Example: "
@@ -92,7 +94,7 @@ def command(
 
     cfg = EvalConfig(
         model=model, dataset=dataset, out=out, adapter=adapter, k=k, num_samples=num_samples,
-        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop),
         prompt_template=DEFAULT_TEMPLATE if prompt_template is None else prompt_template,
         system_prompt=system_prompt, chat_template=False if no_chat_template else None, scorer=scorer,
         max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
