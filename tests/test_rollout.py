@@ -355,3 +355,10 @@ def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
     res = rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
     assert seen == {"partial_kept": True} and res["summary"]["groups"] == 2
     assert not (tmp_path / "out" / ".lock").exists() and ".lock" not in res["manifest"]["outputs"]
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_engine_vllm_without_vllm_is_one_line_error(model_dir, tmp_path):
+    with pytest.raises(BadInputError, match=r"--engine vllm needs vLLM, which is not installed \(pip install 'qerl\[vllm\]'\)"):
+        rollout(cfg_for(model_dir, tmp_path, engine="vllm"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
