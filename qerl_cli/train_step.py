@@ -112,7 +112,7 @@ class TrainStepConfig:
     progress: bool = True
 
     # arguments that do not change the result (where things go, how they are shown)
-    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "skip_bad_lines")
+    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress")
 
     def fingerprint_config(self) -> dict:
         d = asdict(self)
@@ -209,6 +209,25 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         step=int(first["step"]),
         noise=noise,
     )
+
+
+def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
+    """Token ids inside the vocabulary and sequences inside the position range, named per record
+    (otherwise an embedding index error or a rotary-cache error deep in the forward)."""
+    from qerl_cli.models import ModelConfig
+
+    mcfg = ModelConfig.from_dir(Path(cfg.model))
+    limit = mcfg.max_position_embeddings
+    for i, (p, c) in enumerate(zip(data.prompts, data.completions)):
+        rec = data.records[i]
+        who = f"record {i} (group {rec['group_id']!r}, prompt {rec['prompt_id']!r})"
+        if len(p) + len(c) > limit:
+            raise BadInputError(f"{data.files[0]}: {who} has {len(p) + len(c)} tokens, more than the {limit} "
+                                f"positions of --model {cfg.model}")
+        bad = next((t for t in p + c if not 0 <= t < mcfg.vocab_size), None)
+        if bad is not None:
+            raise BadInputError(f"{data.files[0]}: {who} has token id {bad}, outside --model {cfg.model}'s vocabulary "
+                                f"of {mcfg.vocab_size}", hint="were the shards made with another model's tokenizer?")
 
 
 def _noise_key(noise: dict | None):
@@ -359,6 +378,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
 
     data = read_step(cfg)
     base_hash = model_hash(Path(cfg.model))
+    _check_fits_model(cfg, data)
     # Every check that needs no model runs before anything is loaded: a wrong input fails in seconds.
     from qerl_cli.adapters import adapter_hash
 
