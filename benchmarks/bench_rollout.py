@@ -67,10 +67,10 @@ def weight_bytes(model) -> int:
     return total
 
 
-def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, lora=None):
+def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len=None):
     free()
     t0 = time.perf_counter()
-    engine = LLMEngine(model, None, max_num_seqs=seqs, max_model_len=prompt_len + new_tokens + 16)
+    engine = LLMEngine(model, None, max_num_seqs=seqs, max_model_len=max_model_len or prompt_len + new_tokens + 16)
     setup = time.perf_counter() - t0
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     ps = prompts(max(seqs // group, 1), prompt_len, model.config.vocab_size)
@@ -102,14 +102,15 @@ def decode_bandwidth(name, engine, model, seqs, ctx):
         s = Sequence(group=i, child=0, token_ids=[1] * ctx, num_prompt=ctx, max_len=ctx + 1, block_table=blocks, slot=i)
         runner.set_block_table(s)
         fake.append(s)
+    runner.load_batch(fake)  # the step only reads the state, so replays repeat the same step
     for _ in range(3):
-        runner.decode(fake)
+        runner.step()
     torch.cuda.synchronize()
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     iters = 20
     ev0.record()
     for _ in range(iters):
-        runner.decode(fake)
+        runner.step()
     ev1.record()
     torch.cuda.synchronize()
     step_ms = ev0.elapsed_time(ev1) / iters
@@ -181,7 +182,8 @@ def main() -> None:
                     log(r[1])
                     del r
         if "bw-64" in want or (quant == "bf16" and "hf-64" in want):
-            r = guarded(run_engine, f"engine-{quant}-7b", model, 64, args.prompt, args.hf_new_tokens)
+            r = guarded(run_engine, f"engine-{quant}-7b", model, 64, args.prompt, args.hf_new_tokens,
+                        max_model_len=args.prompt + args.new_tokens + 16)
             if r:
                 engine, rec = r
                 log(rec)

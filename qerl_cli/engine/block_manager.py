@@ -3,7 +3,7 @@
 A prompt's full blocks are written once by prefill and referenced by all G children; the partial
 last block (if any) is copied into each child's own first block, after which children only ever
 append to their own blocks. Blocks are reserved for a group's worst case at admission
-(``prompt + max_new_tokens`` per child), which rules out preemption and recomputation: simpler and
+(``prompt + max_new_tokens + 1`` per child), which rules out preemption and recomputation: simpler and
 deterministic, at the price of idle reservations when completions stop early on EOS. Block 0 is a
 scratch block that absorbs writes from padding tokens.
 """
@@ -30,7 +30,7 @@ class BlockManager:
     def group_cost(self, prompt_len: int, max_len: int, n: int) -> int:
         """Blocks a group of n children needs in the worst case: shared full prompt blocks + own blocks."""
         shared = prompt_len // self.block_size
-        own = -(-max_len // self.block_size) - shared
+        own = -(-(max_len + 1) // self.block_size) - shared  # +1: the engine's one-step lag may write one more
         return shared + n * own
 
     def allocate(self, count: int) -> list[int]:

@@ -34,7 +34,8 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False):
         cfg = model.config
-        limit = min(cfg.max_position_embeddings, model.model.rotary.max_positions)
+        # -1: the pipelined decode may compute one position past a finished sequence's end.
+        limit = min(cfg.max_position_embeddings, model.model.rotary.max_positions) - 1
         if cfg.sliding_window:
             limit = min(limit, cfg.sliding_window)  # windowed attention is not implemented: stay inside it
         self.max_model_len = min(max_model_len or limit, limit)
@@ -110,38 +111,66 @@ class LLMEngine:
         sampler = Sampler(self.model.device, sp.seed)
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
         t0 = time.perf_counter()
-        done = tokens = steps = prefill_tokens = 0
+        self._done = self._tokens = 0
+        steps = prefill_tokens = 0
+        runner = self.runner
+        pending = None  # the decode step in flight: (its sequences, host copies of tokens/logprobs, event)
         while sched.has_work():
-            admitted = sched.admit()
-            if admitted:
-                logits = self.runner.prefill(admitted)
-                prefill_tokens += sum(len(g.prompt_ids) for g in admitted)
-                seqs = [s for g in admitted for s in g.seqs]
-                for s in seqs:
-                    s.rng = row_seed(sp.seed, s.group, s.child, 0)
-                logits = logits.repeat_interleave(n, dim=0)
-            elif sched.running:
-                seqs = list(sched.running)
-                logits = self.runner.decode(seqs)
-                steps += 1
-            else:  # unreachable: add() rejects groups that could never fit
-                raise RuntimeError("scheduler stalled with waiting prompts and nothing running")
-            seeds = [(s.rng + len(s)) & _SEED_MASK for s in seqs]
-            tok, lp = sampler(logits, sp, seeds)
-            tokens += len(seqs)
-            for s, t, l in zip(seqs, tok.tolist(), lp.tolist()):
-                if self._append(s, t, l, sp, stop_ids):
-                    sched.finish(s)
-                    g = groups[s.group]
-                    g.done += 1
-                    if g.done == n:
-                        done += 1
-                        if progress is not None:
-                            progress(done, tokens)
+            if pending is None:
+                admitted = sched.admit()
+                if admitted:
+                    logits = runner.prefill(admitted)
+                    prefill_tokens += sum(len(g.prompt_ids) for g in admitted)
+                    seqs = [s for g in admitted for s in g.seqs]
+                    for s in seqs:
+                        s.rng = row_seed(sp.seed, s.group, s.child, 0)
+                    seeds = torch.tensor([(s.rng + len(s)) & _SEED_MASK for s in seqs], device=logits.device)
+                    tok, lp = sampler(logits.repeat_interleave(n, dim=0), sp, seeds)
+                    self._process(seqs, tok.tolist(), lp.tolist(), sched, groups, sp, stop_ids, progress)
+                    continue
+                if not sched.running:  # unreachable: add() rejects groups that could never fit
+                    raise RuntimeError("scheduler stalled with waiting prompts and nothing running")
+                batch = list(sched.running)
+                runner.load_batch(batch)
+            # Launch this step on the device, then do the host work of the previous one meanwhile.
+            logits = runner.step()
+            tok, lp = sampler(logits, sp, runner.seeds())
+            runner.advance(tok)
+            current = (batch, *_to_host(tok, lp))
+            steps += 1
+            if pending is not None:
+                changed = self._process(*_wait(pending), sched, groups, sp, stop_ids, progress)
+            else:
+                changed = False
+            pending = current
+            if changed or (sched.waiting and sched.can_admit()):
+                # The batch changes: finish the step in flight (tokens of sequences that already
+                # stopped are dropped) and reload from the host next iteration.
+                self._process(*_wait(pending), sched, groups, sp, stop_ids, progress)
+                pending = None
+        done, tokens = self._done, self._tokens
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": tokens, "prefill_tokens": prefill_tokens, "decode_steps": steps,
                       "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
         return [[self._completion(s, sp) for s in g.seqs] for g in groups]
+
+    def _process(self, seqs, toks, lps, sched, groups, sp, stop_ids, progress) -> bool:
+        """Append one sampled token per sequence; returns whether any sequence finished."""
+        finished = False
+        for s, t, l in zip(seqs, toks, lps):
+            if s.finished:  # computed one step past its end by the pipelined decode: discard
+                continue
+            self._tokens += 1
+            if self._append(s, t, l, sp, stop_ids):
+                finished = True
+                sched.finish(s)
+                g = groups[s.group]
+                g.done += 1
+                if g.done == g.n:
+                    self._done += 1
+                    if progress is not None:
+                        progress(self._done, self._tokens)
+        return finished
 
     def _append(self, s: Sequence, token: int, logprob: float, sp: SamplingParams, stop_ids: set[int]) -> bool:
         s.token_ids.append(token)
@@ -170,3 +199,23 @@ class LLMEngine:
                     text = text[:cut]
         return Completion(token_ids=list(s.completion_ids), logprobs=list(s.logprobs), text=text,
                           finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason)
+
+
+def _to_host(tok: torch.Tensor, lp: torch.Tensor):
+    """Start copying a step's tokens and logprobs to pinned host memory; returns (tok, lp, event)."""
+    if not tok.is_cuda:
+        return tok, lp, None
+    ht = torch.empty(tok.shape, dtype=tok.dtype, pin_memory=True)
+    hl = torch.empty(lp.shape, dtype=lp.dtype, pin_memory=True)
+    ht.copy_(tok, non_blocking=True)
+    hl.copy_(lp, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return ht, hl, ev
+
+
+def _wait(pending):
+    seqs, tok, lp, ev = pending
+    if ev is not None:
+        ev.synchronize()
+    return seqs, tok.tolist(), lp.tolist()

@@ -31,15 +31,22 @@ class ModelRunner:
         self.model, self.device = model, model.device
         cfg = model.config
         self.block_size, self.max_num_seqs, self.max_model_len = block_size, max_num_seqs, max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        # +1 token: with the one-step lag a finished sequence may write one more K/V (into its reserve).
+        self.max_blocks = -(-(max_model_len + 1) // block_size)
         self.kv = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                               dtype=model.dtype, device=self.device)
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv[0, i], self.kv[1, i]
-        self.block_tables = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int32, device=self.device)
+        # One row per sequence slot, plus a last all-scratch row that padding entries point at.
+        self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.graph_sizes = graph_batch_sizes(max_num_seqs)
+        self.state = torch.zeros(4, max_num_seqs, dtype=torch.long, device=self.device)  # ids, pos, slot, rng
+        self.state[2].fill_(max_num_seqs)
+        self.batch = self.padded = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
+            self.static_logits = torch.zeros(max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device)
             self._capture()
 
     @property
@@ -98,59 +105,69 @@ class ModelRunner:
             self.kv[:, :, dst_t] = self.kv[:, :, src_t]
 
     # ---- decode ----------------------------------------------------------------------------------
-    def _decode_inputs(self, seqs: list[Sequence], pad_to: int) -> torch.Tensor:
-        # Built as Python lists and shipped in one pinned host -> device copy: per-element tensor
-        # writes cost ~5 us each, which at 256 sequences was milliseconds per step.
-        bs = self.block_size
-        pad = pad_to - len(seqs)
-        pos = [len(s) - 1 for s in seqs]
+    # The running batch lives on the device: token, position, slot row and seed base per sequence.
+    # Each step derives the cache slot and context length from them inside the (graphed) step, and
+    # ``advance`` moves the batch forward on the device, so consecutive steps need nothing from the
+    # host and the engine can launch step t+1 before it reads step t's tokens back.
+    def load_batch(self, seqs: list[Sequence]) -> int:
+        """Copy the batch's state to the device; returns the padded batch size it will run at."""
+        n = len(seqs)
+        b = next(x for x in self.graph_sizes if x >= n) if self.use_graphs else n
+        pad = b - n
         rows = (
             [s.token_ids[-1] for s in seqs] + [0] * pad,
-            pos + [0] * pad,
-            [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)] + [BlockManager.SCRATCH * bs] * pad,
-            [p + 1 for p in pos] + [1] * pad,  # padding entries: context 1, scratch slot, slot 0's table
-            [s.slot for s in seqs] + [0] * pad,
+            [len(s) - 1 for s in seqs] + [0] * pad,
+            [s.slot for s in seqs] + [self.max_num_seqs] * pad,  # padding reads/writes the scratch row
+            [s.rng for s in seqs] + [0] * pad,
         )
         host = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()
-        return host.to(self.device, non_blocking=True)
+        self.state[:, :b].copy_(host, non_blocking=True)
+        self.batch, self.padded = n, b
+        self.max_context = max(len(s) for s in seqs)  # sizes the eager fallback's gather only
+        return b
 
-    def _decode_step(self, ids, positions, slot_mapping, context_lens, slot_idx, max_context_len=0) -> torch.Tensor:
+    def step(self) -> torch.Tensor:
+        """Logits [n, V] (fp32) for the loaded batch's next token."""
+        b = self.padded
+        if self.use_graphs:
+            self.graphs[b].replay()
+            return self.static_logits[: self.batch]
+        with torch.inference_mode():
+            return self._decode_step(self.state[0, :b], self.state[1, :b], self.state[2, :b], self.max_context)[: self.batch]
+
+    def seeds(self) -> torch.Tensor:
+        """Per-row sampling seeds for the token being drawn: seed base + its position (62-bit)."""
+        n = self.batch
+        return (self.state[3, :n] + self.state[1, :n] + 1) & ((1 << 62) - 1)  # = rng + len(seq), as at prefill
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Feed the sampled tokens back as the next inputs, on the device."""
+        n = self.batch
+        self.state[0, :n].copy_(tokens)
+        self.state[1, :n] += 1
+        self.max_context += 1
+
+    def _decode_step(self, ids, positions, slot_idx, max_context: int = 0) -> torch.Tensor:
+        bs = self.block_size
         tables = self.block_tables.index_select(0, slot_idx)
+        block = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
+        slot_mapping = block * bs + positions % bs
+        context_lens = (positions + 1).to(torch.int32)
         set_context(ForwardContext(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                   context_lens=context_lens, max_context_len=max_context_len))
+                                   context_lens=context_lens, max_context_len=max_context or self.max_model_len + 1))
         try:
             hidden = self.model(ids[:, None], positions[:, None])
         finally:
             set_context(None)
         return self.model.compute_logits(hidden[:, 0])
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One new token per sequence -> logits [len(seqs), V] (fp32)."""
-        n = len(seqs)
-        if not self.use_graphs:
-            r = self._decode_inputs(seqs, n)
-            return self._decode_step(r[0], r[1], r[2], r[3].int(), r[4], max(len(s) for s in seqs))
-        b = next(x for x in self.graph_sizes if x >= n)
-        self.static_inputs[:, :b].copy_(self._decode_inputs(seqs, b))
-        self.static_inputs_i32[:b].copy_(self.static_inputs[3, :b])
-        self.graphs[b].replay()
-        return self.static_logits[:n]
-
     def _capture(self) -> None:
-        self.graph_sizes = graph_batch_sizes(self.max_num_seqs)
-        m = self.max_num_seqs
-        self.static_inputs = torch.zeros(5, m, dtype=torch.long, device=self.device)
-        self.static_inputs[3].fill_(1)
-        self.static_inputs_i32 = torch.ones(m, dtype=torch.int32, device=self.device)
-        self.static_logits = torch.zeros(m, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         pool = None
         with torch.inference_mode():
             for b in reversed(self.graph_sizes):
-                x = self.static_inputs[:, :b]
-                args = (x[0], x[1], x[2], self.static_inputs_i32[:b], x[4])
+                args = (self.state[0, :b], self.state[1, :b], self.state[2, :b])
                 self.static_logits[:b] = self._decode_step(*args)  # warm up: autotune, lazy caches
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()

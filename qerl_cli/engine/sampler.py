@@ -63,13 +63,12 @@ class Sampler:
         self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, sp: SamplingParams, row_seeds: list[int] | None = None):
-        """-> (token ids [B] int64, their log-probabilities [B] fp32)."""
+    def __call__(self, logits: torch.Tensor, sp: SamplingParams, row_seeds: torch.Tensor | None = None):
+        """-> (token ids [B] int64, their log-probabilities [B] fp32). ``row_seeds``: [B] int64 on the device."""
         if row_seeds is not None and _fast_path(logits, sp):
             from qerl_cli.engine.triton_sampler import gumbel_sample
 
-            seeds = torch.tensor(row_seeds, dtype=torch.int64).pin_memory().to(logits.device, non_blocking=True)
-            return gumbel_sample(logits, sp.temperature, seeds)
+            return gumbel_sample(logits, sp.temperature, row_seeds)
         logp = truncated_logprobs(logits.float(), sp)
         if sp.greedy:
             tokens = logits.argmax(dim=-1)

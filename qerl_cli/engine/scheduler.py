@@ -45,6 +45,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Whether the first waiting group would be admitted now."""
+        if not self.waiting:
+            return False
+        g = self.waiting[0]
+        return (len(self.running) + g.n <= self.max_num_seqs
+                and self.blocks.group_cost(len(g.prompt_ids), g.max_len, g.n) <= self.blocks.num_free)
+
     def admit(self) -> list[Group]:
         """Groups to prefill now (their sequences are created, slotted and given blocks)."""
         out: list[Group] = []
@@ -68,7 +76,7 @@ class Scheduler:
         p = len(g.prompt_ids)
         shared = self.blocks.allocate(p // bs)
         self.blocks.share(shared * (g.n - 1))
-        own = -(-g.max_len // bs) - len(shared)
+        own = self.blocks.group_cost(p, g.max_len, 1) - len(shared)
         for c in range(g.n):
             blocks = self.blocks.allocate(own)
             seq = Sequence(group=g.index, child=c, token_ids=list(g.prompt_ids), num_prompt=p, max_len=g.max_len,
