@@ -6,7 +6,9 @@ Accepted row shapes (first match wins), each with an optional ``id`` (or ``uniqu
 - ``{"prompt": "...", "answer": "..."}``: plain text prompt;
 - ``{"messages": [{"role": "user", "content": "..."}, ...], "answer": ...}``: a chat;
 - GSM8K rows ``{"question": ..., "answer": "...#### 72"}``: the reference becomes ``72``;
-- MATH / MATH-500 rows ``{"problem": ..., "answer": ...}`` (or only ``solution``: its last ``\\boxed{}``).
+- MATH / MATH-500 rows ``{"problem": ..., "answer": ...}`` (or only ``solution``: its last ``\\boxed{}``);
+- TRL / verl conversational rows: ``prompt`` as a chat list, the reference in ``answer`` or
+  ``reward_model.ground_truth``.
 
 An ``answer`` holding ``####`` anywhere is treated as a worked solution and reduced to the number
 after it, so a reward never compares against a whole paragraph.
@@ -135,7 +137,12 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     rid = next((raw[k] for k in ID_FIELDS if raw.get(k) is not None), index)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadInputError(f"{where}: `id` must be a string or integer")
-    answer = _answer(raw.get("answer"), where)
+    ans = raw.get("answer")
+    if ans is None and isinstance(raw.get("reward_model"), dict):  # verl-format rows
+        ans = raw["reward_model"].get("ground_truth")
+    answer = _answer(ans, where)
+    if isinstance(raw.get("prompt"), list):  # TRL / verl conversational rows: `prompt` is the chat
+        return PromptRow(str(rid), messages=_check_messages(raw["prompt"], where), answer=answer, where=where)
     if raw.get("prompt") is not None:
         if not isinstance(raw["prompt"], str) or not raw["prompt"].strip():
             raise BadInputError(f"{where}: `prompt` must be a non-empty string")

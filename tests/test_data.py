@@ -155,3 +155,14 @@ def test_skip_bad_lines(tmp_path):
     write_jsonl(tmp_path / "all_bad.jsonl", ["{", "{"])
     with pytest.raises(BadInputError, match="holds no valid rows"):
         load_prompts(tmp_path / "all_bad.jsonl", skip_bad_lines=True)
+
+
+def test_conversational_prompt_rows(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}, "data_source": "x"},
+        {"prompt": [{"role": "user"}]},
+    ])
+    with pytest.raises(BadInputError, match=r"d.jsonl:2: messages\[0\] needs string `role` and `content`"):
+        load_prompts(p)
+    row = load_prompts(p, skip_bad_lines=True)[0]
+    assert row.messages == [{"role": "user", "content": "1+1?"}] and row.prompt is None and row.answer == "2"
