@@ -189,6 +189,31 @@ def test_streams_each_tensor_once_in_file_order(tmp_path, monkeypatch):
     assert res.summary["quantized_linears"] == 14
 
 
+def test_at_most_three_units_of_source_tensors_alive(tmp_path, monkeypatch):
+    """Streaming bound: source tensors are freed as soon as their unit is written."""
+    import weakref
+
+    src = make_tiny_hf_model(tmp_path, "qwen2", layers=4, hidden=64, intermediate=128)
+    alive: dict[str, int] = {}
+    peak = [0]
+    orig = TensorReader.get
+
+    def tracked(self, name):
+        t = orig(self, name)
+        alive[name] = t.numel() * t.element_size()
+        weakref.finalize(t, alive.pop, name, None)
+        peak[0] = max(peak[0], sum(alive.values()))
+        return t
+
+    monkeypatch.setattr(TensorReader, "get", tracked)
+    run(src, tmp_path / "q")
+    source = open_source(src)
+    units, _ = plan_units(source)
+    unit_bytes = sorted(sum(source.tensors[n].nbytes for n in u.names()) for u in units)
+    assert not alive
+    assert peak[0] <= sum(unit_bytes[-3:]) < source.total_bytes / 2
+
+
 def test_rerun_is_already_done_and_force_redoes(tmp_path):
     src = make_tiny_hf_model(tmp_path, "qwen2")
     first = run(src, tmp_path / "q")
@@ -330,7 +355,9 @@ def test_output_exists_without_force(tmp_path):
         assert r.exit_code == 4 and "no valid qerl manifest" in r.stderr
         assert (out / "precious.txt").read_text() == "keep me"
     other = tmp_path / "other"
-    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(other), "--no-progress", "--format", "modelopt"])
+    r = CliRunner().invoke(
+        app, ["quantize", str(src), "--out", str(other), "--no-progress", "--format", "modelopt"]
+    )
     assert r.exit_code == 0
     r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(other), "--no-progress"])
     assert r.exit_code == 4 and "--force" in r.stderr and (other / "hf_quant_config.json").exists()
