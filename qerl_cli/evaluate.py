@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qerl_cli.errors import BadInputError, NotBuiltError
+from qerl_cli.errors import BadInputError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.outputs import StageOutput
@@ -153,13 +153,9 @@ def _sampling_kwargs(cfg: EvalConfig, seed: int) -> dict:
 def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_model_len: int):
     """(generate, info) over the native engine; the model carries the adapter when one is given."""
     from qerl_cli.aqn import clear_noise
+    from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.layers.lora import lora_modules
     from qerl_cli.models import load_model
-
-    try:
-        from qerl_cli.engine import LLMEngine, SamplingParams
-    except ImportError as e:
-        raise NotBuiltError(f"the native engine (qerl_cli.engine) is not available: {e}") from None
 
     model = load_model(cfg.model, device=device, dtype=torch_dtype, adapter_dir=cfg.adapter)
     clear_noise(model)  # eval measures the clean policy: no AQN noise
@@ -182,10 +178,8 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
 
     if importlib.util.find_spec("vllm") is None:
         raise BadInputError("--engine vllm needs vLLM, which is not installed", hint="pip install 'qerl[vllm]'")
-    try:
-        from qerl_cli.engine_vllm import VLLMEngine, vllm_sampling_params
-    except ImportError as e:
-        raise NotBuiltError(f"--engine vllm: qerl's vLLM engine is not available ({e})", hint="use --engine native") from None
+    from qerl_cli.engine_vllm import VLLMEngine, vllm_sampling_params
+
     engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype_name, max_num_seqs=cfg.max_num_seqs,
                         max_model_len=max_model_len, seed=cfg.seed)
 
