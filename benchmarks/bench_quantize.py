@@ -294,17 +294,26 @@ def bench_cpu(args) -> dict:
         script = work / "llmc_oneshot.py"
         script.write_text(_LLMC_SCRIPT)
         cmd = [args.llmcompressor_python, str(script), str(src), str(lout)]
-        ver = subprocess.run(
-            [
-                args.llmcompressor_python,
-                "-c",
-                "import llmcompressor, compressed_tensors, transformers;"
-                "print(llmcompressor.__version__, compressed_tensors.__version__, transformers.__version__)",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        ldt, _ = timed(cmd, env=env)
+        ver = (
+            subprocess.run(
+                [
+                    args.llmcompressor_python,
+                    "-c",
+                    "import llmcompressor, compressed_tensors, transformers;"
+                    "print(llmcompressor.__version__, compressed_tensors.__version__, transformers.__version__)",
+                ],
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1:]
+        )  # last line: loggers may print before it
+        ver = ver[0] if ver else "?"
+        try:
+            ldt, _ = timed(cmd, env=env)
+        except SystemExit as e:  # keep qerl's numbers; say why the comparison is missing
+            res["llmcompressor_error"] = str(e)[-2000:]
+            return res
         res["llmcompressor"] = {
             "seconds": round(ldt, 2),
             "params_per_s": round(info["params"] / ldt),
@@ -352,6 +361,8 @@ def render(results: list[dict]) -> str:
                 "| --- | ---: | ---: |",
                 f"| qerl quantize --device cpu | {r['qerl']['seconds']:.1f} s | {r['qerl']['params_per_s'] / 1e6:.1f} M |",
             ]
+            if "llmcompressor_error" in r:
+                lines += ["", f"llm-compressor did not run: `{r['llmcompressor_error'].splitlines()[-1]}`"]
             if "llmcompressor" in r:
                 lc = r["llmcompressor"]
                 lines.append(
