@@ -39,7 +39,6 @@ STAGE = "eval"
 SCORERS = ("auto", "gsm8k", "math")
 ENGINES = ("native", "vllm")
 # Qwen2.5-Math's instruction: the boxed answer is what both scorers read first.
-DEFAULT_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
 _NUMERIC = re.compile(r"\s*[-+\u2212]?\s*\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)\s*(?:/\s*\d+(?:\.\d+)?)?\s*%?\s*")
 
 
@@ -55,7 +54,7 @@ class EvalConfig:
     top_p: float = 1.0
     max_new_tokens: int = 1024
     stop: tuple[str, ...] = ()  # stop strings (EOS always stops)
-    prompt_template: str | None = DEFAULT_TEMPLATE
+    prompt_template: str | None = None  # same default as rollout: the row's prompt as it is
     system_prompt: str | None = None
     chat_template: bool | None = None  # None: use it when the tokenizer has one
     scorer: str = "auto"

@@ -46,8 +46,8 @@ def command(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. For base models "
                                    "that run on into the next question. Example: --stop '\nQ:'"),
     prompt_template: str = typer.Option(None, "--prompt-template", help="Instruction around each problem: a string "
-                                        "or file containing {prompt}. Default: '{prompt}\\nPlease reason step by step, "
-                                        "and put your final answer within \\boxed{}.' Example: "
+                                        "or file containing {prompt}. Default: the row's prompt as it is, exactly as `qerl rollout` "
+                                        "uses it (score the policy on the prompts it was trained on). Example: "
                                         "--prompt-template '{prompt}\\nEnd with #### <number>.'", show_default=False),
     system_prompt: str = typer.Option(None, "--system-prompt", help="System message for chat templates. "
                                       "Example: --system-prompt 'You are a careful mathematician.'", show_default=False),
@@ -90,12 +90,12 @@ def command(
         if value is None:
             raise BadInputError(f"{flag} is required (or use --compare DIR... to tabulate finished runs)")
 
-    from qerl_cli.evaluate import DEFAULT_TEMPLATE, EvalConfig, evaluate, render_metrics
+    from qerl_cli.evaluate import EvalConfig, evaluate, render_metrics
 
     cfg = EvalConfig(
         model=model, dataset=dataset, out=out, adapter=adapter, k=k, num_samples=num_samples,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop),
-        prompt_template=DEFAULT_TEMPLATE if prompt_template is None else prompt_template,
+        prompt_template=prompt_template,
         system_prompt=system_prompt, chat_template=False if no_chat_template else None, scorer=scorer,
         max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, force=force, progress=not quiet,
