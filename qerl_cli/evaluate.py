@@ -38,7 +38,6 @@ from qerl_cli.outputs import StageOutput
 STAGE = "eval"
 SCORERS = ("auto", "gsm8k", "math")
 ENGINES = ("native", "vllm")
-# Qwen2.5-Math's instruction: the boxed answer is what both scorers read first.
 _NUMERIC = re.compile(r"\s*[-+\u2212]?\s*\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)\s*(?:/\s*\d+(?:\.\d+)?)?\s*%?\s*")
 
 
