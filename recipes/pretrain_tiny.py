@@ -195,12 +195,18 @@ def nvfp4_roundtrip(model):
     return m
 
 
-def evaluate(model, tok, test_rows, k: int, log=print):
-    res = {}
+def evaluate(model_dir: Path, test_rows, k: int, log=print):
+    """Measure the SAVED model as users load it (from_pretrained; rotary buffers rebuilt in fp32)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()  # on-disk dtype
+    res = {"dtype_on_disk": str(model.dtype).removeprefix("torch.")}
     t0 = time.time()
     res["greedy_pass@1"], _, comps = pass_at_k(model, tok, test_rows)
-    q = nvfp4_roundtrip(model)
-    res["nvfp4_greedy_pass@1"], _, _ = pass_at_k(q, tok, test_rows)
+    res["nvfp4_greedy_pass@1"], _, _ = pass_at_k(nvfp4_roundtrip(model), tok, test_rows)
+    res["fp32_compute_greedy_pass@1"], _, _ = pass_at_k(model.float(), tok, test_rows)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     res[f"pass@{k}_t1"], res["sampled_pass@1_t1"], _ = pass_at_k(model, tok, test_rows, k=k, temperature=1.0, seed=1)
     res["eval_seconds"] = round(time.time() - t0, 1)
     log(f"example: {test_rows[0]['prompt']!r} -> {comps[0][0]!r} (answer {test_rows[0]['answer']})")
@@ -241,10 +247,12 @@ def main(argv=None):
     test_rows = arith.task_rows("test")
 
     if args.eval_only:
-        tok = transformers.AutoTokenizer.from_pretrained(args.out)
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.out, dtype=dtype).eval()
-        res = evaluate(model, tok, test_rows, args.k)
+        res = evaluate(args.out, test_rows, args.k)
         print(json.dumps(res, indent=1))
+        mpath = args.out / "pretrain_metrics.json"  # keep the training record, refresh the measurements
+        old = json.loads(mpath.read_text()) if mpath.exists() else {}
+        old = {key: v for key, v in old.items() if "pass@" not in key and key != "eval_seconds"}
+        mpath.write_text(json.dumps({**old, **res}, indent=1) + "\n")
         return res
 
     random.seed(args.seed)
@@ -298,11 +306,6 @@ def main(argv=None):
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id,
         max_new_tokens=48,
     )
-    res = evaluate(model, tok, test_rows, args.k)
-    res.update(train_seconds=round(train_s, 1), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-               threads=args.threads, seed=args.seed, parameters=n_params, save_dtype=args.save_dtype)
-    print(json.dumps(res, indent=1))
-
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
@@ -312,6 +315,10 @@ def main(argv=None):
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     tc_path.write_text(json.dumps(tc, indent=2) + "\n")
+    res = evaluate(args.out, test_rows, args.k)
+    res.update(train_seconds=round(train_s, 1), steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+               threads=args.threads, seed=args.seed, parameters=n_params, layers=args.layers, hidden=args.hidden)
+    print(json.dumps(res, indent=1))
     (args.out / "pretrain_metrics.json").write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")
     return res

@@ -173,3 +173,22 @@ def test_model_solves_some_test_problems_greedily():
     assert sum(answered) >= 0.9 * len(rows)
     # weak but not hopeless (docs/tiny-model.md: ~20-50% greedy pass@1 on the full test split)
     assert 0.05 <= sum(correct) / len(rows) <= 0.8
+
+
+def test_recipe_rebuilds_the_bundled_tokenizer_exactly():
+    """recipes/pretrain_tiny.py's tokenizer is deterministic: it reproduces the committed tokenizer.json."""
+    import importlib.util
+
+    from qerl_cli.assets import ASSETS_DIR
+
+    path = ASSETS_DIR.parents[1] / "recipes" / "pretrain_tiny.py"
+    if not path.exists():
+        pytest.skip("recipes/ not present (installed package)")
+    spec = importlib.util.spec_from_file_location("pretrain_tiny", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    built = json.loads(mod.build_tokenizer().backend_tokenizer.to_str())
+    bundled = json.loads((tiny_model_dir() / "tokenizer.json").read_text())
+    assert built["model"]["vocab"] == bundled["model"]["vocab"]
+    assert built["model"]["merges"] == bundled["model"]["merges"]
+    assert built["pre_tokenizer"] == bundled["pre_tokenizer"]
