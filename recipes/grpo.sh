@@ -36,7 +36,10 @@ say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 reward_flags=()
 for r in $REWARDS; do reward_flags+=(--reward "$r"); done
-eval_flags=(--dataset "${EVAL_DATASET:-$DATASET}" --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE" --dtype "$DTYPE")
+# The same instruction around every prompt for rollout and eval (empty: the rows' prompts as they are).
+template_flag=()
+[ -n "${PROMPT_TEMPLATE:-}" ] && template_flag=(--prompt-template "$PROMPT_TEMPLATE")
+eval_flags=(--dataset "${EVAL_DATASET:-$DATASET}" --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE" --dtype "$DTYPE" "${template_flag[@]}")
 [ "$EVAL_MAX_PROBLEMS" != 0 ] && eval_flags+=(--max-problems "$EVAL_MAX_PROBLEMS")
 
 # 1. The frozen base: NVFP4 (QeRL) or the bf16 checkpoint itself (16-bit LoRA baseline).
@@ -60,7 +63,7 @@ for ((s = 0; s < STEPS; s++)); do
   say "step $s / $STEPS: rollout"
   "$QERL" rollout --model "$BASE" "${adapter_flag[@]}" --prompts "$DATASET" --out "$d/shards" \
     --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" --num-generations "$NUM_GENERATIONS" \
-    --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${reward_flags[@]}" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${reward_flags[@]}" "${template_flag[@]}" \
     --aqn-sigma-start "${AQN_SIGMA_START:-0}" --aqn-sigma-end "${AQN_SIGMA_END:-0}" \
     --aqn-stages "${AQN_STAGES:-10}" --total-steps "$STEPS" --run-seed "$RUN_SEED" --seed "$SEED" \
     --device "$DEVICE" --dtype "$DTYPE" "${FORCE_FLAG[@]}"

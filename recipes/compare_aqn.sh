@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The paper's claim at small scale: the same GRPO loop three ways, several seeds each, equal steps.
+#   16-bit LoRA (bf16 base) | NVFP4 LoRA | NVFP4 LoRA + AQN
+#
+#   bash recipes/compare_aqn.sh [OUT_DIR] [CONFIG]      (defaults: runs/compare, recipes/configs/tiny.env)
+#
+# Runs PARALLEL loops at once (default: cores / 2), each with THREADS torch threads, then
+# writes OUT_DIR/results.md and OUT_DIR/curves.png (python recipes/plot_compare.py OUT_DIR).
+# SEEDS (default "0 1 2"), STEPS and every other knob of the config can be set in the environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/compare}
+CONFIG=${2:-recipes/configs/tiny.env}
+SEEDS=${SEEDS:-0 1 2}
+PARALLEL=${PARALLEL:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+export OMP_NUM_THREADS=${THREADS:-2} TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+
+jobs=()
+for seed in $SEEDS; do
+  jobs+=("bf16-lora $seed bf16 0" "nvfp4-lora $seed nvfp4 0" "nvfp4-aqn $seed nvfp4 ${AQN_SIGMA_START:-1e-2}")
+done
+run_one() {  # NAME SEED BASE_FORMAT SIGMA_START
+  local dir=$OUT/$1-s$2
+  BASE_FORMAT=$3 AQN_SIGMA_START=$4 SEED=$2 bash recipes/grpo.sh "$CONFIG" "$dir" > "$dir.log" 2>&1 \
+    && echo "done: $dir" || { echo "FAILED: $dir (see $dir.log)"; return 1; }
+}
+export -f run_one; export OUT CONFIG
+printf '%s\n' "${jobs[@]}" | xargs -P "$PARALLEL" -I{} bash -c 'run_one {}'
+python recipes/plot_compare.py "$OUT"

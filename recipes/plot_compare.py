@@ -1,0 +1,83 @@
+"""Summarise recipes/compare_aqn.sh: curves per variant (mean over seeds) and final pass@1 with spread.
+
+    python recipes/plot_compare.py OUT_DIR
+
+Writes OUT_DIR/curves.png and OUT_DIR/results.md (a table to paste into docs/results.md) and
+prints the table. Run directories are OUT_DIR/<variant>-s<seed> as written by compare_aqn.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+VARIANTS = ("bf16-lora", "nvfp4-lora", "nvfp4-aqn")
+
+
+def load(out: Path) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for d in sorted(out.glob("*-s*")):
+        m = re.fullmatch(r"(.+)-s(\d+)", d.name)
+        if not d.is_dir() or not m or not (d / "metrics.jsonl").exists():
+            continue
+        train = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        score = lambda p: json.loads((p / "metrics.json").read_text())["score"] if (p / "metrics.json").exists() else None  # noqa: E731
+        runs[m.group(1)].append({"seed": int(m.group(2)), "train": sorted(train, key=lambda r: r["step"]),
+                                 "base": score(d / "eval-base"), "final": score(d / "eval-final")})
+    return runs
+
+
+def _fmt(xs):
+    xs = [100 * x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.mean(xs):.1f} ± {sd:.1f} ({', '.join(f'{x:.1f}' for x in xs)})"
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/compare")
+    runs = load(out)
+    if not runs:
+        raise SystemExit(f"error: no finished runs under {out}")
+    lines = ["| variant | seeds | base pass@1 (%) | final pass@1 (%) mean ± sd (per seed) | last-step reward | mean entropy, first 3 steps |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for v in [v for v in VARIANTS if v in runs] + [v for v in runs if v not in VARIANTS]:
+        rs = runs[v]
+        last_reward = statistics.mean(r["train"][-1]["reward_mean"] for r in rs if r["train"])
+        ent = statistics.mean(statistics.mean(t["entropy"] for t in r["train"][:3]) for r in rs if r["train"])
+        lines.append(f"| {v} | {len(rs)} | {_fmt([r['base'] for r in rs])} | {_fmt([r['final'] for r in rs])} "
+                     f"| {last_reward:.3f} | {ent:.3f} |")
+    table = "\n".join(lines)
+    (out / "results.md").write_text(table + "\n")
+    print(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for v, rs in runs.items():
+        n = min(len(r["train"]) for r in rs)
+        for ax, key in zip(axes, ("reward_mean", "entropy")):
+            mean = [statistics.mean(r["train"][i][key] for r in rs) for i in range(n)]
+            ax.plot(range(n), mean, label=f"{v} (n={len(rs)})")
+            for r in rs:
+                ax.plot(range(n), [r["train"][i][key] for i in range(n)], alpha=0.15, color=ax.lines[-1].get_color())
+    axes[0].set(title="mean rollout reward", xlabel="step")
+    axes[1].set(title="policy entropy (nats/token)", xlabel="step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    print(f"wrote {out / 'curves.png'} and {out / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()
