@@ -248,7 +248,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     if args.sweep and args.table_out:
-        write_table(Path(args.table_out), fwd_table, bwd_table)
+        # Points not reached in this run (budget) keep their previously measured entries.
+        write_table(Path(args.table_out), {**tc.FWD_TABLE, **fwd_table}, {**tc.BWD_TABLE, **bwd_table})
     text = render(results, " ".join(["python"] + sys.argv))
     print(text)
     if args.doc:

@@ -10,7 +10,9 @@ Trade-off: one kernel covers every M by its tile config rather than two speciali
 The on-disk byte layout is used as is (no repack, no second copy of the weights in memory), read
 as 32-bit words of 8 codes: the decode yields 8 tiles, tile i holding K elements 8w+i, so X is
 loaded contiguously and split into the matching 8 column sets in registers, and each K step is
-8 dots of depth BLOCK_K/8. Loading words (not bytes) keeps Triton from unpacking bytes one by one
+8 dots of depth BLOCK_K/8 (or, with ``join``, the 8 tiles re-interleaved into K order and one
+dot per step: one more register shuffle, but X then feeds the MMA straight from the pipelined
+shared-memory buffer and Triton keeps one wgmma in flight instead of waiting on each). Loading words (not bytes) keeps Triton from unpacking bytes one by one
 (a byte-tile version spent ~15 instructions per weight on that and ran at ~1x of cuBLAS).
 - Above a measured M (``FwdConfig.dequant``) the fused kernel loses to cuBLAS's bf16 GEMM, so the
   weight is decoded once into a transient bf16 buffer (``dequant.py``, memory-bound, ~2.6 B per
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_word_tile, fast_decode_supported, split8
+from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_word_tile, fast_decode_supported, join8, split8
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
 from qerl_kernels.tile_configs import FwdConfig, fwd_config
 
@@ -57,7 +59,7 @@ def _nvfp4_fwd_kernel(
     stride_xm, stride_pw, stride_sn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-    EPI: tl.constexpr, IEEE: tl.constexpr,
+    EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -96,25 +98,34 @@ def _nvfp4_fwd_kernel(
         xk = 8 * kw + rx
         x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=(xk < 8 * KW)[None, :], other=0.0)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, dtype)
-        x0, x1, x2, x3, x4, x5, x6, x7 = split8(x, BM, BKW)
-        if SWAP:
-            acc = tl.dot(e0, tl.trans(x0), acc, input_precision=IP)
-            acc = tl.dot(e1, tl.trans(x1), acc, input_precision=IP)
-            acc = tl.dot(e2, tl.trans(x2), acc, input_precision=IP)
-            acc = tl.dot(e3, tl.trans(x3), acc, input_precision=IP)
-            acc = tl.dot(e4, tl.trans(x4), acc, input_precision=IP)
-            acc = tl.dot(e5, tl.trans(x5), acc, input_precision=IP)
-            acc = tl.dot(e6, tl.trans(x6), acc, input_precision=IP)
-            acc = tl.dot(e7, tl.trans(x7), acc, input_precision=IP)
+        if JOIN:
+            # Re-interleave the 8 decoded tiles into natural K order: one dot per step with X
+            # straight from the pipelined shared-memory buffer (no X split, one MMA wait per step).
+            w = join8(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=IP)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=IP)
         else:
-            acc = tl.dot(x0, tl.trans(e0), acc, input_precision=IP)
-            acc = tl.dot(x1, tl.trans(e1), acc, input_precision=IP)
-            acc = tl.dot(x2, tl.trans(e2), acc, input_precision=IP)
-            acc = tl.dot(x3, tl.trans(e3), acc, input_precision=IP)
-            acc = tl.dot(x4, tl.trans(e4), acc, input_precision=IP)
-            acc = tl.dot(x5, tl.trans(e5), acc, input_precision=IP)
-            acc = tl.dot(x6, tl.trans(e6), acc, input_precision=IP)
-            acc = tl.dot(x7, tl.trans(e7), acc, input_precision=IP)
+            x0, x1, x2, x3, x4, x5, x6, x7 = split8(x, BM, BKW)
+            if SWAP:
+                acc = tl.dot(e0, tl.trans(x0), acc, input_precision=IP)
+                acc = tl.dot(e1, tl.trans(x1), acc, input_precision=IP)
+                acc = tl.dot(e2, tl.trans(x2), acc, input_precision=IP)
+                acc = tl.dot(e3, tl.trans(x3), acc, input_precision=IP)
+                acc = tl.dot(e4, tl.trans(x4), acc, input_precision=IP)
+                acc = tl.dot(e5, tl.trans(x5), acc, input_precision=IP)
+                acc = tl.dot(e6, tl.trans(x6), acc, input_precision=IP)
+                acc = tl.dot(e7, tl.trans(x7), acc, input_precision=IP)
+            else:
+                acc = tl.dot(x0, tl.trans(e0), acc, input_precision=IP)
+                acc = tl.dot(x1, tl.trans(e1), acc, input_precision=IP)
+                acc = tl.dot(x2, tl.trans(e2), acc, input_precision=IP)
+                acc = tl.dot(x3, tl.trans(e3), acc, input_precision=IP)
+                acc = tl.dot(x4, tl.trans(e4), acc, input_precision=IP)
+                acc = tl.dot(x5, tl.trans(e5), acc, input_precision=IP)
+                acc = tl.dot(x6, tl.trans(e6), acc, input_precision=IP)
+                acc = tl.dot(x7, tl.trans(e7), acc, input_precision=IP)
 
     factor = EPI / tl.load(G)
     if SWAP:
@@ -150,7 +161,7 @@ def _nvfp4_fwd_kernel(
 # each per-nibble tile through shared memory and waits on every dot. A separate JITFunction keeps
 # its own compiled-kernel cache; DISABLE_MMA_V3 is one of Triton's cache-invalidating variables,
 # so the on-disk cache keeps the two variants apart.
-_nvfp4_fwd_kernel_mma2 = triton.JITFunction(_nvfp4_fwd_kernel.fn, do_not_specialize=["M"])
+_nvfp4_fwd_kernel_mma2 = triton.jit(_nvfp4_fwd_kernel.fn, do_not_specialize=["M"])
 
 
 @contextlib.contextmanager
@@ -229,7 +240,7 @@ def nvfp4_matmul(
             x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
             BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
             SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
-            EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32,
+            EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )
     return y

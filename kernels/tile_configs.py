@@ -34,6 +34,7 @@ class FwdConfig:
     group_m: int = 8
     dequant: bool = False  # decode W to a transient bf16 buffer and let cuBLAS do the GEMM
     mma2: bool = False  # compile with wgmma disabled (mma.sync from registers) even at >= 4 warps
+    join: bool = False  # re-interleave decoded tiles into K order: one dot per step, async wgmma
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -137,8 +138,13 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 64, 16, warps=2, stages=4, swap=False),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, mma2=True),
-            FwdConfig(16, 128, 32, warps=4, stages=3, swap=True),
+            FwdConfig(16, 64, 16, warps=4, stages=2, swap=True),
+            FwdConfig(16, 128, 16, warps=4, stages=3, swap=True),
             FwdConfig(16, 256, 16, warps=8, stages=3, swap=True),
+            FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, join=True),
+            FwdConfig(16, 64, 32, warps=4, stages=3, swap=True, join=True),
+            FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, join=True),
+            FwdConfig(16, 64, 16, warps=2, stages=4, swap=True, join=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
@@ -151,6 +157,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, mma2=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=False, mma2=True),
             FwdConfig(bm, 128, 32, warps=4, stages=3, swap=True),
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, join=True),
+            FwdConfig(bm, 64, 32, warps=4, stages=3, swap=True, join=True),
+            FwdConfig(bm, 64, 16, warps=4, stages=4, join=True),
         ]
     if m <= 256:
         return [
@@ -162,12 +171,17 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(64, 128, 16, warps=4, stages=4, mma2=True),
             FwdConfig(128, 128, 16, warps=8, stages=3, mma2=True),
             FwdConfig(128, 64, 16, warps=4, stages=4, mma2=True),
+            FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
+            FwdConfig(64, 128, 16, warps=4, stages=4, join=True),
+            FwdConfig(128, 64, 16, warps=4, stages=4, swap=True, join=True),
             DEQUANT,
         ]
     return [
         DEQUANT,
         FwdConfig(128, 128, 16, warps=8, stages=3),
         FwdConfig(128, 128, 16, warps=8, stages=3, mma2=True),
+        FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
+        FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
     ]
 
 
