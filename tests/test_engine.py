@@ -177,3 +177,21 @@ def test_cpu_64_completions_under_30s():
     elapsed = time.perf_counter() - t0
     assert sum(len(g) for g in out) == 64 and all(len(c.token_ids) == 64 for g in out for c in g)
     assert elapsed < 30, f"64 completions took {elapsed:.1f}s"
+
+
+def test_adapter_values_changed_after_engine_creation_are_used(tiny):
+    """LoRA weights loaded into a live engine's model must reach the rollout (no stale inference copies)."""
+    from qerl_cli.layers.lora import lora_disabled
+
+    model = load_model(tiny, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8))
+    engine = LLMEngine(model, None, max_num_seqs=4, block_size=4)
+    base = engine.generate(PROMPTS[:2], _greedy(10), n=1)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+    changed = engine.generate(PROMPTS[:2], _greedy(10), n=1)
+    fresh = LLMEngine(model, None, max_num_seqs=4, block_size=4).generate(PROMPTS[:2], _greedy(10), n=1)
+    toks = lambda out: [g[0].token_ids for g in out]  # noqa: E731
+    assert toks(changed) == toks(fresh) != toks(base)
+    with lora_disabled(model), pytest.raises(RuntimeError, match="build a new LLMEngine"):
+        engine.generate(PROMPTS[:1], _greedy(2), n=1)

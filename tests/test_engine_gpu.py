@@ -82,3 +82,23 @@ def test_triton_sampler_frequencies_on_gpu():
     r = subprocess.run([sys.executable, "-c", FREQ.replace("DEV", "'cuda'"), "200000"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_graphs_see_lora_and_noise_updates(tmp_path):
+    from qerl_cli.aqn import clear_noise
+
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=128, dtype=torch.bfloat16, init_std=0.05, tokenizer=False)
+    model = load_model(src, device="cuda", dtype=torch.bfloat16, lora=LoraSpec(r=8, alpha=16))
+    # 5 slots for 5 prompts: the graph runs unpadded, so graph and eager run identical kernels.
+    graph = LLMEngine(model, None, max_num_seqs=5)
+    eager = LLMEngine(model, None, max_num_seqs=5, enforce_eager=True)
+    sp = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    toks = lambda out: [g[0].token_ids for g in out]  # noqa: E731
+    before = toks(graph.generate(PROMPTS, sp))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    apply_noise(model, 5e-2, run_seed=1, step=1)
+    after = toks(graph.generate(PROMPTS, sp))
+    assert after != before and after == toks(eager.generate(PROMPTS, sp))
+    clear_noise(model)

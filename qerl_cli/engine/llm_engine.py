@@ -25,6 +25,7 @@ from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
 from qerl_cli.errors import BadInputError
 from qerl_cli.layers.attention import fuse_projections
+from qerl_cli.layers.lora import lora_modules
 
 _SEED_MASK = (1 << 62) - 1
 
@@ -41,6 +42,8 @@ class LLMEngine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.model, self.tokenizer = model, tokenizer
         fuse_projections(model)  # one q/k/v and one gate/up GEMM per layer; shares memory with the parts
+        self._lora = [m for _, m in lora_modules(model)]
+        self._sync_lora()  # before graph capture, so the graphs read the in-place-refreshed copies
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         if num_blocks is None:
@@ -85,6 +88,19 @@ class LLMEngine:
                 pass
         return {int(i) for i in ids}
 
+    def _sync_lora(self) -> None:
+        """Refresh LoRA inference copies from the fp32 masters (in place: captured graphs see them).
+
+        The CUDA graphs fix the model's *structure* at engine creation (which LoRA modules are
+        enabled); values (LoRA weights, AQN noise) may change between ``generate`` calls.
+        """
+        state = tuple(m.enabled for m in self._lora)
+        if hasattr(self, "_lora_state") and state != self._lora_state:
+            raise RuntimeError("LoRA modules were enabled/disabled after the engine was built; build a new LLMEngine")
+        self._lora_state = state
+        for m in self._lora:
+            m.refresh_inference_copies(self.model.dtype)
+
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int = 1,
                  progress: Callable[[int, int], None] | None = None) -> list[list[Completion]]:
@@ -108,6 +124,7 @@ class LLMEngine:
                 sched.add(g)
         except ValueError as e:
             raise BadInputError(str(e)) from None
+        self._sync_lora()
         sampler = Sampler(self.model.device, sp.seed)
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
         t0 = time.perf_counter()

@@ -12,39 +12,15 @@ its input tensors fixed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl_cli.layers.context import ForwardContext, get_context, set_context  # noqa: F401 (re-exported)
 from qerl_cli.layers.linear import QLinear, fuse_linears
 from qerl_cli.layers.lora import LoRALinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
-
-
-@dataclass
-class ForwardContext:
-    """What the engine tells attention about the current batch (tensors on the model device)."""
-
-    is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot per token (pads -> a scratch slot)
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, decode only
-    context_lens: torch.Tensor | None = None  # [B] int32 tokens in cache incl. the new one, decode only
-    max_context_len: int = 0  # upper bound of context_lens (sizes the fallback's gather)
-
-
-_CONTEXT: ForwardContext | None = None
-
-
-def set_context(ctx: ForwardContext | None) -> None:
-    global _CONTEXT
-    _CONTEXT = ctx
-
-
-def get_context() -> ForwardContext | None:
-    return _CONTEXT
 
 
 class Attention(nn.Module):

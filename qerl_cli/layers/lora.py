@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qerl_cli.layers.context import get_context
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -51,6 +53,7 @@ class LoRALinear(nn.Module):
         self.lora_A.data = self.lora_A.data.to(dev)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=dev))
         self.enabled = True
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None  # inference copies in the activation dtype
 
     @property
     def in_features(self) -> int:
@@ -62,9 +65,22 @@ class LoRALinear(nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA term alone: dropout(x) @ A^T @ B^T * scaling, in x's dtype."""
-        a = self.lora_A.to(x.dtype)
-        b = self.lora_B.to(x.dtype)
+        c = self._cast
+        if c is not None and c[0].dtype == x.dtype and get_context() is not None:
+            a, b = c  # engine forward: no cast kernels per step (the engine refreshes them per generate)
+        else:
+            a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         return (self.dropout(x) @ a.t()) @ b.t() * self.scaling
+
+    def refresh_inference_copies(self, dtype: torch.dtype) -> None:
+        """(Re)write the activation-dtype copies of A and B *in place*, so CUDA graphs that captured
+        them see new adapter values; call after every change to the fp32 masters."""
+        with torch.no_grad():
+            if self._cast is None or self._cast[0].dtype != dtype:
+                self._cast = (self.lora_A.detach().to(dtype).clone(), self.lora_B.detach().to(dtype).clone())
+            else:
+                self._cast[0].copy_(self.lora_A)
+                self._cast[1].copy_(self.lora_B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
