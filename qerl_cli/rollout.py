@@ -576,13 +576,22 @@ class _Live:
 def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[str, list[dict]],
                   shard_path: Path) -> tuple[float, int]:
     """Generate ``batches``, score, and append every group not in ``done``; returns (seconds, tokens)."""
+    import contextlib
+
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     cfg = plan.cfg
-    if cfg.engine == "vllm":
-        gen, _ = _vllm_generator(cfg, plan.tokenizer, plan.device, plan.dtype_name, plan.sigma, plan.max_model_len)
-    else:
-        gen, _ = _native_generator(cfg, plan.tokenizer, plan.device, plan.torch_dtype, plan.sigma, plan.max_model_len)
+    # Loading a large checkpoint takes minutes: say what is happening before the bar appears.
+    status = (Console(stderr=True).status(f"loading {cfg.model}" + (f" + {cfg.adapter}" if cfg.adapter else "")
+                                          + f" on {plan.device} ({cfg.engine} engine)")
+              if cfg.progress else contextlib.nullcontext())
+    with status:
+        if cfg.engine == "vllm":
+            gen, _ = _vllm_generator(cfg, plan.tokenizer, plan.device, plan.dtype_name, plan.sigma, plan.max_model_len)
+        else:
+            gen, _ = _native_generator(cfg, plan.tokenizer, plan.device, plan.torch_dtype, plan.sigma,
+                                       plan.max_model_len)
     live = _Live()
     G, n_prompts = cfg.num_generations, len(plan.prompts)
     t_gen = 0.0
