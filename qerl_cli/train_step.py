@@ -136,6 +136,7 @@ class StepData:
     adapter_hash: str | None
     step: int
     noise: dict | None
+    bad_lines: tuple[str, ...] = ()  # "file:line: why" of shard lines skipped by --skip-bad-lines
 
 
 # ---- inputs --------------------------------------------------------------------------------------
@@ -208,6 +209,7 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         adapter_hash=first["policy"].get("adapter"),
         step=int(first["step"]),
         noise=noise,
+        bad_lines=tuple(report.bad_lines),
     )
 
 
@@ -377,6 +379,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
     dtype = _resolve_dtype(cfg.dtype, device)
 
     data = read_step(cfg)
+    if data.bad_lines:
+        _say(cfg, f"warning: skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
     base_hash = model_hash(Path(cfg.model))
     _check_fits_model(cfg, data)
     # Every check that needs no model runs before anything is loaded: a wrong input fails in seconds.
@@ -505,8 +509,11 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     break
                 loss.backward()
                 epoch_loss += float(loss.detach())
+                # Clipping can only happen from epoch 2 on (epoch 1 is on-policy: ratio 1), so clip
+                # fractions count every epoch's tokens; the KL is that of the pre-update policy.
+                acc.add(clip_low=st.clip_low, clip_high=st.clip_high, clip_tokens=st.tokens)
                 if epoch == 0:
-                    acc.add(clip_low=st.clip_low, clip_high=st.clip_high, kl=st.kl)
+                    acc.add(kl=st.kl)
                 progress.advance()
             flag = torch.tensor([float(bad_mb)], dtype=torch.float64)
             flag = dist.all_reduce_(flag.to(device) if cuda and dist.enabled else flag, "max")
@@ -582,7 +589,8 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         torch.cuda.synchronize(device)
     step_time = time.time() - t_loop
 
-    keys = {"sum": ["tokens", "entropy", "is_ratio", "is_capped", "lp_abs_diff", "clip_low", "clip_high", "kl"],
+    keys = {"sum": ["tokens", "entropy", "is_ratio", "is_capped", "lp_abs_diff", "clip_low", "clip_high", "clip_tokens",
+                    "kl"],
             "min": ["is_ratio"], "max": ["is_ratio", "lp_abs_diff"]}
     acc.reduce(dist, keys)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
@@ -647,10 +655,11 @@ def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_no
         "zero_variance_groups": adv.zero_variance_fraction,
         "groups": adv.num_groups,
         "completions": len(data.records),
+        "skipped_bad_lines": len(data.bad_lines),
         "advantage_abs_mean": float(adv.values.abs().mean()),
         "entropy": mean("entropy"),
-        "clip_ratio_low": mean("clip_low"),
-        "clip_ratio_high": mean("clip_high"),
+        "clip_ratio_low": acc.mean("clip_low", "clip_tokens"),
+        "clip_ratio_high": acc.mean("clip_high", "clip_tokens"),
         "is_ratio_mean": mean("is_ratio"),
         "is_ratio_min": acc.mins.get("is_ratio"),
         "is_ratio_max": acc.maxs.get("is_ratio"),
