@@ -3,6 +3,8 @@
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qerl_cli.errors import BadInputError
 from qerl_cli.rewards import (
@@ -197,3 +199,25 @@ def test_user_reward_module_function(tmp_path, monkeypatch):
 def test_get_reward_builtin():
     assert get_reward("gsm8k")("#### 3", "3") == 1.0
     assert get_reward("math").needs_answer and not get_reward("format").needs_answer
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.decimals(min_value=-10**7, max_value=10**7, places=3, allow_nan=False, allow_infinity=False),
+    commas=st.booleans(), dollar=st.booleans(), pad=st.integers(0, 2), unit=st.sampled_from(["", " dollars", " cm", "%"]),
+    boxed=st.booleans(),
+)
+def test_gsm8k_normalisation_property(value, commas, dollar, pad, unit, boxed):
+    """However a number is dressed up, it extracts to the same canonical form and is_correct agrees."""
+    from decimal import Decimal
+
+    text = f"{abs(value):,f}" if commas else f"{abs(value):f}"
+    if "." in text and pad:
+        text += "0" * pad
+    text = ("-" if value < 0 else "") + ("$" if dollar else "") + text + unit
+    completion = f"\\boxed{{{text}}}" if boxed else f"#### {text}"
+    got = extract_answer(completion, "gsm8k")
+    want = Decimal(value).normalize()
+    assert Decimal(got) == want, (completion, got)
+    assert is_correct(completion, format(want, "f"), "gsm8k")
+    assert not is_correct(completion, format(want + 1, "f"), "gsm8k")
