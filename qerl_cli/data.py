@@ -161,11 +161,38 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     )
 
 
-def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: list[str] | None = None) -> list[PromptRow]:
+def _dotted(raw: dict, key: str, where: str, flag: str):
+    """``raw["a"]["b"]`` for key ``a.b``; a missing key is an error naming the row and the flag."""
+    v: Any = raw
+    for part in key.split("."):
+        if not isinstance(v, dict) or part not in v:
+            keys = ", ".join(sorted(map(str, raw))) or "none"
+            raise BadInputError(f"{where}: row has no `{key}` (named by {flag}; keys: {keys})")
+        v = v[part]
+    return v
+
+
+def remap_row(raw: Any, where: str, prompt_key: str | None, answer_key: str | None) -> Any:
+    """Rename a dataset's own columns to ``prompt`` / ``answer`` (``--prompt-key`` / ``--answer-key``)."""
+    if not isinstance(raw, dict) or (prompt_key is None and answer_key is None):
+        return raw
+    raw = dict(raw)
+    if prompt_key is not None:
+        raw["prompt"] = _dotted(raw, prompt_key, where, "--prompt-key")
+        raw.pop("messages", None)
+    if answer_key is not None:
+        raw["answer"] = _dotted(raw, answer_key, where, "--answer-key")
+    return raw
+
+
+def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: list[str] | None = None,
+                 prompt_key: str | None = None, answer_key: str | None = None) -> list[PromptRow]:
     """All rows of a JSONL / JSON / Parquet prompt file, validated; ids unique.
 
     ``skip_bad_lines``: a row that is not JSON or not a valid prompt row is skipped and its error
     appended to ``bad_lines`` instead of raised (a missing or empty file still raises).
+    ``prompt_key`` / ``answer_key``: the dataset's own column names (dotted for nested fields,
+    e.g. ``reward_model.ground_truth``); the prompt column may hold text or a chat list.
     """
     path = Path(path)
     if not path.exists():
@@ -180,7 +207,7 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
     seen: dict[str, str] = {}
     for i, (where, raw) in enumerate(raw_rows):
         try:
-            row = parse_row(raw, where, i)
+            row = parse_row(remap_row(raw, where, prompt_key, answer_key), where, i)
             if row.id in seen:
                 raise BadInputError(f"{where}: id {row.id!r} already used at {seen[row.id]}", hint="ids must be unique")
         except BadInputError as e:

@@ -87,6 +87,8 @@ class RolloutConfig:
     prompts_per_step: int | None = None
     shuffle: bool = False
     skip_bad_lines: bool = False
+    prompt_key: str | None = None
+    answer_key: str | None = None
     prompt_template: str | None = None
     system_prompt: str | None = None
     chat_template: bool | None = None
@@ -398,7 +400,8 @@ def rollout(cfg: RolloutConfig) -> dict:
     reward_set = RewardSet.from_specs(cfg.rewards)
     template = load_template(cfg.prompt_template)
     bad_rows: list[str] = []
-    rows = load_prompts(cfg.prompts, skip_bad_lines=cfg.skip_bad_lines, bad_lines=bad_rows)
+    rows = load_prompts(cfg.prompts, skip_bad_lines=cfg.skip_bad_lines, bad_lines=bad_rows,
+                        prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
     selected = select_prompts(rows, cfg)
     if reward_set.needs_answer:
         missing = next((r for r in selected if r.answer is None), None)

@@ -166,3 +166,17 @@ def test_conversational_prompt_rows(tmp_path):
         load_prompts(p)
     row = load_prompts(p, skip_bad_lines=True)[0]
     assert row.messages == [{"role": "user", "content": "1+1?"}] and row.prompt is None and row.answer == "2"
+
+
+def test_prompt_and_answer_keys(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"input": "What is 3+4?", "meta": {"gold": 7}, "messages": [{"role": "user", "content": "ignored"}]},
+        {"input": [{"role": "user", "content": "chat"}], "meta": {"gold": "1"}},
+    ])
+    rows = load_prompts(p, prompt_key="input", answer_key="meta.gold")
+    assert (rows[0].prompt, rows[0].messages, rows[0].answer) == ("What is 3+4?", None, "7")
+    assert rows[1].messages == [{"role": "user", "content": "chat"}] and rows[1].answer == "1"
+    with pytest.raises(BadInputError, match=r"d.jsonl:1: row has no `meta.answer` \(named by --answer-key"):
+        load_prompts(p, answer_key="meta.answer")
+    with pytest.raises(BadInputError, match=r"d.jsonl:1: row has no `query` \(named by --prompt-key; keys: input, messages, meta\)"):
+        load_prompts(p, prompt_key="query")

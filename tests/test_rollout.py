@@ -362,3 +362,14 @@ def test_engine_vllm_without_vllm_is_one_line_error(model_dir, tmp_path):
     with pytest.raises(BadInputError, match=r"--engine vllm needs vLLM, which is not installed \(pip install 'qerl\[vllm\]'\)"):
         rollout(cfg_for(model_dir, tmp_path, engine="vllm"))
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_prompt_and_answer_key_flags(model_dir, tmp_path, fake_engine):
+    p = tmp_path / "custom.jsonl"
+    p.write_text("".join(json.dumps({"query": f"q{i}", "gold": {"v": i}}) + "\n" for i in range(3)))
+    args = ["rollout", "--model", str(model_dir), "--prompts", str(p), "--out", str(tmp_path / "o"), "-G", "2",
+            "--device", "cpu", "-q", "--prompt-key", "query", "--answer-key", "gold.v"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    recs = read_records(tmp_path / "o")
+    assert [(x["prompt"], x["answer"]) for x in recs[::2]] == [("q0", "0"), ("q1", "1"), ("q2", "2")]

@@ -61,6 +61,10 @@ def command(
                                "vllm (needs the extra: pip install 'qerl\\[vllm]'). Example: --engine vllm"),
     device: str = typer.Option("auto", "--device", help="auto (cuda if present), cpu, cuda or cuda:N. Example: --device cuda:1"),
     dtype: str = typer.Option("auto", "--dtype", help="Activation dtype: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32. Example: --dtype bf16"),
+    prompt_key: str | None = typer.Option(None, "--prompt-key", help="Column holding the prompt (text or chat list) when it "
+                                          "is not `prompt`/`messages`/`question`/`problem`; dotted for nested fields. Example: --prompt-key input"),
+    answer_key: str | None = typer.Option(None, "--answer-key", help="Column holding the reference when it is not `answer`; "
+                                          "dotted for nested fields. Example: --answer-key reward_model.ground_truth"),
     prompt_template: str | None = typer.Option(None, "--prompt-template", help="Wrap each prompt: a string with "
                                                   "{prompt}, or a file holding one. Example: --prompt-template 'Solve: {prompt}\\nEnd with #### N.'"),
     system_prompt: str | None = typer.Option(None, "--system-prompt", help="System message added when the chat template is used. Example: --system-prompt 'Think step by step.'"),
@@ -86,7 +90,7 @@ def command(
         aqn_sigma_end=aqn_sigma_end, aqn_stages=aqn_stages, total_steps=total_steps, run_seed=run_seed,
         shard_index=shard_index, num_shards=num_shards, engine=engine, seed=seed, device=device, dtype=dtype,
         max_prompts=max_prompts, prompts_per_step=prompts_per_step, shuffle=shuffle, skip_bad_lines=skip_bad_lines,
-        prompt_template=prompt_template, system_prompt=system_prompt, chat_template=chat_template,
+        prompt_key=prompt_key, answer_key=answer_key, prompt_template=prompt_template, system_prompt=system_prompt, chat_template=chat_template,
         max_model_len=max_model_len, long_prompts=long_prompts, max_num_seqs=max_num_seqs,
         batch_prompts=batch_prompts, force=force, progress=not quiet,
     )
