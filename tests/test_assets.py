@@ -192,3 +192,23 @@ def test_recipe_rebuilds_the_bundled_tokenizer_exactly():
     assert built["model"]["vocab"] == bundled["model"]["vocab"]
     assert built["model"]["merges"] == bundled["model"]["merges"]
     assert built["pre_tokenizer"] == bundled["pre_tokenizer"]
+
+
+def test_package_data_ships_every_asset_file():
+    """A non-editable install must carry the model and task files (pyproject package-data)."""
+    import fnmatch
+    import tomllib
+
+    from qerl_cli.assets import ASSETS_DIR
+
+    pyproject = ASSETS_DIR.parents[1] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("not a source tree")
+    data = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+    assert "qerl_cli.assets" in data["packages"] and "qerl_cli.tasks" in data["packages"]
+    patterns = data["package-data"]["qerl_cli.assets"]
+    files = [p.relative_to(ASSETS_DIR).as_posix() for p in ASSETS_DIR.rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".py"]
+    assert files
+    for f in files:
+        assert any(fnmatch.fnmatch(f, pat) for pat in patterns), f"{f} not covered by {patterns}"
