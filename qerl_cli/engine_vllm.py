@@ -78,7 +78,8 @@ def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tu
 def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p: float, max_new_tokens: int,
                          stop: Sequence[str], seed: int) -> dict:
     """qerl sampling flags -> keyword arguments of ``vllm.SamplingParams`` (``n`` is added per call)."""
-    return dict(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1, min_p=min_p,
+    # vLLM >= 0.10 (the extra's floor) reads top_k 0 as "off", like qerl.
+    return dict(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
                 max_tokens=max_new_tokens, stop=list(stop) or None, seed=seed, logprobs=0)
 
 

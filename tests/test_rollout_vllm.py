@@ -69,7 +69,7 @@ def test_other_norm_classes_are_not_matched():
 
 def test_sampling_params_mapping():
     kw = vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_new_tokens=32, stop=(), seed=3)
-    assert kw == dict(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, max_tokens=32, stop=None, seed=3, logprobs=0)
+    assert kw == dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=32, stop=None, seed=3, logprobs=0)
 
 
 @pytest.mark.gpu
