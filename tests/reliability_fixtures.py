@@ -100,6 +100,11 @@ def assert_one_line_error(result, code: int, *needles: str) -> str:
     assert "Traceback" not in stderr and "Traceback" not in (result.stdout or "")
     for n in needles:
         assert n in lines[0], (n, lines[0])
+    log = os.environ.get("QERL_RELIABILITY_LOG")  # collects observed outcomes for docs/reliability.md
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], "exit": got,
+                                "stderr": lines[0]}) + "\n")
     return lines[0]
 
 

@@ -146,6 +146,58 @@ def test_truncated_manifest_is_not_done(tmp_path):
         run()
 
 
+def test_replace_uses_an_atomic_exchange_here(tmp_path):
+    from qerl_cli.outputs import _exchange
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    assert _exchange(tmp_path / "a", tmp_path / "b")  # Linux renameat2(RENAME_EXCHANGE) on this file system
+    assert (tmp_path / "b" / "x").read_text() == "a" and not (tmp_path / "a" / "x").exists()
+
+
+def test_crash_between_the_two_renames_of_the_fallback_is_repaired(tmp_path, monkeypatch):
+    """Where RENAME_EXCHANGE is unsupported a replace takes two renames; a crash between them leaves
+    --out missing: the next run puts the old output back before deciding anything."""
+    import qerl_cli.outputs as outputs
+
+    class Crash(BaseException):
+        pass
+
+    def make(cfg, force=False):
+        return StageOutput(tmp_path / "o", "demo", config=cfg, inputs={}, force=force)
+
+    so = make({"v": 1})
+    assert not so.already_done()
+    with so as w:
+        (w / "f").write_text("old")
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+
+    def crash_at(name):
+        if name == "mid-swap":
+            raise Crash
+
+    monkeypatch.setattr(outputs, "crash_point", crash_at)
+    so = make({"v": 2}, force=True)
+    assert not so.already_done()
+    with pytest.raises(Crash):
+        with so as w:
+            (w / "f").write_text("new")
+    assert not (tmp_path / "o").exists()  # the window: old output renamed away, new one not yet in
+    monkeypatch.setattr(outputs, "crash_point", lambda name: None)
+    assert make({"v": 1}).already_done()  # repaired: the old output is back, intact
+    assert (tmp_path / "o" / "f").read_text() == "old"
+    so = make({"v": 2}, force=True)
+    assert not so.already_done()
+    with so as w:
+        (w / "f").write_text("new")
+    assert (tmp_path / "o" / "f").read_text() == "new"
+    # The "crashed" run's temp dir is cleaned once its process is dead; this process is alive.
+    import os
+
+    assert [x.name for x in tmp_path.iterdir() if not x.name.startswith(f".o.tmp-{os.getpid()}-")] == ["o"]
+
+
 # ---- idempotent reruns ------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", STAGES)
 def test_rerun_is_already_done_and_changes_need_force(p, tmp_path, stage):
