@@ -57,9 +57,15 @@ def recompute_logprobs(model, rec):
     return [logp[n - 1 + t, tok].item() for t, tok in enumerate(rec["completion_token_ids"])]
 
 
-def test_records_match_the_training_forward(model_dir, prompts, tmp_path):
-    res = rollout(cfg(model_dir, prompts, tmp_path / "o"))
-    recs = read_records(tmp_path / "o")
+@pytest.fixture(scope="module")
+def full_run(model_dir, prompts, tmp_path_factory):
+    """One uninterrupted run, shared by the tests that compare against it."""
+    out = tmp_path_factory.mktemp("full") / "o"
+    return rollout(cfg(model_dir, prompts, out)), read_records(out)
+
+
+def test_records_match_the_training_forward(model_dir, prompts, tmp_path, full_run):
+    res, recs = full_run
     assert len(recs) == 8 * G and res["summary"]["groups"] == 8
     assert [r["prompt_id"] for r in recs[::G]] == [f"q{i}" for i in range(8)]
     assert {r["policy"]["base"] for r in recs} == {model_hash(model_dir)} and recs[0]["engine"] == "native"
@@ -81,9 +87,8 @@ def test_two_shards_cover_all_prompts_disjointly(model_dir, prompts, tmp_path):
     assert set(ids[0]).isdisjoint(ids[1]) and sorted(ids[0] + ids[1]) == sorted(f"q{i}" for i in range(8))
 
 
-def test_resume_after_crash_gives_the_uninterrupted_records(model_dir, prompts, tmp_path, monkeypatch):
-    rollout(cfg(model_dir, prompts, tmp_path / "full"))
-    want = read_records(tmp_path / "full")
+def test_resume_after_crash_gives_the_uninterrupted_records(model_dir, prompts, tmp_path, monkeypatch, full_run):
+    want = full_run[1]
     real = ro.ShardWriter.write_group
     n = {"groups": 0}
 
