@@ -72,6 +72,22 @@ def test_sampling_params_mapping():
     assert kw == dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=32, stop=None, seed=3, logprobs=0)
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'qerl[vllm]'); the vLLM engine is untested here")
+def test_vllm_api_we_rely_on_exists():
+    """Without a GPU: the vLLM names and arguments engine_vllm uses are the installed vLLM's."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    sp = vllm.SamplingParams(n=2, **vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0,
+                                                          max_new_tokens=8, stop=("\n",), seed=1))
+    assert sp.n == 2 and sp.logprobs == 0 and sp.seed == 1
+    assert callable(getattr(vllm.LLM, "apply_model", None))
+    assert TokensPrompt(prompt_token_ids=[1, 2])["prompt_token_ids"] == [1, 2]
+    assert LoRARequest("a", 1, "/tmp").lora_int_id == 1 and isinstance(RMSNorm, type)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'qerl[vllm]'); the vLLM engine is untested here")
 def test_vllm_rollout_end_to_end(tmp_path):
