@@ -98,15 +98,18 @@ def block_scales(w: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values (already scaled into [-6, 6]) -> E2M1 codes, round-half-to-even."""
+    """fp32 values (already scaled into [-6, 6]) -> E2M1 codes, round-half-to-even.
+
+    The sign bit is set for every x < 0, including values that round to zero (code 8, -0), and
+    not for -0.0 itself: compressed-tensors does the same (it multiplies by ``sign(x)``).
+    """
     x = torch.clamp(x, -FP4_MAX, FP4_MAX)
     mag = x.abs()
     bounds = torch.tensor(_BOUNDS, dtype=mag.dtype, device=mag.device)
-    idx = torch.bucketize(mag, bounds, right=False)  # mag <= b goes to the lower bucket
-    # Ties: on an exact bound, `bucketize(right=False)` picks the lower index; fix the bounds
-    # whose lower neighbour has an odd code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0).
-    for b, upper in ((0.75, 2), (1.75, 4), (3.5, 6)):
-        idx = torch.where(mag == b, torch.full_like(idx, upper), idx)
+    idx = torch.bucketize(mag, bounds, right=False, out_int32=True)  # mag <= b goes to the lower bucket
+    # Ties: on an exact bound, `bucketize(right=False)` picks the lower index; the bounds whose
+    # lower neighbour has an odd code (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) go one up instead.
+    idx += ((mag == 0.75) | (mag == 1.75) | (mag == 3.5)).to(torch.int32)
     sign = (x < 0).to(torch.uint8) << 3
     return idx.to(torch.uint8) | sign
 

@@ -402,3 +402,15 @@ def test_no_thread_or_file_handle_leak_on_failure(tmp_path):
             run(src, tmp_path / "out")
     after = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
     assert after <= before
+
+
+def test_row_blocks_give_the_same_bytes_as_one_call():
+    from qerl_cli.quantize import _quantize_in_row_blocks
+
+    w = (torch.randn(600, 8192, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    g = R.global_scale_for(w.abs().amax())
+    packed, scale, err = _quantize_in_row_blocks(w, g)  # 512-row blocks on CPU: two of them
+    p, s, _ = R.quantize(w, g)
+    assert torch.equal(packed, p) and torch.equal(scale.view(torch.uint8), s.view(torch.uint8))
+    d = R.dequantize(p, s, g, torch.float32)
+    assert abs(err - float((d - w.float()).norm() / w.float().norm())) < 1e-5
