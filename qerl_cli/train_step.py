@@ -375,6 +375,9 @@ def train_step(cfg: TrainStepConfig) -> dict:
         raise BadInputError(f"--adapter {cfg.adapter} is not a directory")
     if not Path(cfg.model).is_dir():
         raise BadInputError(f"--model {cfg.model} is not a directory")
+    if cfg.adapter is not None and Path(cfg.out).resolve() == Path(cfg.adapter).resolve():
+        # Overwriting the input adapter would make the step impossible to rerun or resume.
+        raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
     device = _resolve_device(cfg.device)
     dtype = _resolve_dtype(cfg.dtype, device)
 

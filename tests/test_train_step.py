@@ -259,6 +259,8 @@ def test_adapter_that_does_not_fit(models, tmp_path):
     sh1 = make_shard(tmp_path / "sh1", models["qhash"], adapter_hash=adapter_hash(a1), step=1)
     with pytest.raises(BadInputError, match="--lora-rank 8 does not fit --adapter"):
         train_step(_cfg(models["q"], [sh1], tmp_path / "out", adapter=a1, lora_rank=8))
+    with pytest.raises(BadInputError, match="is the --adapter directory"):
+        train_step(_cfg(models["q"], [sh1], a1, adapter=a1))
     # tensors of the wrong shape inside the adapter itself
     from safetensors.torch import load_file, save_file
 
