@@ -13,7 +13,7 @@ count changes.
 | ``grpo`` | ``1 / (n_b * N)``: mean over each sequence, then over sequences (long answers diluted) |
 | ``dapo`` | ``1 / sum_b n_b``: token mean over the whole step (default; DAPO) |
 | ``dr_grpo`` | ``1 / (N * L_max)``: constant, ``L_max`` = max completion length (Dr. GRPO) |
-| ``bnpo`` | ``1 / (tokens of b's micro-batch * M)``: token mean per micro-batch, mean over M micro-batches (TRL's bnpo) |
+| ``bnpo`` | ``1 / (tokens of b's micro-batch * M)``: token mean per micro-batch, mean over the M micro-batches that have trained tokens (TRL's bnpo) |
 
 N counts masked (``--mask-truncated``) sequences too, as TRL does: they add zero, not shrink N.
 
