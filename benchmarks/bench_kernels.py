@@ -186,7 +186,7 @@ def main(argv=None) -> int:
         d = ShapeData(n, k, seed=n + k)
         from qerl_kernels.dequant import nvfp4_dequantize
 
-        us = time_graph([lambda i=i: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs) for i in range(d.r4)])
+        us = time_graph([lambda i=i, d=d: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs) for i in range(d.r4)])
         log({"op": "dequant", "model": model, "layer": layer, "N": n, "K": k, "us": round(us, 2),
              "TBps": round(n * k * (0.5625 + 2) / us / 1e6, 2)})
         for m in ms:
@@ -332,8 +332,8 @@ def render(results, command: str) -> str:
     for m in ms:
         sp = [r["speedup"] for r in fwd if r["M"] == m]
         gm = math.exp(sum(math.log(s) for s in sp) / len(sp))
-        tgt = TARGETS.get(m)
-        out.append(f"| {m} | {gm:.2f}x | {min(sp):.2f}x | {'>= %.1fx' % tgt if tgt else '-'} |")
+        tgt = f">= {TARGETS[m]:.1f}x" if m in TARGETS else "-"
+        out.append(f"| {m} | {gm:.2f}x | {min(sp):.2f}x | {tgt} |")
     if bwd:
         sp = [r["speedup"] for r in bwd]
         gm = math.exp(sum(math.log(s) for s in sp) / len(sp))

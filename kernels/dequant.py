@@ -16,8 +16,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_word_tile, fast_decode_supported, join8
+from qerl_kernels.decode import (
+    FAST_EPILOGUE,
+    PORTABLE_EPILOGUE,
+    decode_word_tile,
+    fast_decode_supported,
+    join8,
+)
 
 
 def as_words(packed: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_tile, fast_decode_supported
 from qerl_kernels.dequant import nvfp4_dequantize
 from qerl_kernels.tile_configs import BwdConfig, bwd_config

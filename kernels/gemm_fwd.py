@@ -27,14 +27,17 @@ matters at decode sizes, where a GEMM takes a few microseconds.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_word_tile, fast_decode_supported, join8, split8
+from qerl_kernels.decode import (
+    FAST_EPILOGUE,
+    PORTABLE_EPILOGUE,
+    decode_word_tile,
+    fast_decode_supported,
+    join8,
+    split8,
+)
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
 from qerl_kernels.tile_configs import FwdConfig, fwd_config
 
@@ -156,27 +159,6 @@ def _nvfp4_fwd_kernel(
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out.to(Y.dtype.element_ty), mask=omask)
 
 
-# The same kernel compiled with Triton's MMAv3 (wgmma) lowering disabled: mma.sync takes both
-# operands from registers, where the decoded tiles already are, while Triton's wgmma path stages
-# each per-nibble tile through shared memory and waits on every dot. A separate JITFunction keeps
-# its own compiled-kernel cache; DISABLE_MMA_V3 is one of Triton's cache-invalidating variables,
-# so the on-disk cache keeps the two variants apart.
-_nvfp4_fwd_kernel_mma2 = triton.jit(_nvfp4_fwd_kernel.fn, do_not_specialize=["M"])
-
-
-@contextlib.contextmanager
-def _mma_v2_only():
-    old = os.environ.get("DISABLE_MMA_V3")
-    os.environ["DISABLE_MMA_V3"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("DISABLE_MMA_V3", None)
-        else:
-            os.environ["DISABLE_MMA_V3"] = old
-
-
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
     if x.ndim != 2 or packed.ndim != 2:
         raise ValueError(f"want x [M, K] and packed [N, K/2], got {tuple(x.shape)} and {tuple(packed.shape)}")
@@ -231,16 +213,14 @@ def nvfp4_matmul(
         cnt = _tile_counters(x.device)
     else:
         ws, cnt = y, y  # unused (SPLIT is a constexpr False)
-    kernel = _nvfp4_fwd_kernel_mma2 if cfg.mma2 else _nvfp4_fwd_kernel
-    with _mma_v2_only() if cfg.mma2 else contextlib.nullcontext():
-        kernel[(grid_mn, split)](
-            x, words, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
-            y, ws, cnt,
-            m, n, kw, k_per_split,
-            x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
-            BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
-            SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
-            EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join,
-            num_warps=cfg.warps, num_stages=cfg.stages,
-        )
+    _nvfp4_fwd_kernel[(grid_mn, split)](
+        x, words, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        y, ws, cnt,
+        m, n, kw, k_per_split,
+        x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
+        BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
+        SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
+        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
     return y

@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-
 from qerl_kernels import reference
 
 

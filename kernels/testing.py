@@ -10,7 +10,6 @@ on CPU (the only way to test kernel indexing without a GPU), on a GPU the sm_90 
 from __future__ import annotations
 
 import torch
-
 from qerl_kernels import reference
 
 
@@ -78,7 +77,6 @@ INTERP_CASES = [
     ("fwd_m100_nt", "fwd", 100, 24, 48, "float16", dict(bm=32, bn=16, bkw=16), True),
     ("fwd_m1000_nt", "fwd", 1000, 24, 48, "float32", dict(bm=64, bn=32, bkw=16, group_m=4), False),
     ("fwd_m100_swap_split2", "fwd", 100, 72, 272, "float32", dict(bm=32, bn=32, bkw=16, split_k=2, swap=True), True),
-    ("fwd_m17_mma2_split2", "fwd", 17, 24, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, warps=4, mma2=True), True),
     ("fwd_m3_join_split2", "fwd", 3, 40, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, join=True), True),
     ("fwd_m100_join_nt", "fwd", 100, 72, 144, "float32", dict(bm=32, bn=32, bkw=16, join=True), False),
     ("fwd_m1000_dequant", "fwd", 1000, 40, 144, "float32", dict(bm=0, bn=0, bkw=0, dequant=True), True),

@@ -6,12 +6,12 @@ table measured once on an H100 (``benchmarks/bench_kernels.py --sweep`` prints i
 plus a shape heuristic gives a config instantly and deterministically; an unknown shape gets the
 heuristic, which follows the same rules the sweep picked for the known shapes.
 
-Rules (why the shapes are what they are):
-- M <= 64: weight-read-bound. ``swap`` computes Y^T = W X^T so the decoded weight tile is the
-  MMA's M operand (>= 64 rows for wgmma) and the few activation rows are its N (16..64).
+Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
+- M <= 32: weight-read-bound. ``swap`` computes Y^T = W X^T so the decoded weight tile is the
+  wgmma's 64-row operand (from registers) and the few activation rows are its N (16..32).
   Split-K fills the 132 SMs when N / BLOCK_N tiles alone are too few.
-- M >= 128: compute-bound. BLOCK_M a multiple of 64 so Triton emits wgmma; each decoded
-  weight tile is reused across BLOCK_M rows.
+- M = 64..256: ``join`` tiles (one async wgmma per K step) win, BLOCK_M 64/128.
+- M >= 256 (fwd) / 512 (grad-input): decode once to bf16 and call cuBLAS (``dequant``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class FwdConfig:
     swap: bool = False
     group_m: int = 8
     dequant: bool = False  # decode W to a transient bf16 buffer and let cuBLAS do the GEMM
-    mma2: bool = False  # compile with wgmma disabled (mma.sync from registers) even at >= 4 warps
     join: bool = False  # re-interleave decoded tiles into K order: one dot per step, async wgmma
 
     def as_dict(self) -> dict:
@@ -57,7 +56,7 @@ class BwdConfig:
 DEQUANT = FwdConfig(bm=0, bn=0, bkw=0, dequant=True)
 BWD_DEQUANT = BwdConfig(bm=0, bn=0, bkh=0, dequant=True)
 # Above these M the fused kernels lose to decode-once + cuBLAS (heuristic; the table overrides).
-DEQUANT_MIN_M = 512
+DEQUANT_MIN_M = 256
 BWD_DEQUANT_MIN_M = 512
 
 
@@ -95,13 +94,13 @@ def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> Fwd
     if m >= DEQUANT_MIN_M:
         return DEQUANT
     if m <= 16:
-        cfg = FwdConfig(bm=16, bn=64, bkw=16, warps=2, stages=4, swap=True)
+        cfg = FwdConfig(bm=16, bn=128, bkw=16, warps=4, stages=3, swap=True)
     elif m <= 32:
-        cfg = FwdConfig(bm=32, bn=64, bkw=16, warps=2, stages=4, swap=True)
+        cfg = FwdConfig(bm=32, bn=128, bkw=16, warps=4, stages=4, swap=True)
     elif m <= 64:
-        cfg = FwdConfig(bm=64, bn=64, bkw=16, warps=2, stages=4, swap=True)
+        cfg = FwdConfig(bm=64, bn=64, bkw=16, warps=4, stages=4, join=True)
     else:
-        cfg = FwdConfig(bm=64, bn=64, bkw=16, warps=2, stages=4)
+        cfg = FwdConfig(bm=128, bn=128, bkw=16, warps=8, stages=3, join=True)
     split = choose_split(m, n, k, cfg, num_sms)
     return FwdConfig(**{**cfg.as_dict(), "split_k": split})
 
@@ -125,37 +124,22 @@ def bwd_config(m: int, n: int, k: int) -> BwdConfig:
 def fwd_candidates(m: int) -> list[FwdConfig]:
     """Configs the sweep times for one M bucket (split_k filled in per shape by ``choose_split``).
 
-    ``warps`` < 4 makes Triton use mma.sync (MMAv2) instead of wgmma: with the decoded weights
-    produced in registers, mma.sync takes both operands from registers, while Triton's wgmma path
-    stages the per-nibble operand tiles through shared memory and waits on every dot.
+    Pruned to the families that won at least one point of the 2026-11-22 H100 sweep; mma.sync
+    variants (num_warps < 4, or wgmma disabled) and 1-2 warp programs never did and were removed.
     """
     if m <= 16:
         return [
-            FwdConfig(16, 64, 16, warps=2, stages=4, swap=True),
-            FwdConfig(16, 128, 16, warps=2, stages=4, swap=True),
-            FwdConfig(16, 64, 32, warps=2, stages=3, swap=True),
-            FwdConfig(16, 32, 32, warps=1, stages=4, swap=True),
-            FwdConfig(16, 64, 16, warps=2, stages=4, swap=False),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True),
-            FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, mma2=True),
-            FwdConfig(16, 64, 16, warps=4, stages=2, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True),
+            FwdConfig(16, 64, 16, warps=4, stages=2, swap=True),
             FwdConfig(16, 256, 16, warps=8, stages=3, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, join=True),
-            FwdConfig(16, 64, 32, warps=4, stages=3, swap=True, join=True),
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, join=True),
-            FwdConfig(16, 64, 16, warps=2, stages=4, swap=True, join=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
         return [
-            FwdConfig(bm, 64, 16, warps=2, stages=4, swap=True),
-            FwdConfig(bm, 64, 16, warps=2, stages=4, swap=False),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True),
-            FwdConfig(bm, 64, 32, warps=2, stages=3, swap=True),
-            FwdConfig(bm, 32, 16, warps=1, stages=4, swap=True),
-            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, mma2=True),
-            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=False, mma2=True),
             FwdConfig(bm, 128, 32, warps=4, stages=3, swap=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, join=True),
             FwdConfig(bm, 64, 32, warps=4, stages=3, swap=True, join=True),
@@ -163,14 +147,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         ]
     if m <= 256:
         return [
-            FwdConfig(64, 64, 16, warps=2, stages=4),
-            FwdConfig(64, 128, 16, warps=4, stages=4),
             FwdConfig(128, 128, 16, warps=8, stages=3),
-            FwdConfig(128, 64, 16, warps=4, stages=4, swap=True),
-            FwdConfig(64, 64, 16, warps=2, stages=4, swap=True),
-            FwdConfig(64, 128, 16, warps=4, stages=4, mma2=True),
-            FwdConfig(128, 128, 16, warps=8, stages=3, mma2=True),
-            FwdConfig(128, 64, 16, warps=4, stages=4, mma2=True),
             FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
             FwdConfig(64, 128, 16, warps=4, stages=4, join=True),
             FwdConfig(128, 64, 16, warps=4, stages=4, swap=True, join=True),
@@ -178,8 +155,6 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         ]
     return [
         DEQUANT,
-        FwdConfig(128, 128, 16, warps=8, stages=3),
-        FwdConfig(128, 128, 16, warps=8, stages=3, mma2=True),
         FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
     ]

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from qerl_kernels.testing import TOL, grad_check, run_case
 from qerl_kernels.tile_configs import bwd_candidates, fwd_candidates
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from qerl_kernels.testing import INTERP_CASES
 
 pytest.importorskip("triton")
@@ -46,8 +45,8 @@ def interp_results():
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c[0] for c in INTERP_CASES])
 def test_kernel_matches_reference_in_interpreter(interp_results, case):
-    from qerl_kernels.testing import TOL
     import torch
+    from qerl_kernels.testing import TOL
 
     name, dtype = case[0], case[5]
     err = interp_results[name]
@@ -57,8 +56,8 @@ def test_kernel_matches_reference_in_interpreter(interp_results, case):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_autograd_through_kernel_matches_reference(interp_results, dtype):
-    from qerl_kernels.testing import TOL
     import torch
+    from qerl_kernels.testing import TOL
 
     res = interp_results["grad_" + dtype]
     assert not isinstance(res, str), res

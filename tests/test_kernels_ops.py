@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
 from qerl_kernels import reference
 from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
-from qerl_kernels.testing import grad_check, random_nvfp4, rel_err, reference_fwd
+from qerl_kernels.testing import grad_check, random_nvfp4, reference_fwd, rel_err
 
 
 def test_leading_dims_and_bias_match_reference():
