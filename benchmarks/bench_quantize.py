@@ -27,13 +27,11 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -81,6 +79,7 @@ def tensor_shapes(s: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def make_checkpoint(out: Path, shape_name: str, device: str, shard_bytes: int = 4 * 10**9) -> dict:
     """Random bf16 checkpoint with HF names/config; generated on ``device``; skipped if complete."""
+    import torch
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
@@ -157,16 +156,31 @@ def evict_page_cache(d: Path) -> bool:
 
 
 def timed(cmd: list[str], env=None) -> tuple[float, str]:
-    """Wall time of a subprocess; its peak RSS lands in ``PEAK_RSS_GB[0]`` (max over children so far)."""
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    dt = time.perf_counter() - t0
-    PEAK_RSS_GB[0] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
-    if r.returncode != 0:
-        raise SystemExit(
-            f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-        )
-    return dt, r.stdout + r.stderr
+    """Wall time of a subprocess; that child's own peak RSS (from wait4) lands in ``PEAK_RSS_GB[0]``.
+
+    The parent keeps torch out of its memory (checkpoints are generated in a child too): a
+    vforked child's peak RSS is reported as at least its parent's.
+    """
+    with tempfile.TemporaryFile() as log:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(p.pid, 0)
+        dt = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+    PEAK_RSS_GB[0] = usage.ru_maxrss / 1e6
+    if p.returncode != 0:
+        raise SystemExit(f"command failed ({p.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
+    return dt, text
+
+
+def make_in_child(out: Path, shape: str, device: str) -> dict:
+    subprocess.run(
+        [sys.executable, __file__, "make", "--out", str(out), "--shape", shape, "--device", device],
+        check=True,
+    )
+    return json.loads((out / ".complete").read_text())
 
 
 def qerl_cmd(src: Path, out: Path, device: str) -> list[str]:
@@ -185,9 +199,14 @@ def qerl_cmd(src: Path, out: Path, device: str) -> list[str]:
 
 
 def machine() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+    """Versions and hardware, read in a child process so this one never imports torch."""
+    code = (
+        "import json, os, platform, torch; i = {'python': platform.python_version(), 'torch': torch.__version__,"
+        " 'cpus': os.cpu_count()}\n"
+        "if torch.cuda.is_available(): i['gpu'] = torch.cuda.get_device_name(0)\n"
+        "print(json.dumps(i))"
+    )
+    info = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
     try:
         info["cpu"] = next(
             line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
@@ -204,7 +223,7 @@ def summary_of(out: Path) -> dict:
 def bench_gpu(args) -> dict:
     work = Path(args.workdir)
     src, out = work / f"{args.shape}-random", work / f"{args.shape}-nvfp4"
-    info = make_checkpoint(src, args.shape, args.device)
+    info = make_in_child(src, args.shape, args.device)
     runs = []
     for mode in ("cold", "warm"):
         evicted = evict_page_cache(src) if mode == "cold" else False
@@ -215,7 +234,7 @@ def bench_gpu(args) -> dict:
                 "evicted": evicted,
                 "seconds": round(dt, 2),
                 "gb_per_s": round(info["bytes"] / 1e9 / dt, 2),
-                "peak_rss_gb_max_so_far": round(PEAK_RSS_GB[0], 2),
+                "peak_rss_gb": round(PEAK_RSS_GB[0], 2),
             }
         )
     s = summary_of(out)
@@ -256,6 +275,7 @@ print("llmc_inner_s", time.perf_counter() - t0)
 
 def compare_outputs(a: Path, b: Path) -> dict:
     """Tensor-by-tensor comparison of two NVFP4 checkpoints (qerl vs llm-compressor)."""
+    import torch
     from safetensors.torch import load_file
 
     def load(d):
@@ -273,7 +293,7 @@ def compare_outputs(a: Path, b: Path) -> dict:
 def bench_cpu(args) -> dict:
     work = Path(args.workdir)
     src, out = work / f"{args.shape}-random", work / f"{args.shape}-nvfp4"
-    info = make_checkpoint(src, args.shape, "cpu")
+    info = make_in_child(src, args.shape, "cpu")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     dt, _ = timed(qerl_cmd(src, out, "cpu"), env=env)
     res = {
@@ -315,6 +335,7 @@ def bench_cpu(args) -> dict:
             res["llmcompressor_error"] = str(e)[-2000:]
             return res
         res["llmcompressor"] = {
+            "peak_rss_gb": round(PEAK_RSS_GB[0], 2),
             "seconds": round(ldt, 2),
             "params_per_s": round(info["params"] / ldt),
             "versions": ver,
@@ -339,8 +360,8 @@ def render(results: list[dict]) -> str:
                 f"{s['quantized_linears']} Linears. End to end = process start to exit (reads, GPU quantize, "
                 "writes, sha256 of outputs for the manifest).",
                 "",
-                "| source in page cache | wall time | source GB/s |",
-                "| --- | ---: | ---: |",
+                "| source in page cache | wall time | source GB/s | peak RSS of the qerl process |",
+                "| --- | ---: | ---: | ---: |",
             ]
             for run in r["runs"]:
                 label = (
@@ -348,8 +369,9 @@ def render(results: list[dict]) -> str:
                     if run["mode"] == "cold" and run["evicted"]
                     else run["mode"]
                 )
+                rss = f"{run['peak_rss_gb']} GB" if "peak_rss_gb" in run else "not measured"
                 lines.append(
-                    f"| {'yes' if run['mode'] == 'warm' else label} | {run['seconds']:.1f} s | {run['gb_per_s']} |"
+                    f"| {'yes' if run['mode'] == 'warm' else label} | {run['seconds']:.1f} s | {run['gb_per_s']} | {rss} |"
                 )
             lines += ["", f"Command: `{r['command']}` (via `python benchmarks/bench_quantize.py gpu`).", ""]
         else:
@@ -357,9 +379,10 @@ def render(results: list[dict]) -> str:
                 f"### {r['model']['shape']}-shaped random bf16 checkpoint on CPU ({m.get('cpu', '?')}, {m['cpus']} cores, "
                 f"{r['date']})",
                 "",
-                "| tool | wall time | params/s |",
-                "| --- | ---: | ---: |",
-                f"| qerl quantize --device cpu | {r['qerl']['seconds']:.1f} s | {r['qerl']['params_per_s'] / 1e6:.1f} M |",
+                "| tool | wall time | params/s | peak RSS |",
+                "| --- | ---: | ---: | ---: |",
+                f"| qerl quantize --device cpu | {r['qerl']['seconds']:.1f} s | {r['qerl']['params_per_s'] / 1e6:.1f} M | "
+                f"{r['qerl'].get('peak_rss_gb', '?')} GB |",
             ]
             if "llmcompressor_error" in r:
                 lines += ["", f"llm-compressor did not run: `{r['llmcompressor_error'].splitlines()[-1]}`"]
@@ -367,7 +390,7 @@ def render(results: list[dict]) -> str:
                 lc = r["llmcompressor"]
                 lines.append(
                     f"| llm-compressor oneshot NVFP4A16 ({lc['versions'].split()[0]}) | {lc['seconds']:.1f} s | "
-                    f"{lc['params_per_s'] / 1e6:.1f} M |"
+                    f"{lc['params_per_s'] / 1e6:.1f} M | {lc.get('peak_rss_gb', '?')} GB |"
                 )
                 bi = r["bit_identity_vs_llmcompressor"]
                 lines += [
@@ -413,11 +436,18 @@ def main() -> None:
     c.add_argument(
         "--llmcompressor-python", default=None, help="python of a venv with llmcompressor installed"
     )
+    mk = sub.add_parser("make", help="only write a random checkpoint (used by gpu/cpu in a child process)")
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    mk.add_argument("--device", default="cpu")
     w = sub.add_parser("write-docs", help="render result JSONs into docs/benchmarks.md '## quantize'")
     w.add_argument("results", nargs="+")
     args = ap.parse_args()
     if args.cmd == "write-docs":
         write_docs(args.results)
+        return
+    if args.cmd == "make":
+        print(json.dumps(make_checkpoint(Path(args.out), args.shape, args.device)))
         return
     res = bench_gpu(args) if args.cmd == "gpu" else bench_cpu(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
