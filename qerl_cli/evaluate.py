@@ -226,7 +226,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     try:
         rows = load_prompts(cfg.dataset)
     except BadInputError as e:
-        raise BadInputError(f"--dataset: {e}") from None
+        # Not e's hint: it offers --skip-bad-lines, which eval does not have (every problem counts).
+        raise BadInputError(f"--dataset: {e.args[0]}", hint="eval scores every row: fix or remove it") from None
     if cfg.max_problems:
         rows = rows[: cfg.max_problems]
     missing = next((r for r in rows if r.answer is None), None)
