@@ -239,7 +239,8 @@ def test_rollout_and_eval_empty_prompt_file(p, tmp_path, content):
 
 def test_eval_dataset_errors_name_file_and_line(p, tmp_path):
     ds = write_jsonl(tmp_path / "ds.jsonl", BAD_LINES)
-    assert_one_line_error(invoke(eval_args(p["q"], ds, tmp_path / "out")), 2, "ds.jsonl:2", "not valid JSON")
+    msg = assert_one_line_error(invoke(eval_args(p["q"], ds, tmp_path / "out")), 2, "ds.jsonl:2", "not valid JSON")
+    assert "--skip-bad-lines" not in msg  # eval has no such flag: the hint must not offer it
     ds = write_jsonl(tmp_path / "ds2.jsonl", [ANSWERED_ROWS[0], {"prompt": "no answer here"}])
     assert_one_line_error(invoke(eval_args(p["q"], ds, tmp_path / "out")), 2, "ds2.jsonl:2", "answer")
     nothing_written(tmp_path)
