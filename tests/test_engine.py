@@ -195,3 +195,12 @@ def test_adapter_values_changed_after_engine_creation_are_used(tiny):
     assert toks(changed) == toks(fresh) != toks(base)
     with lora_disabled(model), pytest.raises(RuntimeError, match="build a new LLMEngine"):
         engine.generate(PROMPTS[:1], _greedy(2), n=1)
+
+
+def test_two_engines_on_one_model_do_not_share_caches(tiny):
+    model = load_model(tiny, dtype=torch.float32)
+    first = LLMEngine(model, None, max_num_seqs=4, block_size=4)
+    ref = first.generate(PROMPTS, _greedy(10), n=1)
+    second = LLMEngine(model, None, max_num_seqs=3, block_size=8)  # rebinds the layers' caches
+    assert [g[0].token_ids for g in second.generate(PROMPTS, _greedy(10), n=1)] == [g[0].token_ids for g in ref]
+    assert [g[0].token_ids for g in first.generate(PROMPTS, _greedy(10), n=1)] == [g[0].token_ids for g in ref]

@@ -125,6 +125,7 @@ class LLMEngine:
         except ValueError as e:
             raise BadInputError(str(e)) from None
         self._sync_lora()
+        self.runner.bind()
         sampler = Sampler(self.model.device, sp.seed)
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
         t0 = time.perf_counter()

@@ -35,8 +35,7 @@ class ModelRunner:
         self.max_blocks = -(-(max_model_len + 1) // block_size)
         self.kv = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                               dtype=model.dtype, device=self.device)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv[0, i], self.kv[1, i]
+        self.bind()
         # One row per sequence slot, plus a last all-scratch row that padding entries point at.
         self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
@@ -48,6 +47,12 @@ class ModelRunner:
         if self.use_graphs:
             self.static_logits = torch.zeros(max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device)
             self._capture()
+
+    def bind(self) -> None:
+        """Point every attention layer at this runner's cache. Called per generate: a second engine
+        on the same model rebinds the layers, and this runner's graphs captured its own tensors."""
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv[0, i], self.kv[1, i]
 
     @property
     def kv_bytes_per_token(self) -> int:
