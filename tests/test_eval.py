@@ -120,9 +120,10 @@ def test_greedy_pass1_metrics_and_samples(model_dir, tmp_path):
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["correct"] for s in samples] == [True, True, False, True]
     assert samples[0]["reference"] == "7" and samples[2]["extracted"] is None
-    # the instruction template and the tokenizer's chat template were both applied
-    assert samples[0]["prompt"].startswith("<|im_start|>user\nTom has 3 apples")
-    assert "\\boxed{}" in samples[0]["prompt"] and samples[0]["prompt"].endswith("<|im_start|>assistant\n")
+    # no --prompt-template: the row's prompt as rollout uses it, in the tokenizer's chat template
+    assert samples[0]["prompt"] == ("<|im_start|>user\nTom has 3 apples and buys 4 more. How many?<|im_end|>\n"
+                                    "<|im_start|>assistant\n")
+    assert m["prompt_template"] is None
     man = json.loads((out / "manifest.json").read_text())
     assert man["stage"] == "eval" and man["summary"]["score"] == pytest.approx(0.75)
 
