@@ -70,22 +70,22 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
 # partial last K tile, N=24/40/72 are not powers of two, and the split-K cases take the
 # counter/workspace path.
 INTERP_CASES = [
-    ("fwd_m1_swap_split3", "fwd", 1, 40, 528, "float32", dict(bm=16, bn=16, bkw=16, split_k=3, swap=True), True),
+    ("fwd_m1_swap_split3", "fwd", 1, 40, 528, "float32", dict(bm=16, bn=32, bkw=16, split_k=3, swap=True), True),
     ("fwd_m3_swap", "fwd", 3, 24, 48, "float16", dict(bm=16, bn=16, bkw=16, swap=True), False),
     ("fwd_m17_nt_split2", "fwd", 17, 40, 272, "float16", dict(bm=16, bn=32, bkw=16, split_k=2), True),
     ("fwd_m17_fp32", "fwd", 17, 72, 144, "float32", dict(bm=16, bn=32, bkw=16), False),
     ("fwd_m100_nt", "fwd", 100, 24, 48, "float16", dict(bm=32, bn=16, bkw=16), True),
     ("fwd_m1000_nt", "fwd", 1000, 24, 48, "float32", dict(bm=64, bn=32, bkw=16, group_m=4), False),
-    ("fwd_m100_swap_split2", "fwd", 100, 72, 272, "float32", dict(bm=32, bn=32, bkw=16, split_k=2, swap=True), True),
+    ("fwd_m100_swap_split2", "fwd", 100, 72, 272, "float32", dict(bm=64, bn=64, bkw=16, split_k=2, swap=True), True),
     ("fwd_m3_join_split2", "fwd", 3, 40, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, join=True), True),
-    ("fwd_m100_join_nt", "fwd", 100, 72, 144, "float32", dict(bm=32, bn=32, bkw=16, join=True), False),
+    ("fwd_m100_join_nt", "fwd", 100, 72, 144, "float32", dict(bm=64, bn=64, bkw=16, join=True), False),
     ("fwd_m1000_dequant", "fwd", 1000, 40, 144, "float32", dict(bm=0, bn=0, bkw=0, dequant=True), True),
     ("deq_fp32", "deq", 0, 40, 272, "float32", None, False),
     ("deq_fp16", "deq", 0, 72, 48, "float16", None, False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m17", "bwd", 17, 72, 80, "float16", dict(bm=16, bn=32, bkh=16), False),
-    ("bwd_m100", "bwd", 100, 24, 144, "float32", dict(bm=32, bn=16, bkh=16, group_m=2), False),
-    ("bwd_m1000", "bwd", 1000, 40, 48, "float16", dict(bm=64, bn=16, bkh=16), False),
+    ("bwd_m100", "bwd", 100, 24, 144, "float32", dict(bm=64, bn=16, bkh=32, group_m=2), False),
+    ("bwd_m1000", "bwd", 1000, 40, 48, "float16", dict(bm=128, bn=32, bkh=16), False),
 ]
 
 
