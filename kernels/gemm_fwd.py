@@ -45,11 +45,19 @@ _COUNTER_SLOTS = 1 << 16
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Per-device zeroed int32 counters; each split-K call leaves them zero again."""
+def _tile_counters(device: torch.device) -> torch.Tensor | None:
+    """Per-device zeroed int32 counters; each split-K call leaves them zero again.
+
+    None while a CUDA graph is being captured and no counters exist yet: memory allocated during
+    capture belongs to the graph's private pool, so it must not be cached for later eager calls
+    (the caller then runs without split-K). Engines warm up eagerly before capturing, which
+    allocates them.
+    """
     key = (device.type, device.index)
     buf = _counters.get(key)
     if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
         _counters[key] = buf
     return buf
@@ -204,13 +212,13 @@ def nvfp4_matmul(
     ksteps = triton.cdiv(kw, cfg.bkw)
     split = max(1, min(cfg.split_k, ksteps))
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    if split > 1 and (grid_mn > _COUNTER_SLOTS or split * m * n >= 2**31):
+    cnt = _tile_counters(x.device) if split > 1 else None
+    if split > 1 and (cnt is None or grid_mn > _COUNTER_SLOTS or split * m * n >= 2**31):
         split = 1
     k_per_split = triton.cdiv(ksteps, split) * cfg.bkw
     split = triton.cdiv(kw, k_per_split)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        cnt = _tile_counters(x.device)
     else:
         ws, cnt = y, y  # unused (SPLIT is a constexpr False)
     _nvfp4_fwd_kernel[(grid_mn, split)](
