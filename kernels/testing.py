@@ -82,6 +82,7 @@ INTERP_CASES = [
     ("fwd_m1000_dequant", "fwd", 1000, 40, 144, "float32", dict(bm=0, bn=0, bkw=0, dequant=True), True),
     ("deq_fp32", "deq", 0, 40, 272, "float32", None, False),
     ("deq_fp16", "deq", 0, 72, 48, "float16", None, False),
+    ("bwd_m1", "bwd", 1, 24, 80, "float16", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m17", "bwd", 17, 72, 80, "float16", dict(bm=16, bn=32, bkh=16), False),
     ("bwd_m100", "bwd", 100, 24, 144, "float32", dict(bm=64, bn=16, bkh=32, group_m=2), False),
