@@ -200,7 +200,7 @@ def nvfp4_matmul(
     if cfg.dequant:
         # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
         w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype)
-        return torch.nn.functional.linear(x, w, bias)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     words = as_words(packed)
     scale_u8 = scale.contiguous().view(torch.uint8)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
