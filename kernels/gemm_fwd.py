@@ -10,14 +10,17 @@ Trade-off: one kernel covers every M by its tile config rather than two speciali
 The on-disk byte layout is used as is (no repack, no second copy of the weights in memory), read
 as 32-bit words of 8 codes: the decode yields 8 tiles, tile i holding K elements 8w+i, so X is
 loaded contiguously and split into the matching 8 column sets in registers, and each K step is
-8 dots of depth BLOCK_K/8 (or, with ``join``, the 8 tiles re-interleaved into K order and one
-dot per step: one more register shuffle, but X then feeds the MMA straight from the pipelined
-shared-memory buffer and Triton keeps one wgmma in flight instead of waiting on each). Loading words (not bytes) keeps Triton from unpacking bytes one by one
-(a byte-tile version spent ~15 instructions per weight on that and ran at ~1x of cuBLAS).
+8 dots of depth BLOCK_K/8. With ``join`` the 8 tiles are re-interleaved into K order instead and
+each step is one dot: one more register shuffle, but X feeds the MMA straight from the pipelined
+shared-memory buffer and Triton keeps one wgmma in flight rather than waiting on each of 8.
+Loading words, not bytes, keeps Triton from unpacking bytes one by one (a byte-tile first version
+spent ~15 PTX ops per weight on it and ran at 0.92-1.53x of cuBLAS at M <= 16).
 - Above a measured M (``FwdConfig.dequant``) the fused kernel loses to cuBLAS's bf16 GEMM, so the
   weight is decoded once into a transient bf16 buffer (``dequant.py``, memory-bound, ~2.6 B per
-  weight) and cuBLAS does the GEMM: ~0.9x of a bf16 model at M=4096, at the cost of a transient
-  bf16 copy of one weight.
+  weight) and cuBLAS does the GEMM, at the cost of a transient bf16 copy of one weight.
+Measured on an H100 (docs/benchmarks.md, 2026-11-22): 1.6x of cuBLAS bf16 at M <= 16 (target 3x;
+the analysis there shows the K loop is latency- and instruction-bound, not HBM-bound), 0.91x at
+M = 4096.
 
 Split-K without extra launches: every split writes its fp32 partial to a workspace, then bumps a
 per-tile counter (acq_rel atomic); the program that arrives last sums the partials in split order
