@@ -25,8 +25,10 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from qerl_cli.errors import OutputExistsError
 from qerl_cli.hashing import sha256_file, sha256_json
 
 MANIFEST = "manifest.json"
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "localhost"
 KILL_ENV = "QERL_TEST_KILL_AT"
 _kill_hits: dict[str, int] = {}
 
@@ -169,7 +172,12 @@ class StageOutput:
     def _partial_name(self) -> Path:
         if self.resumable:
             return self.out.parent / f".{self.out.name}.partial-{self.fingerprint[:16]}"
-        return self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return self._tmp_name()
+
+    def _tmp_name(self) -> Path:
+        # pid + host: a stale temp dir is one whose process is dead *on this host*; on a shared
+        # file system another node's live run must not be swept away.
+        return self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_HOST}"
 
     def _recover_interrupted_swap(self) -> None:
         """A crash between the two renames of a non-atomic replace leaves ``out`` missing and the
@@ -185,11 +193,13 @@ class StageOutput:
         for p in self.out.parent.glob(f".{self.out.name}.old-*"):
             shutil.rmtree(p, ignore_errors=True)
         for p in self.out.parent.glob(f".{self.out.name}.tmp-*"):
+            parts = p.name.split(".tmp-", 1)[1].split("-", 2)
             try:
-                pid = int(p.name.split(".tmp-")[1].split("-")[0])
-            except (IndexError, ValueError):
+                pid = int(parts[0])
+            except ValueError:
                 continue
-            if not _pid_alive(pid):
+            host = parts[2] if len(parts) > 2 else _HOST
+            if host == _HOST and not _pid_alive(pid):
                 shutil.rmtree(p, ignore_errors=True)
 
     def __enter__(self) -> Path:
@@ -241,7 +251,7 @@ class StageOutput:
             if self.resumable:
                 # The exchange leaves the old output at the temp name: never at the resumable
                 # partial name, where a later run would resume from it.
-                staged = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                staged = self._tmp_name()
                 os.replace(work, staged)
                 work = staged
             if _exchange(work, self.out):

@@ -198,6 +198,48 @@ def test_crash_between_the_two_renames_of_the_fallback_is_repaired(tmp_path, mon
     assert [x.name for x in tmp_path.iterdir() if not x.name.startswith(f".o.tmp-{os.getpid()}-")] == ["o"]
 
 
+def test_stale_temp_dirs_are_cleaned_only_when_their_process_is_dead_on_this_host(tmp_path):
+    import subprocess
+
+    from qerl_cli.outputs import _HOST
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = tmp_path / f".o.tmp-{dead.pid}-deadbeef-{_HOST}"
+    legacy = tmp_path / f".o.tmp-{dead.pid}-cafebabe"  # name without a host: this host's
+    other_host = tmp_path / f".o.tmp-{dead.pid}-abcdef01-another_node"
+    alive = tmp_path / f".o.tmp-{__import__('os').getpid()}-01234567-{_HOST}"
+    for d in (mine, legacy, other_host, alive):
+        d.mkdir()
+    so = StageOutput(tmp_path / "o", "demo", config={}, inputs={})
+    assert not so.already_done()
+    with so as w:
+        (w / "f").write_text("x")
+    assert not mine.exists() and not legacy.exists()
+    assert other_host.exists() and alive.exists()
+
+
+@pytest.mark.parametrize("stage", ["quantize", "merge"])
+def test_ctrl_c_is_one_line_exit_130_and_no_output(p, tmp_path, monkeypatch, stage):
+    import qerl_cli.checkpoint.safetensors_io as sio
+
+    real = sio.ShardedWriter.write
+    calls = {"n": 0}
+
+    def interrupt_on_third(self, name, t):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, name, t)
+
+    monkeypatch.setattr(sio.ShardedWriter, "write", interrupt_on_third)
+    r = invoke(stage_args(stage, p, tmp_path / "out"))
+    assert r.exit_code == 130 and calls["n"] == 3
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted") and "Traceback" not in r.stderr
+    assert leftovers(tmp_path, "out") == []
+
+
 # ---- idempotent reruns ------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", STAGES)
 def test_rerun_is_already_done_and_changes_need_force(p, tmp_path, stage):
