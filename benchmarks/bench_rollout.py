@@ -4,7 +4,8 @@ Random weights built directly on the GPU (speed does not depend on values), Qwen
 256-token random prompts, EOS ignored, G=8 completions per prompt (the RL shape: one prefill per
 prompt shared by its 8 completions). tokens/s = generated tokens / wall time of ``generate`` (prefill,
 decode, sampling and host bookkeeping included). Each configuration runs in its own try block; results
-stream to stdout and ``$OUT/bench_rollout.jsonl`` so a crash or timeout keeps what was measured.
+stream to stdout and ``$OUT/bench_rollout.jsonl`` so a crash or timeout keeps what was measured;
+the summary table goes to stdout and ``$OUT/bench_rollout.md``.
 
     python benchmarks/bench_rollout.py                    # everything (~5 min on an H100)
     python benchmarks/bench_rollout.py --only nvfp4-16,bf16-16 --new-tokens 128   # a quick subset
@@ -205,13 +206,17 @@ def main() -> None:
             r = guarded(run_engine, "engine-nvfp4-lora16-32b", model, 64, args.prompt, args.big_new_tokens)
             if r:
                 log(r[1])
-    print("\n| bench | seqs | new tok | tok/s | wall s | peak GiB | step ms | TB/s | % of 3 TB/s |", flush=True)
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = ["| bench | seqs | new tok | tok/s | wall s | peak GiB | step ms | TB/s | % of 3 TB/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in RESULTS:
-        print(f"| {r.get('bench')} | {r.get('seqs', '')} | {r.get('new_tokens', r.get('context', ''))} | {r.get('tok_s', '')} | "
-              f"{r.get('wall_s', '')} | {r.get('peak_gib', '')} | {r.get('step_ms', '')} | {r.get('tb_s', '')} | "
-              f"{r.get('pct_of_3TBs', r.get('error', ''))} |")
-
+        lines.append(f"| {r.get('bench')} | {r.get('seqs', '')} | {r.get('new_tokens', r.get('context', ''))} | "
+                     f"{r.get('tok_s', '')} | {r.get('wall_s', '')} | {r.get('peak_gib', '')} | {r.get('step_ms', '')} | "
+                     f"{r.get('tb_s', '')} | {r.get('pct_of_3TBs', r.get('error', ''))} |")
+    table = "\n".join(lines)
+    print("\n" + table, flush=True)
+    if os.environ.get("OUT"):  # the table for docs/benchmarks.md, "## rollout engine"
+        with open(os.path.join(os.environ["OUT"], "bench_rollout.md"), "w") as f:
+            f.write(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n{table}\n")
 
 if __name__ == "__main__":
     sys.exit(main())

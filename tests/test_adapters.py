@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from qerl_cli.adapters import load_adapter, read_adapter_spec, save_adapter
+from qerl_cli.adapters import read_adapter_spec, save_adapter
 from qerl_cli.errors import BadInputError
 from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_parameters
 from qerl_cli.models import load_model

@@ -19,6 +19,7 @@ from qerl_cli.models import ModelConfig, build_random_model, load_model
 from tests.helpers import make_tiny_hf_model
 from tests.test_models import nvfp4_checkpoint
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # Decode steps are tiny; with 2 intra-op threads on a shared 2-core box the OpenMP spin-waits

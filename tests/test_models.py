@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 import transformers
+from qerl_kernels import reference
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import BadInputError
 from qerl_cli.models import ModelConfig, build_random_model, load_model
-from qerl_kernels import reference
 from tests.helpers import make_tiny_hf_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

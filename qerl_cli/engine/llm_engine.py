@@ -166,7 +166,7 @@ class LLMEngine:
                 # stopped are dropped) and reload from the host next iteration.
                 self._process(*_wait(pending), sched, groups, sp, stop_ids, progress)
                 pending = None
-        done, tokens = self._done, self._tokens
+        tokens = self._tokens
         elapsed = time.perf_counter() - t0
         self.stats = {"generated_tokens": tokens, "prefill_tokens": prefill_tokens, "decode_steps": steps,
                       "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
@@ -175,11 +175,11 @@ class LLMEngine:
     def _process(self, seqs, toks, lps, sched, groups, sp, stop_ids, progress) -> bool:
         """Append one sampled token per sequence; returns whether any sequence finished."""
         finished = False
-        for s, t, l in zip(seqs, toks, lps):
+        for s, t, lp in zip(seqs, toks, lps):
             if s.finished:  # computed one step past its end by the pipelined decode: discard
                 continue
             self._tokens += 1
-            if self._append(s, t, l, sp, stop_ids):
+            if self._append(s, t, lp, sp, stop_ids):
                 finished = True
                 sched.finish(s)
                 g = groups[s.group]

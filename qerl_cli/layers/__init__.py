@@ -5,7 +5,7 @@ Every module keeps the Hugging Face attribute names so checkpoint and PEFT keys 
 
 from qerl_cli.layers.attention import Attention
 from qerl_cli.layers.linear import QLinear
-from qerl_cli.layers.lora import LoraSpec, LoRALinear, apply_lora, lora_parameters
+from qerl_cli.layers.lora import LoRALinear, LoraSpec, apply_lora, lora_parameters
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
 

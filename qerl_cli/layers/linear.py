@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
+from torch import nn
 
 
 class QLinear(nn.Module):

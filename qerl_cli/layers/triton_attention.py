@@ -58,7 +58,7 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
 
 
 @triton.jit
-def _merge_kernel(OP, LSE, O, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
                   NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,7 +70,7 @@ def _merge_kernel(OP, LSE, O, stride_ob, stride_oh, stride_os, stride_lb, stride
     w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
     o = tl.load(OP + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(O + b * stride_b + h * stride_h + d, out.to(O.dtype.element_ty))
+    tl.store(OUT + b * stride_b + h * stride_h + d, out.to(OUT.dtype.element_ty))
 
 
 def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
