@@ -188,6 +188,20 @@ def test_eval_bad_model(p, tmp_path, case, breaker, code, needles):
     nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("case,breaker,code,needles", Q_CASES, ids=_ids(Q_CASES))
+def test_train_step_bad_model(p, tmp_path, case, breaker, code, needles):
+    """Shards made from the broken model itself (else lineage refuses it first, exit 3)."""
+    from qerl_cli.hashing import model_hash
+    from tests.train_fixtures import make_shard
+
+    q = copy_tree(p["q"], tmp_path / "q")
+    breaker(q)
+    sh = make_shard(tmp_path / "sh", model_hash(q))
+    r = invoke(train_args(q, sh, tmp_path / "out"))
+    assert_one_line_error(r, code, *needles)
+    nothing_written(tmp_path)
+
+
 @pytest.mark.parametrize("case,breaker,code,needles", [c for c in Q_CASES if c[0] in ("truncated", "corrupt-header",
                                                        "wrong-shape", "nan-weight")], ids=["truncated", "corrupt-header",
                                                                                            "wrong-shape", "nan-weight"])
