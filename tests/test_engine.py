@@ -205,3 +205,30 @@ def test_two_engines_on_one_model_do_not_share_caches(tiny):
     second = LLMEngine(model, None, max_num_seqs=3, block_size=8)  # rebinds the layers' caches
     assert [g[0].token_ids for g in second.generate(PROMPTS, _greedy(10), n=1)] == [g[0].token_ids for g in ref]
     assert [g[0].token_ids for g in first.generate(PROMPTS, _greedy(10), n=1)] == [g[0].token_ids for g in ref]
+
+
+def test_bundled_tiny_model_greedy_with_eos_equals_hf_and_64_completions_fast():
+    """On the pretrained bundled model (real prompts, real EOS): greedy equals HF generate, and 64
+    sampled completions take well under 30 s on CPU."""
+    import json
+
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+
+    src = tiny_model_dir()
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    rows = [json.loads(x) for x in tiny_task_file("test").read_text().splitlines()[:16]]
+    prompts = [tok.encode(r["prompt"]) for r in rows]
+    model = load_model(src, dtype=torch.float32)
+    engine = LLMEngine(model, tok, max_num_seqs=64)
+    greedy = engine.generate(prompts[:6], SamplingParams(temperature=0, max_new_tokens=40), n=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    for p, g in zip(prompts, greedy):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)[0, len(p):].tolist()
+        eos = model.config.eos_token_ids[0]
+        ref = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert g[0].token_ids == ref
+        assert g[0].finish_reason == ("stop" if ref[-1] == eos else "length")
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=1), n=4)
+    assert sum(len(g) for g in out) == 64 and time.perf_counter() - t0 < 30
+    assert all(c.text == tok.decode(c.token_ids, skip_special_tokens=True) for g in out for c in g)
