@@ -220,3 +220,17 @@ def test_fused_projections_keep_logits_and_share_memory(quantized):
     loss = model.compute_logits(model.forward_train(ids, mask)).logsumexp(-1).mean()
     loss.backward()  # the fused path stays differentiable for training
     assert all(p.grad is not None for p in lora_parameters(model))
+
+
+def test_loads_qerl_quantize_output(tmp_path):
+    """The loader reads what `qerl quantize` writes; shared q/k/v and gate/up global scales let it fuse."""
+    from qerl_cli.layers.attention import fuse_projections
+    from tests.train_fixtures import dequantized_twin, quantized_tiny
+
+    _, qdir = quantized_tiny(tmp_path)
+    deq = dequantized_twin(qdir, tmp_path / "deq")
+    model = load_model(qdir, dtype=torch.float32)
+    assert model.is_quantized and model.model.layers[0].mlp.down_proj.quantized
+    ids, mask = right_padded(vocab=384)
+    assert_close_on_mask(ours(model, ids, mask), hf_logits(deq, ids, mask), mask)
+    assert fuse_projections(model) == 2 * model.config.num_layers
