@@ -64,6 +64,7 @@ class EvalConfig:
     seed: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    allow_base_mismatch: bool = False
     force: bool = False
     progress: bool = True
 
@@ -193,7 +194,7 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
 def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str | None) -> dict:
     d = asdict(cfg)
     d["prompt_template"] = template  # the text, also when the flag named a file
-    for key in ("model", "dataset", "out", "adapter", "force", "progress"):
+    for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch"):
         d.pop(key)
     if cfg.temperature == 0:
         d.pop("max_num_seqs")  # greedy text does not depend on batching; sampled text does (batch seeds)
@@ -242,7 +243,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if cfg.adapter is not None:
         from qerl_cli.adapters import adapter_hash
 
-        lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on")
+        lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on",
+                                allow_mismatch=cfg.allow_base_mismatch)
         inputs["adapter"] = adapter_hash(cfg.adapter)
     so = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, template), inputs=inputs,
                      force=cfg.force)

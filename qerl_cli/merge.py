@@ -50,6 +50,7 @@ class MergeConfig:
     dtype: str = "bf16"
     max_shard_size: int = 4 << 30
     device: str = "auto"  # where dequantize + add run; not in the fingerprint (same math, as in quantize)
+    allow_base_mismatch: bool = False
     force: bool = False
 
     def __post_init__(self):
@@ -188,20 +189,25 @@ def recorded_base_hash(adapter_dir: Path) -> str | None:
 
 
 def check_lineage(adapter_dir: Path, model_dir: Path, base_hash: str | None = None, *,
-                  recorded: str | None = None, hint: str = "use the model it was trained on") -> str:
+                  recorded: str | None = None, hint: str = "use the model it was trained on",
+                  allow_mismatch: bool = False) -> str:
     """'verified' when the adapter's recorded base hash equals the model's, 'unverified' when the
-    adapter records none; LineageError naming both hashes otherwise."""
+    adapter records none; LineageError naming both hashes otherwise, unless ``allow_mismatch``
+    (e.g. an adapter trained on the NVFP4 base deliberately applied to the bf16 original), which
+    returns 'mismatch-allowed' so the manifest says so."""
     recorded = recorded if recorded is not None else recorded_base_hash(adapter_dir)
     if recorded is None:
         return "unverified"
     base_hash = base_hash or model_hash(model_dir)
-    if recorded != base_hash:
-        raise LineageError(
-            f"--adapter {adapter_dir} was trained on base {recorded[:12]} "
-            f"({TRAINER_STATE}) but --model {model_dir} has hash {base_hash[:12]}",
-            hint=hint,
-        )
-    return "verified"
+    if recorded == base_hash:
+        return "verified"
+    if allow_mismatch:
+        return "mismatch-allowed"
+    raise LineageError(
+        f"--adapter {adapter_dir} was trained on base {recorded[:12]} "
+        f"({TRAINER_STATE}) but --model {model_dir} has hash {base_hash[:12]}",
+        hint=hint + ", or pass --allow-base-mismatch to apply it anyway",
+    )
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------
@@ -424,7 +430,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     base = open_base(cfg.model)
     base_hash = model_hash(cfg.model)
     lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash,
-                            hint="merge it into the model it was trained on")
+                            hint="merge it into the model it was trained on", allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
 
     so = StageOutput(

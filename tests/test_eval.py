@@ -198,6 +198,8 @@ def test_refuses_adapter_for_another_base(model_dir, tmp_path):
     (adapter / "trainer_state.json").write_text(json.dumps({"global_step": 1, "base_model_hash": "f" * 64}))
     with pytest.raises(LineageError, match=r"trained on base ffffffffffff .* has hash"):
         run(model_dir, tmp_path, GSM8K_ROWS, [], adapter=adapter)
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, [["#### 7"]] * 4, adapter=adapter, allow_base_mismatch=True)
+    assert res["metrics"]["lineage"] == "mismatch-allowed"
 
 
 def test_compare_cli_prints_runs_side_by_side(model_dir, tmp_path):

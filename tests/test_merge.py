@@ -141,7 +141,10 @@ def test_refuses_adapter_for_another_base(pair, tmp_path):
         merge(MergeConfig(other, adapter, tmp_path / "m"), progress=False)
     msg = str(e.value)
     assert model_hash(other)[:12] in msg and model_hash(base)[:12] in msg and "trainer_state.json" in msg
+    assert "--allow-base-mismatch" in msg
     assert not (tmp_path / "m").exists()
+    m = merge(MergeConfig(other, adapter, tmp_path / "m", allow_base_mismatch=True), progress=False)
+    assert m["summary"]["lineage"] == "mismatch-allowed" and m["summary"]["adapter_base_hash"] == model_hash(base)
 
 
 def test_refuses_shape_mismatch(tmp_path):

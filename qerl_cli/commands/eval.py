@@ -71,6 +71,9 @@ def command(
                                       show_default=False),
     compare: bool = typer.Option(False, "--compare", help="Print a side-by-side table of finished eval dirs "
                                  "given as arguments (no --model needed). Example: qerl eval --compare runs/e1 runs/e2"),
+    allow_base_mismatch: bool = typer.Option(False, "--allow-base-mismatch", help="Apply an adapter whose "
+                                             "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
+                                             "applied to the bf16 original); the manifest records it."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
@@ -98,7 +101,8 @@ def command(
         prompt_template=prompt_template,
         system_prompt=system_prompt, chat_template=False if no_chat_template else None, scorer=scorer,
         max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
-        max_num_seqs=max_num_seqs, max_model_len=max_model_len, force=force, progress=not quiet,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, allow_base_mismatch=allow_base_mismatch,
+        force=force, progress=not quiet,
     )
     res = evaluate(cfg, console=console)
     if res["already_done"]:

@@ -30,6 +30,9 @@ def command(
     max_shard_size: str = typer.Option("4GB", "--max-shard-size", help="Largest safetensors shard. Example: --max-shard-size 2GB"),
     device: str = typer.Option("auto", "--device", help="Where to dequantize, add and re-quantize: auto (cuda if "
                                "available), cpu or cuda (results agree up to fp32 summation order). Example: --device cpu"),
+    allow_base_mismatch: bool = typer.Option(False, "--allow-base-mismatch", help="Apply an adapter whose "
+                                             "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
+                                             "applied to the bf16 original); the manifest records it."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; print only the result line."),
 ) -> None:
@@ -39,7 +42,8 @@ def command(
     from qerl_cli.quantize import parse_size
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
-                      max_shard_size=parse_size(max_shard_size), device=device, force=force)
+                      max_shard_size=parse_size(max_shard_size), device=device,
+                      allow_base_mismatch=allow_base_mismatch, force=force)
     m = merge(cfg, progress=not quiet)
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})
