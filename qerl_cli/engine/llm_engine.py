@@ -23,7 +23,7 @@ from qerl_cli.engine.sampler import Sampler, row_seed
 from qerl_cli.engine.sampling_params import Completion, SamplingParams
 from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
-from qerl_cli.errors import BadInputError
+from qerl_cli.errors import BadInputError, OutOfMemoryError
 from qerl_cli.layers.attention import fuse_projections
 from qerl_cli.layers.lora import lora_modules
 
@@ -50,8 +50,12 @@ class LLMEngine:
             num_blocks = self._auto_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
         self.num_blocks = num_blocks
         self.max_num_batched_tokens = max(max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(model, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                                  block_size=block_size, num_blocks=num_blocks, enforce_eager=enforce_eager)
+        try:
+            self.runner = ModelRunner(model, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                      block_size=block_size, num_blocks=num_blocks, enforce_eager=enforce_eager)
+        except torch.cuda.OutOfMemoryError:
+            raise OutOfMemoryError(f"out of GPU memory allocating the KV cache ({num_blocks} blocks of {block_size} tokens) "
+                                   "or capturing decode graphs", hint="lower --max-num-seqs or --max-model-len") from None
         self.eos_token_ids = self._eos_ids()
         self.stats: dict = {}
 
@@ -106,6 +110,14 @@ class LLMEngine:
                  progress: Callable[[int, int], None] | None = None) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order. ``progress(prompts_done, tokens_generated)`` is
         called whenever a prompt's group completes."""
+        try:
+            return self._generate(prompt_token_ids, sp, n, progress)
+        except torch.cuda.OutOfMemoryError:
+            raise OutOfMemoryError("out of GPU memory during generation",
+                                   hint="lower --max-num-seqs, or max_num_batched_tokens for long prompts") from None
+
+    def _generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int,
+                  progress: Callable[[int, int], None] | None) -> list[list[Completion]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         vocab = self.model.config.vocab_size
