@@ -218,3 +218,13 @@ def test_out_must_not_overlap_inputs(pair, tmp_path):
     for out in (base, adapter, base / "sub", base.parent):
         with pytest.raises(BadInputError, match="overlaps"):
             MergeConfig(base, adapter, out)
+
+
+def test_tied_embeddings_stay_tied(tmp_path):
+    base = make_tiny_hf_model(tmp_path, arch="qwen3", hidden=32, layers=1, tie_word_embeddings=True)
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=2, targets=["q_proj", "o_proj"])
+    merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    ref = peft_logits(base, adapter, IDS % 300)
+    torch.testing.assert_close(hf_logits(tmp_path / "out", IDS % 300), ref, rtol=0, atol=2e-2 * ref.abs().max())
