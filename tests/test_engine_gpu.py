@@ -102,3 +102,14 @@ def test_graphs_see_lora_and_noise_updates(tmp_path):
     after = toks(graph.generate(PROMPTS, sp))
     assert after != before and after == toks(eager.generate(PROMPTS, sp))
     clear_noise(model)
+
+
+def test_fused_norm_keeps_gradients_of_trained_norm_weights():
+    from qerl_cli.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, noise_slot=True, device="cuda", dtype=torch.bfloat16)
+    torch.nn.init.ones_(norm.weight)
+    norm.weight.requires_grad_(True)
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)  # an input that needs no grad (layer 0)
+    norm(x).float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0

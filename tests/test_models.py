@@ -234,3 +234,10 @@ def test_loads_qerl_quantize_output(tmp_path):
     ids, mask = right_padded(vocab=384)
     assert_close_on_mask(ours(model, ids, mask), hf_logits(deq, ids, mask), mask)
     assert fuse_projections(model) == 2 * model.config.num_layers
+
+
+def test_modelopt_checkpoint_is_named(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="llama", tokenizer=False)
+    (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    with pytest.raises(BadInputError, match="ModelOpt"):
+        load_model(src)

@@ -20,9 +20,14 @@ except ImportError:  # triton is Linux-only; the torch paths cover everything wi
     triton = None
 
 
-def enabled(x: torch.Tensor) -> bool:
-    return (triton is not None and x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad)
-            and os.environ.get("QERL_FUSED", "1") != "0")
+def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Fused kernels run when x is on CUDA and autograd needs nothing from this op (no input, weight
+    or residual requires grad, e.g. trained norm weights)."""
+    if triton is None or not x.is_cuda or os.environ.get("QERL_FUSED", "1") == "0":
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)):
+        return False
+    return True
 
 
 def _jit(fn):

@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with ``residual``: (norm(x + residual), x + residual), the residual in x's dtype."""
-        if fused.enabled(x):
+        if fused.enabled(x, residual, self.weight):
             return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual)
         if residual is not None:
             x = x + residual

@@ -57,7 +57,7 @@ class RotaryEmbedding(nn.Module):
 
         Outside autograd on CUDA this rotates in place with one fused kernel (see layers/fused.py).
         """
-        if fused.enabled(q) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q) and fused.rope_ok(k):
+        if fused.enabled(q, k) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q) and fused.rope_ok(k):
             return fused.rope_(q, k, positions, self.cos_sin)
         cs = self.cos_sin[positions]  # [..., D]
         half = self.head_dim // 2
