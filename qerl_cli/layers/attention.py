@@ -94,8 +94,9 @@ def fuse_projections(model) -> int:
     """Give every layer a fused q/k/v and gate/up GEMM for inference; returns how many were fused.
 
     The per-projection modules stay (they now view slices of the fused tensors), so LoRA, adapters
-    and training are unaffected. Moving the model to another device afterwards unshares the views:
-    fuse after the final ``.to()``.
+    and training are unaffected; in-place updates (``copy_``) of a part reach the fused GEMM. Moving the
+    model to another device or *replacing* a part's tensor afterwards unshares the views: fuse after
+    the final ``.to()`` and update weights in place.
     """
     count = 0
     for layer in model.model.layers:
