@@ -47,30 +47,48 @@ ANSWER_KINDS = ("gsm8k", "math")
 
 
 # ---- extraction ------------------------------------------------------------------------------
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+_BARE_TOKEN = re.compile(r"[^\s$]+")
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each ``{`` -> index of its matching ``}`` (unclosed ones absent), in one pass."""
+    stack, pairs = [], {}
+    for j, ch in enumerate(text):
+        if ch == "{":
+            stack.append(j)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = j
+    return pairs
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent."""
-    best = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*", text):
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent.
+
+    Linear time: a degenerate completion repeating ``\\boxed{`` thousands of times must not cost
+    seconds per reward (a naive scan per match is quadratic). An unclosed box (generation cut
+    off) is not an answer; the last *closed* one counts.
+    """
+    matches = list(_BOX.finditer(text))
+    if not matches:
+        return None
+    pairs = None
+    for m in reversed(matches):
         i = m.end()
         if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        best = text[i + 1 : j]
-                        break
-                j += 1
-            # an unclosed brace (generation cut off) is not an answer
-        else:  # "\boxed 5": TeX allows a single token without braces
-            tok = re.match(r"[^\s$]+", text[i:])
+            if pairs is None:
+                pairs = _closing_braces(text)
+            j = pairs.get(i)
+            if j is not None:
+                return text[i + 1 : j].strip()
+        else:  # "\\boxed 5": TeX allows a single token without braces
+            tok = _BARE_TOKEN.match(text, i)
             if tok:
-                best = tok.group(0)
-    return None if best is None else best.strip()
+                return tok.group(0).strip()
+    return None
 
 
+_DIGIT = re.compile(r"\d")
 _LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|-?\.\d+")
@@ -117,6 +135,8 @@ def _format_fraction(f: Fraction) -> str:
 
 def first_number(text: str) -> str | None:
     """The first number in ``text``, normalised (``'$1,234.50'`` -> ``'1234.5'``), or None."""
+    if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
+        return None
     m = _NUMBER.search(_clean_number_text(text))
     if not m:
         return None
@@ -130,17 +150,30 @@ def normalize_number(text: str) -> str | None:
 
 
 def _after_hashes(text: str) -> str | None:
-    """The rest of the line after the first ``####`` that is followed by a number."""
-    spans = [text[m.end() :].split("\n", 1)[0] for m in re.finditer("####", text)]
-    for span in spans:
+    """What follows the first ``####`` that is followed by a number, up to the line end (or the
+    next ``####``: each span is then read once, so the cost stays linear in the text)."""
+    starts = [m.start() for m in re.finditer("####", text)]
+    first = None
+    for k, pos in enumerate(starts):
+        stop = text.find("\n", pos + 4)
+        stop = len(text) if stop < 0 else stop
+        if k + 1 < len(starts):
+            stop = min(stop, starts[k + 1])
+        span = text[pos + 4 : stop]
+        if first is None:
+            first = span
         if first_number(span) is not None:
             return span
-    return spans[0] if spans else None
+    return first
 
 
 def _answer_tag(text: str) -> str | None:
-    found = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
-    return found[-1] if found else None
+    """Content of the last closed ``<answer>...</answer>`` (rfind: linear even for unclosed tags)."""
+    end = text.rfind("</answer>")
+    if end < 0:
+        return None
+    start = text.rfind("<answer>", 0, end)
+    return None if start < 0 else text[start + len("<answer>") : end]
 
 
 def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
@@ -264,13 +297,24 @@ def math_reward(completion: str, answer: str | None, *, prompt=None) -> float:
     return 1.0 if is_correct(completion, answer, "math") else 0.0
 
 
-_FORMAT = re.compile(r"^\s*(?:<think>)?(?:(?!<think>|</think>).)+</think>\s*<answer>((?:(?!<answer>).)+)</answer>\s*$", re.DOTALL)
-
-
 @register_reward("format", "1 if the completion is <think>...</think><answer>...</answer> and nothing else")
 def format_reward(completion: str, answer: str | None = None, *, prompt=None) -> float:
-    m = _FORMAT.match(completion)
-    return 1.0 if m and m.group(1).strip() else 0.0
+    """``[<think>] thinking </think> <answer> answer </answer>`` with non-empty parts, one of each,
+    nothing around. String scanning instead of a backtracking regex: linear on any input."""
+    s = completion.lstrip()
+    if s.startswith("<think>"):  # optional: chat templates of reasoning models open it themselves
+        s = s[len("<think>"):]
+    end = s.find("</think>")
+    if end <= 0 or "<think>" in s[:end] or not s[:end].strip():
+        return 0.0
+    rest = s[end + len("</think>"):].lstrip()
+    if not rest.startswith("<answer>"):
+        return 0.0
+    rest = rest[len("<answer>"):]
+    end = rest.find("</answer>")
+    if end < 0 or "<answer>" in rest[:end] or not rest[:end].strip():
+        return 0.0
+    return 1.0 if not rest[end + len("</answer>"):].strip() else 0.0
 
 
 def _known() -> str:

@@ -221,3 +221,19 @@ def test_gsm8k_normalisation_property(value, commas, dollar, pad, unit, boxed):
     assert Decimal(got) == want, (completion, got)
     assert is_correct(completion, format(want, "f"), "gsm8k")
     assert not is_correct(completion, format(want + 1, "f"), "gsm8k")
+
+
+@pytest.mark.parametrize("text", ["\\boxed{" * 20000, "<answer>" * 20000, "#### " * 20000, "\\boxed " * 20000,
+                                  "<think>" + "x" * 50000 + "</think><answer>" + "</answer>" * 5000],
+                         ids=["boxed", "answer-tag", "hashes", "bare-boxed", "think"])
+def test_degenerate_completions_stay_cheap(text):
+    """RL policies do collapse into repeating one token. On these ~100k-char texts a quadratic
+    extractor takes minutes; the linear ones take ~0.1 s. The bound only separates the two
+    (50x margin for a loaded CI box); it is not a speed target."""
+    import time
+
+    t0 = time.perf_counter()
+    for kind in ("gsm8k", "math"):
+        extract_answer(text, kind)
+    format_reward(text)
+    assert time.perf_counter() - t0 < 5.0
