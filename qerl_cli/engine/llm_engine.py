@@ -4,8 +4,11 @@ One ``generate`` call turns P prompts into P groups of n completions. Each step 
 groups the scheduler just admitted (one forward over their prompts; the n completions of a prompt
 all start from that single prefill, sharing its KV blocks) or decodes one token for every running
 sequence. Finished sequences free their slot and blocks immediately and waiting prompts take them
-(continuous batching). The model, its LoRA and AQN noise are whatever the caller set on it, so the
-rollout policy is exactly the training policy's code.
+(continuous batching). Decode is pipelined one step ahead of the host: step t+1 is launched from
+device-resident state before step t's tokens are read back and checked for EOS/stop strings, so
+host bookkeeping overlaps GPU work; a sequence that stopped at step t has its step-t+1 token
+discarded (its K/V reserve holds one spare slot for it). The model, its LoRA and AQN noise are
+whatever the caller set on it, so the rollout policy is exactly the training policy's code.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class LLMEngine:
         cfg, dev = self.model.config, self.model.device
         elem = torch.empty(0, dtype=self.model.dtype).element_size()
         block_bytes = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        wanted = self.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        wanted = self.max_num_seqs * -(-(self.max_model_len + 1) // self.block_size) + 1
         if dev.type == "cuda":
             free, _ = torch.cuda.mem_get_info(dev)
             act = max_batched * (3 * cfg.intermediate_size + 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim) * elem * 2

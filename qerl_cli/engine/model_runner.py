@@ -6,8 +6,9 @@ causal SDPA) while writing their K/V into the cache; only the last prompt positi
 decode step (model + ``lm_head``) is captured as CUDA graphs for a ladder of batch sizes and
 replayed with inputs copied into static buffers: a 7B decode step is ~1,000 small kernels, whose
 launch cost would otherwise rival the weight reads at small batch sizes. Block tables live on the
-device, one row per sequence slot, written once at admission; each step only ships five int64
-vectors host -> device in one copy.
+device, one row per sequence slot, written once at admission; the running batch's tokens and
+positions live on the device too and are advanced there, so a decode step needs no host -> device
+copy unless the batch changed (one small copy then).
 """
 
 from __future__ import annotations
