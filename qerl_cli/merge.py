@@ -146,6 +146,9 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         name = key.removeprefix("base_model.model.")
         # PEFT may keep the wrapper path of a modules_to_save copy; the base tensor is the same name without it
         name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+        # PEFT also saves the (base) weight of targeted embeddings/lm_head under the LoRA wrapper's
+        # `base_layer` (save_embedding_layers): it is the full tensor that the delta is added to
+        name = name.replace(".base_layer.", ".")
         replacements[name] = t
 
     use_rslora = bool(cfg.get("use_rslora", False))
@@ -358,19 +361,18 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
                 w = dequantize(codes, scale, g, dtype=torch.float32)
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
-        elif name in adapter.replacements:
-            stats.replaced_tensors += 1
-            t = adapter.replacements[name]
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise NumericalError(f"trained tensor {name} has NaN/Inf (in --adapter {adapter.path})")
-            yield name, t.to(dtype)
-            continue
         else:
             t = reader.get(name)
+            where = f"in --model {base.path}"
+            if name in adapter.replacements:
+                rep = adapter.replacements[name]
+                # PEFT's saved base_layer copies equal the base; only really trained tensors count
+                stats.replaced_tensors += not torch.equal(rep.to(t.dtype), t)
+                t, where = rep, f"trained, in --adapter {adapter.path}"
             module = name.removesuffix(".weight") if name.endswith(".weight") else None
             if module is None or module not in adapter.deltas:
                 if t.is_floating_point() and not torch.isfinite(t.float()).all():
-                    raise NumericalError(f"base tensor {name} has NaN/Inf (in --model {base.path})")
+                    raise NumericalError(f"tensor {name} has NaN/Inf ({where})")
                 yield name, t.to(dtype) if t.is_floating_point() else t
                 continue
             w, out_name = t.to(device, torch.float32), name

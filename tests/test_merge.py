@@ -228,3 +228,18 @@ def test_tied_embeddings_stay_tied(tmp_path):
     assert cfg["tie_word_embeddings"] is True
     ref = peft_logits(base, adapter, IDS % 300)
     torch.testing.assert_close(hf_logits(tmp_path / "out", IDS % 300), ref, rtol=0, atol=2e-2 * ref.abs().max())
+
+
+def test_embedding_and_lm_head_lora(tmp_path):
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1)
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["embed_tokens", "lm_head", "v_proj"],
+                                trainer_state=False)
+    keys = read_adapter(adapter)
+    assert keys.deltas["model.embed_tokens"].embedding and not keys.deltas["lm_head"].embedding
+    m = merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
+    assert m["summary"]["merged_modules"] == 3
+    ref = peft_logits(base, adapter, IDS % 300)
+    plain = peft_logits(base, None, IDS % 300)
+    got = hf_logits(tmp_path / "out", IDS % 300)
+    err = (got - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
