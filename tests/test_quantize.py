@@ -371,6 +371,7 @@ def test_cli_end_to_end_and_already_done(tmp_path):
     r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(out), "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "largest per-layer relative error" in r.stderr and "down_proj" in r.stderr
+    assert "tensors" in r.stderr and "/s" in r.stderr  # the progress bar: tensor count and throughput
     r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(out), "--device", "cpu"])
     assert r.exit_code == 0 and "already done" in r.stdout
 
@@ -414,3 +415,12 @@ def test_row_blocks_give_the_same_bytes_as_one_call():
     assert torch.equal(packed, p) and torch.equal(scale.view(torch.uint8), s.view(torch.uint8))
     d = R.dequantize(p, s, g, torch.float32)
     assert abs(err - float((d - w.float()).norm() / w.float().norm())) < 1e-5
+
+
+@pytest.mark.gpu
+def test_cuda_and_cpu_write_identical_files(tmp_path):
+    src = make_tiny_hf_model(tmp_path, "qwen2", intermediate=40)
+    a = quantize(QuantizeConfig(src=src, out=tmp_path / "cpu", device="cpu", progress=False))
+    b = quantize(QuantizeConfig(src=src, out=tmp_path / "cuda", device="cuda", progress=False))
+    assert b.summary["device"].startswith("cuda")
+    assert a.manifest["outputs"] == b.manifest["outputs"]
