@@ -8,6 +8,7 @@ field rather than deep inside a forward pass, and no remote code is ever consult
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,34 +54,71 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        if not isinstance(cfg, dict):
+            raise BadInputError(f"{source}: not a JSON object")
         arch = cfg.get("model_type")
+        arch = arch if isinstance(arch, str) else None
         if arch not in ARCHS:
-            arch = next((_ARCH_CLASSES[a] for a in cfg.get("architectures") or [] if a in _ARCH_CLASSES), arch)
+            archs = cfg.get("architectures")
+            archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+            arch = next((_ARCH_CLASSES[a] for a in archs if a in _ARCH_CLASSES), arch)
         if arch not in ARCHS:
             raise BadInputError(
                 f"{source}: unsupported architecture model_type={cfg.get('model_type')!r} "
                 f"architectures={cfg.get('architectures')} (supported: {', '.join(sorted(ARCHS))})"
             )
+
+        def pos_int(key, default=None):
+            v = cfg.get(key)
+            if v is None:
+                v = default
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise BadInputError(f"{source}: missing or invalid {key!r} (a positive integer, got {v!r})")
+            return v
+
+        def pos_float(key, default):
+            v = cfg.get(key)
+            if v is None:
+                return float(default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise BadInputError(f"{source}: invalid {key!r} (a positive number, got {v!r})")
+            return float(v)
+
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(cfg.get(key), int):
-                raise BadInputError(f"{source}: missing or non-integer {key!r}")
+            pos_int(key)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise BadInputError(f"{source}: hidden_act {act!r} is not supported (only silu)")
         default_bias, qk_norm = ARCHS[arch]
         heads = cfg["num_attention_heads"]
-        kv = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        kv = pos_int("num_key_value_heads", heads)
+        if heads % kv:
+            raise BadInputError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+        head_dim = pos_int("head_dim", cfg["hidden_size"] // heads)
         rope = cfg.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise BadInputError(f"{source}: rope_parameters must be an object")
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        if scaling is not None and not isinstance(scaling, dict):
+            raise BadInputError(f"{source}: rope_scaling must be an object, got {scaling!r}")
+        theta = pos_float("rope_theta", rope.get("rope_theta") if isinstance(rope.get("rope_theta"), (int, float))
+                          else 10000.0)
         attn_bias = cfg.get("attention_bias")
         qkv_bias = default_bias if attn_bias is None else bool(attn_bias)
         if arch == "qwen2":
             qkv_bias = True  # Qwen2 always has q/k/v biases and never an o_proj bias
         eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+            raise BadInputError(f"{source}: eos_token_id must be a token id or a list of them, got {cfg.get('eos_token_id')!r}")
         sliding = cfg.get("sliding_window") if (arch == "mistral" or cfg.get("use_sliding_window")) else None
+        if sliding is not None:
+            sliding = pos_int("sliding_window")
+        max_pos = pos_int("max_position_embeddings", 4096)
+        eps = pos_float("rms_norm_eps", 1e-6)
+        bos = cfg.get("bos_token_id")
+        if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
+            bos = None
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -90,17 +128,17 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rms_norm_eps=eps,
+            rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=bool(attn_bias) if arch in ("llama", "qwen3") else False,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=qk_norm,
             sliding_window=sliding,
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=bos,
             eos_token_ids=eos,
         )
 
