@@ -298,3 +298,37 @@ def test_round_to_e2m1_is_nearest(x):
 def test_quantize_rejects_bad_shapes_cleanly(shape):
     with pytest.raises(ValueError):
         R.quantize(torch.zeros(shape))
+
+
+# ---- config.json -------------------------------------------------------------------------------------
+_cfg_values = st.one_of(st.none(), st.booleans(), st.integers(-2, 2**40), st.floats(allow_nan=True), st.text(max_size=8),
+                        st.lists(st.integers(-1, 5), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(),
+                                                                                   max_size=2))
+
+
+@FAST
+@given(over=st.dictionaries(st.sampled_from(["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                                             "max_position_embeddings", "rms_norm_eps", "eos_token_id",
+                                             "sliding_window", "use_sliding_window", "rope_scaling", "hidden_act",
+                                             "tie_word_embeddings", "attention_bias", "model_type"]),
+                            _cfg_values, max_size=4))
+def test_model_config_is_valid_or_bad_input(over):
+    """A malformed config.json is a one-line BadInputError naming it, never a KeyError/ZeroDivisionError."""
+    from qerl_cli.models.config import ModelConfig
+
+    cfg = {"model_type": "qwen2", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "eos_token_id": 2}
+    cfg.update(over)
+    try:
+        c = ModelConfig.from_hf(cfg, "x/config.json")
+    except BadInputError as e:
+        assert "x/config.json" in str(e)
+        return
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):
+        v = getattr(c, name)
+        assert isinstance(v, int) and not isinstance(v, bool) and v > 0, (name, v)
+    assert c.num_heads % c.num_kv_heads == 0
+    assert math.isfinite(c.rms_norm_eps) and c.rms_norm_eps > 0 and math.isfinite(c.rope_theta) and c.rope_theta > 0
