@@ -86,7 +86,7 @@ def base_of(m):
 def add_lora(m, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y (the base output of ``m``) plus m's LoRA term when ``m`` is an enabled LoRALinear."""
     if isinstance(m, LoRALinear) and m.enabled:
-        return y + m.delta(x)
+        return m.add_delta(x, y)
     return y
 
 

@@ -53,7 +53,7 @@ class LoRALinear(nn.Module):
         self.lora_A.data = self.lora_A.data.to(dev)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=dev))
         self.enabled = True
-        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None  # inference copies in the activation dtype
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (A, B*scaling) in the activation dtype
 
     @property
     def in_features(self) -> int:
@@ -63,28 +63,45 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    def _inference_copies(self, x: torch.Tensor):
+        """(A, B * scaling) in x's dtype when the engine is running this forward, else None."""
+        c = self._cast
+        if c is None or c[0].dtype != x.dtype or get_context() is None:
+            return None
+        if self.training and not isinstance(self.dropout, nn.Identity):
+            return None
+        return c
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA term alone: dropout(x) @ A^T @ B^T * scaling, in x's dtype."""
-        c = self._cast
-        if c is not None and c[0].dtype == x.dtype and get_context() is not None:
-            a, b = c  # engine forward: no cast kernels per step (the engine refreshes them per generate)
-        else:
-            a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        c = self._inference_copies(x)
+        if c is not None:
+            return (x @ c[0].t()) @ c[1].t()
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         return (self.dropout(x) @ a.t()) @ b.t() * self.scaling
 
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + the LoRA term. In the engine: two kernels (x @ A^T, then one addmm with the pre-scaled
+        B) instead of four, and no per-step casts; 7 LoRA projections x 64 layers add up on a 32B model."""
+        c = self._inference_copies(x)
+        if c is None:
+            return y + self.delta(x)
+        t = x.reshape(-1, x.shape[-1]) @ c[0].t()
+        return torch.addmm(y.reshape(-1, y.shape[-1]), t, c[1].t()).view(y.shape)
+
     def refresh_inference_copies(self, dtype: torch.dtype) -> None:
-        """(Re)write the activation-dtype copies of A and B *in place*, so CUDA graphs that captured
-        them see new adapter values; call after every change to the fp32 masters."""
+        """(Re)write the activation-dtype copies of A and B * scaling *in place*, so CUDA graphs that
+        captured them see new adapter values; call after every change to the fp32 masters or alpha."""
         with torch.no_grad():
             if self._cast is None or self._cast[0].dtype != dtype:
-                self._cast = (self.lora_A.detach().to(dtype).clone(), self.lora_B.detach().to(dtype).clone())
+                self._cast = (self.lora_A.detach().to(dtype).clone(), (self.lora_B.detach() * self.scaling).to(dtype))
             else:
                 self._cast[0].copy_(self.lora_A)
-                self._cast[1].copy_(self.lora_B)
+                self._cast[1].copy_(self.lora_B * self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        return y + self.delta(x) if self.enabled else y
+        return self.add_delta(x, y) if self.enabled else y
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}"
