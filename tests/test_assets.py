@@ -197,6 +197,7 @@ def test_recipe_rebuilds_the_bundled_tokenizer_exactly():
 def test_package_data_ships_every_asset_file():
     """A non-editable install must carry the model and task files (pyproject package-data)."""
     import fnmatch
+
     import tomllib
 
     from qerl_cli.assets import ASSETS_DIR
