@@ -100,6 +100,8 @@ def read_header(path: Path) -> list[TensorInfo]:
             ) from None
         except (TypeError, ValueError):
             raise BadInputError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if begin < 0 or end < begin or any(d < 0 for d in shape):
+            raise BadInputError(f"{path}: tensor {name!r} has a negative shape or byte range")
         info = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
         if end - begin != info.numel * element_size(dtype) or data_start + end > size:
             raise BadInputError(
