@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from qerl_cli.errors import BadInputError
@@ -332,3 +332,37 @@ def test_model_config_is_valid_or_bad_input(over):
         assert isinstance(v, int) and not isinstance(v, bool) and v > 0, (name, v)
     assert c.num_heads % c.num_kv_heads == 0
     assert math.isfinite(c.rms_norm_eps) and c.rms_norm_eps > 0 and math.isfinite(c.rope_theta) and c.rope_theta > 0
+
+
+# ---- safetensors headers -------------------------------------------------------------------------------
+_meta = st.one_of(
+    st.fixed_dictionaries({"dtype": st.sampled_from(["F32", "BF16", "U8", "F8_E4M3", "I64", "X9", ""]),
+                           "shape": st.lists(st.integers(-2, 6), max_size=3),
+                           "data_offsets": st.lists(st.integers(-8, 300), min_size=0, max_size=3)}),
+    _cfg_values)
+
+
+@FAST
+@example(header={"a": {"dtype": "U8", "shape": [-1], "data_offsets": [5, 4]}}, data_len=10, raw=None)
+@example(header={"a": {"dtype": "U8", "shape": [-2, -2], "data_offsets": [0, 4]}}, data_len=10, raw=None)
+@given(header=st.dictionaries(st.text(max_size=6), _meta, max_size=4), data_len=st.integers(0, 300),
+       raw=st.one_of(st.none(), st.binary(max_size=64)))
+def test_safetensors_header_reader_is_valid_or_bad_input(tmp_path_factory, header, data_len, raw):
+    """Any header bytes -> tensors whose byte ranges fit the file, or a BadInputError naming it."""
+    import struct
+
+    from qerl_cli.checkpoint.safetensors_io import read_header, read_tensor
+
+    body = raw if raw is not None else json.dumps(header).encode()
+    path = tmp_path_factory.mktemp("st") / "w.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * data_len)
+    try:
+        infos = read_header(path)
+    except BadInputError as e:
+        assert str(path) in str(e)
+        return
+    size = path.stat().st_size
+    for info in infos:
+        assert all(d >= 0 for d in info.shape) and 8 + len(body) <= info.start <= info.start + info.nbytes <= size
+        t = read_tensor(info)
+        assert tuple(t.shape) == info.shape and t.dtype == info.dtype
