@@ -424,3 +424,17 @@ def test_cuda_and_cpu_write_identical_files(tmp_path):
     b = quantize(QuantizeConfig(src=src, out=tmp_path / "cuda", device="cuda", progress=False))
     assert b.summary["device"].startswith("cuda")
     assert a.manifest["outputs"] == b.manifest["outputs"]
+
+
+def test_mistral_consolidated_weights_are_ignored(tmp_path):
+    src = make_tiny_hf_model(tmp_path, "mistral")
+    save_file(
+        {"layers.0.attention.wq.weight": torch.zeros(64, 64, dtype=torch.bfloat16)},
+        src / "consolidated.safetensors",
+    )
+    run(src, tmp_path / "q")
+    out = load_dir(tmp_path / "q")
+    assert (
+        not any(k.startswith("layers.") for k in out)
+        and not (tmp_path / "q" / "consolidated.safetensors").exists()
+    )

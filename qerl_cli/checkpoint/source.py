@@ -77,6 +77,10 @@ def open_source(src: Path) -> SourceModel:
         weight_files = {INDEX_NAME, *shard_names}
     else:
         shards = sorted(p for p in src.glob("*.safetensors") if p.is_file())
+        # Mistral repos ship the original-format `consolidated.safetensors` beside the HF weights:
+        # the same model under other names, which must not be copied in as extra tensors.
+        hf_shards = [p for p in shards if not p.name.startswith("consolidated")]
+        shards = hf_shards or shards
         if not shards:
             pickles = sorted(p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:
