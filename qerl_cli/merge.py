@@ -51,15 +51,22 @@ class MergeConfig:
     max_shard_size: int = 4 << 30
     device: str = "auto"  # where dequantize + add run; not in the fingerprint (same math, as in quantize)
     allow_base_mismatch: bool = False
+    # --dtype nvfp4: the bf16 checkpoint --model was quantized from; the update is added to it and
+    # the sum quantized (keeps the update, see requantize_nvfp4), instead of to the dequantized base
+    requantize_from: Path | None = None
     force: bool = False
 
     def __post_init__(self):
         self.model, self.adapter, self.out = Path(self.model), Path(self.adapter), Path(self.out)
+        if self.requantize_from is not None:
+            self.requantize_from = Path(self.requantize_from)
+            if self.dtype != "nvfp4":
+                raise BadInputError("--requantize-from only applies to --dtype nvfp4")
         if self.dtype not in DTYPES:
             raise BadInputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_shard_size <= 0:
             raise BadInputError(f"--max-shard-size must be positive, got {self.max_shard_size}")
-        check_out_apart(self.out, model=self.model, adapter=self.adapter)
+        check_out_apart(self.out, model=self.model, adapter=self.adapter, requantize_from=self.requantize_from)
 
 
 def check_out_apart(out: Path, **inputs: Path | None) -> None:
@@ -256,6 +263,17 @@ def packed_weights(base) -> dict[str, PackedWeight]:
     return out
 
 
+def dequantize_packed(reader, pw: PackedWeight, device="cpu") -> torch.Tensor:
+    """One NVFP4 Linear's weight in fp32, in either format."""
+    from qerl_kernels.reference import dequantize
+
+    g = reader.get(pw.global_scale).to(device, torch.float32).reshape(1)
+    codes, scale = reader.get(pw.packed).to(device), reader.get(pw.scale).to(device)
+    if pw.multiplier:  # ModelOpt: w = e2m1 * s * weight_scale_2, as its loaders compute it
+        return dequantize(codes, scale, torch.ones_like(g), dtype=torch.float32) * g
+    return dequantize(codes, scale, g, dtype=torch.float32)
+
+
 def _side_names(packed: dict[str, PackedWeight]) -> set[str]:
     return {n for pw in packed.values() for n in pw.side_tensors()}
 
@@ -343,7 +361,6 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
     LoRA-targeted and NVFP4 weights are formed in fp32 on ``device`` and rounded to ``dtype`` once;
     the result is identical on CPU and CUDA up to the fp32 matmul's summation order.
     """
-    from qerl_kernels.reference import dequantize
 
     packed = packed_weights(base)
     side = _side_names(packed)
@@ -353,12 +370,7 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
         if name in packed:
             pw = packed[name]
             module = pw.module
-            g = reader.get(pw.global_scale).to(device, torch.float32).reshape(1)
-            codes, scale = reader.get(name).to(device), reader.get(pw.scale).to(device)
-            if pw.multiplier:  # ModelOpt: w = e2m1 * s * weight_scale_2, as its loaders compute it
-                w = dequantize(codes, scale, torch.ones_like(g), dtype=torch.float32) * g
-            else:
-                w = dequantize(codes, scale, g, dtype=torch.float32)
+            w = dequantize_packed(reader, pw, device)
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
         else:
@@ -434,11 +446,21 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash,
                             hint="merge it into the model it was trained on", allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
+    inputs = {"model": base_hash, "adapter": adapter.hash}
+    # The tensors the update is added to: the base itself, or (--requantize-from) its bf16 source.
+    target = base
+    if cfg.requantize_from is not None:
+        target = open_base(cfg.requantize_from)
+        inputs["requantize_from"] = check_source_of(cfg.model, cfg.requantize_from, cfg.allow_base_mismatch)
+        if packed_weights(target):
+            raise BadInputError(f"--requantize-from {cfg.requantize_from} is quantized; name the bf16 checkpoint "
+                                f"that --model was quantized from")
+        validate_pair(adapter, target)
 
     so = StageOutput(
         cfg.out, "merge",
         config={"dtype": cfg.dtype, "max_shard_size": cfg.max_shard_size},
-        inputs={"model": base_hash, "adapter": adapter.hash},
+        inputs=inputs,
         force=cfg.force,
     )
     if so.already_done():
@@ -448,8 +470,8 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     from qerl_cli.checkpoint import TensorReader
 
     stats = MergeStats()
-    plan = merged_plan(base)
-    with so as work, TensorReader(base.tensors) as reader, Progress(
+    plan = merged_plan(target)
+    with so as work, TensorReader(target.tensors) as reader, Progress(
         TextColumn("[bold]merge[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), disable=not progress, transient=True,
     ) as bar:
@@ -461,24 +483,77 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 
         bf16_dir = work if cfg.dtype == "bf16" else work / ".merged-bf16"
         bf16_dir.mkdir(exist_ok=True)
-        write_checkpoint(plan, merged_tensors(base, reader, adapter, stats, device=device), bf16_dir, cfg.max_shard_size,
-                         on_tensor=tick)
+        write_checkpoint(plan, merged_tensors(target, reader, adapter, stats, device=device), bf16_dir,
+                         cfg.max_shard_size, on_tensor=tick)
         write_plain_config(base, bf16_dir)
         summary = {
             "dtype": cfg.dtype,
             "device": str(device),
-            "base_quantized": stats.dequantized_modules > 0,
+            "base_quantized": bool(packed_weights(base)),
             "lineage": lineage,
             "adapter_base_hash": adapter.base_hash,
             "base_hash": base_hash,
             **stats.as_dict(),
         }
         if cfg.dtype == "nvfp4":
-            summary["requantization"] = requantize_nvfp4(bf16_dir, work, cfg, progress=progress)
+            rq = requantize_nvfp4(bf16_dir, work, cfg, progress=progress)
+            rq["from"] = "source" if cfg.requantize_from is not None else "dequantized base"
+            rq.update(update_retention(base, work, adapter))
+            summary["requantization"] = rq
             shutil.rmtree(bf16_dir)
         so.timings["merge_s"] = round(time.time() - t0, 3)
         so.extra["summary"] = summary
     return so.manifest
+
+
+def check_source_of(model_dir: Path, source: Path, allow_mismatch: bool = False) -> str:
+    """The hash of ``source`` after checking that `qerl quantize` made ``model_dir`` from it (its manifest)."""
+    from qerl_cli.outputs import read_manifest
+
+    source_hash = model_hash(source)
+    m = read_manifest(model_dir)
+    recorded = (m or {}).get("inputs", {}).get("src_model_hash") if (m or {}).get("stage") == "quantize" else None
+    if recorded == source_hash or allow_mismatch:
+        return source_hash
+    if recorded is None:
+        raise LineageError(f"--model {model_dir} has no `qerl quantize` manifest naming its source, so "
+                           f"--requantize-from {source} cannot be checked",
+                           hint="pass --allow-base-mismatch if you are sure it is the source")
+    raise LineageError(f"--model {model_dir} was quantized from a model with hash {recorded[:12]}, but "
+                       f"--requantize-from {source} has hash {source_hash[:12]}",
+                       hint=f"name the source recorded in {model_dir}/manifest.json ({(m or {}).get('source', '?')})")
+
+
+def update_retention(base, out_dir: Path, adapter: Adapter) -> dict:
+    """How much of the LoRA update the NVFP4 output keeps, relative to the NVFP4 base it was trained on.
+
+    For each merged Linear, with D = B@A*s, W0 = dequant(base) and W1 = dequant(output):
+    ``retained = <W1 - W0, D> / <D, D>`` summed over modules (1: the update is there on average;
+    0: re-quantization snapped the weights back onto the base's grid) and
+    ``error = ||W1 - W0 - D|| / ||D||``. Only for NVFP4 bases (otherwise there is no trained-on grid).
+    """
+
+    from qerl_cli.checkpoint import TensorReader, open_source
+
+    packed = {pw.module: pw for pw in packed_weights(base).values()}
+    mods = [m for m in adapter.deltas if m in packed]
+    if not mods:
+        return {"update_retained": None, "update_rel_error": None}
+    out = open_source(out_dir)
+    dot = dd = err = 0.0
+    with TensorReader(base.tensors) as rb, TensorReader(out.tensors) as ro:
+        for m in mods:
+            d = adapter.deltas[m].dense()
+            w0 = dequantize_packed(rb, packed[m])
+            w1 = dequantize_packed(ro, PackedWeight(m, f"{m}.weight_packed", f"{m}.weight_scale",
+                                                    f"{m}.weight_global_scale", False))
+            dw = w1 - w0
+            dot += float((dw * d).sum())
+            dd += float((d * d).sum())
+            err += float(((dw - d) ** 2).sum())
+    if dd == 0:
+        return {"update_retained": None, "update_rel_error": None}
+    return {"update_retained": round(dot / dd, 4), "update_rel_error": round(math.sqrt(err / dd), 4)}
 
 
 def requantize_nvfp4(bf16_dir: Path, out_dir: Path, cfg: MergeConfig, *, progress: bool = True) -> dict:

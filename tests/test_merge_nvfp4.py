@@ -144,3 +144,47 @@ def test_adapter_saved_by_qerl_with_trainer_state_merges(qpair, tmp_path):
     err = (got - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item()
     assert (qerl_logits(qdir, None, IDS) - ref).abs().max().item() > 20 * err  # rsLoRA scaling applied
+
+
+@pytest.fixture(scope="module")
+def small_update(qpair, tmp_path_factory):
+    """An adapter whose update is a few % of the weights, as after RL (smaller than the FP4 grid step)."""
+    src, qdir, _ = qpair
+    return make_peft_adapter(src, tmp_path_factory.mktemp("small") / "ad", scale=0.006, base_hash=model_hash(qdir))
+
+
+def test_requantize_from_source_keeps_small_updates(qpair, small_update, tmp_path):
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    src, qdir, _ = qpair
+    naive = merge(MergeConfig(qdir, small_update, tmp_path / "naive", dtype="nvfp4"), progress=False)
+    rq = naive["summary"]["requantization"]
+    assert naive["summary"]["delta_rel_norm_mean"] < 0.1
+    assert rq["from"] == "dequantized base" and rq["update_retained"] < 0.5 and rq["update_rel_error"] > 0.7
+    good = merge(MergeConfig(qdir, small_update, tmp_path / "good", dtype="nvfp4", requantize_from=src), progress=False)
+    rq2 = good["summary"]["requantization"]
+    assert rq2["from"] == "source" and 0.8 < rq2["update_retained"] < 1.2, rq2
+    assert good["inputs"]["requantize_from"] == model_hash(src)
+    # the CLI says so, naming the source recorded by `qerl quantize`
+    r = CliRunner().invoke(app, ["merge", "--model", str(qdir), "--adapter", str(small_update), "--out",
+                                 str(tmp_path / "cli"), "--dtype", "nvfp4", "-q"], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())  # rich wraps long lines
+    assert "warning: re-quantizing kept only" in text and f"--requantize-from {src.resolve()}" in text
+
+
+def test_requantize_from_checks_the_source(qpair, small_update, tmp_path):
+    from qerl_cli.errors import BadInputError, LineageError
+
+    src, qdir, _ = qpair
+    other = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=64, layers=2, seed=4, name="other", tokenizer=False)
+    with pytest.raises(LineageError, match="was quantized from a model with hash"):
+        merge(MergeConfig(qdir, small_update, tmp_path / "m", dtype="nvfp4", requantize_from=other), progress=False)
+    with pytest.raises(BadInputError, match="only applies to --dtype nvfp4"):
+        MergeConfig(qdir, small_update, tmp_path / "m", requantize_from=src)
+    with pytest.raises(BadInputError, match="is quantized"):
+        merge(MergeConfig(qdir, small_update, tmp_path / "m", dtype="nvfp4", requantize_from=qdir,
+                          allow_base_mismatch=True), progress=False)
+    assert not (tmp_path / "m").exists()

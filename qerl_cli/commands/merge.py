@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy
+
 SHORT = "Merge a LoRA adapter into the base: a servable bf16 or NVFP4 checkpoint."
 HELP = (
     SHORT + "\n\n"
@@ -30,6 +32,11 @@ def command(
     max_shard_size: str = typer.Option("4GB", "--max-shard-size", help="Largest safetensors shard. Example: --max-shard-size 2GB"),
     device: str = typer.Option("auto", "--device", help="Where to dequantize, add and re-quantize: auto (cuda if "
                                "available), cpu or cuda (results agree up to fp32 summation order). Example: --device cpu"),
+    requantize_from: Path = typer.Option(None, "--requantize-from", help="With --dtype nvfp4: the bf16 checkpoint "
+                                         "--model was quantized from (checked against --model's manifest). The update "
+                                         "is added to it before quantizing, which keeps small updates that "
+                                         "re-quantizing the dequantized base rounds away. Example: "
+                                         "--requantize-from models/Qwen2.5-7B-Instruct", show_default=False),
     allow_base_mismatch: bool = typer.Option(False, "--allow-base-mismatch", help="Apply an adapter whose "
                                              "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
                                              "applied to the bf16 original); the manifest records it."),
@@ -39,11 +46,12 @@ def command(
     from rich.console import Console
 
     from qerl_cli.merge import MergeConfig, merge
+    from qerl_cli.outputs import read_manifest
     from qerl_cli.quantize import parse_size
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
                       max_shard_size=parse_size(max_shard_size), device=device,
-                      allow_base_mismatch=allow_base_mismatch, force=force)
+                      requantize_from=requantize_from, allow_base_mismatch=allow_base_mismatch, force=force)
     m = merge(cfg, progress=not quiet)
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})
@@ -56,4 +64,11 @@ def command(
     rq = s.get("requantization")
     if rq:
         line += f"; re-quantization rel. error mean {rq['rel_err_mean']:.4f}, max {rq['rel_err_max']:.4f}"
+        if rq.get("update_retained") is not None:
+            line += f"; LoRA update retained {100 * rq['update_retained']:.0f}%"
     console.print(line)
+    if rq and rq.get("update_retained") is not None and rq["update_retained"] < LOW_RETENTION:
+        src = (read_manifest(model) or {}).get("source")
+        console.print(f"[yellow]warning:[/] re-quantizing kept only {100 * rq['update_retained']:.0f}% of the LoRA "
+                      "update (small updates round back onto the base's FP4 grid); pass --requantize-from "
+                      f"{src or 'BF16_SOURCE_DIR'} to add it to the bf16 source instead, or serve the bf16 merge")
