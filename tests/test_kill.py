@@ -39,7 +39,7 @@ def _inputs(stage: str, p: dict) -> list:
 
 # Files whose bytes must not depend on the run (metrics.json/metrics.jsonl hold timings).
 _COMPARED = {
-    "train-step": {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors"},
+    "train-step": {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "trainer_state.json"},
     "eval": {"samples.jsonl"},
 }
 
