@@ -8,11 +8,17 @@ copied (dequantized for NVFP4 Linears). Peak memory is one tensor plus the adapt
 model merges on a laptop. Everything the adapter names is checked against the base's headers
 (present, shapes, rank) before any byte is written, so a bad pair fails in seconds.
 
-``--dtype nvfp4`` then re-quantizes the merged bf16 weights with the same code `qerl quantize`
+``--dtype nvfp4`` then quantizes the merged bf16 weights with the same code `qerl quantize`
 uses (shared global scales for q/k/v and gate/up), because the merged weight is a new tensor:
-its NVFP4 grid is not the base's grid plus something. The trade-off is a second rounding; the
-per-tensor relative error of that rounding is measured against the merged bf16 weights and
-reported in the summary and manifest, so a user sees what serving on FP4 costs.
+its NVFP4 grid is not the base's grid plus something. The trap: an RL update is a few % of a
+weight, below the FP4 step, and the dequantized base sits exactly on the grid, so round-to-
+nearest snaps most elements straight back to the base (measured: 14% of a real update kept).
+``--requantize-from SRC`` adds the update to the bf16 checkpoint the base was quantized from
+instead: its weights lie anywhere inside their FP4 bins, so the update moves each across a
+boundary with probability proportional to its size and the quantized model keeps the update in
+expectation (measured: 101%). The summary reports both the re-quantization error against the
+merged bf16 weights and ``update_retained`` (<W1 - W0, D> / <D, D> against the trained-on base),
+so a lossy FP4 merge is visible instead of silently serving the base model.
 
 Lineage: an adapter trained by `qerl train-step` records its base's ``model_hash`` in
 ``trainer_state.json``; merging it into any other base is refused (both hashes named). A plain
