@@ -83,7 +83,10 @@ done
 # 3. A servable checkpoint and its score.
 last=$(step_dir $((STEPS - 1)))
 say "merge"
-"$QERL" merge --model "$BASE" --adapter "$last/adapter" --out "$RUN_DIR/merged" --dtype "${MERGE_DTYPE:-bf16}" "${FORCE_FLAG[@]}"
+merge_flags=(--dtype "${MERGE_DTYPE:-bf16}")
+# An FP4 merge keeps a small RL update only when it is added to the bf16 source (docs/merge-eval.md).
+[ "${MERGE_DTYPE:-bf16}" = nvfp4 ] && [ "$BASE" != "$MODEL" ] && merge_flags+=(--requantize-from "$MODEL")
+"$QERL" merge --model "$BASE" --adapter "$last/adapter" --out "$RUN_DIR/merged" "${merge_flags[@]}" "${FORCE_FLAG[@]}"
 if [ -n "${EVAL_DATASET:-}" ]; then
   say "eval merged policy"
   "$QERL" eval --model "$RUN_DIR/merged" "${eval_flags[@]}" --out "$RUN_DIR/eval-final" "${FORCE_FLAG[@]}"
