@@ -1,4 +1,4 @@
-"""torchrun with 2 gloo processes on CPU gives the single-process adapter (up to float order)."""
+"""torchrun with 2 ranks gives the single-process adapter (up to float order): gloo on CPU, NCCL on 2 GPUs."""
 
 import json
 import os
@@ -20,19 +20,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # ~60 s on 2 shared cores: two extra interpreters import torch + transformers + peft
-def test_two_gloo_ranks_equal_one_process(tmp_path):
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.slow),  # ~60 s on 2 shared cores: two extra interpreters import torch
+    pytest.param("cuda", marks=[pytest.mark.gpu, two_gpus]),  # NCCL; fp32 compute so the comparison stays tight
+])
+def test_two_ranks_equal_one_process(tmp_path, device):
     _, q = quantized_tiny(tmp_path)
     sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
     args = dict(lr=1e-3, loss="bnpo", epochs=2, lora_rank=4, micro_batch_tokens=40)
-    single = train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "one", progress=False, **args))
+    dev = dict(device="cpu") if device == "cpu" else dict(device="cuda:0", dtype="fp32")
+    single = train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "one", progress=False, **args, **dev))
     assert single["metrics"]["micro_batches"] >= 3  # both ranks get work, one gets more
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(q), "--shards", str(sh),
            "--out", str(tmp_path / "two"), "--lr", "1e-3", "--loss", "bnpo", "--epochs", "2", "--lora-rank", "4",
-           "--micro-batch-tokens", "40", "--device", "cpu", "--quiet"]
+           "--micro-batch-tokens", "40", "--quiet"]
+    cmd += ["--device", "cpu"] if device == "cpu" else ["--device", "cuda", "--dtype", "fp32"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = load_file(str(tmp_path / "one" / "adapter_model.safetensors")), load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
