@@ -213,7 +213,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     ``generate`` replaces the engine (tests); by default the native or vLLM engine is built.
     """
     from qerl_cli.data import encode_prompts, load_prompts, load_template
-    from qerl_cli.merge import check_lineage
+    from qerl_cli.lineage import check_lineage
     from qerl_cli.rollout import _context_length, _load_tokenizer, _resolve_device, _resolve_dtype
 
     t_start = time.time()

@@ -40,12 +40,12 @@ import torch
 
 from qerl_cli.errors import BadInputError, LineageError, NumericalError
 from qerl_cli.hashing import model_hash
+from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
 from qerl_cli.outputs import StageOutput
 
 DTYPES = ("bf16", "nvfp4")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-TRAINER_STATE = "trainer_state.json"
 
 
 @dataclass
@@ -191,39 +191,6 @@ def read_adapter(adapter_dir: Path) -> Adapter:
     from qerl_cli.adapters import adapter_hash
 
     return Adapter(adapter_dir, cfg, deltas, replacements, base_hash, hash=adapter_hash(adapter_dir))
-
-
-def recorded_base_hash(adapter_dir: Path) -> str | None:
-    """The base-model hash a `qerl train-step` adapter records in trainer_state.json (None if absent)."""
-    state_path = Path(adapter_dir) / TRAINER_STATE
-    if not state_path.exists():
-        return None
-    try:
-        return json.loads(state_path.read_text()).get("base_model_hash")
-    except (ValueError, AttributeError) as e:
-        raise BadInputError(f"{state_path}: unreadable trainer state ({e})") from None
-
-
-def check_lineage(adapter_dir: Path, model_dir: Path, base_hash: str | None = None, *,
-                  recorded: str | None = None, hint: str = "use the model it was trained on",
-                  allow_mismatch: bool = False) -> str:
-    """'verified' when the adapter's recorded base hash equals the model's, 'unverified' when the
-    adapter records none; LineageError naming both hashes otherwise, unless ``allow_mismatch``
-    (e.g. an adapter trained on the NVFP4 base deliberately applied to the bf16 original), which
-    returns 'mismatch-allowed' so the manifest says so."""
-    recorded = recorded if recorded is not None else recorded_base_hash(adapter_dir)
-    if recorded is None:
-        return "unverified"
-    base_hash = base_hash or model_hash(model_dir)
-    if recorded == base_hash:
-        return "verified"
-    if allow_mismatch:
-        return "mismatch-allowed"
-    raise LineageError(
-        f"--adapter {adapter_dir} was trained on base {recorded[:12]} "
-        f"({TRAINER_STATE}) but --model {model_dir} has hash {base_hash[:12]}",
-        hint=hint + ", or pass --allow-base-mismatch to apply it anyway",
-    )
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------

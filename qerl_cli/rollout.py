@@ -30,7 +30,6 @@ How it works
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 import re
@@ -42,8 +41,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
-from qerl_cli.errors import BadInputError, LineageError, OutputExistsError, QerlError
+from qerl_cli.errors import BadInputError, OutputExistsError, QerlError
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file
+from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput
 from qerl_cli.rewards import RewardSet
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
@@ -163,26 +163,6 @@ def aqn_sigma(cfg: RolloutConfig) -> float:
         return sigma_at(cfg.step, cfg.total_steps, cfg.aqn_sigma_start, cfg.aqn_sigma_end, cfg.aqn_stages)
     except ValueError as e:
         raise BadInputError(f"AQN schedule: {e}") from None
-
-
-def adapter_lineage(adapter: Path, base_hash: str) -> str:
-    """'verified' / 'unverified' (no trainer_state.json); LineageError naming both hashes otherwise."""
-    state = Path(adapter) / "trainer_state.json"
-    if not state.is_file():
-        return "unverified"
-    try:
-        recorded = json.loads(state.read_text()).get("base_model_hash")
-    except (ValueError, AttributeError) as e:
-        raise BadInputError(f"{state}: unreadable trainer state ({e})") from None
-    if recorded is None:
-        return "unverified"
-    if recorded != base_hash:
-        raise LineageError(
-            f"--adapter {adapter} was trained on base {recorded[:12]} ({state.name}) "
-            f"but --model has hash {base_hash[:12]}",
-            hint="roll out with the base model the adapter was trained on",
-        )
-    return "verified"
 
 
 # ---- prompt selection -------------------------------------------------------------------------
@@ -421,7 +401,9 @@ def rollout(cfg: RolloutConfig) -> dict:
 
     base_hash = model_hash(cfg.model)
     adapter_hash = dir_hash(cfg.adapter, names=ADAPTER_FILES) if cfg.adapter is not None else None
-    lineage = adapter_lineage(cfg.adapter, base_hash) if cfg.adapter is not None else None
+    lineage = (check_lineage(cfg.adapter, cfg.model, base_hash, override_flag=None,
+                             hint="roll out with the base model the adapter was trained on")
+               if cfg.adapter is not None else None)
     inputs = {"model": base_hash, "prompts": sha256_file(cfg.prompts)}
     if adapter_hash:
         inputs["adapter"] = adapter_hash

@@ -279,7 +279,7 @@ def test_adapter_lineage_refused(model_dir, tmp_path, fake_engine):
     a.mkdir()
     (a / "adapter_config.json").write_text(json.dumps({"r": 4, "peft_type": "LORA"}))
     (a / "trainer_state.json").write_text(json.dumps({"base_model_hash": "f" * 64}))
-    with pytest.raises(LineageError, match=r"trained on base ffffffffffff .* --model has hash [0-9a-f]{12}"):
+    with pytest.raises(LineageError, match=r"trained on base ffffffffffff .* --model \S+ has hash [0-9a-f]{12}"):
         rollout(cfg_for(model_dir, tmp_path, adapter=a))
     with pytest.raises(BadInputError, match="no adapter_config.json"):
         rollout(cfg_for(model_dir, tmp_path, adapter=tmp_path))
