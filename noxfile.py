@@ -23,7 +23,7 @@ def tests(session):
 @nox.session
 def lint(session):
     session.install("ruff")
-    session.run("ruff", "check", "qerl_cli", "kernels", "tests", "recipes", "noxfile.py")
+    session.run("ruff", "check", "qerl_cli", "kernels", "tests", "recipes", "benchmarks", "noxfile.py")
 
 
 @nox.session(venv_backend="none")

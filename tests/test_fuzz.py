@@ -16,9 +16,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from qerl_kernels import reference as R
 
 from qerl_cli.errors import BadInputError
-from qerl_kernels import reference as R
 
 FAST = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -1,8 +1,8 @@
 """The install metadata lists every subpackage, and the CLI spine answers."""
 
-import tomllib
 from pathlib import Path
 
+import tomllib
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -63,7 +63,7 @@ def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
     assert "quantize" in args[0] and "--dependency" not in args[0]
     for s in range(3):
         roll, train = args[1 + 2 * s], args[2 + 2 * s]
-        assert f"--array 0-3" in roll and f" rollout {cfg} " in roll and roll.endswith(f" {s}")
+        assert "--array 0-3" in roll and f" rollout {cfg} " in roll and roll.endswith(f" {s}")
         assert f"--dependency afterok:{ids[2 * s]}" in roll  # after quantize / previous train
         assert f"--dependency afterok:{ids[1 + 2 * s]}" in train and " train " in train
         assert "--partition gpu" in roll
