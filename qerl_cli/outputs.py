@@ -64,7 +64,8 @@ def crash_point(name: str) -> None:
         return
     _kill_hits[name] = _kill_hits.get(name, 0) + 1
     if _kill_hits[name] >= int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        # QERL_TEST_KILL_SIGNAL=TERM|INT: what Slurm pre-emption / Ctrl-C send instead.
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("QERL_TEST_KILL_SIGNAL", "KILL")))
 
 
 def read_manifest(out: Path) -> dict | None:

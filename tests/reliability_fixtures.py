@@ -74,9 +74,14 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def run_cli(args, *, kill_at: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m qerl_cli *args`` in a fresh interpreter; ``kill_at`` sets QERL_TEST_KILL_AT."""
-    env = cli_env(**({"QERL_TEST_KILL_AT": kill_at} if kill_at else {}))
+def run_cli(args, *, kill_at: str | None = None, signal: str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m qerl_cli *args`` in a fresh interpreter; ``kill_at`` sets QERL_TEST_KILL_AT
+    (and ``signal`` QERL_TEST_KILL_SIGNAL, default KILL)."""
+    extra = {"QERL_TEST_KILL_AT": kill_at} if kill_at else {}
+    if signal:
+        extra["QERL_TEST_KILL_SIGNAL"] = signal
+    env = cli_env(**extra)
     return subprocess.run([sys.executable, "-m", "qerl_cli", *map(str, args)], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=timeout)
 

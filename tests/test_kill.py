@@ -129,3 +129,24 @@ def test_kill_while_replacing_keeps_a_complete_output(point, tmp_path):
     assert read_manifest(out)["config"]["max_shard_size"] == 5 * 10**9
     assert read_manifest(out)["outputs"] == output_hashes(out)
     assert leftovers(tmp_path, "out") == ["out"]
+
+
+@pytest.mark.parametrize("sig", ["TERM", pytest.param("INT", marks=pytest.mark.slow)])
+def test_sigterm_and_sigint_mid_write_leave_nothing(sig, tmp_path):
+    """SIGTERM (Slurm pre-emption, time limit) and SIGINT (Ctrl-C) mid-write: no --out, and the
+    rerun equals an uninterrupted run. qerl installs no SIGTERM handler, so TERM ends it like KILL;
+    INT becomes KeyboardInterrupt: one line, exit 130, temp dir removed on the way out."""
+    p = pipeline()
+    ref = reference("quantize", tmp_path)
+    out = tmp_path / "out"
+    r = run_cli(_args("quantize", p, out), kill_at="tensor:3", signal=sig)
+    if sig == "TERM":
+        assert r.returncode == -15, r.stderr[-2000:]
+    else:
+        assert r.returncode == 130 and r.stderr.strip().startswith("interrupted"), r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+        assert leftovers(tmp_path, "out") == []
+    assert not out.exists()
+    rerun = invoke(_args("quantize", p, out))
+    assert rerun.exit_code == 0, rerun.stderr
+    assert output_hashes(out) == ref and leftovers(tmp_path, "out") == ["out"]
