@@ -214,7 +214,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     """
     from qerl_cli.data import encode_prompts, load_prompts, load_template
     from qerl_cli.lineage import check_lineage
-    from qerl_cli.rollout import _context_length, _load_tokenizer, _resolve_device, _resolve_dtype
+    from qerl_cli.runtime import context_length, load_tokenizer, resolve_device, resolve_dtype
 
     t_start = time.time()
     if not cfg.model.is_dir():
@@ -235,8 +235,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if missing is not None:
         raise BadInputError(f"{missing.where}: row has no reference `answer`; eval needs one per problem")
 
-    device = _resolve_device(cfg.device)
-    dtype_name, torch_dtype = _resolve_dtype(cfg.dtype, device)
+    device = resolve_device(cfg.device)
+    dtype_name, torch_dtype = resolve_dtype(cfg.dtype, device)
     base_hash = model_hash(cfg.model)
     inputs = {"model": base_hash, "dataset": sha256_file(cfg.dataset)}
     lineage = None
@@ -252,8 +252,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         metrics = json.loads((cfg.out / METRICS).read_text())
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
 
-    tokenizer = _load_tokenizer(cfg.model)
-    max_model_len = cfg.max_model_len or _context_length(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    max_model_len = cfg.max_model_len or context_length(cfg.model)
     room = max_model_len - cfg.max_new_tokens
     if room < 1:
         raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "

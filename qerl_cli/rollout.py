@@ -46,6 +46,7 @@ from qerl_cli.hashing import dir_hash, model_hash, sha256_file
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput
 from qerl_cli.rewards import RewardSet
+from qerl_cli.runtime import context_length, load_tokenizer, resolve_device, resolve_dtype
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
 
 STAGE = "rollout"
@@ -272,35 +273,10 @@ def summary_table(summary: dict):
 
 
 # ---- generation ----------------------------------------------------------------------------------
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise BadInputError(f"--device {device}: no CUDA device is visible", hint="use --device cpu")
-        if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-            raise BadInputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return device
 
 
-def _resolve_dtype(dtype: str, device: str):
-    import torch
-
-    if dtype == "auto":
-        # bf16 on CPU is emulated (slow) and loses precision for nothing; fp32 there.
-        dtype = "bf16" if device.startswith("cuda") else "fp32"
-    return dtype, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
-def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
-        raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
 @dataclass
@@ -391,8 +367,8 @@ def rollout(cfg: RolloutConfig) -> dict:
                 hint="add answers, or use rewards that need none (format, module:function)",
             )
     sigma = aqn_sigma(cfg)
-    device = _resolve_device(cfg.device)
-    dtype_name, torch_dtype = _resolve_dtype(cfg.dtype, device)
+    device = resolve_device(cfg.device)
+    dtype_name, torch_dtype = resolve_dtype(cfg.dtype, device)
     if cfg.engine == "vllm":
         import importlib.util
 
@@ -416,8 +392,8 @@ def rollout(cfg: RolloutConfig) -> dict:
     if out.already_done():
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
 
-    tokenizer = _load_tokenizer(cfg.model)
-    max_model_len = min(cfg.max_model_len or 1 << 62, _context_length(cfg.model))
+    tokenizer = load_tokenizer(cfg.model)
+    max_model_len = min(cfg.max_model_len or 1 << 62, context_length(cfg.model))
     enc_report = EncodeReport()
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
@@ -534,13 +510,6 @@ def _run(plan: _Plan) -> dict:
     return {"out": str(cfg.out), "already_done": False, "summary": summary, "manifest": out.manifest}
 
 
-def _context_length(model_dir: Path) -> int:
-    """The longest sequence the native engine serves: max positions, capped by a sliding window
-    (windowed attention is not implemented, so the engine stays inside the window)."""
-    from qerl_cli.models.config import ModelConfig
-
-    c = ModelConfig.from_dir(Path(model_dir))
-    return min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
 
 
 @dataclass

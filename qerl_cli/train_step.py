@@ -44,6 +44,7 @@ from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMe
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
 from qerl_cli.outputs import StageOutput
+from qerl_cli.runtime import resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.advantages import SCALES, group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
@@ -140,26 +141,8 @@ class StepData:
 
 
 # ---- inputs --------------------------------------------------------------------------------------
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInputError(f"--device {device}: no CUDA GPU is visible")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise BadInputError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
-    return device
 
 
-def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-             "fp16": torch.float16, "float16": torch.float16}
-    if dtype == "auto":
-        # bf16 on GPU (the paper's compute dtype); fp32 on CPU, where bf16 matmuls are slow and
-        # the tests compare against fp32 references.
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in table:
-        raise BadInputError(f"--dtype must be auto, bf16, fp16 or fp32, got {dtype!r}")
-    return table[dtype]
 
 
 def read_step(cfg: TrainStepConfig) -> StepData:
@@ -378,8 +361,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
     if cfg.adapter is not None and Path(cfg.out).resolve() == Path(cfg.adapter).resolve():
         # Overwriting the input adapter would make the step impossible to rerun or resume.
         raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
-    device = _resolve_device(cfg.device)
-    dtype = _resolve_dtype(cfg.dtype, device)
+    device = resolve_device(cfg.device)
+    _, dtype = resolve_dtype(cfg.dtype, device)
 
     data = read_step(cfg)
     if data.bad_lines:

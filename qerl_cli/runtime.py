@@ -1,0 +1,63 @@
+"""Where and in what precision a stage runs, and the model-directory facts every stage needs.
+
+One copy of the `--device` / `--dtype` rules for rollout, train-step and eval: `auto` picks CUDA
+when visible, and bf16 there (the paper's compute dtype) but fp32 on CPU, where bf16 matmuls are
+emulated (slow) and the tests compare against fp32 references.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qerl_cli.errors import BadInputError
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda if visible else cpu; `cuda[:N]` checked against the visible GPUs."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not device.startswith("cuda"):
+        raise BadInputError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInputError(f"--device {device}: no CUDA device is visible", hint="use --device cpu")
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise BadInputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    """(short name, torch dtype) for `--dtype auto|bf16|fp16|fp32` on ``device``."""
+    import torch
+
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+    if dtype not in DTYPES:
+        raise BadInputError(f"--dtype must be auto, bf16, fp16 or fp32, got {dtype!r}")
+    full = DTYPES[dtype]
+    return _SHORT[full], getattr(torch, full)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
+        raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def context_length(model_dir: Path) -> int:
+    """The longest sequence the native engine serves: max positions, capped by a sliding window
+    (windowed attention is not implemented, so the engine stays inside the window)."""
+    from qerl_cli.models.config import ModelConfig
+
+    c = ModelConfig.from_dir(Path(model_dir))
+    return min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
