@@ -392,7 +392,7 @@ def write_checkpoint(plan, tensors: Iterator[tuple[str, torch.Tensor]], out_dir:
 def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16") -> None:
     """config.json without quantization_config; tokenizer, chat template, generation config and other
     side files copied as `qerl quantize` copies them (never weights, pickles or quantization files)."""
-    from qerl_cli.quantize import _copy_side_files
+    from qerl_cli.quantize import copy_side_files
 
     cfg = dict(base.config)
     cfg.pop("quantization_config", None)
@@ -401,7 +401,7 @@ def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16") -> No
     if "dtype" in cfg:
         cfg["dtype"] = torch_dtype
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    _copy_side_files(base, out_dir)
+    copy_side_files(base, out_dir)
 
 
 # ---- the stage -------------------------------------------------------------------------------

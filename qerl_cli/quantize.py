@@ -304,7 +304,7 @@ def _process_unit(unit: Unit, tensors: dict[str, torch.Tensor], source, fmt, dev
     return out
 
 
-def _copy_side_files(source: SourceModel, work: Path) -> list[str]:
+def copy_side_files(source: SourceModel, work: Path) -> list[str]:
     """Tokenizer, generation config, chat template, custom code...: every top-level file that is not a weight."""
     skip = {"config.json", MANIFEST, "hf_quant_config.json", *source.weight_files}
     copied = []
@@ -387,7 +387,7 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for fname, data in fmt.extra_files(ignore).items():
             (work / fname).write_text(json.dumps(data, indent=2) + "\n")
-        copied = _copy_side_files(source, work)
+        copied = copy_side_files(source, work)
         elapsed = time.time() - t0
         summary = _summary(source, units, plan, kept_linears, stats, elapsed, device, cfg.format, copied)
         so.extra["source"] = str(src.resolve())
