@@ -84,7 +84,7 @@ def test_output_manifest_lists_every_file_with_its_hash(p, tmp_path, stage):
 
 # Late failures: an exception after the stage has written most of its files leaves no --out.
 LATE_FAILURE = {
-    "quantize": "qerl_cli.quantize._copy_side_files",
+    "quantize": "qerl_cli.quantize.copy_side_files",
     "rollout": "qerl_cli.rollout.summarize",
     "train-step": "qerl_cli.train_step.append_jsonl",
     "merge": "qerl_cli.merge.write_plain_config",
