@@ -1,8 +1,8 @@
 """The bash and Slurm recipes: syntax, the dependency chain, and the stage commands they run.
 
-The Slurm chain is checked with a recording stand-in for ``sbatch`` (see docs/recipes.md for
-why a live Slurm is not started in CI); the stage script is run with a recording stand-in for
-``qerl`` so every generated command line is checked without running a model.
+The Slurm chain is checked with a recording stand-in for ``sbatch`` and, where slurm-wlm is
+installed, under a live single-node Slurm started by the test; the stage script is run with a
+recording stand-in for ``qerl`` so every generated command line is checked without running a model.
 """
 
 import os
