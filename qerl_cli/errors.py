@@ -50,9 +50,3 @@ class OutOfMemoryError(QerlError):
     """The device ran out of memory; the message says which flag to lower."""
 
     exit_code = 6
-
-
-class NotBuiltError(QerlError):
-    """A command whose implementation has not landed yet."""
-
-    exit_code = 64
