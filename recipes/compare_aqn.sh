@@ -6,7 +6,9 @@
 #
 # Runs PARALLEL loops at once (default: cores / 2), each with THREADS torch threads, then
 # writes OUT_DIR/results.md and OUT_DIR/curves.png (python recipes/plot_compare.py OUT_DIR).
-# SEEDS (default "0 1 2"), STEPS and every other knob of the config can be set in the environment.
+# SEEDS (default "0 1 2"), STEPS and every other knob of the config can be set in the environment;
+# EXTRA_AQN=START:END adds a fourth variant with a larger noise schedule. Finished runs are kept:
+# rerunning with more variants only runs the new ones (every stage says "already done").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/compare}
@@ -19,10 +21,13 @@ mkdir -p "$OUT"
 jobs=()
 for seed in $SEEDS; do
   jobs+=("bf16-lora $seed bf16 0" "nvfp4-lora $seed nvfp4 0" "nvfp4-aqn $seed nvfp4 ${AQN_SIGMA_START:-1e-2}")
+  # EXTRA_AQN="0.1:1e-3": also run NVFP4 + AQN with a larger schedule (sigma_start:sigma_end)
+  if [ -n "${EXTRA_AQN:-}" ]; then jobs+=("nvfp4-aqn-${EXTRA_AQN%%:*} $seed nvfp4 ${EXTRA_AQN%%:*} ${EXTRA_AQN##*:}"); fi
 done
-run_one() {  # NAME SEED BASE_FORMAT SIGMA_START
+run_one() {  # NAME SEED BASE_FORMAT SIGMA_START [SIGMA_END]
   local dir=$OUT/$1-s$2
-  BASE_FORMAT=$3 AQN_SIGMA_START=$4 SEED=$2 bash recipes/grpo.sh "$CONFIG" "$dir" > "$dir.log" 2>&1 \
+  BASE_FORMAT=$3 AQN_SIGMA_START=$4 AQN_SIGMA_END=${5:-${AQN_SIGMA_END:-1e-4}} SEED=$2 \
+    bash recipes/grpo.sh "$CONFIG" "$dir" > "$dir.log" 2>&1 \
     && echo "done: $dir" || { echo "FAILED: $dir (see $dir.log)"; return 1; }
 }
 export -f run_one; export OUT CONFIG
