@@ -532,6 +532,9 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     t_start = time.time()
     cuda = device.startswith("cuda")
     if cuda:
+        # A fresh process (a torchrun rank) has no CUDA allocator yet: resetting its stats then
+        # raises "Invalid device argument", so initialise CUDA first.
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
     try:
         model = _load(cfg, spec, device, dtype)

@@ -35,7 +35,7 @@ def test_two_ranks_equal_one_process(tmp_path, device):
     single = train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "one", progress=False, **args, **dev))
     assert single["metrics"]["micro_batches"] >= 3  # both ranks get work, one gets more
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(q), "--shards", str(sh),
            "--out", str(tmp_path / "two"), "--lr", "1e-3", "--loss", "bnpo", "--epochs", "2", "--lora-rank", "4",
