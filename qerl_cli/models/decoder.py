@@ -66,6 +66,19 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward_stream(self, s: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Residual stream in, residual stream out: the checkpointed training form of ``forward``.
+
+        ``s`` is what ``forward`` would add up inside its first norm (the previous layer's mlp output +
+        residual, or the embedding), and the result is this layer's mlp output + residual, added here
+        instead of in the next layer's norm. Same operations in the same order, so the same bits; but a
+        checkpoint around it saves one [tokens, hidden] tensor per layer instead of two.
+        """
+        h = self.input_layernorm(s)
+        h = self.self_attn(h, positions)
+        h, residual = self.post_attention_layernorm(h, s)
+        return self.mlp(h) + residual
+
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, quantized: set[str], device=None, dtype=None, max_positions: int | None = None):
@@ -108,15 +121,21 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [B, L, H] for token ids [B, L] at the given positions [B, L]."""
+        """Hidden states [B, L, H] for token ids [B, L] at the given positions [B, L].
+
+        Under gradient checkpointing (training) each layer runs as ``forward_stream`` inside one
+        checkpoint whose only saved input is the residual stream [B, L, H]. Otherwise (inference,
+        the engine, no checkpointing) the (mlp output, residual) pair flows on and each add fuses
+        into the next norm.
+        """
         x = self.model.embed_tokens(input_ids)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            for layer in self.model.layers:
+                x = checkpoint(layer.forward_stream, x, positions, use_reentrant=False)
+            return self.model.norm(x)
         residual = None
-        ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            if ckpt:
-                x, residual = checkpoint(layer, x, positions, residual, use_reentrant=False)
-            else:
-                x, residual = layer(x, positions, residual)
+            x, residual = layer(x, positions, residual)
         return self.model.norm(x, residual)[0]
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
