@@ -103,6 +103,7 @@ class TrainStepConfig:
     micro_batch_tokens: int = 16384
     logits_chunk_tokens: int = 2048
     gradient_checkpointing: bool = True
+    offload_activations: bool = False  # checkpointed layer inputs to pinned CPU memory (CUDA only)
     device: str = "auto"
     dtype: str = "auto"
     baseline: str | None = None
@@ -112,8 +113,9 @@ class TrainStepConfig:
     force: bool = False
     progress: bool = True
 
-    # arguments that do not change the result (where things go, how they are shown)
-    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress")
+    # arguments that do not change the result (where things go, how they are shown, where the
+    # same bytes wait: the memory options are bit-identical, so toggling them is not a new step)
+    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "offload_activations")
 
     def fingerprint_config(self) -> dict:
         d = asdict(self)
@@ -326,6 +328,33 @@ def _load_norms(model, path: Path) -> None:
                 params[k].copy_(t.to(params[k].dtype))
 
 
+def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
+    """Gradient checkpointing and activation offload on a loaded model; returns notes for the log.
+
+    Shared with ``benchmarks/bench_train.py``. The options are no-ops on a CPU device (the tensors
+    already live in CPU memory): a note says so.
+    """
+    notes = []
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    model.activation_offload = None
+    cuda = str(device).startswith("cuda")
+    if cfg.offload_activations:
+        if cuda:
+            from qerl_cli.train.offload import ActivationOffloader
+
+            model.activation_offload = ActivationOffloader(device)
+            notes.append(f"--offload-activations: {model.activation_offload.describe()}")
+        else:
+            notes.append(f"--offload-activations: no effect on {device} (activations are already in CPU memory)")
+    return notes
+
+
+def _check_memory_flags(cfg: TrainStepConfig) -> None:
+    if cfg.offload_activations and not cfg.gradient_checkpointing:
+        raise BadInputError("--offload-activations moves the checkpointed layer inputs to CPU memory, so it needs "
+                            "gradient checkpointing", hint="drop --no-checkpointing or --offload-activations")
+
+
 # ---- log-probs -----------------------------------------------------------------------------------
 def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int):
     """Completion-token log-probs [T] (and entropies) of one micro-batch under the current model."""
@@ -352,6 +381,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
         raise BadInputError(f"--epochs must be >= 1, got {cfg.epochs}")
     if cfg.lr < 0 or not math.isfinite(cfg.lr):
         raise BadInputError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+    _check_memory_flags(cfg)
     if cfg.baseline not in (None, "bf16"):
         raise BadInputError(f"--baseline must be bf16 (or omitted), got {cfg.baseline!r}")
     if cfg.adapter is not None and not Path(cfg.adapter).is_dir():
@@ -551,7 +581,8 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
             raise BadInputError(f"{data.files[0]}: noise was applied to norms {data.noise['norms']}, this qerl noises {rec['norms']}")
     else:
         clear_noise(model)
-    model.gradient_checkpointing = cfg.gradient_checkpointing
+    for note in apply_memory_options(cfg, model, device):
+        _say(cfg, note)
     model.train()
 
     opt = make_optimizer(named, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,

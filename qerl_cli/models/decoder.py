@@ -8,6 +8,8 @@ attention forward context), so rollout and training run identical numerics, LoRA
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,6 +110,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.activation_offload = None  # a qerl_cli.train.offload.ActivationOffloader (training only)
         self.is_quantized = bool(quantized)
         self.base_hash: str | None = None
         self.model_dir = None
@@ -124,14 +127,19 @@ class CausalLM(nn.Module):
         """Hidden states [B, L, H] for token ids [B, L] at the given positions [B, L].
 
         Under gradient checkpointing (training) each layer runs as ``forward_stream`` inside one
-        checkpoint whose only saved input is the residual stream [B, L, H]. Otherwise (inference,
-        the engine, no checkpointing) the (mlp output, residual) pair flows on and each add fuses
-        into the next norm.
+        checkpoint whose only saved input is the residual stream [B, L, H]; with
+        ``activation_offload`` set, that saved input waits in pinned CPU memory until the backward
+        recomputes the layer (``qerl_cli.train.offload``). Otherwise (inference, the engine, no
+        checkpointing) the (mlp output, residual) pair flows on and each add fuses into the next norm.
         """
         x = self.model.embed_tokens(input_ids)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            off = self.activation_offload
+            if off is not None:
+                off.begin()
             for layer in self.model.layers:
-                x = checkpoint(layer.forward_stream, x, positions, use_reentrant=False)
+                with off.hooks() if off is not None else nullcontext():
+                    x = checkpoint(layer.forward_stream, x, positions, use_reentrant=False)
             return self.model.norm(x)
         residual = None
         for layer in self.model.layers:
