@@ -104,6 +104,7 @@ class TrainStepConfig:
     logits_chunk_tokens: int = 2048
     gradient_checkpointing: bool = True
     offload_activations: bool = False  # checkpointed layer inputs to pinned CPU memory (CUDA only)
+    embeddings_on_cpu: bool = False    # frozen input embedding table in CPU memory (CUDA only; not when tied)
     device: str = "auto"
     dtype: str = "auto"
     baseline: str | None = None
@@ -115,7 +116,8 @@ class TrainStepConfig:
 
     # arguments that do not change the result (where things go, how they are shown, where the
     # same bytes wait: the memory options are bit-identical, so toggling them is not a new step)
-    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "offload_activations")
+    _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "offload_activations",
+                   "embeddings_on_cpu")
 
     def fingerprint_config(self) -> dict:
         d = asdict(self)
@@ -329,7 +331,8 @@ def _load_norms(model, path: Path) -> None:
 
 
 def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
-    """Gradient checkpointing and activation offload on a loaded model; returns notes for the log.
+    """Gradient checkpointing, activation offload and the CPU embedding table on a loaded model;
+    returns notes for the log.
 
     Shared with ``benchmarks/bench_train.py``. The options are no-ops on a CPU device (the tensors
     already live in CPU memory): a note says so.
@@ -346,6 +349,17 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
             notes.append(f"--offload-activations: {model.activation_offload.describe()}")
         else:
             notes.append(f"--offload-activations: no effect on {device} (activations are already in CPU memory)")
+    if cfg.embeddings_on_cpu:
+        if cuda:
+            try:
+                model.embeddings_to_cpu()
+            except ValueError as e:
+                raise BadInputError(f"--embeddings-on-cpu: {e}", hint="drop --embeddings-on-cpu") from None
+            emb = model.model.embed_tokens.weight
+            notes.append(f"--embeddings-on-cpu: the {tuple(emb.shape)} input embedding table stays in CPU memory "
+                         f"({emb.numel() * emb.element_size() / 2**30:.2f} GiB off the GPU)")
+        else:
+            notes.append(f"--embeddings-on-cpu: no effect on {device} (the table is already in CPU memory)")
     return notes
 
 
@@ -358,8 +372,11 @@ def _check_memory_flags(cfg: TrainStepConfig) -> None:
 # ---- log-probs -----------------------------------------------------------------------------------
 def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int):
     """Completion-token log-probs [T] (and entropies) of one micro-batch under the current model."""
-    ids = mb.input_ids.to(device)
-    mask = mb.attention_mask.to(device)
+    if getattr(model, "embeddings_on_cpu", False):
+        # ids stay on the host for the gather there (and the mask check needs no device sync)
+        ids, mask = mb.input_ids, mb.attention_mask
+    else:
+        ids, mask = mb.input_ids.to(device), mb.attention_mask.to(device)
     hidden = model.forward_train(ids, mask)
     sel = hidden[mb.rows.to(device), mb.cols.to(device)]
     inv_t = inv_temp_seq[mb.seq_of_token].to(device=device, dtype=torch.float32)
@@ -399,6 +416,13 @@ def train_step(cfg: TrainStepConfig) -> dict:
         _say(cfg, f"warning: skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
     base_hash = model_hash(Path(cfg.model))
     _check_fits_model(cfg, data)
+    if cfg.embeddings_on_cpu:
+        from qerl_cli.models import ModelConfig
+
+        if ModelConfig.from_dir(Path(cfg.model)).tie_word_embeddings:
+            raise BadInputError(f"--embeddings-on-cpu: --model {cfg.model} ties its input embedding to the lm_head "
+                                "(tie_word_embeddings), which needs the table on the GPU",
+                                hint="drop --embeddings-on-cpu (it only helps untied models)")
     # Every check that needs no model runs before anything is loaded: a wrong input fails in seconds.
     from qerl_cli.adapters import adapter_hash
 

@@ -252,3 +252,84 @@ def test_offload_frees_the_layer_inputs_on_cuda_and_round_trips_exactly():
     assert model.activation_offload.checked == CUDA_TINY["num_layers"]
     assert allocated[0] - allocated[1] >= 0.95 * CUDA_TINY["num_layers"] * layer_bytes
     model.activation_offload = None
+
+
+# ---- --embeddings-on-cpu -------------------------------------------------------------------------
+def test_embeddings_on_cpu_is_a_logged_no_op_on_cpu_and_refused_when_tied(step_inputs, tmp_path, capsys):
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+    from qerl_cli.errors import BadInputError
+    from tests.train_fixtures import base_hash_of, make_shard, quantized_tiny
+
+    q, sh = step_inputs
+    a = _step(q, sh, tmp_path / "a", device="cpu")
+    capsys.readouterr()
+    b = _step(q, sh, tmp_path / "b", device="cpu", embeddings_on_cpu=True, offload_activations=True)
+    err = capsys.readouterr().err
+    assert "--embeddings-on-cpu: no effect on cpu" in err and "--offload-activations: no effect on cpu" in err
+    assert a["fingerprint"] == b["fingerprint"]
+    assert (tmp_path / "a" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "adapter_model.safetensors").read_bytes()
+
+    model, _ = tiny_model(tie=True)
+    with pytest.raises(ValueError, match="tied to the lm_head"):
+        model.embeddings_to_cpu()
+    _, tied = quantized_tiny(tmp_path / "tied", tie_word_embeddings=True)
+    tsh = make_shard(tmp_path / "tsh", base_hash_of(tied))
+    with pytest.raises(BadInputError, match="ties its input embedding to the lm_head"):
+        _step(tied, tsh, tmp_path / "c", device="cpu", embeddings_on_cpu=True)
+    assert not (tmp_path / "c").exists()
+    runner = CliRunner()
+    res = runner.invoke(app, ["train-step", "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert "--embeddings-on-cpu" in res.output
+    res = runner.invoke(app, ["train-step", "--model", str(tied), "--shards", str(tsh), "--out", str(tmp_path / "d"),
+                              "--embeddings-on-cpu", "--device", "cpu"])
+    assert res.exit_code == 2 and "tie_word_embeddings" in res.output
+
+
+def test_device_follows_the_layers_not_the_embedding_table():
+    model, _ = tiny_model()
+    assert model.device == torch.device("cpu") and not model.embeddings_on_cpu
+    model.embeddings_to_cpu()  # already there: nothing changes
+    assert not model.embeddings_on_cpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_embeddings_on_cpu_give_identical_gradients_and_free_the_table_on_cuda(offload):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from qerl_cli.train.offload import ActivationOffloader
+
+    model, params = cuda_model()
+    ids, mask = batch(b=4, seq=512, vocab=CUDA_TINY["vocab_size"], device="cuda")
+    with sdpa_kernel([SDPBackend.MATH]):
+        h0, g0 = grads_of(model, params, ids, mask)
+        table = model.model.embed_tokens.weight
+        table_bytes = table.numel() * table.element_size()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        model.embeddings_to_cpu()
+        del table
+        assert before - torch.cuda.memory_allocated() == table_bytes
+        assert model.embeddings_on_cpu and model.device.type == "cuda"
+        assert model.lm_head.weight.is_cuda
+        if offload:
+            model.activation_offload = ActivationOffloader("cuda", min_bytes=1024)
+        for ids_on in ("cuda", "cpu"):  # train-step hands over host ids when the table is on the host
+            h1, g1 = grads_of(model, params, ids.to(ids_on), mask.to(ids_on))
+            torch.cuda.synchronize()
+            assert h1.is_cuda and torch.equal(h0, h1)
+            for a, b in zip(g0, g1):
+                assert torch.equal(a, b)
+    model.activation_offload = None
+
+
+@pytest.mark.gpu
+def test_train_step_with_both_memory_options_matches_plain_on_cuda(step_inputs, tmp_path):
+    q, sh = step_inputs
+    a = _step(q, sh, tmp_path / "a", device="cuda")["metrics"]
+    b = _step(q, sh, tmp_path / "b", device="cuda", offload_activations=True, embeddings_on_cpu=True)["metrics"]
+    assert a["loss"] == b["loss"] and a["entropy"] == b["entropy"]  # the forward is deterministic
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)  # flash attention's backward may not be

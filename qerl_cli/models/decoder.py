@@ -117,7 +117,8 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        # the final norm's, not the embedding's: that table may live in CPU memory (embeddings_to_cpu)
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -132,7 +133,7 @@ class CausalLM(nn.Module):
         recomputes the layer (``qerl_cli.train.offload``). Otherwise (inference, the engine, no
         checkpointing) the (mlp output, residual) pair flows on and each add fuses into the next norm.
         """
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             off = self.activation_offload
             if off is not None:
@@ -145,6 +146,38 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, positions, residual)
         return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings on the model's device. With the table in CPU memory (``embeddings_to_cpu``)
+        the rows are gathered there into pinned memory and only [B, L, H] is copied over (the same
+        bytes as a gather on the GPU); ``input_ids`` may then live on either device."""
+        emb = self.model.embed_tokens
+        dev = self.device
+        if emb.weight.device == dev:
+            return emb(input_ids)
+        w = emb.weight
+        ids = input_ids.to(w.device)
+        rows = torch.empty((*ids.shape, w.shape[1]), dtype=w.dtype, pin_memory=dev.type == "cuda")
+        torch.index_select(w, 0, ids.reshape(-1), out=rows.view(-1, w.shape[1]))
+        return rows.to(dev, non_blocking=True)
+
+    @property
+    def embeddings_on_cpu(self) -> bool:
+        """True when the input embedding table lives in CPU memory while the model runs elsewhere."""
+        return self.model.embed_tokens.weight.device != self.device
+
+    def embeddings_to_cpu(self) -> None:
+        """Keep the frozen input embedding table in CPU memory: frees vocab x hidden x 2 bytes of GPU
+        memory (1.1 GB on Qwen2.5-7B) for one [B, L, H] host gather + copy per forward. Refused
+        (ValueError) for tied embeddings, whose table the lm_head needs on the GPU, and for a
+        trainable table."""
+        emb = self.model.embed_tokens
+        if self.config.tie_word_embeddings or self.lm_head.weight is emb.weight:
+            raise ValueError("the input embedding is tied to the lm_head (tie_word_embeddings), which needs it "
+                             "on the model's device")
+        if emb.weight.requires_grad:
+            raise ValueError("the input embedding is trainable; only a frozen table can live in CPU memory")
+        emb.weight.data = emb.weight.data.to("cpu")
 
     def forward_train(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Right-padded batch [B, L] -> hidden [B, L, H]; causal attention, no KV cache.
@@ -165,7 +198,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds the model's {self.model.rotary.max_positions} positions")
         if self.config.sliding_window and seq > self.config.sliding_window:
             raise ValueError(f"sequence length {seq} exceeds sliding_window {self.config.sliding_window} (not implemented)")
-        positions = torch.arange(seq, device=input_ids.device).expand(b, seq)
+        positions = torch.arange(seq, device=self.device).expand(b, seq)
         return self(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

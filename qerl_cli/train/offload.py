@@ -45,12 +45,13 @@ class _Saved:
 class ActivationOffloader:
     """Saved-tensor hooks that park large saved tensors in (pinned) CPU memory; see the module docstring.
 
-    ``min_bytes``: smaller tensors (and non-float ones, e.g. positions) stay where they are.
+    ``min_bytes``: smaller tensors stay where they are, as do non-float ones (the positions every
+    checkpoint also saves); the default 0 takes every float input of the wrapped checkpoints.
     ``prefetch``: on unpack, start bringing back the tensor packed just before this one.
     ``stats`` counts packed / unpacked / prefetched tensors and packed bytes (for tests and logs).
     """
 
-    def __init__(self, device: torch.device | str, *, min_bytes: int = 1 << 20, prefetch: bool = True):
+    def __init__(self, device: torch.device | str, *, min_bytes: int = 0, prefetch: bool = True):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.min_bytes = int(min_bytes)
@@ -123,5 +124,6 @@ class ActivationOffloader:
 
     def describe(self) -> str:
         where = f"pinned CPU memory over a side stream of {self.device}" if self.cuda else "CPU copies"
-        return f"checkpointed layer inputs >= {self.min_bytes} bytes go to {where}" + \
+        size = f" of >= {self.min_bytes} bytes" if self.min_bytes else ""
+        return f"checkpointed layer inputs{size} go to {where}" + \
             (", the previous layer's prefetched in backward" if self.prefetch else "")
