@@ -15,6 +15,21 @@ Per config: build the model, run one warm-up step on the first micro-batches (Tr
 autotune), then ``--steps`` timed full steps (median reported). Peak memory is
 ``torch.cuda.max_memory_allocated`` over a timed step (weights + activations + LoRA/AdamW state).
 Writes ``bench_train.json`` and ``bench_train.md`` (the table for docs/benchmarks.md) to ``--out``.
+
+The train-step memory options pass through: ``--offload-activations`` (checkpointed layer inputs in
+pinned CPU memory) and ``--embeddings-on-cpu`` (the input embedding table in CPU memory); both
+apply to every config of the run, so give each combination its own ``--out``.
+
+``--memory-breakdown``: after the timed steps, one more step on the first two micro-batches runs
+under ``torch.cuda.memory._record_memory_history`` (so its allocator trace does not slow the timed
+steps; with identical micro-batch shapes its peak is the full step's, both are reported). The trace
+is replayed to the peak, and ``bench_train_<config>_memory.json`` lists what was live there: the
+bytes that existed before the step (weights, LoRA weights, grads, AdamW moments) and the
+allocations made during it, grouped by a short Python stack hint, largest first. A summary goes to
+stdout. On CPU only the before-the-step part is written (the allocator trace is CUDA's).
+
+    python benchmarks/bench_train.py --configs 7b-bf16,7b-nvfp4 --offload-activations --embeddings-on-cpu \
+        --memory-breakdown --out results/offload-emb
 """
 
 from __future__ import annotations
@@ -40,7 +55,155 @@ TINY = dict(arch="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
             num_kv_heads=2, head_dim=16, qkv_bias=True)
 
 
-def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda") -> dict:
+def _nbytes(tensors, device) -> int:
+    seen, n = set(), 0
+    for t in tensors:
+        if t is None or t.device != device or id(t) in seen:
+            continue
+        seen.add(id(t))
+        n += t.numel() * t.element_size()
+    return n
+
+
+def state_bytes(model, params, opt) -> dict:
+    """GiB on the model's device of what exists between steps: frozen weights/buffers, LoRA, grads, AdamW."""
+    import torch
+
+    dev = model.device
+    trainable = {id(p) for p in params}
+    frozen = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in trainable]
+    moments = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    gib = 2**30
+    return {"weights_gib": _nbytes(frozen, dev) / gib, "lora_params_gib": _nbytes(params, dev) / gib,
+            "lora_grads_gib": _nbytes([p.grad for p in params], dev) / gib,
+            "optimizer_state_gib": _nbytes(moments, dev) / gib}
+
+
+_OWN = ("qerl_cli/", "benchmarks/", "kernels/", "qerl_kernels/")
+
+
+def stack_hint(frames: list[dict], n: int = 3) -> str:
+    """The innermost ``n`` frames from this project (else the innermost frame) as 'file:line name < ...'."""
+    def short(f):
+        name = f.get("filename", "?")
+        for k in _OWN:
+            if k in name:
+                name = k + name.split(k, 1)[1]
+                break
+        else:
+            name = name.rsplit("/", 1)[-1]
+        return f"{name}:{f.get('line', '?')} {f.get('name', '?')}"
+
+    own = [f for f in frames if any(k in f.get("filename", "") for k in _OWN)]
+    pick = own[:n] or frames[:1]
+    return " < ".join(short(f) for f in pick) if pick else "(no Python frame: autograd backward / C++)"
+
+
+def peak_breakdown(trace: list[dict], baseline: int, top: int = 15) -> dict:
+    """Replay a CUDA caching-allocator trace (``torch.cuda.memory._snapshot()['device_traces'][i]``).
+
+    ``baseline`` is ``memory_allocated()`` when recording began. Allocated bytes rise on 'alloc' and
+    fall on 'free_requested' (when ``max_memory_allocated`` counts them freed); a free of a block
+    allocated before recording lowers the baseline part. Returns the peak and what was live at it.
+    """
+    cur = peak = baseline
+    peak_i = -1
+    live: dict = {}
+    for i, e in enumerate(trace):
+        act, size = e.get("action"), int(e.get("size", 0))
+        if act == "alloc":
+            live[e.get("addr")] = size
+            cur += size
+            if cur > peak:
+                peak, peak_i = cur, i
+        elif act in ("free_requested", "free"):
+            live.pop(e.get("addr"), None)
+            cur -= size
+    live_e: dict = {}
+    pre_freed = 0
+    for e in trace[: peak_i + 1]:
+        act = e.get("action")
+        if act == "alloc":
+            live_e[e.get("addr")] = e
+        elif act in ("free_requested", "free"):
+            if live_e.pop(e.get("addr"), None) is None:
+                pre_freed += int(e.get("size", 0))
+    allocs = sorted(live_e.values(), key=lambda e: -int(e.get("size", 0)))
+    groups: dict = {}
+    for e in allocs:
+        g = groups.setdefault(stack_hint(e.get("frames") or []), {"count": 0, "bytes": 0, "sizes": set()})
+        g["count"] += 1
+        g["bytes"] += int(e["size"])
+        g["sizes"].add(int(e["size"]))
+    mib, gib = 2**20, 2**30
+    top_groups = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])[:top]
+    return {
+        "peak_gib": peak / gib,
+        "before_step_gib": baseline / gib,
+        "before_step_live_at_peak_gib": (baseline - pre_freed) / gib,
+        "step_allocations_live_at_peak_gib": sum(int(e["size"]) for e in allocs) / gib,
+        "events": len(trace),
+        "top_groups": [{"count": g["count"], "gib": round(g["bytes"] / gib, 4),
+                        "each_mib": sorted({round(x / mib, 2) for x in g["sizes"]}, reverse=True)[:4], "where": w}
+                       for w, g in top_groups],
+        "top_allocations": [{"mib": round(int(e["size"]) / mib, 2), "where": stack_hint(e.get("frames") or [])}
+                            for e in allocs[:top]],
+    }
+
+
+def format_breakdown(b: dict) -> str:
+    lines = [f"memory breakdown ({b['config']}, recorded step on {b['micro_batches']} micro-batches): "]
+    if "peak_gib" not in b:
+        lines[0] += b.get("note", "")
+    else:
+        lines[0] += (f"peak {b['peak_gib']:.2f} GiB (max_memory_allocated {b['max_memory_allocated_gib']:.2f}, "
+                     f"timed steps {b['timed_peak_gib']:.2f})")
+    st = b["before_step"]
+    lines.append(f"  before the step: weights {st['weights_gib']:.2f} + LoRA {st['lora_params_gib']:.3f} + grads "
+                 f"{st['lora_grads_gib']:.3f} + AdamW {st['optimizer_state_gib']:.3f} GiB")
+    if "peak_gib" in b:
+        lines.append(f"  at the peak: {b['before_step_live_at_peak_gib']:.2f} GiB from before the step + "
+                     f"{b['step_allocations_live_at_peak_gib']:.2f} GiB allocated in it, largest groups:")
+        for g in b["top_groups"]:
+            lines.append(f"    {g['count']:4d} x {'/'.join(str(x) for x in g['each_mib'])} MiB = {g['gib']:.3f} GiB  "
+                         f"{g['where']}")
+    return "\n".join(lines)
+
+
+def record_breakdown(name, run_step, model, params, opt, cuda: bool, timed_peak: float, micro_batches: int) -> dict:
+    """Run ``run_step()`` once under the CUDA allocator trace; see the module docstring."""
+    import torch
+
+    out = {"config": name, "micro_batches": micro_batches, "before_step": state_bytes(model, params, opt)}
+    if not cuda:
+        run_step()
+        out["note"] = "no allocator trace on CPU (CUDA only); before-the-step tensors only"
+        return out
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    rec = torch.cuda.memory._record_memory_history
+    try:
+        rec(enabled="all", context="alloc", stacks="python", max_entries=2_000_000, clear_history=True)
+    except TypeError:  # older torch: no clear_history
+        rec(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        run_step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        rec(enabled=None)
+    traces = snap.get("device_traces") or [[]]
+    trace = traces[torch.cuda.current_device()] if len(traces) > torch.cuda.current_device() else traces[0]
+    out.update(peak_breakdown(trace, baseline))
+    out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    out["timed_peak_gib"] = timed_peak
+    return out
+
+
+def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda",
+            offload_activations: bool = False, embeddings_on_cpu: bool = False,
+            memory_breakdown: Path | None = None) -> dict:
     import torch
 
     from qerl_cli.layers.lora import LoraSpec
@@ -49,7 +212,7 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
     from qerl_cli.train.batching import pack_microbatches
     from qerl_cli.train.losses import sequence_weights
     from qerl_cli.train.optim import make_optimizer
-    from qerl_cli.train_step import StepBatch, TrainStepConfig, _trainable, run_epochs
+    from qerl_cli.train_step import StepBatch, TrainStepConfig, _trainable, apply_memory_options, run_epochs
 
     preset_name, quantized, n_seq, p_len, c_len = CONFIGS[name]
     mcfg = ModelConfig(**TINY) if preset_name == "tiny" else preset(preset_name)
@@ -63,7 +226,11 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
     build_s = time.time() - t0
     named = _trainable(model, False)
     params = [p for _, p in named]
-    model.gradient_checkpointing = True
+    cfg = TrainStepConfig(model=Path("-"), shards=[], out=Path("-"), micro_batch_tokens=micro_batch_tokens,
+                          logits_chunk_tokens=logits_chunk, progress=False, offload_activations=offload_activations,
+                          embeddings_on_cpu=embeddings_on_cpu)
+    for note in apply_memory_options(cfg, model, dev):  # gradient checkpointing (+ the memory options)
+        print(note, flush=True)
     model.train()
     opt = make_optimizer(named, lr=1e-5)
     sync()
@@ -81,8 +248,6 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
     groups = pack_microbatches(lengths, micro_batch_tokens)
     mb_of = [j for j, grp in enumerate(groups) for _ in grp]
     weight = sequence_weights("dapo", [c_len] * n_seq, mb_of).float()
-    cfg = TrainStepConfig(model=Path("-"), shards=[], out=Path("-"), micro_batch_tokens=micro_batch_tokens,
-                          logits_chunk_tokens=logits_chunk, progress=False)
 
     def batch_of(gs):
         return StepBatch(groups=gs, prompts=prompts, completions=comps, sampling_logprobs=samp,
@@ -106,10 +271,21 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
     times.sort()
     step_s = times[len(times) // 2]
     tokens = n_seq * (p_len + c_len)
+    if memory_breakdown is not None:
+        mbs = groups[:2]
+        try:  # a failure here must not lose the timed row
+            b = record_breakdown(name, lambda: run_epochs(cfg, model, params, opt, batch_of(mbs), device=dev), model,
+                                 params, opt, cuda, round(max(peaks), 2), len(mbs))
+            print(format_breakdown(b), flush=True)
+        except Exception as e:  # noqa: BLE001
+            b = {"config": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+            print(f"memory breakdown failed: {b['error']}", flush=True)
+        memory_breakdown.write_text(json.dumps(b, indent=2))
     return {
         "config": name, "preset": preset_name, "quantized": quantized, "lora_rank": rank,
         "sequences": n_seq, "tokens_per_sequence": p_len + c_len, "micro_batch_tokens": micro_batch_tokens,
         "micro_batches": len(groups), "logits_chunk_tokens": logits_chunk,
+        "offload_activations": offload_activations, "embeddings_on_cpu": embeddings_on_cpu,
         "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(tokens / step_s, 1), "peak_gib": round(max(peaks), 2),
         "weights_gib": round(weights_gib, 2), "build_s": round(build_s, 1), "warmup_s": round(warm_s, 1),
@@ -124,7 +300,9 @@ def table(rows: list[dict]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "step_s" in r:
-            lines.append(f"| {r['config']} (LoRA r={r['lora_rank']}) | {r['sequences']} x {r['tokens_per_sequence']} | "
+            opts = "".join(f", {o}" for k, o in (("offload_activations", "offload"), ("embeddings_on_cpu", "embeddings on CPU"))
+                           if r.get(k))
+            lines.append(f"| {r['config']} (LoRA r={r['lora_rank']}{opts}) | {r['sequences']} x {r['tokens_per_sequence']} | "
                          f"{r['micro_batch_tokens']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
                          f"{r['weights_gib']:.1f} |")
         else:
@@ -145,6 +323,12 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--logits-chunk-tokens", type=int, default=1024)
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="train-step --offload-activations: checkpointed layer inputs wait in pinned CPU memory")
+    ap.add_argument("--embeddings-on-cpu", action="store_true",
+                    help="train-step --embeddings-on-cpu: the input embedding table stays in CPU memory")
+    ap.add_argument("--memory-breakdown", action="store_true",
+                    help="one extra recorded step: what is live at the peak, to bench_train_<config>_memory.json")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test with tiny-nvfp4)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per config subprocess")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -154,7 +338,9 @@ def main() -> None:
 
     if a.one:  # child: one config, result as JSON
         try:
-            row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device)
+            mem = a.json.with_name(a.json.stem + "_memory.json") if a.memory_breakdown else None
+            row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device,
+                          a.offload_activations, a.embeddings_on_cpu, mem)
         except Exception as e:  # noqa: BLE001 - report any failure as a table row
             row = {"config": a.one, "error": f"{type(e).__name__}: {e}".splitlines()[0], "trace": traceback.format_exc()}
         a.json.write_text(json.dumps(row))
@@ -171,6 +357,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--one", name, "--json", str(res_path), "--steps", str(a.steps),
                "--micro-batch-tokens", str(a.micro_batch_tokens), "--logits-chunk-tokens", str(a.logits_chunk_tokens),
                "--lora-rank", str(a.lora_rank), "--device", a.device]
+        cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
+                                ("--memory-breakdown", a.memory_breakdown)) if on]
         t0 = time.time()
         with open(a.out / f"bench_train_{name}.log", "w") as log:
             try:
@@ -182,6 +370,10 @@ def main() -> None:
         row = json.loads(res_path.read_text()) if res_path.exists() else {"config": name, "error": "no result (see log)"}
         rows.append(row)
         print(f"{name} ({time.time() - t0:.0f}s): " + json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+        mem_path = a.out / f"bench_train_{name}_memory.json"
+        if a.memory_breakdown and mem_path.exists():
+            b = json.loads(mem_path.read_text())
+            print(format_breakdown(b) if "error" not in b else f"memory breakdown failed: {b['error']}", flush=True)
         # partial results survive a later crash or the device time limit
         (a.out / "bench_train.json").write_text(json.dumps(rows, indent=2))
         (a.out / "bench_train.md").write_text(table(rows))

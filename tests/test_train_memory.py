@@ -333,3 +333,64 @@ def test_train_step_with_both_memory_options_matches_plain_on_cuda(step_inputs, 
     b = _step(q, sh, tmp_path / "b", device="cuda", offload_activations=True, embeddings_on_cpu=True)["metrics"]
     assert a["loss"] == b["loss"] and a["entropy"] == b["entropy"]  # the forward is deterministic
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)  # flash attention's backward may not be
+
+
+# ---- benchmarks/bench_train.py --memory-breakdown -------------------------------------------------
+def _bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peak_breakdown_replays_the_allocator_trace_to_the_peak():
+    b = _bench()
+    mib = 2**20
+    ckpt = [{"filename": "/x/site-packages/torch/utils/checkpoint.py", "line": 1, "name": "checkpoint"},
+            {"filename": "/repo/qerl_cli/models/decoder.py", "line": 140, "name": "forward"},
+            {"filename": "/repo/benchmarks/bench_train.py", "line": 9, "name": "run_one"}]
+    logits = [{"filename": "/repo/qerl_cli/train/logprobs.py", "line": 66, "name": "backward"}]
+    trace = [
+        {"action": "free_requested", "addr": 1, "size": 10 * mib},  # allocated before recording (an old grad)
+        {"action": "alloc", "addr": 2, "size": 56 * mib, "frames": ckpt},
+        {"action": "alloc", "addr": 3, "size": 56 * mib, "frames": ckpt},
+        {"action": "alloc", "addr": 4, "size": 600 * mib, "frames": logits},
+        {"action": "alloc", "addr": 5, "size": 1 * mib, "frames": []},
+        {"action": "free_requested", "addr": 4, "size": 600 * mib},
+        {"action": "free_completed", "addr": 4, "size": 600 * mib},
+        {"action": "alloc", "addr": 6, "size": 300 * mib, "frames": logits},
+    ]
+    r = b.peak_breakdown(trace, baseline=100 * mib)
+    assert r["peak_gib"] * 2**30 == (100 - 10 + 56 + 56 + 600 + 1) * mib
+    assert r["before_step_live_at_peak_gib"] * 2**30 == 90 * mib
+    assert r["step_allocations_live_at_peak_gib"] * 2**30 == (56 + 56 + 600 + 1) * mib
+    g = r["top_groups"]
+    assert g[0]["where"] == "qerl_cli/train/logprobs.py:66 backward" and g[0]["count"] == 1
+    assert g[1]["count"] == 2 and g[1]["each_mib"] == [56.0]
+    assert g[1]["where"] == "qerl_cli/models/decoder.py:140 forward < benchmarks/bench_train.py:9 run_one"
+    assert g[2]["where"].startswith("(no Python frame")
+    assert [a["mib"] for a in r["top_allocations"]] == [600.0, 56.0, 56.0, 1.0]
+    assert b.peak_breakdown([], baseline=5)["top_groups"] == []
+
+
+def test_bench_train_runs_on_cpu_with_the_memory_options(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+    r = subprocess.run([sys.executable, str(script), "--configs", "tiny-nvfp4", "--device", "cpu", "--steps", "1",
+                        "--offload-activations", "--embeddings-on-cpu", "--memory-breakdown", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    row = json.loads((tmp_path / "bench_train.json").read_text())[0]
+    assert "error" not in row, row
+    assert row["offload_activations"] and row["embeddings_on_cpu"] and row["step_s"] > 0
+    mem = json.loads((tmp_path / "bench_train_tiny-nvfp4_memory.json").read_text())
+    assert mem["before_step"]["weights_gib"] > 0 and mem["before_step"]["optimizer_state_gib"] > 0
+    assert "offload, embeddings on CPU" in (tmp_path / "bench_train.md").read_text()
