@@ -93,7 +93,7 @@ def time_graph(fns, target_s: float = 0.12) -> float:
 class ShapeData:
     """R NVFP4 copies and R bf16 copies of one weight shape, random (never zeros)."""
 
-    def __init__(self, n: int, k: int, seed: int):
+    def __init__(self, n: int, k: int, seed: int, twiddled: bool = True):
         g = torch.Generator(device="cuda").manual_seed(seed)
         fp4_bytes = n * k // 2 + n * k // 16
         self.r4 = n_copies(fp4_bytes)
@@ -109,6 +109,12 @@ class ShapeData:
 
         self.w_deq = reference.dequantize(self.packed[0], self.scale[0], self.gs, dtype=torch.bfloat16)
         self.n, self.k = n, k
+        # The layout the product runs on sm_90 (qerl_kernels.twiddle, applied at model load).
+        self.tw = twiddled
+        if twiddled:
+            from qerl_kernels.twiddle import twiddle
+
+            self.packed = [twiddle(p) for p in self.packed]
 
 
 def rel(a, b) -> float:
@@ -119,9 +125,9 @@ def bench_fwd_point(d: ShapeData, m: int, cfg):
     from qerl_kernels.gemm_fwd import nvfp4_matmul
 
     x = torch.randn(m, d.k, device="cuda", dtype=torch.bfloat16)
-    err = rel(nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, config=cfg),
+    err = rel(nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, config=cfg, twiddled=d.tw),
               torch.nn.functional.linear(x, d.w_deq))
-    fns = [lambda i=i: nvfp4_matmul(x, d.packed[i], d.scale[i], d.gs, config=cfg) for i in range(d.r4)]
+    fns = [lambda i=i: nvfp4_matmul(x, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw) for i in range(d.r4)]
     return time_graph(fns), err
 
 
@@ -134,8 +140,9 @@ def bench_bwd_point(d: ShapeData, m: int, cfg):
     from qerl_kernels.gemm_bwd import nvfp4_matmul_grad_input
 
     dy = torch.randn(m, d.n, device="cuda", dtype=torch.bfloat16)
-    err = rel(nvfp4_matmul_grad_input(dy, d.packed[0], d.scale[0], d.gs, config=cfg), dy @ d.w_deq)
-    fns = [lambda i=i: nvfp4_matmul_grad_input(dy, d.packed[i], d.scale[i], d.gs, config=cfg) for i in range(d.r4)]
+    err = rel(nvfp4_matmul_grad_input(dy, d.packed[0], d.scale[0], d.gs, config=cfg, twiddled=d.tw), dy @ d.w_deq)
+    fns = [lambda i=i: nvfp4_matmul_grad_input(dy, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw)
+           for i in range(d.r4)]
     return time_graph(fns), err
 
 
@@ -161,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table-out", default=None, help="with --sweep: write the winners as tile_table.py")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip the doc")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
+    ap.add_argument("--layout", choices=["twiddled", "ondisk"], default="twiddled",
+                    help="code layout the kernels read: twiddled (what qerl loads on sm_90) or the on-disk one")
     args = ap.parse_args(argv)
 
     from qerl_kernels import tile_configs as tc
@@ -183,10 +192,11 @@ def main(argv=None) -> int:
     for (model, layer), (n, k) in SHAPES.items():
         if model not in models or layer not in layers:
             continue
-        d = ShapeData(n, k, seed=n + k)
+        d = ShapeData(n, k, seed=n + k, twiddled=args.layout == "twiddled")
         from qerl_kernels.dequant import nvfp4_dequantize
 
-        us = time_graph([lambda i=i, d=d: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs) for i in range(d.r4)])
+        us = time_graph([lambda i=i, d=d: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs, twiddled=d.tw)
+                         for i in range(d.r4)])
         log({"op": "dequant", "model": model, "layer": layer, "N": n, "K": k, "us": round(us, 2),
              "TBps": round(n * k * (0.5625 + 2) / us / 1e6, 2)})
         for m in ms:

@@ -35,7 +35,7 @@ def as_words(packed: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _nvfp4_dequant_kernel(
     PW, S, G, W, N, KW, stride_pw, stride_sn, stride_wn,
-    BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr, EPI: tl.constexpr,
+    BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr, EPI: tl.constexpr, TWIDDLED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -46,14 +46,15 @@ def _nvfp4_dequant_kernel(
     pw = tl.load(PW + rn[:, None] * stride_pw + rw[None, :], mask=nmask[:, None] & (rw < KW)[None, :], other=0)
     s = tl.load(S + rn[:, None] * stride_sn + rg[None, :], mask=nmask[:, None] & (rg < KW // 2)[None, :], other=0)
     dtype = W.dtype.element_ty
-    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, tl.float32)
+    e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, tl.float32, TWIDDLED)
     w = join8(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW).to(tl.float32) * (EPI / tl.load(G))
     rk = pid_k * 8 * BKW + tl.arange(0, 8 * BKW)
     tl.store(W + rn[:, None] * stride_wn + rk[None, :], w.to(dtype), mask=nmask[:, None] & (rk < 8 * KW)[None, :])
 
 
-def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bool | None = None) -> torch.Tensor:
-    """packed [N, K/2] uint8 + scale [N, K/16] e4m3 + global [1] -> dense [N, K] in ``dtype``."""
+def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bool | None = None,
+                     twiddled: bool = False) -> torch.Tensor:
+    """packed [N, K/2] uint8 (on-disk or ``twiddled`` layout) + scale [N, K/16] e4m3 + global [1] -> dense [N, K]."""
     n, kh = packed.shape
     k = 2 * kh
     if k % 16 or scale.shape != (n, k // 16):
@@ -68,6 +69,6 @@ def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bo
     _nvfp4_dequant_kernel[grid](
         words, scale_u8, global_scale.reshape(1).to(torch.float32), w, n, k // 8,
         words.stride(0), scale_u8.stride(0), w.stride(0),
-        BN=bn, BKW=bkw, FAST=fast, EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, num_warps=4,
+        BN=bn, BKW=bkw, FAST=fast, EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, TWIDDLED=twiddled, num_warps=4,
     )
     return w

@@ -83,8 +83,14 @@ def nvfp4_matmul_grad_input(
     global_scale: torch.Tensor,
     config: BwdConfig | None = None,
     fast: bool | None = None,
+    twiddled: bool = False,
 ) -> torch.Tensor:
-    """dy [M, N] @ dequant(packed [N, K/2], scale [N, K/16], global [1]) -> [M, K] in dy's dtype."""
+    """dy [M, N] @ dequant(packed [N, K/2], scale [N, K/16], global [1]) -> [M, K] in dy's dtype.
+
+    ``twiddled`` codes (twiddle.py) always take the decode-once + cuBLAS path: this kernel's byte-tile
+    decode reads the on-disk layout, and training's grad-input runs at M in the thousands, where
+    that path is the measured winner anyway.
+    """
     if dy.ndim != 2 or dy.shape[1] != packed.shape[0]:
         raise ValueError(f"dy {tuple(dy.shape)} does not fit weight with N={packed.shape[0]}")
     m, n = dy.shape
@@ -94,9 +100,9 @@ def nvfp4_matmul_grad_input(
     if dy.stride(1) != 1:
         dy = dy.contiguous()
     cfg = config or bwd_config(m, n, 2 * kh)
-    if cfg.dequant:
+    if cfg.dequant or twiddled:
         # Compute-bound regime: decode once to a transient dense weight, cuBLAS for the GEMM.
-        return dy @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy.dtype)
+        return dy @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy.dtype, twiddled=twiddled)
     packed = packed.contiguous()
     scale_u8 = scale.contiguous().view(torch.uint8)
     dx = torch.empty((m, 2 * kh), dtype=dy.dtype, device=dy.device)

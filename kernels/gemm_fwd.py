@@ -73,7 +73,7 @@ def _nvfp4_fwd_kernel(
     stride_xm, stride_pw, stride_sn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
-    EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False,
+    EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -111,7 +111,7 @@ def _nvfp4_fwd_kernel(
         s = tl.load(S + rn_ld[:, None] * stride_sn + gidx[None, :], mask=(gidx < KW // 2)[None, :], other=0)
         xk = 8 * kw + rx
         x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=(xk < 8 * KW)[None, :], other=0.0)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, dtype)
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, dtype, TWIDDLED)
         if JOIN:
             # Re-interleave the 8 decoded tiles into natural K order: one dot per step with X
             # straight from the pipelined shared-memory buffer (no X split, one MMA wait per step).
@@ -190,11 +190,13 @@ def nvfp4_matmul(
     bias: torch.Tensor | None = None,
     config: FwdConfig | None = None,
     fast: bool | None = None,
+    twiddled: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ dequant(packed [N, K/2], scale [N, K/16] e4m3, global [1])^T.
 
     ``config`` overrides the table/heuristic (benchmarks, tests); ``fast`` forces the decode path
-    (default: the PTX decode for bf16 on sm_90, the portable decode otherwise).
+    (default: the PTX decode for bf16 on sm_90, the portable decode otherwise); ``twiddled``: the
+    codes are in ``twiddle.py``'s load-time layout.
     """
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
@@ -202,7 +204,7 @@ def nvfp4_matmul(
     cfg = config or fwd_config(m, n, k)
     if cfg.dequant:
         # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
-        w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype)
+        w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     words = as_words(packed)
     scale_u8 = scale.contiguous().view(torch.uint8)
@@ -231,7 +233,7 @@ def nvfp4_matmul(
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
-        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join,
+        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y

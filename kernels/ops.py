@@ -24,11 +24,16 @@ from qerl_kernels import reference
 
 @dataclass
 class NVFP4Weight:
-    """One quantized Linear weight in the on-disk layout: [N, K/2] uint8, [N, K/16] e4m3, fp32 [1]."""
+    """One quantized Linear weight: [N, K/2] uint8 codes, [N, K/16] e4m3 scales, fp32 [1] global.
+
+    ``twiddled``: the codes are in ``twiddle.py``'s load-time bit layout (the sm_90 decode's), not
+    the on-disk one; every consumer here reads either, and ``ondisk_packed()`` restores the file's.
+    """
 
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
+    twiddled: bool = False
 
     @property
     def out_features(self) -> int:
@@ -38,11 +43,18 @@ class NVFP4Weight:
     def in_features(self) -> int:
         return self.packed.shape[1] * 2
 
+    def ondisk_packed(self) -> torch.Tensor:
+        if not self.twiddled:
+            return self.packed
+        from qerl_kernels.twiddle import untwiddle
+
+        return untwiddle(self.packed)
+
     def dequantize(self, dtype=torch.bfloat16) -> torch.Tensor:
-        return reference.dequantize(self.packed, self.scale, self.global_scale, dtype)
+        return reference.dequantize(self.ondisk_packed(), self.scale, self.global_scale, dtype)
 
     def to(self, device) -> NVFP4Weight:
-        return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device))
+        return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device), self.twiddled)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -52,39 +64,48 @@ def _use_triton(x: torch.Tensor) -> bool:
     return mode != "reference" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _forward(x2d, packed, scale, global_scale, bias):
+def _ondisk(packed, twiddled):
+    if not twiddled:
+        return packed
+    from qerl_kernels.twiddle import untwiddle
+
+    return untwiddle(packed)
+
+
+def _forward(x2d, packed, scale, global_scale, bias, twiddled):
     if _use_triton(x2d):
         from qerl_kernels.gemm_fwd import nvfp4_matmul
 
-        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias)
-    return reference.linear(x2d, packed, scale, global_scale, bias)
+        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias, twiddled=twiddled)
+    return reference.linear(x2d, _ondisk(packed, twiddled), scale, global_scale, bias)
 
 
-def _grad_input(gy, packed, scale, global_scale):
+def _grad_input(gy, packed, scale, global_scale, twiddled):
     if _use_triton(gy):
         from qerl_kernels.gemm_bwd import nvfp4_matmul_grad_input
 
-        return nvfp4_matmul_grad_input(gy, packed, scale, global_scale)
-    return gy @ reference.dequantize(packed, scale, global_scale, dtype=gy.dtype)
+        return nvfp4_matmul_grad_input(gy, packed, scale, global_scale, twiddled=twiddled)
+    return gy @ reference.dequantize(_ondisk(packed, twiddled), scale, global_scale, dtype=gy.dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, packed, scale, global_scale, bias):
+    def forward(ctx, x2d, packed, scale, global_scale, bias, twiddled):
         ctx.save_for_backward(packed, scale, global_scale)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return _forward(x2d, packed, scale, global_scale, bias)
+        ctx.twiddled = twiddled
+        return _forward(x2d, packed, scale, global_scale, bias, twiddled)
 
     @staticmethod
     def backward(ctx, grad_out):
         packed, scale, global_scale = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        gx = _grad_input(grad_out, packed, scale, global_scale) if ctx.needs_input_grad[0] else None
+        gx = _grad_input(grad_out, packed, scale, global_scale, ctx.twiddled) if ctx.needs_input_grad[0] else None
         gb = None
         if ctx.has_bias and ctx.needs_input_grad[4]:
             gb = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return gx, None, None, None, gb
+        return gx, None, None, None, gb, None
 
 
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,5 +114,5 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
     lead = x.shape[:-1]
-    y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias)
+    y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, w.twiddled)
     return y.reshape(*lead, w.out_features)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from qerl_kernels import reference
+from qerl_kernels.twiddle import twiddle
 
 
 def random_nvfp4(n: int, k: int, seed: int = 0, device="cpu", special: bool = True, global_scale: float | None = None):
@@ -82,6 +83,12 @@ INTERP_CASES = [
     ("fwd_m1000_dequant", "fwd", 1000, 40, 144, "float32", dict(bm=0, bn=0, bkw=0, dequant=True), True),
     ("deq_fp32", "deq", 0, 40, 272, "float32", None, False),
     ("deq_fp16", "deq", 0, 72, 48, "float16", None, False),
+    # Twiddled codes (twiddle.py's load-time layout): the same kernels through the portable decode.
+    ("tw_fwd_m3_swap_split2", "fwd", 3, 40, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, twiddled=True), True),
+    ("tw_fwd_m17_join", "fwd", 17, 72, 144, "float32", dict(bm=16, bn=32, bkw=16, join=True, twiddled=True), False),
+    ("tw_fwd_m100_nt", "fwd", 100, 24, 48, "float16", dict(bm=32, bn=16, bkw=16, twiddled=True), True),
+    ("tw_deq_fp32", "deq", 0, 40, 272, "float32", dict(twiddled=True), False),
+    ("tw_bwd_m17", "bwd", 17, 72, 80, "float16", dict(twiddled=True), False),
     ("bwd_m1", "bwd", 1, 24, 80, "float16", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m17", "bwd", 17, 72, 80, "float16", dict(bm=16, bn=32, bkh=16), False),
@@ -99,34 +106,37 @@ def run_case(kind, m, n, k, dtype, cfg, bias, device="cpu", seed=0, fast=None) -
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     packed, scale, gs = random_nvfp4(n, k, seed=seed, device=device)
     gen = torch.Generator().manual_seed(seed + 1)
+    cfg = dict(cfg or {})
+    tw = cfg.pop("twiddled", False)  # run the kernel on twiddle.py's layout; references use the on-disk codes
+    kpacked = twiddle(packed) if tw else packed
     if kind == "deq":
         from qerl_kernels.dequant import nvfp4_dequantize
 
-        w = nvfp4_dequantize(packed, scale, gs, dtype=dt, fast=fast)
+        w = nvfp4_dequantize(kpacked, scale, gs, dtype=dt, fast=fast, twiddled=tw)
         if w.shape != (n, k) or w.dtype != dt:
             return float("inf")
         return rel_err(w, reference.dequantize(packed.cpu(), scale.cpu(), gs.cpu(), dtype=torch.float64))
     if kind == "fwd":
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=dt)
         b = torch.randn(n, generator=gen).to(device=device, dtype=dt) if bias else None
-        y = nvfp4_matmul(x, packed, scale, gs, bias=b, config=FwdConfig(**cfg) if cfg else None, fast=fast)
+        y = nvfp4_matmul(x, kpacked, scale, gs, bias=b, config=FwdConfig(**cfg) if cfg else None, fast=fast, twiddled=tw)
         if y.shape != (m, n) or y.dtype != dt:
             return float("inf")
         return rel_err(y, reference_fwd(x, packed, scale, gs, b))
     dy = torch.randn(m, n, generator=gen).to(device=device, dtype=dt)
-    dx = nvfp4_matmul_grad_input(dy, packed, scale, gs, config=BwdConfig(**cfg) if cfg else None, fast=fast)
+    dx = nvfp4_matmul_grad_input(dy, kpacked, scale, gs, config=BwdConfig(**cfg) if cfg else None, fast=fast, twiddled=tw)
     if dx.shape != (m, k) or dx.dtype != dt:
         return float("inf")
     return rel_err(dx, reference_grad_input(dy, packed, scale, gs))
 
 
-def grad_check(m, n, k, dtype, device="cpu", seed=0) -> dict:
+def grad_check(m, n, k, dtype, device="cpu", seed=0, twiddled=False) -> dict:
     """Autograd through ``nvfp4_linear`` vs autograd through the fp64 reference: rel errs of y, dx, db."""
     from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
 
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     packed, scale, gs = random_nvfp4(n, k, seed=seed, device=device)
-    w = NVFP4Weight(packed, scale, gs)
+    w = NVFP4Weight(twiddle(packed) if twiddled else packed, scale, gs, twiddled)
     gen = torch.Generator().manual_seed(seed + 7)
     x0 = torch.randn(2, m, k, generator=gen)
     b0 = torch.randn(n, generator=gen)

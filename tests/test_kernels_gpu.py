@@ -66,3 +66,37 @@ def test_split_k_is_deterministic_and_reusable():
     cfg = FwdConfig(16, 64, 16, split_k=8, warps=2, swap=True)
     ys = [nvfp4_matmul(x, p, s, g, config=cfg) for _ in range(5)]
     assert all(torch.equal(ys[0], y) for y in ys[1:])
+
+
+@pytest.mark.parametrize("m", [1, 17, 64, 128, 1024])
+def test_twiddled_layout_every_candidate(m):
+    # The load-time layout (twiddle.py) through every table candidate: right against fp64, and
+    # bit-identical to the on-disk layout's result (same products, same accumulation order).
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.testing import random_nvfp4
+    from qerl_kernels.tile_configs import FwdConfig
+    from qerl_kernels.twiddle import twiddle
+
+    p, s, g = random_nvfp4(264, 784, seed=m, device="cuda")
+    x = torch.randn(m, 784, device="cuda", dtype=torch.bfloat16)
+    tp = twiddle(p)
+    for cfg in fwd_candidates(m):
+        for split in (1, 3):
+            d = {**cfg.as_dict(), "split_k": split}
+            err = run_case("fwd", m, 264, 784, "bfloat16", {**d, "twiddled": True}, True, device="cuda", seed=split)
+            assert err < TOL[torch.bfloat16], (d, err)
+            a = nvfp4_matmul(x, p, s, g, config=FwdConfig(**d))
+            b = nvfp4_matmul(x, tp, s, g, config=FwdConfig(**d), twiddled=True)
+            assert torch.equal(a, b), d
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_twiddled_default_configs_dequant_grad_input_and_autograd(dtype):
+    tol = TOL[getattr(torch, dtype)]
+    for m, n, k in SHAPES:
+        err = run_case("fwd", m, n, k, dtype, {"twiddled": True}, True, device="cuda", seed=m)
+        assert err < tol, (m, n, k, err)
+    assert run_case("deq", 0, 1000, 784, dtype, {"twiddled": True}, False, device="cuda") < 4e-3
+    assert run_case("bwd", 100, 384, 1040, dtype, {"twiddled": True}, False, device="cuda") < tol
+    res = grad_check(37, 200, 272, dtype, device="cuda", twiddled=True)
+    assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res

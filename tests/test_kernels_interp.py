@@ -30,6 +30,10 @@ for dtype in ("float32", "float16"):
         out["grad_" + dtype] = grad_check(5, 40, 48, dtype, device="cpu")
     except Exception as e:
         out["grad_" + dtype] = repr(e)
+try:
+    out["grad_twiddled"] = grad_check(5, 40, 48, "float16", device="cpu", twiddled=True)
+except Exception as e:
+    out["grad_twiddled"] = repr(e)
 print("RESULTS" + json.dumps(out))
 """
 
@@ -54,12 +58,13 @@ def test_kernel_matches_reference_in_interpreter(interp_results, case):
     assert err < TOL[getattr(torch, dtype)], f"{name}: rel err {err}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "twiddled"])
 def test_autograd_through_kernel_matches_reference(interp_results, dtype):
     import torch
     from qerl_kernels.testing import TOL
 
     res = interp_results["grad_" + dtype]
+    dtype = "float16" if dtype == "twiddled" else dtype
     assert not isinstance(res, str), res
     tol = TOL[getattr(torch, dtype)]
     assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res

@@ -106,6 +106,27 @@ def test_word_decode_asm_matches_table(seed):
             assert np.array_equal(got, want), (i, half)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_twiddled_word_decode_asm_matches_table(seed):
+    """The load-time layout's PTX: twiddle on-disk words with twiddle.py, run the asm, compare codes."""
+    from qerl_kernels.twiddle import twiddle
+
+    rng = np.random.default_rng(seed + 10)
+    n = 4096
+    w = rng.integers(0, 2**32, (n, 2), dtype=np.uint64).astype(np.uint32)
+    w[:16] = [0x88888888, 0x76543210]  # all -0, then every positive code once
+    w[16:32] = [0xFEDCBA98, 0x00000000]  # every negative code, then all +0
+    tw = twiddle(torch.from_numpy(w.view(np.int32)).view(torch.uint8)).view(torch.int32).numpy().view(np.uint32)
+    s = E4M3[rng.integers(0, len(E4M3), n)]
+    scale = _fast_scale_bits(s) | (_fast_scale_bits(s) << 16)  # one group: the same scale in both halves
+    out = run_ptx(decode._TWIDDLED_ASM.value, {8: tw[:, 0], 9: tw[:, 1], 10: scale})
+    for i in range(8):
+        for half in range(2):
+            got = _bf16_bits_to_f64((out[i] >> (16 * half)) & 0xFFFF)
+            want = E2M1[(w[:, half] >> (4 * i)) & 0xF] * s * 2.0**-8
+            assert np.array_equal(got, want), (i, half)
+
+
 def test_byte_decode_asm_matches_table():
     rng = np.random.default_rng(2)
     n = 4096

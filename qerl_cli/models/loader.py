@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from qerl_cli.errors import BadInputError, NumericalError
-from qerl_cli.layers.linear import QLinear
+from qerl_cli.layers.linear import QLinear, twiddle_codes_
 from qerl_cli.layers.lora import LoraSpec, apply_lora
 from qerl_cli.models.config import ModelConfig
 from qerl_cli.models.decoder import CausalLM
@@ -161,6 +161,7 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_runtime_buffers(model, device)
+    maybe_twiddle(model, device, dtype)
     model.base_hash = model_hash(model_dir)
     model.model_dir = model_dir
     model.eval()
@@ -218,11 +219,31 @@ def build_random_model(config: ModelConfig, device="cuda", dtype: torch.dtype = 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_runtime_buffers(model, device)
+    maybe_twiddle(model, device, dtype)
     model.base_hash = f"random-{seed}"
     model.eval()
     if lora is not None:
         apply_lora(model, lora)
     return model
+
+
+def maybe_twiddle(model: CausalLM, device, dtype: torch.dtype) -> bool:
+    """Put NVFP4 codes in the sm_90 decode's load-time layout where the fast kernels will read them.
+
+    Only for bf16 models on an sm_90+ GPU (the PTX decode's home); ``QERL_TWIDDLE=0`` keeps the
+    on-disk layout (for A/B benchmarks and debugging). See ``qerl_kernels.twiddle``.
+    """
+    import os
+
+    from qerl_kernels.decode import fast_decode_supported
+
+    device = torch.device(device)
+    if os.environ.get("QERL_TWIDDLE", "1") == "0" or dtype != torch.bfloat16 or not fast_decode_supported(device):
+        return False
+    if os.environ.get("QERL_KERNELS") == "reference":
+        return False
+    twiddle_codes_(model)
+    return True
 
 
 def quantized_linear_names(model: CausalLM) -> list[str]:

@@ -1,0 +1,72 @@
+"""twiddle.py's load-time code layout: an exact bijection, and every consumer reads it as the file's."""
+
+import pytest
+import torch
+from qerl_kernels import reference
+from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
+from qerl_kernels.testing import random_nvfp4
+from qerl_kernels.twiddle import decode_registers, twiddle, untwiddle
+
+
+def test_round_trip_every_byte_in_every_position():
+    # 8 bytes = one scale group; put each byte value at each of the 8 positions.
+    v = torch.arange(256, dtype=torch.uint8)
+    packed = torch.stack([v.roll(i) for i in range(8)], dim=1).reshape(256, 8)
+    tw = twiddle(packed)
+    assert tw.shape == packed.shape and tw.dtype == torch.uint8
+    assert not torch.equal(tw, packed)
+    assert torch.equal(untwiddle(tw), packed)
+
+
+def test_register_emulation_recovers_the_codes():
+    packed, _, _ = random_nvfp4(37, 96, seed=3)
+    assert torch.equal(decode_registers(twiddle(packed)), reference.unpack_codes(packed))
+
+
+def test_rejects_shapes_that_are_not_whole_groups():
+    with pytest.raises(ValueError, match="K % 16"):
+        twiddle(torch.zeros(4, 12, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        twiddle(torch.zeros(4, 16, dtype=torch.int32))
+
+
+def test_weight_object_and_reference_linear_read_twiddled_codes():
+    packed, scale, gs = random_nvfp4(24, 64, seed=5)
+    plain = NVFP4Weight(packed, scale, gs)
+    tw = NVFP4Weight(twiddle(packed), scale, gs, twiddled=True)
+    assert torch.equal(tw.ondisk_packed(), packed)
+    assert torch.equal(tw.dequantize(torch.float32), plain.dequantize(torch.float32))
+    x = torch.randn(3, 64, requires_grad=True)
+    y = nvfp4_linear(x, tw)
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    y0 = nvfp4_linear(x, plain)
+    y0.sum().backward()
+    assert torch.equal(y, y0) and torch.equal(g, x.grad)
+
+
+def test_model_twiddle_in_place_keeps_every_output(tmp_path):
+    # The tiny model on CPU, twiddled explicitly (the loader only does it on sm_90): fused and
+    # per-projection modules share storage, and every Linear's output must stay bit-identical.
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.linear import _all_qlinears, twiddle_codes_
+    from qerl_cli.models.config import ModelConfig
+    from qerl_cli.models.loader import build_random_model
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, qkv_bias=True)
+    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+    fuse_projections(model)
+    mods = [m for m in _all_qlinears(model) if m.quantized]  # fused q/k/v, gate/up included
+    assert len(mods) > len([m for m in model.modules() if getattr(m, 'quantized', False)])
+    x = torch.randn(3, 64)
+    before = {id(m): m(x[:, : m.in_features].contiguous()) if m.in_features == 64 else None for m in mods}
+    dense = {id(m): m.dense_weight() for m in mods}
+    assert twiddle_codes_(model) == len(mods)
+    assert all(m.twiddled for m in mods)
+    for m in mods:
+        assert torch.equal(m.dense_weight(), dense[id(m)])
+        if before[id(m)] is not None:
+            assert torch.equal(m(x), before[id(m)])
+    assert twiddle_codes_(model) == 0  # idempotent: already twiddled modules are skipped
