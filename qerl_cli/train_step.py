@@ -573,7 +573,8 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
         biggest = max((mbs[j].padded_tokens for j in owned), default=0)
         raise OutOfMemoryError(
             f"out of GPU memory in a training micro-batch on {device} (largest has {biggest} padded tokens)",
-            hint=f"lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens") from None
+            hint=f"lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens, or pass "
+                 "--offload-activations / --embeddings-on-cpu") from None
     finally:
         progress.stop()
     return LoopResult(acc, losses_per_epoch, grad_norms, lrs)
