@@ -231,47 +231,48 @@ def decode_words_portable(pw, sc, dtype: tl.constexpr):
             _nib(pw, 16, sc, dtype), _nib(pw, 20, sc, dtype), _nib(pw, 24, sc, dtype), _nib(pw, 28, sc, dtype))
 
 
-def _twiddled_pair(src: str, first: int) -> str:
-    # One twiddled register -> 4 bf16x2 outputs $first..$first+3 (see twiddle.py for the layout).
-    return f"""
-and.b32 t, {src}, 0x81C081C0;
-mul.rn.bf16x2 ${first}, t, $10;
-shl.b32 t, {src}, 3;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 ${first + 1}, t, $10;
-shl.b32 t, {src}, 6;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 ${first + 2}, t, $10;
-shl.b32 t, {src}, 1;
-and.b32 t, t, 0x80008000;
-shr.b32 u, {src}, 3;
-and.b32 u, u, 0x01800180;
-or.b32 t, t, u;
-shr.b32 u, {src}, 7;
-and.b32 u, u, 0x00400040;
-or.b32 t, t, u;
-mul.rn.bf16x2 ${first + 3}, t, $10;
-"""
+def _twiddled_slot(src: str, slot: int) -> str:
+    # One slot of a twiddled register -> t (bf16x2 of word 0's and word 1's element), see twiddle.py.
+    if slot == 0:
+        return f"and.b32 t, {src}, 0x81C081C0;\n"
+    if slot < 3:
+        return f"shl.b32 t, {src}, {3 * slot};\nand.b32 t, t, 0x81C081C0;\n"
+    return (f"shl.b32 t, {src}, 1;\nand.b32 t, t, 0x80008000;\nshr.b32 u, {src}, 3;\nand.b32 u, u, 0x01800180;\n"
+            f"or.b32 t, t, u;\nshr.b32 u, {src}, 7;\nand.b32 u, u, 0x00400040;\nor.b32 t, t, u;\n")
 
 
-_TWIDDLED_ASM = tl.constexpr("{\n.reg .b32 t, u;" + _twiddled_pair("$8", 0) + _twiddled_pair("$9", 4) + "}")
-# Twiddled word decode (pack=2): $8/$9 are the two twiddled words of one scale group (elements
-# 0..3 and 4..7 of both original words), $10 the group's bf16x2 fast scale; outputs $0..$7 as in
-# _WORDS_ASM (element i of word 0 in the low half, of word 1 in the high half). ~1.9 PTX ops per
-# weight instead of ~3.2: no prmt, and one shift + one AND for three of every four registers.
+def _twiddled_asm() -> str:
+    body = "{\n.reg .b32 a, b, s, t, u;\nmov.b64 {a, b}, $16;\nmov.b32 s, {$17, $17};\n"
+    for i in range(8):
+        body += _twiddled_slot("a" if i < 4 else "b", i % 4)
+        body += f"mul.rn.bf16x2 t, t, s;\nmov.b32 {{${2 * i}, ${2 * i + 1}}}, t;\n"
+    return body + "}"
+
+
+_TWIDDLED_ASM = tl.constexpr(_twiddled_asm())
+# Twiddled group decode (pack=1): $16 is one scale group as a 64-bit value (the two twiddled words:
+# elements 0..3 and 4..7 of both original words), $17 its bf16 fast scale; outputs $2i / $2i+1 are
+# element i of word 0 / word 1 (16-bit halves of one bf16x2 product). Loading whole groups as
+# int64 is what guarantees each call sees the two words of one group: a pack=2 pairing of int32
+# words follows Triton's register order, which pairs rows instead when K's stride is not 16-aligned.
+# ~1.9 PTX ops per weight instead of ~3.2: no prmt per word, one shift + one AND for most slots.
 
 
 @triton.jit
-def decode_words_twiddled(pw, sc):
-    """int32 [R, C] twiddled words, bf16 [R, C] per-word fast scales -> 8 bf16 tiles (sm_90)."""
-    return tl.inline_asm_elementwise(
+def decode_words_twiddled(pw, sc, BN: tl.constexpr, BKW: tl.constexpr):
+    """int64 [BN, BKW // 2] twiddled groups, bf16 [BN, BKW // 2] fast scales -> 8 bf16 tiles [BN, BKW] (sm_90)."""
+    o = tl.inline_asm_elementwise(
         asm=_TWIDDLED_ASM,
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+        constraints="=h," * 16 + "l,h",
         args=[pw, sc],
-        dtype=(tl.bfloat16,) * 8,
+        dtype=(tl.bfloat16,) * 16,
         is_pure=True,
-        pack=2,
+        pack=1,
     )
+    return (tl.reshape(tl.join(o[0], o[1]), (BN, BKW)), tl.reshape(tl.join(o[2], o[3]), (BN, BKW)),
+            tl.reshape(tl.join(o[4], o[5]), (BN, BKW)), tl.reshape(tl.join(o[6], o[7]), (BN, BKW)),
+            tl.reshape(tl.join(o[8], o[9]), (BN, BKW)), tl.reshape(tl.join(o[10], o[11]), (BN, BKW)),
+            tl.reshape(tl.join(o[12], o[13]), (BN, BKW)), tl.reshape(tl.join(o[14], o[15]), (BN, BKW)))
 
 
 @triton.jit
@@ -320,21 +321,87 @@ def decode_word_tile(pw, s, BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.conste
                      TWIDDLED: tl.constexpr = False):
     """Words [BN, BKW] + raw e4m3 group scales [BN, BKW // 2] -> 8 tiles [BN, BKW] (a group = 2 words).
 
-    ``TWIDDLED``: the words are in twiddle.py's load-time layout instead of the on-disk one.
+    ``TWIDDLED``: the words are in twiddle.py's load-time layout instead of the on-disk one; with
+    ``FAST`` the caller passes them as int64 groups [BN, BKW // 2] (see ``load_word_tile``).
     """
     if FAST:
         sc = fast_scales(s)
     else:
         sc = decode_e4m3(s)
-    if TWIDDLED and not FAST:
-        return decode_words_twiddled_portable(pw, sc, dtype, BN, BKW)
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BKW // 2, 2)), (BN, BKW))
-    if FAST:
-        if TWIDDLED:
-            return decode_words_twiddled(pw, sc)
-        return decode_words_fast(pw, sc)
+    # One return at the end: Triton compiles the code after an early return inside a constexpr if.
+    if TWIDDLED:
+        if FAST:
+            out = decode_words_twiddled(pw, sc, BN, BKW)  # pw: int64 groups [BN, BKW // 2]
+        else:
+            out = decode_words_twiddled_portable(pw, sc, dtype, BN, BKW)
     else:
-        return decode_words_portable(pw, sc, dtype)
+        scw = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BKW // 2, 2)), (BN, BKW))
+        if FAST:
+            out = decode_words_fast(pw, scw)
+        else:
+            out = decode_words_portable(pw, scw, dtype)
+    return out
+
+
+@triton.jit
+def load_word_tile(PW, rows, kw, stride_pw, KW, BKW: tl.constexpr, TWIDDLED: tl.constexpr, FAST: tl.constexpr):
+    """The [rows, BKW] code words at word column ``kw`` (on-disk layout), or, for the twiddled fast
+    decode, the same bytes as int64 groups [rows, BKW // 2] so each decode call owns one group."""
+    if TWIDDLED:
+        if FAST:
+            rg = kw // 2 + tl.arange(0, BKW // 2)
+            ptr = PW.to(tl.pointer_type(tl.int64)) + rows[:, None] * (stride_pw // 2) + rg[None, :]
+            out = tl.load(ptr, mask=(rg < KW // 2)[None, :], other=0)
+        else:
+            rw = kw + tl.arange(0, BKW)
+            out = tl.load(PW + rows[:, None] * stride_pw + rw[None, :], mask=(rw < KW)[None, :], other=0)
+    else:
+        rw = kw + tl.arange(0, BKW)
+        out = tl.load(PW + rows[:, None] * stride_pw + rw[None, :], mask=(rw < KW)[None, :], other=0)
+    return out
+
+
+@triton.jit
+def _parity_split(e, R: tl.constexpr, G: tl.constexpr):
+    return tl.split(tl.reshape(e, (R, G, 2)))
+
+
+@triton.jit
+def perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, BKW: tl.constexpr):
+    """8 decoded tiles [R, BKW] (tile i, column w = element 8w+i) -> one [R, 8 * BKW] tile in the
+    MMA-fragment K order of ``perm_x`` (see gemm_fwd ``PERM``).
+
+    Logical k = 16 b + 8 h + 2 c + t (b = 4 g_hi + b4) takes physical group g = c + 4 g_hi, element
+    i = 2 b4 + h of that group's word t: each thread of a quad (c = lane % 4) then holds exactly its
+    own groups' decoded registers, pairs (t = 0, 1) already adjacent, so no shuffle should be needed.
+    """
+    G: tl.constexpr = BKW // 2
+    a0, b0 = _parity_split(e0, R, G)
+    a1, b1 = _parity_split(e1, R, G)
+    a2, b2 = _parity_split(e2, R, G)
+    a3, b3 = _parity_split(e3, R, G)
+    a4, b4 = _parity_split(e4, R, G)
+    a5, b5 = _parity_split(e5, R, G)
+    a6, b6 = _parity_split(e6, R, G)
+    a7, b7 = _parity_split(e7, R, G)
+    # P_i = [R, G, t]; Q = [R, G, t, h]; S = [R, G, t, h, bb0, bb1] with element i = 4 bb1 + 2 bb0 + h.
+    q0 = tl.join(tl.join(a0, b0), tl.join(a1, b1))
+    q1 = tl.join(tl.join(a2, b2), tl.join(a3, b3))
+    q2 = tl.join(tl.join(a4, b4), tl.join(a5, b5))
+    q3 = tl.join(tl.join(a6, b6), tl.join(a7, b7))
+    s = tl.join(tl.join(q0, q1), tl.join(q2, q3))
+    s = tl.reshape(s, (R, G // 4, 4, 2, 2, 2, 2))  # [R, g_hi, c, t, h, bb0, bb1]
+    s = tl.permute(s, (0, 1, 6, 5, 4, 2, 3))  # [R, g_hi, bb1, bb0, h, c, t]
+    return tl.reshape(s, (R, 8 * BKW))
+
+
+@triton.jit
+def perm_x(x, R: tl.constexpr, BKW: tl.constexpr):
+    """Activations [R, 8 * BKW] in natural K order -> the same logical order as ``perm_weights``."""
+    G: tl.constexpr = BKW // 2
+    x = tl.reshape(x, (R, G // 4, 4, 2, 2, 2, 2))  # [R, g_hi, c, t, bb1, bb0, h]: k = 16 g + 8 t + i
+    x = tl.permute(x, (0, 1, 4, 5, 6, 2, 3))  # [R, g_hi, bb1, bb0, h, c, t]
+    return tl.reshape(x, (R, 8 * BKW))
 
 
 @triton.jit

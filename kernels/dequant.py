@@ -22,6 +22,7 @@ from qerl_kernels.decode import (
     decode_word_tile,
     fast_decode_supported,
     join8,
+    load_word_tile,
 )
 
 
@@ -40,10 +41,9 @@ def _nvfp4_dequant_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
-    rw = pid_k * BKW + tl.arange(0, BKW)
     rg = pid_k * (BKW // 2) + tl.arange(0, BKW // 2)
     nmask = rn < N
-    pw = tl.load(PW + rn[:, None] * stride_pw + rw[None, :], mask=nmask[:, None] & (rw < KW)[None, :], other=0)
+    pw = load_word_tile(PW, rn % N, pid_k * BKW, stride_pw, KW, BKW, TWIDDLED, FAST)
     s = tl.load(S + rn[:, None] * stride_sn + rg[None, :], mask=nmask[:, None] & (rg < KW // 2)[None, :], other=0)
     dtype = W.dtype.element_ty
     e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, tl.float32, TWIDDLED)

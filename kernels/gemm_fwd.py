@@ -39,6 +39,9 @@ from qerl_kernels.decode import (
     decode_word_tile,
     fast_decode_supported,
     join8,
+    load_word_tile,
+    perm_weights,
+    perm_x,
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
@@ -74,6 +77,7 @@ def _nvfp4_fwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
     EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
+    PERM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,7 +96,6 @@ def _nvfp4_fwd_kernel(
     # hot loads, so they vectorise); their results are dropped by the masked store.
     rm_ld = rm % M
     rn_ld = rn % N
-    rw = tl.arange(0, BKW)
     rg = tl.arange(0, BKW // 2)
     rx = tl.arange(0, 8 * BKW)
     dtype = X.dtype.element_ty
@@ -105,14 +108,22 @@ def _nvfp4_fwd_kernel(
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kw in range(k_lo, k_hi, BKW):
-        wmask = (kw + rw) < KW
-        pw = tl.load(PW + rn_ld[:, None] * stride_pw + (kw + rw)[None, :], mask=wmask[None, :], other=0)
+        pw = load_word_tile(PW, rn_ld, kw, stride_pw, KW, BKW, TWIDDLED, FAST)
         gidx = kw // 2 + rg
         s = tl.load(S + rn_ld[:, None] * stride_sn + gidx[None, :], mask=(gidx < KW // 2)[None, :], other=0)
         xk = 8 * kw + rx
         x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=(xk < 8 * KW)[None, :], other=0.0)
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, dtype, TWIDDLED)
-        if JOIN:
+        if PERM:
+            # One dot per step over a K order matched to the MMA register fragment (perm_weights):
+            # no re-interleave of decoded tiles, X permuted the same way (it is the small operand).
+            w = perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW)
+            xp = perm_x(x, BM, BKW)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(xp), acc, input_precision=IP)
+            else:
+                acc = tl.dot(xp, tl.trans(w), acc, input_precision=IP)
+        elif JOIN:
             # Re-interleave the 8 decoded tiles into natural K order: one dot per step with X
             # straight from the pipelined shared-memory buffer (no X split, one MMA wait per step).
             w = join8(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW)
@@ -233,7 +244,7 @@ def nvfp4_matmul(
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
-        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled,
+        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y

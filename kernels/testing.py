@@ -88,6 +88,10 @@ INTERP_CASES = [
     ("tw_fwd_m17_join", "fwd", 17, 72, 144, "float32", dict(bm=16, bn=32, bkw=16, join=True, twiddled=True), False),
     ("tw_fwd_m100_nt", "fwd", 100, 24, 48, "float16", dict(bm=32, bn=16, bkw=16, twiddled=True), True),
     ("tw_deq_fp32", "deq", 0, 40, 272, "float32", dict(twiddled=True), False),
+    # PERM: one dot per K step in the MMA fragment's K order (X permuted to match).
+    ("tw_perm_m3_swap_split2", "fwd", 3, 40, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, perm=True, twiddled=True), True),
+    ("tw_perm_m100_nt", "fwd", 100, 72, 144, "float32", dict(bm=32, bn=16, bkw=16, perm=True, twiddled=True), False),
+    ("perm_m17_swap_ondisk", "fwd", 17, 24, 528, "float16", dict(bm=16, bn=16, bkw=32, swap=True, perm=True), False),
     ("tw_bwd_m17", "bwd", 17, 72, 80, "float16", dict(twiddled=True), False),
     ("bwd_m1", "bwd", 1, 24, 80, "float16", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),

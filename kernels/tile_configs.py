@@ -34,6 +34,7 @@ class FwdConfig:
     group_m: int = 8
     dequant: bool = False  # decode W to a transient bf16 buffer and let cuBLAS do the GEMM
     join: bool = False  # re-interleave decoded tiles into K order: one dot per step, async wgmma
+    perm: bool = False  # one dot per step in the MMA fragment's K order (X permuted to match, no shuffle)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,11 +125,17 @@ def bwd_config(m: int, n: int, k: int) -> BwdConfig:
 def fwd_candidates(m: int) -> list[FwdConfig]:
     """Configs the sweep times for one M bucket (split_k filled in per shape by ``choose_split``).
 
-    Pruned to the families that won at least one point of the 2026-11-22 H100 sweep; mma.sync
-    variants (num_warps < 4, or wgmma disabled) and 1-2 warp programs never did and were removed.
+    Pruned to the families that won at least one point of the first 2026-11-22 H100 sweep (mma.sync
+    variants, num_warps < 4 or wgmma disabled, and 1-2 warp programs never did and were removed),
+    plus the ``perm`` tiles (one dot per step in the fragment's K order) added after it.
     """
     if m <= 16:
         return [
+            FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True),
+            FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, perm=True),
+            FwdConfig(16, 256, 16, warps=8, stages=3, swap=True, perm=True),
+            FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True),
+            FwdConfig(16, 128, 32, warps=4, stages=3, swap=True, perm=True),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True),
             FwdConfig(16, 64, 16, warps=4, stages=2, swap=True),
@@ -139,6 +146,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
     if m <= 64:
         bm = 32 if m <= 32 else 64
         return [
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True),
+            FwdConfig(bm, 64, 16, warps=4, stages=4, swap=True, perm=True),
+            FwdConfig(bm, 64, 16, warps=4, stages=4, perm=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True),
             FwdConfig(bm, 128, 32, warps=4, stages=3, swap=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, join=True),
@@ -147,6 +157,8 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         ]
     if m <= 256:
         return [
+            FwdConfig(128, 128, 16, warps=8, stages=3, perm=True),
+            FwdConfig(64, 128, 16, warps=4, stages=4, perm=True),
             FwdConfig(128, 128, 16, warps=8, stages=3),
             FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
             FwdConfig(64, 128, 16, warps=4, stages=4, join=True),

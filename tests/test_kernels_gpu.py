@@ -68,10 +68,11 @@ def test_split_k_is_deterministic_and_reusable():
     assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
-@pytest.mark.parametrize("m", [1, 17, 64, 128, 1024])
+@pytest.mark.parametrize("m", [1, 64, 128])
 def test_twiddled_layout_every_candidate(m):
-    # The load-time layout (twiddle.py) through every table candidate: right against fp64, and
-    # bit-identical to the on-disk layout's result (same products, same accumulation order).
+    # The load-time layout (twiddle.py) through every table candidate: bit-identical to the on-disk
+    # layout's result (same products, same accumulation order), which test_forward_every_sweep_candidate
+    # checks against fp64. K = 784 (98 words, not 16-aligned) once broke a pack=2 word pairing.
     from qerl_kernels.gemm_fwd import nvfp4_matmul
     from qerl_kernels.testing import random_nvfp4
     from qerl_kernels.tile_configs import FwdConfig
@@ -83,8 +84,6 @@ def test_twiddled_layout_every_candidate(m):
     for cfg in fwd_candidates(m):
         for split in (1, 3):
             d = {**cfg.as_dict(), "split_k": split}
-            err = run_case("fwd", m, 264, 784, "bfloat16", {**d, "twiddled": True}, True, device="cuda", seed=split)
-            assert err < TOL[torch.bfloat16], (d, err)
             a = nvfp4_matmul(x, p, s, g, config=FwdConfig(**d))
             b = nvfp4_matmul(x, tp, s, g, config=FwdConfig(**d), twiddled=True)
             assert torch.equal(a, b), d

@@ -35,7 +35,7 @@ def _prmt(a, b, sel):
 
 def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Execute the straight-line PTX in ``asm`` on uint32 arrays; $n operands come from ``inputs``."""
-    regs = {f"${k}": v.astype(np.uint32) for k, v in inputs.items()}
+    regs = {f"${k}": (v if v.dtype == np.uint64 else v.astype(np.uint32)) for k, v in inputs.items()}
 
     def val(tok):
         tok = tok.strip()
@@ -48,6 +48,17 @@ def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        vec = re.fullmatch(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", rest)  # mov {lo, hi}, wide: unpack
+        if op in ("mov.b64", "mov.b32") and vec:
+            bits = 32 if op == "mov.b64" else 16
+            wide = regs[vec.group(3)].astype(np.uint64)
+            regs[vec.group(1)] = (wide & ((1 << bits) - 1)).astype(np.uint32)
+            regs[vec.group(2)] = (wide >> np.uint64(bits)).astype(np.uint32)
+            continue
+        pack = re.fullmatch(r"(\S+),\s*\{\s*(\S+),\s*(\S+)\s*\}", rest)  # mov wide, {lo, hi}: pack
+        if op == "mov.b32" and pack:
+            regs[pack.group(1)] = (val(pack.group(2)) & 0xFFFF) | ((val(pack.group(3)) & 0xFFFF) << 16)
+            continue
         args = [a.strip() for a in rest.split(",")]
         d, srcs = args[0], [val(a) for a in args[1:]]
         if op == "prmt.b32":
@@ -116,13 +127,12 @@ def test_twiddled_word_decode_asm_matches_table(seed):
     w = rng.integers(0, 2**32, (n, 2), dtype=np.uint64).astype(np.uint32)
     w[:16] = [0x88888888, 0x76543210]  # all -0, then every positive code once
     w[16:32] = [0xFEDCBA98, 0x00000000]  # every negative code, then all +0
-    tw = twiddle(torch.from_numpy(w.view(np.int32)).view(torch.uint8)).view(torch.int32).numpy().view(np.uint32)
+    tw = twiddle(torch.from_numpy(w.view(np.int32)).view(torch.uint8)).view(torch.int64).numpy().view(np.uint64)
     s = E4M3[rng.integers(0, len(E4M3), n)]
-    scale = _fast_scale_bits(s) | (_fast_scale_bits(s) << 16)  # one group: the same scale in both halves
-    out = run_ptx(decode._TWIDDLED_ASM.value, {8: tw[:, 0], 9: tw[:, 1], 10: scale})
+    out = run_ptx(decode._TWIDDLED_ASM.value, {16: tw[:, 0], 17: _fast_scale_bits(s)})
     for i in range(8):
-        for half in range(2):
-            got = _bf16_bits_to_f64((out[i] >> (16 * half)) & 0xFFFF)
+        for half in range(2):  # $2i: element i of word 0, $2i+1: of word 1
+            got = _bf16_bits_to_f64(out[2 * i + half] & 0xFFFF)
             want = E2M1[(w[:, half] >> (4 * i)) & 0xF] * s * 2.0**-8
             assert np.array_equal(got, want), (i, half)
 

@@ -136,7 +136,8 @@ def _all_qlinears(model: nn.Module) -> list[QLinear]:
     """Registered QLinears plus the inference-only fused ones kept in plain lists (not submodules)."""
     seen: dict[int, QLinear] = {}
     for mod in model.modules():
-        for v in [mod, *[x for v in vars(mod).values() if isinstance(v, list) for x in v]]:
-            if isinstance(v, QLinear):
-                seen.setdefault(id(v), v)
+        held = [x for attr in vars(mod).values() if isinstance(attr, list) for x in attr]
+        for cand in [mod, *held]:
+            if isinstance(cand, QLinear):
+                seen.setdefault(id(cand), cand)
     return list(seen.values())
