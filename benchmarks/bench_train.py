@@ -312,7 +312,7 @@ def table(rows: list[dict]) -> str:
         if q and b:
             lines.append("")
             lines.append(f"{size}: NVFP4/bf16 step time {q['step_s'] / b['step_s']:.2f}x, "
-                         f"peak memory {100 * q['peak_gib'] / b['peak_gib']:.0f}%")
+                         f"peak memory {100 * q['peak_gib'] / b['peak_gib']:.1f}%")
     return "\n".join(lines) + "\n"
 
 

@@ -85,7 +85,9 @@ class LoRALinear(nn.Module):
         B) instead of four, and no per-step casts; 7 LoRA projections x 64 layers add up on a 32B model."""
         c = self._inference_copies(x)
         if c is None:
-            return y + self.delta(x)
+            # In place: the frozen base's output is saved by no backward (its autograd keeps x and W),
+            # so adding into it spares one [tokens, out] tensor at training's memory peak.
+            return y.add_(self.delta(x))
         t = x.reshape(-1, x.shape[-1]) @ c[0].t()
         return torch.addmm(y.reshape(-1, y.shape[-1]), t, c[1].t()).view(y.shape)
 

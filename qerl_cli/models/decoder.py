@@ -11,10 +11,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qerl_cli.layers.activation import silu_mul
 from qerl_cli.layers.attention import Attention, add_lora
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
@@ -40,7 +40,7 @@ class MLP(nn.Module):
             g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(g) * u)
+        return self.down_proj(silu_mul(g, u))
 
 
 class DecoderLayer(nn.Module):
