@@ -344,20 +344,70 @@ def decode_word_tile(pw, s, BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.conste
 
 
 @triton.jit
-def load_word_tile(PW, rows, kw, stride_pw, KW, BKW: tl.constexpr, TWIDDLED: tl.constexpr, FAST: tl.constexpr):
+def load_word_tile(PW, rows, kw, stride_pw, KW, BKW: tl.constexpr, TWIDDLED: tl.constexpr, FAST: tl.constexpr,
+                   BLOCKED: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """The [rows, BKW] code words at word column ``kw`` (on-disk layout), or, for the twiddled fast
-    decode, the same bytes as int64 groups [rows, BKW // 2] so each decode call owns one group."""
+    decode, the same bytes as int64 groups [rows, BKW // 2] so each decode call owns one group
+    (then PW points to int64 and stride_pw is in groups).
+
+    ``BLOCKED``: the groups are stored in 1 KB blocks of 16 rows x 8 groups (twiddle.block), so a
+    K step of a 16-row slice is one contiguous 1 KB read instead of 16 strided 64 B ones.
+    ``EVEN_K``: every K step is whole, so the load needs no mask and vectorises (16-byte copies).
+    """
     if TWIDDLED:
         if FAST:
+            # PW is an int64 pointer here and stride_pw counts int64 groups (see gemm_fwd's wrapper):
+            # a pointer cast inside the kernel would lose the 16-byte alignment Triton needs to vectorise.
             rg = kw // 2 + tl.arange(0, BKW // 2)
-            ptr = PW.to(tl.pointer_type(tl.int64)) + rows[:, None] * (stride_pw // 2) + rg[None, :]
-            out = tl.load(ptr, mask=(rg < KW // 2)[None, :], other=0)
+            if BLOCKED:
+                kg = KW // 2
+                row_off = (rows // 16) * (kg // 8) * 128 + (rows % 16) * 8
+                col_off = (rg // 8) * 128 + rg % 8
+                ptr = PW + row_off[:, None] + col_off[None, :]
+            else:
+                ptr = PW + rows[:, None] * stride_pw + rg[None, :]
+            if EVEN_K:
+                out = tl.load(ptr)
+            else:
+                out = tl.load(ptr, mask=(rg < KW // 2)[None, :], other=0)
         else:
             rw = kw + tl.arange(0, BKW)
             out = tl.load(PW + rows[:, None] * stride_pw + rw[None, :], mask=(rw < KW)[None, :], other=0)
     else:
         rw = kw + tl.arange(0, BKW)
         out = tl.load(PW + rows[:, None] * stride_pw + rw[None, :], mask=(rw < KW)[None, :], other=0)
+    return out
+
+
+@triton.jit
+def _halves(w):
+    lo = w.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def probe_tiles(pw, R: tl.constexpr, BKW: tl.constexpr):
+    """Benchmark probe (meaningless values): int64 groups [R, BKW // 2] -> 8 bf16 tiles [R, BKW]
+    with almost no ALU work, so a timing shows what the pipeline does without the decode."""
+    a = pw.to(tl.int32)
+    b = (pw >> 32).to(tl.int32)
+    a0, a1 = _halves(a)
+    b0, b1 = _halves(b)
+    t0 = tl.reshape(tl.join(a0, b0), (R, BKW))
+    t1 = tl.reshape(tl.join(a1, b1), (R, BKW))
+    return t0, t1, t0, t1, t0, t1, t0, t1
+
+
+@triton.jit
+def decode_or_probe(pw, s, BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr, dtype: tl.constexpr,
+                    TWIDDLED: tl.constexpr, PROBE: tl.constexpr):
+    """``decode_word_tile``, or with ``PROBE`` the codes reinterpreted as bf16 with ~1 op per pair (a
+    benchmark probe of the load/MMA pipeline without the decode's ALU work; wrong values)."""
+    if PROBE:
+        out = probe_tiles(pw, BN, BKW)
+    else:
+        out = decode_word_tile(pw, s, BN, BKW, FAST, dtype, TWIDDLED)
     return out
 
 

@@ -64,6 +64,8 @@ def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bo
     w = torch.empty((n, k), dtype=dtype, device=packed.device)
     if fast is None:
         fast = fast_decode_supported(packed.device)
+    if twiddled and fast:
+        words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile
     bn, bkw = 32, 64
     grid = (triton.cdiv(n, bn), triton.cdiv(k // 8, bkw))
     _nvfp4_dequant_kernel[grid](

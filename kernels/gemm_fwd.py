@@ -36,7 +36,7 @@ import triton.language as tl
 from qerl_kernels.decode import (
     FAST_EPILOGUE,
     PORTABLE_EPILOGUE,
-    decode_word_tile,
+    decode_or_probe,
     fast_decode_supported,
     join8,
     load_word_tile,
@@ -77,7 +77,8 @@ def _nvfp4_fwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
     EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
-    PERM: tl.constexpr = False,
+    PERM: tl.constexpr = False, PROBE_NODECODE: tl.constexpr = False, BLOCKED: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -108,12 +109,13 @@ def _nvfp4_fwd_kernel(
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kw in range(k_lo, k_hi, BKW):
-        pw = load_word_tile(PW, rn_ld, kw, stride_pw, KW, BKW, TWIDDLED, FAST)
+        pw = load_word_tile(PW, rn_ld, kw, stride_pw, KW, BKW, TWIDDLED, FAST, BLOCKED, EVEN_K)
         gidx = kw // 2 + rg
         s = tl.load(S + rn_ld[:, None] * stride_sn + gidx[None, :], mask=(gidx < KW // 2)[None, :], other=0)
         xk = 8 * kw + rx
         x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=(xk < 8 * KW)[None, :], other=0.0)
-        e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, dtype, TWIDDLED)
+        # PROBE_NODECODE: benchmark probe only (wrong results, benchmarks/probe_small_m.py).
+        e0, e1, e2, e3, e4, e5, e6, e7 = decode_or_probe(pw, s, BN, BKW, FAST, dtype, TWIDDLED, PROBE_NODECODE)
         if PERM:
             # One dot per step over a K order matched to the MMA register fragment (perm_weights):
             # no re-interleave of decoded tiles, X permuted the same way (it is the small operand).
@@ -202,6 +204,8 @@ def nvfp4_matmul(
     config: FwdConfig | None = None,
     fast: bool | None = None,
     twiddled: bool = False,
+    _probe_nodecode: bool = False,
+    _blocked: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ dequant(packed [N, K/2], scale [N, K/16] e4m3, global [1])^T.
 
@@ -218,6 +222,8 @@ def nvfp4_matmul(
         w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     words = as_words(packed)
+    if twiddled and (fast if fast is not None else x.dtype == torch.bfloat16 and fast_decode_supported(x.device)):
+        words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile
     scale_u8 = scale.contiguous().view(torch.uint8)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -244,7 +250,8 @@ def nvfp4_matmul(
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
-        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm,
+        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=_blocked,
+        EVEN_K=kw % cfg.bkw == 0,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y

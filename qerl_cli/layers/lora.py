@@ -85,9 +85,11 @@ class LoRALinear(nn.Module):
         B) instead of four, and no per-step casts; 7 LoRA projections x 64 layers add up on a 32B model."""
         c = self._inference_copies(x)
         if c is None:
-            # In place: the frozen base's output is saved by no backward (its autograd keeps x and W),
-            # so adding into it spares one [tokens, out] tensor at training's memory peak.
-            return y.add_(self.delta(x))
+            # In place where y is a plain tensor: the frozen base's output is saved by no backward
+            # (its autograd keeps x and W), so adding into it spares one [tokens, out] tensor at
+            # training's memory peak. Views (chunks of a fused GEMM's output) stay out of place.
+            d = self.delta(x)
+            return y + d if y._is_view() else y.add_(d)
         t = x.reshape(-1, x.shape[-1]) @ c[0].t()
         return torch.addmm(y.reshape(-1, y.shape[-1]), t, c[1].t()).view(y.shape)
 
