@@ -111,10 +111,12 @@ class ShapeData:
         self.n, self.k = n, k
         # The layout the product runs on sm_90 (qerl_kernels.twiddle, applied at model load).
         self.tw = twiddled
+        self.bl = False
         if twiddled:
-            from qerl_kernels.twiddle import twiddle
+            from qerl_kernels.twiddle import can_block, to_kernel_layout
 
-            self.packed = [twiddle(p) for p in self.packed]
+            self.bl = can_block(n, k)
+            self.packed = [to_kernel_layout(p, self.bl) for p in self.packed]
 
 
 def rel(a, b) -> float:
@@ -125,9 +127,10 @@ def bench_fwd_point(d: ShapeData, m: int, cfg):
     from qerl_kernels.gemm_fwd import nvfp4_matmul
 
     x = torch.randn(m, d.k, device="cuda", dtype=torch.bfloat16)
-    err = rel(nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, config=cfg, twiddled=d.tw),
+    err = rel(nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, config=cfg, twiddled=d.tw, blocked=d.bl),
               torch.nn.functional.linear(x, d.w_deq))
-    fns = [lambda i=i: nvfp4_matmul(x, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw) for i in range(d.r4)]
+    fns = [lambda i=i: nvfp4_matmul(x, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw, blocked=d.bl)
+           for i in range(d.r4)]
     return time_graph(fns), err
 
 
@@ -140,8 +143,8 @@ def bench_bwd_point(d: ShapeData, m: int, cfg):
     from qerl_kernels.gemm_bwd import nvfp4_matmul_grad_input
 
     dy = torch.randn(m, d.n, device="cuda", dtype=torch.bfloat16)
-    err = rel(nvfp4_matmul_grad_input(dy, d.packed[0], d.scale[0], d.gs, config=cfg, twiddled=d.tw), dy @ d.w_deq)
-    fns = [lambda i=i: nvfp4_matmul_grad_input(dy, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw)
+    err = rel(nvfp4_matmul_grad_input(dy, d.packed[0], d.scale[0], d.gs, config=cfg, twiddled=d.tw, blocked=d.bl), dy @ d.w_deq)
+    fns = [lambda i=i: nvfp4_matmul_grad_input(dy, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw, blocked=d.bl)
            for i in range(d.r4)]
     return time_graph(fns), err
 
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip the doc")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
     ap.add_argument("--layout", choices=["twiddled", "ondisk"], default="twiddled",
-                    help="code layout the kernels read: twiddled (what qerl loads on sm_90) or the on-disk one")
+                    help="code layout the kernels read: twiddled (+ 1 KB blocks where the shape tiles; what qerl loads on sm_90) or the on-disk one")
     args = ap.parse_args(argv)
 
     from qerl_kernels import tile_configs as tc
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
         d = ShapeData(n, k, seed=n + k, twiddled=args.layout == "twiddled")
         from qerl_kernels.dequant import nvfp4_dequantize
 
-        us = time_graph([lambda i=i, d=d: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs, twiddled=d.tw)
+        us = time_graph([lambda i=i, d=d: nvfp4_dequantize(d.packed[i], d.scale[i], d.gs, twiddled=d.tw, blocked=d.bl)
                          for i in range(d.r4)])
         log({"op": "dequant", "model": model, "layer": layer, "N": n, "K": k, "us": round(us, 2),
              "TBps": round(n * k * (0.5625 + 2) / us / 1e6, 2)})

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
             for label, cfg, probe, blocked in variants:
                 try:
                     fns = [lambda i=i, cfg=cfg, probe=probe, blocked=blocked, x=x, d=d: nvfp4_matmul(
-                        x, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=True, _probe_nodecode=probe, _blocked=blocked)
+                        x, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=True, _probe_nodecode=probe, blocked=blocked)
                            for i in range(d.r4)]
                     us = time_graph(fns, target_s=0.05)
                 except Exception as e:  # out of resources etc.: report and go on

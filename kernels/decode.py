@@ -350,7 +350,7 @@ def load_word_tile(PW, rows, kw, stride_pw, KW, BKW: tl.constexpr, TWIDDLED: tl.
     decode, the same bytes as int64 groups [rows, BKW // 2] so each decode call owns one group
     (then PW points to int64 and stride_pw is in groups).
 
-    ``BLOCKED``: the groups are stored in 1 KB blocks of 16 rows x 8 groups (twiddle.block), so a
+    ``BLOCKED``: the codes are stored in 1 KB blocks of 16 rows x 64 bytes (twiddle.block), so a
     K step of a 16-row slice is one contiguous 1 KB read instead of 16 strided 64 B ones.
     ``EVEN_K``: every K step is whole, so the load needs no mask and vectorises (16-byte copies).
     """
@@ -372,7 +372,11 @@ def load_word_tile(PW, rows, kw, stride_pw, KW, BKW: tl.constexpr, TWIDDLED: tl.
                 out = tl.load(ptr, mask=(rg < KW // 2)[None, :], other=0)
         else:
             rw = kw + tl.arange(0, BKW)
-            out = tl.load(PW + rows[:, None] * stride_pw + rw[None, :], mask=(rw < KW)[None, :], other=0)
+            if BLOCKED:
+                ptr = PW + ((rows // 16) * (KW // 16) * 256 + (rows % 16) * 16)[:, None] + ((rw // 16) * 256 + rw % 16)[None, :]
+            else:
+                ptr = PW + rows[:, None] * stride_pw + rw[None, :]
+            out = tl.load(ptr, mask=(rw < KW)[None, :], other=0)
     else:
         rw = kw + tl.arange(0, BKW)
         out = tl.load(PW + rows[:, None] * stride_pw + rw[None, :], mask=(rw < KW)[None, :], other=0)

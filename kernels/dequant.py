@@ -37,13 +37,14 @@ def as_words(packed: torch.Tensor) -> torch.Tensor:
 def _nvfp4_dequant_kernel(
     PW, S, G, W, N, KW, stride_pw, stride_sn, stride_wn,
     BN: tl.constexpr, BKW: tl.constexpr, FAST: tl.constexpr, EPI: tl.constexpr, TWIDDLED: tl.constexpr = False,
+    BLOCKED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rg = pid_k * (BKW // 2) + tl.arange(0, BKW // 2)
     nmask = rn < N
-    pw = load_word_tile(PW, rn % N, pid_k * BKW, stride_pw, KW, BKW, TWIDDLED, FAST)
+    pw = load_word_tile(PW, rn % N, pid_k * BKW, stride_pw, KW, BKW, TWIDDLED, FAST, BLOCKED)
     s = tl.load(S + rn[:, None] * stride_sn + rg[None, :], mask=nmask[:, None] & (rg < KW // 2)[None, :], other=0)
     dtype = W.dtype.element_ty
     e0, e1, e2, e3, e4, e5, e6, e7 = decode_word_tile(pw, s, BN, BKW, FAST, tl.float32, TWIDDLED)
@@ -53,7 +54,7 @@ def _nvfp4_dequant_kernel(
 
 
 def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bool | None = None,
-                     twiddled: bool = False) -> torch.Tensor:
+                     twiddled: bool = False, blocked: bool = False) -> torch.Tensor:
     """packed [N, K/2] uint8 (on-disk or ``twiddled`` layout) + scale [N, K/16] e4m3 + global [1] -> dense [N, K]."""
     n, kh = packed.shape
     k = 2 * kh
@@ -71,6 +72,6 @@ def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bo
     _nvfp4_dequant_kernel[grid](
         words, scale_u8, global_scale.reshape(1).to(torch.float32), w, n, k // 8,
         words.stride(0), scale_u8.stride(0), w.stride(0),
-        BN=bn, BKW=bkw, FAST=fast, EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, TWIDDLED=twiddled, num_warps=4,
+        BN=bn, BKW=bkw, FAST=fast, EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, TWIDDLED=twiddled, BLOCKED=blocked, num_warps=4,
     )
     return w

@@ -84,6 +84,7 @@ def nvfp4_matmul_grad_input(
     config: BwdConfig | None = None,
     fast: bool | None = None,
     twiddled: bool = False,
+    blocked: bool = False,
 ) -> torch.Tensor:
     """dy [M, N] @ dequant(packed [N, K/2], scale [N, K/16], global [1]) -> [M, K] in dy's dtype.
 
@@ -102,7 +103,7 @@ def nvfp4_matmul_grad_input(
     cfg = config or bwd_config(m, n, 2 * kh)
     if cfg.dequant or twiddled:
         # Compute-bound regime: decode once to a transient dense weight, cuBLAS for the GEMM.
-        return dy @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy.dtype, twiddled=twiddled)
+        return dy @ nvfp4_dequantize(packed, scale, global_scale, dtype=dy.dtype, twiddled=twiddled, blocked=blocked)
     packed = packed.contiguous()
     scale_u8 = scale.contiguous().view(torch.uint8)
     dx = torch.empty((m, 2 * kh), dtype=dy.dtype, device=dy.device)

@@ -204,14 +204,14 @@ def nvfp4_matmul(
     config: FwdConfig | None = None,
     fast: bool | None = None,
     twiddled: bool = False,
+    blocked: bool = False,
     _probe_nodecode: bool = False,
-    _blocked: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ dequant(packed [N, K/2], scale [N, K/16] e4m3, global [1])^T.
 
     ``config`` overrides the table/heuristic (benchmarks, tests); ``fast`` forces the decode path
     (default: the PTX decode for bf16 on sm_90, the portable decode otherwise); ``twiddled``: the
-    codes are in ``twiddle.py``'s load-time layout.
+    codes are in ``twiddle.py``'s load-time layout, ``blocked`` also in its 1 KB blocks.
     """
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
@@ -219,7 +219,7 @@ def nvfp4_matmul(
     cfg = config or fwd_config(m, n, k)
     if cfg.dequant:
         # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
-        w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled)
+        w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled, blocked=blocked)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     words = as_words(packed)
     if twiddled and (fast if fast is not None else x.dtype == torch.bfloat16 and fast_decode_supported(x.device)):
@@ -250,7 +250,7 @@ def nvfp4_matmul(
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
-        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=_blocked,
+        EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=blocked,
         EVEN_K=kw % cfg.bkw == 0,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )

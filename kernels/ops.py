@@ -34,6 +34,7 @@ class NVFP4Weight:
     scale: torch.Tensor
     global_scale: torch.Tensor
     twiddled: bool = False
+    blocked: bool = False  # twiddled and stored in 1 KB blocks (twiddle.block); implies twiddled
 
     @property
     def out_features(self) -> int:
@@ -44,17 +45,14 @@ class NVFP4Weight:
         return self.packed.shape[1] * 2
 
     def ondisk_packed(self) -> torch.Tensor:
-        if not self.twiddled:
-            return self.packed
-        from qerl_kernels.twiddle import untwiddle
-
-        return untwiddle(self.packed)
+        return _ondisk(self.packed, self.twiddled, self.blocked)
 
     def dequantize(self, dtype=torch.bfloat16) -> torch.Tensor:
         return reference.dequantize(self.ondisk_packed(), self.scale, self.global_scale, dtype)
 
     def to(self, device) -> NVFP4Weight:
-        return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device), self.twiddled)
+        return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device), self.twiddled,
+                           self.blocked)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -64,44 +62,44 @@ def _use_triton(x: torch.Tensor) -> bool:
     return mode != "reference" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _ondisk(packed, twiddled):
+def _ondisk(packed, twiddled, blocked=False):
     if not twiddled:
         return packed
-    from qerl_kernels.twiddle import untwiddle
+    from qerl_kernels.twiddle import from_kernel_layout
 
-    return untwiddle(packed)
+    return from_kernel_layout(packed, blocked)
 
 
-def _forward(x2d, packed, scale, global_scale, bias, twiddled):
+def _forward(x2d, packed, scale, global_scale, bias, layout):
     if _use_triton(x2d):
         from qerl_kernels.gemm_fwd import nvfp4_matmul
 
-        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias, twiddled=twiddled)
-    return reference.linear(x2d, _ondisk(packed, twiddled), scale, global_scale, bias)
+        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias, twiddled=layout[0], blocked=layout[1])
+    return reference.linear(x2d, _ondisk(packed, *layout), scale, global_scale, bias)
 
 
-def _grad_input(gy, packed, scale, global_scale, twiddled):
+def _grad_input(gy, packed, scale, global_scale, layout):
     if _use_triton(gy):
         from qerl_kernels.gemm_bwd import nvfp4_matmul_grad_input
 
-        return nvfp4_matmul_grad_input(gy, packed, scale, global_scale, twiddled=twiddled)
-    return gy @ reference.dequantize(_ondisk(packed, twiddled), scale, global_scale, dtype=gy.dtype)
+        return nvfp4_matmul_grad_input(gy, packed, scale, global_scale, twiddled=layout[0], blocked=layout[1])
+    return gy @ reference.dequantize(_ondisk(packed, *layout), scale, global_scale, dtype=gy.dtype)
 
 
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, packed, scale, global_scale, bias, twiddled):
+    def forward(ctx, x2d, packed, scale, global_scale, bias, layout):
         ctx.save_for_backward(packed, scale, global_scale)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.twiddled = twiddled
-        return _forward(x2d, packed, scale, global_scale, bias, twiddled)
+        ctx.layout = layout
+        return _forward(x2d, packed, scale, global_scale, bias, layout)
 
     @staticmethod
     def backward(ctx, grad_out):
         packed, scale, global_scale = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        gx = _grad_input(grad_out, packed, scale, global_scale, ctx.twiddled) if ctx.needs_input_grad[0] else None
+        gx = _grad_input(grad_out, packed, scale, global_scale, ctx.layout) if ctx.needs_input_grad[0] else None
         gb = None
         if ctx.has_bias and ctx.needs_input_grad[4]:
             gb = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -114,5 +112,5 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
     lead = x.shape[:-1]
-    y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, w.twiddled)
+    y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked))
     return y.reshape(*lead, w.out_features)

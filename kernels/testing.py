@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from qerl_kernels import reference
-from qerl_kernels.twiddle import twiddle
+from qerl_kernels.twiddle import to_kernel_layout
 
 
 def random_nvfp4(n: int, k: int, seed: int = 0, device="cpu", special: bool = True, global_scale: float | None = None):
@@ -92,6 +92,10 @@ INTERP_CASES = [
     ("tw_perm_m3_swap_split2", "fwd", 3, 40, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, perm=True, twiddled=True), True),
     ("tw_perm_m100_nt", "fwd", 100, 72, 144, "float32", dict(bm=32, bn=16, bkw=16, perm=True, twiddled=True), False),
     ("perm_m17_swap_ondisk", "fwd", 17, 24, 528, "float16", dict(bm=16, bn=16, bkw=32, swap=True, perm=True), False),
+    # Blocked (1 KB tiles of 16 rows x 128 elements): N % 16 == 0, K % 128 == 0.
+    ("bl_fwd_m3_perm_split2", "fwd", 3, 48, 384, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, perm=True, twiddled=True, blocked=True), True),
+    ("bl_fwd_m17_nt", "fwd", 17, 32, 256, "float32", dict(bm=16, bn=32, bkw=32, twiddled=True, blocked=True), False),
+    ("bl_deq_fp32", "deq", 0, 48, 256, "float32", dict(twiddled=True, blocked=True), False),
     ("tw_bwd_m17", "bwd", 17, 72, 80, "float16", dict(twiddled=True), False),
     ("bwd_m1", "bwd", 1, 24, 80, "float16", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),
@@ -112,35 +116,38 @@ def run_case(kind, m, n, k, dtype, cfg, bias, device="cpu", seed=0, fast=None) -
     gen = torch.Generator().manual_seed(seed + 1)
     cfg = dict(cfg or {})
     tw = cfg.pop("twiddled", False)  # run the kernel on twiddle.py's layout; references use the on-disk codes
-    kpacked = twiddle(packed) if tw else packed
+    bl = cfg.pop("blocked", False)  # ... and its 1 KB blocks
+    kpacked = to_kernel_layout(packed, bl) if tw else packed
     if kind == "deq":
         from qerl_kernels.dequant import nvfp4_dequantize
 
-        w = nvfp4_dequantize(kpacked, scale, gs, dtype=dt, fast=fast, twiddled=tw)
+        w = nvfp4_dequantize(kpacked, scale, gs, dtype=dt, fast=fast, twiddled=tw, blocked=bl)
         if w.shape != (n, k) or w.dtype != dt:
             return float("inf")
         return rel_err(w, reference.dequantize(packed.cpu(), scale.cpu(), gs.cpu(), dtype=torch.float64))
     if kind == "fwd":
         x = torch.randn(m, k, generator=gen).to(device=device, dtype=dt)
         b = torch.randn(n, generator=gen).to(device=device, dtype=dt) if bias else None
-        y = nvfp4_matmul(x, kpacked, scale, gs, bias=b, config=FwdConfig(**cfg) if cfg else None, fast=fast, twiddled=tw)
+        y = nvfp4_matmul(x, kpacked, scale, gs, bias=b, config=FwdConfig(**cfg) if cfg else None, fast=fast, twiddled=tw,
+                         blocked=bl)
         if y.shape != (m, n) or y.dtype != dt:
             return float("inf")
         return rel_err(y, reference_fwd(x, packed, scale, gs, b))
     dy = torch.randn(m, n, generator=gen).to(device=device, dtype=dt)
-    dx = nvfp4_matmul_grad_input(dy, kpacked, scale, gs, config=BwdConfig(**cfg) if cfg else None, fast=fast, twiddled=tw)
+    dx = nvfp4_matmul_grad_input(dy, kpacked, scale, gs, config=BwdConfig(**cfg) if cfg else None, fast=fast,
+                                 twiddled=tw, blocked=bl)
     if dx.shape != (m, k) or dx.dtype != dt:
         return float("inf")
     return rel_err(dx, reference_grad_input(dy, packed, scale, gs))
 
 
-def grad_check(m, n, k, dtype, device="cpu", seed=0, twiddled=False) -> dict:
+def grad_check(m, n, k, dtype, device="cpu", seed=0, twiddled=False, blocked=False) -> dict:
     """Autograd through ``nvfp4_linear`` vs autograd through the fp64 reference: rel errs of y, dx, db."""
     from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
 
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     packed, scale, gs = random_nvfp4(n, k, seed=seed, device=device)
-    w = NVFP4Weight(twiddle(packed) if twiddled else packed, scale, gs, twiddled)
+    w = NVFP4Weight(to_kernel_layout(packed, blocked) if twiddled else packed, scale, gs, twiddled, blocked)
     gen = torch.Generator().manual_seed(seed + 7)
     x0 = torch.randn(2, m, k, generator=gen)
     b0 = torch.randn(n, generator=gen)

@@ -69,23 +69,24 @@ def test_split_k_is_deterministic_and_reusable():
 
 
 @pytest.mark.parametrize("m", [1, 64, 128])
-def test_twiddled_layout_every_candidate(m):
+@pytest.mark.parametrize("n,k,blocked", [(264, 784, False), (256, 768, True)])
+def test_twiddled_layout_every_candidate(m, n, k, blocked):
     # The load-time layout (twiddle.py) through every table candidate: bit-identical to the on-disk
     # layout's result (same products, same accumulation order), which test_forward_every_sweep_candidate
     # checks against fp64. K = 784 (98 words, not 16-aligned) once broke a pack=2 word pairing.
     from qerl_kernels.gemm_fwd import nvfp4_matmul
     from qerl_kernels.testing import random_nvfp4
     from qerl_kernels.tile_configs import FwdConfig
-    from qerl_kernels.twiddle import twiddle
+    from qerl_kernels.twiddle import to_kernel_layout
 
-    p, s, g = random_nvfp4(264, 784, seed=m, device="cuda")
-    x = torch.randn(m, 784, device="cuda", dtype=torch.bfloat16)
-    tp = twiddle(p)
+    p, s, g = random_nvfp4(n, k, seed=m, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    tp = to_kernel_layout(p, blocked)
     for cfg in fwd_candidates(m):
         for split in (1, 3):
             d = {**cfg.as_dict(), "split_k": split}
             a = nvfp4_matmul(x, p, s, g, config=FwdConfig(**d))
-            b = nvfp4_matmul(x, tp, s, g, config=FwdConfig(**d), twiddled=True)
+            b = nvfp4_matmul(x, tp, s, g, config=FwdConfig(**d), twiddled=True, blocked=blocked)
             assert torch.equal(a, b), d
 
 
@@ -98,4 +99,9 @@ def test_twiddled_default_configs_dequant_grad_input_and_autograd(dtype):
     assert run_case("deq", 0, 1000, 784, dtype, {"twiddled": True}, False, device="cuda") < 4e-3
     assert run_case("bwd", 100, 384, 1040, dtype, {"twiddled": True}, False, device="cuda") < tol
     res = grad_check(37, 200, 272, dtype, device="cuda", twiddled=True)
+    assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res
+    for m, n, k in [(1, 256, 768), (16, 1024, 512), (300, 128, 1024)]:
+        assert run_case("fwd", m, n, k, dtype, {"twiddled": True, "blocked": True}, True, device="cuda") < tol
+    assert run_case("deq", 0, 1024, 768, dtype, {"twiddled": True, "blocked": True}, False, device="cuda") < 4e-3
+    res = grad_check(37, 256, 256, dtype, device="cuda", twiddled=True, blocked=True)
     assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res

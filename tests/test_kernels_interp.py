@@ -34,6 +34,10 @@ try:
     out["grad_twiddled"] = grad_check(5, 40, 48, "float16", device="cpu", twiddled=True)
 except Exception as e:
     out["grad_twiddled"] = repr(e)
+try:
+    out["grad_blocked"] = grad_check(5, 48, 128, "float16", device="cpu", twiddled=True, blocked=True)
+except Exception as e:
+    out["grad_blocked"] = repr(e)
 print("RESULTS" + json.dumps(out))
 """
 
@@ -58,13 +62,13 @@ def test_kernel_matches_reference_in_interpreter(interp_results, case):
     assert err < TOL[getattr(torch, dtype)], f"{name}: rel err {err}"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "twiddled"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "twiddled", "blocked"])
 def test_autograd_through_kernel_matches_reference(interp_results, dtype):
     import torch
     from qerl_kernels.testing import TOL
 
     res = interp_results["grad_" + dtype]
-    dtype = "float16" if dtype == "twiddled" else dtype
+    dtype = "float16" if dtype in ("twiddled", "blocked") else dtype
     assert not isinstance(res, str), res
     tol = TOL[getattr(torch, dtype)]
     assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res

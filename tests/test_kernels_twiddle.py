@@ -5,7 +5,16 @@ import torch
 from qerl_kernels import reference
 from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
 from qerl_kernels.testing import random_nvfp4
-from qerl_kernels.twiddle import decode_registers, twiddle, untwiddle
+from qerl_kernels.twiddle import (
+    block,
+    can_block,
+    decode_registers,
+    from_kernel_layout,
+    to_kernel_layout,
+    twiddle,
+    unblock,
+    untwiddle,
+)
 
 
 def test_round_trip_every_byte_in_every_position():
@@ -70,3 +79,41 @@ def test_model_twiddle_in_place_keeps_every_output(tmp_path):
         if before[id(m)] is not None:
             assert torch.equal(m(x), before[id(m)])
     assert twiddle_codes_(model) == 0  # idempotent: already twiddled modules are skipped
+
+
+def test_block_round_trip_and_tile_contiguity():
+    packed, _, _ = random_nvfp4(48, 384, seed=7)
+    assert can_block(48, 384) and not can_block(40, 384) and not can_block(48, 320)
+    b = block(packed)
+    assert torch.equal(unblock(b), packed)
+    # The first 1 KB of the blocked tensor is rows 0..15, bytes 0..63 of each, row after row.
+    assert torch.equal(b.reshape(-1)[:1024].view(16, 64), packed[:16, :64])
+    assert torch.equal(from_kernel_layout(to_kernel_layout(packed, True), True), packed)
+    with pytest.raises(ValueError, match="tile"):
+        block(packed[:40])
+
+
+def test_blocked_weight_reads_back_on_the_reference_path():
+    packed, scale, gs = random_nvfp4(32, 256, seed=8)
+    w = NVFP4Weight(to_kernel_layout(packed, True), scale, gs, twiddled=True, blocked=True)
+    assert torch.equal(w.ondisk_packed(), packed)
+    x = torch.randn(2, 256)
+    assert torch.equal(nvfp4_linear(x, w), nvfp4_linear(x, NVFP4Weight(packed, scale, gs)))
+
+
+def test_model_twiddle_blocks_where_every_reader_tiles():
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.linear import _all_qlinears, twiddle_codes_
+    from qerl_cli.models.config import ModelConfig
+    from qerl_cli.models.loader import build_random_model
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=32, qkv_bias=True)
+    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+    fuse_projections(model)
+    mods = [m for m in _all_qlinears(model) if m.quantized]
+    dense = {id(m): m.dense_weight() for m in mods}
+    twiddle_codes_(model)
+    assert all(m.twiddled and m.blocked for m in mods)
+    for m in mods:
+        assert torch.equal(m.dense_weight(), dense[id(m)])

@@ -31,16 +31,20 @@ class QLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         self._nvfp4: NVFP4Weight | None = None
-        # True once ``twiddle_codes_`` rewrote weight_packed into the sm_90 decode's layout (in place).
+        # True once ``twiddle_codes_`` rewrote weight_packed into the sm_90 decode's layout (in place),
+        # ``blocked`` when it also stored the codes in 1 KB tiles (qerl_kernels.twiddle.block).
         self.twiddled = False
+        self.blocked = False
 
     def nvfp4_weight(self) -> NVFP4Weight:
         # Kernels may cache a repacked copy on the NVFP4Weight object, so keep one per set of buffers
         # and rebuild it only when .to()/load replaced the tensors.
         w = self._nvfp4
         if w is None or w.packed is not self.weight_packed or w.scale is not self.weight_scale \
-                or w.global_scale is not self.weight_global_scale or w.twiddled != self.twiddled:
-            w = self._nvfp4 = NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.twiddled)
+                or w.global_scale is not self.weight_global_scale or w.twiddled != self.twiddled \
+                or w.blocked != self.blocked:
+            w = self._nvfp4 = NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.twiddled,
+                                          self.blocked)
         return w
 
     def dense_weight(self, dtype=None) -> torch.Tensor:
@@ -71,7 +75,7 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
     """
     first = parts[0]
     if any(p.quantized != first.quantized or p.in_features != first.in_features or (p.bias is None) != (first.bias is None)
-           or p.twiddled != first.twiddled for p in parts):
+           or p.twiddled != first.twiddled or p.blocked != first.blocked for p in parts):
         return None
     sizes = [p.out_features for p in parts]
     if first.quantized:
@@ -95,7 +99,9 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
         share("weight_packed", False)
         share("weight_scale", False)
         fused.weight_global_scale = first.weight_global_scale
-        fused.twiddled = first.twiddled  # twiddling is row-local, so stacked rows keep the layout
+        # Twiddling is row-local and blocks are 16-row tiles of parts whose rows are multiples of 16,
+        # so the stacked rows keep the layout.
+        fused.twiddled, fused.blocked = first.twiddled, first.blocked
     else:
         share("weight", True)
     if first.bias is not None:
@@ -104,31 +110,39 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
 
 
 def twiddle_codes_(model: nn.Module, rows_per_chunk: int = 4096) -> int:
-    """Rewrite every NVFP4 QLinear's codes in place into the sm_90 decode's layout; returns how many.
+    """Rewrite every NVFP4 QLinear's codes in place into the sm_90 kernels' layout; returns how many.
 
-    Why: ``qerl_kernels.twiddle`` (~1.9 instead of ~3.2 decode instructions per weight at small M).
-    Same bytes, same memory; buffers shared between fused and per-projection modules are rewritten
-    once (through the largest tensor on each storage). Chunked so the int64 temporaries stay small.
-    Everything that reads the codes back (``dense_weight``, the kernels, the reference path)
-    honours ``QLinear.twiddled``; the checkpoint on disk is untouched.
+    Why: ``qerl_kernels.twiddle`` (~1.9 instead of ~3.2 decode instructions per weight, and 1 KB
+    reads per K step). Same bytes, same memory; buffers shared between fused and per-projection
+    modules are rewritten once (through the largest tensor on each storage), and blocked only when
+    every module reading them has whole 16-row blocks. Twiddling is chunked by rows so its int64
+    temporaries stay small (blocking copies one weight at a time). Everything that reads the codes
+    back (``dense_weight``, the kernels, the reference path) honours the flags; the checkpoint on
+    disk is untouched.
     """
-    from qerl_kernels.twiddle import twiddle
+    from qerl_kernels.twiddle import block, can_block, twiddle
 
     mods = [m for m in _all_qlinears(model) if m.quantized and not m.twiddled]
     # Fused modules' tensors contain their parts' rows: rewrite each byte range exactly once.
     regions = sorted({(m.weight_packed.data_ptr(), m.weight_packed.numel()): m.weight_packed for m in mods}.items(),
                      key=lambda kv: (kv[0][0], -kv[0][1]))
-    end = -1
+    kept: list[tuple[int, int, torch.Tensor]] = []
     for (start, size), t in regions:
-        if start + size <= end:
-            continue  # inside a larger tensor already rewritten
-        if start < end or not t.is_contiguous():
+        if kept and start + size <= kept[-1][0] + kept[-1][1]:
+            continue  # inside a larger tensor
+        if kept and start < kept[-1][0] + kept[-1][1] or not t.is_contiguous():
             raise ValueError("NVFP4 code tensors overlap partially; cannot twiddle in place")
-        end = start + size
+        kept.append((start, size, t))
+    for start, size, t in kept:
+        readers = [m for m in mods if start <= m.weight_packed.data_ptr() < start + size]
+        blocked = all(can_block(m.out_features, m.in_features) for m in readers) and all(
+            (m.weight_packed.data_ptr() - start) % (16 * t.shape[1]) == 0 for m in readers)
         for a in range(0, t.shape[0], rows_per_chunk):
             t[a:a + rows_per_chunk].copy_(twiddle(t[a:a + rows_per_chunk]))
-    for m in mods:
-        m.twiddled = True
+        if blocked:
+            t.copy_(block(t))
+        for m in readers:
+            m.twiddled, m.blocked = True, blocked
     return len(mods)
 
 
