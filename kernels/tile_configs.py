@@ -61,6 +61,17 @@ DEQUANT_MIN_M = 256
 BWD_DEQUANT_MIN_M = 512
 
 
+def blocked_safe(cfg: FwdConfig) -> bool:
+    """Whether a tile compiles on blocked codes (twiddle.block).
+
+    Measured (Triton 3.6 on the H100 and 3.9 locally): tiles where W is the shared-memory operand
+    (no swap) and each warp covers >= 32 of its rows (BM 64 / BN 128 / 4 warps, BM 128 / BN 256 /
+    8 warps) crash Triton's ``OptimizeDotOperands`` pass; every other candidate compiles
+    (tests/test_kernels_compile.py). The GEMM falls back to decode-once + cuBLAS for those.
+    """
+    return cfg.dequant or cfg.swap or cfg.bn // cfg.warps < 32
+
+
 def m_bucket(m: int) -> int:
     for b in M_BUCKETS:
         if m <= b:

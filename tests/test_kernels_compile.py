@@ -1,0 +1,35 @@
+"""Every forward tile the table or the sweep can pick compiles for sm_90 on every code layout.
+
+No GPU needed: Triton compiles ahead of time for a ``GPUTarget`` (benchmarks/sass_kernels.py). A
+layout-specific compiler crash (one was found for blocked codes, see ``tile_configs.blocked_safe``)
+would otherwise only show on a GPU, at the first call with that shape.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.slow  # ~3-5 s per compile on a CPU
+
+
+def _configs():
+    from qerl_kernels.tile_configs import FWD_TABLE, fwd_candidates
+
+    seen = {}
+    for c in [*(c for m in (1, 32, 64, 256, 1024) for c in fwd_candidates(m)), *FWD_TABLE.values()]:
+        if not c.dequant:
+            seen.setdefault((c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, c.perm), c)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("layout", ["twiddled", "blocked"])
+def test_every_tile_compiles_for_sm90(layout):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from qerl_kernels.tile_configs import blocked_safe
+    from sass_kernels import compile_fwd
+
+    for c in _configs():
+        if layout == "blocked" and not blocked_safe(c):
+            continue
+        compile_fwd(c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, True, c.perm, layout == "blocked")
