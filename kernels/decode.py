@@ -35,35 +35,18 @@ import triton.language as tl
 FAST_EPILOGUE = 256.0
 PORTABLE_EPILOGUE = 1.0
 
-_DECODE_ASM = tl.constexpr(r"""
-{
-.reg .b32 a, b, t, u;
-prmt.b32 a, $4, 0, 0x1404;
-prmt.b32 b, $4, 0, 0x3424;
-and.b32 t, a, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, a, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, $5;
-and.b32 t, b, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, b, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, $6;
-shl.b32 a, a, 4;
-shl.b32 b, b, 4;
-and.b32 t, a, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, a, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $0, t, $5;
-and.b32 t, b, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, b, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $1, t, $6;
-}
-""")
+def _top_nibble(src: str, out: str, scale: str) -> str:
+    # Each 16-bit half of src holds a code in its top nibble: sign already at bit 15, magnitude
+    # shifted from bits 14..12 to 8..6; then the bf16x2 block-scale multiply.
+    return (f"and.b32 t, {src}, 0x70007000;\nshr.b32 t, t, 6;\nand.b32 u, {src}, 0x80008000;\n"
+            f"or.b32 t, t, u;\nmul.rn.bf16x2 {out}, t, {scale};\n")
+
+
+_DECODE_ASM = tl.constexpr(
+    "{\n.reg .b32 a, b, t, u;\nprmt.b32 a, $4, 0, 0x1404;\nprmt.b32 b, $4, 0, 0x3424;\n"
+    + _top_nibble("a", "$2", "$5") + _top_nibble("b", "$3", "$6")
+    + "shl.b32 a, a, 4;\nshl.b32 b, b, 4;\n"
+    + _top_nibble("a", "$0", "$5") + _top_nibble("b", "$1", "$6") + "}")
 # Register map (pack=4): $4 holds bytes b0..b3; prmt spreads them to [0,b0,0,b1] and [0,b2,0,b3]
 # so each byte sits in the top of a 16-bit half: the high nibble's sign is already at bit 15 and
 # its magnitude moves from bits 14..12 to 8..6 with one shift. Shifting left by 4 brings the low
@@ -146,59 +129,11 @@ def decode_tile(p, s, BN: tl.constexpr, BKH: tl.constexpr, FAST: tl.constexpr, d
     return lo, hi
 
 
-_WORDS_ASM = tl.constexpr(r"""
-{
-.reg .b32 a, b, t, u;
-prmt.b32 a, $8, $9, 0x5410;
-prmt.b32 b, $8, $9, 0x7632;
-and.b32 t, a, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, a, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $3, t, $10;
-shl.b32 a, a, 4;
-and.b32 t, a, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, a, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $2, t, $10;
-shl.b32 a, a, 4;
-and.b32 t, a, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, a, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $1, t, $10;
-shl.b32 a, a, 4;
-and.b32 t, a, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, a, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $0, t, $10;
-and.b32 t, b, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, b, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $7, t, $10;
-shl.b32 b, b, 4;
-and.b32 t, b, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, b, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $6, t, $10;
-shl.b32 b, b, 4;
-and.b32 t, b, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, b, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $5, t, $10;
-shl.b32 b, b, 4;
-and.b32 t, b, 0x70007000;
-shr.b32 t, t, 6;
-and.b32 u, b, 0x80008000;
-or.b32 t, t, u;
-mul.rn.bf16x2 $4, t, $10;
-}
-""")
+_WORDS_ASM = tl.constexpr(
+    "{\n.reg .b32 a, b, t, u;\nprmt.b32 a, $8, $9, 0x5410;\nprmt.b32 b, $8, $9, 0x7632;\n"
+    + "shl.b32 a, a, 4;\n".join(_top_nibble("a", f"${i}", "$10") for i in (3, 2, 1, 0))
+    + "".join(_top_nibble("b", f"${i}", "$10") + ("shl.b32 b, b, 4;\n" if i > 4 else "") for i in (7, 6, 5, 4))
+    + "}")
 # Word decode (pack=2): $8/$9 are two 32-bit words (8 nibbles each: nibble i = K element 8w+i),
 # $10 the bf16x2 fast scales of the two words. prmt gathers the same 16-bit half of both words
 # into one register (a: nibbles 0-3, b: nibbles 4-7), so nibble i of word 0 and word 1 decode
