@@ -69,6 +69,16 @@ def _tile_counters(device: torch.device) -> torch.Tensor | None:
     return buf
 
 
+@triton.jit
+def _mma(acc, w, x, SWAP: tl.constexpr, IP: tl.constexpr):
+    """acc += the tile's product: [BN, BM] = W X^T when SWAP, else [BM, BN] = X W^T."""
+    if SWAP:
+        out = tl.dot(w, tl.trans(x), acc, input_precision=IP)
+    else:
+        out = tl.dot(x, tl.trans(w), acc, input_precision=IP)
+    return out
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_fwd_kernel(
     X, PW, S, G, B, Y, WS, CNT,
@@ -119,40 +129,21 @@ def _nvfp4_fwd_kernel(
         if PERM:
             # One dot per step over a K order matched to the MMA register fragment (perm_weights):
             # no re-interleave of decoded tiles, X permuted the same way (it is the small operand).
-            w = perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW)
-            xp = perm_x(x, BM, BKW)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(xp), acc, input_precision=IP)
-            else:
-                acc = tl.dot(xp, tl.trans(w), acc, input_precision=IP)
+            acc = _mma(acc, perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW), perm_x(x, BM, BKW), SWAP, IP)
         elif JOIN:
             # Re-interleave the 8 decoded tiles into natural K order: one dot per step with X
             # straight from the pipelined shared-memory buffer (no X split, one MMA wait per step).
-            w = join8(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=IP)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=IP)
+            acc = _mma(acc, join8(e0, e1, e2, e3, e4, e5, e6, e7, BN, BKW), x, SWAP, IP)
         else:
             x0, x1, x2, x3, x4, x5, x6, x7 = split8(x, BM, BKW)
-            if SWAP:
-                acc = tl.dot(e0, tl.trans(x0), acc, input_precision=IP)
-                acc = tl.dot(e1, tl.trans(x1), acc, input_precision=IP)
-                acc = tl.dot(e2, tl.trans(x2), acc, input_precision=IP)
-                acc = tl.dot(e3, tl.trans(x3), acc, input_precision=IP)
-                acc = tl.dot(e4, tl.trans(x4), acc, input_precision=IP)
-                acc = tl.dot(e5, tl.trans(x5), acc, input_precision=IP)
-                acc = tl.dot(e6, tl.trans(x6), acc, input_precision=IP)
-                acc = tl.dot(e7, tl.trans(x7), acc, input_precision=IP)
-            else:
-                acc = tl.dot(x0, tl.trans(e0), acc, input_precision=IP)
-                acc = tl.dot(x1, tl.trans(e1), acc, input_precision=IP)
-                acc = tl.dot(x2, tl.trans(e2), acc, input_precision=IP)
-                acc = tl.dot(x3, tl.trans(e3), acc, input_precision=IP)
-                acc = tl.dot(x4, tl.trans(e4), acc, input_precision=IP)
-                acc = tl.dot(x5, tl.trans(e5), acc, input_precision=IP)
-                acc = tl.dot(x6, tl.trans(e6), acc, input_precision=IP)
-                acc = tl.dot(x7, tl.trans(e7), acc, input_precision=IP)
+            acc = _mma(acc, e0, x0, SWAP, IP)
+            acc = _mma(acc, e1, x1, SWAP, IP)
+            acc = _mma(acc, e2, x2, SWAP, IP)
+            acc = _mma(acc, e3, x3, SWAP, IP)
+            acc = _mma(acc, e4, x4, SWAP, IP)
+            acc = _mma(acc, e5, x5, SWAP, IP)
+            acc = _mma(acc, e6, x6, SWAP, IP)
+            acc = _mma(acc, e7, x7, SWAP, IP)
 
     factor = EPI / tl.load(G)
     if SWAP:
