@@ -55,6 +55,16 @@ _DECODE_ASM = tl.constexpr(
 
 
 @triton.jit
+def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile column) in grouped order: GROUP_M row-blocks walk the same
+    weight column-blocks back to back, so each weight tile is reused from L2."""
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    gsz = min(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % gsz, (pid % width) // gsz
+
+
+@triton.jit
 def decode_e4m3(s):
     """uint8 e4m3 bits -> exact fp32 (sign, normals and subnormals; no fp8 conversion units)."""
     si = s.to(tl.int32)

@@ -22,7 +22,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels.decode import FAST_EPILOGUE, PORTABLE_EPILOGUE, decode_tile, fast_decode_supported
+from qerl_kernels.decode import (
+    FAST_EPILOGUE,
+    PORTABLE_EPILOGUE,
+    decode_tile,
+    fast_decode_supported,
+    grouped_tile,
+)
 from qerl_kernels.dequant import nvfp4_dequantize
 from qerl_kernels.tile_configs import BwdConfig, bwd_config
 
@@ -38,11 +44,7 @@ def _nvfp4_grad_input_kernel(
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BM)
     grid_k = tl.cdiv(KH, BKH)
-    width = GROUP_M * grid_k
-    first_m = (pid // width) * GROUP_M
-    gsz = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % gsz
-    pid_k = (pid % width) // gsz
+    pid_m, pid_k = grouped_tile(pid, grid_m, grid_k, GROUP_M)
 
     rm = pid_m * BM + tl.arange(0, BM)
     rm_ld = rm % M

@@ -38,6 +38,7 @@ from qerl_kernels.decode import (
     PORTABLE_EPILOGUE,
     decode_or_probe,
     fast_decode_supported,
+    grouped_tile,
     join8,
     load_word_tile,
     perm_weights,
@@ -94,12 +95,7 @@ def _nvfp4_fwd_kernel(
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BM)
     grid_n = tl.cdiv(N, BN)
-    # Grouped order: GROUP_M row-blocks walk the same W column-blocks back to back (L2 reuse).
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    gsz = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % gsz
-    pid_n = (pid % width) // gsz
+    pid_m, pid_n = grouped_tile(pid, grid_m, grid_n, GROUP_M)
 
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
