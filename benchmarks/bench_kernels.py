@@ -214,7 +214,7 @@ def main(argv=None) -> int:
                         cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))
             best = None
             for cfg in dict.fromkeys(cands):
-                if d.bl and not tc.blocked_safe(cfg):
+                if d.tw and not tc.layout_safe(cfg):
                     continue  # the wrapper would run it as DEQUANT anyway
                 try:
                     us, err = bench_fwd_point(d, m, cfg)

@@ -46,7 +46,7 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.tile_configs import DEQUANT, FwdConfig, blocked_safe, fwd_config
+from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, layout_safe
 
 _COUNTER_SLOTS = 1 << 16
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -204,8 +204,8 @@ def nvfp4_matmul(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or fwd_config(m, n, k)
-    if blocked and not blocked_safe(cfg):
-        cfg = DEQUANT  # a tile family Triton cannot compile on blocked codes (tile_configs.blocked_safe)
+    if twiddled and not layout_safe(cfg):
+        cfg = DEQUANT  # a tile family Triton cannot compile on these codes (tile_configs.layout_safe)
     if cfg.dequant:
         # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
         w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled, blocked=blocked)

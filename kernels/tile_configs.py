@@ -61,13 +61,14 @@ DEQUANT_MIN_M = 256
 BWD_DEQUANT_MIN_M = 512
 
 
-def blocked_safe(cfg: FwdConfig) -> bool:
-    """Whether a tile compiles on blocked codes (twiddle.block).
+def layout_safe(cfg: FwdConfig) -> bool:
+    """Whether a tile compiles on the load-time code layout (twiddle.py: twiddled, blocked or not).
 
-    Measured (Triton 3.6 on the H100 and 3.9 locally): tiles where W is the shared-memory operand
-    (no swap) and each warp covers >= 32 of its rows (BM 64 / BN 128 / 4 warps, BM 128 / BN 256 /
-    8 warps) crash Triton's ``OptimizeDotOperands`` pass; every other candidate compiles
-    (tests/test_kernels_compile.py). The GEMM falls back to decode-once + cuBLAS for those.
+    Measured: tiles where W is the shared-memory operand (no swap) and each warp covers >= 32 of its
+    rows (BM 64 / BN 128 / 4 warps, BM 128 / BN 256 / 8 warps) crash Triton's
+    ``OptimizeDotOperands`` pass on twiddled codes (3.6 on the H100 with blocked codes, 3.9 on a CPU
+    machine with both); every other candidate compiles (tests/test_kernels_compile.py). None is in
+    the measured table; the GEMM runs such a tile as decode-once + cuBLAS.
     """
     return cfg.dequant or cfg.swap or cfg.bn // cfg.warps < 32
 

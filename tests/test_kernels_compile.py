@@ -1,7 +1,7 @@
 """Every forward tile the table or the sweep can pick compiles for sm_90 on every code layout.
 
 No GPU needed: Triton compiles ahead of time for a ``GPUTarget`` (benchmarks/sass_kernels.py). A
-layout-specific compiler crash (one was found for blocked codes, see ``tile_configs.blocked_safe``)
+layout-specific compiler crash (one was found for twiddled codes, see ``tile_configs.layout_safe``)
 would otherwise only show on a GPU, at the first call with that shape.
 """
 
@@ -26,10 +26,10 @@ def test_every_tile_compiles_for_sm90(layout):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from qerl_kernels.tile_configs import blocked_safe
+    from qerl_kernels.tile_configs import layout_safe
     from sass_kernels import compile_fwd
 
     for c in _configs():
-        if layout == "blocked" and not blocked_safe(c):
+        if not layout_safe(c):
             continue
         compile_fwd(c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, True, c.perm, layout == "blocked")
