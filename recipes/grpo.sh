@@ -58,6 +58,7 @@ fi
 
 # 2. The RL loop. Step s samples with adapter s-1 and writes adapter s.
 adapter_flag=()
+read -r -a train_extra <<< "${TRAIN_EXTRA:-}"  # extra train-step flags from the config, word-split
 for ((s = 0; s < STEPS; s++)); do
   d=$(step_dir "$s")
   say "step $s / $STEPS: rollout"
@@ -72,7 +73,8 @@ for ((s = 0; s < STEPS; s++)); do
     --loss "$LOSS" --clip-eps "$CLIP_EPS" --clip-eps-high "$CLIP_EPS_HIGH" --beta "$BETA" --tis-cap "$TIS_CAP" \
     --lr "$LR" --warmup-steps "$WARMUP_STEPS" --total-steps "$STEPS" --max-grad-norm "$MAX_GRAD_NORM" \
     --lora-rank "$LORA_RANK" --lora-alpha "$LORA_ALPHA" --micro-batch-tokens "$MICRO_BATCH_TOKENS" \
-    --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE" --metrics-file "$RUN_DIR/metrics.jsonl" "${FORCE_FLAG[@]}"
+    --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE" --metrics-file "$RUN_DIR/metrics.jsonl" "${FORCE_FLAG[@]}" \
+    "${train_extra[@]}"
   adapter_flag=(--adapter "$d/adapter")
   if [ -n "${EVAL_DATASET:-}" ] && [ "$EVAL_EVERY" -gt 0 ] && (( (s + 1) % EVAL_EVERY == 0 )) && (( s + 1 < STEPS )); then
     say "step $s: eval"

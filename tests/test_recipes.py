@@ -95,6 +95,14 @@ def test_slurm_train_reads_every_shard_and_first_step_has_no_adapter(tmp_path):
     assert "--adapter" not in cmd
     assert f"--shards {run}/step-000000/shards-0 --shards {run}/step-000000/shards-1" in cmd
     assert f"--out {run}/step-000000/adapter" in cmd and "--loss dapo" in cmd
+    assert cmd.endswith("--offload-activations --embeddings-on-cpu")  # the 7B config's TRAIN_EXTRA
+
+
+def test_train_extra_is_word_split_and_optional(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _stage(tmp_path / "a", "train", 0, extra='TRAIN_EXTRA=""').endswith("metrics.jsonl")
+    assert _stage(tmp_path / "b", "train", 0, extra='TRAIN_EXTRA="--lora-dropout 0.05"').endswith("--lora-dropout 0.05")
 
 
 def test_slurm_bf16_baseline_uses_the_model_dir_and_skips_quantize(tmp_path):
