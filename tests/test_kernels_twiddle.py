@@ -117,3 +117,21 @@ def test_model_twiddle_blocks_where_every_reader_tiles():
     assert all(m.twiddled and m.blocked for m in mods)
     for m in mods:
         assert torch.equal(m.dense_weight(), dense[id(m)])
+
+
+def test_state_dict_returns_the_files_codes_after_twiddling():
+    from qerl_cli.layers.linear import twiddle_codes_
+    from qerl_cli.models.config import ModelConfig
+    from qerl_cli.models.loader import build_random_model
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=32, qkv_bias=True)
+    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    twiddle_codes_(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    q = model.model.layers[0].self_attn.q_proj
+    q = getattr(q, "base", q)
+    assert q.blocked and not torch.equal(q.weight_packed, before["model.layers.0.self_attn.q_proj.weight_packed"])

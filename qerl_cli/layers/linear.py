@@ -3,7 +3,8 @@
 Trade-off: one class for both bases keeps the decoder free of branches and lets the 16-bit LoRA
 baseline and QeRL share every line of model code; the cost is a type switch per call. NVFP4
 weights live as buffers under their compressed-tensors names (``weight_packed``, ``weight_scale``,
-``weight_global_scale``) so ``state_dict()`` matches the on-disk checkpoint; the matmul goes through
+``weight_global_scale``) so ``state_dict()`` matches the on-disk checkpoint (codes rewritten into the
+sm_90 kernels' layout at load are converted back when a state dict is taken); the matmul goes through
 ``qerl_kernels.ops.nvfp4_linear`` (Triton on CUDA, the torch reference on CPU), which never
 materialises a dequantized weight and is differentiable with respect to the input only.
 """
@@ -35,6 +36,8 @@ class QLinear(nn.Module):
         # ``blocked`` when it also stored the codes in 1 KB tiles (qerl_kernels.twiddle.block).
         self.twiddled = False
         self.blocked = False
+        if quantized:
+            self._register_state_dict_hook(_ondisk_codes_hook)
 
     def nvfp4_weight(self) -> NVFP4Weight:
         # Kernels may cache a repacked copy on the NVFP4Weight object, so keep one per set of buffers
@@ -62,6 +65,13 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+def _ondisk_codes_hook(module: QLinear, state: dict, prefix: str, local_metadata) -> None:
+    # A state dict is the checkpoint's view: never hand out the kernels' load-time code layout.
+    key = prefix + "weight_packed"
+    if module.twiddled and key in state:
+        state[key] = module.nvfp4_weight().ondisk_packed()
 
 
 def fuse_linears(parts: list[QLinear]) -> QLinear | None:
