@@ -307,28 +307,26 @@ def render(results, command: str) -> str:
         "| --- | " + " | ".join("---" for _ in ms) + " |",
     ]
     keys = list(dict.fromkeys((r["model"], r["layer"], r["N"], r["K"]) for r in fwd))
-    for key in keys:
-        cells = []
-        for m in ms:
-            r = next((r for r in fwd if (r["model"], r["layer"], r["N"], r["K"]) == key and r["M"] == m), None)
-            cells.append(f"{r['speedup']:.2f}x ({r['us']:.1f})" if r else "-")
-        out.append(f"| {key[0]} {key[1]} ({key[2]}x{key[3]}) | " + " | ".join(cells) + " |")
-    out += ["", "cuBLAS bf16 times (us):", "",
-            "| shape | " + " | ".join(f"M={m}" for m in ms) + " |", "| --- | " + " | ".join("---" for _ in ms) + " |"]
-    for key in keys:
-        cells = []
-        for m in ms:
-            r = next((r for r in fwd if (r["model"], r["layer"], r["N"], r["K"]) == key and r["M"] == m), None)
-            cells.append(f"{r['cublas_us']:.1f}" if r else "-")
-        out.append(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
+
+    def rows(cell, with_shape: bool) -> list[str]:
+        # One row per weight shape, one column per M; "-" where that point was not measured.
+        lines = []
+        for key in keys:
+            cells = []
+            for m in ms:
+                r = next((r for r in fwd if (r["model"], r["layer"], r["N"], r["K"]) == key and r["M"] == m), None)
+                cells.append(cell(r) if r else "-")
+            name = f"{key[0]} {key[1]} ({key[2]}x{key[3]})" if with_shape else f"{key[0]} {key[1]}"
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        return lines
+
+    header = ["| shape | " + " | ".join(f"M={m}" for m in ms) + " |", "| --- | " + " | ".join("---" for _ in ms) + " |"]
+    out += rows(lambda r: f"{r['speedup']:.2f}x ({r['us']:.1f})", True)
+    out += ["", "cuBLAS bf16 times (us):", "", *header]
+    out += rows(lambda r: f"{r['cublas_us']:.1f}", False)
     out += ["", "Achieved HBM bandwidth (TB/s, fewest bytes: NVFP4 weight + X + Y) and tensor rate (TFLOP/s) of the qerl kernel:", "",
-            "| shape | " + " | ".join(f"M={m}" for m in ms) + " |", "| --- | " + " | ".join("---" for _ in ms) + " |"]
-    for key in keys:
-        cells = []
-        for m in ms:
-            r = next((r for r in fwd if (r["model"], r["layer"], r["N"], r["K"]) == key and r["M"] == m), None)
-            cells.append(f"{r['TBps']:.2f} / {r['TFLOPs']:.0f}" if r else "-")
-        out.append(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
+            *header]
+    out += rows(lambda r: f"{r['TBps']:.2f} / {r['TFLOPs']:.0f}", False)
     if bwd:
         out += ["", "Backward grad-input dX = dY @ dequant(W) vs cuBLAS `dY @ W` (bf16):", "",
                 "| shape | M | qerl us | cuBLAS us | speedup | qerl TFLOP/s |", "| --- | --- | --- | --- | --- | --- |"]

@@ -238,10 +238,10 @@ def _twiddled_slots(r):
 
 
 @triton.jit
-def _twiddled_tile(ra, rb, sc, dtype: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+def _twiddled_tile(reg, sc, dtype: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
     # Element i of both words: low half -> word 0, high half -> word 1; re-joined along K words.
-    lo = (_e2m1_fp32(_twiddled_code(ra)) * sc).to(dtype)
-    hi = (_e2m1_fp32(_twiddled_code(rb >> 16)) * sc).to(dtype)
+    lo = (_e2m1_fp32(_twiddled_code(reg)) * sc).to(dtype)
+    hi = (_e2m1_fp32(_twiddled_code(reg >> 16)) * sc).to(dtype)
     return tl.reshape(tl.join(lo, hi), (BN, BKW))
 
 
@@ -255,10 +255,10 @@ def decode_words_twiddled_portable(pw, sc, dtype: tl.constexpr, BN: tl.constexpr
     a, b = tl.split(tl.reshape(pw, (BN, BKW // 2, 2)))
     a0, a1, a2, a3 = _twiddled_slots(a)
     b0, b1, b2, b3 = _twiddled_slots(b)
-    return (_twiddled_tile(a0, a0, sc, dtype, BN, BKW), _twiddled_tile(a1, a1, sc, dtype, BN, BKW),
-            _twiddled_tile(a2, a2, sc, dtype, BN, BKW), _twiddled_tile(a3, a3, sc, dtype, BN, BKW),
-            _twiddled_tile(b0, b0, sc, dtype, BN, BKW), _twiddled_tile(b1, b1, sc, dtype, BN, BKW),
-            _twiddled_tile(b2, b2, sc, dtype, BN, BKW), _twiddled_tile(b3, b3, sc, dtype, BN, BKW))
+    return (_twiddled_tile(a0, sc, dtype, BN, BKW), _twiddled_tile(a1, sc, dtype, BN, BKW),
+            _twiddled_tile(a2, sc, dtype, BN, BKW), _twiddled_tile(a3, sc, dtype, BN, BKW),
+            _twiddled_tile(b0, sc, dtype, BN, BKW), _twiddled_tile(b1, sc, dtype, BN, BKW),
+            _twiddled_tile(b2, sc, dtype, BN, BKW), _twiddled_tile(b3, sc, dtype, BN, BKW))
 
 
 @triton.jit

@@ -101,15 +101,20 @@ def test_blocked_weight_reads_back_on_the_reference_path():
     assert torch.equal(nvfp4_linear(x, w), nvfp4_linear(x, NVFP4Weight(packed, scale, gs)))
 
 
-def test_model_twiddle_blocks_where_every_reader_tiles():
-    from qerl_cli.layers.attention import fuse_projections
-    from qerl_cli.layers.linear import _all_qlinears, twiddle_codes_
+def _blockable_model():
+    """A tiny NVFP4 model whose every Linear tiles into 16-row x 128-element blocks."""
     from qerl_cli.models.config import ModelConfig
     from qerl_cli.models.loader import build_random_model
 
     cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=32, qkv_bias=True)
-    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+    return build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+
+
+def test_model_twiddle_blocks_where_every_reader_tiles():
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.linear import _all_qlinears, twiddle_codes_
+    model = _blockable_model()
     fuse_projections(model)
     mods = [m for m in _all_qlinears(model) if m.quantized]
     dense = {id(m): m.dense_weight() for m in mods}
@@ -121,12 +126,7 @@ def test_model_twiddle_blocks_where_every_reader_tiles():
 
 def test_state_dict_returns_the_files_codes_after_twiddling():
     from qerl_cli.layers.linear import twiddle_codes_
-    from qerl_cli.models.config import ModelConfig
-    from qerl_cli.models.loader import build_random_model
-
-    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
-                      num_kv_heads=2, head_dim=32, qkv_bias=True)
-    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
+    model = _blockable_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     twiddle_codes_(model)
     after = model.state_dict()
