@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -171,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table-out", default=None, help="with --sweep: write the winners as tile_table.py")
     ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip the doc")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
+    ap.add_argument("--cand-filter", default=None,
+                    help="with --sweep: time only the candidates whose repr matches this regex (plus the current table entry)")
     ap.add_argument("--layout", choices=["twiddled", "ondisk"], default="twiddled",
                     help="code layout the kernels read: twiddled (+ 1 KB blocks where the shape tiles; what qerl loads on sm_90) or the on-disk one")
     args = ap.parse_args(argv)
@@ -209,6 +212,8 @@ def main(argv=None) -> int:
             cands = [tc.fwd_config(m, n, k, num_sms)]
             if args.sweep:
                 for c in tc.fwd_candidates(m):
+                    if args.cand_filter and not re.search(args.cand_filter, repr(c)):
+                        continue
                     s = tc.choose_split(m, n, k, c, num_sms)
                     for split in sorted({1, s, max(1, s // 2), s * 2} if s > 1 else {1}):
                         cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))

@@ -34,7 +34,7 @@ def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3,
     sig = {"X": "*bf16", "PW": "*i32", "S": "*u8", "G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32",
            "CNT": "*i32", "M": "i32", "N": "i32", "KW": "i32", "k_per_split": "i32", "stride_xm": "i32",
            "stride_pw": "i32", "stride_sn": "i32", "stride_ym": "i32"}
-    consts = dict(BM=bm, BN=bn, BKW=bkw, GROUP_M=8, SWAP=swap, SPLIT=False, HAS_BIAS=False, FAST=True,
+    consts = dict(BM=bm, BN=bn, BKW=bkw, GROUP_M=8, SWAP=swap, SPLIT=1, HAS_BIAS=False, FAST=True,
                   EPI=256.0, IEEE=False, JOIN=join, TWIDDLED=twiddled, PERM=perm, PROBE_NODECODE=False,
                   BLOCKED=blocked, EVEN_K=True)
     if twiddled:

@@ -147,17 +147,19 @@ def _nvfp4_fwd_kernel(
     else:
         out = acc * factor
     omask = (rm < M)[:, None] & (rn < N)[None, :]
-    if SPLIT:
+    if SPLIT > 1:
         ws_tile = WS + rm[:, None] * N + rn[None, :]
         tl.store(ws_tile + pid_k * M * N, out, mask=omask)
         # All threads' partial stores must precede the release of the counter bump.
         tl.debug_barrier()
         tile = pid_m * grid_n + pid_n
-        nsplit = tl.num_programs(1)
         arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == nsplit - 1:
+        if arrived == SPLIT - 1:
             total = tl.zeros((BM, BN), dtype=tl.float32)
-            for sk in range(0, nsplit):
+            # Unrolled (SPLIT is a constexpr), so all partials' loads are in flight at once: a
+            # runtime loop waited one L2 round trip per split, most of a small GEMM's time.
+            # Summed in split order whichever program arrives last: deterministic.
+            for sk in tl.static_range(SPLIT):
                 # .cg: read from L2, never a stale L1 line of another SM's partial.
                 total += tl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
@@ -231,14 +233,14 @@ def nvfp4_matmul(
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     else:
-        ws, cnt = y, y  # unused (SPLIT is a constexpr False)
+        ws, cnt = y, y  # unused (SPLIT == 1)
     _nvfp4_fwd_kernel[(grid_mn, split)](
         x, words, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kw, k_per_split,
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
-        SWAP=cfg.swap, SPLIT=split > 1, HAS_BIAS=bias is not None, FAST=fast,
+        SWAP=cfg.swap, SPLIT=split, HAS_BIAS=bias is not None, FAST=fast,
         EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=blocked,
         EVEN_K=kw % cfg.bkw == 0,
         num_warps=cfg.warps, num_stages=cfg.stages,

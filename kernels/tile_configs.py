@@ -154,6 +154,10 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 256, 16, warps=8, stages=3, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, join=True),
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, join=True),
+            # Deeper pipelines: more code bytes in flight per SM (the analysis's open suspect).
+            FwdConfig(16, 128, 16, warps=4, stages=5, swap=True, perm=True),
+            FwdConfig(16, 128, 8, warps=4, stages=6, swap=True, perm=True),
+            FwdConfig(16, 256, 8, warps=8, stages=5, swap=True, perm=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
@@ -166,6 +170,11 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, join=True),
             FwdConfig(bm, 64, 32, warps=4, stages=3, swap=True, join=True),
             FwdConfig(bm, 64, 16, warps=4, stages=4, join=True),
+            # swap + join keeps one wgmma in flight (pendings = 1) with W from registers; two
+            # warpgroups per program alternate decode and MMA.
+            FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True),
+            FwdConfig(bm, 256, 16, warps=8, stages=3, swap=True, join=True),
+            FwdConfig(bm, 128, 8, warps=4, stages=4, swap=True, join=True),
         ]
     if m <= 256:
         return [
@@ -175,12 +184,20 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
             FwdConfig(64, 128, 16, warps=4, stages=4, join=True),
             FwdConfig(128, 64, 16, warps=4, stages=4, swap=True, join=True),
+            FwdConfig(128, 128, 8, warps=8, stages=4, swap=True, join=True),
+            FwdConfig(128, 128, 16, warps=8, stages=3, swap=True, join=True),
+            FwdConfig(128, 256, 8, warps=8, stages=3, swap=True, join=True),
             DEQUANT,
-        ]
+        ] + ([
+            FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),
+            FwdConfig(256, 64, 8, warps=4, stages=3, swap=True, join=True),
+        ] if m > 128 else [])
     return [
         DEQUANT,
         FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
+        FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),
+        FwdConfig(128, 256, 8, warps=8, stages=3, swap=True, join=True),
     ]
 
 
