@@ -1,6 +1,6 @@
 """Compile the forward NVFP4 GEMM for sm_90 without a GPU and count its SASS: no device time needed.
 
-Usage: ``python benchmarks/sass_kernels.py [BM BN BKW SWAP JOIN WARPS STAGES TWIDDLED PERM BLOCKED]`` (default: the M<=16
+Usage: ``python benchmarks/sass_kernels.py [BM BN BKW SWAP JOIN WARPS STAGES TWIDDLED PERM BLOCKED STAGGER]`` (default: the M<=16
 config that wins most small-M shapes). Prints registers per thread, the wgmma wait depths
 Triton chose, and the opcode histogram of the whole kernel, plus SASS instructions per decoded
 weight in the K loop (loop instructions / (BN * 8 * BKW / threads)).
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3, twiddled=False, perm=False,
-                blocked=False):
+                blocked=False, stagger=False):
     import triton
     from qerl_kernels.gemm_fwd import _nvfp4_fwd_kernel
     from triton.backends.compiler import GPUTarget
@@ -36,7 +36,7 @@ def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3,
            "stride_pw": "i32", "stride_sn": "i32", "stride_ym": "i32"}
     consts = dict(BM=bm, BN=bn, BKW=bkw, GROUP_M=8, SWAP=swap, SPLIT=1, HAS_BIAS=False, FAST=True,
                   EPI=256.0, IEEE=False, JOIN=join, TWIDDLED=twiddled, PERM=perm, PROBE_NODECODE=False,
-                  BLOCKED=blocked, EVEN_K=True)
+                  BLOCKED=blocked, EVEN_K=True, STAGGER=stagger)
     if twiddled:
         sig["PW"] = "*i64"  # the wrapper passes whole scale groups (decode.load_word_tile)
     sig.update({k: "constexpr" for k in consts})
@@ -50,10 +50,10 @@ def main(argv=None) -> int:
     import triton
 
     argv = sys.argv[1:] if argv is None else argv
-    names = ("bm", "bn", "bkw", "swap", "join", "warps", "stages", "twiddled", "perm", "blocked")
-    flags = ("swap", "join", "twiddled", "perm", "blocked")
+    names = ("bm", "bn", "bkw", "swap", "join", "warps", "stages", "twiddled", "perm", "blocked", "stagger")
+    flags = ("swap", "join", "twiddled", "perm", "blocked", "stagger")
     kw = {n: (v.lower() in ("1", "true") if n in flags else int(v)) for n, v in zip(names, argv)}
-    cfg = {**dict(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3, twiddled=False, perm=False, blocked=False), **kw}
+    cfg = {**dict(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3, twiddled=False, perm=False, blocked=False, stagger=False), **kw}
     k = compile_fwd(**cfg)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:

@@ -92,6 +92,9 @@ INTERP_CASES = [
     ("tw_perm_m3_swap_split2", "fwd", 3, 40, 272, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, perm=True, twiddled=True), True),
     ("tw_perm_m100_nt", "fwd", 100, 72, 144, "float32", dict(bm=32, bn=16, bkw=16, perm=True, twiddled=True), False),
     ("perm_m17_swap_ondisk", "fwd", 17, 24, 528, "float16", dict(bm=16, bn=16, bkw=32, swap=True, perm=True), False),
+    # STAGGER: each program starts its K walk at step pid % steps (5 steps of K here, 3 + 2 per split).
+    ("stagger_m1_swap_split2", "fwd", 1, 40, 528, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, stagger=True), True),
+    ("tw_stagger_m17_perm", "fwd", 17, 40, 528, "float32", dict(bm=16, bn=16, bkw=16, swap=True, perm=True, twiddled=True, stagger=True), False),
     # Blocked (1 KB tiles of 16 rows x 128 elements): N % 16 == 0, K % 128 == 0.
     ("bl_fwd_m3_perm_split2", "fwd", 3, 48, 384, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, perm=True, twiddled=True, blocked=True), True),
     ("bl_fwd_m17_nt", "fwd", 17, 32, 256, "float32", dict(bm=16, bn=32, bkw=32, twiddled=True, blocked=True), False),

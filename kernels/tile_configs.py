@@ -35,6 +35,7 @@ class FwdConfig:
     dequant: bool = False  # decode W to a transient bf16 buffer and let cuBLAS do the GEMM
     join: bool = False  # re-interleave decoded tiles into K order: one dot per step, async wgmma
     perm: bool = False  # one dot per step in the MMA fragment's K order (X permuted to match, no shuffle)
+    stagger: bool = False  # programs start their K walk at different steps (spreads X reads over L2)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -158,6 +159,11 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 128, 16, warps=4, stages=5, swap=True, perm=True),
             FwdConfig(16, 128, 8, warps=4, stages=6, swap=True, perm=True),
             FwdConfig(16, 256, 8, warps=8, stages=5, swap=True, perm=True),
+            # Staggered K walks: concurrent programs read different X columns (the same few L2
+            # lines per step otherwise).
+            FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True),
+            FwdConfig(16, 256, 16, warps=8, stages=3, swap=True, perm=True, stagger=True),
+            FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
@@ -175,6 +181,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True),
             FwdConfig(bm, 256, 16, warps=8, stages=3, swap=True, join=True),
             FwdConfig(bm, 128, 8, warps=4, stages=4, swap=True, join=True),
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
+            FwdConfig(bm, 64, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
+            FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True, stagger=True),
         ]
     if m <= 256:
         return [
