@@ -18,9 +18,8 @@ spent ~15 PTX ops per weight on it and ran at 0.92-1.53x of cuBLAS at M <= 16).
 - Above a measured M (``FwdConfig.dequant``) the fused kernel loses to cuBLAS's bf16 GEMM, so the
   weight is decoded once into a transient bf16 buffer (``dequant.py``, memory-bound, ~2.6 B per
   weight) and cuBLAS does the GEMM, at the cost of a transient bf16 copy of one weight.
-Measured on an H100 (docs/benchmarks.md, 2026-11-22): 1.6x of cuBLAS bf16 at M <= 16 (target 3x;
-the analysis there shows the K loop is latency- and instruction-bound, not HBM-bound), 0.91x at
-M = 4096.
+Measured on an H100 (docs/benchmarks.md, 2026-11-22): ~2.0x of cuBLAS bf16 at M <= 16 (target 3x;
+a bare streaming read of the same bytes reaches 3.4x there), 1.04x at M = 64, 0.93x at M = 4096.
 
 Split-K without extra launches: every split writes its fp32 partial to a workspace, then bumps a
 per-tile counter (acq_rel atomic); the program that arrives last sums the partials in split order

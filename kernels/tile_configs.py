@@ -10,8 +10,10 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
 - M <= 32: weight-read-bound. ``swap`` computes Y^T = W X^T so the decoded weight tile is the
   wgmma's 64-row operand (from registers) and the few activation rows are its N (16..32).
   Split-K fills the 132 SMs when N / BLOCK_N tiles alone are too few.
-- M = 64..256: ``join`` tiles (one async wgmma per K step) win, BLOCK_M 64/128.
-- M >= 256 (fwd) / 512 (grad-input): decode once to bf16 and call cuBLAS (``dequant``).
+- M = 64..256: ``swap`` + ``join`` tiles with two warpgroups (BN 128, 8 warps; Triton keeps one
+  wgmma in flight for them) win most shapes, BLOCK_M 64/128; plain ``join`` tiles some.
+- M >= 1024 (fwd; 128-256 on the small 7B matrices) / 512 (grad-input): decode once to bf16 and
+  call cuBLAS (``dequant``).
 """
 
 from __future__ import annotations
@@ -112,9 +114,9 @@ def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> Fwd
     elif m <= 32:
         cfg = FwdConfig(bm=32, bn=128, bkw=16, warps=4, stages=4, swap=True)
     elif m <= 64:
-        cfg = FwdConfig(bm=64, bn=64, bkw=16, warps=4, stages=4, join=True)
+        cfg = FwdConfig(bm=64, bn=128, bkw=16, warps=8, stages=3, swap=True, join=True)
     else:
-        cfg = FwdConfig(bm=128, bn=128, bkw=16, warps=8, stages=3, join=True)
+        cfg = FwdConfig(bm=128, bn=128, bkw=16, warps=8, stages=3, swap=True, join=True)
     split = choose_split(m, n, k, cfg, num_sms)
     return FwdConfig(**{**cfg.as_dict(), "split_k": split})
 
