@@ -142,7 +142,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
 
     Pruned to the families that won at least one point of the first 2026-11-22 H100 sweep (mma.sync
     variants, num_warps < 4 or wgmma disabled, and 1-2 warp programs never did and were removed),
-    plus the ``perm`` tiles (one dot per step in the fragment's K order) added after it.
+    plus the ``perm`` tiles (one dot per step in the fragment's K order) added after it. Candidates added
+    in later sweeps that hold no entry in the final table were dropped too (5-6 stage small-M tiles, swap-AB tiles at
+    M = 1024, staggered tiles above M = 16; docs/benchmarks.md, fourth pass).
     """
     if m <= 16:
         return [
@@ -157,14 +159,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 256, 16, warps=8, stages=3, swap=True),
             FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, join=True),
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, join=True),
-            # Deeper pipelines: more code bytes in flight per SM (the analysis's open suspect).
-            FwdConfig(16, 128, 16, warps=4, stages=5, swap=True, perm=True),
-            FwdConfig(16, 128, 8, warps=4, stages=6, swap=True, perm=True),
-            FwdConfig(16, 256, 8, warps=8, stages=5, swap=True, perm=True),
             # Staggered K walks: concurrent programs read different X columns (the same few L2
             # lines per step otherwise).
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True),
-            FwdConfig(16, 256, 16, warps=8, stages=3, swap=True, perm=True, stagger=True),
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
         ]
     if m <= 64:
@@ -181,11 +178,6 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             # swap + join keeps one wgmma in flight (pendings = 1) with W from registers; two
             # warpgroups per program alternate decode and MMA.
             FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True),
-            FwdConfig(bm, 256, 16, warps=8, stages=3, swap=True, join=True),
-            FwdConfig(bm, 128, 8, warps=4, stages=4, swap=True, join=True),
-            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
-            FwdConfig(bm, 64, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
-            FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True, stagger=True),
         ]
     if m <= 256:
         return [
@@ -207,8 +199,6 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         DEQUANT,
         FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
-        FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),
-        FwdConfig(128, 256, 8, warps=8, stages=3, swap=True, join=True),
     ]
 
 
