@@ -113,3 +113,20 @@ def test_fused_norm_keeps_gradients_of_trained_norm_weights():
     x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)  # an input that needs no grad (layer 0)
     norm(x).float().sum().backward()
     assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_silu_mul_matches_torch_on_halves_of_one_tensor(dtype):
+    from qerl_cli.layers import fused
+    from qerl_cli.layers.activation import silu_mul
+
+    gu = torch.randn(3, 5, 2 * 1000, device="cuda", dtype=dtype) * 4
+    gu[0, 0, :8] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-3, -1e-3, 20.0, -20.0])
+    g, u = gu.chunk(2, dim=-1)  # strided halves, as the fused gate/up GEMM hands them over
+    want = torch.nn.functional.silu(g) * u
+    got = fused.silu_mul(g, u)
+    assert got.shape == want.shape and got.is_contiguous()
+    # Rounded where torch rounds; exp may differ by an ulp in fp32, so allow one unit in the last place.
+    assert torch.allclose(got.float(), want.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-30)
+    with torch.no_grad():
+        assert torch.equal(silu_mul(g, u), got)  # the model's entry point takes the fused kernel

@@ -109,3 +109,76 @@ def test_twiddled_default_configs_dequant_grad_input_and_autograd(dtype):
     assert run_case("deq", 0, 1024, 768, dtype, {"twiddled": True, "blocked": True}, False, device="cuda") < 4e-3
     res = grad_check(37, 256, 256, dtype, device="cuda", twiddled=True, blocked=True)
     assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_prefetch_and_pdl_change_no_bits(m, monkeypatch):
+    # The L2 prefetch (blocked layout) reads ahead only; PDL only moves the launch. Same bits with
+    # both off, with every split factor and a budget that covers part, all or more than a split.
+    from dataclasses import replace
+
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.testing import random_nvfp4
+    from qerl_kernels.tile_configs import fwd_config
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    n, k = 1152, 2304
+    p, s, g = random_nvfp4(n, k, seed=m, device="cuda")
+    tp = to_kernel_layout(p, True)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    base = fwd_config(m, n, k)
+    for split in (1, 3, 7):
+        cfg = replace(base, split_k=split, prefetch_kb=0)
+        monkeypatch.setenv("QERL_PDL", "0")
+        want = nvfp4_matmul(x, tp, s, g, config=cfg, twiddled=True, blocked=True)
+        monkeypatch.setenv("QERL_PDL", "1")
+        for kb in (0, 4, 16, 4096):
+            got = nvfp4_matmul(x, tp, s, g, config=replace(cfg, prefetch_kb=kb), twiddled=True, blocked=True)
+            assert torch.equal(want, got), (split, kb)
+
+
+def test_pdl_chain_in_cuda_graph_matches_eager(monkeypatch):
+    # Dependent launches in one captured graph: each GEMM reads the previous kernel's output and the
+    # graph's pool reuses buffers, so a kernel that read X or wrote Y before its gdc_wait would give
+    # wrong or flaky results here. Norm -> GEMM -> SwiGLU -> GEMM -> norm ..., replayed many times.
+    from dataclasses import replace
+
+    from qerl_cli.layers import fused
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.testing import random_nvfp4
+    from qerl_kernels.tile_configs import fwd_config
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    h, inter, m = 1024, 2816, 16
+    pu, su, gu = random_nvfp4(2 * inter, h, seed=1, device="cuda", special=False, global_scale=2000.0)
+    pd, sd, gd = random_nvfp4(h, inter, seed=2, device="cuda", special=False, global_scale=2000.0)
+    pu, pd = to_kernel_layout(pu, True), to_kernel_layout(pd, True)
+    w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    cu = replace(fwd_config(m, 2 * inter, h), prefetch_kb=64)
+    cd = replace(fwd_config(m, h, inter), prefetch_kb=64)
+
+    def chain(x):
+        for _ in range(6):
+            hn = fused.rmsnorm(x, w, None, 1e-6)
+            gu_ = nvfp4_matmul(hn, pu, su, gu, config=cu, twiddled=True, blocked=True)
+            a = fused.silu_mul(gu_[:, :inter], gu_[:, inter:])
+            x = nvfp4_matmul(a, pd, sd, gd, config=cd, twiddled=True, blocked=True) + x
+        return x
+
+    x0 = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("QERL_PDL", "0")
+    want = chain(x0)
+    monkeypatch.setenv("QERL_PDL", "1")
+    static = x0.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static)
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qerl_cli.layers import fused
+
 
 class _SiluMul(torch.autograd.Function):
     @staticmethod
@@ -34,7 +36,9 @@ class _SiluMul(torch.autograd.Function):
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``F.silu(g) * u``; under autograd it saves only g and u."""
+    """``F.silu(g) * u``; under autograd it saves only g and u; outside it on CUDA, one fused kernel."""
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
         return _SiluMul.apply(g, u)
+    if fused.enabled(g, u) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1:
+        return fused.silu_mul(g, u)
     return F.silu(g) * u

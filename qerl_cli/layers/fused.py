@@ -1,10 +1,13 @@
-"""Fused inference kernels (Triton): residual-add + RMSNorm (+ AQN noise), and rotary embedding in place.
+"""Fused inference kernels (Triton): residual-add + RMSNorm (+ AQN noise), rotary embedding in place, SwiGLU.
 
 A 7B decode step in plain torch is ~45 small elementwise kernels per layer (casts, pow, mean, rsqrt,
 cat, neg ...), ~1,300 per step at ~2 us each: more time than the NVFP4 weight reads they sit between.
-These two kernels cut that to 3 per layer. They compute in fp32 and round once, so they agree with the
-torch path (used for training, where autograd is needed) to within one bf16 rounding. Used only for
-CUDA tensors outside autograd (rollout, scoring); ``QERL_FUSED=0`` turns them off.
+These kernels cut that to 4 per layer. Norm and rotary compute in fp32 and round once, so they agree
+with the torch path (used for training, where autograd is needed) to within one bf16 rounding; SwiGLU
+rounds where torch does (``silu(g)``, then the product). Used only for CUDA tensors outside autograd
+(rollout, scoring); ``QERL_FUSED=0`` turns them off. On sm_90 they take part in programmatic dependent
+launch (``qerl_kernels.pdl``): each lets the next kernel launch at its start and waits for the previous
+one before touching memory, so the NVFP4 GEMM after a norm can prefetch its weights while the norm runs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from qerl_kernels import pdl
+    from qerl_kernels.pdl import pdl_begin, pdl_wait
 except ImportError:  # triton is Linux-only; the torch paths cover everything without it
     triton = None
 
@@ -36,7 +41,9 @@ def _jit(fn):
 
 @_jit
 def _rmsnorm_kernel(X, R, W, Z, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -69,7 +76,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         x2, r2, weight, noise if noise is not None else weight, y, ro,
         x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n, eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        num_warps=4 if n <= 4096 else 8,
+        num_warps=4 if n <= 4096 else 8, **pdl_args(x),
     )
     y = y.view(x.shape)
     return y if residual is None else (y, ro.view(x.shape))
@@ -77,7 +84,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
 
 @_jit
 def _rope_kernel(Q, K, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, HQ, HK,
-                 HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr):
+                 HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(P + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -118,5 +127,38 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
     q2, k2 = q.view(-1, hq, d), k.view(-1, hk, d)
     p = positions.reshape(-1)
     _rope_kernel[(q2.shape[0],)](q2, k2, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), hq, hk,
-                                 HALF=d // 2, HQP=triton.next_power_of_2(hq), HKP=triton.next_power_of_2(hk), num_warps=4)
+                                 HALF=d // 2, HQP=triton.next_power_of_2(hq), HKP=triton.next_power_of_2(hk), num_warps=4,
+                                 **pdl_args(q))
     return q, k
+
+
+@_jit
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # rounded like torch's silu output
+    tl.store(Y + row * stride_y + cols, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` in one kernel (torch runs two); g and u may be the halves of one gate/up output."""
+    n = g.shape[-1]
+    if u.shape != g.shape or g.stride(-1) != 1 or u.stride(-1) != 1:
+        raise ValueError(f"silu_mul wants matching row-major g and u, got {tuple(g.shape)} and {tuple(u.shape)}")
+    g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
+    y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
+    block = 1024
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
+                                                           BLOCK=block, num_warps=4, **pdl_args(g))
+    return y.view(g.shape)
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """Launch options of a fused kernel: PDL on sm_90 (see the module docstring)."""
+    on = pdl.enabled(x.device)
+    return dict(PDL=on, launch_pdl=on)
