@@ -29,6 +29,8 @@ matters at decode sizes, where a GEMM takes a few microseconds.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -294,7 +296,8 @@ def nvfp4_matmul(
 def prefetch_words(cfg: FwdConfig, k_per_split: int, words: torch.Tensor, scale: torch.Tensor) -> int:
     """Code words of its K range that each program bulk-prefetches into L2 at its start (multiple of
     16; 0 = none): the config's per-program budget of code bytes, on 16-byte aligned tensors."""
-    if cfg.prefetch_kb <= 0 or words.data_ptr() % 16 or scale.data_ptr() % 16:
+    kb = int(os.environ.get("QERL_PREFETCH_KB", cfg.prefetch_kb))  # tuning override (benchmarks)
+    if kb <= 0 or words.data_ptr() % 16 or scale.data_ptr() % 16:
         return 0
-    budget = cfg.prefetch_kb * 1024 // (cfg.bn * 4)
+    budget = kb * 1024 // (cfg.bn * 4)
     return (min(budget, k_per_split) // 16) * 16

@@ -97,6 +97,19 @@ FUSED = textwrap.dedent("""
     rq, rk = rot(pos, q.clone(), k.clone())
     fq, fk = fused.rope_(q.clone(), k.clone(), pos, rot.cos_sin)
     assert torch.allclose(fq, rq, atol=1e-5) and torch.allclose(fk, rk, atol=1e-5)
+    # Rotation + paged-cache write in one kernel == rotation + the fallback's index_copy_.
+    v = torch.randn(2, 3, 2, 32)
+    kc, vc = torch.zeros(4, 4, 2, 32), torch.zeros(4, 4, 2, 32)
+    slots = torch.tensor([5, 0, 15, 7, 9, 3])
+    fq2, fk2 = fused.rope_(q.clone(), k.clone(), pos, rot.cos_sin, cache=(v, kc, vc, slots))
+    assert torch.allclose(fq2, rq, atol=1e-5) and torch.allclose(fk2, rk, atol=1e-5)
+    kc_ref, vc_ref = torch.zeros(4, 4, 2, 32), torch.zeros(4, 4, 2, 32)
+    rot.rotate_and_cache(pos, q.clone(), k.clone(), v, kc_ref, vc_ref, slots)  # CPU: the torch path
+    assert torch.allclose(kc, kc_ref, atol=1e-5) and torch.equal(vc, vc_ref)
+    assert kc.view(-1, 2, 32)[[1, 2, 4]].abs().sum() == 0  # rows not in slots stay untouched
+    # SwiGLU on the strided halves of one tensor.
+    g, u = torch.randn(4, 2 * 40).chunk(2, -1)
+    assert torch.allclose(fused.silu_mul(g, u), torch.nn.functional.silu(g) * u, atol=1e-6)
     print("ok")
 """)
 

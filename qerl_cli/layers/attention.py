@@ -60,12 +60,11 @@ class Attention(nn.Module):
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
         ctx = get_context()
         if ctx is not None and self.k_cache is not None:
-            nt = b * s
-            self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, k.reshape(nt, self.num_kv_heads, self.head_dim))
-            self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, v.reshape(nt, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary[0].rotate_and_cache(positions, q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        else:
+            q, k = self.rotary[0](positions, q, k)
         if ctx is None or ctx.is_prefill:
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,

@@ -83,8 +83,33 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
 
 
 @_jit
-def _rope_kernel(Q, K, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, HQ, HK,
-                 HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr, PDL: tl.constexpr):
+def _rope_rows(X, OUT, t, slot, stride_t, stride_h, stride_cs, stride_ch, H, cos, sin, HALF: tl.constexpr,
+               HP: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr, CACHE: tl.constexpr):
+    """Token t's H heads of X: rotated (ROTATE) in place (IN_PLACE) and/or written to cache row ``slot``."""
+    d = tl.arange(0, HALF)
+    h = tl.arange(0, HP)[:, None]
+    m = h < H
+    base = X + t * stride_t + h * stride_h + d[None, :]
+    x1 = tl.load(base, mask=m, other=0.0)
+    x2 = tl.load(base + HALF, mask=m, other=0.0)
+    if ROTATE:
+        y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
+        y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
+    else:
+        y1, y2 = x1, x2
+    if IN_PLACE:
+        tl.store(base, y1, mask=m)
+        tl.store(base + HALF, y2, mask=m)
+    if CACHE:
+        c = OUT + slot * stride_cs + h * stride_ch + d[None, :]
+        tl.store(c, y1.to(OUT.dtype.element_ty), mask=m)
+        tl.store(c + HALF, y2.to(OUT.dtype.element_ty), mask=m)
+
+
+@_jit
+def _rope_kernel(Q, K, V, KC, VC, SLOT, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_cs, stride_ch, HQ, HK, HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr,
+                 CACHE: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -92,20 +117,13 @@ def _rope_kernel(Q, K, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, HQ, HK
     d = tl.arange(0, HALF)
     cos = tl.load(CS + pos * 2 * HALF + d)[None, :]
     sin = tl.load(CS + pos * 2 * HALF + HALF + d)[None, :]
-    h = tl.arange(0, HQP)[:, None]
-    m = h < HQ
-    base = Q + t * stride_qt + h * stride_qh + d[None, :]
-    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=m)
-    tl.store(base + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=m)
-    h = tl.arange(0, HKP)[:, None]
-    m = h < HK
-    base = K + t * stride_kt + h * stride_kh + d[None, :]
-    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(base, (x1 * cos - x2 * sin).to(K.dtype.element_ty), mask=m)
-    tl.store(base + HALF, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=m)
+    slot = t * 0
+    if CACHE:
+        slot = tl.load(SLOT + t).to(tl.int64)
+    _rope_rows(Q, Q, t, 0, stride_qt, stride_qh, 0, 0, HQ, cos, sin, HALF, HQP, True, True, False)
+    _rope_rows(K, KC, t, slot, stride_kt, stride_kh, stride_cs, stride_ch, HK, cos, sin, HALF, HKP, True, True, CACHE)
+    if CACHE:
+        _rope_rows(V, VC, t, slot, stride_vt, stride_vh, stride_cs, stride_ch, HK, cos, sin, HALF, HKP, False, False, True)
 
 
 def rope_ok(x: torch.Tensor) -> bool:
@@ -118,17 +136,33 @@ def rope_ok(x: torch.Tensor) -> bool:
         return False
 
 
-def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
-    """Rotate q [..., Hq, D] and k [..., Hk, D] in place (rotate-half convention); returns (q, k)."""
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache=None):
+    """Rotate q [..., Hq, D] and k [..., Hk, D] in place (rotate-half convention); returns (q, k).
+
+    ``cache = (v, k_cache, v_cache, slots)``: also write the rotated k and v [..., Hk, D] of token i
+    into row ``slots[i]`` of the paged caches [blocks, block_size, Hk, D] (what two ``index_copy_``
+    launches did before, in the same kernel).
+    """
     hq, d = q.shape[-2:]
     hk = k.shape[-2]
     if not (rope_ok(q) and rope_ok(k)):
         raise ValueError("rope_ rotates in place: q and k must be viewable as [T, H, D] with unit last stride")
     q2, k2 = q.view(-1, hq, d), k.view(-1, hk, d)
     p = positions.reshape(-1)
-    _rope_kernel[(q2.shape[0],)](q2, k2, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0), k2.stride(1), hq, hk,
-                                 HALF=d // 2, HQP=triton.next_power_of_2(hq), HKP=triton.next_power_of_2(hk), num_warps=4,
-                                 **pdl_args(q))
+    if cache is not None:
+        v, kc, vc, slots = cache
+        if not rope_ok(v) or kc.shape[-2:] != (hk, d) or vc.shape != kc.shape or not (kc.is_contiguous() and vc.is_contiguous()):
+            raise ValueError("rope_ cache write wants v [..., Hk, D] rows and contiguous caches [blocks, block, Hk, D]")
+        v2, slots = v.view(-1, hk, d), slots.reshape(-1)
+        if slots.numel() != q2.shape[0]:
+            raise ValueError(f"{slots.numel()} cache slots for {q2.shape[0]} tokens")
+        cache_args = (v2, kc, vc, slots, v2.stride(0), v2.stride(1), hk * d, d)
+    else:
+        cache_args = (k2, k2, k2, p, 0, 0, 0, 0)
+    v2, kc, vc, slots, svt, svh, scs, sch = cache_args
+    _rope_kernel[(q2.shape[0],)](q2, k2, v2, kc, vc, slots, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0),
+                                 k2.stride(1), svt, svh, scs, sch, hq, hk, HALF=d // 2, HQP=triton.next_power_of_2(hq),
+                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4, **pdl_args(q))
     return q, k
 
 

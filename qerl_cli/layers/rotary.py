@@ -57,13 +57,30 @@ class RotaryEmbedding(nn.Module):
 
         Outside autograd on CUDA this rotates in place with one fused kernel (see layers/fused.py).
         """
-        if fused.enabled(q, k) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q) and fused.rope_ok(k):
+        if self._fusable(q, k):
             return fused.rope_(q, k, positions, self.cos_sin)
         cs = self.cos_sin[positions]  # [..., D]
         half = self.head_dim // 2
         cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(q.dtype)
         sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(q.dtype)
         return _rot(q, cos, sin, half), _rot(k, cos, sin, half)
+
+
+    def rotate_and_cache(self, positions, q, k, v, k_cache, v_cache, slots):
+        """``forward`` plus writing each token's rotated k and its v into cache row ``slots[i]`` of
+        ``k_cache`` / ``v_cache`` [blocks, block_size, Hk, D]: one fused kernel where ``forward``'s is
+        used (the rotation's launch also does the cache write), else rotation + two ``index_copy_``."""
+        if self._fusable(q, k, v) and fused.rope_ok(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
+            return fused.rope_(q, k, positions, self.cos_sin, cache=(v, k_cache, v_cache, slots))
+        q, k = self(positions, q, k)
+        hk, d = k.shape[-2:]
+        k_cache.view(-1, hk, d).index_copy_(0, slots, k.reshape(-1, hk, d))
+        v_cache.view(-1, hk, d).index_copy_(0, slots, v.reshape(-1, hk, d))
+        return q, k
+
+    def _fusable(self, q, k, v=None) -> bool:
+        return (fused.enabled(q, k, v) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q)
+                and fused.rope_ok(k))
 
 
 def _rot(x, cos, sin, half):

@@ -88,14 +88,16 @@ def supported(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None):
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
+                                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
     b, hq, d = q.shape
     _, bs, hk, _ = k_cache.shape
     group = hq // hk
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = num_splits_for(b, hk, sms)
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()  # rows and heads may be strided (a slice of the fused qkv output): no copy then
     op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -104,9 +106,9 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), scale,
-        GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=64, NUM_SPLITS=num_splits,
+        GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 (tests) stays exact; bf16 ignores it
-        num_warps=4, num_stages=2, PDL=on, launch_pdl=on,
+        num_warps=num_warps, num_stages=num_stages, PDL=on, launch_pdl=on,
     )
     _merge_kernel[(b, hq)](
         op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),

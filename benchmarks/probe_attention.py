@@ -1,0 +1,69 @@
+"""Decode attention tile sweep: splits, keys per step, warps and stages of the Triton paged kernel.
+
+Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head dim 128, 16-token blocks), every
+sequence at the same context, caches rotated over 8 layers' worth of buffers so the K/V come from
+HBM; one call per layer in a CUDA graph, median of replays. Prints us per call and achieved TB/s
+(K + V bytes read) for each variant, best first per batch size.
+
+    python benchmarks/probe_attention.py --batches 16,64,256 --ctx 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import time_graph  # noqa: E402
+
+from qerl_cli.layers.triton_attention import num_splits_for, paged_decode_attention_triton  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="16,64,256")
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args(argv)
+    hq, hk, d, bs = 28, 4, 128, 16
+    print(f"# {torch.cuda.get_device_name()} ctx {args.ctx}", flush=True)
+    for b in map(int, args.batches.split(",")):
+        nb = -(-args.ctx // bs)
+        blocks = b * nb + 1
+        caches = [(torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)) for _ in range(args.layers)]
+        tables = (torch.randperm(blocks - 1, device="cuda")[: b * nb] + 1).view(b, nb).int()
+        lens = torch.full((b,), args.ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        ref = paged_decode_attention_triton(q, *caches[0], tables, lens, d**-0.5)
+        kv_bytes = 2 * b * args.ctx * hk * d * 2
+        res = []
+        auto = num_splits_for(b, hk)
+        for splits, bn, w, st in itertools.product(sorted({auto, 2, 4, 8, 16, 32}), (32, 64, 128), (4, 8), (1, 2, 3)):
+            kw = dict(num_splits=splits, block_n=bn, num_warps=w, num_stages=st)
+            try:
+                out = paged_decode_attention_triton(q, *caches[0], tables, lens, d**-0.5, **kw)
+                err = (out.float() - ref.float()).abs().max().item()
+                us = time_graph([lambda c=c: paged_decode_attention_triton(q, *c, tables, lens, d**-0.5, **kw)
+                                 for c in caches], target_s=0.05)
+            except Exception as e:  # a tile Triton cannot build (shared memory): skip it
+                print(f"b={b} {kw}: {type(e).__name__}", flush=True)
+                continue
+            res.append((us, kw, err))
+        res.sort(key=lambda r: r[0])
+        cur = next(r for r in res if r[1] == dict(num_splits=auto, block_n=64, num_warps=4, num_stages=2))
+        print(f"## b={b}: current (splits {auto}, 64, 4 warps, 2 stages) {cur[0]:.1f} us "
+              f"{kv_bytes / cur[0] / 1e6:.2f} TB/s", flush=True)
+        for us, kw, err in res[:8]:
+            print(f"{us:7.1f} us {kv_bytes / us / 1e6:5.2f} TB/s err {err:.1e} {kw}", flush=True)
+        del caches
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

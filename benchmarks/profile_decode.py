@@ -1,0 +1,93 @@
+"""Where a decode step's time goes: CUDA-graph step time with PDL on and off, and a kernel breakdown.
+
+Qwen2.5-7B shape, random weights, NVFP4 and bf16, the engine's captured decode graph replayed at a
+fixed context (as ``bench_rollout.py``'s decode-bandwidth row); the breakdown profiles one eager
+step with ``torch.profiler`` and sums device time per kernel name.
+
+    python benchmarks/profile_decode.py --seqs 16,64 --ctx 768 --json-out $OUT/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rollout import decode_bandwidth, free  # noqa: E402
+
+from qerl_cli.engine import LLMEngine  # noqa: E402
+from qerl_cli.models import build_random_model, preset  # noqa: E402
+
+
+def breakdown(runner, steps: int = 3) -> list[tuple[str, float, int]]:
+    """(kernel name, us per step, launches per step) of the eager decode step, slowest first."""
+    b = runner.padded
+    args = (runner.state[0, :b], runner.state[1, :b], runner.state[2, :b], runner.max_context)
+    with torch.inference_mode():
+        runner._decode_step(*args)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner._decode_step(*args)
+            torch.cuda.synchronize()
+    tot, cnt = collections.Counter(), collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name[:90]
+            tot[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            cnt[name] += 1
+    return [(n, t / steps, cnt[n] // steps) for n, t in tot.most_common()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="16,64")
+    ap.add_argument("--ctx", type=int, default=768)
+    ap.add_argument("--quants", default="nvfp4,bf16")
+    ap.add_argument("--variants", default="pdl1-pf0,pdl0-pf0",
+                    help="comma list of pdl{0,1}-pf{KB}: PDL on/off, per-program L2 prefetch budget (NVFP4 only)")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--json-out", default="")
+    args = ap.parse_args(argv)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    out = []
+    print(f"# {torch.cuda.get_device_name()}", flush=True)
+    for quant in args.quants.split(","):
+        free()
+        model = build_random_model(preset("qwen2.5-7b"), device="cuda", dtype=torch.bfloat16,
+                                   quantized=quant == "nvfp4", max_positions=4096)
+        variants = args.variants.split(",")
+        for var in variants:
+            pdl, kb = var.split("-")
+            if quant != "nvfp4" and kb != "pf0":
+                continue
+            # Both read when kernels are launched, i.e. when the engine captures its graphs.
+            os.environ["QERL_PDL"], os.environ["QERL_PREFETCH_KB"] = pdl[3:], kb[2:]
+            engine = LLMEngine(model, None, max_num_seqs=max(seqs), max_model_len=args.ctx + 64)
+            for s in seqs:
+                rec = decode_bandwidth(f"decode-{quant}-7b-{var}", engine, model, s, args.ctx)
+                print(json.dumps(rec), flush=True)
+                out.append(rec)
+                if not args.no_breakdown and var == variants[0]:
+                    rows = breakdown(engine.runner)
+                    total = sum(t for _, t, _ in rows)
+                    print(f"## eager step kernels, {quant}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
+                    for name, t, c in rows[:25]:
+                        print(f"{t:9.1f} us {c:5d}x  {name}")
+                    out.append(dict(bench=f"breakdown-{quant}-{s}", kernels=rows[:40], total_us=total))
+            del engine
+            free()
+        del model
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
