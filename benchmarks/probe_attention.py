@@ -48,7 +48,7 @@ def main(argv=None) -> int:
             try:
                 out = paged_decode_attention_triton(q, *caches[0], tables, lens, d**-0.5, **kw)
                 err = (out.float() - ref.float()).abs().max().item()
-                us = time_graph([lambda c=c: paged_decode_attention_triton(q, *c, tables, lens, d**-0.5, **kw)
+                us = time_graph([lambda c=c, q=q, t=tables, n=lens, kw=kw: paged_decode_attention_triton(q, *c, t, n, d**-0.5, **kw)
                                  for c in caches], target_s=0.05)
             except Exception as e:  # a tile Triton cannot build (shared memory): skip it
                 print(f"b={b} {kw}: {type(e).__name__}", flush=True)

@@ -51,8 +51,8 @@ def stream_us(bufs: list[torch.Tensor]) -> tuple[float, tuple]:
     for block, iters, warps, stages in STREAM_CONFIGS:
         grid = triton.cdiv(n, block * iters)
         out = torch.empty(grid, dtype=torch.int32, device="cuda")
-        fns = [lambda b=b: _stream[(grid,)](b, out, n, BLOCK=block, ITERS=iters, num_warps=warps, num_stages=stages)
-               for b in bufs]
+        kw = dict(BLOCK=block, ITERS=iters, num_warps=warps, num_stages=stages)
+        fns = [lambda b=b, g=grid, o=out, kw=kw: _stream[(g,)](b, o, n, **kw) for b in bufs]
         us = time_graph(fns)
         if best is None or us < best[0]:
             best = (us, (block, iters, warps, stages))

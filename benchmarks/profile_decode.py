@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: CUDA-graph step time with PDL on and off, and a kernel breakdown.
+"""Where a decode step's time goes: CUDA-graph step time and a per-kernel breakdown.
 
 Qwen2.5-7B shape, random weights, NVFP4 and bf16, the engine's captured decode graph replayed at a
 fixed context (as ``bench_rollout.py``'s decode-bandwidth row); the breakdown profiles one eager
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -50,8 +49,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="16,64")
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--quants", default="nvfp4,bf16")
-    ap.add_argument("--variants", default="pdl1-pf0,pdl0-pf0",
-                    help="comma list of pdl{0,1}-pf{KB}: PDL on/off, per-program L2 prefetch budget (NVFP4 only)")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
@@ -62,27 +59,20 @@ def main(argv=None) -> int:
         free()
         model = build_random_model(preset("qwen2.5-7b"), device="cuda", dtype=torch.bfloat16,
                                    quantized=quant == "nvfp4", max_positions=4096)
-        variants = args.variants.split(",")
-        for var in variants:
-            pdl, kb = var.split("-")
-            if quant != "nvfp4" and kb != "pf0":
-                continue
-            # Both read when kernels are launched, i.e. when the engine captures its graphs.
-            os.environ["QERL_PDL"], os.environ["QERL_PREFETCH_KB"] = pdl[3:], kb[2:]
-            engine = LLMEngine(model, None, max_num_seqs=max(seqs), max_model_len=args.ctx + 64)
-            for s in seqs:
-                rec = decode_bandwidth(f"decode-{quant}-7b-{var}", engine, model, s, args.ctx)
-                print(json.dumps(rec), flush=True)
-                out.append(rec)
-                if not args.no_breakdown and var == variants[0]:
-                    rows = breakdown(engine.runner)
-                    total = sum(t for _, t, _ in rows)
-                    print(f"## eager step kernels, {quant}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
-                    for name, t, c in rows[:25]:
-                        print(f"{t:9.1f} us {c:5d}x  {name}")
-                    out.append(dict(bench=f"breakdown-{quant}-{s}", kernels=rows[:40], total_us=total))
-            del engine
-            free()
+        engine = LLMEngine(model, None, max_num_seqs=max(seqs), max_model_len=args.ctx + 64)
+        for s in seqs:
+            rec = decode_bandwidth(f"decode-{quant}-7b", engine, model, s, args.ctx)
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+            if not args.no_breakdown:
+                rows = breakdown(engine.runner)
+                total = sum(t for _, t, _ in rows)
+                print(f"## eager step kernels, {quant}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
+                for name, t, c in rows[:25]:
+                    print(f"{t:9.1f} us {c:5d}x  {name}")
+                out.append(dict(bench=f"breakdown-{quant}-{s}", kernels=rows[:40], total_us=total))
+        del engine
+        free()
         del model
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))

@@ -29,8 +29,6 @@ matters at decode sizes, where a GEMM takes a few microseconds.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +45,6 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.pdl import enabled as pdl_enabled
-from qerl_kernels.pdl import pdl_begin, pdl_wait, prefetch_l2
 from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, layout_safe
 
 _COUNTER_SLOTS = 1 << 16
@@ -83,39 +79,17 @@ def _mma(acc, w, x, SWAP: tl.constexpr, IP: tl.constexpr):
     return out
 
 
-@triton.jit
-def _prefetch_weights(PW, S, pid_n, k_lo, k_hi, pf_words, N, KW, stride_sn, BN: tl.constexpr, R: tl.constexpr):
-    """Bulk L2 prefetch of this program's first ``pf_words`` code words (blocked twiddled layout:
-    each 16-row slab is K-contiguous, 1 KB per 16 words) and the matching scale bytes, one
-    instruction per slab and per row. Issued before ``pdl_wait``: it only reads frozen weights."""
-    i = tl.arange(0, R)
-    pfw = (tl.minimum(pf_words, k_hi - k_lo) // 16) * 16
-    slab = pid_n * (BN // 16) + i
-    slab_ok = (i < BN // 16) & (slab * 16 < N) & (pfw > 0)
-    code_ptr = PW + slab.to(tl.int64) * (KW // 16) * 128 + (k_lo // 2) * 16
-    prefetch_l2(code_ptr, (pfw // 16) * 1024 + i * 0, slab_ok.to(tl.int32))
-    # Scales [N, K/16] bytes: row r's chunk, widened to 16-byte bounds inside the tensor.
-    r = (pid_n * BN + i).to(tl.int64)
-    off = r * stride_sn + k_lo // 2
-    lo = off - off % 16
-    end = tl.minimum(((off + pfw // 2 + 15) // 16) * 16, ((N * stride_sn) // 16) * 16)
-    row_ok = (i < BN) & (r < N) & (end > lo) & (pfw > 0)
-    prefetch_l2(S + lo, (end - lo).to(tl.int32), row_ok.to(tl.int32))
-
-
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_fwd_kernel(
     X, PW, S, G, B, Y, WS, CNT,
-    M, N, KW, k_per_split, pf_words,
+    M, N, KW, k_per_split,
     stride_xm, stride_pw, stride_sn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
     EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
     PERM: tl.constexpr = False, PROBE_NODECODE: tl.constexpr = False, BLOCKED: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False, STAGGER: tl.constexpr = False, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, PF_R: tl.constexpr = 128,
+    EVEN_K: tl.constexpr = False, STAGGER: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BM)
@@ -145,10 +119,6 @@ def _nvfp4_fwd_kernel(
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     nsteps = tl.cdiv(k_hi - k_lo, BKW)
-    if PREFETCH:
-        _prefetch_weights(PW, S, pid_n, k_lo, k_hi, pf_words, N, KW, stride_sn, BN, PF_R)
-    # Everything below may read what the previous kernel writes or write what it reads.
-    pdl_wait(PDL)
     # STAGGER: each program starts its K walk at a different step (wrapping), so concurrent
     # programs read different X columns instead of all hitting the same few L2 lines per step.
     # The order is fixed per program: results stay deterministic.
@@ -277,27 +247,15 @@ def nvfp4_matmul(
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     else:
         ws, cnt = y, y  # unused (SPLIT == 1)
-    pdl = pdl_enabled(x.device)
-    pf_words = prefetch_words(cfg, k_per_split, words, scale_u8) if pdl and fast and twiddled and blocked else 0
     _nvfp4_fwd_kernel[(grid_mn, split)](
         x, words, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
-        m, n, kw, k_per_split, pf_words,
+        m, n, kw, k_per_split,
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split, HAS_BIAS=bias is not None, FAST=fast,
         EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=blocked,
-        EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger, PDL=pdl, PREFETCH=pf_words > 0,
-        PF_R=max(cfg.bn, 32 * cfg.warps), num_warps=cfg.warps, num_stages=cfg.stages, launch_pdl=pdl,
+        EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return y
-
-
-def prefetch_words(cfg: FwdConfig, k_per_split: int, words: torch.Tensor, scale: torch.Tensor) -> int:
-    """Code words of its K range that each program bulk-prefetches into L2 at its start (multiple of
-    16; 0 = none): the config's per-program budget of code bytes, on 16-byte aligned tensors."""
-    kb = int(os.environ.get("QERL_PREFETCH_KB", cfg.prefetch_kb))  # tuning override (benchmarks)
-    if kb <= 0 or words.data_ptr() % 16 or scale.data_ptr() % 16:
-        return 0
-    budget = kb * 1024 // (cfg.bn * 4)
-    return (min(budget, k_per_split) // 16) * 16

@@ -38,9 +38,6 @@ class FwdConfig:
     join: bool = False  # re-interleave decoded tiles into K order: one dot per step, async wgmma
     perm: bool = False  # one dot per step in the MMA fragment's K order (X permuted to match, no shuffle)
     stagger: bool = False  # programs start their K walk at different steps (spreads X reads over L2)
-    # KB of codes each program bulk-prefetches into L2 before waiting on the previous kernel (PDL,
-    # blocked layout only; 0 = none): weight reads overlap the kernel before (pdl.py).
-    prefetch_kb: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

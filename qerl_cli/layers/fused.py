@@ -5,9 +5,7 @@ cat, neg ...), ~1,300 per step at ~2 us each: more time than the NVFP4 weight re
 These kernels cut that to 4 per layer. Norm and rotary compute in fp32 and round once, so they agree
 with the torch path (used for training, where autograd is needed) to within one bf16 rounding; SwiGLU
 rounds where torch does (``silu(g)``, then the product). Used only for CUDA tensors outside autograd
-(rollout, scoring); ``QERL_FUSED=0`` turns them off. On sm_90 they take part in programmatic dependent
-launch (``qerl_kernels.pdl``): each lets the next kernel launch at its start and waits for the previous
-one before touching memory, so the NVFP4 GEMM after a norm can prefetch its weights while the norm runs.
+(rollout, scoring); ``QERL_FUSED=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from qerl_kernels import pdl
-    from qerl_kernels.pdl import pdl_begin, pdl_wait
 except ImportError:  # triton is Linux-only; the torch paths cover everything without it
     triton = None
 
@@ -41,9 +37,7 @@ def _jit(fn):
 
 @_jit
 def _rmsnorm_kernel(X, R, W, Z, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
+                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -76,7 +70,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         x2, r2, weight, noise if noise is not None else weight, y, ro,
         x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n, eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        num_warps=4 if n <= 4096 else 8, **pdl_args(x),
+        num_warps=4 if n <= 4096 else 8,
     )
     y = y.view(x.shape)
     return y if residual is None else (y, ro.view(x.shape))
@@ -109,9 +103,7 @@ def _rope_rows(X, OUT, t, slot, stride_t, stride_h, stride_cs, stride_ch, H, cos
 @_jit
 def _rope_kernel(Q, K, V, KC, VC, SLOT, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_cs, stride_ch, HQ, HK, HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr,
-                 CACHE: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
+                 CACHE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(P + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -162,14 +154,12 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
     v2, kc, vc, slots, svt, svh, scs, sch = cache_args
     _rope_kernel[(q2.shape[0],)](q2, k2, v2, kc, vc, slots, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0),
                                  k2.stride(1), svt, svh, scs, sch, hq, hk, HALF=d // 2, HQP=triton.next_power_of_2(hq),
-                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4, **pdl_args(q))
+                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4)
     return q, k
 
 
 @_jit
-def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -188,11 +178,6 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     block = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
-                                                           BLOCK=block, num_warps=4, **pdl_args(g))
+                                                           BLOCK=block, num_warps=4)
     return y.view(g.shape)
 
-
-def pdl_args(x: torch.Tensor) -> dict:
-    """Launch options of a fused kernel: PDL on sm_90 (see the module docstring)."""
-    on = pdl.enabled(x.device)
-    return dict(PDL=on, launch_pdl=on)

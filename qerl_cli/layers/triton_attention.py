@@ -13,17 +13,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels import pdl
-from qerl_kernels.pdl import pdl_begin, pdl_wait
 
 
 @triton.jit
 def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
                   GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
+                  NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -63,9 +59,7 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
 
 @triton.jit
 def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
-    pdl_wait(PDL)
+                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP2)
@@ -101,17 +95,16 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    on = pdl.enabled(q.device)  # programmatic dependent launch (qerl_kernels.pdl)
     _split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), scale,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 (tests) stays exact; bf16 ignores it
-        num_warps=num_warps, num_stages=num_stages, PDL=on, launch_pdl=on,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _merge_kernel[(b, hq)](
         op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4, PDL=on, launch_pdl=on,
+        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4,
     )
     return out
