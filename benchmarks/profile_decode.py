@@ -44,12 +44,38 @@ def breakdown(runner, steps: int = 3) -> list[tuple[str, float, int]]:
     return [(n, t / steps, cnt[n] // steps) for n, t in tot.most_common()]
 
 
+def loop_breakdown(engine, vocab: int, seqs: int, new_tokens: int = 128) -> dict:
+    """Profile ``generate`` (G = 8): wall time per decode step vs device kernel time per step, and the
+    kernels outside the captured graph (sampling, state updates, copies)."""
+    from bench_rollout import prompts
+
+    from qerl_cli.engine import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    ps = prompts(max(seqs // 8, 1), 256, vocab)
+    engine.generate(ps, sp, n=min(8, seqs))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate(ps, sp, n=min(8, seqs))
+        torch.cuda.synchronize()
+    steps = engine.stats["decode_steps"]
+    tot = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            tot[ev.name[:90]] += ev.device_time_total
+    busy = sum(tot.values())
+    return dict(bench=f"loop-{seqs}", wall_ms_per_step=round(engine.stats["elapsed_s"] * 1e3 / steps, 3),
+                kernel_ms_per_step=round(busy / 1e3 / steps, 3),
+                top=[(n, round(t / steps, 1)) for n, t in tot.most_common(12)])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="16,64")
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--quants", default="nvfp4,bf16")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--loop", action="store_true", help="also profile the generate loop (sampling, host)")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -71,6 +97,10 @@ def main(argv=None) -> int:
                 for name, t, c in rows[:25]:
                     print(f"{t:9.1f} us {c:5d}x  {name}")
                 out.append(dict(bench=f"breakdown-{quant}-{s}", kernels=rows[:40], total_us=total))
+            if args.loop:
+                rec = loop_breakdown(engine, model.config.vocab_size, s)
+                print(json.dumps(rec), flush=True)
+                out.append(rec)
         del engine
         free()
         del model
