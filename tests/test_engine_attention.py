@@ -122,11 +122,15 @@ SAMPLER = textwrap.dedent("""
     import torch
     from qerl_cli.engine.triton_sampler import gumbel_sample
     torch.manual_seed(0)
-    logits = torch.randn(3, 5000) * 3
+    logits = torch.randn(3, 9000) * 3
     seeds = torch.arange(3, dtype=torch.int64) * 7919 + 11
     tok, lp = gumbel_sample(logits, 0.8, seeds)
     ref = torch.log_softmax(logits / 0.8, -1).gather(-1, tok[:, None]).squeeze(-1)
     assert torch.allclose(lp, ref, atol=1e-5), (lp, ref)
+    # Splitting the vocabulary into 1, 2 or 3 chunks (a partial last one) draws the same tokens.
+    for chunks in (1, 2, 3):
+        tc, lc = gumbel_sample(logits, 0.8, seeds, num_chunks=chunks)
+        assert torch.equal(tc, tok) and torch.allclose(lc, lp, atol=1e-5), chunks
     tok2, _ = gumbel_sample(logits, 0.8, seeds)
     assert torch.equal(tok, tok2)
     # Row independence: a row's sample depends only on its logits and seed, not on the batch.

@@ -2,9 +2,10 @@
 
 The torch path makes ~8 passes over the [B, V] fp32 logits (divide, log-softmax, exponential noise,
 log, subtract, argmax, gather): at 256 sequences x 152k vocabulary that is >1 GB of traffic and a
-dozen launches per step. This kernel reads each logit once: per row it draws Philox noise from a
-per-row seed, keeps the running argmax of ``x/T + Gumbel`` and an online log-sum-exp of ``x/T``,
-and writes the token and its exact log-probability ``x_tok/T - logsumexp(x/T)``. Per-row seeds
+dozen launches per step. This kernel reads each logit once: per row (split into vocabulary chunks that run in
+parallel, then merged) it draws Philox noise from a per-row seed, keeps the running argmax of
+``x/T + Gumbel`` and an online log-sum-exp of ``x/T``, and writes the token and its exact
+log-probability ``x_tok/T - logsumexp(x/T)``. Per-row seeds
 (derived from the run seed, the sequence and its position) make each sequence's sample independent
 of which other sequences share the batch.
 """
@@ -17,39 +18,89 @@ import triton.language as tl
 
 
 @triton.jit
-def _gumbel_kernel(L, SEEDS, TOK, LP, stride_l, V, inv_t, BLOCK: tl.constexpr):
+def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, num_chunks, inv_t,
+                           BLOCK: tl.constexpr):
+    """One (row, vocabulary chunk): best Gumbel score, its index and tempered logit, and the chunk's
+    log-sum-exp state (max, sum of exp) of x/T."""
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     seed = tl.load(SEEDS + row)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, V)
     m = float("-inf")
     s = 0.0
     best = float("-inf")
-    best_i = 0
+    best_i = lo
     best_x = 0.0
-    for start in range(0, V, BLOCK):
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < V
+        mask = offs < hi
         x = tl.load(L + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        u = tl.rand(seed, offs)
+        u = tl.rand(seed, offs)  # keyed by the token index: the same noise however the row is chunked
         u = tl.minimum(tl.maximum(u, 1e-12), 1.0 - 1e-7)
         score = tl.where(mask, x - tl.log(-tl.log(u)), float("-inf"))
         cmax = tl.max(score, 0)
         carg = tl.argmax(score, 0)
         cx = tl.sum(tl.where(offs == start + carg, x, 0.0), 0)
-        upd = cmax > best
+        upd = cmax > best  # strict: the earliest index wins ties, as in one pass over the row
         best_i = tl.where(upd, start + carg, best_i)
         best_x = tl.where(upd, cx, best_x)
         best = tl.maximum(best, cmax)
         new_m = tl.maximum(m, tl.max(x, 0))
         s = s * tl.exp(m - new_m) + tl.sum(tl.where(mask, tl.exp(x - new_m), 0.0), 0)
         m = new_m
-    tl.store(TOK + row, best_i.to(tl.int64))
-    tl.store(LP + row, best_x - (m + tl.log(s)))
+    o = row * num_chunks + c
+    tl.store(PS + o, best)
+    tl.store(PI + o, best_i)
+    tl.store(PX + o, best_x)
+    tl.store(PM + o, m)
+    tl.store(PSUM + o, s)
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor):
-    """logits [B, V] (any float dtype), seeds [B] int64 -> (tokens [B] int64, logprobs [B] fp32)."""
+@triton.jit
+def _gumbel_combine_kernel(PS, PI, PX, PM, PSUM, TOK, LP, num_chunks, CP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CP)
+    ok = c < num_chunks
+    o = row * num_chunks + c
+    score = tl.load(PS + o, mask=ok, other=float("-inf"))
+    best = tl.max(score, 0)
+    # The lowest-numbered chunk holding the best score (its index is the earliest): ties as one pass.
+    win = tl.min(tl.where(ok & (score == best), c, CP), 0)
+    tok = tl.sum(tl.where(c == win, tl.load(PI + o, mask=ok, other=0), 0), 0)
+    x = tl.sum(tl.where(c == win, tl.load(PX + o, mask=ok, other=0.0), 0.0), 0)
+    m_c = tl.load(PM + o, mask=ok, other=float("-inf"))
+    m = tl.max(m_c, 0)
+    s = tl.sum(tl.where(ok & (m_c > float("-inf")), tl.load(PSUM + o, mask=ok, other=0.0) * tl.exp(m_c - m), 0.0), 0)
+    tl.store(TOK + row, tok.to(tl.int64))
+    tl.store(LP + row, x - (m + tl.log(s)))
+
+
+def num_chunks_for(rows: int, vocab: int, block: int = 4096, sms: int = 132) -> int:
+    """Vocabulary chunks per row: about two programs per SM in all, each chunk at least one block."""
+    return max(1, min(-(-2 * sms // max(rows, 1)), -(-vocab // block)))
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, num_chunks: int | None = None):
+    """logits [B, V] (any float dtype), seeds [B] int64 -> (tokens [B] int64, logprobs [B] fp32).
+
+    Each row is split into vocabulary chunks sampled in parallel, then merged (a second, tiny
+    kernel): with one program per row, 16 sequences used 16 of 132 SMs and the sampler took ~0.2 ms
+    per decode step on an H100 (5% of a 7B NVFP4 step). The noise is keyed by token index, so the
+    chunking does not change which token is drawn.
+    """
     b, v = logits.shape
-    tok = torch.empty(b, dtype=torch.int64, device=logits.device)
-    lp = torch.empty(b, dtype=torch.float32, device=logits.device)
-    _gumbel_kernel[(b,)](logits, seeds, tok, lp, logits.stride(0), v, 1.0 / temperature, BLOCK=4096, num_warps=8)
+    block = 4096
+    nc = num_chunks or num_chunks_for(b, v, block)
+    chunk = triton.cdiv(triton.cdiv(v, nc), block) * block
+    nc = triton.cdiv(v, chunk)
+    dev = logits.device
+    part = torch.empty(4, b, nc, dtype=torch.float32, device=dev)
+    part_i = torch.empty(b, nc, dtype=torch.int32, device=dev)
+    tok = torch.empty(b, dtype=torch.int64, device=dev)
+    lp = torch.empty(b, dtype=torch.float32, device=dev)
+    _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v, chunk,
+                                    nc, 1.0 / temperature, BLOCK=block, num_warps=8)
+    _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc,
+                                 CP=max(2, triton.next_power_of_2(nc)), num_warps=1)
     return tok, lp
