@@ -5,6 +5,7 @@ Trade-off: plain autograd keeps ``silu(g)`` alive from the forward to the backwa
 measured at the step's memory peak on an H100). Recomputing it costs one elementwise kernel in
 backward. The gradients are bit-identical to autograd's: the same aten ops (``silu``, the two
 products and ``silu_backward``) run on the same inputs, only later, and write in place.
+Outside autograd on CUDA (rollout) the forward is one fused Triton kernel (``layers/fused.py``).
 """
 
 from __future__ import annotations
