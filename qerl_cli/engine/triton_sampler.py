@@ -101,6 +101,8 @@ def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
     lp = torch.empty(b, dtype=torch.float32, device=dev)
     _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v, chunk,
                                     nc, 1.0 / temperature, BLOCK=block, num_warps=8)
+    # CP from the vocabulary alone, not the chunk count: a batch size must not trigger a recompile
+    # (the first 16-sequence step of a run once paid ~0.25 s of Triton JIT for a new CP).
     _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc,
-                                 CP=max(2, triton.next_power_of_2(nc)), num_warps=1)
+                                 CP=max(2, triton.next_power_of_2(triton.cdiv(v, block))), num_warps=1)
     return tok, lp
