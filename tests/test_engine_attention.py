@@ -164,3 +164,18 @@ def test_triton_sampler_frequencies_in_interpreter():
     r = subprocess.run([sys.executable, "-c", FREQ.replace("DEV", "'cpu'"), "3000"], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_fused_entry_points_reject_mismatched_inputs_before_launching():
+    pytest.importorskip("triton")
+    from qerl_cli.layers import fused
+
+    q, k, v = torch.randn(3, 6, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    pos, cs = torch.arange(3), torch.randn(8, 32)
+    kc = torch.zeros(4, 4, 2, 32)
+    with pytest.raises(ValueError, match="2 cache slots for 3 tokens"):
+        fused.rope_(q, k, pos, cs, cache=(v, kc, kc.clone(), torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match="contiguous caches"):
+        fused.rope_(q, k, pos, cs, cache=(v, kc.transpose(0, 1), kc.clone(), torch.arange(3)))
+    with pytest.raises(ValueError, match="matching row-major"):
+        fused.silu_mul(torch.randn(4, 8), torch.randn(4, 6))

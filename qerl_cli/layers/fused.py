@@ -148,10 +148,10 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
         v2, slots = v.view(-1, hk, d), slots.reshape(-1)
         if slots.numel() != q2.shape[0]:
             raise ValueError(f"{slots.numel()} cache slots for {q2.shape[0]} tokens")
-        cache_args = (v2, kc, vc, slots, v2.stride(0), v2.stride(1), hk * d, d)
-    else:
-        cache_args = (k2, k2, k2, p, 0, 0, 0, 0)
-    v2, kc, vc, slots, svt, svh, scs, sch = cache_args
+        svt, svh, scs, sch = v2.stride(0), v2.stride(1), hk * d, d
+    else:  # CACHE=False: these pointers and strides are never read
+        v2 = kc = vc = k2
+        slots, svt, svh, scs, sch = p, 0, 0, 0, 0
     _rope_kernel[(q2.shape[0],)](q2, k2, v2, kc, vc, slots, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0),
                                  k2.stride(1), svt, svh, scs, sch, hq, hk, HALF=d // 2, HQP=triton.next_power_of_2(hq),
                                  HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4)
@@ -180,4 +180,3 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
                                                            BLOCK=block, num_warps=4)
     return y.view(g.shape)
-

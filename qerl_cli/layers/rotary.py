@@ -65,7 +65,6 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(q.dtype)
         return _rot(q, cos, sin, half), _rot(k, cos, sin, half)
 
-
     def rotate_and_cache(self, positions, q, k, v, k_cache, v_cache, slots):
         """``forward`` plus writing each token's rotated k and its v into cache row ``slots[i]`` of
         ``k_cache`` / ``v_cache`` [blocks, block_size, Hk, D]: one fused kernel where ``forward``'s is

@@ -94,7 +94,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         q = q.contiguous()  # rows and heads may be strided (a slice of the fused qkv output): no copy then
     op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # dense even when q is a strided view
     _split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
