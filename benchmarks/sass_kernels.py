@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3, twiddled=False, perm=False,
-                blocked=False, stagger=False):
+                blocked=False, stagger=False, tma=False, maxnreg=None):
     import triton
     from qerl_kernels.gemm_fwd import _nvfp4_fwd_kernel
     from triton.backends.compiler import GPUTarget
@@ -36,24 +36,28 @@ def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3,
            "stride_pw": "i32", "stride_sn": "i32", "stride_ym": "i32"}
     consts = dict(BM=bm, BN=bn, BKW=bkw, GROUP_M=8, SWAP=swap, SPLIT=1, HAS_BIAS=False, FAST=True,
                   EPI=256.0, IEEE=False, JOIN=join, TWIDDLED=twiddled, PERM=perm, PROBE_NODECODE=False,
-                  BLOCKED=blocked, EVEN_K=True, STAGGER=stagger)
+                  BLOCKED=blocked, EVEN_K=True, STAGGER=stagger, TMA=tma)
     if twiddled:
         sig["PW"] = "*i64"  # the wrapper passes whole scale groups (decode.load_word_tile)
+    if tma:  # descriptors of the codes' K-step box and X's tile (gemm_fwd._tma_descriptors)
+        sig["PW"] = f"tensordesc<i64[{bn // 16}, 128]>"
+        sig["X"] = f"tensordesc<bf16[{bm}, {8 * bkw}]>"
     sig.update({k: "constexpr" for k in consts})
     # As at run time for the Qwen shapes: pointers, N, K/8, strides divisible by 16 (M is not specialised).
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15)}
     src = ASTSource(_nvfp4_fwd_kernel, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
 def main(argv=None) -> int:
     import triton
 
     argv = sys.argv[1:] if argv is None else argv
-    names = ("bm", "bn", "bkw", "swap", "join", "warps", "stages", "twiddled", "perm", "blocked", "stagger")
-    flags = ("swap", "join", "twiddled", "perm", "blocked", "stagger")
+    names = ("bm", "bn", "bkw", "swap", "join", "warps", "stages", "twiddled", "perm", "blocked", "stagger", "tma",
+             "maxnreg")
+    flags = ("swap", "join", "twiddled", "perm", "blocked", "stagger", "tma")
     kw = {n: (v.lower() in ("1", "true") if n in flags else int(v)) for n, v in zip(names, argv)}
-    cfg = {**dict(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3, twiddled=False, perm=False, blocked=False, stagger=False), **kw}
+    cfg = {**dict(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3, twiddled=False, perm=False, blocked=False, stagger=False, tma=False), **kw}
     k = compile_fwd(**cfg)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:

@@ -88,7 +88,7 @@ def _nvfp4_fwd_kernel(
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
     EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
     PERM: tl.constexpr = False, PROBE_NODECODE: tl.constexpr = False, BLOCKED: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False, STAGGER: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, STAGGER: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -109,7 +109,7 @@ def _nvfp4_fwd_kernel(
     rn_ld = rn % N
     rg = tl.arange(0, BKW // 2)
     rx = tl.arange(0, 8 * BKW)
-    dtype = X.dtype.element_ty
+    dtype = Y.dtype.element_ty  # X's (the wrapper allocates Y in it); X may be a TMA descriptor
     IP: tl.constexpr = "ieee" if IEEE else "tf32"
 
     k_lo = pid_k * k_per_split
@@ -127,12 +127,18 @@ def _nvfp4_fwd_kernel(
             kw = k_lo + ((step + pid % nsteps) % nsteps) * BKW
         else:
             kw = k_lo + step * BKW
-        pw = load_word_tile(PW, rn_ld, kw, stride_pw, KW, BKW, TWIDDLED, FAST, BLOCKED, EVEN_K)
+        if TMA:
+            # PW / X are TMA descriptors (``_tma_descriptors``): one bulk copy per operand and step,
+            # zero-filled past M, N and K, so no index or mask arithmetic per element.
+            pw = tl.reshape(PW.load([pid_n * (BN // 16), (kw // 16) * 128]), (BN, BKW // 2))
+            x = X.load([pid_m * BM, 8 * kw])
+        else:
+            pw = load_word_tile(PW, rn_ld, kw, stride_pw, KW, BKW, TWIDDLED, FAST, BLOCKED, EVEN_K)
+            xk = 8 * kw + rx
+            x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=xrow_ok[:, None] & (xk < 8 * KW)[None, :],
+                        other=0.0)
         gidx = kw // 2 + rg
         s = tl.load(S + rn_ld[:, None] * stride_sn + gidx[None, :], mask=(gidx < KW // 2)[None, :], other=0)
-        xk = 8 * kw + rx
-        x = tl.load(X + rm_ld[:, None] * stride_xm + xk[None, :], mask=xrow_ok[:, None] & (xk < 8 * KW)[None, :],
-                    other=0.0)
         # PROBE_NODECODE: benchmark probe only (wrong results, benchmarks/probe_small_m.py).
         e0, e1, e2, e3, e4, e5, e6, e7 = decode_or_probe(pw, s, BN, BKW, FAST, dtype, TWIDDLED, PROBE_NODECODE)
         if PERM:
@@ -183,6 +189,24 @@ def _nvfp4_fwd_kernel(
         if HAS_BIAS:
             out += tl.load(B + rn_ld).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out.to(Y.dtype.element_ty), mask=omask)
+
+
+def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
+    """TMA descriptors for X [M, K] and the blocked int64 code groups, or None where TMA cannot read
+    them (alignment, tile shape). Blocked groups of a 16-row block and 128-element K block are 1 KB
+    contiguous, so the codes are a 2-D array [N / 16, (K / 128) * 128] of int64 whose box
+    [BN / 16, 128] is exactly one K step of one tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, kg = groups.shape
+    if cfg.bkw != 16 or cfg.bn % 16 or n % 16 or kg % 8 or cfg.bm > 256:
+        return None
+    if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16 or groups.data_ptr() % 16:
+        return None
+    w2 = groups.view(n // 16, kg * 16)
+    wd = TensorDescriptor(w2, list(w2.shape), [kg * 16, 1], [cfg.bn // 16, 128])
+    xd = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg.bm, 8 * cfg.bkw])
+    return wd, xd
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
@@ -247,15 +271,19 @@ def nvfp4_matmul(
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     else:
         ws, cnt = y, y  # unused (SPLIT == 1)
+    tma = None
+    if cfg.tma and twiddled and blocked and fast:
+        tma = _tma_descriptors(x, words, cfg)
+    x_arg, w_arg = (x, words) if tma is None else (tma[1], tma[0])
     _nvfp4_fwd_kernel[(grid_mn, split)](
-        x, words, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        x_arg, w_arg, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kw, k_per_split,
         x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split, HAS_BIAS=bias is not None, FAST=fast,
         EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=blocked,
-        EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger,
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger, TMA=tma is not None,
+        num_warps=cfg.warps, num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return y

@@ -38,6 +38,8 @@ class FwdConfig:
     join: bool = False  # re-interleave decoded tiles into K order: one dot per step, async wgmma
     perm: bool = False  # one dot per step in the MMA fragment's K order (X permuted to match, no shuffle)
     stagger: bool = False  # programs start their K walk at different steps (spreads X reads over L2)
+    tma: bool = False  # codes and X arrive by TMA bulk copies (blocked twiddled codes, bkw 16, sm_90)
+    maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): more programs per SM
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -178,6 +180,11 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             # swap + join keeps one wgmma in flight (pendings = 1) with W from registers; two
             # warpgroups per program alternate decode and MMA.
             FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True),
+            # The same tiles fed by TMA bulk copies (FwdConfig.tma), deeper rings.
+            FwdConfig(bm, 128, 16, warps=8, stages=3, swap=True, join=True, tma=True),
+            FwdConfig(bm, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
+            FwdConfig(bm, 128, 16, warps=8, stages=6, swap=True, join=True, tma=True),
+            FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
         ]
     if m <= 256:
         return [
@@ -190,6 +197,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(128, 128, 8, warps=8, stages=4, swap=True, join=True),
             FwdConfig(128, 128, 16, warps=8, stages=3, swap=True, join=True),
             FwdConfig(128, 256, 8, warps=8, stages=3, swap=True, join=True),
+            FwdConfig(128, 128, 16, warps=8, stages=3, swap=True, join=True, tma=True),
+            FwdConfig(128, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
+            FwdConfig(64, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
             DEQUANT,
         ] + ([
             FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),

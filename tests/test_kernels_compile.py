@@ -16,7 +16,7 @@ def _configs():
     seen = {}
     for c in [*(c for m in (1, 32, 64, 256, 1024) for c in fwd_candidates(m)), *FWD_TABLE.values()]:
         if not c.dequant:
-            seen.setdefault((c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, c.perm), c)
+            seen.setdefault((c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, c.perm, c.tma), c)
     return list(seen.values())
 
 
@@ -30,6 +30,7 @@ def test_every_tile_compiles_for_sm90(layout):
     from sass_kernels import compile_fwd
 
     for c in _configs():
-        if not layout_safe(c):
-            continue
-        compile_fwd(c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, True, c.perm, layout == "blocked")
+        if not layout_safe(c) or (c.tma and layout != "blocked"):
+            continue  # TMA tiles read blocked codes only (gemm_fwd._tma_descriptors)
+        compile_fwd(c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, True, c.perm, layout == "blocked",
+                    tma=c.tma)

@@ -43,3 +43,21 @@ def test_random_nvfp4_plants_edge_cases():
     assert (codes == 8).any()  # -0
     assert ((codes.view(64, 16, 16) & 7) == 0).all(-1).any()  # all-zero blocks
     assert (sb == 0x01).any() and (sb == 0x7E).any()
+
+
+def test_tma_descriptors_only_where_tma_can_read():
+    # Host-side descriptors need 16-byte aligned bases and row strides and whole 16-row blocks;
+    # anything else falls back to pointer loads (None), never a wrong box.
+    from qerl_kernels.gemm_fwd import _tma_descriptors
+    from qerl_kernels.tile_configs import FwdConfig
+
+    cfg = FwdConfig(64, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True)
+    groups = torch.zeros(256, 768 // 16, dtype=torch.int64)
+    x = torch.zeros(5, 768, dtype=torch.bfloat16)
+    wd, xd = _tma_descriptors(x, groups, cfg)
+    assert wd.block_shape == [8, 128] and list(wd.shape) == [16, 768]
+    assert xd.block_shape == [64, 128] and list(xd.shape) == [5, 768]
+    assert _tma_descriptors(x, groups, FwdConfig(64, 128, 32, swap=True, tma=True)) is None  # bkw 32
+    assert _tma_descriptors(x, groups[:200], cfg) is None  # N not whole 16-row blocks
+    odd = torch.zeros(5, 776, dtype=torch.bfloat16)[:, 1:769]  # base 2 bytes off 16-byte alignment
+    assert _tma_descriptors(odd, groups, cfg) is None
