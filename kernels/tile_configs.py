@@ -165,6 +165,12 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             # lines per step otherwise).
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True),
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, stagger=True),
+            # TMA-fed (FwdConfig.tma): within +-5% of the pointer loads on most small-M points.
+            FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, tma=True),
+            FwdConfig(16, 128, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
+            FwdConfig(16, 256, 16, warps=8, stages=3, swap=True, perm=True, tma=True),
+            FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
+            FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True, tma=True),
         ]
     if m <= 64:
         bm = 32 if m <= 32 else 64
