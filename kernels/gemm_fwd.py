@@ -18,8 +18,11 @@ spent ~15 PTX ops per weight on it and ran at 0.92-1.53x of cuBLAS at M <= 16).
 - Above a measured M (``FwdConfig.dequant``) the fused kernel loses to cuBLAS's bf16 GEMM, so the
   weight is decoded once into a transient bf16 buffer (``dequant.py``, memory-bound, ~2.6 B per
   weight) and cuBLAS does the GEMM, at the cost of a transient bf16 copy of one weight.
+- ``TMA`` tiles (blocked twiddled codes): the codes arrive as one [BN/16, 1 KB] bulk-copy box per K
+  step and X as one [BM, 128] box, through Triton's descriptor loads; same decode and MMA. They win
+  most M = 32-256 points (5-12%) and are neutral at M <= 16.
 Measured on an H100 (docs/benchmarks.md, 2026-11-22): ~2.0x of cuBLAS bf16 at M <= 16 (target 3x;
-a bare streaming read of the same bytes reaches 3.4x there), 1.04x at M = 64, 0.93x at M = 4096.
+a bare streaming read of the same bytes reaches 3.4x there), 1.09x at M = 64, 0.93x at M = 4096.
 
 Split-K without extra launches: every split writes its fp32 partial to a workspace, then bumps a
 per-tile counter (acq_rel atomic); the program that arrives last sums the partials in split order
