@@ -155,6 +155,30 @@ def bench_cublas_bwd(d: ShapeData, m: int) -> float:
     return time_graph([lambda i=i: torch.matmul(dy, d.w16[i]) for i in range(d.r16)])
 
 
+def add_probe_args(ap: argparse.ArgumentParser, layers: str) -> None:
+    """The shape selection flags the small-M probes share (probe_split.py, probe_variants.py)."""
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--models", default="7B,32B")
+    ap.add_argument("--layers", default=layers)
+
+
+def probe_points(args):
+    """(model, layer, ShapeData, m, the table's config, cuBLAS us) for every shape and M the probe
+    flags select, one ShapeData per shape (the caller's loop variable holds the previous one while
+    the next is built: at most two sets of weight copies, a few GB); prints the device first."""
+    from qerl_kernels.tile_configs import fwd_config
+
+    print(f"# {torch.cuda.get_device_name()}", flush=True)
+    for (model, layer), (n, k) in SHAPES.items():
+        if model not in args.models.split(",") or layer not in args.layers.split(","):
+            continue
+        d = ShapeData(n, k, seed=n + k)
+        for m in map(int, args.ms.split(",")):
+            yield model, layer, d, m, fwd_config(m, n, k), bench_cublas_fwd(d, m)
+        del d
+        torch.cuda.empty_cache()
+
+
 def roofline(n: int, k: int, m: int, us: float) -> tuple[float, float]:
     """(achieved TB/s counting the fewest bytes, achieved TFLOP/s) of an NVFP4 GEMM."""
     nbytes = n * k * 0.5625 + 2 * m * (k + n)

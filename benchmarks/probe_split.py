@@ -15,49 +15,34 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_cublas_fwd, bench_fwd_point  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, probe_points  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from qerl_kernels.tile_configs import fwd_config
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--models", default="7B,32B")
-    ap.add_argument("--layers", default="gate_up,down")
+    add_probe_args(ap, layers="gate_up,down")
     ap.add_argument("--splits", default="1,2,3,4,6,8")
     args = ap.parse_args(argv)
-    print(f"# {torch.cuda.get_device_name()}", flush=True)
-    for (model, layer), (n, k) in SHAPES.items():
-        if model not in args.models.split(",") or layer not in args.layers.split(","):
-            continue
-        d = ShapeData(n, k, seed=n + k)
-        for m in map(int, args.ms.split(",")):
-            base = fwd_config(m, n, k)
-            cub = bench_cublas_fwd(d, m)
-            table_us, _ = bench_fwd_point(d, m, base)
-            res = []
-            for bn, warps in ((64, 4), (128, 4), (256, 8)):
-                for split in map(int, args.splits.split(",")):
-                    cfg = replace(base, bn=bn, warps=warps, split_k=split)
-                    try:
-                        us, err = bench_fwd_point(d, m, cfg)
-                    except Exception as e:  # a tile that does not build: skip
-                        print(f"  {bn} {split}: {type(e).__name__}", flush=True)
-                        continue
-                    programs = -(-n // bn) * split
-                    res.append((us, bn, split, programs, err))
-            res.sort()
-            print(f"## {model} {layer} M={m}: cuBLAS {cub:.1f} us, table (bn {base.bn}, split {base.split_k}) "
-                  f"{table_us:.1f} us = {cub / table_us:.2f}x", flush=True)
-            for us, bn, split, programs, err in res[:6]:
-                print(f"  {us:7.1f} us {cub / us:.2f}x  bn {bn} split {split} programs {programs} "
-                      f"({programs / 132:.2f}/SM) err {err:.1e}", flush=True)
-        del d
-        torch.cuda.empty_cache()
+    for model, layer, d, m, base, cub in probe_points(args):
+        table_us, _ = bench_fwd_point(d, m, base)
+        res = []
+        for bn, warps in ((64, 4), (128, 4), (256, 8)):
+            for split in map(int, args.splits.split(",")):
+                cfg = replace(base, bn=bn, warps=warps, split_k=split)
+                try:
+                    us, err = bench_fwd_point(d, m, cfg)
+                except Exception as e:  # a tile that does not build: skip
+                    print(f"  {bn} {split}: {type(e).__name__}", flush=True)
+                    continue
+                programs = -(-d.n // bn) * split
+                res.append((us, bn, split, programs, err))
+        res.sort()
+        print(f"## {model} {layer} M={m}: cuBLAS {cub:.1f} us, table (bn {base.bn}, split {base.split_k}) "
+              f"{table_us:.1f} us = {cub / table_us:.2f}x", flush=True)
+        for us, bn, split, programs, err in res[:6]:
+            print(f"  {us:7.1f} us {cub / us:.2f}x  bn {bn} split {split} programs {programs} "
+                  f"({programs / 132:.2f}/SM) err {err:.1e}", flush=True)
     return 0
 
 

@@ -17,10 +17,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_cublas_fwd, bench_fwd_point  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, probe_points  # noqa: E402
 
 FLAGS = {"swap", "join", "perm", "stagger", "tma", "dequant"}
 
@@ -35,37 +33,24 @@ def parse_variant(spec: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from qerl_kernels.tile_configs import fwd_config
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--models", default="7B,32B")
-    ap.add_argument("--layers", default="qkv,o,gate_up,down")
+    add_probe_args(ap, layers="qkv,o,gate_up,down")
     ap.add_argument("--variant", default="tma=1,stages=3;tma=1,stages=4;tma=1,stages=6")
     args = ap.parse_args(argv)
-    print(f"# {torch.cuda.get_device_name()}", flush=True)
-    for (model, layer), (n, k) in SHAPES.items():
-        if model not in args.models.split(",") or layer not in args.layers.split(","):
+    for model, layer, d, m, base, cub in probe_points(args):
+        if base.dequant:
             continue
-        d = ShapeData(n, k, seed=n + k)
-        for m in map(int, args.ms.split(",")):
-            base = fwd_config(m, n, k)
-            if base.dequant:
+        table_us, table_err = bench_fwd_point(d, m, base)
+        line = f"{model} {layer} M={m}: cuBLAS {cub:.1f} us | table {table_us:.1f} us {cub / table_us:.2f}x"
+        for spec in args.variant.split(";"):
+            cfg = replace(base, **parse_variant(spec))
+            try:
+                us, err = bench_fwd_point(d, m, cfg)
+            except Exception as e:  # a tile that does not build: report and go on
+                line += f" | {spec} {type(e).__name__}: {str(e)[:80]}"
                 continue
-            cub = bench_cublas_fwd(d, m)
-            table_us, table_err = bench_fwd_point(d, m, base)
-            line = f"{model} {layer} M={m}: cuBLAS {cub:.1f} us | table {table_us:.1f} us {cub / table_us:.2f}x"
-            for spec in args.variant.split(";"):
-                cfg = replace(base, **parse_variant(spec))
-                try:
-                    us, err = bench_fwd_point(d, m, cfg)
-                except Exception as e:  # a tile that does not build: report and go on
-                    line += f" | {spec} {type(e).__name__}: {str(e)[:80]}"
-                    continue
-                line += f" | {spec} {us:.1f} us {cub / us:.2f}x (err {err:.1e})"
-            print(line + f" [table err {table_err:.1e}]", flush=True)
-        del d
-        torch.cuda.empty_cache()
+            line += f" | {spec} {us:.1f} us {cub / us:.2f}x (err {err:.1e})"
+        print(line + f" [table err {table_err:.1e}]", flush=True)
     return 0
 
 

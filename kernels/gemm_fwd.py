@@ -49,6 +49,7 @@ from qerl_kernels.decode import (
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
 from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, layout_safe
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _COUNTER_SLOTS = 1 << 16
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -195,12 +196,10 @@ def _nvfp4_fwd_kernel(
 
 
 def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
-    """TMA descriptors for X [M, K] and the blocked int64 code groups, or None where TMA cannot read
-    them (alignment, tile shape). Blocked groups of a 16-row block and 128-element K block are 1 KB
-    contiguous, so the codes are a 2-D array [N / 16, (K / 128) * 128] of int64 whose box
-    [BN / 16, 128] is exactly one K step of one tile."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+    """TMA descriptors (X [M, K], the blocked int64 code groups), in the kernel's argument order, or
+    None where TMA cannot read them (alignment, tile shape). Blocked groups of a 16-row block and
+    128-element K block are 1 KB contiguous, so the codes are a 2-D array [N / 16, (K / 128) * 128]
+    of int64 whose box [BN / 16, 128] is exactly one K step of one tile."""
     n, kg = groups.shape
     if cfg.bkw != 16 or cfg.bn % 16 or n % 16 or kg % 8 or cfg.bm > 256:
         return None
@@ -209,7 +208,7 @@ def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
     w2 = groups.view(n // 16, kg * 16)
     wd = TensorDescriptor(w2, list(w2.shape), [kg * 16, 1], [cfg.bn // 16, 128])
     xd = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg.bm, 8 * cfg.bkw])
-    return wd, xd
+    return xd, wd
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
@@ -277,7 +276,7 @@ def nvfp4_matmul(
     tma = None
     if cfg.tma and twiddled and blocked and fast:
         tma = _tma_descriptors(x, words, cfg)
-    x_arg, w_arg = (x, words) if tma is None else (tma[1], tma[0])
+    x_arg, w_arg = tma or (x, words)
     _nvfp4_fwd_kernel[(grid_mn, split)](
         x_arg, w_arg, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,

@@ -54,7 +54,7 @@ def test_tma_descriptors_only_where_tma_can_read():
     cfg = FwdConfig(64, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True)
     groups = torch.zeros(256, 768 // 16, dtype=torch.int64)
     x = torch.zeros(5, 768, dtype=torch.bfloat16)
-    wd, xd = _tma_descriptors(x, groups, cfg)
+    xd, wd = _tma_descriptors(x, groups, cfg)
     assert wd.block_shape == [8, 128] and list(wd.shape) == [16, 768]
     assert xd.block_shape == [64, 128] and list(xd.shape) == [5, 768]
     assert _tma_descriptors(x, groups, FwdConfig(64, 128, 32, swap=True, tma=True)) is None  # bkw 32
