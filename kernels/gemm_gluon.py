@@ -117,7 +117,7 @@ if HAVE_GLUON:
         M, N, KG, steps_per_split,
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        MODE: gl.constexpr,
+        MODE: gl.constexpr, DEPTH: gl.constexpr = 1,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -145,10 +145,13 @@ if HAVE_GLUON:
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
         pw, s, x = _load_step(X, PW, S, rows, rows, rg, rg, xm, xk, xrow_ok, s_lo, KG, stride_xm, stride_sn)
+        # DEPTH 2: a second step's loads stay in flight (more bytes in flight per thread).
+        pw2, s2, x2 = _load_step(X, PW, S, rows, rows, rg, rg, xm, xk, xrow_ok, s_lo + gl.minimum(1, nsteps - 1), KG,
+                                 stride_xm, stride_sn)
         a_prev = gl.zeros([BN, 128], gl.bfloat16, layout=DOT)
         for i in range(nsteps):
-            # Next step's loads go out first (clamped on the last step: a harmless re-read).
-            nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
+            # Loads DEPTH steps ahead go out first (clamped past the end: a harmless re-read).
+            nxt = s_lo + gl.minimum(i + DEPTH, nsteps - 1)
             pw_n, s_n, x_n = _load_step(X, PW, S, rows, rows, rg, rg, xm, xk, xrow_ok, nxt, KG, stride_xm, stride_sn)
             buf = xs.index(i % 2)
             buf.store(_permute_x(x, BM))
@@ -165,7 +168,11 @@ if HAVE_GLUON:
                 a_prev = a
             else:  # one MMA in flight, register reuse left to ptxas
                 acc = warpgroup_mma_wait(1, deps=[tok])
-            pw, s, x = pw_n, s_n, x_n
+            if DEPTH == 2:
+                pw, s, x = pw2, s2, x2
+                pw2, s2, x2 = pw_n, s_n, x_n
+            else:
+                pw, s, x = pw_n, s_n, x_n
         acc = warpgroup_mma_wait(0, deps=[acc])
 
         out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
@@ -212,7 +219,7 @@ def launch_gluon(x, groups, scale_u8, global_scale, bias, y, cfg, counters, coun
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, MODE=cfg.gluon,
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, MODE=cfg.gluon % 10, DEPTH=1 + cfg.gluon // 10,
         num_warps=cfg.warps,
     )
     return y

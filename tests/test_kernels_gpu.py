@@ -157,7 +157,7 @@ def test_gluon_kernel_matches_reference(m):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     bm = max(8, 1 << (m - 1).bit_length()) if m <= 16 else (32 if m <= 32 else 64)
     ref = reference_fwd(x, p, s, g, bias)
-    for mode in (1, 2, 3):
+    for mode in (1, 11):
         for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
             for split in (1, 4):
                 cfg = FwdConfig(bm, bn, 16, split_k=split, warps=warps, swap=True, gluon=mode)
