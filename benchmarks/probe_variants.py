@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import add_probe_args, bench_fwd_point, probe_points  # noqa: E402
 
-FLAGS = {"swap", "join", "perm", "stagger", "tma", "dequant"}  # gluon takes its mode number
+FLAGS = {"swap", "join", "perm", "stagger", "tma", "dequant"}
 
 
 def parse_variant(spec: str) -> dict:

@@ -48,7 +48,6 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon
 from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, layout_safe
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -252,10 +251,6 @@ def nvfp4_matmul(
         # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
         w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled, blocked=blocked)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
-    if cfg.gluon and m and gluon_supported(x, n, k, twiddled, blocked):
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        return launch_gluon(x, as_words(packed).view(torch.int64), scale.contiguous().view(torch.uint8), global_scale,
-                            bias, y, cfg, _tile_counters(x.device), _COUNTER_SLOTS)
     words = as_words(packed)
     if twiddled and (fast if fast is not None else x.dtype == torch.bfloat16 and fast_decode_supported(x.device)):
         words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile

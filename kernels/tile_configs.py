@@ -40,7 +40,6 @@ class FwdConfig:
     stagger: bool = False  # programs start their K walk at different steps (spreads X reads over L2)
     tma: bool = False  # codes and X arrive by TMA bulk copies (blocked twiddled codes, bkw 16, sm_90)
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): more programs per SM
-    gluon: int = 0  # >0: the Gluon kernel (gemm_gluon.py; bm, bn, split_k, warps apply); value = MMA overlap mode
 
     def as_dict(self) -> dict:
         return asdict(self)

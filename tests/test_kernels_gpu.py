@@ -137,29 +137,3 @@ def test_tma_tiles_match_pointer_loads(m):
             y0 = nvfp4_matmul(x, tp, s, g, config=replace(c, tma=False), twiddled=True, blocked=True)
             assert torch.equal(y, y0), c
             assert rel_err(y, ref) < TOL[torch.bfloat16], c
-
-
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
-def test_gluon_kernel_matches_reference(m):
-    # The Gluon small-M kernel (register-fragment decode, async wgmma) on partial M and N tiles
-    # (N = 400 = 3 x 128 + 16), with and without split-K and bias, every MMA overlap mode.
-    from qerl_kernels.gemm_fwd import nvfp4_matmul
-    from qerl_kernels.gemm_gluon import HAVE_GLUON
-    from qerl_kernels.testing import random_nvfp4, reference_fwd, rel_err
-    from qerl_kernels.tile_configs import FwdConfig
-    from qerl_kernels.twiddle import to_kernel_layout
-
-    assert HAVE_GLUON
-    n, k = 400, 1152
-    p, s, g = random_nvfp4(n, k, seed=m + 11, device="cuda")
-    tp = to_kernel_layout(p, True)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    bm = max(8, 1 << (m - 1).bit_length()) if m <= 16 else (32 if m <= 32 else 64)
-    ref = reference_fwd(x, p, s, g, bias)
-    for mode in (1, 11):
-        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
-            for split in (1, 4):
-                cfg = FwdConfig(bm, bn, 16, split_k=split, warps=warps, swap=True, gluon=mode)
-                y = nvfp4_matmul(x, tp, s, g, bias=bias, config=cfg, twiddled=True, blocked=True)
-                assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, rel_err(y, ref))
