@@ -137,3 +137,33 @@ def test_tma_tiles_match_pointer_loads(m):
             y0 = nvfp4_matmul(x, tp, s, g, config=replace(c, tma=False), twiddled=True, blocked=True)
             assert torch.equal(y, y0), c
             assert rel_err(y, ref) < TOL[torch.bfloat16], c
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
+def test_gluon_kernel_matches_reference(m):
+    # The Gluon small-M kernel on blocked and fragment-ordered codes, partial M and N tiles
+    # (N = 400 = 3 x 128 + 16), with and without split-K, with bias.
+    from types import SimpleNamespace
+
+    from qerl_kernels.gemm_fwd import _COUNTER_SLOTS, _tile_counters
+    from qerl_kernels.gemm_gluon import HAVE_GLUON, launch_gluon, to_frag
+    from qerl_kernels.testing import random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    assert HAVE_GLUON
+    n, k = 400, 1152
+    p, s, g = random_nvfp4(n, k, seed=m + 11, device="cuda")
+    groups = to_kernel_layout(p, True).view(torch.int64)
+    scale_u8 = s.contiguous().view(torch.uint8)
+    frag = to_frag(groups, scale_u8)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    bm = max(8, 1 << (m - 1).bit_length())
+    ref = reference_fwd(x, p, s, g, bias)
+    for weights, is_frag in (((groups, scale_u8), False), (frag, True)):
+        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+            for split in (1, 4):
+                cfg = SimpleNamespace(bm=bm, bn=bn, split_k=split, warps=warps)
+                y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+                launch_gluon(x, *weights, g, bias, y, cfg, _tile_counters(x.device), _COUNTER_SLOTS, frag=is_frag)
+                assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, is_frag, rel_err(y, ref))
