@@ -195,6 +195,23 @@ def _nvfp4_fwd_kernel(
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out.to(Y.dtype.element_ty), mask=omask)
 
 
+def split_k_plan(y: torch.Tensor, split_k: int, ksteps: int, grid_mn: int):
+    """(splits, K steps per split, fp32 workspace, tile counters) of a last-arriver split-K launch
+    writing ``y`` [M, N]. One split (``y`` standing in for the unused buffers) where the counters
+    are not available yet (a first call during graph capture) or the tile or workspace index would
+    overflow; the split count is recomputed so that no split is empty."""
+    m, n = y.shape
+    split = max(1, min(split_k, ksteps))
+    cnt = _tile_counters(y.device) if split > 1 else None
+    if split > 1 and (cnt is None or grid_mn > _COUNTER_SLOTS or split * m * n >= 2**31):
+        split = 1
+    per = triton.cdiv(ksteps, split)
+    split = triton.cdiv(ksteps, per)
+    if split == 1:
+        return 1, per, y, y
+    return split, per, torch.empty((split, m, n), dtype=torch.float32, device=y.device), cnt
+
+
 def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
     """TMA descriptors (X [M, K], the blocked int64 code groups), in the kernel's argument order, or
     None where TMA cannot read them (alignment, tile shape). Blocked groups of a 16-row block and
@@ -261,18 +278,9 @@ def nvfp4_matmul(
     if fast is None:
         fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
     kw = k // 8
-    ksteps = triton.cdiv(kw, cfg.bkw)
-    split = max(1, min(cfg.split_k, ksteps))
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    cnt = _tile_counters(x.device) if split > 1 else None
-    if split > 1 and (cnt is None or grid_mn > _COUNTER_SLOTS or split * m * n >= 2**31):
-        split = 1
-    k_per_split = triton.cdiv(ksteps, split) * cfg.bkw
-    split = triton.cdiv(kw, k_per_split)
-    if split > 1:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    else:
-        ws, cnt = y, y  # unused (SPLIT == 1)
+    split, steps_per_split, ws, cnt = split_k_plan(y, cfg.split_k, triton.cdiv(kw, cfg.bkw), grid_mn)
+    k_per_split = steps_per_split * cfg.bkw
     tma = None
     if cfg.tma and twiddled and blocked and fast:
         tma = _tma_descriptors(x, words, cfg)

@@ -51,6 +51,8 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 from qerl_kernels.decode import _TWIDDLED_ASM
+from qerl_kernels.gemm_fwd import split_k_plan
+from qerl_kernels.twiddle import unblock
 
 K_STEP = 128  # K elements per step: 8 scale groups, one 1 KB block per 16 rows
 
@@ -108,12 +110,12 @@ if HAVE_GLUON:
         return gl.reshape(x, [BM, 128])
 
     @gluon.jit
-    def _load_step(X, PW, S, rows_w, rows_s, rg_w, rg_s, xm, xk, xrow_ok, step, KG, stride_xm, stride_sn):
+    def _load_step(X, PW, S, rows, rg, xm, xk, xrow_ok, step, KG, stride_xm, stride_sn):
         """One K step's codes, scales and activations (global -> registers)."""
         kg = step * 8  # first scale group of the step
         # Blocked layout: 16 rows x 8 groups (1 KB) per block, blocks of one row band contiguous in K.
-        pw = gl.load(PW + ((rows_w // 16) * KG * 16 + (rows_w % 16) * 8 + kg * 16 + rg_w))
-        s = gl.load(S + rows_s * stride_sn + kg + rg_s)
+        pw = gl.load(PW + ((rows // 16) * KG * 16 + (rows % 16) * 8 + kg * 16 + rg))
+        s = gl.load(S + rows * stride_sn + kg + rg)
         x = gl.load(X + xm * stride_xm + kg * 16 + xk, mask=xrow_ok, other=0.0)
         return pw, s, x
 
@@ -173,14 +175,14 @@ if HAVE_GLUON:
         if FRAG:
             pw, s, x = _load_step_frag(X, PW, S, off3, xm, xk, xrow_ok, s_lo, stride_xm, RB, CODES)
         else:
-            pw, s, x = _load_step(X, PW, S, rows, rows, rg, rg, xm, xk, xrow_ok, s_lo, KG, stride_xm, stride_sn)
+            pw, s, x = _load_step(X, PW, S, rows, rg, xm, xk, xrow_ok, s_lo, KG, stride_xm, stride_sn)
         for i in range(nsteps):
             # Next step's loads go out first (clamped on the last step: a harmless re-read).
             nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
             if FRAG:
                 pw_n, s_n, x_n = _load_step_frag(X, PW, S, off3, xm, xk, xrow_ok, nxt, stride_xm, RB, CODES)
             else:
-                pw_n, s_n, x_n = _load_step(X, PW, S, rows, rows, rg, rg, xm, xk, xrow_ok, nxt, KG, stride_xm, stride_sn)
+                pw_n, s_n, x_n = _load_step(X, PW, S, rows, rg, xm, xk, xrow_ok, nxt, KG, stride_xm, stride_sn)
             buf = xs.index(i % 2)
             buf.store(_permute_x(x, BM))
             fence_async_shared()
@@ -218,8 +220,6 @@ def to_frag(groups_blocked: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch
     """Blocked twiddled int64 groups [N, K/16] and e4m3 bytes [N, K/16] -> the FRAG
     order, per (16-row block, K step of 8 groups): lane 4 * (row % 8) + group % 4 holds 4 contiguous
     entries (row + 8 * rh, group + 4 * g_hi) at rh * 2 + g_hi."""
-    from qerl_kernels.twiddle import unblock
-
     n, kg = groups_blocked.shape
     t = unblock(groups_blocked.view(torch.uint8)).view(torch.int64).view(n, kg)
 
@@ -229,21 +229,15 @@ def to_frag(groups_blocked: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch
     return rep(t), rep(scale_u8)
 
 
-def launch_gluon(x, groups, scale_u8, global_scale, bias, y, cfg, counters, counter_slots, frag=False):
-    """Run the Gluon kernel for ``x [M, K] @ W^T``: ``groups`` int64 [N, K / 16] twiddled codes, blocked
-    or (``frag``) in ``to_frag`` order with ``scale_u8`` too; ``cfg`` needs bm, bn, split_k, warps."""
+def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, frag=False) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled codes,
+    blocked or (``frag``) in ``to_frag`` order with ``scale_u8`` too; ``cfg`` needs bm, bn, split_k, warps."""
     m, k = x.shape
     n = groups.shape[0]
     kg = k // 16
-    ksteps = kg // 8
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    split = max(1, min(cfg.split_k, ksteps))
-    if split > 1 and (counters is None or grid_mn > counter_slots or split * m * n >= 2**31):
-        split = 1
-    per = triton.cdiv(ksteps, split)
-    split = triton.cdiv(ksteps, per)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    cnt = counters if split > 1 else y
+    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 8, grid_mn)
     _nvfp4_fwd_gluon_kernel[(grid_mn, split)](
         x, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
