@@ -370,9 +370,10 @@ def perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, BKW: tl.conste
     """8 decoded tiles [R, BKW] (tile i, column w = element 8w+i) -> one [R, 8 * BKW] tile in the
     MMA-fragment K order of ``perm_x`` (see gemm_fwd ``PERM``).
 
-    Logical k = 16 b + 8 h + 2 c + t (b = 4 g_hi + b4) takes physical group g = c + 4 g_hi, element
-    i = 2 b4 + h of that group's word t: each thread of a quad (c = lane % 4) then holds exactly its
-    own groups' decoded registers, pairs (t = 0, 1) already adjacent, so no shuffle should be needed.
+    Logical k = 16 b + 8 h + 2 c + t (b = 8 g_hi + 4 g_lo + b4) takes physical group g = 8 g_hi + 2 c
+    + g_lo, element i = 2 b4 + h of that group's word t: each thread of a quad (c = lane % 4) then
+    holds exactly its own groups' decoded registers, pairs (t = 0, 1) already adjacent, so no shuffle
+    should be needed; its groups come in adjacent pairs (2c, 2c + 1: one 16-byte load of codes).
     """
     G: tl.constexpr = BKW // 2
     a0, b0 = _parity_split(e0, R, G)
@@ -389,8 +390,8 @@ def perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, BKW: tl.conste
     q2 = tl.join(tl.join(a4, b4), tl.join(a5, b5))
     q3 = tl.join(tl.join(a6, b6), tl.join(a7, b7))
     s = tl.join(tl.join(q0, q1), tl.join(q2, q3))
-    s = tl.reshape(s, (R, G // 4, 4, 2, 2, 2, 2))  # [R, g_hi, c, t, h, bb0, bb1]
-    s = tl.permute(s, (0, 1, 6, 5, 4, 2, 3))  # [R, g_hi, bb1, bb0, h, c, t]
+    s = tl.reshape(s, (R, G // 8, 4, 2, 2, 2, 2, 2))  # [R, g_hi, c, g_lo, t, h, bb0, bb1]
+    s = tl.permute(s, (0, 1, 3, 7, 6, 5, 2, 4))  # [R, g_hi, g_lo, bb1, bb0, h, c, t]
     return tl.reshape(s, (R, 8 * BKW))
 
 
@@ -398,8 +399,8 @@ def perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, BKW: tl.conste
 def perm_x(x, R: tl.constexpr, BKW: tl.constexpr):
     """Activations [R, 8 * BKW] in natural K order -> the same logical order as ``perm_weights``."""
     G: tl.constexpr = BKW // 2
-    x = tl.reshape(x, (R, G // 4, 4, 2, 2, 2, 2))  # [R, g_hi, c, t, bb1, bb0, h]: k = 16 g + 8 t + i
-    x = tl.permute(x, (0, 1, 4, 5, 6, 2, 3))  # [R, g_hi, bb1, bb0, h, c, t]
+    x = tl.reshape(x, (R, G // 8, 4, 2, 2, 2, 2, 2))  # [R, g_hi, c, g_lo, t, bb1, bb0, h]: k = 16 g + 8 t + i
+    x = tl.permute(x, (0, 1, 3, 5, 6, 7, 2, 4))  # [R, g_hi, g_lo, bb1, bb0, h, c, t]
     return tl.reshape(x, (R, 8 * BKW))
 
 

@@ -48,7 +48,7 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, layout_safe
+from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, heuristic_fwd, layout_safe
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _COUNTER_SLOTS = 1 << 16
@@ -262,6 +262,13 @@ def nvfp4_matmul(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or fwd_config(m, n, k)
+    if cfg.gluon:
+        from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon
+
+        if gluon_supported(x, n, k, twiddled, blocked) and (fast is None or fast) and m > 0:
+            words = as_words(packed).view(torch.int64)
+            return launch_gluon(x, words, scale.contiguous().view(torch.uint8), global_scale, bias, cfg)
+        cfg = heuristic_fwd(m, n, k)  # the weight is not in the layout the Gluon kernel reads
     if twiddled and not layout_safe(cfg):
         cfg = DEQUANT  # a tile family Triton cannot compile on these codes (tile_configs.layout_safe)
     if cfg.dequant:

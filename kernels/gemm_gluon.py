@@ -1,15 +1,13 @@
 """Small-M forward GEMM in Gluon: each thread loads exactly the codes its wgmma register fragment
-decodes, straight from global memory (a measured candidate for M <= 64; not yet in the dispatch).
+decodes, straight from global memory (``FwdConfig.gluon`` tiles, M <= 64 where the table picks them).
 
-Status (H100, 2026-11-22, docs/benchmarks.md "Seventh pass"): on the blocked layout the Triton
-kernels read, this kernel runs 13-16% slower than the tile table (per-thread 8-byte pieces of
-eight rows per warp load); on the fragment-ordered layout ``to_frag`` builds (each lane's 32 bytes
-of codes and 4 scale bytes contiguous: two 16-byte loads and one 4-byte load per thread and step)
-it is within 4-7% of the table on average with the table's own splits, and faster at M = 1 on six of
-the eight Qwen2.5 shapes at its best tile width (7B o 9.3 -> 8.0 us, 32B qkv 16.6 -> 13.9 us). Using
-it needs the scales stored in fragment order at load time, which every other kernel reads, and a
-split/width sweep of its own; both are the next step, so nothing dispatches here yet and
-``benchmarks/probe_frag.py`` is its caller.
+Measured (H100, 2026-11-22, docs/benchmarks.md "Seventh pass"): on row-ordered 1 KB blocks this
+kernel ran 13-16% slower than the Triton tile table (each warp load gathered 8-byte pieces of eight
+rows); with blocks stored in fragment order (``twiddle.block``: each lane's 32 bytes of codes and 4
+scale bytes contiguous, two 16-byte loads and one 4-byte load per thread and step) its best tile
+width and split ran 7.6% faster than the table at M = 1 and 3.2% at M = 16 (geomean of the eight
+Qwen2.5 shapes). That order is now the load-time layout of every kernel, and the sweep puts this
+kernel in the table where it wins.
 
 Why Gluon (Triton's explicit-layout dialect): plain Triton chooses register layouts itself and
 stages loads through shared memory even when every weight has exactly one consumer thread. Here:
@@ -23,7 +21,7 @@ stages loads through shared memory even when every weight has exactly one consum
   shared tile for the wgmma's B side.
 The MMA is waited for each step: keeping one in flight while the next step decodes measured ~2.5%
 faster but is wrong as written (ptxas reuses the in-flight A registers; commit 758360c has it).
-Limits: bf16, sm_90, twiddled + blocked (or fragment-ordered) codes, K % 128 == 0, N % 16 == 0.
+Limits: bf16, sm_90, twiddled + blocked codes and scales, K % 128 == 0, N % 16 == 0.
 Split-K reduces through the same last-arriver workspace as ``gemm_fwd``.
 
 The permutation: logical MMA column k = 16 b + 8 h + 2 c + t (b = 4 g_hi + 2 bb1 + bb0) is physical
@@ -33,6 +31,8 @@ registers (element i of word 0, element i of word 1) = logical (t = 0, t = 1): t
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -52,15 +52,19 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 from qerl_kernels.decode import _TWIDDLED_ASM
 from qerl_kernels.gemm_fwd import split_k_plan
-from qerl_kernels.twiddle import unblock
 
 K_STEP = 128  # K elements per step: 8 scale groups, one 1 KB block per 16 rows
 
 
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def gluon_supported(x: torch.Tensor, n: int, k: int, twiddled: bool, blocked: bool) -> bool:
-    """Whether the Gluon kernel can run this call (see the module docstring's costs)."""
+    """Whether the Gluon kernel can run this call (see the module docstring's limits)."""
     return (HAVE_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and twiddled and blocked
-            and k % K_STEP == 0 and n % 16 == 0 and torch.cuda.get_device_capability(x.device) == (9, 0))
+            and k % K_STEP == 0 and n % 16 == 0 and x.stride(1) == 1 and _is_sm90(x.device.index or 0))
 
 
 if HAVE_GLUON:
@@ -69,12 +73,12 @@ if HAVE_GLUON:
     def _codes_layout(BN, NW):
         """[BN, 8] scale groups of one K step -> the threads whose A fragment they decode into."""
         wg_rows = 16 * NW  # rows covered by the warps once (a warp owns 16 fragment rows)
-        reg = [[0, 4], [8, 0]]
+        reg = [[0, 1], [8, 0]]  # a lane's two adjacent groups (one 16-byte load), then its row + 8
         r = wg_rows
         while r < BN:  # rows past one pass of the warps repeat in registers
             reg.append([r, 0])
             r *= 2
-        lane = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+        lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]  # lane % 4 = c owns groups 2c, 2c + 1
         warp = [[16 << i, 0] for i in range(NW.bit_length() - 1)]
         return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, 8])
 
@@ -96,38 +100,26 @@ if HAVE_GLUON:
                      gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
         p1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
                      gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15])))
-        w = gl.join(p0, p1)  # [BN, 8 (g = 4 g_hi + c), t, h, bb0, bb1]
-        w = gl.reshape(w, [BN, 2, 4, 2, 2, 2, 2])  # [BN, g_hi, c, t, h, bb0, bb1]
-        w = gl.permute(w, [0, 1, 6, 5, 4, 2, 3])  # [BN, g_hi, bb1, bb0, h, c, t]
+        w = gl.join(p0, p1)  # [BN, 8 (g = 2 c + g_lo), t, h, bb0, bb1]
+        w = gl.reshape(w, [BN, 4, 2, 2, 2, 2, 2])  # [BN, c, g_lo, t, h, bb0, bb1]
+        w = gl.permute(w, [0, 2, 6, 5, 4, 1, 3])  # [BN, g_lo, bb1, bb0, h, c, t]
         w = gl.reshape(w, [BN, 128])
         return gl.convert_layout(w, DOT, assert_trivial=True)
 
     @gluon.jit
     def _permute_x(x, BM: gl.constexpr):
         """Activations [BM, 128] in natural K order -> the MMA's permuted K order (see module doc)."""
-        x = gl.reshape(x, [BM, 2, 4, 2, 2, 2, 2])  # [BM, g_hi, c, t, bb1, bb0, h]
-        x = gl.permute(x, [0, 1, 4, 5, 6, 2, 3])  # [BM, g_hi, bb1, bb0, h, c, t]
+        x = gl.reshape(x, [BM, 4, 2, 2, 2, 2, 2])  # [BM, c, g_lo, t, bb1, bb0, h]
+        x = gl.permute(x, [0, 2, 4, 5, 6, 1, 3])  # [BM, g_lo, bb1, bb0, h, c, t]
         return gl.reshape(x, [BM, 128])
 
     @gluon.jit
-    def _load_step(X, PW, S, rows, rg, xm, xk, xrow_ok, step, KG, stride_xm, stride_sn):
-        """One K step's codes, scales and activations (global -> registers)."""
-        kg = step * 8  # first scale group of the step
-        # Blocked layout: 16 rows x 8 groups (1 KB) per block, blocks of one row band contiguous in K.
-        pw = gl.load(PW + ((rows // 16) * KG * 16 + (rows % 16) * 8 + kg * 16 + rg))
-        s = gl.load(S + rows * stride_sn + kg + rg)
-        x = gl.load(X + xm * stride_xm + kg * 16 + xk, mask=xrow_ok, other=0.0)
-        return pw, s, x
-
-    @gluon.jit
-    def _load_step_frag(X, PW, S, off3, xm, xk, xrow_ok, step, stride_xm, RB: gl.constexpr, CODES: gl.constexpr):
-        """FRAG layout: each lane's 4 groups (32 bytes) and 4 scales (4 bytes) are contiguous."""
-        pw = gl.load(PW + off3 + step * 128)
-        s = gl.load(S + off3 + step * 128)
-        pw = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(pw, [RB, 8, 4, 2, 2]), [0, 3, 1, 4, 2]), [RB * 16, 8]),
-                               CODES, assert_trivial=True)
-        s = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(s, [RB, 8, 4, 2, 2]), [0, 3, 1, 4, 2]), [RB * 16, 8]),
-                              CODES, assert_trivial=True)
+    def _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, step, stride_xm):
+        """One K step's codes, scales and activations (global -> registers). Codes: blocked layout,
+        16 rows x 8 groups (1 KB) per block, a row band's blocks contiguous in K, so a lane's two
+        adjacent groups are one 16-byte load; scales row-major (two 2-byte loads per lane)."""
+        pw = gl.load(PW + code_off + step * 128)
+        s = gl.load(S + scale_off + step * 8)
         x = gl.load(X + xm * stride_xm + step * 128 + xk, mask=xrow_ok, other=0.0)
         return pw, s, x
 
@@ -137,7 +129,6 @@ if HAVE_GLUON:
         M, N, KG, steps_per_split,
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        FRAG: gl.constexpr,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -151,38 +142,26 @@ if HAVE_GLUON:
         pid_m = pid // grid_n
         pid_n = pid % grid_n
 
-        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
-        rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
-        rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
         rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
         xm = gl.expand_dims(rm_x, 1)
         xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
         xrow_ok = xm < M
 
-        RB: gl.constexpr = BN // 16
-        F3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-        rb = gl.arange(0, RB, layout=gl.SliceLayout(1, gl.SliceLayout(2, F3)))
-        ln = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, F3)))
-        rr = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, F3)))
-        rbg = (pid_n * RB + rb) % (N // 16)
-        off3 = (gl.expand_dims(gl.expand_dims(rbg * (KG // 8) * 128, 1), 2) + gl.expand_dims(gl.expand_dims(ln * 4, 0), 2)
-                + gl.expand_dims(gl.expand_dims(rr, 0), 1))
+        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
+        rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
+        rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
+        code_off = (rows // 16) * KG * 16 + (rows % 16) * 8 + rg
+        scale_off = rows * stride_sn + rg
         s_lo = pid_k * steps_per_split
         nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
-        if FRAG:
-            pw, s, x = _load_step_frag(X, PW, S, off3, xm, xk, xrow_ok, s_lo, stride_xm, RB, CODES)
-        else:
-            pw, s, x = _load_step(X, PW, S, rows, rg, xm, xk, xrow_ok, s_lo, KG, stride_xm, stride_sn)
+        pw, s, x = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo, stride_xm)
         for i in range(nsteps):
             # Next step's loads go out first (clamped on the last step: a harmless re-read).
             nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
-            if FRAG:
-                pw_n, s_n, x_n = _load_step_frag(X, PW, S, off3, xm, xk, xrow_ok, nxt, stride_xm, RB, CODES)
-            else:
-                pw_n, s_n, x_n = _load_step(X, PW, S, rows, rg, xm, xk, xrow_ok, nxt, KG, stride_xm, stride_sn)
+            pw_n, s_n, x_n = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, nxt, stride_xm)
             buf = xs.index(i % 2)
             buf.store(_permute_x(x, BM))
             fence_async_shared()
@@ -216,22 +195,9 @@ if HAVE_GLUON:
             gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
 
 
-def to_frag(groups_blocked: torch.Tensor, scale_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocked twiddled int64 groups [N, K/16] and e4m3 bytes [N, K/16] -> the FRAG
-    order, per (16-row block, K step of 8 groups): lane 4 * (row % 8) + group % 4 holds 4 contiguous
-    entries (row + 8 * rh, group + 4 * g_hi) at rh * 2 + g_hi."""
-    n, kg = groups_blocked.shape
-    t = unblock(groups_blocked.view(torch.uint8)).view(torch.int64).view(n, kg)
-
-    def rep(a):
-        return a.view(n // 16, 2, 8, kg // 8, 2, 4).permute(0, 3, 2, 5, 1, 4).contiguous().view(n, kg)
-
-    return rep(t), rep(scale_u8)
-
-
-def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, frag=False) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled codes,
-    blocked or (``frag``) in ``to_frag`` order with ``scale_u8`` too; ``cfg`` needs bm, bn, split_k, warps."""
+def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
+    codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps."""
     m, k = x.shape
     n = groups.shape[0]
     kg = k // 16
@@ -243,7 +209,7 @@ def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, frag=False) -> to
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, FRAG=frag,
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
         num_warps=cfg.warps,
     )
     return y

@@ -40,6 +40,7 @@ class FwdConfig:
     stagger: bool = False  # programs start their K walk at different steps (spreads X reads over L2)
     tma: bool = False  # codes and X arrive by TMA bulk copies (blocked twiddled codes, bkw 16, sm_90)
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): more programs per SM
+    gluon: bool = False  # the Gluon kernel (gemm_gluon.py; bm, bn, split_k, warps): blocked bf16 sm_90 only
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,7 +76,7 @@ def layout_safe(cfg: FwdConfig) -> bool:
     machine with both); every other candidate compiles (tests/test_kernels_compile.py). None is in
     the measured table; the GEMM runs such a tile as decode-once + cuBLAS.
     """
-    return cfg.dequant or cfg.swap or cfg.bn // cfg.warps < 32
+    return cfg.dequant or cfg.gluon or cfg.swap or cfg.bn // cfg.warps < 32
 
 
 def m_bucket(m: int) -> int:
@@ -171,7 +172,8 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 256, 16, warps=8, stages=3, swap=True, perm=True, tma=True),
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True, tma=True),
-        ]
+            *_gluon_candidates(16),
+        ] + (_gluon_candidates(8) if m <= 8 else [])
     if m <= 64:
         bm = 32 if m <= 32 else 64
         return [
@@ -191,6 +193,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
             FwdConfig(bm, 128, 16, warps=8, stages=6, swap=True, join=True, tma=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
+            *_gluon_candidates(bm),
         ]
     if m <= 256:
         return [
@@ -216,6 +219,14 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
     ]
+
+
+def _gluon_candidates(bm: int) -> list[FwdConfig]:
+    """The Gluon kernel's tiles (gemm_gluon.py): 64 or 128 weight rows per warpgroup, one or two
+    warpgroups (wider tiles re-read X from L2 less often: at M = 16-64 X costs as much traffic as the
+    codes at BN 64); bkw 16 (one 128-element K step) and swap describe what it computes, for the split
+    heuristic."""
+    return [FwdConfig(bm, bn, 16, warps=w, swap=True, gluon=True) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
 
 
 def bwd_candidates() -> list[BwdConfig]:

@@ -15,7 +15,7 @@ def _configs():
 
     seen = {}
     for c in [*(c for m in (1, 32, 64, 256, 1024) for c in fwd_candidates(m)), *FWD_TABLE.values()]:
-        if not c.dequant:
+        if not c.dequant and not c.gluon:
             seen.setdefault((c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, c.perm, c.tma), c)
     return list(seen.values())
 
@@ -34,3 +34,26 @@ def test_every_tile_compiles_for_sm90(layout):
             continue  # TMA tiles read blocked codes only (gemm_fwd._tma_descriptors)
         compile_fwd(c.bm, c.bn, c.bkw, c.swap, c.join, c.warps, c.stages, True, c.perm, layout == "blocked",
                     tma=c.tma)
+
+
+def test_gluon_tiles_compile_for_sm90():
+    # The Gluon kernel's candidate tiles, through Gluon's ahead-of-time path (no GPU needed).
+    import triton
+    from qerl_kernels.gemm_gluon import HAVE_GLUON, _nvfp4_fwd_gluon_kernel
+    from qerl_kernels.tile_configs import FWD_TABLE, fwd_candidates
+    from triton.backends.compiler import GPUTarget
+
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tiles = {(c.bm, c.bn, c.warps, min(c.split_k, 2)) for c in [*fwd_candidates(1), *fwd_candidates(64),
+                                                                 *FWD_TABLE.values()] if c.gluon}
+    assert tiles
+    sig = {"X": "*bf16", "PW": "*i64", "S": "*u8", "G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32",
+           "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32", "steps_per_split": "i32", "stride_xm": "i32",
+           "stride_ym": "i32"}
+    for bm, bn, warps, split in sorted(tiles):
+        consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps)
+        src = GluonASTSource(_nvfp4_fwd_gluon_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

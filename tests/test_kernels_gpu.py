@@ -85,8 +85,8 @@ def test_twiddled_layout_every_candidate(m, n, k, blocked):
     from qerl_kernels.tile_configs import layout_safe
 
     for cfg in fwd_candidates(m):
-        if not layout_safe(cfg):
-            continue  # runs as decode-once + cuBLAS on these codes: not bit-comparable
+        if not layout_safe(cfg) or cfg.gluon:
+            continue  # runs as decode-once + cuBLAS / Gluon reads blocked codes only: not bit-comparable
         for split in (1, 3):
             d = {**cfg.as_dict(), "split_k": split}
             a = nvfp4_matmul(x, p, s, g, config=FwdConfig(**d))
@@ -141,27 +141,33 @@ def test_tma_tiles_match_pointer_loads(m):
 
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
 def test_gluon_kernel_matches_reference(m):
-    # The Gluon small-M kernel on blocked and fragment-ordered codes, partial M and N tiles
-    # (N = 400 = 3 x 128 + 16), with and without split-K, with bias.
+    # The Gluon small-M kernel on blocked twiddled codes, partial M and N tiles
+    # (N = 400 = 3 x 128 + 16), with and without split-K, with bias; directly and through the
+    # GEMM's dispatch (a ``gluon`` config), which must give the same bits.
     from types import SimpleNamespace
 
-    from qerl_kernels.gemm_gluon import HAVE_GLUON, launch_gluon, to_frag
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.gemm_gluon import HAVE_GLUON, launch_gluon
     from qerl_kernels.testing import random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.tile_configs import FwdConfig
     from qerl_kernels.twiddle import to_kernel_layout
 
     assert HAVE_GLUON
     n, k = 400, 1152
     p, s, g = random_nvfp4(n, k, seed=m + 11, device="cuda")
-    groups = to_kernel_layout(p, True).view(torch.int64)
-    scale_u8 = s.contiguous().view(torch.uint8)
-    frag = to_frag(groups, scale_u8)
+    tp = to_kernel_layout(p, True)
+    groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     bm = max(8, 1 << (m - 1).bit_length())
     ref = reference_fwd(x, p, s, g, bias)
-    for weights, is_frag in (((groups, scale_u8), False), (frag, True)):
-        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
-            for split in (1, 4):
-                cfg = SimpleNamespace(bm=bm, bn=bn, split_k=split, warps=warps)
-                y = launch_gluon(x, *weights, g, bias, cfg, frag=is_frag)
-                assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, is_frag, rel_err(y, ref))
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+        for split in (1, 4):
+            cfg = SimpleNamespace(bm=bm, bn=bn, split_k=split, warps=warps)
+            y = launch_gluon(x, groups, scale_u8, g, bias, cfg)
+            assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, rel_err(y, ref))
+            fc = FwdConfig(bm, bn, 16, split_k=split, warps=warps, swap=True, gluon=True)
+            assert torch.equal(nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True), y)
+    # Not blocked (QERL_TWIDDLE=0, or a shape that does not tile): a gluon entry falls back to Triton.
+    fc = FwdConfig(bm, 64, 16, split_k=2, warps=4, swap=True, gluon=True)
+    assert rel_err(nvfp4_matmul(x, p, s, g, bias=bias, config=fc), ref) < TOL[torch.bfloat16]
