@@ -1,13 +1,13 @@
 """Small-M forward GEMM in Gluon: each thread loads exactly the codes its wgmma register fragment
 decodes, straight from global memory (``FwdConfig.gluon`` tiles, M <= 64 where the table picks them).
 
-Measured (H100, 2026-11-22, docs/benchmarks.md "Seventh pass"): on row-ordered 1 KB blocks this
-kernel ran 13-16% slower than the Triton tile table (each warp load gathered 8-byte pieces of eight
-rows); with blocks stored in fragment order (``twiddle.block``: each lane's 32 bytes of codes and 4
-scale bytes contiguous, two 16-byte loads and one 4-byte load per thread and step) its best tile
-width and split ran 7.6% faster than the table at M = 1 and 3.2% at M = 16 (geomean of the eight
-Qwen2.5 shapes). That order is now the load-time layout of every kernel, and the sweep puts this
-kernel in the table where it wins.
+Measured (H100, 2026-11-22, docs/benchmarks.md "Seventh pass" and "Eighth pass"): once each lane's
+scale groups became adjacent pairs of a blocked row (the ``perm`` order below: two 16-byte code
+loads and two 2-byte scale loads per thread and K step, where the first version gathered 8-byte
+pieces), the best tile per shape ran 13% faster than the Triton tile table at M = 1-4 (geomean of
+the eight Qwen2.5 shapes; 2.34x of cuBLAS bf16 at M = 1) and wins the smaller weights at M = 16-32;
+at M = 16-64 it loses on the large weights, where each K step re-reads as many bytes of X from L2
+as it reads codes. The sweep puts it in the table where it wins.
 
 Why Gluon (Triton's explicit-layout dialect): plain Triton chooses register layouts itself and
 stages loads through shared memory even when every weight has exactly one consumer thread. Here:
@@ -24,10 +24,11 @@ faster but is wrong as written (ptxas reuses the in-flight A registers; commit 7
 Limits: bf16, sm_90, twiddled + blocked codes and scales, K % 128 == 0, N % 16 == 0.
 Split-K reduces through the same last-arriver workspace as ``gemm_fwd``.
 
-The permutation: logical MMA column k = 16 b + 8 h + 2 c + t (b = 4 g_hi + 2 bb1 + bb0) is physical
-element i = 4 bb1 + 2 bb0 + h of word t of scale group g = c + 4 g_hi. Lane c of each quad thus
-holds groups c and c + 4 of its two fragment rows; the twiddled group decode yields bf16x2
-registers (element i of word 0, element i of word 1) = logical (t = 0, t = 1): the fragment's pair.
+The permutation: logical MMA column k = 16 b + 8 h + 2 c + t (b = 4 g_lo + 2 bb1 + bb0) is physical
+element i = 4 bb1 + 2 bb0 + h of word t of scale group g = 2 c + g_lo. Lane c of each quad thus
+holds groups 2c and 2c + 1 (adjacent: one 16-byte load) of its two fragment rows; the twiddled group
+decode yields bf16x2 registers (element i of word 0, element i of word 1) = logical (t = 0, t = 1):
+the fragment's pair.
 """
 
 from __future__ import annotations
