@@ -52,7 +52,7 @@ def test_gluon_tiles_compile_for_sm90():
     assert tiles
     sig = {"X": "*bf16", "PW": "*i64", "S": "*u8", "G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32",
            "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32", "steps_per_split": "i32", "stride_xm": "i32",
-           "stride_ym": "i32"}
+           "stride_sn": "i32", "stride_ym": "i32"}
     for bm, bn, warps, split in sorted(tiles):
         consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps)
         src = GluonASTSource(_nvfp4_fwd_gluon_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
