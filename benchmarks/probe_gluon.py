@@ -4,7 +4,8 @@ benchmark's harness, on the layout qerl loads (twiddled, blocked codes).
 Per shape and M: the table tile (what ships), the Gluon kernel at the table's BM / BN / split /
 warps, and the best Gluon point over tile widths BN 64 / 128 (4 warps) and split-K factors
 ``--splits``. Prints each time in us, its speedup over cuBLAS bf16 (same run) and its relative error
-against the table's output, then geomeans of table time / variant time (above 1 = faster).
+against cuBLAS on the dequantized weight, then geomeans of table time / variant time (above 1 =
+faster). Table points that already run the Gluon kernel are skipped.
 
     python benchmarks/probe_gluon.py --ms 1,16,64
 """

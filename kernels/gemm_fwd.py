@@ -265,13 +265,13 @@ def nvfp4_matmul(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or fwd_config(m, n, k)
+    if fast is None:
+        fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
     if cfg.gluon:
         from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon
 
-        if gluon_supported(x, n, k, twiddled, blocked) and (fast is None or fast) and m > 0:
-            words = as_words(packed).view(torch.int64)
-            return launch_gluon(x, words, scale.contiguous().view(torch.uint8), global_scale, bias, cfg)
-        cfg = heuristic_fwd(m, n, k)  # the weight is not in the layout the Gluon kernel reads
+        if not (fast and gluon_supported(x, n, k, twiddled, blocked)):
+            cfg = heuristic_fwd(m, n, k)  # the weight is not in the layout the Gluon kernel reads
     if twiddled and not layout_safe(cfg):
         cfg = DEQUANT  # a tile family Triton cannot compile on these codes (tile_configs.layout_safe)
     if cfg.dequant:
@@ -279,14 +279,14 @@ def nvfp4_matmul(
         w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled, blocked=blocked)
         return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     words = as_words(packed)
-    if twiddled and (fast if fast is not None else x.dtype == torch.bfloat16 and fast_decode_supported(x.device)):
+    if twiddled and fast:
         words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile
     scale_u8 = scale.contiguous().view(torch.uint8)
+    if cfg.gluon and m > 0:
+        return launch_gluon(x, words, scale_u8, global_scale, bias, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    if fast is None:
-        fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
     kw = k // 8
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     split, steps_per_split, ws, cnt = split_k_plan(y, cfg.split_k, triton.cdiv(kw, cfg.bkw), grid_mn)
