@@ -38,6 +38,13 @@ try:
     out["grad_blocked"] = grad_check(5, 48, 128, "float16", device="cpu", twiddled=True, blocked=True)
 except Exception as e:
     out["grad_blocked"] = repr(e)
+try:
+    from qerl_kernels.gemm_gluon_tma import permute_x, permute_x_reference
+    x = torch.randn(37, 384).to(torch.float16)
+    out["permute_x"] = int((permute_x(x) != permute_x_reference(x)).sum())
+    out["permute_x_strided"] = int((permute_x(x[:, :256]) != permute_x_reference(x[:, :256])).sum())
+except Exception as e:
+    out["permute_x"] = out["permute_x_strided"] = repr(e)
 print("RESULTS" + json.dumps(out))
 """
 
@@ -72,3 +79,10 @@ def test_autograd_through_kernel_matches_reference(interp_results, dtype):
     assert not isinstance(res, str), res
     tol = TOL[getattr(torch, dtype)]
     assert res["y"] < tol and res["dx"] < tol and res["db"] < tol, res
+
+
+@pytest.mark.parametrize("case", ["permute_x", "permute_x_strided"])
+def test_permute_x_kernel_matches_torch(interp_results, case):
+    # The Gluon TMA kernel's activation permutation (a Triton kernel) against its torch definition;
+    # the strided case reads a column slice (row stride 384, K 256).
+    assert interp_results[case] == 0, interp_results[case]

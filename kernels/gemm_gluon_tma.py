@@ -1,0 +1,214 @@
+"""Mid-M forward GEMM in Gluon (M = 64-256 tokens): the activations come by TMA into a shared-memory
+ring, the weights' codes straight into the registers whose wgmma A fragment they decode into
+(``FwdConfig.gluon`` + ``FwdConfig.xtma`` tiles).
+
+Trade-off: the small-M Gluon kernel (gemm_gluon.py) stages X through registers, permuting it into the
+MMA's K order on the way; from M = 64 up, X is as many bytes per K step as the codes or more, and its
+register staging (one step ahead, a full MMA wait per step) is what the tile waits on. Here X is
+permuted once per call instead (``permute_x``, one read and one write of X: a few us at M <= 256)
+and then streamed by TMA, ``STAGES`` steps ahead, while each thread loads its codes two steps ahead.
+The decode and the MMA go in half steps (64 K elements: the even or odd scale groups of each lane,
+see gemm_gluon's permutation), so with ``INFLIGHT`` one half step's MMA runs while the next one
+decodes; the in-flight MMA's register operand is handed to the next wait as a dependency, which keeps
+ptxas from reusing its registers under it (the small-M kernel's first attempt at this was wrong for
+lack of exactly that).
+Limits as gemm_gluon (bf16, sm_90, twiddled + blocked, K % 128 == 0, N % 16 == 0); any X row stride
+(the permutation pass writes the contiguous copy TMA reads). Split-K reduces through ``gemm_fwd``'s last-arriver workspace.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl_kernels.decode import _TWIDDLED_ASM, perm_x
+from qerl_kernels.gemm_fwd import split_k_plan
+from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from qerl_kernels.gemm_gluon import _codes_layout
+
+
+@triton.jit
+def _permute_x_kernel(X, XP, M, K, stride_xm, stride_pm, BR: tl.constexpr):
+    """X [M, K] -> XP [M, K] with every 128-column step in the MMA's K order (decode.perm_x)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(X + rows * stride_xm + cols, mask=rows < M, other=0.0)
+    tl.store(XP + rows * stride_pm + cols, perm_x(x, BR, 16), mask=rows < M)
+
+
+def permute_x(x: torch.Tensor) -> torch.Tensor:
+    """Activations [M, K] (K % 128 == 0) in the K order the Gluon kernels' decoded weights use."""
+    m, k = x.shape
+    xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    if m:
+        _permute_x_kernel[(triton.cdiv(m, 16), k // K_STEP)](x, xp, m, k, x.stride(0), xp.stride(0), BR=16)
+    return xp
+
+
+def permute_x_reference(x: torch.Tensor) -> torch.Tensor:
+    """``permute_x`` in torch: column 128 s + k of the result is X's column 128 s + (the physical
+    element of logical MMA column k; gemm_gluon's module docstring)."""
+    m, k = x.shape
+    return x.reshape(m, k // 128, 4, 2, 2, 2, 2, 2).permute(0, 1, 3, 5, 6, 7, 2, 4).reshape(m, k)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _decode_half(pw, s, BN: gl.constexpr, DOT: gl.constexpr):
+        """int64 groups [BN, 4] (lane c's group 2 c + g_lo of one K step) + e4m3 scales -> the wgmma
+        A fragment [BN, 64] of that half step (logical k = 16 (2 bb1 + bb0) + 8 h + 2 c + t)."""
+        sc = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
+        o = gl.inline_asm_elementwise(
+            asm=_TWIDDLED_ASM, constraints="=h," * 16 + "l,h", args=[pw, sc],
+            dtype=(gl.bfloat16,) * 16, is_pure=True, pack=1)
+        p0 = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
+                     gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+        p1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
+                     gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15])))
+        w = gl.join(p0, p1)  # [BN, c, t, h, bb0, bb1]
+        w = gl.permute(w, [0, 5, 4, 3, 1, 2])  # [BN, bb1, bb0, h, c, t]
+        w = gl.reshape(w, [BN, 64])
+        return gl.convert_layout(w, DOT, assert_trivial=True)
+
+    @gluon.jit
+    def _load_codes(PW, S, code_off, scale_off, step):
+        return gl.load(PW + code_off + step * 128), gl.load(S + scale_off + step * 8)
+
+    @gluon.jit
+    def _halves(t, BN: gl.constexpr):
+        """[BN, 8] groups of a step -> (even groups, odd groups), each [BN, 4]: a register split."""
+        return gl.split(gl.reshape(t, [BN, 4, 2]))
+
+    @gluon.jit
+    def _issue_x(x_desc, xs, bars, stage, row, step, pred):
+        bar = bars.index(stage)
+        mbarrier.expect(bar, 2 * x_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [row, step * 128], bar, xs.index(2 * stage), pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [row, step * 128 + 64], bar, xs.index(2 * stage + 1), pred=pred)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _nvfp4_fwd_gluon_tma_kernel(
+        x_desc, PW, S, G, B, Y, WS, CNT,
+        M, N, KG, steps_per_split,
+        stride_sn, stride_ym,
+        BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
+        STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
+    ):
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        CODES: gl.constexpr = _codes_layout(BN, NW)
+
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        grid_m = gl.cdiv(M, BM)
+        pid_m = pid % grid_m  # the row tiles of one weight tile run together: its codes hit L2 again
+        pid_n = pid // grid_m
+
+        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
+        rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
+        rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
+        code_off = (rows // 16) * KG * 16 + (rows % 16) * 8 + rg
+        scale_off = rows * stride_sn + rg
+        s_lo = pid_k * steps_per_split
+        nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
+
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 64], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(STAGES):
+            mbarrier.init(bars.index(b), count=1)
+        for j in gl.static_range(STAGES - 1):
+            _issue_x(x_desc, xs, bars, j, pid_m * BM, s_lo + j, j < nsteps)
+
+        pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
+        pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
+        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+        a_odd = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)  # the previous step's second half (in flight)
+        for i in range(nsteps):
+            # Codes two steps ahead go out first (clamped at the end: a harmless re-read).
+            pw_n, s_n = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(i + 2, nsteps - 1))
+            st = i % STAGES
+            pw_e, pw_o = _halves(pw, BN)
+            s_e, s_o = _halves(s, BN)
+            a_even = _decode_half(pw_e, s_e, BN, DOT)
+            mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+            tok = warpgroup_mma(a_even, xs.index(2 * st).permute((1, 0)), acc, is_async=True)
+            if INFLIGHT:
+                acc, a_odd = warpgroup_mma_wait(1, deps=[tok, a_odd])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[tok])
+            a_odd = _decode_half(pw_o, s_o, BN, DOT)
+            tok = warpgroup_mma(a_odd, xs.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+            if INFLIGHT:
+                acc, a_even = warpgroup_mma_wait(1, deps=[tok, a_even])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[tok])
+            # Step i - 1's MMAs are complete in both warpgroups past this barrier: refill its stage.
+            gl.thread_barrier()
+            nxt = i + STAGES - 1
+            _issue_x(x_desc, xs, bars, nxt % STAGES, pid_m * BM, s_lo + nxt, nxt < nsteps)
+            pw, s = pw1, s1
+            pw1, s1 = pw_n, s_n
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        for b in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(b))
+
+        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
+        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        n2 = gl.expand_dims(rn, 1)
+        m2 = gl.expand_dims(rm, 0)
+        omask = (n2 < N) & (m2 < M)
+        if SPLIT > 1:
+            ws_tile = WS + m2 * N + n2
+            gl.store(ws_tile + pid_k * M * N, out, mask=omask)
+            gl.thread_barrier()  # all partial stores precede the counter's release
+            arrived = gl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = gl.zeros([BN, BM], gl.float32, layout=ACC)
+                for sk in gl.static_range(SPLIT):
+                    total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
+                gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
+                gl.atomic_xchg(CNT + pid, 0)
+        else:
+            if HAS_BIAS:
+                out += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
+            gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
+
+
+def x_layout(bm: int):
+    """The shared layout of one [BM, 64] half step of X (128-byte swizzle: what TMA and wgmma share)."""
+    return gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+
+
+def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (+ bias) by the TMA-fed Gluon kernel; arguments as ``gemm_gluon.launch_gluon``;
+    ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight."""
+    m, k = x.shape
+    n = groups.shape[0]
+    kg = k // 16
+    xp = permute_x(x)
+    x_desc = GluonDescriptor.from_tensor(xp, [cfg.bm, 64], x_layout(cfg.bm))
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 8, grid_mn)
+    _nvfp4_fwd_gluon_tma_kernel[(grid_mn, split)](
+        x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        y, ws, cnt,
+        m, n, kg, per,
+        scale_u8.stride(0), y.stride(0),
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
+        STAGES=max(2, cfg.stages), INFLIGHT=cfg.inflight,
+        num_warps=cfg.warps,
+    )
+    return y
