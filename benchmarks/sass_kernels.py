@@ -49,6 +49,20 @@ def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3,
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
+def resource_usage(kernel) -> dict:
+    """REG / SHARED / LOCAL (spill bytes per thread) of a compiled kernel, read by the cuobjdump that
+    ships with Triton."""
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        res = subprocess.run([str(bindir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                             capture_output=True, text=True).stdout
+    return {key: int(v) for key, v in re.findall(r"(REG|SHARED|LOCAL):(\d+)", res)}
+
+
 def main(argv=None) -> int:
     import triton
 

@@ -47,6 +47,8 @@ try:  # Gluon ships with Triton >= 3.5; its API is experimental, so a missing pi
         warpgroup_mma_wait,
     )
 
+    # Triton 3.6 (the H100's) calls the CTA-wide barrier thread_barrier; later ones barrier.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -166,7 +168,7 @@ if HAVE_GLUON:
             buf = xs.index(i % 2)
             buf.store(_permute_x(x, BM))
             fence_async_shared()
-            gl.thread_barrier()  # every warp's X rows are in shared memory before the wgmma reads them
+            _cta_barrier()  # every warp's X rows are in shared memory before the wgmma reads them
             a = _decode_fragment(pw, s, BN, DOT)
             acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, buf.permute((1, 0)), acc, is_async=True)])
             pw, s, x = pw_n, s_n, x_n
@@ -180,7 +182,7 @@ if HAVE_GLUON:
         if SPLIT > 1:
             ws_tile = WS + m2 * N + n2
             gl.store(ws_tile + pid_k * M * N, out, mask=omask)
-            gl.thread_barrier()  # all partial stores precede the counter's release
+            _cta_barrier()  # all partial stores precede the counter's release
             arrived = gl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=ACC)

@@ -21,18 +21,24 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from qerl_kernels.decode import _TWIDDLED_ASM, perm_x
 from qerl_kernels.gemm_fwd import split_k_plan
 from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP
 
 if HAVE_GLUON:
+    from qerl_kernels.gemm_gluon import _codes_layout, _cta_barrier
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from qerl_kernels.gemm_gluon import _codes_layout
+    # Triton 3.6 (the H100's) names the TMA load async_copy_global_to_shared; later ones async_load.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @triton.jit
@@ -92,8 +98,8 @@ if HAVE_GLUON:
     def _issue_x(x_desc, xs, bars, stage, row, step, pred):
         bar = bars.index(stage)
         mbarrier.expect(bar, 2 * x_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [row, step * 128], bar, xs.index(2 * stage), pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [row, step * 128 + 64], bar, xs.index(2 * stage + 1), pred=pred)
+        _tma_load(x_desc, [row, step * 128], bar, xs.index(2 * stage), pred=pred)
+        _tma_load(x_desc, [row, step * 128 + 64], bar, xs.index(2 * stage + 1), pred=pred)
 
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_tma_kernel(
@@ -152,7 +158,7 @@ if HAVE_GLUON:
             else:
                 acc = warpgroup_mma_wait(0, deps=[tok])
             # Step i - 1's MMAs are complete in both warpgroups past this barrier: refill its stage.
-            gl.thread_barrier()
+            _cta_barrier()
             nxt = i + STAGES - 1
             _issue_x(x_desc, xs, bars, nxt % STAGES, pid_m * BM, s_lo + nxt, nxt < nsteps)
             pw, s = pw1, s1
@@ -170,7 +176,7 @@ if HAVE_GLUON:
         if SPLIT > 1:
             ws_tile = WS + m2 * N + n2
             gl.store(ws_tile + pid_k * M * N, out, mask=omask)
-            gl.thread_barrier()  # all partial stores precede the counter's release
+            _cta_barrier()  # all partial stores precede the counter's release
             arrived = gl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT - 1:
                 total = gl.zeros([BN, BM], gl.float32, layout=ACC)

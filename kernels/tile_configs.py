@@ -175,7 +175,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True, tma=True),
             *_gluon_candidates(16),
-        ] + (_gluon_candidates(8) if m <= 8 else [])
+        ] + (_gluon_candidates(8) if m <= 8 else _gluon_tma_candidates(16))
     if m <= 64:
         bm = 32 if m <= 32 else 64
         return [
@@ -196,6 +196,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=8, stages=6, swap=True, join=True, tma=True),
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
             *_gluon_candidates(bm),
+            *_gluon_tma_candidates(bm),
         ]
     if m <= 256:
         return [
@@ -212,9 +213,11 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(128, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
             FwdConfig(64, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
             DEQUANT,
+            *_gluon_tma_candidates(128),
         ] + ([
             FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),
             FwdConfig(256, 64, 8, warps=4, stages=3, swap=True, join=True),
+            *_gluon_tma_candidates(256),
         ] if m > 128 else [])
     return [
         DEQUANT,
@@ -229,6 +232,15 @@ def _gluon_candidates(bm: int) -> list[FwdConfig]:
     codes at BN 64); bkw 16 (one 128-element K step) and swap describe what it computes, for the split
     heuristic."""
     return [FwdConfig(bm, bn, 16, warps=w, swap=True, gluon=True) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+
+
+def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:
+    """The TMA-fed Gluon kernel's tiles (gemm_gluon_tma.py), one MMA half step in flight: one warpgroup
+    of 64 weight rows (won most of M = 64-256 in the first probe, H100 2026-11-22: several programs per
+    SM) or two of 64; the X ring as deep as shared memory allows (BM x 256 bytes per stage)."""
+    rings = (3, 4) if bm <= 128 else (3,)
+    return [FwdConfig(bm, bn, 16, warps=w, stages=st, swap=True, gluon=True, xtma=True, inflight=True)
+            for bn, w in ((64, 4), (128, 8)) for st in rings]
 
 
 def bwd_candidates() -> list[BwdConfig]:

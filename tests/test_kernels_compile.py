@@ -57,3 +57,35 @@ def test_gluon_tiles_compile_for_sm90():
         consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps)
         src = GluonASTSource(_nvfp4_fwd_gluon_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+def test_gluon_tma_tiles_compile_for_sm90():
+    # The TMA-fed Gluon kernel's candidate and table tiles, ahead of time; none may spill registers
+    # (a spilled accumulator would make a tile silently slow, not wrong).
+    import triton
+    from qerl_kernels.gemm_gluon import HAVE_GLUON
+    from qerl_kernels.tile_configs import FWD_TABLE, fwd_candidates
+    from triton.backends.compiler import GPUTarget
+
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, x_layout
+    from sass_kernels import resource_usage
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tiles = {(c.bm, c.bn, c.warps, c.stages, c.inflight, min(c.split_k, 2))
+             for c in [*(c for m in (16, 64, 256) for c in fwd_candidates(m)), *FWD_TABLE.values()] if c.xtma}
+    assert tiles
+    for bm, bn, warps, stages, inflight, split in sorted(tiles):
+        sig = {"x_desc": f"tensordesc<bf16[{bm},64],{x_layout(bm)!r}>", "PW": "*i64", "S": "*u8", "G": "*fp32",
+               "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32",
+               "steps_per_split": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+        consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps, STAGES=stages, INFLIGHT=inflight)
+        src = GluonASTSource(_nvfp4_fwd_gluon_tma_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        usage = resource_usage(kern)
+        assert usage["LOCAL"] == 0, (bm, bn, warps, stages, split, usage)
