@@ -11,7 +11,8 @@ The decode and the MMA go in half steps (64 K elements: the even or odd scale gr
 see gemm_gluon's permutation), so with ``INFLIGHT`` one half step's MMA runs while the next one
 decodes; the in-flight MMA's register operand is handed to the next wait as a dependency, which keeps
 ptxas from reusing its registers under it (the small-M kernel's first attempt at this was wrong for
-lack of exactly that).
+lack of exactly that). Two half steps in flight (three A fragments live) measured no faster on the
+H100 and returned NaNs on some shapes: not kept.
 Limits as gemm_gluon (bf16, sm_90, twiddled + blocked, K % 128 == 0, N % 16 == 0); any X row stride
 (the permutation pass writes the contiguous copy TMA reads). Split-K reduces through ``gemm_fwd``'s last-arriver workspace.
 """
@@ -214,7 +215,7 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tens
         m, n, kg, per,
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
-        STAGES=max(2, cfg.stages), INFLIGHT=cfg.inflight,
+        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight),
         num_warps=cfg.warps,
     )
     return y

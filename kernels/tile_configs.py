@@ -42,7 +42,7 @@ class FwdConfig:
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg): more programs per SM
     gluon: bool = False  # the Gluon kernel (gemm_gluon.py; bm, bn, split_k, warps): blocked bf16 sm_90 only
     xtma: bool = False  # with gluon: X permuted once and fed by TMA (gemm_gluon_tma.py; stages = X ring)
-    inflight: bool = False  # with xtma: one half step's MMA in flight while the next decodes
+    inflight: bool = False  # with xtma: one MMA half step in flight while the next decodes
 
     def as_dict(self) -> dict:
         return asdict(self)
