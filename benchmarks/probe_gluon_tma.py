@@ -19,8 +19,10 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import add_probe_args, bench_fwd_point, probe_points  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, probe_points, time_graph  # noqa: E402
 
 
 def candidates(m: int, args):
@@ -60,9 +62,15 @@ def main(argv=None) -> int:
             if best is None or us < best[0]:
                 best = (us, err, cfg)
         us, err, cfg = best
+        from qerl_kernels.gemm_gluon_tma import permute_x
+
+        x = torch.randn(m, d.k, device="cuda", dtype=torch.bfloat16)
+        # The X permutation pass alone (part of every time above), 32 calls per graph: one would time the
+        # graph launch.
+        t_perm = time_graph([lambda x=x: permute_x(x)] * 32)
         tile = f"BM {cfg.bm} BN {cfg.bn}x{cfg.warps}w stages {cfg.stages} inflight {int(cfg.inflight)} split {cfg.split_k}"
         print(f"{model} {layer} M={m}: cuBLAS {cub:.1f} | table {t_tab:.1f} ({cub / t_tab:.2f}x) | "
-              f"gluon-tma {us:.1f} ({cub / us:.2f}x, {tile}, err {err:.0e})", flush=True)
+              f"gluon-tma {us:.1f} ({cub / us:.2f}x, {tile}, err {err:.0e}) | permute X {t_perm:.1f}", flush=True)
         ratios[m].append(t_tab / us)
         ratios[("cublas", m)].append(cub / min(us, t_tab))
         wins[tile] += 1

@@ -223,6 +223,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         DEQUANT,
         FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
+        *_gluon_tma_candidates(256),
     ]
 
 
