@@ -22,10 +22,12 @@ spent ~15 PTX ops per weight on it and ran at 0.92-1.53x of cuBLAS at M <= 16).
   step and X as one [BM, 128] box, through Triton's descriptor loads; same decode and MMA. They win
   most M = 32-256 points (5-12%) and are neutral at M <= 16.
 - ``gluon`` table entries run ``gemm_gluon.py`` instead (blocked bf16 weights on sm_90; the
-  heuristic Triton tile otherwise): it wins M = 1-4 on almost every shape.
-Measured on an H100 (docs/benchmarks.md, 2026-11-22, with the Gluon entries): 2.3x of cuBLAS bf16
-at M = 1-4 and 2.0x at M = 16 (target 3x; a bare streaming read of the same bytes reaches 3.4x
-there), 1.11x at M = 64, 0.92x at M = 4096.
+  heuristic Triton tile otherwise): it wins M = 1-4 on almost every shape; ``gluon`` + ``xtma``
+  entries run ``gemm_gluon_tma.py`` (X permuted once and streamed by TMA): most of M = 32-256 and
+  the large weights at M = 1024.
+Measured on an H100 (docs/benchmarks.md, 2026-11-22, ninth pass): 2.3x of cuBLAS bf16 at M = 1-4 and
+2.0x at M = 16 (target 3x; a bare streaming read of the same bytes reaches 3.4x there), 1.22x at
+M = 64, 0.95x at M = 128, 0.79x at M = 1024, 0.93x at M = 4096.
 
 Split-K without extra launches: every split writes its fp32 partial to a workspace, then bumps a
 per-tile counter (acq_rel atomic); the program that arrives last sums the partials in split order
