@@ -285,9 +285,9 @@ def nvfp4_matmul(
         words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile
     scale_u8 = scale.contiguous().view(torch.uint8)
     if cfg.gluon and m > 0:
-        if cfg.xtma:
-            from qerl_kernels.gemm_gluon_tma import launch_gluon_tma
+        from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
 
+        if cfg.xtma and HAVE_GLUON_TMA:
             return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg)
         return launch_gluon(x, words, scale_u8, global_scale, bias, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -92,8 +92,9 @@ if HAVE_GLUON:
         return gl.BlockedLayout([1, 8], [32 // tpw_k, tpw_k], [NW, 1], [1, 0])
 
     @gluon.jit
-    def _decode_fragment(pw, s, BN: gl.constexpr, DOT: gl.constexpr):
-        """int64 groups [BN, 8] + raw e4m3 scales [BN, 8] -> the wgmma A fragment [BN, 128] (permuted K)."""
+    def _decode_groups(pw, s):
+        """int64 twiddled scale groups [BN, G] + raw e4m3 scales [BN, G] -> bf16 [BN, G, t, h, bb0, bb1]:
+        element i = 4 bb1 + 2 bb0 + h of word t of each group (the twiddled decode's register pairs)."""
         sc = (s.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.32306998946229e35).to(gl.bfloat16)
         o = gl.inline_asm_elementwise(
             asm=_TWIDDLED_ASM, constraints="=h," * 16 + "l,h", args=[pw, sc],
@@ -103,11 +104,46 @@ if HAVE_GLUON:
                      gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
         p1 = gl.join(gl.join(gl.join(o[8], o[9]), gl.join(o[10], o[11])),
                      gl.join(gl.join(o[12], o[13]), gl.join(o[14], o[15])))
-        w = gl.join(p0, p1)  # [BN, 8 (g = 2 c + g_lo), t, h, bb0, bb1]
+        return gl.join(p0, p1)
+
+    @gluon.jit
+    def _decode_fragment(pw, s, BN: gl.constexpr, DOT: gl.constexpr):
+        """int64 groups [BN, 8] + raw e4m3 scales [BN, 8] -> the wgmma A fragment [BN, 128] (permuted K)."""
+        w = _decode_groups(pw, s)  # [BN, 8 (g = 2 c + g_lo), t, h, bb0, bb1]
         w = gl.reshape(w, [BN, 4, 2, 2, 2, 2, 2])  # [BN, c, g_lo, t, h, bb0, bb1]
         w = gl.permute(w, [0, 2, 6, 5, 4, 1, 3])  # [BN, g_lo, bb1, bb0, h, c, t]
         w = gl.reshape(w, [BN, 128])
         return gl.convert_layout(w, DOT, assert_trivial=True)
+
+    @gluon.jit
+    def _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym,
+                    BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    ACC: gl.constexpr):
+        """The swapped tile acc [BN, BM] -> Y [M, N] (bias, the fast decode's 2^8 and the global scale
+        applied); with SPLIT > 1 through the fp32 workspace, the last program to arrive reducing."""
+        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
+        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        n2 = gl.expand_dims(rn, 1)
+        m2 = gl.expand_dims(rm, 0)
+        omask = (n2 < N) & (m2 < M)
+        if SPLIT > 1:
+            ws_tile = WS + m2 * N + n2
+            gl.store(ws_tile + pid_k * M * N, out, mask=omask)
+            _cta_barrier()  # all partial stores precede the counter's release
+            arrived = gl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = gl.zeros([BN, BM], gl.float32, layout=ACC)
+                for sk in gl.static_range(SPLIT):
+                    total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
+                gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
+                gl.atomic_xchg(CNT + pid, 0)
+        else:
+            if HAS_BIAS:
+                out += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
+            gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
 
     @gluon.jit
     def _permute_x(x, BM: gl.constexpr):
@@ -173,29 +209,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, buf.permute((1, 0)), acc, is_async=True)])
             pw, s, x = pw_n, s_n, x_n
 
-        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
-        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-        n2 = gl.expand_dims(rn, 1)
-        m2 = gl.expand_dims(rm, 0)
-        omask = (n2 < N) & (m2 < M)
-        if SPLIT > 1:
-            ws_tile = WS + m2 * N + n2
-            gl.store(ws_tile + pid_k * M * N, out, mask=omask)
-            _cta_barrier()  # all partial stores precede the counter's release
-            arrived = gl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                total = gl.zeros([BN, BM], gl.float32, layout=ACC)
-                for sk in gl.static_range(SPLIT):
-                    total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
-                gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
-                gl.atomic_xchg(CNT + pid, 0)
-        else:
-            if HAS_BIAS:
-                out += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
-            gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
+        _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
 
 
 def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
