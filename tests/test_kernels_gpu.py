@@ -139,6 +139,20 @@ def test_tma_tiles_match_pointer_loads(m):
             assert rel_err(y, ref) < TOL[torch.bfloat16], c
 
 
+def _gluon_case(m: int, seed: int):
+    """A blocked, twiddled NVFP4 weight [400, 1152] (partial 128-row tiles), bf16 X [m, 1152], bias,
+    and the reference output: what the Gluon kernel tests share."""
+    from qerl_kernels.testing import random_nvfp4, reference_fwd
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    n, k = 400, 1152
+    p, s, g = random_nvfp4(n, k, seed=seed, device="cuda")
+    tp = to_kernel_layout(p, True)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return p, s, g, tp, x, bias, reference_fwd(x, p, s, g, bias)
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64])
 def test_gluon_kernel_matches_reference(m):
     # The Gluon small-M kernel on blocked twiddled codes, partial M and N tiles
@@ -148,19 +162,13 @@ def test_gluon_kernel_matches_reference(m):
 
     from qerl_kernels.gemm_fwd import nvfp4_matmul
     from qerl_kernels.gemm_gluon import HAVE_GLUON, launch_gluon
-    from qerl_kernels.testing import random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.testing import rel_err
     from qerl_kernels.tile_configs import FwdConfig
-    from qerl_kernels.twiddle import to_kernel_layout
 
     assert HAVE_GLUON
-    n, k = 400, 1152
-    p, s, g = random_nvfp4(n, k, seed=m + 11, device="cuda")
-    tp = to_kernel_layout(p, True)
+    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 11)
     groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     bm = max(8, 1 << (m - 1).bit_length())
-    ref = reference_fwd(x, p, s, g, bias)
     for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
         for split in (1, 4):
             cfg = SimpleNamespace(bm=bm, bn=bn, split_k=split, warps=warps)
@@ -181,21 +189,19 @@ def test_gluon_tma_kernel_matches_reference(m):
     from types import SimpleNamespace
 
     from qerl_kernels.gemm_fwd import nvfp4_matmul
-    from qerl_kernels.gemm_gluon_tma import launch_gluon_tma
-    from qerl_kernels.testing import random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
+    from qerl_kernels.testing import reference_fwd, rel_err
     from qerl_kernels.tile_configs import FwdConfig
-    from qerl_kernels.twiddle import to_kernel_layout
 
-    n, k = 400, 1152
-    p, s, g = random_nvfp4(n, k, seed=m + 23, device="cuda")
-    tp = to_kernel_layout(p, True)
+    assert HAVE_GLUON_TMA
+    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 23)
     groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    ref = reference_fwd(x, p, s, g, bias)
-    for bm in {min(128, max(16, 1 << (m - 1).bit_length())), 64}:
+    for bm in {min(128, max(16, 1 << (m - 1).bit_length())), 64, 256}:  # 256: the M >= 256 table tiles
         for bn, warps in ((64, 4), (128, 8), (256, 8)):
+            if bm * bn > 128 * 256:
+                continue  # accumulator past the register file (not a candidate)
             for split, stages, inflight in ((1, 2, True), (1, 4, False), (3, 3, True)):
+                stages = min(stages, 3) if bm == 256 else stages  # the X ring within shared memory
                 cfg = SimpleNamespace(bm=bm, bn=bn, split_k=split, warps=warps, stages=stages, inflight=inflight)
                 y = launch_gluon_tma(x, groups, scale_u8, g, bias, cfg)
                 assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, rel_err(y, ref))
@@ -203,6 +209,7 @@ def test_gluon_tma_kernel_matches_reference(m):
         y = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
         assert torch.equal(y, launch_gluon_tma(x, groups, scale_u8, g, bias, fc))
     # X with a row stride TMA could not use: the permutation pass writes a contiguous copy anyway.
+    k = x.shape[1]
     xs = torch.randn(m, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
     y = nvfp4_matmul(xs, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
     assert rel_err(y, reference_fwd(xs, p, s, g, bias)) < TOL[torch.bfloat16]
