@@ -28,7 +28,7 @@ from bench_kernels import add_probe_args, bench_fwd_point, probe_points, time_gr
 def candidates(m: int, args):
     from qerl_kernels.tile_configs import FwdConfig
 
-    bm = min(args.bm, 1 << (m - 1).bit_length())
+    bm = min(args.bm, max(16, 1 << (m - 1).bit_length()))  # wgmma N >= 8; TMA boxes of 16 rows
     for bn_w in args.bns.split(","):
         bn, warps = map(int, bn_w.split("x"))
         for stages in map(int, args.stages.split(",")):

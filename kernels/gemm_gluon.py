@@ -153,6 +153,15 @@ if HAVE_GLUON:
         return gl.reshape(x, [BM, 128])
 
     @gluon.jit
+    def _group_offsets(pid_n, N, KG, stride_sn, BN: gl.constexpr, CODES: gl.constexpr):
+        """Offsets of a tile's first K step: int64 code groups [BN, 8] in the blocked layout (16 rows x
+        8 groups per 1 KB block, a row band's blocks contiguous in K) and their scale bytes."""
+        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
+        rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
+        rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
+        return (rows // 16) * KG * 16 + (rows % 16) * 8 + rg, rows * stride_sn + rg
+
+    @gluon.jit
     def _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, step, stride_xm):
         """One K step's codes, scales and activations (global -> registers). Codes: blocked layout,
         16 rows x 8 groups (1 KB) per block, a row band's blocks contiguous in K, so a lane's two
@@ -186,11 +195,7 @@ if HAVE_GLUON:
         xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
         xrow_ok = xm < M
 
-        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
-        rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
-        rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
-        code_off = (rows // 16) * KG * 16 + (rows % 16) * 8 + rg
-        scale_off = rows * stride_sn + rg
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
         s_lo = pid_k * steps_per_split
         nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)

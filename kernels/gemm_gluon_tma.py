@@ -29,7 +29,13 @@ from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
     try:
-        from qerl_kernels.gemm_gluon import _codes_layout, _cta_barrier, _decode_groups, _store_tile
+        from qerl_kernels.gemm_gluon import (
+            _codes_layout,
+            _cta_barrier,
+            _decode_groups,
+            _group_offsets,
+            _store_tile,
+        )
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -117,11 +123,7 @@ if HAVE_GLUON_TMA:
         pid_m = pid % grid_m  # the row tiles of one weight tile run together: its codes hit L2 again
         pid_n = pid // grid_m
 
-        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
-        rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
-        rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
-        code_off = (rows // 16) * KG * 16 + (rows % 16) * 8 + rg
-        scale_off = rows * stride_sn + rg
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
         s_lo = pid_k * steps_per_split
         nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
 
