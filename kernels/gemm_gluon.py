@@ -34,6 +34,7 @@ the fragment's pair.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -65,8 +66,10 @@ def _is_sm90(index: int) -> bool:
 
 
 def gluon_supported(x: torch.Tensor, n: int, k: int, twiddled: bool, blocked: bool) -> bool:
-    """Whether the Gluon kernel can run this call (see the module docstring's limits)."""
-    return (HAVE_GLUON and x.is_cuda and x.dtype == torch.bfloat16 and twiddled and blocked
+    """Whether the Gluon kernels can run this call (see the module docstring's limits).
+    ``QERL_GLUON=0`` turns them off (Gluon is Triton's experimental API; the table's Gluon entries then
+    run the heuristic Triton tile), e.g. to tell a Gluon fault from a model one."""
+    return (HAVE_GLUON and os.environ.get("QERL_GLUON", "1") != "0" and x.is_cuda and x.dtype == torch.bfloat16 and twiddled and blocked
             and k % K_STEP == 0 and n % 16 == 0 and x.stride(1) == 1 and _is_sm90(x.device.index or 0))
 
 

@@ -213,3 +213,22 @@ def test_gluon_tma_kernel_matches_reference(m):
     xs = torch.randn(m, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
     y = nvfp4_matmul(xs, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
     assert rel_err(y, reference_fwd(xs, p, s, g, bias)) < TOL[torch.bfloat16]
+
+
+def test_qerl_gluon_0_swaps_gluon_tiles_for_triton(monkeypatch):
+    # QERL_GLUON=0: a Gluon table entry (either kernel) runs the heuristic Triton tile instead.
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.testing import rel_err
+    from qerl_kernels.tile_configs import FwdConfig, heuristic_fwd
+
+    p, s, g, tp, x, bias, ref = _gluon_case(64, seed=5)
+    triton_y = nvfp4_matmul(x, tp, s, g, bias=bias, config=heuristic_fwd(64, 400, 1152), twiddled=True, blocked=True)
+    for fc in (FwdConfig(64, 64, 16, warps=4, swap=True, gluon=True),
+               FwdConfig(64, 64, 16, warps=4, stages=3, swap=True, gluon=True, xtma=True, inflight=True)):
+        y_on = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
+        monkeypatch.setenv("QERL_GLUON", "0")
+        y_off = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
+        monkeypatch.delenv("QERL_GLUON")
+        assert torch.equal(y_off, triton_y)
+        assert not torch.equal(y_on, triton_y)  # the Gluon kernel's own rounding: it did run before
+        assert rel_err(y_on, ref) < TOL[torch.bfloat16]
