@@ -41,6 +41,8 @@ def candidates(m: int, args):
 
 
 def main(argv=None) -> int:
+    from qerl_kernels.gemm_gluon_tma import permute_x
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_probe_args(ap, layers="qkv,o,gate_up,down")
     ap.add_argument("--bm", type=int, default=128, help="largest BM (tokens per tile)")
@@ -62,8 +64,6 @@ def main(argv=None) -> int:
             if best is None or us < best[0]:
                 best = (us, err, cfg)
         us, err, cfg = best
-        from qerl_kernels.gemm_gluon_tma import permute_x
-
         x = torch.randn(m, d.k, device="cuda", dtype=torch.bfloat16)
         # The X permutation pass alone (part of every time above), 32 calls per graph: one would time the
         # graph launch.

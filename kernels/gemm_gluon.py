@@ -220,15 +220,22 @@ if HAVE_GLUON:
         _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
 
 
-def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
-    codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps."""
+def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg):
+    """What both Gluon launches need: (M, N, K / 16, the output Y, row x column tiles, split-K count,
+    K steps per split, fp32 workspace, tile counters)."""
     m, k = x.shape
     n = groups.shape[0]
     kg = k // 16
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 8, grid_mn)
+    return m, n, kg, y, grid_mn, split, per, ws, cnt
+
+
+def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
+    codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps."""
+    m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
     _nvfp4_fwd_gluon_kernel[(grid_mn, split)](
         x, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,

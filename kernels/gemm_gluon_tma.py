@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from qerl_kernels.decode import perm_x
-from qerl_kernels.gemm_fwd import split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP
+from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, launch_plan
 
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
@@ -178,14 +177,8 @@ def x_layout(bm: int):
 def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the TMA-fed Gluon kernel; arguments as ``gemm_gluon.launch_gluon``;
     ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight."""
-    m, k = x.shape
-    n = groups.shape[0]
-    kg = k // 16
-    xp = permute_x(x)
-    x_desc = GluonDescriptor.from_tensor(xp, [cfg.bm, 64], x_layout(cfg.bm))
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 8, grid_mn)
+    m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
+    x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
     _nvfp4_fwd_gluon_tma_kernel[(grid_mn, split)](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
