@@ -1,10 +1,8 @@
-"""The TMA-fed Gluon kernel (``qerl_kernels.gemm_gluon_tma``) against the tile table at M = 64-256, or
-with ``--kind resident`` the resident-X one (``gemm_gluon_resident``, M <= 16), in the kernel
-benchmark's harness, on the layout qerl loads (twiddled, blocked codes).
+"""The TMA-fed Gluon kernel (``qerl_kernels.gemm_gluon_tma``) against the tile table at M = 64-256,
+in the kernel benchmark's harness, on the layout qerl loads (twiddled, blocked codes).
 
 Per shape and M: the table tile (what ships) and every candidate of ``--bns`` x ``--stages`` x
-``--inflight`` x ``--splits`` (BM = min(M, ``--bm``); resident: ``--bns`` x ``--persist`` x
-``--splits``, BM 8 or 16, splits whose X slice fits in shared memory); prints the table's time, the best candidate's
+``--inflight`` x ``--splits`` (BM = min(M, ``--bm``)); prints the table's time, the best candidate's
 time, tile and relative error against cuBLAS on the dequantized weight, then geomeans of table
 time / best candidate time (above 1 = faster) and the candidates that won. ``--sweep-out`` writes the
 winners as tile-table entries (a JSON list of [M, N, K, config]) where they beat the table.
@@ -25,21 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import add_probe_args, bench_fwd_point, probe_points, time_graph  # noqa: E402
-
-
-def resident_candidates(m: int, k: int, args):
-    from qerl_kernels.gemm_gluon_resident import resident_fits
-    from qerl_kernels.tile_configs import FwdConfig
-
-    bm = 8 if m <= 8 else 16
-    steps = k // 128
-    for bn_w in args.bns.split(","):
-        bn, warps = map(int, bn_w.split("x"))
-        for persist in map(int, args.persist.split(",")):
-            for split in map(int, args.splits.split(",")):
-                cfg = FwdConfig(bm, bn, 16, split_k=split, warps=warps, swap=True, gluon=True, persist=persist)
-                if resident_fits(m, -(-steps // split), cfg):
-                    yield cfg
 
 
 def candidates(m: int, args):
@@ -67,10 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--inflight", default="0,1")
     ap.add_argument("--splits", default="1,2,4")
-    ap.add_argument("--kind", choices=("tma", "resident"), default="tma")
-    ap.add_argument("--persist", default="1,2", help="resident: programs per SM")
     ap.add_argument("--sweep-out", default="")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     ratios = collections.defaultdict(list)
     wins = collections.Counter()
@@ -79,10 +59,8 @@ def main(argv=None) -> int:
         assert d.bl, "the Gluon kernels read blocked codes"
         t_tab, _ = bench_fwd_point(d, m, base)
         best = None
-        for cfg in (resident_candidates(m, d.k, args) if args.kind == "resident" else candidates(m, args)):
+        for cfg in candidates(m, args):
             us, err = bench_fwd_point(d, m, cfg)
-            if args.verbose:
-                print(f"#   {model} {layer} M={m} {cfg} {us:.1f}us err={err:.0e}", flush=True)
             if best is None or us < best[0]:
                 best = (us, err, cfg)
         us, err, cfg = best
@@ -90,10 +68,9 @@ def main(argv=None) -> int:
         # The X permutation pass alone (part of every time above), 32 calls per graph: one would time the
         # graph launch.
         t_perm = time_graph([lambda x=x: permute_x(x)] * 32)
-        tile = (f"BM {cfg.bm} BN {cfg.bn}x{cfg.warps}w persist {cfg.persist} split {cfg.split_k}" if args.kind == "resident" else
-                f"BM {cfg.bm} BN {cfg.bn}x{cfg.warps}w stages {cfg.stages} inflight {int(cfg.inflight)} split {cfg.split_k}")
+        tile = f"BM {cfg.bm} BN {cfg.bn}x{cfg.warps}w stages {cfg.stages} inflight {int(cfg.inflight)} split {cfg.split_k}"
         print(f"{model} {layer} M={m}: cuBLAS {cub:.1f} | table {t_tab:.1f} ({cub / t_tab:.2f}x) | "
-              f"gluon-{args.kind} {us:.1f} ({cub / us:.2f}x, {tile}, err {err:.0e}) | permute X {t_perm:.1f}", flush=True)
+              f"gluon-tma {us:.1f} ({cub / us:.2f}x, {tile}, err {err:.0e}) | permute X {t_perm:.1f}", flush=True)
         ratios[m].append(t_tab / us)
         ratios[("cublas", m)].append(cub / min(us, t_tab))
         wins[tile] += 1
@@ -101,7 +78,7 @@ def main(argv=None) -> int:
             entries.append([m, d.n, d.k, cfg.as_dict()])
     for key, v in ratios.items():
         gm = math.exp(sum(map(math.log, v)) / len(v))
-        what = f"M={key[1]} cuBLAS / best of both" if isinstance(key, tuple) else f"M={key} table/gluon-{args.kind}"
+        what = f"M={key[1]} cuBLAS / best of both" if isinstance(key, tuple) else f"M={key} table/gluon-tma"
         print(f"{what}: geomean {gm:.3f} (min {min(v):.2f}, max {max(v):.2f})")
     print("winning tiles:", dict(wins))
     if args.sweep_out:

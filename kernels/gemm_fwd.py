@@ -287,12 +287,6 @@ def nvfp4_matmul(
     if cfg.gluon and m > 0:
         from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
 
-        if cfg.persist:
-            from qerl_kernels.gemm_gluon_resident import launch_gluon_resident
-
-            y = launch_gluon_resident(x, words, scale_u8, global_scale, bias, cfg)
-            if y is not None:
-                return y  # else the X slice does not fit in shared memory: the plain Gluon kernel
         if cfg.xtma and HAVE_GLUON_TMA:
             return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg)
         return launch_gluon(x, words, scale_u8, global_scale, bias, cfg)

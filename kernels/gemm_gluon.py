@@ -119,20 +119,6 @@ if HAVE_GLUON:
         return gl.convert_layout(w, DOT, assert_trivial=True)
 
     @gluon.jit
-    def _decode_half(pw, s, BN: gl.constexpr, DOT: gl.constexpr):
-        """int64 groups [BN, 4] (lane c's group 2 c + g_lo of one K step) + e4m3 scales -> the wgmma
-        A fragment [BN, 64] of that half step (logical k = 16 (2 bb1 + bb0) + 8 h + 2 c + t)."""
-        w = _decode_groups(pw, s)  # [BN, c, t, h, bb0, bb1]
-        w = gl.permute(w, [0, 5, 4, 3, 1, 2])  # [BN, bb1, bb0, h, c, t]
-        w = gl.reshape(w, [BN, 64])
-        return gl.convert_layout(w, DOT, assert_trivial=True)
-
-    @gluon.jit
-    def _halves(t, BN: gl.constexpr):
-        """[BN, 8] groups of a step -> (even groups, odd groups), each [BN, 4]: a register split."""
-        return gl.split(gl.reshape(t, [BN, 4, 2]))
-
-    @gluon.jit
     def _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym,
                     BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                     ACC: gl.constexpr):
@@ -188,21 +174,12 @@ if HAVE_GLUON:
         x = gl.load(X + xm * stride_xm + step * 128 + xk, mask=xrow_ok, other=0.0)
         return pw, s, x
 
-    @gluon.jit
-    def _mma_step(a, buf, acc):
-        """One K step's MMA, once every warp's X rows are in ``buf`` (the fence makes the stores
-        visible to the wgmma's async proxy, the barrier waits for all warps' stores)."""
-        fence_async_shared()
-        _cta_barrier()
-        return warpgroup_mma_wait(0, deps=[warpgroup_mma(a, buf.permute((1, 0)), acc, is_async=True)])
-
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_kernel(
         X, PW, S, G, B, Y, WS, CNT,
         M, N, KG, steps_per_split,
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        PAIRED: gl.constexpr = True,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -227,37 +204,18 @@ if HAVE_GLUON:
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
-        if PAIRED:
-            # Two register sets, A (even steps, buffer 0) and B (odd steps, buffer 1): each set is
-            # reloaded right after its decode and X store, into the same registers, two steps ahead,
-            # before the step's barrier (ptxas sinks loads placed between the barrier and the wgmma
-            # below its wait). One set rotated through a copy at the loop's end makes that copy wait
-            # for the load just issued: the unpaired loop's prefetch covers less than one step.
-            pw_a, s_a, x_a = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo, stride_xm)
-            pw_b, s_b, x_b = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok,
-                                        s_lo + gl.minimum(1, nsteps - 1), stride_xm)
-            for i in range(0, nsteps, 2):
-                a = _decode_fragment(pw_a, s_a, BN, DOT)
-                xs.index(0).store(_permute_x(x_a, BM))
-                pw_a, s_a, x_a = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok,
-                                            s_lo + gl.minimum(i + 2, nsteps - 1), stride_xm)
-                acc = _mma_step(a, xs.index(0), acc)
-                if i + 1 < nsteps:
-                    a = _decode_fragment(pw_b, s_b, BN, DOT)
-                    xs.index(1).store(_permute_x(x_b, BM))
-                    pw_b, s_b, x_b = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok,
-                                                s_lo + gl.minimum(i + 3, nsteps - 1), stride_xm)
-                    acc = _mma_step(a, xs.index(1), acc)
-        else:
-            pw, s, x = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo, stride_xm)
-            for i in range(nsteps):
-                # Next step's loads go out first (clamped on the last step: a harmless re-read).
-                nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
-                pw_n, s_n, x_n = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, nxt, stride_xm)
-                buf = xs.index(i % 2)
-                buf.store(_permute_x(x, BM))
-                acc = _mma_step(_decode_fragment(pw, s, BN, DOT), buf, acc)
-                pw, s, x = pw_n, s_n, x_n
+        pw, s, x = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo, stride_xm)
+        for i in range(nsteps):
+            # Next step's loads go out first (clamped on the last step: a harmless re-read).
+            nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
+            pw_n, s_n, x_n = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, nxt, stride_xm)
+            buf = xs.index(i % 2)
+            buf.store(_permute_x(x, BM))
+            fence_async_shared()
+            _cta_barrier()  # every warp's X rows are in shared memory before the wgmma reads them
+            a = _decode_fragment(pw, s, BN, DOT)
+            acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, buf.permute((1, 0)), acc, is_async=True)])
+            pw, s, x = pw_n, s_n, x_n
 
         _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
 
@@ -274,7 +232,7 @@ def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg):
     return m, n, kg, y, grid_mn, split, per, ws, cnt
 
 
-def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, paired: bool = True) -> torch.Tensor:
+def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
     codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps."""
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
@@ -283,7 +241,7 @@ def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, paired: bool = Tr
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PAIRED=paired,
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
         num_warps=cfg.warps,
     )
     return y

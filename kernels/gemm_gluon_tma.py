@@ -31,9 +31,8 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
         from qerl_kernels.gemm_gluon import (
             _codes_layout,
             _cta_barrier,
-            _decode_half,
+            _decode_groups,
             _group_offsets,
-            _halves,
             _store_tile,
         )
         from triton.experimental import gluon
@@ -81,8 +80,22 @@ def permute_x_reference(x: torch.Tensor) -> torch.Tensor:
 if HAVE_GLUON_TMA:
 
     @gluon.jit
+    def _decode_half(pw, s, BN: gl.constexpr, DOT: gl.constexpr):
+        """int64 groups [BN, 4] (lane c's group 2 c + g_lo of one K step) + e4m3 scales -> the wgmma
+        A fragment [BN, 64] of that half step (logical k = 16 (2 bb1 + bb0) + 8 h + 2 c + t)."""
+        w = _decode_groups(pw, s)  # [BN, c, t, h, bb0, bb1]
+        w = gl.permute(w, [0, 5, 4, 3, 1, 2])  # [BN, bb1, bb0, h, c, t]
+        w = gl.reshape(w, [BN, 64])
+        return gl.convert_layout(w, DOT, assert_trivial=True)
+
+    @gluon.jit
     def _load_codes(PW, S, code_off, scale_off, step):
         return gl.load(PW + code_off + step * 128), gl.load(S + scale_off + step * 8)
+
+    @gluon.jit
+    def _halves(t, BN: gl.constexpr):
+        """[BN, 8] groups of a step -> (even groups, odd groups), each [BN, 4]: a register split."""
+        return gl.split(gl.reshape(t, [BN, 4, 2]))
 
     @gluon.jit
     def _issue_x(x_desc, xs, bars, stage, row, step, pred):

@@ -46,7 +46,6 @@ class FwdConfig:
     gluon: bool = False  # the Gluon kernel (gemm_gluon.py; bm, bn, split_k, warps): blocked bf16 sm_90 only
     xtma: bool = False  # with gluon: X permuted once and fed by TMA (gemm_gluon_tma.py; stages = X ring)
     inflight: bool = False  # with xtma: one MMA half step in flight while the next decodes
-    persist: int = 0  # with gluon, M <= bm: X resident in shared memory, this many programs per SM walk the tiles (gemm_gluon_resident.py)
 
     def as_dict(self) -> dict:
         return asdict(self)

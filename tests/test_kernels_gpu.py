@@ -215,42 +215,6 @@ def test_gluon_tma_kernel_matches_reference(m):
     assert rel_err(y, reference_fwd(xs, p, s, g, bias)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-def test_gluon_resident_kernel_matches_reference(m):
-    # The resident-X Gluon kernel: programs walking 1-7 weight tiles (the last one partial: N = 400),
-    # split-K with an uneven last split (9 K steps), bias, one or two warpgroups; through the GEMM's
-    # dispatch bit-identical to the direct launch; an X slice too big for shared memory falls back.
-    from types import SimpleNamespace
-
-    from qerl_kernels.gemm_fwd import nvfp4_matmul
-    from qerl_kernels.gemm_gluon import launch_gluon
-    from qerl_kernels.gemm_gluon_resident import launch_gluon_resident
-    from qerl_kernels.testing import reference_fwd, rel_err
-    from qerl_kernels.tile_configs import FwdConfig
-
-    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 37)
-    ref_nobias = reference_fwd(x, p, s, g)
-    groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
-    bm = 8 if m <= 8 else 16
-    for bn, warps in ((64, 4), (128, 8)):
-        for split, programs in ((1, 1), (1, 3), (2, 2), (4, None)):
-            cfg = SimpleNamespace(bm=bm, bn=bn, split_k=split, warps=warps, persist=1)
-            y = launch_gluon_resident(x, groups, scale_u8, g, bias, cfg, max_programs=programs)
-            assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, programs, rel_err(y, ref))
-            y2 = launch_gluon_resident(x, groups, scale_u8, g, None, cfg, max_programs=programs)
-            assert rel_err(y2, ref_nobias) < TOL[torch.bfloat16], (cfg, programs, "no bias")
-    fc = FwdConfig(bm, 64, 16, split_k=2, warps=4, swap=True, gluon=True, persist=1)
-    y = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
-    assert torch.equal(y, launch_gluon_resident(x, groups, scale_u8, g, bias, fc))
-    # Rows past BM: the plain Gluon kernel runs the same tile. (An X slice past shared memory too:
-    # resident_fits, tested on CPU.)
-    big = FwdConfig(8, 64, 16, split_k=1, warps=4, swap=True, gluon=True, persist=1)
-    if m > 8:
-        assert launch_gluon_resident(x, groups, scale_u8, g, bias, big) is None
-        y = nvfp4_matmul(x, tp, s, g, bias=bias, config=big, twiddled=True, blocked=True)
-        assert torch.equal(y, launch_gluon(x, groups, scale_u8, g, bias, big))
-
-
 def test_qerl_gluon_0_swaps_gluon_tiles_for_triton(monkeypatch):
     # QERL_GLUON=0: a Gluon table entry (either kernel) runs the heuristic Triton tile instead.
     from qerl_kernels.gemm_fwd import nvfp4_matmul
