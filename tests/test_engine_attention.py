@@ -26,9 +26,12 @@ SCRIPT = textwrap.dedent("""
         lens = torch.tensor([1, 37, 70], dtype=torch.int32)
         tables = torch.stack([torch.randperm(nblocks - 1)[:20] + 1 for _ in range(b)]).int()
         ref = paged_decode_attention_torch(q, k, v, tables, lens, d ** -0.5)
-        out = paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, num_splits=splits)
-        err = (out - ref).abs().max().item()
-        assert err < 1e-4, (hq, hk, d, bs, splits, err)
+        for fused in (True, False):  # splits merged by the last program to finish, or a second kernel
+            out = paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, num_splits=splits, fused=fused)
+            err = (out - ref).abs().max().item()
+            assert err < 1e-4, (hq, hk, d, bs, splits, fused, err)
+    from qerl_cli.layers import triton_attention
+    assert int(triton_attention._COUNTERS[("cpu", None)].abs().sum()) == 0  # every launch left them zero
     print("ok")
 """)
 
