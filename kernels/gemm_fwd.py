@@ -56,12 +56,13 @@ from qerl_kernels.dequant import as_words, nvfp4_dequantize
 from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, heuristic_fwd, layout_safe
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-_COUNTER_SLOTS = 1 << 16
+COUNTER_SLOTS = 1 << 16
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor | None:
-    """Per-device zeroed int32 counters; each split-K call leaves them zero again.
+def arrival_counters(device: torch.device) -> torch.Tensor | None:
+    """Per-device zeroed int32 counters; each launch that uses them (split-K here, the decode
+    attention's split merge in qerl_cli) leaves them zero again. One stream at a time.
 
     None while a CUDA graph is being captured and no counters exist yet: memory allocated during
     capture belongs to the graph's private pool, so it must not be cached for later eager calls
@@ -73,7 +74,7 @@ def _tile_counters(device: torch.device) -> torch.Tensor | None:
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        buf = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
         _counters[key] = buf
     return buf
 
@@ -207,8 +208,8 @@ def split_k_plan(y: torch.Tensor, split_k: int, ksteps: int, grid_mn: int):
     overflow; the split count is recomputed so that no split is empty."""
     m, n = y.shape
     split = max(1, min(split_k, ksteps))
-    cnt = _tile_counters(y.device) if split > 1 else None
-    if split > 1 and (cnt is None or grid_mn > _COUNTER_SLOTS or split * m * n >= 2**31):
+    cnt = arrival_counters(y.device) if split > 1 else None
+    if split > 1 and (cnt is None or grid_mn > COUNTER_SLOTS or split * m * n >= 2**31):
         split = 1
     per = triton.cdiv(ksteps, split)
     split = triton.cdiv(ksteps, per)

@@ -5,8 +5,8 @@ gathering K/V rows through the block table, and serves all ``Hq/Hk`` query heads
 with one ``tl.dot`` per tile (query rows padded to 16, the minimum MMA height), so each cached byte
 is read once per step. Splitting the context keeps the GPU full when the batch is small (16
 sequences x 4 KV heads is 64 programs for 132 SMs). The splits merge through their log-sum-exp: the
-last program of a (sequence, KV head) to finish does it (an int32 arrival counter per pair, left
-zero again), so decode attention is one launch per layer; a second merge kernel is the fallback
+last program of a (sequence, KV head) to finish does it (an int32 arrival counter per pair from
+qerl_kernels' split-K counters, left zero again), so decode attention is one launch per layer; a second merge kernel is the fallback
 when no counters exist (a first call during CUDA-graph capture). Loop bounds come from
 ``context_lens`` on the device, so the launch is CUDA-graph safe.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
 
 
 @triton.jit
@@ -106,22 +107,6 @@ def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
     return min(16, triton.next_power_of_2(want))
 
 
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-COUNTER_SLOTS = 1 << 14  # (sequence, KV head) pairs per launch
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor | None:
-    """Per-device zeroed int32 counters (each launch leaves them zero). None during CUDA-graph capture
-    if none exist yet: memory allocated then belongs to the graph's pool (engines warm up eagerly)."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
-
-
 def supported(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
@@ -141,7 +126,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # dense even when q is a strided view
-    cnt = _arrival_counters(q.device) if fused and b * hk <= COUNTER_SLOTS else None
+    cnt = arrival_counters(q.device) if fused and b * hk <= COUNTER_SLOTS else None
     _split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
