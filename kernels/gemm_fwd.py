@@ -53,7 +53,6 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.pdl import launch_kwargs, pdl_enabled, wait_and_release
 from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, heuristic_fwd, layout_safe
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -100,10 +99,7 @@ def _nvfp4_fwd_kernel(
     EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
     PERM: tl.constexpr = False, PROBE_NODECODE: tl.constexpr = False, BLOCKED: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, STAGGER: tl.constexpr = False, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
-    # Waits at once: Triton's pipeliner issues the first steps' code and X loads together (pdl.py).
-    wait_and_release(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BM)
@@ -306,7 +302,6 @@ def nvfp4_matmul(
     if cfg.tma and twiddled and blocked and fast:
         tma = _tma_descriptors(x, words, cfg)
     x_arg, w_arg = tma or (x, words)
-    pdl = pdl_enabled(x.device)
     _nvfp4_fwd_kernel[(grid_mn, split)](
         x_arg, w_arg, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
@@ -315,8 +310,7 @@ def nvfp4_matmul(
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split, HAS_BIAS=bias is not None, FAST=fast,
         EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=blocked,
-        EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger, TMA=tma is not None, PDL=pdl,
+        EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger, TMA=tma is not None,
         num_warps=cfg.warps, num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-        **launch_kwargs(pdl),
     )
     return y

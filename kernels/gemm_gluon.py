@@ -56,7 +56,6 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 from qerl_kernels.decode import _TWIDDLED_ASM
 from qerl_kernels.gemm_fwd import split_k_plan
-from qerl_kernels.pdl import launch_kwargs, pdl_enabled
 
 K_STEP = 128  # K elements per step: 8 scale groups, one 1 KB block per 16 rows
 
@@ -75,7 +74,6 @@ def gluon_supported(x: torch.Tensor, n: int, k: int, twiddled: bool, blocked: bo
 
 
 if HAVE_GLUON:
-    from qerl_kernels.pdl import gluon_wait_and_release
 
     @gluon.constexpr_function
     def _codes_layout(BN, NW):
@@ -182,7 +180,6 @@ if HAVE_GLUON:
         M, N, KG, steps_per_split,
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        PDL: gl.constexpr = False,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -207,11 +204,7 @@ if HAVE_GLUON:
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
-        # The first step's codes are constants: they load while the previous kernel finishes (pdl.py).
-        pw = gl.load(PW + code_off + s_lo * 128)
-        s = gl.load(S + scale_off + s_lo * 8)
-        gluon_wait_and_release(PDL)
-        x = gl.load(X + xm * stride_xm + s_lo * 128 + xk, mask=xrow_ok, other=0.0)
+        pw, s, x = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo, stride_xm)
         for i in range(nsteps):
             # Next step's loads go out first (clamped on the last step: a harmless re-read).
             nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
@@ -243,13 +236,12 @@ def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
     codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps."""
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
-    pdl = pdl_enabled(x.device)
     _nvfp4_fwd_gluon_kernel[(grid_mn, split)](
         x, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PDL=pdl,
-        num_warps=cfg.warps, **launch_kwargs(pdl),
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
+        num_warps=cfg.warps,
     )
     return y

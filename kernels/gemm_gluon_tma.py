@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 from qerl_kernels.decode import perm_x
 from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, launch_plan
-from qerl_kernels.pdl import launch_kwargs, pdl_enabled, wait_and_release
 
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
@@ -36,7 +35,6 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
             _group_offsets,
             _store_tile,
         )
-        from qerl_kernels.pdl import gluon_wait_and_release
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -55,9 +53,8 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
 
 
 @triton.jit
-def _permute_x_kernel(X, XP, M, K, stride_xm, stride_pm, BR: tl.constexpr, PDL: tl.constexpr = False):
+def _permute_x_kernel(X, XP, M, K, stride_xm, stride_pm, BR: tl.constexpr):
     """X [M, K] -> XP [M, K] with every 128-column step in the MMA's K order (decode.perm_x)."""
-    wait_and_release(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(X + rows * stride_xm + cols, mask=rows < M, other=0.0)
@@ -69,9 +66,7 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m:
-        pdl = pdl_enabled(x.device)
-        _permute_x_kernel[(triton.cdiv(m, 16), k // K_STEP)](x, xp, m, k, x.stride(0), xp.stride(0), BR=16, PDL=pdl,
-                                                             **launch_kwargs(pdl))
+        _permute_x_kernel[(triton.cdiv(m, 16), k // K_STEP)](x, xp, m, k, x.stride(0), xp.stride(0), BR=16)
     return xp
 
 
@@ -115,7 +110,7 @@ if HAVE_GLUON_TMA:
         M, N, KG, steps_per_split,
         stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, INFLIGHT: gl.constexpr, PDL: gl.constexpr = False,
+        STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -135,12 +130,11 @@ if HAVE_GLUON_TMA:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(STAGES):
             mbarrier.init(bars.index(b), count=1)
-        # Codes first: constants, loaded while the previous kernel finishes (pdl.py); X after the wait.
-        pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
-        pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
-        gluon_wait_and_release(PDL)
         for j in gl.static_range(STAGES - 1):
             _issue_x(x_desc, xs, bars, j, pid_m * BM, s_lo + j, j < nsteps)
+
+        pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
+        pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
         a_odd = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)  # the previous step's second half (in flight)
         for i in range(nsteps):
@@ -185,14 +179,13 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tens
     ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight."""
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
     x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
-    pdl = pdl_enabled(x.device)
     _nvfp4_fwd_gluon_tma_kernel[(grid_mn, split)](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per,
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
-        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), PDL=pdl,
-        num_warps=cfg.warps, **launch_kwargs(pdl),
+        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight),
+        num_warps=cfg.warps,
     )
     return y

@@ -14,15 +14,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from qerl_kernels.pdl import launch_kwargs, pdl_enabled, wait_and_release
 
 
 @triton.jit
 def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, num_chunks, inv_t,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK: tl.constexpr):
     """One (row, vocabulary chunk): best Gumbel score, its index and tempered logit, and the chunk's
     log-sum-exp state (max, sum of exp) of x/T."""
-    wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seed = tl.load(SEEDS + row)
@@ -59,8 +57,7 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
 
 
 @triton.jit
-def _gumbel_combine_kernel(PS, PI, PX, PM, PSUM, TOK, LP, num_chunks, CP: tl.constexpr, PDL: tl.constexpr = False):
-    wait_and_release(PDL)
+def _gumbel_combine_kernel(PS, PI, PX, PM, PSUM, TOK, LP, num_chunks, CP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CP)
     ok = c < num_chunks
@@ -101,12 +98,10 @@ def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
     part_i = torch.empty(b, nc, dtype=torch.int32, device=dev)
     tok = torch.empty(b, dtype=torch.int64, device=dev)
     lp = torch.empty(b, dtype=torch.float32, device=dev)
-    pdl = pdl_enabled(dev)
     _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v, chunk,
-                                    nc, 1.0 / temperature, BLOCK=block, num_warps=8, PDL=pdl, **launch_kwargs(pdl))
+                                    nc, 1.0 / temperature, BLOCK=block, num_warps=8)
     # CP from the vocabulary alone, not the chunk count: a batch size must not trigger a recompile
     # (the first 16-sequence step of a run once paid ~0.25 s of Triton JIT for a new CP).
     _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc,
-                                 CP=max(2, triton.next_power_of_2(triton.cdiv(v, block))), num_warps=1, PDL=pdl,
-                                 **launch_kwargs(pdl))
+                                 CP=max(2, triton.next_power_of_2(triton.cdiv(v, block))), num_warps=1)
     return tok, lp

@@ -17,7 +17,6 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from qerl_kernels.pdl import launch_kwargs, pdl_enabled, wait_and_release
 except ImportError:  # triton is Linux-only; the torch paths cover everything without it
     triton = None
 
@@ -36,16 +35,9 @@ def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
 
 
-def _pdl(x: torch.Tensor) -> dict:
-    """The ``PDL`` constexpr and launch option of a kernel on x's device (qerl_kernels.pdl)."""
-    on = pdl_enabled(x.device)
-    return {"PDL": on, **launch_kwargs(on)}
-
-
 @_jit
 def _rmsnorm_kernel(X, R, W, Z, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_and_release(PDL)
+                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -78,7 +70,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         x2, r2, weight, noise if noise is not None else weight, y, ro,
         x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n, eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        num_warps=4 if n <= 4096 else 8, **_pdl(x),
+        num_warps=4 if n <= 4096 else 8,
     )
     y = y.view(x.shape)
     return y if residual is None else (y, ro.view(x.shape))
@@ -111,8 +103,7 @@ def _rope_rows(X, OUT, t, slot, stride_t, stride_h, stride_cs, stride_ch, H, cos
 @_jit
 def _rope_kernel(Q, K, V, KC, VC, SLOT, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_cs, stride_ch, HQ, HK, HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr,
-                 CACHE: tl.constexpr, PDL: tl.constexpr = False):
-    wait_and_release(PDL)
+                 CACHE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(P + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -163,14 +154,12 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
         slots, svt, svh, scs, sch = p, 0, 0, 0, 0
     _rope_kernel[(q2.shape[0],)](q2, k2, v2, kc, vc, slots, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0),
                                  k2.stride(1), svt, svh, scs, sch, hq, hk, HALF=d // 2, HQP=triton.next_power_of_2(hq),
-                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4,
-                                 **_pdl(q))
+                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4)
     return q, k
 
 
 @_jit
-def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    wait_and_release(PDL)
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -189,5 +178,5 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     block = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
-                                                           BLOCK=block, num_warps=4, **_pdl(g))
+                                                           BLOCK=block, num_warps=4)
     return y.view(g.shape)

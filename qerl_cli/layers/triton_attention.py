@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
-from qerl_kernels.pdl import launch_kwargs, pdl_enabled, wait_and_release
 
 
 @triton.jit
@@ -29,8 +28,7 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
                   GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, CNT=None, OUT=None, stride_b=0, stride_h=0,
-                  FUSED: tl.constexpr = False, PDL: tl.constexpr = False):
-    wait_and_release(PDL)
+                  FUSED: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -90,8 +88,7 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
 
 @triton.jit
 def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
-    wait_and_release(PDL)
+                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP2)
@@ -130,7 +127,6 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # dense even when q is a strided view
     cnt = arrival_counters(q.device) if fused and b * hk <= COUNTER_SLOTS else None
-    pdl = pdl_enabled(q.device)
     _split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -138,13 +134,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 (tests) stays exact; bf16 ignores it
         CNT=cnt, OUT=out, stride_b=out.stride(0), stride_h=out.stride(1), FUSED=cnt is not None,
-        num_warps=num_warps, num_stages=num_stages, PDL=pdl, **launch_kwargs(pdl),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if cnt is not None:
         return out
     _merge_kernel[(b, hq)](
         op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4, PDL=pdl,
-        **launch_kwargs(pdl),
+        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4,
     )
     return out
