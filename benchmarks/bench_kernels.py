@@ -238,6 +238,9 @@ def main(argv=None) -> int:
                 for c in tc.fwd_candidates(m):
                     if args.cand_filter and not re.search(args.cand_filter, repr(c)):
                         continue
+                    if c.sk:  # stream-K: the program count is the config's, no split-K factor
+                        cands.append(c)
+                        continue
                     s = tc.choose_split(m, n, k, c, num_sms)
                     for split in sorted({1, s, max(1, s // 2), s * 2} if s > 1 else {1}):
                         cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))

@@ -19,10 +19,13 @@ Limits as gemm_gluon (bf16, sm_90, twiddled + blocked, K % 128 == 0, N % 16 == 0
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from qerl_kernels.decode import perm_x
+from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
 from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, launch_plan
 
 HAVE_GLUON_TMA = False
@@ -104,6 +107,55 @@ if HAVE_GLUON_TMA:
         _tma_load(x_desc, [row, step * 128], bar, xs.index(2 * stage), pred=pred)
         _tma_load(x_desc, [row, step * 128 + 64], bar, xs.index(2 * stage + 1), pred=pred)
 
+    @gluon.jit
+    def _tile_mma(x_desc, PW, S, xs, bars, g0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
+                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
+                  ACC: gl.constexpr, DOT: gl.constexpr, CODES: gl.constexpr):
+        """acc [BN, BM] of one tile over its K steps s_lo .. s_lo + nsteps - 1. The X ring's steps are
+        numbered from g0, so its stages and mbarrier phases carry on across the tiles of a program."""
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
+        for j in gl.static_range(STAGES - 1):
+            _issue_x(x_desc, xs, bars, (g0 + j) % STAGES, pid_m * BM, s_lo + j, j < nsteps)
+
+        pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
+        pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
+        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+        a_odd = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)  # the previous step's second half (in flight)
+        for i in range(nsteps):
+            # Codes two steps ahead go out first (clamped at the end: a harmless re-read).
+            pw_n, s_n = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(i + 2, nsteps - 1))
+            st = (g0 + i) % STAGES
+            pw_e, pw_o = _halves(pw, BN)
+            s_e, s_o = _halves(s, BN)
+            a_even = _decode_half(pw_e, s_e, BN, DOT)
+            mbarrier.wait(bars.index(st), ((g0 + i) // STAGES) & 1)
+            tok = warpgroup_mma(a_even, xs.index(2 * st).permute((1, 0)), acc, is_async=True)
+            if INFLIGHT:
+                acc, a_odd = warpgroup_mma_wait(1, deps=[tok, a_odd])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[tok])
+            a_odd = _decode_half(pw_o, s_o, BN, DOT)
+            tok = warpgroup_mma(a_odd, xs.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+            if INFLIGHT:
+                acc, a_even = warpgroup_mma_wait(1, deps=[tok, a_even])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[tok])
+            # Step i - 1's MMAs are complete in both warpgroups past this barrier: refill its stage.
+            _cta_barrier()
+            nxt = i + STAGES - 1
+            _issue_x(x_desc, xs, bars, (g0 + nxt) % STAGES, pid_m * BM, s_lo + nxt, nxt < nsteps)
+            pw, s = pw1, s1
+            pw1, s1 = pw_n, s_n
+        return warpgroup_mma_wait(0, deps=[acc])
+
+    @gluon.jit
+    def _alloc_ring(x_desc, BM: gl.constexpr, STAGES: gl.constexpr):
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 64], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(STAGES):
+            mbarrier.init(bars.index(b), count=1)
+        return xs, bars
+
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_tma_kernel(
         x_desc, PW, S, G, B, Y, WS, CNT,
@@ -121,52 +173,100 @@ if HAVE_GLUON_TMA:
         grid_m = gl.cdiv(M, BM)
         pid_m = pid % grid_m  # the row tiles of one weight tile run together: its codes hit L2 again
         pid_n = pid // grid_m
-
-        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
         s_lo = pid_k * steps_per_split
         nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
 
-        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 64], x_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(STAGES):
-            mbarrier.init(bars.index(b), count=1)
-        for j in gl.static_range(STAGES - 1):
-            _issue_x(x_desc, xs, bars, j, pid_m * BM, s_lo + j, j < nsteps)
-
-        pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
-        pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
-        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
-        a_odd = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)  # the previous step's second half (in flight)
-        for i in range(nsteps):
-            # Codes two steps ahead go out first (clamped at the end: a harmless re-read).
-            pw_n, s_n = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(i + 2, nsteps - 1))
-            st = i % STAGES
-            pw_e, pw_o = _halves(pw, BN)
-            s_e, s_o = _halves(s, BN)
-            a_even = _decode_half(pw_e, s_e, BN, DOT)
-            mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-            tok = warpgroup_mma(a_even, xs.index(2 * st).permute((1, 0)), acc, is_async=True)
-            if INFLIGHT:
-                acc, a_odd = warpgroup_mma_wait(1, deps=[tok, a_odd])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[tok])
-            a_odd = _decode_half(pw_o, s_o, BN, DOT)
-            tok = warpgroup_mma(a_odd, xs.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
-            if INFLIGHT:
-                acc, a_even = warpgroup_mma_wait(1, deps=[tok, a_even])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[tok])
-            # Step i - 1's MMAs are complete in both warpgroups past this barrier: refill its stage.
-            _cta_barrier()
-            nxt = i + STAGES - 1
-            _issue_x(x_desc, xs, bars, nxt % STAGES, pid_m * BM, s_lo + nxt, nxt < nsteps)
-            pw, s = pw1, s1
-            pw1, s1 = pw_n, s_n
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        xs, bars = _alloc_ring(x_desc, BM, STAGES)
+        acc = _tile_mma(x_desc, PW, S, xs, bars, 0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
+                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES)
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
-
         _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
+
+    @gluon.jit
+    def _first_unit(p, units, nprog):
+        return p * units // nprog
+
+    @gluon.jit
+    def _owner(u, units, nprog):
+        """The program whose unit range [_first_unit(p), _first_unit(p + 1)) holds unit u."""
+        return ((u + 1) * nprog - 1) // units
+
+    @gluon.jit
+    def _partial_slot(q, t, ks, units, nprog):
+        """Workspace slot of program q's partial of tile t: 2 q for its first tile, 2 q + 1 for its
+        last (a program's middle tiles are whole, so it has at most these two partials)."""
+        return 2 * q + (t != _first_unit(q, units, nprog) // ks).to(gl.int32)
+
+    @gluon.jit
+    def _store_streamk(acc, G, B, Y, WS, CNT, p, t, nsteps, ks, units, nprog, pid_m, pid_n, M, N, stride_ym,
+                       BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr):
+        """Tile t's share of program p -> Y: directly when p ran all its K steps; otherwise as an fp32
+        partial, the last of the tile's programs to arrive summing them in program order (so the sum is
+        deterministic) and storing Y."""
+        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE
+        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        n2 = gl.expand_dims(rn, 1)
+        m2 = gl.expand_dims(rm, 0)
+        omask = (n2 < N) & (m2 < M)
+        if nsteps == ks:
+            if HAS_BIAS:
+                out += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
+            gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
+        else:
+            loc = (gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, ACC)), 1) * BM
+                   + gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), 0))
+            gl.store(WS + _partial_slot(p, t, ks, units, nprog) * (BN * BM) + loc, out)
+            _cta_barrier()  # all partial stores precede the counter's release
+            q_lo = _owner(t * ks, units, nprog)
+            q_hi = _owner(t * ks + ks - 1, units, nprog)
+            arrived = gl.atomic_add(CNT + t, 1, sem="acq_rel", scope="gpu")
+            if arrived == q_hi - q_lo:
+                total = gl.zeros([BN, BM], gl.float32, layout=ACC)
+                for q in range(q_lo, q_hi + 1):
+                    slot = _partial_slot(q, t, ks, units, nprog)
+                    total += gl.load(WS + slot * (BN * BM) + loc, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
+                gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
+                gl.atomic_xchg(CNT + t, 0)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _nvfp4_fwd_gluon_tma_sk_kernel(
+        x_desc, PW, S, G, B, Y, WS, CNT,
+        M, N, KG, units, nprog,
+        stride_sn, stride_ym,
+        BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
+        STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
+    ):
+        """Stream-K: ``nprog`` resident programs share the tiles' K steps (``units`` = tiles x K
+        steps, tile-major, tile t = weight tile t // grid_m, row tile t % grid_m) in equal contiguous
+        ranges; each walks the tiles its range touches."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        CODES: gl.constexpr = _codes_layout(BN, NW)
+
+        p = gl.program_id(0)
+        ks = KG // 8
+        grid_m = gl.cdiv(M, BM)
+        u0 = _first_unit(p, units, nprog)
+        u1 = _first_unit(p + 1, units, nprog)
+        xs, bars = _alloc_ring(x_desc, BM, STAGES)
+        g = u0 * 0
+        for t in range(u0 // ks, (u1 - 1) // ks + 1):
+            lo = gl.maximum(u0, t * ks) - t * ks
+            nsteps = gl.minimum(u1, t * ks + ks) - t * ks - lo
+            pid_m = t % grid_m
+            pid_n = t // grid_m
+            _cta_barrier()  # every warp is done with the previous tile's stages before they refill
+            acc = _tile_mma(x_desc, PW, S, xs, bars, g, pid_m, pid_n, lo, nsteps, N, KG, stride_sn,
+                            BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES)
+            g += nsteps
+            _store_streamk(acc, G, B, Y, WS, CNT, p, t, nsteps, ks, units, nprog, pid_m, pid_n, M, N, stride_ym,
+                           BM, BN, HAS_BIAS, ACC)
+        for b in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(b))
 
 
 def x_layout(bm: int):
@@ -174,9 +274,16 @@ def x_layout(bm: int):
     return gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
 
 
-def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
+def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the TMA-fed Gluon kernel; arguments as ``gemm_gluon.launch_gluon``;
-    ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight."""
+    ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight; with ``cfg.sk``
+    (> 0) the stream-K kernel runs ``sk`` programs per SM instead of the split-K grid (``programs``
+    overrides the count: tests)."""
+    sk = getattr(cfg, "sk", 0)
+    if sk or programs:
+        y = _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs)
+        if y is not None:
+            return y
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
     x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
     _nvfp4_fwd_gluon_tma_kernel[(grid_mn, split)](
@@ -189,3 +296,40 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tens
         num_warps=cfg.warps,
     )
     return y
+
+
+def streamk_programs(units: int, sk: int, sms: int) -> int:
+    """Stream-K programs for ``units`` (tile, K step) pairs at ``sk`` per SM: never more than units."""
+    return max(1, min(sk * sms, units))
+
+
+def _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs):
+    """The stream-K launch, or None where it cannot run (no arrival counters yet during a CUDA-graph
+    capture, more tiles than counters, index overflow): the caller then runs the split-K grid."""
+    m, k = x.shape
+    n, kg = groups.shape[0], k // 16
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    units = tiles * (kg // 8)
+    sms = _num_sms(x.device)
+    nprog = min(programs, units) if programs else streamk_programs(units, cfg.sk, sms)
+    cnt = arrival_counters(x.device)
+    if cnt is None or tiles > COUNTER_SLOTS or units * (nprog + 1) >= 2**31:
+        return None
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty(2 * nprog * cfg.bm * cfg.bn, dtype=torch.float32, device=x.device)
+    x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
+    _nvfp4_fwd_gluon_tma_sk_kernel[(nprog,)](
+        x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        y, ws, cnt,
+        m, n, kg, units, nprog,
+        scale_u8.stride(0), y.stride(0),
+        BM=cfg.bm, BN=cfg.bn, HAS_BIAS=bias is not None, NW=cfg.warps,
+        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight),
+        num_warps=cfg.warps,
+    )
+    return y
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -46,6 +46,7 @@ class FwdConfig:
     gluon: bool = False  # the Gluon kernel (gemm_gluon.py; bm, bn, split_k, warps): blocked bf16 sm_90 only
     xtma: bool = False  # with gluon: X permuted once and fed by TMA (gemm_gluon_tma.py; stages = X ring)
     inflight: bool = False  # with xtma: one MMA half step in flight while the next decodes
+    sk: int = 0  # with xtma: stream-K, this many resident programs per SM share all (tile, K step) pairs
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -241,10 +242,12 @@ def _gluon_candidates(bm: int) -> list[FwdConfig]:
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:
     """The TMA-fed Gluon kernel's tiles (gemm_gluon_tma.py), one MMA half step in flight: one warpgroup
     of 64 weight rows (won most of M = 64-256 in the first probe, H100 2026-11-22: several programs per
-    SM) or two of 64; the X ring as deep as shared memory allows (BM x 256 bytes per stage)."""
+    SM) or two of 64; the X ring as deep as shared memory allows (BM x 256 bytes per stage). Each as a
+    split-K grid (``sk`` 0) and as stream-K with 1, 2 or 4 programs per SM (what fits: 4 of BM 64 x BN
+    64, 2 of BM 128, 1-2 of BM 256; more is allowed, just not resident at once)."""
     rings = (3, 4) if bm <= 128 else (3,)
-    return [FwdConfig(bm, bn, 16, warps=w, stages=st, swap=True, gluon=True, xtma=True, inflight=True)
-            for bn, w in ((64, 4), (128, 8)) for st in rings]
+    return [FwdConfig(bm, bn, 16, warps=w, stages=st, swap=True, gluon=True, xtma=True, inflight=True, sk=sk)
+            for bn, w in ((64, 4), (128, 8)) for st in rings for sk in (0, 1, 2, 4)]
 
 
 def bwd_candidates() -> list[BwdConfig]:

@@ -73,19 +73,27 @@ def test_gluon_tma_tiles_compile_for_sm90():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, x_layout
+    from qerl_kernels.gemm_gluon_tma import (
+        _nvfp4_fwd_gluon_tma_kernel,
+        _nvfp4_fwd_gluon_tma_sk_kernel,
+        x_layout,
+    )
     from sass_kernels import resource_usage
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    tiles = {(c.bm, c.bn, c.warps, c.stages, c.inflight, min(c.split_k, 2))
+    # split 0: the stream-K kernel (FwdConfig.sk), whose program count is a runtime argument.
+    tiles = {(c.bm, c.bn, c.warps, c.stages, c.inflight, 0 if c.sk else min(c.split_k, 2))
              for c in [*(c for m in (16, 64, 256) for c in fwd_candidates(m)), *FWD_TABLE.values()] if c.xtma}
-    assert tiles
+    assert tiles and any(t[-1] == 0 for t in tiles)
     for bm, bn, warps, stages, inflight, split in sorted(tiles):
         sig = {"x_desc": f"tensordesc<bf16[{bm},64],{x_layout(bm)!r}>", "PW": "*i64", "S": "*u8", "G": "*fp32",
                "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32",
-               "steps_per_split": "i32", "stride_sn": "i32", "stride_ym": "i32"}
-        consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps, STAGES=stages, INFLIGHT=inflight)
-        src = GluonASTSource(_nvfp4_fwd_gluon_tma_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+               **({"units": "i32", "nprog": "i32"} if split == 0 else {"steps_per_split": "i32"}),
+               "stride_sn": "i32", "stride_ym": "i32"}
+        consts = dict(BM=bm, BN=bn, HAS_BIAS=True, NW=warps, STAGES=stages, INFLIGHT=inflight,
+                      **({} if split == 0 else {"SPLIT": split}))
+        kernel = _nvfp4_fwd_gluon_tma_sk_kernel if split == 0 else _nvfp4_fwd_gluon_tma_kernel
+        src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         usage = resource_usage(kern)
         assert usage["LOCAL"] == 0, (bm, bn, warps, stages, split, usage)

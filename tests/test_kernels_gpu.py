@@ -215,6 +215,40 @@ def test_gluon_tma_kernel_matches_reference(m):
     assert rel_err(y, reference_fwd(xs, p, s, g, bias)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("m", [1, 17, 64, 100, 256])
+def test_gluon_tma_streamk_matches_reference(m):
+    # Stream-K: programs share the (tile, K step) pairs in equal ranges, so tiles are cut at arbitrary
+    # K steps, some by three or more programs (here K = 1152 is 9 steps per tile and the program
+    # counts are odd), and one program walks several tiles (the X ring's phases carry over). Every
+    # count must give the reference; the arrival counters must be left zero; the GEMM's dispatch of an
+    # ``sk`` config must give the same bits as the direct launch.
+    from types import SimpleNamespace
+
+    from qerl_kernels.gemm_fwd import arrival_counters, nvfp4_matmul
+    from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
+    from qerl_kernels.testing import rel_err
+    from qerl_kernels.tile_configs import FwdConfig
+
+    assert HAVE_GLUON_TMA
+    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 31)
+    groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    for bn, warps in ((64, 4), (128, 8)):
+        tiles = -(-m // bm) * -(-400 // bn)
+        for programs in sorted({1, 2, 5, 7, 13, tiles * 9 - 1, tiles * 9, tiles * 9 + 5}):
+            for stages, inflight in ((2, True), (3, False)):
+                cfg = SimpleNamespace(bm=bm, bn=bn, split_k=1, warps=warps, stages=stages, inflight=inflight, sk=1)
+                y = launch_gluon_tma(x, groups, scale_u8, g, bias, cfg, programs=programs)
+                assert rel_err(y, ref) < TOL[torch.bfloat16], (cfg, programs, rel_err(y, ref))
+                again = launch_gluon_tma(x, groups, scale_u8, g, bias, cfg, programs=programs)
+                assert torch.equal(y, again)  # partials summed in program order: deterministic
+    assert int(arrival_counters(x.device).abs().sum()) == 0
+    fc = FwdConfig(bm, 64, 16, warps=4, stages=3, swap=True, gluon=True, xtma=True, inflight=True, sk=2)
+    y = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
+    assert torch.equal(y, launch_gluon_tma(x, groups, scale_u8, g, bias, fc))
+    assert rel_err(y, ref) < TOL[torch.bfloat16]
+
+
 def test_qerl_gluon_0_swaps_gluon_tiles_for_triton(monkeypatch):
     # QERL_GLUON=0: a Gluon table entry (either kernel) runs the heuristic Triton tile instead.
     from qerl_kernels.gemm_fwd import nvfp4_matmul
