@@ -15,6 +15,13 @@ lack of exactly that). Two half steps in flight (three A fragments live) measure
 H100 and returned NaNs on some shapes: not kept.
 Limits as gemm_gluon (bf16, sm_90, twiddled + blocked, K % 128 == 0, N % 16 == 0); any X row stride
 (the permutation pass writes the contiguous copy TMA reads). Split-K reduces through ``gemm_fwd``'s last-arriver workspace.
+
+Stream-K (``FwdConfig.sk``): ``sk`` programs per SM share every (tile, K step) pair in equal contiguous
+ranges instead of a split-K grid; a tile cut between programs is summed from fp32 partials by the last
+of them to arrive, in program order (deterministic, and no program ever waits for another). Measured
+on an H100 (docs/benchmarks.md, kernels, eleventh pass): it wins the long-K ``down`` weights at
+M = 32-128 (up to 10%) and the large weights at M = 1024, and loses on every small weight: there a
+program's fixed cost, not the tile count, is what finer splits multiply.
 """
 
 from __future__ import annotations
