@@ -14,7 +14,8 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
 - M = 32..256: the TMA-fed Gluon kernel (``gluon`` + ``xtma``, mostly one warpgroup of 64 weight
   rows) wins 21 of the 24 points of M = 64..256 (ninth pass); ``swap`` + ``join`` Triton tiles the
   rest. Where Gluon cannot run (not sm_90, codes not blocked, ``QERL_GLUON=0``) a Gluon entry runs
-  the heuristic Triton tile.
+  the heuristic Triton tile. Its stream-K mode (``sk``: programs per SM sharing all K steps) wins
+  only the long-K ``down`` weights at M = 32-128 and two large weights at M = 1024 (eleventh pass).
 - M >= 1024 (fwd) / 512 (grad-input): decode once to bf16 and call cuBLAS (``dequant``), except the
   four large weights at M = 1024, where the TMA-fed Gluon tile (BM 256) wins.
 """
