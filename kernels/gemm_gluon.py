@@ -119,17 +119,30 @@ if HAVE_GLUON:
         return gl.convert_layout(w, DOT, assert_trivial=True)
 
     @gluon.jit
+    def _tile_coords(pid_m, pid_n, M, N, BM: gl.constexpr, BN: gl.constexpr, ACC: gl.constexpr):
+        """A swapped tile's output columns rn [BN], its (n, m) index grids and the in-bounds mask."""
+        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        n2 = gl.expand_dims(rn, 1)
+        m2 = gl.expand_dims(rm, 0)
+        return rn, n2, m2, (n2 < N) & (m2 < M)
+
+    @gluon.jit
+    def _write_y(total, B, Y, rb, n2, m2, omask, stride_ym, HAS_BIAS: gl.constexpr):
+        """The finished fp32 tile [BN, BM] (+ bias B[rb], rb the columns wrapped into range) -> Y [M, N]
+        in bf16."""
+        if HAS_BIAS:
+            total += gl.expand_dims(gl.load(B + rb).to(gl.float32), 1)
+        gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
+
+    @gluon.jit
     def _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym,
                     BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                     ACC: gl.constexpr):
         """The swapped tile acc [BN, BM] -> Y [M, N] (bias, the fast decode's 2^8 and the global scale
         applied); with SPLIT > 1 through the fp32 workspace, the last program to arrive reducing."""
         out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
-        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-        n2 = gl.expand_dims(rn, 1)
-        m2 = gl.expand_dims(rm, 0)
-        omask = (n2 < N) & (m2 < M)
+        rn, n2, m2, omask = _tile_coords(pid_m, pid_n, M, N, BM, BN, ACC)
         if SPLIT > 1:
             ws_tile = WS + m2 * N + n2
             gl.store(ws_tile + pid_k * M * N, out, mask=omask)
@@ -139,14 +152,10 @@ if HAVE_GLUON:
                 total = gl.zeros([BN, BM], gl.float32, layout=ACC)
                 for sk in gl.static_range(SPLIT):
                     total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
-                gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
+                _write_y(total, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
                 gl.atomic_xchg(CNT + pid, 0)
         else:
-            if HAS_BIAS:
-                out += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
-            gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
+            _write_y(out, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
 
     @gluon.jit
     def _permute_x(x, BM: gl.constexpr):

@@ -44,6 +44,8 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
             _decode_groups,
             _group_offsets,
             _store_tile,
+            _tile_coords,
+            _write_y,
         )
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
@@ -212,15 +214,9 @@ if HAVE_GLUON_TMA:
         partial, the last of the tile's programs to arrive summing them in program order (so the sum is
         deterministic) and storing Y."""
         out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE
-        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
-        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
-        n2 = gl.expand_dims(rn, 1)
-        m2 = gl.expand_dims(rm, 0)
-        omask = (n2 < N) & (m2 < M)
+        rn, n2, m2, omask = _tile_coords(pid_m, pid_n, M, N, BM, BN, ACC)
         if nsteps == ks:
-            if HAS_BIAS:
-                out += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
-            gl.store(Y + m2 * stride_ym + n2, out.to(gl.bfloat16), mask=omask)
+            _write_y(out, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
         else:
             loc = (gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, ACC)), 1) * BM
                    + gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), 0))
@@ -234,9 +230,7 @@ if HAVE_GLUON_TMA:
                 for q in range(q_lo, q_hi + 1):
                     slot = _partial_slot(q, t, ks, units, nprog)
                     total += gl.load(WS + slot * (BN * BM) + loc, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.expand_dims(gl.load(B + rn % N).to(gl.float32), 1)
-                gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
+                _write_y(total, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
                 gl.atomic_xchg(CNT + t, 0)
 
     @gluon.jit(do_not_specialize=["M"])
