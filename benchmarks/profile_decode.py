@@ -5,6 +5,7 @@ fixed context (as ``bench_rollout.py``'s decode-bandwidth row); the breakdown pr
 step with ``torch.profiler`` and sums device time per kernel name.
 
     python benchmarks/profile_decode.py --seqs 16,64 --ctx 768 --json-out $OUT/decode.json
+    python benchmarks/profile_decode.py --seqs 16,64 --lora 16   # LoRA r=16 on all seven projections
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import decode_bandwidth, free  # noqa: E402
 
 from qerl_cli.engine import LLMEngine  # noqa: E402
+from qerl_cli.layers.lora import LoraSpec  # noqa: E402
 from qerl_cli.models import build_random_model, preset  # noqa: E402
 
 
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quants", default="nvfp4,bf16")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--loop", action="store_true", help="also profile the generate loop (sampling, host)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all seven projections (0: none)")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -84,19 +87,21 @@ def main(argv=None) -> int:
     for quant in args.quants.split(","):
         free()
         model = build_random_model(preset("qwen2.5-7b"), device="cuda", dtype=torch.bfloat16,
-                                   quantized=quant == "nvfp4", max_positions=4096)
+                                   quantized=quant == "nvfp4", max_positions=4096,
+                                   lora=LoraSpec(r=args.lora, alpha=args.lora) if args.lora else None)
+        tag = f"{quant}-lora{args.lora}" if args.lora else quant
         engine = LLMEngine(model, None, max_num_seqs=max(seqs), max_model_len=args.ctx + 64)
         for s in seqs:
-            rec = decode_bandwidth(f"decode-{quant}-7b", engine, model, s, args.ctx)
+            rec = decode_bandwidth(f"decode-{tag}-7b", engine, model, s, args.ctx)
             print(json.dumps(rec), flush=True)
             out.append(rec)
             if not args.no_breakdown:
                 rows = breakdown(engine.runner)
                 total = sum(t for _, t, _ in rows)
-                print(f"## eager step kernels, {quant}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
+                print(f"## eager step kernels, {tag}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
                 for name, t, c in rows[:25]:
                     print(f"{t:9.1f} us {c:5d}x  {name}")
-                out.append(dict(bench=f"breakdown-{quant}-{s}", kernels=rows[:40], total_us=total))
+                out.append(dict(bench=f"breakdown-{tag}-{s}", kernels=rows[:40], total_us=total))
             if args.loop:
                 rec = loop_breakdown(engine, model.config.vocab_size, s)
                 print(json.dumps(rec), flush=True)

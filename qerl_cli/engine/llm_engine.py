@@ -27,7 +27,7 @@ from qerl_cli.engine.sampling_params import Completion, SamplingParams
 from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
 from qerl_cli.errors import BadInputError, OutOfMemoryError
-from qerl_cli.layers.attention import fuse_projections
+from qerl_cli.layers.attention import fuse_projections, group_lora
 from qerl_cli.layers.lora import lora_modules
 
 _SEED_MASK = (1 << 62) - 1
@@ -107,6 +107,7 @@ class LLMEngine:
         self._lora_state = state
         for m in self._lora:
             m.refresh_inference_copies(self.model.dtype)
+        group_lora(self.model, self.model.dtype)
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int = 1,

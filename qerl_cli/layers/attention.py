@@ -12,13 +12,15 @@ its input tensors fixed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qerl_cli.layers.context import ForwardContext, get_context, set_context  # noqa: F401 (re-exported)
 from qerl_cli.layers.linear import QLinear, fuse_linears
-from qerl_cli.layers.lora import LoRALinear
+from qerl_cli.layers.lora import GroupedLoRA, LoRALinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
 
@@ -43,6 +45,7 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
         # Inference-only fused q/k/v GEMM (see fuse_projections); a list so it is not a registered submodule.
         self._qkv: list[QLinear] = []
+        self._qkv_lora: GroupedLoRA | None = None  # the q/k/v LoRA terms in two kernels (see group_lora)
         # Set by the engine: this layer's views into the paged cache, [num_blocks, block, Hk, D] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -51,8 +54,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self._qkv[0](x).split([nq, nk, nk], dim=-1)
-            q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
+            y, grouped = self._qkv[0](x), self._qkv_lora
+            if grouped is not None and grouped.active(x):
+                q, k, v = grouped.add(x, y).split([nq, nk, nk], dim=-1)
+            else:
+                q, k, v = y.split([nq, nk, nk], dim=-1)
+                q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, s, self.num_heads, self.head_dim)
@@ -110,4 +117,27 @@ def fuse_projections(model) -> int:
             if f is not None:
                 m._gate_up.append(f)
                 count += 1
+    return count
+
+
+def group_lora(model, dtype: torch.dtype) -> int:
+    """Give every fused q/k/v and gate/up GEMM a ``GroupedLoRA`` for its parts' adapters; returns how many
+    groups are in place. Call after ``fuse_projections`` and after the LoRA inference copies exist
+    (``refresh_inference_copies``); a group that is still valid is kept, so calling again after an
+    in-place refresh changes nothing (CUDA graphs keep reading the same tensors). ``QERL_LORA_GROUPED=0``
+    turns grouping off (the per-part path: two kernels per LoRA projection)."""
+    off = os.environ.get("QERL_LORA_GROUPED", "1") == "0"
+    count = 0
+    for layer in model.model.layers:
+        for owner, attr, names in ((layer.self_attn, "_qkv_lora", ("q_proj", "k_proj", "v_proj")),
+                                   (layer.mlp, "_gate_up_lora", ("gate_proj", "up_proj"))):
+            if not (owner._qkv if attr == "_qkv_lora" else owner._gate_up):
+                continue
+            g = getattr(owner, attr)
+            if off:
+                g = None
+            elif g is None or not g.valid():
+                g = GroupedLoRA.build([getattr(owner, n) for n in names], dtype)
+            setattr(owner, attr, g)
+            count += g is not None
     return count

@@ -33,11 +33,16 @@ class MLP(nn.Module):
         self.up_proj = QLinear(h, i, bias=b, quantized=quantized.get("up_proj", False), **kw)
         self.down_proj = QLinear(i, h, bias=b, quantized=quantized.get("down_proj", False), **kw)
         self._gate_up: list[QLinear] = []  # inference-only fused GEMM (layers.attention.fuse_projections)
+        self._gate_up_lora = None  # a GroupedLoRA for gate/up (layers.attention.group_lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up:
-            g, u = self._gate_up[0](x).chunk(2, dim=-1)
-            g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
+            y, grouped = self._gate_up[0](x), self._gate_up_lora
+            if grouped is not None and grouped.active(x):
+                g, u = grouped.add(x, y).chunk(2, dim=-1)
+            else:
+                g, u = y.chunk(2, dim=-1)
+                g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_mul(g, u))
