@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from qerl_kernels.lora import shrink
 from torch import nn
 
 from qerl_cli.layers.context import get_context
@@ -82,9 +81,8 @@ class LoRALinear(nn.Module):
         return (self.dropout(x) @ a.t()) @ b.t() * self.scaling
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + the LoRA term. In the engine: two kernels (the one-launch shrink ``x @ A^T``, then an addmm
-        with the pre-scaled B into y in place) instead of four, and no per-step casts; 7 LoRA
-        projections x 64 layers add up on a 32B model."""
+        """y + the LoRA term. In the engine: two matmuls (x @ A^T, then an addmm with the pre-scaled B
+        into y in place) and no per-step casts; 7 LoRA projections x 64 layers add up on a 32B model."""
         c = self._inference_copies(x)
         if c is None:
             # In place where y is a plain tensor: the frozen base's output is saved by no backward
@@ -92,7 +90,7 @@ class LoRALinear(nn.Module):
             # training's memory peak. Views (chunks of a fused GEMM's output) stay out of place.
             d = self.delta(x)
             return y + d if y._is_view() else y.add_(d)
-        return expand(y, shrink(x.reshape(-1, x.shape[-1]), c[0]), c[1])
+        return expand(y, x.reshape(-1, x.shape[-1]) @ c[0].t(), c[1])
 
     def refresh_inference_copies(self, dtype: torch.dtype) -> None:
         """(Re)write the activation-dtype copies of A and B * scaling *in place*, so CUDA graphs that
@@ -171,7 +169,7 @@ class GroupedLoRA:
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the fused GEMM's output) plus every part's LoRA term."""
-        return expand(y, shrink(x.reshape(-1, x.shape[-1]), self.a), self.b)
+        return expand(y, x.reshape(-1, x.shape[-1]) @ self.a.t(), self.b)
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
