@@ -170,7 +170,8 @@ def main() -> None:
     ap.add_argument("--big-new-tokens", type=int, default=2048)
     args = ap.parse_args()
     want = set(args.only.split(",")) if args.only else {"nvfp4-16", "bf16-16", "nvfp4-256", "bf16-256", "nvfp4-lora-16",
-                                                        "bf16-lora-16", "hf-64", "bw-64", "32b"}
+                                                        "bf16-lora-16", "nvfp4-lora-256", "bf16-lora-256", "hf-64",
+                                                        "bw-64", "32b"}
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     cfg7 = preset("qwen2.5-7b")
     for quant in ("nvfp4", "bf16"):
@@ -197,14 +198,16 @@ def main() -> None:
                         log(bw)
                 del engine, r
         del model
-        if f"{quant}-lora-16" in want:  # the RL case: the policy's adapter on all seven projections
+        lora_seqs = [s for s in (16, 256) if f"{quant}-lora-{s}" in want]
+        if lora_seqs:  # the RL case: the policy's adapter on all seven projections
             free()
             model = build_random_model(cfg7, device="cuda", dtype=torch.bfloat16, quantized=quant == "nvfp4",
                                        lora=LoraSpec(r=16, alpha=16), max_positions=4096)
-            r = guarded(run_engine, f"engine-{quant}-lora16-7b", model, 16, args.prompt, args.new_tokens)
-            if r:
-                log(r[1])
-                del r
+            for seqs in lora_seqs:
+                r = guarded(run_engine, f"engine-{quant}-lora16-7b", model, seqs, args.prompt, args.new_tokens)
+                if r:
+                    log(r[1])
+                    del r
             del model
     if "hf-64" in want:
         r = guarded(hf_generate, 64, args.prompt, args.hf_new_tokens)
