@@ -89,27 +89,16 @@ def _mma(acc, w, x, SWAP: tl.constexpr, IP: tl.constexpr):
     return out
 
 
-@triton.jit
-def _lora_term(LT, LB, rm, rn, row_ok, stride_lt, stride_lb, R: tl.constexpr, BR: tl.constexpr, IP: tl.constexpr):
-    """The tile's LoRA B term, t[rm] @ LB[rn]^T in fp32 (t [M, R] = x @ A^T, LB [N, R] = B * scaling):
-    one small tensor-core product over R padded to BR (>= 16), rows loaded whole."""
-    rr = tl.arange(0, BR)
-    t = tl.load(LT + rm[:, None] * stride_lt + rr[None, :], mask=row_ok[:, None] & (rr < R)[None, :], other=0.0)
-    b = tl.load(LB + rn[:, None] * stride_lb + rr[None, :], mask=(rr < R)[None, :], other=0.0)
-    return tl.dot(t, tl.trans(b), input_precision=IP)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_fwd_kernel(
-    X, PW, S, G, B, Y, WS, CNT, LT, LB,
+    X, PW, S, G, B, Y, WS, CNT,
     M, N, KW, k_per_split,
-    stride_xm, stride_pw, stride_sn, stride_ym, stride_lt, stride_lb,
+    stride_xm, stride_pw, stride_sn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
     EPI: tl.constexpr, IEEE: tl.constexpr, JOIN: tl.constexpr = False, TWIDDLED: tl.constexpr = False,
     PERM: tl.constexpr = False, PROBE_NODECODE: tl.constexpr = False, BLOCKED: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, STAGGER: tl.constexpr = False, TMA: tl.constexpr = False,
-    LORA_R: tl.constexpr = 0, LORA_BR: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -204,31 +193,12 @@ def _nvfp4_fwd_kernel(
                 total += tl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(B + rn_ld).to(tl.float32)[None, :]
-            if LORA_R > 0:
-                total += _lora_term(LT, LB, rm, rn_ld, xrow_ok, stride_lt, stride_lb, LORA_R, LORA_BR, IP)
             tl.store(Y + rm[:, None] * stride_ym + rn[None, :], total.to(Y.dtype.element_ty), mask=omask)
             tl.atomic_xchg(CNT + tile, 0)
     else:
         if HAS_BIAS:
             out += tl.load(B + rn_ld).to(tl.float32)[None, :]
-        if LORA_R > 0:
-            out += _lora_term(LT, LB, rm, rn_ld, xrow_ok, stride_lt, stride_lb, LORA_R, LORA_BR, IP)
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out.to(Y.dtype.element_ty), mask=omask)
-
-
-def _check_lora(t: torch.Tensor, b: torch.Tensor, m: int, n: int) -> None:
-    if t.dim() != 2 or b.dim() != 2 or t.shape[0] != m or b.shape[0] != n or t.shape[1] != b.shape[1]:
-        raise ValueError(f"lora term shapes {tuple(t.shape)} @ {tuple(b.shape)}^T do not fit the output [{m}, {n}]")
-    if t.stride(1) != 1 or b.stride(1) != 1 or t.device != b.device:
-        raise ValueError("lora term tensors must be row-major with unit column stride, on one device")
-
-
-def add_lora_term(y: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """y += t @ b^T in place (the paths whose epilogue does not take the term)."""
-    if lora is not None:
-        _check_lora(lora[0], lora[1], *y.shape)
-        y.addmm_(lora[0].to(y.dtype), lora[1].to(y.dtype).t())
-    return y
 
 
 def split_k_plan(y: torch.Tensor, split_k: int, ksteps: int, grid_mn: int):
@@ -287,15 +257,12 @@ def nvfp4_matmul(
     twiddled: bool = False,
     blocked: bool = False,
     _probe_nodecode: bool = False,
-    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ dequant(packed [N, K/2], scale [N, K/16] e4m3, global [1])^T.
 
     ``config`` overrides the table/heuristic (benchmarks, tests); ``fast`` forces the decode path
     (default: the PTX decode for bf16 on sm_90, the portable decode otherwise); ``twiddled``: the
     codes are in ``twiddle.py``'s load-time layout, ``blocked`` also in its 1 KB blocks.
-    ``lora`` = (t [M, R], b [N, R]) adds ``t @ b^T``: in the Triton tiles' epilogue (no extra launch,
-    one rounding), on the other paths as one ``addmm_`` into the result.
     """
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
@@ -313,7 +280,7 @@ def nvfp4_matmul(
     if cfg.dequant:
         # Compute-bound regime: one decode pass to a transient bf16 weight, then cuBLAS.
         w = nvfp4_dequantize(packed, scale, global_scale, dtype=x.dtype, twiddled=twiddled, blocked=blocked)
-        return add_lora_term(torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)), lora)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
     words = as_words(packed)
     if twiddled and fast:
         words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile
@@ -322,14 +289,11 @@ def nvfp4_matmul(
         from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
 
         if cfg.xtma and HAVE_GLUON_TMA:
-            return add_lora_term(launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg), lora)
-        return add_lora_term(launch_gluon(x, words, scale_u8, global_scale, bias, cfg), lora)
+            return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg)
+        return launch_gluon(x, words, scale_u8, global_scale, bias, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    lt, lb = lora if lora is not None else (y, y)
-    if lora is not None:
-        _check_lora(lt, lb, m, n)
     kw = k // 8
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     split, steps_per_split, ws, cnt = split_k_plan(y, cfg.split_k, triton.cdiv(kw, cfg.bkw), grid_mn)
@@ -340,14 +304,13 @@ def nvfp4_matmul(
     x_arg, w_arg = tma or (x, words)
     _nvfp4_fwd_kernel[(grid_mn, split)](
         x_arg, w_arg, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
-        y, ws, cnt, lt, lb,
+        y, ws, cnt,
         m, n, kw, k_per_split,
-        x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0), lt.stride(0), lb.stride(0),
+        x.stride(0), words.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BKW=cfg.bkw, GROUP_M=cfg.group_m,
         SWAP=cfg.swap, SPLIT=split, HAS_BIAS=bias is not None, FAST=fast,
         EPI=FAST_EPILOGUE if fast else PORTABLE_EPILOGUE, IEEE=x.dtype == torch.float32, JOIN=cfg.join, TWIDDLED=twiddled, PERM=cfg.perm, PROBE_NODECODE=_probe_nodecode, BLOCKED=blocked,
         EVEN_K=kw % cfg.bkw == 0, STAGGER=cfg.stagger, TMA=tma is not None,
-        LORA_R=lt.shape[1] if lora is not None else 0, LORA_BR=max(16, triton.next_power_of_2(lt.shape[1])),
         num_warps=cfg.warps, num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return y

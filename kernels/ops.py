@@ -70,18 +70,12 @@ def _ondisk(packed, twiddled, blocked=False):
     return from_kernel_layout(packed, blocked)
 
 
-def _forward(x2d, packed, scale, global_scale, bias, layout, lora=None):
+def _forward(x2d, packed, scale, global_scale, bias, layout):
     if _use_triton(x2d):
         from qerl_kernels.gemm_fwd import nvfp4_matmul
 
-        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias, twiddled=layout[0], blocked=layout[1],
-                            lora=lora)
-    y = reference.linear(x2d, _ondisk(packed, *layout), scale, global_scale, bias)
-    if lora is not None:
-        from qerl_kernels.gemm_fwd import add_lora_term
-
-        y = add_lora_term(y, lora)
-    return y
+        return nvfp4_matmul(x2d, packed, scale, global_scale, bias=bias, twiddled=layout[0], blocked=layout[1])
+    return reference.linear(x2d, _ondisk(packed, *layout), scale, global_scale, bias)
 
 
 def _grad_input(gy, packed, scale, global_scale, layout):
@@ -112,23 +106,11 @@ class _NVFP4LinearFn(torch.autograd.Function):
         return gx, None, None, None, gb, None
 
 
-def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None,
-                 lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """y = x @ dequant(w)^T (+ bias), any leading dims on x; gradients flow to x and bias, never to w.
-
-    ``lora`` = (t [tokens, r], b [out, r]) also adds ``t @ b^T`` (a LoRA adapter's B term, t = x @ A^T
-    and b = B * scaling, in x's dtype), fused into the GEMM's epilogue where the tile allows: one
-    launch fewer per adapted projection at decode. Inference only: refused when autograd would need
-    gradients through it.
-    """
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w)^T (+ bias), any leading dims on x; gradients flow to x and bias, never to w."""
     k = w.in_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
     lead = x.shape[:-1]
-    if lora is not None:
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias, *lora)):
-            raise ValueError("nvfp4_linear's lora term is for inference; autograd cannot flow through it")
-        y = _forward(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked), lora)
-        return y.reshape(*lead, w.out_features)
     y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked))
     return y.reshape(*lead, w.out_features)

@@ -266,14 +266,3 @@ def test_qerl_gluon_0_swaps_gluon_tiles_for_triton(monkeypatch):
         assert torch.equal(y_off, triton_y)
         assert not torch.equal(y_on, triton_y)  # the Gluon kernel's own rounding: it did run before
         assert rel_err(y_on, ref) < TOL[torch.bfloat16]
-
-
-@pytest.mark.parametrize("m", [1, 16, 64, 300])
-def test_lora_term_on_every_candidate(m):
-    # The ``lora`` argument through every table candidate on the shipped layout: the Triton tiles
-    # add it in their epilogue (split or not), Gluon / decode-once paths by one addmm afterwards.
-    for cfg in fwd_candidates(m):
-        for split in (1, 3):
-            d = {**cfg.as_dict(), "split_k": split, "twiddled": True, "blocked": True, "lora_r": 48}
-            err = run_case("fwd", m, 256, 768, "bfloat16", d, True, device="cuda", seed=split)
-            assert err < TOL[torch.bfloat16], (d, err)

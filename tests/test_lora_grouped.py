@@ -48,8 +48,8 @@ def test_grouped_lora_matches_per_part(quantized, ids, monkeypatch):
     reference = _logits(model, ids, engine=False)
     assert group_lora(model, torch.float32) == 2 * model.config.num_layers
     calls = []
-    term = GroupedLoRA.term
-    monkeypatch.setattr(GroupedLoRA, "term", lambda self, x: calls.append(1) or term(self, x))
+    add = GroupedLoRA.add
+    monkeypatch.setattr(GroupedLoRA, "add", lambda self, x, y: calls.append(1) or add(self, x, y))
     grouped = _logits(model, ids, engine=True)
     assert len(calls) == 2 * model.config.num_layers  # every fused GEMM took the grouped path
     torch.testing.assert_close(grouped, reference, atol=2e-5, rtol=1e-5)
@@ -89,7 +89,7 @@ def test_in_place_refresh_reaches_the_group(ids):
 def test_disabled_parts_fall_back(ids, monkeypatch):
     model = _model(False)
     group_lora(model, torch.float32)
-    monkeypatch.setattr(GroupedLoRA, "term", lambda *a: pytest.fail("grouped path used with LoRA disabled"))
+    monkeypatch.setattr(GroupedLoRA, "add", lambda *a: pytest.fail("grouped path used with LoRA disabled"))
     with lora_disabled(model):
         torch.testing.assert_close(_logits(model, ids, engine=True), _logits(model, ids, engine=False))
     # a dtype change of the inference copies unshares them: the group is no longer used, then rebuilt

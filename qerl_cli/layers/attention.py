@@ -54,11 +54,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            grouped = self._qkv_lora
+            y, grouped = self._qkv[0](x), self._qkv_lora
             if grouped is not None and grouped.active(x):
-                q, k, v = self._qkv[0](x, lora=grouped.term(x)).split([nq, nk, nk], dim=-1)
+                q, k, v = grouped.add(x, y).split([nq, nk, nk], dim=-1)
             else:
-                q, k, v = self._qkv[0](x).split([nq, nk, nk], dim=-1)
+                q, k, v = y.split([nq, nk, nk], dim=-1)
                 q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -56,18 +56,11 @@ class QLinear(nn.Module):
             return self.nvfp4_weight().dequantize(dtype or torch.float32)
         return self.weight if dtype is None else self.weight.to(dtype)
 
-    def forward(self, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The base output; with ``lora`` = (t [tokens, r], b [out, r]) plus ``t @ b^T`` (an adapter's B
-        term, inference only): NVFP4 weights add it in the GEMM's epilogue, dense ones by one addmm."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.quantized:
-            return nvfp4_linear(x, self.nvfp4_weight(), bias, lora)
-        y = F.linear(x, self.weight, bias)
-        if lora is None:
-            return y
-        from qerl_cli.layers.lora import expand
-
-        return expand(y, *lora)
+            return nvfp4_linear(x, self.nvfp4_weight(), bias)
+        return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"

@@ -103,19 +103,15 @@ class LoRALinear(nn.Module):
                 self._cast[1].copy_(self.lora_B * self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.enabled:
-            return self.base(x)
-        c = self._inference_copies(x)
-        if c is not None:  # the engine: B's term goes into the base GEMM (its epilogue where it can)
-            return self.base(x, lora=(x.reshape(-1, x.shape[-1]) @ c[0].t(), c[1]))
-        return self.add_delta(x, self.base(x))
+        y = self.base(x)
+        return self.add_delta(x, y) if self.enabled else y
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}"
 
 
 class GroupedLoRA:
-    """The LoRA terms of one fused GEMM's parts (q/k/v or gate/up) in one shrink and one B term, not one per part.
+    """The LoRA terms of one fused GEMM's parts (q/k/v or gate/up) in two kernels instead of two per part.
 
     For parts i with LoRA, ``y[:, rows_i] += (x @ A_i^T) @ (B_i s_i)^T`` is one ``x @ A_cat^T`` (the
     parts' A stacked: [sum r, in]) and one addmm with a block-diagonal ``B_blk`` [sum out, sum r]
@@ -171,10 +167,9 @@ class GroupedLoRA:
             return False
         return all(p._inference_copies(x) is not None for p, f in zip(self.parts, self.flags) if f)
 
-    def term(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x @ A_cat^T, B_blk): the ``lora`` argument of the fused GEMM (``QLinear.forward``), which adds
-        every part's LoRA term to its output."""
-        return x.reshape(-1, x.shape[-1]) @ self.a.t(), self.b
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the fused GEMM's output) plus every part's LoRA term."""
+        return expand(y, x.reshape(-1, x.shape[-1]) @ self.a.t(), self.b)
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -37,11 +37,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up:
-            grouped = self._gate_up_lora
+            y, grouped = self._gate_up[0](x), self._gate_up_lora
             if grouped is not None and grouped.active(x):
-                g, u = self._gate_up[0](x, lora=grouped.term(x)).chunk(2, dim=-1)
+                g, u = grouped.add(x, y).chunk(2, dim=-1)
             else:
-                g, u = self._gate_up[0](x).chunk(2, dim=-1)
+                g, u = y.chunk(2, dim=-1)
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
