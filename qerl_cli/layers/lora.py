@@ -162,7 +162,7 @@ class GroupedLoRA:
         return flags == self.flags and all(p._cast is v for p, v in zip(loras, self.views))
 
     def active(self, x: torch.Tensor) -> bool:
-        """True when ``add`` computes exactly what the per-part path would (the engine is running)."""
+        """True when ``add`` computes what the per-part path would, up to summation order (the engine runs)."""
         if x.dtype != self.a.dtype or not self.valid():
             return False
         return all(p._inference_copies(x) is not None for p, f in zip(self.parts, self.flags) if f)
