@@ -129,9 +129,9 @@ def group_lora(model, dtype: torch.dtype) -> int:
     off = os.environ.get("QERL_LORA_GROUPED", "1") == "0"
     count = 0
     for layer in model.model.layers:
-        for owner, attr, names in ((layer.self_attn, "_qkv_lora", ("q_proj", "k_proj", "v_proj")),
-                                   (layer.mlp, "_gate_up_lora", ("gate_proj", "up_proj"))):
-            if not (owner._qkv if attr == "_qkv_lora" else owner._gate_up):
+        for owner, fused, attr, names in ((layer.self_attn, "_qkv", "_qkv_lora", ("q_proj", "k_proj", "v_proj")),
+                                          (layer.mlp, "_gate_up", "_gate_up_lora", ("gate_proj", "up_proj"))):
+            if not getattr(owner, fused):
                 continue
             g = getattr(owner, attr)
             if off:
