@@ -91,29 +91,18 @@ def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len
     return engine, rec
 
 
-def decode_bandwidth(name, engine, model, seqs, ctx, group=1, prompt=0):
-    """Replay the captured decode graph for `seqs` sequences at context `ctx`: bytes read / step time.
-
-    ``group`` > 1: sequences come in sibling groups holding the first ``prompt`` tokens' full blocks in
-    common (as GRPO completions of one prompt do); ``kv_gb`` stays what every sequence attends over, and
-    ``kv_read_gb`` (what the step reads, the bandwidth's numerator) counts shared blocks once per group
-    when the engine shares prefixes."""
+def decode_bandwidth(name, engine, model, seqs, ctx):
+    """Replay the captured decode graph for `seqs` sequences at context `ctx`: bytes read / step time."""
     from qerl_cli.engine.sequence import Sequence
 
     runner = engine.runner
     bs = runner.block_size
     ctx = min(ctx, runner.max_model_len - 1)
     nb = -(-(ctx + 1) // bs)
-    shared_blocks = min(prompt, ctx) // bs if group > 1 else 0
-    fake, prompt_blocks, nxt = [], {}, 1
+    fake = []
     for i in range(seqs):
-        if i // group not in prompt_blocks:
-            prompt_blocks[i // group] = list(range(nxt, nxt + shared_blocks))
-            nxt += shared_blocks
-        blocks = prompt_blocks[i // group] + list(range(nxt, nxt + nb - shared_blocks))
-        nxt += nb - shared_blocks
-        s = Sequence(group=i // group, child=i % group, token_ids=[1] * ctx, num_prompt=shared_blocks * bs or ctx,
-                     max_len=ctx + 1, block_table=blocks, slot=i)
+        blocks = list(range(1 + i * nb, 1 + (i + 1) * nb))
+        s = Sequence(group=i, child=0, token_ids=[1] * ctx, num_prompt=ctx, max_len=ctx + 1, block_table=blocks, slot=i)
         runner.set_block_table(s)
         fake.append(s)
     runner.load_batch(fake)  # the step only reads the state, so replays repeat the same step
@@ -130,16 +119,9 @@ def decode_bandwidth(name, engine, model, seqs, ctx, group=1, prompt=0):
     step_ms = ev0.elapsed_time(ev1) / iters
     wb = weight_bytes(model)
     kvb = seqs * ctx * runner.kv_bytes_per_token
-    read = kvb
-    if shared_blocks and runner.share_prefix:
-        read -= (seqs - len(prompt_blocks)) * shared_blocks * bs * runner.kv_bytes_per_token
-    tbps = (wb + read) / (step_ms * 1e-3) / 1e12
-    rec = dict(bench=name, seqs=seqs, context=ctx, step_ms=round(step_ms, 3), weight_gb=round(wb / 1e9, 2),
-               kv_gb=round(kvb / 1e9, 2), tb_s=round(tbps, 2), pct_of_3TBs=round(100 * tbps / HBM_TBPS, 1))
-    if group > 1:
-        rec.update(group=group, shared_prompt=shared_blocks * bs, kv_read_gb=round(read / 1e9, 2),
-                   shared_prefix=runner.share_prefix)
-    return rec
+    tbps = (wb + kvb) / (step_ms * 1e-3) / 1e12
+    return dict(bench=name, seqs=seqs, context=ctx, step_ms=round(step_ms, 3), weight_gb=round(wb / 1e9, 2),
+                kv_gb=round(kvb / 1e9, 2), tb_s=round(tbps, 2), pct_of_3TBs=round(100 * tbps / HBM_TBPS, 1))
 
 
 def hf_generate(seqs, prompt_len, new_tokens, group=8):
@@ -170,22 +152,6 @@ def hf_generate(seqs, prompt_len, new_tokens, group=8):
                 tok_s=round(gen / el, 1), wall_s=round(el, 2))
 
 
-def engine_rows(name, model, seqs, prompt_len, new_tokens, ab, **kw):
-    """run_engine, and with ``ab`` once more with shared-prefix attention off (same process, same model)."""
-    r = guarded(run_engine, name, model, seqs, prompt_len, new_tokens, **kw)
-    if r:
-        log(r[1])
-    r = None  # free this engine's KV cache and graphs before the next one
-    if ab:
-        os.environ["QERL_SHARED_PREFIX"] = "0"
-        try:
-            r0 = guarded(run_engine, name + "-noshare", model, seqs, prompt_len, new_tokens, **kw)
-        finally:
-            os.environ.pop("QERL_SHARED_PREFIX")
-        if r0:
-            log(r0[1])
-
-
 def guarded(fn, *a, **k):
     try:
         return fn(*a, **k)
@@ -202,8 +168,6 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--big-new-tokens", type=int, default=2048)
-    ap.add_argument("--prefix-ab", action="store_true",
-                    help="run every engine row a second time with QERL_SHARED_PREFIX=0 (rows tagged -noshare)")
     args = ap.parse_args()
     want = set(args.only.split(",")) if args.only else {"nvfp4-16", "bf16-16", "nvfp4-256", "bf16-256", "nvfp4-lora-16",
                                                         "bf16-lora-16", "nvfp4-lora-256", "bf16-lora-256", "hf-64",
@@ -218,7 +182,10 @@ def main() -> None:
                                    max_positions=4096)
         for seqs in (16, 256):
             if f"{quant}-{seqs}" in want:
-                engine_rows(f"engine-{quant}-7b", model, seqs, args.prompt, args.new_tokens, args.prefix_ab)
+                r = guarded(run_engine, f"engine-{quant}-7b", model, seqs, args.prompt, args.new_tokens)
+                if r:
+                    log(r[1])
+                    del r
         if "bw-64" in want or (quant == "bf16" and "hf-64" in want):
             r = guarded(run_engine, f"engine-{quant}-7b", model, 64, args.prompt, args.hf_new_tokens,
                         max_model_len=args.prompt + args.new_tokens + 16)
@@ -237,7 +204,10 @@ def main() -> None:
             model = build_random_model(cfg7, device="cuda", dtype=torch.bfloat16, quantized=quant == "nvfp4",
                                        lora=LoraSpec(r=16, alpha=16), max_positions=4096)
             for seqs in lora_seqs:
-                engine_rows(f"engine-{quant}-lora16-7b", model, seqs, args.prompt, args.new_tokens, args.prefix_ab)
+                r = guarded(run_engine, f"engine-{quant}-lora16-7b", model, seqs, args.prompt, args.new_tokens)
+                if r:
+                    log(r[1])
+                    del r
             del model
     if "hf-64" in want:
         r = guarded(hf_generate, 64, args.prompt, args.hf_new_tokens)

@@ -6,8 +6,6 @@ step with ``torch.profiler`` and sums device time per kernel name.
 
     python benchmarks/profile_decode.py --seqs 16,64 --ctx 768 --json-out $OUT/decode.json
     python benchmarks/profile_decode.py --seqs 16,64 --lora 16   # LoRA r=16 on all seven projections
-    python benchmarks/profile_decode.py --seqs 16,64,256 --group 8 --prompt 256 --prefix-ab --no-breakdown
-        # siblings of 8 sharing a 256-token prompt, shared-prefix attention on, then off
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -74,25 +71,6 @@ def loop_breakdown(engine, vocab: int, seqs: int, new_tokens: int = 128) -> dict
                 top=[(n, round(t / steps, 1)) for n, t in tot.most_common(12)])
 
 
-def profile(engine, model, tag, seqs, args, out) -> None:
-    """Graph step time (and optionally the eager breakdown and the generate loop) per batch size."""
-    for s in seqs:
-        rec = decode_bandwidth(f"decode-{tag}-7b", engine, model, s, args.ctx, group=args.group, prompt=args.prompt)
-        print(json.dumps(rec), flush=True)
-        out.append(rec)
-        if not args.no_breakdown:
-            rows = breakdown(engine.runner)
-            total = sum(t for _, t, _ in rows)
-            print(f"## eager step kernels, {tag}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
-            for name, t, c in rows[:25]:
-                print(f"{t:9.1f} us {c:5d}x  {name}")
-            out.append(dict(bench=f"breakdown-{tag}-{s}", kernels=rows[:40], total_us=total))
-        if args.loop:
-            rec = loop_breakdown(engine, model.config.vocab_size, s)
-            print(json.dumps(rec), flush=True)
-            out.append(rec)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="16,64")
@@ -101,9 +79,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--loop", action="store_true", help="also profile the generate loop (sampling, host)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on all seven projections (0: none)")
-    ap.add_argument("--group", type=int, default=1, help="sequences per prompt, sharing its first --prompt tokens")
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--prefix-ab", action="store_true", help="each engine twice: shared-prefix attention on, then off")
     ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -114,14 +89,25 @@ def main(argv=None) -> int:
         model = build_random_model(preset("qwen2.5-7b"), device="cuda", dtype=torch.bfloat16,
                                    quantized=quant == "nvfp4", max_positions=4096,
                                    lora=LoraSpec(r=args.lora, alpha=args.lora) if args.lora else None)
-        for share in ("1", "0") if args.prefix_ab else ("1",):
-            os.environ["QERL_SHARED_PREFIX"] = share
-            tag = (f"{quant}-lora{args.lora}" if args.lora else quant) + ("" if share == "1" else "-noshare")
-            engine = LLMEngine(model, None, max_num_seqs=max(seqs), max_model_len=args.ctx + 64)
-            os.environ.pop("QERL_SHARED_PREFIX")
-            profile(engine, model, tag, seqs, args, out)
-            del engine
-            free()
+        tag = f"{quant}-lora{args.lora}" if args.lora else quant
+        engine = LLMEngine(model, None, max_num_seqs=max(seqs), max_model_len=args.ctx + 64)
+        for s in seqs:
+            rec = decode_bandwidth(f"decode-{tag}-7b", engine, model, s, args.ctx)
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+            if not args.no_breakdown:
+                rows = breakdown(engine.runner)
+                total = sum(t for _, t, _ in rows)
+                print(f"## eager step kernels, {tag}, {s} seqs: {total / 1e3:.2f} ms of kernel time")
+                for name, t, c in rows[:25]:
+                    print(f"{t:9.1f} us {c:5d}x  {name}")
+                out.append(dict(bench=f"breakdown-{tag}-{s}", kernels=rows[:40], total_us=total))
+            if args.loop:
+                rec = loop_breakdown(engine, model.config.vocab_size, s)
+                print(json.dumps(rec), flush=True)
+                out.append(rec)
+        del engine
+        free()
         del model
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))

@@ -35,56 +35,16 @@ SCRIPT = textwrap.dedent("""
     print("ok")
 """)
 
-# Shared prefixes: siblings hold their group's prompt blocks in common. Rows of one group are spread
-# over the batch; group A has 5 rows (with 16 heads per KV head a chunk is 4 rows, so one A row is
-# left alone and reads its prefix itself), B 2, C 1 (alone), one row shares nothing; contexts end just
-# past the prefix, mid-block and past a block; prefix and own splits of 1-4, both merges.
-PREFIX = textwrap.dedent("""
-    import torch
-    from qerl_cli.layers.paged_attention import paged_decode_attention_torch, prefix_table
-    from qerl_cli.layers.triton_attention import paged_decode_attention_triton
-    torch.manual_seed(0)
-    keys = ["A", "B", "A", "A", None, "C", "B", "A", "A"]
-    for hq, hk, d, bs, splits, npre in [(4, 2, 16, 4, 2, 1), (7, 1, 32, 8, 4, 2), (16, 1, 16, 4, 1, 3), (8, 8, 16, 4, 3, 4)]:
-        nblocks = 80
-        k, v = torch.randn(nblocks, bs, hk, d), torch.randn(nblocks, bs, hk, d)
-        free = (torch.randperm(nblocks - 1) + 1).tolist()
-        prompt = {g: [free.pop() for _ in range(n)] for g, n in {"A": 3, "B": 1, "C": 2}.items()}
-        tables, lens, shared = [], [], []
-        for i, g in enumerate(keys):
-            pre = prompt[g] if g else []
-            tables.append((pre + [free.pop() for _ in range(4)] + [0] * 8)[:8])
-            shared.append(len(pre) * bs)
-            lens.append(shared[-1] + [1, 5, 2 * bs, 3 * bs - 1, 1, 7, bs, 2, 11][i])
-        tables, lens = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-        table = prefix_table(keys, shared, hq // hk)
-        # two chunks lead (A, B); at 16 heads per KV head A's fifth row is left alone (chunks of 4)
-        assert int(table[:, 1].gt(0).sum()) == 2 and (int(table[8, 0]) == 0) == (hq // hk == 16), table
-        q = torch.randn(len(keys), hq, d)
-        ref = paged_decode_attention_torch(q, k, v, tables, lens, d ** -0.5)
-        for fused in (True, False):
-            out = paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, num_splits=splits, fused=fused,
-                                                prefix=table, num_prefix=npre)
-            err = (out - ref).abs().max().item()
-            assert err < 1e-4, (hq, hk, splits, npre, fused, err)
-    from qerl_kernels.gemm_fwd import arrival_counters
-    assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0
-""")
-
 
 def test_triton_kernel_matches_torch_in_interpreter(interpreted):
     assert interpreted["SCRIPT"] == "ok", interpreted["SCRIPT"]
-
-
-def test_shared_prefix_kernel_matches_torch_in_interpreter(interpreted):
-    assert interpreted["PREFIX"] == "ok", interpreted["PREFIX"]
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     """Run every interpreter script in ONE subprocess (importing torch + triton costs ~10 s a time)."""
     pytest.importorskip("triton")
-    parts = {"SCRIPT": SCRIPT, "PREFIX": PREFIX, "FUSED": FUSED, "SAMPLER": SAMPLER}
+    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "SAMPLER": SAMPLER}
     driver = "import traceback\nres = {}\n"
     for key, code in parts.items():
         driver += f"try:\n    exec({code!r}, {{}})\n    res[{key!r}] = 'ok'\nexcept Exception:\n    res[{key!r}] = traceback.format_exc()[-2000:]\n"
@@ -222,26 +182,3 @@ def test_fused_entry_points_reject_mismatched_inputs_before_launching():
         fused.rope_(q, k, pos, cs, cache=(v, kc.transpose(0, 1), kc.clone(), torch.arange(3)))
     with pytest.raises(ValueError, match="matching row-major"):
         fused.silu_mul(torch.randn(4, 8), torch.randn(4, 6))
-
-
-def test_prefix_table_chunks_siblings_and_leaves_lone_rows_alone():
-    from qerl_cli.layers.paged_attention import prefix_table
-
-    keys = [0, 1, 0, None, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0]  # group 0: 10 rows, 1: 2, 2: 1, one pad row
-    shared = [32 if k == 0 else 16 if k == 1 else 48 if k == 2 else 0 for k in keys]
-    t = prefix_table(keys, shared, heads_per_kv=7, rows=16)  # chunks of 8
-    assert t.shape == (16, 10) and t.dtype == torch.int32
-    rows0 = [i for i, k in enumerate(keys) if k == 0]
-    assert t[0, 1] == 32 and t[0, 2:].tolist() == rows0[:8]
-    assert t[rows0[8], 1] == 32 and t[rows0[8], 2:].tolist() == rows0[8:] + [-1] * 6
-    assert t[1, 1] == 16 and t[1, 2:4].tolist() == [1, 6] and t[6, 1] == 0
-    assert t[5].tolist() == [0, 0] + [-1] * 8  # a group of one row reads its own prefix
-    assert t[3, 0] == 0 and t[14:].tolist() == [[0, 0] + [-1] * 8] * 2  # no group; padding rows
-    assert [int(t[i, 0]) for i in rows0] == [32] * 10
-    # 9 rows with chunks of 8: the ninth is alone, so it shares nothing
-    t = prefix_table([0] * 9, [16] * 9, heads_per_kv=7)
-    assert t[:, 1].tolist() == [16] + [0] * 8 and t[8, 0] == 0 and t[:8, 0].tolist() == [16] * 8
-    assert prefix_table([0] * 6, [16] * 6, heads_per_kv=16)[4, 1] == 16  # 16 heads per KV head: chunks of 4
-    assert prefix_table([0, 0], [0, 0], heads_per_kv=7).abs().sum() == 16  # nothing shared: only the -1 pads
-    with pytest.raises(ValueError, match="share a prompt"):
-        prefix_table([0, 0], [16, 32], heads_per_kv=7)

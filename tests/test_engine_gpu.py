@@ -37,60 +37,6 @@ def test_triton_attention_matches_torch(dtype, hq, hk, d):
     assert (out.float() - ref).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("hq,hk", [(28, 4), (40, 8), (64, 4)])
-def test_triton_attention_shared_prefix_matches_torch(dtype, hq, hk):
-    """Groups of 8, 11 (chunks of 8 + 3, or 4s at 16 heads per KV head) and 1 sibling rows spread over the batch."""
-    from qerl_cli.layers.paged_attention import prefix_table
-
-    torch.manual_seed(0)
-    dev, d, bs = "cuda", 128, 16
-    keys = [i % 3 if i < 20 else None for i in range(24)]
-    keys[5] = 7  # a group of one
-    plen = {0: 256, 1: 80, 2: 512, 7: 32}
-    free = (torch.randperm(2000, device=dev) + 1).tolist()
-    prompt = {g: [free.pop() for _ in range(n // bs)] for g, n in plen.items()}
-    tables, lens, shared = [], [], []
-    for i, g in enumerate(keys):
-        pre = prompt[g] if g is not None else []
-        tables.append(pre + [free.pop() for _ in range(60 - len(pre))])
-        shared.append(len(pre) * bs)
-        lens.append(shared[-1] + 1 + 11 * i)
-    tables = torch.tensor(tables, dtype=torch.int32, device=dev)
-    lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    k = torch.randn(2001, bs, hk, d, device=dev, dtype=dtype)
-    v = torch.randn(2001, bs, hk, d, device=dev, dtype=dtype)
-    q = torch.randn(len(keys), hq, d, device=dev, dtype=dtype)
-    table = prefix_table(keys, shared, hq // hk).to(dev)
-    assert int(table[:, 1].gt(0).sum()) >= 3
-    ref = paged_decode_attention_torch(q.float(), k.float(), v.float(), tables, lens, d**-0.5)
-    plain = paged_decode_attention_triton(q, k, v, tables, lens, d**-0.5)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    for fused in (True, False):
-        for splits in (None, 1, 3):
-            out = paged_decode_attention_triton(q, k, v, tables, lens, d**-0.5, prefix=table, fused=fused, num_splits=splits)
-            assert (out.float() - ref).abs().max().item() < tol
-    assert (out.float() - plain.float()).abs().max().item() < tol
-
-
-def test_engine_shared_prefix_on_and_off_sample_the_same(tmp_path, monkeypatch):
-    src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
-    model = load_model(src, device="cuda", dtype=torch.float32)
-    prompts = [list(range(3, 43)), list(range(50, 120)), [7, 8, 9]]  # 2 and 4 shared blocks of 16; none
-    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=3)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QERL_SHARED_PREFIX", flag)
-        engine = LLMEngine(model, None, max_num_seqs=32, block_size=16)
-        assert engine.runner.share_prefix == (flag == "1")
-        runs[flag] = engine.generate(prompts, sp, n=10)  # 10 siblings: a chunk of 8 and one of 2
-    for g_on, g_off in zip(runs["1"], runs["0"]):
-        assert len({tuple(c.token_ids) for c in g_on}) > 1  # siblings differ, so rows cannot be swapped unseen
-        for a, b in zip(g_on, g_off):
-            assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
-
-
 def test_graph_engine_greedy_equals_hf_fp32(tmp_path):
     src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()

@@ -8,15 +8,10 @@ replayed with inputs copied into static buffers: a 7B decode step is ~1,000 smal
 launch cost would otherwise rival the weight reads at small batch sizes. Block tables live on the
 device, one row per sequence slot, written once at admission; the running batch's tokens and
 positions live on the device too and are advanced there, so a decode step needs no host -> device
-copy unless the batch changed (one small copy then). With the batch goes its shared-prefix table
-(``paged_attention.prefix_table``): the G completions of a prompt hold its full blocks in common, and
-the Triton decode attention reads those once per chunk of siblings instead of once per completion.
-``QERL_SHARED_PREFIX=0`` turns that off (each completion reads its whole context, as before).
+copy unless the batch changed (one small copy then).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -24,7 +19,6 @@ from qerl_cli.engine.block_manager import BlockManager
 from qerl_cli.engine.scheduler import Group
 from qerl_cli.engine.sequence import Sequence
 from qerl_cli.layers.attention import ForwardContext, set_context
-from qerl_cli.layers.paged_attention import PREFIX_MEMBERS, prefix_table
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -49,9 +43,6 @@ class ModelRunner:
         self.graph_sizes = graph_batch_sizes(max_num_seqs)
         self.state = torch.zeros(4, max_num_seqs, dtype=torch.long, device=self.device)  # ids, pos, slot, rng
         self.state[2].fill_(max_num_seqs)
-        # Shared-prefix table of the loaded batch; read only by the Triton decode attention (CUDA).
-        self.share_prefix = self.device.type == "cuda" and os.environ.get("QERL_SHARED_PREFIX", "1") != "0"
-        self.prefix = torch.zeros(max_num_seqs, 2 + PREFIX_MEMBERS, dtype=torch.int32, device=self.device)
         self.batch = self.padded = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
@@ -139,12 +130,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             host = host.pin_memory()
         self.state[:, :b].copy_(host, non_blocking=True)
-        if self.share_prefix:
-            cfg = self.model.config
-            bs = self.block_size
-            table = prefix_table([s.group for s in seqs] + [None] * pad, [s.num_prompt // bs * bs for s in seqs] + [0] * pad,
-                                 cfg.num_heads // cfg.num_kv_heads)
-            self.prefix[:b].copy_(table.pin_memory(), non_blocking=True)
         self.batch, self.padded = n, b
         self.max_context = max(len(s) for s in seqs)  # sizes the eager fallback's gather only
         return b
@@ -177,8 +162,7 @@ class ModelRunner:
         slot_mapping = block * bs + positions % bs
         context_lens = (positions + 1).to(torch.int32)
         set_context(ForwardContext(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                   context_lens=context_lens, max_context_len=max_context or self.max_model_len + 1,
-                                   prefix=self.prefix[: ids.shape[0]] if self.share_prefix else None))
+                                   context_lens=context_lens, max_context_len=max_context or self.max_model_len + 1))
         try:
             hidden = self.model(ids[:, None], positions[:, None])
         finally:

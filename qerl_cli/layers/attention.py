@@ -81,7 +81,7 @@ class Attention(nn.Module):
             from qerl_cli.layers.paged_attention import paged_decode_attention
 
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
-                                       ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len, ctx.prefix)
+                                       ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
         return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
 
 

@@ -22,7 +22,6 @@ class ForwardContext:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, decode only
     context_lens: torch.Tensor | None = None  # [B] int32 tokens in cache incl. the new one, decode only
     max_context_len: int = 0  # upper bound of context_lens (sizes the fallback's gather)
-    prefix: torch.Tensor | None = None  # [B, 2 + 8] int32 shared-prefix table (paged_attention.prefix_table)
 
 
 _CONTEXT: ForwardContext | None = None

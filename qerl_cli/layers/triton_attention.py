@@ -1,4 +1,4 @@
-"""Triton split-K paged decode attention (flash-decoding) with GQA sharing and shared-prefix groups.
+"""Triton split-K paged decode attention (flash-decoding) with GQA sharing.
 
 Grid (batch, kv_head, split): each program walks a contiguous slice of one sequence's context,
 gathering K/V rows through the block table, and serves all ``Hq/Hk`` query heads of its KV head
@@ -9,16 +9,6 @@ last program of a (sequence, KV head) to finish does it (an int32 arrival counte
 qerl_kernels' split-K counters, left zero again), so decode attention is one launch per layer; a second merge kernel is the fallback
 when no counters exist (a first call during CUDA-graph capture). Loop bounds come from
 ``context_lens`` on the device, so the launch is CUDA-graph safe.
-
-Shared prefixes (``prefix=``, built by the engine's model runner): the G completions of a GRPO
-prompt share the prompt's full KV blocks, and reading them once per completion made the prompt the
-largest part of a step's KV traffic (256-token prompts, 1024 new tokens: a third). With a prefix
-table the grid gains ``num_prefix`` splits per row: for a row that leads a chunk of up to 8
-siblings, those programs read the shared blocks once and attend for all the siblings' query heads
-at once (rows = sibling x head, a 64-row ``tl.dot`` for 7 heads per KV head); every row's own
-splits then start after its prefix. The prefix partials join the same log-sum-exp merge, so the
-result equals plain attention up to summation order. Rows that lead nothing exit those programs
-at once. Measured in docs/benchmarks.md (rollout, thirteenth pass).
 
 Measured on an H100 (docs/benchmarks.md, rollout, tenth pass): at 16 sequences and context 768 the
 separate merge was 28 launches of ~2.9 us per decode step. Fused, the captured step went from 3.558 to
@@ -32,21 +22,32 @@ import triton
 import triton.language as tl
 from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
 
-from qerl_cli.layers.paged_attention import prefix_chunk
-
 
 @triton.jit
-def _attend(q, K, V, bt, kvh, start, end, stride_kn, stride_kt, stride_kh, scale,
-            R: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """Online softmax of the rows of ``q`` [R, D] over cached tokens [start, end) of block table ``bt``."""
+def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
+                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
+                  GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, CNT=None, OUT=None, stride_b=0, stride_h=0,
+                  FUSED: tl.constexpr = False):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(CL + b)
+    per = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per
+    end = tl.minimum(start + per, ctx)
+    g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    m_i = tl.full([R], float("-inf"), tl.float32)
-    l_i = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, D], tl.float32)
+    gmask = g < GROUP
+    heads = kvh * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
     for s in range(start, end, BLOCK_N):
         offs = s + tl.arange(0, BLOCK_N)
         nmask = offs < end
-        blk = tl.load(bt + offs // BS, mask=nmask, other=0).to(tl.int64)
+        blk = tl.load(BT + b * stride_bt + offs // BS, mask=nmask, other=0).to(tl.int64)
         row = blk * stride_kn + (offs % BS) * stride_kt + kvh * stride_kh
         k = tl.load(K + row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
@@ -61,168 +62,38 @@ def _attend(q, K, V, bt, kvh, start, end, stride_kn, stride_kt, stride_kh, scale
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    return out, lse
-
-
-@triton.jit
-def _merge(b, kvh, OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h, shared,
-           GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NUM_PREFIX: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Combine the (sequence b, KV head) pair's split partials; prefix slots count only when ``shared``."""
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    gmask = g < GROUP
-    pmask = gmask & ((g * 0 + shared.to(tl.int32)) > 0)  # the prefix slots' mask (a vector: the interpreter wants one)
-    heads = kvh * GROUP + g
-    lse_base = LSE + b * stride_lb + heads * stride_lh
-    m = tl.full([GP], float("-inf"), tl.float32)
-    for j in tl.static_range(NUM_PREFIX + NUM_SPLITS):
-        if j >= NUM_PREFIX:
-            jm = gmask
-        else:
-            jm = pmask
-        m = tl.maximum(m, tl.load(lse_base + j, mask=jm, other=float("-inf"), cache_modifier=".cg"))
-    num = tl.zeros([GP, D], tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    for j in tl.static_range(NUM_PREFIX + NUM_SPLITS):
-        if j >= NUM_PREFIX:
-            jm = gmask
-        else:
-            jm = pmask
-        lj = tl.load(lse_base + j, mask=jm, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(lj > float("-inf"), tl.exp(lj - m), 0.0)
-        oj = tl.load(OP + b * stride_ob + heads[:, None] * stride_oh + j * stride_os + d[None, :],
-                     mask=jm[:, None], other=0.0, cache_modifier=".cg")
-        num += w[:, None] * oj
-        den += w
-    tl.store(OUT + b * stride_b + heads[:, None] * stride_h + d[None, :],
-             (num / den[:, None]).to(OUT.dtype.element_ty), mask=gmask[:, None])
-
-
-@triton.jit
-def _prefix_program(Q, K, V, BT, OP, LSE, CNT, OUT, PT, b, kvh, sp, stride_qb, stride_qh, stride_kn, stride_kt,
-                    stride_kh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                    stride_pt, scale, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_PREFIX: tl.constexpr, PREC: tl.constexpr,
-                    FUSED: tl.constexpr, GM: tl.constexpr, GPX: tl.constexpr):
-    """Prefix split ``sp`` for the chunk of siblings that row b leads: their shared blocks read once."""
-    plen = tl.load(PT + b * stride_pt + 1)
-    if plen > 0:
-        d = tl.arange(0, D)
-        r = tl.arange(0, GM * GPX)  # query rows: sibling r // GPX, head r % GPX of this KV head
-        g = r % GPX
-        mem = tl.load(PT + b * stride_pt + 2 + r // GPX)
-        rmask = (g < GROUP) & (mem >= 0)
-        heads = kvh * GROUP + g
-        memc = tl.where(mem >= 0, mem, 0)
-        q = tl.load(Q + memc[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None],
-                    other=0.0)
-        per = tl.cdiv(tl.cdiv(plen, NUM_PREFIX), BLOCK_N) * BLOCK_N
-        start = sp * per
-        out, lse = _attend(q, K, V, BT + b * stride_bt, kvh, start, tl.minimum(start + per, plen),
-                           stride_kn, stride_kt, stride_kh, scale, GM * GPX, D, BS, BLOCK_N, PREC)
-        tl.store(OP + memc[:, None] * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out,
-                 mask=rmask[:, None])
-        tl.store(LSE + memc * stride_lb + heads * stride_lh + sp, lse, mask=rmask)
-        if FUSED:
-            # One arrival per sibling; the siblings this program completes are merged together, all rows
-            # in one pass (a sibling at a time would chain up to 8 merges in this one program).
-            tl.debug_barrier()  # every thread's partial stores precede the counters' release
-            lead = (g == 0) & (mem >= 0)
-            slot = CNT + memc * tl.num_programs(1) + kvh
-            old = tl.atomic_add(slot, tl.where(lead, 1, 0), mask=lead, sem="acq_rel", scope="gpu")
-            last = tl.where(lead & (old == NUM_PREFIX + NUM_SPLITS - 1), 1, 0)
-            last = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(last, [GM, GPX]), axis=1)[:, None], [GM, GPX]), [GM * GPX])
-            mine = rmask & (last > 0)
-            tl.debug_barrier()  # the acquire above precedes every thread's partial loads
-            m = tl.full([GM * GPX], float("-inf"), tl.float32)
-            for j in tl.static_range(NUM_PREFIX + NUM_SPLITS):
-                m = tl.maximum(m, tl.load(LSE + memc * stride_lb + heads * stride_lh + j, mask=mine,
-                                          other=float("-inf"), cache_modifier=".cg"))
-            num = tl.zeros([GM * GPX, D], tl.float32)
-            den = tl.zeros([GM * GPX], tl.float32)
-            for j in tl.static_range(NUM_PREFIX + NUM_SPLITS):
-                lj = tl.load(LSE + memc * stride_lb + heads * stride_lh + j, mask=mine, other=float("-inf"),
-                             cache_modifier=".cg")
-                w = tl.where(lj > float("-inf"), tl.exp(lj - m), 0.0)
-                oj = tl.load(OP + memc[:, None] * stride_ob + heads[:, None] * stride_oh + j * stride_os + d[None, :],
-                             mask=mine[:, None], other=0.0, cache_modifier=".cg")
-                num += w[:, None] * oj
-                den += w
-            tl.store(OUT + memc[:, None] * stride_b + heads[:, None] * stride_h + d[None, :],
-                     (num / tl.where(mine, den, 1.0)[:, None]).to(OUT.dtype.element_ty), mask=mine[:, None])
-            tl.atomic_xchg(slot, tl.where(lead, 0, 0), mask=lead & (last > 0))
-
-
-@triton.jit
-def _own_program(Q, K, V, BT, CL, OP, LSE, CNT, OUT, PT, b, kvh, sp, stride_qb, stride_qh, stride_kn, stride_kt,
-                 stride_kh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                 stride_pt, scale, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_PREFIX: tl.constexpr, PREC: tl.constexpr,
-                 FUSED: tl.constexpr):
-    """Split ``sp`` of row b's own context: the tokens after its shared prefix (all of them without one)."""
-    ctx = tl.load(CL + b)
-    if NUM_PREFIX > 0:
-        lo = tl.load(PT + b * stride_pt)
-    else:
-        lo = ctx * 0
-    shared = lo > 0
-    per = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + (sp - NUM_PREFIX) * per
-    d = tl.arange(0, D)
-    g = tl.arange(0, GP)
-    gmask = g < GROUP
-    heads = kvh * GROUP + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-    out, lse = _attend(q, K, V, BT + b * stride_bt, kvh, start, tl.minimum(start + per, ctx),
-                       stride_kn, stride_kt, stride_kh, scale, GP, D, BS, BLOCK_N, PREC)
     tl.store(OP + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out, mask=gmask[:, None])
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=gmask)
     if FUSED:
         tl.debug_barrier()  # every thread's partial stores precede the counter's release
         slot = CNT + b * tl.num_programs(1) + kvh
-        expect = tl.where(shared, NUM_PREFIX + NUM_SPLITS, NUM_SPLITS)
-        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == expect - 1:
-            _merge(b, kvh, OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                   shared, GROUP, GP, D, NUM_PREFIX, NUM_SPLITS)
+        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            lse_base = LSE + b * stride_lb + heads * stride_lh
+            m = tl.full([GP], float("-inf"), tl.float32)
+            for j in tl.static_range(NUM_SPLITS):
+                m = tl.maximum(m, tl.load(lse_base + j, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
+            num = tl.zeros([GP, D], tl.float32)
+            den = tl.zeros([GP], tl.float32)
+            for j in tl.static_range(NUM_SPLITS):
+                lj = tl.load(lse_base + j, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                w = tl.where(lj > float("-inf"), tl.exp(lj - m), 0.0)
+                oj = tl.load(OP + b * stride_ob + heads[:, None] * stride_oh + j * stride_os + d[None, :],
+                             mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                num += w[:, None] * oj
+                den += w
+            tl.store(OUT + b * stride_b + heads[:, None] * stride_h + d[None, :],
+                     (num / den[:, None]).to(OUT.dtype.element_ty), mask=gmask[:, None])
             tl.atomic_xchg(slot, 0)
 
 
 @triton.jit
-def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
-                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
-                  GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, CNT=None, OUT=None, stride_b=0, stride_h=0,
-                  FUSED: tl.constexpr = False, PT=None, stride_pt=0, NUM_PREFIX: tl.constexpr = 0,
-                  GM: tl.constexpr = 1, GPX: tl.constexpr = 16):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    if NUM_PREFIX > 0:
-        if sp < NUM_PREFIX:
-            _prefix_program(Q, K, V, BT, OP, LSE, CNT, OUT, PT, b, kvh, sp, stride_qb, stride_qh, stride_kn, stride_kt,
-                            stride_kh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b,
-                            stride_h, stride_pt, scale, GROUP, GP, D, BS, BLOCK_N, NUM_SPLITS, NUM_PREFIX, PREC, FUSED,
-                            GM, GPX)
-        else:
-            _own_program(Q, K, V, BT, CL, OP, LSE, CNT, OUT, PT, b, kvh, sp, stride_qb, stride_qh, stride_kn, stride_kt,
-                         stride_kh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                         stride_pt, scale, GROUP, GP, D, BS, BLOCK_N, NUM_SPLITS, NUM_PREFIX, PREC, FUSED)
-    else:
-        _own_program(Q, K, V, BT, CL, OP, LSE, CNT, OUT, PT, b, kvh, sp, stride_qb, stride_qh, stride_kn, stride_kt,
-                     stride_kh, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                     stride_pt, scale, GROUP, GP, D, BS, BLOCK_N, NUM_SPLITS, NUM_PREFIX, PREC, FUSED)
-
-
-@triton.jit
-def _merge_kernel(OP, LSE, OUT, PT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h, stride_pt,
-                  NUM_PREFIX: tl.constexpr, NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
+def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP2)
     d = tl.arange(0, D)
-    smask = s < NUM_PREFIX + NUM_SPLITS
-    if NUM_PREFIX > 0:
-        smask = smask & ((s >= NUM_PREFIX) | ((s * 0 + tl.load(PT + b * stride_pt)) > 0))
+    smask = s < NUM_SPLITS
     lse = tl.load(LSE + b * stride_lb + h * stride_lh + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
@@ -241,43 +112,34 @@ def supported(head_dim: int) -> bool:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2, fused: bool = True,
-                                  prefix: torch.Tensor | None = None, num_prefix: int | None = None):
+                                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2, fused: bool = True):
     """Decode attention of ``q`` [B, Hq, D] over the paged caches [blocks, BS, Hk, D]; ``fused=False``
-    merges the splits in a second kernel (what runs anyway when no arrival counters exist).
-
-    ``prefix``: the shared-prefix table of ``paged_attention.prefix_table`` (built for ``Hq // Hk`` heads
-    per KV head), or None."""
+    merges the splits in a second kernel (what runs anyway when no arrival counters exist)."""
     b, hq, d = q.shape
     _, bs, hk, _ = k_cache.shape
     group = hq // hk
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = num_splits_for(b, hk, sms)
-    npre = 0 if prefix is None else (num_prefix or num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()  # rows and heads may be strided (a slice of the fused qkv output): no copy then
-    op = torch.empty(b, hq, npre + num_splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hq, npre + num_splits, dtype=torch.float32, device=q.device)
+    op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # dense even when q is a strided view
     cnt = arrival_counters(q.device) if fused and b * hk <= COUNTER_SLOTS else None
-    gm = prefix_chunk(group)
-    _split_kernel[(b, hk, npre + num_splits)](
+    _split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), scale,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 (tests) stays exact; bf16 ignores it
         CNT=cnt, OUT=out, stride_b=out.stride(0), stride_h=out.stride(1), FUSED=cnt is not None,
-        PT=prefix, stride_pt=0 if prefix is None else prefix.stride(0), NUM_PREFIX=npre,
-        GM=gm, GPX=max(triton.next_power_of_2(group), 16 // gm),
         num_warps=num_warps, num_stages=num_stages,
     )
     if cnt is not None:
         return out
     _merge_kernel[(b, hq)](
-        op, lse, out, prefix, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), 0 if prefix is None else prefix.stride(0),
-        NUM_PREFIX=npre, NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(npre + num_splits)), D=d, num_warps=4,
+        op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4,
     )
     return out
