@@ -44,7 +44,7 @@ def test_triton_kernel_matches_torch_in_interpreter(interpreted):
 def interpreted():
     """Run every interpreter script in ONE subprocess (importing torch + triton costs ~10 s a time)."""
     pytest.importorskip("triton")
-    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "SAMPLER": SAMPLER}
+    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER}
     driver = "import traceback\nres = {}\n"
     for key, code in parts.items():
         driver += f"try:\n    exec({code!r}, {{}})\n    res[{key!r}] = 'ok'\nexcept Exception:\n    res[{key!r}] = traceback.format_exc()[-2000:]\n"
@@ -119,6 +119,40 @@ FUSED = textwrap.dedent("""
 
 def test_fused_norm_and_rope_match_torch_in_interpreter(interpreted):
     assert interpreted["FUSED"] == "ok", interpreted["FUSED"]
+
+
+# The norm kernel's LoRA shrink: normed rows and residual bit-equal to the plain launch, the shrink
+# equal to normed @ A^T (fp32 sums); A with a partial last chunk of 8 rows, a row count past the
+# K slice, with and without residual and noise, fp16 and fp32.
+NORM_SHRINK = textwrap.dedent("""
+    import torch
+    from qerl_cli.layers import fused
+    torch.manual_seed(0)
+    for dtype, n, r, res, noise in [(torch.float32, 1100, 20, True, True), (torch.float16, 600, 8, False, True),
+                                    (torch.float16, 513, 3, True, False)]:
+        x = torch.randn(3, n).to(dtype)
+        resid = torch.randn(3, n).to(dtype) if res else None
+        w = (torch.rand(n) + 0.5).to(dtype)
+        z = torch.randn(n) * 1e-2 if noise else None
+        a = (torch.randn(r, n) * 0.05).to(dtype)
+        plain = fused.rmsnorm(x, w, z, 1e-6, resid)
+        y, ro, t = fused.rmsnorm(x, w, z, 1e-6, resid, lora_a=a)
+        want_y, want_r = plain if res else (plain, None)
+        assert torch.equal(y, want_y) and (ro is None) == (not res) and (ro is None or torch.equal(ro, want_r))
+        ref = y.double() @ a.double().t()
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert t.shape == (3, r) and t.dtype == dtype
+        assert torch.allclose(t.double(), ref, rtol=tol, atol=tol), (dtype, n, r, (t.double() - ref).abs().max())
+    try:
+        fused.rmsnorm(x, w, None, 1e-6, lora_a=a.t().contiguous())
+        raise AssertionError("a transposed A was accepted")
+    except ValueError as e:
+        assert "lora_a" in str(e)
+""")
+
+
+def test_norm_kernel_lora_shrink_in_interpreter(interpreted):
+    assert interpreted["NORM_SHRINK"] == "ok", interpreted["NORM_SHRINK"]
 
 
 SAMPLER = textwrap.dedent("""

@@ -37,6 +37,47 @@ def test_triton_attention_matches_torch(dtype, hq, hk, d):
     assert (out.float() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("rows,r,res", [(1, 48, False), (16, 48, True), (64, 32, True), (5, 20, True)])
+def test_norm_kernel_lora_shrink_on_gpu(rows, r, res):
+    from qerl_cli.layers import fused
+
+    torch.manual_seed(0)
+    n = 3584
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    resid = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16) if res else None
+    w = (torch.rand(n, device="cuda") + 0.5).to(torch.bfloat16)
+    z = torch.randn(n, device="cuda") * 1e-2
+    a = (torch.randn(r, n, device="cuda") * 0.02).to(torch.bfloat16)
+    plain = fused.rmsnorm(x, w, z, 1e-6, resid)
+    y, ro, t = fused.rmsnorm(x, w, z, 1e-6, resid, lora_a=a)
+    assert torch.equal(y, plain[0] if res else plain) and (not res or torch.equal(ro, plain[1]))
+    ref = y.double() @ a.double().t()
+    assert (t.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+
+
+def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
+    model = load_model(src, device="cuda", dtype=torch.float32, lora=LoraSpec(r=8, alpha=16))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=3)
+    calls = []
+    real = __import__("qerl_cli.layers.fused", fromlist=["rmsnorm"]).rmsnorm
+    monkeypatch.setattr("qerl_cli.layers.fused.rmsnorm",
+                        lambda *a, **k: calls.append(k.get("lora_a") is not None) or real(*a, **k))
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QERL_NORM_SHRINK", flag)
+        calls.clear()
+        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
+        assert any(calls) == (flag == "1")  # the norm kernel took the shrink only when allowed
+    for g_on, g_off in zip(runs["1"], runs["0"]):
+        for a, b in zip(g_on, g_off):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
 def test_graph_engine_greedy_equals_hf_fp32(tmp_path):
     src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()

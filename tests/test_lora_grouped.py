@@ -49,7 +49,7 @@ def test_grouped_lora_matches_per_part(quantized, ids, monkeypatch):
     assert group_lora(model, torch.float32) == 2 * model.config.num_layers
     calls = []
     add = GroupedLoRA.add
-    monkeypatch.setattr(GroupedLoRA, "add", lambda self, x, y: calls.append(1) or add(self, x, y))
+    monkeypatch.setattr(GroupedLoRA, "add", lambda self, x, y, t=None: calls.append(1) or add(self, x, y, t))
     grouped = _logits(model, ids, engine=True)
     assert len(calls) == 2 * model.config.num_layers  # every fused GEMM took the grouped path
     torch.testing.assert_close(grouped, reference, atol=2e-5, rtol=1e-5)

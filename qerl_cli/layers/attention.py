@@ -50,13 +50,14 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
+        """``lora_t``: x @ A^T of the q/k/v ``GroupedLoRA`` when the norm kernel computed it (``shrink_source``)."""
         b, s, _ = x.shape
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             y, grouped = self._qkv[0](x), self._qkv_lora
-            if grouped is not None and grouped.active(x):
-                q, k, v = grouped.add(x, y).split([nq, nk, nk], dim=-1)
+            if grouped is not None and (lora_t is not None or grouped.active(x)):
+                q, k, v = grouped.add(x, y, lora_t).split([nq, nk, nk], dim=-1)
             else:
                 q, k, v = y.split([nq, nk, nk], dim=-1)
                 q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)

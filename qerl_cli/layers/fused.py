@@ -36,28 +36,46 @@ def _jit(fn):
 
 
 @_jit
-def _rmsnorm_kernel(X, R, W, Z, Y, RO, stride_x, stride_r, stride_y, stride_ro, N, eps,
-                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, stride_x, stride_r, stride_y, stride_ro, stride_a, stride_t, N, NA, eps,
+                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, SHRINK: tl.constexpr = False,
+                    RC: tl.constexpr = 4):
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         xr = x.to(RO.dtype.element_ty)  # the residual stream is stored (and normalised) in model dtype
-        tl.store(RO + row * stride_ro + cols, xr, mask=mask)
+        if c == 0:
+            tl.store(RO + row * stride_ro + cols, xr, mask=mask)
         x = xr.to(tl.float32)
     var = tl.sum(x * x, 0) / N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_NOISE:
         w = w + tl.load(Z + cols, mask=mask, other=0.0)
     y = x * tl.rsqrt(var + eps) * w
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    if c == 0:
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    if SHRINK:
+        # LoRA shrink rows [c*RC, c*RC + RC) of A: t = y @ A^T on the rounded y the store above wrote,
+        # fp32 sums, rounded once. The whole row at once: one round of loads per program.
+        j = c * RC + tl.arange(0, RC)
+        jm = j < NA
+        a = tl.load(A + j[:, None] * stride_a + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
+        yr = y.to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(T + row * stride_t + j, tl.sum(a.to(tl.float32) * yr[None, :], 1).to(T.dtype.element_ty), mask=jm)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, eps: float,
-            residual: torch.Tensor | None = None):
-    """-> normed (and the new residual x + residual when one is given), both in x's dtype."""
+            residual: torch.Tensor | None = None, lora_a: torch.Tensor | None = None):
+    """-> normed (and the new residual x + residual when one is given), both in x's dtype.
+
+    ``lora_a`` [r, n]: also return ``normed @ lora_a^T`` [..., r] (a LoRA shrink, for the GEMM that reads
+    the normed rows), computed by extra programs of the same launch: each row's programs rebuild the
+    normed row and read 4 rows of A. Why: at decode batch sizes the separate
+    shrink is a cuBLAS split-K GEMM plus its reduce kernel, two launches of a few us for a read of
+    ~100 KB; here it rides on the norm's launch. -> (normed, residual or None, shrink)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     y = torch.empty_like(x2)
@@ -66,13 +84,22 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         ro = torch.empty_like(x2)
     else:
         r2 = ro = x2
-    _rmsnorm_kernel[(x2.shape[0],)](
-        x2, r2, weight, noise if noise is not None else weight, y, ro,
-        x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n, eps,
+    chunks, t = 1, x2
+    if lora_a is not None:
+        if lora_a.shape[-1] != n or lora_a.stride(-1) != 1 or lora_a.dtype != x.dtype:
+            raise ValueError(f"lora_a must be a row-major [r, {n}] {x.dtype} matrix, got {tuple(lora_a.shape)} {lora_a.dtype}")
+        t = torch.empty(x2.shape[0], lora_a.shape[0], dtype=x.dtype, device=x.device)
+        chunks = triton.cdiv(lora_a.shape[0], 4)
+    _rmsnorm_kernel[(x2.shape[0], chunks)](
+        x2, r2, weight, noise if noise is not None else weight, y, ro, lora_a if lora_a is not None else x2, t,
+        x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n if lora_a is None else lora_a.stride(0), t.stride(0),
+        n, 0 if lora_a is None else lora_a.shape[0], eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        num_warps=4 if n <= 4096 else 8,
+        SHRINK=lora_a is not None, num_warps=4 if n <= 4096 and lora_a is None else 8,
     )
     y = y.view(x.shape)
+    if lora_a is not None:
+        return y, None if residual is None else ro.view(x.shape), t.view(*x.shape[:-1], lora_a.shape[0])
     return y if residual is None else (y, ro.view(x.shape))
 
 

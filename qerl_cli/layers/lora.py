@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from torch import nn
 
 from qerl_cli.layers.context import get_context
 
+# Batch rows up to which the norm kernel computes the q/k/v and gate/up LoRA shrink (each row's programs
+# read all of A, so the L2 traffic grows with the rows; set from the H100 measurement in docs/benchmarks.md).
+NORM_SHRINK_MAX_ROWS = 64
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -167,9 +171,19 @@ class GroupedLoRA:
             return False
         return all(p._inference_copies(x) is not None for p, f in zip(self.parts, self.flags) if f)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the fused GEMM's output) plus every part's LoRA term."""
-        return expand(y, x.reshape(-1, x.shape[-1]) @ self.a.t(), self.b)
+    def add(self, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        """y (the fused GEMM's output) plus every part's LoRA term; ``t``: ``x @ a^T`` when already computed
+        (by the norm kernel that produced x, ``RMSNorm.with_shrink``)."""
+        t = x.reshape(-1, x.shape[-1]) @ self.a.t() if t is None else t.reshape(-1, t.shape[-1])
+        return expand(y, t, self.b)
+
+    def shrink_source(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``a`` when the norm that produces x may compute this group's shrink (``active`` and a decode-sized
+        batch, where the separate shrink is launch-bound), else None. ``QERL_NORM_SHRINK=0``: never."""
+        rows = x.numel() // x.shape[-1]
+        if rows > NORM_SHRINK_MAX_ROWS or os.environ.get("QERL_NORM_SHRINK", "1") == "0" or not self.active(x):
+            return None
+        return self.a
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,18 @@ class RMSNorm(nn.Module):
         """norm(x), or with ``residual``: (norm(x + residual), x + residual), the residual in x's dtype."""
         if fused.enabled(x, residual, self.weight):
             return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual)
+        return self._torch(x, residual)
+
+    def with_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, lora_a: torch.Tensor | None):
+        """(normed, residual or None, ``normed @ lora_a^T`` or None): the LoRA shrink of the next GEMM from
+        the norm's own launch where the fused kernel runs (``fused.rmsnorm``), else None (the caller
+        shrinks). ``lora_a`` None: plain norm."""
+        if lora_a is not None and fused.enabled(x, residual, self.weight):
+            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, lora_a=lora_a)
+        out = self(x, residual)
+        return (out, None, None) if residual is None else (*out, None)
+
+    def _torch(self, x: torch.Tensor, residual: torch.Tensor | None):
         if residual is not None:
             x = x + residual
             residual = x

@@ -35,17 +35,23 @@ class MLP(nn.Module):
         self._gate_up: list[QLinear] = []  # inference-only fused GEMM (layers.attention.fuse_projections)
         self._gate_up_lora = None  # a GroupedLoRA for gate/up (layers.attention.group_lora)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
+        """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it."""
         if self._gate_up:
             y, grouped = self._gate_up[0](x), self._gate_up_lora
-            if grouped is not None and grouped.active(x):
-                g, u = grouped.add(x, y).chunk(2, dim=-1)
+            if grouped is not None and (lora_t is not None or grouped.active(x)):
+                g, u = grouped.add(x, y, lora_t).chunk(2, dim=-1)
             else:
                 g, u = y.chunk(2, dim=-1)
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_mul(g, u))
+
+
+def shrink_source(grouped, x: torch.Tensor) -> torch.Tensor | None:
+    """The A a norm should multiply its output by for the next fused GEMM's LoRA (None: the GEMM's own shrink)."""
+    return None if grouped is None else grouped.shrink_source(x)
 
 
 class DecoderLayer(nn.Module):
@@ -64,14 +70,11 @@ class DecoderLayer(nn.Module):
         Same arithmetic as HF's ``x + attn(norm(x))`` / ``x + mlp(norm(x))`` (each add rounds to the model
         dtype), but lets the add fuse into the following norm.
         """
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, res, t = self.input_layernorm.with_shrink(x, residual, shrink_source(self.self_attn._qkv_lora, x))
+        residual = x if residual is None else res
+        h = self.self_attn(h, positions, t)
+        h, residual, t = self.post_attention_layernorm.with_shrink(h, residual, shrink_source(self.mlp._gate_up_lora, h))
+        return self.mlp(h, t), residual
 
     def forward_stream(self, s: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Residual stream in, residual stream out: the checkpointed training form of ``forward``.
