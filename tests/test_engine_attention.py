@@ -128,10 +128,10 @@ NORM_SHRINK = textwrap.dedent("""
     import torch
     from qerl_cli.layers import fused
     torch.manual_seed(0)
-    for dtype, n, r, res, noise in [(torch.float32, 1100, 20, True, True), (torch.float16, 600, 8, False, True),
-                                    (torch.float16, 513, 3, True, False)]:
-        x = torch.randn(3, n).to(dtype)
-        resid = torch.randn(3, n).to(dtype) if res else None
+    for dtype, rows, n, r, res, noise in [(torch.float32, 3, 1100, 20, True, True), (torch.float16, 3, 600, 8, False, True),
+                                          (torch.float16, 17, 513, 7, True, False)]:  # 17 rows: 4 rows of A a program
+        x = torch.randn(rows, n).to(dtype)
+        resid = torch.randn(rows, n).to(dtype) if res else None
         w = (torch.rand(n) + 0.5).to(dtype)
         z = torch.randn(n) * 1e-2 if noise else None
         a = (torch.randn(r, n) * 0.05).to(dtype)
@@ -141,7 +141,7 @@ NORM_SHRINK = textwrap.dedent("""
         assert torch.equal(y, want_y) and (ro is None) == (not res) and (ro is None or torch.equal(ro, want_r))
         ref = y.double() @ a.double().t()
         tol = 1e-5 if dtype == torch.float32 else 2e-3
-        assert t.shape == (3, r) and t.dtype == dtype
+        assert t.shape == (rows, r) and t.dtype == dtype
         assert torch.allclose(t.double(), ref, rtol=tol, atol=tol), (dtype, n, r, (t.double() - ref).abs().max())
     try:
         fused.rmsnorm(x, w, None, 1e-6, lora_a=a.t().contiguous())

@@ -67,13 +67,21 @@ def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, stride_x, stride_r, stride_y, strid
         tl.store(T + row * stride_t + j, tl.sum(a.to(tl.float32) * yr[None, :], 1).to(T.dtype.element_ty), mask=jm)
 
 
+def shrink_rows_per_program(rows: int, n: int) -> int:
+    """Rows of A per program of the norm's shrink: the fastest of 2/4/8 x 4/8 warps in
+    ``benchmarks/probe_norm_shrink.py`` on an H100 (hidden 3584, r = 32 and 48; docs/benchmarks.md): 2 up
+    to 16 batch rows, 4 above (fewer programs re-reading the normed rows). Wider rows (hidden > 4096)
+    keep 2: the A tile is held in registers next to the whole normed row."""
+    return 2 if rows <= 16 or n > 4096 else 4
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, eps: float,
             residual: torch.Tensor | None = None, lora_a: torch.Tensor | None = None):
     """-> normed (and the new residual x + residual when one is given), both in x's dtype.
 
     ``lora_a`` [r, n]: also return ``normed @ lora_a^T`` [..., r] (a LoRA shrink, for the GEMM that reads
     the normed rows), computed by extra programs of the same launch: each row's programs rebuild the
-    normed row and read 4 rows of A. Why: at decode batch sizes the separate
+    normed row and read ``shrink_rows_per_program`` rows of A. Why: at decode batch sizes the separate
     shrink is a cuBLAS split-K GEMM plus its reduce kernel, two launches of a few us for a read of
     ~100 KB; here it rides on the norm's launch. -> (normed, residual or None, shrink)."""
     n = x.shape[-1]
@@ -84,18 +92,19 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         ro = torch.empty_like(x2)
     else:
         r2 = ro = x2
-    chunks, t = 1, x2
+    chunks, t, rc = 1, x2, 1
     if lora_a is not None:
         if lora_a.shape[-1] != n or lora_a.stride(-1) != 1 or lora_a.dtype != x.dtype:
             raise ValueError(f"lora_a must be a row-major [r, {n}] {x.dtype} matrix, got {tuple(lora_a.shape)} {lora_a.dtype}")
         t = torch.empty(x2.shape[0], lora_a.shape[0], dtype=x.dtype, device=x.device)
-        chunks = triton.cdiv(lora_a.shape[0], 4)
+        rc = shrink_rows_per_program(x2.shape[0], n)
+        chunks = triton.cdiv(lora_a.shape[0], rc)
     _rmsnorm_kernel[(x2.shape[0], chunks)](
         x2, r2, weight, noise if noise is not None else weight, y, ro, lora_a if lora_a is not None else x2, t,
         x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n if lora_a is None else lora_a.stride(0), t.stride(0),
         n, 0 if lora_a is None else lora_a.shape[0], eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        SHRINK=lora_a is not None, num_warps=4 if n <= 4096 and lora_a is None else 8,
+        SHRINK=lora_a is not None, RC=rc, num_warps=4 if n <= 4096 and lora_a is None else 8,
     )
     y = y.view(x.shape)
     if lora_a is not None:
