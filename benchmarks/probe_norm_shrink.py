@@ -6,7 +6,6 @@ replays. Prints us per call: plain fused norm, norm + ``y @ A^T`` (cuBLAS), and 
 for each (rows of A per program, warps).
 
     python benchmarks/probe_norm_shrink.py --rows 1,16,64,128
-    python benchmarks/probe_norm_shrink.py --rows 1,16,64,128 --swiglu   # SwiGLU + down's shrink (r = 16)
 """
 
 from __future__ import annotations
@@ -53,27 +52,12 @@ def probe(rows: int, rank: int, n: int = 3584, copies: int = 8) -> dict:
     return res
 
 
-def probe_swiglu(rows: int, rank: int = 16, n: int = 18944, copies: int = 8) -> dict:
-    gus = [torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    a = torch.randn(rank, n, device="cuda").to(torch.bfloat16) * 0.02
-    return {"SwiGLU alone": time_graph([lambda gu=gu: fused.silu_mul(*gu.chunk(2, -1)) for gu in gus]),
-            "SwiGLU + cuBLAS shrink": time_graph([lambda gu=gu: fused.silu_mul(*gu.chunk(2, -1)) @ a.t() for gu in gus]),
-            "SwiGLU with the shrink": time_graph([lambda gu=gu: fused.silu_mul(*gu.chunk(2, -1), lora_a=a) for gu in gus])}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,64,128")
     ap.add_argument("--ranks", default="48,32")
-    ap.add_argument("--swiglu", action="store_true", help="SwiGLU (intermediate 18944) + down's shrink instead")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()} hidden 3584", flush=True)
-    if args.swiglu:
-        for rows in map(int, args.rows.split(",")):
-            print(f"## SwiGLU, r 16, {rows} rows", flush=True)
-            for k, us in probe_swiglu(rows).items():
-                print(f"{us:7.2f} us  {k}", flush=True)
-        return 0
     for rank in map(int, args.ranks.split(",")):
         for rows in map(int, args.rows.split(",")):
             print(f"## r {rank}, {rows} rows", flush=True)

@@ -40,18 +40,6 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``F.silu(g) * u``; under autograd it saves only g and u; outside it on CUDA, one fused kernel."""
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
         return _SiluMul.apply(g, u)
-    if _fusable(g, u):
+    if fused.enabled(g, u) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1:
         return fused.silu_mul(g, u)
     return F.silu(g) * u
-
-
-def silu_mul_shrink(g: torch.Tensor, u: torch.Tensor, lora_a: torch.Tensor):
-    """(``silu(g) * u``, its LoRA shrink ``@ lora_a^T`` from the same launch, or None where that kernel
-    cannot run: the caller shrinks). Inference only (the engine's MLP)."""
-    if _fusable(g, u) and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
-        return fused.silu_mul(g, u, lora_a=lora_a)
-    return silu_mul(g, u), None
-
-
-def _fusable(g: torch.Tensor, u: torch.Tensor) -> bool:
-    return fused.enabled(g, u) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1

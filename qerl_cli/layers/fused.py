@@ -195,65 +195,24 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
 
 
 @_jit
-def _silu_mul_kernel(G, U, Y, A, T, WS, CNT, stride_g, stride_u, stride_y, stride_a, stride_t, N, NA,
-                     BLOCK: tl.constexpr, SHRINK: tl.constexpr = False, RP: tl.constexpr = 16, NCP: tl.constexpr = 64):
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0)
     s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # rounded like torch's silu output
-    y = (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty)
-    tl.store(Y + row * stride_y + cols, y, mask=mask)
-    if SHRINK:
-        # This program's columns of the LoRA shrink t = y @ A^T into an fp32 partial; the row's last
-        # program to arrive sums the partials in column order (deterministic) and resets the counter.
-        nc = tl.num_programs(1)
-        j = tl.arange(0, RP)
-        jm = j < NA
-        a = tl.load(A + j[:, None] * stride_a + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
-        tl.store(WS + (row * nc + c) * RP + j, tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], 1))
-        tl.debug_barrier()  # every thread's partial store precedes the counter's release
-        if tl.atomic_add(CNT + row, 1, sem="acq_rel", scope="gpu") == nc - 1:
-            k = tl.arange(0, NCP)
-            parts = tl.load(WS + (row * nc + k[:, None]) * RP + j[None, :], mask=(k < nc)[:, None], other=0.0,
-                            cache_modifier=".cg")
-            tl.store(T + row * stride_t + j, tl.sum(parts, 0).to(T.dtype.element_ty), mask=jm)
-            tl.atomic_xchg(CNT + row, 0)
+    tl.store(Y + row * stride_y + cols, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, lora_a: torch.Tensor | None = None):
-    """``silu(g) * u`` in one kernel (torch runs two); g and u may be the halves of one gate/up output.
-
-    ``lora_a`` [r, n]: also the LoRA shrink ``y @ lora_a^T`` of the next GEMM (down), from the same
-    launch: each program adds its 512 columns into an fp32 partial, and the row's last program sums
-    them in order (the split-K counters of qerl_kernels, left zero). Why: at decode sizes the separate
-    shrink is two launches (cuBLAS split-K + reduce). -> (y, t), t None when no counters exist (a first
-    call under CUDA-graph capture: the caller shrinks)."""
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` in one kernel (torch runs two); g and u may be the halves of one gate/up output."""
     n = g.shape[-1]
     if u.shape != g.shape or g.stride(-1) != 1 or u.stride(-1) != 1:
         raise ValueError(f"silu_mul wants matching row-major g and u, got {tuple(g.shape)} and {tuple(u.shape)}")
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
     y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
-    cnt = None
-    if lora_a is not None:
-        from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
-
-        if lora_a.shape[-1] != n or lora_a.stride(-1) != 1 or lora_a.dtype != g.dtype or lora_a.shape[0] > 64:
-            raise ValueError(f"lora_a must be a row-major [r <= 64, {n}] {g.dtype} matrix, got {tuple(lora_a.shape)}")
-        cnt = arrival_counters(g.device) if g2.shape[0] <= COUNTER_SLOTS else None
-    if cnt is None:
-        block = 1024
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, y, y, y, y, g2.stride(0), u2.stride(0),
-                                                               y.stride(0), 0, 0, n, 0, BLOCK=block, num_warps=4)
-        return y.view(g.shape) if lora_a is None else (y.view(g.shape), None)
-    block, r = 512, lora_a.shape[0]
-    chunks = triton.cdiv(n, block)
-    rp = max(16, triton.next_power_of_2(r))
-    t = torch.empty(g2.shape[0], r, dtype=g.dtype, device=g.device)
-    ws = torch.empty(g2.shape[0], chunks, rp, dtype=torch.float32, device=g.device)
-    _silu_mul_kernel[(g2.shape[0], chunks)](g2, u2, y, lora_a, t, ws, cnt, g2.stride(0), u2.stride(0), y.stride(0),
-                                            lora_a.stride(0), t.stride(0), n, r, BLOCK=block, SHRINK=True, RP=rp,
-                                            NCP=max(2, triton.next_power_of_2(chunks)), num_warps=4)
-    return y.view(g.shape), t.view(*g.shape[:-1], r)
+    block = 1024
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
+                                                           BLOCK=block, num_warps=4)
+    return y.view(g.shape)

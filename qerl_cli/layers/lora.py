@@ -96,19 +96,6 @@ class LoRALinear(nn.Module):
             return y + d if y._is_view() else y.add_(d)
         return expand(y, x.reshape(-1, x.shape[-1]) @ c[0].t(), c[1])
 
-    def shrink_source(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A (the inference copy) when the kernel producing x may compute this LoRA's shrink: the engine,
-        at most ``NORM_SHRINK_MAX_ROWS`` rows, ``QERL_SWIGLU_SHRINK`` not 0 (only ``down_proj`` asks)."""
-        c = self._inference_copies(x) if self.enabled else None
-        rows = x.numel() // x.shape[-1]
-        if c is None or rows > NORM_SHRINK_MAX_ROWS or os.environ.get("QERL_SWIGLU_SHRINK", "1") == "0":
-            return None
-        return c[0]
-
-    def add_shrunk(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """y + the LoRA term given t = x @ A^T (from ``shrink_source``'s A)."""
-        return expand(y, t.reshape(-1, t.shape[-1]), self._cast[1])
-
     def refresh_inference_copies(self, dtype: torch.dtype) -> None:
         """(Re)write the activation-dtype copies of A and B * scaling *in place*, so CUDA graphs that
         captured them see new adapter values; call after every change to the fp32 masters or alpha."""

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from qerl_cli.layers.activation import silu_mul, silu_mul_shrink
+from qerl_cli.layers.activation import silu_mul
 from qerl_cli.layers.attention import Attention, add_lora
 from qerl_cli.layers.linear import QLinear
-from qerl_cli.layers.lora import LoRALinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
 from qerl_cli.models.config import ModelConfig
@@ -47,14 +46,7 @@ class MLP(nn.Module):
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        down = self.down_proj
-        a = down.shrink_source(g) if isinstance(down, LoRALinear) else None
-        if a is not None:  # the engine at decode sizes: down's LoRA shrink from the SwiGLU launch
-            h, t = silu_mul_shrink(g, u, a)
-            if t is not None:
-                return down.add_shrunk(down.base(h), t)
-            return down(h)
-        return down(silu_mul(g, u))
+        return self.down_proj(silu_mul(g, u))
 
 
 def shrink_source(grouped, x: torch.Tensor) -> torch.Tensor | None:
