@@ -91,6 +91,37 @@ def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len
     return engine, rec
 
 
+def run_eos(name, model, seqs, prompt_len, new_tokens, prompts_total, stop_every=500, group=8):
+    """Continuous batching as an RL rollout sees it: completions stop at random lengths (a random
+    1/``stop_every`` of the vocabulary are stop tokens; random weights sample near-uniformly), and
+    ``prompts_total`` prompts stream through ``seqs`` slots, so finished groups free slots and single
+    prompts are admitted (prefilled) mid-run. Run twice, prefill graphs off then on (same model)."""
+    out = []
+    vocab = model.config.vocab_size
+    stops = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[: vocab // stop_every].tolist()
+    ps = prompts(prompts_total, prompt_len, vocab)
+    for flag in ("0", "1"):
+        free()
+        os.environ["QERL_PREFILL_GRAPHS"] = flag
+        try:
+            engine = LLMEngine(model, None, max_num_seqs=seqs, max_model_len=prompt_len + new_tokens + 16)
+        finally:
+            os.environ.pop("QERL_PREFILL_GRAPHS")
+        sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=stops, seed=0)
+        engine.generate(ps[: seqs // group], sp, n=group)  # warm-up
+        torch.cuda.synchronize()
+        res = engine.generate(ps, sp, n=group)
+        torch.cuda.synchronize()
+        lens = [len(c.token_ids) for g in res for c in g]
+        st = engine.stats
+        out.append(dict(bench=f"{name}-prefill-graphs-{'on' if flag == '1' else 'off'}", seqs=seqs, prompts=prompts_total,
+                        n=group, prompt=prompt_len, max_new_tokens=new_tokens, mean_len=round(sum(lens) / len(lens), 1),
+                        tok_s=round(st["tokens_per_s"], 1), wall_s=round(st["elapsed_s"], 2),
+                        decode_steps=st["decode_steps"]))
+        del engine
+    return out
+
+
 def decode_bandwidth(name, engine, model, seqs, ctx):
     """Replay the captured decode graph for `seqs` sequences at context `ctx`: bytes read / step time."""
     from qerl_cli.engine.sequence import Sequence
@@ -163,7 +194,8 @@ def guarded(fn, *a, **k):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma list: nvfp4-16,bf16-16,nvfp4-256,bf16-256,nvfp4-lora-16,bf16-lora-16,hf-64,bw-64,32b")
+    ap.add_argument("--only", default="", help="comma list: nvfp4-16,bf16-16,nvfp4-256,bf16-256,nvfp4-lora-16,bf16-lora-16,"
+                                                   "nvfp4-lora-256,bf16-lora-256,hf-64,bw-64,32b,eos-nvfp4,eos-bf16")
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=256)
@@ -208,6 +240,14 @@ def main() -> None:
                 if r:
                     log(r[1])
                     del r
+            del model
+    for quant in ("nvfp4", "bf16"):
+        if f"eos-{quant}" in want:  # 64 prompts x 8 through 256 slots, random stop lengths
+            free()
+            model = build_random_model(cfg7, device="cuda", dtype=torch.bfloat16, quantized=quant == "nvfp4",
+                                       lora=LoraSpec(r=16, alpha=16), max_positions=4096)
+            for rec in guarded(run_eos, f"engine-{quant}-lora16-7b-eos", model, 256, args.prompt, args.new_tokens, 64) or []:
+                log(rec)
             del model
     if "hf-64" in want:
         r = guarded(hf_generate, 64, args.prompt, args.hf_new_tokens)

@@ -78,6 +78,31 @@ def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
+def test_prefill_graphs_match_eager_prefill(tmp_path, monkeypatch):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
+    model = load_model(src, device="cuda", dtype=torch.float32, lora=LoraSpec(r=8, alpha=16))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]  # up to 129 tokens: buckets 64, 128, 256
+    sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    runs, used = {}, []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QERL_PREFILL_GRAPHS", flag)
+        engine = LLMEngine(model, None, max_num_seqs=2, max_model_len=300)  # one group of 2 admitted at a time
+        assert bool(engine.runner.prefill_graphs) == (flag == "1")
+        if flag == "1":
+            assert sorted(engine.runner.prefill_graphs) == [64, 128, 256]
+            real = engine.runner._prefill_graphed
+            monkeypatch.setattr(engine.runner, "_prefill_graphed", lambda g, b, _f=real: used.append(b) or _f(g, b))
+        runs[flag] = engine.generate(prompts, sp, n=2)
+    assert sorted(set(used)) == [64, 128, 256] and len(used) == len(prompts)
+    for g_on, g_off in zip(runs["1"], runs["0"]):
+        for a, b in zip(g_on, g_off):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+
+
 def test_graph_engine_greedy_equals_hf_fp32(tmp_path):
     src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()
