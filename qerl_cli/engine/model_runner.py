@@ -10,11 +10,12 @@ device, one row per sequence slot, written once at admission; the running batch'
 positions live on the device too and are advanced there, so a decode step needs no host -> device
 copy unless the batch changed (one small copy then).
 
-Prefill of a single prompt (what continuous batching admits each time a group finishes) replays a
-CUDA graph captured for its padded length (``PREFILL_BUCKETS``): launched eagerly, a 7B prefill of
-256 tokens spends ~35 ms (~52 with LoRA) of host time on ~400-800 kernel launches that keep the
-GPU busy for only ~9-10 ms, and the decode batch waits all that time. Several prompts admitted at
-once, or one longer than the largest bucket, run eagerly as one padded batch. Right padding cannot
+Prefill of a prompt (continuous batching admits one each time a group finishes) replays a CUDA
+graph captured for its padded length (``PREFILL_BUCKETS``): launched eagerly, a 7B prefill of 256
+tokens spends ~35 ms (~52 with LoRA) of host time on ~400-800 kernel launches that keep the GPU
+busy for only ~9-10 ms, and the decode batch waits all that time. More than
+``PREFILL_GRAPH_MAX_GROUPS`` prompts admitted at once, or one longer than the largest bucket, run
+eagerly as one padded batch. Right padding cannot
 change a causal prefill's real positions; the padded positions write into the scratch block.
 ``QERL_PREFILL_GRAPHS=0`` turns the graphs off.
 """
@@ -31,6 +32,10 @@ from qerl_cli.engine.sequence import Sequence
 from qerl_cli.layers.attention import ForwardContext, set_context
 
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+# Up to this many prompts admitted together replay one prefill graph each; more run as one eager batch,
+# whose GPU time per prompt is lower (H100, 7B NVFP4, 256 tokens: one graph 8.5 ms of kernels, an
+# eager batch of 4 prompts 22.9 ms of kernels but 39-49 ms of host launch time; docs/benchmarks.md).
+PREFILL_GRAPH_MAX_GROUPS = 4
 
 
 def prefill_buckets(max_model_len: int, max_tokens: int) -> list[int]:
@@ -89,19 +94,25 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, groups: list[Group]) -> torch.Tensor:
         """Write the prompts' K/V (into child 0's blocks, shared full blocks) -> last-position logits [G, V]."""
-        bucket = self._prefill_bucket(groups)
-        logits = self._prefill_eager(groups) if bucket is None else self._prefill_graphed(groups[0], bucket)
+        buckets = self._prefill_buckets(groups)
+        if buckets is None:
+            logits = self._prefill_eager(groups)
+        else:
+            logits = torch.cat([self._prefill_graphed(g, b) for g, b in zip(groups, buckets)])
         self._fork_partial_blocks(groups)
         for g in groups:
             for s in g.seqs:
                 self.set_block_table(s)
         return logits
 
-    def _prefill_bucket(self, groups: list[Group]) -> int | None:
-        if len(groups) != 1 or not self.prefill_graphs:
+    def _prefill_buckets(self, groups: list[Group]) -> list[int] | None:
+        """Each group's graph bucket, or None: eager (no graphs, more than PREFILL_GRAPH_MAX_GROUPS
+        groups, or a prompt longer than the largest bucket)."""
+        if len(groups) > PREFILL_GRAPH_MAX_GROUPS or not self.prefill_graphs:
             return None
-        p = len(groups[0].prompt_ids)
-        return next((b for b in sorted(self.prefill_graphs) if b >= p), None)
+        sizes = sorted(self.prefill_graphs)
+        out = [next((b for b in sizes if b >= len(g.prompt_ids)), None) for g in groups]
+        return None if None in out else out
 
     def _prefill_slots(self, g: Group, length: int) -> torch.Tensor:
         """Cache slot per position of the prompt padded to ``length`` (padding -> the scratch block)."""
