@@ -232,3 +232,22 @@ def test_bundled_tiny_model_greedy_with_eos_equals_hf_and_64_completions_fast():
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=1), n=4)
     assert sum(len(g) for g in out) == 64 and time.perf_counter() - t0 < 30
     assert all(c.text == tok.decode(c.token_ids, skip_special_tokens=True) for g in out for c in g)
+
+
+def test_prefill_graph_buckets_and_which_admissions_replay_them():
+    from types import SimpleNamespace
+
+    from qerl_cli.engine.model_runner import PREFILL_GRAPH_MAX_GROUPS, ModelRunner, prefill_buckets
+
+    assert prefill_buckets(4096, 2048) == [64, 128, 256, 512, 1024, 2048]
+    assert prefill_buckets(1300, 2048) == [64, 128, 256, 512, 1024]  # no rotary entries past the context
+    assert prefill_buckets(100, 2048) == [64] and prefill_buckets(50, 2048) == []
+    assert prefill_buckets(4096, 300) == [64, 128, 256]
+    runner = SimpleNamespace(prefill_graphs={64: None, 128: None, 256: None})
+    g = lambda n: Group(0, list(range(n)), 8, n + 10)  # noqa: E731
+    pick = lambda groups: ModelRunner._prefill_buckets(runner, groups)  # noqa: E731
+    assert pick([g(1)]) == [64] and pick([g(64)]) == [64] and pick([g(65)]) == [128]
+    assert pick([g(30), g(200), g(100)]) == [64, 256, 128]
+    assert pick([g(257)]) is None  # longer than the largest bucket: eager
+    assert pick([g(10)] * (PREFILL_GRAPH_MAX_GROUPS + 1)) is None  # a large admission: one eager batch
+    assert ModelRunner._prefill_buckets(SimpleNamespace(prefill_graphs={}), [g(10)]) is None  # CPU / off
