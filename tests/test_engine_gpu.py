@@ -55,12 +55,25 @@ def test_norm_kernel_lora_shrink_on_gpu(rows, r, res):
     assert (t.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
 
 
-def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
+def tiny_fp32_lora_model(tmp_path):
+    """A tiny fp32 Qwen2 on the GPU with a random (non-zero) LoRA r=8 on all seven projections."""
     src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
     model = load_model(src, device="cuda", dtype=torch.float32, lora=LoraSpec(r=8, alpha=16))
     with torch.no_grad():
         for p in lora_parameters(model):
             p.normal_(0, 0.05)
+    return model
+
+
+def assert_same_samples(out_a, out_b, logprob_tol: float) -> None:
+    for g_a, g_b in zip(out_a, out_b, strict=True):
+        for a, b in zip(g_a, g_b, strict=True):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < logprob_tol
+
+
+def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
+    model = tiny_fp32_lora_model(tmp_path)
     sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=3)
     calls = []
     real = __import__("qerl_cli.layers.fused", fromlist=["rmsnorm"]).rmsnorm
@@ -72,18 +85,11 @@ def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
         calls.clear()
         runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
         assert any(calls) == (flag == "1")  # the norm kernel took the shrink only when allowed
-    for g_on, g_off in zip(runs["1"], runs["0"]):
-        for a, b in zip(g_on, g_off):
-            assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert_same_samples(runs["1"], runs["0"], 1e-4)
 
 
 def test_prefill_graphs_match_eager_prefill(tmp_path, monkeypatch):
-    src = make_tiny_hf_model(tmp_path, arch="qwen2", dtype=torch.float32, init_std=0.1, tokenizer=False)
-    model = load_model(src, device="cuda", dtype=torch.float32, lora=LoraSpec(r=8, alpha=16))
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.05)
+    model = tiny_fp32_lora_model(tmp_path)
     prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]  # up to 129 tokens: buckets 64, 128, 256
     sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     runs, used = {}, []
@@ -97,10 +103,7 @@ def test_prefill_graphs_match_eager_prefill(tmp_path, monkeypatch):
             monkeypatch.setattr(engine.runner, "_prefill_graphed", lambda g, b, _f=real: used.append(b) or _f(g, b))
         runs[flag] = engine.generate(prompts, sp, n=2)
     assert sorted(set(used)) == [64, 128, 256] and len(used) == len(prompts)
-    for g_on, g_off in zip(runs["1"], runs["0"]):
-        for a, b in zip(g_on, g_off):
-            assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
+    assert_same_samples(runs["1"], runs["0"], 1e-3)
 
 
 def test_graph_engine_greedy_equals_hf_fp32(tmp_path):
