@@ -15,9 +15,8 @@ graph captured for its padded length (``PREFILL_BUCKETS``): launched eagerly, a 
 tokens spends ~35 ms (~52 with LoRA) of host time on ~400-800 kernel launches that keep the GPU
 busy for only ~9-10 ms, and the decode batch waits all that time. More than
 ``PREFILL_GRAPH_MAX_GROUPS`` prompts admitted at once, or one longer than the largest bucket, run
-eagerly as one padded batch. Right padding cannot
-change a causal prefill's real positions; the padded positions write into the scratch block.
-``QERL_PREFILL_GRAPHS=0`` turns the graphs off.
+eagerly as one padded batch. Right padding cannot change a causal prefill's real positions; the
+padded positions write into the scratch block. ``QERL_PREFILL_GRAPHS=0`` turns the graphs off.
 """
 
 from __future__ import annotations
