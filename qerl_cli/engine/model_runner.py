@@ -134,17 +134,12 @@ class ModelRunner:
         return buf["logits"].clone()
 
     def _prefill_eager(self, groups: list[Group]) -> torch.Tensor:
-        bs = self.block_size
         lens = [len(g.prompt_ids) for g in groups]
         longest = max(lens)
         ids = torch.zeros(len(groups), longest, dtype=torch.long)
-        slots = torch.full((len(groups), longest), BlockManager.SCRATCH * bs, dtype=torch.long)
         for b, g in enumerate(groups):
-            p = lens[b]
-            ids[b, :p] = torch.tensor(g.prompt_ids)
-            table = torch.tensor(g.seqs[0].block_table, dtype=torch.long)
-            pos = torch.arange(p)
-            slots[b, :p] = table[pos // bs] * bs + pos % bs
+            ids[b, :lens[b]] = torch.tensor(g.prompt_ids)
+        slots = torch.stack([self._prefill_slots(g, longest) for g in groups])
         ids, slots = ids.to(self.device), slots.view(-1).to(self.device)
         positions = torch.arange(longest, device=self.device).expand(len(groups), longest)
         set_context(ForwardContext(is_prefill=True, slot_mapping=slots))
@@ -260,7 +255,6 @@ class ModelRunner:
 
     def _capture(self) -> None:
         pool = None
-        self._pool = None
         with torch.inference_mode():
             for b in reversed(self.graph_sizes):
                 args = (self.state[0, :b], self.state[1, :b], self.state[2, :b])
