@@ -16,7 +16,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-from qerl_kernels.prefetch import l2_prefetch
 from torch import nn
 
 from qerl_cli.layers.context import ForwardContext, get_context, set_context  # noqa: F401 (re-exported)
@@ -50,8 +49,6 @@ class Attention(nn.Module):
         # Set by the engine: this layer's views into the paged cache, [num_blocks, block, Hk, D] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # Set by the engine (set_l2_prefetch): weight bytes to pull into L2 while decode attention runs.
-        self.prefetch: tuple | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
         """``lora_t``: x @ A^T of the q/k/v ``GroupedLoRA`` when the norm kernel computed it (``shrink_source``)."""
@@ -84,29 +81,9 @@ class Attention(nn.Module):
         else:
             from qerl_cli.layers.paged_attention import paged_decode_attention
 
-            if self.prefetch is not None:
-                l2_prefetch(*self.prefetch)
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                        ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
         return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
-
-
-def weight_bytes(m) -> tuple | None:
-    """The tensors a QLinear's GEMM streams (codes + scales, or the dense weight)."""
-    m = base_of(m)
-    return (m.weight_packed, m.weight_scale.view(torch.uint8)) if m.quantized else (m.weight,)
-
-
-def set_l2_prefetch(model, what: str) -> None:
-    """``what``: comma list of "o" (each layer's o_proj during its decode attention) and "qkv" (the next
-    layer's fused q/k/v during this layer's SwiGLU + down); "" turns it off."""
-    parts = {p for p in what.split(",") if p}
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        a = layer.self_attn
-        a.prefetch = weight_bytes(a.o_proj) if "o" in parts else None
-        nxt = layers[i + 1].self_attn if i + 1 < len(layers) else None
-        layer.mlp.prefetch = weight_bytes(nxt._qkv[0]) if "qkv" in parts and nxt is not None and nxt._qkv else None
 
 
 def base_of(m):

@@ -11,13 +11,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from qerl_kernels.prefetch import l2_prefetch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.layers.activation import silu_mul
 from qerl_cli.layers.attention import Attention, add_lora
-from qerl_cli.layers.context import get_context
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
@@ -36,7 +34,6 @@ class MLP(nn.Module):
         self.down_proj = QLinear(i, h, bias=b, quantized=quantized.get("down_proj", False), **kw)
         self._gate_up: list[QLinear] = []  # inference-only fused GEMM (layers.attention.fuse_projections)
         self._gate_up_lora = None  # a GroupedLoRA for gate/up (layers.attention.group_lora)
-        self.prefetch: tuple | None = None  # the next layer's q/k/v weight bytes (layers.attention.set_l2_prefetch)
 
     def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
         """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it."""
@@ -49,10 +46,6 @@ class MLP(nn.Module):
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        if self.prefetch is not None:
-            ctx = get_context()
-            if ctx is not None and not ctx.is_prefill:
-                l2_prefetch(*self.prefetch)
         return self.down_proj(silu_mul(g, u))
 
 
