@@ -88,6 +88,29 @@ def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
     assert_same_samples(runs["1"], runs["0"], 1e-4)
 
 
+def test_lora_shrink_side_stream_on_and_off_agree(tmp_path, monkeypatch):
+    # The LoRA shrinks beside their base GEMMs on a side stream (o/down at every size, q/k/v and
+    # gate/up past the norm-shrink rows: the 67- and 129-token prompts' prefill): same samples as
+    # the serial path, in captured decode and prefill graphs and in the eager prefill.
+    import qerl_cli.layers.lora as lora
+
+    model = tiny_fp32_lora_model(tmp_path)
+    prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=5)
+    real, rows = lora.base_and_shrink, []
+    monkeypatch.setattr(lora, "base_and_shrink", lambda b, x, a: rows.append(x.numel() // x.shape[-1]) or real(b, x, a))
+    runs = {}
+    for graphs in ("1", "0"):
+        monkeypatch.setenv("QERL_PREFILL_GRAPHS", graphs)
+        for flag in ("1", "0"):
+            monkeypatch.setenv("QERL_LORA_OVERLAP", flag)
+            rows.clear()
+            runs[graphs + flag] = LLMEngine(model, None, max_num_seqs=4, max_model_len=300).generate(prompts, sp, n=2)
+            assert bool(rows) == (flag == "1") and (flag == "0" or max(rows) > 64)
+    assert_same_samples(runs["11"], runs["10"], 1e-5)
+    assert_same_samples(runs["01"], runs["00"], 1e-5)
+
+
 def test_prefill_graphs_match_eager_prefill(tmp_path, monkeypatch):
     model = tiny_fp32_lora_model(tmp_path)
     prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]  # up to 129 tokens: buckets 64, 128, 256

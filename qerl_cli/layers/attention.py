@@ -55,11 +55,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            y, grouped = self._qkv[0](x), self._qkv_lora
+            fused, grouped = self._qkv[0], self._qkv_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                q, k, v = grouped.add(x, y, lora_t).split([nq, nk, nk], dim=-1)
+                q, k, v = grouped.run(fused, x, lora_t).split([nq, nk, nk], dim=-1)
             else:
-                q, k, v = y.split([nq, nk, nk], dim=-1)
+                q, k, v = fused(x).split([nq, nk, nk], dim=-1)
                 q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

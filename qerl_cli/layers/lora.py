@@ -107,6 +107,10 @@ class LoRALinear(nn.Module):
                 self._cast[1].copy_(self.lora_B * self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self._inference_copies(x) if self.enabled else None
+        if c is not None and overlap_enabled(x):
+            y, t = base_and_shrink(self.base, x, c[0])
+            return expand(y, t, c[1])
         y = self.base(x)
         return self.add_delta(x, y) if self.enabled else y
 
@@ -177,6 +181,14 @@ class GroupedLoRA:
         t = x.reshape(-1, x.shape[-1]) @ self.a.t() if t is None else t.reshape(-1, t.shape[-1])
         return expand(y, t, self.b)
 
+    def run(self, base, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        """base(x) (the fused GEMM) plus every part's LoRA term; the shrink, when ``t`` is not given, beside
+        the GEMM on a side stream (``base_and_shrink``)."""
+        if t is None and overlap_enabled(x):
+            y, t = base_and_shrink(base, x, self.a)
+            return expand(y, t, self.b)
+        return self.add(x, base(x), t)
+
     def shrink_source(self, x: torch.Tensor) -> torch.Tensor | None:
         """``a`` when the norm that produces x may compute this group's shrink (``active`` and a decode-sized
         batch, where the separate shrink is launch-bound), else None. ``QERL_NORM_SHRINK=0``: never."""
@@ -184,6 +196,36 @@ class GroupedLoRA:
         if rows > NORM_SHRINK_MAX_ROWS or os.environ.get("QERL_NORM_SHRINK", "1") == "0" or not self.active(x):
             return None
         return self.a
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def overlap_enabled(x: torch.Tensor) -> bool:
+    """Whether the engine's LoRA shrinks run on a side stream beside their base GEMM (CUDA only;
+    ``QERL_LORA_OVERLAP=0`` turns it off)."""
+    return x.is_cuda and os.environ.get("QERL_LORA_OVERLAP", "1") != "0"
+
+
+def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base(x), x @ a^T) with the shrink on a side stream that forks from and joins the current one.
+
+    Why: at decode sizes the shrink is a launch-bound cuBLAS split-K pair (~5-7 us) that needs only x,
+    while the base GEMM leaves most of the SMs' issue slots idle waiting on its weight; side by side,
+    the pair hides under the GEMM. Inside a CUDA-graph capture the fork and join become graph edges.
+    ``t`` is allocated on the side stream and freed before that stream's next fork, which waits for
+    every use of it on the current stream: the caching allocator needs no ``record_stream``.
+    """
+    main = torch.cuda.current_stream(x.device)
+    side = _SIDE.get(x.device)
+    if side is None:
+        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        t = x.reshape(-1, x.shape[-1]) @ a.t()
+    y = base(x)
+    main.wait_stream(side)
+    return y, t
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

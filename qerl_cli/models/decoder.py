@@ -38,11 +38,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
         """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it."""
         if self._gate_up:
-            y, grouped = self._gate_up[0](x), self._gate_up_lora
+            fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                g, u = grouped.add(x, y, lora_t).chunk(2, dim=-1)
+                g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
             else:
-                g, u = y.chunk(2, dim=-1)
+                g, u = fused(x).chunk(2, dim=-1)
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
