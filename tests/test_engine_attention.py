@@ -143,11 +143,27 @@ NORM_SHRINK = textwrap.dedent("""
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         assert t.shape == (rows, r) and t.dtype == dtype
         assert torch.allclose(t.double(), ref, rtol=tol, atol=tol), (dtype, n, r, (t.double() - ref).abs().max())
+        # A deferred LoRA term: added to x and rounded first, exactly as if x had carried it (also under
+        # the shrink, whose programs rebuild the row).
+        d = (torch.randn(rows, n) * 0.3).to(dtype)
+        xd = (x + d).to(dtype)
+        want = fused.rmsnorm(xd, w, z, 1e-6, resid)
+        got = fused.rmsnorm(x, w, z, 1e-6, resid, delta=d)
+        for g_, w_ in zip(got if res else (got,), want if res else (want,)):
+            assert torch.equal(g_, w_)
+        y2, _, t2 = fused.rmsnorm(x, w, z, 1e-6, resid, lora_a=a, delta=d)
+        y3, _, t3 = fused.rmsnorm(xd, w, z, 1e-6, resid, lora_a=a)
+        assert torch.equal(y2, y3) and torch.equal(t2, t3) and not torch.equal(y2, y)
     try:
         fused.rmsnorm(x, w, None, 1e-6, lora_a=a.t().contiguous())
         raise AssertionError("a transposed A was accepted")
     except ValueError as e:
         assert "lora_a" in str(e)
+    try:
+        fused.rmsnorm(x, w, None, 1e-6, delta=d[:1])
+        raise AssertionError("a delta of the wrong shape was accepted")
+    except ValueError as e:
+        assert "delta" in str(e)
 """)
 
 

@@ -53,6 +53,11 @@ def test_norm_kernel_lora_shrink_on_gpu(rows, r, res):
     assert torch.equal(y, plain[0] if res else plain) and (not res or torch.equal(ro, plain[1]))
     ref = y.double() @ a.double().t()
     assert (t.double() - ref).abs().max().item() < 1e-2 * ref.abs().max().item()
+    # A deferred LoRA term (bf16 here: the case the interpreter cannot check): x + d rounded first.
+    d = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16) * 0.1
+    y2, ro2, t2 = fused.rmsnorm(x, w, z, 1e-6, resid, lora_a=a, delta=d)
+    y3, ro3, t3 = fused.rmsnorm(x + d, w, z, 1e-6, resid, lora_a=a)
+    assert torch.equal(y2, y3) and torch.equal(t2, t3) and (not res or torch.equal(ro2, ro3))
 
 
 def tiny_fp32_lora_model(tmp_path):
@@ -89,24 +94,28 @@ def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
 
 
 def test_lora_shrink_side_stream_on_and_off_agree(tmp_path, monkeypatch):
-    # The LoRA shrinks beside their base GEMMs on a side stream (o/down at every size, q/k/v and
-    # gate/up past the norm-shrink rows: the 67- and 129-token prompts' prefill): same samples as
-    # the serial path, in captured decode and prefill graphs and in the eager prefill.
+    # The LoRA shrinks beside their base GEMMs on a side stream (o/down at every size, with their
+    # expands, whose terms the next norm adds; q/k/v and gate/up past the norm-shrink rows: the 67- and
+    # 129-token prompts' prefill): same samples as the serial path, in captured decode and prefill
+    # graphs and in the eager prefill.
     import qerl_cli.layers.lora as lora
 
     model = tiny_fp32_lora_model(tmp_path)
     prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=5)
-    real, rows = lora.base_and_shrink, []
-    monkeypatch.setattr(lora, "base_and_shrink", lambda b, x, a: rows.append(x.numel() // x.shape[-1]) or real(b, x, a))
+    real, rows, expands = lora.base_and_shrink, [], []
+    monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None: rows.append(x.numel() // x.shape[-1])
+                        or expands.append(b is not None) or real(base, x, a, b))
     runs = {}
     for graphs in ("1", "0"):
         monkeypatch.setenv("QERL_PREFILL_GRAPHS", graphs)
         for flag in ("1", "0"):
             monkeypatch.setenv("QERL_LORA_OVERLAP", flag)
             rows.clear()
+            expands.clear()
             runs[graphs + flag] = LLMEngine(model, None, max_num_seqs=4, max_model_len=300).generate(prompts, sp, n=2)
             assert bool(rows) == (flag == "1") and (flag == "0" or max(rows) > 64)
+            assert any(expands) == (flag == "1")  # o/down: the expand too, added by the next norm
     assert_same_samples(runs["11"], runs["10"], 1e-5)
     assert_same_samples(runs["01"], runs["00"], 1e-5)
 

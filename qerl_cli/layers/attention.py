@@ -50,8 +50,10 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
-        """``lora_t``: x @ A^T of the q/k/v ``GroupedLoRA`` when the norm kernel computed it (``shrink_source``)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None,
+                defer: bool = False):
+        """``lora_t``: x @ A^T of the q/k/v ``GroupedLoRA`` when the norm kernel computed it (``shrink_source``).
+        ``defer``: return (o_proj's base output, its LoRA term or None) for the next norm to add."""
         b, s, _ = x.shape
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -83,11 +85,17 @@ class Attention(nn.Module):
 
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                        ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
-        return self.o_proj(o.reshape(b, s, self.num_heads * self.head_dim))
+        o = o.reshape(b, s, self.num_heads * self.head_dim)
+        return deferred(self.o_proj, o) if defer else self.o_proj(o)
 
 
 def base_of(m):
     return m.base if isinstance(m, LoRALinear) else m
+
+
+def deferred(m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(m's base output, m's LoRA term or None): ``LoRALinear.forward_deferred`` where m has an adapter."""
+    return m.forward_deferred(x) if isinstance(m, LoRALinear) else (m(x), None)
 
 
 def add_lora(m, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -36,14 +36,17 @@ def _jit(fn):
 
 
 @_jit
-def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, stride_x, stride_r, stride_y, stride_ro, stride_a, stride_t, N, NA, eps,
-                    HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, SHRINK: tl.constexpr = False,
-                    RC: tl.constexpr = 4):
+def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, D, stride_x, stride_r, stride_y, stride_ro, stride_a, stride_t, stride_d,
+                    N, NA, eps, HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr,
+                    SHRINK: tl.constexpr = False, RC: tl.constexpr = 4, HAS_DELTA: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # the producing GEMM's LoRA term, added (and rounded) as its own output would have been
+        x = (x + tl.load(D + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        x = x.to(tl.float32)
     if HAS_RES:
         x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         xr = x.to(RO.dtype.element_ty)  # the residual stream is stored (and normalised) in model dtype
@@ -76,8 +79,11 @@ def shrink_rows_per_program(rows: int, n: int) -> int:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, eps: float,
-            residual: torch.Tensor | None = None, lora_a: torch.Tensor | None = None):
+            residual: torch.Tensor | None = None, lora_a: torch.Tensor | None = None, delta: torch.Tensor | None = None):
     """-> normed (and the new residual x + residual when one is given), both in x's dtype.
+
+    ``delta`` (x's shape and dtype): added to x first and rounded, as if the GEMM that produced x had
+    added it (a LoRA term computed beside that GEMM, ``LoRALinear.forward_deferred``).
 
     ``lora_a`` [r, n]: also return ``normed @ lora_a^T`` [..., r] (a LoRA shrink, for the GEMM that reads
     the normed rows), computed by extra programs of the same launch: each row's programs rebuild the
@@ -92,6 +98,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         ro = torch.empty_like(x2)
     else:
         r2 = ro = x2
+    d2 = x2 if delta is None else delta.reshape(-1, n)
+    if delta is not None and (d2.shape != x2.shape or d2.dtype != x.dtype or d2.stride(-1) != 1):
+        raise ValueError(f"delta must match x {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
     chunks, t, rc = 1, x2, 1
     if lora_a is not None:
         if lora_a.shape[-1] != n or lora_a.stride(-1) != 1 or lora_a.dtype != x.dtype:
@@ -100,11 +109,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         rc = shrink_rows_per_program(x2.shape[0], n)
         chunks = triton.cdiv(lora_a.shape[0], rc)
     _rmsnorm_kernel[(x2.shape[0], chunks)](
-        x2, r2, weight, noise if noise is not None else weight, y, ro, lora_a if lora_a is not None else x2, t,
+        x2, r2, weight, noise if noise is not None else weight, y, ro, lora_a if lora_a is not None else x2, t, d2,
         x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n if lora_a is None else lora_a.stride(0), t.stride(0),
-        n, 0 if lora_a is None else lora_a.shape[0], eps,
+        d2.stride(0), n, 0 if lora_a is None else lora_a.shape[0], eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        SHRINK=lora_a is not None, RC=rc, num_warps=4 if n <= 4096 and lora_a is None else 8,
+        SHRINK=lora_a is not None, RC=rc, HAS_DELTA=delta is not None,
+        num_warps=4 if n <= 4096 and lora_a is None else 8,
     )
     y = y.view(x.shape)
     if lora_a is not None:

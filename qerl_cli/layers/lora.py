@@ -114,6 +114,16 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         return self.add_delta(x, y) if self.enabled else y
 
+    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(base(x), the LoRA term or None) for a consumer that adds the term itself (the next RMSNorm,
+        ``fused.rmsnorm(delta=)``). In the engine on CUDA both LoRA matmuls run on the side stream beside
+        the base GEMM, so the step's critical path keeps no LoRA launch; elsewhere (None, y = forward(x))."""
+        c = self._inference_copies(x) if self.enabled else None
+        if c is None or not overlap_enabled(x) or os.environ.get("QERL_LORA_DEFER", "1") == "0":
+            return self(x), None
+        y, d = base_and_shrink(self.base, x, c[0], c[1])
+        return y, d.view(y.shape)
+
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}"
 
@@ -207,8 +217,9 @@ def overlap_enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("QERL_LORA_OVERLAP", "1") != "0"
 
 
-def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base(x), x @ a^T) with the shrink on a side stream that forks from and joins the current one.
+def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None):
+    """(base(x), x @ a^T) with the shrink on a side stream that forks from and joins the current one;
+    with ``b``, (base(x), x @ a^T @ b^T): the expand too, rounded to x's dtype.
 
     Why: at decode sizes the shrink is a launch-bound cuBLAS split-K pair (~5-7 us) that needs only x,
     while the base GEMM leaves most of the SMs' issue slots idle waiting on its weight; side by side,
@@ -223,6 +234,8 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tenso
     side.wait_stream(main)
     with torch.cuda.stream(side):
         t = x.reshape(-1, x.shape[-1]) @ a.t()
+        if b is not None:
+            t = t @ b.t()
     y = base(x)
     main.wait_stream(side)
     return y, t

@@ -26,22 +26,26 @@ class RMSNorm(nn.Module):
         else:
             self.noise = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with ``residual``: (norm(x + residual), x + residual), the residual in x's dtype."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, delta: torch.Tensor | None = None):
+        """norm(x), or with ``residual``: (norm(x + residual), x + residual), the residual in x's dtype.
+        ``delta``: a term to add to x first (rounded to x's dtype), the producing GEMM's deferred LoRA term."""
         if fused.enabled(x, residual, self.weight):
-            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual)
-        return self._torch(x, residual)
+            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, delta=delta)
+        return self._torch(x, residual, delta)
 
-    def with_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, lora_a: torch.Tensor | None):
+    def with_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, lora_a: torch.Tensor | None,
+                    delta: torch.Tensor | None = None):
         """(normed, residual or None, ``normed @ lora_a^T`` or None): the LoRA shrink of the next GEMM from
         the norm's own launch where the fused kernel runs (``fused.rmsnorm``), else None (the caller
-        shrinks). ``lora_a`` None: plain norm."""
+        shrinks). ``lora_a`` None: plain norm. ``delta`` as in ``forward``."""
         if lora_a is not None and fused.enabled(x, residual, self.weight):
-            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, lora_a=lora_a)
-        out = self(x, residual)
+            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, lora_a=lora_a, delta=delta)
+        out = self(x, residual, delta)
         return (out, None, None) if residual is None else (*out, None)
 
-    def _torch(self, x: torch.Tensor, residual: torch.Tensor | None):
+    def _torch(self, x: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | None = None):
+        if delta is not None:
+            x = x + delta
         if residual is not None:
             x = x + residual
             residual = x

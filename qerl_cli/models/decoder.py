@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.layers.activation import silu_mul
-from qerl_cli.layers.attention import Attention, add_lora
+from qerl_cli.layers.attention import Attention, add_lora, deferred
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
@@ -35,8 +35,9 @@ class MLP(nn.Module):
         self._gate_up: list[QLinear] = []  # inference-only fused GEMM (layers.attention.fuse_projections)
         self._gate_up_lora = None  # a GroupedLoRA for gate/up (layers.attention.group_lora)
 
-    def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None) -> torch.Tensor:
-        """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it."""
+    def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None, defer: bool = False):
+        """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it. ``defer``:
+        return (down_proj's base output, its LoRA term or None) for the next norm to add."""
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
@@ -46,7 +47,8 @@ class MLP(nn.Module):
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(g, u))
+        h = silu_mul(g, u)
+        return deferred(self.down_proj, h) if defer else self.down_proj(h)
 
 
 def shrink_source(grouped, x: torch.Tensor) -> torch.Tensor | None:
@@ -64,17 +66,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, noise_slot=True, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, noise_slot=True, **kw)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None):
-        """Residual-stream form (vLLM style): returns (mlp output, residual); the next layer's norm adds them.
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None,
+                delta: torch.Tensor | None = None):
+        """Residual-stream form (vLLM style): returns (mlp output, delta, residual); the next layer's norm
+        adds them, ``delta`` (down_proj's LoRA term when computed beside its GEMM, else None) first.
 
         Same arithmetic as HF's ``x + attn(norm(x))`` / ``x + mlp(norm(x))`` (each add rounds to the model
-        dtype), but lets the add fuse into the following norm.
+        dtype), but lets the adds fuse into the following norm.
         """
-        h, res, t = self.input_layernorm.with_shrink(x, residual, shrink_source(self.self_attn._qkv_lora, x))
+        h, res, t = self.input_layernorm.with_shrink(x, residual, shrink_source(self.self_attn._qkv_lora, x), delta)
         residual = x if residual is None else res
-        h = self.self_attn(h, positions, t)
-        h, residual, t = self.post_attention_layernorm.with_shrink(h, residual, shrink_source(self.mlp._gate_up_lora, h))
-        return self.mlp(h, t), residual
+        h, d = self.self_attn(h, positions, t, defer=True)
+        h, residual, t = self.post_attention_layernorm.with_shrink(h, residual, shrink_source(self.mlp._gate_up_lora, h),
+                                                                   d)
+        return *self.mlp(h, t, defer=True), residual
 
     def forward_stream(self, s: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Residual stream in, residual stream out: the checkpointed training form of ``forward``.
@@ -150,10 +155,10 @@ class CausalLM(nn.Module):
                 with off.hooks() if off is not None else nullcontext():
                     x = checkpoint(layer.forward_stream, x, positions, use_reentrant=False)
             return self.model.norm(x)
-        residual = None
+        residual = delta = None
         for layer in self.model.layers:
-            x, residual = layer(x, positions, residual)
-        return self.model.norm(x, residual)[0]
+            x, delta, residual = layer(x, positions, residual, delta)
+        return self.model.norm(x, residual, delta)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings on the model's device. With the table in CPU memory (``embeddings_to_cpu``)
