@@ -113,6 +113,29 @@ FUSED = textwrap.dedent("""
     # SwiGLU on the strided halves of one tensor.
     g, u = torch.randn(4, 2 * 40).chunk(2, -1)
     assert torch.allclose(fused.silu_mul(g, u), torch.nn.functional.silu(g) * u, atol=1e-6)
+    # Deferred LoRA terms (column slices of one q/k/v- or gate/up-shaped tensor), fp16: added and rounded
+    # first, so bit-equal to the same kernels on the summed inputs; v + dv is also stored back in place.
+    # One token too (a batch-1 decode graph): size-1 dims report arbitrary strides.
+    for dt, (b, s) in ((torch.float16, (2, 3)), (torch.float32, (2, 3)), (torch.float16, (1, 1))):
+        y = torch.randn(b, s, (6 + 2 + 2) * 32).to(dt)
+        d = (torch.randn(b, s, (6 + 2 + 2) * 32) * 0.5).to(dt)
+        split = lambda t: [p.view(b, s, -1, 32) for p in t.split([6 * 32, 2 * 32, 2 * 32], -1)]
+        q, k, v = split(y.clone())
+        kc, vc = torch.zeros(4, 4, 2, 32, dtype=dt), torch.zeros(4, 4, 2, 32, dtype=dt)
+        fused.rope_(q, k, pos[:b, :s], rot.cos_sin, cache=(v, kc, vc, slots[: b * s]), delta=split(d))
+        q2, k2, v2 = split((y + d).to(dt))
+        kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+        fused.rope_(q2, k2, pos[:b, :s], rot.cos_sin, cache=(v2, kc2, vc2, slots[: b * s]))
+        assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        gu, dgu = torch.randn(4, 2 * 40).to(dt), (torch.randn(4, 2 * 40) * 0.5).to(dt)
+        got = fused.silu_mul(*gu.chunk(2, -1), *dgu.chunk(2, -1))
+        assert torch.equal(got, fused.silu_mul(*(gu + dgu).to(dt).chunk(2, -1)))
+    try:
+        fused.rope_(q, k, pos, rot.cos_sin, delta=split(d))
+        raise AssertionError("a delta without the cache write was accepted")
+    except ValueError as e:
+        assert "delta" in str(e)
     print("ok")
 """)
 

@@ -94,18 +94,18 @@ def test_engine_norm_shrink_on_and_off_agree(tmp_path, monkeypatch):
 
 
 def test_lora_shrink_side_stream_on_and_off_agree(tmp_path, monkeypatch):
-    # The LoRA shrinks beside their base GEMMs on a side stream (o/down at every size, with their
-    # expands, whose terms the next norm adds; q/k/v and gate/up past the norm-shrink rows: the 67- and
-    # 129-token prompts' prefill): same samples as the serial path, in captured decode and prefill
-    # graphs and in the eager prefill.
+    # The LoRA terms computed beside their base GEMMs on a side stream and added by the next kernel
+    # (o/down: the norm; q/k/v: the rotary + cache write; gate/up: SwiGLU), the shrink there too past
+    # the norm-shrink rows (the 67- and 129-token prompts' prefill): same samples as the serial path,
+    # in captured decode and prefill graphs and in the eager prefill.
     import qerl_cli.layers.lora as lora
 
     model = tiny_fp32_lora_model(tmp_path)
     prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=5)
     real, rows, expands = lora.base_and_shrink, [], []
-    monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None: rows.append(x.numel() // x.shape[-1])
-                        or expands.append(b is not None) or real(base, x, a, b))
+    monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None, t=None: rows.append(x.numel() // x.shape[-1])
+                        or expands.append(b is not None) or real(base, x, a, b, t))
     runs = {}
     for graphs in ("1", "0"):
         monkeypatch.setenv("QERL_PREFILL_GRAPHS", graphs)

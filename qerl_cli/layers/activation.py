@@ -36,10 +36,13 @@ class _SiluMul(torch.autograd.Function):
         return dg, du
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``F.silu(g) * u``; under autograd it saves only g and u; outside it on CUDA, one fused kernel."""
+def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None):
+    """``F.silu(g) * u``; under autograd it saves only g and u; outside it on CUDA, one fused kernel.
+    ``dg``, ``du``: deferred LoRA terms of the gate/up GEMM, ``silu(g + dg) * (u + du)`` (engine only)."""
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
         return _SiluMul.apply(g, u)
     if fused.enabled(g, u) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1:
-        return fused.silu_mul(g, u)
+        return fused.silu_mul(g, u, dg, du)
+    if dg is not None:
+        g, u = g + dg, u + du
     return F.silu(g) * u

@@ -55,11 +55,20 @@ class Attention(nn.Module):
         """``lora_t``: x @ A^T of the q/k/v ``GroupedLoRA`` when the norm kernel computed it (``shrink_source``).
         ``defer``: return (o_proj's base output, its LoRA term or None) for the next norm to add."""
         b, s, _ = x.shape
+        ctx = get_context()
+        cached = ctx is not None and self.k_cache is not None
+        delta = None  # the q/k/v LoRA terms, when the rotary + cache write adds them (run_deferred)
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             fused, grouped = self._qkv[0], self._qkv_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                q, k, v = grouped.run(fused, x, lora_t).split([nq, nk, nk], dim=-1)
+                pair = grouped.run_deferred(fused, x, lora_t) if cached and self.q_norm is None and not fused.quantized \
+                    else None
+                if pair is not None:
+                    q, k, v = pair[0].split([nq, nk, nk], dim=-1)
+                    delta = [t.view(b, s, -1, self.head_dim) for t in pair[1].split([nq, nk, nk], dim=-1)]
+                else:
+                    q, k, v = grouped.run(fused, x, lora_t).split([nq, nk, nk], dim=-1)
             else:
                 q, k, v = fused(x).split([nq, nk, nk], dim=-1)
                 q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
@@ -70,9 +79,9 @@ class Attention(nn.Module):
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        ctx = get_context()
-        if ctx is not None and self.k_cache is not None:
-            q, k = self.rotary[0].rotate_and_cache(positions, q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if cached:
+            q, k, v = self.rotary[0].rotate_and_cache(positions, q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping,
+                                                      delta)
         else:
             q, k = self.rotary[0](positions, q, k)
         if ctx is None or ctx.is_prefill:

@@ -124,14 +124,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
 
 @_jit
 def _rope_rows(X, OUT, t, slot, stride_t, stride_h, stride_cs, stride_ch, H, cos, sin, HALF: tl.constexpr,
-               HP: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr, CACHE: tl.constexpr):
-    """Token t's H heads of X: rotated (ROTATE) in place (IN_PLACE) and/or written to cache row ``slot``."""
+               HP: tl.constexpr, ROTATE: tl.constexpr, IN_PLACE: tl.constexpr, CACHE: tl.constexpr,
+               DX=None, stride_dt=0, stride_dh=0, HAS_D: tl.constexpr = False):
+    """Token t's H heads of X: rotated (ROTATE) in place (IN_PLACE) and/or written to cache row ``slot``;
+    with HAS_D, X + DX (rounded to X's dtype, as the GEMM that produced X would have stored it) first."""
     d = tl.arange(0, HALF)
     h = tl.arange(0, HP)[:, None]
     m = h < H
     base = X + t * stride_t + h * stride_h + d[None, :]
     x1 = tl.load(base, mask=m, other=0.0)
     x2 = tl.load(base + HALF, mask=m, other=0.0)
+    if HAS_D:
+        dbase = DX + t * stride_dt + h * stride_dh + d[None, :]
+        x1 = (x1.to(tl.float32) + tl.load(dbase, mask=m, other=0.0).to(tl.float32)).to(x1.dtype)
+        x2 = (x2.to(tl.float32) + tl.load(dbase + HALF, mask=m, other=0.0).to(tl.float32)).to(x2.dtype)
     if ROTATE:
         y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
         y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
@@ -149,7 +155,7 @@ def _rope_rows(X, OUT, t, slot, stride_t, stride_h, stride_cs, stride_ch, H, cos
 @_jit
 def _rope_kernel(Q, K, V, KC, VC, SLOT, CS, P, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                  stride_cs, stride_ch, HQ, HK, HALF: tl.constexpr, HQP: tl.constexpr, HKP: tl.constexpr,
-                 CACHE: tl.constexpr):
+                 CACHE: tl.constexpr, DQ=None, DK=None, DV=None, stride_dt=0, stride_dh=0, HAS_D: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(P + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -158,10 +164,13 @@ def _rope_kernel(Q, K, V, KC, VC, SLOT, CS, P, stride_qt, stride_qh, stride_kt, 
     slot = t * 0
     if CACHE:
         slot = tl.load(SLOT + t).to(tl.int64)
-    _rope_rows(Q, Q, t, 0, stride_qt, stride_qh, 0, 0, HQ, cos, sin, HALF, HQP, True, True, False)
-    _rope_rows(K, KC, t, slot, stride_kt, stride_kh, stride_cs, stride_ch, HK, cos, sin, HALF, HKP, True, True, CACHE)
-    if CACHE:
-        _rope_rows(V, VC, t, slot, stride_vt, stride_vh, stride_cs, stride_ch, HK, cos, sin, HALF, HKP, False, False, True)
+    _rope_rows(Q, Q, t, 0, stride_qt, stride_qh, 0, 0, HQ, cos, sin, HALF, HQP, True, True, False,
+               DQ, stride_dt, stride_dh, HAS_D)
+    _rope_rows(K, KC, t, slot, stride_kt, stride_kh, stride_cs, stride_ch, HK, cos, sin, HALF, HKP, True, True, CACHE,
+               DK, stride_dt, stride_dh, HAS_D)
+    if CACHE:  # v + its delta goes back in place too: a prefill's attention reads v from there
+        _rope_rows(V, VC, t, slot, stride_vt, stride_vh, stride_cs, stride_ch, HK, cos, sin, HALF, HKP, False, HAS_D, True,
+                   DV, stride_dt, stride_dh, HAS_D)
 
 
 def rope_ok(x: torch.Tensor) -> bool:
@@ -174,12 +183,15 @@ def rope_ok(x: torch.Tensor) -> bool:
         return False
 
 
-def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache=None):
+def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, cache=None, delta=None):
     """Rotate q [..., Hq, D] and k [..., Hk, D] in place (rotate-half convention); returns (q, k).
 
     ``cache = (v, k_cache, v_cache, slots)``: also write the rotated k and v [..., Hk, D] of token i
     into row ``slots[i]`` of the paged caches [blocks, block_size, Hk, D] (what two ``index_copy_``
     launches did before, in the same kernel).
+    ``delta = (dq, dk, dv)`` (with ``cache`` only; column slices of one [tokens, width] tensor, shaped
+    like q, k, v): added to q, k, v first and rounded, v + dv stored back in place too (the q/k/v
+    GEMM's LoRA term computed beside it, ``GroupedLoRA.run_deferred``).
     """
     hq, d = q.shape[-2:]
     hk = k.shape[-2]
@@ -198,31 +210,54 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
     else:  # CACHE=False: these pointers and strides are never read
         v2 = kc = vc = k2
         slots, svt, svh, scs, sch = p, 0, 0, 0, 0
+    dq = dk = dv = q2
+    sdt = sdh = 0
+    if delta is not None:
+        if cache is None:
+            raise ValueError("rope_ adds a delta only together with the cache write (v needs it too)")
+        dq, dk, dv = (x.reshape(-1, x.shape[-2], d) for x in delta)
+        rows = q2.shape[0]  # one token: its row stride is meaningless (views of size-1 dims may report any)
+        if dq.shape != q2.shape or dk.shape != k2.shape or dv.shape != k2.shape or dq.stride(2) != 1 or \
+                len({(x.stride(0) if rows > 1 else 0, x.stride(1), x.stride(2), x.dtype) for x in (dq, dk, dv)}) != 1:
+            raise ValueError("rope_ delta wants dq, dk, dv shaped like q, k, v with one row and head stride")
+        sdt, sdh = (dq.stride(0) if rows > 1 else 0), dq.stride(1)
     _rope_kernel[(q2.shape[0],)](q2, k2, v2, kc, vc, slots, cos_sin, p, q2.stride(0), q2.stride(1), k2.stride(0),
                                  k2.stride(1), svt, svh, scs, sch, hq, hk, HALF=d // 2, HQP=triton.next_power_of_2(hq),
-                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None, num_warps=4)
+                                 HKP=triton.next_power_of_2(hk), CACHE=cache is not None,
+                                 DQ=dq, DK=dk, DV=dv, stride_dt=sdt, stride_dh=sdh, HAS_D=delta is not None, num_warps=4)
     return q, k
 
 
 @_jit
-def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, DG=None, DU=None, stride_d=0,
+                     HAS_D: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0)
+    if HAS_D:  # the gate/up GEMM's deferred LoRA terms, rounded in as its output would have been
+        g = (g + tl.load(DG + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(u.dtype).to(tl.float32)
+        u = (u.to(tl.float32) + tl.load(DU + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(u.dtype)
     s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # rounded like torch's silu output
     tl.store(Y + row * stride_y + cols, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``silu(g) * u`` in one kernel (torch runs two); g and u may be the halves of one gate/up output."""
+def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None):
+    """``silu(g) * u`` in one kernel (torch runs two); g and u may be the halves of one gate/up output.
+    ``dg``, ``du`` (the halves of one [tokens, 2 n] tensor): ``silu(g + dg) * (u + du)``, each sum rounded."""
     n = g.shape[-1]
     if u.shape != g.shape or g.stride(-1) != 1 or u.stride(-1) != 1:
         raise ValueError(f"silu_mul wants matching row-major g and u, got {tuple(g.shape)} and {tuple(u.shape)}")
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
+    dg2 = du2 = g2
+    if dg is not None:
+        dg2, du2 = dg.reshape(-1, n), du.reshape(-1, n)
+        if dg2.shape != g2.shape or du2.shape != g2.shape or dg2.stride() != du2.stride() or dg2.stride(-1) != 1:
+            raise ValueError(f"silu_mul deltas must match g {tuple(g.shape)} with one row stride")
     y = torch.empty(g2.shape, dtype=g.dtype, device=g.device)
     block = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
-                                                           BLOCK=block, num_warps=4)
+                                                           BLOCK=block, DG=dg2, DU=du2, stride_d=dg2.stride(0),
+                                                           HAS_D=dg is not None, num_warps=4)
     return y.view(g.shape)

@@ -119,7 +119,7 @@ class LoRALinear(nn.Module):
         ``fused.rmsnorm(delta=)``). In the engine on CUDA both LoRA matmuls run on the side stream beside
         the base GEMM, so the step's critical path keeps no LoRA launch; elsewhere (None, y = forward(x))."""
         c = self._inference_copies(x) if self.enabled else None
-        if c is None or not overlap_enabled(x) or os.environ.get("QERL_LORA_DEFER", "1") == "0":
+        if c is None or not defer_enabled(x):
             return self(x), None
         y, d = base_and_shrink(self.base, x, c[0], c[1])
         return y, d.view(y.shape)
@@ -199,6 +199,19 @@ class GroupedLoRA:
             return expand(y, t, self.b)
         return self.add(x, base(x), t)
 
+    def run_deferred(self, base, x: torch.Tensor, t: torch.Tensor | None = None):
+        """(base(x), every part's LoRA term [..., sum out], rounded to x's dtype) for a consumer that adds the
+        terms itself (SwiGLU, the rotary + cache write); both LoRA matmuls (only the expand when ``t``, the
+        norm's shrink, is given) beside the GEMM on the side stream, so none is on the critical path.
+        None instead of the pair where that does not apply (``QERL_LORA_OVERLAP=0``/``QERL_LORA_DEFER=0``).
+        The engine uses it over dense (bf16) bases only: over the NVFP4 q/k/v and gate/up GEMMs it made
+        the 16-sequence 7B decode step slower (H100: 4.02 -> 4.46 ms; docs/benchmarks.md, rollout,
+        fourteenth pass), while o/down's deferral (``LoRALinear.forward_deferred``) paid on both."""
+        if not defer_enabled(x):
+            return None
+        y, d = base_and_shrink(base, x, self.a, self.b, t)
+        return y, d.view(y.shape)
+
     def shrink_source(self, x: torch.Tensor) -> torch.Tensor | None:
         """``a`` when the norm that produces x may compute this group's shrink (``active`` and a decode-sized
         batch, where the separate shrink is launch-bound), else None. ``QERL_NORM_SHRINK=0``: never."""
@@ -217,9 +230,17 @@ def overlap_enabled(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("QERL_LORA_OVERLAP", "1") != "0"
 
 
-def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None):
+def defer_enabled(x: torch.Tensor) -> bool:
+    """Whether whole LoRA terms are computed beside their GEMMs and added by the consumer (needs the side
+    stream; ``QERL_LORA_DEFER=0`` turns it off)."""
+    return overlap_enabled(x) and os.environ.get("QERL_LORA_DEFER", "1") != "0"
+
+
+def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
+                    t: torch.Tensor | None = None):
     """(base(x), x @ a^T) with the shrink on a side stream that forks from and joins the current one;
-    with ``b``, (base(x), x @ a^T @ b^T): the expand too, rounded to x's dtype.
+    with ``b``, (base(x), x @ a^T @ b^T): the expand too, rounded to x's dtype; with ``t`` (x @ a^T,
+    already computed), only the expand.
 
     Why: at decode sizes the shrink is a launch-bound cuBLAS split-K pair (~5-7 us) that needs only x,
     while the base GEMM leaves most of the SMs' issue slots idle waiting on its weight; side by side,
@@ -233,7 +254,7 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
         side = _SIDE[x.device] = torch.cuda.Stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        t = x.reshape(-1, x.shape[-1]) @ a.t()
+        t = x.reshape(-1, x.shape[-1]) @ a.t() if t is None else t.reshape(-1, t.shape[-1])
         if b is not None:
             t = t @ b.t()
     y = base(x)

@@ -65,17 +65,22 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(q.dtype)
         return _rot(q, cos, sin, half), _rot(k, cos, sin, half)
 
-    def rotate_and_cache(self, positions, q, k, v, k_cache, v_cache, slots):
+    def rotate_and_cache(self, positions, q, k, v, k_cache, v_cache, slots, delta=None):
         """``forward`` plus writing each token's rotated k and its v into cache row ``slots[i]`` of
         ``k_cache`` / ``v_cache`` [blocks, block_size, Hk, D]: one fused kernel where ``forward``'s is
-        used (the rotation's launch also does the cache write), else rotation + two ``index_copy_``."""
+        used (the rotation's launch also does the cache write), else rotation + two ``index_copy_``.
+        ``delta`` (dq, dk, dv), shaped like q, k, v: added to them first (a deferred LoRA term).
+        Returns (q, k, v)."""
         if self._fusable(q, k, v) and fused.rope_ok(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
-            return fused.rope_(q, k, positions, self.cos_sin, cache=(v, k_cache, v_cache, slots))
+            q, k = fused.rope_(q, k, positions, self.cos_sin, cache=(v, k_cache, v_cache, slots), delta=delta)
+            return q, k, v
+        if delta is not None:
+            q, k, v = q + delta[0], k + delta[1], v + delta[2]
         q, k = self(positions, q, k)
         hk, d = k.shape[-2:]
         k_cache.view(-1, hk, d).index_copy_(0, slots, k.reshape(-1, hk, d))
         v_cache.view(-1, hk, d).index_copy_(0, slots, v.reshape(-1, hk, d))
-        return q, k
+        return q, k, v
 
     def _fusable(self, q, k, v=None) -> bool:
         return (fused.enabled(q, k, v) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q)

@@ -41,6 +41,11 @@ class MLP(nn.Module):
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
+                pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t)
+                if pair is not None:  # the LoRA terms ride on the SwiGLU kernel
+                    (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
+                    h = silu_mul(g, u, dg, du)
+                    return deferred(self.down_proj, h) if defer else self.down_proj(h)
                 g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
             else:
                 g, u = fused(x).chunk(2, dim=-1)
