@@ -62,8 +62,7 @@ class Attention(nn.Module):
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             fused, grouped = self._qkv[0], self._qkv_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                pair = grouped.run_deferred(fused, x, lora_t) if cached and self.q_norm is None and not fused.quantized \
-                    else None
+                pair = grouped.run_deferred(fused, x, lora_t) if cached and self.q_norm is None else None
                 if pair is not None:
                     q, k, v = pair[0].split([nq, nk, nk], dim=-1)
                     delta = [t.view(b, s, -1, self.head_dim) for t in pair[1].split([nq, nk, nk], dim=-1)]

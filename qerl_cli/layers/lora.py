@@ -204,9 +204,9 @@ class GroupedLoRA:
         terms itself (SwiGLU, the rotary + cache write); both LoRA matmuls (only the expand when ``t``, the
         norm's shrink, is given) beside the GEMM on the side stream, so none is on the critical path.
         None instead of the pair where that does not apply (``QERL_LORA_OVERLAP=0``/``QERL_LORA_DEFER=0``).
-        The engine uses it over dense (bf16) bases only: over the NVFP4 q/k/v and gate/up GEMMs it made
-        the 16-sequence 7B decode step slower (H100: 4.02 -> 4.46 ms; docs/benchmarks.md, rollout,
-        fourteenth pass), while o/down's deferral (``LoRALinear.forward_deferred``) paid on both."""
+        The engine uses it for q/k/v, and for gate/up over dense (bf16) bases only: beside the NVFP4
+        gate/up tiles the expand made the 16-sequence 7B decode step slower (H100: 4.02 -> 4.48 ms;
+        docs/benchmarks.md, rollout, fourteenth pass)."""
         if not defer_enabled(x):
             return None
         y, d = base_and_shrink(base, x, self.a, self.b, t)

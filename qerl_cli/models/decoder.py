@@ -41,6 +41,8 @@ class MLP(nn.Module):
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
+                # Not over an NVFP4 gate/up: beside its decode-sized tiles the expand slowed the step
+                # (GroupedLoRA.run_deferred).
                 pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t)
                 if pair is not None:  # the LoRA terms ride on the SwiGLU kernel
                     (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
