@@ -117,7 +117,7 @@ class LoRALinear(nn.Module):
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(base(x), the LoRA term or None) for a consumer that adds the term itself (the next RMSNorm,
         ``fused.rmsnorm(delta=)``). In the engine on CUDA both LoRA matmuls run on the side stream beside
-        the base GEMM, so the step's critical path keeps no LoRA launch; elsewhere (None, y = forward(x))."""
+        the base GEMM, so the step's critical path keeps no LoRA launch; elsewhere ``(forward(x), None)``."""
         c = self._inference_copies(x) if self.enabled else None
         if c is None or not defer_enabled(x):
             return self(x), None
@@ -245,8 +245,11 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
     Why: at decode sizes the shrink is a launch-bound cuBLAS split-K pair (~5-7 us) that needs only x,
     while the base GEMM leaves most of the SMs' issue slots idle waiting on its weight; side by side,
     the pair hides under the GEMM. Inside a CUDA-graph capture the fork and join become graph edges.
-    ``t`` is allocated on the side stream and freed before that stream's next fork, which waits for
-    every use of it on the current stream: the caching allocator needs no ``record_stream``.
+    What the side stream allocates (``t``, or the deferred term) is used on the current stream after
+    the join; the caching allocator hands a freed side-stream block only to the side stream again,
+    after its next fork, which waits for everything enqueued on the current stream by then (the uses
+    included). And the current stream's own tensors read on the side (x, a given ``t``) are ordered
+    before any reuse by the join. So no ``record_stream`` is needed.
     """
     main = torch.cuda.current_stream(x.device)
     side = _SIDE.get(x.device)
