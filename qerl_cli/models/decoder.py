@@ -38,23 +38,23 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None, defer: bool = False):
         """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it. ``defer``:
         return (down_proj's base output, its LoRA term or None) for the next norm to add."""
+        dg = du = None  # gate/up's LoRA terms when SwiGLU adds them
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
                 # Not over an NVFP4 gate/up: beside its decode-sized tiles the expand slowed the step
                 # (GroupedLoRA.run_deferred).
                 pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t)
-                if pair is not None:  # the LoRA terms ride on the SwiGLU kernel
+                if pair is not None:
                     (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
-                    h = silu_mul(g, u, dg, du)
-                    return deferred(self.down_proj, h) if defer else self.down_proj(h)
-                g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
+                else:
+                    g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
             else:
                 g, u = fused(x).chunk(2, dim=-1)
                 g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        h = silu_mul(g, u)
+        h = silu_mul(g, u, dg, du)
         return deferred(self.down_proj, h) if defer else self.down_proj(h)
 
 
