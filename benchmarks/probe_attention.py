@@ -6,6 +6,12 @@ HBM; one call per layer in a CUDA graph, median of replays. Prints us per call a
 (K + V bytes read) for each variant, best first per batch size.
 
     python benchmarks/probe_attention.py --batches 16,64,256 --ctx 768
+    python benchmarks/probe_attention.py --layouts token,head --floor   # cache layouts, streaming floor
+
+``--layouts``: ``token`` is the engine's cache, [blocks, block_size, kv_heads, head_dim] (one head's
+keys of a block are 256-byte pieces 1 KB apart); ``head`` stores [blocks, kv_heads, block_size,
+head_dim] (a head's 16 keys of a block in one 4 KB run) and hands the kernel the same logical view
+through strides. ``--floor`` also times a plain streaming read of the same number of K/V bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +25,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_graph  # noqa: E402
+from probe_floor import stream_us  # noqa: E402
 
 from qerl_cli.layers.triton_attention import num_splits_for, paged_decode_attention_triton  # noqa: E402
+
+
+def cache(blocks: int, bs: int, hk: int, d: int, layout: str) -> torch.Tensor:
+    """A [blocks, bs, hk, d] cache view; ``head`` keeps each head's block keys contiguous."""
+    if layout == "token":
+        return torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)
+    return torch.randn(blocks, hk, bs, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
 
 def main(argv=None) -> int:
@@ -28,14 +42,20 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--ctx", type=int, default=768)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layouts", default="token")
+    ap.add_argument("--floor", action="store_true")
+    ap.add_argument("--splits", default="2,4,8,16,32")
+    ap.add_argument("--block-ns", default="32,64,128")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,2,3")
     args = ap.parse_args(argv)
     hq, hk, d, bs = 28, 4, 128, 16
     print(f"# {torch.cuda.get_device_name()} ctx {args.ctx}", flush=True)
-    for b in map(int, args.batches.split(",")):
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    for b, layout in itertools.product(ints(args.batches), args.layouts.split(",")):
         nb = -(-args.ctx // bs)
         blocks = b * nb + 1
-        caches = [(torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)) for _ in range(args.layers)]
+        caches = [(cache(blocks, bs, hk, d, layout), cache(blocks, bs, hk, d, layout)) for _ in range(args.layers)]
         tables = (torch.randperm(blocks - 1, device="cuda")[: b * nb] + 1).view(b, nb).int()
         lens = torch.full((b,), args.ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -43,7 +63,15 @@ def main(argv=None) -> int:
         kv_bytes = 2 * b * args.ctx * hk * d * 2
         res = []
         auto = num_splits_for(b, hk)
-        for splits, bn, w, st in itertools.product(sorted({auto, 2, 4, 8, 16, 32}), (32, 64, 128), (4, 8), (1, 2, 3)):
+        if args.floor:
+            flat = [torch.cat([k.reshape(-1)[: kv_bytes // 4], v.reshape(-1)[: kv_bytes // 4]]).view(torch.int32)
+                    for k, v in caches]
+            f_us, f_cfg = stream_us(flat)
+            del flat
+            print(f"## b={b}: streaming read of the same {kv_bytes / 1e6:.1f} MB: {f_us:.1f} us "
+                  f"{kv_bytes / f_us / 1e6:.2f} TB/s {f_cfg}", flush=True)
+        grid = itertools.product(sorted({auto, *ints(args.splits)}), ints(args.block_ns), ints(args.warps), ints(args.stages))
+        for splits, bn, w, st in grid:
             kw = dict(num_splits=splits, block_n=bn, num_warps=w, num_stages=st)
             try:
                 out = paged_decode_attention_triton(q, *caches[0], tables, lens, d**-0.5, **kw)
@@ -55,8 +83,8 @@ def main(argv=None) -> int:
                 continue
             res.append((us, kw, err))
         res.sort(key=lambda r: r[0])
-        cur = next(r for r in res if r[1] == dict(num_splits=auto, block_n=64, num_warps=4, num_stages=2))
-        print(f"## b={b}: current (splits {auto}, 64, 4 warps, 2 stages) {cur[0]:.1f} us "
+        cur = next((r for r in res if r[1] == dict(num_splits=auto, block_n=64, num_warps=4, num_stages=2)), res[0])
+        print(f"## b={b} {layout}: current (splits {auto}, 64, 4 warps, 2 stages) {cur[0]:.1f} us "
               f"{kv_bytes / cur[0] / 1e6:.2f} TB/s", flush=True)
         for us, kw, err in res[:8]:
             print(f"{us:7.1f} us {kv_bytes / us / 1e6:5.2f} TB/s err {err:.1e} {kw}", flush=True)
