@@ -62,9 +62,6 @@ class ModelRunner:
         # One row per sequence slot, plus a last all-scratch row that padding entries point at.
         self.block_tables = torch.zeros(max_num_seqs + 1, self.max_blocks, dtype=torch.int32, device=self.device)
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
-        from qerl_cli.layers.attention import set_l2_prefetch
-
-        set_l2_prefetch(model, os.environ.get("QERL_L2_PREFETCH", "") if self.device.type == "cuda" else "")
         self.graph_sizes = graph_batch_sizes(max_num_seqs)
         self.state = torch.zeros(4, max_num_seqs, dtype=torch.long, device=self.device)  # ids, pos, slot, rng
         self.state[2].fill_(max_num_seqs)

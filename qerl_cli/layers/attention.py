@@ -49,7 +49,6 @@ class Attention(nn.Module):
         # Set by the engine: this layer's views into the paged cache, [num_blocks, block, Hk, D] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.prefetch: tuple | None = None  # (when, tensors): set_l2_prefetch
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None,
                 defer: bool = False):
@@ -58,9 +57,6 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         ctx = get_context()
         cached = ctx is not None and self.k_cache is not None
-        side = None
-        if cached and not ctx.is_prefill and self.prefetch is not None:
-            side = _prefetch_beside(self.prefetch[1], x.device) if self.prefetch[0] == "early" else None
         delta = None  # the q/k/v LoRA terms, when the rotary + cache write adds them (run_deferred)
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -95,38 +91,10 @@ class Attention(nn.Module):
         else:
             from qerl_cli.layers.paged_attention import paged_decode_attention
 
-            if self.prefetch is not None and self.prefetch[0] == "late":
-                side = _prefetch_beside(self.prefetch[1], x.device)
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                        ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
-        if side is not None:
-            torch.cuda.current_stream(x.device).wait_stream(side)
         o = o.reshape(b, s, self.num_heads * self.head_dim)
         return deferred(self.o_proj, o) if defer else self.o_proj(o)
-
-
-def _prefetch_beside(tensors, device):
-    """Fork a side stream that pulls ``tensors`` into L2 (experiment: QERL_L2_PREFETCH)."""
-    from qerl_kernels.prefetch import l2_prefetch
-
-    from qerl_cli.layers.lora import side_stream
-
-    main = torch.cuda.current_stream(device)
-    side = side_stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        l2_prefetch(*tensors)
-    return side
-
-
-def set_l2_prefetch(model, when: str) -> None:
-    """``when``: "early" (fork before the q/k/v GEMM) or "late" (before decode attention): o_proj's
-    weight bytes are prefetched into L2 on a side stream; "" turns it off."""
-    for layer in model.model.layers:
-        a = layer.self_attn
-        m = base_of(a.o_proj)
-        w = (m.weight_packed, m.weight_scale.view(torch.uint8)) if m.quantized else (m.weight,)
-        a.prefetch = (when, w) if when else None
 
 
 def base_of(m):

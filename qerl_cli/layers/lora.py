@@ -224,14 +224,6 @@ class GroupedLoRA:
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The engine's one side stream per device (LoRA terms beside their GEMMs)."""
-    side = _SIDE.get(device)
-    if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device)
-    return side
-
-
 def overlap_enabled(x: torch.Tensor) -> bool:
     """Whether the engine's LoRA shrinks run on a side stream beside their base GEMM (CUDA only;
     ``QERL_LORA_OVERLAP=0`` turns it off)."""
@@ -260,7 +252,9 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
     before any reuse by the join. So no ``record_stream`` is needed.
     """
     main = torch.cuda.current_stream(x.device)
-    side = side_stream(x.device)
+    side = _SIDE.get(x.device)
+    if side is None:
+        side = _SIDE[x.device] = torch.cuda.Stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         t = x.reshape(-1, x.shape[-1]) @ a.t() if t is None else t.reshape(-1, t.shape[-1])
