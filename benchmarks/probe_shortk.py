@@ -53,18 +53,8 @@ if gg.HAVE_GLUON:
         CODES: gl.constexpr = gg._codes_layout(BN, NW)
         XL: gl.constexpr = gg._x_layout(BM, NW)
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        grid_n = gl.cdiv(N, BN)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-        rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-        xm = gl.expand_dims(rm_x, 1)
-        xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
-        xrow_ok = xm < M
-        code_off, scale_off = gg._group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
-        s_lo = pid_k * steps_per_split
-        nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
+        pid, pid_k, pid_m, pid_n, xm, xk, xrow_ok, code_off, scale_off, s_lo, nsteps = gg._program_tile(
+            M, N, KG, steps_per_split, stride_sn, BM, BN, CODES, XL)
         xs = gl.allocate_shared_memory(gl.bfloat16, [STEPS, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
         pw0, s0, x0 = _load(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, 0, s_lo, nsteps, stride_xm)

@@ -174,6 +174,25 @@ if HAVE_GLUON:
         return (rows // 16) * KG * 16 + (rows % 16) * 8 + rg, rows * stride_sn + rg
 
     @gluon.jit
+    def _program_tile(M, N, KG, steps_per_split, stride_sn, BM: gl.constexpr, BN: gl.constexpr,
+                      CODES: gl.constexpr, XL: gl.constexpr):
+        """This program's place in the (row x column tile, split) grid: (pid, pid_k, pid_m, pid_n), the
+        activation row and column index grids and row mask, the code and scale offsets of the tile's first
+        K step, its split's first step and step count."""
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        grid_n = gl.cdiv(N, BN)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+        xm = gl.expand_dims(rm_x, 1)
+        xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
+        s_lo = pid_k * steps_per_split
+        nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
+        return pid, pid_k, pid_m, pid_n, xm, xk, xm < M, code_off, scale_off, s_lo, nsteps
+
+    @gluon.jit
     def _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, step, stride_xm):
         """One K step's codes, scales and activations (global -> registers). Codes: blocked layout,
         16 rows x 8 groups (1 KB) per block, a row band's blocks contiguous in K, so a lane's two
@@ -196,20 +215,8 @@ if HAVE_GLUON:
         XL: gl.constexpr = _x_layout(BM, NW)
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
 
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        grid_n = gl.cdiv(N, BN)
-        pid_m = pid // grid_n
-        pid_n = pid % grid_n
-
-        rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-        xm = gl.expand_dims(rm_x, 1)
-        xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
-        xrow_ok = xm < M
-
-        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
-        s_lo = pid_k * steps_per_split
-        nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
+        pid, pid_k, pid_m, pid_n, xm, xk, xrow_ok, code_off, scale_off, s_lo, nsteps = _program_tile(
+            M, N, KG, steps_per_split, stride_sn, BM, BN, CODES, XL)
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
