@@ -4,7 +4,7 @@ At M = 1-4 the Gluon tile (BM 8) runs the large weights near their M = 1 time; a
 the same tile is 10-35% slower (docs/benchmarks.md, eighth pass). Per K step a BN 64 program reads
 16 x 128 bf16 of X (4 KB, from L2 or L1) beside 4.5 KB of codes and scales from HBM. This probe runs
 a copy of the production kernel whose X path can be cut down (results are then wrong; only the
-time matters), every shape at one M, tile = the table's M = 4 tile widened to BM 16:
+time matters), every shape at each M of ``--ms``, tile = the table's M = 4 tile (widened to BM 16 past M = 8):
 
 - ``normal``: the production K loop (its time should match the production kernel);
 - ``row0``: only row 0 of X is loaded (the other rows masked: the M = 1 traffic at the BM 16 MMA);
@@ -14,7 +14,8 @@ time matters), every shape at one M, tile = the table's M = 4 tile widened to BM
 - ``cpasync``: correct; X copied by cp.async (no registers) two steps ahead into a natural-order
   ring, each thread permuting its own bytes from there into the MMA's tile.
 
-    python benchmarks/probe_xtraffic.py --m 16
+    python benchmarks/probe_xtraffic.py --ms 16 --modes normal,row0,fixed,once
+    python benchmarks/probe_xtraffic.py --ms 16,1 --modes normal,once,cpasync
 """
 
 from __future__ import annotations
