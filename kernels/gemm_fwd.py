@@ -290,6 +290,11 @@ def nvfp4_matmul(
 
         if cfg.xtma and HAVE_GLUON_TMA:
             return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg)
+        if cfg.ws:
+            from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported
+
+            if ws_supported(x, words, scale_u8, cfg):  # else (K % 256 != 0, alignment): the same tile per thread
+                return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg)
         return launch_gluon(x, words, scale_u8, global_scale, bias, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:

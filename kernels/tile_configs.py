@@ -10,7 +10,9 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
 - M <= 32: weight-read-bound. ``swap`` computes Y^T = W X^T so the decoded weight tile is the
   wgmma's 64-row operand (from registers) and the few activation rows are its N (16..32).
   Split-K fills the 132 SMs when N / BLOCK_N tiles alone are too few.
-- M = 1..32 on sm_90 with blocked codes: the Gluon kernel (``gluon``) wins most points.
+- M = 1..32 on sm_90 with blocked codes: the Gluon kernel (``gluon``) wins most points; its
+  warp-specialised form (``gluon`` + ``ws``: codes and scales by TMA into a shared-memory ring, X by a
+  producer warpgroup) wins the points listed in docs/benchmarks.md (kernels, fourteenth pass).
 - M = 32..256: the TMA-fed Gluon kernel (``gluon`` + ``xtma``, mostly one warpgroup of 64 weight
   rows) wins 21 of the 24 points of M = 64..256 (ninth pass); ``swap`` + ``join`` Triton tiles the
   rest. Where Gluon cannot run (not sm_90, codes not blocked, ``QERL_GLUON=0``) a Gluon entry runs
@@ -48,6 +50,9 @@ class FwdConfig:
     xtma: bool = False  # with gluon: X permuted once and fed by TMA (gemm_gluon_tma.py; stages = X ring)
     inflight: bool = False  # with xtma: one MMA half step in flight while the next decodes
     sk: int = 0  # with xtma: stream-K, this many resident programs per SM share all (tile, K step) pairs
+    ws: bool = False  # with gluon: warp-specialised (gemm_gluon_ws.py; stages = ring of K-step pairs, maxnreg)
+    pregs: int = 0  # with ws: registers per producer thread (the consumer warpgroup gets 2 x maxnreg - pregs)
+    half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -180,7 +185,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(16, 64, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
             FwdConfig(16, 128, 16, warps=4, stages=3, swap=True, perm=True, stagger=True, tma=True),
             *_gluon_candidates(16),
-        ] + (_gluon_candidates(8) if m <= 8 else _gluon_tma_candidates(16))
+        ] + (_gluon_candidates(8) if m <= 8 else _gluon_tma_candidates(16)) + _gluon_ws_candidates(8 if m <= 8 else 16)
     if m <= 64:
         bm = 32 if m <= 32 else 64
         return [
@@ -238,6 +243,16 @@ def _gluon_candidates(bm: int) -> list[FwdConfig]:
     codes at BN 64); bkw 16 (one 128-element K step) and swap describe what it computes, for the split
     heuristic."""
     return [FwdConfig(bm, bn, 16, warps=w, swap=True, gluon=True) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+
+
+def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
+    """The warp-specialised Gluon kernel's tiles (gemm_gluon_ws.py): one consumer warpgroup of 64 weight
+    rows, a ring of two K-step pairs, and the register splits that ran fastest without spilling in the
+    first probe (benchmarks/probe_ws.py, H100 2026-11-22): launch cap 48 (5 programs per SM) or 40 (6),
+    producer 24-40 registers, full or half-step MMAs."""
+    regs = ((48, 32, 0), (48, 32, 2), (48, 40, 1), (48, 40, 2), (40, 40, 0), (40, 24, 2))
+    return [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p, half=h)
+            for r, p, h in regs]
 
 
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:

@@ -139,13 +139,13 @@ def test_tma_tiles_match_pointer_loads(m):
             assert rel_err(y, ref) < TOL[torch.bfloat16], c
 
 
-def _gluon_case(m: int, seed: int):
-    """A blocked, twiddled NVFP4 weight [400, 1152] (partial 128-row tiles), bf16 X [m, 1152], bias,
+def _gluon_case(m: int, seed: int, k: int = 1152):
+    """A blocked, twiddled NVFP4 weight [400, k] (partial 128-row tiles), bf16 X [m, k], bias,
     and the reference output: what the Gluon kernel tests share."""
     from qerl_kernels.testing import random_nvfp4, reference_fwd
     from qerl_kernels.twiddle import to_kernel_layout
 
-    n, k = 400, 1152
+    n = 400
     p, s, g = random_nvfp4(n, k, seed=seed, device="cuda")
     tp = to_kernel_layout(p, True)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -179,6 +179,39 @@ def test_gluon_kernel_matches_reference(m):
     # Not blocked (QERL_TWIDDLE=0, or a shape that does not tile): a gluon entry falls back to Triton.
     fc = FwdConfig(bm, 64, 16, split_k=2, warps=4, swap=True, gluon=True)
     assert rel_err(nvfp4_matmul(x, p, s, g, bias=bias, config=fc), ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
+def test_gluon_ws_kernel_matches_reference(m):
+    # The warp-specialised kernel: K = 1280 is 5 ring stages of two K steps (an odd count, so split-K 2
+    # cuts 3 + 2 and split 3 cuts 2 + 2 + 1), N = 400 leaves a partial 64-row tile whose missing rows
+    # TMA zero-fills, M past one row tile, bias; every register split and MMA mode of the candidates;
+    # through the GEMM's dispatch, bit-identical to the direct launch. K = 1152 (not whole pairs) falls
+    # back to the per-thread kernel.
+    from types import SimpleNamespace
+
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.gemm_gluon import launch_gluon
+    from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS, launch_gluon_ws
+    from qerl_kernels.testing import rel_err
+    from qerl_kernels.tile_configs import FwdConfig
+
+    assert HAVE_GLUON_WS
+    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 31, k=1280)
+    groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
+    bm = 8 if m <= 8 else 16
+    for split in (1, 2, 3):
+        for regs, pregs, half in ((48, 32, 0), (48, 32, 2), (48, 40, 1), (40, 40, 0), (40, 24, 2)):
+            cfg = SimpleNamespace(bm=bm, bn=64, split_k=split, warps=4, stages=2, maxnreg=regs, pregs=pregs, half=half)
+            y = launch_gluon_ws(x, groups, scale_u8, g, bias, cfg)
+            assert rel_err(y, ref) < TOL[torch.bfloat16], (vars(cfg), rel_err(y, ref))
+    fc = FwdConfig(bm, 64, 16, split_k=2, warps=4, stages=3, swap=True, gluon=True, ws=True, maxnreg=48, pregs=32,
+                   half=2)
+    y = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
+    assert torch.equal(y, launch_gluon_ws(x, groups, scale_u8, g, bias, fc))
+    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 37)
+    y = nvfp4_matmul(x, tp, s, g, bias=bias, config=fc, twiddled=True, blocked=True)
+    assert torch.equal(y, launch_gluon(x, tp.view(torch.int64), s.view(torch.uint8), g, bias, fc))
 
 
 @pytest.mark.parametrize("m", [1, 17, 64, 100, 256])

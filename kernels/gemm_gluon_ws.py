@@ -1,0 +1,218 @@
+"""Small-M forward GEMM in Gluon, warp-specialised: one producer warp streams the weight's codes and
+scales by TMA into a ring of shared-memory stages; the consumer warpgroup decodes them into its wgmma
+register fragment (``FwdConfig.ws`` tiles).
+
+Trade-off against gemm_gluon (the per-thread small-M kernel): there every thread loads its own codes
+one K step ahead into registers, so the bytes in flight per SM are (programs per SM) x (one step) and
+every program pays one memory round trip per step that its decode does not cover. Here the bytes in
+flight are the ring (``STAGES`` pairs of K steps per program, up to 4 programs per SM) and do not cost
+the consumer registers; the consumer instead reads its codes back from shared memory (two 16-byte
+loads per thread and step, conflict-free) and waits on an mbarrier. X stays as in gemm_gluon: loaded
+by the consumer one step ahead, permuted into the MMA's K order in registers, stored to a double-
+buffered shared tile.
+
+A ring stage holds two K steps (256 K elements) because TMA's smallest row is 16 bytes: the scales of
+two steps, [BN, 16] bytes. So this kernel needs K % 256 == 0 (all Qwen2.5 shapes) and split-K splits
+of whole pairs. Limits otherwise as gemm_gluon (bf16, sm_90, twiddled + blocked codes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from qerl_kernels.gemm_fwd import split_k_plan
+from qerl_kernels.gemm_gluon import HAVE_GLUON
+
+HAVE_GLUON_WS = False
+if HAVE_GLUON:
+    try:
+        from qerl_kernels.gemm_gluon import (
+            _codes_layout,
+            _decode_fragment,
+            _permute_x,
+            _store_tile,
+            _x_layout,
+        )
+        from qerl_kernels.gemm_gluon_tma import _decode_half, _halves
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            fence_async_shared,
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+        _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+        HAVE_GLUON_WS = hasattr(gl, "warp_specialize")
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+        pass
+
+STEP_PAIR = 256  # K elements per ring stage
+
+
+if HAVE_GLUON_WS:
+
+    @gluon.jit
+    def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
+                  BM: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr):
+        """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
+        and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order."""
+        XL: gl.constexpr = _x_layout(BM, PW)
+        rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+        xm = gl.expand_dims(rm_x, 1)
+        xrow = X + xm * stride_xm + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
+        xok = xm < M
+        for j in range(npairs):
+            st = j % STAGES
+            mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            bar = ready.index(st)
+            mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + s_desc.block_type.nbytes)
+            step = s_lo + 2 * j
+            _tma_load(c_desc, [band0, step * 128], bar, cs.index(2 * st))
+            _tma_load(c_desc, [band0, step * 128 + 128], bar, cs.index(2 * st + 1))
+            _tma_load(s_desc, [n0, step * 8], bar, ss.index(st))
+            x0 = gl.load(xrow + step * 128, mask=xok, other=0.0)
+            x1 = gl.load(xrow + step * 128 + 128, mask=xok, other=0.0)
+            xs.index(2 * st).store(_permute_x(x0, BM))
+            xs.index(2 * st + 1).store(_permute_x(x1, BM))
+            fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
+            mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
+
+    @gluon.jit
+    def _consumer(cs, ss, xs, ready, empty, npairs,
+                  BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
+        """acc [BN, BM] over the program's K steps, everything read from the ring. HALF 0: one MMA per K step;
+        1: two half-step MMAs (half the A fragment live); 2: half steps with one MMA left in flight while
+        the next half decodes (its A operand handed to the next wait, so ptxas keeps its registers)."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        CODES: gl.constexpr = _codes_layout(BN, NW)
+        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+        a_o = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)
+        for j in range(npairs):
+            st = j % STAGES
+            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+            sc = ss.index(st).load(CODES16(BN, NW))
+            for h in gl.static_range(2):
+                pw = cs.index(2 * st + h)._reinterpret(gl.int64, [BN, 8], FLAT).load(CODES)
+                s = _half_scales(sc, h, BN, CODES)
+                xb = xs.index(2 * st + h)
+                if HALF == 0:
+                    a = _decode_fragment(pw, s, BN, DOT)
+                    acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)])
+                else:
+                    pw_e, pw_o = _halves(pw, BN)
+                    s_e, s_o = _halves(s, BN)
+                    a_e = _decode_half(pw_e, s_e, BN, DOT)
+                    tok = warpgroup_mma(a_e, xb.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
+                    if HALF == 2:
+                        acc, a_o = warpgroup_mma_wait(1, deps=[tok, a_o])
+                    else:
+                        acc = warpgroup_mma_wait(0, deps=[tok])
+                    a_o = _decode_half(pw_o, s_o, BN, DOT)
+                    tok = warpgroup_mma(a_o, xb.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+                    if HALF == 2:
+                        acc, a_e = warpgroup_mma_wait(1, deps=[tok, a_e])
+                    else:
+                        acc = warpgroup_mma_wait(0, deps=[tok])
+            if HALF == 2:
+                acc = warpgroup_mma_wait(0, deps=[acc])  # the stage's last MMA reads its X: done before release
+            mbarrier.arrive(empty.index(st))
+        return (acc,)  # warp_specialize flattens the default partition's results as a tuple
+
+    @gluon.constexpr_function
+    def CODES16(BN, NW):
+        """[BN, 16] scale bytes of a ring stage: _codes_layout with the stage's second step as one more
+        register dimension (columns 8-15)."""
+        base = _codes_layout(BN, NW)
+        return gl.DistributedLinearLayout(base.reg_bases + [[0, 8]], base.lane_bases, base.warp_bases, [], [BN, 16])
+
+    @gluon.jit
+    def _half_scales(sc, h: gl.constexpr, BN: gl.constexpr, CODES: gl.constexpr):
+        """Columns 8 h .. 8 h + 7 of a stage's [BN, 16] scales: a register selection."""
+        lo, hi = gl.split(gl.permute(gl.reshape(sc, [BN, 2, 8]), [0, 2, 1]))
+        if h == 0:
+            r = lo
+        else:
+            r = hi
+        return gl.convert_layout(r, CODES, assert_trivial=True)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _nvfp4_fwd_gluon_ws_kernel(
+        X, c_desc, s_desc, G, B, Y, WS, CNT,
+        M, N, KG, pairs_per_split,
+        stride_xm, stride_ym,
+        BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
+        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr,
+    ):
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        grid_n = gl.cdiv(N, BN)
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        p_lo = pid_k * pairs_per_split
+        npairs = gl.minimum(p_lo + pairs_per_split, KG // 16) - p_lo
+
+        cs = gl.allocate_shared_memory(gl.int64, [2 * STAGES, BN // 16, 128], c_desc.layout)
+        ss = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 16], s_desc.layout)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 128], XS)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(STAGES):
+            mbarrier.init(ready.index(b), count=2)
+            mbarrier.init(empty.index(b), count=1)
+
+        res = gl.warp_specialize([
+            (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF)),
+            (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, pid_n * (BN // 16), pid_n * BN,
+                         2 * p_lo, npairs, stride_xm, BM, STAGES, 4)),
+        ], [4], [PREGS])
+        acc = res[0]
+        for b in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(b))
+            mbarrier.invalidate(empty.index(b))
+        _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
+
+
+def code_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=2)
+
+
+def scale_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+
+def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, cfg) -> bool:
+    """Whether this kernel can run the call: K % 256 == 0, whole 16-row bands, TMA alignment."""
+    n, kg = groups.shape
+    return (HAVE_GLUON_WS and kg % 16 == 0 and n % 16 == 0 and cfg.bn % 16 == 0 and scale_u8.stride(1) == 1
+            and scale_u8.stride(0) % 16 == 0 and scale_u8.data_ptr() % 16 == 0 and groups.data_ptr() % 16 == 0
+            and groups.is_contiguous())
+
+
+def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (+ bias) by the warp-specialised kernel: ``groups`` int64 [N, K / 16] twiddled,
+    blocked codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps, stages."""
+    m, k = x.shape
+    n, kg = groups.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn)
+    c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [cfg.bn // 16, 128], code_layout())
+    s_desc = GluonDescriptor.from_tensor(scale_u8, [cfg.bn, 16], scale_layout())
+    _nvfp4_fwd_gluon_ws_kernel[(grid_mn, split)](
+        x, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        y, ws, cnt,
+        m, n, kg, per,
+        x.stride(0), y.stride(0),
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
+        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0),
+        num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+    )
+    return y
