@@ -24,7 +24,9 @@ spent ~15 PTX ops per weight on it and ran at 0.92-1.53x of cuBLAS at M <= 16).
 - ``gluon`` table entries run ``gemm_gluon.py`` instead (blocked bf16 weights on sm_90; the
   heuristic Triton tile otherwise): it wins M = 1-4 on almost every shape; ``gluon`` + ``xtma``
   entries run ``gemm_gluon_tma.py`` (X permuted once and streamed by TMA): most of M = 32-256 and
-  the large weights at M = 1024.
+  the large weights at M = 1024; ``gluon`` + ``ws`` entries run ``gemm_gluon_ws.py`` (warp-specialised:
+  a producer warpgroup fills a shared-memory ring by TMA, the consumer only decodes and multiplies):
+  13 of the 24 points at M = 1-16 (fourteenth pass).
 Measured on an H100 (docs/benchmarks.md, 2026-11-22, eleventh pass): 2.3x of cuBLAS bf16 at M = 1-4
 and 2.1x at M = 16 (target 3x; a bare streaming read of the same bytes reaches 3.4x there), 1.21x at
 M = 64, 0.96x at M = 128, 0.78x at M = 1024, 0.93x at M = 4096.
