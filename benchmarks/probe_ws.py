@@ -49,11 +49,7 @@ def candidates(args, layer, m, n, k):
                                 continue
                             for half in map(int, args.half.split(",")):
                                 yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs,
-                                                      pregs=pregs, split_k=split, half=half, sk=0)
-                    for half in map(int, args.half.split(",")) if args.streamk else ():
-                        # stream-K with as many programs per SM as the register cap lets reside
-                        yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs, pregs=pregs,
-                                              split_k=1, half=half, sk=65536 // (256 * regs))
+                                                      pregs=pregs, split_k=split, half=half)
 
 
 def main(argv=None) -> int:
@@ -71,7 +67,6 @@ def main(argv=None) -> int:
                     "the consumer gets 2 x cap - producer")
     ap.add_argument("--splits", default="auto", help="split-K factors, or auto: a per-layer set")
     ap.add_argument("--half", default="0", help="consumer MMA mode(s): 0 full step, 1 half steps, 2 half steps in flight")
-    ap.add_argument("--streamk", action="store_true", help="also each register split as stream-K")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}", flush=True)
@@ -96,14 +91,14 @@ def main(argv=None) -> int:
                                  for p, s in zip(d.packed, d.scale)])
                 if args.v:
                     print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
-                          f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k} streamk{cfg.sk}: {us:.1f}", flush=True)
+                          f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}: {us:.1f}", flush=True)
                 if best is None or us < best:
                     best, best_cfg = us, cfg
             if best is None:
                 continue
             ratios[m].append(t_tab / best)
             print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
-                  f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} h{best_cfg.half} sk{best_cfg.split_k} streamk{best_cfg.sk} "
+                  f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} h{best_cfg.half} sk{best_cfg.split_k} "
                   f"| max err {max(errs):.1e}", flush=True)
         del d
         torch.cuda.empty_cache()

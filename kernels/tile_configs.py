@@ -49,7 +49,7 @@ class FwdConfig:
     gluon: bool = False  # the Gluon kernel (gemm_gluon.py; bm, bn, split_k, warps): blocked bf16 sm_90 only
     xtma: bool = False  # with gluon: X permuted once and fed by TMA (gemm_gluon_tma.py; stages = X ring)
     inflight: bool = False  # with xtma: one MMA half step in flight while the next decodes
-    sk: int = 0  # with xtma or ws: stream-K, this many resident programs per SM share all (tile, K step) pairs
+    sk: int = 0  # with xtma: stream-K, this many resident programs per SM share all (tile, K step) pairs
     ws: bool = False  # with gluon: warp-specialised (gemm_gluon_ws.py; stages = ring of K-step pairs, maxnreg)
     pregs: int = 0  # with ws: registers per producer thread (the consumer warpgroup gets 2 x maxnreg - pregs)
     half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
@@ -249,11 +249,10 @@ def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
     """The warp-specialised Gluon kernel's tiles (gemm_gluon_ws.py): one consumer warpgroup of 64 weight
     rows, a ring of two K-step pairs, and the register splits that ran fastest without spilling in the
     first probe (benchmarks/probe_ws.py, H100 2026-11-22): launch cap 48 (5 programs per SM) or 40 (6),
-    producer 24-40 registers, full or half-step MMAs; each as a split-K grid (``sk`` 0) and as stream-K
-    with as many programs per SM as the cap lets reside (every SM the same share of K-step pairs)."""
+    producer 24-40 registers, full or half-step MMAs."""
     regs = ((48, 32, 0), (48, 32, 2), (48, 40, 1), (48, 40, 2), (40, 40, 0), (40, 24, 2))
-    return [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p, half=h, sk=sk)
-            for r, p, h in regs for sk in (0, 5 if r == 48 else 6)]
+    return [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p, half=h)
+            for r, p, h in regs]
 
 
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:
