@@ -22,18 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import SHAPES, ShapeData, bench_fwd_point, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon_ws as ws  # noqa: E402
 from qerl_kernels.gemm_fwd import as_words  # noqa: E402
-from qerl_kernels.gemm_gluon_tma import permute_x  # noqa: E402
 
 
-def run_ws(x, packed, scale, gs, cfg, xp=None, permute=False):
-    """One call; ``xp``: X already in the MMA's K order (X by TMA); ``permute``: permute it in the call."""
+def run_ws(x, packed, scale, gs, cfg):
     groups, scale_u8 = as_words(packed).view(torch.int64), scale.view(torch.uint8)
-    if permute:
-        xp = permute_x(x)
-    return ws.launch_gluon_ws(x, groups, scale_u8, gs, None, cfg, xp=xp)
+    return ws.launch_gluon_ws(x, groups, scale_u8, gs, None, cfg)
 
 
-TMA_ONLY = {(40, 24), (48, 24)}  # (cap, producer registers) tried only with X by TMA: no X registers
 AUTO_SPLITS = {"qkv": "4,8", "o": "4,8", "gate_up": "1", "down": "8"}
 
 
@@ -72,14 +67,10 @@ def main(argv=None) -> int:
                     "the consumer gets 2 x cap - producer")
     ap.add_argument("--splits", default="auto", help="split-K factors, or auto: a per-layer set")
     ap.add_argument("--half", default="0", help="consumer MMA mode(s): 0 full step, 1 half steps, 2 half steps in flight")
-    ap.add_argument("--xtma", action="store_true",
-                    help="also X by TMA from a pre-permuted copy, timed without and with the permutation pass; "
-                         f"register splits {sorted(TMA_ONLY)} run only that way")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     ratios = {m: [] for m in map(int, args.ms.split(","))}
-    tma_ratios = {}
     for (model, layer), (n, k) in SHAPES.items():
         if model not in args.models.split(",") or layer not in args.layers.split(","):
             continue
@@ -89,35 +80,20 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, twiddled=True, blocked=True).float()
             best, best_cfg, errs = None, None, []
-            modes = [("regs", False, False)] + ([("tma", True, False), ("tma+perm", True, True)] if args.xtma else [])
-            bests = {}
-            xp = permute_x(x)
             for cfg in candidates(args, layer, m, n, k):
-                for mode, use_tma, permute in modes:
-                    if use_tma and not cfg.half:
-                        continue  # X by TMA arrives as half-step tiles
-                    if mode == "regs" and (cfg.maxnreg, cfg.pregs) in TMA_ONLY:
-                        continue
-                    y = run_ws(x, d.packed[0], d.scale[0], d.gs, cfg, xp if use_tma else None, permute).float()
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    errs.append(err)
-                    if not err < 1e-2:
-                        print(f"  WRONG {model} {layer} M={m} {mode} {vars(cfg)}: rel err {err:.2e}", flush=True)
-                        continue
-                    us = time_graph([lambda p=p, s=s, c=cfg, x=x, g=d.gs, a=(xp if use_tma else None, permute):
-                                     run_ws(x, p, s, g, c, *a) for p, s in zip(d.packed, d.scale)])
-                    if args.v:
-                        print(f"  {model} {layer} M={m} {mode} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
-                              f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}: {us:.1f}", flush=True)
-                    if mode not in bests or us < bests[mode][0]:
-                        bests[mode] = (us, cfg)
-            if "tma" in bests:
-                print(f"{model} {layer} M={m}: table {t_tab:.1f} | X by TMA, pre-permuted {bests['tma'][0]:.1f} "
-                      f"({t_tab / bests['tma'][0]:.2f}x), with the permutation {bests['tma+perm'][0]:.1f} "
-                      f"({t_tab / bests['tma+perm'][0]:.2f}x)", flush=True)
-                tma_ratios.setdefault(m, []).append(t_tab / bests["tma"][0])
-            if "regs" in bests:
-                best, best_cfg = bests["regs"]
+                y = run_ws(x, d.packed[0], d.scale[0], d.gs, cfg).float()
+                err = ((y - ref).norm() / ref.norm()).item()
+                errs.append(err)
+                if not err < 1e-2:
+                    print(f"  WRONG {model} {layer} M={m} {vars(cfg)}: rel err {err:.2e}", flush=True)
+                    continue
+                us = time_graph([lambda p=p, s=s, c=cfg, x=x, g=d.gs: run_ws(x, p, s, g, c)
+                                 for p, s in zip(d.packed, d.scale)])
+                if args.v:
+                    print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
+                          f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}: {us:.1f}", flush=True)
+                if best is None or us < best:
+                    best, best_cfg = us, cfg
             if best is None:
                 continue
             ratios[m].append(t_tab / best)
@@ -126,9 +102,6 @@ def main(argv=None) -> int:
                   f"| max err {max(errs):.1e}", flush=True)
         del d
         torch.cuda.empty_cache()
-    for m, v in tma_ratios.items():
-        print(f"M={m}: table / best X-by-TMA (pre-permuted) geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f} "
-              f"(min {min(v):.2f}, max {max(v):.2f})")
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f} "

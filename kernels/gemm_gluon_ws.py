@@ -39,7 +39,7 @@ if HAVE_GLUON:
             _store_tile,
             _x_layout,
         )
-        from qerl_kernels.gemm_gluon_tma import _decode_half, _halves, x_layout
+        from qerl_kernels.gemm_gluon_tma import _decode_half, _halves
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -62,11 +62,10 @@ STEP_PAIR = 256  # K elements per ring stage
 if HAVE_GLUON_WS:
 
     @gluon.jit
-    def _producer(X, x_desc, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
-                  BM: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr, XTMA: gl.constexpr):
+    def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
+                  BM: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr):
         """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
-        and scales by TMA; X through this warpgroup's registers, permuted into the MMA's K order, or with
-        XTMA by TMA from an already permuted copy (four [BM, 64] half steps)."""
+        and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order."""
         XL: gl.constexpr = _x_layout(BM, PW)
         rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
         xm = gl.expand_dims(rm_x, 1)
@@ -76,30 +75,21 @@ if HAVE_GLUON_WS:
             st = j % STAGES
             mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             bar = ready.index(st)
+            mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + s_desc.block_type.nbytes)
             step = s_lo + 2 * j
-            if XTMA:
-                mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + s_desc.block_type.nbytes
-                                + 4 * x_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + s_desc.block_type.nbytes)
             _tma_load(c_desc, [band0, step * 128], bar, cs.index(2 * st))
             _tma_load(c_desc, [band0, step * 128 + 128], bar, cs.index(2 * st + 1))
             _tma_load(s_desc, [n0, step * 8], bar, ss.index(st))
-            if XTMA:
-                for q in gl.static_range(4):
-                    _tma_load(x_desc, [pid_m * BM, step * 128 + 64 * q], bar, xs.index(4 * st + q))
-            else:
-                x0 = gl.load(xrow + step * 128, mask=xok, other=0.0)
-                x1 = gl.load(xrow + step * 128 + 128, mask=xok, other=0.0)
-                xs.index(2 * st).store(_permute_x(x0, BM))
-                xs.index(2 * st + 1).store(_permute_x(x1, BM))
-                fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
-                mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
+            x0 = gl.load(xrow + step * 128, mask=xok, other=0.0)
+            x1 = gl.load(xrow + step * 128 + 128, mask=xok, other=0.0)
+            xs.index(2 * st).store(_permute_x(x0, BM))
+            xs.index(2 * st + 1).store(_permute_x(x1, BM))
+            fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
+            mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
 
     @gluon.jit
     def _consumer(cs, ss, xs, ready, empty, npairs,
-                  BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
-                  XTMA: gl.constexpr):
+                  BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
         """acc [BN, BM] over the program's K steps, everything read from the ring. HALF 0: one MMA per K step;
         1: two half-step MMAs (half the A fragment live); 2: half steps with one MMA left in flight while
         the next half decodes (its A operand handed to the next wait, so ptxas keeps its registers)."""
@@ -116,13 +106,7 @@ if HAVE_GLUON_WS:
             for h in gl.static_range(2):
                 pw = cs.index(2 * st + h)._reinterpret(gl.int64, [BN, 8], FLAT).load(CODES)
                 s = _half_scales(sc, h, BN, CODES)
-                if XTMA:  # half-step tiles [BM, 64] (HALF >= 1)
-                    xe = xs.index(4 * st + 2 * h)
-                    xo = xs.index(4 * st + 2 * h + 1)
-                else:
-                    xb = xs.index(2 * st + h)
-                    xe = xb.slice(0, 64, dim=1)
-                    xo = xb.slice(64, 64, dim=1)
+                xb = xs.index(2 * st + h)
                 if HALF == 0:
                     a = _decode_fragment(pw, s, BN, DOT)
                     acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)])
@@ -130,13 +114,13 @@ if HAVE_GLUON_WS:
                     pw_e, pw_o = _halves(pw, BN)
                     s_e, s_o = _halves(s, BN)
                     a_e = _decode_half(pw_e, s_e, BN, DOT)
-                    tok = warpgroup_mma(a_e, xe.permute((1, 0)), acc, is_async=True)
+                    tok = warpgroup_mma(a_e, xb.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
                     if HALF == 2:
                         acc, a_o = warpgroup_mma_wait(1, deps=[tok, a_o])
                     else:
                         acc = warpgroup_mma_wait(0, deps=[tok])
                     a_o = _decode_half(pw_o, s_o, BN, DOT)
-                    tok = warpgroup_mma(a_o, xo.permute((1, 0)), acc, is_async=True)
+                    tok = warpgroup_mma(a_o, xb.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
                     if HALF == 2:
                         acc, a_e = warpgroup_mma_wait(1, deps=[tok, a_e])
                     else:
@@ -165,11 +149,11 @@ if HAVE_GLUON_WS:
 
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_ws_kernel(
-        X, x_desc, c_desc, s_desc, G, B, Y, WS, CNT,
+        X, c_desc, s_desc, G, B, Y, WS, CNT,
         M, N, KG, pairs_per_split,
         stride_xm, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, XTMA: gl.constexpr,
+        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
@@ -183,20 +167,17 @@ if HAVE_GLUON_WS:
 
         cs = gl.allocate_shared_memory(gl.int64, [2 * STAGES, BN // 16, 128], c_desc.layout)
         ss = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 16], s_desc.layout)
-        if XTMA:
-            xs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BM, 64], x_desc.layout)
-        else:
-            xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 128], XS)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 128], XS)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(STAGES):
-            mbarrier.init(ready.index(b), count=1 if XTMA else 2)
+            mbarrier.init(ready.index(b), count=2)
             mbarrier.init(empty.index(b), count=1)
 
         res = gl.warp_specialize([
-            (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
-            (_producer, (X, x_desc, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, pid_n * (BN // 16), pid_n * BN,
-                         2 * p_lo, npairs, stride_xm, BM, STAGES, 4, XTMA)),
+            (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF)),
+            (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, pid_n * (BN // 16), pid_n * BN,
+                         2 * p_lo, npairs, stride_xm, BM, STAGES, 4)),
         ], [4], [PREGS])
         acc = res[0]
         for b in gl.static_range(STAGES):
@@ -221,11 +202,9 @@ def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, 
             and groups.is_contiguous())
 
 
-def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, xp: torch.Tensor | None = None) -> torch.Tensor:
+def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the warp-specialised kernel: ``groups`` int64 [N, K / 16] twiddled,
-    blocked codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps, stages and
-    may give maxnreg, pregs, half. ``xp``: X already permuted into the MMA's K order (``permute_x``):
-    then X goes by TMA too (needs half >= 1)."""
+    blocked codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps, stages."""
     m, k = x.shape
     n, kg = groups.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -233,14 +212,13 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, xp: torch.Tens
     split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn)
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [cfg.bn // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [cfg.bn, 16], scale_layout())
-    x_desc = GluonDescriptor.from_tensor(xp, [cfg.bm, 64], x_layout(cfg.bm)) if xp is not None else c_desc
     _nvfp4_fwd_gluon_ws_kernel[(grid_mn, split)](
-        x, x_desc, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        x, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
-        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), XTMA=xp is not None,
+        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0),
         num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
     )
     return y
