@@ -19,7 +19,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_fwd_point, time_graph  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, probe_points, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon_ws as ws  # noqa: E402
 from qerl_kernels.gemm_fwd import as_words  # noqa: E402
 
@@ -54,12 +54,9 @@ def candidates(args, layer, m, n, k):
 
 def main(argv=None) -> int:
     from qerl_kernels.gemm_fwd import nvfp4_matmul
-    from qerl_kernels.tile_configs import fwd_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--models", default="7B,32B")
-    ap.add_argument("--layers", default="qkv,o,gate_up,down")
+    add_probe_args(ap, "qkv,o,gate_up,down")
     ap.add_argument("--bns", default="64,128")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="4")
@@ -69,39 +66,33 @@ def main(argv=None) -> int:
     ap.add_argument("--half", default="0", help="consumer MMA mode(s): 0 full step, 1 half steps, 2 half steps in flight")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
-    print(f"# {torch.cuda.get_device_name()}", flush=True)
     ratios = {m: [] for m in map(int, args.ms.split(","))}
-    for (model, layer), (n, k) in SHAPES.items():
-        if model not in args.models.split(",") or layer not in args.layers.split(","):
-            continue
-        d = ShapeData(n, k, seed=n + k)
-        for m in ratios:
-            t_tab, _ = bench_fwd_point(d, m, fwd_config(m, n, k))
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, twiddled=True, blocked=True).float()
-            best, best_cfg, errs = None, None, []
-            for cfg in candidates(args, layer, m, n, k):
-                y = run_ws(x, d.packed[0], d.scale[0], d.gs, cfg).float()
-                err = ((y - ref).norm() / ref.norm()).item()
-                errs.append(err)
-                if not err < 1e-2:
-                    print(f"  WRONG {model} {layer} M={m} {vars(cfg)}: rel err {err:.2e}", flush=True)
-                    continue
-                us = time_graph([lambda p=p, s=s, c=cfg, x=x, g=d.gs: run_ws(x, p, s, g, c)
-                                 for p, s in zip(d.packed, d.scale)])
-                if args.v:
-                    print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
-                          f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}: {us:.1f}", flush=True)
-                if best is None or us < best:
-                    best, best_cfg = us, cfg
-            if best is None:
+    for model, layer, d, m, tab, _ in probe_points(args):
+        n, k = d.n, d.k
+        t_tab, _ = bench_fwd_point(d, m, tab)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, twiddled=True, blocked=True).float()
+        best, best_cfg, errs = None, None, []
+        for cfg in candidates(args, layer, m, n, k):
+            y = run_ws(x, d.packed[0], d.scale[0], d.gs, cfg).float()
+            err = ((y - ref).norm() / ref.norm()).item()
+            errs.append(err)
+            if not err < 1e-2:
+                print(f"  WRONG {model} {layer} M={m} {vars(cfg)}: rel err {err:.2e}", flush=True)
                 continue
-            ratios[m].append(t_tab / best)
-            print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
-                  f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} h{best_cfg.half} sk{best_cfg.split_k} "
-                  f"| max err {max(errs):.1e}", flush=True)
-        del d
-        torch.cuda.empty_cache()
+            us = time_graph([lambda p=p, s=s, c=cfg, x=x, g=d.gs: run_ws(x, p, s, g, c)
+                             for p, s in zip(d.packed, d.scale)])
+            if args.v:
+                print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
+                      f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}: {us:.1f}", flush=True)
+            if best is None or us < best:
+                best, best_cfg = us, cfg
+        if best is None:
+            continue
+        ratios[m].append(t_tab / best)
+        print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
+              f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} "
+              f"h{best_cfg.half} sk{best_cfg.split_k} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f} "
