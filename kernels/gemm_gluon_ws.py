@@ -60,6 +60,17 @@ STEP_PAIR = 256  # K elements per ring stage
 
 
 if HAVE_GLUON_WS:
+    # Triton 3.6 (the H100's) names a shared buffer's reinterpretation _reinterpret; later ones reinterpret.
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def _as_groups(buf, BN: gl.constexpr, FLAT: gl.constexpr):
+        """A stage's [BN / 16, 128] int64 code box (16 rows x 8 groups per 1 KB) as [BN, 8] groups."""
+        if _PUBLIC_REINTERPRET:
+            r = buf.reinterpret(gl.int64, [BN, 8], FLAT)
+        else:
+            r = buf._reinterpret(gl.int64, [BN, 8], FLAT)
+        return r
 
     @gluon.jit
     def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
@@ -104,7 +115,7 @@ if HAVE_GLUON_WS:
             mbarrier.wait(ready.index(st), (j // STAGES) & 1)
             sc = ss.index(st).load(CODES16(BN, NW))
             for h in gl.static_range(2):
-                pw = cs.index(2 * st + h)._reinterpret(gl.int64, [BN, 8], FLAT).load(CODES)
+                pw = _as_groups(cs.index(2 * st + h), BN, FLAT).load(CODES)
                 s = _half_scales(sc, h, BN, CODES)
                 xb = xs.index(2 * st + h)
                 if HALF == 0:
