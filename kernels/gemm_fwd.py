@@ -276,7 +276,7 @@ def nvfp4_matmul(
         from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon
 
         if not (fast and gluon_supported(x, n, k, twiddled, blocked)):
-            cfg = heuristic_fwd(m, n, k)  # the weight is not in the layout the Gluon kernel reads
+            cfg = heuristic_fwd(m, n, k, gluon=False)  # not a layout (or device) the Gluon kernels read
     if twiddled and not layout_safe(cfg):
         cfg = DEQUANT  # a tile family Triton cannot compile on these codes (tile_configs.layout_safe)
     if cfg.dequant:

@@ -121,9 +121,39 @@ def choose_split(m: int, n: int, k: int, cfg: FwdConfig, num_sms: int = NUM_SMS_
     return max(1, min(want, ksteps // 3, 32))
 
 
-def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig:
+# N x K from which the warp-specialised tile won the table's points at M <= 16 (7B down, 68M weights;
+# 32B qkv, 37M) and below which the per-thread Gluon tile did (7B q/k/v and o, 13-17M; 32B o, 26M,
+# split between them).
+GLUON_WS_MIN_WEIGHTS = 30_000_000
+
+
+def gluon_heuristic(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig | None:
+    """A Gluon tile for a shape the table does not hold (M <= 16), following the table's rules: the
+    warp-specialised tile for large weights, the per-thread one for small weights, 64 weight rows per
+    warpgroup, split-K to about four programs per SM (the sweep's picks were mostly twice
+    ``choose_split``'s two waves). None where neither kernel's layout rules fit (the wrapper checks
+    the device and the code layout at run time and falls back to ``heuristic_fwd(gluon=False)``)."""
+    if m > 16 or k % 128 or n % 16:
+        return None
+    bm = 8 if m <= 8 else 16
+    if n * k >= GLUON_WS_MIN_WEIGHTS and k % 256 == 0:
+        cfg = FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=48,
+                        pregs=32 if m <= 8 else 40, half=0 if m <= 8 else 2)
+    else:
+        cfg = FwdConfig(bm, 64, 16, warps=4, swap=True, gluon=True)
+    tiles = _cdiv(n, 64) * _cdiv(m, bm)
+    split = 1 if tiles >= 2 * num_sms else max(1, min(_cdiv(4 * num_sms, tiles), k // 128 // 3, 32))
+    return FwdConfig(**{**cfg.as_dict(), "split_k": split})
+
+
+def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT, gluon: bool = True) -> FwdConfig:
+    """The config for a shape the table does not hold; ``gluon=False``: a plain Triton tile (what runs
+    where the Gluon kernels cannot)."""
     if m >= DEQUANT_MIN_M:
         return DEQUANT
+    g = gluon_heuristic(m, n, k, num_sms) if gluon else None
+    if g is not None:
+        return g
     if m <= 16:
         cfg = FwdConfig(bm=16, bn=128, bkw=16, warps=4, stages=3, swap=True)
     elif m <= 32:

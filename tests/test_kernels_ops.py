@@ -61,3 +61,23 @@ def test_tma_descriptors_only_where_tma_can_read():
     assert _tma_descriptors(x, groups[:200], cfg) is None  # N not whole 16-row blocks
     odd = torch.zeros(5, 776, dtype=torch.bfloat16)[:, 1:769]  # base 2 bytes off 16-byte alignment
     assert _tma_descriptors(odd, groups, cfg) is None
+
+
+def test_heuristic_picks_gluon_tiles_by_the_tables_rules():
+    # Shapes outside the measured table get Gluon tiles at M <= 16: the warp-specialised one for large
+    # weights with K % 256 == 0, the per-thread one otherwise; a plain Triton tile above M = 16, where
+    # K is not whole 128-element steps, and wherever the caller asks for no Gluon (the wrapper's
+    # fallback on other devices and layouts).
+    from qerl_kernels.tile_configs import GLUON_WS_MIN_WEIGHTS, heuristic_fwd
+
+    big = heuristic_fwd(1, 28672, 4096)  # Llama-3-8B gate/up
+    assert big.gluon and big.ws and big.bm == 8 and big.split_k == 1
+    assert heuristic_fwd(16, 28672, 4096).bm == 16
+    down = heuristic_fwd(4, 4096, 14336)  # 64 tiles of 64 rows: split-K to ~4 programs per SM
+    assert down.ws and down.split_k == 9 and 4096 * 14336 >= GLUON_WS_MIN_WEIGHTS
+    small = heuristic_fwd(1, 6144, 4096)
+    assert small.gluon and not small.ws and small.split_k > 1
+    odd = heuristic_fwd(1, 4096, 4096 + 128)  # K % 256 != 0: the per-thread kernel still reads it
+    assert odd.gluon and not odd.ws
+    for cfg in (heuristic_fwd(17, 28672, 4096), heuristic_fwd(1, 4096, 4096 + 16), heuristic_fwd(1, 28672, 4096, gluon=False)):
+        assert not cfg.gluon
