@@ -242,7 +242,9 @@ def main(argv=None) -> int:
                         cands.append(c)
                         continue
                     s = tc.choose_split(m, n, k, c, num_sms)
-                    for split in sorted({1, s, max(1, s // 2), s * 2} if s > 1 else {1}):
+                    # 3 s / 2 as well: a split-K plan rounds to whole K steps per split, so e.g. 28 steps
+                    # split 5 or 10 ways run 6 or 3 steps per program and 7 ways (4 steps) sits between
+                    for split in sorted({1, s, max(1, s // 2), (3 * s + 1) // 2, s * 2} if s > 1 else {1}):
                         cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))
             best = None
             for cfg in dict.fromkeys(cands):
