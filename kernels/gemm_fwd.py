@@ -27,9 +27,9 @@ spent ~15 PTX ops per weight on it and ran at 0.92-1.53x of cuBLAS at M <= 16).
   the large weights at M = 1024; ``gluon`` + ``ws`` entries run ``gemm_gluon_ws.py`` (warp-specialised:
   a producer warpgroup fills a shared-memory ring by TMA, the consumer only decodes and multiplies):
   13 of the 24 points at M = 1-16 (fourteenth pass).
-Measured on an H100 (docs/benchmarks.md, 2026-11-22, eleventh pass): 2.3x of cuBLAS bf16 at M = 1-4
-and 2.1x at M = 16 (target 3x; a bare streaming read of the same bytes reaches 3.4x there), 1.21x at
-M = 64, 0.96x at M = 128, 0.78x at M = 1024, 0.93x at M = 4096.
+Measured on an H100 (docs/benchmarks.md, 2026-11-22, fourteenth pass): 2.4x of cuBLAS bf16 at M = 1-4
+and 2.1x at M = 16 (target 3x; a bare streaming read of the same bytes reaches 3.4x there), 1.22x at
+M = 64, 0.96x at M = 128, 0.79x at M = 1024, 0.92x at M = 4096.
 
 Split-K without extra launches: every split writes its fp32 partial to a workspace, then bumps a
 per-tile counter (acq_rel atomic); the program that arrives last sums the partials in split order

@@ -277,9 +277,10 @@ def _gluon_candidates(bm: int) -> list[FwdConfig]:
 
 def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
     """The warp-specialised Gluon kernel's tiles (gemm_gluon_ws.py): one consumer warpgroup of 64 weight
-    rows, a ring of two K-step pairs, and the register splits that ran fastest without spilling in the
-    first probe (benchmarks/probe_ws.py, H100 2026-11-22): launch cap 48 (5 programs per SM) or 40 (6),
-    producer 24-40 registers, full or half-step MMAs."""
+    rows, a ring of two K-step pairs, and the register splits that ran fastest in the first probe
+    (benchmarks/probe_ws.py, H100 2026-11-22): launch cap 48 (5 programs per SM) or 40 (6), producer
+    24-40 registers, full or half-step MMAs. Some of them make ptxas spill or serialise the wgmmas and
+    still win a shape, so the sweep, not the SASS, decides."""
     regs = ((48, 32, 0), (48, 32, 2), (48, 40, 1), (48, 40, 2), (40, 40, 0), (40, 24, 2))
     return [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p, half=h)
             for r, p, h in regs]
