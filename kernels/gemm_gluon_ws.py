@@ -208,7 +208,7 @@ def scale_layout():
 def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, cfg) -> bool:
     """Whether this kernel can run the call: K % 256 == 0, whole 16-row bands, TMA alignment."""
     n, kg = groups.shape
-    return (HAVE_GLUON_WS and kg % 16 == 0 and n % 16 == 0 and cfg.bn % 16 == 0 and scale_u8.stride(1) == 1
+    return (HAVE_GLUON_WS and (16 * kg) % STEP_PAIR == 0 and n % 16 == 0 and cfg.bn % 16 == 0 and scale_u8.stride(1) == 1
             and scale_u8.stride(0) % 16 == 0 and scale_u8.data_ptr() % 16 == 0 and groups.data_ptr() % 16 == 0
             and groups.is_contiguous())
 
