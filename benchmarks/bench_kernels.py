@@ -52,6 +52,12 @@ TARGETS = {1: 3.0, 4: 3.0, 16: 3.0, 64: 2.0, 128: 1.3, 1024: 0.9, 4096: 0.9}
 BWD_TARGET = 0.8
 
 
+def geomean(values) -> float:
+    """Geometric mean (of speedups or time ratios over shapes)."""
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
 def n_copies(nbytes: int, cap_bytes: int = 3 << 30) -> int:
     return max(2, min(math.ceil(ROTATE_BYTES / nbytes), max(2, cap_bytes // max(nbytes, 1))))
 
@@ -378,12 +384,12 @@ def render(results, command: str) -> str:
             "| --- | --- | --- | --- |"]
     for m in ms:
         sp = [r["speedup"] for r in fwd if r["M"] == m]
-        gm = math.exp(sum(math.log(s) for s in sp) / len(sp))
+        gm = geomean(sp)
         tgt = f">= {TARGETS[m]:.1f}x" if m in TARGETS else "-"
         out.append(f"| {m} | {gm:.2f}x | {min(sp):.2f}x | {tgt} |")
     if bwd:
         sp = [r["speedup"] for r in bwd]
-        gm = math.exp(sum(math.log(s) for s in sp) / len(sp))
+        gm = geomean(sp)
         out.append(f"| bwd {bwd[0]['M']} | {gm:.2f}x | {min(sp):.2f}x | >= {BWD_TARGET}x |")
     return "\n".join(out) + "\n"
 

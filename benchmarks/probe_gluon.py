@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import add_probe_args, bench_fwd_point, probe_points  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, geomean, probe_points  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
         line += f" | best {best[0]:.1f} ({cub / best[0]:.2f}x, BN {best[2]} split {best[3]}, err {best[1]:.0e})"
         print(line, flush=True)
     for key, v in sorted(ratios.items()):
-        gm = math.exp(sum(map(math.log, v)) / len(v))
+        gm = geomean(v)
         print(f"M={key[0]} {key[1]}: table/variant geomean {gm:.3f} (min {min(v):.2f}, max {max(v):.2f})")
     return 0
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import add_probe_args, bench_fwd_point, probe_points, time_graph  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, geomean, probe_points, time_graph  # noqa: E402
 
 
 def candidates(m: int, args):
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
         if us < t_tab:
             entries.append([m, d.n, d.k, cfg.as_dict()])
     for key, v in ratios.items():
-        gm = math.exp(sum(map(math.log, v)) / len(v))
+        gm = geomean(v)
         what = f"M={key[1]} cuBLAS / best of both" if isinstance(key, tuple) else f"M={key} table/gluon-tma"
         print(f"{what}: geomean {gm:.3f} (min {min(v):.2f}, max {max(v):.2f})")
     print("winning tiles:", dict(wins))

@@ -12,14 +12,13 @@ be checked against the sweep that produced them.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_cublas_fwd, bench_fwd_point  # noqa: E402
+from bench_kernels import SHAPES, ShapeData, bench_cublas_fwd, bench_fwd_point, geomean  # noqa: E402
 
 OTHER_SHAPES = {  # (model, layer) -> (N, K), fused q/k/v and gate/up as qerl loads them
     ("Llama-3-8B", "qkv"): (4096 + 2 * 1024, 4096),
@@ -32,10 +31,6 @@ OTHER_SHAPES = {  # (model, layer) -> (N, K), fused q/k/v and gate/up as qerl lo
     ("Qwen2.5-1.5B", "gate_up"): (2 * 8960, 1536),
     ("Qwen2.5-1.5B", "down"): (1536, 8960),
 }
-
-
-def geomean(v):
-    return math.exp(sum(map(math.log, v)) / len(v))
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,6 @@ core. Steps past a program's end load clamped addresses with their activations m
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_fwd_point, time_graph  # noqa: E402
+from bench_kernels import SHAPES, ShapeData, bench_fwd_point, geomean, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon as gg  # noqa: E402
 
 if gg.HAVE_GLUON:
@@ -136,7 +135,7 @@ def main(argv=None) -> int:
         del d
         torch.cuda.empty_cache()
     for m, v in ratios.items():
-        print(f"M={m}: table / best short-K geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f} "
+        print(f"M={m}: table / best short-K geomean {geomean(v):.3f} "
               f"(min {min(v):.2f}, max {max(v):.2f})")
     return 0
 

@@ -10,7 +10,6 @@ Prints the best candidate per point and the geomean of table time / best time pe
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import add_probe_args, bench_fwd_point, probe_points, time_graph  # noqa: E402
+from bench_kernels import add_probe_args, bench_fwd_point, geomean, probe_points, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon_ws as ws  # noqa: E402
 from qerl_kernels.gemm_fwd import as_words  # noqa: E402
 
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
               f"h{best_cfg.half} sk{best_cfg.split_k} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
-            print(f"M={m}: table / best ws geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f} "
+            print(f"M={m}: table / best ws geomean {geomean(v):.3f} "
                   f"(min {min(v):.2f}, max {max(v):.2f})")
     return 0
 

@@ -21,14 +21,13 @@ time matters), every shape at each M of ``--ms``, tile = the table's M = 4 tile 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_fwd_point, time_graph  # noqa: E402
+from bench_kernels import SHAPES, ShapeData, bench_fwd_point, geomean, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon as gg  # noqa: E402
 
 if gg.HAVE_GLUON:
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
         del d
         torch.cuda.empty_cache()
     for (m, name), v in ratios.items():
-        print(f"M={m} {name}: production / probe geomean {math.exp(sum(map(math.log, v)) / len(v)):.3f} "
+        print(f"M={m} {name}: production / probe geomean {geomean(v):.3f} "
               f"(min {min(v):.2f}, max {max(v):.2f})")
     return 0
 
