@@ -125,21 +125,25 @@ if HAVE_GLUON_WS:
                     pw_e, pw_o = _halves(pw, BN)
                     s_e, s_o = _halves(s, BN)
                     a_e = _decode_half(pw_e, s_e, BN, DOT)
-                    tok = warpgroup_mma(a_e, xb.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
-                    if HALF == 2:
-                        acc, a_o = warpgroup_mma_wait(1, deps=[tok, a_o])
-                    else:
-                        acc = warpgroup_mma_wait(0, deps=[tok])
+                    acc = _half_mma(a_e, xb.slice(0, 64, dim=1), acc, a_o, HALF == 2)
                     a_o = _decode_half(pw_o, s_o, BN, DOT)
-                    tok = warpgroup_mma(a_o, xb.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
-                    if HALF == 2:
-                        acc, a_e = warpgroup_mma_wait(1, deps=[tok, a_e])
-                    else:
-                        acc = warpgroup_mma_wait(0, deps=[tok])
+                    acc = _half_mma(a_o, xb.slice(64, 64, dim=1), acc, a_e, HALF == 2)
             if HALF == 2:
                 acc = warpgroup_mma_wait(0, deps=[acc])  # the stage's last MMA reads its X: done before release
             mbarrier.arrive(empty.index(st))
         return (acc,)  # warp_specialize flattens the default partition's results as a tuple
+
+    @gluon.jit
+    def _half_mma(a, xh, acc, prev, INFLIGHT: gl.constexpr):
+        """One half-step MMA (A from registers, X's [BM, 64] half from shared memory). With INFLIGHT it is
+        left running and only the one before it is waited for; that one's A operand ``prev`` is handed to
+        the wait so ptxas keeps its registers until then."""
+        tok = warpgroup_mma(a, xh.permute((1, 0)), acc, is_async=True)
+        if INFLIGHT:
+            acc, prev = warpgroup_mma_wait(1, deps=[tok, prev])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[tok])
+        return acc
 
     @gluon.constexpr_function
     def CODES16(BN, NW):
