@@ -237,6 +237,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(bm, 128, 16, warps=4, stages=4, swap=True, perm=True, tma=True),
             *_gluon_candidates(bm),
             *_gluon_tma_candidates(bm),
+            *(_gluon_ws_candidates(bm) if bm == 32 else []),
         ]
     if m <= 256:
         return [
@@ -276,14 +277,24 @@ def _gluon_candidates(bm: int) -> list[FwdConfig]:
 
 
 def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
-    """The warp-specialised Gluon kernel's tiles (gemm_gluon_ws.py): one consumer warpgroup of 64 weight
-    rows, a ring of two K-step pairs, and the register splits that ran fastest in the first probe
-    (benchmarks/probe_ws.py, H100 2026-11-22): launch cap 48 (5 programs per SM) or 40 (6), producer
-    24-40 registers, full or half-step MMAs. Some of them make ptxas spill or serialise the wgmmas and
-    still win a shape, so the sweep, not the SASS, decides."""
-    regs = ((48, 32, 0), (48, 32, 2), (48, 40, 1), (48, 40, 2), (40, 40, 0), (40, 24, 2))
-    return [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p, half=h)
-            for r, p, h in regs]
+    """The warp-specialised Gluon kernel's tiles (gemm_gluon_ws.py): consumer warpgroups of 64 weight
+    rows, a ring of two K-step pairs, and the register splits that ran fastest in the probes
+    (benchmarks/probe_ws.py, H100 2026-11-22).
+
+    BN 64 (one consumer): launch cap 48 (5 programs per SM) or 40 (6), producer 24-40 registers, full or
+    half-step MMAs; at BM 32 the producer's X rows need cap 56. BN 128 with 8 warps (two consumers
+    sharing one producer: cap 40 still gives each consumer 48 registers at 4 programs per SM) won 7B
+    gate_up at M = 32 (51.8 -> 46.1 us) and 32B gate_up at M = 1 (69.9 -> 67.3 us), lost elsewhere.
+    Some splits make ptxas spill or serialise the wgmmas and still win a shape, so the sweep, not the
+    SASS, decides."""
+    if bm <= 16:
+        narrow = ((48, 32, 0), (48, 32, 2), (48, 40, 1), (48, 40, 2), (40, 40, 0), (40, 24, 2))
+        wide = ((48, 32, 2), (40, 24, 2), (40, 32, 0))
+    else:
+        narrow, wide = ((56, 48, 2),), ((48, 40, 0),)
+    return [FwdConfig(bm, bn, 16, warps=bn // 16, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p,
+                      half=h)
+            for bn, regs in ((64, narrow), (128, wide)) for r, p, h in regs]
 
 
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:

@@ -113,7 +113,7 @@ def test_gluon_ws_tiles_compile_for_sm90():
     from triton.experimental.gluon._runtime import GluonASTSource
 
     tiles = {(c.bm, c.bn, c.warps, c.stages, c.maxnreg, c.pregs, c.half, min(c.split_k, 2))
-             for c in [*fwd_candidates(1), *fwd_candidates(16), *FWD_TABLE.values()] if c.ws}
+             for c in [*fwd_candidates(1), *fwd_candidates(16), *fwd_candidates(32), *FWD_TABLE.values()] if c.ws}
     assert tiles
     for bm, bn, warps, stages, maxnreg, pregs, half, split in sorted(tiles):
         sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{bn // 16},128],{code_layout()!r}>",

@@ -181,8 +181,8 @@ def test_gluon_kernel_matches_reference(m):
     assert rel_err(nvfp4_matmul(x, p, s, g, bias=bias, config=fc), ref) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
-def test_gluon_ws_kernel_matches_reference(m):
+@pytest.mark.parametrize("m,bm", [(1, 8), (3, 8), (16, 16), (17, 16), (32, 32), (40, 32)])
+def test_gluon_ws_kernel_matches_reference(m, bm):
     # The warp-specialised kernel: K = 1280 is 5 ring stages of two K steps (an odd count, so split-K 2
     # cuts 3 + 2 and split 3 cuts 2 + 2 + 1), N = 400 leaves a partial 64-row tile whose missing rows
     # TMA zero-fills, M past one row tile, bias; every register split and MMA mode of the candidates;
@@ -194,15 +194,14 @@ def test_gluon_ws_kernel_matches_reference(m):
     from qerl_kernels.gemm_gluon import launch_gluon
     from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS, launch_gluon_ws
     from qerl_kernels.testing import rel_err
-    from qerl_kernels.tile_configs import FwdConfig
+    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
 
     assert HAVE_GLUON_WS
     p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 31, k=1280)
     groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
-    bm = 8 if m <= 8 else 16
     for split in (1, 2, 3):
-        for regs, pregs, half in ((48, 32, 0), (48, 32, 2), (48, 40, 1), (40, 40, 0), (40, 24, 2)):
-            cfg = SimpleNamespace(bm=bm, bn=64, split_k=split, warps=4, stages=2, maxnreg=regs, pregs=pregs, half=half)
+        for c in _gluon_ws_candidates(bm):  # BN 64 (one consumer warpgroup) and 128 (two)
+            cfg = SimpleNamespace(**{**vars(c), "split_k": split})
             y = launch_gluon_ws(x, groups, scale_u8, g, bias, cfg)
             assert rel_err(y, ref) < TOL[torch.bfloat16], (vars(cfg), rel_err(y, ref))
     fc = FwdConfig(bm, 64, 16, split_k=2, warps=4, stages=3, swap=True, gluon=True, ws=True, maxnreg=48, pregs=32,
