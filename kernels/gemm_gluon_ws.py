@@ -165,20 +165,23 @@ if HAVE_GLUON_WS:
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_ws_kernel(
         X, c_desc, s_desc, G, B, Y, WS, CNT,
-        M, N, KG, pairs_per_split,
+        M, N, KG, pairs_per_split, n_full,
         stride_xm, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr,
+        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
+        if HALVES:
+            pid, pid_k, p_lo, npairs = _halves_program(n_full, KG // 16)
+        else:
+            pid = gl.program_id(0)
+            pid_k = gl.program_id(1)
+            p_lo = pid_k * pairs_per_split
+            npairs = gl.minimum(p_lo + pairs_per_split, KG // 16) - p_lo
         grid_n = gl.cdiv(N, BN)
         pid_m = pid // grid_n
         pid_n = pid % grid_n
-        p_lo = pid_k * pairs_per_split
-        npairs = gl.minimum(p_lo + pairs_per_split, KG // 16) - p_lo
 
         cs = gl.allocate_shared_memory(gl.int64, [2 * STAGES, BN // 16, 128], c_desc.layout)
         ss = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 16], s_desc.layout)
@@ -198,7 +201,32 @@ if HAVE_GLUON_WS:
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(b))
             mbarrier.invalidate(empty.index(b))
-        _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
+        if HALVES:
+            if pid >= n_full:  # a halved tile: its two programs reduce through the workspace
+                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC)
+            else:
+                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC)
+        else:
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
+                        ACC)
+
+    @gluon.jit
+    def _halves_program(n_full, total):
+        """(tile, split index, first pair, pair count) of a HALVES launch: programs below ``n_full`` run whole
+        tiles; each later pair of programs splits one tile's K pairs in two."""
+        p = gl.program_id(0)
+        pid = p
+        pid_k = p * 0
+        p_lo = p * 0
+        npairs = total + p * 0
+        if p >= n_full:
+            q = p - n_full
+            pid = n_full + q // 2
+            pid_k = q % 2
+            hp = (total + 1) // 2
+            p_lo = pid_k * hp
+            npairs = gl.minimum(p_lo + hp, total) - p_lo
+        return pid, pid_k, p_lo, npairs
 
 
 def code_layout():
@@ -207,6 +235,28 @@ def code_layout():
 
 def scale_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+
+
+def programs_per_sm(cfg) -> int:
+    """Resident programs per SM of a tile: registers (launch cap x all warps, the producer's included),
+    warps (64 per SM) and the ring's shared memory."""
+    warps = cfg.warps + 4
+    regs = 65536 // (32 * warps * (getattr(cfg, "maxnreg", None) or 255))
+    smem = (2 * cfg.stages * cfg.bn * 64 + cfg.stages * cfg.bn * 16 + 2 * cfg.stages * cfg.bm * 256 + 1024)
+    return max(1, min(regs, 64 // warps, (227 * 1024) // smem))
+
+
+def halves_split(tiles: int, cfg, device) -> int | None:
+    """Whole tiles of a HALVES launch, or None where halving helps nothing. With P programs per SM on S
+    SMs and (P - 1) S < tiles <= (P - 1/2) S, one wave leaves some SMs a P-th tile and others not: the
+    busiest SM runs up to P / (tiles / S) past the mean. Halving the last tiles - (P - 1) S tiles into
+    two programs each gives every SM P - 1 whole tiles plus at most one half (the block scheduler
+    fills SMs breadth-first)."""
+    s = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    p = programs_per_sm(cfg)
+    if not (p - 1) * s < tiles <= (p - 1) * s + s // 2:
+        return None
+    return (p - 1) * s
 
 
 def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, cfg) -> bool:
@@ -224,16 +274,20 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tenso
     n, kg = groups.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn)
+    n_full = halves_split(grid_mn, cfg, x.device) if getattr(cfg, "halves", False) and cfg.split_k == 1 else None
+    split, per, ws, cnt = split_k_plan(y, 2 if n_full is not None else cfg.split_k, kg // 16, grid_mn)
+    if n_full is not None and split != 2:
+        n_full = None  # no counters yet (first call under capture) or too few K pairs: whole tiles
+    grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [cfg.bn // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [cfg.bn, 16], scale_layout())
-    _nvfp4_fwd_gluon_ws_kernel[(grid_mn, split)](
+    _nvfp4_fwd_gluon_ws_kernel[grid](
         x, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
-        m, n, kg, per,
+        m, n, kg, per, n_full or 0,
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
-        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0),
+        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
     )
     return y

@@ -24,7 +24,7 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 M_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 NUM_SMS_DEFAULT = 132
@@ -53,6 +53,7 @@ class FwdConfig:
     ws: bool = False  # with gluon: warp-specialised (gemm_gluon_ws.py; stages = ring of K-step pairs, maxnreg)
     pregs: int = 0  # with ws: registers per producer thread (the consumer warpgroup gets 2 x maxnreg - pregs)
     half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
+    halves: bool = False  # with ws and split_k 1: a wave's last tiles run as two K halves (gemm_gluon_ws.halves_split)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -292,9 +293,13 @@ def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
         wide = ((48, 32, 2), (40, 24, 2), (40, 32, 0))
     else:
         narrow, wide = ((56, 48, 2),), ((48, 40, 0),)
-    return [FwdConfig(bm, bn, 16, warps=bn // 16, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p,
-                      half=h)
-            for bn, regs in ((64, narrow), (128, wide)) for r, p, h in regs]
+    tiles = [FwdConfig(bm, bn, 16, warps=bn // 16, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p,
+                       half=h)
+             for bn, regs in ((64, narrow), (128, wide)) for r, p, h in regs]
+    # A wave's last tiles halved (gemm_gluon_ws.halves_split), on the splits that won split-K 1 points:
+    # 7B gate_up at M = 16 36.8 -> 34.5 us, 32B gate_up (BN 128) at M = 1 66.4 -> 64.5 us in the probe.
+    halved = {(64, 48, 40, 2), (64, 48, 32, 2), (64, 48, 40, 1), (128, 40, 24, 2)} if bm <= 16 else set()
+    return tiles + [replace(c, halves=True) for c in tiles if (c.bn, c.maxnreg, c.pregs, c.half) in halved]
 
 
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:

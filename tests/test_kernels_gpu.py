@@ -213,6 +213,28 @@ def test_gluon_ws_kernel_matches_reference(m, bm):
     assert torch.equal(y, launch_gluon(x, tp.view(torch.int64), s.view(torch.uint8), g, bias, fc))
 
 
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_gluon_ws_halves_match_reference(m, monkeypatch):
+    # A wave's last tiles as two K halves (FwdConfig.halves): 3 of N = 400's 7 tiles whole, 4 halved; K =
+    # 1280 is 5 pairs, so the halves run 3 + 2. halves_split is forced (the real rule needs hundreds of
+    # tiles); every candidate's register split and MMA mode; the halved launch agrees with the plain one.
+    from types import SimpleNamespace
+
+    from qerl_kernels import gemm_gluon_ws
+    from qerl_kernels.testing import rel_err
+    from qerl_kernels.tile_configs import _gluon_ws_candidates
+
+    p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 41, k=1280)
+    groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
+    monkeypatch.setattr(gemm_gluon_ws, "halves_split", lambda tiles, cfg, device: 3)
+    for c in _gluon_ws_candidates(8 if m <= 8 else 16):
+        cfg = SimpleNamespace(**{**vars(c), "split_k": 1, "halves": True})
+        y = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, cfg)
+        assert rel_err(y, ref) < TOL[torch.bfloat16], (vars(cfg), rel_err(y, ref))
+        plain = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, SimpleNamespace(**{**vars(cfg), "halves": False}))
+        assert rel_err(y, plain) < 1e-2
+
+
 @pytest.mark.parametrize("m", [1, 17, 64, 100, 256])
 def test_gluon_tma_kernel_matches_reference(m):
     # The TMA-fed Gluon kernel (X permuted once, streamed by TMA; half-step MMAs, with and without one

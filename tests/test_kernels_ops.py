@@ -81,3 +81,23 @@ def test_heuristic_picks_gluon_tiles_by_the_tables_rules():
     assert odd.gluon and not odd.ws
     for cfg in (heuristic_fwd(17, 28672, 4096), heuristic_fwd(1, 4096, 4096 + 16), heuristic_fwd(1, 28672, 4096, gluon=False)):
         assert not cfg.gluon
+
+
+def test_halves_split_evens_out_one_wave():
+    # 7B gate_up (592 tiles of 64 rows) at 5 programs per SM on 132 SMs: 64 SMs would hold a fifth tile
+    # and 68 not; halving the last 64 tiles gives every SM four whole tiles and at most one half.
+    from types import SimpleNamespace
+
+    from qerl_kernels.gemm_gluon_ws import halves_split, programs_per_sm
+
+    cpu = torch.device("cpu")  # stands for an H100's 132 SMs
+    narrow = SimpleNamespace(bm=16, bn=64, warps=4, stages=2, maxnreg=48)
+    wide = SimpleNamespace(bm=8, bn=128, warps=8, stages=2, maxnreg=40)
+    assert programs_per_sm(narrow) == 5 and programs_per_sm(wide) == 4
+    assert programs_per_sm(SimpleNamespace(bm=16, bn=64, warps=4, stages=2, maxnreg=40)) == 6
+    n_full = halves_split(592, narrow, cpu)
+    assert n_full == 4 * 132 and 2 * (592 - n_full) <= 132
+    assert halves_split(432, wide, cpu) == 3 * 132  # 32B gate_up, BN 128
+    assert halves_split(528, narrow, cpu) is None  # whole waves: nothing to even out
+    assert halves_split(640, narrow, cpu) is None  # more halves than SMs: a second wave
+    assert halves_split(100, narrow, cpu) is None
