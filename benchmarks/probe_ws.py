@@ -50,12 +50,10 @@ def candidates(args, layer, m, n, k):
                                 continue
                             for half in map(int, args.half.split(",")):
                                 for halves in map(int, args.halves.split(",")):
-                                    for fill in map(int, args.fill.split(",")):
-                                        if (halves or fill) and split > 1 or halves and fill:
-                                            continue
-                                        yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs,
-                                                              pregs=pregs, split_k=split, half=half,
-                                                              halves=bool(halves), fill=fill)
+                                    if halves and split > 1:
+                                        continue
+                                    yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs,
+                                                          pregs=pregs, split_k=split, half=half, halves=bool(halves))
 
 
 def main(argv=None) -> int:
@@ -71,7 +69,6 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="auto", help="split-K factors, or auto: a per-layer set")
     ap.add_argument("--half", default="0", help="consumer MMA mode(s): 0 full step, 1 half steps, 2 half steps in flight")
     ap.add_argument("--halves", default="0", help="0, 1 or 0,1: split-K 1 tiles with the wave's last tiles halved")
-    ap.add_argument("--fill", default="0", help="programs per SM for unequal split-K (0: off; e.g. 0,4,5)")
     ap.add_argument("--max-waves", type=float, default=1.0, help="skip splits with more than this x 8 x 132 programs")
     ap.add_argument("--any-warps", action="store_true", help="also BN != 16 x warps (more rows per consumer warpgroup)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
@@ -98,7 +95,7 @@ def main(argv=None) -> int:
                              for p, s in zip(d.packed, d.scale)])
             if args.v:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
-                      f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}{f' fill{cfg.fill}' if cfg.fill else ''}: {us:.1f}", flush=True)
+                      f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}: {us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
         if best is None:
@@ -106,7 +103,7 @@ def main(argv=None) -> int:
         ratios[m].append(t_tab / best)
         print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
               f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} "
-              f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''}{f' fill{best_cfg.fill}' if best_cfg.fill else ''} | max err {max(errs):.1e}", flush=True)
+              f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {geomean(v):.3f} "

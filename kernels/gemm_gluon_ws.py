@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 import triton
-from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters, split_k_plan
+from qerl_kernels.gemm_fwd import split_k_plan
 from qerl_kernels.gemm_gluon import HAVE_GLUON
 
 HAVE_GLUON_WS = False
@@ -34,12 +34,9 @@ if HAVE_GLUON:
     try:
         from qerl_kernels.gemm_gluon import (
             _codes_layout,
-            _cta_barrier,
             _decode_fragment,
             _permute_x,
             _store_tile,
-            _tile_coords,
-            _write_y,
             _x_layout,
         )
         from qerl_kernels.gemm_gluon_tma import _decode_half, _halves
@@ -168,15 +165,15 @@ if HAVE_GLUON_WS:
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_ws_kernel(
         X, c_desc, s_desc, G, B, Y, WS, CNT,
-        M, N, KG, pairs_per_split, n_lo, s_lo,
+        M, N, KG, pairs_per_split, n_full,
         stride_xm, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, UNEVEN: gl.constexpr,
+        STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
-        if UNEVEN:
-            pid, pid_k, nsplit, p_lo, npairs = _uneven_program(n_lo, s_lo, KG // 16)
+        if HALVES:
+            pid, pid_k, p_lo, npairs = _halves_program(n_full, KG // 16)
         else:
             pid = gl.program_id(0)
             pid_k = gl.program_id(1)
@@ -204,48 +201,32 @@ if HAVE_GLUON_WS:
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(b))
             mbarrier.invalidate(empty.index(b))
-        if UNEVEN:
-            _store_uneven(acc, G, B, Y, WS, CNT, pid, pid_k, nsplit, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC)
+        if HALVES:
+            if pid >= n_full:  # a halved tile: its two programs reduce through the workspace
+                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC)
+            else:
+                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC)
         else:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
                         ACC)
 
     @gluon.jit
-    def _uneven_program(n_lo, s_lo, total):
-        """(tile, split index, the tile's split count, first pair, pair count) of an UNEVEN launch: tiles
-        below ``n_lo`` are cut into ``s_lo`` K ranges, later ones into ``s_lo + 1``, one program each, in
-        that order (so with ``s_lo`` 1 the whole tiles come first and the halves last)."""
+    def _halves_program(n_full, total):
+        """(tile, split index, first pair, pair count) of a HALVES launch: programs below ``n_full`` run whole
+        tiles; each later pair of programs splits one tile's K pairs in two."""
         p = gl.program_id(0)
-        pid = p // s_lo
-        pid_k = p % s_lo
-        nsplit = s_lo + p * 0
-        if p >= n_lo * s_lo:
-            q = p - n_lo * s_lo
-            pid = n_lo + q // (s_lo + 1)
-            pid_k = q % (s_lo + 1)
-            nsplit = s_lo + 1
-        p_lo = pid_k * total // nsplit
-        return pid, pid_k, nsplit, p_lo, (pid_k + 1) * total // nsplit - p_lo
-
-    @gluon.jit
-    def _store_uneven(acc, G, B, Y, WS, CNT, pid, pid_k, nsplit, pid_m, pid_n, M, N, stride_ym,
-                      BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr):
-        """_store_tile with the tile's split count a runtime value (1: written directly)."""
-        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE, as _store_tile
-        rn, n2, m2, omask = _tile_coords(pid_m, pid_n, M, N, BM, BN, ACC)
-        if nsplit > 1:
-            ws_tile = WS + m2 * N + n2
-            gl.store(ws_tile + pid_k * M * N, out, mask=omask)
-            _cta_barrier()  # all partial stores precede the counter's release
-            arrived = gl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == nsplit - 1:
-                total = gl.zeros([BN, BM], gl.float32, layout=ACC)
-                for sk in range(nsplit):
-                    total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                _write_y(total, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
-                gl.atomic_xchg(CNT + pid, 0)
-        else:
-            _write_y(out, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
+        pid = p
+        pid_k = p * 0
+        p_lo = p * 0
+        npairs = total + p * 0
+        if p >= n_full:
+            q = p - n_full
+            pid = n_full + q // 2
+            pid_k = q % 2
+            hp = (total + 1) // 2
+            p_lo = pid_k * hp
+            npairs = gl.minimum(p_lo + hp, total) - p_lo
+        return pid, pid_k, p_lo, npairs
 
 
 def code_layout():
@@ -278,41 +259,6 @@ def halves_split(tiles: int, cfg, device) -> int | None:
     return (p - 1) * s
 
 
-def fill_plan(tiles: int, pairs: int, programs: int) -> tuple[int, int] | None:
-    """(tiles cut into s K ranges, s) such that those tiles and the rest, cut into s + 1, make up
-    ``programs`` programs; None where that is the plain grid or impossible (more tiles than programs)."""
-    if tiles >= programs:
-        return None
-    s, extra = divmod(programs, tiles)
-    if s >= pairs:  # no empty K ranges
-        return tiles, pairs
-    return tiles - extra, s
-
-
-def uneven_plan(tiles: int, pairs: int, cfg, device) -> tuple[int, int] | None:
-    """The UNEVEN launch of a config, or None for its plain split-K grid: ``halves`` halves a wave's last
-    tiles (halves_split, split-K 1 tiles), ``fill`` cuts tiles unevenly so that every SM holds that many
-    programs (fill_plan)."""
-    if getattr(cfg, "fill", 0):
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        plan = fill_plan(tiles, pairs, cfg.fill * sms)
-        return plan if plan is not None and plan != (tiles, 1) else None
-    if getattr(cfg, "halves", False) and cfg.split_k == 1 and pairs >= 2:
-        n_full = halves_split(tiles, cfg, device)
-        return None if n_full is None else (n_full, 1)
-    return None
-
-
-def _uneven_workspace(y: torch.Tensor, most: int, tiles: int):
-    """(fp32 partials [most, M, N], arrival counters) of an UNEVEN launch, or (None, None) where split-K
-    cannot run (no counters during a capture, index overflow)."""
-    m, n = y.shape
-    cnt = arrival_counters(y.device)
-    if cnt is None or tiles > COUNTER_SLOTS or most * m * n >= 2**31:
-        return None, None
-    return torch.empty((most, m, n), dtype=torch.float32, device=y.device), cnt
-
-
 def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, cfg) -> bool:
     """Whether this kernel can run the call: K % 256 == 0, whole 16-row bands, TMA alignment."""
     n, kg = groups.shape
@@ -328,26 +274,20 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tenso
     n, kg = groups.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    plan = uneven_plan(grid_mn, kg // 16, cfg, x.device)
-    ws = cnt = None
-    if plan is not None:
-        ws, cnt = _uneven_workspace(y, plan[1] + 1, grid_mn)
-        plan = plan if cnt is not None else None  # no counters yet (first call under capture): the plain grid
-    if plan is None:
-        split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn)
-        grid = (grid_mn, split)
-    else:
-        split, per = 1, 0
-        grid = (plan[0] * plan[1] + (grid_mn - plan[0]) * (plan[1] + 1), 1)
+    n_full = halves_split(grid_mn, cfg, x.device) if getattr(cfg, "halves", False) and cfg.split_k == 1 else None
+    split, per, ws, cnt = split_k_plan(y, 2 if n_full is not None else cfg.split_k, kg // 16, grid_mn)
+    if n_full is not None and split != 2:
+        n_full = None  # no counters yet (first call under capture) or too few K pairs: whole tiles
+    grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [cfg.bn // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [cfg.bn, 16], scale_layout())
     _nvfp4_fwd_gluon_ws_kernel[grid](
         x, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
-        m, n, kg, per, *(plan or (0, 1)),
+        m, n, kg, per, n_full or 0,
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
-        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), UNEVEN=plan is not None,
+        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
     )
     return y

@@ -54,7 +54,6 @@ class FwdConfig:
     pregs: int = 0  # with ws: registers per producer thread (the consumer warpgroup gets 2 x maxnreg - pregs)
     half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
     halves: bool = False  # with ws and split_k 1: a wave's last tiles run as two K halves (gemm_gluon_ws.halves_split)
-    fill: int = 0  # with ws: tiles cut into unequal K ranges, this many programs per SM (gemm_gluon_ws.fill_plan)
 
     def as_dict(self) -> dict:
         return asdict(self)

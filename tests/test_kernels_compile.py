@@ -112,17 +112,16 @@ def test_gluon_ws_tiles_compile_for_sm90():
     from qerl_kernels.gemm_gluon_ws import _nvfp4_fwd_gluon_ws_kernel
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    tiles = {(c.bm, c.bn, c.warps, c.stages, c.maxnreg, c.pregs, c.half, min(c.split_k, 2),
-              bool(c.fill) or (c.halves and c.split_k == 1))
+    tiles = {(c.bm, c.bn, c.warps, c.stages, c.maxnreg, c.pregs, c.half, min(c.split_k, 2), c.halves and c.split_k == 1)
              for c in [*fwd_candidates(1), *fwd_candidates(16), *fwd_candidates(32), *FWD_TABLE.values()] if c.ws}
     assert tiles
-    for bm, bn, warps, stages, maxnreg, pregs, half, split, uneven in sorted(tiles):
+    for bm, bn, warps, stages, maxnreg, pregs, half, split, halves in sorted(tiles):
         sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{bn // 16},128],{code_layout()!r}>",
                "s_desc": f"tensordesc<u8[{bn},16],{scale_layout()!r}>", "G": "*fp32", "B": "*bf16", "Y": "*bf16",
                "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32", "pairs_per_split": "i32",
-               "n_lo": "i32", "s_lo": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+               "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
         consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps, STAGES=stages, PREGS=pregs, HALF=half,
-                      UNEVEN=uneven)
+                      HALVES=halves)
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
         assert "setmaxnreg" in kern.asm["ptx"], (bm, bn, maxnreg, pregs, half)

@@ -214,11 +214,10 @@ def test_gluon_ws_kernel_matches_reference(m, bm):
 
 
 @pytest.mark.parametrize("m", [1, 16, 17])
-def test_gluon_ws_uneven_splits_match_reference(m, monkeypatch):
-    # Tiles cut into unequal K ranges (FwdConfig.halves, FwdConfig.fill): N = 400's 7 tiles, K = 1280's 5
-    # pairs. Plans (tiles cut in s, s): 3 whole + 4 halved (halves; 3 + 2 pairs), 3 in 2 + 4 in 3, all in
-    # 5 (one pair each), 2 in 4 + 5 in 5. The plan is forced (the real rules need hundreds of tiles);
-    # every candidate's register split and MMA mode; each agrees with the plain launch.
+def test_gluon_ws_halves_match_reference(m, monkeypatch):
+    # A wave's last tiles as two K halves (FwdConfig.halves): 3 of N = 400's 7 tiles whole, 4 halved; K =
+    # 1280 is 5 pairs, so the halves run 3 + 2. halves_split is forced (the real rule needs hundreds of
+    # tiles); every candidate's register split and MMA mode; the halved launch agrees with the plain one.
     from types import SimpleNamespace
 
     from qerl_kernels import gemm_gluon_ws
@@ -227,15 +226,13 @@ def test_gluon_ws_uneven_splits_match_reference(m, monkeypatch):
 
     p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 41, k=1280)
     groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
-    for plan in ((3, 1), (3, 2), (7, 5), (2, 4)):
-        monkeypatch.setattr(gemm_gluon_ws, "uneven_plan", lambda tiles, pairs, cfg, device, plan=plan: plan)
-        for c in _gluon_ws_candidates(8 if m <= 8 else 16):
-            cfg = SimpleNamespace(**{**vars(c), "split_k": 1})
-            y = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, cfg)
-            assert rel_err(y, ref) < TOL[torch.bfloat16], (plan, vars(cfg), rel_err(y, ref))
-    monkeypatch.undo()
-    plain = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, SimpleNamespace(**{**vars(cfg), "halves": False}))
-    assert rel_err(y, plain) < 1e-2
+    monkeypatch.setattr(gemm_gluon_ws, "halves_split", lambda tiles, cfg, device: 3)
+    for c in _gluon_ws_candidates(8 if m <= 8 else 16):
+        cfg = SimpleNamespace(**{**vars(c), "split_k": 1, "halves": True})
+        y = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, cfg)
+        assert rel_err(y, ref) < TOL[torch.bfloat16], (vars(cfg), rel_err(y, ref))
+        plain = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, SimpleNamespace(**{**vars(cfg), "halves": False}))
+        assert rel_err(y, plain) < 1e-2
 
 
 @pytest.mark.parametrize("m", [1, 17, 64, 100, 256])

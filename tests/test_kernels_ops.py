@@ -101,14 +101,3 @@ def test_halves_split_evens_out_one_wave():
     assert halves_split(528, narrow, cpu) is None  # whole waves: nothing to even out
     assert halves_split(640, narrow, cpu) is None  # more halves than SMs: a second wave
     assert halves_split(100, narrow, cpu) is None
-
-
-def test_fill_plan_cuts_tiles_into_the_programs_asked_for():
-    from qerl_kernels.gemm_gluon_ws import fill_plan
-
-    # 7B down at M = 16: 56 tiles of 74 K pairs, 5 programs per SM on 132 SMs = 660 programs.
-    lo, s = fill_plan(56, 74, 660)
-    assert (lo, s) == (12, 11) and lo * s + (56 - lo) * (s + 1) == 660
-    assert fill_plan(592, 14, 660) == (524, 1)  # 7B gate_up: 524 whole tiles, 68 halved
-    assert fill_plan(7, 5, 132) == (7, 5)  # never more ranges than K pairs
-    assert fill_plan(700, 14, 660) is None  # more tiles than programs: the plain grid
