@@ -247,6 +247,9 @@ def main(argv=None) -> int:
                     if c.sk:  # stream-K: the program count is the config's, no split-K factor
                         cands.append(c)
                         continue
+                    if c.halves:  # halving applies to split-K 1 grids only; elsewhere a duplicate
+                        cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": 1}))
+                        continue
                     s = tc.choose_split(m, n, k, c, num_sms)
                     # 3 s / 2 as well: a split-K plan rounds to whole K steps per split, so e.g. 28 steps
                     # split 5 or 10 ways run 6 or 3 steps per program and 7 ways (4 steps) sits between

@@ -158,6 +158,33 @@ if HAVE_GLUON:
             _write_y(out, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
 
     @gluon.jit
+    def _halves_program(n_full, total):
+        """(tile, split index, first K unit, unit count) of a halves launch (halves_split): programs below
+        ``n_full`` run whole tiles of ``total`` units; each later pair splits one tile's units in two."""
+        p = gl.program_id(0)
+        pid = p
+        pid_k = p * 0
+        lo = p * 0
+        count = total + p * 0
+        if p >= n_full:
+            q = p - n_full
+            pid = n_full + q // 2
+            pid_k = q % 2
+            half = (total + 1) // 2
+            lo = pid_k * half
+            count = gl.minimum(lo + half, total) - lo
+        return pid, pid_k, lo, count
+
+    @gluon.jit
+    def _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym,
+                      BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr):
+        """_store_tile of a halves launch: whole tiles directly, halved ones through the workspace."""
+        if pid >= n_full:
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC)
+        else:
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC)
+
+    @gluon.jit
     def _permute_x(x, BM: gl.constexpr):
         """Activations [BM, 128] in natural K order -> the MMA's permuted K order (see module doc)."""
         x = gl.reshape(x, [BM, 4, 2, 2, 2, 2, 2])  # [BM, c, g_lo, t, bb1, bb0, h]
@@ -234,6 +261,16 @@ if HAVE_GLUON:
             pw, s, x = pw_n, s_n, x_n
 
         _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
+
+
+def halves_split(tiles: int, sms: int) -> int | None:
+    """Whole tiles of a launch whose last tiles run as two K halves (``FwdConfig.halves``), or None where
+    halving helps nothing. q = ceil(tiles / sms) tiles per SM leave some SMs a q-th tile and others not
+    when (q - 1) sms < tiles <= (q - 1/2) sms: the busiest SM then runs up to q / (tiles / sms) past the
+    mean. Halving the last tiles - (q - 1) sms tiles gives every SM q - 1 whole tiles and at most one half
+    (the block scheduler hands programs out in order, breadth-first over the SMs)."""
+    q = -(-tiles // sms)
+    return (q - 1) * sms if q > 1 and tiles <= (q - 1) * sms + sms // 2 else None
 
 
 def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg):

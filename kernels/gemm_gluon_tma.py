@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 from qerl_kernels.decode import perm_x
-from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
-from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, launch_plan
+from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters, split_k_plan
+from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, halves_split, launch_plan
 
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
@@ -43,6 +43,8 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
             _cta_barrier,
             _decode_groups,
             _group_offsets,
+            _halves_program,
+            _store_halves,
             _store_tile,
             _tile_coords,
             _write_y,
@@ -168,29 +170,36 @@ if HAVE_GLUON_TMA:
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_tma_kernel(
         x_desc, PW, S, G, B, Y, WS, CNT,
-        M, N, KG, steps_per_split,
+        M, N, KG, steps_per_split, n_full,
         stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
+        STAGES: gl.constexpr, INFLIGHT: gl.constexpr, HALVES: gl.constexpr,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         CODES: gl.constexpr = _codes_layout(BN, NW)
 
-        pid = gl.program_id(0)
-        pid_k = gl.program_id(1)
+        if HALVES:
+            pid, pid_k, s_lo, nsteps = _halves_program(n_full, KG // 8)
+        else:
+            pid = gl.program_id(0)
+            pid_k = gl.program_id(1)
+            s_lo = pid_k * steps_per_split
+            nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
         grid_m = gl.cdiv(M, BM)
         pid_m = pid % grid_m  # the row tiles of one weight tile run together: its codes hit L2 again
         pid_n = pid // grid_m
-        s_lo = pid_k * steps_per_split
-        nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
 
         xs, bars = _alloc_ring(x_desc, BM, STAGES)
         acc = _tile_mma(x_desc, PW, S, xs, bars, 0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
                         BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES)
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
-        _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
+        if HALVES:
+            _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC)
+        else:
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
+                        ACC)
 
     @gluon.jit
     def _first_unit(p, units, nprog):
@@ -286,14 +295,21 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
         if y is not None:
             return y
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
+    n_full = None
+    if getattr(cfg, "halves", False) and split == 1 and kg // 8 >= 2:
+        n_full = halves_split(grid_mn, _num_sms(x.device))
+        if n_full is not None:
+            split2, _, ws, cnt = split_k_plan(y, 2, kg // 8, grid_mn)
+            n_full = n_full if split2 == 2 else None  # no counters yet (a first call under capture)
+    grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
     x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
-    _nvfp4_fwd_gluon_tma_kernel[(grid_mn, split)](
+    _nvfp4_fwd_gluon_tma_kernel[grid](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
-        m, n, kg, per,
+        m, n, kg, per, n_full or 0,
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
-        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight),
+        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None,
         num_warps=cfg.warps,
     )
     return y

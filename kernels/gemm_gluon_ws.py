@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 from qerl_kernels.gemm_fwd import split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON
+from qerl_kernels.gemm_gluon import HAVE_GLUON, halves_split
 
 HAVE_GLUON_WS = False
 if HAVE_GLUON:
@@ -35,7 +35,9 @@ if HAVE_GLUON:
         from qerl_kernels.gemm_gluon import (
             _codes_layout,
             _decode_fragment,
+            _halves_program,
             _permute_x,
+            _store_halves,
             _store_tile,
             _x_layout,
         )
@@ -202,31 +204,10 @@ if HAVE_GLUON_WS:
             mbarrier.invalidate(ready.index(b))
             mbarrier.invalidate(empty.index(b))
         if HALVES:
-            if pid >= n_full:  # a halved tile: its two programs reduce through the workspace
-                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC)
-            else:
-                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC)
+            _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC)
         else:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
                         ACC)
-
-    @gluon.jit
-    def _halves_program(n_full, total):
-        """(tile, split index, first pair, pair count) of a HALVES launch: programs below ``n_full`` run whole
-        tiles; each later pair of programs splits one tile's K pairs in two."""
-        p = gl.program_id(0)
-        pid = p
-        pid_k = p * 0
-        p_lo = p * 0
-        npairs = total + p * 0
-        if p >= n_full:
-            q = p - n_full
-            pid = n_full + q // 2
-            pid_k = q % 2
-            hp = (total + 1) // 2
-            p_lo = pid_k * hp
-            npairs = gl.minimum(p_lo + hp, total) - p_lo
-        return pid, pid_k, p_lo, npairs
 
 
 def code_layout():
@@ -237,26 +218,11 @@ def scale_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 
 
-def programs_per_sm(cfg) -> int:
-    """Resident programs per SM of a tile: registers (launch cap x all warps, the producer's included),
-    warps (64 per SM) and the ring's shared memory."""
-    warps = cfg.warps + 4
-    regs = 65536 // (32 * warps * (getattr(cfg, "maxnreg", None) or 255))
-    smem = (2 * cfg.stages * cfg.bn * 64 + cfg.stages * cfg.bn * 16 + 2 * cfg.stages * cfg.bm * 256 + 1024)
-    return max(1, min(regs, 64 // warps, (227 * 1024) // smem))
-
-
-def halves_split(tiles: int, cfg, device) -> int | None:
-    """Whole tiles of a HALVES launch, or None where halving helps nothing. With P programs per SM on S
-    SMs and (P - 1) S < tiles <= (P - 1/2) S, one wave leaves some SMs a P-th tile and others not: the
-    busiest SM runs up to P / (tiles / S) past the mean. Halving the last tiles - (P - 1) S tiles into
-    two programs each gives every SM P - 1 whole tiles plus at most one half (the block scheduler
-    fills SMs breadth-first)."""
-    s = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    p = programs_per_sm(cfg)
-    if not (p - 1) * s < tiles <= (p - 1) * s + s // 2:
+def halves_plan(tiles: int, units: int, cfg, device) -> int | None:
+    """n_full of a halves launch (gemm_gluon.halves_split) for a ``halves`` split-K 1 config, else None."""
+    if not (getattr(cfg, "halves", False) and cfg.split_k == 1 and units >= 2 and device.type == "cuda"):
         return None
-    return (p - 1) * s
+    return halves_split(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, cfg) -> bool:
@@ -274,7 +240,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tenso
     n, kg = groups.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    n_full = halves_split(grid_mn, cfg, x.device) if getattr(cfg, "halves", False) and cfg.split_k == 1 else None
+    n_full = halves_plan(grid_mn, kg // 16, cfg, x.device)
     split, per, ws, cnt = split_k_plan(y, 2 if n_full is not None else cfg.split_k, kg // 16, grid_mn)
     if n_full is not None and split != 2:
         n_full = None  # no counters yet (first call under capture) or too few K pairs: whole tiles

@@ -53,7 +53,7 @@ class FwdConfig:
     ws: bool = False  # with gluon: warp-specialised (gemm_gluon_ws.py; stages = ring of K-step pairs, maxnreg)
     pregs: int = 0  # with ws: registers per producer thread (the consumer warpgroup gets 2 x maxnreg - pregs)
     half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
-    halves: bool = False  # with ws and split_k 1: a wave's last tiles run as two K halves (gemm_gluon_ws.halves_split)
+    halves: bool = False  # with ws or xtma, split_k 1: a wave's last tiles run as two K halves (gemm_gluon.halves_split)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -296,7 +296,7 @@ def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
     tiles = [FwdConfig(bm, bn, 16, warps=bn // 16, stages=2, swap=True, gluon=True, ws=True, maxnreg=r, pregs=p,
                        half=h)
              for bn, regs in ((64, narrow), (128, wide)) for r, p, h in regs]
-    # A wave's last tiles halved (gemm_gluon_ws.halves_split), on the splits that won split-K 1 points:
+    # A wave's last tiles halved (gemm_gluon.halves_split), on the splits that won split-K 1 points:
     # 7B gate_up at M = 16 36.8 -> 34.5 us, 32B gate_up (BN 128) at M = 1 66.4 -> 64.5 us in the probe.
     halved = {(64, 48, 40, 2), (64, 48, 32, 2), (64, 48, 40, 1), (128, 40, 24, 2)} if bm <= 16 else set()
     return tiles + [replace(c, halves=True) for c in tiles if (c.bn, c.maxnreg, c.pregs, c.half) in halved]
@@ -309,8 +309,10 @@ def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:
     split-K grid (``sk`` 0) and as stream-K with 1, 2 or 4 programs per SM (what fits: 4 of BM 64 x BN
     64, 2 of BM 128, 1-2 of BM 256; more is allowed, just not resident at once)."""
     rings = (3, 4) if bm <= 128 else (3,)
-    return [FwdConfig(bm, bn, 16, warps=w, stages=st, swap=True, gluon=True, xtma=True, inflight=True, sk=sk)
-            for bn, w in ((64, 4), (128, 8)) for st in rings for sk in (0, 1, 2, 4)]
+    tiles = [FwdConfig(bm, bn, 16, warps=w, stages=st, swap=True, gluon=True, xtma=True, inflight=True, sk=sk)
+             for bn, w in ((64, 4), (128, 8)) for st in rings for sk in (0, 1, 2, 4)]
+    # The split-K grids again with a wave's last tiles halved (gemm_gluon.halves_split).
+    return tiles + [replace(c, halves=True) for c in tiles if not c.sk]
 
 
 def bwd_candidates() -> list[BwdConfig]:

@@ -82,16 +82,17 @@ def test_gluon_tma_tiles_compile_for_sm90():
     from triton.experimental.gluon._runtime import GluonASTSource
 
     # split 0: the stream-K kernel (FwdConfig.sk), whose program count is a runtime argument.
-    tiles = {(c.bm, c.bn, c.warps, c.stages, c.inflight, 0 if c.sk else min(c.split_k, 2))
+    tiles = {(c.bm, c.bn, c.warps, c.stages, c.inflight, 0 if c.sk else min(c.split_k, 2),
+              c.halves and not c.sk and c.split_k == 1)
              for c in [*(c for m in (16, 64, 256) for c in fwd_candidates(m)), *FWD_TABLE.values()] if c.xtma}
-    assert tiles and any(t[-1] == 0 for t in tiles)
-    for bm, bn, warps, stages, inflight, split in sorted(tiles):
+    assert tiles and any(t[-2] == 0 for t in tiles) and any(t[-1] for t in tiles)
+    for bm, bn, warps, stages, inflight, split, halves in sorted(tiles):
         sig = {"x_desc": f"tensordesc<bf16[{bm},64],{x_layout(bm)!r}>", "PW": "*i64", "S": "*u8", "G": "*fp32",
                "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32",
-               **({"units": "i32", "nprog": "i32"} if split == 0 else {"steps_per_split": "i32"}),
+               **({"units": "i32", "nprog": "i32"} if split == 0 else {"steps_per_split": "i32", "n_full": "i32"}),
                "stride_sn": "i32", "stride_ym": "i32"}
         consts = dict(BM=bm, BN=bn, HAS_BIAS=True, NW=warps, STAGES=stages, INFLIGHT=inflight,
-                      **({} if split == 0 else {"SPLIT": split}))
+                      **({} if split == 0 else {"SPLIT": split, "HALVES": halves}))
         kernel = _nvfp4_fwd_gluon_tma_sk_kernel if split == 0 else _nvfp4_fwd_gluon_tma_kernel
         src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

@@ -84,20 +84,13 @@ def test_heuristic_picks_gluon_tiles_by_the_tables_rules():
 
 
 def test_halves_split_evens_out_one_wave():
-    # 7B gate_up (592 tiles of 64 rows) at 5 programs per SM on 132 SMs: 64 SMs would hold a fifth tile
-    # and 68 not; halving the last 64 tiles gives every SM four whole tiles and at most one half.
-    from types import SimpleNamespace
+    # 7B gate_up (592 tiles of 64 rows) on 132 SMs: q = 5 tiles would land on 64 SMs and 4 on 68; halving
+    # the last 64 tiles gives every SM four whole tiles and at most one half.
+    from qerl_kernels.gemm_gluon import halves_split
 
-    from qerl_kernels.gemm_gluon_ws import halves_split, programs_per_sm
-
-    cpu = torch.device("cpu")  # stands for an H100's 132 SMs
-    narrow = SimpleNamespace(bm=16, bn=64, warps=4, stages=2, maxnreg=48)
-    wide = SimpleNamespace(bm=8, bn=128, warps=8, stages=2, maxnreg=40)
-    assert programs_per_sm(narrow) == 5 and programs_per_sm(wide) == 4
-    assert programs_per_sm(SimpleNamespace(bm=16, bn=64, warps=4, stages=2, maxnreg=40)) == 6
-    n_full = halves_split(592, narrow, cpu)
+    n_full = halves_split(592, 132)
     assert n_full == 4 * 132 and 2 * (592 - n_full) <= 132
-    assert halves_split(432, wide, cpu) == 3 * 132  # 32B gate_up, BN 128
-    assert halves_split(528, narrow, cpu) is None  # whole waves: nothing to even out
-    assert halves_split(640, narrow, cpu) is None  # more halves than SMs: a second wave
-    assert halves_split(100, narrow, cpu) is None
+    assert halves_split(432, 132) == 3 * 132  # 32B gate_up, BN 128
+    assert halves_split(528, 132) is None  # whole waves: nothing to even out
+    assert halves_split(640, 132) is None  # more halves than SMs
+    assert halves_split(100, 132) is None  # one wave, not full: no SM holds two
