@@ -176,6 +176,19 @@ if HAVE_GLUON:
         return pid, pid_k, lo, count
 
     @gluon.jit
+    def _program_k_range(n_full, per_split, total, HALVES: gl.constexpr):
+        """(tile, split index, first K unit, unit count) of this program: a halves launch's mapping
+        (_halves_program) or the split-K grid's (program_id 0 the tile, 1 the split)."""
+        if HALVES:
+            pid, pid_k, lo, count = _halves_program(n_full, total)
+        else:
+            pid = gl.program_id(0)
+            pid_k = gl.program_id(1)
+            lo = pid_k * per_split
+            count = gl.minimum(lo + per_split, total) - lo
+        return pid, pid_k, lo, count
+
+    @gluon.jit
     def _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym,
                       BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr):
         """_store_tile of a halves launch: whole tiles directly, halved ones through the workspace."""

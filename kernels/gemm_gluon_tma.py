@@ -43,7 +43,7 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
             _cta_barrier,
             _decode_groups,
             _group_offsets,
-            _halves_program,
+            _program_k_range,
             _store_halves,
             _store_tile,
             _tile_coords,
@@ -179,13 +179,7 @@ if HAVE_GLUON_TMA:
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         CODES: gl.constexpr = _codes_layout(BN, NW)
 
-        if HALVES:
-            pid, pid_k, s_lo, nsteps = _halves_program(n_full, KG // 8)
-        else:
-            pid = gl.program_id(0)
-            pid_k = gl.program_id(1)
-            s_lo = pid_k * steps_per_split
-            nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
+        pid, pid_k, s_lo, nsteps = _program_k_range(n_full, steps_per_split, KG // 8, HALVES)
         grid_m = gl.cdiv(M, BM)
         pid_m = pid % grid_m  # the row tiles of one weight tile run together: its codes hit L2 again
         pid_n = pid // grid_m

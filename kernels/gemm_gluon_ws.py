@@ -174,6 +174,8 @@ if HAVE_GLUON_WS:
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
+        # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
+        # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
         if HALVES:
             pid, pid_k, p_lo, npairs = _halves_program(n_full, KG // 16)
         else:
