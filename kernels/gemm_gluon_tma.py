@@ -21,7 +21,9 @@ ranges instead of a split-K grid; a tile cut between programs is summed from fp3
 of them to arrive, in program order (deterministic, and no program ever waits for another). Measured
 on an H100 (docs/benchmarks.md, kernels, eleventh pass): it wins the long-K ``down`` weights at
 M = 32-128 (up to 10%) and the large weights at M = 1024, and loses on every small weight: there a
-program's fixed cost, not the tile count, is what finer splits multiply.
+program's fixed cost, not the tile count, is what finer splits multiply. Halves (``FwdConfig.halves``,
+gemm_gluon.halves_split) is the cheap form: only a wave's last tiles split in two, 2-3% on 7B gate_up at
+M = 64-128 (fifteenth pass).
 """
 
 from __future__ import annotations

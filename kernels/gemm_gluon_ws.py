@@ -1,7 +1,7 @@
 """Small-M forward GEMM in Gluon, warp-specialised: a producer warpgroup fills a ring of shared-memory
 stages with the weight's codes and scales (TMA) and the activations (through its registers, permuted
-into the MMA's K order); one consumer warpgroup decodes the codes into its wgmma register fragment and
-multiplies (``FwdConfig.ws`` tiles).
+into the MMA's K order); one consumer warpgroup per 64 weight rows (BN 64, or two sharing the producer
+at BN 128) decodes the codes into its wgmma register fragment and multiplies (``FwdConfig.ws`` tiles).
 
 Trade-off against gemm_gluon (the per-thread small-M kernel): there every thread loads its own codes
 and X one K step ahead into registers, so its decode waits for a memory round trip each step and the
@@ -19,7 +19,10 @@ back to gemm_gluon otherwise) and split-K splits of whole pairs. Limits otherwis
 Measured (H100, 2026-11-22, docs/benchmarks.md, kernels, fourteenth pass): faster than every other
 tile at 13 of the 24 points of M = 1-16 (7B gate_up 34.3 -> 33.0 us at M = 1, 3.15x of cuBLAS; 7B
 down 25.4 -> 23.2 us at M = 16); two ring stages beat three or four; the consumer's decode, not the
-memory, sets the pace (64 weight rows per consumer warpgroup beat 128).
+memory, sets the pace (64 weight rows per consumer warpgroup beat 128). Fifteenth pass: two consumers per
+producer won 32B gate_up at M = 1-4 and 7B gate_up at M = 32; a split-K 1 launch whose tiles would
+leave some SMs one more than others runs its last tiles as two K halves (``FwdConfig.halves``,
+gemm_gluon.halves_split): 7B gate_up at M = 16 36.2 -> 34.9 us.
 """
 
 from __future__ import annotations
