@@ -203,12 +203,13 @@ def _nvfp4_fwd_kernel(
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out.to(Y.dtype.element_ty), mask=omask)
 
 
-def split_k_plan(y: torch.Tensor, split_k: int, ksteps: int, grid_mn: int):
+def split_k_plan(y: torch.Tensor, split_k: int, ksteps: int, grid_mn: int, n_cols: int | None = None):
     """(splits, K steps per split, fp32 workspace, tile counters) of a last-arriver split-K launch
-    writing ``y`` [M, N]. One split (``y`` standing in for the unused buffers) where the counters
-    are not available yet (a first call during graph capture) or the tile or workspace index would
-    overflow; the split count is recomputed so that no split is empty."""
-    m, n = y.shape
+    writing ``y`` [M, N] (``n_cols``: the GEMM's N where it differs from y's, the gate/up pairing's).
+    One split (``y`` standing in for the unused buffers) where the counters are not available yet (a
+    first call during graph capture) or the tile or workspace index would overflow; the split count is
+    recomputed so that no split is empty."""
+    m, n = y.shape[0], n_cols or y.shape[1]
     split = max(1, min(split_k, ksteps))
     cnt = arrival_counters(y.device) if split > 1 else None
     if split > 1 and (cnt is None or grid_mn > COUNTER_SLOTS or split * m * n >= 2**31):
@@ -321,3 +322,53 @@ def nvfp4_matmul(
         num_warps=cfg.warps, num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return y
+
+
+def nvfp4_swiglu(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    config: FwdConfig | None = None,
+    twiddled: bool = False,
+    blocked: bool = False,
+) -> torch.Tensor | None:
+    """SwiGLU in the GEMM's epilogue: ``silu(x @ G^T) * (x @ U^T)`` [M, N / 2] for a weight [N, K] that
+    stacks gate G over up U (an MLP's fused gate/up), or None where no Gluon tile can pair the columns
+    (the caller then runs ``nvfp4_matmul`` and its own SwiGLU).
+
+    Why: at decode sizes the separate SwiGLU is one more launch per layer (~1.5 us on a 7B model at 16
+    rows, ~1.3% of the step) plus a round trip of the [M, N] gate/up output. Each tile here takes BN / 2
+    rows of G and the same rows of U (``gemm_gluon._tile_rows``), so a gate value and its up value
+    finish in the same program. Same tile as ``nvfp4_matmul`` on the stacked weight (the table's), same
+    sums in the same order, rounded where the unfused path rounds: the results are identical, except
+    in a launch whose last tiles run as two K halves (``FwdConfig.halves``): there the halved rows are
+    other rows than in the unfused launch (whole gate/up pairs here), and a row summed in two halves
+    rounds differently in fp32, so up to one bf16 step apart on a few outputs (7B gate/up at M = 16: 27
+    of 303,104 on an H100). Either way deterministic.
+    Needs what the Gluon kernels need (bf16 on sm_90, twiddled + blocked codes) and N / 2 a multiple of
+    BN / 2; stream-K tiles (``cfg.sk``) are not paired.
+    """
+    m, n, k = _check(x, packed, scale)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or fwd_config(m, n, k)
+    if not (cfg.gluon and m > 0 and not getattr(cfg, "sk", 0) and twiddled and blocked and x.dtype == torch.bfloat16
+            and fast_decode_supported(x.device)):
+        return None
+    from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon, pair_supported
+
+    if not (gluon_supported(x, n, k, twiddled, blocked) and pair_supported(n, cfg, None)):
+        return None
+    words = as_words(packed).view(torch.int64)
+    scale_u8 = scale.contiguous().view(torch.uint8)
+    if cfg.xtma:
+        from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
+
+        return launch_gluon_tma(x, words, scale_u8, global_scale, None, cfg, pair=True) if HAVE_GLUON_TMA else None
+    if cfg.ws:
+        from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported
+
+        if ws_supported(x, words, scale_u8, cfg):
+            return launch_gluon_ws(x, words, scale_u8, global_scale, None, cfg, pair=True)
+    return launch_gluon(x, words, scale_u8, global_scale, None, cfg, pair=True)

@@ -136,11 +136,55 @@ if HAVE_GLUON:
         gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
 
     @gluon.jit
+    def _tile_rows(pid_n, N, BN: gl.constexpr, layout: gl.constexpr, PAIR: gl.constexpr):
+        """The weight rows of a tile's BN accumulator rows. PAIR (the weight stacks gate [N / 2] over up
+        [N / 2]): gate rows pid_n BN / 2 + r for r < BN / 2, then the same rows of up."""
+        r = gl.arange(0, BN, layout=layout)
+        if PAIR:
+            rows = pid_n * (BN // 2) + r + (r // (BN // 2)) * (N // 2 - BN // 2)
+        else:
+            rows = pid_n * BN + r
+        return rows
+
+    @gluon.constexpr_function
+    def _pair_layout(NW):
+        """[BN / 2, BM, 2]: a gate value and its up value in one thread, columns over the lanes."""
+        return gl.BlockedLayout([1, 1, 2], [32, 1, 1], [1, NW, 1], [2, 0, 1])
+
+    @gluon.jit
+    def _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
+                      NW: gl.constexpr):
+        """A PAIR tile's finished fp32 rows (gate, then up; _tile_rows) -> Y [M, N / 2] = silu(gate) * up,
+        rounded where the unfused path rounds: the GEMM's bf16 outputs, silu's, the product's
+        (layers/fused.py's silu_mul, the same operations)."""
+        PL: gl.constexpr = _pair_layout(NW)
+        OL: gl.constexpr = gl.SliceLayout(2, PL)
+        t = gl.convert_layout(gl.permute(gl.reshape(total, [2, BN // 2, BM]), [1, 2, 0]), PL)
+        g, u = gl.split(t)
+        g = gl.convert_layout(g, OL).to(gl.bfloat16).to(gl.float32)
+        u = gl.convert_layout(u, OL).to(gl.bfloat16).to(gl.float32)
+        s = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
+        rn = pid_n * (BN // 2) + gl.arange(0, BN // 2, layout=gl.SliceLayout(1, OL))
+        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+        n2 = gl.expand_dims(rn, 1)
+        m2 = gl.expand_dims(rm, 0)
+        gl.store(Y + m2 * stride_ym + n2, (s * u).to(gl.bfloat16), mask=(n2 < N // 2) & (m2 < M))
+
+    @gluon.jit
+    def _finish(total, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
+                HAS_BIAS: gl.constexpr, PAIR: gl.constexpr, NW: gl.constexpr):
+        if PAIR:
+            _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM, BN, NW)
+        else:
+            _write_y(total, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
+
+    @gluon.jit
     def _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym,
                     BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    ACC: gl.constexpr):
+                    ACC: gl.constexpr, PAIR: gl.constexpr = False, NW: gl.constexpr = 4):
         """The swapped tile acc [BN, BM] -> Y [M, N] (bias, the fast decode's 2^8 and the global scale
-        applied); with SPLIT > 1 through the fp32 workspace, the last program to arrive reducing."""
+        applied); with SPLIT > 1 through the fp32 workspace, the last program to arrive reducing. PAIR:
+        Y [M, N / 2] = silu(gate) * up (_write_swiglu; the workspace keeps the tile's N columns)."""
         out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
         rn, n2, m2, omask = _tile_coords(pid_m, pid_n, M, N, BM, BN, ACC)
         if SPLIT > 1:
@@ -152,10 +196,10 @@ if HAVE_GLUON:
                 total = gl.zeros([BN, BM], gl.float32, layout=ACC)
                 for sk in gl.static_range(SPLIT):
                     total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                _write_y(total, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
+                _finish(total, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, PAIR, NW)
                 gl.atomic_xchg(CNT + pid, 0)
         else:
-            _write_y(out, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
+            _finish(out, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, PAIR, NW)
 
     @gluon.jit
     def _halves_program(n_full, total):
@@ -190,12 +234,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym,
-                      BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr):
+                      BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr,
+                      PAIR: gl.constexpr = False, NW: gl.constexpr = 4):
         """_store_tile of a halves launch: whole tiles directly, halved ones through the workspace."""
         if pid >= n_full:
-            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC)
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC,
+                        PAIR, NW)
         else:
-            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC)
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC,
+                        PAIR, NW)
 
     @gluon.jit
     def _permute_x(x, BM: gl.constexpr):
@@ -205,17 +252,17 @@ if HAVE_GLUON:
         return gl.reshape(x, [BM, 128])
 
     @gluon.jit
-    def _group_offsets(pid_n, N, KG, stride_sn, BN: gl.constexpr, CODES: gl.constexpr):
+    def _group_offsets(pid_n, N, KG, stride_sn, BN: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = False):
         """Offsets of a tile's first K step: int64 code groups [BN, 8] in the blocked layout (16 rows x
         8 groups per 1 KB block, a row band's blocks contiguous in K) and their scale bytes."""
-        rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CODES))
+        rn_c = _tile_rows(pid_n, N, BN, gl.SliceLayout(1, CODES), PAIR)
         rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
         rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
         return (rows // 16) * KG * 16 + (rows % 16) * 8 + rg, rows * stride_sn + rg
 
     @gluon.jit
     def _program_tile(M, N, KG, steps_per_split, stride_sn, BM: gl.constexpr, BN: gl.constexpr,
-                      CODES: gl.constexpr, XL: gl.constexpr):
+                      CODES: gl.constexpr, XL: gl.constexpr, PAIR: gl.constexpr = False):
         """This program's place in the (row x column tile, split) grid: (pid, pid_k, pid_m, pid_n), the
         activation row and column index grids and row mask, the code and scale offsets of the tile's first
         K step, its split's first step and step count."""
@@ -227,7 +274,7 @@ if HAVE_GLUON:
         rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
         xm = gl.expand_dims(rm_x, 1)
         xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
-        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR)
         s_lo = pid_k * steps_per_split
         nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
         return pid, pid_k, pid_m, pid_n, xm, xk, xm < M, code_off, scale_off, s_lo, nsteps
@@ -248,6 +295,7 @@ if HAVE_GLUON:
         M, N, KG, steps_per_split,
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
+        PAIR: gl.constexpr = False,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -256,7 +304,7 @@ if HAVE_GLUON:
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
 
         pid, pid_k, pid_m, pid_n, xm, xk, xrow_ok, code_off, scale_off, s_lo, nsteps = _program_tile(
-            M, N, KG, steps_per_split, stride_sn, BM, BN, CODES, XL)
+            M, N, KG, steps_per_split, stride_sn, BM, BN, CODES, XL, PAIR)
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
@@ -273,7 +321,8 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, buf.permute((1, 0)), acc, is_async=True)])
             pw, s, x = pw_n, s_n, x_n
 
-        _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC)
+        _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC,
+                    PAIR, NW)
 
 
 def halves_split(tiles: int, sms: int) -> int | None:
@@ -286,28 +335,36 @@ def halves_split(tiles: int, sms: int) -> int | None:
     return (q - 1) * sms if q > 1 and tiles <= (q - 1) * sms + sms // 2 else None
 
 
-def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg):
+def pair_supported(n: int, cfg, bias) -> bool:
+    """Whether a tile can run the gate/up pairing (``pair=True`` launches): each tile takes BN / 2 whole
+    16-row bands of gate and the same of up, so N / 2 must be a multiple of BN / 2 (and no bias)."""
+    half = cfg.bn // 2
+    return bias is None and half % 16 == 0 and n % 2 == 0 and (n // 2) % half == 0
+
+
+def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg, pair: bool = False):
     """What both Gluon launches need: (M, N, K / 16, the output Y, row x column tiles, split-K count,
-    K steps per split, fp32 workspace, tile counters)."""
+    K steps per split, fp32 workspace, tile counters). ``pair``: Y is [M, N / 2] (silu(gate) * up)."""
     m, k = x.shape
     n = groups.shape[0]
     kg = k // 16
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 8, grid_mn)
+    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 8, grid_mn, n_cols=n)
     return m, n, kg, y, grid_mn, split, per, ws, cnt
 
 
-def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg) -> torch.Tensor:
+def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
-    codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps."""
-    m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
+    codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps. ``pair`` (W stacks
+    gate over up, ``pair_supported``): silu(x G^T) * (x U^T) [M, N / 2] instead."""
+    m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
     _nvfp4_fwd_gluon_kernel[(grid_mn, split)](
         x, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PAIR=pair,
         num_warps=cfg.warps,
     )
     return y

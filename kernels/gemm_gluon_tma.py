@@ -123,10 +123,10 @@ if HAVE_GLUON_TMA:
     @gluon.jit
     def _tile_mma(x_desc, PW, S, xs, bars, g0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
-                  ACC: gl.constexpr, DOT: gl.constexpr, CODES: gl.constexpr):
+                  ACC: gl.constexpr, DOT: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = False):
         """acc [BN, BM] of one tile over its K steps s_lo .. s_lo + nsteps - 1. The X ring's steps are
         numbered from g0, so its stages and mbarrier phases carry on across the tiles of a program."""
-        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES)
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR)
         for j in gl.static_range(STAGES - 1):
             _issue_x(x_desc, xs, bars, (g0 + j) % STAGES, pid_m * BM, s_lo + j, j < nsteps)
 
@@ -175,7 +175,7 @@ if HAVE_GLUON_TMA:
         M, N, KG, steps_per_split, n_full,
         stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, INFLIGHT: gl.constexpr, HALVES: gl.constexpr,
+        STAGES: gl.constexpr, INFLIGHT: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.constexpr = False,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -188,14 +188,15 @@ if HAVE_GLUON_TMA:
 
         xs, bars = _alloc_ring(x_desc, BM, STAGES)
         acc = _tile_mma(x_desc, PW, S, xs, bars, 0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
-                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES)
+                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES, PAIR)
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
         if HALVES:
-            _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC)
+            _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC,
+                          PAIR, NW)
         else:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
-                        ACC)
+                        ACC, PAIR, NW)
 
     @gluon.jit
     def _first_unit(p, units, nprog):
@@ -280,22 +281,24 @@ def x_layout(bm: int):
     return gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
 
 
-def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int | None = None) -> torch.Tensor:
+def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int | None = None,
+                     pair: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the TMA-fed Gluon kernel; arguments as ``gemm_gluon.launch_gluon``;
     ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight; with ``cfg.sk``
     (> 0) the stream-K kernel runs ``sk`` programs per SM instead of the split-K grid (``programs``
-    overrides the count: tests)."""
+    overrides the count: tests). ``pair`` (the gate/up pairing, ``gemm_gluon.launch_gluon``) always runs
+    the split-K grid: the stream-K kernel does not pair."""
     sk = getattr(cfg, "sk", 0)
-    if sk or programs:
+    if (sk or programs) and not pair:
         y = _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs)
         if y is not None:
             return y
-    m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg)
+    m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
     n_full = None
     if getattr(cfg, "halves", False) and split == 1 and kg // 8 >= 2:
         n_full = halves_split(grid_mn, _num_sms(x.device))
         if n_full is not None:
-            split2, _, ws, cnt = split_k_plan(y, 2, kg // 8, grid_mn)
+            split2, _, ws, cnt = split_k_plan(y, 2, kg // 8, grid_mn, n_cols=n)
             n_full = n_full if split2 == 2 else None  # no counters yet (a first call under capture)
     grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
     x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
@@ -305,7 +308,7 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
         m, n, kg, per, n_full or 0,
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
-        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None,
+        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None, PAIR=pair,
         num_warps=cfg.warps,
     )
     return y

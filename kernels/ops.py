@@ -114,3 +114,19 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked))
     return y.reshape(*lead, w.out_features)
+
+
+def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight) -> torch.Tensor | None:
+    """``silu(x @ G^T) * (x @ U^T)`` for ``w`` stacking gate G over up U, in one GEMM
+    (``gemm_fwd.nvfp4_swiglu``: the GEMM followed by SwiGLU, bit for bit outside halved launches), or None where that kernel
+    cannot run the call: the reference path (CPU), autograd (training saves gate and up), a layout or
+    tile that cannot pair. Inference only; the caller falls back to ``nvfp4_linear`` + its SwiGLU."""
+    k = w.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
+    if not _use_triton(x) or not x.is_cuda or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    from qerl_kernels.gemm_fwd import nvfp4_swiglu as _swiglu
+
+    y = _swiglu(x.reshape(-1, k), w.packed, w.scale, w.global_scale, twiddled=w.twiddled, blocked=w.blocked)
+    return None if y is None else y.reshape(*x.shape[:-1], w.out_features // 2)

@@ -31,3 +31,25 @@ def test_saves_only_its_inputs_and_skips_the_function_without_grad():
     assert isinstance(y.grad_fn, _SiluMul._backward_cls) and len(saved) == 2
     with torch.no_grad():
         assert silu_mul(g, u).grad_fn is None
+
+
+def test_swiglu_epilogue_falls_back_off_gpu(monkeypatch):
+    # On CPU (the reference path) the NVFP4 gate/up GEMM cannot pair its columns: QLinear.swiglu says
+    # so with None, the MLP runs the GEMM and SwiGLU, and QERL_SWIGLU_EPILOGUE=0 never asks.
+    from qerl_kernels import reference
+
+    from qerl_cli.layers.activation import swiglu_epilogue
+    from qerl_cli.layers.linear import QLinear
+
+    lin = QLinear(64, 2 * 32, quantized=True)
+    packed, scale, g = reference.quantize(torch.randn(64, 64))
+    lin.weight_packed, lin.weight_scale, lin.weight_global_scale = packed, scale, g
+    x = torch.randn(3, 64)
+    assert lin.swiglu(x) is None
+    asked = []
+    monkeypatch.setattr(QLinear, "swiglu", lambda self, x: asked.append(1))
+    monkeypatch.setattr("qerl_cli.layers.fused.enabled", lambda *t: True)  # as on a GPU
+    for flag, want in (("0", []), ("1", [1])):
+        monkeypatch.setenv("QERL_SWIGLU_EPILOGUE", flag)
+        swiglu_epilogue(lin, x)
+        assert asked == want

@@ -126,3 +126,45 @@ def test_gluon_ws_tiles_compile_for_sm90():
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
         assert "setmaxnreg" in kern.asm["ptx"], (bm, bn, maxnreg, pregs, half)
+
+
+def test_gluon_pair_tiles_compile_for_sm90():
+    # The gate/up pairing (SwiGLU in the epilogue, gemm_fwd.nvfp4_swiglu) of every Gluon tile the table
+    # holds for a gate/up shape (N = 2 x intermediate), in each of the three kernels, ahead of time.
+    import triton
+    from qerl_kernels.gemm_gluon import HAVE_GLUON, _nvfp4_fwd_gluon_kernel
+    from qerl_kernels.tile_configs import FWD_TABLE
+    from triton.backends.compiler import GPUTarget
+
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, x_layout
+    from qerl_kernels.gemm_gluon_ws import _nvfp4_fwd_gluon_ws_kernel, code_layout, scale_layout
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gate_up = {37888, 55296}
+    cfgs = {c for (m, n, k), c in FWD_TABLE.items() if n in gate_up and c.gluon and not c.sk}
+    cfgs.add(next(c for c in FWD_TABLE.values() if c.gluon and not c.ws and not c.xtma))  # a per-thread tile too
+    assert any(c.ws for c in cfgs) and any(c.xtma for c in cfgs)
+    ptrs = {"G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32"}
+    for c in sorted(cfgs, key=repr):
+        consts = dict(BM=c.bm, BN=c.bn, SPLIT=min(c.split_k, 2), HAS_BIAS=False, NW=c.warps, PAIR=True)
+        opts = dict(num_warps=c.warps)
+        if c.ws:
+            kernel = _nvfp4_fwd_gluon_ws_kernel
+            sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{c.bn // 32},128],{code_layout()!r}>",
+                   "s_desc": f"tensordesc<u8[{c.bn // 2},16],{scale_layout()!r}>", **ptrs, "pairs_per_split": "i32",
+                   "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves)
+            opts["maxnreg"] = c.maxnreg
+        elif c.xtma:
+            kernel = _nvfp4_fwd_gluon_tma_kernel
+            sig = {"x_desc": f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>", "PW": "*i64", "S": "*u8", **ptrs,
+                   "steps_per_split": "i32", "n_full": "i32", "stride_sn": "i32", "stride_ym": "i32"}
+            consts.update(STAGES=max(2, c.stages), INFLIGHT=c.inflight, HALVES=c.halves)
+        else:
+            kernel = _nvfp4_fwd_gluon_kernel
+            sig = {"X": "*bf16", "PW": "*i64", "S": "*u8", **ptrs, "steps_per_split": "i32", "stride_xm": "i32",
+                   "stride_sn": "i32", "stride_ym": "i32"}
+        src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

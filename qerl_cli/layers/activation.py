@@ -5,10 +5,13 @@ Trade-off: plain autograd keeps ``silu(g)`` alive from the forward to the backwa
 measured at the step's memory peak on an H100). Recomputing it costs one elementwise kernel in
 backward. The gradients are bit-identical to autograd's: the same aten ops (``silu``, the two
 products and ``silu_backward``) run on the same inputs, only later, and write in place.
-Outside autograd on CUDA (rollout) the forward is one fused Triton kernel (``layers/fused.py``).
+Outside autograd on CUDA (rollout) the forward is one fused Triton kernel (``layers/fused.py``), or
+none at all where the NVFP4 gate/up GEMM computes it in its epilogue (``swiglu_epilogue``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -46,3 +49,13 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
     if dg is not None:
         g, u = g + dg, u + du
     return F.silu(g) * u
+
+
+def swiglu_epilogue(gate_up, x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` straight out of a fused gate/up GEMM (``QLinear.swiglu``: NVFP4 on sm_90,
+    one launch fewer per layer; the same bits except where a launch halves its last tiles:
+    ``gemm_fwd.nvfp4_swiglu``), or None: fused kernels off (``QERL_FUSED=0``, or
+    autograd needs the op), ``QERL_SWIGLU_EPILOGUE=0``, or a GEMM that cannot pair."""
+    if os.environ.get("QERL_SWIGLU_EPILOGUE", "1") == "0" or not fused.enabled(x):
+        return None
+    return gate_up.swiglu(x)

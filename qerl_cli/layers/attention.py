@@ -106,9 +106,13 @@ def deferred(m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return m.forward_deferred(x) if isinstance(m, LoRALinear) else (m(x), None)
 
 
+def lora_enabled(m) -> bool:
+    return isinstance(m, LoRALinear) and m.enabled
+
+
 def add_lora(m, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """y (the base output of ``m``) plus m's LoRA term when ``m`` is an enabled LoRALinear."""
-    if isinstance(m, LoRALinear) and m.enabled:
+    if lora_enabled(m):
         return m.add_delta(x, y)
     return y
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from qerl_kernels.ops import NVFP4Weight, nvfp4_linear
+from qerl_kernels.ops import NVFP4Weight, nvfp4_linear, nvfp4_swiglu
 from torch import nn
 
 
@@ -61,6 +61,14 @@ class QLinear(nn.Module):
         if self.quantized:
             return nvfp4_linear(x, self.nvfp4_weight(), bias)
         return F.linear(x, self.weight, bias)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` where this module is a fused gate/up GEMM (gate rows over up rows), in one
+        kernel (``qerl_kernels.ops.nvfp4_swiglu``), or None where it cannot (dense or biased weight, CPU,
+        autograd, a tile that cannot pair): the caller then runs ``forward`` and its SwiGLU."""
+        if not self.quantized or self.bias is not None:
+            return None
+        return nvfp4_swiglu(x, self.nvfp4_weight())
 
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from qerl_cli.layers.activation import silu_mul
-from qerl_cli.layers.attention import Attention, add_lora, deferred
+from qerl_cli.layers.activation import silu_mul, swiglu_epilogue
+from qerl_cli.layers.attention import Attention, add_lora, deferred, lora_enabled
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
@@ -38,7 +38,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None, defer: bool = False):
         """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it. ``defer``:
         return (down_proj's base output, its LoRA term or None) for the next norm to add."""
-        dg = du = None  # gate/up's LoRA terms when SwiGLU adds them
+        dg = du = h = None  # gate/up's LoRA terms when SwiGLU adds them; h once SwiGLU ran
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
@@ -50,11 +50,15 @@ class MLP(nn.Module):
                 else:
                     g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
             else:
-                g, u = fused(x).chunk(2, dim=-1)
-                g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
+                if not (lora_enabled(self.gate_proj) or lora_enabled(self.up_proj)):
+                    h = swiglu_epilogue(fused, x)
+                if h is None:
+                    g, u = fused(x).chunk(2, dim=-1)
+                    g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
             g, u = self.gate_proj(x), self.up_proj(x)
-        h = silu_mul(g, u, dg, du)
+        if h is None:
+            h = silu_mul(g, u, dg, du)
         return deferred(self.down_proj, h) if defer else self.down_proj(h)
 
 
