@@ -349,6 +349,38 @@ def nvfp4_swiglu(
     Needs what the Gluon kernels need (bf16 on sm_90, twiddled + blocked codes) and N / 2 a multiple of
     BN / 2; stream-K tiles (``cfg.sk``) are not paired.
     """
+    return _pairing_launch(x, packed, scale, global_scale, None, config, twiddled, blocked, pair=True)
+
+
+def nvfp4_qkv_rope(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    rope,
+    config: FwdConfig | None = None,
+    twiddled: bool = False,
+    blocked: bool = False,
+) -> torch.Tensor | None:
+    """The fused q/k/v GEMM with the rotary embedding and the cache write in its epilogue: returns the
+    [M, Nq + 2 Nk] output with q and k rotated, and writes each token's rotated k and its v into the
+    paged caches at its slot (``rope``: a ``gemm_gluon.RopeEpilogue``); None where no Gluon tile can
+    (the caller runs ``nvfp4_matmul`` and ``layers.fused.rope_``).
+
+    Why: at decode sizes the rotary + cache write is one more launch per layer (~2.6 us on a 7B model
+    at 16 rows, ~2% of the step). Each tile takes BN / 2 dims of one head's first half and the same
+    dims of its second half (``gemm_gluon._tile_rows``), so both members of every rotated pair finish in
+    one program. Bit-identical to the two-kernel path where the launch halves no tiles (as
+    ``nvfp4_swiglu``); the rotation's products may round differently where the compilers contract
+    them into FMAs differently (tests/test_rope_epilogue_gpu.py measures it).
+    """
+    return _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, blocked, rope=rope)
+
+
+def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, blocked, pair=False, rope=None):
+    """A Gluon launch with a pairing epilogue (SwiGLU or rotary), or None where the table's tile for
+    this shape cannot run one (a Triton or stream-K tile, a layout or shape it cannot pair)."""
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -358,17 +390,22 @@ def nvfp4_swiglu(
         return None
     from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon, pair_supported
 
-    if not (gluon_supported(x, n, k, twiddled, blocked) and pair_supported(n, cfg, None)):
+    if not gluon_supported(x, n, k, twiddled, blocked):
+        return None
+    if not (rope.supported(x, n, cfg) if rope is not None else pair_supported(n, cfg, bias)):
         return None
     words = as_words(packed).view(torch.int64)
     scale_u8 = scale.contiguous().view(torch.uint8)
+    bias = None if bias is None else bias.to(x.dtype)
     if cfg.xtma:
         from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
 
-        return launch_gluon_tma(x, words, scale_u8, global_scale, None, cfg, pair=True) if HAVE_GLUON_TMA else None
+        if not HAVE_GLUON_TMA:
+            return None
+        return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
     if cfg.ws:
         from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported
 
         if ws_supported(x, words, scale_u8, cfg):
-            return launch_gluon_ws(x, words, scale_u8, global_scale, None, cfg, pair=True)
-    return launch_gluon(x, words, scale_u8, global_scale, None, cfg, pair=True)
+            return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
+    return launch_gluon(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)

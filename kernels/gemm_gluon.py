@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -136,33 +137,62 @@ if HAVE_GLUON:
         gl.store(Y + m2 * stride_ym + n2, total.to(gl.bfloat16), mask=omask)
 
     @gluon.jit
-    def _tile_rows(pid_n, N, BN: gl.constexpr, layout: gl.constexpr, PAIR: gl.constexpr):
-        """The weight rows of a tile's BN accumulator rows. PAIR (the weight stacks gate [N / 2] over up
-        [N / 2]): gate rows pid_n BN / 2 + r for r < BN / 2, then the same rows of up."""
+    def _pair_base(pid_n, BN: gl.constexpr, PAIR: gl.constexpr, HD: gl.constexpr):
+        """The first weight row of a pairing tile (its other BN / 2 rows lie _pair_distance further).
+        SWIGLU: gate rows pid_n BN / 2 ..; ROPE: the heads' first halves (HD rows each), BN / 2 rows per tile."""
+        if PAIR == 1:
+            b = pid_n * (BN // 2)
+        else:
+            per: gl.constexpr = HD // (BN // 2)  # tiles per head
+            b = (pid_n // per) * (2 * HD) + (pid_n % per) * (BN // 2)
+        return b
+
+    @gluon.jit
+    def _pair_distance(N, PAIR: gl.constexpr, HD: gl.constexpr):
+        """Rows from a pairing tile's first half to its second: up is N / 2 below gate; a head's second
+        half HD below its first."""
+        if PAIR == 1:
+            d = N // 2
+        else:
+            d = N * 0 + HD
+        return d
+
+    @gluon.jit
+    def _tile_rows(pid_n, N, BN: gl.constexpr, layout: gl.constexpr, PAIR: gl.constexpr, HD: gl.constexpr = 64):
+        """The weight rows of a tile's BN accumulator rows: pid_n BN + r, or for a pairing tile
+        (PAIR: 1 SwiGLU, 2 rotary) BN / 2 rows from _pair_base, then the rows _pair_distance further."""
         r = gl.arange(0, BN, layout=layout)
         if PAIR:
-            rows = pid_n * (BN // 2) + r + (r // (BN // 2)) * (N // 2 - BN // 2)
+            rows = _pair_base(pid_n, BN, PAIR, HD) + r % (BN // 2) + (r // (BN // 2)) * _pair_distance(N, PAIR, HD)
         else:
             rows = pid_n * BN + r
         return rows
 
     @gluon.constexpr_function
     def _pair_layout(NW):
-        """[BN / 2, BM, 2]: a gate value and its up value in one thread, columns over the lanes."""
+        """[BN / 2, BM, 2]: a value and its partner in one thread, columns over the lanes."""
         return gl.BlockedLayout([1, 1, 2], [32, 1, 1], [1, NW, 1], [2, 0, 1])
+
+    @gluon.jit
+    def _split_pairs(total, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
+        """A pairing tile's finished fp32 rows -> (first half, second half) [BN / 2, BM], a row and its
+        partner in one thread, and that layout."""
+        PL: gl.constexpr = _pair_layout(NW)
+        OL: gl.constexpr = gl.SliceLayout(2, PL)
+        t = gl.convert_layout(gl.permute(gl.reshape(total, [2, BN // 2, BM]), [1, 2, 0]), PL)
+        a, b = gl.split(t)
+        return gl.convert_layout(a, OL), gl.convert_layout(b, OL)
 
     @gluon.jit
     def _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
                       NW: gl.constexpr):
-        """A PAIR tile's finished fp32 rows (gate, then up; _tile_rows) -> Y [M, N / 2] = silu(gate) * up,
+        """A SwiGLU tile's finished fp32 rows (gate, then up; _tile_rows) -> Y [M, N / 2] = silu(gate) * up,
         rounded where the unfused path rounds: the GEMM's bf16 outputs, silu's, the product's
         (layers/fused.py's silu_mul, the same operations)."""
-        PL: gl.constexpr = _pair_layout(NW)
-        OL: gl.constexpr = gl.SliceLayout(2, PL)
-        t = gl.convert_layout(gl.permute(gl.reshape(total, [2, BN // 2, BM]), [1, 2, 0]), PL)
-        g, u = gl.split(t)
-        g = gl.convert_layout(g, OL).to(gl.bfloat16).to(gl.float32)
-        u = gl.convert_layout(u, OL).to(gl.bfloat16).to(gl.float32)
+        OL: gl.constexpr = gl.SliceLayout(2, _pair_layout(NW))
+        g, u = _split_pairs(total, BM, BN, NW)
+        g = g.to(gl.bfloat16).to(gl.float32)
+        u = u.to(gl.bfloat16).to(gl.float32)
         s = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
         rn = pid_n * (BN // 2) + gl.arange(0, BN // 2, layout=gl.SliceLayout(1, OL))
         rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
@@ -171,20 +201,67 @@ if HAVE_GLUON:
         gl.store(Y + m2 * stride_ym + n2, (s * u).to(gl.bfloat16), mask=(n2 < N // 2) & (m2 < M))
 
     @gluon.jit
+    def _write_rope(total, Y, RA, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
+                    NW: gl.constexpr, HD: gl.constexpr):
+        """A rotary tile's finished fp32 rows (BN / 2 dims of one head's first half, then the same dims of
+        its second half) of the fused q/k/v output -> Y [M, N] with q and k rotated (rotate-half, cos/sin
+        of each token's position) and, for k and v, the token's row of the paged cache: what
+        layers/fused.py's rotary + cache write does after the GEMM, rounded where it rounds.
+        RA = (positions, cos/sin table [P, 2 HD] fp32, cache slots, k cache, v cache, q width, k width)."""
+        P, CS, SLOT, KC, VC, NQ, NK = RA
+        OL: gl.constexpr = gl.SliceLayout(2, _pair_layout(NW))
+        x1, x2 = _split_pairs(total, BM, BN, NW)
+        base = _pair_base(pid_n, BN, 2, HD)
+        c1 = base + gl.arange(0, BN // 2, layout=gl.SliceLayout(1, OL))
+        rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
+        n1 = gl.expand_dims(c1, 1)
+        m2 = gl.expand_dims(rm, 0)
+        mask = (m2 < M) & (n1 < N)
+        x1 = x1.to(gl.bfloat16).to(gl.float32)  # the GEMM's output (bias added: _finish), as the unfused path stores it
+        x2 = x2.to(gl.bfloat16).to(gl.float32)
+        if base < NQ + NK:  # q or k: rotate (a tile never straddles two heads)
+            pos = gl.expand_dims(gl.load(P + rm, mask=rm < M, other=0).to(gl.int64), 0)
+            cs = CS + pos * (2 * HD) + gl.expand_dims(c1 % (2 * HD), 1)
+            cos = gl.load(cs, mask=mask, other=0.0)
+            sin = gl.load(cs + HD, mask=mask, other=0.0)
+            y1 = gl.fma(x1, cos, -(x2 * sin)).to(gl.bfloat16)  # explicit FMAs, as layers/fused.py's _rope_rows
+            y2 = gl.fma(x2, cos, x1 * sin).to(gl.bfloat16)
+        else:
+            y1 = x1.to(gl.bfloat16)
+            y2 = x2.to(gl.bfloat16)
+        out = Y + m2 * stride_ym + n1
+        gl.store(out, y1, mask=mask)
+        gl.store(out + HD, y2, mask=mask)
+        if base >= NQ:  # k or v: the token's cache row [Hk, 2 HD] at its slot
+            slot = gl.expand_dims(gl.load(SLOT + rm, mask=rm < M, other=0).to(gl.int64), 0)
+            if base < NQ + NK:
+                row = KC + slot * NK + (n1 - NQ)
+            else:
+                row = VC + slot * NK + (n1 - NQ - NK)
+            gl.store(row, y1, mask=mask)
+            gl.store(row + HD, y2, mask=mask)
+
+    @gluon.jit
     def _finish(total, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
-                HAS_BIAS: gl.constexpr, PAIR: gl.constexpr, NW: gl.constexpr):
-        if PAIR:
+                HAS_BIAS: gl.constexpr, PAIR: gl.constexpr, NW: gl.constexpr, RA, HD: gl.constexpr):
+        if PAIR == 1:
             _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM, BN, NW)
+        elif PAIR == 2:
+            if HAS_BIAS:  # here, in the accumulator's layout as _write_y adds it: the same FMA contraction
+                rb = _tile_rows(pid_n, N, BN, gl.SliceLayout(1, total.type.layout), PAIR, HD)
+                total += gl.expand_dims(gl.load(B + rb).to(gl.float32), 1)
+            _write_rope(total, Y, RA, pid_m, pid_n, M, N, stride_ym, BM, BN, NW, HD)
         else:
             _write_y(total, B, Y, rn % N, n2, m2, omask, stride_ym, HAS_BIAS)
 
     @gluon.jit
     def _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym,
                     BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    ACC: gl.constexpr, PAIR: gl.constexpr = False, NW: gl.constexpr = 4):
+                    ACC: gl.constexpr, PAIR: gl.constexpr = 0, NW: gl.constexpr = 4, RA=None, HD: gl.constexpr = 64):
         """The swapped tile acc [BN, BM] -> Y [M, N] (bias, the fast decode's 2^8 and the global scale
-        applied); with SPLIT > 1 through the fp32 workspace, the last program to arrive reducing. PAIR:
-        Y [M, N / 2] = silu(gate) * up (_write_swiglu; the workspace keeps the tile's N columns)."""
+        applied); with SPLIT > 1 through the fp32 workspace, the last program to arrive reducing. A pairing
+        tile's rows (``PAIR``, _tile_rows) go through _write_swiglu (Y [M, N / 2]) or _write_rope; the
+        workspace holds any tile's rows in tile order."""
         out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE: the fast decode leaves 2^-8 in the weights
         rn, n2, m2, omask = _tile_coords(pid_m, pid_n, M, N, BM, BN, ACC)
         if SPLIT > 1:
@@ -196,10 +273,11 @@ if HAVE_GLUON:
                 total = gl.zeros([BN, BM], gl.float32, layout=ACC)
                 for sk in gl.static_range(SPLIT):
                     total += gl.load(ws_tile + sk * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                _finish(total, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, PAIR, NW)
+                _finish(total, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, PAIR, NW,
+                        RA, HD)
                 gl.atomic_xchg(CNT + pid, 0)
         else:
-            _finish(out, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, PAIR, NW)
+            _finish(out, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, PAIR, NW, RA, HD)
 
     @gluon.jit
     def _halves_program(n_full, total):
@@ -235,14 +313,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym,
                       BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr,
-                      PAIR: gl.constexpr = False, NW: gl.constexpr = 4):
+                      PAIR: gl.constexpr = 0, NW: gl.constexpr = 4, RA=None, HD: gl.constexpr = 64):
         """_store_tile of a halves launch: whole tiles directly, halved ones through the workspace."""
         if pid >= n_full:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC,
-                        PAIR, NW)
+                        PAIR, NW, RA, HD)
         else:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC,
-                        PAIR, NW)
+                        PAIR, NW, RA, HD)
 
     @gluon.jit
     def _permute_x(x, BM: gl.constexpr):
@@ -252,17 +330,18 @@ if HAVE_GLUON:
         return gl.reshape(x, [BM, 128])
 
     @gluon.jit
-    def _group_offsets(pid_n, N, KG, stride_sn, BN: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = False):
+    def _group_offsets(pid_n, N, KG, stride_sn, BN: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = 0,
+                       HD: gl.constexpr = 64):
         """Offsets of a tile's first K step: int64 code groups [BN, 8] in the blocked layout (16 rows x
         8 groups per 1 KB block, a row band's blocks contiguous in K) and their scale bytes."""
-        rn_c = _tile_rows(pid_n, N, BN, gl.SliceLayout(1, CODES), PAIR)
+        rn_c = _tile_rows(pid_n, N, BN, gl.SliceLayout(1, CODES), PAIR, HD)
         rows = gl.expand_dims(rn_c % N, 1)  # out-of-range rows wrap (results dropped at the store)
         rg = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CODES)), 0)
         return (rows // 16) * KG * 16 + (rows % 16) * 8 + rg, rows * stride_sn + rg
 
     @gluon.jit
     def _program_tile(M, N, KG, steps_per_split, stride_sn, BM: gl.constexpr, BN: gl.constexpr,
-                      CODES: gl.constexpr, XL: gl.constexpr, PAIR: gl.constexpr = False):
+                      CODES: gl.constexpr, XL: gl.constexpr, PAIR: gl.constexpr = 0, HD: gl.constexpr = 64):
         """This program's place in the (row x column tile, split) grid: (pid, pid_k, pid_m, pid_n), the
         activation row and column index grids and row mask, the code and scale offsets of the tile's first
         K step, its split's first step and step count."""
@@ -274,7 +353,7 @@ if HAVE_GLUON:
         rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
         xm = gl.expand_dims(rm_x, 1)
         xk = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
-        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR)
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR, HD)
         s_lo = pid_k * steps_per_split
         nsteps = gl.minimum(s_lo + steps_per_split, KG // 8) - s_lo
         return pid, pid_k, pid_m, pid_n, xm, xk, xm < M, code_off, scale_off, s_lo, nsteps
@@ -295,7 +374,7 @@ if HAVE_GLUON:
         M, N, KG, steps_per_split,
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        PAIR: gl.constexpr = False,
+        PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -304,7 +383,7 @@ if HAVE_GLUON:
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
 
         pid, pid_k, pid_m, pid_n, xm, xk, xrow_ok, code_off, scale_off, s_lo, nsteps = _program_tile(
-            M, N, KG, steps_per_split, stride_sn, BM, BN, CODES, XL, PAIR)
+            M, N, KG, steps_per_split, stride_sn, BM, BN, CODES, XL, PAIR, HD)
         xs = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 128], XS)
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
@@ -322,7 +401,7 @@ if HAVE_GLUON:
             pw, s, x = pw_n, s_n, x_n
 
         _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC,
-                    PAIR, NW)
+                    PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
 
 
 def halves_split(tiles: int, sms: int) -> int | None:
@@ -333,6 +412,43 @@ def halves_split(tiles: int, sms: int) -> int | None:
     (the block scheduler hands programs out in order, breadth-first over the SMs)."""
     q = -(-tiles // sms)
     return (q - 1) * sms if q > 1 and tiles <= (q - 1) * sms + sms // 2 else None
+
+
+# Above this tile height the rotary epilogue (a [BM, BN] tile regrouped through shared memory, then
+# gathers of cos/sin per element) costs more than the rotary kernel it replaces: 7B q/k/v at M = 128
+# (BM 128) 26.1 -> 29.3 us, at M = 256 30.0 -> 34.7 us on an H100; at M = 64 21.8 -> 20.3 us
+# (docs/benchmarks.md, rollout, eighteenth pass).
+ROPE_MAX_BM = 64
+
+
+@dataclass
+class RopeEpilogue:
+    """What the rotary epilogue (``nvfp4_qkv_rope``) needs besides the GEMM: per token its position and
+    cache slot, the rotary table, the paged caches, and the fused q/k/v layout (q, k, v widths)."""
+
+    positions: torch.Tensor  # [M] integer positions
+    cos_sin: torch.Tensor  # [P, head_dim] fp32: cos of each frequency, then sin
+    slots: torch.Tensor  # [M] integer cache slots
+    k_cache: torch.Tensor  # [blocks, block, Hk, head_dim], contiguous, the activations' dtype
+    v_cache: torch.Tensor
+    nq: int
+    nk: int
+    head_dim: int
+
+    def kernel_args(self) -> dict:
+        return dict(P=self.positions, CS=self.cos_sin, SLOT=self.slots, KC=self.k_cache, VC=self.v_cache,
+                    NQ=self.nq, NK=self.nk, HD=self.head_dim // 2)
+
+    def supported(self, x: torch.Tensor, n: int, cfg) -> bool:
+        """Tiles of BN / 2 rows fit whole in a head's half; the tensors are what the kernel indexes."""
+        half, hd = cfg.bn // 2, self.head_dim // 2
+        caches = (self.k_cache, self.v_cache)
+        return (cfg.bm <= ROPE_MAX_BM and half % 16 == 0 and hd % half == 0 and self.nq % self.head_dim == 0 and self.nk % self.head_dim == 0
+                and n == self.nq + 2 * self.nk and self.positions.numel() == x.shape[0] == self.slots.numel()
+                and self.cos_sin.dtype == torch.float32 and self.cos_sin.is_contiguous()
+                and self.cos_sin.shape[-1] == self.head_dim
+                and all(c.is_contiguous() and c.dtype == x.dtype and c.shape[-2:].numel() == self.nk for c in caches)
+                and self.positions.is_contiguous() and self.slots.is_contiguous())
 
 
 def pair_supported(n: int, cfg, bias) -> bool:
@@ -354,17 +470,24 @@ def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg, pair: bool = False):
     return m, n, kg, y, grid_mn, split, per, ws, cnt
 
 
-def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False) -> torch.Tensor:
+def pair_mode(pair: bool, rope: RopeEpilogue | None) -> int:
+    """The kernels' PAIR constexpr: 0 plain, 1 SwiGLU, 2 rotary + cache write."""
+    return 1 if pair else 2 if rope is not None else 0
+
+
+def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False,
+                 rope: RopeEpilogue | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
     codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps. ``pair`` (W stacks
-    gate over up, ``pair_supported``): silu(x G^T) * (x U^T) [M, N / 2] instead."""
+    gate over up, ``pair_supported``): silu(x G^T) * (x U^T) [M, N / 2] instead. ``rope`` (W is a fused
+    q/k/v, ``RopeEpilogue.supported``): q and k come out rotated and k, v are written to the caches too."""
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
     _nvfp4_fwd_gluon_kernel[(grid_mn, split)](
         x, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PAIR=pair,
-        num_warps=cfg.warps,
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PAIR=pair_mode(pair, rope),
+        num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
     )
     return y

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from qerl_kernels.decode import perm_x
 from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters, split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, halves_split, launch_plan
+from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, RopeEpilogue, halves_split, launch_plan, pair_mode
 
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
@@ -123,10 +123,11 @@ if HAVE_GLUON_TMA:
     @gluon.jit
     def _tile_mma(x_desc, PW, S, xs, bars, g0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
-                  ACC: gl.constexpr, DOT: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = False):
+                  ACC: gl.constexpr, DOT: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = 0,
+                  HD: gl.constexpr = 64):
         """acc [BN, BM] of one tile over its K steps s_lo .. s_lo + nsteps - 1. The X ring's steps are
         numbered from g0, so its stages and mbarrier phases carry on across the tiles of a program."""
-        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR)
+        code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR, HD)
         for j in gl.static_range(STAGES - 1):
             _issue_x(x_desc, xs, bars, (g0 + j) % STAGES, pid_m * BM, s_lo + j, j < nsteps)
 
@@ -175,7 +176,8 @@ if HAVE_GLUON_TMA:
         M, N, KG, steps_per_split, n_full,
         stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
-        STAGES: gl.constexpr, INFLIGHT: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.constexpr = False,
+        STAGES: gl.constexpr, INFLIGHT: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.constexpr = 0,
+        P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -188,15 +190,15 @@ if HAVE_GLUON_TMA:
 
         xs, bars = _alloc_ring(x_desc, BM, STAGES)
         acc = _tile_mma(x_desc, PW, S, xs, bars, 0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
-                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES, PAIR)
+                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES, PAIR, HD)
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
         if HALVES:
             _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC,
-                          PAIR, NW)
+                          PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
         else:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
-                        ACC, PAIR, NW)
+                        ACC, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
 
     @gluon.jit
     def _first_unit(p, units, nprog):
@@ -282,14 +284,14 @@ def x_layout(bm: int):
 
 
 def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int | None = None,
-                     pair: bool = False) -> torch.Tensor:
+                     pair: bool = False, rope: RopeEpilogue | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the TMA-fed Gluon kernel; arguments as ``gemm_gluon.launch_gluon``;
     ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight; with ``cfg.sk``
     (> 0) the stream-K kernel runs ``sk`` programs per SM instead of the split-K grid (``programs``
-    overrides the count: tests). ``pair`` (the gate/up pairing, ``gemm_gluon.launch_gluon``) always runs
-    the split-K grid: the stream-K kernel does not pair."""
+    overrides the count: tests). ``pair``, ``rope`` (the pairing epilogues, ``gemm_gluon.launch_gluon``)
+    always run the split-K grid: the stream-K kernel does not pair."""
     sk = getattr(cfg, "sk", 0)
-    if (sk or programs) and not pair:
+    if (sk or programs) and not pair and rope is None:
         y = _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs)
         if y is not None:
             return y
@@ -308,8 +310,8 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
         m, n, kg, per, n_full or 0,
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
-        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None, PAIR=pair,
-        num_warps=cfg.warps,
+        STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None,
+        PAIR=pair_mode(pair, rope), num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
     )
     return y
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 from qerl_kernels.gemm_fwd import split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON, halves_split
+from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, halves_split, pair_mode
 
 HAVE_GLUON_WS = False
 if HAVE_GLUON:
@@ -39,6 +39,8 @@ if HAVE_GLUON:
             _codes_layout,
             _decode_fragment,
             _halves_program,
+            _pair_base,
+            _pair_distance,
             _permute_x,
             _store_halves,
             _store_tile,
@@ -78,18 +80,19 @@ if HAVE_GLUON_WS:
         return r
 
     @gluon.jit
-    def _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, up_rows, BN: gl.constexpr,
+    def _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN: gl.constexpr,
                       PAIR: gl.constexpr):
-        """Stage st's codes (K steps ``step`` and + 1) and scales by TMA. PAIR: the tile's first BN / 2
-        rows from gate rows n0.., the rest from the same rows of up (``up_rows`` further down), into the
-        two halves of each buffer (the descriptors' boxes are then half the tile's rows)."""
+        """Stage st's codes (K steps ``step`` and + 1) and scales by TMA. A pairing tile (PAIR,
+        gemm_gluon._tile_rows): its first BN / 2 rows from row n0 on, the rest ``pd`` rows further (up
+        below gate, a head's second half below its first), into the two halves of each buffer (the
+        descriptors' boxes are then half the tile's rows)."""
         if PAIR:
             mbarrier.expect(bar, 4 * c_desc.block_type.nbytes + 2 * s_desc.block_type.nbytes)
             for h in gl.static_range(2):
                 for t in gl.static_range(2):
-                    _tma_load(c_desc, [band0 + t * (up_rows // 16), (step + h) * 128], bar,
+                    _tma_load(c_desc, [band0 + t * (pd // 16), (step + h) * 128], bar,
                               cs.index(2 * st + h).slice(t * (BN // 32), BN // 32))
-                _tma_load(s_desc, [n0 + h * up_rows, step * 8], bar, ss.index(st).slice(h * (BN // 2), BN // 2))
+                _tma_load(s_desc, [n0 + h * pd, step * 8], bar, ss.index(st).slice(h * (BN // 2), BN // 2))
         else:
             mbarrier.expect(bar, 2 * c_desc.block_type.nbytes + s_desc.block_type.nbytes)
             _tma_load(c_desc, [band0, step * 128], bar, cs.index(2 * st))
@@ -98,7 +101,7 @@ if HAVE_GLUON_WS:
 
     @gluon.jit
     def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
-                  up_rows, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
+                  pd, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
                   PAIR: gl.constexpr):
         """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
         and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order."""
@@ -112,7 +115,7 @@ if HAVE_GLUON_WS:
             mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             bar = ready.index(st)
             step = s_lo + 2 * j
-            _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, up_rows, BN, PAIR)
+            _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
             x0 = gl.load(xrow + step * 128, mask=xok, other=0.0)
             x1 = gl.load(xrow + step * 128 + 128, mask=xok, other=0.0)
             xs.index(2 * st).store(_permute_x(x0, BM))
@@ -191,7 +194,7 @@ if HAVE_GLUON_WS:
         stride_xm, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
-        PAIR: gl.constexpr = False,
+        PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
@@ -217,14 +220,14 @@ if HAVE_GLUON_WS:
             mbarrier.init(ready.index(b), count=2)
             mbarrier.init(empty.index(b), count=1)
 
-        if PAIR:  # the tile's gate rows start here; its up rows N / 2 further (_load_weights)
-            n0 = pid_n * (BN // 2)
+        if PAIR:  # the tile's first half starts here, its second _pair_distance further (_load_weights)
+            n0 = _pair_base(pid_n, BN, PAIR, HD)
         else:
             n0 = pid_n * BN
         res = gl.warp_specialize([
             (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF)),
             (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0,
-                         2 * p_lo, npairs, stride_xm, N // 2, BM, BN, STAGES, 4, PAIR)),
+                         2 * p_lo, npairs, stride_xm, _pair_distance(N, PAIR, HD), BM, BN, STAGES, 4, PAIR)),
         ], [4], [PREGS])
         acc = res[0]
         for b in gl.static_range(STAGES):
@@ -232,10 +235,10 @@ if HAVE_GLUON_WS:
             mbarrier.invalidate(empty.index(b))
         if HALVES:
             _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC,
-                          PAIR, NW)
+                          PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
         else:
             _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
-                        ACC, PAIR, NW)
+                        ACC, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
 
 
 def code_layout():
@@ -261,10 +264,11 @@ def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, 
             and groups.is_contiguous())
 
 
-def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False) -> torch.Tensor:
+def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False,
+                    rope: RopeEpilogue | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the warp-specialised kernel: ``groups`` int64 [N, K / 16] twiddled,
     blocked codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps, stages.
-    ``pair``: silu(gate) * up [M, N / 2] as ``gemm_gluon.launch_gluon``."""
+    ``pair``, ``rope``: the pairing epilogues, as ``gemm_gluon.launch_gluon``."""
     m, k = x.shape
     n, kg = groups.shape
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
@@ -274,7 +278,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     if n_full is not None and split != 2:
         n_full = None  # no counters yet (first call under capture) or too few K pairs: whole tiles
     grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
-    rows = cfg.bn // 2 if pair else cfg.bn  # a pairing tile loads its gate and up halves separately
+    rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())
     _nvfp4_fwd_gluon_ws_kernel[grid](
@@ -283,7 +287,8 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         m, n, kg, per, n_full or 0,
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
-        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None, PAIR=pair,
-        num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+        PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
+        PAIR=pair_mode(pair, rope), num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+        **(rope.kernel_args() if rope is not None else {}),
     )
     return y

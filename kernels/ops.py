@@ -130,3 +130,18 @@ def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight) -> torch.Tensor | None:
 
     y = _swiglu(x.reshape(-1, k), w.packed, w.scale, w.global_scale, twiddled=w.twiddled, blocked=w.blocked)
     return None if y is None else y.reshape(*x.shape[:-1], w.out_features // 2)
+
+
+def nvfp4_qkv_rope(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None, rope) -> torch.Tensor | None:
+    """The fused q/k/v GEMM with rotary + cache write in its epilogue (``gemm_fwd.nvfp4_qkv_rope``;
+    ``rope`` a ``gemm_gluon.RopeEpilogue``), or None where it cannot run (as ``nvfp4_swiglu``)."""
+    k = w.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
+    if not _use_triton(x) or not x.is_cuda or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    from qerl_kernels.gemm_fwd import nvfp4_qkv_rope as _qkv_rope
+
+    y = _qkv_rope(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, rope, twiddled=w.twiddled,
+                  blocked=w.blocked)
+    return None if y is None else y.reshape(*x.shape[:-1], w.out_features)

@@ -10,6 +10,18 @@ import pytest
 pytestmark = pytest.mark.slow  # ~3-5 s per compile on a CPU
 
 
+ROPE_SIG = {"P": "*i64", "CS": "*fp32", "SLOT": "*i64", "KC": "*bf16", "VC": "*bf16", "NQ": "i32", "NK": "i32"}
+
+
+def _with_epilogue(sig: dict, consts: dict, pair: int = 0) -> tuple[dict, dict]:
+    """A Gluon kernel's signature and constexprs plus its pairing epilogue's (gemm_gluon.pair_mode):
+    the rotary epilogue's pointers, or the None a plain or SwiGLU launch leaves them."""
+    consts = {**consts, "PAIR": pair, "HD": 64}
+    if pair == 2:
+        return {**sig, **ROPE_SIG}, consts
+    return {**sig, "NQ": "i32", "NK": "i32"}, {**consts, **dict.fromkeys(("P", "CS", "SLOT", "KC", "VC"))}
+
+
 def _configs():
     from qerl_kernels.tile_configs import FWD_TABLE, fwd_candidates
 
@@ -54,8 +66,8 @@ def test_gluon_tiles_compile_for_sm90():
            "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32", "steps_per_split": "i32", "stride_xm": "i32",
            "stride_sn": "i32", "stride_ym": "i32"}
     for bm, bn, warps, split in sorted(tiles):
-        consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps)
-        src = GluonASTSource(_nvfp4_fwd_gluon_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        sig2, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps))
+        src = GluonASTSource(_nvfp4_fwd_gluon_kernel, {**sig2, **{k: "constexpr" for k in consts}}, constexprs=consts)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
@@ -94,6 +106,8 @@ def test_gluon_tma_tiles_compile_for_sm90():
         consts = dict(BM=bm, BN=bn, HAS_BIAS=True, NW=warps, STAGES=stages, INFLIGHT=inflight,
                       **({} if split == 0 else {"SPLIT": split, "HALVES": halves}))
         kernel = _nvfp4_fwd_gluon_tma_sk_kernel if split == 0 else _nvfp4_fwd_gluon_tma_kernel
+        if split:
+            sig, consts = _with_epilogue(sig, consts)
         src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         usage = resource_usage(kern)
@@ -121,16 +135,17 @@ def test_gluon_ws_tiles_compile_for_sm90():
                "s_desc": f"tensordesc<u8[{bn},16],{scale_layout()!r}>", "G": "*fp32", "B": "*bf16", "Y": "*bf16",
                "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32", "pairs_per_split": "i32",
                "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-        consts = dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps, STAGES=stages, PREGS=pregs, HALF=half,
-                      HALVES=halves)
+        sig, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps, STAGES=stages,
+                                               PREGS=pregs, HALF=half, HALVES=halves))
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
         assert "setmaxnreg" in kern.asm["ptx"], (bm, bn, maxnreg, pregs, half)
 
 
 def test_gluon_pair_tiles_compile_for_sm90():
-    # The gate/up pairing (SwiGLU in the epilogue, gemm_fwd.nvfp4_swiglu) of every Gluon tile the table
-    # holds for a gate/up shape (N = 2 x intermediate), in each of the three kernels, ahead of time.
+    # The pairing epilogues of every Gluon tile the table holds for their shapes, in each of the three
+    # kernels, ahead of time: SwiGLU (gemm_fwd.nvfp4_swiglu) on gate/up, rotary + cache write
+    # (gemm_fwd.nvfp4_qkv_rope) on q/k/v, with bias.
     import triton
     from qerl_kernels.gemm_gluon import HAVE_GLUON, _nvfp4_fwd_gluon_kernel
     from qerl_kernels.tile_configs import FWD_TABLE
@@ -138,17 +153,24 @@ def test_gluon_pair_tiles_compile_for_sm90():
 
     if not HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, x_layout
     from qerl_kernels.gemm_gluon_ws import _nvfp4_fwd_gluon_ws_kernel, code_layout, scale_layout
+    from sass_kernels import resource_usage
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    gate_up = {37888, 55296}
-    cfgs = {c for (m, n, k), c in FWD_TABLE.items() if n in gate_up and c.gluon and not c.sk}
-    cfgs.add(next(c for c in FWD_TABLE.values() if c.gluon and not c.ws and not c.xtma))  # a per-thread tile too
-    assert any(c.ws for c in cfgs) and any(c.xtma for c in cfgs)
+    gate_up, qkv = {37888, 55296}, {4608, 7168}  # SwiGLU (pair 1) and rotary (pair 2) shapes
+    jobs = {(c, 1 if n in gate_up else 2) for (m, n, k), c in FWD_TABLE.items()
+            if n in gate_up | qkv and c.gluon and not c.sk and (n in gate_up or c.bn <= 128)}
+    assert {(c.ws, c.xtma, p) for c, p in jobs} >= {(a, b, p) for a, b in ((True, False), (False, True), (False, False))
+                                                     for p in (1, 2)} - {(False, False, 1)}
+    jobs.add((next(c for c in FWD_TABLE.values() if c.gluon and not c.ws and not c.xtma), 1))  # per-thread SwiGLU
     ptrs = {"G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32"}
-    for c in sorted(cfgs, key=repr):
-        consts = dict(BM=c.bm, BN=c.bn, SPLIT=min(c.split_k, 2), HAS_BIAS=False, NW=c.warps, PAIR=True)
+    for c, pair in sorted(jobs, key=repr):
+        consts = dict(BM=c.bm, BN=c.bn, SPLIT=min(c.split_k, 2), HAS_BIAS=pair == 2, NW=c.warps)
         opts = dict(num_warps=c.warps)
         if c.ws:
             kernel = _nvfp4_fwd_gluon_ws_kernel
@@ -166,5 +188,8 @@ def test_gluon_pair_tiles_compile_for_sm90():
             kernel = _nvfp4_fwd_gluon_kernel
             sig = {"X": "*bf16", "PW": "*i64", "S": "*u8", **ptrs, "steps_per_split": "i32", "stride_xm": "i32",
                    "stride_sn": "i32", "stride_ym": "i32"}
+        sig, consts = _with_epilogue(sig, consts, pair)
         src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        if not c.ws:  # (the warp-specialised tiles spill at some of their register splits already)
+            assert resource_usage(kern)["LOCAL"] == 0, (c, pair)

@@ -58,6 +58,7 @@ class Attention(nn.Module):
         ctx = get_context()
         cached = ctx is not None and self.k_cache is not None
         delta = None  # the q/k/v LoRA terms, when the rotary + cache write adds them (run_deferred)
+        rotated = False  # q, k rotated and k, v cached by the GEMM's epilogue (RotaryEmbedding.gemm_epilogue)
         if self._qkv:
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             fused, grouped = self._qkv[0], self._qkv_lora
@@ -69,7 +70,14 @@ class Attention(nn.Module):
                 else:
                     q, k, v = grouped.run(fused, x, lora_t).split([nq, nk, nk], dim=-1)
             else:
-                q, k, v = fused(x).split([nq, nk, nk], dim=-1)
+                y = None
+                if cached and self.q_norm is None and not any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
+                    y = self.rotary[0].gemm_epilogue(fused, x, positions, self.k_cache, self.v_cache,
+                                                     ctx.slot_mapping, nq, nk)
+                rotated = y is not None
+                if not rotated:
+                    y = fused(x)
+                q, k, v = y.split([nq, nk, nk], dim=-1)
                 q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -78,10 +86,10 @@ class Attention(nn.Module):
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cached:
+        if cached and not rotated:
             q, k, v = self.rotary[0].rotate_and_cache(positions, q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping,
                                                       delta)
-        else:
+        elif not cached:
             q, k = self.rotary[0](positions, q, k)
         if ctx is None or ctx.is_prefill:
             o = F.scaled_dot_product_attention(

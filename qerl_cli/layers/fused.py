@@ -139,8 +139,10 @@ def _rope_rows(X, OUT, t, slot, stride_t, stride_h, stride_cs, stride_ch, H, cos
         x1 = (x1.to(tl.float32) + tl.load(dbase, mask=m, other=0.0).to(tl.float32)).to(x1.dtype)
         x2 = (x2.to(tl.float32) + tl.load(dbase + HALF, mask=m, other=0.0).to(tl.float32)).to(x2.dtype)
     if ROTATE:
-        y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
-        y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
+        # Explicit FMAs: what the compiler would contract is its choice, and the q/k/v GEMM's rotary
+        # epilogue (qerl_kernels.gemm_gluon._write_rope) must round exactly as this kernel does.
+        y1 = tl.fma(x1.to(tl.float32), cos, -(x2.to(tl.float32) * sin)).to(x1.dtype)
+        y2 = tl.fma(x2.to(tl.float32), cos, x1.to(tl.float32) * sin).to(x1.dtype)
     else:
         y1, y2 = x1, x2
     if IN_PLACE:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from qerl_kernels.ops import NVFP4Weight, nvfp4_linear, nvfp4_swiglu
+from qerl_kernels.ops import NVFP4Weight, nvfp4_linear, nvfp4_qkv_rope, nvfp4_swiglu
 from torch import nn
 
 
@@ -69,6 +69,15 @@ class QLinear(nn.Module):
         if not self.quantized or self.bias is not None:
             return None
         return nvfp4_swiglu(x, self.nvfp4_weight())
+
+    def qkv_rope(self, x: torch.Tensor, rope) -> torch.Tensor | None:
+        """This fused q/k/v GEMM's output with q and k rotated and k, v written to the paged caches, in one
+        kernel (``qerl_kernels.ops.nvfp4_qkv_rope``; ``rope`` a ``RopeEpilogue``), or None where it
+        cannot: the caller then runs ``forward`` and the rotary + cache write kernel."""
+        if not self.quantized:
+            return None
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return nvfp4_qkv_rope(x, self.nvfp4_weight(), bias, rope)
 
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"

@@ -8,6 +8,7 @@ model families ship with: default, linear and llama3 (Llama 3.1+ frequency smoot
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -81,6 +82,19 @@ class RotaryEmbedding(nn.Module):
         k_cache.view(-1, hk, d).index_copy_(0, slots, k.reshape(-1, hk, d))
         v_cache.view(-1, hk, d).index_copy_(0, slots, v.reshape(-1, hk, d))
         return q, k, v
+
+    def gemm_epilogue(self, qkv, x, positions, k_cache, v_cache, slots, nq: int, nk: int) -> torch.Tensor | None:
+        """The fused q/k/v GEMM ``qkv`` on x with this rotation and the cache write in its epilogue
+        (``QLinear.qkv_rope``: NVFP4 on sm_90, one launch fewer per layer than the GEMM followed by
+        ``rotate_and_cache``), or None: fused kernels off (``QERL_FUSED=0``, or autograd needs the op),
+        ``QERL_ROPE_EPILOGUE=0``, or a GEMM that cannot pair."""
+        if os.environ.get("QERL_ROPE_EPILOGUE", "1") == "0" or not fused.enabled(x) or x.dtype != k_cache.dtype:
+            return None
+        from qerl_kernels.gemm_gluon import RopeEpilogue
+
+        rope = RopeEpilogue(positions.reshape(-1), self.cos_sin, slots.reshape(-1), k_cache, v_cache, nq, nk,
+                            self.head_dim)
+        return qkv.qkv_rope(x, rope)
 
     def _fusable(self, q, k, v=None) -> bool:
         return (fused.enabled(q, k, v) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q)
