@@ -100,13 +100,68 @@ def _tile(cfg) -> str:
 QKV = {"7B": (3584, 512), "32B": (5120, 1024)}  # (q width, k width)
 
 
+def sweep_point(model: str, layer: str, d: ShapeData, m: int) -> str:
+    """Every Gluon candidate tile of this M (``fwd_candidates``, split-K from ``choose_split`` as the
+    sweep sets it, and the table's) timed with the epilogue: is the table's tile still the best one
+    once the epilogue rides on it?"""
+    from dataclasses import replace
+
+    from qerl_kernels.gemm_fwd import nvfp4_qkv_rope, nvfp4_swiglu
+    from qerl_kernels.gemm_gluon import RopeEpilogue
+    from qerl_kernels.tile_configs import choose_split, fwd_candidates, fwd_config
+
+    from qerl_cli.layers.rotary import RotaryEmbedding
+
+    x = torch.randn(m, d.k, device="cuda", dtype=torch.bfloat16)
+    rope = None
+    if layer == "qkv":
+        nq, nk = QKV[model]
+        kc, vc = (torch.zeros(max(m, 16), 16, nk // 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rope = RopeEpilogue(torch.randint(0, 4096, (m,), device="cuda"), RotaryEmbedding(128, 4096, 1e6, device="cuda").cos_sin,
+                            torch.randperm(16 * max(m, 16), device="cuda")[:m], kc, vc, nq, nk, 128)
+
+    def run(cfg, i):
+        if rope is None:
+            return nvfp4_swiglu(x, d.packed[i], d.scale[i], d.gs, config=cfg, twiddled=d.tw, blocked=d.bl)
+        return nvfp4_qkv_rope(x, d.packed[i], d.scale[i], d.gs, None, rope, config=cfg, twiddled=d.tw, blocked=d.bl)
+
+    table = fwd_config(m, d.n, d.k)
+    cands = [table]
+    for c in fwd_candidates(m):
+        if c.gluon and not c.sk:
+            split = c.split_k if c.halves else choose_split(m, d.n, d.k, c)
+            cands += [replace(c, split_k=s) for s in sorted({1, split, 2 * split, max(1, split // 2)})
+                      if not (c.halves and s != 1)]
+    times = {}
+    for c in dict.fromkeys(cands):
+        if run(c, 0) is None:
+            continue
+        times[c] = time_graph([lambda i=i, c=c: run(c, i) for i in range(d.r4)], target_s=0.05)
+    best = min(times, key=times.get)
+    return (f"| {model} {layer} | {m} | {_tile(table)}: {times.get(table, float('nan')):.1f} | {_tile(best)} "
+            f"maxnreg {best.maxnreg} pregs {best.pregs} half {best.half}: {times[best]:.1f} | {len(times)} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,4,16,32,64,128,256")
     ap.add_argument("--models", default="7B,32B")
     ap.add_argument("--layers", default="gate_up,qkv")
+    ap.add_argument("--sweep", action="store_true", help="time every Gluon candidate with the epilogue instead")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}")
+    if args.sweep:
+        print("| shape | M | table tile: us | best candidate: us | candidates |")
+        print("| --- | --- | --- | --- | --- |")
+        for model in args.models.split(","):
+            for layer in args.layers.split(","):
+                n, k = SHAPES[(model, layer)]
+                d = ShapeData(n, k, seed=n + k)
+                for m in map(int, args.ms.split(",")):
+                    print(sweep_point(model, layer, d, m), flush=True)
+                del d
+                torch.cuda.empty_cache()
+        return 0
     print("| shape | M | tile | GEMM + its elementwise kernel (us) | epilogue (us) | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
     for model in args.models.split(","):
