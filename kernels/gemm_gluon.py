@@ -375,7 +375,6 @@ if HAVE_GLUON:
         stride_xm, stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
-        AHEAD: gl.constexpr = 1,
     ):
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
@@ -389,13 +388,9 @@ if HAVE_GLUON:
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
 
         pw, s, x = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo, stride_xm)
-        pw1, s1, x1 = pw, s, x
-        if AHEAD == 2:
-            pw1, s1, x1 = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, s_lo + gl.minimum(1, nsteps - 1),
-                                     stride_xm)
         for i in range(nsteps):
-            # The loads AHEAD steps on go out first (clamped at the end: a harmless re-read).
-            nxt = s_lo + gl.minimum(i + AHEAD, nsteps - 1)
+            # Next step's loads go out first (clamped on the last step: a harmless re-read).
+            nxt = s_lo + gl.minimum(i + 1, nsteps - 1)
             pw_n, s_n, x_n = _load_step(X, PW, S, code_off, scale_off, xm, xk, xrow_ok, nxt, stride_xm)
             buf = xs.index(i % 2)
             buf.store(_permute_x(x, BM))
@@ -403,11 +398,7 @@ if HAVE_GLUON:
             _cta_barrier()  # every warp's X rows are in shared memory before the wgmma reads them
             a = _decode_fragment(pw, s, BN, DOT)
             acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, buf.permute((1, 0)), acc, is_async=True)])
-            if AHEAD == 2:
-                pw, s, x = pw1, s1, x1
-                pw1, s1, x1 = pw_n, s_n, x_n
-            else:
-                pw, s, x = pw_n, s_n, x_n
+            pw, s, x = pw_n, s_n, x_n
 
         _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS, ACC,
                     PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
@@ -497,6 +488,6 @@ def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = Fals
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PAIR=pair_mode(pair, rope),
-        AHEAD=getattr(cfg, "ahead", 1), num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
+        num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
     )
     return y
