@@ -23,6 +23,8 @@ The MMA is waited for each step: keeping one in flight while the next step decod
 faster but is wrong as written (ptxas reuses the in-flight A registers; commit 758360c has it).
 Limits: bf16, sm_90, twiddled + blocked codes and scales, K % 128 == 0, N % 16 == 0.
 Split-K reduces through the same last-arriver workspace as ``gemm_fwd``.
+All three Gluon kernels share this module's epilogue (``_store_tile``), including the pairing
+epilogues (``PAIR``: SwiGLU of a stacked gate/up weight, rotary + cache write of a fused q/k/v).
 
 The permutation: logical MMA column k = 16 b + 8 h + 2 c + t (b = 4 g_lo + 2 bb1 + bb0) is physical
 element i = 4 bb1 + 2 bb0 + h of word t of scale group g = 2 c + g_lo. Lane c of each quad thus
