@@ -460,6 +460,25 @@ def pair_supported(n: int, cfg, bias) -> bool:
     return bias is None and half % 16 == 0 and n % 2 == 0 and (n // 2) % half == 0
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_halves(y: torch.Tensor, cfg, split: int, units: int, grid_mn: int, n_cols: int, ws, cnt):
+    """The grid of a launch, halved (``FwdConfig.halves``, halves_split) where it pays: (n_full or None,
+    grid, fp32 workspace, tile counters). Whole tiles (n_full None, the split-K grid, ``ws``/``cnt`` as
+    given) for other configs, split-K above 1, under two K units (``units``: the kernel's K steps or
+    pairs), a launch whose wave is even, or no counters yet (a first call under graph capture)."""
+    if getattr(cfg, "halves", False) and split == 1 and units >= 2 and y.device.type == "cuda":
+        n_full = halves_split(grid_mn, num_sms(y.device))
+        if n_full is not None:
+            split2, _, ws2, cnt2 = split_k_plan(y, 2, units, grid_mn, n_cols=n_cols)
+            if split2 == 2:
+                return n_full, (n_full + 2 * (grid_mn - n_full), 1), ws2, cnt2
+    return None, (grid_mn, split), ws, cnt
+
+
 def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg, pair: bool = False):
     """What both Gluon launches need: (M, N, K / 16, the output Y, row x column tiles, split-K count,
     K steps per split, fp32 workspace, tile counters). ``pair``: Y is [M, N / 2] (silu(gate) * up)."""

@@ -28,14 +28,20 @@ M = 64-128 (fifteenth pass).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from qerl_kernels.decode import perm_x
-from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters, split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON, K_STEP, RopeEpilogue, halves_split, launch_plan, pair_mode
+from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
+from qerl_kernels.gemm_gluon import (
+    HAVE_GLUON,
+    K_STEP,
+    RopeEpilogue,
+    launch_plan,
+    num_sms,
+    pair_mode,
+    plan_halves,
+)
 
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
@@ -296,13 +302,7 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
         if y is not None:
             return y
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
-    n_full = None
-    if getattr(cfg, "halves", False) and split == 1 and kg // 8 >= 2:
-        n_full = halves_split(grid_mn, _num_sms(x.device))
-        if n_full is not None:
-            split2, _, ws, cnt = split_k_plan(y, 2, kg // 8, grid_mn, n_cols=n)
-            n_full = n_full if split2 == 2 else None  # no counters yet (a first call under capture)
-    grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
+    n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 8, grid_mn, n, ws, cnt)
     x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
     _nvfp4_fwd_gluon_tma_kernel[grid](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
@@ -328,7 +328,7 @@ def _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs):
     n, kg = groups.shape[0], k // 16
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     units = tiles * (kg // 8)
-    sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     nprog = min(programs, units) if programs else streamk_programs(units, cfg.sk, sms)
     cnt = arrival_counters(x.device)
     if cnt is None or tiles > COUNTER_SLOTS or units * (nprog + 1) >= 2**31:
@@ -346,8 +346,3 @@ def _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs):
         num_warps=cfg.warps,
     )
     return y
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

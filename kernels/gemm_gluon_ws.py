@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 from qerl_kernels.gemm_fwd import split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, halves_split, pair_mode
+from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, pair_mode, plan_halves
 
 HAVE_GLUON_WS = False
 if HAVE_GLUON:
@@ -249,13 +249,6 @@ def scale_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 
 
-def halves_plan(tiles: int, units: int, cfg, device) -> int | None:
-    """n_full of a halves launch (gemm_gluon.halves_split) for a ``halves`` split-K 1 config, else None."""
-    if not (getattr(cfg, "halves", False) and cfg.split_k == 1 and units >= 2 and device.type == "cuda"):
-        return None
-    return halves_split(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, cfg) -> bool:
     """Whether this kernel can run the call: K % 256 == 0, whole 16-row bands, TMA alignment."""
     n, kg = groups.shape
@@ -273,11 +266,8 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     n, kg = groups.shape
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    n_full = halves_plan(grid_mn, kg // 16, cfg, x.device)
-    split, per, ws, cnt = split_k_plan(y, 2 if n_full is not None else cfg.split_k, kg // 16, grid_mn, n_cols=n)
-    if n_full is not None and split != 2:
-        n_full = None  # no counters yet (first call under capture) or too few K pairs: whole tiles
-    grid = (n_full + 2 * (grid_mn - n_full), 1) if n_full is not None else (grid_mn, split)
+    split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn, n_cols=n)
+    n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 16, grid_mn, n, ws, cnt)
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())

@@ -220,16 +220,19 @@ def test_gluon_ws_halves_match_reference(m, monkeypatch):
     # tiles); every candidate's register split and MMA mode; the halved launch agrees with the plain one.
     from types import SimpleNamespace
 
-    from qerl_kernels import gemm_gluon_ws
+    from qerl_kernels import gemm_gluon, gemm_gluon_ws
     from qerl_kernels.testing import rel_err
     from qerl_kernels.tile_configs import _gluon_ws_candidates
 
     p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 41, k=1280)
     groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
-    monkeypatch.setattr(gemm_gluon_ws, "halves_split", lambda tiles, sms: 3)
+    asked = []  # the forced rule was consulted: the launch did halve
+    monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: asked.append(tiles) or 3)
     for c in _gluon_ws_candidates(8 if m <= 8 else 16):
         cfg = SimpleNamespace(**{**vars(c), "split_k": 1, "halves": True})
         y = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, cfg)
+        assert asked, vars(cfg)
+        asked.clear()
         assert rel_err(y, ref) < TOL[torch.bfloat16], (vars(cfg), rel_err(y, ref))
         plain = gemm_gluon_ws.launch_gluon_ws(x, groups, scale_u8, g, bias, SimpleNamespace(**{**vars(cfg), "halves": False}))
         assert rel_err(y, plain) < 1e-2
@@ -242,18 +245,21 @@ def test_gluon_tma_halves_match_reference(m, monkeypatch):
     # K = 1280 is 10 steps, so 5 + 5; BN 64 and 128; agrees with the plain split-K grid.
     from types import SimpleNamespace
 
-    from qerl_kernels import gemm_gluon_tma
+    from qerl_kernels import gemm_gluon, gemm_gluon_tma
     from qerl_kernels.testing import rel_err
 
     p, s, g, tp, x, bias, ref = _gluon_case(m, seed=m + 43, k=1280)
     groups, scale_u8 = tp.view(torch.int64), s.view(torch.uint8)
     bm = 64 if m > 32 else 32
+    asked = []  # the forced rule was consulted: the launch did halve
     for bn, warps in ((64, 4), (128, 8)):
         cfg = SimpleNamespace(bm=bm, bn=bn, split_k=1, warps=warps, stages=3, inflight=True, sk=0, halves=True)
         plain = gemm_gluon_tma.launch_gluon_tma(x, groups, scale_u8, g, bias, cfg)  # the real rule: no halving here
-        monkeypatch.setattr(gemm_gluon_tma, "halves_split", lambda tiles, sms: 3)
+        monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: asked.append(tiles) or 3)
         y = gemm_gluon_tma.launch_gluon_tma(x, groups, scale_u8, g, bias, cfg)
         monkeypatch.undo()
+        assert asked, bn
+        asked.clear()
         assert rel_err(y, ref) < TOL[torch.bfloat16], (bn, rel_err(y, ref))
         assert rel_err(y, plain) < 1e-2
 

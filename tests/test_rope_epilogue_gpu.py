@@ -97,12 +97,12 @@ def test_rope_epilogue_equals_gemm_then_rope(m):
 
 @pytest.mark.parametrize("m", [1, 100])
 def test_rope_epilogue_halved_launches(m, monkeypatch):
-    from qerl_kernels import gemm_gluon_tma, gemm_gluon_ws
+    from qerl_kernels import gemm_gluon
     from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
 
     case = _case(m, seed=m + 203)
-    monkeypatch.setattr(gemm_gluon_ws, "halves_split", lambda tiles, sms: 3)
-    monkeypatch.setattr(gemm_gluon_tma, "halves_split", lambda tiles, sms: 3)
+    asked = []  # the forced rule was consulted: the launch did halve
+    monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: asked.append(tiles) or 3)
     bm = 64 if m > 32 else 16
     cfgs = [FwdConfig(bm, bn, 16, warps=w, stages=3, swap=True, gluon=True, xtma=True, inflight=True, halves=True)
             for bn, w in ((64, 4), (128, 8))]
@@ -110,6 +110,8 @@ def test_rope_epilogue_halved_launches(m, monkeypatch):
         cfgs += [c for c in _gluon_ws_candidates(16) if c.halves]
     for cfg in cfgs:
         got = _epilogue(*case, cfg)
+        assert asked, cfg
+        asked.clear()
         assert_same(got, _two_kernels(*case, cfg), False, cfg)
 
 

@@ -69,14 +69,14 @@ def test_swiglu_epilogue_halved_launches(m, monkeypatch):
     # launch's (whole gate/up pairs here), and a row summed in two K halves rounds differently, so a
     # few gate or up values sit one bf16 step away (and their outputs too, more where silu is steep);
     # deterministic, and near the fp32 reference.
-    from qerl_kernels import gemm_gluon_tma, gemm_gluon_ws
+    from qerl_kernels import gemm_gluon
     from qerl_kernels.gemm_fwd import nvfp4_swiglu
     from qerl_kernels.testing import TOL, rel_err
     from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
 
     tp, s, g, x, ref = _case(m, seed=m + 103)
-    monkeypatch.setattr(gemm_gluon_ws, "halves_split", lambda tiles, sms: 3)
-    monkeypatch.setattr(gemm_gluon_tma, "halves_split", lambda tiles, sms: 3)
+    asked = []  # the forced rule was consulted: the launch did halve
+    monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: asked.append(tiles) or 3)
     bm = 64 if m > 32 else 16
     cfgs = [FwdConfig(bm, bn, 16, warps=w, stages=3, swap=True, gluon=True, xtma=True, inflight=True, halves=True)
             for bn, w in ((64, 4), (128, 8))]
@@ -85,6 +85,8 @@ def test_swiglu_epilogue_halved_launches(m, monkeypatch):
     assert cfgs
     for cfg in cfgs:
         y = nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True)
+        assert asked, cfg
+        asked.clear()
         assert torch.equal(y, nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True))
         unfused = _unfused(x, tp, s, g, cfg)
         assert (y != unfused).float().mean() < 0.01 and rel_err(y, unfused) < 1e-3, cfg
