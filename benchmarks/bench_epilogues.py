@@ -151,28 +151,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}")
     if args.sweep:
-        print("| shape | M | table tile: us | best candidate: us | candidates |")
-        print("| --- | --- | --- | --- | --- |")
-        for model in args.models.split(","):
-            for layer in args.layers.split(","):
-                n, k = SHAPES[(model, layer)]
-                d = ShapeData(n, k, seed=n + k)
-                for m in map(int, args.ms.split(",")):
-                    print(sweep_point(model, layer, d, m), flush=True)
-                del d
-                torch.cuda.empty_cache()
-        return 0
-    print("| shape | M | tile | GEMM + its elementwise kernel (us) | epilogue (us) | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+        print("| shape | M | table tile: us | best candidate: us | candidates |\n| --- | --- | --- | --- | --- |")
+    else:
+        print("| shape | M | tile | GEMM + its elementwise kernel (us) | epilogue (us) | ratio |")
+        print("| --- | --- | --- | --- | --- | --- |")
     for model in args.models.split(","):
         for layer in args.layers.split(","):
             n, k = SHAPES[(model, layer)]
             d = ShapeData(n, k, seed=n + k)
             for m in map(int, args.ms.split(",")):
-                if layer == "gate_up":
-                    print(bench_point(model, d, m), flush=True)
+                if args.sweep:
+                    row = sweep_point(model, layer, d, m)
+                elif layer == "gate_up":
+                    row = bench_point(model, d, m)
                 else:
-                    print(bench_rope_point(model, d, m, *QKV[model]), flush=True)
+                    row = bench_rope_point(model, d, m, *QKV[model])
+                print(row, flush=True)
             del d
             torch.cuda.empty_cache()
     return 0

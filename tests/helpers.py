@@ -174,3 +174,36 @@ def make_tiny_hf_model(
 
 def read_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def assert_engine_switch_keeps_samples(tmp_path: Path, monkeypatch, env: str, cls, method: str, seed: int, **shape):
+    """A tiny qerl-quantized model (``make_tiny_hf_model`` with ``shape``; qerl's quantizer shares the
+    q/k/v and gate/up global scales, so the engine fuses them) in the graph engine with ``env`` at 1
+    and at 0: ``cls.method`` (spied) returns a result only at 1, the fast path ran, and the sampled
+    tokens and log-probs are identical. GPU only."""
+    from qerl_cli.engine import LLMEngine, SamplingParams
+    from qerl_cli.models import load_model
+    from qerl_cli.quantize import QuantizeConfig, quantize
+    from tests.test_engine_gpu import PROMPTS
+
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", init_std=0.05, **shape)
+    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=seed)
+    real, ran = getattr(cls, method), []
+
+    def spy(self, *args):
+        y = real(self, *args)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(cls, method, spy)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(env, flag)
+        ran.clear()
+        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
+        assert any(ran) == (flag == "1"), (env, flag)
+    for a, b in zip(runs["1"], runs["0"]):
+        for c1, c2 in zip(a, b):
+            assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs, env

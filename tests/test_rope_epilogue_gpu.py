@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from qerl_kernels.testing import gluon_pairing_configs
 
 pytestmark = pytest.mark.gpu
 
@@ -72,24 +73,12 @@ def assert_same(got, want, exact: bool, what):
             assert (diff <= b.float().abs() * 2.0 ** -7 + 1e-6).all(), what
 
 
-def _configs(m: int):
-    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
-
-    bm = max(8, min(1 << (m - 1).bit_length(), 64))
-    per_thread = [FwdConfig(bm, 64, 16, split_k=1, warps=4, swap=True, gluon=True),
-                  FwdConfig(bm, 128, 16, split_k=4, warps=8, swap=True, gluon=True)]
-    tma = [FwdConfig(max(bm, 16), bn, 16, split_k=sp, warps=w, stages=3, swap=True, gluon=True, xtma=True,
-                     inflight=True) for bn, w, sp in ((64, 4, 3), (128, 8, 1))]
-    ws = {(c.bn, c.half): c for c in _gluon_ws_candidates(bm) if not c.halves} if bm <= 32 else {}
-    return per_thread + tma + [replace(c, split_k=sp) for c in ws.values() for sp in (1, 2)]
-
-
 @pytest.mark.parametrize("m", [3, 16, 40])
 def test_rope_epilogue_equals_gemm_then_rope(m):
     # q and k rotated at each token's position, k and v in the caches at its slot, with the q/k/v bias;
     # every Gluon kernel, with and without split-K: the same bits as the GEMM + rotary kernel.
     case = _case(m, seed=m + 201)
-    for cfg in _configs(m):
+    for cfg in gluon_pairing_configs(m)[0]:
         got = _epilogue(*case, cfg)
         assert got[0] is not None, cfg
         assert_same(got, _two_kernels(*case, cfg), True, cfg)
@@ -98,16 +87,11 @@ def test_rope_epilogue_equals_gemm_then_rope(m):
 @pytest.mark.parametrize("m", [1, 100])
 def test_rope_epilogue_halved_launches(m, monkeypatch):
     from qerl_kernels import gemm_gluon
-    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
 
     case = _case(m, seed=m + 203)
     asked = []  # the forced rule was consulted: the launch did halve
     monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: asked.append(tiles) or 3)
-    bm = 64 if m > 32 else 16
-    cfgs = [FwdConfig(bm, bn, 16, warps=w, stages=3, swap=True, gluon=True, xtma=True, inflight=True, halves=True)
-            for bn, w in ((64, 4), (128, 8))]
-    if m <= 16:
-        cfgs += [c for c in _gluon_ws_candidates(16) if c.halves]
+    cfgs = gluon_pairing_configs(m)[1]
     for cfg in cfgs:
         got = _epilogue(*case, cfg)
         assert asked, cfg
@@ -136,31 +120,8 @@ def test_rope_epilogue_declines_what_it_cannot_pair():
 def test_engine_samples_with_rope_epilogue_on_and_off(tmp_path, monkeypatch):
     # A tiny NVFP4 model with 64-dim heads (q/k/v 256 x 128: the per-thread Gluon tile, 32 dims of a
     # head's halves per tile) in the graph engine: decode takes the epilogue; same samples.
-    from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.layers.linear import QLinear
-    from qerl_cli.models import load_model
-    from qerl_cli.quantize import QuantizeConfig, quantize
-    from tests.helpers import make_tiny_hf_model
-    from tests.test_engine_gpu import PROMPTS
+    from tests.helpers import assert_engine_switch_keeps_samples
 
-    src = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=128, heads=2, kv_heads=1, intermediate=256, init_std=0.05)
-    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
-    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=13)
-    real, paired = QLinear.qkv_rope, []
-
-    def spy(self, x, rope):
-        y = real(self, x, rope)
-        paired.append(y is not None)
-        return y
-
-    monkeypatch.setattr(QLinear, "qkv_rope", spy)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QERL_ROPE_EPILOGUE", flag)
-        paired.clear()
-        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
-        assert any(paired) == (flag == "1")
-    for a, b in zip(runs["1"], runs["0"]):
-        for c1, c2 in zip(a, b):
-            assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs
+    assert_engine_switch_keeps_samples(tmp_path, monkeypatch, "QERL_ROPE_EPILOGUE", QLinear, "qkv_rope", seed=13,
+                                       hidden=128, heads=2, kv_heads=1, intermediate=256)

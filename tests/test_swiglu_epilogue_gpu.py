@@ -4,10 +4,9 @@ samples unchanged with it on and off."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from qerl_kernels.testing import gluon_pairing_configs
 
 pytestmark = pytest.mark.gpu
 
@@ -33,20 +32,6 @@ def _unfused(x, tp, s, g, cfg):
     return fused.silu_mul(gate, up)
 
 
-def _configs(m: int):
-    """Both widths of each Gluon kernel, with and without split-K; of the warp-specialised candidates one
-    per (width, MMA mode), each compile being a few seconds."""
-    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
-
-    bm = max(8, min(1 << (m - 1).bit_length(), 64))
-    per_thread = [FwdConfig(bm, 64, 16, split_k=1, warps=4, swap=True, gluon=True),
-                  FwdConfig(bm, 128, 16, split_k=4, warps=8, swap=True, gluon=True)]
-    tma = [FwdConfig(max(bm, 16), bn, 16, split_k=sp, warps=w, stages=3, swap=True, gluon=True, xtma=True,
-                     inflight=True) for bn, w, sp in ((64, 4, 3), (128, 8, 1))]
-    ws = {(c.bn, c.half): c for c in _gluon_ws_candidates(bm) if not c.halves} if bm <= 32 else {}
-    return per_thread + tma + [replace(c, split_k=sp) for c in ws.values() for sp in (1, 2)]
-
-
 @pytest.mark.parametrize("m", [3, 16, 40])
 def test_swiglu_epilogue_equals_gemm_then_swiglu(m):
     # Every Gluon kernel (per-thread, TMA-fed, warp-specialised with every register split) with and
@@ -55,7 +40,7 @@ def test_swiglu_epilogue_equals_gemm_then_swiglu(m):
     from qerl_kernels.testing import TOL, rel_err
 
     tp, s, g, x, ref = _case(m, seed=m + 101)
-    for cfg in _configs(m):
+    for cfg in gluon_pairing_configs(m)[0]:
         y = nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True)
         assert y is not None and y.shape == (m, ROWS), cfg
         assert torch.equal(y, _unfused(x, tp, s, g, cfg)), cfg
@@ -72,16 +57,11 @@ def test_swiglu_epilogue_halved_launches(m, monkeypatch):
     from qerl_kernels import gemm_gluon
     from qerl_kernels.gemm_fwd import nvfp4_swiglu
     from qerl_kernels.testing import TOL, rel_err
-    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
 
     tp, s, g, x, ref = _case(m, seed=m + 103)
     asked = []  # the forced rule was consulted: the launch did halve
     monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: asked.append(tiles) or 3)
-    bm = 64 if m > 32 else 16
-    cfgs = [FwdConfig(bm, bn, 16, warps=w, stages=3, swap=True, gluon=True, xtma=True, inflight=True, halves=True)
-            for bn, w in ((64, 4), (128, 8))]
-    if m <= 16:
-        cfgs += [c for c in _gluon_ws_candidates(16) if c.halves]
+    cfgs = gluon_pairing_configs(m)[1]
     assert cfgs
     for cfg in cfgs:
         y = nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True)
@@ -120,32 +100,8 @@ def test_swiglu_epilogue_declines_what_it_cannot_pair():
 def test_engine_samples_equal_with_epilogue_on_and_off(tmp_path, monkeypatch):
     # A tiny NVFP4 model (gate/up 512 x 128: the per-thread Gluon tile pairs 32 + 32 rows) in the
     # graph engine: the decode's gate/up GEMMs take the epilogue, and the samples are bit-identical.
-    from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.layers.linear import QLinear
-    from qerl_cli.models import load_model
-    from qerl_cli.quantize import QuantizeConfig, quantize
-    from tests.helpers import make_tiny_hf_model
-    from tests.test_engine_gpu import PROMPTS
+    from tests.helpers import assert_engine_switch_keeps_samples
 
-    # qerl's quantizer: gate and up share a global scale, so the engine fuses them into one GEMM.
-    src = make_tiny_hf_model(tmp_path, arch="qwen2", hidden=128, intermediate=256, init_std=0.05)
-    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
-    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=11)
-    real, paired = QLinear.swiglu, []
-
-    def spy(self, x):
-        y = real(self, x)
-        paired.append(y is not None)
-        return y
-
-    monkeypatch.setattr(QLinear, "swiglu", spy)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QERL_SWIGLU_EPILOGUE", flag)
-        paired.clear()
-        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
-        assert any(paired) == (flag == "1")
-    for a, b in zip(runs["1"], runs["0"]):
-        for c1, c2 in zip(a, b):
-            assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs
+    assert_engine_switch_keeps_samples(tmp_path, monkeypatch, "QERL_SWIGLU_EPILOGUE", QLinear, "swiglu", seed=11,
+                                       hidden=128, intermediate=256)
