@@ -280,7 +280,7 @@ def nvfp4_matmul(
     if fast is None:
         fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
     if cfg.gluon:
-        from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon
+        from qerl_kernels.gemm_gluon import gluon_supported
 
         if not (fast and gluon_supported(x, n, k, twiddled, blocked)):
             cfg = heuristic_fwd(m, n, k, gluon=False)  # not a layout (or device) the Gluon kernels read
@@ -295,16 +295,7 @@ def nvfp4_matmul(
         words = words.view(torch.int64)  # whole scale groups: see decode.load_word_tile
     scale_u8 = scale.contiguous().view(torch.uint8)
     if cfg.gluon and m > 0:
-        from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
-
-        if cfg.xtma and HAVE_GLUON_TMA:
-            return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg)
-        if cfg.ws:
-            from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported
-
-            if ws_supported(x, words, scale_u8, cfg):  # else (K % 256 != 0, alignment): the same tile per thread
-                return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg)
-        return launch_gluon(x, words, scale_u8, global_scale, bias, cfg)
+        return _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -394,7 +385,7 @@ def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, bloc
     if not (cfg.gluon and m > 0 and not getattr(cfg, "sk", 0) and twiddled and blocked and x.dtype == torch.bfloat16
             and fast_decode_supported(x.device)):
         return None
-    from qerl_kernels.gemm_gluon import gluon_supported, launch_gluon, pair_supported
+    from qerl_kernels.gemm_gluon import gluon_supported, pair_supported
 
     if not gluon_supported(x, n, k, twiddled, blocked):
         return None
@@ -403,11 +394,17 @@ def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, bloc
     words = as_words(packed).view(torch.int64)
     scale_u8 = scale.contiguous().view(torch.uint8)
     bias = None if bias is None else bias.to(x.dtype)
-    if cfg.xtma:
-        from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
+    return _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
 
-        if not HAVE_GLUON_TMA:
-            return None
+
+def _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=False, rope=None):
+    """A ``gluon`` table entry on the kernel it names: the TMA-fed one (``xtma``), the warp-specialised
+    one (``ws``; where it cannot run, K % 256 != 0 or alignment, the same tile per thread), else the
+    per-thread one. ``pair``/``rope``: the pairing epilogues (``gemm_gluon.launch_gluon``)."""
+    from qerl_kernels.gemm_gluon import launch_gluon
+    from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
+
+    if cfg.xtma and HAVE_GLUON_TMA:
         return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
     if cfg.ws:
         from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported

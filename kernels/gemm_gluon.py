@@ -313,16 +313,22 @@ if HAVE_GLUON:
         return pid, pid_k, lo, count
 
     @gluon.jit
-    def _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym,
-                      BM: gl.constexpr, BN: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr,
-                      PAIR: gl.constexpr = 0, NW: gl.constexpr = 4, RA=None, HD: gl.constexpr = 64):
-        """_store_tile of a halves launch: whole tiles directly, halved ones through the workspace."""
-        if pid >= n_full:
-            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS, ACC,
-                        PAIR, NW, RA, HD)
+    def _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym,
+                       BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       ACC: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.constexpr, NW: gl.constexpr, RA,
+                       HD: gl.constexpr):
+        """_store_tile of this program: of a split-K grid (SPLIT), or of a halves launch (HALVES, whole
+        tiles directly, halved ones through the workspace)."""
+        if HALVES:
+            if pid >= n_full:
+                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 2, HAS_BIAS,
+                            ACC, PAIR, NW, RA, HD)
+            else:
+                _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS,
+                            ACC, PAIR, NW, RA, HD)
         else:
-            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, 1, HAS_BIAS, ACC,
-                        PAIR, NW, RA, HD)
+            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
+                        ACC, PAIR, NW, RA, HD)
 
     @gluon.jit
     def _permute_x(x, BM: gl.constexpr):

@@ -52,8 +52,7 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
             _decode_groups,
             _group_offsets,
             _program_k_range,
-            _store_halves,
-            _store_tile,
+            _store_program,
             _tile_coords,
             _write_y,
         )
@@ -199,12 +198,8 @@ if HAVE_GLUON_TMA:
                         BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES, PAIR, HD)
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
-        if HALVES:
-            _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC,
-                          PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
-        else:
-            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
-                        ACC, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
+        _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
+                       HAS_BIAS, ACC, HALVES, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
 
     @gluon.jit
     def _first_unit(p, units, nprog):

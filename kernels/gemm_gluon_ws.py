@@ -42,8 +42,7 @@ if HAVE_GLUON:
             _pair_base,
             _pair_distance,
             _permute_x,
-            _store_halves,
-            _store_tile,
+            _store_program,
             _x_layout,
         )
         from qerl_kernels.gemm_gluon_tma import _decode_half, _halves
@@ -233,12 +232,8 @@ if HAVE_GLUON_WS:
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(b))
             mbarrier.invalidate(empty.index(b))
-        if HALVES:
-            _store_halves(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, HAS_BIAS, ACC,
-                          PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
-        else:
-            _store_tile(acc, G, B, Y, WS, CNT, pid, pid_k, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT, HAS_BIAS,
-                        ACC, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
+        _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
+                       HAS_BIAS, ACC, HALVES, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
 
 
 def code_layout():
