@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_graph  # noqa: E402
 from probe_floor import stream_us  # noqa: E402
 
-from qerl_cli.layers.triton_attention import num_splits_for, paged_decode_attention_triton  # noqa: E402
+from qerl_cli.layers.triton_attention import num_splits_for, paged_decode_attention_triton, tile_for  # noqa: E402
 
 
 def cache(blocks: int, bs: int, hk: int, d: int, layout: str) -> torch.Tensor:
@@ -83,8 +83,12 @@ def main(argv=None) -> int:
                 continue
             res.append((us, kw, err))
         res.sort(key=lambda r: r[0])
-        cur = next((r for r in res if r[1] == dict(num_splits=auto, block_n=64, num_warps=4, num_stages=2)), res[0])
-        print(f"## b={b} {layout}: current (splits {auto}, 64, 4 warps, 2 stages) {cur[0]:.1f} us "
+        bn0, w0, st0 = tile_for(auto)
+        cur = next((r for r in res if r[1] == dict(num_splits=auto, block_n=bn0, num_warps=w0, num_stages=st0)), None)
+        if cur is None:  # the rule's tile was not in this grid: time it on its own
+            cur = (time_graph([lambda c=c, q=q, t=tables, n=lens: paged_decode_attention_triton(q, *c, t, n, d**-0.5)
+                               for c in caches], target_s=0.05), None, 0.0)
+        print(f"## b={b} {layout}: current (splits {auto}, {bn0}, {w0} warps, {st0} stages) {cur[0]:.1f} us "
               f"{kv_bytes / cur[0] / 1e6:.2f} TB/s", flush=True)
         for us, kw, err in res[:8]:
             print(f"{us:7.1f} us {kv_bytes / us / 1e6:5.2f} TB/s err {err:.1e} {kw}", flush=True)

@@ -56,6 +56,16 @@ def interpreted():
     return json.loads(line[len("RESULT"):])
 
 
+def test_split_rule_drops_the_merge_once_the_pairs_fill_the_sms():
+    pytest.importorskip("triton")
+    from qerl_cli.layers.triton_attention import num_splits_for, tile_for
+
+    # 7B shape (4 KV heads) on 132 SMs: 16 sequences -> 64 pairs, ~2 programs per SM (power of two);
+    # 32 -> 128 pairs, still short of the SMs; 33 and up fill them with whole contexts.
+    assert [num_splits_for(b, 4, 132) for b in (1, 16, 32, 33, 64, 256)] == [16, 8, 4, 1, 1, 1]
+    assert tile_for(1) == (128, 4, 2) and tile_for(8) == (64, 4, 2)
+
+
 def test_torch_path_equals_dense_attention():
     torch.manual_seed(1)
     hq, hk, d, bs = 4, 2, 8, 4

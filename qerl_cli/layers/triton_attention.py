@@ -13,6 +13,14 @@ when no counters exist (a first call during CUDA-graph capture). Loop bounds com
 Measured on an H100 (docs/benchmarks.md, rollout, tenth pass): at 16 sequences and context 768 the
 separate merge was 28 launches of ~2.9 us per decode step. Fused, the captured step went from 3.558 to
 3.519 ms (about 1%); the split kernel grew from 381 to 446 us, because it now does the merge.
+
+Once the (sequence, KV head) pairs alone fill the SMs (33+ sequences on a 7B model), every program
+takes a whole context, 128 keys a step, and writes its output itself: no partials, no counter, no
+merge. H100, context 768 (docs/benchmarks.md, rollout, nineteenth pass): 64 sequences 42.7 -> 39.6 us
+per layer, 256 sequences 146.6 -> 142.8 us (before, one split still paid the merge), decode step at 64
+sequences 5.732 -> 5.66 ms. The merge is what splitting costs: at 16 sequences a copy of this kernel
+that skips it runs 13.7 against 15.6 us (benchmarks/probe_attn_chain.py), while a fixed split size
+that lets the block-table load skip the wait for the context length gains nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
         m_i = m_new
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    if NUM_SPLITS == 1:  # the whole context in this program: nothing to merge
+        tl.store(OUT + b * stride_b + heads[:, None] * stride_h + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=gmask[:, None])
+        return
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(OP + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :], out, mask=gmask[:, None])
     tl.store(LSE + b * stride_lb + heads * stride_lh + sp, lse, mask=gmask)
@@ -103,8 +115,17 @@ def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stri
 
 
 def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
-    want = -(-2 * sms // max(batch * kv_heads, 1))
-    return min(16, triton.next_power_of_2(want))
+    """Splits of each (sequence, KV head) context: none once the pairs alone fill the SMs (no merge to
+    pay), else about two programs per SM."""
+    pairs = max(batch * kv_heads, 1)
+    if pairs >= sms:
+        return 1
+    return min(16, triton.next_power_of_2(-(-2 * sms // pairs)))
+
+
+def tile_for(num_splits: int) -> tuple[int, int, int]:
+    """(keys per step, warps, stages): a whole context per program streams 128 keys a step."""
+    return (128, 4, 2) if num_splits == 1 else (64, 4, 2)
 
 
 def supported(head_dim: int) -> bool:
@@ -112,21 +133,28 @@ def supported(head_dim: int) -> bool:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
-                                  block_n: int = 64, num_warps: int = 4, num_stages: int = 2, fused: bool = True):
+                                  block_n: int | None = None, num_warps: int | None = None,
+                                  num_stages: int | None = None, fused: bool = True):
     """Decode attention of ``q`` [B, Hq, D] over the paged caches [blocks, BS, Hk, D]; ``fused=False``
-    merges the splits in a second kernel (what runs anyway when no arrival counters exist)."""
+    merges the splits in a second kernel (what runs anyway when no arrival counters exist). Tile
+    arguments left None follow ``num_splits_for`` and ``tile_for``."""
     b, hq, d = q.shape
     _, bs, hk, _ = k_cache.shape
     group = hq // hk
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = num_splits_for(b, hk, sms)
+    dflt = tile_for(num_splits)
+    block_n, num_warps, num_stages = block_n or dflt[0], num_warps or dflt[1], num_stages or dflt[2]
     if q.stride(-1) != 1:
         q = q.contiguous()  # rows and heads may be strided (a slice of the fused qkv output): no copy then
-    op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)  # dense even when q is a strided view
-    cnt = arrival_counters(q.device) if fused and b * hk <= COUNTER_SLOTS else None
+    if num_splits == 1:  # the kernel writes ``out`` itself; the partials' buffers are never touched
+        op, lse = out.new_empty(1, 1, 1, dtype=torch.float32), out.new_empty(1, 1, dtype=torch.float32)
+    else:
+        op = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+    cnt = arrival_counters(q.device) if fused and num_splits > 1 and b * hk <= COUNTER_SLOTS else None
     _split_kernel[(b, hk, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, op, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -136,7 +164,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         CNT=cnt, OUT=out, stride_b=out.stride(0), stride_h=out.stride(1), FUSED=cnt is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if cnt is not None:
+    if cnt is not None or num_splits == 1:
         return out
     _merge_kernel[(b, hq)](
         op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
