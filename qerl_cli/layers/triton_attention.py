@@ -17,8 +17,8 @@ separate merge was 28 launches of ~2.9 us per decode step. Fused, the captured s
 Once the (sequence, KV head) pairs alone fill the SMs (33+ sequences on a 7B model), every program
 takes a whole context, 128 keys a step, and writes its output itself: no partials, no counter, no
 merge. H100, context 768 (docs/benchmarks.md, rollout, nineteenth pass): 64 sequences 42.7 -> 39.6 us
-per layer, 256 sequences 146.6 -> 142.8 us (before, one split still paid the merge), decode step at 64
-sequences 5.732 -> 5.66 ms. The merge is what splitting costs: at 16 sequences a copy of this kernel
+per layer (one run), 256 sequences 142.8 us (146.6 in an earlier run, when one split still paid the
+merge), decode step at 64 sequences 5.732 -> 5.66 ms. The merge is what splitting costs: at 16 sequences a copy of this kernel
 that skips it runs 13.7 against 15.6 us (benchmarks/probe_attn_chain.py), while a fixed split size
 that lets the block-table load skip the wait for the context length gains nothing.
 """
