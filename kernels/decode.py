@@ -396,6 +396,26 @@ def perm_weights(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, BKW: tl.conste
 
 
 @triton.jit
+def k_order(c):
+    """Natural column c of an activation row -> its column in the MMA's K order (``perm_x`` within each
+    128-column step), for kernels that write a GEMM's X already permuted: c = 32 c4 + 16 g_lo + 8 t +
+    4 bb1 + 2 bb0 + h goes to 64 g_lo + 32 bb1 + 16 bb0 + 8 h + 2 c4 + t of its step."""
+    n = c % 128
+    return (c - n + ((n >> 4) & 1) * 64 + ((n >> 2) & 1) * 32 + ((n >> 1) & 1) * 16 + (n & 1) * 8 + (n >> 5) * 2
+            + ((n >> 3) & 1))
+
+
+def k_order_index(k: int, device=None):
+    """``k_order`` in torch for columns 0 .. k - 1 (k % 128 == 0): natural = permuted[..., index]."""
+    import torch
+
+    n = torch.arange(k, device=device)
+    m = n % 128
+    return (n - m + ((m >> 4) & 1) * 64 + ((m >> 2) & 1) * 32 + ((m >> 1) & 1) * 16 + (m & 1) * 8 + (m >> 5) * 2
+            + ((m >> 3) & 1))
+
+
+@triton.jit
 def perm_x(x, R: tl.constexpr, BKW: tl.constexpr):
     """Activations [R, 8 * BKW] in natural K order -> the same logical order as ``perm_weights``."""
     G: tl.constexpr = BKW // 2

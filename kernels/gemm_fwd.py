@@ -55,6 +55,7 @@ from qerl_kernels.decode import (
     fast_decode_supported,
     grouped_tile,
     join8,
+    k_order_index,
     load_word_tile,
     perm_weights,
     perm_x,
@@ -266,17 +267,25 @@ def nvfp4_matmul(
     twiddled: bool = False,
     blocked: bool = False,
     _probe_nodecode: bool = False,
+    x_korder: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ dequant(packed [N, K/2], scale [N, K/16] e4m3, global [1])^T.
 
     ``config`` overrides the table/heuristic (benchmarks, tests); ``fast`` forces the decode path
     (default: the PTX decode for bf16 on sm_90, the portable decode otherwise); ``twiddled``: the
     codes are in ``twiddle.py``'s load-time layout, ``blocked`` also in its 1 KB blocks.
+    ``x_korder``: x's columns are in the MMA's K order (``decode.k_order``), as a producing kernel wrote
+    them for a TMA-fed tile (``takes_korder_x``); any other tile gets them back in natural order first.
     """
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or fwd_config(m, n, k)
+    if x_korder:
+        if m > 0 and _korder_tile(x, n, k, cfg, twiddled, blocked):
+            return _launch_gluon_tile(x, as_words(packed).view(torch.int64), scale.contiguous().view(torch.uint8),
+                                      global_scale, bias, cfg, x_korder=True)
+        x = natural_order(x)
     if fast is None:
         fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
     if cfg.gluon:
@@ -329,6 +338,8 @@ def nvfp4_swiglu(
     config: FwdConfig | None = None,
     twiddled: bool = False,
     blocked: bool = False,
+    x_korder: bool = False,
+    y_korder: bool = False,
 ) -> torch.Tensor | None:
     """SwiGLU in the GEMM's epilogue: ``silu(x @ G^T) * (x @ U^T)`` [M, N / 2] for a weight [N, K] that
     stacks gate G over up U (an MLP's fused gate/up), or None where no Gluon tile can pair the columns
@@ -344,9 +355,11 @@ def nvfp4_swiglu(
     rounds differently in fp32, so up to one bf16 step apart on a few outputs (7B gate/up at M = 16: 27
     of 303,104 on an H100). Either way deterministic.
     Needs what the Gluon kernels need (bf16 on sm_90, twiddled + blocked codes) and N / 2 a multiple of
-    BN / 2; stream-K tiles (``cfg.sk``) are not paired.
+    BN / 2; stream-K tiles (``cfg.sk``) are not paired. ``x_korder`` as ``nvfp4_matmul``; ``y_korder``:
+    write the output in the MMA's K order, for a down projection whose tile ``takes_korder_x``.
     """
-    return _pairing_launch(x, packed, scale, global_scale, None, config, twiddled, blocked, pair=True)
+    return _pairing_launch(x, packed, scale, global_scale, None, config, twiddled, blocked, pair=True,
+                           x_korder=x_korder, y_korder=y_korder)
 
 
 def nvfp4_qkv_rope(
@@ -359,6 +372,7 @@ def nvfp4_qkv_rope(
     config: FwdConfig | None = None,
     twiddled: bool = False,
     blocked: bool = False,
+    x_korder: bool = False,
 ) -> torch.Tensor | None:
     """The fused q/k/v GEMM with the rotary embedding and the cache write in its epilogue: returns the
     [M, Nq + 2 Nk] output with q and k rotated, and writes each token's rotated k and its v into the
@@ -370,14 +384,19 @@ def nvfp4_qkv_rope(
     dims of its second half (``gemm_gluon._tile_rows``), so both members of every rotated pair finish in
     one program. Bit-identical to the two-kernel path where the launch halves no tiles (as
     ``nvfp4_swiglu``); the rotation's products may round differently where the compilers contract
-    them into FMAs differently (tests/test_rope_epilogue_gpu.py measures it).
+    them into FMAs differently (tests/test_rope_epilogue_gpu.py measures it). ``x_korder`` as ``nvfp4_matmul``.
     """
-    return _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, blocked, rope=rope)
+    return _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, blocked, rope=rope,
+                           x_korder=x_korder)
 
 
-def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, blocked, pair=False, rope=None):
+def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, blocked, pair=False, rope=None,
+                    x_korder=False, y_korder=False):
     """A Gluon launch with a pairing epilogue (SwiGLU or rotary), or None where the table's tile for
     this shape cannot run one (a Triton or stream-K tile, a layout or shape it cannot pair)."""
+    if x_korder and not _korder_tile(x, packed.shape[0], x.shape[1],
+                                     config or fwd_config(x.shape[0], packed.shape[0], x.shape[1]), twiddled, blocked):
+        x, x_korder = natural_order(x), False
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -394,10 +413,35 @@ def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, bloc
     words = as_words(packed).view(torch.int64)
     scale_u8 = scale.contiguous().view(torch.uint8)
     bias = None if bias is None else bias.to(x.dtype)
-    return _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
+    return _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, x_korder=x_korder,
+                              y_korder=y_korder)
 
 
-def _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=False, rope=None):
+def takes_korder_x(m: int, n: int, k: int, device: torch.device, twiddled: bool, blocked: bool) -> bool:
+    """Whether ``nvfp4_matmul`` of this shape runs a TMA-fed tile, which reads X through ``permute_x`` (one
+    more launch per GEMM) unless the kernel that produced X wrote it in the MMA's K order already."""
+    if m <= 0 or device.type != "cuda" or not (twiddled and blocked):
+        return False
+    return _korder_tile(torch.empty(0, k, dtype=torch.bfloat16, device=device), n, k, fwd_config(m, n, k), twiddled,
+                        blocked)
+
+
+def _korder_tile(x, n, k, cfg, twiddled, blocked) -> bool:
+    """The config is a TMA-fed Gluon tile that can run on x (bf16 on sm_90, the blocked layout)."""
+    from qerl_kernels.gemm_gluon import gluon_supported
+    from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA
+
+    return bool(cfg.gluon and cfg.xtma and HAVE_GLUON_TMA and fast_decode_supported(x.device)
+                and gluon_supported(x, n, k, twiddled, blocked))
+
+
+def natural_order(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with columns in the MMA's K order (``decode.k_order``) -> natural order."""
+    return x[:, k_order_index(x.shape[1], x.device)]
+
+
+def _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=False, rope=None, x_korder=False,
+                       y_korder=False):
     """A ``gluon`` table entry on the kernel it names: the TMA-fed one (``xtma``), the warp-specialised
     one (``ws``; where it cannot run, K % 256 != 0 or alignment, the same tile per thread), else the
     per-thread one. ``pair``/``rope``: the pairing epilogues (``gemm_gluon.launch_gluon``)."""
@@ -405,10 +449,13 @@ def _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=False, 
     from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
 
     if cfg.xtma and HAVE_GLUON_TMA:
-        return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
+        return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder,
+                                x_korder=x_korder)
+    if x_korder:  # only TMA-fed tiles read K-ordered X (callers check _korder_tile first)
+        x = natural_order(x)
     if cfg.ws:
         from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported
 
         if ws_supported(x, words, scale_u8, cfg):
-            return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
-    return launch_gluon(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope)
+            return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder)
+    return launch_gluon(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder)

@@ -142,7 +142,7 @@ if HAVE_GLUON:
     def _pair_base(pid_n, BN: gl.constexpr, PAIR: gl.constexpr, HD: gl.constexpr):
         """The first weight row of a pairing tile (its other BN / 2 rows lie _pair_distance further).
         SWIGLU: gate rows pid_n BN / 2 ..; ROPE: the heads' first halves (HD rows each), BN / 2 rows per tile."""
-        if PAIR == 1:
+        if PAIR % 2 == 1:
             b = pid_n * (BN // 2)
         else:
             per: gl.constexpr = HD // (BN // 2)  # tiles per head
@@ -153,7 +153,7 @@ if HAVE_GLUON:
     def _pair_distance(N, PAIR: gl.constexpr, HD: gl.constexpr):
         """Rows from a pairing tile's first half to its second: up is N / 2 below gate; a head's second
         half HD below its first."""
-        if PAIR == 1:
+        if PAIR % 2 == 1:
             d = N // 2
         else:
             d = N * 0 + HD
@@ -162,7 +162,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_rows(pid_n, N, BN: gl.constexpr, layout: gl.constexpr, PAIR: gl.constexpr, HD: gl.constexpr = 64):
         """The weight rows of a tile's BN accumulator rows: pid_n BN + r, or for a pairing tile
-        (PAIR: 1 SwiGLU, 2 rotary) BN / 2 rows from _pair_base, then the rows _pair_distance further."""
+        (PAIR: 1 or 3 SwiGLU, 2 rotary) BN / 2 rows from _pair_base, then the rows _pair_distance further."""
         r = gl.arange(0, BN, layout=layout)
         if PAIR:
             rows = _pair_base(pid_n, BN, PAIR, HD) + r % (BN // 2) + (r // (BN // 2)) * _pair_distance(N, PAIR, HD)
@@ -186,11 +186,19 @@ if HAVE_GLUON:
         return gl.convert_layout(a, OL), gl.convert_layout(b, OL)
 
     @gluon.jit
+    def _k_order(c):
+        """decode.k_order: natural column c -> its column in the MMA's K order (within 128-column steps)."""
+        n = c % 128
+        return (c - n + ((n >> 4) & 1) * 64 + ((n >> 2) & 1) * 32 + ((n >> 1) & 1) * 16 + (n & 1) * 8 + (n >> 5) * 2
+                + ((n >> 3) & 1))
+
+    @gluon.jit
     def _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
-                      NW: gl.constexpr):
+                      NW: gl.constexpr, KORDER: gl.constexpr = False):
         """A SwiGLU tile's finished fp32 rows (gate, then up; _tile_rows) -> Y [M, N / 2] = silu(gate) * up,
         rounded where the unfused path rounds: the GEMM's bf16 outputs, silu's, the product's
-        (layers/fused.py's silu_mul, the same operations)."""
+        (layers/fused.py's silu_mul, the same operations). KORDER: each column lands where the next
+        GEMM's TMA-fed tile reads it (_k_order), so that GEMM skips its permutation pass."""
         OL: gl.constexpr = gl.SliceLayout(2, _pair_layout(NW))
         g, u = _split_pairs(total, BM, BN, NW)
         g = g.to(gl.bfloat16).to(gl.float32)
@@ -200,7 +208,10 @@ if HAVE_GLUON:
         rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
         n2 = gl.expand_dims(rn, 1)
         m2 = gl.expand_dims(rm, 0)
-        gl.store(Y + m2 * stride_ym + n2, (s * u).to(gl.bfloat16), mask=(n2 < N // 2) & (m2 < M))
+        col = n2
+        if KORDER:
+            col = _k_order(n2)
+        gl.store(Y + m2 * stride_ym + col, (s * u).to(gl.bfloat16), mask=(n2 < N // 2) & (m2 < M))
 
     @gluon.jit
     def _write_rope(total, Y, RA, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
@@ -246,8 +257,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _finish(total, B, Y, rn, n2, m2, omask, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, BN: gl.constexpr,
                 HAS_BIAS: gl.constexpr, PAIR: gl.constexpr, NW: gl.constexpr, RA, HD: gl.constexpr):
-        if PAIR == 1:
-            _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM, BN, NW)
+        if PAIR % 2 == 1:
+            _write_swiglu(total, Y, pid_m, pid_n, M, N, stride_ym, BM, BN, NW, PAIR == 3)
         elif PAIR == 2:
             if HAS_BIAS:  # here, in the accumulator's layout as _write_y adds it: the same FMA contraction
                 rb = _tile_rows(pid_n, N, BN, gl.SliceLayout(1, total.type.layout), PAIR, HD)
@@ -497,24 +508,26 @@ def launch_plan(x: torch.Tensor, groups: torch.Tensor, cfg, pair: bool = False):
     return m, n, kg, y, grid_mn, split, per, ws, cnt
 
 
-def pair_mode(pair: bool, rope: RopeEpilogue | None) -> int:
-    """The kernels' PAIR constexpr: 0 plain, 1 SwiGLU, 2 rotary + cache write."""
-    return 1 if pair else 2 if rope is not None else 0
+def pair_mode(pair: bool, rope: RopeEpilogue | None, y_korder: bool = False) -> int:
+    """The kernels' PAIR constexpr: 0 plain, 1 SwiGLU, 2 rotary + cache write, 3 SwiGLU written in the
+    MMA's K order (``decode.k_order``: the input of a TMA-fed GEMM)."""
+    return (3 if y_korder else 1) if pair else 2 if rope is not None else 0
 
 
 def launch_gluon(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False,
-                 rope: RopeEpilogue | None = None) -> torch.Tensor:
+                 rope: RopeEpilogue | None = None, y_korder: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the Gluon kernel: ``groups`` int64 [N, K / 16] twiddled, blocked
     codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps. ``pair`` (W stacks
     gate over up, ``pair_supported``): silu(x G^T) * (x U^T) [M, N / 2] instead. ``rope`` (W is a fused
-    q/k/v, ``RopeEpilogue.supported``): q and k come out rotated and k, v are written to the caches too."""
+    q/k/v, ``RopeEpilogue.supported``): q and k come out rotated and k, v are written to the caches too.
+    ``y_korder`` (with ``pair``): the SwiGLU output in the MMA's K order (``pair_mode``)."""
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
     _nvfp4_fwd_gluon_kernel[(grid_mn, split)](
         x, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per,
         x.stride(0), scale_u8.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, PAIR=pair_mode(pair, rope),
-        num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
+        PAIR=pair_mode(pair, rope, y_korder), num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
     )
     return y

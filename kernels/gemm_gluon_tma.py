@@ -285,20 +285,23 @@ def x_layout(bm: int):
 
 
 def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int | None = None,
-                     pair: bool = False, rope: RopeEpilogue | None = None) -> torch.Tensor:
+                     pair: bool = False, rope: RopeEpilogue | None = None, y_korder: bool = False,
+                     x_korder: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the TMA-fed Gluon kernel; arguments as ``gemm_gluon.launch_gluon``;
     ``cfg`` needs bm, bn, split_k, warps, stages (X ring depth, >= 2) and inflight; with ``cfg.sk``
     (> 0) the stream-K kernel runs ``sk`` programs per SM instead of the split-K grid (``programs``
     overrides the count: tests). ``pair``, ``rope`` (the pairing epilogues, ``gemm_gluon.launch_gluon``)
-    always run the split-K grid: the stream-K kernel does not pair."""
+    always run the split-K grid: the stream-K kernel does not pair. ``x_korder``: x's columns are already
+    in the MMA's K order (``decode.k_order``; written so by the kernel that produced x), no ``permute_x``."""
     sk = getattr(cfg, "sk", 0)
+    xp = x if x_korder else None
     if (sk or programs) and not pair and rope is None:
-        y = _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs)
+        y = _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs, xp)
         if y is not None:
             return y
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
     n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 8, grid_mn, n, ws, cnt)
-    x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
+    x_desc = GluonDescriptor.from_tensor(permute_x(x) if xp is None else xp, [cfg.bm, 64], x_layout(cfg.bm))
     _nvfp4_fwd_gluon_tma_kernel[grid](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
@@ -306,7 +309,7 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
         STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None,
-        PAIR=pair_mode(pair, rope), num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
+        PAIR=pair_mode(pair, rope, y_korder), num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
     )
     return y
 
@@ -316,7 +319,7 @@ def streamk_programs(units: int, sk: int, sms: int) -> int:
     return max(1, min(sk * sms, units))
 
 
-def _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs):
+def _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs, xp=None):
     """The stream-K launch, or None where it cannot run (no arrival counters yet during a CUDA-graph
     capture, more tiles than counters, index overflow): the caller then runs the split-K grid."""
     m, k = x.shape
@@ -330,7 +333,7 @@ def _launch_streamk(x, groups, scale_u8, global_scale, bias, cfg, programs):
         return None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty(2 * nprog * cfg.bm * cfg.bn, dtype=torch.float32, device=x.device)
-    x_desc = GluonDescriptor.from_tensor(permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
+    x_desc = GluonDescriptor.from_tensor(permute_x(x) if xp is None else xp, [cfg.bm, 64], x_layout(cfg.bm))
     _nvfp4_fwd_gluon_tma_sk_kernel[(nprog,)](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,

@@ -253,10 +253,10 @@ def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, 
 
 
 def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False,
-                    rope: RopeEpilogue | None = None) -> torch.Tensor:
+                    rope: RopeEpilogue | None = None, y_korder: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the warp-specialised kernel: ``groups`` int64 [N, K / 16] twiddled,
     blocked codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps, stages.
-    ``pair``, ``rope``: the pairing epilogues, as ``gemm_gluon.launch_gluon``."""
+    ``pair``, ``rope``, ``y_korder``: the pairing epilogues, as ``gemm_gluon.launch_gluon``."""
     m, k = x.shape
     n, kg = groups.shape
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
@@ -273,7 +273,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
-        PAIR=pair_mode(pair, rope), num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+        PAIR=pair_mode(pair, rope, y_korder), num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )
     return y

@@ -106,21 +106,35 @@ class _NVFP4LinearFn(torch.autograd.Function):
         return gx, None, None, None, gb, None
 
 
-def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequant(w)^T (+ bias), any leading dims on x; gradients flow to x and bias, never to w."""
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None,
+                 x_korder: bool = False) -> torch.Tensor:
+    """y = x @ dequant(w)^T (+ bias), any leading dims on x; gradients flow to x and bias, never to w.
+    ``x_korder`` (inference): x's columns are in the MMA's K order (``takes_korder_x``)."""
     k = w.in_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
     lead = x.shape[:-1]
+    if x_korder:
+        from qerl_kernels.gemm_fwd import natural_order, nvfp4_matmul
+
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise ValueError("x_korder is an inference path: no autograd through it")
+        x2 = x.reshape(-1, k)
+        if _use_triton(x2) and x2.is_cuda:
+            y = nvfp4_matmul(x2, w.packed, w.scale, w.global_scale, bias=bias, twiddled=w.twiddled, blocked=w.blocked,
+                             x_korder=True)
+            return y.reshape(*lead, w.out_features)
+        x = natural_order(x2).reshape(x.shape)
     y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked))
     return y.reshape(*lead, w.out_features)
 
 
-def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight) -> torch.Tensor | None:
+def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight, x_korder: bool = False, y_korder: bool = False) -> torch.Tensor | None:
     """``silu(x @ G^T) * (x @ U^T)`` for ``w`` stacking gate G over up U, in one GEMM
     (``gemm_fwd.nvfp4_swiglu``: the GEMM followed by SwiGLU, bit for bit outside halved launches), or None where that kernel
     cannot run the call: the reference path (CPU), autograd (training saves gate and up), a layout or
-    tile that cannot pair. Inference only; the caller falls back to ``nvfp4_linear`` + its SwiGLU."""
+    tile that cannot pair. Inference only; the caller falls back to ``nvfp4_linear`` + its SwiGLU.
+    ``x_korder``, ``y_korder``: input, output columns in the MMA's K order (``gemm_fwd.nvfp4_swiglu``)."""
     k = w.in_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
@@ -128,11 +142,13 @@ def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight) -> torch.Tensor | None:
         return None
     from qerl_kernels.gemm_fwd import nvfp4_swiglu as _swiglu
 
-    y = _swiglu(x.reshape(-1, k), w.packed, w.scale, w.global_scale, twiddled=w.twiddled, blocked=w.blocked)
+    y = _swiglu(x.reshape(-1, k), w.packed, w.scale, w.global_scale, twiddled=w.twiddled, blocked=w.blocked,
+                x_korder=x_korder, y_korder=y_korder)
     return None if y is None else y.reshape(*x.shape[:-1], w.out_features // 2)
 
 
-def nvfp4_qkv_rope(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None, rope) -> torch.Tensor | None:
+def nvfp4_qkv_rope(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None, rope,
+                   x_korder: bool = False) -> torch.Tensor | None:
     """The fused q/k/v GEMM with rotary + cache write in its epilogue (``gemm_fwd.nvfp4_qkv_rope``;
     ``rope`` a ``gemm_gluon.RopeEpilogue``), or None where it cannot run (as ``nvfp4_swiglu``)."""
     k = w.in_features
@@ -143,5 +159,15 @@ def nvfp4_qkv_rope(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None, r
     from qerl_kernels.gemm_fwd import nvfp4_qkv_rope as _qkv_rope
 
     y = _qkv_rope(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, rope, twiddled=w.twiddled,
-                  blocked=w.blocked)
+                  blocked=w.blocked, x_korder=x_korder)
     return None if y is None else y.reshape(*x.shape[:-1], w.out_features)
+
+
+def takes_korder_x(w: NVFP4Weight, m: int, device: torch.device) -> bool:
+    """Whether this weight's GEMM at ``m`` rows runs a TMA-fed tile, which saves its X permutation pass
+    when the kernel producing X writes it in the MMA's K order (``gemm_fwd.takes_korder_x``)."""
+    if os.environ.get("QERL_KORDER_X", "1") == "0" or os.environ.get("QERL_KERNELS", "auto") != "auto":
+        return False
+    from qerl_kernels.gemm_fwd import takes_korder_x as _takes
+
+    return _takes(m, w.out_features, w.in_features, device, w.twiddled, w.blocked)

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent("""
     from qerl_cli.layers.paged_attention import paged_decode_attention_torch
     from qerl_cli.layers.triton_attention import paged_decode_attention_triton
     torch.manual_seed(0)
-    for hq, hk, d, bs, splits in [(4, 2, 16, 4, 1), (7, 1, 32, 16, 4), (8, 8, 16, 8, 2)]:
+    from qerl_kernels.decode import k_order_index
+    for hq, hk, d, bs, splits in [(4, 2, 16, 4, 1), (7, 1, 32, 16, 4), (8, 8, 16, 8, 2), (8, 2, 32, 8, 1), (8, 2, 32, 8, 3)]:
         nblocks, b = 40, 3
         k = torch.randn(nblocks, bs, hk, d)
         v = torch.randn(nblocks, bs, hk, d)
@@ -30,6 +31,10 @@ SCRIPT = textwrap.dedent("""
             out = paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, num_splits=splits, fused=fused)
             err = (out - ref).abs().max().item()
             assert err < 1e-4, (hq, hk, d, bs, splits, fused, err)
+            if hq * d % 128 == 0:  # rows written in the MMA's K order for o_proj: the same values, moved
+                ko = paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, num_splits=splits, fused=fused,
+                                                   korder=True)
+                assert torch.equal(ko.reshape(b, -1)[:, k_order_index(hq * d)], out.reshape(b, -1)), (splits, fused)
     from qerl_kernels.gemm_fwd import arrival_counters
     assert int(arrival_counters(torch.device("cpu")).abs().sum()) == 0  # every launch left them zero
     print("ok")
@@ -123,6 +128,24 @@ FUSED = textwrap.dedent("""
     # SwiGLU on the strided halves of one tensor.
     g, u = torch.randn(4, 2 * 40).chunk(2, -1)
     assert torch.allclose(fused.silu_mul(g, u), torch.nn.functional.silu(g) * u, atol=1e-6)
+    # K-order outputs (for a TMA-fed GEMM): the same values at decode.k_order's columns, the residual
+    # and the shrink untouched; rows of 256 columns (two 128-column steps), one SwiGLU block cut short.
+    from qerl_kernels.decode import k_order_index
+    idx = k_order_index(256)
+    w256, z256, a8 = 1 + 0.1 * torch.randn(256), 0.01 * torch.randn(256), torch.randn(8, 256)
+    x2, r2 = torch.randn(3, 256), torch.randn(3, 256)
+    y_n, ro_n, t_n = fused.rmsnorm(x2, w256, z256, 1e-6, r2, lora_a=a8)
+    y_k, ro_k, t_k = fused.rmsnorm(x2, w256, z256, 1e-6, r2, lora_a=a8, korder=True)
+    assert torch.equal(y_k[:, idx], y_n) and torch.equal(ro_k, ro_n) and torch.equal(t_k, t_n)
+    assert torch.equal(fused.rmsnorm(x2, w256, None, 1e-6, korder=True)[:, idx], fused.rmsnorm(x2, w256, None, 1e-6))
+    g2, u2 = torch.randn(3, 2 * 1280).chunk(2, -1)
+    idx1280 = k_order_index(1280)
+    assert torch.equal(fused.silu_mul(g2, u2, korder=True)[:, idx1280], fused.silu_mul(g2, u2))
+    try:
+        fused.rmsnorm(x, norm.weight, None, 1e-6, korder=True)  # 48 columns: no whole 128-column step
+        raise AssertionError("korder on 48 columns was accepted")
+    except ValueError as e:
+        assert "128" in str(e)
     # Deferred LoRA terms (column slices of one q/k/v- or gate/up-shaped tensor), fp16: added and rounded
     # first, so bit-equal to the same kernels on the summed inputs; v + dv is also stored back in place.
     # One token too (a batch-1 decode graph): size-1 dims report arbitrary strides.

@@ -144,8 +144,8 @@ def test_gluon_ws_tiles_compile_for_sm90():
 
 def test_gluon_pair_tiles_compile_for_sm90():
     # The pairing epilogues of every Gluon tile the table holds for their shapes, in each of the three
-    # kernels, ahead of time: SwiGLU (gemm_fwd.nvfp4_swiglu) on gate/up, rotary + cache write
-    # (gemm_fwd.nvfp4_qkv_rope) on q/k/v, with bias.
+    # kernels, ahead of time: SwiGLU (gemm_fwd.nvfp4_swiglu) on gate/up, also in K order, rotary + cache
+    # write (gemm_fwd.nvfp4_qkv_rope) on q/k/v, with bias.
     import triton
     from qerl_kernels.gemm_gluon import HAVE_GLUON, _nvfp4_fwd_gluon_kernel
     from qerl_kernels.tile_configs import FWD_TABLE
@@ -168,6 +168,9 @@ def test_gluon_pair_tiles_compile_for_sm90():
     assert {(c.ws, c.xtma, p) for c, p in jobs} >= {(a, b, p) for a, b in ((True, False), (False, True), (False, False))
                                                      for p in (1, 2)} - {(False, False, 1)}
     jobs.add((next(c for c in FWD_TABLE.values() if c.gluon and not c.ws and not c.xtma), 1))  # per-thread SwiGLU
+    # SwiGLU written in the MMA's K order (pair 3, for a TMA-fed down projection): one tile per kernel.
+    jobs |= {(min((c for c, p in jobs if p == 1 and (c.ws, c.xtma) == kind), key=repr), 3)
+             for kind in ((True, False), (False, True), (False, False))}
     ptrs = {"G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32"}
     for c, pair in sorted(jobs, key=repr):
         consts = dict(BM=c.bm, BN=c.bn, SPLIT=min(c.split_k, 2), HAS_BIAS=pair == 2, NW=c.warps)

@@ -94,3 +94,31 @@ def test_halves_split_evens_out_one_wave():
     assert halves_split(528, 132) is None  # whole waves: nothing to even out
     assert halves_split(640, 132) is None  # more halves than SMs
     assert halves_split(100, 132) is None  # one wave, not full: no SM holds two
+
+
+def test_k_order_is_the_permutation_pass_and_its_consumers_undo_it():
+    # decode.k_order(_index) is where permute_x puts each column; the paths that receive K-order X
+    # without a TMA-fed tile (CPU reference, the activation's torch fallback) bring it back first.
+    from qerl_kernels.decode import k_order_index
+    from qerl_kernels.gemm_fwd import natural_order, takes_korder_x
+    from qerl_kernels.gemm_gluon_tma import permute_x_reference
+
+    from qerl_cli.layers.activation import silu_mul
+    from qerl_cli.layers.paged_attention import to_korder
+
+    x = torch.randn(5, 384)
+    idx = k_order_index(384)
+    assert torch.equal(permute_x_reference(x)[:, idx], x)
+    assert torch.equal(natural_order(permute_x_reference(x)), x)
+    assert sorted(idx.tolist()) == list(range(384)) and not torch.equal(idx, torch.arange(384))
+    packed, scale, gscale = random_nvfp4(32, 384, seed=3)
+    w = NVFP4Weight(packed, scale, gscale)
+    assert torch.equal(nvfp4_linear(permute_x_reference(x), w, x_korder=True), nvfp4_linear(x, w))
+    g, u = torch.randn(2, 3, 256), torch.randn(2, 3, 256)
+    assert torch.equal(silu_mul(g, u, korder=True)[..., k_order_index(256)], silu_mul(g, u))
+    o = torch.randn(2, 4, 32)
+    assert torch.equal(to_korder(o).reshape(2, 128), permute_x_reference(o.reshape(2, 128)))
+    assert not takes_korder_x(16, 32, 384, torch.device("cpu"), True, True)  # CPU: no TMA-fed tile
+    gx = torch.randn(2, 384, requires_grad=True)
+    with pytest.raises(ValueError, match="inference"):
+        nvfp4_linear(gx, w, x_korder=True)

@@ -39,23 +39,35 @@ class _SiluMul(torch.autograd.Function):
         return dg, du
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None):
+def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None,
+             korder: bool = False):
     """``F.silu(g) * u``; under autograd it saves only g and u; outside it on CUDA, one fused kernel.
-    ``dg``, ``du``: deferred LoRA terms of the gate/up GEMM, ``silu(g + dg) * (u + du)`` (engine only)."""
+    ``dg``, ``du``: deferred LoRA terms of the gate/up GEMM, ``silu(g + dg) * (u + du)`` (engine only).
+    ``korder`` (inference): the output's columns in the MMA's K order (``fused.silu_mul``)."""
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+        if korder:
+            raise ValueError("korder is an inference path: no autograd through it")
         return _SiluMul.apply(g, u)
     if fused.enabled(g, u) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1:
-        return fused.silu_mul(g, u, dg, du)
+        return fused.silu_mul(g, u, dg, du, korder=korder)
     if dg is not None:
         g, u = g + dg, u + du
-    return F.silu(g) * u
+    y = F.silu(g) * u
+    if korder:
+        from qerl_kernels.decode import k_order_index
+
+        out = torch.empty_like(y)
+        out[..., k_order_index(y.shape[-1], y.device)] = y
+        y = out
+    return y
 
 
-def swiglu_epilogue(gate_up, x: torch.Tensor) -> torch.Tensor | None:
+def swiglu_epilogue(gate_up, x: torch.Tensor, x_korder: bool = False, y_korder: bool = False) -> torch.Tensor | None:
     """``silu(gate) * up`` straight out of a fused gate/up GEMM (``QLinear.swiglu``: NVFP4 on sm_90,
     one launch fewer per layer; the same bits except where a launch halves its last tiles:
     ``gemm_fwd.nvfp4_swiglu``), or None: fused kernels off (``QERL_FUSED=0``, or
-    autograd needs the op), ``QERL_SWIGLU_EPILOGUE=0``, or a GEMM that cannot pair."""
+    autograd needs the op), ``QERL_SWIGLU_EPILOGUE=0``, or a GEMM that cannot pair. ``x_korder``,
+    ``y_korder``: input, output in the MMA's K order (``QLinear.takes_korder_x``)."""
     if os.environ.get("QERL_SWIGLU_EPILOGUE", "1") == "0" or not fused.enabled(x):
         return None
-    return gate_up.swiglu(x)
+    return gate_up.swiglu(x, x_korder, y_korder)

@@ -50,10 +50,18 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def korder_input(self, x: torch.Tensor) -> bool:
+        """Whether this layer's input norm should write x in the MMA's K order: the fused q/k/v GEMM is
+        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x."""
+        if not self._qkv or self._qkv_lora is not None or any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
+            return False
+        return self._qkv[0].takes_korder_x(x)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None,
-                defer: bool = False):
+                defer: bool = False, x_korder: bool = False):
         """``lora_t``: x @ A^T of the q/k/v ``GroupedLoRA`` when the norm kernel computed it (``shrink_source``).
-        ``defer``: return (o_proj's base output, its LoRA term or None) for the next norm to add."""
+        ``defer``: return (o_proj's base output, its LoRA term or None) for the next norm to add.
+        ``x_korder``: x's columns are in the MMA's K order (``korder_input`` said so to the norm)."""
         b, s, _ = x.shape
         ctx = get_context()
         cached = ctx is not None and self.k_cache is not None
@@ -73,13 +81,15 @@ class Attention(nn.Module):
                 y = None
                 if cached and self.q_norm is None and not any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
                     y = self.rotary[0].gemm_epilogue(fused, x, positions, self.k_cache, self.v_cache,
-                                                     ctx.slot_mapping, nq, nk)
+                                                     ctx.slot_mapping, nq, nk, x_korder)
                 rotated = y is not None
                 if not rotated:
-                    y = fused(x)
+                    y = fused(x, x_korder=x_korder)
                 q, k, v = y.split([nq, nk, nk], dim=-1)
                 q, k, v = add_lora(self.q_proj, x, q), add_lora(self.k_proj, x, k), add_lora(self.v_proj, x, v)
         else:
+            if x_korder:
+                raise ValueError("x in K order needs the fused q/k/v GEMM")
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(b, s, self.num_heads, self.head_dim)
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
@@ -99,8 +109,12 @@ class Attention(nn.Module):
         else:
             from qerl_cli.layers.paged_attention import paged_decode_attention
 
+            korder = not lora_enabled(self.o_proj) and base_of(self.o_proj).takes_korder_x(x)
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
-                                       ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len)
+                                       ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len, korder=korder)
+            if korder:  # o's columns are where o_proj's TMA-fed tile reads them: no permutation pass there
+                y = base_of(self.o_proj)(o.reshape(b, s, self.num_heads * self.head_dim), x_korder=True)
+                return (y, None) if defer else y
         o = o.reshape(b, s, self.num_heads * self.head_dim)
         return deferred(self.o_proj, o) if defer else self.o_proj(o)
 

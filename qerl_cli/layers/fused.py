@@ -17,6 +17,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from qerl_kernels.decode import k_order
 except ImportError:  # triton is Linux-only; the torch paths cover everything without it
     triton = None
 
@@ -38,7 +39,8 @@ def _jit(fn):
 @_jit
 def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, D, stride_x, stride_r, stride_y, stride_ro, stride_a, stride_t, stride_d,
                     N, NA, eps, HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr,
-                    SHRINK: tl.constexpr = False, RC: tl.constexpr = 4, HAS_DELTA: tl.constexpr = False):
+                    SHRINK: tl.constexpr = False, RC: tl.constexpr = 4, HAS_DELTA: tl.constexpr = False,
+                    KORDER: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -59,7 +61,10 @@ def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, D, stride_x, stride_r, stride_y, st
         w = w + tl.load(Z + cols, mask=mask, other=0.0)
     y = x * tl.rsqrt(var + eps) * w
     if c == 0:
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        if KORDER:  # columns where the next GEMM's TMA-fed tile reads them (no permutation pass there)
+            tl.store(Y + row * stride_y + k_order(cols), y.to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
     if SHRINK:
         # LoRA shrink rows [c*RC, c*RC + RC) of A: t = y @ A^T on the rounded y the store above wrote,
         # fp32 sums, rounded once. The whole row at once: one round of loads per program.
@@ -79,7 +84,8 @@ def shrink_rows_per_program(rows: int, n: int) -> int:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, eps: float,
-            residual: torch.Tensor | None = None, lora_a: torch.Tensor | None = None, delta: torch.Tensor | None = None):
+            residual: torch.Tensor | None = None, lora_a: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+            korder: bool = False):
     """-> normed (and the new residual x + residual when one is given), both in x's dtype.
 
     ``delta`` (x's shape and dtype): added to x first and rounded, as if the GEMM that produced x had
@@ -89,8 +95,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
     the normed rows), computed by extra programs of the same launch: each row's programs rebuild the
     normed row and read ``shrink_rows_per_program`` rows of A. Why: at decode batch sizes the separate
     shrink is a cuBLAS split-K GEMM plus its reduce kernel, two launches of a few us for a read of
-    ~100 KB; here it rides on the norm's launch. -> (normed, residual or None, shrink)."""
+    ~100 KB; here it rides on the norm's launch. -> (normed, residual or None, shrink).
+
+    ``korder`` (n % 128 == 0): the normed row's columns come out in the MMA's K order
+    (``qerl_kernels.decode.k_order``), for a GEMM whose TMA-fed tile reads them so
+    (``QLinear.takes_korder_x``); the residual and the shrink stay in natural order."""
     n = x.shape[-1]
+    if korder and n % 128:
+        raise ValueError(f"korder permutes 128-column steps; the row has {n} columns")
     x2 = x.reshape(-1, n)
     y = torch.empty_like(x2)
     if residual is not None:
@@ -113,7 +125,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0), n if lora_a is None else lora_a.stride(0), t.stride(0),
         d2.stride(0), n, 0 if lora_a is None else lora_a.shape[0], eps,
         HAS_RES=residual is not None, HAS_NOISE=noise is not None, BLOCK=triton.next_power_of_2(n),
-        SHRINK=lora_a is not None, RC=rc, HAS_DELTA=delta is not None,
+        SHRINK=lora_a is not None, RC=rc, HAS_DELTA=delta is not None, KORDER=korder,
         num_warps=4 if n <= 4096 and lora_a is None else 8,
     )
     y = y.view(x.shape)
@@ -232,7 +244,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: to
 
 @_jit
 def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constexpr, DG=None, DU=None, stride_d=0,
-                     HAS_D: tl.constexpr = False):
+                     HAS_D: tl.constexpr = False, KORDER: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -242,13 +254,20 @@ def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, N, BLOCK: tl.constex
         g = (g + tl.load(DG + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(u.dtype).to(tl.float32)
         u = (u.to(tl.float32) + tl.load(DU + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)).to(u.dtype)
     s = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # rounded like torch's silu output
-    tl.store(Y + row * stride_y + cols, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+    out = cols
+    if KORDER:
+        out = k_order(cols)
+    tl.store(Y + row * stride_y + out, (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None):
+def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None,
+             korder: bool = False):
     """``silu(g) * u`` in one kernel (torch runs two); g and u may be the halves of one gate/up output.
-    ``dg``, ``du`` (the halves of one [tokens, 2 n] tensor): ``silu(g + dg) * (u + du)``, each sum rounded."""
+    ``dg``, ``du`` (the halves of one [tokens, 2 n] tensor): ``silu(g + dg) * (u + du)``, each sum rounded.
+    ``korder`` (n % 128 == 0): the output's columns in the MMA's K order (as ``rmsnorm``)."""
     n = g.shape[-1]
+    if korder and n % 128:
+        raise ValueError(f"korder permutes 128-column steps; the rows have {n} columns")
     if u.shape != g.shape or g.stride(-1) != 1 or u.stride(-1) != 1:
         raise ValueError(f"silu_mul wants matching row-major g and u, got {tuple(g.shape)} and {tuple(u.shape)}")
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
@@ -261,5 +280,5 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
     block = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n,
                                                            BLOCK=block, DG=dg2, DU=du2, stride_d=dg2.stride(0),
-                                                           HAS_D=dg is not None, num_warps=4)
+                                                           HAS_D=dg is not None, KORDER=korder, num_warps=4)
     return y.view(g.shape)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from qerl_kernels.ops import NVFP4Weight, nvfp4_linear, nvfp4_qkv_rope, nvfp4_swiglu
+from qerl_kernels.ops import NVFP4Weight, nvfp4_linear, nvfp4_qkv_rope, nvfp4_swiglu, takes_korder_x
 from torch import nn
 
 
@@ -56,28 +56,40 @@ class QLinear(nn.Module):
             return self.nvfp4_weight().dequantize(dtype or torch.float32)
         return self.weight if dtype is None else self.weight.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_korder: bool = False) -> torch.Tensor:
+        """``x_korder``: x's columns are in the MMA's K order, written so for this GEMM (``takes_korder_x``)."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.quantized:
-            return nvfp4_linear(x, self.nvfp4_weight(), bias)
+            return nvfp4_linear(x, self.nvfp4_weight(), bias, x_korder=x_korder)
+        if x_korder:
+            raise ValueError("a dense Linear reads its input in natural order")
         return F.linear(x, self.weight, bias)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+    def takes_korder_x(self, x: torch.Tensor) -> bool:
+        """Whether this GEMM on x's rows runs a TMA-fed tile, whose X permutation pass is saved when the
+        kernel producing x writes its columns in the MMA's K order (``qerl_kernels.decode.k_order``):
+        the norm, SwiGLU and decode attention kernels can (``korder=``). NVFP4 on sm_90 only; inference
+        only; ``QERL_KORDER_X=0`` turns it off."""
+        if not self.quantized or not x.is_cuda or x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and x.requires_grad):
+            return False
+        return takes_korder_x(self.nvfp4_weight(), x.numel() // x.shape[-1], x.device)
+
+    def swiglu(self, x: torch.Tensor, x_korder: bool = False, y_korder: bool = False) -> torch.Tensor | None:
         """``silu(gate) * up`` where this module is a fused gate/up GEMM (gate rows over up rows), in one
         kernel (``qerl_kernels.ops.nvfp4_swiglu``), or None where it cannot (dense or biased weight, CPU,
         autograd, a tile that cannot pair): the caller then runs ``forward`` and its SwiGLU."""
         if not self.quantized or self.bias is not None:
             return None
-        return nvfp4_swiglu(x, self.nvfp4_weight())
+        return nvfp4_swiglu(x, self.nvfp4_weight(), x_korder=x_korder, y_korder=y_korder)
 
-    def qkv_rope(self, x: torch.Tensor, rope) -> torch.Tensor | None:
+    def qkv_rope(self, x: torch.Tensor, rope, x_korder: bool = False) -> torch.Tensor | None:
         """This fused q/k/v GEMM's output with q and k rotated and k, v written to the paged caches, in one
         kernel (``qerl_kernels.ops.nvfp4_qkv_rope``; ``rope`` a ``RopeEpilogue``), or None where it
         cannot: the caller then runs ``forward`` and the rotary + cache write kernel."""
         if not self.quantized:
             return None
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return nvfp4_qkv_rope(x, self.nvfp4_weight(), bias, rope)
+        return nvfp4_qkv_rope(x, self.nvfp4_weight(), bias, rope, x_korder=x_korder)
 
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"

@@ -34,13 +34,20 @@ class RMSNorm(nn.Module):
         return self._torch(x, residual, delta)
 
     def with_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, lora_a: torch.Tensor | None,
-                    delta: torch.Tensor | None = None):
+                    delta: torch.Tensor | None = None, korder: bool = False):
         """(normed, residual or None, ``normed @ lora_a^T`` or None): the LoRA shrink of the next GEMM from
         the norm's own launch where the fused kernel runs (``fused.rmsnorm``), else None (the caller
-        shrinks). ``lora_a`` None: plain norm. ``delta`` as in ``forward``."""
-        if lora_a is not None and fused.enabled(x, residual, self.weight):
-            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, lora_a=lora_a, delta=delta)
-        out = self(x, residual, delta)
+        shrinks). ``lora_a`` None: plain norm. ``delta`` as in ``forward``. ``korder``: normed columns in
+        the MMA's K order for the next GEMM (``QLinear.takes_korder_x``; fused kernel only)."""
+        if (lora_a is not None or korder) and fused.enabled(x, residual, self.weight):
+            out = fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, lora_a=lora_a, delta=delta,
+                                korder=korder)
+            if lora_a is not None:
+                return out
+        elif korder:
+            raise ValueError("korder needs the fused norm kernel (CUDA, no autograd, QERL_FUSED on)")
+        else:
+            out = self(x, residual, delta)
         return (out, None, None) if residual is None else (*out, None)
 
     def _torch(self, x: torch.Tensor, residual: torch.Tensor | None, delta: torch.Tensor | None = None):

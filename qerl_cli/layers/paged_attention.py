@@ -30,10 +30,26 @@ def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens
     return o.squeeze(2)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=0):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=0,
+                           korder: bool = False):
+    """``korder``: each sequence's [Hq D] output row in the MMA's K order (qerl_kernels.decode.k_order),
+    for an o_proj whose tile reads it so (the Triton kernel writes it there; the torch path permutes)."""
     if q.is_cuda:
         from qerl_cli.layers import triton_attention
 
         if triton_attention.supported(q.shape[-1]):
-            return triton_attention.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+            return triton_attention.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                                  korder=korder)
+    o = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+    return to_korder(o) if korder else o
+
+
+def to_korder(o: torch.Tensor) -> torch.Tensor:
+    """[B, H, D] -> the same rows with each [H D] row's columns in the MMA's K order (decode.k_order)."""
+    from qerl_kernels.decode import k_order_index
+
+    b, h, d = o.shape
+    flat = o.reshape(b, h * d)
+    out = torch.empty_like(flat)
+    out[:, k_order_index(h * d, o.device)] = flat
+    return out.view(b, h, d)

@@ -83,7 +83,8 @@ class RotaryEmbedding(nn.Module):
         v_cache.view(-1, hk, d).index_copy_(0, slots, v.reshape(-1, hk, d))
         return q, k, v
 
-    def gemm_epilogue(self, qkv, x, positions, k_cache, v_cache, slots, nq: int, nk: int) -> torch.Tensor | None:
+    def gemm_epilogue(self, qkv, x, positions, k_cache, v_cache, slots, nq: int, nk: int,
+                      x_korder: bool = False) -> torch.Tensor | None:
         """The fused q/k/v GEMM ``qkv`` on x with this rotation and the cache write in its epilogue
         (``QLinear.qkv_rope``: NVFP4 on sm_90, one launch fewer per layer than the GEMM followed by
         ``rotate_and_cache``), or None: fused kernels off (``QERL_FUSED=0``, or autograd needs the op),
@@ -94,7 +95,7 @@ class RotaryEmbedding(nn.Module):
 
         rope = RopeEpilogue(positions.reshape(-1), self.cos_sin, slots.reshape(-1), k_cache, v_cache, nq, nk,
                             self.head_dim)
-        return qkv.qkv_rope(x, rope)
+        return qkv.qkv_rope(x, rope, x_korder)
 
     def _fusable(self, q, k, v=None) -> bool:
         return (fused.enabled(q, k, v) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from qerl_kernels.decode import k_order
 from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
 
 
@@ -36,7 +37,7 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
                   GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                   NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, CNT=None, OUT=None, stride_b=0, stride_h=0,
-                  FUSED: tl.constexpr = False):
+                  FUSED: tl.constexpr = False, KORDER: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -70,7 +71,7 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     if NUM_SPLITS == 1:  # the whole context in this program: nothing to merge
-        tl.store(OUT + b * stride_b + heads[:, None] * stride_h + d[None, :], out.to(OUT.dtype.element_ty),
+        tl.store(OUT + b * stride_b + _out_cols(heads, d, stride_h, KORDER), out.to(OUT.dtype.element_ty),
                  mask=gmask[:, None])
         return
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -93,14 +94,25 @@ def _split_kernel(Q, K, V, BT, CL, OP, LSE, stride_qb, stride_qh, stride_kn, str
                              mask=gmask[:, None], other=0.0, cache_modifier=".cg")
                 num += w[:, None] * oj
                 den += w
-            tl.store(OUT + b * stride_b + heads[:, None] * stride_h + d[None, :],
+            tl.store(OUT + b * stride_b + _out_cols(heads, d, stride_h, KORDER),
                      (num / den[:, None]).to(OUT.dtype.element_ty), mask=gmask[:, None])
             tl.atomic_xchg(slot, 0)
 
 
 @triton.jit
+def _out_cols(heads, d, stride_h, KORDER: tl.constexpr):
+    """Offsets of heads' rows in a sequence's output; KORDER (stride_h == D): the row of all heads in
+    the MMA's K order, as o_proj's TMA-fed tile reads it (qerl_kernels.decode.k_order)."""
+    if KORDER:
+        cols = k_order(heads[:, None] * stride_h + d[None, :])
+    else:
+        cols = heads[:, None] * stride_h + d[None, :]
+    return cols
+
+
+@triton.jit
 def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
-                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, SP2: tl.constexpr, D: tl.constexpr, KORDER: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP2)
@@ -111,7 +123,10 @@ def _merge_kernel(OP, LSE, OUT, stride_ob, stride_oh, stride_os, stride_lb, stri
     w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
     o = tl.load(OP + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(OUT + b * stride_b + h * stride_h + d, out.to(OUT.dtype.element_ty))
+    cols = h * stride_h + d
+    if KORDER:
+        cols = k_order(cols)
+    tl.store(OUT + b * stride_b + cols, out.to(OUT.dtype.element_ty))
 
 
 def num_splits_for(batch: int, kv_heads: int, sms: int = 132) -> int:
@@ -134,11 +149,14 @@ def supported(head_dim: int) -> bool:
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
                                   block_n: int | None = None, num_warps: int | None = None,
-                                  num_stages: int | None = None, fused: bool = True):
+                                  num_stages: int | None = None, fused: bool = True, korder: bool = False):
     """Decode attention of ``q`` [B, Hq, D] over the paged caches [blocks, BS, Hk, D]; ``fused=False``
     merges the splits in a second kernel (what runs anyway when no arrival counters exist). Tile
-    arguments left None follow ``num_splits_for`` and ``tile_for``."""
+    arguments left None follow ``num_splits_for`` and ``tile_for``. ``korder`` (Hq D % 128 == 0): each
+    sequence's output row [Hq D] in the MMA's K order, for an o_proj whose TMA-fed tile reads it so."""
     b, hq, d = q.shape
+    if korder and (hq * d) % 128:
+        raise ValueError(f"korder permutes 128-column steps; the output rows have {hq * d} columns")
     _, bs, hk, _ = k_cache.shape
     group = hq // hk
     if num_splits is None:
@@ -161,13 +179,13 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), scale,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 (tests) stays exact; bf16 ignores it
-        CNT=cnt, OUT=out, stride_b=out.stride(0), stride_h=out.stride(1), FUSED=cnt is not None,
+        CNT=cnt, OUT=out, stride_b=out.stride(0), stride_h=out.stride(1), FUSED=cnt is not None, KORDER=korder,
         num_warps=num_warps, num_stages=num_stages,
     )
     if cnt is not None or num_splits == 1:
         return out
     _merge_kernel[(b, hq)](
         op, lse, out, op.stride(0), op.stride(1), op.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4,
+        NUM_SPLITS=num_splits, SP2=max(2, triton.next_power_of_2(num_splits)), D=d, KORDER=korder, num_warps=4,
     )
     return out

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.layers.activation import silu_mul, swiglu_epilogue
-from qerl_cli.layers.attention import Attention, add_lora, deferred, lora_enabled
+from qerl_cli.layers.attention import Attention, add_lora, base_of, deferred, lora_enabled
+from qerl_cli.layers.fused import enabled as fused_enabled
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
@@ -35,10 +36,20 @@ class MLP(nn.Module):
         self._gate_up: list[QLinear] = []  # inference-only fused GEMM (layers.attention.fuse_projections)
         self._gate_up_lora = None  # a GroupedLoRA for gate/up (layers.attention.group_lora)
 
-    def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None, defer: bool = False):
+    def korder_input(self, x: torch.Tensor) -> bool:
+        """Whether the norm before this MLP should write x in the MMA's K order: the fused gate/up GEMM is
+        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x."""
+        if not self._gate_up or self._gate_up_lora is not None or lora_enabled(self.gate_proj) or lora_enabled(self.up_proj):
+            return False
+        return self._gate_up[0].takes_korder_x(x)
+
+    def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None, defer: bool = False, x_korder: bool = False):
         """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it. ``defer``:
-        return (down_proj's base output, its LoRA term or None) for the next norm to add."""
+        return (down_proj's base output, its LoRA term or None) for the next norm to add. ``x_korder``:
+        x's columns are in the MMA's K order (``korder_input`` said so to the norm)."""
         dg = du = h = None  # gate/up's LoRA terms when SwiGLU adds them; h once SwiGLU ran
+        # SwiGLU writes h in the MMA's K order where down_proj's TMA-fed tile reads it so.
+        yk = fused_enabled(x) and not lora_enabled(self.down_proj) and base_of(self.down_proj).takes_korder_x(x)
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
@@ -51,14 +62,19 @@ class MLP(nn.Module):
                     g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
             else:
                 if not (lora_enabled(self.gate_proj) or lora_enabled(self.up_proj)):
-                    h = swiglu_epilogue(fused, x)
+                    h = swiglu_epilogue(fused, x, x_korder, yk)
                 if h is None:
-                    g, u = fused(x).chunk(2, dim=-1)
+                    g, u = fused(x, x_korder=x_korder).chunk(2, dim=-1)
                     g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
         else:
+            if x_korder:
+                raise ValueError("x in K order needs the fused gate/up GEMM")
             g, u = self.gate_proj(x), self.up_proj(x)
         if h is None:
-            h = silu_mul(g, u, dg, du)
+            h = silu_mul(g, u, dg, du, korder=yk)
+        if yk:
+            y = base_of(self.down_proj)(h, x_korder=True)
+            return (y, None) if defer else y
         return deferred(self.down_proj, h) if defer else self.down_proj(h)
 
 
@@ -85,12 +101,15 @@ class DecoderLayer(nn.Module):
         Same arithmetic as HF's ``x + attn(norm(x))`` / ``x + mlp(norm(x))`` (each add rounds to the model
         dtype), but lets the adds fuse into the following norm.
         """
-        h, res, t = self.input_layernorm.with_shrink(x, residual, shrink_source(self.self_attn._qkv_lora, x), delta)
+        kq = fused_enabled(x) and self.self_attn.korder_input(x)  # norms write K order for TMA-fed GEMMs
+        h, res, t = self.input_layernorm.with_shrink(x, residual, shrink_source(self.self_attn._qkv_lora, x), delta,
+                                                     korder=kq)
         residual = x if residual is None else res
-        h, d = self.self_attn(h, positions, t, defer=True)
+        h, d = self.self_attn(h, positions, t, defer=True, x_korder=kq)
+        km = fused_enabled(h) and self.mlp.korder_input(h)
         h, residual, t = self.post_attention_layernorm.with_shrink(h, residual, shrink_source(self.mlp._gate_up_lora, h),
-                                                                   d)
-        return *self.mlp(h, t, defer=True), residual
+                                                                   d, korder=km)
+        return *self.mlp(h, t, defer=True, x_korder=km), residual
 
     def forward_stream(self, s: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Residual stream in, residual stream out: the checkpointed training form of ``forward``.

@@ -1,0 +1,156 @@
+"""Activations written in the MMA's K order by the kernels that produce them (norm, SwiGLU, decode
+attention), read by the TMA-fed GEMM tiles without their permutation pass: the same bits as the
+natural-order path, kernel by kernel and in the engine's samples."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from qerl_kernels.testing import gluon_pairing_configs
+
+pytestmark = pytest.mark.gpu
+
+N, K = 384, 1280
+
+
+def _weights(n: int, k: int, seed: int):
+    from qerl_kernels.testing import random_nvfp4
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    p, s, g = random_nvfp4(n, k, seed=seed, device="cuda")
+    return to_kernel_layout(p, True), s, g
+
+
+def _tma_configs(m: int) -> list:
+    """The TMA-fed tiles at m rows: split-K grids, a halved launch, stream-K."""
+    plain, halved = gluon_pairing_configs(m)
+    tma = [c for c in plain + halved if c.xtma]
+    return tma + [replace(tma[0], split_k=1, sk=2)]
+
+
+@pytest.mark.parametrize("m", [40, 100])
+def test_korder_x_gives_the_gemm_bit_for_bit(m):
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.gemm_gluon_tma import permute_x
+
+    tp, s, g = _weights(N, K, seed=m)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    xk = permute_x(x)
+    others = [c for c in gluon_pairing_configs(m)[0] if not c.xtma][:2]  # not TMA-fed: x goes back first
+    for cfg in _tma_configs(m) + others:
+        ref = nvfp4_matmul(x, tp, s, g, bias=bias, config=cfg, twiddled=True, blocked=True)
+        got = nvfp4_matmul(xk, tp, s, g, bias=bias, config=cfg, twiddled=True, blocked=True, x_korder=True)
+        assert torch.equal(got, ref), cfg
+
+
+@pytest.mark.parametrize("m", [16, 64])
+def test_swiglu_writes_korder_and_reads_it(m):
+    from qerl_kernels.decode import k_order_index
+    from qerl_kernels.gemm_fwd import nvfp4_swiglu
+    from qerl_kernels.gemm_gluon_tma import permute_x
+
+    tp, s, g = _weights(2 * N, K, seed=m + 7)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    idx = k_order_index(N, "cuda")
+    plain, halved = gluon_pairing_configs(m)
+    for cfg in plain + halved:  # every Gluon kernel writes K order; the TMA-fed ones also read it
+        ref = nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True)
+        y = nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True, y_korder=True)
+        assert torch.equal(y[:, idx], ref), cfg
+        if cfg.xtma:
+            y2 = nvfp4_swiglu(permute_x(x), tp, s, g, config=cfg, twiddled=True, blocked=True, x_korder=True,
+                              y_korder=True)
+            assert torch.equal(y2, y), cfg
+
+
+def test_qkv_rope_reads_korder():
+    from qerl_kernels.gemm_fwd import nvfp4_qkv_rope
+    from qerl_kernels.gemm_gluon import RopeEpilogue
+    from qerl_kernels.gemm_gluon_tma import permute_x
+
+    from qerl_cli.layers.rotary import RotaryEmbedding
+
+    m, head, hq, hk = 48, 128, 4, 2
+    tp, s, g = _weights((hq + 2 * hk) * head, K, seed=5)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    positions = torch.randint(0, 4096, (m,), device="cuda")
+    slots = torch.randperm(256, device="cuda")[:m]
+    cos_sin = RotaryEmbedding(head, 4096, 1e6, device="cuda").cos_sin
+    for cfg in [c for c in gluon_pairing_configs(m)[0] if c.xtma]:
+        out = []
+        for xin, korder in ((x, False), (permute_x(x), True)):
+            kc, vc = (torch.zeros(16, 16, hk, head, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            rope = RopeEpilogue(positions, cos_sin, slots, kc, vc, hq * head, hk * head, head)
+            y = nvfp4_qkv_rope(xin, tp, s, g, None, rope, config=cfg, twiddled=True, blocked=True, x_korder=korder)
+            out.append((y, kc, vc))
+        assert all(torch.equal(a, b) for a, b in zip(*out)), cfg
+
+
+def test_norm_and_attention_write_korder_in_bf16():
+    # The interpreter checks these kernels in fp16/fp32; here bf16 on the GPU, a 7B-shaped row and
+    # attention over the engine's split and whole-context tiles.
+    from qerl_kernels.decode import k_order_index
+
+    from qerl_cli.layers import fused
+    from qerl_cli.layers.triton_attention import paged_decode_attention_triton
+
+    x, r = (torch.randn(16, 3584, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(3584, device="cuda")).to(torch.bfloat16)
+    z = 0.01 * torch.randn(3584, device="cuda")
+    y, ro = fused.rmsnorm(x, w, z, 1e-6, r)
+    yk, rok = fused.rmsnorm(x, w, z, 1e-6, r, korder=True)
+    assert torch.equal(yk[:, k_order_index(3584, "cuda")], y) and torch.equal(rok, ro)
+    kc, vc = (torch.randn(200, 16, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    idx = k_order_index(28 * 128, "cuda")
+    for b in (16, 64):
+        q = torch.randn(b, 28, 128, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randint(1, 200, (b, 48), device="cuda", dtype=torch.int32)
+        lens = torch.randint(1, 768, (b,), device="cuda", dtype=torch.int32)
+        o = paged_decode_attention_triton(q, kc, vc, tables, lens, 128**-0.5)
+        ok = paged_decode_attention_triton(q, kc, vc, tables, lens, 128**-0.5, korder=True)
+        assert torch.equal(ok.reshape(b, -1)[:, idx], o.reshape(b, -1)), b
+
+
+def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
+    # A tiny NVFP4 model whose GEMMs all run a TMA-fed tile (the table has no such shapes, so the test
+    # forces one): with QERL_KORDER_X=1 the norms, SwiGLU and decode attention write K order and their
+    # GEMMs skip permute_x; the samples equal those of the permutation passes.
+    from qerl_kernels import gemm_fwd, gemm_gluon_tma
+    from qerl_kernels.tile_configs import FwdConfig
+
+    from qerl_cli.engine import LLMEngine, SamplingParams
+    from qerl_cli.models import load_model
+    from qerl_cli.quantize import QuantizeConfig, quantize
+    from tests.helpers import make_tiny_hf_model
+    from tests.test_engine_gpu import PROMPTS
+
+    def tma_tile(m, n, k):
+        return FwdConfig(16 if m <= 16 else 64, 64, 16, split_k=1, warps=4, stages=3, swap=True, gluon=True,
+                         xtma=True, inflight=True)
+
+    monkeypatch.setattr(gemm_fwd, "fwd_config", tma_tile)
+    real, korder = gemm_gluon_tma.launch_gluon_tma, []
+
+    def spy(*args, **kw):
+        korder.append(kw.get("x_korder", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gemm_gluon_tma, "launch_gluon_tma", spy)
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", init_std=0.05, hidden=128, heads=2, kv_heads=1, intermediate=256)
+    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=17)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QERL_KORDER_X", flag)
+        korder.clear()
+        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
+        # At 1 only a prefill's o_proj reads natural X (the prefill attention is SDPA's).
+        assert korder and (korder.count(True) > len(korder) // 2 if flag == "1" else not any(korder)), \
+            (flag, korder.count(True), len(korder))
+    for a, b in zip(runs["1"], runs["0"]):
+        for c1, c2 in zip(a, b):
+            assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs
