@@ -23,11 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import add_probe_args, bench_fwd_point, geomean, probe_points, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon_ws as ws  # noqa: E402
 from qerl_kernels.gemm_fwd import as_words  # noqa: E402
+from qerl_kernels.gemm_gluon_tma import permute_x  # noqa: E402
 
 
 def run_ws(x, packed, scale, gs, cfg):
+    """With ``cfg.xtma`` x is already in the MMA's K order (the engine's producers write it so)."""
     groups, scale_u8 = as_words(packed).view(torch.int64), scale.view(torch.uint8)
-    return ws.launch_gluon_ws(x, groups, scale_u8, gs, None, cfg)
+    return ws.launch_gluon_ws(x, groups, scale_u8, gs, None, cfg, x_korder=cfg.xtma)
 
 
 AUTO_SPLITS = {"qkv": "4,8", "o": "4,8", "gate_up": "1,2", "down": "4,8"}
@@ -50,10 +52,12 @@ def candidates(args, layer, m, n, k):
                                 continue
                             for half in map(int, args.half.split(",")):
                                 for halves in map(int, args.halves.split(",")):
-                                    if halves and split > 1:
-                                        continue
-                                    yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs,
-                                                          pregs=pregs, split_k=split, half=half, halves=bool(halves))
+                                    for xtma in map(int, args.xtma.split(",")):
+                                        if halves and split > 1 or xtma and not half:
+                                            continue
+                                        yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs,
+                                                              pregs=pregs, split_k=split, half=half,
+                                                              halves=bool(halves), xtma=bool(xtma))
 
 
 def main(argv=None) -> int:
@@ -71,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--halves", default="0", help="0, 1 or 0,1: split-K 1 tiles with the wave's last tiles halved")
     ap.add_argument("--max-waves", type=float, default=1.0, help="skip splits with more than this x 8 x 132 programs")
     ap.add_argument("--any-warps", action="store_true", help="also BN != 16 x warps (more rows per consumer warpgroup)")
+    ap.add_argument("--xtma", default="0", help="0, 1 or 0,1: X by TMA from activations already in K order "
+                    "(timed without a permutation pass: the engine's producers write that order)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     ratios = {m: [] for m in map(int, args.ms.split(","))}
@@ -78,11 +84,12 @@ def main(argv=None) -> int:
         n, k = d.n, d.k
         t_tab, _ = bench_fwd_point(d, m, tab)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xk = permute_x(x)
         ref = nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, twiddled=True, blocked=True).float()
         best, best_cfg, errs = None, None, []
         for cfg in candidates(args, layer, m, n, k):
             try:
-                y = run_ws(x, d.packed[0], d.scale[0], d.gs, cfg).float()
+                y = run_ws(xk if cfg.xtma else x, d.packed[0], d.scale[0], d.gs, cfg).float()
             except Exception as e:  # noqa: BLE001 - a split ptxas cannot fit is skipped, not fatal
                 print(f"  SKIP {model} {layer} M={m} {vars(cfg)}: {type(e).__name__}", flush=True)
                 continue
@@ -91,11 +98,12 @@ def main(argv=None) -> int:
             if not err < 1e-2:
                 print(f"  WRONG {model} {layer} M={m} {vars(cfg)}: rel err {err:.2e}", flush=True)
                 continue
-            us = time_graph([lambda p=p, s=s, c=cfg, x=x, g=d.gs: run_ws(x, p, s, g, c)
+            us = time_graph([lambda p=p, s=s, c=cfg, x=xk if cfg.xtma else x, g=d.gs: run_ws(x, p, s, g, c)
                              for p, s in zip(d.packed, d.scale)])
             if args.v:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
-                      f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}: {us:.1f}", flush=True)
+                      f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}"
+                      f"{' xtma' if cfg.xtma else ''}: {us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
         if best is None:
@@ -103,7 +111,8 @@ def main(argv=None) -> int:
         ratios[m].append(t_tab / best)
         print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
               f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} "
-              f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''} | max err {max(errs):.1e}", flush=True)
+              f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''}"
+              f"{' xtma' if best_cfg.xtma else ''} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {geomean(v):.3f} "

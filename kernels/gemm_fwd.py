@@ -62,7 +62,14 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.tile_configs import DEQUANT, FwdConfig, fwd_config, heuristic_fwd, layout_safe
+from qerl_kernels.tile_configs import (
+    DEQUANT,
+    FwdConfig,
+    fwd_config,
+    heuristic_fwd,
+    korder_fwd_config,
+    layout_safe,
+)
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 COUNTER_SLOTS = 1 << 16
@@ -280,7 +287,7 @@ def nvfp4_matmul(
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or fwd_config(m, n, k)
+    cfg = config or (korder_fwd_config if x_korder else fwd_config)(m, n, k)
     if x_korder:
         if m > 0 and _korder_tile(x, n, k, cfg, twiddled, blocked):
             return _launch_gluon_tile(x, as_words(packed).view(torch.int64), scale.contiguous().view(torch.uint8),
@@ -394,13 +401,12 @@ def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, bloc
                     x_korder=False, y_korder=False):
     """A Gluon launch with a pairing epilogue (SwiGLU or rotary), or None where the table's tile for
     this shape cannot run one (a Triton or stream-K tile, a layout or shape it cannot pair)."""
-    if x_korder and not _korder_tile(x, packed.shape[0], x.shape[1],
-                                     config or fwd_config(x.shape[0], packed.shape[0], x.shape[1]), twiddled, blocked):
-        x, x_korder = natural_order(x), False
     m, n, k = _check(x, packed, scale)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or fwd_config(m, n, k)
+    cfg = config or (korder_fwd_config if x_korder else fwd_config)(m, n, k)
+    if x_korder and not _korder_tile(x, n, k, cfg, twiddled, blocked):
+        x, x_korder = natural_order(x), False
     if not (cfg.gluon and m > 0 and not getattr(cfg, "sk", 0) and twiddled and blocked and x.dtype == torch.bfloat16
             and fast_decode_supported(x.device)):
         return None
@@ -418,12 +424,13 @@ def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, bloc
 
 
 def takes_korder_x(m: int, n: int, k: int, device: torch.device, twiddled: bool, blocked: bool) -> bool:
-    """Whether ``nvfp4_matmul`` of this shape runs a TMA-fed tile, which reads X through ``permute_x`` (one
-    more launch per GEMM) unless the kernel that produced X wrote it in the MMA's K order already."""
+    """Whether ``nvfp4_matmul`` of this shape, given X in the MMA's K order (``korder_fwd_config``), runs a
+    tile that reads X by TMA: one that otherwise pays a ``permute_x`` launch per GEMM, or the faster tile
+    ``tile_configs.KORDER_FWD`` holds for that input. A producer that can write K order should then."""
     if m <= 0 or device.type != "cuda" or not (twiddled and blocked):
         return False
-    return _korder_tile(torch.empty(0, k, dtype=torch.bfloat16, device=device), n, k, fwd_config(m, n, k), twiddled,
-                        blocked)
+    return _korder_tile(torch.empty(0, k, dtype=torch.bfloat16, device=device), n, k, korder_fwd_config(m, n, k),
+                        twiddled, blocked)
 
 
 def _korder_tile(x, n, k, cfg, twiddled, blocked) -> bool:
@@ -431,8 +438,8 @@ def _korder_tile(x, n, k, cfg, twiddled, blocked) -> bool:
     from qerl_kernels.gemm_gluon import gluon_supported
     from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA
 
-    return bool(cfg.gluon and cfg.xtma and HAVE_GLUON_TMA and fast_decode_supported(x.device)
-                and gluon_supported(x, n, k, twiddled, blocked))
+    return bool(cfg.gluon and cfg.xtma and HAVE_GLUON_TMA and (not cfg.ws or k % 256 == 0)
+                and fast_decode_supported(x.device) and gluon_supported(x, n, k, twiddled, blocked))
 
 
 def natural_order(x: torch.Tensor) -> torch.Tensor:
@@ -442,20 +449,24 @@ def natural_order(x: torch.Tensor) -> torch.Tensor:
 
 def _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, pair=False, rope=None, x_korder=False,
                        y_korder=False):
-    """A ``gluon`` table entry on the kernel it names: the TMA-fed one (``xtma``), the warp-specialised
-    one (``ws``; where it cannot run, K % 256 != 0 or alignment, the same tile per thread), else the
-    per-thread one. ``pair``/``rope``: the pairing epilogues (``gemm_gluon.launch_gluon``)."""
+    """A ``gluon`` table entry on the kernel it names: the warp-specialised one (``ws``, X by TMA with
+    ``xtma``; where it cannot run, K % 256 != 0 or alignment, the same tile per thread), the TMA-fed one
+    (``xtma``), else the per-thread one. ``pair``/``rope``: the pairing epilogues
+    (``gemm_gluon.launch_gluon``); ``x_korder``, ``y_korder``: X, Y in the MMA's K order."""
     from qerl_kernels.gemm_gluon import launch_gluon
     from qerl_kernels.gemm_gluon_tma import HAVE_GLUON_TMA, launch_gluon_tma
 
-    if cfg.xtma and HAVE_GLUON_TMA:
-        return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder,
-                                x_korder=x_korder)
-    if x_korder:  # only TMA-fed tiles read K-ordered X (callers check _korder_tile first)
-        x = natural_order(x)
     if cfg.ws:
         from qerl_kernels.gemm_gluon_ws import launch_gluon_ws, ws_supported
 
         if ws_supported(x, words, scale_u8, cfg):
-            return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder)
+            if x_korder and not cfg.xtma:
+                x, x_korder = natural_order(x), False
+            return launch_gluon_ws(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder,
+                                   x_korder=x_korder)
+    elif cfg.xtma and HAVE_GLUON_TMA:
+        return launch_gluon_tma(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder,
+                                x_korder=x_korder)
+    if x_korder:  # only TMA-fed tiles read K-ordered X (callers check _korder_tile first)
+        x = natural_order(x)
     return launch_gluon(x, words, scale_u8, global_scale, bias, cfg, pair=pair, rope=rope, y_korder=y_korder)

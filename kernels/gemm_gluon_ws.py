@@ -45,7 +45,7 @@ if HAVE_GLUON:
             _store_program,
             _x_layout,
         )
-        from qerl_kernels.gemm_gluon_tma import _decode_half, _halves
+        from qerl_kernels.gemm_gluon_tma import _decode_half, _halves, permute_x, x_layout
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -101,30 +101,43 @@ if HAVE_GLUON_WS:
     @gluon.jit
     def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
                   pd, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
-                  PAIR: gl.constexpr):
+                  PAIR: gl.constexpr, XTMA: gl.constexpr):
         """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
-        and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order."""
-        XL: gl.constexpr = _x_layout(BM, PW)
-        rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-        xm = gl.expand_dims(rm_x, 1)
-        xrow = X + xm * stride_xm + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
-        xok = xm < M
-        for j in range(npairs):
-            st = j % STAGES
-            mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            bar = ready.index(st)
-            step = s_lo + 2 * j
-            _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
-            x0 = gl.load(xrow + step * 128, mask=xok, other=0.0)
-            x1 = gl.load(xrow + step * 128 + 128, mask=xok, other=0.0)
-            xs.index(2 * st).store(_permute_x(x0, BM))
-            xs.index(2 * st + 1).store(_permute_x(x1, BM))
-            fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
-            mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
+        and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order; with
+        XTMA, X (a descriptor over activations already in K order) by TMA too, four [BM, 64] half steps."""
+        if XTMA:
+            for j in range(npairs):
+                st = j % STAGES
+                mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+                bar = ready.index(st)
+                step = s_lo + 2 * j
+                mbarrier.expect(bar, 4 * X.block_type.nbytes)  # the stage's second arrival: X's bytes
+                _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
+                for q in gl.static_range(4):
+                    _tma_load(X, [pid_m * BM, step * 128 + 64 * q], bar, xs.index(4 * st + q))
+        else:
+            XL: gl.constexpr = _x_layout(BM, PW)
+            rm_x = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+            xm = gl.expand_dims(rm_x, 1)
+            xrow = X + xm * stride_xm + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, XL)), 0)
+            xok = xm < M
+            for j in range(npairs):
+                st = j % STAGES
+                mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+                bar = ready.index(st)
+                step = s_lo + 2 * j
+                _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
+                x0 = gl.load(xrow + step * 128, mask=xok, other=0.0)
+                x1 = gl.load(xrow + step * 128 + 128, mask=xok, other=0.0)
+                xs.index(2 * st).store(_permute_x(x0, BM))
+                xs.index(2 * st + 1).store(_permute_x(x1, BM))
+                fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
+                mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
 
     @gluon.jit
     def _consumer(cs, ss, xs, ready, empty, npairs,
-                  BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr):
+                  BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+                  XTMA: gl.constexpr):
         """acc [BN, BM] over the program's K steps, everything read from the ring. HALF 0: one MMA per K step;
         1: two half-step MMAs (half the A fragment live); 2: half steps with one MMA left in flight while
         the next half decodes (its A operand handed to the next wait, so ptxas keeps its registers)."""
@@ -141,7 +154,13 @@ if HAVE_GLUON_WS:
             for h in gl.static_range(2):
                 pw = _as_groups(cs.index(2 * st + h), BN, FLAT).load(CODES)
                 s = _half_scales(sc, h, BN, CODES)
-                xb = xs.index(2 * st + h)
+                if XTMA:  # [BM, 64] half-step tiles (HALF >= 1)
+                    xe = xs.index(4 * st + 2 * h)
+                    xo = xs.index(4 * st + 2 * h + 1)
+                else:
+                    xb = xs.index(2 * st + h)
+                    xe = xb.slice(0, 64, dim=1)
+                    xo = xb.slice(64, 64, dim=1)
                 if HALF == 0:
                     a = _decode_fragment(pw, s, BN, DOT)
                     acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)])
@@ -149,9 +168,9 @@ if HAVE_GLUON_WS:
                     pw_e, pw_o = _halves(pw, BN)
                     s_e, s_o = _halves(s, BN)
                     a_e = _decode_half(pw_e, s_e, BN, DOT)
-                    acc = _half_mma(a_e, xb.slice(0, 64, dim=1), acc, a_o, HALF == 2)
+                    acc = _half_mma(a_e, xe, acc, a_o, HALF == 2)
                     a_o = _decode_half(pw_o, s_o, BN, DOT)
-                    acc = _half_mma(a_o, xb.slice(64, 64, dim=1), acc, a_e, HALF == 2)
+                    acc = _half_mma(a_o, xo, acc, a_e, HALF == 2)
             if HALF == 2:
                 acc = warpgroup_mma_wait(0, deps=[acc])  # the stage's last MMA reads its X: done before release
             mbarrier.arrive(empty.index(st))
@@ -194,9 +213,10 @@ if HAVE_GLUON_WS:
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
+        XTMA: gl.constexpr = False,
     ):
+        """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws)."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
-        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
         if HALVES:
@@ -212,11 +232,15 @@ if HAVE_GLUON_WS:
 
         cs = gl.allocate_shared_memory(gl.int64, [2 * STAGES, BN // 16, 128], c_desc.layout)
         ss = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 16], s_desc.layout)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 128], XS)
+        if XTMA:
+            xs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BM, 64], X.layout)
+        else:
+            xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 128],
+                                           gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(STAGES):
-            mbarrier.init(ready.index(b), count=2)
+            mbarrier.init(ready.index(b), count=2)  # the weights' expect, and X's (its expect, or the X stores)
             mbarrier.init(empty.index(b), count=1)
 
         if PAIR:  # the tile's first half starts here, its second _pair_distance further (_load_weights)
@@ -224,9 +248,9 @@ if HAVE_GLUON_WS:
         else:
             n0 = pid_n * BN
         res = gl.warp_specialize([
-            (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF)),
+            (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
             (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0,
-                         2 * p_lo, npairs, stride_xm, _pair_distance(N, PAIR, HD), BM, BN, STAGES, 4, PAIR)),
+                         2 * p_lo, npairs, stride_xm, _pair_distance(N, PAIR, HD), BM, BN, STAGES, 4, PAIR, XTMA)),
         ], [4], [PREGS])
         acc = res[0]
         for b in gl.static_range(STAGES):
@@ -253,11 +277,21 @@ def ws_supported(x: torch.Tensor, groups: torch.Tensor, scale_u8: torch.Tensor, 
 
 
 def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = False,
-                    rope: RopeEpilogue | None = None, y_korder: bool = False) -> torch.Tensor:
+                    rope: RopeEpilogue | None = None, y_korder: bool = False, x_korder: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` (+ bias) by the warp-specialised kernel: ``groups`` int64 [N, K / 16] twiddled,
     blocked codes, ``scale_u8`` [N, K / 16] e4m3 bytes; ``cfg`` needs bm, bn, split_k, warps, stages.
-    ``pair``, ``rope``, ``y_korder``: the pairing epilogues, as ``gemm_gluon.launch_gluon``."""
+    ``pair``, ``rope``, ``y_korder``: the pairing epilogues, as ``gemm_gluon.launch_gluon``. ``cfg.xtma``
+    (half steps only): X comes by TMA from activations in the MMA's K order, ``x`` itself with
+    ``x_korder`` (written so by the kernel that produced it), else a ``permute_x`` copy."""
     m, k = x.shape
+    xtma = bool(getattr(cfg, "xtma", False))
+    if xtma and not getattr(cfg, "half", 0):
+        raise ValueError("X by TMA feeds half-step MMAs: the tile needs half >= 1")
+    xarg = x
+    if xtma:
+        xarg = GluonDescriptor.from_tensor(x if x_korder else permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
+    elif x_korder:
+        raise ValueError("this tile reads X in natural order")
     n, kg = groups.shape
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
@@ -267,13 +301,13 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())
     _nvfp4_fwd_gluon_ws_kernel[grid](
-        x, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
+        xarg, c_desc, s_desc, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
         m, n, kg, per, n_full or 0,
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
-        PAIR=pair_mode(pair, rope, y_korder), num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+        PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )
     return y

@@ -172,6 +172,25 @@ def fwd_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdCon
     return hit if hit is not None else heuristic_fwd(m, n, k, num_sms)
 
 
+# Tiles for activations that arrive in the MMA's K order (written so by the kernel that produced them:
+# the engine's norm, SwiGLU and attention, decode.k_order), where they beat the table's tile, which is
+# measured on natural-order X. The warp-specialised kernel then takes X by TMA, so its producer
+# warpgroup holds no X registers and the consumer gets more. H100, `benchmarks/probe_ws.py --models 7B
+# --layers down,gate_up --ms 16 --bns 64 --warps 4 --stages 2 --rp 40:24,48:24,48:32 --half 1,2 --xtma 0,1
+# --halves 0,1` (docs/benchmarks.md, kernels, sixteenth pass): 7B down at M = 16 22.6 -> 21.3 us; no
+# other shape gained past run-to-run spread (7B gate_up 0.98x, 7B o 0.98x, 32B down 0.96x).
+KORDER_FWD = {
+    (16, 3584, 18944): FwdConfig(bm=16, bn=64, bkw=16, split_k=8, warps=4, stages=2, swap=True, maxnreg=48,
+                                 gluon=True, xtma=True, ws=True, pregs=32, half=1),
+}
+
+
+def korder_fwd_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig:
+    """The tile for X already in the MMA's K order: ``KORDER_FWD``'s, else the table's (``fwd_config``)."""
+    hit = KORDER_FWD.get((m_bucket(m), n, k))
+    return hit if hit is not None else fwd_config(m, n, k, num_sms)
+
+
 def bwd_config(m: int, n: int, k: int) -> BwdConfig:
     hit = BWD_TABLE.get((n, k)) if m >= 1024 else None
     if hit is not None:

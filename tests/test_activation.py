@@ -47,7 +47,7 @@ def test_swiglu_epilogue_falls_back_off_gpu(monkeypatch):
     x = torch.randn(3, 64)
     assert lin.swiglu(x) is None
     asked = []
-    monkeypatch.setattr(QLinear, "swiglu", lambda self, x: asked.append(1))
+    monkeypatch.setattr(QLinear, "swiglu", lambda self, x, *korder: asked.append(1))
     monkeypatch.setattr("qerl_cli.layers.fused.enabled", lambda *t: True)  # as on a GPU
     for flag, want in (("0", []), ("1", [1])):
         monkeypatch.setenv("QERL_SWIGLU_EPILOGUE", flag)

@@ -46,6 +46,47 @@ def test_korder_x_gives_the_gemm_bit_for_bit(m):
         assert torch.equal(got, ref), cfg
 
 
+@pytest.mark.parametrize("m", [5, 16, 30])
+def test_warp_specialised_tiles_take_x_by_tma(m):
+    # The warp-specialised kernel with X by TMA (cfg.xtma: activations in K order, as the engine's
+    # producers write them; natural X gets a permute_x copy): the same bits as the same tile with X
+    # through the producer's registers, for every half-step candidate, split-K and halved launch.
+    from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
+    from qerl_kernels.gemm_gluon_tma import permute_x
+    from qerl_kernels.tile_configs import _gluon_ws_candidates
+
+    tp, s, g = _weights(2 * N, K, seed=m + 11)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    xk = permute_x(x)
+    bm = 8 if m <= 8 else 16 if m <= 16 else 32
+    cands = [c for c in _gluon_ws_candidates(bm) if c.half]
+    assert cands
+    for cfg in cands:
+        for c in ([cfg] if cfg.halves else [cfg, replace(cfg, split_k=2)]):
+            ref = nvfp4_matmul(x, tp, s, g, config=c, twiddled=True, blocked=True)
+            xc = replace(c, xtma=True)
+            got = nvfp4_matmul(xk, tp, s, g, config=xc, twiddled=True, blocked=True, x_korder=True)
+            assert torch.equal(got, ref), c
+            assert torch.equal(nvfp4_matmul(x, tp, s, g, config=xc, twiddled=True, blocked=True), ref), c
+        sw = nvfp4_swiglu(x, tp, s, g, config=cfg, twiddled=True, blocked=True)
+        sw_k = nvfp4_swiglu(xk, tp, s, g, config=replace(cfg, xtma=True), twiddled=True, blocked=True, x_korder=True)
+        assert torch.equal(sw_k, sw), cfg
+
+
+def test_korder_table_routes_down_at_16_rows():
+    # 7B down at M = 16 has a K-order tile (tile_configs.KORDER_FWD): the engine then asks SwiGLU for
+    # K order; natural-order callers keep the table's tile.
+    from qerl_kernels.gemm_fwd import takes_korder_x
+    from qerl_kernels.tile_configs import fwd_config, korder_fwd_config
+
+    assert korder_fwd_config(16, 3584, 18944).xtma and korder_fwd_config(16, 3584, 18944).ws
+    assert not fwd_config(16, 3584, 18944).xtma
+    assert korder_fwd_config(16, 37888, 3584) == fwd_config(16, 37888, 3584)
+    dev = torch.device("cuda")
+    assert takes_korder_x(16, 3584, 18944, dev, True, True) and not takes_korder_x(16, 37888, 3584, dev, True, True)
+    assert takes_korder_x(64, 37888, 3584, dev, True, True)  # the TMA-fed table tile
+
+
 @pytest.mark.parametrize("m", [16, 64])
 def test_swiglu_writes_korder_and_reads_it(m):
     from qerl_kernels.decode import k_order_index
@@ -132,6 +173,7 @@ def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
                          xtma=True, inflight=True)
 
     monkeypatch.setattr(gemm_fwd, "fwd_config", tma_tile)
+    monkeypatch.setattr(gemm_fwd, "korder_fwd_config", tma_tile)
     real, korder = gemm_gluon_tma.launch_gluon_tma, []
 
     def spy(*args, **kw):
