@@ -164,6 +164,13 @@ FUSED = textwrap.dedent("""
         gu, dgu = torch.randn(4, 2 * 40).to(dt), (torch.randn(4, 2 * 40) * 0.5).to(dt)
         got = fused.silu_mul(*gu.chunk(2, -1), *dgu.chunk(2, -1))
         assert torch.equal(got, fused.silu_mul(*(gu + dgu).to(dt).chunk(2, -1)))
+    # A decode step's attention inputs in one launch == the torch ops the model runner ran before.
+    bt = torch.randint(0, 50, (9, 7), dtype=torch.int32)
+    slot, p = torch.tensor([3, 0, 8, 3]), torch.tensor([0, 17, 111, 16])
+    t, sm, cl = fused.decode_inputs(bt, slot, p, 16)
+    ref_t = bt.index_select(0, slot)
+    assert torch.equal(t, ref_t) and torch.equal(cl, (p + 1).to(torch.int32))
+    assert torch.equal(sm, ref_t.gather(1, (p // 16)[:, None])[:, 0].long() * 16 + p % 16)
     try:
         fused.rope_(q, k, pos, rot.cos_sin, delta=split(d))
         raise AssertionError("a delta without the cache write was accepted")

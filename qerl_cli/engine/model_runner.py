@@ -28,6 +28,7 @@ import torch
 from qerl_cli.engine.block_manager import BlockManager
 from qerl_cli.engine.scheduler import Group
 from qerl_cli.engine.sequence import Sequence
+from qerl_cli.layers import fused
 from qerl_cli.layers.attention import ForwardContext, set_context
 
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
@@ -69,7 +70,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         if self.use_graphs:
-            self.static_logits = torch.zeros(max_num_seqs, cfg.vocab_size, dtype=torch.float32, device=self.device)
+            # The model's dtype, as lm_head writes it: an fp32 copy was two more passes over [B, V] per step.
+            self.static_logits = torch.zeros(max_num_seqs, cfg.vocab_size, dtype=model.dtype, device=self.device)
             self._capture()
             if os.environ.get("QERL_PREFILL_GRAPHS", "1") != "0":
                 self._capture_prefill(prefill_buckets(max_model_len, max_prefill_tokens))
@@ -219,7 +221,7 @@ class ModelRunner:
         return b
 
     def step(self) -> torch.Tensor:
-        """Logits [n, V] (fp32) for the loaded batch's next token."""
+        """Logits [n, V] (the model's dtype) for the loaded batch's next token."""
         b = self.padded
         if self.use_graphs:
             self.graphs[b].replay()
@@ -240,18 +242,23 @@ class ModelRunner:
         self.max_context += 1
 
     def _decode_step(self, ids, positions, slot_idx, max_context: int = 0) -> torch.Tensor:
-        bs = self.block_size
-        tables = self.block_tables.index_select(0, slot_idx)
-        block = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
-        slot_mapping = block * bs + positions % bs
-        context_lens = (positions + 1).to(torch.int32)
+        """Logits [B, V] in the model's dtype (the samplers compute in fp32 from them: exact)."""
+        if fused.enabled(positions):
+            tables, slot_mapping, context_lens = fused.decode_inputs(self.block_tables, slot_idx, positions,
+                                                                     self.block_size)
+        else:
+            bs = self.block_size
+            tables = self.block_tables.index_select(0, slot_idx)
+            block = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1).long()
+            slot_mapping = block * bs + positions % bs
+            context_lens = (positions + 1).to(torch.int32)
         set_context(ForwardContext(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
                                    context_lens=context_lens, max_context_len=max_context or self.max_model_len + 1))
         try:
             hidden = self.model(ids[:, None], positions[:, None])
         finally:
             set_context(None)
-        return self.model.compute_logits(hidden[:, 0])
+        return self.model.raw_logits(hidden[:, 0])
 
     def _capture(self) -> None:
         pool = None

@@ -282,3 +282,35 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
                                                            BLOCK=block, DG=dg2, DU=du2, stride_d=dg2.stride(0),
                                                            HAS_D=dg is not None, KORDER=korder, num_warps=4)
     return y.view(g.shape)
+
+
+@_jit
+def _decode_inputs_kernel(BT, SLOT, POS, TABLES, SM, CL, stride_bt, stride_t, NB, BS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(SLOT + b)
+    pos = tl.load(POS + b)
+    cols = tl.arange(0, BLOCK)
+    for c in range(0, NB, BLOCK):
+        m = c + cols < NB
+        tl.store(TABLES + b * stride_t + c + cols, tl.load(BT + row * stride_bt + c + cols, mask=m), mask=m)
+    blk = tl.load(BT + row * stride_bt + pos // BS).to(tl.int64)
+    tl.store(SM + b, blk * BS + pos % BS)
+    tl.store(CL + b, (pos + 1).to(tl.int32))
+
+
+def decode_inputs(block_tables: torch.Tensor, slot_idx: torch.Tensor, positions: torch.Tensor, block_size: int):
+    """A decode step's attention inputs from the batch's state, in one launch (nine small torch kernels
+    otherwise): (its sequences' rows of ``block_tables`` [B, max_blocks] int32, each new token's cache
+    slot [B] int64, context lengths [B] int32). ``slot_idx``, ``positions``: [B] int64 on the device."""
+    b, nb = slot_idx.shape[0], block_tables.shape[1]
+    if not (block_tables.is_contiguous() and slot_idx.dtype == positions.dtype == torch.int64
+            and block_tables.dtype == torch.int32):
+        raise ValueError("decode_inputs wants contiguous int32 block tables and int64 slot rows and positions")
+    tables = torch.empty(b, nb, dtype=torch.int32, device=block_tables.device)
+    slots = torch.empty(b, dtype=torch.int64, device=block_tables.device)
+    lens = torch.empty(b, dtype=torch.int32, device=block_tables.device)
+    if b:
+        _decode_inputs_kernel[(b,)](block_tables, slot_idx, positions, tables, slots, lens, block_tables.stride(0),
+                                    tables.stride(0), nb, BS=block_size, BLOCK=min(1024, triton.next_power_of_2(nb)),
+                                    num_warps=1)
+    return tables, slots, lens

@@ -245,4 +245,9 @@ class CausalLM(nn.Module):
         return self(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.raw_logits(hidden).float()
+
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head's output in the model's dtype (``compute_logits`` is its exact fp32 upcast): what the
+        engine's decode graphs keep, saving two passes over [B, V] per step; its samplers upcast."""
+        return self.lm_head(hidden)
