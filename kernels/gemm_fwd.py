@@ -36,6 +36,12 @@ per-tile counter (acq_rel atomic); the program that arrives last sums the partia
 (deterministic), adds the bias, writes Y and resets the counter for the next call. One launch
 matters at decode sizes, where a GEMM takes a few microseconds.
 
+Activations in K order (inference only, ``x_korder``): a TMA-fed tile reads X permuted within each
+128-column step, one ``permute_x`` launch per call unless the kernel that produced X wrote it so
+(``decode.k_order``); ``takes_korder_x`` tells a producer when to, and ``tile_configs.KORDER_FWD`` holds
+the tiles that win only with such input (docs/benchmarks.md, rollout, nineteenth pass: the 64-sequence
+decode step 2.8% shorter).
+
 Epilogues (inference only): ``nvfp4_swiglu`` and ``nvfp4_qkv_rope`` run the table's Gluon tile with
 its rows paired (``gemm_gluon._tile_rows``), so that SwiGLU, or the rotary embedding and the
 paged-cache write, happen in the GEMM's epilogue: one launch fewer per decoder layer each, with the

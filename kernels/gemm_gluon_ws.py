@@ -23,6 +23,13 @@ memory, sets the pace (64 weight rows per consumer warpgroup beat 128). Fifteent
 producer won 32B gate_up at M = 1-4 and 7B gate_up at M = 32; a split-K 1 launch whose tiles would
 leave some SMs one more than others runs its last tiles as two K halves (``FwdConfig.halves``,
 gemm_gluon.halves_split): 7B gate_up at M = 16 36.2 -> 34.9 us.
+
+With ``cfg.xtma`` the producer takes X by TMA too (four [BM, 64] boxes per stage) from activations
+already in the MMA's K order, written so by the kernel that produced them (the engine's norm, SwiGLU,
+attention: ``decode.k_order``), and holds no X registers. Given natural X it would need a
+``permute_x`` launch first and lose (kernels, fourteenth pass); given K-order X it runs 7B down at M =
+16 in 21.3 against 22.6 us (sixteenth pass), so such tiles live in ``tile_configs.KORDER_FWD``, used
+only for K-order input.
 """
 
 from __future__ import annotations
