@@ -122,3 +122,16 @@ def test_k_order_is_the_permutation_pass_and_its_consumers_undo_it():
     gx = torch.randn(2, 384, requires_grad=True)
     with pytest.raises(ValueError, match="inference"):
         nvfp4_linear(gx, w, x_korder=True)
+    # Producers and consumers that cannot honour K order say so instead of mixing up columns.
+    from qerl_cli.layers.linear import QLinear
+    from qerl_cli.layers.norm import RMSNorm
+
+    dense = QLinear(384, 8)
+    torch.nn.init.normal_(dense.weight)
+    assert not dense.takes_korder_x(x)
+    with pytest.raises(ValueError, match="natural order"):
+        dense(x, x_korder=True)
+    norm = RMSNorm(384)
+    torch.nn.init.ones_(norm.weight)
+    with pytest.raises(ValueError, match="fused norm kernel"):
+        norm.with_shrink(x, None, None, korder=True)  # CPU: the torch path cannot write K order
