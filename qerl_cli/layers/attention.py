@@ -12,7 +12,6 @@ its input tensors fixed.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -53,10 +52,10 @@ class Attention(nn.Module):
 
     def korder_input(self, x: torch.Tensor) -> bool:
         """Whether this layer's input norm should write x in the MMA's K order: the fused q/k/v GEMM is
-        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x (none, or a
-        group whose shrink the norm computes from its own registers: ``korder_safe``)."""
-        return bool(self._qkv) and korder_safe(self._qkv_lora, (self.q_proj, self.k_proj, self.v_proj), x) \
-            and self._qkv[0].takes_korder_x(x)
+        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x."""
+        if not self._qkv or self._qkv_lora is not None or any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
+            return False
+        return self._qkv[0].takes_korder_x(x)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, lora_t: torch.Tensor | None = None,
                 defer: bool = False, x_korder: bool = False):
@@ -72,13 +71,12 @@ class Attention(nn.Module):
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             fused, grouped = self._qkv[0], self._qkv_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                base = functools.partial(fused, x_korder=True) if x_korder else fused  # LoRA reads lora_t only
-                pair = grouped.run_deferred(base, x, lora_t) if cached and self.q_norm is None else None
+                pair = grouped.run_deferred(fused, x, lora_t) if cached and self.q_norm is None else None
                 if pair is not None:
                     q, k, v = pair[0].split([nq, nk, nk], dim=-1)
                     delta = [t.view(b, s, -1, self.head_dim) for t in pair[1].split([nq, nk, nk], dim=-1)]
                 else:
-                    q, k, v = grouped.run(base, x, lora_t).split([nq, nk, nk], dim=-1)
+                    q, k, v = grouped.run(fused, x, lora_t).split([nq, nk, nk], dim=-1)
             else:
                 y = None
                 if cached and self.q_norm is None and not any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
@@ -119,15 +117,6 @@ class Attention(nn.Module):
                 return (y, None) if defer else y
         o = o.reshape(b, s, self.num_heads * self.head_dim)
         return deferred(self.o_proj, o) if defer else self.o_proj(o)
-
-
-def korder_safe(grouped, parts, x: torch.Tensor) -> bool:
-    """No LoRA of a fused GEMM's parts reads its input x: none is enabled, or they run as a
-    ``GroupedLoRA`` whose shrink the norm that writes x computes (``shrink_source``), so the group needs
-    only that shrink and x may come in the MMA's K order."""
-    if grouped is None:
-        return not any(map(lora_enabled, parts))
-    return grouped.shrink_source(x) is not None
 
 
 def base_of(m):

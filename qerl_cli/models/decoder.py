@@ -8,7 +8,6 @@ attention forward context), so rollout and training run identical numerics, LoRA
 
 from __future__ import annotations
 
-import functools
 from contextlib import nullcontext
 
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.layers.activation import silu_mul, swiglu_epilogue
-from qerl_cli.layers.attention import Attention, add_lora, base_of, deferred, korder_safe, lora_enabled
+from qerl_cli.layers.attention import Attention, add_lora, base_of, deferred, lora_enabled
 from qerl_cli.layers.fused import enabled as fused_enabled
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
@@ -39,10 +38,10 @@ class MLP(nn.Module):
 
     def korder_input(self, x: torch.Tensor) -> bool:
         """Whether the norm before this MLP should write x in the MMA's K order: the fused gate/up GEMM is
-        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x
-        (``attention.korder_safe``)."""
-        return bool(self._gate_up) and korder_safe(self._gate_up_lora, (self.gate_proj, self.up_proj), x) \
-            and self._gate_up[0].takes_korder_x(x)
+        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x."""
+        if not self._gate_up or self._gate_up_lora is not None or lora_enabled(self.gate_proj) or lora_enabled(self.up_proj):
+            return False
+        return self._gate_up[0].takes_korder_x(x)
 
     def forward(self, x: torch.Tensor, lora_t: torch.Tensor | None = None, defer: bool = False, x_korder: bool = False):
         """``lora_t``: x @ A^T of the gate/up ``GroupedLoRA`` when the norm kernel computed it. ``defer``:
@@ -54,14 +53,13 @@ class MLP(nn.Module):
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                base = functools.partial(fused, x_korder=True) if x_korder else fused  # LoRA reads lora_t only
                 # Not over an NVFP4 gate/up: beside its decode-sized tiles the expand slowed the step
                 # (GroupedLoRA.run_deferred).
-                pair = None if fused.quantized else grouped.run_deferred(base, x, lora_t)
+                pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t)
                 if pair is not None:
                     (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
                 else:
-                    g, u = grouped.run(base, x, lora_t).chunk(2, dim=-1)
+                    g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
             else:
                 if not (lora_enabled(self.gate_proj) or lora_enabled(self.up_proj)):
                     h = swiglu_epilogue(fused, x, x_korder, yk)
