@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_kernels import SHAPES, ShapeData, time_graph  # noqa: E402
+from bench_kernels import SHAPES, ShapeData, add_probe_args, time_graph  # noqa: E402
 
 
 def bench_point(model: str, d: ShapeData, m: int) -> str:
@@ -144,9 +144,8 @@ def sweep_point(model: str, layer: str, d: ShapeData, m: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,4,16,32,64,128,256")
-    ap.add_argument("--models", default="7B,32B")
-    ap.add_argument("--layers", default="gate_up,qkv")
+    add_probe_args(ap, "gate_up,qkv")
+    ap.set_defaults(ms="1,4,16,32,64,128,256")
     ap.add_argument("--sweep", action="store_true", help="time every Gluon candidate with the epilogue instead")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}")

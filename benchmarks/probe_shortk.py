@@ -22,7 +22,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import SHAPES, ShapeData, bench_fwd_point, geomean, time_graph  # noqa: E402
+from bench_kernels import SHAPES, ShapeData, add_probe_args, bench_fwd_point, geomean, time_graph  # noqa: E402
 from qerl_kernels import gemm_gluon as gg  # noqa: E402
 
 if gg.HAVE_GLUON:
@@ -102,9 +102,7 @@ def main(argv=None) -> int:
     from qerl_kernels.tile_configs import fwd_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,16")
-    ap.add_argument("--models", default="7B,32B")
-    ap.add_argument("--layers", default="qkv,o")
+    add_probe_args(ap, "qkv,o")
     ap.add_argument("--steps", default="2,3,4", help="K steps per program to try")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}", flush=True)

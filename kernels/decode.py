@@ -415,6 +415,21 @@ def k_order_index(k: int, device=None):
             + ((m >> 3) & 1))
 
 
+def to_k_order(x):
+    """x [..., k] -> the same values with the last dimension in the MMA's K order (torch; the fallback of
+    the kernels that write K order)."""
+    import torch
+
+    out = torch.empty_like(x)
+    out[..., k_order_index(x.shape[-1], x.device)] = x
+    return out
+
+
+def from_k_order(x):
+    """Inverse of ``to_k_order``: x [..., k] in the MMA's K order -> natural order."""
+    return x[..., k_order_index(x.shape[-1], x.device)]
+
+
 @triton.jit
 def perm_x(x, R: tl.constexpr, BKW: tl.constexpr):
     """Activations [R, 8 * BKW] in natural K order -> the same logical order as ``perm_weights``."""

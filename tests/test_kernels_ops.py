@@ -104,7 +104,6 @@ def test_k_order_is_the_permutation_pass_and_its_consumers_undo_it():
     from qerl_kernels.gemm_gluon_tma import permute_x_reference
 
     from qerl_cli.layers.activation import silu_mul
-    from qerl_cli.layers.paged_attention import to_korder
 
     x = torch.randn(5, 384)
     idx = k_order_index(384)
@@ -116,8 +115,11 @@ def test_k_order_is_the_permutation_pass_and_its_consumers_undo_it():
     assert torch.equal(nvfp4_linear(permute_x_reference(x), w, x_korder=True), nvfp4_linear(x, w))
     g, u = torch.randn(2, 3, 256), torch.randn(2, 3, 256)
     assert torch.equal(silu_mul(g, u, korder=True)[..., k_order_index(256)], silu_mul(g, u))
-    o = torch.randn(2, 4, 32)
-    assert torch.equal(to_korder(o).reshape(2, 128), permute_x_reference(o.reshape(2, 128)))
+    from qerl_kernels.decode import from_k_order, to_k_order
+
+    o = torch.randn(2, 3, 128)
+    assert torch.equal(to_k_order(o).reshape(6, 128), permute_x_reference(o.reshape(6, 128)))
+    assert torch.equal(from_k_order(to_k_order(o)), o)
     assert not takes_korder_x(16, 32, 384, torch.device("cpu"), True, True)  # CPU: no TMA-fed tile
     gx = torch.randn(2, 384, requires_grad=True)
     with pytest.raises(ValueError, match="inference"):

@@ -54,11 +54,9 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
         g, u = g + dg, u + du
     y = F.silu(g) * u
     if korder:
-        from qerl_kernels.decode import k_order_index
+        from qerl_kernels.decode import to_k_order
 
-        out = torch.empty_like(y)
-        out[..., k_order_index(y.shape[-1], y.device)] = y
-        y = out
+        y = to_k_order(y)
     return y
 
 

@@ -41,15 +41,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             return triton_attention.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                                   korder=korder)
     o = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
-    return to_korder(o) if korder else o
+    if korder:
+        from qerl_kernels.decode import to_k_order
 
-
-def to_korder(o: torch.Tensor) -> torch.Tensor:
-    """[B, H, D] -> the same rows with each [H D] row's columns in the MMA's K order (decode.k_order)."""
-    from qerl_kernels.decode import k_order_index
-
-    b, h, d = o.shape
-    flat = o.reshape(b, h * d)
-    out = torch.empty_like(flat)
-    out[:, k_order_index(h * d, o.device)] = flat
-    return out.view(b, h, d)
+        o = to_k_order(o.reshape(o.shape[0], -1)).view(o.shape)
+    return o
