@@ -253,7 +253,9 @@ def main(argv=None) -> int:
                     s = tc.choose_split(m, n, k, c, num_sms)
                     # 3 s / 2 as well: a split-K plan rounds to whole K steps per split, so e.g. 28 steps
                     # split 5 or 10 ways run 6 or 3 steps per program and 7 ways (4 steps) sits between
-                    for split in sorted({1, s, max(1, s // 2), (3 * s + 1) // 2, s * 2} if s > 1 else {1}):
+                    # and the power of two below s (the warp-specialised tiles split whole K-step pairs)
+                    for split in sorted({1, s, max(1, s // 2), (3 * s + 1) // 2, s * 2, 1 << (s.bit_length() - 1)}
+                                        if s > 1 else {1}):
                         cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))
             best = None
             for cfg in dict.fromkeys(cands):

@@ -36,7 +36,7 @@ AUTO_SPLITS = {"qkv": "4,8", "o": "4,8", "gate_up": "1,2", "down": "4,8"}
 
 
 def candidates(args, layer, m, n, k):
-    bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+    bm = args.bm or (8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64)
     splits = AUTO_SPLITS[layer] if args.splits == "auto" else args.splits
     for bn in map(int, args.bns.split(",")):
         for warps in map(int, args.warps.split(",")):
@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--any-warps", action="store_true", help="also BN != 16 x warps (more rows per consumer warpgroup)")
     ap.add_argument("--xtma", default="0", help="0, 1 or 0,1: X by TMA from activations already in K order "
                     "(timed without a permutation pass: the engine's producers write that order)")
+    ap.add_argument("--bm", type=int, default=0, help="X rows per tile (0: 8, 16, 32 or 64 by M)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     ratios = {m: [] for m in map(int, args.ms.split(","))}

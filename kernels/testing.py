@@ -170,12 +170,12 @@ def grad_check(m, n, k, dtype, device="cpu", seed=0, twiddled=False, blocked=Fal
 
 def gluon_pairing_configs(m: int) -> list:
     """Tiles the pairing-epilogue tests run at M = m: both widths of each Gluon kernel with and without
-    split-K, and of the warp-specialised candidates one per (width, MMA mode) (a few seconds of
-    compile each), plus ``halved``: the halves launches of the TMA-fed and (m <= 16) warp-specialised
-    kernels. Returns (plain tiles, halved tiles)."""
+    split-K, and of the warp-specialised candidates one per (width, MMA mode, X path) (a few seconds of
+    compile each), plus ``halved``: the halves launches of the TMA-fed and warp-specialised kernels
+    (M <= 16, or X by TMA above 32). Returns (plain tiles, halved tiles)."""
     from dataclasses import replace
 
-    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates
+    from qerl_kernels.tile_configs import FwdConfig, _gluon_ws_candidates, _gluon_ws_xtma_candidates
 
     bm = max(8, min(1 << (m - 1).bit_length(), 64))
     per_thread = [FwdConfig(bm, 64, 16, split_k=1, warps=4, swap=True, gluon=True),
@@ -183,10 +183,14 @@ def gluon_pairing_configs(m: int) -> list:
     tma = [FwdConfig(max(bm, 16), bn, 16, split_k=sp, warps=w, stages=3, swap=True, gluon=True, xtma=True,
                      inflight=True) for bn, w, sp in ((64, 4, 3), (128, 8, 1))]
     ws = {(c.bn, c.half): c for c in _gluon_ws_candidates(bm) if not c.halves} if bm <= 32 else {}
+    if bm >= 32:  # X by TMA: the warp-specialised tiles of M = 17-128
+        ws.update({(c.bn, c.half, "xtma"): c for c in _gluon_ws_xtma_candidates(bm) if not c.halves})
     plain = per_thread + tma + [replace(c, split_k=sp) for c in ws.values() for sp in (1, 2)]
     hbm = 64 if m > 32 else 16
     halved = [FwdConfig(hbm, bn, 16, warps=w, stages=3, swap=True, gluon=True, xtma=True, inflight=True, halves=True)
               for bn, w in ((64, 4), (128, 8))]
     if m <= 16:
         halved += [c for c in _gluon_ws_candidates(16) if c.halves]
+    elif m > 32:
+        halved += [c for c in _gluon_ws_xtma_candidates(64) if c.halves][:1]
     return plain, halved

@@ -258,6 +258,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             *_gluon_candidates(bm),
             *_gluon_tma_candidates(bm),
             *(_gluon_ws_candidates(bm) if bm == 32 else []),
+            *_gluon_ws_xtma_candidates(bm),
         ]
     if m <= 256:
         return [
@@ -275,7 +276,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(64, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
             DEQUANT,
             *_gluon_tma_candidates(128),
-        ] + ([
+        ] + (_gluon_ws_xtma_candidates(64) + _gluon_ws_xtma_candidates(128) if m <= 128 else []) + ([
             FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),
             FwdConfig(256, 64, 8, warps=4, stages=3, swap=True, join=True),
             *_gluon_tma_candidates(256),
@@ -319,6 +320,24 @@ def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
     # 7B gate_up at M = 16 36.8 -> 34.5 us, 32B gate_up (BN 128) at M = 1 66.4 -> 64.5 us in the probe.
     halved = {(64, 48, 40, 2), (64, 48, 32, 2), (64, 48, 40, 1), (128, 40, 24, 2)} if bm <= 16 else set()
     return tiles + [replace(c, halves=True) for c in tiles if (c.bn, c.maxnreg, c.pregs, c.half) in halved]
+
+
+def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
+    """The warp-specialised kernel with X by TMA (``xtma``: four [BM, 64] boxes per ring stage, so the
+    producer holds no X registers and BM 32-128 fit) for M = 17-128. A natural-order X pays a
+    ``permute_x`` launch first, which the sweep times with the tile; the engine's producers write K
+    order and skip it. Two ring stages (BM 64: 82 KB of shared memory, two programs per SM) and the
+    register splits that won in the probe (``benchmarks/probe_ws.py --xtma 1``, H100 2026-11-23,
+    docs/benchmarks.md, kernels, seventeenth pass): caps 64-128 (by BM) with half steps in flight at BN 64,
+    cap 80 with plain half steps for two consumers at BN 128 (won 32B gate_up at M = 64)."""
+    by_bm = {32: ((64, 24, 2), (96, 32, 2)), 64: ((96, 32, 2), (112, 32, 2), (128, 48, 2))}
+    regs = by_bm.get(bm, ((128, 32, 2), (128, 48, 2)))
+    tiles = [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r, pregs=p,
+                       half=h) for r, p, h in regs]
+    if bm == 64:
+        tiles.append(FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=80,
+                               pregs=32, half=1))
+    return tiles + [replace(c, halves=True) for c in tiles]
 
 
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:

@@ -134,8 +134,8 @@ def test_gluon_ws_tiles_compile_for_sm90():
         return (c.bm, c.bn, c.warps, c.stages, c.maxnreg, c.pregs, c.half, min(c.split_k, 2),
                 c.halves and c.split_k == 1, xtma)
 
-    tiles = {key(c) for c in [*fwd_candidates(1), *fwd_candidates(16), *fwd_candidates(32), *FWD_TABLE.values()]
-             if c.ws}
+    tiles = {key(c, c.xtma) for c in [*(c for m in (1, 16, 32, 64, 128) for c in fwd_candidates(m)),
+                                      *FWD_TABLE.values()] if c.ws}
     # X by TMA (activations in K order): the K-order table's tiles, and one half-step split per width.
     tiles |= {key(c, True) for c in KORDER_FWD.values() if c.ws}
     tiles |= {key(c, True) for c in fwd_candidates(16) if c.ws and c.half == 2 and c.maxnreg == 40}
@@ -192,8 +192,10 @@ def test_gluon_pair_tiles_compile_for_sm90():
             sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{c.bn // 32},128],{code_layout()!r}>",
                    "s_desc": f"tensordesc<u8[{c.bn // 2},16],{scale_layout()!r}>", **ptrs, "pairs_per_split": "i32",
                    "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves)
+            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves, XTMA=c.xtma)
             opts["maxnreg"] = c.maxnreg
+            if c.xtma:
+                sig["X"] = f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>"
         elif c.xtma:
             kernel = _nvfp4_fwd_gluon_tma_kernel
             sig = {"x_desc": f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>", "PW": "*i64", "S": "*u8", **ptrs,

@@ -73,6 +73,34 @@ def test_warp_specialised_tiles_take_x_by_tma(m):
         assert torch.equal(sw_k, sw), cfg
 
 
+@pytest.mark.parametrize("m", [24, 64, 100])
+def test_warp_specialised_x_by_tma_tiles_for_17_to_128_rows(m):
+    # The tiles of M = 17-128 (tile_configs._gluon_ws_xtma_candidates: BM 32-128, no X registers in the
+    # producer), split-K, halved and partial M tiles: near the reference, and the same bits from natural X
+    # (a permute_x copy first, as the kernel benchmark times them) and from K-order X (the engine's).
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.gemm_gluon_tma import permute_x
+    from qerl_kernels.testing import TOL, random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.tile_configs import _gluon_ws_xtma_candidates
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    p, s, g = random_nvfp4(N, K, seed=m + 23, device="cuda")
+    tp = to_kernel_layout(p, True)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    ref = reference_fwd(x, p, s, g, bias)
+    xk = permute_x(x)
+    bms = (32,) if m <= 32 else (64, 128) if m > 64 else (64,)
+    cands = [c for bm in bms for c in _gluon_ws_xtma_candidates(bm)]
+    assert cands and all(c.ws and c.xtma for c in cands)
+    for cfg in cands:
+        for c in ([cfg] if cfg.halves else [cfg, replace(cfg, split_k=2)]):
+            y = nvfp4_matmul(x, tp, s, g, bias=bias, config=c, twiddled=True, blocked=True)
+            assert rel_err(y, ref) < TOL[torch.bfloat16], (c, rel_err(y, ref))
+            assert torch.equal(nvfp4_matmul(xk, tp, s, g, bias=bias, config=c, twiddled=True, blocked=True,
+                                            x_korder=True), y), c
+
+
 def test_korder_table_routes_down_at_16_rows():
     # 7B down at M = 16 has a K-order tile (tile_configs.KORDER_FWD): the engine then asks SwiGLU for
     # K order; natural-order callers keep the table's tile.
