@@ -129,13 +129,13 @@ GLUON_WS_MIN_WEIGHTS = 30_000_000
 
 
 def gluon_heuristic(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> FwdConfig | None:
-    """A Gluon tile for a shape the table does not hold (M <= 16), following the table's rules: the
-    warp-specialised tile for large weights, the per-thread one for small weights, 64 weight rows per
-    warpgroup, split-K to about four programs per SM (the sweep's picks were mostly twice
-    ``choose_split``'s two waves). None where neither kernel's layout rules fit (the wrapper checks
-    the device and the code layout at run time and falls back to ``heuristic_fwd(gluon=False)``)."""
-    if m > 16 or k % 128 or n % 16:
+    """A Gluon tile for a shape the table does not hold (M <= 128), following the table's rules. None
+    where neither kernel's layout rules fit (the wrapper checks the device and the code layout at run
+    time and falls back to ``heuristic_fwd(gluon=False)``)."""
+    if m > 128 or k % 128 or n % 16:
         return None
+    if m > 16:
+        return _ws_xtma_heuristic(m, n, k, num_sms) if k % 256 == 0 else None
     bm = 8 if m <= 8 else 16
     if n * k >= GLUON_WS_MIN_WEIGHTS and k % 256 == 0:
         cfg = FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, maxnreg=48,
@@ -145,6 +145,30 @@ def gluon_heuristic(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> F
     tiles = _cdiv(n, 64) * _cdiv(m, bm)
     split = 1 if tiles >= 2 * num_sms else max(1, min(_cdiv(4 * num_sms, tiles), k // 128 // 3, 32))
     return FwdConfig(**{**cfg.as_dict(), "split_k": split})
+
+
+# N x K from which two consumer warpgroups sharing one X ring (BN 128) won the table's points at M = 64
+# (7B and 32B gate_up, 136M and 283M weights; every smaller weight ran BN 64).
+WS_XTMA_WIDE_MIN_WEIGHTS = 100_000_000
+
+
+def _ws_xtma_heuristic(m: int, n: int, k: int, num_sms: int) -> FwdConfig:
+    """M = 17-128 (``_gluon_ws_xtma_candidates``' tiles, the table's picks at M = 32-128): BM 32 or 64 (two
+    row tiles at M > 64), BN 128 on the largest weights, else BN 64 at the cap most points took. Split-K
+    only up to one program per SM (two where K is long at BN 64): the sweep put q/k/v and o at M = 64 on
+    one program per SM, 7B down on two; split-K 1 grids halve a wave's last tiles."""
+    bm = 32 if m <= 32 else 64
+    if n * k >= WS_XTMA_WIDE_MIN_WEIGHTS and bm == 64:
+        cfg = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=80,
+                        pregs=32, half=1)
+    else:
+        r, p = (96, 32) if bm == 32 else (112, 32)
+        cfg = FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r,
+                        pregs=p, half=2)
+    tiles = _cdiv(n, cfg.bn) * _cdiv(m, bm)
+    per_sm = 2 if k >= 12288 and cfg.bn == 64 else 1
+    split = max(1, min(per_sm * num_sms // tiles, k // 256 // 2))
+    return replace(cfg, split_k=split, halves=split == 1)
 
 
 def heuristic_fwd(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT, gluon: bool = True) -> FwdConfig:

@@ -79,8 +79,27 @@ def test_heuristic_picks_gluon_tiles_by_the_tables_rules():
     assert small.gluon and not small.ws and small.split_k > 1
     odd = heuristic_fwd(1, 4096, 4096 + 128)  # K % 256 != 0: the per-thread kernel still reads it
     assert odd.gluon and not odd.ws
-    for cfg in (heuristic_fwd(17, 28672, 4096), heuristic_fwd(1, 4096, 4096 + 16), heuristic_fwd(1, 28672, 4096, gluon=False)):
+    for cfg in (heuristic_fwd(1, 4096, 4096 + 16), heuristic_fwd(1, 28672, 4096, gluon=False),
+                heuristic_fwd(64, 4096, 4096 + 128), heuristic_fwd(256, 4096, 4096)):
         assert not cfg.gluon
+
+
+def test_heuristic_takes_x_by_tma_from_17_to_128_rows():
+    # M = 17-128 outside the table: the warp-specialised tile with X by TMA (BM 32, or 64 with two row
+    # tiles above 64), two consumers on the largest weights, split-K up to one program per SM (two on long
+    # K at BN 64), a wave's last tiles halved when not split.
+    from qerl_kernels.tile_configs import WS_XTMA_WIDE_MIN_WEIGHTS, heuristic_fwd
+
+    o = heuristic_fwd(64, 4096, 4096)  # Llama-3-8B o: 64 tiles -> split 2 (128 programs)
+    assert o.ws and o.xtma and o.half and (o.bm, o.bn, o.split_k, o.halves) == (64, 64, 2, False)
+    gate_up = heuristic_fwd(40, 28672, 4096)  # 115M weights: BN 128, 224 tiles, not split
+    assert 28672 * 4096 >= WS_XTMA_WIDE_MIN_WEIGHTS
+    assert (gate_up.bn, gate_up.warps, gate_up.split_k, gate_up.halves) == (128, 8, 1, True)
+    down = heuristic_fwd(64, 4096, 14336)  # long K at BN 64: two programs per SM
+    assert (down.bn, down.split_k) == (64, 4)
+    assert heuristic_fwd(32, 4096, 4096).bm == 32 and heuristic_fwd(100, 4096, 4096).bm == 64
+    assert heuristic_fwd(100, 4096, 4096).split_k == 1  # 2 row tiles x 64 already fill the SMs
+    assert heuristic_fwd(64, 2048, 1536).split_k == 3  # Qwen2.5-1.5B q/k/v: 32 tiles, 3 pairs per split
 
 
 def test_halves_split_evens_out_one_wave():
