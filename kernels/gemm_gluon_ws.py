@@ -1,4 +1,4 @@
-"""Small-M forward GEMM in Gluon, warp-specialised: a producer warpgroup fills a ring of shared-memory
+"""Forward GEMM for M <= 128 in Gluon, warp-specialised: a producer warpgroup fills a ring of shared-memory
 stages with the weight's codes and scales (TMA) and the activations (through its registers, permuted
 into the MMA's K order); one consumer warpgroup per 64 weight rows (BN 64, or two sharing the producer
 at BN 128) decodes the codes into its wgmma register fragment and multiplies (``FwdConfig.ws`` tiles).
@@ -26,10 +26,12 @@ gemm_gluon.halves_split): 7B gate_up at M = 16 36.2 -> 34.9 us.
 
 With ``cfg.xtma`` the producer takes X by TMA too (four [BM, 64] boxes per stage) from activations
 already in the MMA's K order, written so by the kernel that produced them (the engine's norm, SwiGLU,
-attention: ``decode.k_order``), and holds no X registers. Given natural X it would need a
-``permute_x`` launch first and lose (kernels, fourteenth pass); given K-order X it runs 7B down at M =
-16 in 21.3 against 22.6 us (sixteenth pass), so such tiles live in ``tile_configs.KORDER_FWD``, used
-only for K-order input.
+attention: ``decode.k_order``), or from a ``permute_x`` copy of natural X, and holds no X registers.
+At M <= 16 the copy costs more than it saves, so there the form only runs from K-order input (7B down
+at M = 16, 21.3 against 22.6 us: ``tile_configs.KORDER_FWD``, sixteenth pass). From M = 17 it is what
+lets the kernel hold 32-128 activation rows at all (X through the producer's registers spilled at BM
+64), and it runs most of the table at M = 32-128 even with the copy (seventeenth pass: M = 64 1.23x ->
+1.52x of cuBLAS, geomean; ``tile_configs._gluon_ws_xtma_candidates``).
 """
 
 from __future__ import annotations
