@@ -31,7 +31,7 @@ At M <= 16 the copy costs more than it saves, so there the form only runs from K
 at M = 16, 21.3 against 22.6 us: ``tile_configs.KORDER_FWD``, sixteenth pass). From M = 17 it is what
 lets the kernel hold 32-128 activation rows at all (X through the producer's registers spilled at BM
 64), and it runs most of the table at M = 32-128 even with the copy (seventeenth pass: M = 64 1.23x ->
-1.52x of cuBLAS, geomean; ``tile_configs._gluon_ws_xtma_candidates``).
+1.53x of cuBLAS, geomean; ``tile_configs._gluon_ws_xtma_candidates``).
 """
 
 from __future__ import annotations
