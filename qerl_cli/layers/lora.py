@@ -22,9 +22,13 @@ from torch import nn
 
 from qerl_cli.layers.context import get_context
 
-# Batch rows up to which the norm kernel computes the q/k/v and gate/up LoRA shrink (each row's programs
-# read all of A, so the L2 traffic grows with the rows; set from the H100 measurement in docs/benchmarks.md).
-NORM_SHRINK_MAX_ROWS = 64
+# Batch rows up to which the norm kernel computes the q/k/v and gate/up LoRA shrink. Each row's programs
+# read all of A, so its cost grows with the rows, while past a few rows the separate shrink hides beside
+# the base GEMM on the side stream (base_and_shrink). H100, 7B + LoRA r=16, QERL_NORM_SHRINK=1 / 0
+# (docs/benchmarks.md, rollout, twentieth pass): NVFP4 16 rows 3.80 / 3.83 ms, 32 rows 4.44 / 4.25,
+# 64 rows 5.51 / 5.30; bf16 6.53 / 6.49, 6.90 / 6.77, 7.71 / 7.54. So 16: the quantized bases gain there,
+# the dense ones lose 0.6%, too little for a second rule.
+NORM_SHRINK_MAX_ROWS = 16
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
