@@ -350,10 +350,10 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     """The warp-specialised kernel with X by TMA (``xtma``: four [BM, 64] boxes per ring stage, so the
     producer holds no X registers and BM 32-128 fit) for M = 17-128. A natural-order X pays a
     ``permute_x`` launch first, which the sweep times with the tile; the engine's producers write K
-    order and skip it. Two ring stages (BM 64: 82 KB of shared memory, two programs per SM) and the
-    register splits that won in the probe (``benchmarks/probe_ws.py --xtma 1``, H100 2026-11-23,
-    docs/benchmarks.md, kernels, seventeenth pass): caps 64-128 (by BM) with half steps in flight at BN 64,
-    cap 80 with plain half steps for two consumers at BN 128 (won 32B gate_up at M = 64)."""
+    order and skip it. Two ring stages (BM 64: 82 KB of shared memory, two programs per SM), plus deeper
+    rings below, and the register splits that won in the probe (``benchmarks/probe_ws.py --xtma 1``, H100
+    2026-11-23, docs/benchmarks.md, kernels, seventeenth pass): caps 64-128 (by BM) with half steps in
+    flight at BN 64, cap 80 with plain half steps for two consumers at BN 128 (won 32B gate_up at M = 64)."""
     by_bm = {32: ((64, 24, 2), (96, 32, 2)), 64: ((96, 32, 2), (112, 32, 2), (128, 48, 2))}
     regs = by_bm.get(bm, ((128, 32, 2), (128, 48, 2)))
     tiles = [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r, pregs=p,
