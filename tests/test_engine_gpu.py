@@ -104,8 +104,9 @@ def test_lora_shrink_side_stream_on_and_off_agree(tmp_path, monkeypatch):
     prompts = PROMPTS + [list(range(3, 70)), list(range(100, 229))]
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=5)
     real, rows, expands = lora.base_and_shrink, [], []
-    monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None, t=None: rows.append(x.numel() // x.shape[-1])
-                        or expands.append(b is not None) or real(base, x, a, b, t))
+    monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None, t=None, x_korder=False:
+                        rows.append(x.numel() // x.shape[-1]) or expands.append(b is not None)
+                        or real(base, x, a, b, t, x_korder))
     runs = {}
     for graphs in ("1", "0"):
         monkeypatch.setenv("QERL_PREFILL_GRAPHS", graphs)

@@ -23,6 +23,19 @@ def _weights(n: int, k: int, seed: int):
     return to_kernel_layout(p, True), s, g
 
 
+def _force_tma_tiles(monkeypatch):
+    """Every GEMM on a TMA-fed tile (the table has no tiny shapes), with and without K-order input."""
+    from qerl_kernels import gemm_fwd
+    from qerl_kernels.tile_configs import FwdConfig
+
+    def tma_tile(m, n, k):
+        return FwdConfig(16 if m <= 16 else 64, 64, 16, split_k=1, warps=4, stages=3, swap=True, gluon=True,
+                         xtma=True, inflight=True)
+
+    monkeypatch.setattr(gemm_fwd, "fwd_config", tma_tile)
+    monkeypatch.setattr(gemm_fwd, "korder_fwd_config", tma_tile)
+
+
 def _tma_configs(m: int) -> list:
     """The TMA-fed tiles at m rows: split-K grids, a halved launch, stream-K."""
     plain, halved = gluon_pairing_configs(m)
@@ -188,7 +201,6 @@ def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
     # forces one): with QERL_KORDER_X=1 the norms, SwiGLU and decode attention write K order and their
     # GEMMs skip permute_x; the samples equal those of the permutation passes.
     from qerl_kernels import gemm_fwd, gemm_gluon_tma
-    from qerl_kernels.tile_configs import FwdConfig
 
     from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.models import load_model
@@ -196,12 +208,7 @@ def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
     from tests.helpers import make_tiny_hf_model
     from tests.test_engine_gpu import PROMPTS
 
-    def tma_tile(m, n, k):
-        return FwdConfig(16 if m <= 16 else 64, 64, 16, split_k=1, warps=4, stages=3, swap=True, gluon=True,
-                         xtma=True, inflight=True)
-
-    monkeypatch.setattr(gemm_fwd, "fwd_config", tma_tile)
-    monkeypatch.setattr(gemm_fwd, "korder_fwd_config", tma_tile)
+    _force_tma_tiles(monkeypatch)
     gemm_fwd._takes_korder_x.cache_clear()  # answers cached under the real tile table
     real, korder = gemm_gluon_tma.launch_gluon_tma, []
 
@@ -226,3 +233,48 @@ def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
     for a, b in zip(runs["1"], runs["0"]):
         for c1, c2 in zip(a, b):
             assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs
+
+
+def test_engine_lora_reads_korder_x(tmp_path, monkeypatch):
+    # The same forced TMA-fed tiles with LoRA r=8 (random, non-zero) on all seven projections: with
+    # QERL_KORDER_X=1 the norms, SwiGLU and decode attention still write K order, and every adapter's
+    # shrink reads it through its K-order A (lora.korder_copy) beside the base GEMM; the samples match
+    # the natural-order run up to the shrinks' K sum order (bf16: long samples may drift apart).
+    from qerl_kernels import gemm_fwd
+
+    import qerl_cli.layers.lora as lora
+    from qerl_cli.engine import LLMEngine, SamplingParams
+    from qerl_cli.layers.lora import LoraSpec, lora_parameters
+    from qerl_cli.models import load_model
+    from qerl_cli.quantize import QuantizeConfig, quantize
+    from tests.helpers import make_tiny_hf_model
+    from tests.test_engine_gpu import PROMPTS
+
+    _force_tma_tiles(monkeypatch)
+    gemm_fwd._takes_korder_x.cache_clear()
+    real, korder = lora.base_and_shrink, []
+    monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None, t=None, x_korder=False:
+                        korder.append(x_korder) or real(base, x, a, b, t, x_korder))
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", init_std=0.05, hidden=128, heads=2, kv_heads=1, intermediate=256)
+    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16, lora=LoraSpec(r=8, alpha=16))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=17)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QERL_KORDER_X", flag)
+        korder.clear()
+        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
+        # At 1 every decode step's LoRA shrinks read K order (a prefill's o_proj follows SDPA: natural).
+        assert korder and (korder.count(True) > len(korder) // 2 if flag == "1" else not any(korder)), \
+            (flag, korder.count(True), len(korder))
+    gemm_fwd._takes_korder_x.cache_clear()
+    diffs = []
+    for a, b in zip(runs["1"], runs["0"]):
+        for c1, c2 in zip(a, b):
+            n = min(len(c1.token_ids), 8)
+            assert c1.token_ids[:n] == c2.token_ids[:n]
+            diffs += [abs(x - y) for x, y in zip(c1.logprobs[:n], c2.logprobs[:n])]
+    assert sum(diffs) / len(diffs) < 2e-2 and max(diffs) < 0.2, (sum(diffs) / len(diffs), max(diffs))

@@ -49,7 +49,8 @@ def test_grouped_lora_matches_per_part(quantized, ids, monkeypatch):
     assert group_lora(model, torch.float32) == 2 * model.config.num_layers
     calls = []
     add = GroupedLoRA.add
-    monkeypatch.setattr(GroupedLoRA, "add", lambda self, x, y, t=None: calls.append(1) or add(self, x, y, t))
+    monkeypatch.setattr(GroupedLoRA, "add", lambda self, x, y, t=None, x_korder=False: calls.append(1)
+                        or add(self, x, y, t, x_korder))
     grouped = _logits(model, ids, engine=True)
     assert len(calls) == 2 * model.config.num_layers  # every fused GEMM took the grouped path
     torch.testing.assert_close(grouped, reference, atol=2e-5, rtol=1e-5)
@@ -104,3 +105,69 @@ def test_switch_off(monkeypatch):
     monkeypatch.setenv("QERL_LORA_GROUPED", "0")
     assert group_lora(model, torch.float32) == 0
     assert model.model.layers[0].self_attn._qkv_lora is None
+
+
+def _wide_model():
+    """Hidden 128, intermediate 256: every projection's input is whole 128-column K steps."""
+    cfg = ModelConfig.from_hf(dict(CFG, hidden_size=128, intermediate_size=256))
+    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True, lora=LoraSpec(r=4, alpha=8))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.2)
+    fuse_projections(model)
+    for _, m in lora_modules(model):
+        m.refresh_inference_copies(torch.float32)
+    group_lora(model, torch.float32)
+    return model
+
+
+def test_korder_copies_of_a_follow_in_place_refreshes():
+    """Each adapter's A in the GEMMs' K order, stacked per group; a refresh rewrites it where a captured graph reads it."""
+    from qerl_kernels.decode import to_k_order
+
+    model = _wide_model()
+    layer = model.model.layers[1]
+    g, down = layer.mlp._gate_up_lora, layer.mlp.down_proj
+    assert torch.equal(g.a_k, to_k_order(g.a)) and torch.equal(down._cast[2], to_k_order(down._cast[0]))
+    ptrs = g.a_k.data_ptr(), down._cast[2].data_ptr()
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.2)
+    for _, m in lora_modules(model):
+        m.refresh_inference_copies(torch.float32)
+    assert group_lora(model, torch.float32) == 2 * model.config.num_layers
+    assert layer.mlp._gate_up_lora is g and (g.a_k.data_ptr(), down._cast[2].data_ptr()) == ptrs
+    assert torch.equal(g.a_k, to_k_order(g.a)) and torch.equal(down._cast[2], to_k_order(down._cast[0]))
+
+
+def test_grouped_lora_reads_korder_x():
+    """The fused GEMM and the grouped shrink given x in K order: the same output as from natural x (up to the
+    K sum's order), on the reference kernels; the natural A on K-order x would not be."""
+    from qerl_kernels.decode import to_k_order
+
+    model = _wide_model()
+    mlp = model.model.layers[0].mlp
+    g, fused = mlp._gate_up_lora, mlp._gate_up[0]
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    set_context(ForwardContext(is_prefill=True, slot_mapping=torch.zeros(5, dtype=torch.long)))
+    try:
+        assert g.takes_korder(x)
+        with torch.no_grad():
+            want = g.run(fused, x)
+            got = g.run(fused, to_k_order(x), x_korder=True)
+            wrong = g.add(to_k_order(x), fused(x))
+    finally:
+        set_context(None)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (wrong - want).abs().max() > 1e-2
+
+
+def test_no_korder_copy_off_whole_k_steps(ids):
+    """hidden 32 is not whole 128-column steps: no K-order A, so the norms keep writing natural order."""
+    model = _model(True)
+    group_lora(model, torch.float32)
+    g, o = model.model.layers[0].self_attn._qkv_lora, model.model.layers[0].self_attn.o_proj
+    x = torch.randn(2, 32)
+    assert g.a_k is None and o._cast[2] is None and not g.takes_korder(x) and not o.takes_korder(x)
+    with pytest.raises(ValueError, match="K-order A"):
+        g.shrink_a(True)

@@ -52,8 +52,9 @@ class Attention(nn.Module):
 
     def korder_input(self, x: torch.Tensor) -> bool:
         """Whether this layer's input norm should write x in the MMA's K order: the fused q/k/v GEMM is
-        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x."""
-        if not self._qkv or self._qkv_lora is not None or any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
+        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``), and any LoRA reading x is the
+        grouped one with its A in K order (``GroupedLoRA.takes_korder``)."""
+        if not self._qkv or not korder_lora_ok(self._qkv_lora, (self.q_proj, self.k_proj, self.v_proj), x):
             return False
         return self._qkv[0].takes_korder_x(x)
 
@@ -71,13 +72,15 @@ class Attention(nn.Module):
             nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             fused, grouped = self._qkv[0], self._qkv_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                pair = grouped.run_deferred(fused, x, lora_t) if cached and self.q_norm is None else None
+                pair = grouped.run_deferred(fused, x, lora_t, x_korder) if cached and self.q_norm is None else None
                 if pair is not None:
                     q, k, v = pair[0].split([nq, nk, nk], dim=-1)
                     delta = [t.view(b, s, -1, self.head_dim) for t in pair[1].split([nq, nk, nk], dim=-1)]
                 else:
-                    q, k, v = grouped.run(fused, x, lora_t).split([nq, nk, nk], dim=-1)
+                    q, k, v = grouped.run(fused, x, lora_t, x_korder).split([nq, nk, nk], dim=-1)
             else:
+                if x_korder and any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
+                    raise ValueError("x in K order with a per-part LoRA (korder_input says no to that)")
                 y = None
                 if cached and self.q_norm is None and not any(map(lora_enabled, (self.q_proj, self.k_proj, self.v_proj))):
                     y = self.rotary[0].gemm_epilogue(fused, x, positions, self.k_cache, self.v_cache,
@@ -109,11 +112,15 @@ class Attention(nn.Module):
         else:
             from qerl_cli.layers.paged_attention import paged_decode_attention
 
-            korder = not lora_enabled(self.o_proj) and base_of(self.o_proj).takes_korder_x(x)
+            lora = lora_enabled(self.o_proj)
+            korder = (defer and self.o_proj.takes_korder(x)) if lora else base_of(self.o_proj).takes_korder_x(x)
             o = paged_decode_attention(q.view(b, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                        ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len, korder=korder)
             if korder:  # o's columns are where o_proj's TMA-fed tile reads them: no permutation pass there
-                y = base_of(self.o_proj)(o.reshape(b, s, self.num_heads * self.head_dim), x_korder=True)
+                o = o.reshape(b, s, self.num_heads * self.head_dim)
+                if lora:
+                    return self.o_proj.forward_deferred(o, x_korder=True)
+                y = base_of(self.o_proj)(o, x_korder=True)
                 return (y, None) if defer else y
         o = o.reshape(b, s, self.num_heads * self.head_dim)
         return deferred(self.o_proj, o) if defer else self.o_proj(o)
@@ -130,6 +137,14 @@ def deferred(m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def lora_enabled(m) -> bool:
     return isinstance(m, LoRALinear) and m.enabled
+
+
+def korder_lora_ok(grouped: GroupedLoRA | None, parts, x: torch.Tensor) -> bool:
+    """Whether the LoRA terms of a fused GEMM's parts can read x in K order: none is enabled and no group
+    is in place, or the group takes K order (``GroupedLoRA.takes_korder``) and so runs them all."""
+    if grouped is None and not any(map(lora_enabled, parts)):
+        return True
+    return grouped is not None and grouped.takes_korder(x)
 
 
 def add_lora(m, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

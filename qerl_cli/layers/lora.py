@@ -6,6 +6,13 @@ which costs r*(in+out) elements, nothing next to the base weight read). B starts
 adapter is the base policy; A uses PEFT's kaiming-uniform(a=sqrt(5)) init, seeded per module so two
 runs with the same seed build identical adapters. The adapter is never merged into the base, so the
 NVFP4 weight stays packed and the same LoRA tensors serve rollout and training.
+
+In the engine each adapter also keeps A with its columns in the sm_90 GEMMs' K order (``korder_copy``),
+so the kernel that produces a LoRA projection's input (norm, SwiGLU, decode attention) can write it in
+that order for the base GEMM's TMA-fed tile, and the shrink reads the same tensor: ``x_k @ A_k^T`` is
+``x @ A^T`` with the K sum in another order. Without it a LoRA run paid a ``permute_x`` launch before
+every NVFP4 GEMM (112 per 7B decode step at 64 sequences, 167 us; docs/benchmarks.md, rollout,
+twenty-first pass).
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ class LoRALinear(nn.Module):
         self.lora_A.data = self.lora_A.data.to(dev)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=dev))
         self.enabled = True
-        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None  # (A, B*scaling) in the activation dtype
+        # (A, B*scaling, A in K order or None: korder_copy) in the activation dtype
+        self._cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def in_features(self) -> int:
@@ -72,7 +80,7 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def _inference_copies(self, x: torch.Tensor):
-        """(A, B * scaling) in x's dtype when the engine is running this forward, else None."""
+        """(A, B * scaling, A in K order or None) in x's dtype when the engine is running this forward, else None."""
         c = self._cast
         if c is None or c[0].dtype != x.dtype or get_context() is None:
             return None
@@ -105,10 +113,13 @@ class LoRALinear(nn.Module):
         captured them see new adapter values; call after every change to the fp32 masters or alpha."""
         with torch.no_grad():
             if self._cast is None or self._cast[0].dtype != dtype:
-                self._cast = (self.lora_A.detach().to(dtype).clone(), (self.lora_B.detach() * self.scaling).to(dtype))
+                a = self.lora_A.detach().to(dtype).clone()
+                self._cast = (a, (self.lora_B.detach() * self.scaling).to(dtype), korder_copy(a))
             else:
                 self._cast[0].copy_(self.lora_A)
                 self._cast[1].copy_(self.lora_B * self.scaling)
+                if self._cast[2] is not None:
+                    self._cast[2].copy_(korder_copy(self._cast[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self._inference_copies(x) if self.enabled else None
@@ -118,15 +129,27 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         return self.add_delta(x, y) if self.enabled else y
 
-    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_deferred(self, x: torch.Tensor, x_korder: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(base(x), the LoRA term or None) for a consumer that adds the term itself (the next RMSNorm,
         ``fused.rmsnorm(delta=)``). In the engine on CUDA both LoRA matmuls run on the side stream beside
-        the base GEMM, so the step's critical path keeps no LoRA launch; elsewhere ``(forward(x), None)``."""
+        the base GEMM, so the step's critical path keeps no LoRA launch; elsewhere ``(forward(x), None)``.
+        ``x_korder``: x's columns are in the MMA's K order (only where ``takes_korder`` said yes)."""
         c = self._inference_copies(x) if self.enabled else None
+        if x_korder:
+            if not self.takes_korder(x):
+                raise ValueError("x in K order needs the engine's K-order A and the side stream (takes_korder)")
+            y, d = base_and_shrink(self.base, x, c[2], c[1], x_korder=True)
+            return y, d.view(y.shape)
         if c is None or not defer_enabled(x):
             return self(x), None
         y, d = base_and_shrink(self.base, x, c[0], c[1])
         return y, d.view(y.shape)
+
+    def takes_korder(self, x: torch.Tensor) -> bool:
+        """Whether ``forward_deferred`` can take x in the MMA's K order: the engine runs this adapter with
+        its K-order A, the terms go beside the base GEMM, and that GEMM reads K order at x's rows."""
+        c = self._inference_copies(x) if self.enabled else None
+        return c is not None and c[2] is not None and defer_enabled(x) and self.base.takes_korder_x(x)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}"
@@ -157,6 +180,8 @@ class GroupedLoRA:
         rank = sum(p.r for p in loras)
         self.a = torch.zeros(rank, parts[0].in_features, dtype=dtype, device=dev)
         self.b = torch.zeros(sum(p.out_features for p in parts), rank, dtype=dtype, device=dev)
+        # A_cat in K order: the parts' K-order copies stacked (None unless every part has one).
+        self.a_k = torch.zeros_like(self.a) if all(p._cast[2] is not None for p in loras) else None
         row = col = 0
         self.views = []
         for p, f in zip(parts, self.flags):
@@ -164,7 +189,11 @@ class GroupedLoRA:
                 a, b = self.a[col:col + p.r], self.b[row:row + p.out_features, col:col + p.r]
                 a.copy_(p._cast[0])
                 b.copy_(p._cast[1])
-                p._cast = (a, b)
+                ak = None
+                if self.a_k is not None:
+                    ak = self.a_k[col:col + p.r]
+                    ak.copy_(p._cast[2])
+                p._cast = (a, b, ak)
                 self.views.append(p._cast)
                 col += p.r
             row += p.out_features
@@ -189,21 +218,32 @@ class GroupedLoRA:
             return False
         return all(p._inference_copies(x) is not None for p, f in zip(self.parts, self.flags) if f)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+    def takes_korder(self, x: torch.Tensor) -> bool:
+        """Whether ``run``/``run_deferred`` can take x in the MMA's K order (the group has A in K order and
+        is active); the base GEMM's own tile decides the rest (``QLinear.takes_korder_x``)."""
+        return self.a_k is not None and self.active(x)
+
+    def shrink_a(self, x_korder: bool) -> torch.Tensor:
+        if x_korder and self.a_k is None:
+            raise ValueError("x in K order needs the group's K-order A (every part's korder_copy)")
+        return self.a_k if x_korder else self.a
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None = None, x_korder: bool = False) -> torch.Tensor:
         """y (the fused GEMM's output) plus every part's LoRA term; ``t``: ``x @ a^T`` when already computed
-        (by the norm kernel that produced x, ``RMSNorm.with_shrink``)."""
-        t = x.reshape(-1, x.shape[-1]) @ self.a.t() if t is None else t.reshape(-1, t.shape[-1])
+        (by the norm kernel that produced x, ``RMSNorm.with_shrink``). ``x_korder``: x's columns are in the
+        MMA's K order (the shrink then reads ``a_k``)."""
+        t = x.reshape(-1, x.shape[-1]) @ self.shrink_a(x_korder).t() if t is None else t.reshape(-1, t.shape[-1])
         return expand(y, t, self.b)
 
-    def run(self, base, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, base, x: torch.Tensor, t: torch.Tensor | None = None, x_korder: bool = False) -> torch.Tensor:
         """base(x) (the fused GEMM) plus every part's LoRA term; the shrink, when ``t`` is not given, beside
-        the GEMM on a side stream (``base_and_shrink``)."""
+        the GEMM on a side stream (``base_and_shrink``). ``x_korder`` as in ``add``."""
         if t is None and overlap_enabled(x):
-            y, t = base_and_shrink(base, x, self.a)
+            y, t = base_and_shrink(base, x, self.shrink_a(x_korder), x_korder=x_korder)
             return expand(y, t, self.b)
-        return self.add(x, base(x), t)
+        return self.add(x, base(x, x_korder=True) if x_korder else base(x), t, x_korder)
 
-    def run_deferred(self, base, x: torch.Tensor, t: torch.Tensor | None = None):
+    def run_deferred(self, base, x: torch.Tensor, t: torch.Tensor | None = None, x_korder: bool = False):
         """(base(x), every part's LoRA term [..., sum out], rounded to x's dtype) for a consumer that adds the
         terms itself (SwiGLU, the rotary + cache write); both LoRA matmuls (only the expand when ``t``, the
         norm's shrink, is given) beside the GEMM on the side stream, so none is on the critical path.
@@ -213,7 +253,7 @@ class GroupedLoRA:
         docs/benchmarks.md, rollout, fourteenth pass)."""
         if not defer_enabled(x):
             return None
-        y, d = base_and_shrink(base, x, self.a, self.b, t)
+        y, d = base_and_shrink(base, x, self.shrink_a(x_korder), self.b, t, x_korder)
         return y, d.view(y.shape)
 
     def shrink_source(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -241,10 +281,11 @@ def defer_enabled(x: torch.Tensor) -> bool:
 
 
 def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
-                    t: torch.Tensor | None = None):
+                    t: torch.Tensor | None = None, x_korder: bool = False):
     """(base(x), x @ a^T) with the shrink on a side stream that forks from and joins the current one;
     with ``b``, (base(x), x @ a^T @ b^T): the expand too, rounded to x's dtype; with ``t`` (x @ a^T,
-    already computed), only the expand.
+    already computed), only the expand. ``x_korder``: x's columns are in the MMA's K order, for the base
+    GEMM (``base(x, x_korder=True)``) and for ``a`` (a K-order copy, ``korder_copy``).
 
     Why: at decode sizes the shrink is a launch-bound cuBLAS split-K pair (~5-7 us) that needs only x,
     while the base GEMM leaves most of the SMs' issue slots idle waiting on its weight; side by side,
@@ -264,9 +305,20 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
         t = x.reshape(-1, x.shape[-1]) @ a.t() if t is None else t.reshape(-1, t.shape[-1])
         if b is not None:
             t = t @ b.t()
-    y = base(x)
+    y = base(x, x_korder=True) if x_korder else base(x)
     main.wait_stream(side)
     return y, t
+
+
+def korder_copy(a: torch.Tensor) -> torch.Tensor | None:
+    """A [r, in] with its columns in the sm_90 GEMMs' K order (``qerl_kernels.decode.to_k_order``), or None
+    where no GEMM reads K order (in_features % 128 != 0). A copy for every adapter, also on CPU where it
+    goes unused: r x in elements, ~33 MB for r = 16 on all seven projections of a 7B model in bf16."""
+    if a.shape[-1] % 128:
+        return None
+    from qerl_kernels.decode import to_k_order
+
+    return to_k_order(a)
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.layers.activation import silu_mul, swiglu_epilogue
-from qerl_cli.layers.attention import Attention, add_lora, base_of, deferred, lora_enabled
+from qerl_cli.layers.attention import Attention, add_lora, base_of, deferred, korder_lora_ok, lora_enabled
 from qerl_cli.layers.fused import enabled as fused_enabled
 from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
@@ -38,8 +38,9 @@ class MLP(nn.Module):
 
     def korder_input(self, x: torch.Tensor) -> bool:
         """Whether the norm before this MLP should write x in the MMA's K order: the fused gate/up GEMM is
-        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``) and no LoRA reads x."""
-        if not self._gate_up or self._gate_up_lora is not None or lora_enabled(self.gate_proj) or lora_enabled(self.up_proj):
+        NVFP4 on a TMA-fed tile for x's rows (``QLinear.takes_korder_x``), and any LoRA reading x is the
+        grouped one with its A in K order (``GroupedLoRA.takes_korder``)."""
+        if not self._gate_up or not korder_lora_ok(self._gate_up_lora, (self.gate_proj, self.up_proj), x):
             return False
         return self._gate_up[0].takes_korder_x(x)
 
@@ -48,21 +49,26 @@ class MLP(nn.Module):
         return (down_proj's base output, its LoRA term or None) for the next norm to add. ``x_korder``:
         x's columns are in the MMA's K order (``korder_input`` said so to the norm)."""
         dg = du = h = None  # gate/up's LoRA terms when SwiGLU adds them; h once SwiGLU ran
-        # SwiGLU writes h in the MMA's K order where down_proj's TMA-fed tile reads it so.
-        yk = fused_enabled(x) and not lora_enabled(self.down_proj) and base_of(self.down_proj).takes_korder_x(x)
+        # SwiGLU writes h in the MMA's K order where down_proj's TMA-fed tile reads it so (and its LoRA, if
+        # any, has A in K order and runs beside the GEMM: LoRALinear.takes_korder).
+        down_lora = lora_enabled(self.down_proj)
+        yk = fused_enabled(x) and (defer and self.down_proj.takes_korder(x) if down_lora
+                                   else base_of(self.down_proj).takes_korder_x(x))
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
                 # Not over an NVFP4 gate/up: beside its decode-sized tiles the expand slowed the step
                 # (GroupedLoRA.run_deferred).
-                pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t)
+                pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t, x_korder)
                 if pair is not None:
                     (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
                 else:
-                    g, u = grouped.run(fused, x, lora_t).chunk(2, dim=-1)
+                    g, u = grouped.run(fused, x, lora_t, x_korder).chunk(2, dim=-1)
             else:
                 if not (lora_enabled(self.gate_proj) or lora_enabled(self.up_proj)):
                     h = swiglu_epilogue(fused, x, x_korder, yk)
+                elif x_korder:
+                    raise ValueError("x in K order with a per-part LoRA (korder_input says no to that)")
                 if h is None:
                     g, u = fused(x, x_korder=x_korder).chunk(2, dim=-1)
                     g, u = add_lora(self.gate_proj, x, g), add_lora(self.up_proj, x, u)
@@ -73,6 +79,8 @@ class MLP(nn.Module):
         if h is None:
             h = silu_mul(g, u, dg, du, korder=yk)
         if yk:
+            if down_lora:
+                return self.down_proj.forward_deferred(h, x_korder=True)
             y = base_of(self.down_proj)(h, x_korder=True)
             return (y, None) if defer else y
         return deferred(self.down_proj, h) if defer else self.down_proj(h)
