@@ -11,8 +11,11 @@ In the engine each adapter also keeps A with its columns in the sm_90 GEMMs' K o
 so the kernel that produces a LoRA projection's input (norm, SwiGLU, decode attention) can write it in
 that order for the base GEMM's TMA-fed tile, and the shrink reads the same tensor: ``x_k @ A_k^T`` is
 ``x @ A^T`` with the K sum in another order. Without it a LoRA run paid a ``permute_x`` launch before
-every NVFP4 GEMM (112 per 7B decode step at 64 sequences, 167 us; docs/benchmarks.md, rollout,
-twenty-first pass).
+every such GEMM (112 per 7B decode step at 64 sequences, 167 us of kernel time). Measured (H100, 7B +
+LoRA r=16, docs/benchmarks.md, rollout, twenty-first pass): with the one-launch shrink
+(``qerl_kernels.lora_shrink``) 3.672 / 4.137 / 5.239 ms per step at 16 / 32 / 64 sequences against
+3.688 / 4.229 / 5.251 in natural order; with cuBLAS's shrink pair, whose second launch then waited
+behind the GEMM, K order was 3.5% slower above 16 rows.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class LoRALinear(nn.Module):
             # training's memory peak. Views (chunks of a fused GEMM's output) stay out of place.
             d = self.delta(x)
             return y + d if y._is_view() else y.add_(d)
-        return expand(y, x.reshape(-1, x.shape[-1]) @ c[0].t(), c[1])
+        return expand(y, shrink(x, c[0]), c[1])
 
     def refresh_inference_copies(self, dtype: torch.dtype) -> None:
         """(Re)write the activation-dtype copies of A and B * scaling *in place*, so CUDA graphs that
@@ -232,7 +235,7 @@ class GroupedLoRA:
         """y (the fused GEMM's output) plus every part's LoRA term; ``t``: ``x @ a^T`` when already computed
         (by the norm kernel that produced x, ``RMSNorm.with_shrink``). ``x_korder``: x's columns are in the
         MMA's K order (the shrink then reads ``a_k``)."""
-        t = x.reshape(-1, x.shape[-1]) @ self.shrink_a(x_korder).t() if t is None else t.reshape(-1, t.shape[-1])
+        t = shrink(x, self.shrink_a(x_korder)) if t is None else t.reshape(-1, t.shape[-1])
         return expand(y, t, self.b)
 
     def run(self, base, x: torch.Tensor, t: torch.Tensor | None = None, x_korder: bool = False) -> torch.Tensor:
@@ -302,7 +305,7 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
         side = _SIDE[x.device] = torch.cuda.Stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        t = x.reshape(-1, x.shape[-1]) @ a.t() if t is None else t.reshape(-1, t.shape[-1])
+        t = shrink(x, a) if t is None else t.reshape(-1, t.shape[-1])
         if b is not None:
             t = t @ b.t()
     y = base(x, x_korder=True) if x_korder else base(x)
@@ -313,12 +316,20 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
 def korder_copy(a: torch.Tensor) -> torch.Tensor | None:
     """A [r, in] with its columns in the sm_90 GEMMs' K order (``qerl_kernels.decode.to_k_order``), or None
     where no GEMM reads K order (in_features % 128 != 0). A copy for every adapter, also on CPU where it
-    goes unused: r x in elements, ~33 MB for r = 16 on all seven projections of a 7B model in bf16."""
+    goes unused: r x in elements, 36 MB for r = 16 on all seven projections of a 7B model in bf16."""
     if a.shape[-1] % 128:
         return None
     from qerl_kernels.decode import to_k_order
 
     return to_k_order(a)
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``x @ a^T`` over x's rows ([tokens, r]): at decode sizes on CUDA one launch of
+    ``qerl_kernels.lora_shrink`` instead of cuBLAS's split-K pair (``QERL_LORA_SHRINK_KERNEL=0``: cuBLAS)."""
+    from qerl_kernels.lora_shrink import lora_shrink
+
+    return lora_shrink(x.reshape(-1, x.shape[-1]), a)
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
