@@ -164,22 +164,6 @@ FUSED = textwrap.dedent("""
         gu, dgu = torch.randn(4, 2 * 40).to(dt), (torch.randn(4, 2 * 40) * 0.5).to(dt)
         got = fused.silu_mul(*gu.chunk(2, -1), *dgu.chunk(2, -1))
         assert torch.equal(got, fused.silu_mul(*(gu + dgu).to(dt).chunk(2, -1)))
-    # The gate/up LoRA expand inside SwiGLU == the addmm into the GEMM's output, then SwiGLU (the dot's
-    # sum order apart), with a partial row tile, a rank that is no power of two and K-order output.
-    from qerl_kernels.decode import from_k_order
-    for dt, tol in ((torch.float32, 1e-5), (torch.float16, 2e-2)):
-        nl, rl = 256, 24
-        yl, tl_, bl = torch.randn(19, 2 * nl).to(dt), torch.randn(19, rl).to(dt), (0.1 * torch.randn(2 * nl, rl)).to(dt)
-        ref = fused.silu_mul(*torch.addmm(yl.float(), tl_.float(), bl.float().t()).to(dt).chunk(2, -1)).float()
-        for ko in (False, True):
-            out = fused.silu_mul_lora(yl[:, :nl], yl[:, nl:], tl_, bl[:nl], bl[nl:], korder=ko)
-            out = (from_k_order(out) if ko else out).float()
-            assert torch.allclose(out, ref, atol=tol, rtol=tol), (dt, ko, (out - ref).abs().max())
-    try:
-        fused.silu_mul_lora(yl[:, :nl], yl[:, nl:], tl_, bl[:nl, :8], bl[nl:, :8])
-        raise AssertionError("a B of the wrong rank was accepted")
-    except ValueError as e:
-        assert "silu_mul_lora" in str(e)
     # A decode step's attention inputs in one launch == the torch ops the model runner ran before.
     bt = torch.randint(0, 50, (9, 7), dtype=torch.int32)
     slot, p = torch.tensor([3, 0, 8, 3]), torch.tensor([0, 17, 111, 16])

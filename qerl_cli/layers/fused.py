@@ -285,56 +285,6 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
 
 
 @_jit
-def _silu_mul_lora_kernel(G, U, T, BG, BU, Y, M, N, R, stride_g, stride_u, stride_t, stride_b, stride_y,
-                          BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, KORDER: tl.constexpr,
-                          IP: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    rr = tl.arange(0, BR)
-    rows, cols = rm < M, rn < N
-    mask = rows[:, None] & cols[None, :]
-    t = tl.load(T + rm[:, None] * stride_t + rr[None, :], mask=rows[:, None] & (rr < R)[None, :], other=0.0)
-    bmask = cols[:, None] & (rr < R)[None, :]
-    bg = tl.load(BG + rn[:, None] * stride_b + rr[None, :], mask=bmask, other=0.0)
-    bu = tl.load(BU + rn[:, None] * stride_b + rr[None, :], mask=bmask, other=0.0)
-    g = tl.load(G + rm[:, None] * stride_g + rn[None, :], mask=mask, other=0.0)
-    u = tl.load(U + rm[:, None] * stride_u + rn[None, :], mask=mask, other=0.0)
-    # y + t B^T rounded once, as the addmm into the GEMM's output did (GroupedLoRA.add), then SwiGLU
-    g = (g.to(tl.float32) + tl.dot(t, tl.trans(bg), input_precision=IP)).to(u.dtype).to(tl.float32)
-    u = (u.to(tl.float32) + tl.dot(t, tl.trans(bu), input_precision=IP)).to(u.dtype)
-    s = (g / (1.0 + tl.exp(-g))).to(u.dtype)
-    out = rn
-    if KORDER:
-        out = k_order(rn)
-    tl.store(Y + rm[:, None] * stride_y + out[None, :], (s.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty),
-             mask=mask)
-
-
-def silu_mul_lora(g: torch.Tensor, u: torch.Tensor, t: torch.Tensor, bg: torch.Tensor, bu: torch.Tensor,
-                  korder: bool = False) -> torch.Tensor:
-    """``silu(g + t bg^T) * (u + t bu^T)``, each sum rounded to g's dtype, in one kernel: the gate/up GEMM's
-    output g, u [tokens, n] (halves of one tensor), its LoRA shrink t [tokens, R] and the expand's rows
-    bg, bu [n, R] (a ``GroupedLoRA``'s ``b``, R <= 128). What the addmm into the GEMM's output and the
-    SwiGLU kernel computed in two launches, with the [tokens, 2 n] output read and written once less.
-    ``korder`` as in ``silu_mul``."""
-    n, r = g.shape[-1], t.shape[-1]
-    if korder and n % 128:
-        raise ValueError(f"korder permutes 128-column steps; the rows have {n} columns")
-    g2, u2, t2 = g.reshape(-1, n), u.reshape(-1, n), t.reshape(-1, r)
-    m = g2.shape[0]
-    if (u2.shape != g2.shape or t2.shape[0] != m or bg.shape != (n, r) or bu.shape != (n, r) or bg.stride() != bu.stride()
-            or min(g2.stride(-1), u2.stride(-1), t2.stride(-1), bg.stride(-1)) != 1 or r > 128):
-        raise ValueError(f"silu_mul_lora: g, u {tuple(g.shape)}, t {tuple(t.shape)}, b {tuple(bg.shape)} do not fit")
-    y = torch.empty((m, n), dtype=g.dtype, device=g.device)
-    bm, bn = 16, 128  # four [16, 128] fp32 tiles per program: no spills at 4 warps
-    _silu_mul_lora_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        g2, u2, t2, bg, bu, y, m, n, r, g2.stride(0), u2.stride(0), t2.stride(0), bg.stride(0), y.stride(0),
-        BM=bm, BN=bn, BR=max(16, triton.next_power_of_2(r)), KORDER=korder,
-        IP="ieee" if g.dtype == torch.float32 else "tf32", num_warps=4)
-    return y.view(g.shape)
-
-
-@_jit
 def _decode_inputs_kernel(BT, SLOT, POS, TABLES, SM, CL, stride_bt, stride_t, NB, BS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     row = tl.load(SLOT + b)

@@ -246,26 +246,6 @@ class GroupedLoRA:
             return expand(y, t, self.b)
         return self.add(x, base(x, x_korder=True) if x_korder else base(x), t, x_korder)
 
-    def run_swiglu(self, base, x: torch.Tensor, t: torch.Tensor | None = None, x_korder: bool = False,
-                   y_korder: bool = False) -> torch.Tensor | None:
-        """``silu(gate) * up`` of a fused gate/up GEMM (``base``, gate rows over up rows) with every part's
-        LoRA term added inside the SwiGLU kernel (``fused.silu_mul_lora``), so the expand's addmm into the
-        GEMM's [tokens, 2 n] output is one launch and one read and write of it fewer; the shrink, when ``t``
-        is not given, beside the GEMM on the side stream. ``x_korder``/``y_korder``: input/output in the
-        MMA's K order. None where the fused kernels do not run (CPU, autograd, ``QERL_FUSED=0``) or
-        ``QERL_LORA_SWIGLU=0``: the caller then runs ``run`` and its SwiGLU."""
-        from qerl_cli.layers import fused
-
-        if os.environ.get("QERL_LORA_SWIGLU", "1") == "0" or not fused.enabled(x) or self.b.shape[1] > 128:
-            return None
-        if t is None and overlap_enabled(x):
-            y, t = base_and_shrink(base, x, self.shrink_a(x_korder), x_korder=x_korder)
-        else:
-            y = base(x, x_korder=True) if x_korder else base(x)
-            t = shrink(x, self.shrink_a(x_korder)) if t is None else t
-        n = y.shape[-1] // 2
-        return fused.silu_mul_lora(y[..., :n], y[..., n:], t, self.b[:n], self.b[n:], korder=y_korder)
-
     def run_deferred(self, base, x: torch.Tensor, t: torch.Tensor | None = None, x_korder: bool = False):
         """(base(x), every part's LoRA term [..., sum out], rounded to x's dtype) for a consumer that adds the
         terms itself (SwiGLU, the rotary + cache write); both LoRA matmuls (only the expand when ``t``, the

@@ -62,10 +62,8 @@ class MLP(nn.Module):
                 pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t, x_korder)
                 if pair is not None:
                     (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
-                else:  # the LoRA terms added inside the SwiGLU kernel where it runs
-                    h = grouped.run_swiglu(fused, x, lora_t, x_korder, yk) if fused.quantized else None
-                    if h is None:
-                        g, u = grouped.run(fused, x, lora_t, x_korder).chunk(2, dim=-1)
+                else:
+                    g, u = grouped.run(fused, x, lora_t, x_korder).chunk(2, dim=-1)
             else:
                 if not (lora_enabled(self.gate_proj) or lora_enabled(self.up_proj)):
                     h = swiglu_epilogue(fused, x, x_korder, yk)
