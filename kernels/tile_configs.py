@@ -300,7 +300,7 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
             FwdConfig(64, 128, 16, warps=8, stages=4, swap=True, join=True, tma=True),
             DEQUANT,
             *_gluon_tma_candidates(128),
-        ] + (_gluon_ws_xtma_candidates(64) + _gluon_ws_xtma_candidates(128) if m <= 128 else []) + ([
+        ] + (_gluon_ws_xtma_candidates(64) if m <= 128 else []) + _gluon_ws_xtma_candidates(128) + ([
             FwdConfig(256, 128, 8, warps=8, stages=3, swap=True, join=True),
             FwdConfig(256, 64, 8, warps=4, stages=3, swap=True, join=True),
             *_gluon_tma_candidates(256),
@@ -348,12 +348,15 @@ def _gluon_ws_candidates(bm: int) -> list[FwdConfig]:
 
 def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     """The warp-specialised kernel with X by TMA (``xtma``: four [BM, 64] boxes per ring stage, so the
-    producer holds no X registers and BM 32-128 fit) for M = 17-128. A natural-order X pays a
+    producer holds no X registers and BM 32-128 fit) for M = 17-256. A natural-order X pays a
     ``permute_x`` launch first, which the sweep times with the tile; the engine's producers write K
     order and skip it. Two ring stages (BM 64: 82 KB of shared memory, two programs per SM), plus deeper
     rings below, and the register splits that won in the probe (``benchmarks/probe_ws.py --xtma 1``, H100
     2026-11-23, docs/benchmarks.md, kernels, seventeenth pass): caps 64-128 (by BM) with half steps in
-    flight at BN 64, cap 80 with plain half steps for two consumers at BN 128 (won 32B gate_up at M = 64)."""
+    flight at BN 64, cap 80 with plain half steps for two consumers at BN 128 (won 32B gate_up at M = 64).
+    At BM 128 also two consumers at caps 96 and 128 with half steps in flight: in the M = 256 probe
+    (``--xtma 1 --bm 128``, H100 2026-11-23, docs/benchmarks.md, kernels, eighteenth pass) they ran 7B
+    down 87.2 -> 71.4 us and 7B gate_up 149.5 -> 137.5 us from K-order X; BN 64 ran 7B o 23.7 -> 17.4."""
     by_bm = {32: ((64, 24, 2), (96, 32, 2)), 64: ((96, 32, 2), (112, 32, 2), (128, 48, 2))}
     regs = by_bm.get(bm, ((128, 32, 2), (128, 48, 2)))
     tiles = [FwdConfig(bm, 64, 16, warps=4, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r, pregs=p,
@@ -365,6 +368,9 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     if bm == 64:
         tiles.append(FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=80,
                                pregs=32, half=1))
+    if bm == 128:  # two consumers sharing 128 X rows: 4 of the 8 M = 256 probe points (twenty-first pass)
+        tiles += [FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r,
+                            pregs=p, half=2) for r, p in ((96, 24), (128, 32))]
     return tiles + [replace(c, halves=True) for c in tiles]
 
 

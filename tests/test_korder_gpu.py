@@ -86,9 +86,9 @@ def test_warp_specialised_tiles_take_x_by_tma(m):
         assert torch.equal(sw_k, sw), cfg
 
 
-@pytest.mark.parametrize("m", [24, 64, 100])
-def test_warp_specialised_x_by_tma_tiles_for_17_to_128_rows(m):
-    # The tiles of M = 17-128 (tile_configs._gluon_ws_xtma_candidates: BM 32-128, no X registers in the
+@pytest.mark.parametrize("m", [24, 64, 100, 200])
+def test_warp_specialised_x_by_tma_tiles_for_17_to_256_rows(m):
+    # The tiles of M = 17-256 (tile_configs._gluon_ws_xtma_candidates: BM 32-128, no X registers in the
     # producer), split-K, halved and partial M tiles: near the reference, and the same bits from natural X
     # (a permute_x copy first, as the kernel benchmark times them) and from K-order X (the engine's).
     from qerl_kernels.gemm_fwd import nvfp4_matmul
@@ -103,7 +103,7 @@ def test_warp_specialised_x_by_tma_tiles_for_17_to_128_rows(m):
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     ref = reference_fwd(x, p, s, g, bias)
     xk = permute_x(x)
-    bms = (32,) if m <= 32 else (64, 128) if m > 64 else (64,)
+    bms = (32,) if m <= 32 else (128,) if m > 128 else (64, 128) if m > 64 else (64,)
     cands = [c for bm in bms for c in _gluon_ws_xtma_candidates(bm)]
     assert cands and all(c.ws and c.xtma for c in cands)
     for cfg in cands:
