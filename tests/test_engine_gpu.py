@@ -233,3 +233,44 @@ def test_fused_silu_mul_matches_torch_on_halves_of_one_tensor(dtype):
     assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=1e-30)
     with torch.no_grad():
         assert torch.equal(silu_mul(g, u), got)  # the model's entry point takes the fused kernel
+
+
+def test_nvfp4_gate_up_lora_defers_above_16_rows(monkeypatch):
+    # Over an NVFP4 gate/up the LoRA expand is computed beside the GEMM and added by SwiGLU only above
+    # lora.NVFP4_GATE_UP_DEFER_ROWS rows; either way the MLP's output (plus down's deferred term) is the
+    # non-deferred path's up to the expand's rounding.
+    import qerl_cli.layers.lora as lora
+    from qerl_cli.layers.attention import fuse_projections, group_lora
+    from qerl_cli.layers.context import ForwardContext, set_context
+    from qerl_cli.layers.lora import GroupedLoRA, lora_modules
+    from qerl_cli.models import ModelConfig, build_random_model
+
+    cfg = ModelConfig.from_hf(dict(model_type="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    model = build_random_model(cfg, device="cuda", dtype=torch.bfloat16, quantized=True, lora=LoraSpec(r=8, alpha=16))
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    fuse_projections(model)
+    for _, m in lora_modules(model):
+        m.refresh_inference_copies(torch.bfloat16)
+    assert group_lora(model, torch.bfloat16) == 2
+    mlp = model.model.layers[0].mlp
+    real, calls = GroupedLoRA.run_deferred, []
+    monkeypatch.setattr(GroupedLoRA, "run_deferred", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    limit = lora.NVFP4_GATE_UP_DEFER_ROWS
+    set_context(ForwardContext(is_prefill=True, slot_mapping=torch.zeros(1, dtype=torch.long, device="cuda")))
+    try:
+        with torch.no_grad():
+            for rows in (8, 16, 17, 40):
+                h = torch.randn(1, rows, 128, device="cuda", dtype=torch.bfloat16)
+                calls.clear()
+                y, d = mlp(h, defer=True)
+                assert bool(calls) == (rows > limit), rows
+                monkeypatch.setattr(lora, "NVFP4_GATE_UP_DEFER_ROWS", 10**9)  # never defer
+                y2, d2 = mlp(h, defer=True)
+                monkeypatch.setattr(lora, "NVFP4_GATE_UP_DEFER_ROWS", limit)
+                out, out2 = (y + d).float(), (y2 + d2).float()
+                assert (out - out2).abs().max() <= 0.02 * out2.abs().max(), rows
+    finally:
+        set_context(None)

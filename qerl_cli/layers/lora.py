@@ -39,6 +39,11 @@ from qerl_cli.layers.context import get_context
 # 64 rows 5.51 / 5.30; bf16 6.53 / 6.49, 6.90 / 6.77, 7.71 / 7.54. So 16: the quantized bases gain there,
 # the dense ones lose 0.6%, too little for a second rule.
 NORM_SHRINK_MAX_ROWS = 16
+# Batch rows up to which an NVFP4 gate/up GEMM's LoRA expand stays an addmm_ into its output after it, not
+# a deferred term computed beside it and added by SwiGLU (GroupedLoRA.run_deferred). H100, 7B + LoRA
+# r=16, deferred / not (docs/benchmarks.md, rollout, twenty-first pass): 16 rows 3.684-3.691 / 3.663 ms,
+# 32 rows 4.026-4.043 / 4.172, 64 rows 5.093-5.094 / 5.231. Dense bases always defer.
+NVFP4_GATE_UP_DEFER_ROWS = 16
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -251,9 +256,10 @@ class GroupedLoRA:
         terms itself (SwiGLU, the rotary + cache write); both LoRA matmuls (only the expand when ``t``, the
         norm's shrink, is given) beside the GEMM on the side stream, so none is on the critical path.
         None instead of the pair where that does not apply (``QERL_LORA_OVERLAP=0``/``QERL_LORA_DEFER=0``).
-        The engine uses it for q/k/v, and for gate/up over dense (bf16) bases only: beside the NVFP4
-        gate/up tiles the expand made the 16-sequence 7B decode step slower (H100: 4.02 -> 4.48 ms;
-        docs/benchmarks.md, rollout, fourteenth pass)."""
+        The engine uses it for q/k/v, and for gate/up over dense (bf16) bases and over NVFP4 ones above
+        ``NVFP4_GATE_UP_DEFER_ROWS``: beside the NVFP4 gate/up tiles of 16 rows the expand made the 7B
+        decode step slower (H100: 4.02 -> 4.48 ms; docs/benchmarks.md, rollout, fourteenth pass; 0.6%
+        in the twenty-first), at 32-64 rows 2.6-3.3% faster (twenty-first pass)."""
         if not defer_enabled(x):
             return None
         y, d = base_and_shrink(base, x, self.shrink_a(x_korder), self.b, t, x_korder)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from qerl_cli.layers import lora
 from qerl_cli.layers.activation import silu_mul, swiglu_epilogue
 from qerl_cli.layers.attention import Attention, add_lora, base_of, deferred, korder_lora_ok, lora_enabled
 from qerl_cli.layers.fused import enabled as fused_enabled
@@ -57,9 +58,10 @@ class MLP(nn.Module):
         if self._gate_up:
             fused, grouped = self._gate_up[0], self._gate_up_lora
             if grouped is not None and (lora_t is not None or grouped.active(x)):
-                # Not over an NVFP4 gate/up: beside its decode-sized tiles the expand slowed the step
-                # (GroupedLoRA.run_deferred).
-                pair = None if fused.quantized else grouped.run_deferred(fused, x, lora_t, x_korder)
+                # Over an NVFP4 gate/up only above NVFP4_GATE_UP_DEFER_ROWS (GroupedLoRA.run_deferred).
+                rows = x.numel() // x.shape[-1]
+                defer_gu = not fused.quantized or rows > lora.NVFP4_GATE_UP_DEFER_ROWS
+                pair = grouped.run_deferred(fused, x, lora_t, x_korder) if defer_gu else None
                 if pair is not None:
                     (g, u), (dg, du) = pair[0].chunk(2, dim=-1), pair[1].chunk(2, dim=-1)
                 else:
