@@ -368,7 +368,7 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     if bm == 64:
         tiles.append(FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=80,
                                pregs=32, half=1))
-    if bm == 128:  # two consumers sharing 128 X rows: 4 of the 8 M = 256 probe points (twenty-first pass)
+    if bm == 128:  # two consumers sharing 128 X rows: 4 of the 8 M = 256 probe points (eighteenth pass)
         tiles += [FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r,
                             pregs=p, half=2) for r, p in ((96, 24), (128, 32))]
     return tiles + [replace(c, halves=True) for c in tiles]

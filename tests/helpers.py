@@ -207,3 +207,23 @@ def assert_engine_switch_keeps_samples(tmp_path: Path, monkeypatch, env: str, cl
     for a, b in zip(runs["1"], runs["0"]):
         for c1, c2 in zip(a, b):
             assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs, env
+
+
+def random_lora_model(cfg: dict, *, device: str = "cpu", dtype=torch.float32, quantized: bool = True, r: int = 4,
+                      alpha: float = 8, std: float = 0.2, targets: tuple[str, ...] | None = None):
+    """A random decoder (HF-style ``cfg`` dict) with non-zero LoRA on ``targets`` (all seven by default), its
+    q/k/v and gate/up fused, and the adapters' inference copies in ``dtype``: what the engine sets up
+    before grouping (``group_lora``)."""
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.lora import LoraSpec, lora_modules, lora_parameters
+    from qerl_cli.models import ModelConfig, build_random_model
+
+    spec = LoraSpec(r=r, alpha=alpha) if targets is None else LoraSpec(r=r, alpha=alpha, targets=targets)
+    model = build_random_model(ModelConfig.from_hf(cfg), device=device, dtype=dtype, quantized=quantized, lora=spec)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, std)
+    fuse_projections(model)
+    for _, m in lora_modules(model):
+        m.refresh_inference_copies(dtype)
+    return model

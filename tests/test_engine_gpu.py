@@ -240,20 +240,14 @@ def test_nvfp4_gate_up_lora_defers_above_16_rows(monkeypatch):
     # lora.NVFP4_GATE_UP_DEFER_ROWS rows; either way the MLP's output (plus down's deferred term) is the
     # non-deferred path's up to the expand's rounding.
     import qerl_cli.layers.lora as lora
-    from qerl_cli.layers.attention import fuse_projections, group_lora
+    from qerl_cli.layers.attention import group_lora
     from qerl_cli.layers.context import ForwardContext, set_context
-    from qerl_cli.layers.lora import GroupedLoRA, lora_modules
-    from qerl_cli.models import ModelConfig, build_random_model
+    from qerl_cli.layers.lora import GroupedLoRA
+    from tests.helpers import random_lora_model
 
-    cfg = ModelConfig.from_hf(dict(model_type="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    model = build_random_model(cfg, device="cuda", dtype=torch.bfloat16, quantized=True, lora=LoraSpec(r=8, alpha=16))
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.05)
-    fuse_projections(model)
-    for _, m in lora_modules(model):
-        m.refresh_inference_copies(torch.bfloat16)
+    cfg = dict(model_type="qwen2", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2)
+    model = random_lora_model(cfg, device="cuda", dtype=torch.bfloat16, r=8, alpha=16, std=0.05)
     assert group_lora(model, torch.bfloat16) == 2
     mlp = model.model.layers[0].mlp
     real, calls = GroupedLoRA.run_deferred, []

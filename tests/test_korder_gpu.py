@@ -196,17 +196,48 @@ def test_norm_and_attention_write_korder_in_bf16():
         assert torch.equal(ok.reshape(b, -1)[:, idx], o.reshape(b, -1)), b
 
 
+def _tiny_nvfp4(tmp_path, lora=None):
+    """A tiny quantized Qwen2 on the GPU (hidden 128: whole K-order steps), with ``lora`` random and non-zero."""
+    from qerl_cli.layers.lora import lora_parameters
+    from qerl_cli.models import load_model
+    from qerl_cli.quantize import QuantizeConfig, quantize
+    from tests.helpers import make_tiny_hf_model
+
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", init_std=0.05, hidden=128, heads=2, kv_heads=1, intermediate=256)
+    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16, lora=lora)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.05)
+    return model
+
+
+def _korder_engine_runs(model, monkeypatch, log: list) -> dict:
+    """The engine's samples with QERL_KORDER_X=1 and 0 on the forced TMA-fed tiles; ``log`` (the spied
+    calls' x_korder flags) must show most reads in K order at 1 and none at 0."""
+    from qerl_kernels import gemm_fwd
+
+    from qerl_cli.engine import LLMEngine, SamplingParams
+    from tests.test_engine_gpu import PROMPTS
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=17)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QERL_KORDER_X", flag)
+        log.clear()
+        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
+        # At 1 only a prefill's o_proj reads natural X (the prefill attention is SDPA's).
+        assert log and (log.count(True) > len(log) // 2 if flag == "1" else not any(log)), \
+            (flag, log.count(True), len(log))
+    gemm_fwd._takes_korder_x.cache_clear()  # nor keep the forced tiles' answers for later tests
+    return runs
+
+
 def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
     # A tiny NVFP4 model whose GEMMs all run a TMA-fed tile (the table has no such shapes, so the test
     # forces one): with QERL_KORDER_X=1 the norms, SwiGLU and decode attention write K order and their
     # GEMMs skip permute_x; the samples equal those of the permutation passes.
     from qerl_kernels import gemm_fwd, gemm_gluon_tma
-
-    from qerl_cli.engine import LLMEngine, SamplingParams
-    from qerl_cli.models import load_model
-    from qerl_cli.quantize import QuantizeConfig, quantize
-    from tests.helpers import make_tiny_hf_model
-    from tests.test_engine_gpu import PROMPTS
 
     _force_tma_tiles(monkeypatch)
     gemm_fwd._takes_korder_x.cache_clear()  # answers cached under the real tile table
@@ -217,19 +248,7 @@ def test_engine_samples_with_korder_on_and_off(tmp_path, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(gemm_gluon_tma, "launch_gluon_tma", spy)
-    src = make_tiny_hf_model(tmp_path, arch="qwen2", init_std=0.05, hidden=128, heads=2, kv_heads=1, intermediate=256)
-    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
-    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=17)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QERL_KORDER_X", flag)
-        korder.clear()
-        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
-        # At 1 only a prefill's o_proj reads natural X (the prefill attention is SDPA's).
-        assert korder and (korder.count(True) > len(korder) // 2 if flag == "1" else not any(korder)), \
-            (flag, korder.count(True), len(korder))
-    gemm_fwd._takes_korder_x.cache_clear()  # nor keep the forced tiles' answers for later tests
+    runs = _korder_engine_runs(_tiny_nvfp4(tmp_path), monkeypatch, korder)
     for a, b in zip(runs["1"], runs["0"]):
         for c1, c2 in zip(a, b):
             assert c1.token_ids == c2.token_ids and c1.logprobs == c2.logprobs
@@ -243,34 +262,14 @@ def test_engine_lora_reads_korder_x(tmp_path, monkeypatch):
     from qerl_kernels import gemm_fwd
 
     import qerl_cli.layers.lora as lora
-    from qerl_cli.engine import LLMEngine, SamplingParams
-    from qerl_cli.layers.lora import LoraSpec, lora_parameters
-    from qerl_cli.models import load_model
-    from qerl_cli.quantize import QuantizeConfig, quantize
-    from tests.helpers import make_tiny_hf_model
-    from tests.test_engine_gpu import PROMPTS
+    from qerl_cli.layers.lora import LoraSpec
 
     _force_tma_tiles(monkeypatch)
     gemm_fwd._takes_korder_x.cache_clear()
     real, korder = lora.base_and_shrink, []
     monkeypatch.setattr(lora, "base_and_shrink", lambda base, x, a, b=None, t=None, x_korder=False:
                         korder.append(x_korder) or real(base, x, a, b, t, x_korder))
-    src = make_tiny_hf_model(tmp_path, arch="qwen2", init_std=0.05, hidden=128, heads=2, kv_heads=1, intermediate=256)
-    quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
-    model = load_model(tmp_path / "q", device="cuda", dtype=torch.bfloat16, lora=LoraSpec(r=8, alpha=16))
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.05)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=17)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("QERL_KORDER_X", flag)
-        korder.clear()
-        runs[flag] = LLMEngine(model, None, max_num_seqs=8).generate(PROMPTS, sp, n=2)
-        # At 1 every decode step's LoRA shrinks read K order (a prefill's o_proj follows SDPA: natural).
-        assert korder and (korder.count(True) > len(korder) // 2 if flag == "1" else not any(korder)), \
-            (flag, korder.count(True), len(korder))
-    gemm_fwd._takes_korder_x.cache_clear()
+    runs = _korder_engine_runs(_tiny_nvfp4(tmp_path, LoraSpec(r=8, alpha=16)), monkeypatch, korder)
     diffs = []
     for a, b in zip(runs["1"], runs["0"]):
         for c1, c2 in zip(a, b):

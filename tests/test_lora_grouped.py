@@ -5,25 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl_cli.layers.attention import fuse_projections, group_lora
+from qerl_cli.layers.attention import group_lora
 from qerl_cli.layers.context import ForwardContext, set_context
-from qerl_cli.layers.lora import GroupedLoRA, LoraSpec, lora_disabled, lora_modules, lora_parameters
-from qerl_cli.models import ModelConfig, build_random_model
+from qerl_cli.layers.lora import GroupedLoRA, lora_disabled, lora_modules, lora_parameters
+from tests.helpers import random_lora_model
 
 CFG = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2)
 
 
 def _model(quantized: bool, targets=("q_proj", "v_proj", "up_proj", "gate_proj", "o_proj")):
-    model = build_random_model(ModelConfig.from_hf(CFG), device="cpu", dtype=torch.float32, quantized=quantized,
-                               lora=LoraSpec(r=4, alpha=8, targets=targets))
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.2)
-    fuse_projections(model)
-    for _, m in lora_modules(model):
-        m.refresh_inference_copies(torch.float32)
-    return model
+    return random_lora_model(CFG, quantized=quantized, targets=targets)
 
 
 def _logits(model, ids, engine: bool):
@@ -71,17 +63,22 @@ def test_parts_without_lora_get_zero_rows(ids):
     torch.testing.assert_close(_logits(model, ids, engine=True), reference, atol=2e-5, rtol=1e-5)
 
 
+def _new_adapter_values(model):
+    """Redraw every LoRA tensor and refresh the inference copies in place (what train-step + rollout do)."""
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.normal_(0, 0.2)
+    for _, m in lora_modules(model):
+        m.refresh_inference_copies(torch.float32)
+
+
 def test_in_place_refresh_reaches_the_group(ids):
     """New adapter values refreshed in place reach the same grouped tensors (what a captured graph reads)."""
     model = _model(False)
     group_lora(model, torch.float32)
     g = model.model.layers[1].mlp._gate_up_lora
     a_ptr = g.a.data_ptr()
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.2)
-    for _, m in lora_modules(model):
-        m.refresh_inference_copies(torch.float32)
+    _new_adapter_values(model)
     assert group_lora(model, torch.float32) == 2 * model.config.num_layers
     assert model.model.layers[1].mlp._gate_up_lora is g and g.a.data_ptr() == a_ptr
     torch.testing.assert_close(_logits(model, ids, engine=True), _logits(model, ids, engine=False), atol=2e-5, rtol=1e-5)
@@ -109,14 +106,7 @@ def test_switch_off(monkeypatch):
 
 def _wide_model():
     """Hidden 128, intermediate 256: every projection's input is whole 128-column K steps."""
-    cfg = ModelConfig.from_hf(dict(CFG, hidden_size=128, intermediate_size=256))
-    model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True, lora=LoraSpec(r=4, alpha=8))
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.2)
-    fuse_projections(model)
-    for _, m in lora_modules(model):
-        m.refresh_inference_copies(torch.float32)
+    model = random_lora_model(dict(CFG, hidden_size=128, intermediate_size=256))
     group_lora(model, torch.float32)
     return model
 
@@ -130,11 +120,7 @@ def test_korder_copies_of_a_follow_in_place_refreshes():
     g, down = layer.mlp._gate_up_lora, layer.mlp.down_proj
     assert torch.equal(g.a_k, to_k_order(g.a)) and torch.equal(down._cast[2], to_k_order(down._cast[0]))
     ptrs = g.a_k.data_ptr(), down._cast[2].data_ptr()
-    with torch.no_grad():
-        for p in lora_parameters(model):
-            p.normal_(0, 0.2)
-    for _, m in lora_modules(model):
-        m.refresh_inference_copies(torch.float32)
+    _new_adapter_values(model)
     assert group_lora(model, torch.float32) == 2 * model.config.num_layers
     assert layer.mlp._gate_up_lora is g and (g.a_k.data_ptr(), down._cast[2].data_ptr()) == ptrs
     assert torch.equal(g.a_k, to_k_order(g.a)) and torch.equal(down._cast[2], to_k_order(down._cast[0]))
