@@ -298,8 +298,9 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
 
     Why: at decode sizes the shrink is a launch-bound few microseconds (``shrink``: 4-7 us in one launch,
     cuBLAS's split-K pair 6.6-7.8 us) that needs only x, while the base GEMM leaves most of the SMs' issue
-    slots idle waiting on its weight; side by side, the shrink mostly hides under the GEMM (run after it
-    instead, the 7B + LoRA step was 0.3-0.65 ms longer: docs/benchmarks.md, rollout, twenty-first pass). Inside a CUDA-graph capture the fork and join become graph edges.
+    slots idle waiting on its weight; side by side, the shrink mostly hides under the GEMM (run before it
+    on the same stream, the 7B + LoRA step was 0.3-0.65 ms longer: docs/benchmarks.md, rollout, twenty-first
+    pass). Inside a CUDA-graph capture the fork and join become graph edges.
     What the side stream allocates (``t``, or the deferred term) is used on the current stream after
     the join; the caching allocator hands a freed side-stream block only to the side stream again,
     after its next fork, which waits for everything enqueued on the current stream by then (the uses
