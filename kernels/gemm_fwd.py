@@ -85,22 +85,23 @@ COUNTER_SLOTS = 1 << 16
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device) -> torch.Tensor | None:
+def arrival_counters(device: torch.device, cache: dict | None = None, slots: int = COUNTER_SLOTS) -> torch.Tensor | None:
     """Per-device zeroed int32 counters; each launch that uses them (split-K here, the decode
-    attention's split merge in qerl_cli) leaves them zero again. One stream at a time.
+    attention's split merge in qerl_cli) leaves them zero again. One stream at a time; a kernel that
+    runs beside these on another stream (the LoRA shrink) keeps its own ``cache`` of ``slots``.
 
     None while a CUDA graph is being captured and no counters exist yet: memory allocated during
     capture belongs to the graph's private pool, so it must not be cached for later eager calls
     (the caller then runs without split-K). Engines warm up eagerly before capturing, which
     allocates them.
     """
+    cache = _counters if cache is None else cache
     key = (device.type, device.index)
-    buf = _counters.get(key)
+    buf = cache.get(key)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _counters[key] = buf
+        buf = cache[key] = torch.zeros(slots, dtype=torch.int32, device=device)
     return buf
 
 

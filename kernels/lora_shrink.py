@@ -10,7 +10,9 @@ against cuBLAS's 6.6-7.5 at M = 16, 4.3-6.7 against 7.3-7.8 at M = 64; the 16-se
 with LoRA 3.817 -> 3.688-3.710 ms. Above ``MAX_ROWS`` rows (prefill) cuBLAS's tiles are the better
 choice and ``lora_shrink`` hands the call to it.
 
-The arrival counters are this module's own: the shrink runs on a side stream while the base GEMM's
+The reference is torch's ``x @ a.t()``: what ``lora_shrink`` runs off the kernel's reach, and what the
+tests compare against (in fp64). The arrival counters are this module's own (``gemm_fwd.arrival_counters``
+with a separate cache): the shrink runs on a side stream while the base GEMM's
 split-K uses gemm_fwd's on the main one (two shrinks never run at once: the engine's side work joins
 the main stream before the next GEMM).
 """
@@ -22,29 +24,13 @@ import os
 import torch
 import triton
 import triton.language as tl
+from qerl_kernels.gemm_fwd import arrival_counters
 
 MAX_ROWS = 128  # the rows measured (bench_lora_shrink.py --ms 16,64,128)
 MAX_RANK = 128
 BK = 128  # K elements per inner step
 _SLOTS = 64
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ a [r, K]^T in x's dtype (fp32 accumulation, one rounding: what the kernel computes)."""
-    return (x.float() @ a.float().t()).to(x.dtype)
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor | None:
-    """Zeroed int32 counters (left zero by every launch); None while a graph is being captured and none
-    exist yet (gemm_fwd.arrival_counters says why)."""
-    key = (device.type, device.index)
-    buf = _counters.get(key)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _counters[key] = torch.zeros(_SLOTS, dtype=torch.int32, device=device)
-    return buf
 
 
 def shrink_plan(m: int, k: int, bm: int = 0, per: int = 0) -> tuple[int, int, int]:
@@ -115,7 +101,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, bm: int = 0, per: int = 0) -> 
     t = torch.empty((m, r), dtype=x.dtype, device=x.device)
     cnt = ws = t
     if split > 1:
-        cnt = _arrival_counters(x.device)
+        cnt = arrival_counters(x.device, _counters, _SLOTS)
         if cnt is None:
             return x @ a.t()
         ws = torch.empty((split, m, br), dtype=torch.float32, device=x.device)
