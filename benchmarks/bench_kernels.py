@@ -27,6 +27,7 @@ import re
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -191,6 +192,17 @@ def roofline(n: int, k: int, m: int, us: float) -> tuple[float, float]:
     return nbytes / us / 1e6, 2 * m * n * k / us / 1e6
 
 
+def interleaved_rounds(us: float, ref_us: float, rounds: int, qerl, cublas) -> tuple[list[float], list[float]]:
+    """``rounds`` timings of each side (the first given), taken alternately, so a drift of the clocks
+    over the run lands on both sides instead of on whichever was timed later; the caller reports each
+    side's median. ``qerl`` returns (us, error) as bench_fwd_point does; ``cublas`` returns us."""
+    qs, cs = [us], [ref_us]
+    for _ in range(rounds - 1):
+        cs.append(cublas())
+        qs.append(qerl()[0])
+    return qs, cs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="time every candidate config; write the table")
@@ -204,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
     ap.add_argument("--cand-filter", default=None,
                     help="with --sweep: time only the candidates whose repr matches this regex (plus the current table entry)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="time cuBLAS and the chosen qerl tile this many times, interleaved, and report each one's "
+                         "median: one window each moves by up to 5-10%% at M = 1024 as the clocks follow power")
     ap.add_argument("--layout", choices=["twiddled", "ondisk"], default="twiddled",
                     help="code layout the kernels read: twiddled (+ 1 KB blocks where the shape tiles; what qerl loads on sm_90) or the on-disk one")
     args = ap.parse_args(argv)
@@ -275,10 +290,14 @@ def main(argv=None) -> int:
                 log({"op": "fwd", "model": model, "layer": layer, "N": n, "K": k, "M": m, "error": "no valid config"})
                 continue
             us, cfg, err = best
+            qs, cs = interleaved_rounds(us, ref_us, args.rounds, partial(bench_fwd_point, d, m, cfg),
+                                        partial(bench_cublas_fwd, d, m))
+            us, ref_us = statistics.median(qs), statistics.median(cs)
             tbs, tfl = roofline(n, k, m, us)
             log({"op": "fwd", "model": model, "layer": layer, "N": n, "K": k, "M": m, "us": round(us, 2),
                  "cublas_us": round(ref_us, 2), "speedup": round(ref_us / us, 3), "err": err,
-                 "TBps": round(tbs, 2), "TFLOPs": round(tfl, 1), "cfg": cfg.as_dict()})
+                 "TBps": round(tbs, 2), "TFLOPs": round(tfl, 1), "cfg": cfg.as_dict(),
+                 "us_rounds": [round(v, 2) for v in qs], "cublas_us_rounds": [round(v, 2) for v in cs]})
             fwd_table[(tc.m_bucket(m), n, k)] = cfg
         for m in bwd_ms:
             if time.time() - t0 > args.budget_s:
@@ -300,8 +319,12 @@ def main(argv=None) -> int:
                 log({"op": "bwd", "model": model, "layer": layer, "N": n, "K": k, "M": m, "error": "no valid config"})
                 continue
             us, cfg, err = best
+            qs, cs = interleaved_rounds(us, ref_us, args.rounds, partial(bench_bwd_point, d, m, cfg),
+                                        partial(bench_cublas_bwd, d, m))
+            us, ref_us = statistics.median(qs), statistics.median(cs)
             log({"op": "bwd", "model": model, "layer": layer, "N": n, "K": k, "M": m, "us": round(us, 2),
                  "cublas_us": round(ref_us, 2), "speedup": round(ref_us / us, 3), "err": err,
+                 "us_rounds": [round(v, 2) for v in qs], "cublas_us_rounds": [round(v, 2) for v in cs],
                  "TFLOPs": round(2 * m * n * k / us / 1e6, 1), "cfg": cfg.as_dict()})
             bwd_table[(n, k)] = cfg
         del d
@@ -346,7 +369,8 @@ def render(results, command: str) -> str:
         f"Device: {dev}; date: {date}; torch {torch.__version__}; command: `{command}`.",
         "Forward: speedup = cuBLAS bf16 time / qerl NVFP4 time (higher is better), with qerl's time in us.",
         "Each time is the median over CUDA-graph replays of one call per weight copy, copies rotated",
-        "through >= 256 MB so the weights come from HBM.",
+        "through >= 256 MB so the weights come from HBM; cuBLAS and qerl are timed alternately `--rounds`",
+        "times per point and each side's median is reported.",
         "",
         "| shape (N x K) | " + " | ".join(f"M={m}" for m in ms) + " |",
         "| --- | " + " | ".join("---" for _ in ms) + " |",
