@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default="tma=1,stages=3;tma=1,stages=4;tma=1,stages=6")
     ap.add_argument("--where", default="", help="only the points whose table tile has these fields, e.g. xtma=1,ws=0")
     ap.add_argument("--cublas-again", action="store_true",
-                    help="time cuBLAS again after the variants (an order check: a no-op variant such as split_k=1 "
-                         "then shows what the measurement order alone moves)")
+                    help="time cuBLAS again after the variants (an order check: a no-op variant such as group_m=8, "
+                         "unused by the Gluon tiles, then shows what the measurement order alone moves)")
     args = ap.parse_args(argv)
     where = parse_variant(args.where)
     for model, layer, d, m, base, cub in probe_points(args):
