@@ -259,6 +259,8 @@ def main(argv=None) -> int:
                 for c in tc.fwd_candidates(m):
                     if args.cand_filter and not re.search(args.cand_filter, repr(c)):
                         continue
+                    if c.duo and layer == "gate_up":  # the engine pairs gate/up (SwiGLU epilogue): no duo there
+                        continue
                     if c.sk:  # stream-K: the program count is the config's, no split-K factor
                         cands.append(c)
                         continue

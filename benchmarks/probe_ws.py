@@ -55,9 +55,12 @@ def candidates(args, layer, m, n, k):
                                     for xtma in map(int, args.xtma.split(",")):
                                         if halves and split > 1 or xtma and not half:
                                             continue
-                                        yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages, maxnreg=regs,
-                                                              pregs=pregs, split_k=split, half=half,
-                                                              halves=bool(halves), xtma=bool(xtma))
+                                        for duo in map(int, args.duo.split(",")):
+                                            if duo and (bn != 128 or split > 1 or halves):
+                                                continue
+                                            yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
+                                                                  maxnreg=regs, pregs=pregs, split_k=split, half=half,
+                                                                  halves=bool(halves), xtma=bool(xtma), duo=bool(duo))
 
 
 def main(argv=None) -> int:
@@ -78,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--xtma", default="0", help="0, 1 or 0,1: X by TMA from activations already in K order "
                     "(timed without a permutation pass: the engine's producers write that order)")
     ap.add_argument("--bm", type=int, default=0, help="X rows per tile (0: 8, 16, 32 or 64 by M)")
+    ap.add_argument("--duo", default="0", help="0, 1 or 0,1: BN 128 split-K 1 tiles with the two consumer warpgroups "
+                    "as separate partitions (FwdConfig.duo)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     ratios = {m: [] for m in map(int, args.ms.split(","))}
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
             if args.v:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
                       f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}"
-                      f"{' xtma' if cfg.xtma else ''}: {us:.1f}", flush=True)
+                      f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}: {us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
         if best is None:
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
         print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
               f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} "
               f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''}"
-              f"{' xtma' if best_cfg.xtma else ''} | max err {max(errs):.1e}", flush=True)
+              f"{' xtma' if best_cfg.xtma else ''}{' duo' if best_cfg.duo else ''} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {geomean(v):.3f} "

@@ -32,13 +32,22 @@ at M = 16, 21.3 against 22.6 us: ``tile_configs.KORDER_FWD``, sixteenth pass). F
 lets the kernel hold 32-128 activation rows at all (X through the producer's registers spilled at BM
 64), and it runs most of the table at M = 32-128 even with the copy (seventeenth pass: M = 64 1.23x ->
 1.53x of cuBLAS, geomean; ``tile_configs._gluon_ws_xtma_candidates``).
+
+With ``cfg.duo`` (BN 128) the two consumer warpgroups are two partitions instead of one of 8 warps. In one
+partition every stage release is a barrier of both (Gluon's ``mbarrier.arrive`` is one thread's arrival
+after a ``bar.sync`` of its partition), so they decode in lock step and the tensor cores idle while both
+do; Nsight Compute put 23% of the TMA-fed tile's stalls on such a barrier. Apart, each releases the stage
+with its own arrival (``empty`` counts two) and stores its own 64 rows, so one decodes while the other's
+MMAs run. Same MMAs in the same order per row: the same bits. H100 (docs/benchmarks.md, kernels, nineteenth
+pass): 5-13% faster than the same tile in one partition at M = 128-1024, 7B down at M = 256 79.2 ->
+75.5 us. It cannot pair rows (SwiGLU, rotary): those launches run the tile in one partition.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-from qerl_kernels.gemm_fwd import split_k_plan
+from qerl_kernels.gemm_fwd import COUNTER_SLOTS, split_k_plan
 from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, pair_mode, plan_halves
 
 HAVE_GLUON_WS = False
@@ -146,10 +155,11 @@ if HAVE_GLUON_WS:
     @gluon.jit
     def _consumer(cs, ss, xs, ready, empty, npairs,
                   BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
-                  XTMA: gl.constexpr):
+                  XTMA: gl.constexpr, R0: gl.constexpr = 0):
         """acc [BN, BM] over the program's K steps, everything read from the ring. HALF 0: one MMA per K step;
         1: two half-step MMAs (half the A fragment live); 2: half steps with one MMA left in flight while
-        the next half decodes (its A operand handed to the next wait, so ptxas keeps its registers)."""
+        the next half decodes (its A operand handed to the next wait, so ptxas keeps its registers).
+        R0: the first of the stage's weight rows this consumer takes (``DUO``: two consumers, BN rows each)."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         CODES: gl.constexpr = _codes_layout(BN, NW)
@@ -159,9 +169,9 @@ if HAVE_GLUON_WS:
         for j in range(npairs):
             st = j % STAGES
             mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-            sc = ss.index(st).load(CODES16(BN, NW))
+            sc = ss.index(st).slice(R0, BN).load(CODES16(BN, NW))
             for h in gl.static_range(2):
-                pw = _as_groups(cs.index(2 * st + h), BN, FLAT).load(CODES)
+                pw = _as_groups(cs.index(2 * st + h).slice(R0 // 16, BN // 16), BN, FLAT).load(CODES)
                 s = _half_scales(sc, h, BN, CODES)
                 if XTMA:  # [BM, 64] half-step tiles (HALF >= 1)
                     xe = xs.index(4 * st + 2 * h)
@@ -184,6 +194,20 @@ if HAVE_GLUON_WS:
                 acc = warpgroup_mma_wait(0, deps=[acc])  # the stage's last MMA reads its X: done before release
             mbarrier.arrive(empty.index(st))
         return (acc,)  # warp_specialize flattens the default partition's results as a tuple
+
+    @gluon.jit
+    def _duo_consumer(cs, ss, xs, ready, empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N,
+                      stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, XTMA: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr, R0: gl.constexpr):
+        """One of a ``DUO`` program's two consumer warpgroups, each its own partition: weight rows R0 ..
+        R0 + 63 of the stage, released with its own arrival and stored by itself, so neither waits for the
+        other's decode (in one partition of 8 warps every release is a barrier of both). Its rows store as
+        tile 2 pid + R0 / 64 of a BN 64 grid (split-K and halved tiles count arrivals per such tile)."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        acc = _consumer(cs, ss, xs, ready, empty, npairs, BM, 64, 4, STAGES, HALF, XTMA, R0)[0]
+        h = R0 // 64
+        _store_program(acc, G, B, Y, WS, CNT, 2 * pid + h, pid_k, 2 * n_full, pid_m, 2 * pid_n + h, M, N, stride_ym,
+                       BM, 64, SPLIT, HAS_BIAS, ACC, HALVES, 0, 4, (None, None, None, None, None, 0, 0), 64)
 
     @gluon.jit
     def _half_mma(a, xh, acc, prev, INFLIGHT: gl.constexpr):
@@ -222,9 +246,11 @@ if HAVE_GLUON_WS:
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
-        XTMA: gl.constexpr = False,
+        XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0,
     ):
-        """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws)."""
+        """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
+        DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
+        num_warps is 4), the second with CREGS registers, each storing its own 64 rows."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
@@ -250,23 +276,43 @@ if HAVE_GLUON_WS:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(STAGES):
             mbarrier.init(ready.index(b), count=2)  # the weights' expect, and X's (its expect, or the X stores)
-            mbarrier.init(empty.index(b), count=1)
+            mbarrier.init(empty.index(b), count=1 + DUO)  # each consumer partition's release
 
         if PAIR:  # the tile's first half starts here, its second _pair_distance further (_load_weights)
             n0 = _pair_base(pid_n, BN, PAIR, HD)
         else:
             n0 = pid_n * BN
-        res = gl.warp_specialize([
-            (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
-            (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0,
-                         2 * p_lo, npairs, stride_xm, _pair_distance(N, PAIR, HD), BM, BN, STAGES, 4, PAIR, XTMA)),
-        ], [4], [PREGS])
-        acc = res[0]
-        for b in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(b))
-            mbarrier.invalidate(empty.index(b))
-        _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
-                       HAS_BIAS, ACC, HALVES, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
+        pd = _pair_distance(N, PAIR, HD)
+        if DUO:
+            gl.warp_specialize([
+                (_duo_consumer, (cs, ss, xs, ready, empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n,
+                                 M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES, gl.constexpr(0))),
+                (_duo_consumer, (cs, ss, xs, ready, empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n,
+                                 M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES, gl.constexpr(64))),
+                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0, 2 * p_lo, npairs,
+                             stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA)),
+            ], [4, 4], [CREGS, PREGS])
+            for b in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(b))
+                mbarrier.invalidate(empty.index(b))
+        else:
+            res = gl.warp_specialize([
+                (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
+                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0, 2 * p_lo, npairs,
+                             stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA)),
+            ], [4], [PREGS])
+            acc = res[0]
+            for b in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(b))
+                mbarrier.invalidate(empty.index(b))
+            _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
+                           HAS_BIAS, ACC, HALVES, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
+
+
+def duo_consumer_regs(cfg) -> int:
+    """Registers of a duo tile's second consumer: an even share of what the launch cap leaves past the
+    producer's (three warpgroups at ``maxnreg``), rounded down to setmaxnreg's multiple of 8."""
+    return min(256, (3 * cfg.maxnreg - cfg.pregs) // 2 // 8 * 8)
 
 
 def code_layout():
@@ -296,14 +342,18 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     xtma = bool(getattr(cfg, "xtma", False))
     if xtma and not getattr(cfg, "half", 0):
         raise ValueError("X by TMA feeds half-step MMAs: the tile needs half >= 1")
+    # A duo tile's consumers each store their own rows, so the pairing epilogues (which need both halves of
+    # the tile in one warpgroup) run the same tile with the consumers in one partition.
+    duo = bool(getattr(cfg, "duo", False)) and cfg.bn == 128 and not (pair or rope is not None or y_korder)
+    n, kg = groups.shape
+    grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    duo = duo and 2 * grid_mn <= COUNTER_SLOTS  # its arrivals are counted per 64-row half tile
     xarg = x
     if xtma:
         xarg = GluonDescriptor.from_tensor(x if x_korder else permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
     elif x_korder:
         raise ValueError("this tile reads X in natural order")
-    n, kg = groups.shape
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
-    grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn, n_cols=n)
     n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 16, grid_mn, n, ws, cnt)
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
@@ -314,9 +364,10 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         y, ws, cnt,
         m, n, kg, per, n_full or 0,
         x.stride(0), y.stride(0),
-        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps, STAGES=cfg.stages,
+        BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
-        PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, num_warps=cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+        PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
+        num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )
     return y

@@ -118,8 +118,10 @@ def test_gluon_ws_tiles_compile_for_sm90():
     # The warp-specialised Gluon kernel's candidate and table tiles, ahead of time: every register split
     # must be one ptxas can honour (below ~38 registers for the consumer it refuses to compile at all),
     # also with X by TMA (XTMA) where tiles take activations in K order.
+    from types import SimpleNamespace
+
     import triton
-    from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS, code_layout, scale_layout
+    from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS, code_layout, duo_consumer_regs, scale_layout
     from qerl_kernels.tile_configs import FWD_TABLE, fwd_candidates
     from triton.backends.compiler import GPUTarget
 
@@ -132,25 +134,27 @@ def test_gluon_ws_tiles_compile_for_sm90():
 
     def key(c, xtma=False):
         return (c.bm, c.bn, c.warps, c.stages, c.maxnreg, c.pregs, c.half, min(c.split_k, 2),
-                c.halves and c.split_k == 1, xtma)
+                c.halves and c.split_k == 1, xtma, c.duo)
 
     tiles = {key(c, c.xtma) for c in [*(c for m in (1, 16, 32, 64, 128) for c in fwd_candidates(m)),
                                       *FWD_TABLE.values()] if c.ws}
     # X by TMA (activations in K order): the K-order table's tiles, and one half-step split per width.
     tiles |= {key(c, True) for c in KORDER_FWD.values() if c.ws}
     tiles |= {key(c, True) for c in fwd_candidates(16) if c.ws and c.half == 2 and c.maxnreg == 40}
-    assert tiles and any(t[-1] for t in tiles)
-    for bm, bn, warps, stages, maxnreg, pregs, half, split, halves, xtma in sorted(tiles):
+    assert tiles and any(t[-2] for t in tiles) and any(t[-1] for t in tiles)
+    for bm, bn, warps, stages, maxnreg, pregs, half, split, halves, xtma, duo in sorted(tiles):
         x_sig = f"tensordesc<bf16[{bm},64],{x_layout(bm)!r}>" if xtma else "*bf16"
         sig = {"X": x_sig, "c_desc": f"tensordesc<i64[{bn // 16},128],{code_layout()!r}>",
                "s_desc": f"tensordesc<u8[{bn},16],{scale_layout()!r}>", "G": "*fp32", "B": "*bf16", "Y": "*bf16",
                "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32", "pairs_per_split": "i32",
                "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-        sig, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=warps, STAGES=stages,
-                                               PREGS=pregs, HALF=half, HALVES=halves))
-        consts["XTMA"] = xtma
+        sig, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=4 if duo else warps,
+                                               STAGES=stages, PREGS=pregs, HALF=half, HALVES=halves))
+        creg = duo_consumer_regs(SimpleNamespace(maxnreg=maxnreg, pregs=pregs)) if duo else 0
+        consts.update(XTMA=xtma, DUO=duo, CREGS=creg)
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
-        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, maxnreg=maxnreg))
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4 if duo else warps, maxnreg=maxnreg))
         assert "setmaxnreg" in kern.asm["ptx"], (bm, bn, maxnreg, pregs, half)
 
 

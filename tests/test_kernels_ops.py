@@ -156,3 +156,28 @@ def test_k_order_is_the_permutation_pass_and_its_consumers_undo_it():
     torch.nn.init.ones_(norm.weight)
     with pytest.raises(ValueError, match="fused norm kernel"):
         norm.with_shrink(x, None, None, korder=True)  # CPU: the torch path cannot write K order
+
+
+def test_duo_tiles_are_two_consumer_tiles_kept_off_paired_shapes():
+    # FwdConfig.duo (gemm_gluon_ws: the two consumer warpgroups of a BN 128 tile as two partitions): the
+    # sweep's candidates are twins of the BN 128 tiles only; the table holds none on the gate/up shapes,
+    # whose engine launches pair rows (SwiGLU) and so would run the tile in one partition; the second
+    # consumer's registers fit setmaxnreg (a multiple of 8, at most 256) and leave the first consumer as
+    # many or a few more.
+    from qerl_kernels.gemm_gluon_ws import duo_consumer_regs
+    from qerl_kernels.tile_configs import FWD_TABLE, _gluon_ws_xtma_candidates
+
+    for bm in (32, 64, 128):
+        cands = _gluon_ws_xtma_candidates(bm)
+        duo = [c for c in cands if c.duo]
+        assert all(c.bn == 128 and c.warps == 8 for c in duo)
+        assert {(c.bm, c.stages, c.half, c.halves) for c in duo} <= {(c.bm, c.stages, c.half, c.halves)
+                                                                      for c in cands if c.bn == 128 and not c.duo}
+        assert bool(duo) == (bm >= 64)
+    table_duo = {key: c for key, c in FWD_TABLE.items() if c.duo}
+    assert table_duo and all(c.bn == 128 and c.ws for c in table_duo.values())
+    assert not {n for _, n, _ in table_duo} & {37888, 55296}  # 7B and 32B gate/up
+    for c in [*table_duo.values(), *(c for bm in (64, 128) for c in _gluon_ws_xtma_candidates(bm) if c.duo)]:
+        r = duo_consumer_regs(c)
+        first = 3 * c.maxnreg - c.pregs - r  # what the launch's three warpgroups leave the first consumer
+        assert r % 8 == 0 and r <= 256 and r <= first < r + 16

@@ -277,3 +277,45 @@ def test_engine_lora_reads_korder_x(tmp_path, monkeypatch):
             assert c1.token_ids[:n] == c2.token_ids[:n]
             diffs += [abs(x - y) for x, y in zip(c1.logprobs[:n], c2.logprobs[:n])]
     assert sum(diffs) / len(diffs) < 2e-2 and max(diffs) < 0.2, (sum(diffs) / len(diffs), max(diffs))
+
+
+@pytest.mark.parametrize("m", [24, 100, 200])
+def test_duo_consumers_give_the_one_partition_bits(m, monkeypatch):
+    # FwdConfig.duo runs a BN 128 warp-specialised tile's two consumer warpgroups as separate partitions:
+    # every weight row goes through the same MMAs in the same order, so the output is bit for bit the
+    # one-partition tile's, near the reference, also where the last tile's second half is all past N
+    # (N = 400: rows 448-511 of the fourth tile), with split-K 2 and with halved tiles (halves_split
+    # forced to 2 whole tiles); pairing (SwiGLU) launches fall back to one partition.
+    from qerl_kernels import gemm_gluon
+    from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
+    from qerl_kernels.gemm_gluon_tma import permute_x
+    from qerl_kernels.testing import TOL, random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.tile_configs import FwdConfig
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    n = 400
+    p, s, g = random_nvfp4(n, K, seed=m + 5, device="cuda")
+    tp = to_kernel_layout(p, True)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = reference_fwd(x, p, s, g, bias)
+    xk = permute_x(x)
+    p2, s2, g2 = random_nvfp4(384, K, seed=m + 6, device="cuda")  # a gate/up stack for the SwiGLU epilogue
+    tp2 = to_kernel_layout(p2, True)
+    bm = 32 if m <= 32 else 64 if m <= 64 else 128
+    for r, pr in ((96, 24), (128, 32)):
+        one = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r, pregs=pr,
+                        half=2)
+        for c in (one, replace(one, split_k=2), replace(one, halves=True)):
+            duo = replace(c, duo=True)
+            if c.halves:
+                monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: 2)
+            y1 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=c, twiddled=True, blocked=True, x_korder=True)
+            y2 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=duo, twiddled=True, blocked=True, x_korder=True)
+            monkeypatch.undo()
+            assert rel_err(y2, ref) < TOL[torch.bfloat16], (duo, rel_err(y2, ref))
+            assert torch.equal(y2, y1), duo
+        duo = replace(one, duo=True)
+        sw1 = nvfp4_swiglu(xk, tp2, s2, g2, config=one, twiddled=True, blocked=True, x_korder=True)
+        sw2 = nvfp4_swiglu(xk, tp2, s2, g2, config=duo, twiddled=True, blocked=True, x_korder=True)
+        assert sw1 is not None and torch.equal(sw2, sw1), duo
