@@ -20,6 +20,8 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
   only the long-K ``down`` weights at M = 32-128 and two large weights at M = 1024 (eleventh pass).
 - M >= 1024 (fwd) / 512 (grad-input): decode once to bf16 and call cuBLAS (``dequant``), except the
   four large weights at M = 1024, where the TMA-fed Gluon tile (BM 256) wins.
+- ``duo`` (2026-11-25 sweep): a BN 128 warp-specialised tile with its two consumer warpgroups as two
+  partitions; 7B q/k/v and down at M = 129-256. Never on gate/up, which the engine runs paired (SwiGLU).
 """
 
 from __future__ import annotations
