@@ -23,6 +23,19 @@ def _weights(n: int, k: int, seed: int):
     return to_kernel_layout(p, True), s, g
 
 
+def _gemm_case(m: int, n: int, seed: int):
+    """A biased NVFP4 GEMM of M rows: (kernel-layout codes, scales, global scale, X, bias, the reference
+    output, X in the MMA's K order)."""
+    from qerl_kernels.gemm_gluon_tma import permute_x
+    from qerl_kernels.testing import random_nvfp4, reference_fwd
+    from qerl_kernels.twiddle import to_kernel_layout
+
+    p, s, g = random_nvfp4(n, K, seed=seed, device="cuda")
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return to_kernel_layout(p, True), s, g, x, bias, reference_fwd(x, p, s, g, bias), permute_x(x)
+
+
 def _force_tma_tiles(monkeypatch):
     """Every GEMM on a TMA-fed tile (the table has no tiny shapes), with and without K-order input."""
     from qerl_kernels import gemm_fwd
@@ -92,17 +105,10 @@ def test_warp_specialised_x_by_tma_tiles_for_17_to_256_rows(m):
     # producer), split-K, halved and partial M tiles: near the reference, and the same bits from natural X
     # (a permute_x copy first, as the kernel benchmark times them) and from K-order X (the engine's).
     from qerl_kernels.gemm_fwd import nvfp4_matmul
-    from qerl_kernels.gemm_gluon_tma import permute_x
-    from qerl_kernels.testing import TOL, random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.testing import TOL, rel_err
     from qerl_kernels.tile_configs import _gluon_ws_xtma_candidates
-    from qerl_kernels.twiddle import to_kernel_layout
 
-    p, s, g = random_nvfp4(N, K, seed=m + 23, device="cuda")
-    tp = to_kernel_layout(p, True)
-    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    ref = reference_fwd(x, p, s, g, bias)
-    xk = permute_x(x)
+    tp, s, g, x, bias, ref, xk = _gemm_case(m, N, seed=m + 23)
     bms = (32,) if m <= 32 else (128,) if m > 128 else (64, 128) if m > 64 else (64,)
     cands = [c for bm in bms for c in _gluon_ws_xtma_candidates(bm)]
     assert cands and all(c.ws and c.xtma for c in cands)
@@ -288,20 +294,11 @@ def test_duo_consumers_give_the_one_partition_bits(m, monkeypatch):
     # forced to 2 whole tiles); pairing (SwiGLU) launches fall back to one partition.
     from qerl_kernels import gemm_gluon
     from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
-    from qerl_kernels.gemm_gluon_tma import permute_x
-    from qerl_kernels.testing import TOL, random_nvfp4, reference_fwd, rel_err
+    from qerl_kernels.testing import TOL, rel_err
     from qerl_kernels.tile_configs import FwdConfig
-    from qerl_kernels.twiddle import to_kernel_layout
 
-    n = 400
-    p, s, g = random_nvfp4(n, K, seed=m + 5, device="cuda")
-    tp = to_kernel_layout(p, True)
-    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    ref = reference_fwd(x, p, s, g, bias)
-    xk = permute_x(x)
-    p2, s2, g2 = random_nvfp4(384, K, seed=m + 6, device="cuda")  # a gate/up stack for the SwiGLU epilogue
-    tp2 = to_kernel_layout(p2, True)
+    tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 5)
+    tp2, s2, g2 = _weights(384, K, seed=m + 6)  # a gate/up stack for the SwiGLU epilogue
     bm = 32 if m <= 32 else 64 if m <= 64 else 128
     for r, pr in ((96, 24), (128, 32)):
         one = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r, pregs=pr,
