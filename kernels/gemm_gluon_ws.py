@@ -39,7 +39,7 @@ after a ``bar.sync`` of its partition), so they decode in lock step and the tens
 do; Nsight Compute put 23% of the TMA-fed tile's stalls on such a barrier. Apart, each releases the stage
 with its own arrival (``empty`` counts two) and stores its own 64 rows, so one decodes while the other's
 MMAs run. Same MMAs in the same order per row: the same bits. H100 (docs/benchmarks.md, kernels, nineteenth
-pass): 5-13% faster than the same tile in one partition at M = 128-1024, 7B down at M = 256 79.2 ->
+pass): 2-13% faster than the same tile in one partition at M = 128-1024, 7B down at M = 256 79.2 ->
 75.5 us. It cannot pair rows (SwiGLU, rotary): those launches run the tile in one partition.
 """
 

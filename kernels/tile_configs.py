@@ -56,7 +56,7 @@ class FwdConfig:
     pregs: int = 0  # with ws: registers per producer thread (the consumer warpgroup gets 2 x maxnreg - pregs)
     half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
     halves: bool = False  # with ws or xtma, split_k 1: a wave's last tiles run as two K halves (gemm_gluon.halves_split)
-    duo: bool = False  # with ws, BN 128, split_k 1: the two consumer warpgroups as separate partitions (gemm_gluon_ws)
+    duo: bool = False  # with ws, BN 128: the two consumer warpgroups as separate partitions (gemm_gluon_ws)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -374,7 +374,7 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     if bm == 128:  # two consumers sharing 128 X rows: 4 of the 8 M = 256 probe points (eighteenth pass)
         tiles += [FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r,
                             pregs=p, half=2) for r, p in ((96, 24), (128, 32))]
-    # The BN 128 tiles again with their two consumers in separate partitions (``duo``): 5-13% faster than
+    # The BN 128 tiles again with their two consumers in separate partitions (``duo``): 2-13% faster than
     # the same tile in one partition at M = 128-1024 (benchmarks/probe_ws.py --duo 0,1, H100 2026-11-25,
     # docs/benchmarks.md, kernels, nineteenth pass); with 168 registers at BM 128 too. A duo tile cannot
     # pair rows (the SwiGLU and rotary epilogues run it in one partition), so the sweep keeps them off the
