@@ -196,7 +196,8 @@ def test_gluon_pair_tiles_compile_for_sm90():
             sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{c.bn // 32},128],{code_layout()!r}>",
                    "s_desc": f"tensordesc<u8[{c.bn // 2},16],{scale_layout()!r}>", **ptrs, "pairs_per_split": "i32",
                    "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves, XTMA=c.xtma)
+            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves, XTMA=c.xtma, DUO=False,
+                          CREGS=0)  # pairing launches run a tile in one partition
             opts["maxnreg"] = c.maxnreg
             if c.xtma:
                 sig["X"] = f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>"
