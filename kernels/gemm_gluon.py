@@ -199,12 +199,19 @@ if HAVE_GLUON:
         rounded where the unfused path rounds: the GEMM's bf16 outputs, silu's, the product's
         (layers/fused.py's silu_mul, the same operations). KORDER: each column lands where the next
         GEMM's TMA-fed tile reads it (_k_order), so that GEMM skips its permutation pass."""
-        OL: gl.constexpr = gl.SliceLayout(2, _pair_layout(NW))
         g, u = _split_pairs(total, BM, BN, NW)
+        _write_swiglu_rows(g, u, Y, pid_m, pid_n, M, N, stride_ym, BM, BN // 2, KORDER,
+                           gl.SliceLayout(2, _pair_layout(NW)))
+
+    @gluon.jit
+    def _write_swiglu_rows(g, u, Y, pid_m, pid_n, M, N, stride_ym, BM: gl.constexpr, R: gl.constexpr,
+                           KORDER: gl.constexpr, OL: gl.constexpr):
+        """R finished gate rows and their up rows (fp32 [R, BM], layout OL) -> columns pid_n R .. of
+        Y [M, N / 2]: _write_swiglu's arithmetic and store, for whichever layout holds the pairs."""
         g = g.to(gl.bfloat16).to(gl.float32)
         u = u.to(gl.bfloat16).to(gl.float32)
         s = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
-        rn = pid_n * (BN // 2) + gl.arange(0, BN // 2, layout=gl.SliceLayout(1, OL))
+        rn = pid_n * R + gl.arange(0, R, layout=gl.SliceLayout(1, OL))
         rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, OL))
         n2 = gl.expand_dims(rn, 1)
         m2 = gl.expand_dims(rm, 0)

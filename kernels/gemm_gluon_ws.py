@@ -1,4 +1,4 @@
-"""Forward GEMM for M <= 128 in Gluon, warp-specialised: a producer warpgroup fills a ring of shared-memory
+"""Forward GEMM for M <= 1024 in Gluon, warp-specialised: a producer warpgroup fills a ring of shared-memory
 stages with the weight's codes and scales (TMA) and the activations (through its registers, permuted
 into the MMA's K order); one consumer warpgroup per 64 weight rows (BN 64, or two sharing the producer
 at BN 128) decodes the codes into its wgmma register fragment and multiplies (``FwdConfig.ws`` tiles).
@@ -40,7 +40,17 @@ do; Nsight Compute put 23% of the TMA-fed tile's stalls on such a barrier. Apart
 with its own arrival (``empty`` counts two) and stores its own 64 rows, so one decodes while the other's
 MMAs run. Same MMAs in the same order per row: the same bits. H100 (docs/benchmarks.md, kernels, nineteenth
 pass): 2-13% faster than the same tile in one partition at M = 128-1024, 7B down at M = 256 79.2 ->
-75.5 us. It cannot pair rows (SwiGLU, rotary): those launches run the tile in one partition.
+75.5 us. SwiGLU pairs whole duo tiles: the two consumers hold a tile's 64 gate and 64 up rows, exchange
+them (bf16, where the epilogue rounds them anyway) through shared memory and each writes 32 outputs; a
+rotary, split-K or halved pairing launch runs the tile in one partition (``duo_runs``).
+
+With ``cfg.xstages`` (X by TMA, half steps in flight) X has a ring of its own, one [BM, 64] half step per
+stage, released as soon as the MMA that read it has completed, and a codes stage is released once its
+codes are in registers. That is what lets BM 256 tiles (128 KB of X per 256-K stage) keep a deep X ring,
+and at BM 128 it keeps MMAs in flight across codes stages. The loop still drains the MMAs once per codes
+stage: left in flight over the loop's back edge, ptxas serialises every wgmma of the loop (its C7515
+warning, from ptxas -v on the sm_90a PTX). H100 (docs/benchmarks.md, kernels, twentieth pass): 32B
+gate/up at M = 128 145.4 -> 137.8 us and at M = 1024 868 -> 837 us (from K-order X).
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ if HAVE_GLUON:
             _pair_distance,
             _permute_x,
             _store_program,
+            _write_swiglu_rows,
             _x_layout,
         )
         from qerl_kernels.gemm_gluon_tma import _decode_half, _halves, permute_x, x_layout
@@ -117,13 +128,27 @@ if HAVE_GLUON_WS:
             _tma_load(s_desc, [n0, step * 8], bar, ss.index(st))
 
     @gluon.jit
-    def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, band0, n0, s_lo, npairs, stride_xm,
-                  pd, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
-                  PAIR: gl.constexpr, XTMA: gl.constexpr):
+    def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, band0, n0, s_lo, npairs,
+                  stride_xm, pd, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
+                  PAIR: gl.constexpr, XTMA: gl.constexpr, XSTAGES: gl.constexpr):
         """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
         and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order; with
-        XTMA, X (a descriptor over activations already in K order) by TMA too, four [BM, 64] half steps."""
-        if XTMA:
+        XTMA, X (a descriptor over activations already in K order) by TMA too, four [BM, 64] half steps.
+        With XSTAGES the half steps go to a ring of their own, half step u into stage u % XSTAGES."""
+        if XSTAGES:
+            for j in range(npairs):
+                st = j % STAGES
+                mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
+                step = s_lo + 2 * j
+                _load_weights(c_desc, s_desc, cs, ss, st, ready.index(st), band0, n0, step, pd, BN, PAIR)
+                for q in gl.static_range(4):
+                    u = 4 * j + q
+                    xst = u % XSTAGES
+                    mbarrier.wait(x_empty.index(xst), ((u // XSTAGES) & 1) ^ 1)
+                    bar = x_ready.index(xst)
+                    mbarrier.expect(bar, X.block_type.nbytes)
+                    _tma_load(X, [pid_m * BM, step * 128 + 64 * q], bar, xs.index(xst))
+        elif XTMA:
             for j in range(npairs):
                 st = j % STAGES
                 mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
@@ -196,18 +221,86 @@ if HAVE_GLUON_WS:
         return (acc,)  # warp_specialize flattens the default partition's results as a tuple
 
     @gluon.jit
-    def _duo_consumer(cs, ss, xs, ready, empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N,
-                      stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, XTMA: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr, R0: gl.constexpr):
+    def _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM: gl.constexpr, BN: gl.constexpr,
+                        NW: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, R0: gl.constexpr = 0):
+        """``_consumer`` (half steps, one MMA in flight) over a separate X ring of [BM, 64] half steps. The
+        codes' stage is released as soon as its codes and scales are in registers (no MMA reads them), and
+        each X stage once the MMA that read it has completed. The MMAs drain at the end of each codes
+        stage: an MMA in flight across the loop's back edge makes ptxas serialise them all (C7515)."""
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        CODES: gl.constexpr = _codes_layout(BN, NW)
+        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+        a_o = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)
+        for j in range(npairs):
+            st = j % STAGES
+            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+            sc = ss.index(st).slice(R0, BN).load(CODES16(BN, NW))
+            pw0 = _as_groups(cs.index(2 * st).slice(R0 // 16, BN // 16), BN, FLAT).load(CODES)
+            pw1 = _as_groups(cs.index(2 * st + 1).slice(R0 // 16, BN // 16), BN, FLAT).load(CODES)
+            mbarrier.arrive(empty.index(st))
+            for h in gl.static_range(2):
+                if h == 0:
+                    pw = pw0
+                else:
+                    pw = pw1
+                s = _half_scales(sc, h, BN, CODES)
+                pw_e, pw_o = _halves(pw, BN)
+                s_e, s_o = _halves(s, BN)
+                u = 4 * j + 2 * h
+                a_e = _decode_half(pw_e, s_e, BN, DOT)
+                acc = _xring_mma(a_e, xs, x_ready, x_empty, u, acc, a_o, XSTAGES, (j > 0) | (h > 0))
+                a_o = _decode_half(pw_o, s_o, BN, DOT)
+                acc = _xring_mma(a_o, xs, x_ready, x_empty, u + 1, acc, a_e, XSTAGES, True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        return (acc,)
+
+    @gluon.jit
+    def _xring_mma(a, xs, x_ready, x_empty, u, acc, prev, XSTAGES: gl.constexpr, release_prev):
+        """Half step u's MMA on X stage u % XSTAGES, left in flight; once the one before it is done, that
+        one's X stage is released (``release_prev``: there was one)."""
+        xst = u % XSTAGES
+        mbarrier.wait(x_ready.index(xst), (u // XSTAGES) & 1)
+        tok = warpgroup_mma(a, xs.index(xst).permute((1, 0)), acc, is_async=True)
+        acc, prev = warpgroup_mma_wait(1, deps=[tok, prev])
+        mbarrier.arrive(x_empty.index((u + XSTAGES - 1) % XSTAGES), pred=release_prev)
+        return acc
+
+    @gluon.jit
+    def _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m,
+                      pid_n, M, N, stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
+                      XTMA: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr,
+                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed):
         """One of a ``DUO`` program's two consumer warpgroups, each its own partition: weight rows R0 ..
         R0 + 63 of the stage, released with its own arrival and stored by itself, so neither waits for the
         other's decode (in one partition of 8 warps every release is a barrier of both). Its rows store as
-        tile 2 pid + R0 / 64 of a BN 64 grid (split-K and halved tiles count arrivals per such tile)."""
+        tile 2 pid + R0 / 64 of a BN 64 grid (split-K and halved tiles count arrivals per such tile).
+        SwiGLU (PAIR 1 or 3, whole tiles only): the stage's rows are 64 gate rows then their 64 up rows, so
+        the two consumers exchange them through shared memory (``hand``, ``handed``) and each writes
+        silu(gate) * up for 32 of them."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-        acc = _consumer(cs, ss, xs, ready, empty, npairs, BM, 64, 4, STAGES, HALF, XTMA, R0)[0]
+        if XSTAGES:
+            acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0)[0]
+        else:
+            acc = _consumer(cs, ss, xs, ready, empty, npairs, BM, 64, 4, STAGES, HALF, XTMA, R0)[0]
         h = R0 // 64
-        _store_program(acc, G, B, Y, WS, CNT, 2 * pid + h, pid_k, 2 * n_full, pid_m, 2 * pid_n + h, M, N, stride_ym,
-                       BM, 64, SPLIT, HAS_BIAS, ACC, HALVES, 0, 4, (None, None, None, None, None, 0, 0), 64)
+        if PAIR % 2 == 1:
+            # Both store their rows (rounded to bf16 here, where _write_swiglu_rows rounds them) and, once both
+            # have, each writes 32 of the tile's 64 outputs. Symmetric on purpose: Triton 3.6 fails to lower
+            # the kernel when only one partition stores to global memory.
+            hand.index(h).store((acc * (256.0 / gl.load(G))).to(gl.bfloat16))  # decode.FAST_EPILOGUE
+            mbarrier.arrive(handed)
+            mbarrier.wait(handed, 0)
+            OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # lanes along Y's columns
+            R1: gl.constexpr = R0 // 2  # this consumer's 32 rows
+            g = hand.index(0).slice(R1, 32).load(OL).to(gl.float32)
+            u = hand.index(1).slice(R1, 32).load(OL).to(gl.float32)
+            _write_swiglu_rows(g, u, Y, pid_m, 2 * pid_n + h, M, N, stride_ym, BM, 32, PAIR == 3, OL)
+        else:
+            _store_program(acc, G, B, Y, WS, CNT, 2 * pid + h, pid_k, 2 * n_full, pid_m, 2 * pid_n + h, M, N,
+                           stride_ym, BM, 64, SPLIT, HAS_BIAS, ACC, HALVES, 0, 4, (None, None, None, None, None, 0, 0),
+                           64)
 
     @gluon.jit
     def _half_mma(a, xh, acc, prev, INFLIGHT: gl.constexpr):
@@ -220,6 +313,12 @@ if HAVE_GLUON_WS:
         else:
             acc = warpgroup_mma_wait(0, deps=[tok])
         return acc
+
+    @gluon.constexpr_function
+    def _hand_layout(BM):
+        """The exchanged rows [2, 64, BM] bf16: 16 bytes per swizzle unit, XORed by row, so the 8 rows of a
+        warp's store (the wgmma accumulator layout) land in distinct banks."""
+        return gl.SwizzledSharedLayout(8, 1, min(8, BM // 8), [1, 0])
 
     @gluon.constexpr_function
     def CODES16(BN, NW):
@@ -246,7 +345,7 @@ if HAVE_GLUON_WS:
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
-        XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0,
+        XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
@@ -267,7 +366,9 @@ if HAVE_GLUON_WS:
 
         cs = gl.allocate_shared_memory(gl.int64, [2 * STAGES, BN // 16, 128], c_desc.layout)
         ss = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 16], s_desc.layout)
-        if XTMA:
+        if XSTAGES:
+            xs = gl.allocate_shared_memory(gl.bfloat16, [XSTAGES, BM, 64], X.layout)
+        elif XTMA:
             xs = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, BM, 64], X.layout)
         else:
             xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, 128],
@@ -275,8 +376,18 @@ if HAVE_GLUON_WS:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(STAGES):
-            mbarrier.init(ready.index(b), count=2)  # the weights' expect, and X's (its expect, or the X stores)
+            # the weights' expect, and X's (its expect, or the X stores) unless X has a ring of its own
+            mbarrier.init(ready.index(b), count=1 if XSTAGES else 2)
             mbarrier.init(empty.index(b), count=1 + DUO)  # each consumer partition's release
+        if XSTAGES:
+            x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+            x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+            for b in gl.static_range(XSTAGES):
+                mbarrier.init(x_ready.index(b), count=1)
+                mbarrier.init(x_empty.index(b), count=1 + DUO)
+        else:  # unused: X shares the codes' stages
+            x_ready = ready
+            x_empty = empty
 
         if PAIR:  # the tile's first half starts here, its second _pair_distance further (_load_weights)
             n0 = _pair_base(pid_n, BN, PAIR, HD)
@@ -284,29 +395,64 @@ if HAVE_GLUON_WS:
             n0 = pid_n * BN
         pd = _pair_distance(N, PAIR, HD)
         if DUO:
+            if PAIR % 2 == 1:  # the gate and up rows of a SwiGLU tile, exchanged by the consumers (_duo_consumer)
+                hand = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BM], _hand_layout(BM))
+                handed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+                mbarrier.init(handed, count=2)
+            else:
+                hand = ready
+                handed = ready
             gl.warp_specialize([
-                (_duo_consumer, (cs, ss, xs, ready, empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n,
-                                 M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES, gl.constexpr(0))),
-                (_duo_consumer, (cs, ss, xs, ready, empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n,
-                                 M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES, gl.constexpr(64))),
-                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0, 2 * p_lo, npairs,
-                             stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA)),
+                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                 gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                 gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
+                             2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
             ], [4, 4], [CREGS, PREGS])
             for b in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(b))
                 mbarrier.invalidate(empty.index(b))
+            for b in gl.static_range(XSTAGES):
+                mbarrier.invalidate(x_ready.index(b))
+                mbarrier.invalidate(x_empty.index(b))
         else:
-            res = gl.warp_specialize([
-                (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
-                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, M, pid_m, n0 // 16, n0, 2 * p_lo, npairs,
-                             stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA)),
-            ], [4], [PREGS])
+            if XSTAGES:
+                res = gl.warp_specialize([
+                    (_consumer_xring, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, BN, NW, STAGES, XSTAGES)),
+                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+                ], [4], [PREGS])
+            else:
+                res = gl.warp_specialize([
+                    (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
+                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+                ], [4], [PREGS])
             acc = res[0]
             for b in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(b))
                 mbarrier.invalidate(empty.index(b))
+            for b in gl.static_range(XSTAGES):
+                mbarrier.invalidate(x_ready.index(b))
+                mbarrier.invalidate(x_empty.index(b))
             _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
                            HAS_BIAS, ACC, HALVES, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
+
+
+def duo_runs(cfg, pair: bool, rope, split: int, halved: bool, grid_mn: int) -> bool:
+    """Whether a launch runs ``cfg`` with its consumers as two partitions. A duo tile's consumers each
+    store their own rows: a rotary tile (both halves of a head in one warpgroup) runs in one partition;
+    a SwiGLU tile pairs through shared memory, whole tiles only (split-K and halved tiles reduce through
+    the workspace, where pairing needs both halves); a plain one counts its arrivals per 64-row half tile,
+    so only where those fit the counters."""
+    if not (getattr(cfg, "duo", False) and cfg.bn == 128) or rope is not None:
+        return False
+    if pair:
+        return split == 1 and not halved
+    return 2 * grid_mn <= COUNTER_SLOTS
 
 
 def duo_consumer_regs(cfg) -> int:
@@ -342,12 +488,11 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     xtma = bool(getattr(cfg, "xtma", False))
     if xtma and not getattr(cfg, "half", 0):
         raise ValueError("X by TMA feeds half-step MMAs: the tile needs half >= 1")
-    # A duo tile's consumers each store their own rows, so the pairing epilogues (which need both halves of
-    # the tile in one warpgroup) run the same tile with the consumers in one partition.
-    duo = bool(getattr(cfg, "duo", False)) and cfg.bn == 128 and not (pair or rope is not None or y_korder)
+    xstages = getattr(cfg, "xstages", 0)
+    if xstages and not (xtma and cfg.half == 2):
+        raise ValueError("an X ring of its own (xstages) feeds X by TMA to half steps in flight: needs xtma, half 2")
     n, kg = groups.shape
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    duo = duo and 2 * grid_mn <= COUNTER_SLOTS  # its arrivals are counted per 64-row half tile
     xarg = x
     if xtma:
         xarg = GluonDescriptor.from_tensor(x if x_korder else permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
@@ -356,6 +501,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
     split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn, n_cols=n)
     n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 16, grid_mn, n, ws, cnt)
+    duo = duo_runs(cfg, pair, rope, split, n_full is not None, grid_mn)
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())
@@ -367,6 +513,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
+        XSTAGES=xstages,
         num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )
