@@ -409,6 +409,8 @@ def _pairing_launch(x, packed, scale, global_scale, bias, config, twiddled, bloc
     """A Gluon launch with a pairing epilogue (SwiGLU or rotary), or None where the table's tile for
     this shape cannot run one (a Triton or stream-K tile, a layout or shape it cannot pair)."""
     m, n, k = _check(x, packed, scale)
+    if y_korder and (n // 2) % 128:  # K order permutes whole 128-column steps: other widths would be written past Y
+        raise ValueError(f"y_korder permutes 128-column steps; the SwiGLU output has {n // 2} columns")
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or (korder_fwd_config if x_korder else fwd_config)(m, n, k)
