@@ -134,15 +134,15 @@ def test_gluon_ws_tiles_compile_for_sm90():
 
     def key(c, xtma=False):
         return (c.bm, c.bn, c.warps, c.stages, c.maxnreg, c.pregs, c.half, min(c.split_k, 2),
-                c.halves and c.split_k == 1, xtma, c.duo)
+                c.halves and c.split_k == 1, xtma, c.duo, c.xstages)
 
     tiles = {key(c, c.xtma) for c in [*(c for m in (1, 16, 32, 64, 128) for c in fwd_candidates(m)),
                                       *FWD_TABLE.values()] if c.ws}
     # X by TMA (activations in K order): the K-order table's tiles, and one half-step split per width.
     tiles |= {key(c, True) for c in KORDER_FWD.values() if c.ws}
     tiles |= {key(c, True) for c in fwd_candidates(16) if c.ws and c.half == 2 and c.maxnreg == 40}
-    assert tiles and any(t[-2] for t in tiles) and any(t[-1] for t in tiles)
-    for bm, bn, warps, stages, maxnreg, pregs, half, split, halves, xtma, duo in sorted(tiles):
+    assert tiles and any(t[-3] for t in tiles) and any(t[-2] for t in tiles) and any(t[-1] for t in tiles)
+    for bm, bn, warps, stages, maxnreg, pregs, half, split, halves, xtma, duo, xstages in sorted(tiles):
         x_sig = f"tensordesc<bf16[{bm},64],{x_layout(bm)!r}>" if xtma else "*bf16"
         sig = {"X": x_sig, "c_desc": f"tensordesc<i64[{bn // 16},128],{code_layout()!r}>",
                "s_desc": f"tensordesc<u8[{bn},16],{scale_layout()!r}>", "G": "*fp32", "B": "*bf16", "Y": "*bf16",
@@ -151,7 +151,7 @@ def test_gluon_ws_tiles_compile_for_sm90():
         sig, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=4 if duo else warps,
                                                STAGES=stages, PREGS=pregs, HALF=half, HALVES=halves))
         creg = duo_consumer_regs(SimpleNamespace(maxnreg=maxnreg, pregs=pregs)) if duo else 0
-        consts.update(XTMA=xtma, DUO=duo, CREGS=creg)
+        consts.update(XTMA=xtma, DUO=duo, CREGS=creg, XSTAGES=xstages)
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4 if duo else warps, maxnreg=maxnreg))
@@ -173,8 +173,16 @@ def test_gluon_pair_tiles_compile_for_sm90():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from types import SimpleNamespace
+
     from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, x_layout
-    from qerl_kernels.gemm_gluon_ws import _nvfp4_fwd_gluon_ws_kernel, code_layout, scale_layout
+    from qerl_kernels.gemm_gluon_ws import (
+        _nvfp4_fwd_gluon_ws_kernel,
+        code_layout,
+        duo_consumer_regs,
+        duo_runs,
+        scale_layout,
+    )
     from sass_kernels import resource_usage
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -196,9 +204,11 @@ def test_gluon_pair_tiles_compile_for_sm90():
             sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{c.bn // 32},128],{code_layout()!r}>",
                    "s_desc": f"tensordesc<u8[{c.bn // 2},16],{scale_layout()!r}>", **ptrs, "pairs_per_split": "i32",
                    "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves, XTMA=c.xtma, DUO=False,
-                          CREGS=0)  # pairing launches run a tile in one partition
-            opts["maxnreg"] = c.maxnreg
+            # A duo tile pairs in two partitions where it runs whole (gemm_gluon_ws.duo_runs), SwiGLU only.
+            duo = duo_runs(c, pair != 2, SimpleNamespace() if pair == 2 else None, min(c.split_k, 2), c.halves, 1)
+            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves, XTMA=c.xtma, DUO=duo,
+                          CREGS=duo_consumer_regs(c) if duo else 0, XSTAGES=c.xstages, NW=4 if duo else c.warps)
+            opts.update(maxnreg=c.maxnreg, num_warps=4 if duo else c.warps)
             if c.xtma:
                 sig["X"] = f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>"
         elif c.xtma:

@@ -158,13 +158,13 @@ def test_k_order_is_the_permutation_pass_and_its_consumers_undo_it():
         norm.with_shrink(x, None, None, korder=True)  # CPU: the torch path cannot write K order
 
 
-def test_duo_tiles_are_two_consumer_tiles_kept_off_paired_shapes():
+def test_duo_tiles_are_two_consumer_tiles_that_pair_whole():
     # FwdConfig.duo (gemm_gluon_ws: the two consumer warpgroups of a BN 128 tile as two partitions): the
-    # sweep's candidates are twins of the BN 128 tiles only; the table holds none on the gate/up shapes,
-    # whose engine launches pair rows (SwiGLU) and so would run the tile in one partition; the second
-    # consumer's registers fit setmaxnreg (a multiple of 8, at most 256) and leave the first consumer as
-    # many or a few more.
-    from qerl_kernels.gemm_gluon_ws import duo_consumer_regs
+    # sweep's candidates are twins of the BN 128 tiles only; on the gate/up shapes, whose engine launches
+    # pair rows (SwiGLU), the table's duo tiles are whole tiles (split-K 1, not halved), the only ones
+    # that pair in two partitions (duo_runs); the second consumer's registers fit setmaxnreg (a multiple of
+    # 8, at most 256) and leave the first consumer as many or a few more.
+    from qerl_kernels.gemm_gluon_ws import duo_consumer_regs, duo_runs
     from qerl_kernels.tile_configs import FWD_TABLE, _gluon_ws_xtma_candidates
 
     for bm in (32, 64, 128):
@@ -176,8 +176,26 @@ def test_duo_tiles_are_two_consumer_tiles_kept_off_paired_shapes():
         assert bool(duo) == (bm >= 64)
     table_duo = {key: c for key, c in FWD_TABLE.items() if c.duo}
     assert table_duo and all(c.bn == 128 and c.ws for c in table_duo.values())
-    assert not {n for _, n, _ in table_duo} & {37888, 55296}  # 7B and 32B gate/up
+    paired = {key: c for key, c in table_duo.items() if key[1] in (37888, 55296)}  # 7B and 32B gate/up
+    assert paired and all(c.split_k == 1 and not c.halves for c in paired.values())
+    assert all(duo_runs(c, True, None, 1, False, 10**6) for c in paired.values())
+    c = next(iter(paired.values()))
+    assert not duo_runs(c, True, None, 2, False, 1) and not duo_runs(c, True, None, 1, True, 1)
+    assert not duo_runs(c, False, object(), 1, False, 1)  # rotary: both halves of a head in one warpgroup
+    assert duo_runs(c, False, None, 2, False, 1) and not duo_runs(c, False, None, 1, False, 10**6)
     for c in [*table_duo.values(), *(c for bm in (64, 128) for c in _gluon_ws_xtma_candidates(bm) if c.duo)]:
         r = duo_consumer_regs(c)
         first = 3 * c.maxnreg - c.pregs - r  # what the launch's three warpgroups leave the first consumer
         assert r % 8 == 0 and r <= 256 and r <= first < r + 16
+
+
+def test_swiglu_korder_output_needs_whole_128_column_steps():
+    # K order permutes within 128-column steps; a SwiGLU output of another width would be written past Y.
+    from qerl_kernels.gemm_fwd import nvfp4_swiglu
+    from qerl_kernels.testing import random_nvfp4
+
+    p, s, g = random_nvfp4(384, 256, seed=1)
+    x = torch.randn(4, 256)
+    with pytest.raises(ValueError, match="192 columns"):
+        nvfp4_swiglu(x, p, s, g, y_korder=True)
+    assert nvfp4_swiglu(x, p, s, g) is None  # CPU: no pairing tile, the caller runs its own SwiGLU

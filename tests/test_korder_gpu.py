@@ -291,14 +291,15 @@ def test_duo_consumers_give_the_one_partition_bits(m, monkeypatch):
     # every weight row goes through the same MMAs in the same order, so the output is bit for bit the
     # one-partition tile's, near the reference, also where the last tile's second half is all past N
     # (N = 400: rows 448-511 of the fourth tile), with split-K 2 and with halved tiles (halves_split
-    # forced to 2 whole tiles); pairing (SwiGLU) launches fall back to one partition.
+    # forced to 2 whole tiles); SwiGLU launches (natural and K-order output) pair the two partitions' rows
+    # through shared memory.
     from qerl_kernels import gemm_gluon
     from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
     from qerl_kernels.testing import TOL, rel_err
     from qerl_kernels.tile_configs import FwdConfig
 
     tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 5)
-    tp2, s2, g2 = _weights(384, K, seed=m + 6)  # a gate/up stack for the SwiGLU epilogue
+    tp2, s2, g2 = _weights(512, K, seed=m + 6)  # a gate/up stack for the SwiGLU epilogue (K order: 256 wide)
     bm = 32 if m <= 32 else 64 if m <= 64 else 128
     for r, pr in ((96, 24), (128, 32)):
         one = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r, pregs=pr,
@@ -313,6 +314,46 @@ def test_duo_consumers_give_the_one_partition_bits(m, monkeypatch):
             assert rel_err(y2, ref) < TOL[torch.bfloat16], (duo, rel_err(y2, ref))
             assert torch.equal(y2, y1), duo
         duo = replace(one, duo=True)
-        sw1 = nvfp4_swiglu(xk, tp2, s2, g2, config=one, twiddled=True, blocked=True, x_korder=True)
-        sw2 = nvfp4_swiglu(xk, tp2, s2, g2, config=duo, twiddled=True, blocked=True, x_korder=True)
-        assert sw1 is not None and torch.equal(sw2, sw1), duo
+        for yk in (False, True):  # SwiGLU pairs a duo tile's rows through shared memory: the same bits
+            sw1 = nvfp4_swiglu(xk, tp2, s2, g2, config=one, twiddled=True, blocked=True, x_korder=True, y_korder=yk)
+            sw2 = nvfp4_swiglu(xk, tp2, s2, g2, config=duo, twiddled=True, blocked=True, x_korder=True, y_korder=yk)
+            assert sw1 is not None and torch.equal(sw2, sw1), (duo, yk)
+
+
+@pytest.mark.parametrize("m", [100, 300])
+def test_x_ring_gives_the_shared_ring_bits(m):
+    # FwdConfig.xstages puts X in a ring of [BM, 64] half steps of its own (each released once the MMA
+    # that read it is done; the codes' stage as soon as its codes are in registers). The MMAs per weight
+    # row are the same, in the same order, so the output is the shared-ring tile's bits: at BM 128 and at
+    # BM 256 (where two shared stages would not fit: the baseline runs one), odd ring depths that wrap at
+    # other points than the codes' stages, split-K 2 (2 and 3 pairs per split), duo and one partition,
+    # and the SwiGLU epilogue (a duo tile pairs through shared memory).
+    from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
+    from qerl_kernels.testing import TOL, rel_err
+    from qerl_kernels.tile_configs import FwdConfig
+
+    from qerl_cli.layers.fused import silu_mul
+
+    tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 7)
+    tp2, s2, g2 = _weights(384, K, seed=m + 8)
+    for bm, stages, r, pr, depths in ((128, 2, 128, 32, (3, 4, 6)), (256, 1, 168, 40, (3, 5))):
+        for split in (1, 2):
+            base = FwdConfig(bm, 128, 16, split_k=split, warps=8, stages=stages, swap=True, gluon=True, ws=True,
+                             xtma=True, maxnreg=r, pregs=pr, half=2)
+            y0 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=base, twiddled=True, blocked=True, x_korder=True)
+            assert rel_err(y0, ref) < TOL[torch.bfloat16], (base, rel_err(y0, ref))
+            for xst in depths:
+                for duo in (False, True):
+                    c = replace(base, stages=2, xstages=xst, duo=duo)
+                    y = nvfp4_matmul(xk, tp, s, g, bias=bias, config=c, twiddled=True, blocked=True, x_korder=True)
+                    assert torch.equal(y, y0), c
+        # SwiGLU: the fused epilogue (duo: pairing through shared memory) against the unfused path on the
+        # shared-ring tile's gate/up output, which it matches bit for bit (gemm_fwd.nvfp4_swiglu).
+        gu = nvfp4_matmul(xk, tp2, s2, g2, config=replace(base, split_k=1), twiddled=True, blocked=True, x_korder=True)
+        sw0 = silu_mul(gu[:, :192].contiguous(), gu[:, 192:].contiguous())
+        for xst in depths:
+            if (xst + 2) * bm * 128 + 2 * 18432 > 227 * 1024:  # X ring + exchanged gate/up rows + 2 code stages
+                continue
+            c = replace(base, split_k=1, stages=2, xstages=xst, duo=True)
+            sw = nvfp4_swiglu(xk, tp2, s2, g2, config=c, twiddled=True, blocked=True, x_korder=True)
+            assert sw is not None and torch.equal(sw, sw0), c
