@@ -259,7 +259,10 @@ def main(argv=None) -> int:
                 for c in tc.fwd_candidates(m):
                     if args.cand_filter and not re.search(args.cand_filter, repr(c)):
                         continue
-                    if c.duo and layer == "gate_up":  # the engine pairs gate/up (SwiGLU epilogue): no duo there
+                    # The engine pairs gate/up (SwiGLU epilogue), which a duo tile does for whole tiles only
+                    # (gemm_gluon_ws.duo_runs): other duo launches there would run in one partition.
+                    paired_duo = c.duo and layer == "gate_up"
+                    if paired_duo and c.halves:
                         continue
                     if c.sk:  # stream-K: the program count is the config's, no split-K factor
                         cands.append(c)
@@ -273,7 +276,8 @@ def main(argv=None) -> int:
                     # and the power of two below s (the warp-specialised tiles split whole K-step pairs)
                     for split in sorted({1, s, max(1, s // 2), (3 * s + 1) // 2, s * 2, 1 << (s.bit_length() - 1)}
                                         if s > 1 else {1}):
-                        cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))
+                        if not (paired_duo and split > 1):
+                            cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))
             best = None
             for cfg in dict.fromkeys(cands):
                 if d.tw and not tc.layout_safe(cfg):

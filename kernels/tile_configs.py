@@ -21,7 +21,10 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
 - M >= 1024 (fwd) / 512 (grad-input): decode once to bf16 and call cuBLAS (``dequant``), except the
   four large weights at M = 1024, where the TMA-fed Gluon tile (BM 256) wins.
 - ``duo`` (2026-11-25 sweep): a BN 128 warp-specialised tile with its two consumer warpgroups as two
-  partitions; 7B q/k/v and down at M = 129-256. Never on gate/up, which the engine runs paired (SwiGLU).
+  partitions; 7B q/k/v and down at M = 129-256. On gate/up, which the engine runs paired (SwiGLU), only
+  whole tiles (split-K 1, not halved: those pair in two partitions): both gate/up at M = 65-128 and, with
+  X in a ring of its own (``xstages``), 32B gate/up at M = 1024 (docs/benchmarks.md, kernels, twentieth
+  pass).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class FwdConfig:
     half: int = 0  # with ws: 0 one MMA per K step, 1 half-step MMAs, 2 half steps with one in flight
     halves: bool = False  # with ws or xtma, split_k 1: a wave's last tiles run as two K halves (gemm_gluon.halves_split)
     duo: bool = False  # with ws, BN 128: the two consumer warpgroups as separate partitions (gemm_gluon_ws)
+    xstages: int = 0  # with ws, xtma and half 2: X in a ring of this many [BM, 64] half steps of its own
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -313,6 +317,11 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         FwdConfig(128, 128, 16, warps=8, stages=3, join=True),
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
         *_gluon_tma_candidates(256),
+        # Warp-specialised, two consumer partitions, X in a ring of three half steps (four would not leave
+        # room for a SwiGLU launch's exchange of rows): 32B gate/up at M = 1024 837 against the table's 868
+        # us (benchmarks/probe_ws.py, H100 2026-11-25, docs/benchmarks.md, kernels, twentieth pass).
+        FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=3),
     ]
 
 
@@ -376,11 +385,16 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
                             pregs=p, half=2) for r, p in ((96, 24), (128, 32))]
     # The BN 128 tiles again with their two consumers in separate partitions (``duo``): 2-13% faster than
     # the same tile in one partition at M = 128-1024 (benchmarks/probe_ws.py --duo 0,1, H100 2026-11-25,
-    # docs/benchmarks.md, kernels, nineteenth pass); with 168 registers at BM 128 too. A duo tile cannot
-    # pair rows (the SwiGLU and rotary epilogues run it in one partition), so the sweep keeps them off the
-    # gate/up shapes, which the engine always pairs.
+    # docs/benchmarks.md, kernels, nineteenth pass); with 168 registers at BM 128 too. A duo tile pairs
+    # SwiGLU rows only as a whole tile (gemm_gluon_ws.duo_runs), so on the gate/up shapes, which the engine
+    # always pairs, the sweep times only those.
     wide = [c for c in tiles if c.bn == 128] + ([replace(tiles[-1], maxnreg=168, pregs=40)] if bm == 128 else [])
     tiles += [replace(c, duo=True) for c in wide]
+    # At BM 128 also with X in a ring of six half steps of its own (``xstages``: MMAs stay in flight past a
+    # codes stage): 32B gate/up at M = 128 as the engine runs it (SwiGLU, K-order X) 145.4 -> 137.8 us
+    # (benchmarks/probe_ws.py --swiglu, H100 2026-11-25, docs/benchmarks.md, kernels, twentieth pass).
+    if bm == 128:
+        tiles += [replace(c, xstages=6) for c in tiles if c.duo and c.half == 2]
     return tiles + [replace(c, halves=True) for c in tiles]
 
 
