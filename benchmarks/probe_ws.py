@@ -32,6 +32,24 @@ def run_ws(x, packed, scale, gs, cfg):
     return ws.launch_gluon_ws(x, groups, scale_u8, gs, None, cfg, x_korder=cfg.xtma)
 
 
+def run_swiglu(x, packed, scale, gs, cfg):
+    """The engine's gate/up step from K-order X to K-order output: SwiGLU in the GEMM's epilogue, or, where
+    the tile cannot pair (stream-K), the GEMM and then the SwiGLU kernel, as the engine falls back."""
+    from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
+    from qerl_kernels.tile_configs import FwdConfig
+
+    from qerl_cli.layers.fused import silu_mul
+
+    if not isinstance(cfg, FwdConfig):  # a probe candidate
+        cfg = FwdConfig(bkw=16, swap=True, gluon=True, ws=True, **vars(cfg))
+    y = nvfp4_swiglu(x, packed, scale, gs, config=cfg, twiddled=True, blocked=True, x_korder=True, y_korder=True)
+    if y is None:
+        gu = nvfp4_matmul(x, packed, scale, gs, config=cfg, twiddled=True, blocked=True, x_korder=True)
+        h = gu.shape[1] // 2
+        y = silu_mul(gu[:, :h], gu[:, h:], korder=True)
+    return y
+
+
 AUTO_SPLITS = {"qkv": "4,8", "o": "4,8", "gate_up": "1,2", "down": "4,8"}
 
 
@@ -58,9 +76,13 @@ def candidates(args, layer, m, n, k):
                                         for duo in map(int, args.duo.split(",")):
                                             if duo and (bn != 128 or split > 1 or halves):
                                                 continue
-                                            yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
-                                                                  maxnreg=regs, pregs=pregs, split_k=split, half=half,
-                                                                  halves=bool(halves), xtma=bool(xtma), duo=bool(duo))
+                                            for xst in map(int, args.xstages.split(",")):
+                                                if xst and not (xtma and half == 2):
+                                                    continue
+                                                yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
+                                                                      maxnreg=regs, pregs=pregs, split_k=split,
+                                                                      half=half, halves=bool(halves), xtma=bool(xtma),
+                                                                      duo=bool(duo), xstages=xst)
 
 
 def main(argv=None) -> int:
@@ -83,19 +105,30 @@ def main(argv=None) -> int:
     ap.add_argument("--bm", type=int, default=0, help="X rows per tile (0: 8, 16, 32 or 64 by M)")
     ap.add_argument("--duo", default="0", help="0, 1 or 0,1: BN 128 split-K 1 tiles with the two consumer warpgroups "
                     "as separate partitions (FwdConfig.duo)")
+    ap.add_argument("--xstages", default="0", help="X ring depths in [BM, 64] half steps (0: X in the codes' stages; "
+                    "FwdConfig.xstages, xtma with half 2 only)")
+    ap.add_argument("--swiglu", action="store_true", help="gate/up as the engine launches it: SwiGLU in the "
+                    "epilogue from K-order X, the table's tile timed the same way (candidates must take X by TMA)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
     args = ap.parse_args(argv)
     ratios = {m: [] for m in map(int, args.ms.split(","))}
     for model, layer, d, m, tab, _ in probe_points(args):
         n, k = d.n, d.k
-        t_tab, _ = bench_fwd_point(d, m, tab)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         xk = permute_x(x)
-        ref = nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, twiddled=True, blocked=True).float()
+        run = run_ws
+        if args.swiglu and layer == "gate_up":
+            run = run_swiglu
+            ref = run_swiglu(xk, d.packed[0], d.scale[0], d.gs, tab).float()
+            t_tab = time_graph([lambda p=p, s=s, x=xk, g=d.gs, c=tab: run_swiglu(x, p, s, g, c)
+                                for p, s in zip(d.packed, d.scale)])
+        else:
+            t_tab, _ = bench_fwd_point(d, m, tab)
+            ref = nvfp4_matmul(x, d.packed[0], d.scale[0], d.gs, twiddled=True, blocked=True).float()
         best, best_cfg, errs = None, None, []
         for cfg in candidates(args, layer, m, n, k):
             try:
-                y = run_ws(xk if cfg.xtma else x, d.packed[0], d.scale[0], d.gs, cfg).float()
+                y = run(xk if cfg.xtma else x, d.packed[0], d.scale[0], d.gs, cfg).float()
             except Exception as e:  # noqa: BLE001 - a split ptxas cannot fit is skipped, not fatal
                 print(f"  SKIP {model} {layer} M={m} {vars(cfg)}: {type(e).__name__}", flush=True)
                 continue
@@ -104,12 +137,13 @@ def main(argv=None) -> int:
             if not err < 1e-2:
                 print(f"  WRONG {model} {layer} M={m} {vars(cfg)}: rel err {err:.2e}", flush=True)
                 continue
-            us = time_graph([lambda p=p, s=s, c=cfg, x=xk if cfg.xtma else x, g=d.gs: run_ws(x, p, s, g, c)
+            us = time_graph([lambda p=p, s=s, c=cfg, x=xk if cfg.xtma else x, g=d.gs, f=run: f(x, p, s, g, c)
                              for p, s in zip(d.packed, d.scale)])
             if args.v:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
                       f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}"
-                      f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}: {us:.1f}", flush=True)
+                      f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}{f' x{cfg.xstages}' if cfg.xstages else ''}: "
+                      f"{us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
         if best is None:
@@ -118,7 +152,8 @@ def main(argv=None) -> int:
         print(f"{model} {layer} M={m}: table {t_tab:.1f} | ws best {best:.1f} ({t_tab / best:.2f}x) "
               f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} "
               f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''}"
-              f"{' xtma' if best_cfg.xtma else ''}{' duo' if best_cfg.duo else ''} | max err {max(errs):.1e}", flush=True)
+              f"{' xtma' if best_cfg.xtma else ''}{' duo' if best_cfg.duo else ''}"
+              f"{f' x{best_cfg.xstages}' if best_cfg.xstages else ''} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {geomean(v):.3f} "
