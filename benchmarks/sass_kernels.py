@@ -50,8 +50,8 @@ def compile_fwd(bm=16, bn=128, bkw=16, swap=True, join=False, warps=4, stages=3,
 
 
 def resource_usage(kernel) -> dict:
-    """REG / SHARED / LOCAL (spill bytes per thread) of a compiled kernel, read by the cuobjdump that
-    ships with Triton."""
+    """REG / STACK / SHARED / LOCAL of a compiled kernel, read by the cuobjdump that ships with Triton.
+    Register spills land in STACK (bytes per thread); LOCAL stays 0 for them."""
     import triton
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -60,7 +60,7 @@ def resource_usage(kernel) -> dict:
         cubin.write_bytes(kernel.asm["cubin"])
         res = subprocess.run([str(bindir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
                              capture_output=True, text=True).stdout
-    return {key: int(v) for key, v in re.findall(r"(REG|SHARED|LOCAL):(\d+)", res)}
+    return {key: int(v) for key, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res)}
 
 
 def main(argv=None) -> int:

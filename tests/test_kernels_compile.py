@@ -72,8 +72,13 @@ def test_gluon_tiles_compile_for_sm90():
 
 
 def test_gluon_tma_tiles_compile_for_sm90():
-    # The TMA-fed Gluon kernel's candidate and table tiles, ahead of time; none may spill registers
-    # (a spilled accumulator would make a tile silently slow, not wrong).
+    # The TMA-fed Gluon kernel's candidate and table tiles, ahead of time. No table tile that stores its
+    # tile directly may spill registers (a spilled accumulator would make a tile silently slow, not wrong;
+    # a spilling candidate only loses the sweep). Spills are cuobjdump's STACK bytes (LOCAL, which this
+    # checked before 2026-11-25, stays 0 for them). Split-K 2+ and halved grids are not held to it: at BM
+    # 256 they spill (328-696 bytes of stack per thread with Triton 3.6 / 3.9, where the same tile at
+    # split-K 1 does not), and such tiles still won their points (benchmarks/ptxas_table.py;
+    # docs/benchmarks.md, kernels, twentieth pass).
     import triton
     from qerl_kernels.gemm_gluon import HAVE_GLUON
     from qerl_kernels.tile_configs import FWD_TABLE, fwd_candidates
@@ -94,9 +99,12 @@ def test_gluon_tma_tiles_compile_for_sm90():
     from triton.experimental.gluon._runtime import GluonASTSource
 
     # split 0: the stream-K kernel (FwdConfig.sk), whose program count is a runtime argument.
-    tiles = {(c.bm, c.bn, c.warps, c.stages, c.inflight, 0 if c.sk else min(c.split_k, 2),
-              c.halves and not c.sk and c.split_k == 1)
-             for c in [*(c for m in (16, 64, 256) for c in fwd_candidates(m)), *FWD_TABLE.values()] if c.xtma}
+    def key(c):
+        return (c.bm, c.bn, c.warps, c.stages, c.inflight, 0 if c.sk else min(c.split_k, 2),
+                c.halves and not c.sk and c.split_k == 1)
+
+    table = {key(c) for c in FWD_TABLE.values() if c.xtma and not c.ws}
+    tiles = table | {key(c) for m in (16, 64, 256) for c in fwd_candidates(m) if c.xtma and not c.ws}
     assert tiles and any(t[-2] == 0 for t in tiles) and any(t[-1] for t in tiles)
     for bm, bn, warps, stages, inflight, split, halves in sorted(tiles):
         sig = {"x_desc": f"tensordesc<bf16[{bm},64],{x_layout(bm)!r}>", "PW": "*i64", "S": "*u8", "G": "*fp32",
@@ -110,8 +118,12 @@ def test_gluon_tma_tiles_compile_for_sm90():
             sig, consts = _with_epilogue(sig, consts)
         src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        if split == 2 or halves or (bm, bn, warps, stages, inflight, split, halves) not in table:
+            continue  # see above
         usage = resource_usage(kern)
-        assert usage["LOCAL"] == 0, (bm, bn, warps, stages, split, usage)
+        # At most a scalar or two (Triton 3.9 keeps 8 bytes of stack for the stream-K BM 256 tile, 3.6 none):
+        # an accumulator's spill is hundreds of bytes.
+        assert usage["STACK"] <= 16, (bm, bn, warps, stages, split, usage)
 
 
 def test_gluon_ws_tiles_compile_for_sm90():
@@ -223,5 +235,5 @@ def test_gluon_pair_tiles_compile_for_sm90():
         sig, consts = _with_epilogue(sig, consts, pair)
         src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-        if not c.ws:  # (the warp-specialised tiles spill at some of their register splits already)
-            assert resource_usage(kern)["LOCAL"] == 0, (c, pair)
+        if not c.ws and c.split_k == 1 and not c.halves:  # (see test_gluon_tma_tiles_compile_for_sm90)
+            assert resource_usage(kern)["STACK"] <= 16, (c, pair)
