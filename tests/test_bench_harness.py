@@ -33,3 +33,24 @@ def test_one_round_keeps_the_first_timings():
         raise AssertionError("one round times nothing again")
 
     assert interleaved_rounds(7.5, 11.0, 1, never, never) == ([7.5], [11.0])
+
+
+def test_ptxas_report_reads_spills_and_serialised_wgmmas():
+    # benchmarks/ptxas_table.py parses ptxas -v logs (lines as ptxas 12.8 and the 12.9 "blackwell" one print).
+    from ptxas_table import ptxas_report
+
+    serialised = (
+        "ptxas-blackwell info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+        "due to non wgmma instructions defining accumulator registers of a wgmma between start and end of the "
+        "pipeline stage in the function '_nvfp4_fwd_gluon_ws_kernel' in line 5962\n"
+        "ptxas-blackwell info    : Function properties for _nvfp4_fwd_gluon_ws_kernel\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas-blackwell info    : Used 168 registers, used 4 barriers\n")
+    rep = ptxas_report(serialised)
+    assert rep["regs"] == 168 and rep["spill_bytes"] == 0
+    assert rep["serialized"] == ["due to non wgmma instructions defining accumulator registers of a wgmma between "
+                                 "start and end of the pipeline stage in the function"]
+    spilled = ("ptxas info    : Function properties for _nvfp4_fwd_gluon_tma_kernel\n"
+               "    328 bytes stack frame, 352 bytes spill stores, 352 bytes spill loads\n"
+               "ptxas info    : Used 255 registers, used 1 barriers, 328 bytes cumulative stack size\n")
+    assert ptxas_report(spilled) == {"regs": 255, "spill_bytes": 704, "serialized": []}
