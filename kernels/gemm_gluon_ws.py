@@ -50,7 +50,7 @@ codes are in registers. That is what lets BM 256 tiles (128 KB of X per 256-K st
 and at BM 128 it keeps MMAs in flight across codes stages. The loop still drains the MMAs once per codes
 stage: left in flight over the loop's back edge, ptxas serialises every wgmma of the loop (its C7515
 warning, from ptxas -v on the sm_90a PTX). H100 (docs/benchmarks.md, kernels, twentieth pass): 32B
-gate/up at M = 128 145.4 -> 137.8 us and at M = 1024 868 -> 837 us (from K-order X).
+gate/up as the engine launches it (SwiGLU, K-order X) at M = 128 145.4 -> 137.8 us, at M = 1024 939 -> 908 us.
 """
 
 from __future__ import annotations

@@ -318,8 +318,8 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         FwdConfig(128, 256, 16, warps=8, stages=3, join=True),
         *_gluon_tma_candidates(256),
         # Warp-specialised, two consumer partitions, X in a ring of three half steps (four would not leave
-        # room for a SwiGLU launch's exchange of rows): 32B gate/up at M = 1024 837 against the table's 868
-        # us (benchmarks/probe_ws.py, H100 2026-11-25, docs/benchmarks.md, kernels, twentieth pass).
+        # room for a SwiGLU launch's exchange of rows): 32B gate/up at M = 1024 with SwiGLU 939 -> 908 us
+        # (benchmarks/probe_ws.py --swiglu, H100 2026-11-25, docs/benchmarks.md, kernels, twentieth pass).
         FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
                   half=2, duo=True, xstages=3),
     ]
