@@ -287,8 +287,8 @@ if HAVE_GLUON_WS:
         h = R0 // 64
         if PAIR % 2 == 1:
             # Both store their rows (rounded to bf16 here, where _write_swiglu_rows rounds them) and, once both
-            # have, each writes 32 of the tile's 64 outputs. Symmetric on purpose: Triton 3.6 fails to lower
-            # the kernel when only one partition stores to global memory.
+            # have, each writes 32 of the tile's 64 outputs. Symmetric on purpose: Triton 3.6 failed to lower
+            # every variant where the two partitions ran different epilogues (docs/benchmarks.md, twentieth pass).
             hand.index(h).store((acc * (256.0 / gl.load(G))).to(gl.bfloat16))  # decode.FAST_EPILOGUE
             mbarrier.arrive(handed)
             mbarrier.wait(handed, 0)
