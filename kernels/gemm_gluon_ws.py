@@ -177,6 +177,24 @@ if HAVE_GLUON_WS:
                 fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
                 mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
 
+    @gluon.constexpr_function
+    def _acc_layout(BM, NW):
+        """The [BN, BM] accumulator of NW / 4 consumer warpgroups (swap-AB: weight rows are the MMA's M)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+
+    @gluon.jit
+    def _stage_scales(ss, ready, j, R0: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
+        """(stage, its [BN, 16] scales from row R0) of the program's K-step pair j, once the stage is filled."""
+        st = j % STAGES
+        mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+        return st, ss.index(st).slice(R0, BN).load(CODES16(BN, NW))
+
+    @gluon.jit
+    def _stage_groups(cs, st, h: gl.constexpr, R0: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
+        """Rows R0 .. R0 + BN of K step h of stage st's codes, as [BN, 8] groups in the consumer's registers."""
+        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        return _as_groups(cs.index(2 * st + h).slice(R0 // 16, BN // 16), BN, FLAT).load(_codes_layout(BN, NW))
+
     @gluon.jit
     def _consumer(cs, ss, xs, ready, empty, npairs,
                   BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
@@ -185,18 +203,14 @@ if HAVE_GLUON_WS:
         1: two half-step MMAs (half the A fragment live); 2: half steps with one MMA left in flight while
         the next half decodes (its A operand handed to the next wait, so ptxas keeps its registers).
         R0: the first of the stage's weight rows this consumer takes (``DUO``: two consumers, BN rows each)."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
-        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BM, NW), k_width=2)
         CODES: gl.constexpr = _codes_layout(BN, NW)
-        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+        acc = gl.zeros([BN, BM], gl.float32, layout=_acc_layout(BM, NW))
         a_o = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)
         for j in range(npairs):
-            st = j % STAGES
-            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-            sc = ss.index(st).slice(R0, BN).load(CODES16(BN, NW))
+            st, sc = _stage_scales(ss, ready, j, R0, BN, NW, STAGES)
             for h in gl.static_range(2):
-                pw = _as_groups(cs.index(2 * st + h).slice(R0 // 16, BN // 16), BN, FLAT).load(CODES)
+                pw = _stage_groups(cs, st, h, R0, BN, NW)
                 s = _half_scales(sc, h, BN, CODES)
                 if XTMA:  # [BM, 64] half-step tiles (HALF >= 1)
                     xe = xs.index(4 * st + 2 * h)
@@ -227,18 +241,14 @@ if HAVE_GLUON_WS:
         codes' stage is released as soon as its codes and scales are in registers (no MMA reads them), and
         each X stage once the MMA that read it has completed. The MMAs drain at the end of each codes
         stage: an MMA in flight across the loop's back edge makes ptxas serialise them all (C7515)."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
-        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BM, NW), k_width=2)
         CODES: gl.constexpr = _codes_layout(BN, NW)
-        FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+        acc = gl.zeros([BN, BM], gl.float32, layout=_acc_layout(BM, NW))
         a_o = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)
         for j in range(npairs):
-            st = j % STAGES
-            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
-            sc = ss.index(st).slice(R0, BN).load(CODES16(BN, NW))
-            pw0 = _as_groups(cs.index(2 * st).slice(R0 // 16, BN // 16), BN, FLAT).load(CODES)
-            pw1 = _as_groups(cs.index(2 * st + 1).slice(R0 // 16, BN // 16), BN, FLAT).load(CODES)
+            st, sc = _stage_scales(ss, ready, j, R0, BN, NW, STAGES)
+            pw0 = _stage_groups(cs, st, 0, R0, BN, NW)
+            pw1 = _stage_groups(cs, st, 1, R0, BN, NW)
             mbarrier.arrive(empty.index(st))
             for h in gl.static_range(2):
                 if h == 0:
@@ -279,7 +289,7 @@ if HAVE_GLUON_WS:
         SwiGLU (PAIR 1 or 3, whole tiles only): the stage's rows are 64 gate rows then their 64 up rows, so
         the two consumers exchange them through shared memory (``hand``, ``handed``) and each writes
         silu(gate) * up for 32 of them."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        ACC: gl.constexpr = _acc_layout(BM, 4)
         if XSTAGES:
             acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0)[0]
         else:
@@ -350,7 +360,7 @@ if HAVE_GLUON_WS:
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
         num_warps is 4), the second with CREGS registers, each storing its own 64 rows."""
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        ACC: gl.constexpr = _acc_layout(BM, NW)
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
         if HALVES:
