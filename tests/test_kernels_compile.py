@@ -173,9 +173,10 @@ def test_gluon_ws_tiles_compile_for_sm90():
 def test_gluon_pair_tiles_compile_for_sm90():
     # The pairing epilogues of every Gluon tile the table holds for their shapes, in each of the three
     # kernels, ahead of time: SwiGLU (gemm_fwd.nvfp4_swiglu) on gate/up, also in K order, rotary + cache
-    # write (gemm_fwd.nvfp4_qkv_rope) on q/k/v, with bias.
+    # write (gemm_fwd.nvfp4_qkv_rope) on q/k/v, with bias. The kernel arguments are built as the launchers
+    # pass them by benchmarks/ptxas_table.gluon_source (duo tiles pair SwiGLU in two partitions).
     import triton
-    from qerl_kernels.gemm_gluon import HAVE_GLUON, _nvfp4_fwd_gluon_kernel
+    from qerl_kernels.gemm_gluon import HAVE_GLUON
     from qerl_kernels.tile_configs import FWD_TABLE
     from triton.backends.compiler import GPUTarget
 
@@ -185,18 +186,8 @@ def test_gluon_pair_tiles_compile_for_sm90():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from types import SimpleNamespace
-
-    from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, x_layout
-    from qerl_kernels.gemm_gluon_ws import (
-        _nvfp4_fwd_gluon_ws_kernel,
-        code_layout,
-        duo_consumer_regs,
-        duo_runs,
-        scale_layout,
-    )
+    from ptxas_table import gluon_source
     from sass_kernels import resource_usage
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     gate_up, qkv = {37888, 55296}, {4608, 7168}  # SwiGLU (pair 1) and rotary (pair 2) shapes
     jobs = {(c, 1 if n in gate_up else 2) for (m, n, k), c in FWD_TABLE.items()
@@ -207,33 +198,8 @@ def test_gluon_pair_tiles_compile_for_sm90():
     # SwiGLU written in the MMA's K order (pair 3, for a TMA-fed down projection): one tile per kernel.
     jobs |= {(min((c for c, p in jobs if p == 1 and (c.ws, c.xtma) == kind), key=repr), 3)
              for kind in ((True, False), (False, True), (False, False))}
-    ptrs = {"G": "*fp32", "B": "*bf16", "Y": "*bf16", "WS": "*fp32", "CNT": "*i32", "M": "i32", "N": "i32", "KG": "i32"}
     for c, pair in sorted(jobs, key=repr):
-        consts = dict(BM=c.bm, BN=c.bn, SPLIT=min(c.split_k, 2), HAS_BIAS=pair == 2, NW=c.warps)
-        opts = dict(num_warps=c.warps)
-        if c.ws:
-            kernel = _nvfp4_fwd_gluon_ws_kernel
-            sig = {"X": "*bf16", "c_desc": f"tensordesc<i64[{c.bn // 32},128],{code_layout()!r}>",
-                   "s_desc": f"tensordesc<u8[{c.bn // 2},16],{scale_layout()!r}>", **ptrs, "pairs_per_split": "i32",
-                   "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
-            # A duo tile pairs in two partitions where it runs whole (gemm_gluon_ws.duo_runs), SwiGLU only.
-            duo = duo_runs(c, pair != 2, SimpleNamespace() if pair == 2 else None, min(c.split_k, 2), c.halves, 1)
-            consts.update(STAGES=c.stages, PREGS=c.pregs, HALF=c.half, HALVES=c.halves, XTMA=c.xtma, DUO=duo,
-                          CREGS=duo_consumer_regs(c) if duo else 0, XSTAGES=c.xstages, NW=4 if duo else c.warps)
-            opts.update(maxnreg=c.maxnreg, num_warps=4 if duo else c.warps)
-            if c.xtma:
-                sig["X"] = f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>"
-        elif c.xtma:
-            kernel = _nvfp4_fwd_gluon_tma_kernel
-            sig = {"x_desc": f"tensordesc<bf16[{c.bm},64],{x_layout(c.bm)!r}>", "PW": "*i64", "S": "*u8", **ptrs,
-                   "steps_per_split": "i32", "n_full": "i32", "stride_sn": "i32", "stride_ym": "i32"}
-            consts.update(STAGES=max(2, c.stages), INFLIGHT=c.inflight, HALVES=c.halves)
-        else:
-            kernel = _nvfp4_fwd_gluon_kernel
-            sig = {"X": "*bf16", "PW": "*i64", "S": "*u8", **ptrs, "steps_per_split": "i32", "stride_xm": "i32",
-                   "stride_sn": "i32", "stride_ym": "i32"}
-        sig, consts = _with_epilogue(sig, consts, pair)
-        src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        src, opts = gluon_source(c, pair)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         if not c.ws and c.split_k == 1 and not c.halves:  # (see test_gluon_tma_tiles_compile_for_sm90)
             assert resource_usage(kern)["STACK"] <= 16, (c, pair)
