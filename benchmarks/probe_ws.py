@@ -79,20 +79,10 @@ def candidates(args, layer, m, n, k):
                                             for xst in map(int, args.xstages.split(",")):
                                                 if xst and not (xtma and half == 2):
                                                     continue
-                                                for dec, dregs, dwarps in _dec_options(args, duo, xst):
-                                                    yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
-                                                                          maxnreg=regs, pregs=pregs, split_k=split,
-                                                                          half=half, halves=bool(halves),
-                                                                          xtma=bool(xtma), duo=bool(duo), xstages=xst,
-                                                                          dec=dec, dregs=dregs, dwarps=dwarps)
-
-
-def _dec_options(args, duo, xst):
-    """(W ring depth, decoder registers) pairs: (0, 0) is no decode partition; one needs duo and an X ring."""
-    for opt in args.dec.split(","):
-        dec, dregs, dwarps = (list(map(int, opt.split(":"))) + [0, 4])[:3] if ":" in opt else (int(opt), 0, 4)
-        if not dec or (duo and xst):
-            yield dec, dregs, dwarps
+                                                yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
+                                                                      maxnreg=regs, pregs=pregs, split_k=split,
+                                                                      half=half, halves=bool(halves), xtma=bool(xtma),
+                                                                      duo=bool(duo), xstages=xst)
 
 
 def main(argv=None) -> int:
@@ -117,8 +107,6 @@ def main(argv=None) -> int:
                     "as separate partitions (FwdConfig.duo)")
     ap.add_argument("--xstages", default="0", help="X ring depths in [BM, 64] half steps (0: X in the codes' stages; "
                     "FwdConfig.xstages, xtma with half 2 only)")
-    ap.add_argument("--dec", default="0", help="decode partitions as depth:registers[:warps], e.g. 0,4:96,4:96:8 (0: none; "
-                    "FwdConfig.dec, duo tiles with an X ring only)")
     ap.add_argument("--swiglu", action="store_true", help="gate/up as the engine launches it: SwiGLU in the "
                     "epilogue from K-order X, the table's tile timed the same way (candidates must take X by TMA)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
@@ -154,8 +142,7 @@ def main(argv=None) -> int:
             if args.v:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
                       f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}"
-                      f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}{f' x{cfg.xstages}' if cfg.xstages else ''}"
-                      f"{f' dec{cfg.dec}:{cfg.dregs}:{cfg.dwarps}' if cfg.dec else ''}: "
+                      f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}{f' x{cfg.xstages}' if cfg.xstages else ''}: "
                       f"{us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
@@ -166,8 +153,7 @@ def main(argv=None) -> int:
               f"bn{best_cfg.bn} w{best_cfg.warps} st{best_cfg.stages} r{best_cfg.maxnreg} p{best_cfg.pregs} "
               f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''}"
               f"{' xtma' if best_cfg.xtma else ''}{' duo' if best_cfg.duo else ''}"
-              f"{f' x{best_cfg.xstages}' if best_cfg.xstages else ''}"
-              f"{f' dec{best_cfg.dec}:{best_cfg.dregs}:{best_cfg.dwarps}' if best_cfg.dec else ''} | max err {max(errs):.1e}", flush=True)
+              f"{f' x{best_cfg.xstages}' if best_cfg.xstages else ''} | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:
             print(f"M={m}: table / best ws geomean {geomean(v):.3f} "

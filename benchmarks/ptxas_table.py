@@ -67,7 +67,6 @@ def gluon_source(cfg, pair: int = 0):
                "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
         consts.update(SPLIT=min(cfg.split_k, 2), STAGES=cfg.stages, PREGS=cfg.pregs, HALF=cfg.half, HALVES=cfg.halves,
                       XTMA=cfg.xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0, XSTAGES=cfg.xstages,
-                      DEC=cfg.dec if duo else 0, DREGS=cfg.dregs if duo else 0, DW=cfg.dwarps,
                       NW=4 if duo else cfg.warps)
         opts.update(num_warps=4 if duo else cfg.warps, maxnreg=cfg.maxnreg)
     elif cfg.xtma:

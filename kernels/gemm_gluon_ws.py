@@ -278,63 +278,10 @@ if HAVE_GLUON_WS:
         return acc
 
     @gluon.jit
-    def _decoder(cs, ss, wsm, ready, empty, w_ready, w_empty, npairs, BM: gl.constexpr, STAGES: gl.constexpr,
-                 DEC: gl.constexpr, DW: gl.constexpr):
-        """A ``DEC`` program's decode partition of DW warps: a codes stage's 128 weight rows, once in registers
-        (the stage is released then), decoded half step by half step (u = 4 j + 2 h + q) into W stage u % DEC
-        as bf16, which both consumers' MMAs read from shared memory. Each half step is decoded before its W
-        stage is waited for, so the decode overlaps the MMAs still reading the stage it will overwrite."""
-        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_acc_layout(BM, DW), k_width=2)
-        CODES: gl.constexpr = _codes_layout(128, DW)
-        for j in range(npairs):
-            st, sc = _stage_scales(ss, ready, j, 0, 128, DW, STAGES)
-            p0 = _stage_groups(cs, st, 0, 0, 128, DW)
-            p1 = _stage_groups(cs, st, 1, 0, 128, DW)
-            mbarrier.arrive(empty.index(st))
-            for h in gl.static_range(2):
-                if h == 0:
-                    pw = p0
-                else:
-                    pw = p1
-                pw_e, pw_o = _halves(pw, 128)
-                s_e, s_o = _halves(_half_scales(sc, h, 128, CODES), 128)
-                for q in gl.static_range(2):
-                    if q == 0:
-                        a = _decode_half(pw_e, s_e, 128, DOT)
-                    else:
-                        a = _decode_half(pw_o, s_o, 128, DOT)
-                    u = 4 * j + 2 * h + q
-                    wst = u % DEC
-                    mbarrier.wait(w_empty.index(wst), ((u // DEC) & 1) ^ 1)
-                    wsm.index(wst).store(a)
-                    fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
-                    mbarrier.arrive(w_ready.index(wst))
-
-    @gluon.jit
-    def _consumer_dec(wsm, xs, w_ready, w_empty, x_ready, x_empty, npairs, BM: gl.constexpr, XSTAGES: gl.constexpr,
-                      DEC: gl.constexpr, R0: gl.constexpr):
-        """acc [64, BM] of weight rows R0 .. R0 + 63 with both MMA operands from shared memory (``DEC``): half
-        step u multiplies W stage u % DEC by X stage u % XSTAGES, one MMA left in flight; once the one before
-        it is done, that one's stages are released."""
-        acc = gl.zeros([64, BM], gl.float32, layout=_acc_layout(BM, 4))
-        for u in range(4 * npairs):
-            wst = u % DEC
-            xst = u % XSTAGES
-            mbarrier.wait(w_ready.index(wst), (u // DEC) & 1)
-            mbarrier.wait(x_ready.index(xst), (u // XSTAGES) & 1)
-            tok = warpgroup_mma(wsm.index(wst).slice(R0, 64), xs.index(xst).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[tok])
-            mbarrier.arrive(w_empty.index((u + DEC - 1) % DEC), pred=u > 0)
-            mbarrier.arrive(x_empty.index((u + XSTAGES - 1) % XSTAGES), pred=u > 0)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        return acc
-
-    @gluon.jit
     def _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m,
                       pid_n, M, N, stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
                       XTMA: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr,
-                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, wsm, w_ready, w_empty,
-                      DEC: gl.constexpr):
+                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed):
         """One of a ``DUO`` program's two consumer warpgroups, each its own partition: weight rows R0 ..
         R0 + 63 of the stage, released with its own arrival and stored by itself, so neither waits for the
         other's decode (in one partition of 8 warps every release is a barrier of both). Its rows store as
@@ -343,9 +290,7 @@ if HAVE_GLUON_WS:
         the two consumers exchange them through shared memory (``hand``, ``handed``) and each writes
         silu(gate) * up for 32 of them."""
         ACC: gl.constexpr = _acc_layout(BM, 4)
-        if DEC:
-            acc = _consumer_dec(wsm, xs, w_ready, w_empty, x_ready, x_empty, npairs, BM, XSTAGES, DEC, R0)
-        elif XSTAGES:
+        if XSTAGES:
             acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0)[0]
         else:
             acc = _consumer(cs, ss, xs, ready, empty, npairs, BM, 64, 4, STAGES, HALF, XTMA, R0)[0]
@@ -411,7 +356,6 @@ if HAVE_GLUON_WS:
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
         XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
-        DEC: gl.constexpr = 0, DREGS: gl.constexpr = 0, DW: gl.constexpr = 4,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
@@ -444,7 +388,7 @@ if HAVE_GLUON_WS:
         for b in gl.static_range(STAGES):
             # the weights' expect, and X's (its expect, or the X stores) unless X has a ring of its own
             mbarrier.init(ready.index(b), count=1 if XSTAGES else 2)
-            mbarrier.init(empty.index(b), count=1 if DEC else 1 + DUO)  # each consumer partition's (or the decoder's) release
+            mbarrier.init(empty.index(b), count=1 + DUO)  # each consumer partition's release
         if XSTAGES:
             x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
             x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
@@ -460,18 +404,6 @@ if HAVE_GLUON_WS:
         else:
             n0 = pid_n * BN
         pd = _pair_distance(N, PAIR, HD)
-        if DEC:  # decoded weights, [BN, 64] bf16 per half step, and their barriers (_decoder)
-            wsm = gl.allocate_shared_memory(gl.bfloat16, [DEC, BN, 64],
-                                            gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16))
-            w_ready = gl.allocate_shared_memory(gl.int64, [DEC, 1], mbarrier.MBarrierLayout())
-            w_empty = gl.allocate_shared_memory(gl.int64, [DEC, 1], mbarrier.MBarrierLayout())
-            for b in gl.static_range(DEC):
-                mbarrier.init(w_ready.index(b), count=1)
-                mbarrier.init(w_empty.index(b), count=2)  # each consumer's release
-        else:
-            wsm = ready
-            w_ready = ready
-            w_empty = ready
         if DUO:
             if PAIR % 2 == 1:  # the gate and up rows of a SwiGLU tile, exchanged by the consumers (_duo_consumer)
                 hand = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BM], _hand_layout(BM))
@@ -480,32 +412,16 @@ if HAVE_GLUON_WS:
             else:
                 hand = ready
                 handed = ready
-            if DEC:  # Gluon takes the partitions' functions only inside the call
-                gl.warp_specialize([
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
-                                     pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                     gl.constexpr(0), XSTAGES, PAIR, hand, handed, wsm, w_ready, w_empty, DEC)),
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
-                                     pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                     gl.constexpr(64), XSTAGES, PAIR, hand, handed, wsm, w_ready, w_empty, DEC)),
-                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
-                    (_decoder, (cs, ss, wsm, ready, empty, w_ready, w_empty, npairs, BM, STAGES, DEC, DW)),
-                ], [4, 4, DW], [CREGS, PREGS, DREGS])
-                for b in gl.static_range(DEC):
-                    mbarrier.invalidate(w_ready.index(b))
-                    mbarrier.invalidate(w_empty.index(b))
-            else:
-                gl.warp_specialize([
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
-                                     pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                     gl.constexpr(0), XSTAGES, PAIR, hand, handed, wsm, w_ready, w_empty, DEC)),
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
-                                     pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                     gl.constexpr(64), XSTAGES, PAIR, hand, handed, wsm, w_ready, w_empty, DEC)),
-                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
-                ], [4, 4], [CREGS, PREGS])
+            gl.warp_specialize([
+                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                 gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                 gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
+                             2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+            ], [4, 4], [CREGS, PREGS])
             for b in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(b))
                 mbarrier.invalidate(empty.index(b))
@@ -552,9 +468,6 @@ def duo_runs(cfg, pair: bool, rope, split: int, halved: bool, grid_mn: int) -> b
 def duo_consumer_regs(cfg) -> int:
     """Registers of a duo tile's second consumer: an even share of what the launch cap leaves past the
     producer's (three warpgroups at ``maxnreg``), rounded down to setmaxnreg's multiple of 8."""
-    if getattr(cfg, "dec", 0):  # the decoder's warpgroups take their share too
-        dwg = getattr(cfg, "dwarps", 4) // 4
-        return min(256, ((3 + dwg) * cfg.maxnreg - cfg.pregs - dwg * cfg.dregs) // 2 // 8 * 8)
     return min(256, (3 * cfg.maxnreg - cfg.pregs) // 2 // 8 * 8)
 
 
@@ -588,8 +501,6 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     xstages = getattr(cfg, "xstages", 0)
     if xstages and not (xtma and cfg.half == 2):
         raise ValueError("an X ring of its own (xstages) feeds X by TMA to half steps in flight: needs xtma, half 2")
-    if getattr(cfg, "dec", 0) and not (xstages and getattr(cfg, "duo", False)):
-        raise ValueError("a decode partition (dec) feeds duo consumers from an X ring of its own: needs duo, xstages")
     n, kg = groups.shape
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     xarg = x
@@ -612,8 +523,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
-        XSTAGES=xstages, DEC=getattr(cfg, "dec", 0) if duo else 0, DREGS=getattr(cfg, "dregs", 0) if duo else 0,
-        DW=getattr(cfg, "dwarps", 4),
+        XSTAGES=xstages,
         num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )

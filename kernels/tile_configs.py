@@ -61,9 +61,6 @@ class FwdConfig:
     halves: bool = False  # with ws or xtma, split_k 1: a wave's last tiles run as two K halves (gemm_gluon.halves_split)
     duo: bool = False  # with ws, BN 128: the two consumer warpgroups as separate partitions (gemm_gluon_ws)
     xstages: int = 0  # with ws, xtma and half 2: X in a ring of this many [BM, 64] half steps of its own
-    dec: int = 0  # with duo and xstages: a decode partition writes bf16 W into a ring of this many half steps
-    dregs: int = 0  # with dec: registers per decoder thread
-    dwarps: int = 4  # with dec: warps of the decode partition (4 or 8)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -357,34 +357,3 @@ def test_x_ring_gives_the_shared_ring_bits(m):
             c = replace(base, split_k=1, stages=2, xstages=xst, duo=True)
             sw = nvfp4_swiglu(xk, tp2, s2, g2, config=c, twiddled=True, blocked=True, x_korder=True)
             assert sw is not None and torch.equal(sw, sw0), c
-
-
-@pytest.mark.parametrize("m", [40, 100, 300])
-def test_decode_partition_gives_the_register_bits(m):
-    # FwdConfig.dec: a fourth partition decodes the weights into a shared-memory ring and both consumers'
-    # MMAs read them from there instead of from their registers. Same bf16 operands, same MMAs in the same
-    # order: the duo tile's bits, at BM 64 and 128, ring depths that wrap at other points than the codes'
-    # stages (3) or with them (4), split-K 2 (2 and 3 pairs per split, arrivals per half tile) and SwiGLU
-    # (natural and K-order output), with N = 400 leaving the last tile's second half past N.
-    from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
-    from qerl_kernels.testing import TOL, rel_err
-    from qerl_kernels.tile_configs import FwdConfig
-
-    tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 11)
-    tp2, s2, g2 = _weights(512, K, seed=m + 12)  # K-order SwiGLU output needs whole 128-column steps
-    for bm in (64, 128):
-        for split in (1, 2):
-            base = FwdConfig(bm, 128, 16, split_k=split, warps=8, stages=2, swap=True, gluon=True, ws=True,
-                             xtma=True, maxnreg=128, pregs=32, half=2, duo=True, xstages=4)
-            y0 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=base, twiddled=True, blocked=True, x_korder=True)
-            assert rel_err(y0, ref) < TOL[torch.bfloat16], (base, rel_err(y0, ref))
-            for dec, dw in ((3, 4), (4, 4), (4, 8)):
-                c = replace(base, dec=dec, dregs=96 if dw == 4 else 80, dwarps=dw, maxnreg=128 if dw == 4 else 96)
-                y = nvfp4_matmul(xk, tp, s, g, bias=bias, config=c, twiddled=True, blocked=True, x_korder=True)
-                assert torch.equal(y, y0), c
-        base = replace(base, split_k=1)
-        for yk in (False, True):
-            sw0 = nvfp4_swiglu(xk, tp2, s2, g2, config=base, twiddled=True, blocked=True, x_korder=True, y_korder=yk)
-            sw = nvfp4_swiglu(xk, tp2, s2, g2, config=replace(base, dec=4, dregs=96), twiddled=True, blocked=True,
-                              x_korder=True, y_korder=yk)
-            assert sw0 is not None and sw is not None and torch.equal(sw, sw0), (bm, yk)
