@@ -74,7 +74,7 @@ def candidates(args, layer, m, n, k):
                                         if halves and split > 1 or xtma and not half:
                                             continue
                                         for duo in map(int, args.duo.split(",")):
-                                            if duo and (bn not in (128, 256) or split > 1 or halves):
+                                            if duo and (bn != 128 or split > 1 or halves):
                                                 continue
                                             for xst in map(int, args.xstages.split(",")):
                                                 if xst and not (xtma and half == 2):

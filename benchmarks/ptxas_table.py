@@ -66,8 +66,7 @@ def gluon_source(cfg, pair: int = 0):
                "s_desc": f"tensordesc<u8[{rows},16],{scale_layout()!r}>", **ptrs, "pairs_per_split": "i32",
                "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
         consts.update(SPLIT=min(cfg.split_k, 2), STAGES=cfg.stages, PREGS=cfg.pregs, HALF=cfg.half, HALVES=cfg.halves,
-                      XTMA=cfg.xtma, DUO=cfg.bn // 64 if duo else 0, CREGS=duo_consumer_regs(cfg) if duo else 0,
-                      XSTAGES=cfg.xstages,
+                      XTMA=cfg.xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0, XSTAGES=cfg.xstages,
                       NW=4 if duo else cfg.warps)
         opts.update(num_warps=4 if duo else cfg.warps, maxnreg=cfg.maxnreg)
     elif cfg.xtma:

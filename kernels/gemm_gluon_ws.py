@@ -281,7 +281,7 @@ if HAVE_GLUON_WS:
     def _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m,
                       pid_n, M, N, stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
                       XTMA: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr,
-                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, NC: gl.constexpr):
+                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed):
         """One of a ``DUO`` program's two consumer warpgroups, each its own partition: weight rows R0 ..
         R0 + 63 of the stage, released with its own arrival and stored by itself, so neither waits for the
         other's decode (in one partition of 8 warps every release is a barrier of both). Its rows store as
@@ -294,25 +294,21 @@ if HAVE_GLUON_WS:
             acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0)[0]
         else:
             acc = _consumer(cs, ss, xs, ready, empty, npairs, BM, 64, 4, STAGES, HALF, XTMA, R0)[0]
-        h: gl.constexpr = R0 // 64
+        h = R0 // 64
         if PAIR % 2 == 1:
             # Both store their rows (rounded to bf16 here, where _write_swiglu_rows rounds them) and, once both
             # have, each writes 32 of the tile's 64 outputs. Symmetric on purpose: Triton 3.6 failed to lower
             # every variant where the two partitions ran different epilogues (docs/benchmarks.md, twentieth pass).
-            # With NC consumers the first NC / 2 hold gate rows, the rest their up rows: consumer h pairs
-            # 64-row block p = h % (NC / 2) and writes half s = h // (NC / 2) of its 64 outputs.
             hand.index(h).store((acc * (256.0 / gl.load(G))).to(gl.bfloat16))  # decode.FAST_EPILOGUE
             mbarrier.arrive(handed)
             mbarrier.wait(handed, 0)
             OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # lanes along Y's columns
-            HP: gl.constexpr = NC // 2
-            p: gl.constexpr = h % HP
-            R1: gl.constexpr = 32 * (h // HP)  # this consumer's 32 rows of the block
-            g = hand.index(p).slice(R1, 32).load(OL).to(gl.float32)
-            u = hand.index(p + HP).slice(R1, 32).load(OL).to(gl.float32)
-            _write_swiglu_rows(g, u, Y, pid_m, NC * pid_n + 2 * p + h // HP, M, N, stride_ym, BM, 32, PAIR == 3, OL)
+            R1: gl.constexpr = R0 // 2  # this consumer's 32 rows
+            g = hand.index(0).slice(R1, 32).load(OL).to(gl.float32)
+            u = hand.index(1).slice(R1, 32).load(OL).to(gl.float32)
+            _write_swiglu_rows(g, u, Y, pid_m, 2 * pid_n + h, M, N, stride_ym, BM, 32, PAIR == 3, OL)
         else:
-            _store_program(acc, G, B, Y, WS, CNT, NC * pid + h, pid_k, NC * n_full, pid_m, NC * pid_n + h, M, N,
+            _store_program(acc, G, B, Y, WS, CNT, 2 * pid + h, pid_k, 2 * n_full, pid_m, 2 * pid_n + h, M, N,
                            stride_ym, BM, 64, SPLIT, HAS_BIAS, ACC, HALVES, 0, 4, (None, None, None, None, None, 0, 0),
                            64)
 
@@ -359,7 +355,7 @@ if HAVE_GLUON_WS:
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
-        XTMA: gl.constexpr = False, DUO: gl.constexpr = 0, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
+        XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
@@ -392,13 +388,13 @@ if HAVE_GLUON_WS:
         for b in gl.static_range(STAGES):
             # the weights' expect, and X's (its expect, or the X stores) unless X has a ring of its own
             mbarrier.init(ready.index(b), count=1 if XSTAGES else 2)
-            mbarrier.init(empty.index(b), count=DUO + (DUO == 0))  # each consumer partition's release
+            mbarrier.init(empty.index(b), count=1 + DUO)  # each consumer partition's release
         if XSTAGES:
             x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
             x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
             for b in gl.static_range(XSTAGES):
                 mbarrier.init(x_ready.index(b), count=1)
-                mbarrier.init(x_empty.index(b), count=DUO + (DUO == 0))
+                mbarrier.init(x_empty.index(b), count=1 + DUO)
         else:  # unused: X shares the codes' stages
             x_ready = ready
             x_empty = empty
@@ -410,40 +406,22 @@ if HAVE_GLUON_WS:
         pd = _pair_distance(N, PAIR, HD)
         if DUO:
             if PAIR % 2 == 1:  # the gate and up rows of a SwiGLU tile, exchanged by the consumers (_duo_consumer)
-                hand = gl.allocate_shared_memory(gl.bfloat16, [DUO, 64, BM], _hand_layout(BM))
+                hand = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BM], _hand_layout(BM))
                 handed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-                mbarrier.init(handed, count=DUO)
+                mbarrier.init(handed, count=2)
             else:
                 hand = ready
                 handed = ready
-            if DUO == 4:  # Gluon takes the partitions' functions only inside the call
-                gl.warp_specialize([
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k,
-                                     n_full, pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT,
-                                     HALVES, gl.constexpr(0), XSTAGES, PAIR, hand, handed, DUO)),
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k,
-                                     n_full, pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT,
-                                     HALVES, gl.constexpr(64), XSTAGES, PAIR, hand, handed, DUO)),
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k,
-                                     n_full, pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT,
-                                     HALVES, gl.constexpr(128), XSTAGES, PAIR, hand, handed, DUO)),
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k,
-                                     n_full, pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT,
-                                     HALVES, gl.constexpr(192), XSTAGES, PAIR, hand, handed, DUO)),
-                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
-                ], [4, 4, 4, 4], [CREGS, CREGS, CREGS, PREGS])
-            else:
-                gl.warp_specialize([
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k,
-                                     n_full, pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT,
-                                     HALVES, gl.constexpr(0), XSTAGES, PAIR, hand, handed, DUO)),
-                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k,
-                                     n_full, pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT,
-                                     HALVES, gl.constexpr(64), XSTAGES, PAIR, hand, handed, DUO)),
-                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
-                ], [4, 4], [CREGS, PREGS])
+            gl.warp_specialize([
+                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                 gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                 gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
+                             2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+            ], [4, 4], [CREGS, PREGS])
             for b in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(b))
                 mbarrier.invalidate(empty.index(b))
@@ -480,18 +458,17 @@ def duo_runs(cfg, pair: bool, rope, split: int, halved: bool, grid_mn: int) -> b
     a SwiGLU tile pairs through shared memory, whole tiles only (split-K and halved tiles reduce through
     the workspace, where pairing needs both halves); a plain one counts its arrivals per 64-row half tile,
     so only where those fit the counters."""
-    if not (getattr(cfg, "duo", False) and cfg.bn in (128, 256)) or rope is not None:
+    if not (getattr(cfg, "duo", False) and cfg.bn == 128) or rope is not None:
         return False
     if pair:
         return split == 1 and not halved
-    return cfg.bn // 64 * grid_mn <= COUNTER_SLOTS
+    return 2 * grid_mn <= COUNTER_SLOTS
 
 
 def duo_consumer_regs(cfg) -> int:
     """Registers of a duo tile's second consumer: an even share of what the launch cap leaves past the
     producer's (three warpgroups at ``maxnreg``), rounded down to setmaxnreg's multiple of 8."""
-    nc = cfg.bn // 64
-    return min(256, ((nc + 1) * cfg.maxnreg - cfg.pregs) // nc // 8 * 8)
+    return min(256, (3 * cfg.maxnreg - cfg.pregs) // 2 // 8 * 8)
 
 
 def code_layout():
@@ -545,8 +522,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         x.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
-        PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=cfg.bn // 64 if duo else 0,
-        CREGS=duo_consumer_regs(cfg) if duo else 0,
+        PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
         XSTAGES=xstages,
         num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),

@@ -320,41 +320,6 @@ def test_duo_consumers_give_the_one_partition_bits(m, monkeypatch):
             assert sw1 is not None and torch.equal(sw2, sw1), (duo, yk)
 
 
-@pytest.mark.parametrize("m", [40, 100, 300])
-def test_four_consumer_partitions_give_the_duo_bits(m, monkeypatch):
-    # A duo tile of BN 256 runs four consumer partitions of 64 weight rows on one producer. Every row goes
-    # through the MMAs of the BN 128 duo tile in the same order, so the bits are the same: N = 400 leaves
-    # the second tile's last two consumers past N; split-K 2, halved tiles and an X ring of its own; SwiGLU
-    # (natural and K-order output) pairs consumers 0/2 and 1/3 through shared memory (N = 768: pairing
-    # needs whole tiles, three of BN 256).
-    from qerl_kernels import gemm_gluon
-    from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
-    from qerl_kernels.testing import TOL, rel_err
-    from qerl_kernels.tile_configs import FwdConfig
-
-    tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 9)
-    tp2, s2, g2 = _weights(768, K, seed=m + 10)
-    for bm in (64, 128):
-        duo = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=96,
-                        pregs=24, half=2, duo=True)
-        for c in (duo, replace(duo, split_k=2), replace(duo, halves=True), replace(duo, xstages=4)):
-            quad = replace(c, bn=256, warps=16)
-            if c.halves:  # the same 256 rows halved: the duo grid's last two tiles, the quad grid's last one
-                monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: 2)
-            y1 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=c, twiddled=True, blocked=True, x_korder=True)
-            if c.halves:
-                monkeypatch.setattr(gemm_gluon, "halves_split", lambda tiles, sms: 1)
-            y2 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=quad, twiddled=True, blocked=True, x_korder=True)
-            monkeypatch.undo()
-            assert rel_err(y2, ref) < TOL[torch.bfloat16], (quad, rel_err(y2, ref))
-            assert torch.equal(y2, y1), quad
-        for yk in (False, True):
-            sw1 = nvfp4_swiglu(xk, tp2, s2, g2, config=duo, twiddled=True, blocked=True, x_korder=True, y_korder=yk)
-            sw2 = nvfp4_swiglu(xk, tp2, s2, g2, config=replace(duo, bn=256, warps=16, xstages=4), twiddled=True,
-                               blocked=True, x_korder=True, y_korder=yk)
-            assert sw1 is not None and sw2 is not None and torch.equal(sw2, sw1), (bm, yk)
-
-
 @pytest.mark.parametrize("m", [100, 300])
 def test_x_ring_gives_the_shared_ring_bits(m):
     # FwdConfig.xstages puts X in a ring of [BM, 64] half steps of its own (each released once the MMA
