@@ -93,34 +93,43 @@ def _ring_producer(x_desc, xs, ready, empty, iters, KSTEPS: gl.constexpr, STAGES
 
 
 @gluon.jit
-def _ring_consumer(xs, ready, empty, iters, BM: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr):
+def _ring_consumer(xs, ready, empty, Y, iters, tile, BM: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr,
+                   STORE: gl.constexpr):
     """gemm_gluon_ws._consumer_xring with the codes in registers: per half step wait for X, decode, MMA, wait
-    for the one before and release its X stage; drain every four half steps."""
+    for the one before and release its X stage; drain every four half steps. Every ``tile`` half steps the
+    accumulator is written to Y (bf16, this program's rows) and restarts, as a tile's epilogue."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
     DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     ROWS: gl.constexpr = 16 * NW
     pw, _ = _halves(gl.full([ROWS, 8], 0x3C5A96E1D2B4870F, gl.int64, layout=_codes_layout(ROWS, NW)), ROWS)
     sc, _ = _halves(gl.full([ROWS, 8], 0x38, gl.uint8, layout=_codes_layout(ROWS, NW)), ROWS)
+    rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC)), 1)
+    cols = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), 0)
+    out = Y + gl.program_id(0) * ROWS * BM + rows * BM + cols
     acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
-    prev = gl.zeros([ROWS, 64], gl.bfloat16, layout=DOT)
-    for j in range(iters // 4):
-        for h in gl.static_range(4):
-            u = 4 * j + h
-            st = u % STAGES
-            pw = (pw << 1) | ((pw >> 63) & 1)
-            a = _decode_half(pw, sc, ROWS, DOT)
-            mbarrier.wait(ready.index(st), (u // STAGES) & 1)
-            tok = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
-            acc, prev = warpgroup_mma_wait(1, deps=[tok, prev])
-            mbarrier.arrive(empty.index((u + STAGES - 1) % STAGES), pred=u > 0)
-            prev = a
-        acc = warpgroup_mma_wait(0, deps=[acc])
-    return (gl.sum(gl.sum(acc, axis=1), axis=0),)
+    for t in range(iters // tile):
+        acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
+        prev = gl.zeros([ROWS, 64], gl.bfloat16, layout=DOT)
+        for j in range(tile // 4):
+            for h in gl.static_range(4):
+                u = t * tile + 4 * j + h
+                st = u % STAGES
+                pw = (pw << 1) | ((pw >> 63) & 1)
+                a = _decode_half(pw, sc, ROWS, DOT)
+                mbarrier.wait(ready.index(st), (u // STAGES) & 1)
+                tok = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+                acc, prev = warpgroup_mma_wait(1, deps=[tok, prev])
+                mbarrier.arrive(empty.index((u + STAGES - 1) % STAGES), pred=u > 0)
+                prev = a
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        if STORE:
+            gl.store(out, acc.to(gl.bfloat16))
+    return (gl.sum(gl.sum(acc, axis=1), axis=0),)  # the last tile's: the same in every program
 
 
 @gluon.jit
-def _ring_loop(Out, x_desc, iters, BM: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-               TMA: gl.constexpr):
+def _ring_loop(Out, x_desc, Y, iters, tile, BM: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr,
+               KSTEPS: gl.constexpr, TMA: gl.constexpr, STORE: gl.constexpr = True):
     """The decode loop fed through a ring of X stages by a producer warpgroup, as the warp-specialised tiles."""
     xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -133,22 +142,30 @@ def _ring_loop(Out, x_desc, iters, BM: gl.constexpr, NW: gl.constexpr, STAGES: g
     fence_async_shared()
     gl.thread_barrier()
     res = gl.warp_specialize([
-        (_ring_consumer, (xs, ready, empty, iters, BM, NW, STAGES)),
+        (_ring_consumer, (xs, ready, empty, Y, iters, tile, BM, NW, STAGES, STORE)),
         (_ring_producer, (x_desc, xs, ready, empty, iters, KSTEPS, STAGES, TMA)),
     ], [4], [40])
     gl.store(Out + gl.program_id(0), res[0])
 
 
-def ring_tflops(bm: int, nw: int, stages: int, tma: bool, progs_per_sm: int, iters: int) -> float:
+def ring_tflops(bm: int, nw: int, stages: int, tma: bool, progs_per_sm: int, iters: int, tile: int = 0,
+                waves: int = 1, store: bool = True) -> float:
+    """TFLOP/s of the ring-fed loop; with ``tile``, ``waves`` tiles per SM slot either as one program each
+    (``waves`` x the grid, ``tile`` half steps per program) or, ``waves`` negative, persistent (one program
+    per slot walks -``waves`` tiles)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid = sms * progs_per_sm
+    grid = sms * progs_per_sm * max(waves, 1)
+    if tile:
+        iters = tile * (-waves if waves < 0 else 1)
     out = torch.empty(grid, device="cuda", dtype=torch.float32)
+    y = torch.empty(grid, 16 * nw * bm, device="cuda", dtype=torch.bfloat16)
     ksteps = 64  # an X of [BM, 4096]: L2-resident, as the tiles' X mostly is
     x = torch.full((bm, 64 * ksteps), 0.0078125, device="cuda", dtype=torch.bfloat16)
     desc = GluonDescriptor.from_tensor(x, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16))
 
     def run():
-        _ring_loop[(grid,)](out, desc, iters, BM=bm, NW=nw, STAGES=stages, KSTEPS=ksteps, TMA=tma, num_warps=nw)
+        _ring_loop[(grid,)](out, desc, y, iters, tile or iters, BM=bm, NW=nw, STAGES=stages, KSTEPS=ksteps, TMA=tma,
+                            STORE=store, num_warps=nw)
 
     run()
     torch.cuda.synchronize()
@@ -202,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--progs", default="1,2", help="programs per SM")
     ap.add_argument("--ring-stages", default="", help="also the decode loop fed through a ring of this many "
                     "X stages by a producer warpgroup (e.g. 2,4)")
+    ap.add_argument("--tile", type=int, default=0, help="with --ring-stages: also tiles of this many half steps "
+                    "(a multiple of 4; 56 = K 3584) with an epilogue each, one program per tile against persistent")
+    ap.add_argument("--waves", type=int, default=8, help="tiles per SM slot for --tile")
     ap.add_argument("--iters", type=int, default=20000, help="K = 64 MMA groups per program (a multiple of 4)")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}", flush=True)
@@ -226,6 +246,13 @@ def main(argv=None) -> int:
                         continue
                     print(f"  decode fed by a ring of {st} X stages: arrivals only {r0:6.1f}, X by TMA {r1:6.1f} "
                           f"TFLOP/s", flush=True)
+                    if args.tile:
+                        w = args.waves
+                        one = ring_tflops(bm, nw, st, True, p, 0, args.tile, w)
+                        per = ring_tflops(bm, nw, st, True, p, 0, args.tile, -w)
+                        bare = ring_tflops(bm, nw, st, True, p, 0, args.tile, -w, store=False)
+                        print(f"    tiles of {args.tile} half steps, {w} per SM slot: a program each {one:6.1f}, "
+                              f"persistent {per:6.1f}, persistent without the store {bare:6.1f} TFLOP/s", flush=True)
     return 0
 
 
