@@ -67,6 +67,7 @@ def gluon_source(cfg, pair: int = 0):
                "n_full": "i32", "stride_xm": "i32", "stride_ym": "i32"}
         consts.update(SPLIT=min(cfg.split_k, 2), STAGES=cfg.stages, PREGS=cfg.pregs, HALF=cfg.half, HALVES=cfg.halves,
                       XTMA=cfg.xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0, XSTAGES=cfg.xstages,
+                      PERSIST=bool(duo and cfg.persist and cfg.xstages and cfg.split_k == 1 and not cfg.halves),
                       NW=4 if duo else cfg.warps)
         opts.update(num_warps=4 if duo else cfg.warps, maxnreg=cfg.maxnreg)
     elif cfg.xtma:

@@ -51,6 +51,12 @@ and at BM 128 it keeps MMAs in flight across codes stages. The loop still drains
 stage: left in flight over the loop's back edge, ptxas serialises every wgmma of the loop (its C7515
 warning, from ptxas -v on the sm_90a PTX). H100 (docs/benchmarks.md, kernels, twentieth pass): 32B
 gate/up as the engine launches it (SwiGLU, K-order X) at M = 128 145.4 -> 137.8 us, at M = 1024 939 -> 908 us.
+
+With ``cfg.persist`` (duo tiles with an X ring, split-K 1) the launch runs that many programs per SM and each
+walks tiles pid, pid + programs, ...: the rings' stages and phases carry over, so the producer fills the next
+tile's first stages while the consumers finish the last tile and store it, where one program per tile starts
+each tile with an empty ring. Same MMAs per tile: the same bits. H100 (docs/benchmarks.md, kernels,
+twenty-first pass): gate/up with SwiGLU 2-4% faster at M = 128 and 1024; elsewhere within 1-2%.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from __future__ import annotations
 import torch
 import triton
 from qerl_kernels.gemm_fwd import COUNTER_SLOTS, split_k_plan
-from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, pair_mode, plan_halves
+from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, num_sms, pair_mode, plan_halves
 
 HAVE_GLUON_WS = False
 if HAVE_GLUON:
@@ -130,16 +136,18 @@ if HAVE_GLUON_WS:
     @gluon.jit
     def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, band0, n0, s_lo, npairs,
                   stride_xm, pd, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
-                  PAIR: gl.constexpr, XTMA: gl.constexpr, XSTAGES: gl.constexpr):
+                  PAIR: gl.constexpr, XTMA: gl.constexpr, XSTAGES: gl.constexpr, j0=0):
         """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
         and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order; with
         XTMA, X (a descriptor over activations already in K order) by TMA too, four [BM, 64] half steps.
-        With XSTAGES the half steps go to a ring of their own, half step u into stage u % XSTAGES."""
+        With XSTAGES the half steps go to a ring of their own, half step u into stage u % XSTAGES; ``j0``
+        (persistent programs) counts the pairs of the program's earlier tiles, so rings and phases carry on."""
         if XSTAGES:
-            for j in range(npairs):
+            for jt in range(npairs):
+                j = j0 + jt
                 st = j % STAGES
                 mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
-                step = s_lo + 2 * j
+                step = s_lo + 2 * jt
                 _load_weights(c_desc, s_desc, cs, ss, st, ready.index(st), band0, n0, step, pd, BN, PAIR)
                 for q in gl.static_range(4):
                     u = 4 * j + q
@@ -236,7 +244,7 @@ if HAVE_GLUON_WS:
 
     @gluon.jit
     def _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM: gl.constexpr, BN: gl.constexpr,
-                        NW: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, R0: gl.constexpr = 0):
+                        NW: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr, R0: gl.constexpr = 0, j0=0):
         """``_consumer`` (half steps, one MMA in flight) over a separate X ring of [BM, 64] half steps. The
         codes' stage is released as soon as its codes and scales are in registers (no MMA reads them), and
         each X stage once the MMA that read it has completed. The MMAs drain at the end of each codes
@@ -245,7 +253,8 @@ if HAVE_GLUON_WS:
         CODES: gl.constexpr = _codes_layout(BN, NW)
         acc = gl.zeros([BN, BM], gl.float32, layout=_acc_layout(BM, NW))
         a_o = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)
-        for j in range(npairs):
+        for jt in range(npairs):
+            j = j0 + jt
             st, sc = _stage_scales(ss, ready, j, R0, BN, NW, STAGES)
             pw0 = _stage_groups(cs, st, 0, R0, BN, NW)
             pw1 = _stage_groups(cs, st, 1, R0, BN, NW)
@@ -281,17 +290,19 @@ if HAVE_GLUON_WS:
     def _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m,
                       pid_n, M, N, stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
                       XTMA: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr,
-                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed):
+                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, j0=0, phase=0):
         """One of a ``DUO`` program's two consumer warpgroups, each its own partition: weight rows R0 ..
         R0 + 63 of the stage, released with its own arrival and stored by itself, so neither waits for the
         other's decode (in one partition of 8 warps every release is a barrier of both). Its rows store as
         tile 2 pid + R0 / 64 of a BN 64 grid (split-K and halved tiles count arrivals per such tile).
         SwiGLU (PAIR 1 or 3, whole tiles only): the stage's rows are 64 gate rows then their 64 up rows, so
         the two consumers exchange them through shared memory (``hand``, ``handed``) and each writes
-        silu(gate) * up for 32 of them."""
+        silu(gate) * up for 32 of them. ``j0``, ``phase``: a persistent program's earlier pairs, and the
+        exchange barrier's phase for this tile (_duo_tiles)."""
         ACC: gl.constexpr = _acc_layout(BM, 4)
         if XSTAGES:
-            acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0)[0]
+            acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0,
+                                  j0)[0]
         else:
             acc = _consumer(cs, ss, xs, ready, empty, npairs, BM, 64, 4, STAGES, HALF, XTMA, R0)[0]
         h = R0 // 64
@@ -301,7 +312,7 @@ if HAVE_GLUON_WS:
             # every variant where the two partitions ran different epilogues (docs/benchmarks.md, twentieth pass).
             hand.index(h).store((acc * (256.0 / gl.load(G))).to(gl.bfloat16))  # decode.FAST_EPILOGUE
             mbarrier.arrive(handed)
-            mbarrier.wait(handed, 0)
+            mbarrier.wait(handed, phase)
             OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])  # lanes along Y's columns
             R1: gl.constexpr = R0 // 2  # this consumer's 32 rows
             g = hand.index(0).slice(R1, 32).load(OL).to(gl.float32)
@@ -311,6 +322,41 @@ if HAVE_GLUON_WS:
             _store_program(acc, G, B, Y, WS, CNT, 2 * pid + h, pid_k, 2 * n_full, pid_m, 2 * pid_n + h, M, N,
                            stride_ym, BM, 64, SPLIT, HAS_BIAS, ACC, HALVES, 0, 4, (None, None, None, None, None, 0, 0),
                            64)
+
+    @gluon.jit
+    def _duo_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
+                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed):
+        """A persistent ``DUO`` program's consumer: tiles pid, pid + programs, ... one after the other, its
+        rings' stages and phases carrying on from tile to tile. The exchange buffer is rewritten one tile
+        later only after the other consumer has released most of that tile's stages, so after it has read
+        the buffer (the launcher keeps such programs to K of more ring stages than the rings hold)."""
+        grid_n = gl.cdiv(N, BN)
+        ntiles = gl.cdiv(M, BM) * grid_n
+        for it in range(gl.cdiv(ntiles - gl.program_id(0), gl.num_programs(0))):
+            tile = gl.program_id(0) + it * gl.num_programs(0)
+            _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, tile, 0, 0,
+                          tile // grid_n, tile % grid_n, M, N, stride_ym, BM, STAGES, 2, True, HAS_BIAS, 1, False, R0,
+                          XSTAGES, PAIR, hand, handed, it * npairs, it & 1)
+
+    @gluon.jit
+    def _producer_tiles(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, stride_xm,
+                        BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                        XSTAGES: gl.constexpr, HD: gl.constexpr):
+        """A persistent program's producer: the X-ring producer of _producer over its tiles in turn, so it
+        fills the next tile's first stages while the consumers finish the last one and store it."""
+        grid_n = gl.cdiv(N, BN)
+        ntiles = gl.cdiv(M, BM) * grid_n
+        pd = _pair_distance(N, PAIR, HD)
+        for it in range(gl.cdiv(ntiles - gl.program_id(0), gl.num_programs(0))):
+            tile = gl.program_id(0) + it * gl.num_programs(0)
+            pid_n = tile % grid_n
+            if PAIR:
+                n0 = _pair_base(pid_n, BN, PAIR, HD)
+            else:
+                n0 = pid_n * BN
+            _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, tile // grid_n, n0 // 16, n0,
+                      0, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, True, XSTAGES, it * npairs)
 
     @gluon.jit
     def _half_mma(a, xh, acc, prev, INFLIGHT: gl.constexpr):
@@ -356,6 +402,7 @@ if HAVE_GLUON_WS:
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
         XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
+        PERSIST: gl.constexpr = False,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
@@ -412,16 +459,26 @@ if HAVE_GLUON_WS:
             else:
                 hand = ready
                 handed = ready
-            gl.warp_specialize([
-                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
-                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                 gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
-                (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
-                                 pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                 gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
-                (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                             2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
-            ], [4, 4], [CREGS, PREGS])
+            if PERSIST:  # one program per SM slot walks tiles (launch_gluon_ws: split-K 1, X ring, duo)
+                gl.warp_specialize([
+                    (_duo_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
+                                  BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                    (_duo_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
+                                  BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                    (_producer_tiles, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs,
+                                       stride_xm, BM, BN, STAGES, PAIR, XSTAGES, HD)),
+                ], [4, 4], [CREGS, PREGS])
+            else:
+                gl.warp_specialize([
+                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                     pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                     gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                    (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
+                                     pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
+                                     gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                    (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+                ], [4, 4], [CREGS, PREGS])
             for b in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(b))
                 mbarrier.invalidate(empty.index(b))
@@ -463,6 +520,18 @@ def duo_runs(cfg, pair: bool, rope, split: int, halved: bool, grid_mn: int) -> b
     if pair:
         return split == 1 and not halved
     return 2 * grid_mn <= COUNTER_SLOTS
+
+
+def persist_programs(cfg, duo: bool, split: int, halved: bool, pairs: int, device) -> int:
+    """Programs of a persistent launch (``cfg.persist`` per SM), or 0 where it runs one program per tile:
+    only duo tiles with an X ring of their own, split-K 1 and no halved tiles, and only where K spans more
+    ring stages than both rings hold (what keeps the SwiGLU exchange buffer from being rewritten early)."""
+    per_sm = getattr(cfg, "persist", 0)
+    if not (per_sm and duo and getattr(cfg, "xstages", 0) and split == 1 and not halved):
+        return 0
+    if pairs <= cfg.stages + -(-cfg.xstages // 4) + 1:
+        return 0
+    return per_sm * num_sms(device)
 
 
 def duo_consumer_regs(cfg) -> int:
@@ -512,6 +581,9 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     split, per, ws, cnt = split_k_plan(y, cfg.split_k, kg // 16, grid_mn, n_cols=n)
     n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 16, grid_mn, n, ws, cnt)
     duo = duo_runs(cfg, pair, rope, split, n_full is not None, grid_mn)
+    persist = persist_programs(cfg, duo, split, n_full is not None, kg // 16, x.device)
+    if persist:
+        grid = (min(grid_mn, persist),)
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())
@@ -523,7 +595,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
-        XSTAGES=xstages,
+        XSTAGES=xstages, PERSIST=bool(persist),
         num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )

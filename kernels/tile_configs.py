@@ -24,7 +24,7 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
   partitions; 7B q/k/v and down at M = 129-256. On gate/up, which the engine runs paired (SwiGLU), only
   whole tiles (split-K 1, not halved: those pair in two partitions): both gate/up at M = 65-128 and, with
   X in a ring of its own (``xstages``), 32B gate/up at M = 1024 (docs/benchmarks.md, kernels, twentieth
-  pass).
+  pass). Those three gate/up entries run as persistent programs (``persist``, twenty-first pass).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class FwdConfig:
     halves: bool = False  # with ws or xtma, split_k 1: a wave's last tiles run as two K halves (gemm_gluon.halves_split)
     duo: bool = False  # with ws, BN 128: the two consumer warpgroups as separate partitions (gemm_gluon_ws)
     xstages: int = 0  # with ws, xtma and half 2: X in a ring of this many [BM, 64] half steps of its own
+    persist: int = 0  # with duo and xstages, split-K 1: this many persistent programs per SM walk the tiles
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -322,6 +323,9 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         # (benchmarks/probe_ws.py --swiglu, H100 2026-11-25, docs/benchmarks.md, kernels, twentieth pass).
         FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
                   half=2, duo=True, xstages=3),
+        # The same, persistent: 32B gate/up with SwiGLU 920.8 -> 894.0 us in one probe run (twenty-first pass).
+        FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=3, persist=1),
     ]
 
 
@@ -395,7 +399,12 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     # (benchmarks/probe_ws.py --swiglu, H100 2026-11-25, docs/benchmarks.md, kernels, twentieth pass).
     if bm == 128:
         tiles += [replace(c, xstages=6) for c in tiles if c.duo and c.half == 2]
-    return tiles + [replace(c, halves=True) for c in tiles]
+    # Those again as persistent programs (``persist``: one per SM walks the tiles, its producer filling the
+    # next tile's stages while the consumers store the last): gate/up as the engine runs it 2-4% faster at
+    # M = 128 (benchmarks/probe_ws.py --persist 0,1, H100 2026-11-25, docs/benchmarks.md, kernels,
+    # twenty-first pass).
+    tiles += [replace(c, persist=1) for c in tiles if c.duo and c.xstages]
+    return tiles + [replace(c, halves=True) for c in tiles if not c.persist]
 
 
 def _gluon_tma_candidates(bm: int) -> list[FwdConfig]:

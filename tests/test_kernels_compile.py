@@ -5,6 +5,8 @@ layout-specific compiler crash (one was found for twiddled codes, see ``tile_con
 would otherwise only show on a GPU, at the first call with that shape.
 """
 
+from dataclasses import replace
+
 import pytest
 
 pytestmark = pytest.mark.slow  # ~3-5 s per compile on a CPU
@@ -203,3 +205,34 @@ def test_gluon_pair_tiles_compile_for_sm90():
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         if not c.ws and c.split_k == 1 and not c.halves:  # (see test_gluon_tma_tiles_compile_for_sm90)
             assert resource_usage(kern)["STACK"] <= 16, (c, pair)
+
+
+def test_persistent_duo_tiles_compile_for_sm90():
+    # FwdConfig.persist (one program per SM slot walking tiles) on the duo X-ring tiles it is for, at BM 128
+    # and 256, plain and with SwiGLU in K order: the persistent kernel compiles, holds its registers (no
+    # stack) and issues the same wgmmas as one program per tile.
+    import triton
+    from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS
+    from qerl_kernels.tile_configs import FwdConfig
+    from triton.backends.compiler import GPUTarget
+
+    if not HAVE_GLUON_WS:
+        pytest.skip("this Triton has no Gluon warp specialisation")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ptxas_table import gluon_source
+    from sass_kernels import resource_usage
+
+    base = FwdConfig(128, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168,
+                     pregs=40, half=2, duo=True, xstages=6)
+    for c in (base, replace(base, bm=256, xstages=3)):
+        for pair in (0, 3):
+            kerns = []
+            for p in (0, 1):
+                src, opts = gluon_source(replace(c, persist=p), pair)
+                kerns.append(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
+            assert resource_usage(kerns[1])["STACK"] == 0, (c, pair)
+            wgmmas = [k.asm["ptx"].count("wgmma.mma_async") for k in kerns]
+            assert wgmmas[0] == wgmmas[1] > 0, (c, pair, wgmmas)
