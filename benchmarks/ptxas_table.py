@@ -149,7 +149,8 @@ def main(argv=None) -> int:
         flag += f"SPILLS {rep['spill_bytes']} B " if rep["spill_bytes"] else ""
         bad += bool(flag)
         print(f"M={m:5} {n}x{k} pair={pair} {kind} bm{cfg.bm} bn{cfg.bn} w{cfg.warps} st{cfg.stages} "
-              f"r{cfg.maxnreg} h{cfg.half} duo{int(cfg.duo)} x{cfg.xstages}: {rep['regs']} regs {flag}"
+              f"r{cfg.maxnreg} h{cfg.half} duo{int(cfg.duo)} x{cfg.xstages}{' persist' if cfg.persist else ''}: "
+              f"{rep['regs']} regs {flag}"
               f"{'; '.join(rep['serialized'])}", flush=True)
     print(f"# {bad} of the checked launches serialise their wgmmas or spill")
     return 1 if bad else 0
