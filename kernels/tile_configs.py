@@ -24,7 +24,8 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
   partitions; 7B q/k/v and down at M = 129-256. On gate/up, which the engine runs paired (SwiGLU), only
   whole tiles (split-K 1, not halved: those pair in two partitions): both gate/up at M = 65-128 and, with
   X in a ring of its own (``xstages``), 32B gate/up at M = 1024 (docs/benchmarks.md, kernels, twentieth
-  pass). Those three gate/up entries run as persistent programs (``persist``, twenty-first pass).
+  pass). Those three gate/up entries, and 7B gate/up at M = 129-256 (BM 128), run as persistent programs
+  (``persist``, twenty-first pass).
 """
 
 from __future__ import annotations
