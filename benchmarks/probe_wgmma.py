@@ -20,20 +20,18 @@ import argparse
 import sys
 
 import torch
-from qerl_kernels.gemm_gluon import _codes_layout
+from qerl_kernels.gemm_gluon import _codes_layout, _cta_barrier
 from qerl_kernels.gemm_gluon_tma import _decode_half, _halves
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
+from qerl_kernels.gemm_gluon_ws import (
+    GluonDescriptor,
+    _tma_load,
     fence_async_shared,
+    gl,
+    gluon,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -47,7 +45,7 @@ def _wgmma_loop(Out, iters, BM: gl.constexpr, NW: gl.constexpr, RS: gl.constexpr
     a_s.store(gl.full([ROWS, 64], 0.0078125, gl.bfloat16, layout=FILL))
     b_s.store(gl.full([BM, 64], 0.0078125, gl.bfloat16, layout=FILL))
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     acc = gl.zeros([ROWS, BM], gl.float32, layout=ACC)
     if DECODE:
         # The register-A tiles' half step: decode [ROWS, 64] weights from codes in registers (rotated every
@@ -140,12 +138,27 @@ def _ring_loop(Out, x_desc, Y, iters, tile, BM: gl.constexpr, NW: gl.constexpr, 
         mbarrier.init(empty.index(b), count=1)
         xs.index(b).store(gl.full([BM, 64], 0.0078125, gl.bfloat16, layout=FILL))
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     res = gl.warp_specialize([
         (_ring_consumer, (xs, ready, empty, Y, iters, tile, BM, NW, STAGES, STORE)),
         (_ring_producer, (x_desc, xs, ready, empty, iters, KSTEPS, STAGES, TMA)),
     ], [4], [40])
     gl.store(Out + gl.program_id(0), res[0])
+
+
+def median_launch_s(run, reps: int = 7) -> float:
+    """Median seconds of one launch of ``run`` (after a warm-up launch that compiles it)."""
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def ring_tflops(bm: int, nw: int, stages: int, tma: bool, progs_per_sm: int, iters: int, tile: int = 0,
@@ -167,17 +180,7 @@ def ring_tflops(bm: int, nw: int, stages: int, tma: bool, progs_per_sm: int, ite
         _ring_loop[(grid,)](out, desc, y, iters, tile or iters, BM=bm, NW=nw, STAGES=stages, KSTEPS=ksteps, TMA=tma,
                             STORE=store, num_warps=nw)
 
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    t = sorted(times)[len(times) // 2]
+    t = median_launch_s(run)
     if not (torch.isfinite(out).all() and (out == out[0]).all()):
         print(f"  wrong sums, ring BM {bm}, {nw} warps, {stages} stages, TMA {tma}: {out[:3].tolist()}", flush=True)
     return 2 * 16 * nw * bm * 64 * iters * grid / t / 1e12
@@ -191,17 +194,7 @@ def tflops(bm: int, nw: int, rs: bool, progs_per_sm: int, iters: int, decode: bo
     def run():
         _wgmma_loop[(grid,)](out, iters, BM=bm, NW=nw, RS=rs, DECODE=decode, num_warps=nw)
 
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    t = sorted(times)[len(times) // 2]
+    t = median_launch_s(run)
     expect = 16 * nw * bm * iters * 64 * 0.0078125 ** 2  # every partial sum is exact in fp32
     # With decode every program sums the same decoded weights: finite and equal across programs.
     ok = (torch.isfinite(out).all() and (out == out[0]).all()) if decode else torch.allclose(

@@ -236,3 +236,34 @@ def test_persistent_duo_tiles_compile_for_sm90():
             assert resource_usage(kerns[1])["STACK"] == 0, (c, pair)
             wgmmas = [k.asm["ptx"].count("wgmma.mma_async") for k in kerns]
             assert wgmmas[0] == wgmmas[1] > 0, (c, pair, wgmmas)
+
+
+def test_wgmma_probe_loops_compile_for_sm90():
+    # benchmarks/probe_wgmma.py's loops (wgmma alone RS and SS, with the register-A decode, and fed through
+    # a ring with an epilogue) compile for sm_90 without a stack: what it times is the loop, not spills.
+    import triton
+    from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS
+    from triton.backends.compiler import GPUTarget
+
+    if not HAVE_GLUON_WS:
+        pytest.skip("this Triton has no Gluon warp specialisation")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from probe_wgmma import _ring_loop, _wgmma_loop
+    from qerl_kernels.gemm_gluon_tma import x_layout
+    from sass_kernels import resource_usage
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def build(fn, sig, consts, warps):
+        src = GluonASTSource(fn, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+    for rs, dec in ((True, False), (False, False), (True, True)):
+        k = build(_wgmma_loop, {"Out": "*fp32", "iters": "i32"}, dict(BM=256, NW=8, RS=rs, DECODE=dec), 8)
+        assert resource_usage(k)["STACK"] == 0 and "wgmma.mma_async" in k.asm["ptx"], (rs, dec)
+    sig = {"Out": "*fp32", "x_desc": f"tensordesc<bf16[128,64],{x_layout(128)!r}>", "Y": "*bf16", "iters": "i32",
+           "tile": "i32"}
+    k = build(_ring_loop, sig, dict(BM=128, NW=8, STAGES=4, KSTEPS=64, TMA=True, STORE=True), 8)
+    assert resource_usage(k)["STACK"] == 0
