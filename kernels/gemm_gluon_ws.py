@@ -472,12 +472,12 @@ if HAVE_GLUON_WS:
                 gl.warp_specialize([
                     (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
                                      pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                     gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                                     gl.constexpr(0), XSTAGES, PAIR, hand, handed, gl.constexpr(0), gl.constexpr(0))),
                     (_duo_consumer, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full,
                                      pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
-                                     gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                                     gl.constexpr(64), XSTAGES, PAIR, hand, handed, gl.constexpr(0), gl.constexpr(0))),
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
                 ], [4, 4], [CREGS, PREGS])
             for b in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(b))
@@ -488,15 +488,16 @@ if HAVE_GLUON_WS:
         else:
             if XSTAGES:
                 res = gl.warp_specialize([
-                    (_consumer_xring, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, BN, NW, STAGES, XSTAGES)),
+                    (_consumer_xring, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, BN, NW, STAGES, XSTAGES, 0,
+                                       gl.constexpr(0))),
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
                 ], [4], [PREGS])
             else:
                 res = gl.warp_specialize([
                     (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES)),
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
                 ], [4], [PREGS])
             acc = res[0]
             for b in gl.static_range(STAGES):

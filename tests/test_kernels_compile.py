@@ -165,7 +165,7 @@ def test_gluon_ws_tiles_compile_for_sm90():
         sig, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=4 if duo else warps,
                                                STAGES=stages, PREGS=pregs, HALF=half, HALVES=halves))
         creg = duo_consumer_regs(SimpleNamespace(maxnreg=maxnreg, pregs=pregs)) if duo else 0
-        consts.update(XTMA=xtma, DUO=duo, CREGS=creg, XSTAGES=xstages)
+        consts.update(XTMA=xtma, DUO=duo, CREGS=creg, XSTAGES=xstages, PERSIST=False)
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4 if duo else warps, maxnreg=maxnreg))
