@@ -86,13 +86,23 @@ def run_cli(args, *, kill_at: str | None = None, signal: str | None = None,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def invoke(args):
-    """Run the Typer app in-process; returns Click's Result (exit_code, stdout, stderr, exception)."""
+def invoke(args, *, cli_threads: bool = False):
+    """Run the Typer app in-process; returns Click's Result (exit_code, stdout, stderr, exception).
+    ``cli_threads``: with torch on one thread, as ``run_cli``'s interpreters run (OMP_NUM_THREADS=1), for
+    outputs that must match a subprocess's bytes: CPU matmuls sum in another order on another thread
+    count, so a rollout's log-probabilities differ in their last bits (the test suite runs on two)."""
+    import torch
     from typer.testing import CliRunner
 
     from qerl_cli.cli import app
 
-    return CliRunner().invoke(app, [str(a) for a in args])
+    threads = torch.get_num_threads()
+    if cli_threads:
+        torch.set_num_threads(1)
+    try:
+        return CliRunner().invoke(app, [str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_one_line_error(result, code: int, *needles: str) -> str:

@@ -66,7 +66,7 @@ def reference(stage: str, tmp_root) -> dict:
     """File hashes of an uninterrupted run (in-process, once per stage)."""
     if stage not in _reference:
         out = tmp_root / f"ref-{stage}"
-        r = invoke(_args(stage, pipeline(), out))
+        r = invoke(_args(stage, pipeline(), out), cli_threads=True)
         assert r.exit_code == 0, (r.stderr, r.exception)
         _reference[stage] = output_hashes(out, _COMPARED.get(stage))
         shutil.rmtree(out)
@@ -89,7 +89,7 @@ def test_kill_then_rerun_equals_uninterrupted(stage, point, tmp_path):
     assert read_manifest(out) is None
 
     # The rerun runs in-process (what matters is that it is a different process from the killed one).
-    rerun = invoke(_args(stage, p, out))
+    rerun = invoke(_args(stage, p, out), cli_threads=True)  # on the killed interpreter's thread count
     assert rerun.exit_code == 0, (rerun.stderr[-3000:], rerun.exception)
     assert "already done" not in rerun.stdout
     m = read_manifest(out)
