@@ -401,7 +401,7 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     if bm == 128:
         tiles += [replace(c, xstages=6) for c in tiles if c.duo and c.half == 2]
     # Those again as persistent programs (``persist``: one per SM walks the tiles, its producer filling the
-    # next tile's stages while the consumers store the last): gate/up as the engine runs it 2-4% faster at
+    # next tile's stages while the consumers store the last): gate/up as the engine runs it 2.9-3.7% faster at
     # M = 128 (benchmarks/probe_ws.py --persist 0,1, H100 2026-11-25, docs/benchmarks.md, kernels,
     # twenty-first pass).
     tiles += [replace(c, persist=1) for c in tiles if c.duo and c.xstages]
