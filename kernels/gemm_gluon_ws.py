@@ -393,6 +393,16 @@ if HAVE_GLUON_WS:
             r = hi
         return gl.convert_layout(r, CODES, assert_trivial=True)
 
+    @gluon.jit
+    def _invalidate_rings(ready, empty, x_ready, x_empty, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+        """The codes ring's barriers, and the X ring's where it has its own, once every partition is done."""
+        for b in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(b))
+            mbarrier.invalidate(empty.index(b))
+        for b in gl.static_range(XSTAGES):
+            mbarrier.invalidate(x_ready.index(b))
+            mbarrier.invalidate(x_empty.index(b))
+
     @gluon.jit(do_not_specialize=["M"])
     def _nvfp4_fwd_gluon_ws_kernel(
         X, c_desc, s_desc, G, B, Y, WS, CNT,
@@ -479,12 +489,7 @@ if HAVE_GLUON_WS:
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
                                  2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
                 ], [4, 4], [CREGS, PREGS])
-            for b in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(b))
-                mbarrier.invalidate(empty.index(b))
-            for b in gl.static_range(XSTAGES):
-                mbarrier.invalidate(x_ready.index(b))
-                mbarrier.invalidate(x_empty.index(b))
+            _invalidate_rings(ready, empty, x_ready, x_empty, STAGES, XSTAGES)
         else:
             if XSTAGES:
                 res = gl.warp_specialize([
@@ -500,12 +505,7 @@ if HAVE_GLUON_WS:
                                  2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
                 ], [4], [PREGS])
             acc = res[0]
-            for b in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(b))
-                mbarrier.invalidate(empty.index(b))
-            for b in gl.static_range(XSTAGES):
-                mbarrier.invalidate(x_ready.index(b))
-                mbarrier.invalidate(x_empty.index(b))
+            _invalidate_rings(ready, empty, x_ready, x_empty, STAGES, XSTAGES)
             _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
                            HAS_BIAS, ACC, HALVES, PAIR, NW, (P, CS, SLOT, KC, VC, NQ, NK), HD)
 
