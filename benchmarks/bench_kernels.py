@@ -276,7 +276,8 @@ def main(argv=None) -> int:
                     # and the power of two below s (the warp-specialised tiles split whole K-step pairs)
                     for split in sorted({1, s, max(1, s // 2), (3 * s + 1) // 2, s * 2, 1 << (s.bit_length() - 1)}
                                         if s > 1 else {1}):
-                        if not (paired_duo and split > 1):
+                        # a persistent tile with split-K > 1 runs one program per tile: a duplicate
+                        if not ((paired_duo or c.persist) and split > 1):
                             cands.append(tc.FwdConfig(**{**c.as_dict(), "split_k": split}))
             best = None
             for cfg in dict.fromkeys(cands):
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
 
 def write_table(path: Path, fwd_table, bwd_table) -> None:
     lines = [
-        '"""Tile configs measured by ``benchmarks/bench_kernels.py --sweep`` on an H100 (generated file)."""',
+        '"""Tile configs measured by ``benchmarks/bench_kernels.py --sweep`` on an H100 (later sweeps on an H200 where docs/benchmarks.md says so; generated file)."""',
         "",
         "from qerl_kernels.tile_configs import BwdConfig, FwdConfig",
         "",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from itertools import product
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,14 +80,15 @@ def candidates(args, layer, m, n, k):
                                             for xst in map(int, args.xstages.split(",")):
                                                 if xst and not (xtma and half == 2):
                                                     continue
-                                                for per in map(int, args.persist.split(",")):
-                                                    if per and not (duo and xst):
+                                                for per, tst in product(map(int, args.persist.split(",")),
+                                                                        map(int, args.tstore.split(","))):
+                                                    if per and not (duo and xst) or tst and not per:
                                                         continue
                                                     yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
                                                                           maxnreg=regs, pregs=pregs, split_k=split,
                                                                           half=half, halves=bool(halves),
                                                                           xtma=bool(xtma), duo=bool(duo), xstages=xst,
-                                                                          persist=per)
+                                                                          persist=per, tstore=bool(tst))
 
 
 def main(argv=None) -> int:
@@ -113,6 +115,8 @@ def main(argv=None) -> int:
                     "FwdConfig.xstages, xtma with half 2 only)")
     ap.add_argument("--persist", default="0", help="0, 1 or 0,1: persistent programs per SM (FwdConfig.persist; "
                     "duo tiles with an X ring only)")
+    ap.add_argument("--tstore", default="0", help="0, 1 or 0,1: persistent tiles store by TMA, not waited for "
+                    "(FwdConfig.tstore)")
     ap.add_argument("--swiglu", action="store_true", help="gate/up as the engine launches it: SwiGLU in the "
                     "epilogue from K-order X, the table's tile timed the same way (candidates must take X by TMA)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
                       f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}"
                       f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}{f' x{cfg.xstages}' if cfg.xstages else ''}"
-                      f"{' persist' if cfg.persist else ''}: "
+                      f"{' persist' if cfg.persist else ''}{' tstore' if cfg.tstore else ''}: "
                       f"{us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
@@ -161,6 +165,7 @@ def main(argv=None) -> int:
               f"h{best_cfg.half} sk{best_cfg.split_k}{' halves' if best_cfg.halves else ''}"
               f"{' xtma' if best_cfg.xtma else ''}{' duo' if best_cfg.duo else ''}"
               f"{f' x{best_cfg.xstages}' if best_cfg.xstages else ''}{' persist' if best_cfg.persist else ''}"
+              f"{' tstore' if best_cfg.tstore else ''}"
               f" | max err {max(errs):.1e}", flush=True)
     for m, v in ratios.items():
         if v:

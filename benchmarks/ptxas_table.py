@@ -57,6 +57,7 @@ def gluon_source(cfg, pair: int = 0):
             duo_consumer_regs,
             duo_runs,
             scale_layout,
+            y_layout,
         )
 
         rows = cfg.bn // 2 if pair else cfg.bn
@@ -69,6 +70,11 @@ def gluon_source(cfg, pair: int = 0):
                       XTMA=cfg.xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0, XSTAGES=cfg.xstages,
                       PERSIST=bool(duo and cfg.persist and cfg.xstages and cfg.split_k == 1 and not cfg.halves),
                       NW=4 if duo else cfg.warps)
+        consts.update(TSTORE=bool(consts["PERSIST"] and getattr(cfg, "tstore", False) and pair == 0))
+        if consts["TSTORE"]:
+            sig["YD"] = f"tensordesc<bf16[{cfg.bm},64],{y_layout(cfg.bm)!r}>"
+        else:
+            consts["YD"] = None
         opts.update(num_warps=4 if duo else cfg.warps, maxnreg=cfg.maxnreg)
     elif cfg.xtma:
         from qerl_kernels.gemm_gluon_tma import _nvfp4_fwd_gluon_tma_kernel, _nvfp4_fwd_gluon_tma_sk_kernel

@@ -57,6 +57,13 @@ walks tiles pid, pid + programs, ...: the rings' stages and phases carry over, s
 tile's first stages while the consumers finish the last tile and store it, where one program per tile starts
 each tile with an empty ring. Same MMAs per tile: the same bits. H100 (docs/benchmarks.md, kernels,
 twenty-first pass): gate/up with SwiGLU 2.9-3.7% faster at M = 128 and 1024, 7B gate/up 5.2% at M = 256; elsewhere within 2%.
+
+With ``cfg.tstore`` a persistent plain tile's consumers do not store their rows themselves (one 2-byte store
+per accumulator element, the swapped accumulator's values lying along Y's rows): each writes its rows,
+transposed, into a [BM, 64] shared buffer and hands them to one TMA store it does not wait for until it
+reuses the buffer a tile later, so the next tile's MMAs start at once. Same arithmetic: the same bits. H100 /
+H200 (docs/benchmarks.md, kernels, twenty-second pass): 1-12% on every plain point at M = 128-1024, most
+where K is short. Pairing launches (SwiGLU, rotary) store as before.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ if HAVE_GLUON:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
         _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+        _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
         HAVE_GLUON_WS = hasattr(gl, "warp_specialize")
     except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
         pass
@@ -290,7 +298,8 @@ if HAVE_GLUON_WS:
     def _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m,
                       pid_n, M, N, stride_ym, BM: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr,
                       XTMA: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, HALVES: gl.constexpr,
-                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, j0=0, phase=0):
+                      R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, j0=0, phase=0,
+                      YD=None, ysm=None, TSTORE: gl.constexpr = False):
         """One of a ``DUO`` program's two consumer warpgroups, each its own partition: weight rows R0 ..
         R0 + 63 of the stage, released with its own arrival and stored by itself, so neither waits for the
         other's decode (in one partition of 8 warps every release is a barrier of both). Its rows store as
@@ -298,7 +307,8 @@ if HAVE_GLUON_WS:
         SwiGLU (PAIR 1 or 3, whole tiles only): the stage's rows are 64 gate rows then their 64 up rows, so
         the two consumers exchange them through shared memory (``hand``, ``handed``) and each writes
         silu(gate) * up for 32 of them. ``j0``, ``phase``: a persistent program's earlier pairs, and the
-        exchange barrier's phase for this tile (_duo_tiles)."""
+        exchange barrier's phase for this tile (_duo_tiles). TSTORE (persistent plain tiles): the rows leave
+        by a TMA store from ``ysm`` that the consumer does not wait for (_tma_store_rows)."""
         ACC: gl.constexpr = _acc_layout(BM, 4)
         if XSTAGES:
             acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0,
@@ -318,26 +328,48 @@ if HAVE_GLUON_WS:
             g = hand.index(0).slice(R1, 32).load(OL).to(gl.float32)
             u = hand.index(1).slice(R1, 32).load(OL).to(gl.float32)
             _write_swiglu_rows(g, u, Y, pid_m, 2 * pid_n + h, M, N, stride_ym, BM, 32, PAIR == 3, OL)
+        elif TSTORE:
+            _tma_store_rows(acc, G, B, YD, ysm.index(h), pid_m, 128 * pid_n + R0, N, BM, HAS_BIAS, ACC)
         else:
             _store_program(acc, G, B, Y, WS, CNT, 2 * pid + h, pid_k, 2 * n_full, pid_m, 2 * pid_n + h, M, N,
                            stride_ym, BM, 64, SPLIT, HAS_BIAS, ACC, HALVES, 0, 4, (None, None, None, None, None, 0, 0),
                            64)
 
     @gluon.jit
+    def _tma_store_rows(acc, G, B, YD, ysm, pid_m, col0, N, BM: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        ACC: gl.constexpr):
+        """A duo consumer's finished [64, BM] rows -> Y[pid_m BM .., col0 .. col0 + 63] by one TMA store from
+        ``ysm`` (its [BM, 64] bf16 buffer), left in flight: the consumer goes on to its next tile's MMAs and
+        waits for the store only before it rewrites the buffer. Same arithmetic as _store_tile / _write_y
+        (the 2^8 and global scale, then the bias), so the same bits; TMA clips the rows and columns past Y."""
+        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE
+        if HAS_BIAS:
+            rb = (col0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))) % N
+            out += gl.expand_dims(gl.load(B + rb).to(gl.float32), 1)
+        tma.store_wait(0)  # the previous tile's store has read the buffer
+        ysm.store(gl.permute(out.to(gl.bfloat16), [1, 0]))
+        fence_async_shared()  # the generic-proxy stores, before TMA's async-proxy read
+        _tma_store(YD, [pid_m * BM, col0], ysm)
+
+    @gluon.jit
     def _duo_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed):
+                   R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, YD, ysm,
+                   TSTORE: gl.constexpr):
         """A persistent ``DUO`` program's consumer: tiles pid, pid + programs, ... one after the other, its
         rings' stages and phases carrying on from tile to tile. The exchange buffer is rewritten one tile
         later only after the other consumer has released most of that tile's stages, so after it has read
-        the buffer (the launcher keeps such programs to K of more ring stages than the rings hold)."""
+        the buffer (the launcher keeps such programs to K of more ring stages than the rings hold). TSTORE:
+        each tile's store is left in flight while the next tile runs (_tma_store_rows)."""
         grid_n = gl.cdiv(N, BN)
         ntiles = gl.cdiv(M, BM) * grid_n
         for it in range(gl.cdiv(ntiles - gl.program_id(0), gl.num_programs(0))):
             tile = gl.program_id(0) + it * gl.num_programs(0)
             _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, tile, 0, 0,
                           tile // grid_n, tile % grid_n, M, N, stride_ym, BM, STAGES, 2, True, HAS_BIAS, 1, False, R0,
-                          XSTAGES, PAIR, hand, handed, it * npairs, it & 1)
+                          XSTAGES, PAIR, hand, handed, it * npairs, it & 1, YD, ysm, TSTORE)
+        if TSTORE:
+            tma.store_wait(0)  # the last tile's store has read the buffer before the program exits
 
     @gluon.jit
     def _producer_tiles(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, stride_xm,
@@ -412,11 +444,12 @@ if HAVE_GLUON_WS:
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
         XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
-        PERSIST: gl.constexpr = False,
+        PERSIST: gl.constexpr = False, YD=None, TSTORE: gl.constexpr = False,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
-        num_warps is 4), the second with CREGS registers, each storing its own 64 rows."""
+        num_warps is 4), the second with CREGS registers, each storing its own 64 rows. TSTORE (PERSIST,
+        no pairing): by TMA from shared memory, YD a descriptor over Y with [BM, 64] boxes."""
         ACC: gl.constexpr = _acc_layout(BM, NW)
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
@@ -469,12 +502,18 @@ if HAVE_GLUON_WS:
             else:
                 hand = ready
                 handed = ready
+            if TSTORE:
+                ysm = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 64], YD.layout)
+            else:
+                ysm = ready
             if PERSIST:  # one program per SM slot walks tiles (launch_gluon_ws: split-K 1, X ring, duo)
                 gl.warp_specialize([
                     (_duo_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
-                                  BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, PAIR, hand, handed)),
+                                  BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, PAIR, hand, handed, YD, ysm,
+                                  TSTORE)),
                     (_duo_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
-                                  BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, PAIR, hand, handed)),
+                                  BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, PAIR, hand, handed, YD, ysm,
+                                  TSTORE)),
                     (_producer_tiles, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs,
                                        stride_xm, BM, BN, STAGES, PAIR, XSTAGES, HD)),
                 ], [4, 4], [CREGS, PREGS])
@@ -535,6 +574,18 @@ def persist_programs(cfg, duo: bool, split: int, halved: bool, pairs: int, devic
     return per_sm * num_sms(device)
 
 
+def tma_store_runs(cfg, persist: int, pair: bool, rope, y: torch.Tensor) -> bool:
+    """Whether a launch stores its tiles by TMA (``cfg.tstore``): persistent plain tiles only (a pairing tile
+    writes through its exchange), and only where Y's rows are 16-byte aligned, as TMA needs."""
+    return bool(getattr(cfg, "tstore", False) and persist and not pair and rope is None
+                and y.stride(1) == 1 and (y.stride(0) * y.element_size()) % 16 == 0 and y.data_ptr() % 16 == 0)
+
+
+def y_layout(bm: int):
+    """Y's [BM, 64] bf16 boxes: 128-byte rows, the full swizzle."""
+    return gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+
+
 def duo_consumer_regs(cfg) -> int:
     """Registers of a duo tile's second consumer: an even share of what the launch cap leaves past the
     producer's (three warpgroups at ``maxnreg``), rounded down to setmaxnreg's multiple of 8."""
@@ -585,6 +636,8 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
     persist = persist_programs(cfg, duo, split, n_full is not None, kg // 16, x.device)
     if persist:
         grid = (min(grid_mn, persist),)
+    tstore = tma_store_runs(cfg, persist, pair, rope, y)
+    yd = GluonDescriptor.from_tensor(y, [cfg.bm, 64], y_layout(cfg.bm)) if tstore else None
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())
@@ -596,7 +649,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
-        XSTAGES=xstages, PERSIST=bool(persist),
+        XSTAGES=xstages, PERSIST=bool(persist), YD=yd, TSTORE=tstore,
         num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )

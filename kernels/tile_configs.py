@@ -26,6 +26,9 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
   X in a ring of its own (``xstages``), 32B gate/up at M = 1024 (docs/benchmarks.md, kernels, twentieth
   pass). Those three gate/up entries, and 7B gate/up at M = 129-256 (BM 128), run as persistent programs
   (``persist``, twenty-first pass).
+- ``tstore`` (2026-11-25 sweep, on an H200): persistent tiles that hand each tile's rows to a TMA store.
+  Gate/up at M = 65-1024, q/k/v at M = 129-256 (BM 128) and 32B q/k/v at M = 1024, 7B o at M = 1024 (BM 256;
+  before, decode once + cuBLAS) (docs/benchmarks.md, kernels, twenty-second pass).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class FwdConfig:
     duo: bool = False  # with ws, BN 128: the two consumer warpgroups as separate partitions (gemm_gluon_ws)
     xstages: int = 0  # with ws, xtma and half 2: X in a ring of this many [BM, 64] half steps of its own
     persist: int = 0  # with duo and xstages, split-K 1: this many persistent programs per SM walk the tiles
+    tstore: bool = False  # with persist: each tile's rows leave by a TMA store the consumers do not wait for
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -327,6 +331,12 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
         # The same, persistent: 32B gate/up with SwiGLU 920.8 -> 894.0 us in one probe run (twenty-first pass).
         FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
                   half=2, duo=True, xstages=3, persist=1),
+        # Both storing by TMA (twenty-second pass): at BM 256 7B gate/up 414.6 -> 388.6 us, 7B o 45.1 -> 40.4; at
+        # BM 128 32B down 546.9 -> 521.5 (benchmarks/probe_ws.py --tstore 0,1, from K-order X, H200 2026-11-25).
+        FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=3, persist=1, tstore=True),
+        FwdConfig(128, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=6, persist=1, tstore=True),
     ]
 
 
@@ -405,6 +415,10 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     # M = 128 (benchmarks/probe_ws.py --persist 0,1, H100 2026-11-25, docs/benchmarks.md, kernels,
     # twenty-first pass).
     tiles += [replace(c, persist=1) for c in tiles if c.duo and c.xstages]
+    # And those storing by TMA (``tstore``: the consumers hand each tile to a TMA store and go on): 1-11% faster
+    # on every plain point at M = 128-1024 (benchmarks/probe_ws.py --tstore 0,1, H200 2026-11-25,
+    # docs/benchmarks.md, kernels, twenty-second pass).
+    tiles += [replace(c, tstore=True) for c in tiles if c.persist]
     return tiles + [replace(c, halves=True) for c in tiles if not c.persist]
 
 

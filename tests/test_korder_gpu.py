@@ -326,7 +326,7 @@ def test_persistent_duo_tiles_give_the_same_bits(m, monkeypatch):
     # stages and phases carried over. Same MMAs per tile in the same order: the one-program-per-tile bits.
     # Two or three SMs (monkeypatched) make every program walk several tiles, unevenly; X rings of 3 and
     # 4 half steps wrap at other points than the tiles; bias; SwiGLU with natural and K-order output
-    # (the exchange barrier's phase flips every tile).
+    # (the exchange barrier's phase flips every tile); plain tiles stored by TMA too (FwdConfig.tstore).
     from qerl_kernels import gemm_gluon_ws
     from qerl_kernels.gemm_fwd import nvfp4_matmul, nvfp4_swiglu
     from qerl_kernels.testing import TOL, rel_err
@@ -334,8 +334,8 @@ def test_persistent_duo_tiles_give_the_same_bits(m, monkeypatch):
 
     tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 13)
     tp2, s2, g2 = _weights(1024, K, seed=m + 14)
-    for bm, r, pr in ((64, 128, 32), (128, 168, 40)):
-        for xst in (3, 4):
+    for bm, r, pr, depths in ((64, 128, 32, (3, 4)), (128, 168, 40, (3, 4)), (256, 168, 40, (3,))):
+        for xst in depths:
             one = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r,
                             pregs=pr, half=2, duo=True, xstages=xst)
             y0 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=one, twiddled=True, blocked=True, x_korder=True)
@@ -345,9 +345,11 @@ def test_persistent_duo_tiles_give_the_same_bits(m, monkeypatch):
                 monkeypatch.setattr(gemm_gluon_ws, "num_sms", lambda device, n=sms: n)
                 per = replace(one, persist=1)
                 assert gemm_gluon_ws.persist_programs(per, True, 1, False, K // 256, xk.device) == sms
-                y = nvfp4_matmul(xk, tp, s, g, bias=bias, config=per, twiddled=True, blocked=True, x_korder=True)
-                assert rel_err(y, ref) < TOL[torch.bfloat16], (per, rel_err(y, ref))
-                assert torch.equal(y, y0), (per, sms)
+                for tst in (False, True):  # FwdConfig.tstore: rows out by TMA, N = 400 clipping a half tile
+                    y = nvfp4_matmul(xk, tp, s, g, bias=bias, config=replace(per, tstore=tst), twiddled=True,
+                                     blocked=True, x_korder=True)
+                    assert rel_err(y, ref) < TOL[torch.bfloat16], (per, tst, rel_err(y, ref))
+                    assert torch.equal(y, y0), (per, sms, tst)
                 for yk, want in zip((False, True), sw0):
                     sw = nvfp4_swiglu(xk, tp2, s2, g2, config=per, twiddled=True, blocked=True, x_korder=True,
                                       y_korder=yk)
