@@ -64,13 +64,21 @@ transposed, into a [BM, 64] shared buffer and hands them to one TMA store it doe
 reuses the buffer a tile later, so the next tile's MMAs start at once. Same arithmetic: the same bits. H100 /
 H200 (docs/benchmarks.md, kernels, twenty-second pass): 1-12% on every plain point at M = 128-1024, most
 where K is short. Pairing launches (SwiGLU, rotary) store as before.
+
+With ``cfg.tail`` too, a launch whose tiles leave a partial last wave (R = tiles mod programs) runs the whole
+waves as before, then splits each of the R tail tiles into programs // R K-parts, part k of every tail tile
+the same pairs (so programs sharing an X block or a weight tile walk K in step, as L2 needs: a stream-K split
+into arbitrary ranges, tried first, was up to 1.6x slower for losing that). Parts go through an fp32
+workspace and the last program to arrive sums them in program order: deterministic, but the tail tiles'
+rows round differently from one program's sum. H100 (twenty-second pass): gate/up at M = 128 10% faster,
+32B gate/up at M = 1024 8%.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-from qerl_kernels.gemm_fwd import COUNTER_SLOTS, split_k_plan
+from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters, split_k_plan
 from qerl_kernels.gemm_gluon import HAVE_GLUON, RopeEpilogue, num_sms, pair_mode, plan_halves
 
 HAVE_GLUON_WS = False
@@ -78,6 +86,7 @@ if HAVE_GLUON:
     try:
         from qerl_kernels.gemm_gluon import (
             _codes_layout,
+            _cta_barrier,
             _decode_fragment,
             _halves_program,
             _pair_base,
@@ -87,7 +96,12 @@ if HAVE_GLUON:
             _write_swiglu_rows,
             _x_layout,
         )
-        from qerl_kernels.gemm_gluon_tma import _decode_half, _halves, permute_x, x_layout
+        from qerl_kernels.gemm_gluon_tma import (
+            _decode_half,
+            _halves,
+            permute_x,
+            x_layout,
+        )
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -342,7 +356,11 @@ if HAVE_GLUON_WS:
         ``ysm`` (its [BM, 64] bf16 buffer), left in flight: the consumer goes on to its next tile's MMAs and
         waits for the store only before it rewrites the buffer. Same arithmetic as _store_tile / _write_y
         (the 2^8 and global scale, then the bias), so the same bits; TMA clips the rows and columns past Y."""
-        out = acc * (256.0 / gl.load(G))  # decode.FAST_EPILOGUE
+        _tma_store_out(acc * (256.0 / gl.load(G)), B, YD, ysm, pid_m, col0, N, BM, HAS_BIAS, ACC)  # decode.FAST_EPILOGUE
+
+    @gluon.jit
+    def _tma_store_out(out, B, YD, ysm, pid_m, col0, N, BM: gl.constexpr, HAS_BIAS: gl.constexpr, ACC: gl.constexpr):
+        """Scaled rows [64, BM] (+ bias, as _write_y adds it) -> Y by a TMA store left in flight (_tma_store_rows)."""
         if HAS_BIAS:
             rb = (col0 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))) % N
             out += gl.expand_dims(gl.load(B + rb).to(gl.float32), 1)
@@ -350,6 +368,99 @@ if HAVE_GLUON_WS:
         ysm.store(gl.permute(out.to(gl.bfloat16), [1, 0]))
         fence_async_shared()  # the generic-proxy stores, before TMA's async-proxy read
         _tma_store(YD, [pid_m * BM, col0], ysm)
+
+    @gluon.jit
+    def _tail_plan(M, N, parts, BM: gl.constexpr, BN: gl.constexpr):
+        """A tail-split launch's (whole tiles, run first as whole waves: the programs' tiles p, p + P, ...;
+        the tail tile and part of this program, -1 if it has none). The last, partial wave's R tiles run
+        as ``parts`` K-parts each, part k of every tail tile the same pairs, one part per program."""
+        p = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
+        n_dp = tiles - tiles % nprog
+        tail = gl.where(p < (tiles - n_dp) * parts, n_dp + p // parts, -1)
+        return n_dp, tail, p % parts
+
+    @gluon.jit
+    def _tail_partial(acc, G, B, YD, ysm, WS, CNT, pid_m, col0, N, q_lo, parts, BM: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, ACC: gl.constexpr, h: gl.constexpr):
+        """A consumer's rows of one K-part of a tail tile: an fp32 partial in the workspace (slot = program,
+        half h, [64, BM] row-major), and the last of the tile's ``parts`` programs (q_lo ..) to arrive sums
+        the partials in program order (deterministic) and stores the rows by TMA. Counted per half tile."""
+        loc = (gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, ACC)), 1) * BM
+               + gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), 0))
+        half = WS + h * (64 * BM)
+        gl.store(half + gl.program_id(0) * (128 * BM) + loc, acc * (256.0 / gl.load(G)))  # decode.FAST_EPILOGUE
+        _cta_barrier()  # this partition's partial stores precede the counter's release
+        ctr = CNT + 2 * (q_lo // parts) + h
+        if gl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == parts - 1:
+            _tail_sum_store(half, B, YD, ysm, pid_m, col0, N, q_lo, parts, BM, HAS_BIAS)
+            gl.atomic_xchg(ctr, 0)
+
+    @gluon.jit
+    def _tail_sum_store(half, B, YD, ysm, pid_m, col0, N, q_lo, parts, BM: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """The partials of a tail tile's half summed 64 columns at a time (16-byte loads, 32 registers a
+        thread: summed whole, in the accumulator's layout, the loads queued behind spills and ran ~10x
+        slower) into the store buffer, then one TMA store."""
+        RL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, RL))
+        tma.store_wait(0)  # the previous tile's store has read the buffer
+        for c in gl.static_range(BM // 64):
+            off = gl.expand_dims(rows, 1) * BM + gl.expand_dims(c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
+            total = gl.zeros([64, 64], gl.float32, layout=RL)
+            for q in range(q_lo, q_lo + parts):
+                total += gl.load(half + q * (128 * BM) + off, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += gl.expand_dims(gl.load(B + (col0 + rows) % N).to(gl.float32), 1)
+            ysm.slice(c * 64, 64).store(gl.permute(total.to(gl.bfloat16), [1, 0]))
+        fence_async_shared()  # the generic-proxy stores, before TMA's async-proxy read
+        _tma_store(YD, [pid_m * BM, col0], ysm)
+
+    @gluon.jit
+    def _duo_tail_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
+                        BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        R0: gl.constexpr, XSTAGES: gl.constexpr, YD, ysm):
+        """A tail-split program's consumer (``FwdConfig.tail``): its whole tiles as _duo_tiles (TMA-stored),
+        then its K-part of a tail tile, if any, through the workspace (_tail_partial)."""
+        ACC: gl.constexpr = _acc_layout(BM, 4)
+        grid_n = gl.cdiv(N, BN)
+        p = gl.program_id(0)
+        n_dp, tail, k = _tail_plan(M, N, parts, BM, BN)
+        waves = n_dp // gl.num_programs(0)
+        for it in range(waves):
+            t = p + it * gl.num_programs(0)
+            acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0,
+                                  it * npairs)[0]
+            _tma_store_rows(acc, G, B, YD, ysm.index(R0 // 64), t // grid_n, BN * (t % grid_n) + R0, N, BM, HAS_BIAS,
+                            ACC)
+        if tail >= 0:
+            lo = k * npairs // parts
+            acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, (k + 1) * npairs // parts - lo, BM, 64,
+                                  4, STAGES, XSTAGES, R0, waves * npairs)[0]
+            _tail_partial(acc, G, B, YD, ysm.index(R0 // 64), WS, CNT, tail // grid_n, BN * (tail % grid_n) + R0, N,
+                          p - k, parts, BM, HAS_BIAS, ACC, R0 // 64)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _producer_tail(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, parts, stride_xm,
+                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+        """A tail-split program's producer: the X-ring producer of _producer over its whole tiles, then its
+        K-part of a tail tile."""
+        grid_n = gl.cdiv(N, BN)
+        p = gl.program_id(0)
+        n_dp, tail, k = _tail_plan(M, N, parts, BM, BN)
+        waves = n_dp // gl.num_programs(0)
+        for it in range(waves):
+            t = p + it * gl.num_programs(0)
+            n0 = (t % grid_n) * BN
+            _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, t // grid_n, n0 // 16, n0,
+                      0, npairs, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES, it * npairs)
+        if tail >= 0:
+            lo = k * npairs // parts
+            n0 = (tail % grid_n) * BN
+            _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, tail // grid_n, n0 // 16, n0,
+                      2 * lo, (k + 1) * npairs // parts - lo, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES,
+                      waves * npairs)
 
     @gluon.jit
     def _duo_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
@@ -444,12 +555,13 @@ if HAVE_GLUON_WS:
         STAGES: gl.constexpr, PREGS: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
         XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
-        PERSIST: gl.constexpr = False, YD=None, TSTORE: gl.constexpr = False,
+        PERSIST: gl.constexpr = False, YD=None, TSTORE: gl.constexpr = False, parts=0, TAIL: gl.constexpr = False,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
         num_warps is 4), the second with CREGS registers, each storing its own 64 rows. TSTORE (PERSIST,
-        no pairing): by TMA from shared memory, YD a descriptor over Y with [BM, 64] boxes."""
+        no pairing): by TMA from shared memory, YD a descriptor over Y with [BM, 64] boxes. TAIL (PERSIST and
+        TSTORE): the last partial wave's tiles in ``parts`` K-parts, WS / CNT the partials' workspace, counters."""
         ACC: gl.constexpr = _acc_layout(BM, NW)
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
@@ -506,7 +618,16 @@ if HAVE_GLUON_WS:
                 ysm = gl.allocate_shared_memory(gl.bfloat16, [2, BM, 64], YD.layout)
             else:
                 ysm = ready
-            if PERSIST:  # one program per SM slot walks tiles (launch_gluon_ws: split-K 1, X ring, duo)
+            if TAIL:  # persistent programs, the last wave's tiles split in K (launch_gluon_ws)
+                gl.warp_specialize([
+                    (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
+                                       BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, YD, ysm)),
+                    (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
+                                       BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, YD, ysm)),
+                    (_producer_tail, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, parts,
+                                      stride_xm, BM, BN, STAGES, XSTAGES)),
+                ], [4, 4], [CREGS, PREGS])
+            elif PERSIST:  # one program per SM slot walks tiles (launch_gluon_ws: split-K 1, X ring, duo)
                 gl.warp_specialize([
                     (_duo_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
                                   BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, PAIR, hand, handed, YD, ysm,
@@ -581,6 +702,22 @@ def tma_store_runs(cfg, persist: int, pair: bool, rope, y: torch.Tensor) -> bool
                 and y.stride(1) == 1 and (y.stride(0) * y.element_size()) % 16 == 0 and y.data_ptr() % 16 == 0)
 
 
+def tail_plan(cfg, persist: int, tstore: bool, grid_mn: int, pairs: int, y: torch.Tensor):
+    """(K-parts per tail tile, grid, fp32 workspace, arrival counters) of a tail-split launch (``cfg.tail``:
+    persistent programs run whole waves of tiles, then the R tiles of the last, partial wave as P // R
+    K-parts each, one part per program), or None where it runs whole tiles: no persistent TMA-stored launch,
+    no partial wave or too full a one to split, no counters yet (a first call under graph capture)."""
+    if not (getattr(cfg, "tail", False) and persist and tstore):
+        return None
+    nprog = min(persist, grid_mn)
+    rest = grid_mn % nprog
+    parts = min(nprog // rest, pairs) if rest else 0
+    cnt = arrival_counters(y.device)
+    if parts < 2 or cnt is None or 2 * rest > COUNTER_SLOTS:
+        return None
+    return parts, (nprog,), torch.empty(nprog * 128 * cfg.bm, dtype=torch.float32, device=y.device), cnt
+
+
 def y_layout(bm: int):
     """Y's [BM, 64] bf16 boxes: 128-byte rows, the full swizzle."""
     return gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
@@ -638,6 +775,9 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         grid = (min(grid_mn, persist),)
     tstore = tma_store_runs(cfg, persist, pair, rope, y)
     yd = GluonDescriptor.from_tensor(y, [cfg.bm, 64], y_layout(cfg.bm)) if tstore else None
+    tail = tail_plan(cfg, persist, tstore, grid_mn, kg // 16, y)
+    if tail is not None:
+        parts, grid, ws, cnt = tail
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart
     c_desc = GluonDescriptor.from_tensor(groups.view(n // 16, kg * 16), [rows // 16, 128], code_layout())
     s_desc = GluonDescriptor.from_tensor(scale_u8, [rows, 16], scale_layout())
@@ -649,7 +789,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=4 if duo else cfg.warps, STAGES=cfg.stages,
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
-        XSTAGES=xstages, PERSIST=bool(persist), YD=yd, TSTORE=tstore,
+        XSTAGES=xstages, PERSIST=bool(persist), YD=yd, TSTORE=tstore, parts=tail[0] if tail else 0, TAIL=tail is not None,
         num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
         **(rope.kernel_args() if rope is not None else {}),
     )

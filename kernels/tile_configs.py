@@ -29,6 +29,9 @@ Rules (why the shapes are what they are; all from the 2026-11-22 H100 sweep):
 - ``tstore`` (2026-11-25 sweep, on an H200): persistent tiles that hand each tile's rows to a TMA store.
   Gate/up at M = 65-1024, q/k/v at M = 129-256 (BM 128) and 32B q/k/v at M = 1024, 7B o at M = 1024 (BM 256;
   before, decode once + cuBLAS) (docs/benchmarks.md, kernels, twenty-second pass).
+- ``tail`` (2026-11-25 sweep, H100): those persistent tiles with the last, partial wave's tiles split in K
+  among the programs. Gate/up at M = 65-256 and M = 1024 (32B gate/up 906 -> 838 us in the sweep), 32B
+  down and 32B o at M = 1024 (the latter BM 128; before, decode once + cuBLAS).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class FwdConfig:
     xstages: int = 0  # with ws, xtma and half 2: X in a ring of this many [BM, 64] half steps of its own
     persist: int = 0  # with duo and xstages, split-K 1: this many persistent programs per SM walk the tiles
     tstore: bool = False  # with persist: each tile's rows leave by a TMA store the consumers do not wait for
+    tail: bool = False  # with persist and tstore: the last partial wave's tiles split in K among the programs (plain)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -337,6 +341,19 @@ def fwd_candidates(m: int) -> list[FwdConfig]:
                   half=2, duo=True, xstages=3, persist=1, tstore=True),
         FwdConfig(128, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
                   half=2, duo=True, xstages=6, persist=1, tstore=True),
+        # Both with the last wave's tiles split in K (``tail``): BM 256 leaves a short second wave on 7B q/k/v
+        # (144 tiles on 132 SMs), 32B o and down (160). H100 sweep (twenty-second pass): 32B down 457.1 -> 445.2
+        # us, 32B o (BM 128) 98.4 -> 94.2, 32B gate/up 906.4 -> 837.5; 7B q/k/v lost (77.8 against 60.7).
+        FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=3, persist=1, tstore=True, tail=True),
+        FwdConfig(128, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=6, persist=1, tstore=True, tail=True),
+        # One program per tile with a wave's last tiles halved (``halves``): where BM 256 tiles leave a short
+        # second wave (7B q/k/v 144 tiles, 32B o and down 160, on 132 SMs).
+        FwdConfig(256, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=3, halves=True),
+        FwdConfig(128, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168, pregs=40,
+                  half=2, duo=True, xstages=6, halves=True),
     ]
 
 
@@ -419,6 +436,10 @@ def _gluon_ws_xtma_candidates(bm: int) -> list[FwdConfig]:
     # on every plain point at M = 128-1024 (benchmarks/probe_ws.py --tstore 0,1, H200 2026-11-25,
     # docs/benchmarks.md, kernels, twenty-second pass).
     tiles += [replace(c, tstore=True) for c in tiles if c.persist]
+    # And with the last, partial wave's tiles split in K among the programs (``tail``), for shapes whose
+    # tiles leave a short last wave: gate/up at M = 128 7B 70.8 -> 63.7 us, 32B 133.0 -> 120.2 (H100 sweep,
+    # docs/benchmarks.md, kernels, twenty-second pass).
+    tiles += [replace(c, tail=True) for c in tiles if c.tstore]
     return tiles + [replace(c, halves=True) for c in tiles if not c.persist]
 
 

@@ -210,7 +210,8 @@ def test_gluon_pair_tiles_compile_for_sm90():
 def test_persistent_duo_tiles_compile_for_sm90():
     # FwdConfig.persist (one program per SM slot walking tiles) on the duo X-ring tiles it is for, at BM 128
     # and 256, plain and with SwiGLU in K order: the persistent kernel compiles, holds its registers (no
-    # stack) and issues the same wgmmas as one program per tile; with tstore, its rows leave by TMA.
+    # stack) and issues the same wgmmas as one program per tile; with tstore, its rows leave by TMA; with
+    # tail too, the last wave's tiles summed in parts count their arrivals.
     import triton
     from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS
     from qerl_kernels.tile_configs import FwdConfig
@@ -230,12 +231,16 @@ def test_persistent_duo_tiles_compile_for_sm90():
     for c in (base, replace(base, bm=256, xstages=3)):
         for pair in (0, 3):
             kerns = []
-            for p, tst in ((0, False), (1, False), (1, True)):
-                src, opts = gluon_source(replace(c, persist=p, tstore=tst), pair)
+            for p, tst, sk in ((0, False, False), (1, False, False), (1, True, False), (1, True, True)):
+                src, opts = gluon_source(replace(c, persist=p, tstore=tst, tail=sk), pair)
                 kerns.append(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
             assert all(resource_usage(k)["STACK"] == 0 for k in kerns[1:]), (c, pair)
             wgmmas = [k.asm["ptx"].count("wgmma.mma_async") for k in kerns]
+            # tail (plain tiles) runs the K loop at two sites, the whole waves' and the tail part's, and counts
+            # the partials' arrivals
             assert wgmmas[0] == wgmmas[1] == wgmmas[2] > 0, (c, pair, wgmmas)
+            assert wgmmas[3] == (2 if pair == 0 else 1) * wgmmas[0], (c, pair, wgmmas)
+            assert kerns[3].asm["ptx"].count("atom.") == (4 if pair == 0 else 0), (c, pair)
             # tstore: one TMA store per consumer partition on plain tiles (SwiGLU tiles write through the exchange)
             stores = kerns[2].asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared")
             assert stores == (2 if pair == 0 else 0), (c, pair, stores)

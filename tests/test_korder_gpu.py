@@ -358,6 +358,45 @@ def test_persistent_duo_tiles_give_the_same_bits(m, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [100, 300])
+def test_tail_split_duo_tiles_match_the_reference(m, monkeypatch):
+    # FwdConfig.tail: persistent programs run whole waves of tiles, then the last partial wave's tiles in
+    # K-parts, one per program, the last to arrive adding the fp32 partials in program order. Against the
+    # reference, run to run bit for bit, and the whole waves' rows equal to the whole-tile launch's. SMs
+    # (monkeypatched) and M pick the cases: BM 64 at M = 300 is 20 tiles, so 3 SMs give 6 whole waves and
+    # a 2-tile tail in 1 part each (no split: whole tiles), 6 SMs 3 waves and a 2-tile tail in 3 parts; 7
+    # SMs a 6-tile tail in 1 part; BM 128 / 256 tails of 1-2 tiles in 3-5 parts (K = 1280: 5 pairs).
+    from qerl_kernels import gemm_gluon_ws
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    from qerl_kernels.testing import TOL, rel_err
+    from qerl_kernels.tile_configs import FwdConfig
+
+    tp, s, g, x, bias, ref, xk = _gemm_case(m, 400, seed=m + 21)
+    split_seen = 0
+    for bm, r, pr, xst in ((64, 128, 32, 4), (128, 168, 40, 6), (256, 168, 40, 3)):
+        whole = FwdConfig(bm, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=r,
+                          pregs=pr, half=2, duo=True, xstages=xst, persist=1, tstore=True)
+        for sms in (3, 6, 7):
+            monkeypatch.setattr(gemm_gluon_ws, "num_sms", lambda device, n=sms: n)
+            y0 = nvfp4_matmul(xk, tp, s, g, bias=bias, config=whole, twiddled=True, blocked=True, x_korder=True)
+            tail = replace(whole, tail=True)
+            tiles = -(-m // bm) * -(-400 // 128)
+            plan = gemm_gluon_ws.tail_plan(tail, min(sms, tiles), True, tiles, K // 256, y0)
+            split_seen += plan is not None
+            y = nvfp4_matmul(xk, tp, s, g, bias=bias, config=tail, twiddled=True, blocked=True, x_korder=True)
+            assert rel_err(y, ref) < TOL[torch.bfloat16], (bm, sms, rel_err(y, ref))
+            again = nvfp4_matmul(xk, tp, s, g, bias=bias, config=tail, twiddled=True, blocked=True, x_korder=True)
+            assert torch.equal(y, again), (bm, sms)
+            if plan is not None:  # the whole waves' tiles: rows of tiles before the tail are the whole-tile bits
+                n_dp = tiles - tiles % min(sms, tiles)
+                rows = (n_dp // 4) * bm  # whole row blocks of tiles (grid_n = 4) finished before the tail
+                assert torch.equal(y[:rows], y0[:rows]), (bm, sms)
+            else:
+                assert torch.equal(y, y0), (bm, sms)
+            monkeypatch.undo()
+    assert split_seen >= 3
+
+
+@pytest.mark.parametrize("m", [100, 300])
 def test_x_ring_gives_the_shared_ring_bits(m):
     # FwdConfig.xstages puts X in a ring of [BM, 64] half steps of its own (each released once the MMA
     # that read it is done; the codes' stage as soon as its codes are in registers). The MMAs per weight
