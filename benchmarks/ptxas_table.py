@@ -71,7 +71,7 @@ def gluon_source(cfg, pair: int = 0):
                       PERSIST=bool(duo and cfg.persist and cfg.xstages and cfg.split_k == 1 and not cfg.halves),
                       NW=4 if duo else cfg.warps)
         consts.update(TSTORE=bool(consts["PERSIST"] and getattr(cfg, "tstore", False) and pair == 0))
-        consts.update(TAIL=bool(consts["PERSIST"] and getattr(cfg, "tail", False) and (consts["TSTORE"] or pair in (1, 3))))
+        consts.update(TAIL=bool(consts["TSTORE"] and getattr(cfg, "tail", False)))
         sig["parts"] = "i32"
         if consts["TSTORE"]:
             sig["YD"] = f"tensordesc<bf16[{cfg.bm},64],{y_layout(cfg.bm)!r}>"

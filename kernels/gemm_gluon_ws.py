@@ -382,35 +382,20 @@ if HAVE_GLUON_WS:
         return n_dp, tail, p % parts
 
     @gluon.jit
-    def _tail_partial(acc, G, B, Y, YD, ysm, WS, CNT, pid_m, pid_n, M, N, stride_ym, q_lo, parts, BM: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, ACC: gl.constexpr, h: gl.constexpr, PAIR: gl.constexpr):
+    def _tail_partial(acc, G, B, YD, ysm, WS, CNT, pid_m, col0, N, q_lo, parts, BM: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, ACC: gl.constexpr, h: gl.constexpr):
         """A consumer's rows of one K-part of a tail tile: an fp32 partial in the workspace (slot = program,
         half h, [64, BM] row-major), and the last of the tile's ``parts`` programs (q_lo ..) to arrive sums
-        the partials in program order (deterministic) and stores the rows by TMA; counted per half tile. A
-        SwiGLU tile (PAIR 1 or 3: gate rows in half 0, up rows in half 1) counts both halves' arrivals on one
-        counter, and the last sums both and writes silu(gate) * up (_tail_swiglu_store)."""
+        the partials in program order (deterministic) and stores the rows by TMA. Counted per half tile."""
         loc = (gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, ACC)), 1) * BM
                + gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, ACC)), 0))
-        gl.store(WS + h * (64 * BM) + gl.program_id(0) * (128 * BM) + loc,
-                 acc * (256.0 / gl.load(G)))  # decode.FAST_EPILOGUE
+        half = WS + h * (64 * BM)
+        gl.store(half + gl.program_id(0) * (128 * BM) + loc, acc * (256.0 / gl.load(G)))  # decode.FAST_EPILOGUE
         _cta_barrier()  # this partition's partial stores precede the counter's release
-        if PAIR % 2 == 1:
-            ctr = CNT + 2 * (q_lo // parts)
-            if gl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == 2 * parts - 1:
-                _tail_swiglu_store(WS, Y, pid_m, pid_n, M, N, stride_ym, q_lo, parts, BM, PAIR == 3)
-                gl.atomic_xchg(ctr, 0)
-        else:
-            ctr = CNT + 2 * (q_lo // parts) + h
-            if gl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == parts - 1:
-                _tail_sum_store(WS + h * (64 * BM), B, YD, ysm, pid_m, 128 * pid_n + h * 64, N, q_lo, parts, BM,
-                                HAS_BIAS)
-                gl.atomic_xchg(ctr, 0)
-
-    @gluon.jit
-    def _tail_offsets(c: gl.constexpr, BM: gl.constexpr, RL: gl.constexpr):
-        """Offsets of columns 64 c .. 64 c + 63 of a [64, BM] row-major partial, in layout RL."""
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, RL))
-        return gl.expand_dims(rows, 1) * BM + gl.expand_dims(c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
+        ctr = CNT + 2 * (q_lo // parts) + h
+        if gl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == parts - 1:
+            _tail_sum_store(half, B, YD, ysm, pid_m, col0, N, q_lo, parts, BM, HAS_BIAS)
+            gl.atomic_xchg(ctr, 0)
 
     @gluon.jit
     def _tail_sum_store(half, B, YD, ysm, pid_m, col0, N, q_lo, parts, BM: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -421,7 +406,7 @@ if HAVE_GLUON_WS:
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, RL))
         tma.store_wait(0)  # the previous tile's store has read the buffer
         for c in gl.static_range(BM // 64):
-            off = _tail_offsets(c, BM, RL)
+            off = gl.expand_dims(rows, 1) * BM + gl.expand_dims(c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, RL)), 0)
             total = gl.zeros([64, 64], gl.float32, layout=RL)
             for q in range(q_lo, q_lo + parts):
                 total += gl.load(half + q * (128 * BM) + off, cache_modifier=".cg")
@@ -432,30 +417,11 @@ if HAVE_GLUON_WS:
         _tma_store(YD, [pid_m * BM, col0], ysm)
 
     @gluon.jit
-    def _tail_swiglu_store(WS, Y, pid_m, pid_n, M, N, stride_ym, q_lo, parts, BM: gl.constexpr, KORDER: gl.constexpr):
-        """A SwiGLU tail tile: its gate rows (half 0) and up rows (half 1) summed over the parts 64 tokens at a
-        time, and silu(gate) * up written as _duo_consumer writes it (gemm_gluon._write_swiglu_rows)."""
-        RL: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        # lanes along Y's columns for the store, as the whole tiles write (along tokens, every lane's 2 bytes
-        # fell in another row of Y: 7B gate/up at M = 256 ran 8% slower than without the split)
-        OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-        for c in gl.static_range(BM // 64):
-            off = _tail_offsets(c, BM, RL)
-            g = gl.zeros([64, 64], gl.float32, layout=RL)
-            u = gl.zeros([64, 64], gl.float32, layout=RL)
-            for q in range(q_lo, q_lo + parts):
-                g += gl.load(WS + q * (128 * BM) + off, cache_modifier=".cg")
-                u += gl.load(WS + q * (128 * BM) + 64 * BM + off, cache_modifier=".cg")
-            _write_swiglu_rows(gl.convert_layout(g, OL), gl.convert_layout(u, OL), Y, pid_m * (BM // 64) + c, pid_n, M,
-                               N, stride_ym, 64, 64, KORDER, OL)
-
-    @gluon.jit
-    def _duo_tail_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, Y, WS, CNT, M, N, stride_ym,
+    def _duo_tail_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
                         BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        R0: gl.constexpr, XSTAGES: gl.constexpr, PAIR: gl.constexpr, hand, handed, YD, ysm,
-                        TSTORE: gl.constexpr):
-        """A tail-split program's consumer (``FwdConfig.tail``): its whole tiles as _duo_tiles, then its K-part
-        of a tail tile, if any, through the workspace (_tail_partial)."""
+                        R0: gl.constexpr, XSTAGES: gl.constexpr, YD, ysm):
+        """A tail-split program's consumer (``FwdConfig.tail``): its whole tiles as _duo_tiles (TMA-stored),
+        then its K-part of a tail tile, if any, through the workspace (_tail_partial)."""
         ACC: gl.constexpr = _acc_layout(BM, 4)
         grid_n = gl.cdiv(N, BN)
         p = gl.program_id(0)
@@ -463,43 +429,38 @@ if HAVE_GLUON_WS:
         waves = n_dp // gl.num_programs(0)
         for it in range(waves):
             t = p + it * gl.num_programs(0)
-            _duo_consumer(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, t, 0, 0, t // grid_n,
-                          t % grid_n, M, N, stride_ym, BM, STAGES, 2, True, HAS_BIAS, 1, False, R0, XSTAGES, PAIR, hand,
-                          handed, it * npairs, it & 1, YD, ysm, TSTORE)
+            acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0,
+                                  it * npairs)[0]
+            _tma_store_rows(acc, G, B, YD, ysm.index(R0 // 64), t // grid_n, BN * (t % grid_n) + R0, N, BM, HAS_BIAS,
+                            ACC)
         if tail >= 0:
             lo = k * npairs // parts
             acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, (k + 1) * npairs // parts - lo, BM, 64,
                                   4, STAGES, XSTAGES, R0, waves * npairs)[0]
-            _tail_partial(acc, G, B, Y, YD, ysm.index(R0 // 64), WS, CNT, tail // grid_n, tail % grid_n, M, N,
-                          stride_ym, p - k, parts, BM, HAS_BIAS, ACC, R0 // 64, PAIR)
-        if TSTORE:
-            tma.store_wait(0)
+            _tail_partial(acc, G, B, YD, ysm.index(R0 // 64), WS, CNT, tail // grid_n, BN * (tail % grid_n) + R0, N,
+                          p - k, parts, BM, HAS_BIAS, ACC, R0 // 64)
+        tma.store_wait(0)
 
     @gluon.jit
     def _producer_tail(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, parts, stride_xm,
-                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                       XSTAGES: gl.constexpr, HD: gl.constexpr):
+                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
         """A tail-split program's producer: the X-ring producer of _producer over its whole tiles, then its
         K-part of a tail tile."""
         grid_n = gl.cdiv(N, BN)
         p = gl.program_id(0)
-        pd = _pair_distance(N, PAIR, HD)
         n_dp, tail, k = _tail_plan(M, N, parts, BM, BN)
         waves = n_dp // gl.num_programs(0)
-        for it in range(waves + (tail >= 0).to(gl.int32)):
+        for it in range(waves):
             t = p + it * gl.num_programs(0)
-            lo = 0
-            cnt = npairs
-            if it == waves:  # the tail part
-                t = tail
-                lo = k * npairs // parts
-                cnt = (k + 1) * npairs // parts - lo
-            if PAIR:
-                n0 = _pair_base(t % grid_n, BN, PAIR, HD)
-            else:
-                n0 = (t % grid_n) * BN
+            n0 = (t % grid_n) * BN
             _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, t // grid_n, n0 // 16, n0,
-                      2 * lo, cnt, stride_xm, pd, BM, BN, STAGES, 4, PAIR, True, XSTAGES, it * npairs)
+                      0, npairs, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES, it * npairs)
+        if tail >= 0:
+            lo = k * npairs // parts
+            n0 = (tail % grid_n) * BN
+            _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, tail // grid_n, n0 // 16, n0,
+                      2 * lo, (k + 1) * npairs // parts - lo, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES,
+                      waves * npairs)
 
     @gluon.jit
     def _duo_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
@@ -599,9 +560,8 @@ if HAVE_GLUON_WS:
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
         num_warps is 4), the second with CREGS registers, each storing its own 64 rows. TSTORE (PERSIST,
-        no pairing): by TMA from shared memory, YD a descriptor over Y with [BM, 64] boxes. TAIL (PERSIST, and
-        TSTORE or SwiGLU): the last partial wave's tiles in ``parts`` K-parts, WS / CNT the partials' workspace
-        and counters."""
+        no pairing): by TMA from shared memory, YD a descriptor over Y with [BM, 64] boxes. TAIL (PERSIST and
+        TSTORE): the last partial wave's tiles in ``parts`` K-parts, WS / CNT the partials' workspace, counters."""
         ACC: gl.constexpr = _acc_layout(BM, NW)
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
@@ -660,14 +620,12 @@ if HAVE_GLUON_WS:
                 ysm = ready
             if TAIL:  # persistent programs, the last wave's tiles split in K (launch_gluon_ws)
                 gl.warp_specialize([
-                    (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, Y, WS, CNT, M, N,
-                                       stride_ym, BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, PAIR, hand, handed,
-                                       YD, ysm, TSTORE)),
-                    (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, Y, WS, CNT, M, N,
-                                       stride_ym, BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, PAIR, hand, handed,
-                                       YD, ysm, TSTORE)),
+                    (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
+                                       BM, BN, STAGES, HAS_BIAS, gl.constexpr(0), XSTAGES, YD, ysm)),
+                    (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
+                                       BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, YD, ysm)),
                     (_producer_tail, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, parts,
-                                      stride_xm, BM, BN, STAGES, PAIR, XSTAGES, HD)),
+                                      stride_xm, BM, BN, STAGES, XSTAGES)),
                 ], [4, 4], [CREGS, PREGS])
             elif PERSIST:  # one program per SM slot walks tiles (launch_gluon_ws: split-K 1, X ring, duo)
                 gl.warp_specialize([
@@ -744,13 +702,12 @@ def tma_store_runs(cfg, persist: int, pair: bool, rope, y: torch.Tensor) -> bool
                 and y.stride(1) == 1 and (y.stride(0) * y.element_size()) % 16 == 0 and y.data_ptr() % 16 == 0)
 
 
-def tail_plan(cfg, persist: int, plain_or_swiglu: bool, grid_mn: int, pairs: int, y: torch.Tensor):
+def tail_plan(cfg, persist: int, tstore: bool, grid_mn: int, pairs: int, y: torch.Tensor):
     """(K-parts per tail tile, grid, fp32 workspace, arrival counters) of a tail-split launch (``cfg.tail``:
     persistent programs run whole waves of tiles, then the R tiles of the last, partial wave as P // R
-    K-parts each, one part per program), or None where it runs whole tiles: not a persistent launch that
-    stores by TMA or pairs SwiGLU (``plain_or_swiglu``), no partial wave or too full a one to split, no
-    counters yet (a first call under graph capture)."""
-    if not (getattr(cfg, "tail", False) and persist and plain_or_swiglu):
+    K-parts each, one part per program), or None where it runs whole tiles: no persistent TMA-stored launch,
+    no partial wave or too full a one to split, no counters yet (a first call under graph capture)."""
+    if not (getattr(cfg, "tail", False) and persist and tstore):
         return None
     nprog = min(persist, grid_mn)
     rest = grid_mn % nprog
@@ -818,7 +775,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         grid = (min(grid_mn, persist),)
     tstore = tma_store_runs(cfg, persist, pair, rope, y)
     yd = GluonDescriptor.from_tensor(y, [cfg.bm, 64], y_layout(cfg.bm)) if tstore else None
-    tail = tail_plan(cfg, persist, tstore or (pair and rope is None), grid_mn, kg // 16, y)
+    tail = tail_plan(cfg, persist, tstore, grid_mn, kg // 16, y)
     if tail is not None:
         parts, grid, ws, cnt = tail
     rows = cfg.bn // 2 if pair or rope is not None else cfg.bn  # a pairing tile loads its two halves apart

@@ -241,11 +241,11 @@ def test_persistent_duo_tiles_compile_for_sm90():
                 kerns.append(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
             assert all(resource_usage(k)["STACK"] == 0 for k in kerns[1:]), (c, pair)
             wgmmas = [k.asm["ptx"].count("wgmma.mma_async") for k in kerns]
-            # tail (plain and SwiGLU tiles) runs the K loop at two sites, the whole waves' and the tail part's,
-            # and counts the partials' arrivals
+            # tail (plain tiles) runs the K loop at two sites, the whole waves' and the tail part's, and counts
+            # the partials' arrivals
             assert wgmmas[0] == wgmmas[1] == wgmmas[2] > 0, (c, pair, wgmmas)
-            assert wgmmas[3] == 2 * wgmmas[0], (c, pair, wgmmas)
-            assert kerns[3].asm["ptx"].count("atom.") == 4, (c, pair)
+            assert wgmmas[3] == (2 if pair == 0 else 1) * wgmmas[0], (c, pair, wgmmas)
+            assert kerns[3].asm["ptx"].count("atom.") == (4 if pair == 0 else 0), (c, pair)
             # tstore: one TMA store per consumer partition on plain tiles (SwiGLU tiles write through the exchange)
             stores = kerns[2].asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared")
             assert stores == (2 if pair == 0 else 0), (c, pair, stores)
