@@ -80,15 +80,17 @@ def candidates(args, layer, m, n, k):
                                             for xst in map(int, args.xstages.split(",")):
                                                 if xst and not (xtma and half == 2):
                                                     continue
-                                                for per, tst in product(map(int, args.persist.split(",")),
-                                                                        map(int, args.tstore.split(","))):
-                                                    if per and not (duo and xst) or tst and not per:
+                                                for per, tst, tl in product(map(int, args.persist.split(",")),
+                                                                            map(int, args.tstore.split(",")),
+                                                                            map(int, args.tail.split(","))):
+                                                    if per and not (duo and xst) or (tst or tl) and not per:
                                                         continue
                                                     yield SimpleNamespace(bm=bm, bn=bn, warps=warps, stages=stages,
                                                                           maxnreg=regs, pregs=pregs, split_k=split,
                                                                           half=half, halves=bool(halves),
                                                                           xtma=bool(xtma), duo=bool(duo), xstages=xst,
-                                                                          persist=per, tstore=bool(tst))
+                                                                          persist=per, tstore=bool(tst),
+                                                                          tail=bool(tl))
 
 
 def main(argv=None) -> int:
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
                     "duo tiles with an X ring only)")
     ap.add_argument("--tstore", default="0", help="0, 1 or 0,1: persistent tiles store by TMA, not waited for "
                     "(FwdConfig.tstore)")
+    ap.add_argument("--tail", default="0", help="0, 1 or 0,1: persistent tiles split their last partial wave's "
+                    "tiles in K (FwdConfig.tail)")
     ap.add_argument("--swiglu", action="store_true", help="gate/up as the engine launches it: SwiGLU in the "
                     "epilogue from K-order X, the table's tile timed the same way (candidates must take X by TMA)")
     ap.add_argument("-v", action="store_true", help="print every candidate's time")
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
                 print(f"  {model} {layer} M={m} bn{cfg.bn} w{cfg.warps} st{cfg.stages} r{cfg.maxnreg} "
                       f"p{cfg.pregs} h{cfg.half} sk{cfg.split_k}{' halves' if cfg.halves else ''}"
                       f"{' xtma' if cfg.xtma else ''}{' duo' if cfg.duo else ''}{f' x{cfg.xstages}' if cfg.xstages else ''}"
-                      f"{' persist' if cfg.persist else ''}{' tstore' if cfg.tstore else ''}: "
+                      f"{' persist' if cfg.persist else ''}{' tstore' if cfg.tstore else ''}{' tail' if cfg.tail else ''}: "
                       f"{us:.1f}", flush=True)
             if best is None or us < best:
                 best, best_cfg = us, cfg
