@@ -371,15 +371,15 @@ if HAVE_GLUON_WS:
 
     @gluon.jit
     def _tail_plan(M, N, parts, BM: gl.constexpr, BN: gl.constexpr):
-        """A tail-split launch's (whole tiles, run first as whole waves: the programs' tiles p, p + P, ...;
-        the tail tile and part of this program, -1 if it has none). The last, partial wave's R tiles run
-        as ``parts`` K-parts each, part k of every tail tile the same pairs, one part per program."""
+        """A tail-split program's (whole waves of tiles, run first: its tiles p, p + P, ...; its tail tile, -1 if
+        it has none, and the part of it). The last, partial wave's R tiles run as ``parts`` K-parts each,
+        part k of every tail tile the same pairs, one part per program."""
         p = gl.program_id(0)
         nprog = gl.num_programs(0)
         tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
         n_dp = tiles - tiles % nprog
         tail = gl.where(p < (tiles - n_dp) * parts, n_dp + p // parts, -1)
-        return n_dp, tail, p % parts
+        return n_dp // nprog, tail, p % parts
 
     @gluon.jit
     def _tail_partial(acc, G, B, YD, ysm, WS, CNT, pid_m, col0, N, q_lo, parts, BM: gl.constexpr,
@@ -425,8 +425,7 @@ if HAVE_GLUON_WS:
         ACC: gl.constexpr = _acc_layout(BM, 4)
         grid_n = gl.cdiv(N, BN)
         p = gl.program_id(0)
-        n_dp, tail, k = _tail_plan(M, N, parts, BM, BN)
-        waves = n_dp // gl.num_programs(0)
+        waves, tail, k = _tail_plan(M, N, parts, BM, BN)
         for it in range(waves):
             t = p + it * gl.num_programs(0)
             acc = _consumer_xring(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, 64, 4, STAGES, XSTAGES, R0,
@@ -448,8 +447,7 @@ if HAVE_GLUON_WS:
         K-part of a tail tile."""
         grid_n = gl.cdiv(N, BN)
         p = gl.program_id(0)
-        n_dp, tail, k = _tail_plan(M, N, parts, BM, BN)
-        waves = n_dp // gl.num_programs(0)
+        waves, tail, k = _tail_plan(M, N, parts, BM, BN)
         for it in range(waves):
             t = p + it * gl.num_programs(0)
             n0 = (t % grid_n) * BN
