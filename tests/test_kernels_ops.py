@@ -189,6 +189,41 @@ def test_duo_tiles_are_two_consumer_tiles_that_pair_whole():
         assert r % 8 == 0 and r <= 256 and r <= first < r + 16
 
 
+def test_tma_store_and_tail_split_plans():
+    # The host side of FwdConfig.tstore and .tail (gemm_gluon_ws): a TMA store only for persistent plain
+    # launches with 16-byte aligned rows of Y; a tail split only where the last wave is partial and few enough
+    # tiles are left to give each >= 2 parts (P // R, at most the K pairs), with a workspace slot per program.
+    from types import SimpleNamespace
+
+    from qerl_kernels.gemm_gluon_ws import tail_plan, tma_store_runs
+
+    cfg = SimpleNamespace(tstore=True, tail=True, bm=256)
+    y = torch.empty(8, 64)
+    assert tma_store_runs(cfg, 132, False, None, y)
+    assert not tma_store_runs(cfg, 0, False, None, y)  # not persistent
+    assert not tma_store_runs(cfg, 132, True, None, y)  # SwiGLU pairs through its exchange buffer
+    assert not tma_store_runs(cfg, 132, False, object(), y)  # rotary
+    assert not tma_store_runs(cfg, 132, False, None, torch.empty(8, 66)[:, :60])  # 264-byte rows
+    assert not tma_store_runs(SimpleNamespace(tstore=False), 132, False, None, y)
+
+    def parts(tiles, pairs=14, persist=132, store=True):
+        plan = tail_plan(cfg, persist, store, tiles, pairs, y)
+        if plan is not None:
+            n, grid, ws, cnt = plan
+            assert grid == (min(persist, tiles),) and ws.numel() == grid[0] * 128 * cfg.bm and cnt.dtype == torch.int32
+            return n
+        return None
+
+    assert parts(144) == 11  # 7B q/k/v at M = 1024, BM 256: 132 whole, 12 tiles in 11 parts
+    assert parts(160) == 4  # 32B o / down: 28 tiles in 4
+    assert parts(296) == 4 and parts(592) == 2  # 7B gate/up at M = 128, 256 (BM 128)
+    assert parts(144, pairs=5) == 5  # never more parts than K pairs
+    assert parts(1184) is None  # 128 tiles left on 132 programs: 1 part each, nothing to split
+    assert parts(264) is None and parts(112) is None  # whole waves; one wave, not full
+    assert parts(144, store=False) is None and parts(144, persist=0) is None
+    assert tail_plan(SimpleNamespace(tail=False, bm=256), 132, True, 144, 14, y) is None
+
+
 def test_swiglu_korder_output_needs_whole_128_column_steps():
     # K order permutes within 128-column steps; a SwiGLU output of another width would be written past Y.
     from qerl_kernels.gemm_fwd import nvfp4_swiglu
