@@ -40,9 +40,10 @@ def _epilogue(sig: dict, consts: dict, pair: int) -> tuple[dict, dict]:
     return {**sig, "NQ": "i32", "NK": "i32"}, {**consts, **dict.fromkeys(("P", "CS", "SLOT", "KC", "VC"))}
 
 
-def gluon_source(cfg, pair: int = 0):
+def gluon_source(cfg, pair: int = 0, pdl: bool = False):
     """(source, compile options) of the Gluon kernel a launch of ``cfg`` runs, with pairing epilogue ``pair``
-    (0 plain, 1 SwiGLU, 2 rotary, 3 SwiGLU in K order), as the launchers pass them."""
+    (0 plain, 1 SwiGLU, 2 rotary, 3 SwiGLU in K order), as the launchers pass them; ``pdl``: as launched
+    after its own ``permute_x`` (X-by-TMA tiles over natural X, kernels/pdl.py)."""
     from qerl_kernels.gemm_gluon_tma import x_layout
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -71,7 +72,7 @@ def gluon_source(cfg, pair: int = 0):
                       PERSIST=bool(duo and cfg.persist and cfg.xstages and cfg.split_k == 1 and not cfg.halves),
                       NW=4 if duo else cfg.warps)
         consts.update(TSTORE=bool(consts["PERSIST"] and getattr(cfg, "tstore", False) and pair == 0))
-        consts.update(TAIL=bool(consts["TSTORE"] and getattr(cfg, "tail", False)))
+        consts.update(TAIL=bool(consts["TSTORE"] and getattr(cfg, "tail", False)), PDL=bool(pdl and cfg.xtma))
         sig["parts"] = "i32"
         if consts["TSTORE"]:
             sig["YD"] = f"tensordesc<bf16[{cfg.bm},64],{y_layout(cfg.bm)!r}>"
@@ -89,7 +90,7 @@ def gluon_source(cfg, pair: int = 0):
             return GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts), opts
         kernel = _nvfp4_fwd_gluon_tma_kernel
         sig.update(steps_per_split="i32", n_full="i32", stride_sn="i32", stride_ym="i32")
-        consts.update(SPLIT=min(cfg.split_k, 2), HALVES=cfg.halves)
+        consts.update(SPLIT=min(cfg.split_k, 2), HALVES=cfg.halves, PDL=pdl)
     else:
         from qerl_kernels.gemm_gluon import _nvfp4_fwd_gluon_kernel
 

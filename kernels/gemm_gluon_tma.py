@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from qerl_kernels import pdl as pdl_module
 from qerl_kernels.decode import perm_x
 from qerl_kernels.gemm_fwd import COUNTER_SLOTS, arrival_counters
 from qerl_kernels.gemm_gluon import (
@@ -42,6 +43,7 @@ from qerl_kernels.gemm_gluon import (
     pair_mode,
     plan_halves,
 )
+from qerl_kernels.pdl import gdc_launch_dependents, launch_kwargs, pdl_enabled
 
 HAVE_GLUON_TMA = False
 if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missing ones disable the path
@@ -56,6 +58,7 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
             _tile_coords,
             _write_y,
         )
+        from qerl_kernels.pdl import griddep_wait
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -74,21 +77,36 @@ if HAVE_GLUON:  # the TMA and mbarrier pieces of Gluon's experimental API: missi
 
 
 @triton.jit
-def _permute_x_kernel(X, XP, M, K, stride_xm, stride_pm, BR: tl.constexpr):
-    """X [M, K] -> XP [M, K] with every 128-column step in the MMA's K order (decode.perm_x)."""
+def _permute_x_kernel(X, XP, M, K, stride_xm, stride_pm, BR: tl.constexpr, RELEASE: tl.constexpr = False):
+    """X [M, K] -> XP [M, K] with every 128-column step in the MMA's K order (decode.perm_x). RELEASE: the
+    GEMM after it (launched with PDL) may start once every program of this one runs (pdl.py)."""
+    if RELEASE:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)[None, :]
     x = tl.load(X + rows * stride_xm + cols, mask=rows < M, other=0.0)
     tl.store(XP + rows * stride_pm + cols, perm_x(x, BR, 16), mask=rows < M)
 
 
-def permute_x(x: torch.Tensor) -> torch.Tensor:
-    """Activations [M, K] (K % 128 == 0) in the K order the Gluon kernels' decoded weights use."""
+def permute_x(x: torch.Tensor, release: bool = False) -> torch.Tensor:
+    """Activations [M, K] (K % 128 == 0) in the K order the Gluon kernels' decoded weights use.
+    ``release``: the next kernel on the stream is launched with PDL and may start early (pdl.py)."""
     m, k = x.shape
     xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m:
-        _permute_x_kernel[(triton.cdiv(m, 16), k // K_STEP)](x, xp, m, k, x.stride(0), xp.stride(0), BR=16)
+        _permute_x_kernel[(triton.cdiv(m, 16), k // K_STEP)](x, xp, m, k, x.stride(0), xp.stride(0), BR=16,
+                                                             RELEASE=release)
     return xp
+
+
+def permuted_for_pdl(x: torch.Tensor, x_korder: bool) -> tuple[torch.Tensor, bool]:
+    """(X in the MMA's K order, whether the GEMM reading it launches with PDL): ``x`` itself where it is
+    already in K order (its producer is some other kernel: no PDL), else a ``permute_x`` copy that lets
+    the GEMM start early where PDL runs and X has at least ``pdl.PDL_MIN_ROWS`` rows (pdl.py)."""
+    if x_korder:
+        return x, False
+    pdl = x.shape[0] >= pdl_module.PDL_MIN_ROWS and pdl_enabled(x.device)
+    return permute_x(x, release=pdl), pdl
 
 
 def permute_x_reference(x: torch.Tensor) -> torch.Tensor:
@@ -129,15 +147,20 @@ if HAVE_GLUON_TMA:
     def _tile_mma(x_desc, PW, S, xs, bars, g0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, INFLIGHT: gl.constexpr,
                   ACC: gl.constexpr, DOT: gl.constexpr, CODES: gl.constexpr, PAIR: gl.constexpr = 0,
-                  HD: gl.constexpr = 64):
+                  HD: gl.constexpr = 64, PDL: gl.constexpr = False):
         """acc [BN, BM] of one tile over its K steps s_lo .. s_lo + nsteps - 1. The X ring's steps are
-        numbered from g0, so its stages and mbarrier phases carry on across the tiles of a program."""
+        numbered from g0, so its stages and mbarrier phases carry on across the tiles of a program. PDL:
+        the first two steps' codes load before the wait for the kernel that wrote X (pdl.py)."""
         code_off, scale_off = _group_offsets(pid_n, N, KG, stride_sn, BN, CODES, PAIR, HD)
+        if PDL:
+            pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
+            pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
+            griddep_wait()
         for j in gl.static_range(STAGES - 1):
             _issue_x(x_desc, xs, bars, (g0 + j) % STAGES, pid_m * BM, s_lo + j, j < nsteps)
-
-        pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
-        pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
+        if not PDL:
+            pw, s = _load_codes(PW, S, code_off, scale_off, s_lo)
+            pw1, s1 = _load_codes(PW, S, code_off, scale_off, s_lo + gl.minimum(1, nsteps - 1))
         acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
         a_odd = gl.zeros([BN, 64], gl.bfloat16, layout=DOT)  # the previous step's second half (in flight)
         for i in range(nsteps):
@@ -182,8 +205,9 @@ if HAVE_GLUON_TMA:
         stride_sn, stride_ym,
         BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NW: gl.constexpr,
         STAGES: gl.constexpr, INFLIGHT: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.constexpr = 0,
-        P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
+        P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64, PDL: gl.constexpr = False,
     ):
+        """PDL: launched as the dependent of the ``permute_x`` that wrote X (pdl.py)."""
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         CODES: gl.constexpr = _codes_layout(BN, NW)
@@ -195,7 +219,7 @@ if HAVE_GLUON_TMA:
 
         xs, bars = _alloc_ring(x_desc, BM, STAGES)
         acc = _tile_mma(x_desc, PW, S, xs, bars, 0, pid_m, pid_n, s_lo, nsteps, N, KG, stride_sn,
-                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES, PAIR, HD)
+                        BM, BN, STAGES, INFLIGHT, ACC, DOT, CODES, PAIR, HD, PDL)
         for b in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(b))
         _store_program(acc, G, B, Y, WS, CNT, pid, pid_k, n_full, pid_m, pid_n, M, N, stride_ym, BM, BN, SPLIT,
@@ -301,7 +325,8 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
             return y
     m, n, kg, y, grid_mn, split, per, ws, cnt = launch_plan(x, groups, cfg, pair)
     n_full, grid, ws, cnt = plan_halves(y, cfg, split, kg // 8, grid_mn, n, ws, cnt)
-    x_desc = GluonDescriptor.from_tensor(permute_x(x) if xp is None else xp, [cfg.bm, 64], x_layout(cfg.bm))
+    xk, pdl = permuted_for_pdl(x, x_korder)
+    x_desc = GluonDescriptor.from_tensor(xk, [cfg.bm, 64], x_layout(cfg.bm))
     _nvfp4_fwd_gluon_tma_kernel[grid](
         x_desc, groups, scale_u8, global_scale.reshape(1).to(torch.float32), bias if bias is not None else y,
         y, ws, cnt,
@@ -309,7 +334,8 @@ def launch_gluon_tma(x, groups, scale_u8, global_scale, bias, cfg, programs: int
         scale_u8.stride(0), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, SPLIT=split, HAS_BIAS=bias is not None, NW=cfg.warps,
         STAGES=max(2, cfg.stages), INFLIGHT=bool(cfg.inflight), HALVES=n_full is not None,
-        PAIR=pair_mode(pair, rope, y_korder), num_warps=cfg.warps, **(rope.kernel_args() if rope is not None else {}),
+        PAIR=pair_mode(pair, rope, y_korder), PDL=pdl, num_warps=cfg.warps, **launch_kwargs(pdl),
+        **(rope.kernel_args() if rope is not None else {}),
     )
     return y
 

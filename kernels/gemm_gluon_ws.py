@@ -72,6 +72,10 @@ into arbitrary ranges, tried first, was up to 1.6x slower for losing that). Part
 workspace and the last program to arrive sums them in program order: deterministic, but the tail tiles'
 rows round differently from one program's sum. H100 (twenty-second pass): gate/up at M = 128 10% faster,
 32B gate/up at M = 1024 8%.
+
+Over natural X of more than 128 rows, the launch after its ``permute_x`` uses programmatic dependent launch
+(kernels/pdl.py): each program's producer loads its first ring stages of codes and scales, then waits for
+the copy, so the launch and those loads overlap it. 0.4-2.6% at M = 256-1024 (twenty-third pass).
 """
 
 from __future__ import annotations
@@ -99,9 +103,10 @@ if HAVE_GLUON:
         from qerl_kernels.gemm_gluon_tma import (
             _decode_half,
             _halves,
-            permute_x,
+            permuted_for_pdl,
             x_layout,
         )
+        from qerl_kernels.pdl import griddep_wait, launch_kwargs
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
@@ -158,19 +163,27 @@ if HAVE_GLUON_WS:
     @gluon.jit
     def _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, band0, n0, s_lo, npairs,
                   stride_xm, pd, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PW: gl.constexpr,
-                  PAIR: gl.constexpr, XTMA: gl.constexpr, XSTAGES: gl.constexpr, j0=0):
+                  PAIR: gl.constexpr, XTMA: gl.constexpr, XSTAGES: gl.constexpr, j0=0, PDL: gl.constexpr = False):
         """Fill stage j % STAGES, once the consumer has released it, with K steps s_lo + 2 j and + 1: codes
         and scales by TMA, X through this warpgroup's registers, permuted into the MMA's K order; with
         XTMA, X (a descriptor over activations already in K order) by TMA too, four [BM, 64] half steps.
         With XSTAGES the half steps go to a ring of their own, half step u into stage u % XSTAGES; ``j0``
-        (persistent programs) counts the pairs of the program's earlier tiles, so rings and phases carry on."""
+        (persistent programs) counts the pairs of the program's earlier tiles, so rings and phases carry on.
+        PDL (XTMA): the program's first stages of codes and scales load before the wait for the kernel that
+        wrote X (pdl.py); ``pre`` of this tile's pairs then have their weights already."""
+        pre = npairs * 0
+        if PDL:
+            pre = _early_weights(c_desc, s_desc, cs, ss, ready, band0, n0, s_lo, npairs, pd, j0, BN, STAGES, PAIR)
         if XSTAGES:
             for jt in range(npairs):
                 j = j0 + jt
                 st = j % STAGES
                 mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)
                 step = s_lo + 2 * jt
-                _load_weights(c_desc, s_desc, cs, ss, st, ready.index(st), band0, n0, step, pd, BN, PAIR)
+                if not PDL:
+                    _load_weights(c_desc, s_desc, cs, ss, st, ready.index(st), band0, n0, step, pd, BN, PAIR)
+                elif jt >= pre:
+                    _load_weights(c_desc, s_desc, cs, ss, st, ready.index(st), band0, n0, step, pd, BN, PAIR)
                 for q in gl.static_range(4):
                     u = 4 * j + q
                     xst = u % XSTAGES
@@ -185,7 +198,10 @@ if HAVE_GLUON_WS:
                 bar = ready.index(st)
                 step = s_lo + 2 * j
                 mbarrier.expect(bar, 4 * X.block_type.nbytes)  # the stage's second arrival: X's bytes
-                _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
+                if not PDL:
+                    _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
+                elif j >= pre:
+                    _load_weights(c_desc, s_desc, cs, ss, st, bar, band0, n0, step, pd, BN, PAIR)
                 for q in gl.static_range(4):
                     _tma_load(X, [pid_m * BM, step * 128 + 64 * q], bar, xs.index(4 * st + q))
         else:
@@ -206,6 +222,20 @@ if HAVE_GLUON_WS:
                 xs.index(2 * st + 1).store(_permute_x(x1, BM))
                 fence_async_shared()  # the generic-proxy stores, before the wgmma's async-proxy reads
                 mbarrier.arrive(bar)  # the stage's second arrival (the first is the TMA's expect)
+
+    @gluon.jit
+    def _early_weights(c_desc, s_desc, cs, ss, ready, band0, n0, s_lo, npairs, pd, j0, BN: gl.constexpr,
+                       STAGES: gl.constexpr, PAIR: gl.constexpr):
+        """PDL: on the program's first tile (j0 == 0: its ring stages are all free), load the weights of its
+        first min(npairs, STAGES) pairs, then wait for the kernel that wrote X (pdl.py). Returns that count
+        (0 on later tiles, where the wait has long returned)."""
+        pre = npairs * 0
+        if j0 == 0:
+            pre = gl.minimum(npairs, STAGES)
+            for st in range(pre):
+                _load_weights(c_desc, s_desc, cs, ss, st, ready.index(st), band0, n0, s_lo + 2 * st, pd, BN, PAIR)
+            griddep_wait()
+        return pre
 
     @gluon.constexpr_function
     def _acc_layout(BM, NW):
@@ -442,7 +472,8 @@ if HAVE_GLUON_WS:
 
     @gluon.jit
     def _producer_tail(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, parts, stride_xm,
-                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr):
+                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, XSTAGES: gl.constexpr,
+                       PDL: gl.constexpr):
         """A tail-split program's producer: the X-ring producer of _producer over its whole tiles, then its
         K-part of a tail tile."""
         grid_n = gl.cdiv(N, BN)
@@ -452,13 +483,13 @@ if HAVE_GLUON_WS:
             t = p + it * gl.num_programs(0)
             n0 = (t % grid_n) * BN
             _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, t // grid_n, n0 // 16, n0,
-                      0, npairs, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES, it * npairs)
+                      0, npairs, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES, it * npairs, PDL)
         if tail >= 0:
             lo = k * npairs // parts
             n0 = (tail % grid_n) * BN
             _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, tail // grid_n, n0 // 16, n0,
                       2 * lo, (k + 1) * npairs // parts - lo, stride_xm, 0, BM, BN, STAGES, 4, 0, True, XSTAGES,
-                      waves * npairs)
+                      waves * npairs, PDL)
 
     @gluon.jit
     def _duo_tiles(cs, ss, xs, ready, empty, x_ready, x_empty, npairs, G, B, Y, WS, CNT, M, N, stride_ym,
@@ -483,7 +514,7 @@ if HAVE_GLUON_WS:
     @gluon.jit
     def _producer_tiles(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, stride_xm,
                         BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                        XSTAGES: gl.constexpr, HD: gl.constexpr):
+                        XSTAGES: gl.constexpr, HD: gl.constexpr, PDL: gl.constexpr):
         """A persistent program's producer: the X-ring producer of _producer over its tiles in turn, so it
         fills the next tile's first stages while the consumers finish the last one and store it."""
         grid_n = gl.cdiv(N, BN)
@@ -497,7 +528,7 @@ if HAVE_GLUON_WS:
             else:
                 n0 = pid_n * BN
             _producer(X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, tile // grid_n, n0 // 16, n0,
-                      0, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, True, XSTAGES, it * npairs)
+                      0, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, True, XSTAGES, it * npairs, PDL)
 
     @gluon.jit
     def _half_mma(a, xh, acc, prev, INFLIGHT: gl.constexpr):
@@ -554,12 +585,15 @@ if HAVE_GLUON_WS:
         PAIR: gl.constexpr = 0, P=None, CS=None, SLOT=None, KC=None, VC=None, NQ=0, NK=0, HD: gl.constexpr = 64,
         XTMA: gl.constexpr = False, DUO: gl.constexpr = False, CREGS: gl.constexpr = 0, XSTAGES: gl.constexpr = 0,
         PERSIST: gl.constexpr = False, YD=None, TSTORE: gl.constexpr = False, parts=0, TAIL: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):
         """XTMA: X is a TMA descriptor over activations already in the MMA's K order (launch_gluon_ws).
         DUO (BN 128, no pairing): the two consumer warpgroups run as two partitions of 4 warps (the launch's
         num_warps is 4), the second with CREGS registers, each storing its own 64 rows. TSTORE (PERSIST,
         no pairing): by TMA from shared memory, YD a descriptor over Y with [BM, 64] boxes. TAIL (PERSIST and
-        TSTORE): the last partial wave's tiles in ``parts`` K-parts, WS / CNT the partials' workspace, counters."""
+        TSTORE): the last partial wave's tiles in ``parts`` K-parts, WS / CNT the partials' workspace, counters.
+        PDL (XTMA): launched as the dependent of the ``permute_x`` that wrote X; only the producer reads X
+        and it waits for that kernel (_early_weights), nothing else touches what that kernel writes (pdl.py)."""
         ACC: gl.constexpr = _acc_layout(BM, NW)
         # gemm_gluon._program_k_range inline: through the helper ptxas spills at launch cap 48 (sm_90,
         # Triton 3.6: two LDL/STL in the split-K grid's SASS, none written out like this).
@@ -623,7 +657,7 @@ if HAVE_GLUON_WS:
                     (_duo_tail_tiles, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, parts, G, B, WS, CNT, M, N,
                                        BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, YD, ysm)),
                     (_producer_tail, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs, parts,
-                                      stride_xm, BM, BN, STAGES, XSTAGES)),
+                                      stride_xm, BM, BN, STAGES, XSTAGES, PDL)),
                 ], [4, 4], [CREGS, PREGS])
             elif PERSIST:  # one program per SM slot walks tiles (launch_gluon_ws: split-K 1, X ring, duo)
                 gl.warp_specialize([
@@ -634,7 +668,7 @@ if HAVE_GLUON_WS:
                                   BM, BN, STAGES, HAS_BIAS, gl.constexpr(64), XSTAGES, PAIR, hand, handed, YD, ysm,
                                   TSTORE)),
                     (_producer_tiles, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, N, npairs,
-                                       stride_xm, BM, BN, STAGES, PAIR, XSTAGES, HD)),
+                                       stride_xm, BM, BN, STAGES, PAIR, XSTAGES, HD, PDL)),
                 ], [4, 4], [CREGS, PREGS])
             else:
                 gl.warp_specialize([
@@ -645,7 +679,8 @@ if HAVE_GLUON_WS:
                                      pid_m, pid_n, M, N, stride_ym, BM, STAGES, HALF, XTMA, HAS_BIAS, SPLIT, HALVES,
                                      gl.constexpr(64), XSTAGES, PAIR, hand, handed, gl.constexpr(0), gl.constexpr(0))),
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0),
+                                 PDL)),
                 ], [4, 4], [CREGS, PREGS])
             _invalidate_rings(ready, empty, x_ready, x_empty, STAGES, XSTAGES)
         else:
@@ -654,13 +689,15 @@ if HAVE_GLUON_WS:
                     (_consumer_xring, (cs, ss, xs, ready, empty, x_ready, x_empty, npairs, BM, BN, NW, STAGES, XSTAGES, 0,
                                        gl.constexpr(0))),
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0),
+                                 PDL)),
                 ], [4], [PREGS])
             else:
                 res = gl.warp_specialize([
                     (_consumer, (cs, ss, xs, ready, empty, npairs, BM, BN, NW, STAGES, HALF, XTMA)),
                     (_producer, (X, c_desc, s_desc, cs, ss, xs, ready, empty, x_ready, x_empty, M, pid_m, n0 // 16, n0,
-                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0))),
+                                 2 * p_lo, npairs, stride_xm, pd, BM, BN, STAGES, 4, PAIR, XTMA, XSTAGES, gl.constexpr(0),
+                                 PDL)),
                 ], [4], [PREGS])
             acc = res[0]
             _invalidate_rings(ready, empty, x_ready, x_empty, STAGES, XSTAGES)
@@ -759,9 +796,10 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         raise ValueError("an X ring of its own (xstages) feeds X by TMA to half steps in flight: needs xtma, half 2")
     n, kg = groups.shape
     grid_mn = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    xarg = x
+    xarg, pdl = x, False
     if xtma:
-        xarg = GluonDescriptor.from_tensor(x if x_korder else permute_x(x), [cfg.bm, 64], x_layout(cfg.bm))
+        xk, pdl = permuted_for_pdl(x, x_korder)
+        xarg = GluonDescriptor.from_tensor(xk, [cfg.bm, 64], x_layout(cfg.bm))
     elif x_korder:
         raise ValueError("this tile reads X in natural order")
     y = torch.empty((m, n // 2 if pair else n), dtype=x.dtype, device=x.device)
@@ -788,7 +826,7 @@ def launch_gluon_ws(x, groups, scale_u8, global_scale, bias, cfg, pair: bool = F
         PREGS=getattr(cfg, "pregs", 40), HALF=getattr(cfg, "half", 0), HALVES=n_full is not None,
         PAIR=pair_mode(pair, rope, y_korder), XTMA=xtma, DUO=duo, CREGS=duo_consumer_regs(cfg) if duo else 0,
         XSTAGES=xstages, PERSIST=bool(persist), YD=yd, TSTORE=tstore, parts=tail[0] if tail else 0, TAIL=tail is not None,
-        num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None),
+        PDL=pdl, num_warps=4 if duo else cfg.warps, maxnreg=getattr(cfg, "maxnreg", None), **launch_kwargs(pdl),
         **(rope.kernel_args() if rope is not None else {}),
     )
     return y

@@ -114,7 +114,7 @@ def test_gluon_tma_tiles_compile_for_sm90():
                **({"units": "i32", "nprog": "i32"} if split == 0 else {"steps_per_split": "i32", "n_full": "i32"}),
                "stride_sn": "i32", "stride_ym": "i32"}
         consts = dict(BM=bm, BN=bn, HAS_BIAS=True, NW=warps, STAGES=stages, INFLIGHT=inflight,
-                      **({} if split == 0 else {"SPLIT": split, "HALVES": halves}))
+                      **({} if split == 0 else {"SPLIT": split, "HALVES": halves, "PDL": split == 1}))
         kernel = _nvfp4_fwd_gluon_tma_sk_kernel if split == 0 else _nvfp4_fwd_gluon_tma_kernel
         if split:
             sig, consts = _with_epilogue(sig, consts)
@@ -165,7 +165,8 @@ def test_gluon_ws_tiles_compile_for_sm90():
         sig, consts = _with_epilogue(sig, dict(BM=bm, BN=bn, SPLIT=split, HAS_BIAS=True, NW=4 if duo else warps,
                                                STAGES=stages, PREGS=pregs, HALF=half, HALVES=halves))
         creg = duo_consumer_regs(SimpleNamespace(maxnreg=maxnreg, pregs=pregs)) if duo else 0
-        consts.update(XTMA=xtma, DUO=duo, CREGS=creg, XSTAGES=xstages, PERSIST=False, YD=None, TSTORE=False, TAIL=False)
+        consts.update(XTMA=xtma, DUO=duo, CREGS=creg, XSTAGES=xstages, PERSIST=False, YD=None, TSTORE=False, TAIL=False,
+                      PDL=xtma)  # an X-by-TMA tile over natural X launches after permute_x with PDL (pdl.py)
         sig["parts"] = "i32"
         src = GluonASTSource(_nvfp4_fwd_gluon_ws_kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -280,3 +281,43 @@ def test_wgmma_probe_loops_compile_for_sm90():
            "tile": "i32"}
     k = build(_ring_loop, sig, dict(BM=128, NW=8, STAGES=4, KSTEPS=64, TMA=True, STORE=True), 8)
     assert resource_usage(k)["STACK"] == 0
+
+
+def test_pdl_launches_compile_for_sm90():
+    # kernels/pdl.py: an X-by-TMA launch after its own permute_x waits for it (griddepcontrol.wait) and
+    # loads its first weight stages before that (more TMA loads at the program's start); without PDL the
+    # kernel has no wait. The MMAs are the same either way, and permute_x releases its successor early.
+    import triton
+    from qerl_kernels.gemm_gluon_tma import _permute_x_kernel
+    from qerl_kernels.gemm_gluon_ws import HAVE_GLUON_WS
+    from qerl_kernels.tile_configs import FWD_TABLE, FwdConfig
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not HAVE_GLUON_WS:
+        pytest.skip("this Triton has no Gluon warp specialisation")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ptxas_table import gluon_source
+
+    duo = FwdConfig(128, 128, 16, warps=8, stages=2, swap=True, gluon=True, ws=True, xtma=True, maxnreg=168,
+                    pregs=40, half=2, duo=True, xstages=6, persist=1, tstore=True, tail=True)
+    ws = next(c for c in FWD_TABLE.values() if c.ws and c.xtma and not c.duo)
+    tma = next(c for c in FWD_TABLE.values() if c.gluon and c.xtma and not c.ws and not c.sk)
+    for c in (duo, ws, tma):
+        ptx = {}
+        for pdl in (False, True):
+            src, opts = gluon_source(c, 0, pdl)
+            ptx[pdl] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        assert "griddepcontrol.wait" not in ptx[False] and "griddepcontrol.wait" in ptx[True], c
+        assert ptx[True].count("wgmma.mma_async") == ptx[False].count("wgmma.mma_async"), c
+        if c.ws:  # the early codes and scales: TMA loads of their own
+            assert ptx[True].count("cp.async.bulk.tensor") > ptx[False].count("cp.async.bulk.tensor"), c
+    sig = {"X": "*bf16", "XP": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_pm": "i32",
+           "BR": "constexpr", "RELEASE": "constexpr"}
+    for release in (False, True):
+        src = ASTSource(_permute_x_kernel, sig, constexprs={"BR": 16, "RELEASE": release})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert ("griddepcontrol.launch_dependents" in ptx) == release

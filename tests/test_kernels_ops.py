@@ -234,3 +234,31 @@ def test_swiglu_korder_output_needs_whole_128_column_steps():
     with pytest.raises(ValueError, match="192 columns"):
         nvfp4_swiglu(x, p, s, g, y_korder=True)
     assert nvfp4_swiglu(x, p, s, g) is None  # CPU: no pairing tile, the caller runs its own SwiGLU
+
+
+def test_pdl_only_where_a_hopper_gpu_runs_compiled_kernels(monkeypatch):
+    # kernels/pdl.py: the GEMM after permute_x launches early only on CUDA sm_90+, never in Triton's
+    # interpreter or with QERL_PDL=0; X already in K order (no permute_x before the GEMM) never does, nor
+    # X of fewer rows than pdl.PDL_MIN_ROWS (where it measured slower).
+    from qerl_kernels import pdl
+    from qerl_kernels.gemm_gluon_tma import permuted_for_pdl
+
+    x = torch.randn(4, 256)
+    xk, on = permuted_for_pdl(x, True)
+    assert xk is x and not on
+    assert not pdl.pdl_enabled(torch.device("cpu"))
+    assert pdl.launch_kwargs(False) == {} and pdl.launch_kwargs(True) == {"launch_pdl": True}
+    gpu = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("QERL_PDL", raising=False)
+    monkeypatch.setattr(pdl, "_capable", {0: True})
+    assert pdl.pdl_enabled(gpu) == (pdl.gdc_wait is not None)
+    monkeypatch.setenv("QERL_PDL", "0")
+    assert not pdl.pdl_enabled(gpu)
+    monkeypatch.setenv("QERL_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.pdl_enabled(gpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(pdl, "_capable", {0: False})  # pre-Hopper
+    assert not pdl.pdl_enabled(gpu)
+    assert 64 < pdl.PDL_MIN_ROWS <= 256
