@@ -4,7 +4,7 @@ on and off, on the table's tiles over natural X as bench_kernels.py times them (
     python benchmarks/probe_pdl.py --ms 32,64,128,256,1024 --rounds 3
 
 Each point: the table's config with ``QERL_PDL=1`` and ``=0``, timed alternately ``--rounds`` times
-(medians), the outputs compared bit for bit, cuBLAS bf16 in the same run; then the geomean speed-up over
+(medians; PDL on first in even rounds, off first in odd ones), the outputs compared bit for bit, cuBLAS bf16 in the same run; then the geomean speed-up over
 cuBLAS per M both ways. Points whose tile takes X in natural order or decodes once run the same launches
 either way (listed as such).
 """
@@ -43,9 +43,13 @@ def main(argv=None) -> int:
     for model, layer, d, m, cfg, cublas in probe_points(args):
         x = torch.randn(m, d.k, device="cuda", dtype=torch.bfloat16)
         on, off = [], []
-        for _ in range(args.rounds):
-            us1, y1 = timed(d, m, cfg, True, x)
-            us0, y0 = timed(d, m, cfg, False, x)
+        for r in range(args.rounds):  # the side timed first alternates, so drift lands on both
+            if r % 2:
+                us0, y0 = timed(d, m, cfg, False, x)
+                us1, y1 = timed(d, m, cfg, True, x)
+            else:
+                us1, y1 = timed(d, m, cfg, True, x)
+                us0, y0 = timed(d, m, cfg, False, x)
             assert torch.equal(y1, y0), (model, layer, m)
             on.append(us1)
             off.append(us0)
