@@ -75,7 +75,7 @@ rows round differently from one program's sum. H100 (twenty-second pass): gate/u
 
 Over natural X of more than 128 rows, the launch after its ``permute_x`` uses programmatic dependent launch
 (kernels/pdl.py): each program's producer loads its first ring stages of codes and scales, then waits for
-the copy, so the launch and those loads overlap it: about 1% at M = 256-1024 (twenty-third pass).
+the copy, so the launch and those loads overlap it: about 0.7% at M = 256-1024 (twenty-third pass).
 """
 
 from __future__ import annotations

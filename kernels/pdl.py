@@ -18,11 +18,11 @@ fresh buffer, and the GEMM reads that buffer only after the wait; its other writ
 workspace and counters) go to memory the copy never touches.
 
 Measured (docs/benchmarks.md, kernels, twenty-third pass, ``benchmarks/probe_pdl.py``, on and off in one
-run, PDL on timed first): level to 2.6% faster on all 17 X-by-TMA points of M = 256 and 1024 timed (H100 and
-H200; median 1.1%, where a point that runs the same launches either way read 1.005-1.006x: that much is the
-order's bias), and from 3.8% slower to 1.6% faster at M = 32-128 (H100), where the GEMM's 112-144 programs,
-launched while the copy's programs still hold SMs, may land unevenly (not measured further). So only
-launches of at least ``PDL_MIN_ROWS`` rows use it.
+run): a small gain at M = 256 and 1024, about 0.7% (median over the eight X-by-TMA points of 7B and 32B q/k/v
+with the timing order rotated, -0.5% to +1.4% by point, H100; two runs timing PDL first read 1.1% with a 0.5%
+order bias), and a loss at M = 32-128 (H100: 7B o at M = 64 13.6 -> 14.1 us; letting the GEMM start only
+once the copy's programs have stored, instead of at their start, lost more). So only launches of at least
+``PDL_MIN_ROWS`` rows use it.
 
 ``QERL_PDL=0`` turns it off; the interpreter and pre-Hopper GPUs never use it.
 """
