@@ -111,6 +111,20 @@ def test_slurm_bf16_baseline_uses_the_model_dir_and_skips_quantize(tmp_path):
     assert _stage(tmp_path, "rollout", 0, "BASE_FORMAT=bf16").startswith("rollout --model /models/Qwen2.5-7B-Instruct ")
 
 
+def test_slurm_final_fp4_merge_requantizes_and_scores_base_and_merged(tmp_path):
+    # As grpo.sh: an NVFP4 merge adds the update to the bf16 source, and both policies are scored alike.
+    run, model = tmp_path / "run", "/models/Qwen2.5-7B-Instruct"
+    log = _stage(tmp_path, "final", 0, "MERGE_DTYPE=nvfp4\nEVAL_DATASET=t.jsonl\nEVAL_MAX_PROBLEMS=50")
+    cmds = [c.strip() for c in log.split("--device cuda")]  # the prompt template holds newlines
+    assert cmds[0].startswith(f"merge --model {run}/base --adapter {run}/step-000004/adapter --out {run}/merged")
+    assert f"--dtype nvfp4 --requantize-from {model}" in cmds[0]
+    assert f"eval --model {run}/base --dataset t.jsonl" in cmds[0] and f"eval --model {run}/merged" in cmds[1]
+    assert [c.count("--max-problems 50") for c in cmds] == [0, 1, 1]
+    assert log.endswith(f"eval --compare {run}/eval-base {run}/eval-final")
+    (tmp_path / "b").mkdir()
+    assert "--requantize-from" not in _stage(tmp_path / "b", "final", 0)  # a bf16 merge needs no source
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     log = tmp_path / "qerl.log"
@@ -207,5 +221,6 @@ def test_live_slurm_runs_the_chain_in_dependency_order(tmp_path, live_slurm):
         time.sleep(0.5)
     lines = log.read_text().split("\n")[:-1] if log.exists() else []
     stages = [line.split(" ")[0] for line in lines]
-    assert stages == ["quantize", "rollout", "rollout", "train-step", "rollout", "rollout", "train-step", "merge", "eval"], lines
+    assert stages == ["quantize", "rollout", "rollout", "train-step", "rollout", "rollout", "train-step", "merge", "eval", "eval",
+                      "eval"], lines  # base, merged, --compare
     assert sorted(line.split(" ")[1] for line in lines[1:3]) == ["0", "1"]
