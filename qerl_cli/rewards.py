@@ -356,10 +356,17 @@ def _load_user_function(name: str) -> Reward:
     if not callable(fn):
         raise BadInputError(f"reward {name!r}: {target}.{attr} is not callable")
     try:
-        params = inspect.signature(fn).parameters
-        takes_prompt = "prompt" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    except (TypeError, ValueError):
-        takes_prompt = False
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
+        sig = None
+    takes_prompt = sig is not None and ("prompt" in sig.parameters
+                                         or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()))
+    if sig is not None:
+        try:  # before any generation: a reward that cannot take (completion, answer) fails here, not hours later
+            sig.bind("", None, prompt=None) if takes_prompt else sig.bind("", None)
+        except TypeError as e:
+            raise BadInputError(f"reward {name!r}: {target}.{attr}{sig} cannot be called as "
+                                f"f(completion, answer[, prompt=...]) ({e})") from None
     try:
         source = inspect.getsourcefile(fn)
     except TypeError:
@@ -431,7 +438,12 @@ class RewardSet:
         values: dict[str, float] = {}
         total = 0.0
         for s in self.specs:
-            v = s.reward(completion, answer, prompt)
+            try:
+                v = s.reward(completion, answer, prompt)
+            except Exception as e:  # noqa: BLE001 - a user function's failure is the user's to fix
+                if s.reward.source is None and ":" not in s.name:
+                    raise  # a built-in reward failing is qerl's bug: keep the traceback
+                raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}: {e}{where}") from None
             try:
                 v = float(v)
             except (TypeError, ValueError):

@@ -196,6 +196,18 @@ def test_user_reward_module_function(tmp_path, monkeypatch):
     assert fileset.score("abc", "b")[1] == 1.0
 
 
+def test_user_reward_that_cannot_be_called_or_raises_is_a_one_line_error(tmp_path):
+    f = tmp_path / "rw.py"
+    f.write_text("def one(c):\n    return 1.0\n\ndef boom(completion, answer):\n    return 1 / 0\n")
+    with pytest.raises(BadInputError, match=r"one\(c\) cannot be called as f\(completion, answer"):
+        RewardSet.from_specs([f"{f}:one"])  # found when the flags are read, before any generation
+    with pytest.raises(BadInputError, match="cannot be called"):
+        RewardSet.from_specs(["os:getcwd"])
+    rs = RewardSet.from_specs([f"{f}:boom"])
+    with pytest.raises(BadInputError, match=r"reward '.*:boom' raised ZeroDivisionError: division by zero for row 3"):
+        rs.score("x", "y", where=" for row 3")
+
+
 def test_get_reward_builtin():
     assert get_reward("gsm8k")("#### 3", "3") == 1.0
     assert get_reward("math").needs_answer and not get_reward("format").needs_answer
