@@ -26,6 +26,7 @@ from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_modules
 PREFIX = "base_model.model."
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+NORMS = "norms.safetensors"  # train-step --train-norms: trained RMSNorm weights (fp32), beside the PEFT files
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,23 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
         _probe_changes_output(model, adapter_dir)
     targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in mods}))
     return AdapterInfo(r=cfg["r"], alpha=alpha, targets=targets, hash=adapter_hash(adapter_dir))
+
+
+def load_norms(model, path: Path) -> None:
+    """Copy an adapter's trained RMSNorm weights (``NORMS``) over the model's, by parameter name."""
+    import torch
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as fh:
+        for k in fh.keys():
+            if k not in params:
+                raise BadInputError(f"{path}: norm weight {k!r} matches no norm of this model")
+            t = fh.get_tensor(k)
+            if t.shape != params[k].shape:
+                raise BadInputError(f"{path}: {k!r} has shape {tuple(t.shape)}, the model's is {tuple(params[k].shape)}")
+            with torch.no_grad():
+                params[k].copy_(t.to(params[k].dtype))
 
 
 def adapter_hash(adapter_dir) -> str:

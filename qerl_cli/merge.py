@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import BadInputError, LineageError, NumericalError
-from qerl_cli.hashing import model_hash
+from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
-from qerl_cli.outputs import StageOutput
+from qerl_cli.outputs import StageOutput, check_out_apart
 
 DTYPES = ("bf16", "nvfp4")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,17 +73,6 @@ class MergeConfig:
         if self.max_shard_size <= 0:
             raise BadInputError(f"--max-shard-size must be positive, got {self.max_shard_size}")
         check_out_apart(self.out, model=self.model, adapter=self.adapter, requantize_from=self.requantize_from)
-
-
-def check_out_apart(out: Path, **inputs: Path | None) -> None:
-    """--out must not be an input or inside one: --force would replace the input being read."""
-    o = Path(out).resolve()
-    for flag, p in inputs.items():
-        if p is None:
-            continue
-        p = Path(p).resolve()
-        if o == p or p in o.parents or o in p.parents:
-            raise BadInputError(f"--out {out} overlaps --{flag} {p}", hint="write the output to a separate directory")
 
 
 # ---- the adapter -----------------------------------------------------------------------------
@@ -186,6 +175,13 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         deltas[module] = LoraDelta(a.float(), b.float(), scaling, embedding=emb)
     if not deltas and not replacements:
         raise BadInputError(f"{w_path}: the adapter holds no LoRA tensors")
+    from qerl_cli.adapters import NORMS
+
+    if (adapter_dir / NORMS).exists():  # train-step --train-norms: they replace the base's norms too
+        try:
+            replacements.update(load_file(str(adapter_dir / NORMS)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise BadInputError(f"{adapter_dir / NORMS}: unreadable safetensors file ({e})") from None
 
     base_hash = recorded_base_hash(adapter_dir)
     from qerl_cli.adapters import adapter_hash
@@ -194,14 +190,14 @@ def read_adapter(adapter_dir: Path) -> Adapter:
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------
-def open_base(model_dir: Path):
-    """The base as a streaming ``SourceModel`` (headers only); errors name ``--model``."""
+def open_base(model_dir: Path, flag: str = "--model"):
+    """The base as a streaming ``SourceModel`` (headers only); errors name ``flag``."""
     from qerl_cli.checkpoint import open_source
 
     try:
         return open_source(model_dir)
     except BadInputError as e:
-        raise BadInputError(f"--model: {e}") from None
+        raise BadInputError(f"{flag}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -420,10 +416,14 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
                             hint="merge it into the model it was trained on", allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
     inputs = {"model": base_hash, "adapter": adapter.hash}
+    from qerl_cli.adapters import NORMS
+
+    if (adapter.path / NORMS).exists():
+        inputs["adapter_norms"] = sha256_file(adapter.path / NORMS)
     # The tensors the update is added to: the base itself, or (--requantize-from) its bf16 source.
     target = base
     if cfg.requantize_from is not None:
-        target = open_base(cfg.requantize_from)
+        target = open_base(cfg.requantize_from, "--requantize-from")
         inputs["requantize_from"] = check_source_of(cfg.model, cfg.requantize_from, cfg.allow_base_mismatch)
         if packed_weights(target):
             raise BadInputError(f"--requantize-from {cfg.requantize_from} is quantized; name the bf16 checkpoint "

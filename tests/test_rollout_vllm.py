@@ -106,3 +106,13 @@ def test_vllm_rollout_end_to_end(tmp_path):
     assert len(recs) == 32 and all(r["engine"] == "vllm" for r in recs)
     assert all(len(r["logprobs"]) == len(r["completion_token_ids"]) for r in recs)
     assert res["summary"]["sigma"] > 0
+
+
+def test_adapter_with_trained_norms_is_refused_before_vllm_loads(tmp_path):
+    # vLLM's LoRA request carries no norm weights: sampling would silently use the base's (runs without vLLM).
+    from qerl_cli.engine_vllm import VLLMEngine
+    from qerl_cli.errors import BadInputError
+
+    (tmp_path / "norms.safetensors").write_bytes(b"")
+    with pytest.raises(BadInputError, match="has trained norm weights"):
+        VLLMEngine(tmp_path, adapter_dir=tmp_path, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
