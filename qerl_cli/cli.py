@@ -64,7 +64,8 @@ def guarded(fn, stage: str | None = None):
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
-            print("interrupted: --out was not written (a rerun of rollout resumes its saved groups)", file=sys.stderr)
+            resume = " (a rerun resumes its saved groups)" if stage == "rollout" else ""
+            print(f"interrupted: --out was not written{resume}", file=sys.stderr)
             raise typer.Exit(130) from None
 
     return wrapper

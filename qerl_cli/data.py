@@ -286,8 +286,10 @@ def encode_prompts(
     max_prompt_tokens: int | None = None,
     on_long: str = "skip",
     report: EncodeReport | None = None,
+    long_hint: str = "pass --long-prompts skip to skip such prompts, or raise --max-model-len",
 ) -> list[EncodedPrompt]:
-    """Render and tokenize rows; prompts over ``max_prompt_tokens`` are skipped (counted) or an error."""
+    """Render and tokenize rows; prompts over ``max_prompt_tokens`` are skipped (counted) or an error
+    (``long_hint``: what the calling stage's flags offer)."""
     if on_long not in LONG_PROMPT_POLICIES:
         raise BadInputError(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {on_long!r}")
     report = report if report is not None else EncodeReport()
@@ -304,7 +306,7 @@ def encode_prompts(
             if on_long == "error":
                 raise BadInputError(
                     f"{row.where}: prompt has {len(ids)} tokens, more than the {max_prompt_tokens} that fit the context",
-                    hint="pass --long-prompts skip to skip such prompts, or raise --max-model-len",
+                    hint=long_hint,
                 )
             report.skipped_long.append(f"{row.where} ({len(ids)} tokens)")
             continue

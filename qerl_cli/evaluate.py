@@ -100,7 +100,7 @@ class EvalConfig:
             raise BadInputError(f"--max-problems must be at least 1, got {self.max_problems}")
         if self.max_num_seqs < 1:
             raise BadInputError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
-        from qerl_cli.merge import check_out_apart
+        from qerl_cli.outputs import check_out_apart
 
         check_out_apart(self.out, model=self.model, adapter=self.adapter, dataset=self.dataset)
 
@@ -260,7 +260,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                             f"{max_model_len}-token context", hint="lower --max-new-tokens or raise --max-model-len")
     # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
     prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
-                             chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error")
+                             chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
+                             long_hint="raise --max-model-len or lower --max-new-tokens")
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
     if generate is None:

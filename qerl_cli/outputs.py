@@ -36,13 +36,26 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import __version__
-from qerl_cli.errors import OutputExistsError
+from qerl_cli.errors import BadInputError, OutputExistsError
 from qerl_cli.hashing import sha256_file, sha256_json
 
 MANIFEST = "manifest.json"
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "localhost"
 KILL_ENV = "QERL_TEST_KILL_AT"
 _kill_hits: dict[str, int] = {}
+
+
+def check_out_apart(out: Path, **inputs: Path | None) -> None:
+    """--out must not be an input, hold one, or (for a directory input) lie inside one: --force would
+    replace the input being read. A file input only conflicts when --out is the file or holds it."""
+    o = Path(out).resolve()
+    for flag, p in inputs.items():
+        if p is None:
+            continue
+        p = Path(p).resolve()
+        if o == p or o in p.parents or (not p.is_file() and p in o.parents):
+            raise BadInputError(f"--out {out} overlaps --{flag.replace('_', '-')} {p}",
+                                hint="write the output to a separate directory")
 
 
 def crash_point(name: str) -> None:

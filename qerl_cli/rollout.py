@@ -44,7 +44,7 @@ from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts
 from qerl_cli.errors import BadInputError, OutputExistsError, QerlError
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file
 from qerl_cli.lineage import check_lineage
-from qerl_cli.outputs import StageOutput
+from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.rewards import RewardSet
 from qerl_cli.runtime import context_length, load_tokenizer, resolve_device, resolve_dtype
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
@@ -121,7 +121,8 @@ def _check_flags(cfg: RolloutConfig) -> None:
     if cfg.step < 0:
         bad(f"--step must be >= 0, got {cfg.step}")
     if cfg.num_shards < 1 or not (0 <= cfg.shard_index < cfg.num_shards):
-        bad(f"--shard-index {cfg.shard_index} is outside 0..{cfg.num_shards - 1} (--num-shards {cfg.num_shards})")
+        bad(f"--num-shards must be >= 1, got {cfg.num_shards}" if cfg.num_shards < 1 else
+            f"--shard-index {cfg.shard_index} is outside 0..{cfg.num_shards - 1} (--num-shards {cfg.num_shards})")
     if cfg.engine not in ENGINES:
         bad(f"--engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
     if cfg.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.device):
@@ -152,6 +153,8 @@ def _check_flags(cfg: RolloutConfig) -> None:
         bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)")
     if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
         bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)")
+    # --force replaces --out: never let that be the model, the adapter or the prompt file's directory.
+    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, prompts=cfg.prompts)
 
 
 def aqn_sigma(cfg: RolloutConfig) -> float:
@@ -398,6 +401,10 @@ def rollout(cfg: RolloutConfig) -> dict:
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
                              on_long=cfg.long_prompts, report=enc_report)
+    if selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
+        raise BadInputError(f"all {len(selected)} selected prompts are longer than the {max_model_len - 1} tokens "
+                            f"that fit the context (first: {enc_report.skipped_long[0]})",
+                            hint="raise --max-model-len, or shorten the prompts or the template")
     name = shard_name(cfg.shard_index, cfg.num_shards)
     policy = {"base": base_hash, "adapter": adapter_hash}
     from qerl_cli.aqn import NOISED_NORMS

@@ -23,6 +23,7 @@ import glob as _glob
 import json
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -270,6 +271,17 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
             seen.add(r)
             unique.append(f)
     return unique
+
+
+def missing_shards(files: Iterable[Path]) -> list[str]:
+    """Names of the ``shard-i-of-N`` files that ``files`` lack for the N their names announce (a job of a
+    sharded rollout that never finished, or one not named)."""
+    have: dict[int, set[int]] = {}
+    for f in files:
+        m = re.fullmatch(r"shard-(\d+)-of-(\d+)\.jsonl", Path(f).name)
+        if m:
+            have.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    return [shard_name(i, n) for n, idx in sorted(have.items()) for i in range(n) if i not in idx]
 
 
 def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator[dict]:

@@ -40,10 +40,11 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli.adapters import NORMS
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
-from qerl_cli.outputs import StageOutput
+from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.runtime import resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.advantages import SCALES, group_advantages
@@ -64,7 +65,7 @@ from qerl_cli.train.state import STATE_FILE, TrainerState, capture_rng, restore_
 
 STAGE = "train-step"
 METRICS_FILE = "metrics.jsonl"
-NORMS_FILE = "norms.safetensors"
+
 
 
 @dataclass
@@ -234,7 +235,7 @@ def _shards_hash(files: list[Path]) -> str:
 
 def _adapter_inputs_hash(adapter: Path) -> str:
     h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors", OPTIMIZER_FILE, STATE_FILE, NORMS_FILE):
+    for name in ("adapter_config.json", "adapter_model.safetensors", OPTIMIZER_FILE, STATE_FILE, NORMS):
         p = Path(adapter) / name
         if p.exists():
             h.update(name.encode())
@@ -278,11 +279,12 @@ def _lora_spec(cfg: TrainStepConfig):
         spec = LoraSpec(r=spec.r, alpha=spec.alpha, dropout=dropout, targets=spec.targets,
                         use_rslora=spec.use_rslora, seed=cfg.seed)
     else:
-        spec = LoraSpec(r=cfg.lora_rank or 16, alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 16.0,
+        spec = LoraSpec(r=16 if cfg.lora_rank is None else cfg.lora_rank,
+                        alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 16.0,
                         dropout=cfg.lora_dropout or 0.0, targets=tuple(cfg.lora_targets or DEFAULT_TARGETS),
                         seed=cfg.seed)
         if spec.r <= 0:
-            raise BadInputError(f"--lora-rank must be positive, got {spec.r}")
+            raise BadInputError(f"--lora-rank must be >= 1, got {spec.r}")
     return spec
 
 
@@ -313,21 +315,6 @@ def _trainable(model, train_norms: bool) -> list[tuple[str, torch.nn.Parameter]]
                 m.weight.requires_grad_(True)
                 named.append((f"{mname}.weight", m.weight))
     return named
-
-
-def _load_norms(model, path: Path) -> None:
-    from safetensors import safe_open
-
-    params = dict(model.named_parameters())
-    with safe_open(str(path), framework="pt") as fh:
-        for k in fh.keys():
-            if k not in params:
-                raise BadInputError(f"{path}: norm weight {k!r} matches no norm of this model")
-            t = fh.get_tensor(k)
-            if t.shape != params[k].shape:
-                raise BadInputError(f"{path}: {k!r} has shape {tuple(t.shape)}, the model's is {tuple(params[k].shape)}")
-            with torch.no_grad():
-                params[k].copy_(t.to(params[k].dtype))
 
 
 def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
@@ -361,6 +348,33 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
         else:
             notes.append(f"--embeddings-on-cpu: no effect on {device} (the table is already in CPU memory)")
     return notes
+
+
+def _check_numeric_flags(cfg: TrainStepConfig) -> None:
+    """Flags whose out-of-range values would otherwise train something other than what was asked, silently
+    (a zero alpha never learns, a min-LR ratio over 1 raises the LR)."""
+    def need(ok: bool, flag: str, what: str, v) -> None:
+        if not ok:
+            raise BadInputError(f"{flag} must be {what}, got {v}")
+
+    if cfg.lora_rank is not None:
+        need(cfg.lora_rank >= 1, "--lora-rank", ">= 1", cfg.lora_rank)
+    if cfg.lora_alpha is not None:
+        need(cfg.lora_alpha > 0 and math.isfinite(cfg.lora_alpha), "--lora-alpha", "a finite number > 0", cfg.lora_alpha)
+    if cfg.lora_dropout is not None:
+        need(0 <= cfg.lora_dropout < 1, "--lora-dropout", "in [0, 1)", cfg.lora_dropout)
+    need(cfg.warmup_steps >= 0, "--warmup-steps", ">= 0", cfg.warmup_steps)
+    if cfg.total_steps is not None:
+        need(cfg.total_steps >= 1, "--total-steps", ">= 1 (omit it for a constant LR after warmup)", cfg.total_steps)
+    need(0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio", "in [0, 1]", cfg.min_lr_ratio)
+    need(cfg.max_grad_norm >= 0 and math.isfinite(cfg.max_grad_norm), "--max-grad-norm",
+         "a finite number >= 0 (0 turns clipping off)", cfg.max_grad_norm)
+    need(cfg.weight_decay >= 0, "--weight-decay", ">= 0", cfg.weight_decay)
+    need(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "--adam-beta1/--adam-beta2", "in [0, 1)",
+         (cfg.adam_beta1, cfg.adam_beta2))
+    need(cfg.adam_eps > 0, "--adam-eps", "> 0", cfg.adam_eps)
+    need(cfg.micro_batch_tokens >= 1, "--micro-batch-tokens", ">= 1", cfg.micro_batch_tokens)
+    need(cfg.logits_chunk_tokens >= 1, "--logits-chunk-tokens", ">= 1", cfg.logits_chunk_tokens)
 
 
 def _check_memory_flags(cfg: TrainStepConfig) -> None:
@@ -398,6 +412,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
         raise BadInputError(f"--epochs must be >= 1, got {cfg.epochs}")
     if cfg.lr < 0 or not math.isfinite(cfg.lr):
         raise BadInputError(f"--lr must be a finite number >= 0, got {cfg.lr}")
+    _check_numeric_flags(cfg)
     _check_memory_flags(cfg)
     if cfg.baseline not in (None, "bf16"):
         raise BadInputError(f"--baseline must be bf16 (or omitted), got {cfg.baseline!r}")
@@ -408,10 +423,18 @@ def train_step(cfg: TrainStepConfig) -> dict:
     if cfg.adapter is not None and Path(cfg.out).resolve() == Path(cfg.adapter).resolve():
         # Overwriting the input adapter would make the step impossible to rerun or resume.
         raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
+    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter)
     device = resolve_device(cfg.device)
     _, dtype = resolve_dtype(cfg.dtype, device)
 
     data = read_step(cfg)
+    for f in data.files:  # --force replaces --out: never the directory the shards are read from
+        check_out_apart(cfg.out, shards=f.parent)
+    from qerl_cli.shards import missing_shards
+
+    if missing := missing_shards(data.files):  # shown even with -q: the step trains on part of its data
+        print(f"warning: the shards name {len(missing)} more shard file(s) of this step that --shards does not "
+              f"reach (first: {missing[0]}); training on the {len(data.files)} given", file=sys.stderr)
     if data.bad_lines:
         _say(cfg, f"warning: skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
     base_hash = model_hash(Path(cfg.model))
@@ -437,9 +460,9 @@ def train_step(cfg: TrainStepConfig) -> dict:
     spec = _lora_spec(cfg)
     parent_hash = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
     _check_lineage(cfg, data, base_hash, parent_hash, state)
-    has_norms = cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists()
+    has_norms = cfg.adapter is not None and (Path(cfg.adapter) / NORMS).exists()
     if has_norms and not cfg.train_norms:
-        raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS_FILE}); pass --train-norms")
+        raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS}); pass --train-norms")
     inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
     if cfg.adapter is not None:
         inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
@@ -596,9 +619,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     except torch.OutOfMemoryError:
         raise OutOfMemoryError(f"out of GPU memory loading {cfg.model} on {device}",
                                hint="the base model alone does not fit this GPU") from None
-    named = _trainable(model, cfg.train_norms)
-    if cfg.adapter is not None and (Path(cfg.adapter) / NORMS_FILE).exists():
-        _load_norms(model, Path(cfg.adapter) / NORMS_FILE)
+    named = _trainable(model, cfg.train_norms)  # an adapter's trained norms came with it (load_model)
     params = [p for _, p in named]
     if data.noise is not None:
         rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]))
@@ -680,7 +701,7 @@ def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metr
     save_optimizer(opt, work / OPTIMIZER_FILE)
     if cfg.train_norms:
         norms = {n: p.detach().float().cpu().contiguous() for n, p in named if ".lora_" not in n}
-        save_file(norms, str(work / NORMS_FILE), metadata={"format": "pt"})
+        save_file(norms, str(work / NORMS), metadata={"format": "pt"})
     state.save(work / STATE_FILE)
     append_jsonl(work / METRICS_FILE, metrics)
 

@@ -297,6 +297,22 @@ def test_user_reward_file_is_an_input(model_dir, tmp_path, fake_engine):
         rollout(cfg_for(model_dir, tmp_path, rewards=(f"{f}:r",), max_prompts=2))
 
 
+def test_out_over_an_input_and_all_prompts_too_long_are_refused(model_dir, tmp_path, fake_engine):
+    import shutil
+
+    mc = tmp_path / "mc"
+    shutil.copytree(model_dir, mc)
+    for model, out, flag in ((mc, mc, "--model"), (model_dir, tmp_path, "--prompts")):
+        with pytest.raises(BadInputError, match=f"overlaps {flag}"):
+            rollout(cfg_for(model, tmp_path, out=out, force=True))
+    assert (mc / "config.json").is_file()
+    with pytest.raises(BadInputError, match="all 2 selected prompts are longer than the 1 tokens"):
+        rollout(cfg_for(model_dir, tmp_path, max_prompts=2, max_model_len=2))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(BadInputError, match="--num-shards must be >= 1, got 0"):
+        rollout(cfg_for(model_dir, tmp_path, num_shards=0))
+
+
 def test_cli(model_dir, tmp_path, fake_engine):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
     args = ["rollout", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),

@@ -350,6 +350,48 @@ def test_train_norms_saves_and_resumes_norm_weights(models, tmp_path):
         train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1))
     train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, train_norms=True, lr=1e-2))
     assert (tmp_path / "a2" / "norms.safetensors").is_file()
+    # The policy is the adapter and its norms: rollout and eval load them (load_model), merge writes them.
+    from qerl_cli.merge import MergeConfig, merge
+    from qerl_cli.models import load_model
+
+    model = load_model(q, device="cpu", dtype=torch.float32, adapter_dir=a1)
+    assert torch.equal(model.model.norm.weight.detach(), norms["model.norm.weight"])
+    m = merge(MergeConfig(q, a1, tmp_path / "merged"), progress=False)
+    merged = {}
+    for f in sorted((tmp_path / "merged").glob("*.safetensors")):
+        merged.update(load_file(str(f)))
+    for k in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(merged[k], norms[k].to(merged[k].dtype)), k
+    assert m["inputs"]["adapter_norms"]
+
+
+def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path):
+    import shutil
+
+    q, h = models["q"], models["qhash"]
+    sh = make_shard(tmp_path / "sh", h, seed=6)
+    qc = tmp_path / "qc"
+    shutil.copytree(q, qc)
+    for out, what in ((sh, "--shards"), (qc, "--model"), (tmp_path, "--model")):
+        with pytest.raises(BadInputError, match=f"overlaps {what}"):
+            train_step(_cfg(qc, [sh], out, force=True))
+    assert (qc / "config.json").is_file() and list(Path(sh).glob("*.jsonl"))  # nothing replaced
+    for kw, flag in ((dict(lora_rank=0), "--lora-rank"), (dict(lora_alpha=0.0), "--lora-alpha"),
+                     (dict(min_lr_ratio=2.0), "--min-lr-ratio"), (dict(warmup_steps=-1), "--warmup-steps"),
+                     (dict(total_steps=0), "--total-steps"), (dict(max_grad_norm=-1.0), "--max-grad-norm"),
+                     (dict(logits_chunk_tokens=0), "--logits-chunk-tokens"), (dict(lora_dropout=1.5), "--lora-dropout")):
+        with pytest.raises(BadInputError, match=flag):
+            train_step(_cfg(q, [sh], tmp_path / "bad", **kw))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_shards_of_a_sharded_step_are_named():
+    from qerl_cli.shards import missing_shards
+
+    assert missing_shards([Path("a/shard-00000-of-00003.jsonl"), Path("b/shard-00002-of-00003.jsonl")]) == [
+        "shard-00001-of-00003.jsonl"]
+    assert missing_shards([Path("a/shard-00000-of-00002.jsonl"), Path("b/shard-00001-of-00002.jsonl")]) == []
+    assert missing_shards([Path("mine.jsonl")]) == []
 
 
 def test_kl_to_base_and_resumed_policy_match_peft_reference(models, tmp_path):

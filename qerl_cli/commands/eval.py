@@ -58,7 +58,7 @@ def command(
                                "last \\boxed{}. Example: --scorer math"),
     max_problems: int = typer.Option(None, "--max-problems", help="Score only the first N problems (smoke runs). "
                                      "Example: --max-problems 50", show_default=False),
-    engine: str = typer.Option("native", "--engine", help="native (qerl's engine) or vllm (needs `qerl[vllm]`). "
+    engine: str = typer.Option("native", "--engine", help="native (qerl's engine) or vllm (needs `qerl\\[vllm]`). "
                                "Example: --engine vllm"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda. Example: --device cpu"),
     dtype: str = typer.Option("auto", "--dtype", help="Activation dtype: auto (bf16 on GPU, fp32 on CPU), bf16, "
