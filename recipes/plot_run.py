@@ -48,7 +48,7 @@ def main() -> None:
     for r in train:
         print(f"{r['step']:>5} {r['reward_mean']:>8.3f} {r['entropy']:>8.3f}")
     for s, score in evals:
-        print(f"pass@1 after step {s:>3}: {100 * score:.1f}%")
+        print(f"pass@1 {'of the base policy' if s < 0 else f'after step {s:>3}'}: {100 * score:.1f}%")
 
     import matplotlib
 
