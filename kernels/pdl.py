@@ -24,7 +24,15 @@ order bias), and a loss at M = 32-128 (H100: 7B o at M = 64 13.6 -> 14.1 us; let
 once the copy's programs have stored, instead of at their start, lost more). So only launches of at least
 ``PDL_MIN_ROWS`` rows use it.
 
-``QERL_PDL=0`` turns it off; the interpreter and pre-Hopper GPUs never use it.
+Off by default: ``QERL_PDL=1`` turns it on, and even then never for a launch captured into a CUDA graph.
+Replayed from a graph, the pair hung the GPU whenever the GEMM's grid filled every SM (a persistent grid
+of one program per SM, or more tiles than SMs): 32B q/k/v at M = 512 and 1024, 7B and 32B gate/up at
+M = 1024, even a graph of one pair, with a fresh compile cache; the same launches ran eagerly, and with
+PDL off, as always (H100, 2026-11-26, ``benchmarks/probe_hang.py``; docs/benchmarks.md, kernels,
+twenty-fourth pass). Why was not found: the GEMM's programs, each a whole SM, may be placed before the
+copy's last programs are, which would leave the copy nowhere to run while they wait for it. A hang for
+under 1% is not a trade worth making, so nothing uses PDL unless asked. The interpreter and pre-Hopper
+GPUs never use it.
 """
 
 from __future__ import annotations
@@ -43,10 +51,11 @@ PDL_MIN_ROWS = 129  # fewer rows: no PDL (see above)
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` may use PDL: CUDA sm_90+, not the interpreter, not ``QERL_PDL=0``."""
-    if device.type != "cuda" or gdc_wait is None or os.environ.get("QERL_PDL", "1") == "0":
+    """Whether launches on ``device`` may use PDL: only with ``QERL_PDL=1``, on CUDA sm_90+, outside the
+    interpreter and outside CUDA-graph capture (where it hung, see above)."""
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("QERL_PDL", "0") != "1":
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_current_stream_capturing():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _capable:

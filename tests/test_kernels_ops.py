@@ -237,9 +237,9 @@ def test_swiglu_korder_output_needs_whole_128_column_steps():
 
 
 def test_pdl_only_where_a_hopper_gpu_runs_compiled_kernels(monkeypatch):
-    # kernels/pdl.py: the GEMM after permute_x launches early only on CUDA sm_90+, never in Triton's
-    # interpreter or with QERL_PDL=0; X already in K order (no permute_x before the GEMM) never does, nor
-    # X of fewer rows than pdl.PDL_MIN_ROWS (where it measured slower).
+    # kernels/pdl.py: the GEMM after permute_x launches early only when asked (QERL_PDL=1), on CUDA sm_90+,
+    # never in Triton's interpreter nor while a CUDA graph is captured (replayed, it hung); X already in K
+    # order (no permute_x before the GEMM) never does, nor X of fewer rows than pdl.PDL_MIN_ROWS.
     from qerl_kernels import pdl
     from qerl_kernels.gemm_gluon_tma import permuted_for_pdl
 
@@ -252,10 +252,13 @@ def test_pdl_only_where_a_hopper_gpu_runs_compiled_kernels(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("QERL_PDL", raising=False)
     monkeypatch.setattr(pdl, "_capable", {0: True})
-    assert pdl.pdl_enabled(gpu) == (pdl.gdc_wait is not None)
-    monkeypatch.setenv("QERL_PDL", "0")
-    assert not pdl.pdl_enabled(gpu)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not pdl.pdl_enabled(gpu)  # off by default
     monkeypatch.setenv("QERL_PDL", "1")
+    assert pdl.pdl_enabled(gpu) == (pdl.gdc_wait is not None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not pdl.pdl_enabled(gpu)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.pdl_enabled(gpu)
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -1,7 +1,8 @@
 """Programmatic dependent launch between ``permute_x`` and the X-by-TMA GEMM that reads its output
 (kernels/pdl.py): the GEMM loads its first weight stages before waiting for the copy, so a wait in the
 wrong place would read stale or half-written X. Same bits with PDL on and off, on every kind of launch
-that takes it, eagerly and replayed from a CUDA graph with new X each time."""
+that takes it. PDL is opt-in (QERL_PDL=1) and never used under CUDA-graph capture: replayed, a pair whose
+GEMM filled every SM hung the GPU, which the last test guards against from a subprocess."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_pdl_gives_the_same_bits(m, monkeypatch):
     from qerl_kernels.gemm_fwd import nvfp4_matmul
     from qerl_kernels.testing import TOL, rel_err
 
+    monkeypatch.setenv("QERL_PDL", "1")
     assert pdl.pdl_enabled(torch.device("cuda"))
     tp, s, g, x, bias, ref = _case(m, 400, seed=m)
     for cfg, sms in _configs():
@@ -66,10 +68,13 @@ def test_pdl_gives_the_same_bits(m, monkeypatch):
         monkeypatch.undo()
 
 
-def test_pdl_in_a_cuda_graph_reads_each_replays_x():
-    # Replays with new X copied in before each: a GEMM that read X before the copy's end would return the
-    # last replay's rows (or a mix). Every launch kind of _configs back to back in one graph.
+def test_a_graph_captured_with_pdl_asked_reads_each_replays_x(monkeypatch):
+    # QERL_PDL=1, but capture launches plainly (pdl.pdl_enabled). Replays with new X copied in before each:
+    # a GEMM that read X before the copy's end would return the last replay's rows (or a mix). Every
+    # launch kind of _configs back to back in one graph.
     from qerl_kernels.gemm_fwd import nvfp4_matmul
+
+    monkeypatch.setenv("QERL_PDL", "1")
 
     tp, s, g, x, bias, _ = _case(300, 400, seed=5)
     cfgs = [c for c, sms in _configs() if sms is None or c.persist]
@@ -91,3 +96,46 @@ def test_pdl_in_a_cuda_graph_reads_each_replays_x():
         want = run()  # eager, after the replay on the same stream
         for c, y, w in zip(cfgs, outs, want):
             assert torch.equal(y, w), (seed, c)
+
+
+GRAPH_FILLING_EVERY_SM = """
+import os, torch
+os.environ["QERL_PDL"] = "1"
+from qerl_kernels.gemm_fwd import nvfp4_matmul
+from qerl_kernels.testing import random_nvfp4
+from qerl_kernels.twiddle import to_kernel_layout
+# 32B q/k/v at M = 1024 with the table's tile: a persistent grid of one program per SM behind a copy of
+# 64 x 40 programs, the first launch seen to hang (a graph of one pair was enough).
+p, s, g = random_nvfp4(7168, 5120, seed=1, device="cuda")
+tp = to_kernel_layout(p, True)
+x = torch.randn(1024, 5120, device="cuda", dtype=torch.bfloat16)
+run = lambda: nvfp4_matmul(x, tp, s, g, twiddled=True, blocked=True)
+want = run()
+stream = torch.cuda.Stream()
+stream.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(stream):
+    run()
+torch.cuda.current_stream().wait_stream(stream)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    y = run()
+graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(y, want)
+print("replayed")
+"""
+
+
+def test_a_graph_of_a_grid_filling_every_sm_replays_with_pdl_asked(tmp_path):
+    # The hang of 2026-11-26 (docs/benchmarks.md, kernels, twenty-fourth pass): with PDL under capture this
+    # replay never returned. In a subprocess, so a regression fails by timeout instead of hanging the suite.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "graph.py"
+    script.write_text(GRAPH_FILLING_EVERY_SM)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0 and "replayed" in r.stdout, r.stderr[-2000:]
+
