@@ -7,6 +7,10 @@ Each point: the table's config with ``QERL_PDL=1`` and ``=0``, timed alternately
 (medians; PDL on first in even rounds, off first in odd ones), the outputs compared bit for bit, cuBLAS bf16 in the same run; then the geomean speed-up over
 cuBLAS per M both ways. Points whose tile takes X in natural order or decodes once run the same launches
 either way (listed as such).
+
+Since 2026-11-26 PDL is never used for launches captured into a CUDA graph (it hung there: kernels/pdl.py),
+and this probe times graph replays, so both sides now run the same launches; it stays as the record of the
+twenty-third pass's measurement (docs/benchmarks.md).
 """
 
 from __future__ import annotations
