@@ -25,6 +25,18 @@ def test_help_lists_every_stage():
         assert name in out.output
 
 
+def test_every_flag_that_takes_a_value_has_an_example():
+    # The README: "qerl STAGE --help explains every flag with an example" (on/off switches need none).
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    for name, cmd in get_command(app).commands.items():
+        missing = [p.opts[0] for p in cmd.params
+                   if p.param_type_name == "option" and not p.is_flag and "Example" not in (p.help or "")]
+        assert not missing, f"qerl {name}: no example in the help of {missing}"
+
+
 def test_kernels_import_under_qerl_name():
     import qerl_kernels.reference as ref
 
