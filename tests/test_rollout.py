@@ -313,6 +313,17 @@ def test_out_over_an_input_and_all_prompts_too_long_are_refused(model_dir, tmp_p
         rollout(cfg_for(model_dir, tmp_path, num_shards=0))
 
 
+def test_quiet_cli_still_warns_of_skipped_prompts(model_dir, tmp_path, fake_engine):
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "word " * 300, "answer": "1"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = CliRunner().invoke(app, ["rollout", "--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"),
+                                 "--out", str(tmp_path / "o"), "-G", "2", "--device", "cpu", "--max-model-len", "64",
+                                 "--max-new-tokens", "4", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "warning: skipped 1 prompts too long for the context" in r.output
+    assert "wrote 2 completions for 1 prompts" in r.output
+
+
 def test_cli(model_dir, tmp_path, fake_engine):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
     args = ["rollout", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),

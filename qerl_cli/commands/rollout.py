@@ -107,6 +107,11 @@ def command(
     s = res["summary"]
     if not quiet:
         console.print(summary_table(s))
+    else:  # the table carries these; without it they must still be seen
+        skipped = [f"{s[k]} {what}" for k, what in (("skipped_long_prompts", "prompts too long for the context"),
+                                                    ("skipped_bad_rows", "bad prompt rows")) if s.get(k)]
+        if skipped:
+            Console(stderr=True, highlight=False).print(f"warning: skipped {', '.join(skipped)}")
     mean = s["reward"]["mean"]
     console.print(f"wrote {s['completions']} completions for {s['groups']} prompts to {out / s['shard']}"
                   + (f"; mean reward {mean:.3f}" if mean is not None else ""))
