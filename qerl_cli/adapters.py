@@ -185,6 +185,17 @@ def load_norms(model, path: Path) -> None:
                 params[k].copy_(t.to(params[k].dtype))
 
 
+def adapter_inputs(adapter_dir) -> dict:
+    """What a stage that applies the adapter records among its inputs: the PEFT files' hash, and the
+    trained norms' (``NORMS``) where there are any, so editing either makes it a different run."""
+    from qerl_cli.hashing import sha256_file
+
+    out = {"adapter": adapter_hash(adapter_dir)}
+    if (Path(adapter_dir) / NORMS).exists():
+        out["adapter_norms"] = sha256_file(Path(adapter_dir) / NORMS)
+    return out
+
+
 def adapter_hash(adapter_dir) -> str:
     return dir_hash(Path(adapter_dir), names=[CONFIG, WEIGHTS])
 

@@ -241,11 +241,11 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     inputs = {"model": base_hash, "dataset": sha256_file(cfg.dataset)}
     lineage = None
     if cfg.adapter is not None:
-        from qerl_cli.adapters import adapter_hash
+        from qerl_cli.adapters import adapter_inputs
 
         lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on",
                                 allow_mismatch=cfg.allow_base_mismatch)
-        inputs["adapter"] = adapter_hash(cfg.adapter)
+        inputs.update(adapter_inputs(cfg.adapter))
     so = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, template), inputs=inputs,
                      force=cfg.force)
     if so.already_done():

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import BadInputError, LineageError, NumericalError
-from qerl_cli.hashing import model_hash, sha256_file
+from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
 from qerl_cli.outputs import StageOutput, check_out_apart
 
@@ -415,11 +415,9 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash,
                             hint="merge it into the model it was trained on", allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
-    inputs = {"model": base_hash, "adapter": adapter.hash}
-    from qerl_cli.adapters import NORMS
+    from qerl_cli.adapters import adapter_inputs
 
-    if (adapter.path / NORMS).exists():
-        inputs["adapter_norms"] = sha256_file(adapter.path / NORMS)
+    inputs = {"model": base_hash, **adapter_inputs(adapter.path)}
     # The tensors the update is added to: the base itself, or (--requantize-from) its bf16 source.
     target = base
     if cfg.requantize_from is not None:

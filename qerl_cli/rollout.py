@@ -385,7 +385,9 @@ def rollout(cfg: RolloutConfig) -> dict:
                if cfg.adapter is not None else None)
     inputs = {"model": base_hash, "prompts": sha256_file(cfg.prompts)}
     if adapter_hash:
-        inputs["adapter"] = adapter_hash
+        from qerl_cli.adapters import adapter_inputs
+
+        inputs.update(adapter_inputs(cfg.adapter))
     for spec in reward_set.specs:  # a user reward's code is an input too: editing it changes results
         src = getattr(spec.reward, "source", None)
         if src:

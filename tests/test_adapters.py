@@ -126,3 +126,18 @@ def test_unsupported_adapter_config(tmp_path, nvfp4_dirs):
         load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
     with pytest.raises(BadInputError, match="adapter_config.json: not found"):
         load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path)
+
+
+def test_adapter_inputs_hash_the_trained_norms_too(tmp_path):
+    # rollout, eval and merge record these: editing norms.safetensors alone must make a different run.
+    from qerl_cli.adapters import NORMS, adapter_hash, adapter_inputs
+
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"w")
+    assert adapter_inputs(tmp_path) == {"adapter": adapter_hash(tmp_path)}
+    (tmp_path / NORMS).write_bytes(b"a")
+    first = adapter_inputs(tmp_path)
+    (tmp_path / NORMS).write_bytes(b"b")
+    second = adapter_inputs(tmp_path)
+    assert first["adapter"] == second["adapter"] == adapter_hash(tmp_path)
+    assert first["adapter_norms"] != second["adapter_norms"]
