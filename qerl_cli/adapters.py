@@ -185,15 +185,24 @@ def load_norms(model, path: Path) -> None:
                 params[k].copy_(t.to(params[k].dtype))
 
 
-def adapter_inputs(adapter_dir) -> dict:
-    """What a stage that applies the adapter records among its inputs: the PEFT files' hash, and the
-    trained norms' (``NORMS``) where there are any, so editing either makes it a different run."""
+def trained_norms(adapter_dir) -> Path | None:
+    """The adapter's ``NORMS`` file (``train-step --train-norms``), or None where it has none."""
+    path = Path(adapter_dir) / NORMS
+    return path if path.exists() else None
+
+
+def norms_input(adapter_dir) -> dict:
+    """``{"adapter_norms": sha256}`` where the adapter has trained norms, else ``{}``: a stage applying the
+    adapter records it beside the PEFT files' hash, so editing either makes it a different run."""
     from qerl_cli.hashing import sha256_file
 
-    out = {"adapter": adapter_hash(adapter_dir)}
-    if (Path(adapter_dir) / NORMS).exists():
-        out["adapter_norms"] = sha256_file(Path(adapter_dir) / NORMS)
-    return out
+    path = trained_norms(adapter_dir)
+    return {"adapter_norms": sha256_file(path)} if path else {}
+
+
+def adapter_inputs(adapter_dir) -> dict:
+    """What a stage that applies the adapter records among its inputs: the PEFT files' hash and ``norms_input``."""
+    return {"adapter": adapter_hash(adapter_dir), **norms_input(adapter_dir)}
 
 
 def adapter_hash(adapter_dir) -> str:

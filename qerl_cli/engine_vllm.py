@@ -88,9 +88,9 @@ class VLLMEngine:
 
     def __init__(self, model_dir: Path, *, adapter_dir: Path | None, dtype: str, max_num_seqs: int,
                  max_model_len: int | None, seed: int, gpu_memory_utilization: float = 0.85):
-        from qerl_cli.adapters import NORMS
+        from qerl_cli.adapters import NORMS, trained_norms
 
-        if adapter_dir is not None and (Path(adapter_dir) / NORMS).exists():
+        if adapter_dir is not None and trained_norms(adapter_dir):
             # vLLM's LoRA requests carry only LoRA tensors: sampling would silently use the base's norms.
             raise BadInputError(f"--adapter {adapter_dir} has trained norm weights ({NORMS}), which the vLLM engine "
                                 "cannot apply", hint="use --engine native, or serve a qerl merge of the adapter")

@@ -175,13 +175,13 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         deltas[module] = LoraDelta(a.float(), b.float(), scaling, embedding=emb)
     if not deltas and not replacements:
         raise BadInputError(f"{w_path}: the adapter holds no LoRA tensors")
-    from qerl_cli.adapters import NORMS
+    from qerl_cli.adapters import trained_norms
 
-    if (adapter_dir / NORMS).exists():  # train-step --train-norms: they replace the base's norms too
+    if norms := trained_norms(adapter_dir):  # train-step --train-norms: they replace the base's norms too
         try:
-            replacements.update(load_file(str(adapter_dir / NORMS)))
+            replacements.update(load_file(str(norms)))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise BadInputError(f"{adapter_dir / NORMS}: unreadable safetensors file ({e})") from None
+            raise BadInputError(f"{norms}: unreadable safetensors file ({e})") from None
 
     base_hash = recorded_base_hash(adapter_dir)
     from qerl_cli.adapters import adapter_hash
@@ -415,9 +415,9 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash,
                             hint="merge it into the model it was trained on", allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
-    from qerl_cli.adapters import adapter_inputs
+    from qerl_cli.adapters import norms_input
 
-    inputs = {"model": base_hash, **adapter_inputs(adapter.path)}
+    inputs = {"model": base_hash, "adapter": adapter.hash, **norms_input(adapter.path)}
     # The tensors the update is added to: the base itself, or (--requantize-from) its bf16 source.
     target = base
     if cfg.requantize_from is not None:

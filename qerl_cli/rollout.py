@@ -385,9 +385,9 @@ def rollout(cfg: RolloutConfig) -> dict:
                if cfg.adapter is not None else None)
     inputs = {"model": base_hash, "prompts": sha256_file(cfg.prompts)}
     if adapter_hash:
-        from qerl_cli.adapters import adapter_inputs
+        from qerl_cli.adapters import norms_input
 
-        inputs.update(adapter_inputs(cfg.adapter))
+        inputs.update(adapter=adapter_hash, **norms_input(cfg.adapter))
     for spec in reward_set.specs:  # a user reward's code is an input too: editing it changes results
         src = getattr(spec.reward, "source", None)
         if src:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import NORMS
+from qerl_cli.adapters import NORMS, trained_norms
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
@@ -65,7 +65,6 @@ from qerl_cli.train.state import STATE_FILE, TrainerState, capture_rng, restore_
 
 STAGE = "train-step"
 METRICS_FILE = "metrics.jsonl"
-
 
 
 @dataclass
@@ -283,8 +282,6 @@ def _lora_spec(cfg: TrainStepConfig):
                         alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 16.0,
                         dropout=cfg.lora_dropout or 0.0, targets=tuple(cfg.lora_targets or DEFAULT_TARGETS),
                         seed=cfg.seed)
-        if spec.r <= 0:
-            raise BadInputError(f"--lora-rank must be >= 1, got {spec.r}")
     return spec
 
 
@@ -428,8 +425,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
     _, dtype = resolve_dtype(cfg.dtype, device)
 
     data = read_step(cfg)
-    for f in data.files:  # --force replaces --out: never the directory the shards are read from
-        check_out_apart(cfg.out, shards=f.parent)
+    for d in {f.parent for f in data.files}:  # --force replaces --out: never a directory the shards are read from
+        check_out_apart(cfg.out, shards=d)
     from qerl_cli.shards import missing_shards
 
     if missing := missing_shards(data.files):  # shown even with -q: the step trains on part of its data
@@ -460,7 +457,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
     spec = _lora_spec(cfg)
     parent_hash = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
     _check_lineage(cfg, data, base_hash, parent_hash, state)
-    has_norms = cfg.adapter is not None and (Path(cfg.adapter) / NORMS).exists()
+    has_norms = cfg.adapter is not None and trained_norms(cfg.adapter) is not None
     if has_norms and not cfg.train_norms:
         raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS}); pass --train-norms")
     inputs = {"model": base_hash, "shards": _shards_hash(data.files)}

@@ -170,7 +170,7 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
 
 
 def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
-    from qerl_cli.adapters import NORMS, load_adapter, load_norms, read_adapter_spec
+    from qerl_cli.adapters import load_adapter, load_norms, read_adapter_spec, trained_norms
 
     if adapter_dir is not None and lora is None:
         lora = read_adapter_spec(adapter_dir)
@@ -181,8 +181,8 @@ def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
             raise BadInputError(str(e)) from None
     if adapter_dir is not None:
         load_adapter(model, adapter_dir)
-        if (Path(adapter_dir) / NORMS).exists():  # --train-norms: the policy is the adapter and these norms
-            load_norms(model, Path(adapter_dir) / NORMS)
+        if norms := trained_norms(adapter_dir):  # --train-norms: the policy is the adapter and these norms
+            load_norms(model, norms)
 
 
 def build_random_model(config: ModelConfig, device="cuda", dtype: torch.dtype = torch.bfloat16, quantized: bool = True,
