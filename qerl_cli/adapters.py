@@ -1,9 +1,12 @@
 """PEFT-format LoRA adapters: save from / load into a qerl model.
 
 Keys and config are PEFT's own (``base_model.model.<module>.lora_A.weight`` [r, in],
-``lora_B.weight`` [out, r], ``adapter_config.json`` written by ``peft.LoraConfig``), so an adapter
+``lora_B.weight`` [out, r], ``adapter_config.json`` with ``peft.LoraConfig``'s keys), so an adapter
 saved here loads with ``peft.PeftModel.from_pretrained`` on the dequantized base and in vLLM, and
-an adapter trained with PEFT loads here. Loading is strict: every tensor must land on a wrapped
+an adapter trained with PEFT loads here. The config is written without importing peft: that import
+(peft, transformers and what they pull in) took 5.5 s of a train step on a CPU and ~7 s on an H100
+machine, only to write one JSON file (docs/benchmarks.md, "RL loop"); tests load it with peft and
+compare it with the ``LoraConfig`` peft itself builds from the same settings. Loading is strict: every tensor must land on a wrapped
 Linear with the right shape, and an adapter with nonzero B that nevertheless leaves the logits
 unchanged on a probe input is an error (the failure mode of silently applying nothing).
 """
@@ -86,30 +89,32 @@ def _targets_from_weights(adapter_dir: Path) -> set[str]:
         return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in fh.keys() if ".lora_" in k}
 
 
+def lora_config(*, r: int, alpha: float, dropout: float, targets: list[str], rslora: bool,
+                base_model_path: str) -> dict:
+    """``adapter_config.json`` of a plain LoRA: the keys ``peft.LoraConfig`` writes for these settings
+    whose values are not its defaults, plus the ones every reader checks (vLLM reads r, lora_alpha,
+    target_modules, bias, use_rslora and use_dora). peft fills the rest with its defaults on load."""
+    return {"base_model_name_or_path": base_model_path, "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": False, "init_lora_weights": True, "lora_alpha": alpha, "lora_dropout": dropout,
+            "modules_to_save": None, "peft_type": "LORA", "r": r, "target_modules": sorted(targets),
+            "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": rslora}
+
+
 def save_adapter(model, out_dir, *, base_model_path, extra_config: dict | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (fp32) for every LoRALinear."""
-    from peft import LoraConfig
-
     mods = list(lora_modules(model))
     if not mods:
         raise ValueError("model has no LoRA modules to save")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     first = mods[0][1]
-    targets = sorted({n.rsplit(".", 1)[-1] for n, _ in mods})
+    targets = {n.rsplit(".", 1)[-1] for n, _ in mods}
     rslora = abs(first.scaling - first.alpha / first.r) > 1e-12
-    cfg = LoraConfig(r=first.r, lora_alpha=first.alpha, lora_dropout=float(getattr(first.dropout, "p", 0.0)),
-                     target_modules=targets, bias="none", task_type="CAUSAL_LM", use_rslora=rslora,
-                     base_model_name_or_path=str(base_model_path))
-    cfg.save_pretrained(str(out))
-    # PEFT keeps target_modules as a set and writes it in hash-seed order, so the same adapter
-    # would get different bytes (and adapter hash) in every process: write it sorted.
-    path = out / CONFIG
-    data = json.loads(path.read_text())
-    if isinstance(data.get("target_modules"), list):
-        data["target_modules"] = sorted(data["target_modules"])
-    data.update(extra_config or {})
-    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    config = lora_config(r=first.r, alpha=first.alpha, dropout=float(getattr(first.dropout, "p", 0.0)),
+                         targets=list(targets), rslora=rslora, base_model_path=str(base_model_path))
+    config.update(extra_config or {})
+    # Sorted keys and targets: the same adapter gets the same bytes (and adapter hash) in every process.
+    (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     tensors = {}
     for name, m in mods:
         tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()

@@ -156,19 +156,22 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
     from qerl_cli.layers.lora import lora_modules
     from qerl_cli.models import load_model
 
+    t0 = time.time()
     model = load_model(cfg.model, device=device, dtype=torch_dtype, adapter_dir=cfg.adapter)
     clear_noise(model)  # eval measures the clean policy: no AQN noise
     n_lora = len(list(lora_modules(model)))
     if cfg.adapter is not None and n_lora == 0:
         raise BadInputError(f"--adapter {cfg.adapter}: no LoRA module was attached to the model")
+    t1 = time.time()
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
+    timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}
 
     def generate(prompt_ids, n, seed, progress=None):
         sp = SamplingParams(**_sampling_kwargs(cfg, seed))
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 
-    return generate, {"engine": "native", "lora_modules": n_lora}
+    return generate, {"engine": "native", "lora_modules": n_lora, "timings": timings}
 
 
 def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: int):
@@ -264,6 +267,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                              long_hint="raise --max-model-len or lower --max-new-tokens")
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
+    so.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
     if generate is None:
         if cfg.engine == "vllm":
             generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
@@ -280,7 +284,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         }
         (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
         so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
-        so.timings["generate_s"] = round(t_gen, 3)
+        so.timings.update(info.pop("timings", {}), generate_s=round(t_gen, 3))
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
 
 

@@ -290,6 +290,7 @@ class _Generator:
     sampling: Callable[[int], object]
     name: str
     progress: Callable | None = None
+    timings: dict = field(default_factory=dict)  # seconds spent building it: load_s, engine_s
 
     def __call__(self, prompt_ids: list[list[int]], n: int, seed: int):
         sp = self.sampling(seed)
@@ -301,18 +302,21 @@ def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, s
     from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.models import load_model
 
+    t0 = time.time()
     model = load_model(cfg.model, device=device, dtype=torch_dtype, adapter_dir=cfg.adapter)
     if sigma > 0:
         apply_noise(model, sigma, cfg.run_seed, cfg.step)
     else:
         clear_noise(model)
+    t1 = time.time()
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
+    timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}  # engine: graphs, kernels
 
     def sampling(seed: int):
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                               max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=seed)
 
-    return _Generator(engine, sampling, "native"), model
+    return _Generator(engine, sampling, "native", timings=timings), model
 
 
 def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigma: float, max_model_len: int):
@@ -353,6 +357,7 @@ def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weig
 
 def rollout(cfg: RolloutConfig) -> dict:
     """Run the stage; returns ``{"out", "already_done", "summary", "manifest"}``."""
+    t_start = time.time()
     cfg.model, cfg.prompts, cfg.out = Path(cfg.model), Path(cfg.prompts), Path(cfg.out)
     cfg.adapter = Path(cfg.adapter) if cfg.adapter is not None else None
     _check_flags(cfg)
@@ -416,6 +421,7 @@ def rollout(cfg: RolloutConfig) -> dict:
 
     plan = _Plan(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,
                  max_model_len, reward_set, enc_report, bad_rows, lineage)
+    out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
     try:
         return _run(plan)
     except OutputExistsError:
@@ -549,12 +555,14 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
     status = (Console(stderr=True).status(f"loading {cfg.model}" + (f" + {cfg.adapter}" if cfg.adapter else "")
                                           + f" on {plan.device} ({cfg.engine} engine)")
               if cfg.progress else contextlib.nullcontext())
+    t0 = time.time()
     with status:
         if cfg.engine == "vllm":
             gen, _ = _vllm_generator(cfg, plan.tokenizer, plan.device, plan.dtype_name, plan.sigma, plan.max_model_len)
         else:
             gen, _ = _native_generator(cfg, plan.tokenizer, plan.device, plan.torch_dtype, plan.sigma,
                                        plan.max_model_len)
+    plan.out.timings.update(gen.timings or {"load_s": round(time.time() - t0, 3)})
     live = _Live()
     G, n_prompts = cfg.num_generations, len(plan.prompts)
     t_gen = 0.0

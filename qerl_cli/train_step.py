@@ -402,6 +402,7 @@ def _dropout_seed(seed: int, step: int, epoch: int, mb: int) -> int:
 # ---- the stage -----------------------------------------------------------------------------------
 def train_step(cfg: TrainStepConfig) -> dict:
     """Run one training step; returns the output manifest (with ``metrics``)."""
+    t_start = time.time()
     LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap).validate()
     if cfg.scale_rewards not in SCALES:
         raise BadInputError(f"--scale-rewards must be one of {', '.join(SCALES)}, got {cfg.scale_rewards!r}")
@@ -482,6 +483,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
     try:
         if dist.enabled and device.startswith("cuda"):
             device = f"cuda:{dist.local_rank}"
+        out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, shards, hashes, advantages
         return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash, spec,
                     parent_hash)
     finally:
@@ -662,6 +664,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         peak = float(dist.all_reduce_(t, "max"))
     metrics = _metrics(cfg, data, adv, groups, live_tokens, acc, losses_per_epoch, grad_norms, lrs, step_time, peak, step)
     metrics["load_time_s"] = round(load_time, 3)
+    out.timings.update(load_s=round(load_time, 3), step_s=round(step_time, 3))
 
     new_state = TrainerState(
         global_step=step + 1,

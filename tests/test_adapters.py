@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import peft
 import pytest
@@ -141,3 +144,37 @@ def test_adapter_inputs_hash_the_trained_norms_too(tmp_path):
     second = adapter_inputs(tmp_path)
     assert first["adapter"] == second["adapter"] == adapter_hash(tmp_path)
     assert first["adapter_norms"] != second["adapter_norms"]
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_adapter_config_is_the_lora_config_peft_builds(tmp_path, nvfp4_dirs, rslora):
+    # save_adapter writes the config without importing peft; peft must read back exactly the
+    # LoraConfig it would have built itself from the same settings.
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8, dropout=0.05, use_rslora=rslora,
+                                                                 targets=("q_proj", "v_proj", "down_proj")))
+    save_adapter(model, tmp_path / "a", base_model_path=qdir)
+    ours = peft.LoraConfig.from_pretrained(tmp_path / "a").to_dict()
+    theirs = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["down_proj", "q_proj", "v_proj"],
+                             bias="none", task_type="CAUSAL_LM", use_rslora=rslora,
+                             base_model_name_or_path=str(qdir)).to_dict()
+    ours["target_modules"], theirs["target_modules"] = sorted(ours["target_modules"]), sorted(theirs["target_modules"])
+    assert ours == theirs
+
+
+def test_saving_an_adapter_does_not_import_peft(tmp_path):
+    # The import costs seconds per train step (docs/benchmarks.md, "RL loop"); only tests need peft.
+    code = (
+        "import sys, torch\n"
+        "from qerl_cli.adapters import save_adapter\n"
+        "from qerl_cli.models import build_random_model\n"
+        "from qerl_cli.layers.lora import LoraSpec\n"
+        "from qerl_cli.models.config import ModelConfig\n"
+        "cfg = ModelConfig(arch='qwen2', vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,"
+        " num_kv_heads=1, head_dim=16)\n"
+        "m = build_random_model(cfg, device='cpu', dtype=torch.float32, quantized=False, lora=LoraSpec(r=2, alpha=4))\n"
+        f"save_adapter(m, {str(tmp_path / 'a')!r}, base_model_path='x')\n"
+        "assert 'peft' not in sys.modules, 'save_adapter imported peft'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    assert (tmp_path / "a" / "adapter_config.json").exists()
