@@ -107,7 +107,8 @@ def run_loop(args, src: Path) -> list[dict]:
     wrapper = work / "qerl"
     wrapper.write_text(WRAPPER.format(python=sys.executable, log=log))
     wrapper.chmod(0o755)
-    env = dict(os.environ, MODEL=str(src), DATASET=str(work / "prompts.jsonl"), EVAL_DATASET=str(work / "prompts.jsonl"),
+    evals = str(work / "prompts.jsonl") if args.eval_problems > 0 else ""  # empty: grpo.sh skips every eval
+    env = dict(os.environ, MODEL=str(src), DATASET=str(work / "prompts.jsonl"), EVAL_DATASET=evals,
                QERL=str(wrapper), STEPS=str(args.steps), PROMPTS_PER_STEP=str(args.prompts_per_step),
                NUM_GENERATIONS=str(args.num_generations), MAX_NEW_TOKENS=str(args.max_new_tokens),
                EVAL_MAX_PROBLEMS=str(args.eval_problems), REWARDS="benchmarks/bench_loop.py:parity_reward",
@@ -152,15 +153,22 @@ def startup_seconds(device: str) -> float:
 
 
 def render(rows: list[dict], head: str, startup: float) -> str:
-    out = [head, "", "| # | stage | wall (s) | work (s) | wall - work (s) |", "| --- | --- | --- | --- | --- |"]
+    """Per stage: wall, then what its manifest says the stage spent (prepare: checks, input hashes,
+    tokenizer, shards; load: the base (+ adapter) onto the device; engine: KV cache, CUDA graphs,
+    kernels; work), and the rest (process start-up, output hashing, writing)."""
+    f = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
+    out = [head, "", "| # | stage | wall (s) | prepare (s) | load (s) | engine (s) | work (s) | rest (s) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(rows):
         if "wall_s" not in r:
-            out.append(f"| | {r['stage']} failed (rc {r['rc']}) | | | |")
+            out.append(f"| | {r['stage']} failed (rc {r['rc']}) | | | | | | |")
             continue
-        work = r.get("work_s")
+        t = r.get("timings") or {}
+        load = t.get("load_s", (r.get("metrics") or {}).get("load_time_s"))
+        parts = [t.get("prepare_s"), load, t.get("engine_s"), r.get("work_s")]
+        rest = r["wall_s"] - sum(v or 0 for v in parts)
         name = "eval --compare" if r["stage"] == "eval" and r["manifest"] is None else r["stage"]
-        rest = f"{r['wall_s'] - work:.1f}" if work is not None else ""
-        out.append(f"| {i} | {name} | {r['wall_s']:.1f} | {'' if work is None else f'{work:.1f}'} | {rest} |")
+        out.append(f"| {i} | {name} | {r['wall_s']:.1f} | " + " | ".join(f(v) for v in parts) + f" | {rest:.1f} |")
     total = sum(r.get("wall_s", 0) for r in rows)
     work = sum(r.get("work_s") or 0 for r in rows)
     out.append(f"\nAll stages: {total:.1f} s of process wall time, {work:.1f} s of it work. Start-up probe "
@@ -179,7 +187,7 @@ def main() -> None:
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--eval-problems", type=int, default=64)
+    ap.add_argument("--eval-problems", type=int, default=64, help="0: no eval stages")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test with --shape tiny")
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -193,7 +201,7 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     head = (f"{dev}; {args.shape} shape, random weights; `recipes/grpo.sh {Path(args.config).name}` with STEPS={args.steps}, "
             f"{args.prompts_per_step} prompts x G={args.num_generations}, prompts of {mean_len:.0f} tokens, "
-            f"max {args.max_new_tokens} new tokens, eval on {args.eval_problems} problems; inputs made in {made:.0f} s")
+            f"max {args.max_new_tokens} new tokens, eval on {args.eval_problems or 'no'} problems; inputs made in {made:.0f} s")
     startup = startup_seconds(args.device)
     text = render(rows, head, startup)
     print(text, flush=True)
