@@ -81,6 +81,22 @@ def _stage(tmp_path, stage, step, extra=""):
     return log.read_text().strip()
 
 
+@pytest.mark.parametrize("preset", [None, "/shared/triton"])
+def test_slurm_stages_share_compiled_kernels_through_the_run_dir(tmp_path, preset, monkeypatch):
+    # Every job of a run finds the kernels an earlier job compiled, on whatever node (a set value wins).
+    if preset:
+        monkeypatch.setenv("TRITON_CACHE_DIR", preset)
+    else:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    log = tmp_path / "env.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$TRITON_CACHE_DIR" >> {log}\n')
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\n")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "1"],
+                   env={**os.environ, "QERL": str(qerl)}, check=True)
+    assert log.read_text().strip() == (preset or f"{tmp_path / 'run'}/.triton-cache")
+
+
 def test_slurm_rollout_task_writes_its_own_shard_with_previous_adapter(tmp_path):
     cmd = _stage(tmp_path, "rollout", 2)
     run = tmp_path / "run"
