@@ -7,7 +7,7 @@ chain as users run it: `recipes/grpo.sh` with a model config (default the Qwen2.
 on a random-weight checkpoint of that shape, every `qerl` invocation timed by a wrapper.
 
 Per stage it reports the process wall time and the work inside it, from the stage's manifest
-(quantize: ``quantize_s``; rollout and eval: ``generate_s``; train-step: ``step_time_s``, the
+(quantize: ``quantize_s``; rollout and eval: ``generate_s``; train-step: ``step_s``, the
 optimisation loop; merge: ``merge_s``). Wall - work is the stage's fixed cost: process start-up,
 checking and hashing inputs, loading the base, building the engine (Triton kernels from the on-disk
 cache, CUDA graphs), writing and hashing outputs. A separate probe times the start-up alone: a
@@ -38,7 +38,8 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK_KEYS = {"quantize": "quantize_s", "rollout": "generate_s", "eval": "generate_s", "merge": "merge_s"}
+WORK_KEYS = {"quantize": "quantize_s", "rollout": "generate_s", "eval": "generate_s", "train-step": "step_s",
+             "merge": "merge_s"}
 
 # The wrapper grpo.sh calls as $QERL: runs the stage, appends one line per invocation to timings.tsv.
 WRAPPER = """#!/usr/bin/env bash
@@ -60,7 +61,8 @@ def make_prompts(path: Path, tok, rows: int, length: int, seed: int = 0) -> floa
     import random
 
     rng = random.Random(seed)
-    ids = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok)) if i not in special]
     lens = []
     with open(path, "w") as f:
         for i in range(rows):
@@ -94,8 +96,6 @@ def read_manifest(run_dir: Path, stage: str, t0: float, t1: float) -> dict:
 
 
 def work_seconds(stage: str, man: dict) -> float | None:
-    if stage == "train-step":
-        return (man.get("metrics") or {}).get("step_time_s")
     key = WORK_KEYS.get(stage)
     return (man.get("timings") or {}).get(key) if key else None
 
@@ -164,8 +164,7 @@ def render(rows: list[dict], head: str, startup: float) -> str:
             out.append(f"| | {r['stage']} failed (rc {r['rc']}) | | | | | | |")
             continue
         t = r.get("timings") or {}
-        load = t.get("load_s", (r.get("metrics") or {}).get("load_time_s"))
-        parts = [t.get("prepare_s"), load, t.get("engine_s"), r.get("work_s")]
+        parts = [t.get("prepare_s"), t.get("load_s"), t.get("engine_s"), r.get("work_s")]
         rest = r["wall_s"] - sum(v or 0 for v in parts)
         name = "eval --compare" if r["stage"] == "eval" and r["manifest"] is None else r["stage"]
         out.append(f"| {i} | {name} | {r['wall_s']:.1f} | " + " | ".join(f(v) for v in parts) + f" | {rest:.1f} |")

@@ -6,9 +6,10 @@ saved here loads with ``peft.PeftModel.from_pretrained`` on the dequantized base
 an adapter trained with PEFT loads here. The config is written without importing peft: that import
 (peft, transformers and what they pull in) took 5.5 s of a train step on a CPU and ~7 s on an H100
 machine, only to write one JSON file (docs/benchmarks.md, "RL loop"); tests load it with peft and
-compare it with the ``LoraConfig`` peft itself builds from the same settings. Loading is strict: every tensor must land on a wrapped
-Linear with the right shape, and an adapter with nonzero B that nevertheless leaves the logits
-unchanged on a probe input is an error (the failure mode of silently applying nothing).
+compare it with the ``LoraConfig`` peft itself builds from the same settings. Loading is strict:
+every tensor must land on a wrapped Linear with the right shape, and an adapter with nonzero B that
+nevertheless leaves the logits unchanged on a probe input is an error (the failure mode of silently
+applying nothing).
 """
 
 from __future__ import annotations
