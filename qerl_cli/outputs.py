@@ -37,7 +37,7 @@ from typing import Any
 
 from qerl_cli import __version__
 from qerl_cli.errors import BadInputError, OutputExistsError
-from qerl_cli.hashing import sha256_file, sha256_json
+from qerl_cli.hashing import sha256_files, sha256_json
 
 MANIFEST = "manifest.json"
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "localhost"
@@ -241,6 +241,7 @@ class StageOutput:
 
     def _write_manifest(self, work: Path) -> dict:
         files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST)
+        digests = sha256_files(files)
         manifest = {
             "stage": self.stage,
             "qerl_version": __version__,
@@ -248,7 +249,7 @@ class StageOutput:
             "fingerprint": self.fingerprint,
             "config": self.config,
             "inputs": self.inputs,
-            "outputs": {str(p.relative_to(work)): sha256_file(p) for p in files},
+            "outputs": {str(p.relative_to(work)): d for p, d in zip(files, digests)},
             "output_bytes": {str(p.relative_to(work)): p.stat().st_size for p in files},
             "timings": self.timings,
             **self.extra,

@@ -1,10 +1,12 @@
 """Atomic stage outputs: rename-into-place, manifest last, idempotent reruns."""
 
+import hashlib
 import json
 
 import pytest
 
 from qerl_cli.errors import OutputExistsError
+from qerl_cli.hashing import sha256_files
 from qerl_cli.outputs import StageOutput, read_manifest
 
 
@@ -24,6 +26,29 @@ def test_writes_manifest_with_output_hashes(tmp_path):
     assert (tmp_path / "o" / "a.txt").read_text() == "hello"
     assert read_manifest(tmp_path / "o")["outputs"].keys() == {"a.txt"}
     assert m["stage"] == "demo"
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_files_hash_in_parallel_to_their_own_digests_in_order(tmp_path, workers):
+    sizes = [0, 5, 1 << 20, (4 << 20) + 3, 17, 3 << 20]  # empty, tiny, over and under the read chunk
+    paths = []
+    for i, n in enumerate(sizes):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(bytes((i * 7 + j) % 251 for j in range(n % 4096)) * (n // 4096) + b"x" * (n % 4096))
+        paths.append(p)
+    assert sha256_files(paths, workers=workers) == [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+
+
+def test_manifest_hashes_every_output_file(tmp_path):
+    so = StageOutput(tmp_path / "o", "demo", config={}, inputs={})
+    with so as work:
+        for i in range(4):
+            (work / "sub").mkdir(exist_ok=True)
+            (work / "sub" / f"s{i}.bin").write_bytes(bytes([i]) * (i << 19))
+        (work / "a.txt").write_text("hello")
+    outputs = read_manifest(tmp_path / "o")["outputs"]
+    assert outputs == {str(p.relative_to(tmp_path / "o")): hashlib.sha256(p.read_bytes()).hexdigest()
+                       for p in (tmp_path / "o").rglob("*") if p.is_file() and p.name != "manifest.json"}
 
 
 def test_rerun_same_inputs_is_already_done(tmp_path):
