@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+import textwrap
 
 import typer
+from typer.core import TyperCommand
 
 from qerl_cli.errors import OutOfMemoryError, QerlError
 
@@ -71,6 +74,75 @@ def guarded(fn, stage: str | None = None):
     return wrapper
 
 
+# Below this many columns Rich squeezes the option table until flag names are cut short
+# ("--prompts-per-s…"); an 80-column terminal, or help piped to a file (Rich then assumes 80),
+# gets click's plain layout instead, which wraps the text and never truncates a name.
+RICH_HELP_MIN_COLUMNS = 100
+
+
+def help_columns() -> int:
+    """Width the help is laid out for: Typer's TERMINAL_WIDTH, else COLUMNS or the terminal, else 80."""
+    forced = os.environ.get("TERMINAL_WIDTH", "")
+    return int(forced) if forced.isdigit() else shutil.get_terminal_size((80, 24)).columns
+
+
+_Context = TyperCommand.context_class  # the click Typer runs on (typer 0.29 vendors its own)
+
+
+def _wrap(text: str, width: int, indent: str = "", hang: str = "") -> list[str]:
+    """Lines of ``text``; a flag in it is never split at its hyphens (--max-|new-tokens)."""
+    return textwrap.wrap(text, width=max(width, 20), initial_indent=indent, subsequent_indent=indent + hang,
+                         break_on_hyphens=False, break_long_words=False) or [indent]
+
+
+class _PlainFormatter(_Context.formatter_class):
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        term_width = min(max((len(term) for term, _ in rows), default=0), col_max) + col_spacing
+        indent = " " * (self.current_indent + term_width)
+        for term, text in rows:
+            lines = _wrap(text.replace("\\[", "["), self.width - len(indent))  # Rich's markup escape
+            head = " " * self.current_indent + term
+            if len(term) + col_spacing > term_width:  # a long term gets its own line
+                self.write(head + "\n")
+                head = indent
+            self.write(head.ljust(len(indent)) + lines[0] + "\n")
+            for line in lines[1:]:
+                self.write(indent + line + "\n")
+
+
+class _PlainContext(_Context):
+    formatter_class = _PlainFormatter
+
+
+class StageCommand(TyperCommand):
+    """A stage's command: Rich help where the option table fits, plain help where it would not."""
+
+    context_class = _PlainContext
+
+    def format_help(self, ctx, formatter) -> None:
+        if help_columns() >= RICH_HELP_MIN_COLUMNS:
+            return super().format_help(ctx, formatter)
+        mode, self.rich_markup_mode = self.rich_markup_mode, None
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = mode
+
+    def format_help_text(self, ctx, formatter) -> None:
+        """Prose paragraphs wrapped; an indented paragraph (an example command) kept line by line."""
+        indent = " " * (formatter.current_indent + 2)
+        for para in textwrap.dedent(self.help or "").strip("\n").split("\n\n"):
+            formatter.write_paragraph()
+            if para.startswith("  "):
+                lines = [w for line in para.splitlines()
+                         for w in _wrap(line.strip(), formatter.width - len(indent) - 2,
+                                        indent + " " * (len(line) - len(line.lstrip())), "    ")]
+            else:
+                lines = _wrap(" ".join(para.split()), formatter.width - len(indent), indent)
+            formatter.write("\n".join(lines) + "\n")
+
+
 def _register() -> None:
     from qerl_cli.commands import eval as eval_cmd
     from qerl_cli.commands import merge, quantize, rollout, train_step
@@ -82,7 +154,8 @@ def _register() -> None:
         ("merge", merge),
         ("eval", eval_cmd),
     ):
-        app.command(name, help=module.HELP, short_help=module.SHORT, no_args_is_help=True)(guarded(module.command, name))
+        app.command(name, cls=StageCommand, help=module.HELP, short_help=module.SHORT,
+                    no_args_is_help=True)(guarded(module.command, name))
 
 
 _register()

@@ -1,7 +1,9 @@
 """The install metadata lists every subpackage, and the CLI spine answers."""
 
+import re
 from pathlib import Path
 
+import pytest
 import tomllib
 from typer.testing import CliRunner
 
@@ -35,6 +37,29 @@ def test_every_flag_that_takes_a_value_has_an_example():
         missing = [p.opts[0] for p in cmd.params
                    if p.param_type_name == "option" and not p.is_flag and "Example" not in (p.help or "")]
         assert not missing, f"qerl {name}: no example in the help of {missing}"
+
+
+@pytest.mark.parametrize("columns", [80, 100, 140])
+def test_stage_help_never_cuts_a_flag_name_short(columns):
+    # Rich squeezes its option table on a narrow terminal until names read "--prompts-per-s…";
+    # there the plain layout takes over (qerl_cli.cli.StageCommand).
+    from typer.main import get_command
+
+    from qerl_cli.cli import RICH_HELP_MIN_COLUMNS, app
+
+    for name, cmd in get_command(app).commands.items():
+        out = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""})
+        assert out.exit_code == 0, out.output
+        text = out.output
+        assert "…" not in text, f"qerl {name} --help at {columns} columns truncates:\n{text}"
+        assert ("╭" in text) == (columns >= RICH_HELP_MIN_COLUMNS)  # Rich's panels only where they fit
+        assert max(len(line) for line in text.splitlines()) <= columns
+        words = set(re.findall(r"--[a-z][a-z0-9-]*", text))
+        for p in cmd.params:
+            for opt in p.opts + p.secondary_opts:
+                assert not opt.startswith("--") or opt in words, f"qerl {name}: {opt} missing from its help"
+        if columns < RICH_HELP_MIN_COLUMNS:
+            assert "\\[" not in text  # Rich's escapes mean nothing in the plain layout
 
 
 def test_kernels_import_under_qerl_name():

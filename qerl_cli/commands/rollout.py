@@ -62,7 +62,7 @@ def command(
     device: str = typer.Option("auto", "--device", help="auto (cuda if present), cpu, cuda or cuda:N. Example: --device cuda:1"),
     dtype: str = typer.Option("auto", "--dtype", help="Activation dtype: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32. Example: --dtype bf16"),
     prompt_key: str | None = typer.Option(None, "--prompt-key", help="Column holding the prompt (text or chat list) when it "
-                                          "is not `prompt`/`messages`/`question`/`problem`; dotted for nested fields. Example: --prompt-key input"),
+                                          "is not `prompt`, `messages`, `question` or `problem`; dotted for nested fields. Example: --prompt-key input"),
     answer_key: str | None = typer.Option(None, "--answer-key", help="Column holding the reference when it is not `answer`; "
                                           "dotted for nested fields. Example: --answer-key reward_model.ground_truth"),
     prompt_template: str | None = typer.Option(None, "--prompt-template", help="Wrap each prompt: a string with "
