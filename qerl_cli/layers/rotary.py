@@ -42,13 +42,20 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
-        self.register_buffer("cos_sin", self._table(device), persistent=False)
+        device = torch.empty(0, device=device).device  # None: the default device, or a torch.device context's
+        if device.type == "meta":  # a model built on meta: ``reset`` makes the real table
+            table = torch.empty(max_positions, head_dim, device=device)
+        else:
+            table = self._table(device)
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def _table(self, device) -> torch.Tensor:
-        inv = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        t = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)  # [P, head_dim]
+        with torch.device("cpu"):  # math on meta tensors would go through torch._refs, which imports torch._dynamo
+            inv = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+            t = torch.arange(self.max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv)
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, head_dim]
+        return table.to(device)
 
     def reset(self, device) -> None:
         self.cos_sin = self._table(device)

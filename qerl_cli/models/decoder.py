@@ -139,7 +139,10 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, quantized: set[str], device=None, dtype=None, max_positions: int | None = None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        # Given its weight, Embedding skips its normal_ init: on the meta device that init imports
+        # torch._dynamo (1.5 s on a CPU machine, more with CUDA), in every stage that builds a model.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, device=device)
