@@ -129,6 +129,14 @@ class StageCommand(TyperCommand):
         finally:
             self.rich_markup_mode = mode
 
+    def parse_args(self, ctx, args):
+        # With no arguments Typer raises NoArgsIsHelpError, whose Rich handler prints nothing: Rich's
+        # help has printed itself while the error was built. The plain help is only a string, so print it.
+        if not args and self.no_args_is_help and not ctx.resilient_parsing and help_columns() < RICH_HELP_MIN_COLUMNS:
+            typer.echo(ctx.get_help())
+            ctx.exit(2)
+        return super().parse_args(ctx, args)
+
     def format_help_text(self, ctx, formatter) -> None:
         """Prose paragraphs wrapped; an indented paragraph (an example command) kept line by line."""
         indent = " " * (formatter.current_indent + 2)

@@ -60,6 +60,8 @@ def test_stage_help_never_cuts_a_flag_name_short(columns):
                 assert not opt.startswith("--") or opt in words, f"qerl {name}: {opt} missing from its help"
         if columns < RICH_HELP_MIN_COLUMNS:
             assert "\\[" not in text  # Rich's escapes mean nothing in the plain layout
+        bare = CliRunner().invoke(app, [name], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""})
+        assert bare.exit_code == 2 and "Usage:" in bare.output and "--force" in bare.output, bare.output  # no args: the help
 
 
 def test_kernels_import_under_qerl_name():
