@@ -84,7 +84,7 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             raise BadInputError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
         return [(f"{path}:row {i + 1}", r) for i, r in enumerate(rows)]
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a leading BOM (Windows editors) is not JSON
     except UnicodeDecodeError as e:
         raise BadInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
     if suffix == ".json" and text.lstrip().startswith("["):
@@ -229,7 +229,7 @@ def load_template(template: str | None) -> str | None:
         return None
     p = Path(template)
     if "{prompt}" not in template and len(template) < 4096 and p.is_file():
-        template = p.read_text(encoding="utf-8")
+        template = p.read_text(encoding="utf-8-sig")
     if "{prompt}" not in template:
         raise BadInputError("--prompt-template must contain {prompt} (or name a file that does)")
     return template

@@ -180,3 +180,16 @@ def test_prompt_and_answer_keys(tmp_path):
         load_prompts(p, answer_key="meta.answer")
     with pytest.raises(BadInputError, match=r"d.jsonl:1: row has no `query` \(named by --prompt-key; keys: input, messages, meta\)"):
         load_prompts(p, prompt_key="query")
+
+
+def test_files_saved_by_windows_tools_load(tmp_path):
+    # A UTF-8 byte-order mark and CRLF line ends (Notepad, PowerShell's Out-File) used to fail line 1 as bad JSON.
+    bom = "\ufeff"
+    (tmp_path / "p.jsonl").write_text(bom + '{"prompt": "Q: 1+1?", "answer": "2"}\r\n\r\n{"prompt": "Q: 2+2?"}\r\n',
+                                      encoding="utf-8", newline="")
+    rows = load_prompts(tmp_path / "p.jsonl")
+    assert [(r.prompt, r.answer) for r in rows] == [("Q: 1+1?", "2"), ("Q: 2+2?", None)]
+    (tmp_path / "p.json").write_text(bom + '[{"prompt": "Q: 3?"}]', encoding="utf-8")
+    assert [r.prompt for r in load_prompts(tmp_path / "p.json")] == ["Q: 3?"]
+    (tmp_path / "t.txt").write_text(bom + "Solve: {prompt}", encoding="utf-8")
+    assert load_template(str(tmp_path / "t.txt")) == "Solve: {prompt}"
