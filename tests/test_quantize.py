@@ -374,6 +374,8 @@ def test_cli_end_to_end_and_already_done(tmp_path):
     assert "tensors" in r.stderr and "/s" in r.stderr  # the progress bar: tensor count and throughput
     r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(out), "--device", "cpu"])
     assert r.exit_code == 0 and "already done" in r.stdout
+    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(tmp_path / "q2"), "--device", "cpu", "-q"])
+    assert r.exit_code == 0 and r.stderr == "" and r.stdout.strip() == f"wrote {tmp_path / 'q2'}"  # -q as elsewhere
 
 
 def test_cli_rejects_bad_flags(tmp_path):

@@ -60,9 +60,14 @@ def command(
     progress: bool = typer.Option(
         True, "--progress/--no-progress", help="Show the progress bar and summary table."
     ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No progress bar or table; print only the result line (as --no-progress, "
+        "and as -q does for the other stages)."
+    ),
 ) -> None:
     from qerl_cli.quantize import QuantizeConfig, quantize, render_summary
 
+    progress = progress and not quiet
     cfg = QuantizeConfig(
         src=src,
         out=out,
