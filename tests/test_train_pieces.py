@@ -9,7 +9,14 @@ import torch
 from qerl_cli.errors import BadInputError
 from qerl_cli.train.batching import collate, pack_microbatches
 from qerl_cli.train.metrics import Accumulator, append_jsonl, clean
-from qerl_cli.train.optim import grad_norm_and_clip, load_optimizer, lr_at, make_optimizer, save_optimizer
+from qerl_cli.train.optim import (
+    AdamW,
+    grad_norm_and_clip,
+    load_optimizer,
+    lr_at,
+    make_optimizer,
+    save_optimizer,
+)
 from qerl_cli.train.state import TrainerState, capture_rng, restore_rng
 
 
@@ -68,6 +75,42 @@ def _steps(opt, params, k, seed):
         for _, p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_is_torchs_adamw_bit_for_bit(dtype):
+    # qerl's AdamW skips torch.optim.Optimizer (whose methods import torch._dynamo) but must update alike.
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(5, 7, dtype=dtype)), torch.nn.Parameter(torch.randn(7, dtype=dtype)),
+                torch.nn.Parameter(torch.randn(3, 2, dtype=dtype))]
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    a, b = params(), params()
+    ours = AdamW(groups(a), lr=3e-3, betas=(0.9, 0.99), eps=1e-6)
+    ref = torch.optim.AdamW(groups(b), lr=3e-3, betas=(0.9, 0.99), eps=1e-6, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in a]
+        for i, (p, q, gr) in enumerate(zip(a, b, grads)):
+            if step == 2 and i == 1:  # a parameter without a gradient this step keeps its state as it was
+                p.grad = q.grad = None
+            else:
+                p.grad, q.grad = gr.clone(), gr.clone()
+        lr = 3e-3 * (step + 1) / 6
+        for opt in (ours, ref):
+            for grp in opt.param_groups:
+                grp["lr"] = lr
+        ours.step()
+        ref.step()
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours.state[p][k], ref.state[q][k]), (step, k)
+        ours.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in a)
 
 
 def test_optimizer_round_trip_is_bit_exact(tmp_path):

@@ -12,7 +12,6 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from qerl_cli.layers import lora
 from qerl_cli.layers.activation import silu_mul, swiglu_epilogue
@@ -22,6 +21,7 @@ from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
 from qerl_cli.models.config import ModelConfig
+from qerl_cli.train.recompute import checkpoint
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
                 off.begin()
             for layer in self.model.layers:
                 with off.hooks() if off is not None else nullcontext():
-                    x = checkpoint(layer.forward_stream, x, positions, use_reentrant=False)
+                    x = checkpoint(layer.forward_stream, x, positions)
             return self.model.norm(x)
         residual = delta = None
         for layer in self.model.layers:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from qerl_cli.train.recompute import checkpoint
 
 _ROWS = 128  # row block for the per-row reductions: bounds temporaries at _ROWS x vocab
 
@@ -123,7 +124,8 @@ def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, inv_temp:
                 with torch.no_grad():
                     _, lp, ent = _lse_logp_entropy(_logits(h, head[0], head[1], it), t)
         elif grad:
-            lp, ent = checkpoint(lambda a, b, c: _autograd_chunk(model, a, b, c), h, t, it, use_reentrant=False)
+            lp, ent = checkpoint(lambda a, b, c: _autograd_chunk(model, a, b, c), h, t, it)
+            ent = ent.detach()
         else:
             lp, ent = _autograd_chunk(model, h, t, it)
         lps.append(lp)

@@ -3,7 +3,7 @@
 Each ``qerl train-step`` is a fresh process, so the optimizer must survive a round trip through
 files bit-exactly: the moments are saved as fp32 tensors keyed by parameter name
 (``<name>.exp_avg``, ``<name>.exp_avg_sq``, ``<name>.step``) in safetensors (no pickle, loadable
-without qerl) and restored into ``torch.optim.AdamW``. Names make the file robust to parameter
+without qerl) and restored into ``AdamW`` below. Names make the file robust to parameter
 order and let a mismatch name the offending tensor.
 
 The learning rate is a pure function of the *schedule position* (``lr_at``), counted in RL steps
@@ -13,6 +13,12 @@ restarted run never depends on a stateful scheduler object: linear warmup to ``l
 to ``min_lr_ratio * lr`` at ``total_steps`` (constant when ``total_steps`` is not given).
 Weight decay applies to LoRA matrices only: decaying a trained norm weight would pull it
 toward 0, not toward its pretrained value.
+
+``AdamW`` here is torch's own update (its functional ``torch.optim.adamw.adamw``, single-tensor
+path, the code ``torch.optim.AdamW(foreach=False)`` runs), held by a small class instead of a
+``torch.optim.Optimizer``: the Optimizer's methods are wrapped to import ``torch._dynamo`` on first
+call, 1.5 s of every train-step process on a CPU machine and 4-6 s on an H100 machine (docs/benchmarks.md,
+RL loop). A test checks it against ``torch.optim.AdamW`` bit for bit, over steps and groups.
 """
 
 from __future__ import annotations
@@ -41,8 +47,48 @@ def lr_at(position: float, lr: float, warmup_steps: int = 0, total_steps: int | 
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class AdamW:
+    """``torch.optim.AdamW(groups, foreach=False)``'s state and update without its Optimizer base
+    (see the module docstring): ``param_groups`` and ``state`` as torch lays them out."""
+
+    def __init__(self, groups: list[dict], *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8):
+        self.param_groups = [{"lr": lr, "betas": tuple(betas), "eps": eps, **g, "params": list(g["params"])}
+                             for g in groups]
+        self.state: dict[torch.Tensor, dict] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim.adamw import adamw
+
+        for g in self.param_groups:
+            ps = [p for p in g["params"] if p.grad is not None]
+            for p in ps:
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                if not self.state.get(p):  # as torch's _init_group: a CPU step counter, zero moments
+                    self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            st = [self.state[p] for p in ps]
+            beta1, beta2 = g["betas"]
+            adamw(ps, [p.grad for p in ps], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [],
+                  [s["step"] for s in st], foreach=False, capturable=False, differentiable=False, fused=None,
+                  grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                  lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+
+
 def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], *, lr: float,
-                   betas=(0.9, 0.99), eps: float = 1e-8, weight_decay: float = 0.1) -> torch.optim.AdamW:
+                   betas=(0.9, 0.99), eps: float = 1e-8, weight_decay: float = 0.1) -> AdamW:
     """AdamW with decay on LoRA matrices and none on norm weights; groups remember names."""
     decay = [(n, p) for n, p in named_params if "lora_" in n]
     no_decay = [(n, p) for n, p in named_params if "lora_" not in n]
@@ -51,20 +97,20 @@ def make_optimizer(named_params: list[tuple[str, torch.nn.Parameter]], *, lr: fl
         if items:
             groups.append({"params": [p for _, p in items], "names": [n for n, _ in items], "weight_decay": wd})
     # foreach=False: one code path on CPU and GPU, so a gloo run and an NCCL run update alike.
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, foreach=False)
+    return AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(opt: AdamW, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr
 
 
-def _named(opt: torch.optim.Optimizer):
+def _named(opt: AdamW):
     for g in opt.param_groups:
         yield from zip(g["names"], g["params"])
 
 
-def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+def save_optimizer(opt: AdamW, path: Path) -> None:
     tensors = {}
     for name, p in _named(opt):
         st = opt.state.get(p)
@@ -78,7 +124,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def load_optimizer(opt: torch.optim.Optimizer, path: Path) -> int:
+def load_optimizer(opt: AdamW, path: Path) -> int:
     """Restore moments saved by ``save_optimizer``; returns how many parameters had state.
 
     Every saved tensor must belong to a trainable parameter of the same shape, and a parameter

@@ -1,0 +1,38 @@
+"""The stages never import torch._dynamo: qerl compiles nothing, and that import alone took 1.5 s of
+every stage process on a CPU machine and 4-6 s on an H100 machine (docs/benchmarks.md, RL loop)."""
+
+import subprocess
+import sys
+
+from qerl_cli.assets import TINY_MODEL, TINY_TASK
+
+# Runs the given stages in one fresh process, then says whether dynamo (or torch.fx's symbolic shapes,
+# which torch.autograd.backward imports when handed explicit gradients) was ever imported.
+RUN = """
+import sys
+from qerl_cli.cli import main
+for argv in STAGES:
+    sys.argv = ["qerl", *argv]
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code in (0, None), (argv[0], e.code)
+print("imported:", sorted(m for m in ("torch._dynamo", "torch.fx.experimental.symbolic_shapes") if m in sys.modules))
+"""
+
+
+def test_rollout_and_train_step_never_import_torch_dynamo(tmp_path):
+    # Before: building a model on meta ran an init and the rotary table through torch._refs, and
+    # train-step's torch.optim.AdamW and torch.utils.checkpoint are wrapped to import dynamo.
+    shards, adapter = tmp_path / "shards", tmp_path / "adapter"
+    stages = [
+        ["rollout", "--model", str(TINY_MODEL), "--prompts", str(TINY_TASK / "train.jsonl"), "--out", str(shards),
+         "--max-prompts", "4", "-G", "4", "--max-new-tokens", "6", "--device", "cpu", "-q"],
+        ["train-step", "--model", str(TINY_MODEL), "--shards", str(shards), "--out", str(adapter),
+         "--lora-dropout", "0.1", "--device", "cpu", "-q"],  # checkpointing and dropout are on
+    ]
+    r = subprocess.run([sys.executable, "-c", f"STAGES = {stages!r}\n{RUN}"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (adapter / "optimizer.safetensors").exists()
+    assert "imported: []" in r.stdout, r.stdout + r.stderr[-3000:]
