@@ -538,7 +538,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
             lr = lr_at(step + epoch / cfg.epochs, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
             set_lr(opt, lr)
             lrs.append(lr)
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             epoch_loss = torch.zeros((), dtype=torch.float64)
             bad_mb = -1
             for j in owned:

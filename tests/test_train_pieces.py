@@ -109,7 +109,7 @@ def test_adamw_is_torchs_adamw_bit_for_bit(dtype):
             assert torch.equal(p, q)
             for k in ("step", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(ours.state[p][k], ref.state[q][k]), (step, k)
-        ours.zero_grad(set_to_none=True)
+        ours.zero_grad()
         assert all(p.grad is None for p in a)
 
 

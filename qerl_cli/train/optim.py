@@ -56,15 +56,11 @@ class AdamW:
                              for g in groups]
         self.state: dict[torch.Tensor, dict] = {}
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
+        """Drop the grads (torch's default, ``set_to_none=True``)."""
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+                p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
@@ -73,8 +69,6 @@ class AdamW:
         for g in self.param_groups:
             ps = [p for p in g["params"] if p.grad is not None]
             for p in ps:
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
                 if not self.state.get(p):  # as torch's _init_group: a CPU step counter, zero moments
                     self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
