@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import shutil
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import textwrap
 import typer
 from typer.core import TyperCommand
 
+from qerl_cli import __version__
 from qerl_cli.errors import OutOfMemoryError, QerlError
 
 app = typer.Typer(
@@ -28,6 +30,39 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
+
+
+# What a bug report needs: versions read from the installed distributions' metadata, so that
+# `qerl --version` answers at once, without importing torch or transformers.
+VERSION_DISTRIBUTIONS = ("torch", "triton", "transformers", "peft", "safetensors", "compressed-tensors",
+                         "math-verify", "vllm")
+
+
+def version_text() -> str:
+    from importlib import metadata
+
+    lines = [f"qerl {__version__}", f"  python {platform.python_version()}"]
+    for dist in VERSION_DISTRIBUTIONS:
+        try:
+            found = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found = "not installed"
+        lines.append(f"  {dist} {found}")
+    return "\n".join(lines)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                 help="Print qerl's version and its dependencies' versions, then exit."),
+) -> None:
+    pass
 
 
 # Out of memory anywhere in a stage: the flag that lowers its peak memory.

@@ -85,3 +85,28 @@ def test_every_core_dependency_imports():
             continue
         name = re.split(r"[<>=!~ \[]", spec.strip(), maxsplit=1)[0]
         importlib.import_module(import_names.get(name, name.replace("-", "_")))
+
+
+def test_version_names_qerl_and_every_dependency_without_importing_torch():
+    # `qerl --version` is what a bug report asks for: qerl's own version (the one pyproject installs)
+    # and every dependency's, answered from metadata in a process that never imports torch.
+    import subprocess
+    import sys
+
+    import qerl_cli
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == qerl_cli.__version__
+    probe = ("import sys; from qerl_cli.cli import main; sys.argv = ['qerl', '--version']\n"
+             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+             "assert 'torch' not in sys.modules, 'qerl --version imported torch'")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"qerl {qerl_cli.__version__}"
+    from qerl_cli.cli import VERSION_DISTRIBUTIONS, app
+
+    for dist in VERSION_DISTRIBUTIONS:
+        assert any(re.fullmatch(rf"  {re.escape(dist)} (\S+|not installed)", line) for line in lines), dist
+    assert re.search(r"^  torch \d", out.stdout, re.M)  # installed here, so a version, not "not installed"
+    short = CliRunner().invoke(app, ["-V"])
+    assert short.exit_code == 0 and short.output.splitlines()[0] == lines[0]
