@@ -24,6 +24,7 @@ rerunning the same eval is "already done" and two runs can be compared with ``--
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -80,8 +81,8 @@ class EvalConfig:
                                 hint="pass@k needs at least k samples per problem")
         if self.temperature is None:
             self.temperature = 0.0 if self.num_samples == 1 else 1.0
-        if self.temperature < 0:
-            raise BadInputError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BadInputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature == 0 and self.num_samples > 1:
             raise BadInputError(f"--temperature 0 (greedy) with {self.num_samples} samples per problem gives "
                                 "identical samples", hint="pass --temperature > 0 for pass@k")

@@ -251,3 +251,72 @@ def test_prefill_graph_buckets_and_which_admissions_replay_them():
     assert pick([g(257)]) is None  # longer than the largest bucket: eager
     assert pick([g(10)] * (PREFILL_GRAPH_MAX_GROUPS + 1)) is None  # a large admission: one eager batch
     assert ModelRunner._prefill_buckets(SimpleNamespace(prefill_graphs={}), [g(10)]) is None  # CPU / off
+
+
+def _vllm_v1_logprobs(logits, temperature, top_k, top_p, min_p):
+    """vLLM v1's sampler, written out: temperature, min-p on the probabilities, then top-k, then top-p
+    (the first token always kept), then the distribution it samples from."""
+    x = logits / temperature
+    if min_p > 0:
+        p = torch.softmax(x, -1)
+        x = x.masked_fill(p < min_p * p.max(-1, keepdim=True).values, float("-inf"))
+    if top_k:
+        x = x.masked_fill(x < torch.topk(x, top_k, -1).values[:, -1:], float("-inf"))
+    if top_p < 1:
+        sx, order = torch.sort(x, -1, descending=True)
+        cum = torch.softmax(sx, -1).cumsum(-1)
+        drop = torch.zeros_like(cum, dtype=torch.bool)
+        drop[:, 1:] = cum[:, :-1] >= top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(x, -1)
+
+
+def test_truncation_order_is_vllms():
+    # --engine vllm and the native engine must draw from the same distribution for the same flags.
+    # Probabilities .4 .3 .2 .1: top-p 0.5 keeps {0, 1}; min-p 0.6 first (vLLM) leaves only {0}.
+    logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    lp = truncated_logprobs(logits, SamplingParams(temperature=1.0, top_p=0.5, min_p=0.6))
+    assert torch.isfinite(lp).tolist() == [[True, False, False, False]] and lp[0, 0] == 0
+    lp = truncated_logprobs(logits, SamplingParams(temperature=1.0, top_p=0.75, min_p=0.5))
+    assert torch.isfinite(lp).tolist() == [[True, True, False, False]]
+    g = torch.Generator().manual_seed(0)
+    for t, k, p, m in [(1.0, 0, 0.9, 0.1), (0.7, 20, 0.8, 0.05), (1.3, 5, 1.0, 0.2), (0.5, 0, 0.95, 0.0)]:
+        x = torch.randn(64, 300, generator=g) * 3
+        ours = truncated_logprobs(x, SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m))
+        ref = _vllm_v1_logprobs(x, t, k, p, m)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref)), (t, k, p, m)
+        keep = torch.isfinite(ref)
+        assert torch.allclose(ours[keep], ref[keep], atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_temperature_must_be_finite(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=bad)
+
+
+class _ByteTokenizer:
+    """One token per UTF-8 byte, as byte-level BPE falls back to for rare characters."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _engine_with_tokenizer(tiny, tokenizer):
+    engine = LLMEngine(load_model(tiny, dtype=torch.float32), None, max_num_seqs=2, block_size=4)
+    engine.tokenizer = tokenizer
+    return engine
+
+
+def test_stop_string_of_many_byte_tokens_is_found(tiny):
+    # "你好" is 2 characters but 6 one-byte tokens: a window counted in characters never saw it whole.
+    from qerl_cli.engine.sequence import Sequence
+
+    engine = _engine_with_tokenizer(tiny, _ByteTokenizer())
+    def seq(completion: bytes):
+        return Sequence(group=0, child=0, token_ids=[1, 2, *completion], num_prompt=2, max_len=64)
+
+    assert engine._stop_string_hit(seq("abc 你好".encode()), ("你好",)) == "你好"
+    assert engine._stop_string_hit(seq("abc 你".encode()), ("你好",)) is None
+    # One token completing two stops names the one the text is cut at: the earlier.
+    assert engine._stop_string_hit(seq(b"xx An"), ("n", " A")) == " A"

@@ -219,9 +219,13 @@ class LLMEngine:
 
     def _stop_string_hit(self, s: Sequence, stops: tuple[str, ...]) -> str | None:
         # Decode only a tail long enough to hold any stop string: O(1) per step instead of O(length).
-        window = max(len(x) for x in stops) + 2
+        # Sized in UTF-8 bytes, not characters: byte-level BPE spends up to 4 tokens on one character
+        # ("你好" is 6 tokens in Qwen's vocabulary), and a token is never less than one byte.
+        window = max(len(x.encode("utf-8")) for x in stops) + 2
         tail = self.tokenizer.decode(s.completion_ids[-window:], skip_special_tokens=False)
-        return next((x for x in stops if x in tail), None)
+        # The stop the text is cut at (the earliest in it), when one token completes two of them.
+        hits = [(i, x) for x in stops if (i := tail.find(x)) >= 0]
+        return min(hits, key=lambda h: h[0])[1] if hits else None
 
     def _completion(self, s: Sequence, sp: SamplingParams) -> Completion:
         text = ""

@@ -10,16 +10,26 @@ Sorting happens only when top-p is active.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from qerl_cli.engine.sampling_params import SamplingParams
 
 
 def truncated_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """fp32 logits [B, V] -> log-probabilities [B, V] of the distribution tokens are drawn from."""
+    """fp32 logits [B, V] -> log-probabilities [B, V] of the distribution tokens are drawn from.
+
+    vLLM's order (v1 sampler): temperature, min-p, then top-k and top-p, so that ``--engine vllm``
+    draws from the same distribution for the same flags. Min-p commutes with top-k, not with top-p.
+    """
     if sp.greedy:
         return torch.log_softmax(logits, dim=-1)
     x = logits / sp.temperature
+    if sp.min_p > 0:
+        logp = torch.log_softmax(x, dim=-1)
+        floor = logp.max(dim=-1, keepdim=True).values + math.log(sp.min_p)
+        x = x.masked_fill(logp < floor, float("-inf"))
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -29,11 +39,7 @@ def truncated_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor
         # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= sp.top_p
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    logp = torch.log_softmax(x, dim=-1)
-    if sp.min_p > 0:
-        floor = logp.max(dim=-1, keepdim=True).values + torch.log(torch.tensor(sp.min_p, device=x.device))
-        logp = torch.log_softmax(logp.masked_fill(logp < floor, float("-inf")), dim=-1)
-    return logp
+    return torch.log_softmax(x, dim=-1)
 
 
 def row_seed(seed: int, group: int, child: int, position: int) -> int:

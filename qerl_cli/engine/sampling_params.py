@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Sampling controls for one ``generate`` call (every prompt and completion shares them).
 
-    Truncation order: temperature, then top-k, then top-p (nucleus on the top-k distribution), then
-    min-p (relative to the most likely token). ``temperature == 0`` is greedy. ``seed`` seeds the
+    Truncation order, vLLM's: temperature, then min-p (relative to the most likely token), then top-k,
+    then top-p (nucleus on what is left). ``temperature == 0`` is greedy. ``seed`` seeds the
     engine's sampling generator, so the same seed, inputs and engine settings give the same tokens.
     """
 
@@ -25,8 +26,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
