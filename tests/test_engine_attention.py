@@ -252,6 +252,16 @@ SAMPLER = textwrap.dedent("""
     # Row independence: a row's sample depends only on its logits and seed, not on the batch.
     t3, _ = gumbel_sample(logits[2:3].clone(), 0.8, seeds[2:3].clone())
     assert t3.item() == tok[2].item()
+    # -inf logits (masked tokens), also a whole 4096-wide block of them at the start of a chunk: the
+    # log-prob stays exact for every chunking (the running sum once went NaN there).
+    masked = logits.clone()
+    masked[0, :4096] = float("-inf")
+    masked[1, ::7] = float("-inf")
+    exact = torch.log_softmax(masked / 0.8, -1)
+    for chunks in (1, 2, 3):
+        tm, lm = gumbel_sample(masked, 0.8, seeds, num_chunks=chunks)
+        assert torch.isfinite(lm).all() and torch.isfinite(masked.gather(-1, tm[:, None])).all(), (chunks, lm)
+        assert torch.allclose(lm, exact.gather(-1, tm[:, None]).squeeze(-1), atol=1e-5), chunks
     print("ok")
 """)
 

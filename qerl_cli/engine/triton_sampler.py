@@ -46,7 +46,10 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
         best_x = tl.where(upd, cx, best_x)
         best = tl.maximum(best, cmax)
         new_m = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - new_m) + tl.sum(tl.where(mask, tl.exp(x - new_m), 0.0), 0)
+        # Rescale against a finite reference: while every logit so far is -inf (a masked block),
+        # exp(-inf - -inf) would be NaN and poison the chunk's sum.
+        ref = tl.where(new_m == float("-inf"), 0.0, new_m)
+        s = s * tl.exp(m - ref) + tl.sum(tl.where(mask, tl.exp(x - ref), 0.0), 0)
         m = new_m
     o = row * num_chunks + c
     tl.store(PS + o, best)
