@@ -83,6 +83,16 @@ def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p:
                 max_tokens=max_new_tokens, stop=list(stop) or None, seed=seed, logprobs=0)
 
 
+def per_prompt_sampling(sampling: dict, n: int, num_prompts: int) -> list[dict]:
+    """One ``vllm.SamplingParams``' keywords per prompt, each with a seed of its own (hashed from the
+    batch's seed and the prompt's index, as the native engine seeds its rows). vLLM seeds completion i
+    of a request with seed + i, so one shared seed would give completion i of every prompt in the batch
+    the same random stream: duplicate prompts would get identical completions."""
+    from qerl_cli.engine.sampler import row_seed
+
+    return [dict(sampling, n=n, seed=row_seed(sampling["seed"], p, 0, 0)) for p in range(num_prompts)]
+
+
 class VLLMEngine:
     """``generate(prompt_ids, sampling_kwargs, n) -> list[list[Completion]]`` on a vLLM ``LLM``."""
 
@@ -128,7 +138,7 @@ class VLLMEngine:
 
         from qerl_cli.engine import Completion
 
-        sp = SamplingParams(n=n, **sampling)
+        sp = [SamplingParams(**kw) for kw in per_prompt_sampling(sampling, n, len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], sp,
                                  lora_request=self.lora_request, use_tqdm=False)
         groups = []

@@ -72,6 +72,23 @@ def test_sampling_params_mapping():
     assert kw == dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=32, stop=None, seed=3, logprobs=0)
 
 
+def test_each_prompt_gets_its_own_seed():
+    # vLLM seeds completion i of a request with seed + i: one shared seed would give completion i of
+    # every prompt the same random stream, and duplicate prompts identical completions.
+    from qerl_cli.engine_vllm import per_prompt_sampling
+
+    kw = vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_new_tokens=32, stop=(), seed=3)
+    per = per_prompt_sampling(kw, n=8, num_prompts=50)
+    seeds = [p["seed"] for p in per]
+    # n = 8 children each: their seed ranges seed .. seed + 7 must not overlap across prompts
+    assert len({s + i for s in seeds for i in range(8)}) == 50 * 8
+    assert all(0 <= s < 2**63 - 8 for s in seeds)
+    assert all({k: v for k, v in p.items() if k not in ("seed", "n")} == {k: v for k, v in kw.items() if k != "seed"}
+               and p["n"] == 8 for p in per)
+    assert per_prompt_sampling(kw, 8, 50) == per  # reproducible
+    assert per_prompt_sampling(dict(kw, seed=4), 8, 50)[0]["seed"] != seeds[0]
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'qerl[vllm]'); the vLLM engine is untested here")
 def test_vllm_api_we_rely_on_exists():
     """Without a GPU: the vLLM names and arguments engine_vllm uses are the installed vLLM's."""
@@ -80,9 +97,11 @@ def test_vllm_api_we_rely_on_exists():
     from vllm.lora.request import LoRARequest
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    sp = vllm.SamplingParams(n=2, **vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0,
-                                                          max_new_tokens=8, stop=("\n",), seed=1))
-    assert sp.n == 2 and sp.logprobs == 0 and sp.seed == 1
+    from qerl_cli.engine_vllm import per_prompt_sampling
+
+    kw = vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, max_new_tokens=8, stop=("\n",), seed=1)
+    sp = vllm.SamplingParams(**per_prompt_sampling(kw, 2, 1)[0])
+    assert sp.n == 2 and sp.logprobs == 0 and sp.seed == per_prompt_sampling(kw, 2, 1)[0]["seed"]
     assert callable(getattr(vllm.LLM, "apply_model", None))
     assert TokensPrompt(prompt_token_ids=[1, 2])["prompt_token_ids"] == [1, 2]
     assert LoRARequest("a", 1, "/tmp").lora_int_id == 1 and isinstance(RMSNorm, type)
