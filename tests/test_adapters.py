@@ -178,3 +178,26 @@ def test_saving_an_adapter_does_not_import_peft(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
     assert (tmp_path / "a" / "adapter_config.json").exists()
+
+
+def test_an_adapter_trained_with_dropout_samples_without_it(tmp_path, nvfp4_dirs):
+    # adapter_config.json keeps lora_dropout; rollout and eval load it and must sample the policy
+    # itself (PEFT in eval mode applies no dropout), the same on every call.
+    from qerl_cli.engine import LLMEngine, SamplingParams
+    from qerl_cli.layers.lora import lora_parameters
+
+    qdir, _ = nvfp4_dirs
+    trained = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8, dropout=0.5))
+    with torch.no_grad():
+        for p in lora_parameters(trained):
+            p.normal_(0, 0.3)
+    save_adapter(trained, tmp_path / "a", base_model_path=qdir)
+    model = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
+    assert not any(m.training for m in model.modules())
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        a, b = (model.compute_logits(model.forward_train(ids)) for _ in range(2))
+    assert torch.equal(a, b)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=1)
+    runs = [LLMEngine(model, None, max_num_seqs=4, block_size=4).generate([[3, 4, 5]], sp, n=2) for _ in range(2)]
+    assert [c.logprobs for c in runs[0][0]] == [c.logprobs for c in runs[1][0]]

@@ -76,6 +76,9 @@ class LoRALinear(nn.Module):
         self.lora_A.data = self.lora_A.data.to(dev)
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, dtype=torch.float32, device=dev))
         self.enabled = True
+        # The wrapped Linear's mode, not nn.Module's default (training): wrapping an eval model must
+        # not switch LoRA dropout on where nothing trains (rollout, eval).
+        self.train(base.training)
         # (A, B*scaling, A in K order or None: korder_copy) in the activation dtype
         self._cast: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 

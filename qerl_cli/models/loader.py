@@ -166,9 +166,9 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
     maybe_twiddle(model, device, dtype)
     model.base_hash = model_hash(model_dir)
     model.model_dir = model_dir
-    model.eval()
     _attach_lora(model, lora, adapter_dir)
-    return model
+    # After the LoRA modules exist: an adapter trained with lora_dropout > 0 samples without dropout.
+    return model.eval()
 
 
 def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
