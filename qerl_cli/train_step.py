@@ -200,6 +200,20 @@ def read_step(cfg: TrainStepConfig) -> StepData:
     )
 
 
+def dr_grpo_length(cfg: TrainStepConfig, data: StepData) -> int | None:
+    """Dr. GRPO's constant L_max: --max-completion-length, else the generation budget the rollout
+    recorded (``sampling.max_new_tokens``, as TRL divides by its max_completion_length), else the
+    longest completion in the step. Never the longest *trained* completion: --mask-truncated drops
+    exactly the longest ones, and the divisor would shrink with them."""
+    if cfg.loss != "dr_grpo" or cfg.max_completion_length:
+        return cfg.max_completion_length
+    longest = max((len(c) for c in data.completions), default=0)
+    budgets = [r["sampling"].get("max_new_tokens") for r in data.records]
+    if budgets and all(isinstance(b, int) and b > 0 for b in budgets):
+        return max(max(budgets), longest)
+    return max(longest, 1)
+
+
 def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
     """Token ids inside the vocabulary and sequences inside the position range, named per record
     (otherwise an embedding index error or a rotary-cache error deep in the forward)."""
@@ -477,7 +491,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
         for s in g:
             mb_of[s] = j
     live_tokens = [0 if (cfg.mask_truncated and tr) else len(c) for c, tr in zip(data.completions, data.truncated)]
-    seq_w = sequence_weights(cfg.loss, live_tokens, mb_of, cfg.max_completion_length)
+    seq_w = sequence_weights(cfg.loss, live_tokens, mb_of, dr_grpo_length(cfg, data))
 
     dist = distributed.setup(device)
     try:

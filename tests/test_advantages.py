@@ -52,3 +52,13 @@ def test_non_finite_reward_and_bad_scale_are_refused():
         group_advantages([1.0, float("nan")], ["g", "g"])
     with pytest.raises(BadInputError, match="--scale-rewards"):
         group_advantages([1.0, 0.0], ["g", "g"], scale="rank")
+
+
+def test_equal_rewards_that_floats_cannot_average_exactly_are_zero_variance():
+    # (0.1 + 0.1 + 0.1) / 3 != 0.1: the group's std came out ~1e-17, its advantages ~1e-13, and it was
+    # not counted as a zero-variance group.
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages([0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.2, 0.9, 0.3], ["a"] * 3 + ["b"] * 3 + ["c"] * 3,
+                               scale=scale)
+        assert adv.values[:6].abs().max() == 0, scale
+        assert adv.zero_variance_fraction == pytest.approx(2 / 3)

@@ -137,3 +137,26 @@ def test_sequence_weight_errors():
         sequence_weights("dr_grpo", [3, 1], max_completion_length=2)
     with pytest.raises(BadInputError, match="--loss"):
         LossConfig(loss_type="ppo").validate()
+
+
+def test_dr_grpo_divides_by_the_generation_budget_not_the_longest_trained_completion():
+    # Dr. GRPO's L_max is a constant (TRL: max_completion_length). --mask-truncated drops exactly the
+    # longest completions, so "the longest live completion" made the divisor shrink with the mask.
+    from types import SimpleNamespace
+
+    from qerl_cli.train_step import dr_grpo_length
+
+    comps = [[1] * 10, [1] * 3, [1] * 5, [1] * 2]
+    recs = [{"sampling": {"max_new_tokens": 12}} for _ in comps]
+    data = SimpleNamespace(completions=comps, records=recs)
+    cfg = SimpleNamespace(loss="dr_grpo", max_completion_length=None)
+    assert dr_grpo_length(cfg, data) == 12
+    assert dr_grpo_length(SimpleNamespace(loss="dr_grpo", max_completion_length=64), data) == 64
+    assert dr_grpo_length(SimpleNamespace(loss="dapo", max_completion_length=None), data) is None
+    legacy = SimpleNamespace(completions=comps, records=[{"sampling": {}} for _ in comps])  # no budget recorded
+    assert dr_grpo_length(cfg, legacy) == 10
+    # the same 3-token completion weighs the same whether or not the longest one is masked
+    live = [0, 3, 5, 2]
+    masked = sequence_weights("dr_grpo", live, max_completion_length=dr_grpo_length(cfg, data))
+    unmasked = sequence_weights("dr_grpo", [10, 3, 5, 2], max_completion_length=dr_grpo_length(cfg, data))
+    assert masked[1] == unmasked[1] == pytest.approx(1 / (4 * 12))

@@ -42,7 +42,7 @@ def command(
     beta: Annotated[float, typer.Option("--beta", rich_help_panel="Algorithm", help="KL penalty to the base policy (the same model with LoRA off; k3 estimator). 0 disables. Example: --beta 0.04")] = 0.0,
     tis_cap: Annotated[float, typer.Option("--tis-cap", rich_help_panel="Algorithm", help="Cap of the truncated importance weight exp(train logprob - sampling logprob); 0 disables TIS. Example: --tis-cap 2.0")] = 2.0,
     mask_truncated: Annotated[bool, typer.Option("--mask-truncated", rich_help_panel="Algorithm", help="Drop completions that hit the length limit (finish_reason=length) from the loss.")] = False,
-    max_completion_length: Annotated[int | None, typer.Option("--max-completion-length", rich_help_panel="Algorithm", help="dr_grpo's constant divisor; default: the longest completion in the step. Example: --max-completion-length 2048")] = None,
+    max_completion_length: Annotated[int | None, typer.Option("--max-completion-length", rich_help_panel="Algorithm", help="dr_grpo's constant divisor; default: the rollout's --max-new-tokens (recorded in the shards). Example: --max-completion-length 2048")] = None,
     epochs: Annotated[int, typer.Option("--epochs", rich_help_panel="Algorithm", help="Optimizer steps over the same shards (PPO mu); epochs > 1 use epoch 1's log-probs as the old policy. Example: --epochs 2")] = 1,
     lr: Annotated[float, typer.Option("--lr", rich_help_panel="Optimizer", help="Peak learning rate (the paper: 1e-5 for NVFP4, ~5e-6 for bf16 LoRA). Example: --lr 3e-5")] = 1e-5,
     warmup_steps: Annotated[int, typer.Option("--warmup-steps", rich_help_panel="Optimizer", help="Linear warmup length in RL steps (the paper: 10% of --total-steps). Example: --warmup-steps 10")] = 0,

@@ -61,7 +61,11 @@ def group_advantages(
         )
     sums = torch.zeros(g, dtype=torch.float64).index_add_(0, gi, r)
     mean = sums / counts
-    centered = r - mean[gi]
+    # Equal rewards compared as equal, not through the mean: (0.1 + 0.1 + 0.1) / 3 != 0.1 in floating
+    # point, which left such a group a std of ~1e-17, advantages of ~1e-13 and out of the zero-variance count.
+    same = (torch.full((g,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, gi, r, "amax")
+            == torch.full((g,), torch.inf, dtype=torch.float64).scatter_reduce_(0, gi, r, "amin"))
+    centered = torch.where(same[gi], 0.0, r - mean[gi])
     sq = torch.zeros(g, dtype=torch.float64).index_add_(0, gi, centered**2)
     group_std = (sq / (counts - 1)).sqrt()
     if scale == "group":
@@ -70,5 +74,5 @@ def group_advantages(
         adv = centered / (r.std() + eps) if r.numel() > 1 else centered
     else:
         adv = centered
-    zero_var = float((group_std == 0).double().mean())
+    zero_var = float(same.double().mean())
     return Advantages(adv.to(torch.float32), gi, g, zero_var)
