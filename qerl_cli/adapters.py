@@ -174,12 +174,14 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
     return AdapterInfo(r=cfg["r"], alpha=alpha, targets=targets, hash=adapter_hash(adapter_dir))
 
 
-def load_norms(model, path: Path) -> None:
-    """Copy an adapter's trained RMSNorm weights (``NORMS``) over the model's, by parameter name."""
+def load_norms(model, path: Path) -> dict:
+    """Copy an adapter's trained RMSNorm weights (``NORMS``) over the model's, by parameter name.
+    Returns the base's weights it replaced, by name (train-step's KL reference is the base)."""
     import torch
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
+    replaced = {}
     with safe_open(str(path), framework="pt") as fh:
         for k in fh.keys():
             if k not in params:
@@ -187,8 +189,10 @@ def load_norms(model, path: Path) -> None:
             t = fh.get_tensor(k)
             if t.shape != params[k].shape:
                 raise BadInputError(f"{path}: {k!r} has shape {tuple(t.shape)}, the model's is {tuple(params[k].shape)}")
+            replaced[k] = params[k].detach().clone()
             with torch.no_grad():
                 params[k].copy_(t.to(params[k].dtype))
+    return replaced
 
 
 def trained_norms(adapter_dir) -> Path | None:

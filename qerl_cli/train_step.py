@@ -31,6 +31,7 @@ same model with LoRA switched off (one more no-grad forward per micro-batch, no 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import sys
@@ -408,6 +409,26 @@ def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, devic
     return token_logprobs(model, sel, mb.targets.to(device), inv_t, chunk)
 
 
+@contextlib.contextmanager
+def base_policy(model):
+    """The KL reference, the base model: LoRA off and, where the adapter carries trained norm
+    weights (--train-norms), the checkpoint's norms swapped back in for the block."""
+    from qerl_cli.layers.lora import lora_disabled
+
+    params = dict(model.named_parameters())
+    swapped = []
+    try:
+        for name, w in getattr(model, "base_norms", {}).items():
+            p = params[name]
+            swapped.append((p, p.data))
+            p.data = w.to(device=p.device, dtype=p.dtype)
+        with lora_disabled(model):
+            yield
+    finally:
+        for p, data in swapped:
+            p.data = data
+
+
 def _dropout_seed(seed: int, step: int, epoch: int, mb: int) -> int:
     key = f"qerl-dropout:{seed}:{step}:{epoch}:{mb}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
@@ -532,8 +553,6 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     Shared by the stage and ``benchmarks/bench_train.py`` (which feeds a random model), so the
     benchmark times exactly this code. Raises NumericalError / OutOfMemoryError (nothing written).
     """
-    from qerl_cli.layers.lora import lora_disabled
-
     dist = dist or distributed.Dist()
     cuda = str(device).startswith("cuda")
     groups = batch.groups
@@ -566,7 +585,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     w_is, raw = tis_weights(old_lp[j], samp, cfg.tis_cap)
                     isw[j] = w_is if cfg.tis_cap else None
                     if cfg.beta > 0:
-                        with torch.no_grad(), lora_disabled(model):
+                        with torch.no_grad(), base_policy(model):
                             ref_lp[j] = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens)[0]
                     live = (w_seq[tok_seq] > 0).to(device)
                     n_live = float(live.sum())

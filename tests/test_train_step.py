@@ -394,23 +394,29 @@ def test_missing_shards_of_a_sharded_step_are_named():
     assert missing_shards([Path("mine.jsonl")]) == []
 
 
-def test_kl_to_base_and_resumed_policy_match_peft_reference(models, tmp_path):
-    """Step 1 with --beta: the policy is base + adapter (checked through PEFT on the dequantized
-    weights), the KL reference is the base alone (LoRA switched off), and the loss is the formula."""
+@pytest.mark.parametrize("train_norms", [False, True], ids=["lora", "lora+norms"])
+def test_kl_to_base_and_resumed_policy_match_peft_reference(models, tmp_path, train_norms):
+    """Step 1 with --beta: the policy is base + adapter (+ its trained norms; checked through PEFT on
+    the dequantized weights), the KL reference is the base alone (LoRA off, the checkpoint's norms),
+    and the loss is the formula."""
     import peft
     import transformers
+    from safetensors.torch import load_file
 
     q, h, twin = models["q"], models["qhash"], models["twin"]
     sh0 = make_shard(tmp_path / "sh0", h, seed=8)
-    train_step(_cfg(q, [sh0], tmp_path / "a1", lr=2e-2, lora_rank=4, max_grad_norm=0.0))
+    train_step(_cfg(q, [sh0], tmp_path / "a1", lr=2e-2, lora_rank=4, max_grad_norm=0.0, train_norms=train_norms))
     a1 = tmp_path / "a1"
     sh1 = make_shard(tmp_path / "sh1", h, adapter_hash=adapter_hash(a1), step=1, seed=9)
     beta = 0.5
-    got = train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, beta=beta, lr=2e-2))["metrics"]
+    got = train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, beta=beta, lr=2e-2, train_norms=train_norms))["metrics"]
 
     recs = read_records(sh1)
     base = _hf_token_logprobs(twin, recs)
     hf = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32)
+    if train_norms:
+        norms = load_file(str(a1 / "norms.safetensors"))
+        assert not hf.load_state_dict(norms, strict=False).unexpected_keys
     pol_model = peft.PeftModel.from_pretrained(hf, a1)
     pol = []
     with torch.no_grad():

@@ -184,7 +184,7 @@ def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
     if adapter_dir is not None:
         load_adapter(model, adapter_dir)
         if norms := trained_norms(adapter_dir):  # --train-norms: the policy is the adapter and these norms
-            load_norms(model, norms)
+            model.base_norms = load_norms(model, norms)
 
 
 def build_random_model(config: ModelConfig, device="cuda", dtype: torch.dtype = torch.bfloat16, quantized: bool = True,
