@@ -56,26 +56,43 @@ def _noised_norms(model):
             yield i, name, getattr(layer, name)
 
 
-def apply_noise(model, sigma: float, run_seed: int, step: int) -> dict:
-    """Set every noised norm's buffer to its seeded vector; returns the shard's ``noise`` record."""
+def rounded_noise(z: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The Z that reaches a forward which stores ``w + Z`` in ``dtype`` (vLLM's bf16 norm weights):
+    ``dtype(w + Z) - w``, computed as vLLM's worker computes it (``engine_vllm.set_norm_noise``)."""
+    w_clean = w.detach().to(device="cpu", dtype=dtype).float()
+    return (w_clean + z).to(dtype).float() - w_clean
+
+
+def apply_noise(model, sigma: float, run_seed: int, step: int, rounded_to: str | None = None) -> dict:
+    """Set every noised norm's buffer to its seeded vector; returns the shard's ``noise`` record.
+    ``rounded_to``: the rollout stored ``w + Z`` in this dtype (the record's ``rounded_to``, --engine
+    vllm), so the same rounded vector is used here: training recomputes the policy that sampled."""
     if sigma < 0:
         raise ValueError(f"sigma must be >= 0, got {sigma}")
+    round_dtype = None
+    if rounded_to is not None:
+        round_dtype = getattr(torch, str(rounded_to), None)
+        if not isinstance(round_dtype, torch.dtype) or not round_dtype.is_floating_point:
+            raise BadInputError(f"noise record: rounded_to {rounded_to!r} is not a torch floating dtype")
     if sigma == 0:
         clear_noise(model)
     else:
         n = 0
         for i, name, norm in _noised_norms(model):
             z = noise_vector(norm.noise.shape[0], sigma, run_seed, step, i, name)
+            if round_dtype is not None:
+                z = rounded_noise(z, norm.weight, round_dtype)
             norm.noise.copy_(z)  # in place: CUDA graphs captured earlier read the same buffer
             # No silent no-op: the weight the forward uses (fp32 w + Z) must differ from w.
             w = norm.weight.detach().float()
-            if torch.equal(w + norm.noise.to(w.device), w):
+            if torch.equal(w + norm.noise.to(w.device), w) and round_dtype is None:
                 raise BadInputError(f"AQN sigma {sigma:g} does not change layer {i} {name} (below fp32 resolution "
                                     f"of its weights)", hint="raise --aqn-sigma-start/--aqn-sigma-end")
             n += 1
         if n == 0:
             raise BadInputError("AQN sigma > 0 but the model has no noised RMSNorm to apply it to")
-    return {"sigma": float(sigma), "seed": int(run_seed), "step": int(step), "norms": list(NOISED_NORMS)}
+    rec = {"sigma": float(sigma), "seed": int(run_seed), "step": int(step), "norms": list(NOISED_NORMS)}
+    return rec if rounded_to is None else {**rec, "rounded_to": str(rounded_to)}
 
 
 def clear_noise(model) -> None:

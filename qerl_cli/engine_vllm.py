@@ -15,6 +15,8 @@ weight the first time, and writes ``w_clean + Z`` in place (in place, so capture
 it; from the clean copy, so noise never accumulates). Z comes from ``qerl_cli.aqn.noise_vector``:
 the same seeded CPU generator as the native engine and ``train-step``. The function returns how
 many norms it changed, and fewer than 2 per decoder layer is an error rather than a silent no-op.
+vLLM's norm weights are bf16, so w_clean + Z is rounded there (the native engine adds an fp32 Z in
+its kernel): the shard's noise record says so (``rounded_to``) and train-step rounds the same way.
 
 Trade-off against the native engine: vLLM is faster at large batch and serves bigger models, but
 its kernels differ from the ones training uses, so the behaviour policy and training policy
@@ -42,9 +44,13 @@ def _vllm():
     return vllm
 
 
-def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tuple | None = None) -> int:
-    """Runs inside a vLLM worker: set ``w = w_clean + Z`` on every noised RMSNorm; returns the count.
+def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tuple | None = None) -> dict:
+    """Runs inside a vLLM worker: set ``w = w_clean + Z`` on every noised RMSNorm.
 
+    Returns ``{"count": norms set, "dtype": their weight dtype, "changed": weight entries the noise
+    moved, "entries": all entries}``. vLLM keeps norm weights in the model dtype, so w_clean + Z is
+    rounded to it (bf16 spacing near 1 is 2^-7: most of a sigma = 1e-3 noise rounds away); the shard's
+    noise record names that dtype and train-step applies the same rounded noise (``aqn.apply_noise``).
     ``norm_types`` defaults to vLLM's own RMSNorm class (a parameter so it can be tested without vLLM).
     """
     import torch
@@ -55,7 +61,8 @@ def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tu
         from vllm.model_executor.layers.layernorm import RMSNorm
 
         norm_types = (RMSNorm,)
-    count = 0
+    count = changed = entries = 0
+    dtype = None
     with torch.no_grad():
         for name, mod in model.named_modules():
             m = NORM_NAME.search(name)
@@ -69,10 +76,11 @@ def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tu
             if sigma > 0:
                 z = noise_vector(w.shape[0], sigma, run_seed, step, int(m.group(1)), m.group(2))
                 w.copy_((clean.float() + z.to(w.device)).to(w.dtype))
+                changed += int((w != clean).sum())
             else:
                 w.copy_(clean)
-            count += 1
-    return count
+            count, entries, dtype = count + 1, entries + w.numel(), str(w.dtype).removeprefix("torch.")
+    return {"count": count, "dtype": dtype, "changed": changed, "entries": entries}
 
 
 def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p: float, max_new_tokens: int,
@@ -81,6 +89,24 @@ def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p:
     # vLLM >= 0.10 (the extra's floor) reads top_k 0 as "off", like qerl.
     return dict(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
                 max_tokens=max_new_tokens, stop=list(stop) or None, seed=seed, logprobs=0)
+
+
+def noise_record_extra(results: list[dict], sigma: float, want: int) -> dict:
+    """Check ``set_norm_noise``'s per-worker results; -> ``{"rounded_to": dtype, "survived": fraction}``
+    for the noise record where vLLM's weights are not fp32, else {}. Raises where noise is missing."""
+    counts = [r["count"] for r in results]
+    if any(c != want for c in counts):
+        raise RuntimeError(f"AQN reached {counts} RMSNorms in the vLLM workers, expected {want} each; "
+                           "refusing to roll out with missing noise")
+    if sigma <= 0:
+        return {}
+    dtype = results[0]["dtype"]
+    changed, entries = sum(r["changed"] for r in results), sum(r["entries"] for r in results)
+    if changed == 0:
+        raise BadInputError(f"AQN sigma {sigma:g} changes no weight of vLLM's {dtype} RMSNorms (below their "
+                            "resolution): the rollout would carry no noise",
+                            hint="raise --aqn-sigma-start/--aqn-sigma-end, or use --engine native (fp32 noise)")
+    return {} if dtype == "float32" else {"rounded_to": dtype, "survived": round(changed / entries, 4)}
 
 
 def per_prompt_sampling(sampling: dict, n: int, num_prompts: int) -> list[dict]:
@@ -125,12 +151,10 @@ class VLLMEngine:
         self.num_layers = ModelConfig.from_dir(Path(model_dir)).num_layers
         self.llm = vllm.LLM(**kw)
 
-    def set_noise(self, sigma: float, run_seed: int, step: int) -> None:
-        counts = self.llm.apply_model(functools.partial(set_norm_noise, sigma=sigma, run_seed=run_seed, step=step))
-        want = 2 * self.num_layers
-        if any(c != want for c in counts):
-            raise RuntimeError(f"AQN reached {counts} RMSNorms in the vLLM workers, expected {want} each; "
-                               "refusing to roll out with missing noise")
+    def set_noise(self, sigma: float, run_seed: int, step: int) -> dict:
+        """Noise vLLM's norms; returns what the shard's noise record adds (``noise_record_extra``)."""
+        results = self.llm.apply_model(functools.partial(set_norm_noise, sigma=sigma, run_seed=run_seed, step=step))
+        return noise_record_extra(results, sigma, 2 * self.num_layers)
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict, n: int, progress: Callable | None = None):
         from vllm import SamplingParams

@@ -35,6 +35,7 @@ import random
 import re
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -291,6 +292,7 @@ class _Generator:
     name: str
     progress: Callable | None = None
     timings: dict = field(default_factory=dict)  # seconds spent building it: load_s, engine_s
+    noise_extra: dict = field(default_factory=dict)  # added to the noise record (vLLM: the dtype it rounded to)
 
     def __call__(self, prompt_ids: list[list[int]], n: int, seed: int):
         sp = self.sampling(seed)
@@ -324,13 +326,13 @@ def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigm
 
     engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype, max_num_seqs=cfg.max_num_seqs,
                         max_model_len=max_model_len, seed=cfg.seed)
-    engine.set_noise(sigma, cfg.run_seed, cfg.step)
+    noise_extra = engine.set_noise(sigma, cfg.run_seed, cfg.step)
 
     def sampling(seed: int):
         return vllm_sampling_params(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                                     max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=seed)
 
-    return _Generator(engine, sampling, "vllm"), None
+    return _Generator(engine, sampling, "vllm", noise_extra=noise_extra), None
 
 
 def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPrompt]]:
@@ -563,6 +565,12 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
             gen, _ = _native_generator(cfg, plan.tokenizer, plan.device, plan.torch_dtype, plan.sigma,
                                        plan.max_model_len)
     plan.out.timings.update(gen.timings or {"load_s": round(time.time() - t0, 3)})
+    if gen.noise_extra:
+        plan.noise.update(gen.noise_extra)
+        if cfg.progress and "rounded_to" in gen.noise_extra:
+            print(f"AQN: vLLM holds its norm weights in {gen.noise_extra['rounded_to']}, so w + Z is rounded there: "
+                  f"{gen.noise_extra['survived']:.1%} of the weights changed (train-step applies the same rounding)",
+                  file=sys.stderr)
     live = _Live()
     G, n_prompts = cfg.num_generations, len(plan.prompts)
     t_gen = 0.0

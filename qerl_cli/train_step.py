@@ -237,7 +237,7 @@ def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
 def _noise_key(noise: dict | None):
     if not noise or not float(noise.get("sigma", 0.0) or 0.0):
         return None
-    return (float(noise["sigma"]), int(noise.get("seed", 0)), int(noise.get("step", 0)))
+    return (float(noise["sigma"]), int(noise.get("seed", 0)), int(noise.get("step", 0)), noise.get("rounded_to"))
 
 
 def _shards_hash(files: list[Path]) -> str:
@@ -654,7 +654,8 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     named = _trainable(model, cfg.train_norms)  # an adapter's trained norms came with it (load_model)
     params = [p for _, p in named]
     if data.noise is not None:
-        rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]))
+        rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]),
+                          rounded_to=data.noise.get("rounded_to"))
         if data.noise.get("norms") and list(data.noise["norms"]) != list(rec["norms"]):
             raise BadInputError(f"{data.files[0]}: noise was applied to norms {data.noise['norms']}, this qerl noises {rec['norms']}")
     else:

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from qerl_cli.aqn import noise_vector
-from qerl_cli.engine_vllm import set_norm_noise, vllm_sampling_params
+from qerl_cli.engine_vllm import noise_record_extra, set_norm_noise, vllm_sampling_params
+from qerl_cli.errors import BadInputError
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -42,7 +43,8 @@ def fake_vllm_model(layers=3, d=16):
 def test_noise_lands_on_vllm_norms_as_clean_plus_z():
     model = fake_vllm_model()
     clean = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert set_norm_noise(model, 0.01, run_seed=7, step=3, norm_types=(FakeVllmRMSNorm,)) == 6
+    res = set_norm_noise(model, 0.01, run_seed=7, step=3, norm_types=(FakeVllmRMSNorm,))
+    assert res["count"] == 6 and res["dtype"] == "float32" and res["entries"] == 6 * 16 and res["changed"] > 0
     for i, layer in enumerate(model.model.layers):
         for name in ("input_layernorm", "post_attention_layernorm"):
             w = getattr(layer, name).weight
@@ -64,7 +66,34 @@ def test_other_norm_classes_are_not_matched():
     model = fake_vllm_model(layers=1)
     model.model.layers[0].input_layernorm = HFStyleRMSNorm(16)
     # only the post_attention_layernorm is a "vLLM" norm now: the count exposes the miss
-    assert set_norm_noise(model, 0.01, 0, 1, norm_types=(FakeVllmRMSNorm,)) == 1
+    assert set_norm_noise(model, 0.01, 0, 1, norm_types=(FakeVllmRMSNorm,))["count"] == 1
+
+
+def test_bf16_norm_noise_is_recorded_and_train_step_rounds_the_same_way():
+    # vLLM keeps norm weights in bf16: w_clean + Z is rounded there. The record says so, and
+    # aqn.rounded_noise (what train-step applies) gives back exactly the weights vLLM sampled with.
+    from qerl_cli.aqn import rounded_noise
+
+    model = fake_vllm_model(d=512).to(torch.bfloat16)
+    clean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = set_norm_noise(model, 1e-3, run_seed=7, step=3, norm_types=(FakeVllmRMSNorm,))
+    assert res["dtype"] == "bfloat16" and 0 < res["changed"] < res["entries"]  # partly rounded away
+    extra = noise_record_extra([res], 1e-3, want=6)
+    assert extra == {"rounded_to": "bfloat16", "survived": round(res["changed"] / res["entries"], 4)}
+    for i, layer in enumerate(model.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w0 = clean[f"model.layers.{i}.{name}.weight"]
+            z = rounded_noise(noise_vector(512, 1e-3, 7, 3, i, name), w0.float(), torch.bfloat16)
+            assert torch.equal(getattr(layer, name).weight.detach().float(), w0.float() + z)
+    assert noise_record_extra([dict(res, dtype="float32")], 1e-3, want=6) == {}
+    assert noise_record_extra([res], 0.0, want=6) == {}
+    with pytest.raises(RuntimeError, match="expected 6"):
+        noise_record_extra([dict(res, count=5)], 1e-3, want=6)
+    # a sigma below bf16's resolution moves nothing: refused, not rolled out as if noised
+    tiny = set_norm_noise(model, 1e-6, run_seed=7, step=3, norm_types=(FakeVllmRMSNorm,))
+    assert tiny["changed"] == 0
+    with pytest.raises(BadInputError, match="changes no weight"):
+        noise_record_extra([tiny], 1e-6, want=6)
 
 
 def test_sampling_params_mapping():

@@ -50,7 +50,11 @@ def _hf_token_logprobs(model_dir, records, noise=None):
             for i, layer in enumerate(hf.model.layers):
                 for name in NOISED_NORMS:
                     w = getattr(layer, name).weight
-                    w.add_(noise_vector(w.shape[0], noise["sigma"], noise["seed"], noise["step"], i, name))
+                    z = noise_vector(w.shape[0], noise["sigma"], noise["seed"], noise["step"], i, name)
+                    if noise.get("rounded_to") == "bfloat16":  # --engine vllm: w + Z stored in bf16
+                        w.copy_((w.bfloat16().float() + z).bfloat16().float())
+                    else:
+                        w.add_(z)
     out = []
     with torch.no_grad():
         for r in records:
@@ -91,6 +95,8 @@ def _reference_first_step(records, token_lp, loss_type, mask_truncated, tis_cap=
         ("q", "dapo", False, None),
         ("q", "grpo", True, None),
         ("q", "dapo", False, {"sigma": 0.05, "seed": 11, "step": 0, "norms": list(NOISED_NORMS)}),
+        ("q", "dapo", False, {"sigma": 0.01, "seed": 11, "step": 0, "norms": list(NOISED_NORMS),
+                              "rounded_to": "bfloat16"}),
         ("twin", "dapo", False, None),  # the 16-bit LoRA baseline path: plain HF dir as --model
     ],
 )
