@@ -30,6 +30,8 @@ from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_modules
 PREFIX = "base_model.model."
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+# An adapter_config.json without lora_alpha means PEFT's LoraConfig default, whatever r is.
+PEFT_DEFAULT_ALPHA = 8
 NORMS = "norms.safetensors"  # train-step --train-norms: trained RMSNorm weights (fp32), beside the PEFT files
 
 
@@ -71,7 +73,7 @@ def read_adapter_spec(adapter_dir) -> LoraSpec:
     targets = cfg.get("target_modules")
     if isinstance(targets, str):  # PEFT allows a regex; resolve it from the saved keys instead
         targets = _targets_from_weights(Path(adapter_dir))
-    return LoraSpec(r=cfg["r"], alpha=float(cfg.get("lora_alpha", cfg["r"])), dropout=float(cfg.get("lora_dropout") or 0.0),
+    return LoraSpec(r=cfg["r"], alpha=float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)), dropout=float(cfg.get("lora_dropout") or 0.0),
                     targets=tuple(sorted(targets)), use_rslora=bool(cfg.get("use_rslora", False)))
 
 
@@ -161,7 +163,7 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
     incomplete = [n for n, s in seen.items() if s != {"A", "B"}]
     if incomplete:
         raise BadInputError(f"{wpath}: no lora_A/lora_B for {incomplete[0]!r}" + (f" (and {len(incomplete) - 1} more)" if len(incomplete) > 1 else ""))
-    alpha = float(cfg.get("lora_alpha", cfg["r"]))
+    alpha = float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     scaling = alpha / (cfg["r"] ** 0.5) if cfg.get("use_rslora") else alpha / cfg["r"]
     with torch.no_grad():
         for (name, ab), t in values.items():

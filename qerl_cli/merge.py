@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli.adapters import PEFT_DEFAULT_ALPHA
 from qerl_cli.errors import BadInputError, LineageError, NumericalError
 from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
@@ -170,7 +171,7 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         want_r = _pattern_value(cfg.get("rank_pattern"), module, cfg.get("r", r))
         if want_r != r:
             raise BadInputError(f"{w_path}: {module} has rank {r} but {ADAPTER_CONFIG} says r={want_r}")
-        alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", r)))
+        alpha = float(_pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)))
         scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         deltas[module] = LoraDelta(a.float(), b.float(), scaling, embedding=emb)
     if not deltas and not replacements:

@@ -201,3 +201,21 @@ def test_an_adapter_trained_with_dropout_samples_without_it(tmp_path, nvfp4_dirs
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=1)
     runs = [LLMEngine(model, None, max_num_seqs=4, block_size=4).generate([[3, 4, 5]], sp, n=2) for _ in range(2)]
     assert [c.logprobs for c in runs[0][0]] == [c.logprobs for c in runs[1][0]]
+
+
+def test_a_config_without_lora_alpha_scales_as_peft_does(tmp_path, nvfp4_dirs):
+    # PEFT reads a missing lora_alpha as LoraConfig's default (8), not as r.
+    import json
+
+    from qerl_cli.adapters import read_adapter_spec
+
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4))
+    save_adapter(model, tmp_path / "a", base_model_path=qdir)
+    cfg_path = tmp_path / "a" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["lora_alpha"]
+    cfg_path.write_text(json.dumps(cfg))
+    want = peft.LoraConfig.from_pretrained(tmp_path / "a").lora_alpha
+    spec = read_adapter_spec(tmp_path / "a")
+    assert spec.alpha == want == 8 and spec.scaling == 2.0
