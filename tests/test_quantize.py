@@ -142,6 +142,35 @@ def test_fp16_and_fp32_sources(tmp_path, dtype):
     assert torch.equal(o["model.layers.0.self_attn.o_proj.weight_global_scale"], g)
 
 
+def test_an_all_zero_sibling_does_not_set_the_shared_global(tmp_path):
+    # A pruned v_proj / up_proj: its own global is the 1.0 fallback (2688 / 0); as the minimum it pushed
+    # q/k's and gate's block scales into fp8's subnormals. Left out, they keep their own accuracy.
+    src = make_tiny_hf_model(tmp_path, "llama", hidden=64, init_std=0.003)
+    sd = load_dir(src)
+    for name in ("model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+        sd[name].zero_()
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    run(src, tmp_path / "q")
+    o = load_dir(tmp_path / "q")
+    p = "model.layers.0"
+    want = torch.min(torch.cat([R.global_scale_for(sd[f"{p}.self_attn.{x}.weight"].abs().amax())
+                                for x in ("q_proj", "k_proj")])).reshape(1)
+    for x in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(o[f"{p}.self_attn.{x}.weight_global_scale"], want), x
+    assert float(o[f"{p}.mlp.gate_proj.weight_global_scale"]) > 1000  # not the 1.0 fallback
+    assert torch.equal(o[f"{p}.mlp.up_proj.weight_global_scale"], o[f"{p}.mlp.gate_proj.weight_global_scale"])
+    for x in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "self_attn.v_proj", "mlp.up_proj"):
+        w = sd[f"{p}.{x}.weight"].float()
+        deq = R.dequantize(o[f"{p}.{x}.weight_packed"], o[f"{p}.{x}.weight_scale"], o[f"{p}.{x}.weight_global_scale"],
+                           torch.float32)
+        if w.abs().amax() == 0:
+            assert not deq.any(), x
+        else:
+            assert float((deq - w).norm() / w.norm()) < 0.15, x
+
+
 def test_fp16_global_overflow_uses_fp32_global(tmp_path):
     """fp16 weights with amax < 0.041: compressed-tensors' fp16 global overflows to 1.0; qerl does not."""
     src = make_tiny_hf_model(tmp_path, "qwen2", dtype=torch.float16, init_std=0.002)
