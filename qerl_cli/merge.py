@@ -284,8 +284,21 @@ def validate_pair(adapter: Adapter, base) -> None:
             )
 
 
-def merged_plan(base, dtype: torch.dtype = torch.bfloat16) -> list:
-    """Names, dtypes and shapes of the merged checkpoint, in the base's file order."""
+EMBED_WEIGHT, LM_HEAD_WEIGHT = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def unties_lm_head(base, adapter: Adapter) -> bool:
+    """A base with tied embeddings whose input embedding the adapter changes (LoRA on embed_tokens or
+    a trained copy of it). The adapter's policy reads tokens through the new embedding but scores them
+    with the original one (PEFT's unmerged model; its merge_and_unload unties too), so the merged
+    checkpoint must untie: lm_head is written as the original embedding."""
+    return bool(base.config.get("tie_word_embeddings", False)) and (
+        EMBED_WEIGHT.removesuffix(".weight") in adapter.deltas or EMBED_WEIGHT in adapter.replacements)
+
+
+def merged_plan(base, dtype: torch.dtype = torch.bfloat16, untie: bool = False) -> list:
+    """Names, dtypes and shapes of the merged checkpoint, in the base's file order (``untie``: plus
+    ``lm_head.weight`` last, where the base stores none)."""
     from qerl_cli.checkpoint import PlannedTensor
 
     packed = packed_weights(base)
@@ -298,6 +311,8 @@ def merged_plan(base, dtype: torch.dtype = torch.bfloat16) -> list:
             plan.append(PlannedTensor(f"{packed[name].module}.weight", dtype, (info.shape[0], info.shape[1] * 2)))
         else:
             plan.append(PlannedTensor(name, dtype if info.dtype.is_floating_point else info.dtype, info.shape))
+    if untie and LM_HEAD_WEIGHT not in base.tensors:
+        plan.append(PlannedTensor(LM_HEAD_WEIGHT, dtype, base.tensors[EMBED_WEIGHT].shape))
     return plan
 
 
@@ -325,8 +340,9 @@ class MergeStats:
 
 
 def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype = torch.bfloat16,
-                   device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the merged checkpoint in ``merged_plan`` order, one at a time.
+                   device: torch.device | str = "cpu", untie: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the merged checkpoint in ``merged_plan`` order, one at a time; ``untie``
+    (``unties_lm_head``): lm_head is the base's own embedding, whatever the adapter did to it.
 
     LoRA-targeted and NVFP4 weights are formed in fp32 on ``device`` and rounded to ``dtype`` once;
     the result is identical on CPU and CUDA up to the fp32 matmul's summation order.
@@ -344,8 +360,11 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
         else:
-            t = reader.get(name)
+            t = reader.get(EMBED_WEIGHT if untie and name == LM_HEAD_WEIGHT else name)
             where = f"in --model {base.path}"
+            if untie and name == LM_HEAD_WEIGHT:
+                yield name, t.to(dtype)
+                continue
             if name in adapter.replacements:
                 rep = adapter.replacements[name]
                 # PEFT's saved base_layer copies equal the base; only really trained tensors count
@@ -366,6 +385,8 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
         if not torch.isfinite(w.abs().amax()):
             raise NumericalError(f"merged weight {out_name} has NaN/Inf (check --adapter {adapter.path})")
         yield out_name, w.to(dtype)
+    if untie and LM_HEAD_WEIGHT not in base.tensors:
+        yield LM_HEAD_WEIGHT, reader.get(EMBED_WEIGHT).to(dtype)
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -386,7 +407,7 @@ def write_checkpoint(plan, tensors: Iterator[tuple[str, torch.Tensor]], out_dir:
         raise
 
 
-def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16") -> None:
+def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16", untie: bool = False) -> None:
     """config.json without quantization_config; tokenizer, chat template, generation config and other
     side files copied as `qerl quantize` copies them (never weights, pickles or quantization files)."""
     from qerl_cli.quantize import copy_side_files
@@ -394,6 +415,8 @@ def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16") -> No
     cfg = dict(base.config)
     cfg.pop("quantization_config", None)
     cfg.pop("compression_config", None)
+    if untie:
+        cfg["tie_word_embeddings"] = False
     cfg["torch_dtype"] = torch_dtype
     if "dtype" in cfg:
         cfg["dtype"] = torch_dtype
@@ -442,7 +465,8 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     from qerl_cli.checkpoint import TensorReader
 
     stats = MergeStats()
-    plan = merged_plan(target)
+    untie = unties_lm_head(base, adapter)
+    plan = merged_plan(target, untie=untie)
     with so as work, TensorReader(target.tensors) as reader, Progress(
         TextColumn("[bold]merge[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
         TimeElapsedColumn(), disable=not progress, transient=True,
@@ -455,9 +479,9 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 
         bf16_dir = work if cfg.dtype == "bf16" else work / ".merged-bf16"
         bf16_dir.mkdir(exist_ok=True)
-        write_checkpoint(plan, merged_tensors(target, reader, adapter, stats, device=device), bf16_dir,
+        write_checkpoint(plan, merged_tensors(target, reader, adapter, stats, device=device, untie=untie), bf16_dir,
                          cfg.max_shard_size, on_tensor=tick)
-        write_plain_config(base, bf16_dir)
+        write_plain_config(base, bf16_dir, untie=untie)
         summary = {
             "dtype": cfg.dtype,
             "device": str(device),
@@ -465,6 +489,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
             "lineage": lineage,
             "adapter_base_hash": adapter.base_hash,
             "base_hash": base_hash,
+            "untied_lm_head": untie,
             **stats.as_dict(),
         }
         if cfg.dtype == "nvfp4":

@@ -230,6 +230,31 @@ def test_tied_embeddings_stay_tied(tmp_path):
     torch.testing.assert_close(hf_logits(tmp_path / "out", IDS % 300), ref, rtol=0, atol=2e-2 * ref.abs().max())
 
 
+@pytest.mark.parametrize("how", ["lora", "trained_copy", "nvfp4"])
+def test_an_adapter_that_changes_a_tied_embedding_unties_lm_head(tmp_path, how):
+    # PEFT's policy embeds through the adapter's embedding but scores with the original one; keeping
+    # tie_word_embeddings made lm_head take the update too (further from the policy than the base was).
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, tie_word_embeddings=True)
+    kw = (dict(targets=["embed_tokens", "v_proj"]) if how == "lora"
+          else dict(targets=["v_proj"], modules_to_save=["embed_tokens"]))
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, scale=0.2, **kw)
+    if how == "nvfp4":
+        from qerl_cli.quantize import QuantizeConfig, quantize
+
+        quantize(QuantizeConfig(src=base, out=tmp_path / "q", progress=False, device="cpu"))
+    m = merge(MergeConfig(tmp_path / "q" if how == "nvfp4" else base, adapter, tmp_path / "out",
+                          allow_base_mismatch=how == "nvfp4"), progress=False)
+    assert m["summary"]["untied_lm_head"] is True
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False
+    ref = peft_logits(base, adapter, IDS % 300)
+    plain = peft_logits(base, None, IDS % 300)
+    got = hf_logits(tmp_path / "out", IDS % 300)
+    err = (got - ref).abs().max().item()
+    tol = (0.25 if how == "nvfp4" else 2e-2) * ref.abs().max().item()  # NVFP4: the base's own rounding
+    assert err < tol and (plain - ref).abs().max().item() > 2 * err, (err, (plain - ref).abs().max().item())
+
+
 def test_embedding_and_lm_head_lora(tmp_path):
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1)
     adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["embed_tokens", "lm_head", "v_proj"],
