@@ -245,7 +245,8 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
     files: list[Path] = []
     for src in sources:
         s = str(src)
-        if any(c in s for c in "*?["):
+        # A path that exists is itself, even with glob characters in it ("run [v1]/step-0").
+        if any(c in s for c in "*?[") and not Path(s).exists():
             matched = sorted(_glob.glob(s))
             if not matched:
                 raise BadInputError(f"no files match the shard glob {s!r}")
@@ -340,6 +341,12 @@ def read_records(
 
 
 # ---- resume ----------------------------------------------------------------------------------
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def load_complete_groups(path: Path, group_size: int) -> tuple[dict[str, list[dict]], int]:
     """Complete groups already in a partial shard, and how many lines were dropped.
 
@@ -359,7 +366,10 @@ def load_complete_groups(path: Path, group_size: int) -> tuple[dict[str, list[di
             groups.setdefault(r["group_id"], []).append(r)
     kept = sum(len(g) for g in groups.values())
     dropped = len(report.bad_lines) + (len(recs) - kept)
-    if dropped:
+    # A crash can also tear off just the last newline: the line still parses, but appending would
+    # glue the next record onto it. Rewriting ends the file on a whole line.
+    torn = path.stat().st_size > 0 and not _ends_with_newline(path)
+    if dropped or torn:
         tmp = path.with_name(path.name + ".repair")
         with open(tmp, "wb") as f:
             for g in groups.values():

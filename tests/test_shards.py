@@ -167,6 +167,27 @@ def test_resume_keeps_complete_groups_and_repairs_file(tmp_path):
     assert load_complete_groups(tmp_path / "absent.jsonl", 3) == ({}, 0)
 
 
+def test_resume_after_a_crash_that_tore_off_only_the_last_newline(tmp_path):
+    # The last line still parses, so nothing is dropped; but appending to it would glue the next
+    # group's first record onto it (a shard train-step then refuses, and rollout said done).
+    p = tmp_path / shard_name(0, 1)
+    a, b, c = group("a", 2), group("b", 2), group("c", 2)
+    p.write_text("".join(json.dumps(r) + "\n" for r in a + b).rstrip("\n"))
+    groups, dropped = load_complete_groups(p, group_size=2)
+    assert list(groups) == ["g-a", "g-b"] and dropped == 0
+    write_records(p, c)
+    assert read_records(p) == a + b + c
+
+
+def test_an_existing_path_with_glob_characters_is_read_as_itself(tmp_path):
+    d = tmp_path / "run [v1]" / "step *0"
+    d.mkdir(parents=True)
+    write_records(d / shard_name(0, 1), group("a"))
+    assert read_records(d) == group("a")
+    assert read_records(d / shard_name(0, 1)) == group("a")
+    assert read_records(str(tmp_path / "run [[]v1]" / "step [*]0" / "*.jsonl")) == group("a")  # a real glob still globs
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     text=st.text(max_size=40),  # any unicode, incl. newlines and quotes
