@@ -94,7 +94,10 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             raise BadInputError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
         return [(f"{path}:item {i + 1}", r) for i, r in enumerate(rows)]
     out = []
-    for i, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends records at "\n" only: str.splitlines() would also split inside a JSON string
+    # holding a raw U+2028, U+2029 or U+0085 (json.dumps(ensure_ascii=False) writes them raw).
+    for i, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -215,7 +218,9 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
                 raise
             bad_lines.append(str(e))
             continue
-        seen[row.id] = where
+        explicit = isinstance(raw, dict) and any(raw.get(k) is not None for k in ID_FIELDS)
+        # A row without an id takes its index, which can be another row's explicit id: say so.
+        seen[row.id] = where if explicit else f"{where} (a row without an id, which takes its row index)"
         rows.append(row)
     if not rows:
         raise BadInputError(f"prompt file {path} holds no valid rows ({len(bad_lines)} bad, first: {bad_lines[0]})")
@@ -298,6 +303,11 @@ def encode_prompts(
     out = []
     for row in rows:
         text = render_prompt(row, tokenizer, template=template, system_prompt=system_prompt, chat_template=chat_template)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\ud800"); no tokenizer takes it
+            raise BadInputError(f"{row.where}: prompt holds an unpaired surrogate ({text[e.start]!a}), "
+                                "which is not text") from None
         # A chat template writes its own BOS/special tokens; raw text gets the tokenizer's usual ones.
         ids = tokenizer(text, add_special_tokens=not use_chat)["input_ids"]
         if not ids:

@@ -193,3 +193,25 @@ def test_files_saved_by_windows_tools_load(tmp_path):
     assert [r.prompt for r in load_prompts(tmp_path / "p.json")] == ["Q: 3?"]
     (tmp_path / "t.txt").write_text(bom + "Solve: {prompt}", encoding="utf-8")
     assert load_template(str(tmp_path / "t.txt")) == "Solve: {prompt}"
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028 / U+2029 / U+0085 raw; JSON Lines splits at \n only.
+    p = tmp_path / "sep.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"a{c}b", "answer": "1"}, ensure_ascii=False) + "\n"
+                         for c in ("\u2028", "\u2029", "\x85")), encoding="utf-8")
+    rows = load_prompts(p)
+    assert [r.prompt for r in rows] == ["a\u2028b", "a\u2029b", "a\x85b"]
+    assert [r.where.rsplit(":", 1)[1] for r in rows] == ["1", "2", "3"]
+
+
+def test_an_unpaired_surrogate_is_named_not_a_traceback(tmp_path, plain_tok):
+    rows = load_prompts(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "fine"}, '{"prompt": "a \\ud800 b"}']))
+    with pytest.raises(BadInputError, match=r"d.jsonl:2: prompt holds an unpaired surrogate \('\\ud800'\)"):
+        encode_prompts(rows, plain_tok)
+
+
+def test_an_implicit_id_colliding_with_an_explicit_one_is_explained(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b", "id": 0}])
+    with pytest.raises(BadInputError, match=r"d.jsonl:2: id '0' already used at .*d.jsonl:1 \(a row without an id"):
+        load_prompts(p)
