@@ -257,7 +257,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
-    max_model_len = cfg.max_model_len or context_length(cfg.model)
+    max_model_len = min(cfg.max_model_len or 1 << 62, context_length(cfg.model))  # the engine caps it so too
     room = max_model_len - cfg.max_new_tokens
     if room < 1:
         raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "

@@ -55,9 +55,12 @@ def load_tokenizer(model_dir: Path):
 
 
 def context_length(model_dir: Path) -> int:
-    """The longest sequence the native engine serves: max positions, capped by a sliding window
-    (windowed attention is not implemented, so the engine stays inside the window)."""
+    """The longest sequence the native engine serves, exactly as ``LLMEngine`` computes it: max
+    positions less one (its pipelined decode may compute one position past a finished sequence),
+    capped by a sliding window (windowed attention is not implemented, so it stays inside the window).
+    A stage that let a prompt of max positions - 1 tokens through had the engine refuse it mid-run."""
     from qerl_cli.models.config import ModelConfig
 
     c = ModelConfig.from_dir(Path(model_dir))
-    return min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
+    limit = c.max_position_embeddings - 1
+    return min(limit, c.sliding_window) if c.sliding_window else limit

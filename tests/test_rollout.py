@@ -401,3 +401,46 @@ def test_prompt_and_answer_key_flags(model_dir, tmp_path, fake_engine):
     recs = read_records(tmp_path / "o")
     assert [(x["prompt"], x["answer"]) for x in recs[::2]] == [("q0", "0"), ("q1", "1"), ("q2", "2")]
 
+
+
+def test_a_prompt_at_the_edge_of_the_context_runs_or_is_skipped(tmp_path):
+    # The stages' limit is the engine's own (max positions - 1): a prompt of that many tokens minus one
+    # generates, one of that many is skipped and counted. The stages once let the latter through and
+    # the engine refused the whole run ("prompt 1 has 255 tokens; the engine's max_model_len is 255").
+    import torch
+
+    from qerl_cli.data import encode_prompts, load_prompts
+    from qerl_cli.engine import LLMEngine
+    from qerl_cli.models import load_model
+    from qerl_cli.runtime import context_length, load_tokenizer
+
+    model = make_tiny_hf_model(tmp_path, vocab=384)
+    cfg_path = model / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "max_position_embeddings": 40}))
+    limit = context_length(model)
+    assert limit == LLMEngine(load_model(model, dtype=torch.float32), None, max_num_seqs=2).max_model_len == 39
+    tok = load_tokenizer(model)
+
+    def row_of(n_tokens, i):
+        for k, tail in ((k, tail) for k in range(1, 100) for tail in ("", "?", "!?")):
+            row = {"prompt": "Q:" + " 7" * k + tail, "answer": "1", "id": f"r{i}"}
+            (tmp_path / "one.jsonl").write_text(json.dumps(row) + "\n")
+            if len(encode_prompts(load_prompts(tmp_path / "one.jsonl"), tok)[0].token_ids) == n_tokens:
+                return row
+        raise AssertionError(f"no prompt of {n_tokens} tokens")
+
+    p = tmp_path / "edge.jsonl"
+    p.write_text("".join(json.dumps(row_of(n, i)) + "\n" for i, n in enumerate((limit - 1, limit))))
+    res = rollout(cfg_for(model, tmp_path, prompts=p, num_generations=2, max_new_tokens=4))
+    assert res["summary"]["groups"] == 1 and res["summary"]["skipped_long_prompts"] == 1
+    assert "edge.jsonl:2" in res["summary"]["skipped_long"][0]
+    recs = read_records(tmp_path / "out")
+    assert [len(r["completion_token_ids"]) for r in recs] == [1, 1]  # room for exactly one new token
+    # eval: the same edge, also when --max-model-len asks for more than the model has
+    from qerl_cli.evaluate import EvalConfig, evaluate
+
+    (tmp_path / "fits.jsonl").write_text(p.read_text().splitlines()[0] + "\n")
+    for asked in (None, 4096):
+        got = evaluate(EvalConfig(model, tmp_path / "fits.jsonl", tmp_path / f"e{asked}", max_new_tokens=1,
+                                  max_model_len=asked, device="cpu", progress=False))
+        assert got["metrics"]["counts"]["problems"] == 1
