@@ -236,6 +236,7 @@ class ReadReport:
     files: list[Path] = field(default_factory=list)
     records: int = 0
     bad_lines: list[str] = field(default_factory=list)
+    origins: list[tuple[Path, int]] = field(default_factory=list)  # (file, line) of each record yielded
 
 
 def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path]:
@@ -310,6 +311,7 @@ def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator
                 report.bad_lines.append(msg)
                 continue
             report.records += 1
+            report.origins.append((path, i))
             yield rec
 
 
@@ -331,6 +333,23 @@ def iter_records(
                     hint="regenerate the older shards with this qerl version",
                 )
             yield rec
+
+
+def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> None:
+    """Each group's records must be one run of lines in one file, as a rollout writes them. A group
+    found twice (a retried job's second output dir, a shard named twice, two prompt files whose
+    default ids collide) would silently merge two samplings into one group's advantages."""
+    first: dict[str, int] = {}
+    for j, r in enumerate(records):
+        g = r["group_id"]
+        if g not in first:
+            first[g] = j
+            continue
+        k = j - 1
+        if records[k]["group_id"] != g or origins[k][0] != origins[j][0]:
+            (fa, la), (fb, lb) = origins[first[g]], origins[j]
+            raise BadInputError(f"group {g!r} appears at {fa}:{la} and again at {fb}:{lb}",
+                                hint="train on each group once: name each rollout output of the step once")
 
 
 def read_records(

@@ -152,13 +152,14 @@ class StepData:
 
 def read_step(cfg: TrainStepConfig) -> StepData:
     """Read the shards and check that they form one consistent step."""
-    from qerl_cli.shards import ReadReport, read_records
+    from qerl_cli.shards import ReadReport, check_groups_whole, read_records
 
     report = ReadReport()
     recs = read_records(cfg.shards, skip_bad_lines=cfg.skip_bad_lines, report=report)
     where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
     if not recs:
         raise BadInputError(f"{where}: no rollout records to train on")
+    check_groups_whole(recs, report.origins)
     first = recs[0]
     for i, r in enumerate(recs):
         if r["policy"].get("base") != first["policy"].get("base"):

@@ -460,3 +460,17 @@ def test_tokens_outside_vocab_or_positions_are_named(models, tmp_path):
     with pytest.raises(BadInputError, match=r"record 0 .* tokens, more than the 512 positions"):
         train_step(_cfg(models["q"], [sh2], tmp_path / "out"))
     _assert_nothing_written(tmp_path / "out")
+
+
+def test_a_group_found_twice_is_refused_with_both_places(models, tmp_path):
+    # A retried rollout job's second output dir (or a copy of a shard) would merge two samplings of
+    # the same prompts into one group each: double weight, mixed group sizes. Refused, naming both.
+    import shutil
+
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    shutil.copytree(sh, tmp_path / "retry")
+    with pytest.raises(BadInputError, match=r"group 's0-g0' appears at .*sh/shard-00000-of-00001.jsonl:1 and again at "
+                                            r".*retry/shard-00000-of-00001.jsonl:1"):
+        train_step(_cfg(models["q"], [sh, tmp_path / "retry"], tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+    train_step(_cfg(models["q"], [sh, sh], tmp_path / "a"))  # the same file named twice is read once
