@@ -40,6 +40,10 @@ class OutputExistsError(QerlError):
     exit_code = 4
 
 
+# Sampled log-probs that are NaN/Inf: the logits were (rollout, eval).
+NONFINITE_LOGITS_HINT = "the forward overflows: run with --dtype bf16 or fp32 (fp16 overflows easily), or check --adapter"
+
+
 class NumericalError(QerlError):
     """NaN/Inf in weights, logits or loss."""
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qerl_cli.errors import BadInputError
+from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.outputs import StageOutput
@@ -138,6 +138,9 @@ class Sample:
     token_ids: list[int]
     text: str
     finish_reason: str
+    finite: bool = True  # every sampled token's log-prob finite: False means NaN/Inf logits
+
+
 
 
 # generate(prompt_token_ids, n, seed, progress) -> per prompt, n samples; progress(prompts_done, tokens)
@@ -170,7 +173,8 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
     def generate(prompt_ids, n, seed, progress=None):
         sp = SamplingParams(**_sampling_kwargs(cfg, seed))
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
-        return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
+        return [[Sample(list(c.token_ids), c.text, c.finish_reason, all(map(math.isfinite, c.logprobs))) for c in g]
+                for g in groups]
 
     return generate, {"engine": "native", "lora_modules": n_lora, "timings": timings}
 
@@ -325,6 +329,9 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
             for p, group in zip(batch, groups):
                 any_ok = False
                 for j, s in enumerate(group):
+                    if not s.finite:  # a score of NaN-logit samples would look like a real, bad model
+                        raise NumericalError(f"{p.row.where}: sample {j} was drawn from NaN/Inf logits; nothing "
+                                             "was written", hint=NONFINITE_LOGITS_HINT)
                     sc = score_completion(s.text, p.row.answer, cfg.scorer)
                     any_ok |= sc.correct
                     rec = {

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
-from qerl_cli.errors import BadInputError, OutputExistsError, QerlError
+from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError, QerlError
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
@@ -605,6 +605,9 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
                     raise RuntimeError(f"engine returned {len(comps)} completions for {p.row.where}, expected {G}")
                 records = []
                 for c in comps:
+                    if not all(map(math.isfinite, c.logprobs)):  # NaN/Inf logits: no record, no traceback
+                        raise NumericalError(f"{p.row.where}: a completion was sampled from NaN/Inf logits (groups "
+                                             "finished before it are kept for a rerun)", hint=NONFINITE_LOGITS_HINT)
                     vals, total = plan.reward_set.score(c.text, p.row.answer, p.row.prompt_field,
                                                         where=f" for {p.row.where}")
                     records.append(make_record(

@@ -246,3 +246,20 @@ def test_template_file_content_is_part_of_the_fingerprint(model_dir, tmp_path):
 def test_out_must_not_overlap_inputs(model_dir, tmp_path):
     with pytest.raises(BadInputError, match="--out .* overlaps --model"):
         EvalConfig(model=model_dir, dataset=tmp_path / "d.jsonl", out=model_dir)
+
+
+def test_samples_from_nan_logits_are_a_numerical_error_not_a_score(model_dir, tmp_path, monkeypatch):
+    # fp16 overflow once gave exit 0 and a score of 0 over empty completions.
+    from qerl_cli.engine import Completion, LLMEngine
+    from qerl_cli.errors import NumericalError
+
+    def nan_generate(self, prompt_ids, sp, n, progress=None):
+        return [[Completion([5, 6], [-0.1, float("nan")], "x", "length") for _ in range(n)] for _ in prompt_ids]
+
+    monkeypatch.setattr(LLMEngine, "generate", nan_generate)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q: 1+1?", "answer": "2"}])
+    with pytest.raises(NumericalError, match=r"d.jsonl:1: sample 0 was drawn from NaN/Inf logits") as e:
+        evaluate(EvalConfig(model=model_dir, dataset=data, out=tmp_path / "e", device="cpu", max_new_tokens=8,
+                            progress=False))
+    assert e.value.exit_code == 5 and "--dtype" in e.value.hint
+    assert not (tmp_path / "e").exists()

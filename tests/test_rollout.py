@@ -444,3 +444,23 @@ def test_a_prompt_at_the_edge_of_the_context_runs_or_is_skipped(tmp_path):
         got = evaluate(EvalConfig(model, tmp_path / "fits.jsonl", tmp_path / f"e{asked}", max_new_tokens=1,
                                   max_model_len=asked, device="cpu", progress=False))
         assert got["metrics"]["counts"]["problems"] == 1
+
+
+def test_nan_logits_stop_the_rollout_with_exit_5_keeping_finished_groups(model_dir, tmp_path, monkeypatch):
+    # The shard writer refused the record with a ValueError traceback (exit 1); now it is a NumericalError
+    # naming the prompt, and the groups written before it stay for a rerun.
+    from qerl_cli.errors import NumericalError
+
+    class NanEngine(FakeEngine):
+        def generate(self, prompt_ids, sp, n, progress=None):
+            out = super().generate(prompt_ids, sp, n, progress)
+            out[1][0].logprobs[0] = float("nan")
+            return out
+
+    monkeypatch.setattr(ro, "_native_generator",
+                        lambda cfg, tok, *a: (ro._Generator(NanEngine(tok), lambda seed: seed, "fake"), None))
+    with pytest.raises(NumericalError, match=r"prompts.jsonl:2: a completion was sampled from NaN/Inf logits") as e:
+        rollout(cfg_for(model_dir, tmp_path))
+    assert e.value.exit_code == 5
+    partial = next(tmp_path.glob(".out.*/shard-*.jsonl"), None) or next(tmp_path.glob("**/shard-*.jsonl"))
+    assert [r["prompt_id"] for r in read_records(partial)] == ["p0"] * 3
