@@ -154,6 +154,9 @@ class StageOutput:
         self._recover_interrupted_swap()
         if not self.out.exists():
             return False
+        # A run killed after swapping its output in, before deleting the old one, left that old one
+        # in a temp dir (GBs for a checkpoint): an "already done" rerun sweeps it too, not only a new run.
+        self._clean_stale()
         m = read_manifest(self.out)
         if m is None and not _is_empty_dir(self.out):
             # Never replaced, even with --force: a directory without a manifest is not qerl's

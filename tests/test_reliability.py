@@ -219,6 +219,26 @@ def test_stale_temp_dirs_are_cleaned_only_when_their_process_is_dead_on_this_hos
     assert other_host.exists() and alive.exists()
 
 
+def test_an_already_done_rerun_sweeps_what_a_killed_replace_left(tmp_path):
+    # Killed between swapping the new output in and deleting the old one: the old output sits in a
+    # dead process's temp dir. A rerun that finds the output done removes it as well.
+    import subprocess
+
+    from qerl_cli.outputs import _HOST
+
+    so = StageOutput(tmp_path / "o", "demo", config={}, inputs={})
+    assert not so.already_done()
+    with so as w:
+        (w / "f").write_text("x")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = tmp_path / f".o.tmp-{dead.pid}-deadbeef-{_HOST}"
+    old.mkdir()
+    (old / "big.safetensors").write_bytes(b"0" * 1024)
+    assert StageOutput(tmp_path / "o", "demo", config={}, inputs={}).already_done()
+    assert not old.exists() and (tmp_path / "o" / "f").read_text() == "x"
+
+
 @pytest.mark.parametrize("stage", ["quantize", "merge"])
 def test_ctrl_c_is_one_line_exit_130_and_no_output(p, tmp_path, monkeypatch, stage):
     import qerl_cli.checkpoint.safetensors_io as sio
