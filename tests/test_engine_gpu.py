@@ -186,6 +186,22 @@ def test_triton_sampler_frequencies_on_gpu():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+def test_triton_sampler_logprobs_with_masked_blocks_on_gpu():
+    # A chunk that starts with a whole 4096-wide block of -inf once returned NaN log-probs; at a 152k
+    # vocabulary every row of a batch of 8 or 264 did (H200, 2026-11-26 audit).
+    from qerl_cli.engine.triton_sampler import gumbel_sample
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (8, 264):
+        x = torch.randn(rows, 152064, device="cuda", generator=g) * 3
+        x[:, :4096] = float("-inf")
+        x[:, 100000::3] = float("-inf")
+        tok, lp = gumbel_sample(x.bfloat16(), 0.9, torch.arange(rows, device="cuda", dtype=torch.int64) * 7919 + 1)
+        exact = torch.log_softmax(x.bfloat16().float() / 0.9, -1).gather(-1, tok[:, None]).squeeze(-1)
+        assert torch.isfinite(lp).all() and torch.isfinite(exact).all()
+        assert (lp - exact).abs().max().item() < 1e-4
+
+
 def test_graphs_see_lora_and_noise_updates(tmp_path):
     from qerl_cli.aqn import clear_noise
 
