@@ -335,6 +335,23 @@ def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigm
     return _Generator(engine, sampling, "vllm", noise_extra=noise_extra), None
 
 
+def _refuse_another_shards_out(cfg: RolloutConfig) -> None:
+    """--out holding another shard of the same split: --force (the generic hint) would delete that
+    shard's finished work. Each shard writes its own directory; train-step reads them all."""
+    from qerl_cli.outputs import read_manifest
+
+    m = read_manifest(Path(cfg.out)) if Path(cfg.out).is_dir() else None
+    theirs = (m or {}).get("config", {}) if (m or {}).get("stage") == STAGE else {}
+    if cfg.force or not theirs or theirs.get("num_shards", 1) == 1 == cfg.num_shards:
+        return
+    if (theirs.get("shard_index"), theirs.get("num_shards")) != (cfg.shard_index, cfg.num_shards):
+        raise OutputExistsError(
+            f"{cfg.out} holds shard {theirs.get('shard_index')} of {theirs.get('num_shards')} of a rollout; this is "
+            f"shard {cfg.shard_index} of {cfg.num_shards}",
+            hint="give each --shard-index its own --out (train-step --shards takes them all); --force would delete "
+                 "that shard")
+
+
 def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPrompt]]:
     return [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
 
@@ -401,6 +418,7 @@ def rollout(cfg: RolloutConfig) -> dict:
             inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
     out = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, reward_set.weights),
                       inputs=inputs, force=cfg.force, resumable=True)
+    _refuse_another_shards_out(cfg)
     if out.already_done():
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
 

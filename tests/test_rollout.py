@@ -464,3 +464,13 @@ def test_nan_logits_stop_the_rollout_with_exit_5_keeping_finished_groups(model_d
     assert e.value.exit_code == 5
     partial = next(tmp_path.glob(".out.*/shard-*.jsonl"), None) or next(tmp_path.glob("**/shard-*.jsonl"))
     assert [r["prompt_id"] for r in read_records(partial)] == ["p0"] * 3
+
+
+def test_another_shard_into_a_finished_shards_out_is_refused_without_force_advice(model_dir, tmp_path, fake_engine):
+    from qerl_cli.errors import OutputExistsError
+
+    rollout(cfg_for(model_dir, tmp_path, shard_index=0, num_shards=2))
+    with pytest.raises(OutputExistsError, match="holds shard 0 of 2 of a rollout; this is shard 1 of 2") as e:
+        rollout(cfg_for(model_dir, tmp_path, shard_index=1, num_shards=2))
+    assert "its own --out" in e.value.hint
+    assert rollout(cfg_for(model_dir, tmp_path, shard_index=0, num_shards=2))["already_done"]
