@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import NORMS, trained_norms
+from qerl_cli.adapters import NORMS, load_norms, trained_norms
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
@@ -122,6 +122,8 @@ class TrainStepConfig:
 
     def fingerprint_config(self) -> dict:
         d = asdict(self)
+        if d.get("lora_targets"):
+            d["lora_targets"] = sorted(d["lora_targets"])  # their order changes nothing (_lora_spec sorts too)
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in self._NOT_RESULT}
 
 
@@ -603,7 +605,8 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                 if not torch.isfinite(loss):
                     bad_mb = j
                     break
-                loss.backward()
+                if loss.requires_grad:  # a micro-batch of empty completions only has no graph (nor gradient)
+                    loss.backward()
                 epoch_loss += float(loss.detach())
                 # Clipping can only happen from epoch 2 on (epoch 1 is on-policy: ratio 1), so clip
                 # fractions count every epoch's tokens; the KL is that of the pre-update policy.
@@ -653,6 +656,10 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         raise OutOfMemoryError(f"out of GPU memory loading {cfg.model} on {device}",
                                hint="the base model alone does not fit this GPU") from None
     named = _trainable(model, cfg.train_norms)  # an adapter's trained norms came with it (load_model)
+    if cfg.train_norms and cfg.adapter is not None and (norms_file := trained_norms(cfg.adapter)):
+        # load_model rounded them to the model dtype; the fp32 masters continue from the saved fp32 values
+        # (in bf16 a step's lr-sized change was rounded away at every reload: the norms never trained).
+        load_norms(model, norms_file)
     params = [p for _, p in named]
     if data.noise is not None:
         rec = apply_noise(model, float(data.noise["sigma"]), int(data.noise["seed"]), int(data.noise["step"]),

@@ -371,6 +371,29 @@ def test_train_norms_saves_and_resumes_norm_weights(models, tmp_path):
     assert m["inputs"]["adapter_norms"]
 
 
+def test_trained_norms_continue_from_their_fp32_values_in_bf16(models, tmp_path):
+    # load_model rounds the saved fp32 norms to the model dtype; in bf16 every reload threw away the
+    # last step's lr-sized change, so chained steps never moved the norms. An lr = 0 step must keep
+    # them bit for bit.
+    from safetensors.torch import load_file
+
+    q, h = models["q"], models["qhash"]
+    train_step(_cfg(q, [make_shard(tmp_path / "sh0", h, seed=6)], tmp_path / "a1", train_norms=True, lr=1e-3,
+                    lora_rank=4, dtype="bf16", device="cpu"))
+    a1 = tmp_path / "a1"
+    sh1 = make_shard(tmp_path / "sh1", h, adapter_hash=adapter_hash(a1), step=1, seed=7)
+    train_step(_cfg(q, [sh1], tmp_path / "a2", adapter=a1, train_norms=True, lr=0.0, dtype="bf16", device="cpu"))
+    n1, n2 = load_file(str(a1 / "norms.safetensors")), load_file(str(tmp_path / "a2" / "norms.safetensors"))
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in n1.values())  # not representable in bf16
+    assert all(torch.equal(n1[k], n2[k]) for k in n1)
+
+
+def test_lora_target_order_is_not_a_new_step(models, tmp_path):
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    first = train_step(_cfg(models["q"], [sh], tmp_path / "a", lora_targets=("q_proj", "v_proj")))
+    assert train_step(_cfg(models["q"], [sh], tmp_path / "a", lora_targets=("v_proj", "q_proj"))) == first  # done
+
+
 def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path):
     import shutil
 
@@ -474,3 +497,19 @@ def test_a_group_found_twice_is_refused_with_both_places(models, tmp_path):
         train_step(_cfg(models["q"], [sh, tmp_path / "retry"], tmp_path / "a"))
     assert not (tmp_path / "a").exists()
     train_step(_cfg(models["q"], [sh, sh], tmp_path / "a"))  # the same file named twice is read once
+
+
+def test_an_empty_completion_alone_in_its_micro_batch_trains(models, tmp_path):
+    # Shards from elsewhere may hold a completion of no tokens; alone in a micro-batch its loss has no
+    # graph, and backward() raised torch's "element 0 of tensors does not require grad".
+    from qerl_cli.shards import shard_name
+
+    sh = make_shard(tmp_path / "sh", models["qhash"], seed=1, truncate_every=0)
+    p = sh / shard_name(0, 1)
+    lines = p.read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec.update(completion_token_ids=[], logprobs=[], completion="")
+    p.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    a = train_step(_cfg(models["q"], [sh], tmp_path / "a40", micro_batch_tokens=40))["metrics"]
+    b = train_step(_cfg(models["q"], [sh], tmp_path / "a1", micro_batch_tokens=1))["metrics"]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["micro_batches"] > a["micro_batches"]
