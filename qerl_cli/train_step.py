@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -505,6 +507,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(), inputs=inputs, force=cfg.force)
     if out.already_done():
         _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)")
+        _ensure_metrics_line(cfg, out.manifest)
         return out.manifest
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
@@ -732,6 +735,23 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
                   f"grad norm {metrics['grad_norm']:.3g}, {metrics['tokens_per_s']:.0f} tok/s")
     dist.barrier()
     return manifest if manifest is not None else {"metrics": metrics}
+
+
+def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:
+    """A run killed after its output was in place, before the --metrics-file append, left the step's
+    line out for good (every rerun is "already done"): the rerun appends it from the manifest."""
+    metrics = manifest.get("metrics")
+    if cfg.metrics_file is None or not metrics or int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 writes
+        return
+    path = Path(cfg.metrics_file)
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line) == metrics:
+                    return
+            except ValueError:
+                continue  # a torn line of another step: not this one
+    append_jsonl(path, metrics)
 
 
 def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metrics) -> None:
