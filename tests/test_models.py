@@ -197,6 +197,17 @@ def test_config_parsing_llama3_rope_and_eos_list():
         ModelConfig.from_hf(_tiny_cfg(hidden_act="gelu"))
 
 
+def test_qwen_sliding_window_caps_only_where_some_layer_slides():
+    # HF's Qwen2/3 slide only in layers >= max_window_layers; a window no layer uses capped the context.
+    base = dict(model_type="qwen2", use_sliding_window=True, sliding_window=16)
+    layers = _tiny_cfg(**base)["num_hidden_layers"]
+    assert ModelConfig.from_hf(_tiny_cfg(**base, max_window_layers=layers)).sliding_window is None
+    assert ModelConfig.from_hf(_tiny_cfg(**base, max_window_layers=layers - 1)).sliding_window == 16
+    assert ModelConfig.from_hf(_tiny_cfg(**base)).sliding_window == 16  # no max_window_layers: as before
+    assert ModelConfig.from_hf(_tiny_cfg(**{**base, "use_sliding_window": False})).sliding_window is None
+    assert ModelConfig.from_hf(_tiny_cfg(model_type="mistral", sliding_window=16)).sliding_window == 16
+
+
 @pytest.mark.parametrize("quantized", [True, False])
 def test_fused_projections_keep_logits_and_share_memory(quantized):
     from qerl_cli.layers.attention import fuse_projections

@@ -111,7 +111,13 @@ class ModelConfig:
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
             raise BadInputError(f"{source}: eos_token_id must be a token id or a list of them, got {cfg.get('eos_token_id')!r}")
-        sliding = cfg.get("sliding_window") if (arch == "mistral" or cfg.get("use_sliding_window")) else None
+        # Qwen2/3 slide only in layers >= max_window_layers (HF's layer_types); when that is every layer's
+        # index or more, no layer slides and the context is not capped at the window.
+        layers_n = cfg.get("num_hidden_layers")
+        qwen_slides = bool(cfg.get("use_sliding_window")) and not (
+            isinstance(cfg.get("max_window_layers"), int) and isinstance(layers_n, int)
+            and cfg["max_window_layers"] >= layers_n)
+        sliding = cfg.get("sliding_window") if (arch == "mistral" or qwen_slides) else None
         if sliding is not None:
             sliding = pos_int("sliding_window")
         max_pos = pos_int("max_position_embeddings", 4096)
