@@ -6,7 +6,7 @@
 # CONFIG.env is a sourced KEY=value file (see recipes/configs/). Every stage writes one
 # step-numbered directory atomically and says "already done" when rerun with the same inputs,
 # so rerunning this script after a crash resumes after the last completed stage; a changed
-# config makes the first changed stage refuse (pass FORCE=1 to redo it).
+# config makes the first changed stage refuse (pass FORCE=1 to redo the stages that refuse).
 #
 # Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
 #          RUN_DIR/step-000012/{shards,adapter,eval}
@@ -24,8 +24,20 @@ EVAL_EVERY=${EVAL_EVERY:-0}          # 0: evaluate only the base (step -1) and t
 EVAL_MAX_PROBLEMS=${EVAL_MAX_PROBLEMS:-0}
 DTYPE=${DTYPE:-auto}
 RUN_SEED=${RUN_SEED:-$SEED}
-FORCE_FLAG=()
-[ "${FORCE:-0}" = 1 ] && FORCE_FLAG=(--force)
+# A stage that refuses because its output was made from other inputs exits 4. With FORCE=1 that
+# stage alone is redone with --force; a later stage whose inputs it changed refuses and is redone in
+# turn, and one whose inputs did not change stays "already done" (so changing MERGE_DTYPE redoes
+# merge and eval, not the RL loop).
+stage() {
+  local rc=0
+  "$QERL" "$@" || rc=$?
+  if [ "$rc" = 4 ] && [ "${FORCE:-0}" = 1 ]; then
+    echo "FORCE=1: redoing qerl $1 with --force" >&2
+    "$QERL" "$@" --force
+  else
+    return "$rc"
+  fi
+}
 
 for v in MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW_TOKENS LR LORA_RANK LORA_ALPHA; do
   [ -n "${!v:-}" ] || { echo "error: $CONFIG does not set $v" >&2; exit 2; }
@@ -45,7 +57,7 @@ eval_flags=(--dataset "${EVAL_DATASET:-$DATASET}" --max-new-tokens "$MAX_NEW_TOK
 # 1. The frozen base: NVFP4 (QeRL) or the bf16 checkpoint itself (16-bit LoRA baseline).
 if [ "${BASE_FORMAT:-nvfp4}" = nvfp4 ]; then
   say "quantize $MODEL"
-  "$QERL" quantize "$MODEL" --out "$RUN_DIR/base" --device "$DEVICE" "${FORCE_FLAG[@]}"
+  stage quantize "$MODEL" --out "$RUN_DIR/base" --device "$DEVICE"
   BASE=$RUN_DIR/base
 else
   BASE=$MODEL
@@ -53,7 +65,7 @@ fi
 
 if [ -n "${EVAL_DATASET:-}" ]; then
   say "eval base policy"
-  "$QERL" eval --model "$BASE" "${eval_flags[@]}" --out "$RUN_DIR/eval-base" "${FORCE_FLAG[@]}"
+  stage eval --model "$BASE" "${eval_flags[@]}" --out "$RUN_DIR/eval-base"
 fi
 
 # 2. The RL loop. Step s samples with adapter s-1 and writes adapter s.
@@ -62,23 +74,23 @@ read -r -a train_extra <<< "${TRAIN_EXTRA:-}"  # extra train-step flags from the
 for ((s = 0; s < STEPS; s++)); do
   d=$(step_dir "$s")
   say "step $s / $STEPS: rollout"
-  "$QERL" rollout --model "$BASE" "${adapter_flag[@]}" --prompts "$DATASET" --out "$d/shards" \
+  stage rollout --model "$BASE" "${adapter_flag[@]}" --prompts "$DATASET" --out "$d/shards" \
     --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" --num-generations "$NUM_GENERATIONS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${reward_flags[@]}" "${template_flag[@]}" \
     --aqn-sigma-start "${AQN_SIGMA_START:-0}" --aqn-sigma-end "${AQN_SIGMA_END:-0}" \
     --aqn-stages "${AQN_STAGES:-10}" --total-steps "$STEPS" --run-seed "$RUN_SEED" --seed "$SEED" \
-    --device "$DEVICE" --dtype "$DTYPE" "${FORCE_FLAG[@]}"
+    --device "$DEVICE" --dtype "$DTYPE"
   say "step $s / $STEPS: train-step"
-  "$QERL" train-step --model "$BASE" "${adapter_flag[@]}" --shards "$d/shards" --out "$d/adapter" \
+  stage train-step --model "$BASE" "${adapter_flag[@]}" --shards "$d/shards" --out "$d/adapter" \
     --loss "$LOSS" --clip-eps "$CLIP_EPS" --clip-eps-high "$CLIP_EPS_HIGH" --beta "$BETA" --tis-cap "$TIS_CAP" \
     --lr "$LR" --warmup-steps "$WARMUP_STEPS" --total-steps "$STEPS" --max-grad-norm "$MAX_GRAD_NORM" \
     --lora-rank "$LORA_RANK" --lora-alpha "$LORA_ALPHA" --micro-batch-tokens "$MICRO_BATCH_TOKENS" \
-    --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE" --metrics-file "$RUN_DIR/metrics.jsonl" "${FORCE_FLAG[@]}" \
+    --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE" --metrics-file "$RUN_DIR/metrics.jsonl" \
     "${train_extra[@]}"
   adapter_flag=(--adapter "$d/adapter")
   if [ -n "${EVAL_DATASET:-}" ] && [ "$EVAL_EVERY" -gt 0 ] && (( (s + 1) % EVAL_EVERY == 0 )) && (( s + 1 < STEPS )); then
     say "step $s: eval"
-    "$QERL" eval --model "$BASE" "${adapter_flag[@]}" "${eval_flags[@]}" --out "$d/eval" "${FORCE_FLAG[@]}"
+    stage eval --model "$BASE" "${adapter_flag[@]}" "${eval_flags[@]}" --out "$d/eval"
   fi
 done
 
@@ -88,9 +100,9 @@ say "merge"
 merge_flags=(--dtype "${MERGE_DTYPE:-bf16}")
 # An FP4 merge keeps a small RL update only when it is added to the bf16 source (docs/merge-eval.md).
 [ "${MERGE_DTYPE:-bf16}" = nvfp4 ] && [ "$BASE" != "$MODEL" ] && merge_flags+=(--requantize-from "$MODEL")
-"$QERL" merge --model "$BASE" --adapter "$last/adapter" --out "$RUN_DIR/merged" "${merge_flags[@]}" "${FORCE_FLAG[@]}"
+stage merge --model "$BASE" --adapter "$last/adapter" --out "$RUN_DIR/merged" "${merge_flags[@]}"
 if [ -n "${EVAL_DATASET:-}" ]; then
   say "eval merged policy"
-  "$QERL" eval --model "$RUN_DIR/merged" "${eval_flags[@]}" --out "$RUN_DIR/eval-final" "${FORCE_FLAG[@]}"
+  stage eval --model "$RUN_DIR/merged" "${eval_flags[@]}" --out "$RUN_DIR/eval-final"
   "$QERL" eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"
 fi

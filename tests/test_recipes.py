@@ -240,3 +240,25 @@ def test_live_slurm_runs_the_chain_in_dependency_order(tmp_path, live_slurm):
     assert stages == ["quantize", "rollout", "rollout", "train-step", "rollout", "rollout", "train-step", "merge", "eval", "eval",
                       "eval"], lines  # base, merged, --compare
     assert sorted(line.split(" ")[1] for line in lines[1:3]) == ["0", "1"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_force_redoes_only_the_stages_that_refuse(tmp_path):
+    # FORCE=1 once put --force on every stage: changing MERGE_DTYPE redid quantize and the whole loop.
+    # A stand-in qerl refuses merge (exit 4, as for changed inputs) unless forced; everything else is done.
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            'if [ "$1" = merge ] && [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=2\n")
+    env = {**os.environ, "QERL": str(qerl)}
+    run = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 4  # without FORCE the refusal stops the loop
+    log.write_text("")
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env={**env, "FORCE": "1"},
+                   check=True, capture_output=True)
+    calls = [x.strip() for x in log.read_text().splitlines()]
+    assert calls == ["quantize", "eval", "rollout", "train-step", "rollout", "train-step", "merge", "merge forced",
+                     "eval", "eval"], calls  # the config's EVAL_DATASET: base, final, --compare
