@@ -137,10 +137,15 @@ class StageOutput:
     resumable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # Configs an older qerl fingerprinted the same run by (a stage that stopped counting an argument
+    # that does not change its result): their outputs still read as "already done".
+    legacy_configs: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self):
         self.out = Path(self.out)
         self.fingerprint = sha256_json({"stage": self.stage, "config": self.config, "inputs": self.inputs})
+        self._same_run = {self.fingerprint} | {sha256_json({"stage": self.stage, "config": c, "inputs": self.inputs})
+                                               for c in self.legacy_configs}
         self.manifest: dict | None = None
         self.work: Path | None = None
         self._t0 = 0.0
@@ -166,7 +171,7 @@ class StageOutput:
                 hint="choose another --out, or delete it yourself if it is disposable",
             )
         damage = damaged_output(self.out, m) if m is not None else None
-        if m is not None and m["stage"] == self.stage and m["fingerprint"] == self.fingerprint and not self.force:
+        if m is not None and m["stage"] == self.stage and m["fingerprint"] in self._same_run and not self.force:
             if damage is None:
                 self.manifest = m
                 return True

@@ -122,11 +122,23 @@ class TrainStepConfig:
     _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "offload_activations",
                    "embeddings_on_cpu")
 
-    def fingerprint_config(self) -> dict:
+    def fingerprint_config(self, lora_dropout: float | None = None) -> dict:
+        """The arguments that make the step's result. The micro-batch and logits-chunk sizes only
+        reorder float sums (the losses are summed over micro-batches with whole-step weights), so they
+        are left out: after an out-of-memory, a smaller --micro-batch-tokens resumes a run instead of
+        making its finished steps "different inputs". Except for bnpo, which normalises per micro-batch,
+        and LoRA dropout > 0 (``lora_dropout``: the effective rate), whose masks are drawn per micro-batch."""
         d = asdict(self)
+        d.pop("logits_chunk_tokens", None)
+        if self.loss != "bnpo" and not (lora_dropout if lora_dropout is not None else self.lora_dropout or 0.0):
+            d.pop("micro_batch_tokens", None)
         if d.get("lora_targets"):
             d["lora_targets"] = sorted(d["lora_targets"])  # their order changes nothing (_lora_spec sorts too)
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in self._NOT_RESULT}
+
+    def legacy_fingerprint_config(self) -> dict:
+        """The config qerl <= 2026-11-25 fingerprinted (every size, targets as given): runs it finished stay done."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k not in self._NOT_RESULT}
 
 
 @dataclass
@@ -504,7 +516,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
     inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
     if cfg.adapter is not None:
         inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
-    out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(), inputs=inputs, force=cfg.force)
+    out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
+                      legacy_configs=(cfg.legacy_fingerprint_config(),))
     if out.already_done():
         _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)")
         _ensure_metrics_line(cfg, out.manifest)

@@ -538,3 +538,29 @@ def test_a_rerun_restores_the_metrics_line_a_kill_lost(models, tmp_path, monkeyp
         m = train_step(_cfg(models["q"], [sh], tmp_path / "a", metrics_file=mf))
     lines = [json.loads(x) for x in mf.read_text().splitlines()]
     assert lines == [m["metrics"]]
+
+
+def test_a_smaller_micro_batch_resumes_a_run(models, tmp_path):
+    # After an out-of-memory the advice is a smaller --micro-batch-tokens; the finished steps must stay
+    # "already done" (the sizes only reorder float sums), except where they change the math.
+    import json as _json
+
+    from qerl_cli.errors import OutputExistsError
+    from qerl_cli.hashing import sha256_json
+
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    first = train_step(_cfg(models["q"], [sh], tmp_path / "a", micro_batch_tokens=64, logits_chunk_tokens=64))
+    assert train_step(_cfg(models["q"], [sh], tmp_path / "a", micro_batch_tokens=16, logits_chunk_tokens=8)) == first
+    train_step(_cfg(models["q"], [sh], tmp_path / "b", loss="bnpo", micro_batch_tokens=64))
+    with pytest.raises(OutputExistsError):  # bnpo normalises per micro-batch: a different step
+        train_step(_cfg(models["q"], [sh], tmp_path / "b", loss="bnpo", micro_batch_tokens=16))
+    train_step(_cfg(models["q"], [sh], tmp_path / "c", lora_dropout=0.1, micro_batch_tokens=64))
+    with pytest.raises(OutputExistsError):  # dropout masks are drawn per micro-batch
+        train_step(_cfg(models["q"], [sh], tmp_path / "c", lora_dropout=0.1, micro_batch_tokens=16))
+    # a step an older qerl finished (its fingerprint counted every size) stays done
+    cfg = _cfg(models["q"], [sh], tmp_path / "a", micro_batch_tokens=64, logits_chunk_tokens=64)
+    man = _json.loads((tmp_path / "a" / "manifest.json").read_text())
+    man["fingerprint"] = sha256_json({"stage": "train-step", "config": cfg.legacy_fingerprint_config(),
+                                      "inputs": man["inputs"]})
+    (tmp_path / "a" / "manifest.json").write_text(_json.dumps(man))
+    assert train_step(cfg)["fingerprint"] == man["fingerprint"]
