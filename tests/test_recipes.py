@@ -262,3 +262,27 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
     calls = [x.strip() for x in log.read_text().splitlines()]
     assert calls == ["quantize", "eval", "rollout", "train-step", "rollout", "train-step", "merge", "merge forced",
                      "eval", "eval"], calls  # the config's EVAL_DATASET: base, final, --compare
+
+
+def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
+    # Submitted with ROLLOUT_SHARDS=2 in the environment, a train job resubmitted by hand without it
+    # read shards-0 only (1/N of the step) and exit 0. submit.sh records the chain's shape.
+    sbatch, _ = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=3\n")
+    run = tmp_path / "run"
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True, capture_output=True,
+                   env={**os.environ, "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"})
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$*" >> {log}\n')
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_SHARDS"} | {"QERL": str(qerl)}
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                   check=True)
+    assert f"--shards {run}/step-000001/shards-0 --shards {run}/step-000001/shards-1 " in log.read_text()
+    # and a train job that would read fewer shards than the step holds refuses
+    (run / "submit.env").unlink()
+    for i in range(2):
+        (run / "step-000001" / f"shards-{i}").mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "ROLLOUT_SHARDS=1" in r.stderr

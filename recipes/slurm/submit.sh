@@ -6,7 +6,8 @@
 #
 # Each rollout task writes its own shard directory (--shard-index/--num-shards), so a failed
 # task can be rerun alone (`sbatch --array=3 ...`); every stage is idempotent, so resubmitting
-# the whole chain after a failure redoes only what is missing. Variables (environment or
+# the whole chain after a failure redoes only what is missing (RUN_DIR/submit.env keeps the shard and
+# step counts, so a job rerun alone sees the chain's values). Variables (environment or
 # CONFIG): PARTITION, ACCOUNT, ROLLOUT_SHARDS (default 1), ROLLOUT_GPUS (per task, 1),
 # TRAIN_GPUS (1; >1 runs torchrun), GPU_GRES (gres name, default gpu; empty: no --gres, e.g. a
 # CPU-only test cluster), TIME_ROLLOUT, TIME_TRAIN, TIME_QUANTIZE, EXTRA_SBATCH_ARGS.
@@ -23,6 +24,13 @@ SBATCH=${SBATCH:-sbatch}
 HERE=$(cd "$(dirname "$0")" && pwd)
 SCRIPT=$HERE/stage.sbatch
 SHARDS=${ROLLOUT_SHARDS:-1}
+# The chain's shape, which the environment may have set: a job rerun alone later (sbatch --array=3
+# ..., or the train job) must see the same values, or it reads 1 of N shards. stage.sbatch sources
+# this file after CONFIG.
+{
+  echo "# written by submit.sh $(date -u +%FT%TZ): the chain's shape; stage.sbatch reads it after CONFIG"
+  printf 'ROLLOUT_SHARDS=%q\nSTEPS=%q\nTRAIN_GPUS=%q\n' "$SHARDS" "$STEPS" "${TRAIN_GPUS:-1}"
+} > "$RUN_DIR/submit.env"
 
 common=(--parsable --chdir "$PWD" --output "$RUN_DIR/slurm-%x-%A_%a.out")
 [ -n "${PARTITION:-}" ] && common+=(--partition "$PARTITION")
