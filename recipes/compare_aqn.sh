@@ -10,9 +10,12 @@
 # EXTRA_AQN=START:END adds a fourth variant with a larger noise schedule. Finished runs are kept:
 # rerunning with more variants only runs the new ones (every stage says "already done").
 set -euo pipefail
+here=$PWD
 cd "$(dirname "$0")/.."
-OUT=${1:-runs/compare}
-CONFIG=${2:-recipes/configs/tiny.env}
+# Paths you pass are read where you ran the command; the defaults live in the repository.
+abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$here" "$1" ;; esac; }
+OUT=${1:+$(abs "$1")}; OUT=${OUT:-runs/compare}
+CONFIG=${2:+$(abs "$2")}; CONFIG=${CONFIG:-recipes/configs/tiny.env}
 SEEDS=${SEEDS:-0 1 2}
 PARALLEL=${PARALLEL:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 export OMP_NUM_THREADS=${THREADS:-2} TOKENIZERS_PARALLELISM=false

@@ -24,9 +24,10 @@ def load(out: Path) -> dict[str, list[dict]]:
         m = re.fullmatch(r"(.+)-s(\d+)", d.name)
         if not d.is_dir() or not m or not (d / "metrics.jsonl").exists():
             continue
-        train = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        by_step = {int(r["step"]): r for r in rows}  # a forced redo of a step replaces its line (as plot_run)
         score = lambda p: json.loads((p / "metrics.json").read_text())["score"] if (p / "metrics.json").exists() else None  # noqa: E731
-        runs[m.group(1)].append({"seed": int(m.group(2)), "train": sorted(train, key=lambda r: r["step"]),
+        runs[m.group(1)].append({"seed": int(m.group(2)), "train": [by_step[k] for k in sorted(by_step)],
                                  "base": score(d / "eval-base"), "final": score(d / "eval-final")})
     return runs
 

@@ -7,8 +7,10 @@
 # then RUN_DIR/curves.png (reward, entropy, pass@1 per step). Rerun it to resume; FORCE=1 redoes.
 # Knobs (environment): STEPS, LR, PROMPTS_PER_STEP, NUM_GENERATIONS, DEVICE, SEED, BASE_FORMAT.
 set -euo pipefail
+here=$PWD
 cd "$(dirname "$0")/.."
-RUN_DIR=${1:-runs/quickstart}
+# A RUN_DIR you pass is read where you ran the command; the default lives in the repository.
+case "${1:-}" in "") RUN_DIR=runs/quickstart ;; /*) RUN_DIR=$1 ;; *) RUN_DIR=$here/$1 ;; esac
 
 if ! python -c "import torch" 2>/dev/null; then
   # The CPU build, or pip pulls several GB of CUDA wheels for the project's torch requirement.

@@ -286,3 +286,42 @@ def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
     r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "ROLLOUT_SHARDS=1" in r.stderr
+
+
+def test_config_knobs_set_in_the_environment_win(tmp_path):
+    # compare_aqn.sh sets the variant through the environment; the Qwen configs assigned these outright,
+    # so all three variants ran the same NVFP4 + AQN experiment.
+    for cfg in CONFIGS:
+        env = {**os.environ, "BASE_FORMAT": "bf16", "AQN_SIGMA_START": "0", "SEED": "7", "STEPS": "3", "LR": "5e-6"}
+        out = subprocess.run(["bash", "-c", f'source "{cfg}" >/dev/null; echo "$BASE_FORMAT $AQN_SIGMA_START $SEED $STEPS $LR"'],
+                             env=env, capture_output=True, text=True, check=True).stdout.split()
+        assert out == ["bf16", "0", "7", "3", "5e-6"], (cfg.name, out)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_compare_aqn_reads_relative_paths_where_it_was_run(tmp_path):
+    qerl = _recorder(tmp_path, "qerl", "exit 0\n")
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    (cwd / "my.env").write_text((RECIPES / "configs" / "tiny.env").read_text())
+    env = {**os.environ, "QERL": str(qerl), "SEEDS": "0", "PARALLEL": "1"}
+    subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), "out", "my.env"], cwd=cwd, env=env, capture_output=True)
+    logs = sorted(p.name for p in (cwd / "out").glob("*.log"))
+    assert logs == ["bf16-lora-s0.log", "nvfp4-aqn-s0.log", "nvfp4-lora-s0.log"]
+    assert "not found" not in (cwd / "out" / "nvfp4-lora-s0.log").read_text()
+    assert not (ROOT / "out").exists()
+
+
+def test_plot_compare_keeps_the_last_line_of_a_redone_step(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("plot_compare", RECIPES / "plot_compare.py")
+    pc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pc)
+    d = tmp_path / "nvfp4-lora-s0"
+    d.mkdir()
+    rows = [{"step": s, "entropy": e} for s, e in ((0, 9.0), (1, 9.0), (0, 1.0), (1, 2.0), (2, 3.0))]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = pc.load(tmp_path)["nvfp4-lora"][0]["train"]
+    assert [(r["step"], r["entropy"]) for r in train] == [(0, 1.0), (1, 2.0), (2, 3.0)]
