@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -39,7 +38,6 @@ from qerl_cli.outputs import StageOutput
 STAGE = "eval"
 SCORERS = ("auto", "gsm8k", "math")
 ENGINES = ("native", "vllm")
-_NUMERIC = re.compile(r"\s*[-+\u2212]?\s*\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)\s*(?:/\s*\d+(?:\.\d+)?)?\s*%?\s*")
 
 
 @dataclass
@@ -108,10 +106,15 @@ class EvalConfig:
 
 # ---- scoring -----------------------------------------------------------------------------------
 def scorer_for(reference: str, scorer: str = "auto") -> str:
-    """The answer kind a problem is scored with: numeric references -> gsm8k, others -> math."""
+    """The answer kind a problem is scored with: a reference the gsm8k rule reads as a number (the
+    training reward's own rule: "72", "+5", "7 apples", "$1,000", "... #### 72") -> gsm8k; anything
+    in LaTeX or not a number -> math (math-verify)."""
     if scorer != "auto":
         return scorer
-    return "gsm8k" if _NUMERIC.fullmatch(reference) else "math"
+    from qerl_cli.rewards import reference_answer
+
+    ref = str(reference)
+    return "gsm8k" if "\\" not in ref and reference_answer(ref, "gsm8k") is not None else "math"
 
 
 @dataclass

@@ -5,12 +5,14 @@ weight: ``--reward gsm8k --reward format=0.1`` gives ``reward = 1.0*gsm8k + 0.1*
 unweighted value is kept in the record's ``rewards`` so training can re-weight without
 regenerating. Built-ins:
 
-- ``gsm8k``: 1 if the final number equals the reference. The number is the first one after the
-  first ``####`` (a base model that runs on past its answer and starts another "Q: ... ####"
-  is still judged on the answer it gave), else in the last ``\\boxed{}``, else in the last
-  ``<answer>...</answer>``.
-  Numbers are normalised (``$``, thousands commas, units, ``%``, trailing ``.0``, ``\\frac``,
-  unicode minus) and compared as exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``.
+- ``gsm8k``: 1 if the final number equals the reference. The number is the one the first
+  ``####`` line with a number starts with (a base model that runs on past its answer and starts
+  another "Q: ... ####" is still judged on the answer it gave), else the last ``\\boxed{}``, else
+  the last ``<answer>...</answer>``, which must each *be* a number (words around it allowed):
+  ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
+  door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
+  ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
+  exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
@@ -89,64 +91,139 @@ def last_boxed(text: str) -> str | None:
 
 
 _DIGIT = re.compile(r"\d")
-_LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
-_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{[^{}]*\}")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?|-?\.\d+")
+# A number longer than this is degenerate output, not an answer (and int() refuses 4300+ digits).
+MAX_NUMBER_DIGITS = 100
+# \frac arguments that are numbers: {1}, {-2.5}, {1/2} (an inner \frac already evaluated), or one
+# digit without braces (\frac12, \frac{1}2: TeX takes a single token).
+_FRAC_ARG = r"(?:\{\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?)\s*\}|(\d))"
+_LATEX_FRAC = re.compile(rf"\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
+_MIXED_FRAC = re.compile(r"(?<![\d.])(-?)(\d+)\s*\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\u00b0|\\degree")
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*-?\d+(?:\.\d+)?)?")  # not glued: "x1", "a.1"
+# Words around a number in an answer span: "The answer is 72 apples." Checked token by token, not by
+# one regex: nested optional whitespace backtracked for seconds on a reference of 1,500 spaces.
+_WORD = re.compile(r"[A-Za-z][A-Za-z'.-]*")
+_WORD_GAP = re.compile(r"[\s,;:]+")
+_GLUE_OK = frozenset(" \t\r\n,;:.%)<*")  # what may follow a #### line's number ("2x", "2^10", "5!" may not)
+
+
+def _words_only(text: str) -> bool:
+    return all(_WORD.fullmatch(w) for w in _WORD_GAP.split(text) if w)
+
+
+def _frac_value(m: re.Match) -> str:
+    a, b = (_to_fraction(m.group(i) or m.group(i + 1)) for i in (1, 3))
+    return m.group(0) if a is None or b is None or b == 0 else _exact_str(a / b)
+
+
+def _mixed_value(m: re.Match) -> str:
+    whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+    if den == 0:
+        return m.group(0)
+    return _exact_str((-1 if m.group(1) else 1) * (whole + Fraction(num, den)))
 
 
 def _clean_number_text(s: str) -> str:
     s = s.replace("\u2212", "-").replace("{,}", "").replace("\\!", "").replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
-    s = _LATEX_TEXT.sub(" ", s)  # units: \text{ dollars}
-    for _ in range(3):  # nested \frac{\frac{..}{..}}{..} is not worth more than a few passes
-        s = _LATEX_FRAC.sub(r"(\1)/(\2)", s)
-    s = re.sub(r"\((-?[\d.,]+)\)", r"\1", s)  # (3)/(4) -> 3/4
+    s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
+    s = _DEGREES.sub("", s)
+    s = _MIXED_FRAC.sub(_mixed_value, s)  # 1\frac{1}{2} = 1.5, not 11/2
+    for _ in range(4):  # innermost first: \frac{\frac{1}{2}}{3} = 1/6
+        s, n = _LATEX_FRAC.subn(_frac_value, s)
+        if not n:
+            break
+    s = re.sub(r"\((-?[\d.,]+)\)", r"\1", s)  # (3) -> 3
     s = s.replace("$", "")
+    s = re.sub(r"(^|[\s(=])\+\s*(?=[\d.])", r"\1", s)  # "+5" -> "5"
     # "- 5" -> "-5" only when the minus is not between two numbers
     s = re.sub(r"(^|[^\d\s])\s*-\s+(?=\d)", r"\1-", s)
     return s
 
 
-def _to_fraction(num: str) -> Fraction | None:
-    num = num.replace(",", "").replace(" ", "")
-    try:
-        if "/" in num:
-            a, b = num.split("/", 1)
-            den = Fraction(Decimal(b))
-            return None if den == 0 else Fraction(Decimal(a)) / den
-        return Fraction(Decimal(num))
-    except (InvalidOperation, ValueError, ZeroDivisionError):
+def _decimal_value(s: str) -> Fraction | None:
+    """``-1,234.5`` -> Fraction. Commas only as thousands separators (groups of 3; Indian 2s inside):
+    ``3,5``, ``12,50`` or ``1,2,3`` are not one number, so they are none."""
+    neg = s.startswith("-")
+    whole, _, frac = s.lstrip("-").partition(".")
+    if "," in whole:
+        groups = whole.split(",")
+        if not (1 <= len(groups[0]) <= 3 and len(groups[-1]) == 3 and all(len(g) in (2, 3) for g in groups[1:-1])):
+            return None
+        whole = "".join(groups)
+    if sum(map(len, (whole, frac))) > MAX_NUMBER_DIGITS:
         return None
+    try:
+        f = Fraction(Decimal(f"{whole or '0'}.{frac or '0'}"))
+    except (InvalidOperation, ValueError):
+        return None
+    return -f if neg else f
 
 
-def _format_fraction(f: Fraction) -> str:
+def _to_fraction(num: str) -> Fraction | None:
+    num = num.replace(" ", "").rstrip(",")
+    if "/" in num:
+        a, b = (_decimal_value(x) for x in num.split("/", 1))
+        return None if a is None or b is None or b == 0 else a / b
+    return _decimal_value(num)
+
+
+def _exact_str(f: Fraction) -> str:
+    """Canonical text of a value: an integer, a terminating decimal written out exactly (0.5, never
+    rounded), else p/q."""
     if f.denominator == 1:
         return str(f.numerator)
-    # terminating decimals print as decimals (0.5), the rest as a/b (1/3)
     d = f.denominator
-    while d % 2 == 0:
-        d //= 2
+    twos = (d & -d).bit_length() - 1
+    d >>= twos
+    fives = 0
     while d % 5 == 0:
         d //= 5
-    if d == 1:
-        return format(Decimal(f.numerator) / Decimal(f.denominator), "f").rstrip("0").rstrip(".")
-    return f"{f.numerator}/{f.denominator}"
+        fives += 1
+    if d != 1:
+        return f"{f.numerator}/{f.denominator}"
+    places = max(twos, fives)
+    scaled = abs(f.numerator) * 10**places // f.denominator  # exact: the denominator divides 10**places
+    digits = str(scaled).rjust(places + 1, "0")
+    text = f"{digits[:-places]}.{digits[-places:]}".rstrip("0").rstrip(".")
+    return ("-" if f < 0 else "") + text
+
+
+def span_number(text: str, whole: bool = True) -> str | None:
+    """The number an answer span gives, normalised (``'$1,234.50 dollars'`` -> ``'1234.5'``), or None.
+
+    ``whole``: the span must be a number (words around it allowed: "The answer is 72 apples."), as
+    a ``\\boxed{}`` or ``<answer>`` must; else it only has to start with one, as a ``####`` line. An
+    equation gives its right-hand side (``x = 5``, ``48 + 24 = 72``).
+    """
+    if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
+        return None
+    s = _clean_number_text(text)
+    if "=" in s:
+        s = s.rsplit("=", 1)[1]
+    m = _NUMBER.search(s)
+    if m is None or not _words_only(s[: m.start()].rstrip().rstrip("*")):  # "The answer is **72**"
+        return None
+    rest = s[m.end():]
+    if rest and rest[0] not in _GLUE_OK:  # "2x", "2^{10}", "2\\sqrt{2}", "5!": not the number 2 or 5
+        return None
+    if whole:
+        rest = rest.lstrip().lstrip("*").lstrip().removeprefix("%").lstrip("*").strip().removesuffix(".")
+        if not _words_only(rest):  # "72 apples" yes; "2 \\cdot 3", "3 and 4" no
+            return None
+    f = _to_fraction(m.group(0))
+    return None if f is None else _exact_str(f)
 
 
 def first_number(text: str) -> str | None:
-    """The first number in ``text``, normalised (``'$1,234.50'`` -> ``'1234.5'``), or None."""
-    if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
-        return None
-    m = _NUMBER.search(_clean_number_text(text))
-    if not m:
-        return None
-    f = _to_fraction(m.group(0))
-    return None if f is None else _format_fraction(f)
+    """The number a ``####`` line starts with, normalised (kept for callers of the old name)."""
+    return span_number(text, whole=False)
 
 
 def normalize_number(text: str) -> str | None:
     """Canonical form of a number written as text (``'-3.50'`` -> ``'-3.5'``, ``'\\frac{6}{8}'`` -> ``'0.75'``)."""
-    return first_number(text)
+    return span_number(text)
 
 
 def _after_hashes(text: str) -> str | None:
@@ -162,7 +239,7 @@ def _after_hashes(text: str) -> str | None:
         span = text[pos + 4 : stop]
         if first is None:
             first = span
-        if first_number(span) is not None:
+        if span_number(span, whole=False) is not None:
             return span
     return first
 
@@ -183,18 +260,15 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     the last ``<answer>`` tag. ``math``: the raw content of the last ``\\boxed{}``.
     """
     if kind == "gsm8k":
-        for span in (_after_hashes(text), last_boxed(text), _answer_tag(text)):
+        for span, whole in ((_after_hashes(text), False), (last_boxed(text), True), (_answer_tag(text), True)):
             if span is not None:
-                num = first_number(span)
+                num = span_number(span, whole)
                 if num is not None:
                     return num
         return None
     if kind == "math":
         return last_boxed(text)
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
-
-
-_WHOLE_NUMBER = re.compile(rf"^\s*({_NUMBER.pattern})(?:\s+[A-Za-z]+)*\s*\.?\s*$")
 
 
 def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
@@ -210,11 +284,7 @@ def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
         span = _after_hashes(reference)
         if span is None:
             span = last_boxed(reference) or reference
-        m = _WHOLE_NUMBER.match(_clean_number_text(span).replace("%", ""))
-        if m is None:
-            return None
-        f = _to_fraction(m.group(1))
-        return None if f is None else _format_fraction(f)
+        return span_number(span)
     if kind == "math":
         return last_boxed(reference) or reference.strip()
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
@@ -305,16 +375,25 @@ def format_reward(completion: str, answer: str | None = None, *, prompt=None) ->
     if s.startswith("<think>"):  # optional: chat templates of reasoning models open it themselves
         s = s[len("<think>"):]
     end = s.find("</think>")
-    if end <= 0 or "<think>" in s[:end] or not s[:end].strip():
+    if end <= 0 or _has_tag(s[:end]) or not s[:end].strip():
         return 0.0
     rest = s[end + len("</think>"):].lstrip()
     if not rest.startswith("<answer>"):
         return 0.0
     rest = rest[len("<answer>"):]
     end = rest.find("</answer>")
-    if end < 0 or "<answer>" in rest[:end] or not rest[:end].strip():
+    if end < 0 or _has_tag(rest[:end]) or not rest[:end].strip():
         return 0.0
     return 1.0 if not rest[end + len("</answer>"):].strip() else 0.0
+
+
+_FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def _has_tag(part: str) -> bool:
+    """A format tag inside the thinking or the answer: "<think>a<answer>3</answer></think>..." is not
+    one of each."""
+    return any(t in part for t in _FORMAT_TAGS)
 
 
 def _known() -> str:

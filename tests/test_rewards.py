@@ -249,3 +249,57 @@ def test_degenerate_completions_stay_cheap(text):
         extract_answer(text, kind)
     format_reward(text)
     assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize(
+    "completion, ref, ok",
+    [
+        # a boxed / tagged answer must BE a number: no reward for the 2 in 2*sqrt(2) (2026-11-26 audit)
+        ("\\boxed{2\\sqrt{2}}", "2", False), ("\\boxed{3\\pi}", "3", False), ("\\boxed{2^{10}}", "2", False),
+        ("\\boxed{-2\\sqrt{3}}", "-2", False), ("\\boxed{5!}", "5", False), ("\\boxed{2 \\cdot 3}", "2", False),
+        ("#### 2x", "2", False), ("#### 2^{10}", "2", False), ("<answer>5x</answer>", "5", False),
+        ("\\boxed{48+24=72}", "72", True), ("\\boxed{x_1 = 5}", "5", True),  # an equation: its right side
+        ("<answer>The answer is 72.</answer>", "72", True), ("#### **72**", "72", True), ("#### 5 \\boxed{6}", "5", True),
+        # \frac: mixed numbers, braceless, nested, negative denominators
+        ("\\boxed{1\\frac{1}{2}}", "1.5", True), ("\\boxed{1\\frac{1}{2}}", "5.5", False),
+        ("\\boxed{\\frac12}", "0.5", True), ("\\boxed{\\frac12}", "12", False),
+        ("\\boxed{\\frac{\\frac{1}{2}}{3}}", "1/6", True), ("\\boxed{\\frac{1}{-2}}", "-0.5", True),
+        # commas only as thousands separators (groups of 3; Indian 2s inside)
+        ("#### 3,5", "35", False), ("#### 1,2", "12", False), ("#### 12,50", "1250", False),
+        ("#### 10,00,000", "1000000", True), ("#### 1,234", "1234", True),
+        # \text{} content is kept; exact comparison past 28 digits; a leading +
+        ("\\boxed{\\text{72}}", "72", True), ("\\boxed{\\textbf{72}}", "72", True), ("\\boxed{\\text{\\$72}}", "72", True),
+        ("#### 1.00000000000000000000000000001", "1", False), ("#### 0.99999999999999999999999999999", "1", False),
+        ("#### +5", "5", True), ("\\boxed{5}", "+5", True), ("\\boxed{30^\\circ}", "30", True),
+    ],
+)
+def test_gsm8k_rule_edge_cases(completion, ref, ok):
+    assert is_correct(completion, ref, "gsm8k") is ok
+
+
+@pytest.mark.parametrize("text", ["#### " + "1" * 4301, "\\boxed{" + "9" * 5000 + "}", "#### " + "1," * 4400,
+                                  "#### 0." + "3" * 100000], ids=["int-4301", "boxed-5000", "commas", "decimal-100k"])
+def test_absurdly_long_numbers_are_no_answer_and_cheap(text):
+    # int() refuses 4300+ digits: one collapsed sample of repeated digits stopped a whole rollout.
+    import time
+
+    t0 = time.perf_counter()
+    assert extract_answer(text, "gsm8k") is None and not is_correct(text, "1", "gsm8k")
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_format_tags_inside_the_parts_are_refused():
+    assert format_reward("<think>a<answer>3</answer></think><answer>4</answer>") == 0.0
+    assert format_reward("<think>a</think><answer>4</think></answer>") == 0.0
+
+
+def test_eval_auto_scorer_follows_the_training_rule_and_stays_cheap():
+    import time
+
+    from qerl_cli.evaluate import scorer_for
+
+    assert [scorer_for(r) for r in ("72", "+5", "7 apples", "$1,000", "5.", "\\frac{1}{2}", "x^2", "-2,1")] == [
+        "gsm8k", "gsm8k", "gsm8k", "gsm8k", "gsm8k", "math", "math", "math"]
+    t0 = time.perf_counter()
+    scorer_for("1" + " " * 100000 + "!")  # the old regex backtracked for 11 s on 1,500 spaces
+    assert time.perf_counter() - t0 < 2.0
