@@ -86,6 +86,8 @@ class EvalConfig:
                                 "identical samples", hint="pass --temperature > 0 for pass@k")
         if not 0 < self.top_p <= 1:
             raise BadInputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise BadInputError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.max_new_tokens < 1:
             raise BadInputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         self.stop = tuple(self.stop)

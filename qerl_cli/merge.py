@@ -55,7 +55,7 @@ class MergeConfig:
     adapter: Path
     out: Path
     dtype: str = "bf16"
-    max_shard_size: int = 4 << 30
+    max_shard_size: int = 4_000_000_000  # "4GB", the CLI default: the same merge from either is "already done"
     device: str = "auto"  # where dequantize + add run; not in the fingerprint (same math, as in quantize)
     allow_base_mismatch: bool = False
     # --dtype nvfp4: the bf16 checkpoint --model was quantized from; the update is added to it and

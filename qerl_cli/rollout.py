@@ -138,8 +138,9 @@ def _check_flags(cfg: RolloutConfig) -> None:
             bad(f"{flag} must be >= 1, got {v}")
     if cfg.max_num_seqs < 1:
         bad(f"--max-num-seqs must be >= 1, got {cfg.max_num_seqs}")
-    if cfg.aqn_sigma_start < 0 or cfg.aqn_sigma_end < 0:
-        bad("--aqn-sigma-start/--aqn-sigma-end must be >= 0")
+    if not all(math.isfinite(x) and x >= 0 for x in (cfg.aqn_sigma_start, cfg.aqn_sigma_end)):
+        bad(f"--aqn-sigma-start/--aqn-sigma-end must be finite numbers >= 0, got {cfg.aqn_sigma_start} and "
+            f"{cfg.aqn_sigma_end}")
     if cfg.aqn_sigma_start > 0:
         if cfg.total_steps is None:
             bad("--aqn-sigma-start needs --total-steps (the schedule spreads its stages over the run)")

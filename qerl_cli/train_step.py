@@ -398,7 +398,8 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
     need(0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio", "in [0, 1]", cfg.min_lr_ratio)
     need(cfg.max_grad_norm >= 0 and math.isfinite(cfg.max_grad_norm), "--max-grad-norm",
          "a finite number >= 0 (0 turns clipping off)", cfg.max_grad_norm)
-    need(cfg.weight_decay >= 0, "--weight-decay", ">= 0", cfg.weight_decay)
+    need(cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay), "--weight-decay", "a finite number >= 0",
+         cfg.weight_decay)
     need(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "--adam-beta1/--adam-beta2", "in [0, 1)",
          (cfg.adam_beta1, cfg.adam_beta2))
     need(cfg.adam_eps > 0, "--adam-eps", "> 0", cfg.adam_eps)

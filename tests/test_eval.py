@@ -263,3 +263,8 @@ def test_samples_from_nan_logits_are_a_numerical_error_not_a_score(model_dir, tm
                             progress=False))
     assert e.value.exit_code == 5 and "--dtype" in e.value.hint
     assert not (tmp_path / "e").exists()
+
+
+def test_max_model_len_must_be_positive(model_dir, tmp_path):
+    with pytest.raises(BadInputError, match="--max-model-len must be >= 1"):
+        EvalConfig(model=model_dir, dataset=tmp_path / "d.jsonl", out=tmp_path / "o", max_model_len=0)

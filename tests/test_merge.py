@@ -268,3 +268,15 @@ def test_embedding_and_lm_head_lora(tmp_path):
     got = hf_logits(tmp_path / "out", IDS % 300)
     err = (got - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
+
+
+def test_the_cli_default_shard_size_is_the_library_default():
+    # "4GB" on the CLI was 4e9 bytes, MergeConfig's 4 GiB: the same merge made by either read as
+    # "different inputs" from the other (exit 4).
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+    from qerl_cli.quantize import parse_size
+
+    opt = next(p for p in get_command(app).commands["merge"].params if p.name == "max_shard_size")
+    assert parse_size(opt.default) == MergeConfig.max_shard_size

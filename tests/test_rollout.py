@@ -234,6 +234,9 @@ def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
         (dict(long_prompts="cut"), BadInputError, "--long-prompts must be one of"),
         (dict(device="gpu"), BadInputError, "--device must be auto, cpu, cuda or cuda:N"),
         (dict(stop=("",)), BadInputError, "--stop strings must be non-empty"),
+        # NaN passed "< 0" checks: a traceback, or an error blaming the sampler after generating
+        (dict(aqn_sigma_start=float("nan"), total_steps=10), BadInputError, "must be finite numbers >= 0"),
+        (dict(aqn_sigma_start=0.01, aqn_sigma_end=float("inf"), total_steps=10), BadInputError, "finite"),
     ],
 )
 def test_bad_flags(model_dir, tmp_path, fake_engine, kw, err, msg):

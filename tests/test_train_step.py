@@ -408,7 +408,12 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
     for kw, flag in ((dict(lora_rank=0), "--lora-rank"), (dict(lora_alpha=0.0), "--lora-alpha"),
                      (dict(min_lr_ratio=2.0), "--min-lr-ratio"), (dict(warmup_steps=-1), "--warmup-steps"),
                      (dict(total_steps=0), "--total-steps"), (dict(max_grad_norm=-1.0), "--max-grad-norm"),
-                     (dict(logits_chunk_tokens=0), "--logits-chunk-tokens"), (dict(lora_dropout=1.5), "--lora-dropout")):
+                     (dict(logits_chunk_tokens=0), "--logits-chunk-tokens"), (dict(lora_dropout=1.5), "--lora-dropout"),
+                     # NaN / inf passed "< 0" checks: a NaN beta silently dropped the KL term, an inf weight
+                     # decay wrote an all-NaN adapter with exit 0
+                     (dict(weight_decay=float("inf")), "--weight-decay"), (dict(beta=float("nan")), "--beta"),
+                     (dict(beta=float("inf")), "--beta"), (dict(tis_cap=float("nan")), "--tis-cap"),
+                     (dict(clip_eps_high=float("nan")), "--clip-eps-high")):
         with pytest.raises(BadInputError, match=flag):
             train_step(_cfg(q, [sh], tmp_path / "bad", **kw))
     assert not (tmp_path / "bad").exists()
@@ -564,3 +569,17 @@ def test_a_smaller_micro_batch_resumes_a_run(models, tmp_path):
                                       "inputs": man["inputs"]})
     (tmp_path / "a" / "manifest.json").write_text(_json.dumps(man))
     assert train_step(cfg)["fingerprint"] == man["fingerprint"]
+
+
+def test_lora_targets_repeated_or_comma_joined_and_never_empty(models, tmp_path, monkeypatch):
+    import qerl_cli.train_step as ts
+    from qerl_cli.cli import app
+
+    seen = []
+    monkeypatch.setattr(ts, "train_step", lambda cfg: seen.append(cfg.lora_targets) or {})
+    base = ["train-step", "--model", str(models["q"]), "--shards", str(tmp_path), "--out", str(tmp_path / "a")]
+    for flags in (["--lora-targets", "q_proj", "--lora-targets", "v_proj"], ["--lora-targets", "q_proj,v_proj"]):
+        assert CliRunner().invoke(app, base + flags).exit_code == 0
+    assert seen == [("q_proj", "v_proj")] * 2  # a repeated flag once kept only its last value
+    bad = CliRunner().invoke(app, base + ["--lora-targets", ","])
+    assert bad.exit_code == 2 and "names no Linear" in bad.output

@@ -44,11 +44,11 @@ def command(
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Completion length cap (longer ones count as "
                                        "truncated). Example: --max-new-tokens 2048"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. For base models "
-                                   "that run on into the next question. Example: --stop '\nQ:'"),
+                                   "that run on into the next question (a newline needs the shell's $'...' quoting). Example: --stop $'\\nQ:'"),
     prompt_template: str = typer.Option(None, "--prompt-template", help="Instruction around each problem: a string "
                                         "or file containing {prompt}. Default: the row's prompt as it is, exactly as `qerl rollout` "
                                         "uses it (score the policy on the prompts it was trained on). Example: "
-                                        "--prompt-template '{prompt}\\nEnd with #### <number>.'", show_default=False),
+                                        "--prompt-template $'{prompt}\\nEnd with #### <number>.'", show_default=False),
     system_prompt: str = typer.Option(None, "--system-prompt", help="System message for chat templates. "
                                       "Example: --system-prompt 'You are a careful mathematician.'", show_default=False),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Prompt with the raw text even if the "
@@ -67,7 +67,8 @@ def command(
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Sequences generated at once (memory vs speed). "
                                      "Example: --max-num-seqs 256"),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context length (prompt + completion). "
-                                      "Default: the model's max_position_embeddings. Example: --max-model-len 4096",
+                                      "Default and at most: the model's max_position_embeddings - 1, what the engine serves. "
+                                      "Example: --max-model-len 4096",
                                       show_default=False),
     compare: bool = typer.Option(False, "--compare", help="Print a side-by-side table of finished eval dirs "
                                  "given as arguments (no --model needed). Example: qerl eval --compare runs/e1 runs/e2"),

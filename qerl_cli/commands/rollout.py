@@ -40,7 +40,7 @@ def command(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 = off. Example: --top-p 0.95"),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens; 0 = off. Example: --top-k 50"),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off. Example: --min-p 0.05"),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. Example: --stop '\\nQ:'"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. A newline in it needs the shell's $'...' quoting. Example: --stop $'\\nQ:'"),
     reward: list[str] = typer.Option(["gsm8k"], "--reward", help="Reward NAME[=WEIGHT], repeatable; reward = weighted sum. "
                                      "Built-in: gsm8k, math, format; your own: module:function or file.py:function. "
                                      "Example: --reward gsm8k --reward format=0.1"),
@@ -66,11 +66,12 @@ def command(
     answer_key: str | None = typer.Option(None, "--answer-key", help="Column holding the reference when it is not `answer`; "
                                           "dotted for nested fields. Example: --answer-key reward_model.ground_truth"),
     prompt_template: str | None = typer.Option(None, "--prompt-template", help="Wrap each prompt: a string with "
-                                                  "{prompt}, or a file holding one. Example: --prompt-template 'Solve: {prompt}\\nEnd with #### N.'"),
+                                                  "{prompt}, or a file holding one. Example: --prompt-template $'Solve: {prompt}\\nEnd with #### N.'"),
     system_prompt: str | None = typer.Option(None, "--system-prompt", help="System message added when the chat template is used. Example: --system-prompt 'Think step by step.'"),
     chat_template: bool | None = typer.Option(None, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template (default: when it has one)."),
-    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (default: the model's "
-                                                "max_position_embeddings); prompts must fit in it. Example: --max-model-len 4096"),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (default and at most: the "
+                                                "model's max_position_embeddings - 1, what the engine serves); prompts must "
+                                                "fit in it. Example: --max-model-len 4096"),
     long_prompts: str = typer.Option("skip", "--long-prompts", help="Prompts longer than the context: skip (counted in the summary) or error. Example: --long-prompts error"),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Sequences decoded concurrently (engine batch). Example: --max-num-seqs 64"),
     batch_prompts: int | None = typer.Option(None, "--batch-prompts", help="Prompts per generation batch, the unit a crash "

@@ -55,7 +55,7 @@ def command(
     lora_rank: Annotated[int | None, typer.Option("--lora-rank", rich_help_panel="LoRA", help="LoRA rank r for a fresh adapter (default 16); must match --adapter if given. Example: --lora-rank 32")] = None,
     lora_alpha: Annotated[float | None, typer.Option("--lora-alpha", rich_help_panel="LoRA", help="LoRA alpha (scaling alpha/r) for a fresh adapter (default 16). Example: --lora-alpha 64")] = None,
     lora_dropout: Annotated[float | None, typer.Option("--lora-dropout", rich_help_panel="LoRA", help="Dropout on the LoRA input (default 0, or the adapter's). Example: --lora-dropout 0.05")] = None,
-    lora_targets: Annotated[str | None, typer.Option("--lora-targets", rich_help_panel="LoRA", help="Comma-separated Linear names to adapt (default: all seven, q_proj k_proj v_proj o_proj gate_proj up_proj down_proj). Example: --lora-targets q_proj,v_proj")] = None,
+    lora_targets: Annotated[list[str] | None, typer.Option("--lora-targets", rich_help_panel="LoRA", help="Linear names to adapt, comma-separated or repeated (default: all seven, q_proj k_proj v_proj o_proj gate_proj up_proj down_proj). Example: --lora-targets q_proj,v_proj")] = None,
     train_norms: Annotated[bool, typer.Option("--train-norms", rich_help_panel="LoRA", help="Also train the RMSNorm weights (fp32 master, no weight decay; saved as norms.safetensors, which rollout, eval and merge apply with the adapter; --engine vllm cannot).")] = False,
     micro_batch_tokens: Annotated[int, typer.Option("--micro-batch-tokens", rich_help_panel="Memory and devices", help="Padded tokens (rows x longest) per micro-batch; lower it on out-of-memory. Example: --micro-batch-tokens 8192")] = 16384,
     logits_chunk_tokens: Annotated[int, typer.Option("--logits-chunk-tokens", rich_help_panel="Memory and devices", help="Tokens per fp32 logits chunk (memory = chunk x vocab x 4 bytes, twice). Example: --logits-chunk-tokens 1024")] = 2048,
@@ -73,7 +73,14 @@ def command(
 ) -> None:
     from qerl_cli.train_step import TrainStepConfig, train_step
 
-    targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets else None
+    targets = None
+    if lora_targets is not None:  # repeated and comma-joined alike; "" or "," names nothing: refused
+        targets = tuple(t.strip() for spec in lora_targets for t in spec.split(",") if t.strip())
+        if not targets:
+            from qerl_cli.errors import BadInputError
+
+            raise BadInputError(f"--lora-targets {','.join(lora_targets)!r} names no Linear",
+                                hint="omit it for all seven")
     cfg = TrainStepConfig(
         model=model, shards=list(shards), out=out, adapter=adapter, loss=loss, scale_rewards=scale_rewards,
         clip_eps=clip_eps, clip_eps_high=clip_eps_high, beta=beta, tis_cap=tis_cap, mask_truncated=mask_truncated,

@@ -31,6 +31,7 @@ ratio; the KL term is not importance-weighted (as verl).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +54,12 @@ class LossConfig:
             raise BadInputError(f"--loss must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         if not (0 <= self.clip_eps < 1):
             raise BadInputError(f"--clip-eps must be in [0, 1), got {self.clip_eps}")
-        if self.clip_eps_high < 0:
+        # "not x >= 0", not "x < 0": NaN passes the latter, and a NaN beta silently dropped the KL term
+        if not self.clip_eps_high >= 0:
             raise BadInputError(f"--clip-eps-high must be >= 0, got {self.clip_eps_high}")
-        if self.beta < 0:
-            raise BadInputError(f"--beta must be >= 0, got {self.beta}")
-        if self.tis_cap is not None and self.tis_cap < 0:
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise BadInputError(f"--beta must be a finite number >= 0, got {self.beta}")
+        if self.tis_cap is not None and not self.tis_cap >= 0:
             raise BadInputError(f"--tis-cap must be >= 0 (0 disables TIS), got {self.tis_cap}")
 
 
