@@ -61,8 +61,7 @@ def command(
         True, "--progress/--no-progress", help="Show the progress bar and summary table."
     ),
     quiet: bool = typer.Option(
-        False, "--quiet", "-q", help="No progress bar or table; print only the result line (as --no-progress, "
-        "and as -q does for the other stages)."
+        False, "--quiet", "-q", help="No progress bar or table; print only the result line (as --no-progress)."
     ),
 ) -> None:
     from qerl_cli.quantize import QuantizeConfig, quantize, render_summary
