@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from qerl_kernels.korder import fast_decode_supported, from_k_order, k_order_index, to_k_order  # noqa: F401 (re-exported)
 
 # Epilogue factor numerators: the fast path leaves 2^-8 in the weights, the portable none.
 FAST_EPILOGUE = 256.0
@@ -405,31 +406,6 @@ def k_order(c):
             + ((n >> 3) & 1))
 
 
-def k_order_index(k: int, device=None):
-    """``k_order`` in torch for columns 0 .. k - 1 (k % 128 == 0): natural = permuted[..., index]."""
-    import torch
-
-    n = torch.arange(k, device=device)
-    m = n % 128
-    return (n - m + ((m >> 4) & 1) * 64 + ((m >> 2) & 1) * 32 + ((m >> 1) & 1) * 16 + (m & 1) * 8 + (m >> 5) * 2
-            + ((m >> 3) & 1))
-
-
-def to_k_order(x):
-    """x [..., k] -> the same values with the last dimension in the MMA's K order (torch; the fallback of
-    the kernels that write K order)."""
-    import torch
-
-    out = torch.empty_like(x)
-    out[..., k_order_index(x.shape[-1], x.device)] = x
-    return out
-
-
-def from_k_order(x):
-    """Inverse of ``to_k_order``: x [..., k] in the MMA's K order -> natural order."""
-    return x[..., k_order_index(x.shape[-1], x.device)]
-
-
 @triton.jit
 def perm_x(x, R: tl.constexpr, BKW: tl.constexpr):
     """Activations [R, 8 * BKW] in natural K order -> the same logical order as ``perm_weights``."""
@@ -463,17 +439,6 @@ def join8(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, C: tl.constexpr):
     q0 = tl.join(p00, p10)
     q1 = tl.join(p01, p11)
     return tl.reshape(tl.join(q0, q1), (R, 8 * C))
-
-
-def fast_decode_supported(device) -> bool:
-    """The PTX path needs sm_90 (``mul.rn.bf16x2``) and a real GPU (the interpreter has no asm)."""
-    import os
-
-    import torch
-
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 __all__ = [

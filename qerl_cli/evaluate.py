@@ -240,8 +240,10 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     try:
         rows = load_prompts(cfg.dataset)
     except BadInputError as e:
-        # Not e's hint: it offers --skip-bad-lines, which eval does not have (every problem counts).
-        raise BadInputError(f"--dataset: {e.args[0]}", hint="eval scores every row: fix or remove it") from None
+        # Not a hint offering --skip-bad-lines, which eval does not have (every problem counts); any
+        # other hint (pip install 'qerl[parquet]') stays.
+        hint = "eval scores every row: fix or remove it" if "--skip-bad-lines" in (e.hint or "") else e.hint
+        raise BadInputError(f"--dataset: {e.args[0]}", hint=hint) from None
     if cfg.max_problems:
         rows = rows[: cfg.max_problems]
     missing = next((r for r in rows if r.answer is None), None)

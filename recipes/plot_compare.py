@@ -57,7 +57,10 @@ def main() -> None:
     (out / "results.md").write_text(table + "\n")
     print(table)
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("error: plotting needs matplotlib: pip install 'qerl[plot]' (or matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

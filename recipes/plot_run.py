@@ -50,7 +50,10 @@ def main() -> None:
     for s, score in evals:
         print(f"pass@1 {'of the base policy' if s < 0 else f'after step {s:>3}'}: {100 * score:.1f}%")
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("error: plotting needs matplotlib: pip install 'qerl[plot]' (or matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

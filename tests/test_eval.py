@@ -268,3 +268,16 @@ def test_samples_from_nan_logits_are_a_numerical_error_not_a_score(model_dir, tm
 def test_max_model_len_must_be_positive(model_dir, tmp_path):
     with pytest.raises(BadInputError, match="--max-model-len must be >= 1"):
         EvalConfig(model=model_dir, dataset=tmp_path / "d.jsonl", out=tmp_path / "o", max_model_len=0)
+
+
+def test_a_missing_extra_keeps_its_install_hint(model_dir, tmp_path, monkeypatch):
+    # eval replaced every dataset hint with "fix or remove it", also "pip install 'qerl[parquet]'".
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    with pytest.raises(BadInputError, match="needs pyarrow") as e:
+        evaluate(EvalConfig(model=model_dir, dataset=tmp_path / "p.parquet", out=tmp_path / "o", device="cpu",
+                            progress=False), generate=Scripted([]))
+    assert "qerl[parquet]" in e.value.hint

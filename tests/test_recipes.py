@@ -325,3 +325,16 @@ def test_plot_compare_keeps_the_last_line_of_a_redone_step(tmp_path):
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     train = pc.load(tmp_path)["nvfp4-lora"][0]["train"]
     assert [(r["step"], r["entropy"]) for r in train] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_plotting_without_matplotlib_says_what_to_install(tmp_path):
+    import json
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5, "entropy": 1.0}) + "\n")
+    code = (f"import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = ['plot_run.py', {str(run)!r}]\n"
+            f"runpy.run_path({str(RECIPES / 'plot_run.py')!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 1 and "pip install 'qerl[plot]'" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -40,3 +40,24 @@ def test_no_stage_imports_torch_dynamo(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (adapter / "optimizer.safetensors").exists() and (tmp_path / "e" / "metrics.json").exists()
     assert "imported: []" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_every_stage_runs_on_cpu_without_triton(tmp_path):
+    # triton is a Linux-only dependency ("the torch paths cover everything without it"), yet loading an
+    # NVFP4 model and attaching LoRA imported qerl_kernels.decode, which imports triton: rollout,
+    # train-step and eval died with a ModuleNotFoundError where it is absent. Here it is blocked.
+    q, shards, adapter = (tmp_path / n for n in ("q", "shards", "adapter"))
+    stages = [
+        ["quantize", str(TINY_MODEL), "--out", str(q), "--device", "cpu", "-q"],
+        ["rollout", "--model", str(q), "--prompts", str(TINY_TASK / "train.jsonl"), "--out", str(shards),
+         "--max-prompts", "2", "-G", "2", "--max-new-tokens", "4", "--device", "cpu", "-q"],
+        ["train-step", "--model", str(q), "--shards", str(shards), "--out", str(adapter), "--device", "cpu", "-q"],
+        ["eval", "--model", str(q), "--adapter", str(adapter), "--dataset", str(TINY_TASK / "test.jsonl"),
+         "--out", str(tmp_path / "e"), "--max-problems", "2", "--max-new-tokens", "4", "--device", "cpu", "-q"],
+        ["merge", "--model", str(q), "--adapter", str(adapter), "--out", str(tmp_path / "m"), "-q"],
+    ]
+    blocked = "import sys\nsys.modules['triton'] = None  # as where triton is not installed\n"
+    r = subprocess.run([sys.executable, "-c", f"{blocked}STAGES = {stages!r}\n{RUN}"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "e" / "metrics.json").exists() and (tmp_path / "m" / "manifest.json").exists()

@@ -54,7 +54,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
         g, u = g + dg, u + du
     y = F.silu(g) * u
     if korder:
-        from qerl_kernels.decode import to_k_order
+        from qerl_kernels.korder import to_k_order
 
         y = to_k_order(y)
     return y

@@ -325,12 +325,12 @@ def base_and_shrink(base, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | No
 
 
 def korder_copy(a: torch.Tensor) -> torch.Tensor | None:
-    """A [r, in] with its columns in the sm_90 GEMMs' K order (``qerl_kernels.decode.to_k_order``), or None
+    """A [r, in] with its columns in the sm_90 GEMMs' K order (``qerl_kernels.korder.to_k_order``), or None
     where no GEMM reads K order (in_features % 128 != 0). A copy for every adapter, also on CPU where it
     goes unused: r x in elements, 36 MB for r = 16 on all seven projections of a 7B model in bf16."""
     if a.shape[-1] % 128:
         return None
-    from qerl_kernels.decode import to_k_order
+    from qerl_kernels.korder import to_k_order
 
     return to_k_order(a)
 
@@ -338,9 +338,12 @@ def korder_copy(a: torch.Tensor) -> torch.Tensor | None:
 def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``x @ a^T`` over x's rows ([tokens, r]): at decode sizes on CUDA one launch of
     ``qerl_kernels.lora_shrink`` instead of cuBLAS's split-K pair (``QERL_LORA_SHRINK_KERNEL=0``: cuBLAS)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return x2 @ a.t()  # what lora_shrink runs off CUDA, without importing Triton (absent off Linux)
     from qerl_kernels.lora_shrink import lora_shrink
 
-    return lora_shrink(x.reshape(-1, x.shape[-1]), a)
+    return lora_shrink(x2, a)
 
 
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

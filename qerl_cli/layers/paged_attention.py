@@ -42,7 +42,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                                                                   korder=korder)
     o = paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
     if korder:
-        from qerl_kernels.decode import to_k_order
+        from qerl_kernels.korder import to_k_order
 
         o = to_k_order(o.reshape(o.shape[0], -1)).view(o.shape)
     return o

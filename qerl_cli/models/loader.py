@@ -239,7 +239,7 @@ def maybe_twiddle(model: CausalLM, device, dtype: torch.dtype) -> bool:
     """
     import os
 
-    from qerl_kernels.decode import fast_decode_supported
+    from qerl_kernels.korder import fast_decode_supported
 
     device = torch.device(device)
     if os.environ.get("QERL_TWIDDLE", "1") == "0" or dtype != torch.bfloat16 or not fast_decode_supported(device):
