@@ -176,6 +176,11 @@ def read_step(cfg: TrainStepConfig) -> StepData:
     if not recs:
         raise BadInputError(f"{where}: no rollout records to train on")
     check_groups_whole(recs, report.origins)
+    for r, (f, line) in zip(recs, report.origins):
+        # Caught here, before a process group starts: found later by the one rank that collates it, the
+        # other ranks died in gloo (or would wait in NCCL) and torchrun could blame them.
+        if not r["prompt_token_ids"]:
+            raise BadInputError(f"{f}:{line}: record of group {r['group_id']!r} has no prompt tokens")
     first = recs[0]
     for i, r in enumerate(recs):
         if r["policy"].get("base") != first["policy"].get("base"):

@@ -583,3 +583,22 @@ def test_lora_targets_repeated_or_comma_joined_and_never_empty(models, tmp_path,
     assert seen == [("q_proj", "v_proj")] * 2  # a repeated flag once kept only its last value
     bad = CliRunner().invoke(app, base + ["--lora-targets", ","])
     assert bad.exit_code == 2 and "names no Linear" in bad.output
+
+
+def test_a_record_without_prompt_tokens_is_named_before_anything_loads(models, tmp_path, monkeypatch):
+    # Found later by the one rank that collated it, the other torchrun ranks died in gloo.
+    import qerl_cli.train_step as ts
+    from qerl_cli.shards import shard_name
+
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    p = sh / shard_name(0, 1)
+    lines = p.read_text().splitlines()
+    rec = json.loads(lines[3])
+    rec["completion_token_ids"] = rec["prompt_token_ids"] + rec["completion_token_ids"]
+    rec["logprobs"] = [-1.0] * len(rec["prompt_token_ids"]) + rec["logprobs"]
+    rec["prompt_token_ids"] = []
+    lines[3] = json.dumps(rec)
+    p.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(ts, "_load", lambda *a, **k: pytest.fail("loaded the model before checking the shards"))
+    with pytest.raises(BadInputError, match=r"shard-00000-of-00001.jsonl:4: record of group 's0-g0' has no prompt"):
+        train_step(_cfg(models["q"], [sh], tmp_path / "a"))
