@@ -181,20 +181,35 @@ def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[Prompt
         if p > n:
             raise BadInputError(f"--prompts-per-step {p} is more than the {n} prompts in {cfg.prompts}")
         start = cfg.step * p
-        perms: dict[int, list[int]] = {}
+        shuffled: dict[int, list[int]] = {}
 
-        def order(epoch: int) -> list[int]:
-            if epoch not in perms:
+        def raw(epoch: int) -> list[int]:
+            if epoch not in shuffled:
                 idx = list(range(n))
                 if cfg.shuffle:
                     random.Random(f"qerl-rollout-shuffle:{cfg.run_seed}:{epoch}").shuffle(idx)
-                perms[epoch] = idx
-            return perms[epoch]
+                shuffled[epoch] = idx
+            return shuffled[epoch]
+
+        def order(epoch: int) -> list[int]:
+            """Epoch ``epoch``'s permutation. With --shuffle, the step that crosses into it takes its
+            first rows from the end of the last epoch: those rows are moved out of this epoch's head
+            (the first non-repeating rows go first), so the step holds P distinct rows and the epoch
+            still uses every row once. The head takes rows from the first P positions only, so the
+            last epoch's tail is its raw shuffle's wherever the dataset holds 2P rows or more."""
+            idx = raw(epoch)
+            a = (epoch * n) % p  # rows of the crossing step that come from the last epoch
+            if not cfg.shuffle or epoch == 0 or a == 0:
+                return idx
+            tail = set(raw(epoch - 1)[n - a:])
+            head = [i for i in idx if i not in tail][: p - a]
+            taken = set(head)
+            return head + [i for i in idx if i not in taken]
 
         picked, seen = [], set()
         for j in range(start, start + p):
             i = order(j // n)[j % n]
-            # With --shuffle a step that straddles two epochs can meet a row twice: keep one.
+            # Below 2P rows the last epoch's tail may differ from its raw shuffle: never a row twice.
             if i not in seen:
                 seen.add(i)
                 picked.append(rows[i])

@@ -198,6 +198,26 @@ def test_prompts_per_step_walks_the_dataset(model_dir, tmp_path):
         ids(prompts_per_step=11)
 
 
+def test_shuffled_steps_that_cross_an_epoch_hold_p_distinct_rows_and_epochs_stay_permutations(model_dir, tmp_path):
+    # A step crossing an epoch boundary could meet a row twice; one copy was dropped, so the step came
+    # out short and that row went unused for the whole next epoch (GSM8K, P = 512: 94 slots lost).
+    import math
+
+    for n in range(2, 13):
+        rows = [type("R", (), {"id": str(i)})() for i in range(n)]
+        for p in range(1, n // 2 + 1):  # at least 2P rows: exact (below that, never a row twice)
+            span = 3 * math.lcm(n, p)  # positions covering whole epochs and whole steps
+            used = []
+            for k in range(span // p):
+                cfg = cfg_for(model_dir, tmp_path, prompts_per_step=p, step=k, shuffle=True, run_seed=n * 7 + p)
+                step = [r.id for r in select_prompts(rows, cfg)]
+                assert len(step) == len(set(step)) == p, (n, p, k, step)
+                used += step
+            assert all(used.count(str(i)) == span // n for i in range(n)), (n, p)
+            for e in range(span // n):  # every epoch (positions e*n .. e*n+n-1) is a permutation
+                assert sorted(used[e * n:(e + 1) * n], key=int) == [str(i) for i in range(n)], (n, p, e)
+
+
 def test_step_slice_in_records(model_dir, tmp_path, fake_engine):
     rollout(cfg_for(model_dir, tmp_path, prompts_per_step=4, step=2))
     recs = read_records(tmp_path / "out")
