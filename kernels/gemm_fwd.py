@@ -261,7 +261,11 @@ def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
     return xd, wd
 
 
-def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int]:
+def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+           bias: torch.Tensor | None = None) -> tuple[int, int, int]:
+    from qerl_kernels.reference import check_nvfp4_dtypes
+
+    check_nvfp4_dtypes(packed, scale)
     if x.ndim != 2 or packed.ndim != 2:
         raise ValueError(f"want x [M, K] and packed [N, K/2], got {tuple(x.shape)} and {tuple(packed.shape)}")
     m, k = x.shape
@@ -270,6 +274,10 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> tuple[
         raise ValueError(f"x has K={k} but the weight holds K={2 * kh} (K must be a multiple of 16)")
     if scale.shape != (n, k // 16):
         raise ValueError(f"scale shape {tuple(scale.shape)} does not fit weight [{n}, {k}]")
+    # The tiles read bias[0 .. N) at unit stride in x's dtype: anything else read out of bounds or garbage.
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} "
+                         f"on {bias.device}")
     return m, n, k
 
 
@@ -294,9 +302,13 @@ def nvfp4_matmul(
     ``x_korder``: x's columns are in the MMA's K order (``decode.k_order``), as a producing kernel wrote
     them for a TMA-fed tile (``takes_korder_x``); any other tile gets them back in natural order first.
     """
-    m, n, k = _check(x, packed, scale)
+    m, n, k = _check(x, packed, scale, bias)
+    if m == 0:  # nothing to launch (and the split heuristics divide by the tile count)
+        return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
     cfg = config or (korder_fwd_config if x_korder else fwd_config)(m, n, k)
     if x_korder and not (m > 0 and _korder_tile(x, n, k, cfg, twiddled, blocked)):
         x, x_korder = natural_order(x), False  # a tile that reads natural X (the caller did not ask first)

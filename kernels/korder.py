@@ -11,6 +11,9 @@ def k_order_index(k: int, device=None):
     """``k_order`` in torch for columns 0 .. k - 1 (k % 128 == 0): natural = permuted[..., index]."""
     import torch
 
+    if k % 128:
+        raise ValueError(f"the MMA's K order permutes whole 128-column steps; K = {k} is not a multiple of 128")
+
     n = torch.arange(k, device=device)
     m = n % 128
     return (n - m + ((m >> 4) & 1) * 64 + ((m >> 2) & 1) * 32 + ((m >> 1) & 1) * 16 + (m & 1) * 8 + (m >> 5) * 2

@@ -102,7 +102,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
         gx = _grad_input(grad_out, packed, scale, global_scale, ctx.layout) if ctx.needs_input_grad[0] else None
         gb = None
         if ctx.has_bias and ctx.needs_input_grad[4]:
-            gb = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            # fp32 at least: an fp64 bias gets an fp64 sum
+            gb = grad_out.sum(0, dtype=torch.promote_types(grad_out.dtype, torch.float32)).to(ctx.bias_dtype)
         return gx, None, None, None, gb, None
 
 

@@ -55,6 +55,16 @@ def decode_codes(codes: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 
 
 # ---- dequantize ------------------------------------------------------------------------
+def check_nvfp4_dtypes(packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """Codes as bytes, block scales as float8 e4m3. Other dtypes were read two ways: the reference
+    took the values of fp32 or uint8 scales as numbers, the Triton kernels reinterpreted their bytes as
+    e4m3 (errors of 6-17 on a unit weight, no error raised)."""
+    if packed.dtype not in (torch.uint8, torch.int8):
+        raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block scales must be float8_e4m3fn, got {scale.dtype}")
+
+
 def dequantize(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -65,6 +75,7 @@ def dequantize(
 
     Computed in float32 and rounded once at the end, as compressed-tensors does.
     """
+    check_nvfp4_dtypes(packed, scale)
     n, half_k = packed.shape
     k = half_k * 2
     if scale.shape != (n, k // GROUP):

@@ -45,6 +45,30 @@ try:
     out["permute_x_strided"] = int((permute_x(x[:, :256]) != permute_x_reference(x[:, :256])).sum())
 except Exception as e:
     out["permute_x"] = out["permute_x_strided"] = repr(e)
+# Inputs the kernels once accepted silently (2026-11-26 audit): each must now be right or refused.
+try:
+    from qerl_kernels import reference as R
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 48, generator=g)
+    gs = R.global_scale_for(w.abs().amax())
+    p, sc = R.quantize(w, gs)[:2]
+    x = torch.randn(3, 48, generator=g)
+    ref = x.double() @ R.dequantize(p, sc, gs, torch.float64).t()
+    out["zero_rows"] = list(nvfp4_matmul(torch.empty(0, 48), p, sc, gs).shape)
+    b = torch.randn(96, generator=g)[::2]  # a non-contiguous bias
+    out["strided_bias_err"] = float((nvfp4_matmul(x, p, sc, gs, bias=b).double() - ref - b.double()).abs().max())
+    refused = []
+    for name, kw in (("short_bias", dict(bias=torch.randn(44))), ("bias_dtype", dict(bias=torch.randn(48).half())),
+                     ("fp32_scale", dict(scale=sc.float())), ("uint8_scale", dict(scale=sc.view(torch.uint8)))):
+        args = dict(x=x, packed=p, scale=sc, global_scale=gs) | kw
+        try:
+            nvfp4_matmul(**args)
+        except ValueError:
+            refused.append(name)
+    out["refused"] = refused
+except Exception as e:
+    out["zero_rows"] = out["strided_bias_err"] = out["refused"] = repr(e)
 print("RESULTS" + json.dumps(out))
 """
 
@@ -86,3 +110,12 @@ def test_permute_x_kernel_matches_torch(interp_results, case):
     # The Gluon TMA kernel's activation permutation (a Triton kernel) against its torch definition;
     # the strided case reads a column slice (row stride 384, K 256).
     assert interp_results[case] == 0, interp_results[case]
+
+
+def test_bad_inputs_are_right_or_refused(interp_results):
+    # Zero rows divided by zero choosing a split; a strided bias was read at unit stride (error 2.9);
+    # a short bias, a bias of another dtype and fp32 / uint8 scales were read out of bounds or as
+    # the wrong numbers (errors of 6-17) without a word.
+    assert interp_results["zero_rows"] == [0, 48], interp_results["zero_rows"]
+    assert interp_results["strided_bias_err"] < 1e-4, interp_results["strided_bias_err"]
+    assert interp_results["refused"] == ["short_bias", "bias_dtype", "fp32_scale", "uint8_scale"], interp_results["refused"]

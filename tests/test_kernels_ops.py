@@ -265,3 +265,23 @@ def test_pdl_only_where_a_hopper_gpu_runs_compiled_kernels(monkeypatch):
     monkeypatch.setattr(pdl, "_capable", {0: False})  # pre-Hopper
     assert not pdl.pdl_enabled(gpu)
     assert 64 < pdl.PDL_MIN_ROWS <= 256
+
+
+def test_reference_refuses_scales_that_are_not_e4m3_and_sums_an_fp64_bias_in_fp64():
+    from qerl_kernels import ops
+    from qerl_kernels import reference as R
+    from qerl_kernels.korder import k_order_index
+
+    w = torch.randn(8, 32, dtype=torch.float64)
+    gs = R.global_scale_for(w.abs().amax())
+    p, sc = R.quantize(w, gs)[:2]
+    for bad in (sc.float(), sc.view(torch.uint8)):  # the values of fp32 / byte scales were taken as numbers
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            R.dequantize(p, bad, gs)
+    x = torch.randn(64, 32, dtype=torch.float64)
+    b = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(64, 8, dtype=torch.float64) * 1e3
+    ops.nvfp4_linear(x, ops.NVFP4Weight(p, sc, gs), b).backward(g)
+    assert torch.equal(b.grad, g.sum(0))  # was summed in fp32 (error 0.02 at this scale)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        k_order_index(48)
