@@ -497,3 +497,13 @@ def test_another_shard_into_a_finished_shards_out_is_refused_without_force_advic
         rollout(cfg_for(model_dir, tmp_path, shard_index=1, num_shards=2))
     assert "its own --out" in e.value.hint
     assert rollout(cfg_for(model_dir, tmp_path, shard_index=0, num_shards=2))["already_done"]
+
+
+def test_a_run_shorter_than_the_aqn_stages_is_warned_of(model_dir, tmp_path, fake_engine):
+    write_prompts(tmp_path / "p.jsonl", n=2)
+    base = ["rollout", "--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "-G", "2", "--device", "cpu",
+            "--max-new-tokens", "4", "-q", "--aqn-sigma-start", "1e-2", "--aqn-sigma-end", "1e-4", "--aqn-stages", "10"]
+    short = CliRunner().invoke(app, base + ["--out", str(tmp_path / "a"), "--total-steps", "5"])
+    assert short.exit_code == 0 and "the AQN schedule skips stages" in short.output, short.output
+    full = CliRunner().invoke(app, base + ["--out", str(tmp_path / "b"), "--total-steps", "11"])
+    assert full.exit_code == 0 and "skips stages" not in full.output
