@@ -24,6 +24,7 @@ from qerl_kernels.decode import (
     join8,
     load_word_tile,
 )
+from qerl_kernels.reference import check_nvfp4_dtypes
 
 
 def as_words(packed: torch.Tensor) -> torch.Tensor:
@@ -56,8 +57,6 @@ def _nvfp4_dequant_kernel(
 def nvfp4_dequantize(packed, scale, global_scale, dtype=torch.bfloat16, fast: bool | None = None,
                      twiddled: bool = False, blocked: bool = False) -> torch.Tensor:
     """packed [N, K/2] uint8 (on-disk or ``twiddled`` layout) + scale [N, K/16] e4m3 + global [1] -> dense [N, K]."""
-    from qerl_kernels.reference import check_nvfp4_dtypes
-
     check_nvfp4_dtypes(packed, scale)
     n, kh = packed.shape
     k = 2 * kh

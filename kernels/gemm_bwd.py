@@ -30,6 +30,7 @@ from qerl_kernels.decode import (
     grouped_tile,
 )
 from qerl_kernels.dequant import nvfp4_dequantize
+from qerl_kernels.reference import check_nvfp4_dtypes
 from qerl_kernels.tile_configs import BwdConfig, bwd_config
 
 
@@ -94,8 +95,6 @@ def nvfp4_matmul_grad_input(
     decode reads the on-disk layout, and training's grad-input runs at M in the thousands, where
     that path is the measured winner anyway.
     """
-    from qerl_kernels.reference import check_nvfp4_dtypes
-
     check_nvfp4_dtypes(packed, scale)
     if dy.ndim != 2 or dy.shape[1] != packed.shape[0]:
         raise ValueError(f"dy {tuple(dy.shape)} does not fit weight with N={packed.shape[0]}")

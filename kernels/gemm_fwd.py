@@ -71,6 +71,7 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
+from qerl_kernels.reference import check_nvfp4_dtypes
 from qerl_kernels.tile_configs import (
     DEQUANT,
     FwdConfig,
@@ -263,8 +264,6 @@ def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> tuple[int, int, int]:
-    from qerl_kernels.reference import check_nvfp4_dtypes
-
     check_nvfp4_dtypes(packed, scale)
     if x.ndim != 2 or packed.ndim != 2:
         raise ValueError(f"want x [M, K] and packed [N, K/2], got {tuple(x.shape)} and {tuple(packed.shape)}")

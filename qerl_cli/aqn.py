@@ -85,7 +85,7 @@ def apply_noise(model, sigma: float, run_seed: int, step: int, rounded_to: str |
             norm.noise.copy_(z)  # in place: CUDA graphs captured earlier read the same buffer
             # No silent no-op: the weight the forward uses (fp32 w + Z) must differ from w.
             w = norm.weight.detach().float()
-            if torch.equal(w + norm.noise.to(w.device), w) and round_dtype is None:
+            if round_dtype is None and torch.equal(w + norm.noise.to(w.device), w):
                 raise BadInputError(f"AQN sigma {sigma:g} does not change layer {i} {name} (below fp32 resolution "
                                     f"of its weights)", hint="raise --aqn-sigma-start/--aqn-sigma-end")
             n += 1

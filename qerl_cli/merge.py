@@ -360,11 +360,11 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
             stats.dequantized_modules += 1
             out_name = f"{module}.weight"
         else:
-            t = reader.get(EMBED_WEIGHT if untie and name == LM_HEAD_WEIGHT else name)
-            where = f"in --model {base.path}"
-            if untie and name == LM_HEAD_WEIGHT:
-                yield name, t.to(dtype)
+            if untie and name == LM_HEAD_WEIGHT:  # a stored lm_head is the base's embedding (unties_lm_head)
+                yield name, reader.get(EMBED_WEIGHT).to(dtype)
                 continue
+            t = reader.get(name)
+            where = f"in --model {base.path}"
             if name in adapter.replacements:
                 rep = adapter.replacements[name]
                 # PEFT's saved base_layer copies equal the base; only really trained tensors count

@@ -216,11 +216,6 @@ def span_number(text: str, whole: bool = True) -> str | None:
     return None if f is None else _exact_str(f)
 
 
-def first_number(text: str) -> str | None:
-    """The number a ``####`` line starts with, normalised (kept for callers of the old name)."""
-    return span_number(text, whole=False)
-
-
 def normalize_number(text: str) -> str | None:
     """Canonical form of a number written as text (``'-3.50'`` -> ``'-3.5'``, ``'\\frac{6}{8}'`` -> ``'0.75'``)."""
     return span_number(text)

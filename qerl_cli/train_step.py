@@ -134,11 +134,14 @@ class TrainStepConfig:
             d.pop("micro_batch_tokens", None)
         if d.get("lora_targets"):
             d["lora_targets"] = sorted(d["lora_targets"])  # their order changes nothing (_lora_spec sorts too)
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in self._NOT_RESULT}
+        return self._result_args(d)
 
     def legacy_fingerprint_config(self) -> dict:
         """The config qerl <= 2026-11-25 fingerprinted (every size, targets as given): runs it finished stay done."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k not in self._NOT_RESULT}
+        return self._result_args(asdict(self))
+
+    def _result_args(self, d: dict) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if k not in self._NOT_RESULT}
 
 
 @dataclass
