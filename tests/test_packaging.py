@@ -1,5 +1,6 @@
 """The install metadata lists every subpackage, and the CLI spine answers."""
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -16,6 +17,14 @@ def test_every_subpackage_is_listed():
     found |= {"qerl_kernels" + "".join("." + s for s in p.parent.relative_to(ROOT / "kernels").parts)
               for p in (ROOT / "kernels").rglob("__init__.py")}
     assert found <= listed, f"add to pyproject [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_license_file_is_the_apache_text_pyproject_declares():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    # The Apache Software Foundation's LICENSE-2.0.txt, unmodified (md5 of the published file).
+    assert hashlib.md5(text.encode()).hexdigest() == "3b83ef96387f14655fc854ddc3c6bd57"
 
 
 def test_help_lists_every_stage():
