@@ -18,3 +18,18 @@ tcache_save() {  # tcache_save DIR: DIR/triton.tar.xz.part-aa, -ab, ... (a retur
   tar -C / -cf - "${TRITON_CACHE_DIR#/}" | xz -T0 -6 | split -b 15000000 - "$f.part-"
   ls -l "$f".part-*
 }
+
+# Prune what no run reads any more (a cache carried from lease to lease keeps every stale kernel):
+# tcache_mark before the runs, tcache_prune after them drops each entry none of whose files was read.
+# Needs atime updates (relatime does them for atimes older than the mtime, which the mark sets).
+tcache_mark() { find "$TRITON_CACHE_DIR" -type f -exec touch -a -d '2000-01-01 00:00' {} +; }
+tcache_prune() {
+  if [ -z "$(find "$TRITON_CACHE_DIR" -type f -newerat '2001-01-01' -print -quit)" ]; then
+    echo "tcache_prune: no file read since tcache_mark (noatime?): nothing pruned"; return
+  fi
+  local d kept=0 dropped=0
+  for d in "$TRITON_CACHE_DIR"/*/; do
+    if [ -n "$(find "$d" -type f -newerat '2001-01-01' -print -quit)" ]; then kept=$((kept + 1)); else rm -rf "$d"; dropped=$((dropped + 1)); fi
+  done
+  echo "tcache_prune: kept $kept entries, dropped $dropped"
+}

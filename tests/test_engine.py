@@ -97,6 +97,48 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert len({tuple(x.token_ids) for x in a[0]}) == 3  # the n children of one prompt differ
 
 
+def test_philox_is_the_published_philox4x32_10():
+    from qerl_cli.engine.philox import philox, uniform
+
+    # Random123's known-answer vector for Philox4x32-10, counter and key all zero: first word 0x6627e8d5.
+    assert philox(torch.tensor(0), torch.tensor(0)).item() == 0x6627E8D5
+    u = uniform(torch.arange(1000, dtype=torch.int64) * 7919, torch.arange(1000))
+    assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.05
+
+
+def test_inverse_cdf_draws_the_distribution_and_never_a_masked_token():
+    from qerl_cli.engine.sampler import inverse_cdf, row_uniforms
+
+    logits = torch.tensor([[2.0, 1.0, float("-inf"), 0.0, -1.0, float("-inf")]])
+    logp = torch.log_softmax(logits, -1)
+    n = 20000
+    tok = inverse_cdf(logp.repeat(n, 1), row_uniforms(torch.arange(n, dtype=torch.int64) * 104729 + 5))
+    freq = torch.bincount(tok, minlength=6).double() / n
+    assert (freq - logp.exp()[0]).abs().max() < 4 * (0.25 / n) ** 0.5, freq
+    # The edges: u = 0 takes the first token with mass, u just under 1 (u x total may round to the
+    # total) the last one with mass, never the masked tail.
+    edge = torch.tensor([0.0, 1.0 - 2**-24, 0.25])
+    masked_head = torch.log_softmax(torch.tensor([float("-inf"), 0.0, 0.0, float("-inf")]), -1)
+    assert inverse_cdf(masked_head.repeat(3, 1), edge).tolist() == [1, 2, 1]
+    assert inverse_cdf(logp.repeat(3, 1), edge).tolist()[:2] == [0, 4]
+
+
+@pytest.mark.parametrize("trunc", [dict(), dict(top_p=0.9, top_k=30, min_p=0.02)], ids=["full", "truncated"])
+def test_a_sequence_samples_the_same_whatever_its_batch(tiny, trunc):
+    # Per-sequence seeds: 2, 3 or 16 slots (different batches at every step, different scheduling)
+    # and a shared-generator order no longer change a completion (they did on the torch path).
+    model = load_model(tiny, dtype=torch.float32)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, seed=3, **trunc)
+    runs = [LLMEngine(model, None, max_num_seqs=m, block_size=4).generate(PROMPTS, sp, n=2) for m in (2, 3, 16)]
+    toks = [[[c.token_ids for c in g] for g in out] for out in runs]
+    assert toks[0] == toks[1] == toks[2]
+    for out in runs[1:]:
+        for g, g0 in zip(out, runs[0]):
+            for c, c0 in zip(g, g0):
+                assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(c0.logprobs), atol=1e-5)
+    assert len({tuple(c.token_ids) for g in runs[0] for c in g}) == 2 * len(PROMPTS)  # no shared streams
+
+
 def test_continuous_batching_more_prompts_than_slots(tiny):
     model = load_model(tiny, dtype=torch.float32)
     prompts = [[i + 3, i + 4, i + 5] for i in range(10)]

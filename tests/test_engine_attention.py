@@ -49,7 +49,7 @@ def test_triton_kernel_matches_torch_in_interpreter(interpreted):
 def interpreted():
     """Run every interpreter script in ONE subprocess (importing torch + triton costs ~10 s a time)."""
     pytest.importorskip("triton")
-    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER}
+    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER, "PHILOX": PHILOX}
     driver = "import traceback\nres = {}\n"
     for key, code in parts.items():
         driver += f"try:\n    exec({code!r}, {{}})\n    res[{key!r}] = 'ok'\nexcept Exception:\n    res[{key!r}] = traceback.format_exc()[-2000:]\n"
@@ -277,6 +277,34 @@ FREQ = textwrap.dedent("""
     assert (freq - p).abs().max() < 4 * (0.25 / n) ** 0.5, (freq, p)
     print("ok")
 """)
+
+
+PHILOX = textwrap.dedent("""
+    import torch
+    import triton
+    import triton.language as tl
+    from qerl_cli.engine.philox import uniform
+    from qerl_cli.engine.triton_sampler import row_uniforms
+
+    @triton.jit
+    def draw(S, OUT, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        tl.store(OUT + row * V + offs, tl.rand(tl.load(S + row), offs), mask=offs < V)
+
+    # Seeds with both 32-bit halves in use, up to the engine's 62-bit mask.
+    seeds = torch.tensor([0, 1, 7, 2**31 - 1, 2**32 + 5, 123456789012345, 2**62 - 1], dtype=torch.int64)
+    out = torch.empty(len(seeds), 300)
+    draw[(len(seeds),)](seeds, out, 300, BLOCK=512)
+    assert torch.equal(out, uniform(seeds[:, None], torch.arange(300)[None, :])), (out != 0).sum()
+    many = torch.arange(300, dtype=torch.int64) * 0x9E3779B97F4A7C15 % 2**62  # two launches of 256 rows
+    assert torch.equal(row_uniforms(many), uniform(many, torch.zeros_like(many)))
+    print("ok")
+""")
+
+
+def test_torch_philox_draws_triton_rand_bits_in_interpreter(interpreted):
+    assert interpreted["PHILOX"] == "ok", interpreted["PHILOX"]
 
 
 def test_triton_sampler_in_interpreter(interpreted):

@@ -284,3 +284,33 @@ def test_nvfp4_gate_up_lora_defers_above_16_rows(monkeypatch):
                 assert (out - out2).abs().max() <= 0.02 * out2.abs().max(), rows
     finally:
         set_context(None)
+
+
+def test_row_uniforms_kernel_draws_the_torch_philox_bits_on_gpu():
+    from qerl_cli.engine.philox import uniform
+    from qerl_cli.engine.triton_sampler import row_uniforms
+
+    seeds = torch.arange(1000, dtype=torch.int64) * 0x9E3779B97F4A7C15 % 2**62
+    u = row_uniforms(seeds.cuda()).cpu()
+    assert torch.equal(u, uniform(seeds, torch.zeros_like(seeds)))
+    assert torch.equal(uniform(seeds.cuda(), torch.zeros_like(seeds).cuda()).cpu(), u)
+
+
+@pytest.mark.parametrize("trunc", [dict(top_p=0.9), dict(top_k=50, min_p=0.01), dict(top_p=0.95, top_k=1000, min_p=0.001)])
+def test_truncated_sampling_does_not_depend_on_the_batch_on_gpu(trunc):
+    # bf16 logits at a 152k vocabulary hold many ties: an unstable sort could cut top-p differently
+    # for the same row in another batch. Each row must draw the same token and log-prob alone or in
+    # any subset of rows.
+    from qerl_cli.engine.sampler import sample
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(64, 152064, device="cuda", generator=g) * 3).bfloat16()
+    seeds = torch.arange(64, device="cuda", dtype=torch.int64) * 7919 + 1
+    sp = SamplingParams(temperature=0.9, max_new_tokens=1, **trunc)
+    tok, lp = sample(x, sp, seeds)
+    for rows in ([0], list(range(5, 37)), [63, 2, 17]):
+        t, lp_rows = sample(x[rows], sp, seeds[rows])
+        assert torch.equal(t, tok[rows]), rows
+        assert torch.equal(lp_rows, lp[rows]), rows
+    exact = truncated_logprobs(x.float(), sp).gather(-1, tok[:, None]).squeeze(-1)
+    assert torch.isfinite(exact).all() and torch.equal(exact, lp)

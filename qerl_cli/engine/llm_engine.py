@@ -22,7 +22,7 @@ import torch
 
 from qerl_cli.engine.block_manager import BlockManager
 from qerl_cli.engine.model_runner import ModelRunner
-from qerl_cli.engine.sampler import Sampler, row_seed
+from qerl_cli.engine.sampler import row_seed, sample
 from qerl_cli.engine.sampling_params import Completion, SamplingParams
 from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
@@ -142,7 +142,6 @@ class LLMEngine:
             raise BadInputError(str(e)) from None
         self._sync_lora()
         self.runner.bind()
-        sampler = Sampler(self.model.device, sp.seed)
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
         t0 = time.perf_counter()
         self._done = self._tokens = 0
@@ -159,7 +158,7 @@ class LLMEngine:
                     for s in seqs:
                         s.rng = row_seed(sp.seed, s.group, s.child, 0)
                     seeds = torch.tensor([(s.rng + len(s)) & _SEED_MASK for s in seqs], device=logits.device)
-                    tok, lp = sampler(logits.repeat_interleave(n, dim=0), sp, seeds)
+                    tok, lp = sample(logits.repeat_interleave(n, dim=0), sp, seeds)
                     self._process(seqs, tok.tolist(), lp.tolist(), sched, groups, sp, stop_ids, progress)
                     continue
                 if not sched.running:  # unreachable: add() rejects groups that could never fit
@@ -168,7 +167,7 @@ class LLMEngine:
                 runner.load_batch(batch)
             # Launch this step on the device, then do the host work of the previous one meanwhile.
             logits = runner.step()
-            tok, lp = sampler(logits, sp, runner.seeds())
+            tok, lp = sample(logits, sp, runner.seeds())
             runner.advance(tok)
             current = (batch, *_to_host(tok, lp))
             steps += 1

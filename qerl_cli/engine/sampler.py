@@ -1,11 +1,19 @@
-"""Sampling with exact per-token log-probabilities.
+"""Sampling with exact per-token log-probabilities, from per-sequence seeds.
 
 The log-probability recorded for a token is taken from the very tensor it was sampled from: the
 log-softmax of the tempered logits after top-k / top-p / min-p masking. Training's importance
 ratios then compare against the real behaviour policy rather than an untruncated approximation.
-Sampling is Gumbel-max in the exponential form (``argmax p / E``, ``E ~ Exp(1)`` from a seeded
-generator): one pass, no sort, no CPU sync, and reproducible for a fixed seed and batch order.
-Sorting happens only when top-p is active.
+
+Every draw is keyed by its sequence's seed (``row_seed``: run seed, prompt, completion, position),
+never by a shared generator, so a sequence samples the same token whichever sequences share its
+batch: a rerun with another ``--max-num-seqs``, a resumed batch or a different scheduling order
+gives the same completions (up to the batched matmuls' rounding of the logits). Two paths:
+- plain temperature sampling on CUDA: the one-pass Triton Gumbel-max kernel (``triton_sampler``);
+- everything else (CPU, greedy, top-k / top-p / min-p): inverse-CDF sampling on the truncated
+  distribution with one uniform per sequence, ``tl.rand(seed, 0)`` (a Triton kernel on the GPU,
+  ``philox.uniform`` in torch elsewhere: the same bits). The CDF is summed in fp64, so the drawn
+  token follows the recorded probabilities to ~1e-15, with no CPU sync. Sorting happens only
+  when top-p is active.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ def truncated_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor
         kth = torch.topk(x, sp.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if sp.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        # Stable: tied logits (common in bf16) keep index order, so the cut does not depend on the batch.
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= sp.top_p
@@ -60,25 +69,39 @@ def _fast_path(logits: torch.Tensor, sp: SamplingParams) -> bool:
     return True
 
 
-class Sampler:
-    """Plain temperature sampling on CUDA uses the one-pass Triton kernel with per-row seeds (a
-    sequence's sample does not depend on its batch); truncated sampling, greedy and CPU use the torch
-    path with one seeded generator (reproducible for the same inputs and batch order)."""
+def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens [B] drawn from log-probabilities [B, V] (-inf: masked) with uniforms ``u`` [B] in [0, 1):
+    the first token whose cumulative probability exceeds ``u`` x the total."""
+    p = logp.double().exp()
+    cdf = p.cumsum(-1)
+    tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    # u x total can round up to the total itself (no cumulative value exceeds it): then the last
+    # token with mass. A token without mass is never drawn: its cumulative value equals its predecessor's.
+    last = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)
+    return torch.minimum(tok, last)
 
-    def __init__(self, device, seed: int):
-        self.seed = seed
-        self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, sp: SamplingParams, row_seeds: torch.Tensor | None = None):
-        """-> (token ids [B] int64, their log-probabilities [B] fp32). ``row_seeds``: [B] int64 on the device."""
-        if row_seeds is not None and _fast_path(logits, sp):
-            from qerl_cli.engine.triton_sampler import gumbel_sample
-
-            return gumbel_sample(logits, sp.temperature, row_seeds)
-        logp = truncated_logprobs(logits.float(), sp)
-        if sp.greedy:
-            tokens = logits.argmax(dim=-1)
+def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
+    """One uniform per row, ``tl.rand(seed, 0)``: the Triton kernel on CUDA, the same bits in torch elsewhere."""
+    if seeds.is_cuda:
+        try:
+            from qerl_cli.engine.triton_sampler import row_uniforms as triton_uniforms
+        except ImportError:
+            pass
         else:
-            e = torch.empty_like(logp).exponential_(generator=self.generator).clamp_min_(torch.finfo(torch.float32).tiny)
-            tokens = (logp - e.log()).argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+            return triton_uniforms(seeds)
+    from qerl_cli.engine.philox import uniform
+
+    return uniform(seeds, torch.zeros_like(seeds))
+
+
+def sample(logits: torch.Tensor, sp: SamplingParams, row_seeds: torch.Tensor):
+    """-> (token ids [B] int64, their log-probabilities [B] fp32). ``row_seeds``: [B] int64 on the
+    logits' device, one per sequence (``row_seed`` of its position)."""
+    if _fast_path(logits, sp):
+        from qerl_cli.engine.triton_sampler import gumbel_sample
+
+        return gumbel_sample(logits, sp.temperature, row_seeds)
+    logp = truncated_logprobs(logits.float(), sp)
+    tokens = logits.argmax(dim=-1) if sp.greedy else inverse_cdf(logp, row_uniforms(row_seeds))
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,12 +1,13 @@
 """One-pass Gumbel-max sampling over the vocabulary on the GPU (untruncated temperature sampling).
 
-The torch path makes ~8 passes over the [B, V] fp32 logits (divide, log-softmax, exponential noise,
-log, subtract, argmax, gather): at 256 sequences x 152k vocabulary that is >1 GB of traffic and a
-dozen launches per step. This kernel reads each logit once: per row (split into vocabulary chunks
+The torch path (``sampler.sample`` with truncation) makes ~8 passes over the [B, V] logits (divide,
+log-softmax, fp64 exp and cumulative sum, search, gather): at 256 sequences x 152k vocabulary that is
+>1 GB of traffic and a dozen launches per step. This kernel reads each logit once: per row (split into vocabulary chunks
 that run in parallel, then merged) it draws Philox noise from a per-row seed, keeps the running
 argmax of ``x/T + Gumbel`` and an online log-sum-exp of ``x/T``, and writes the token and its exact
 log-probability ``x_tok/T - logsumexp(x/T)``. Per-row seeds (derived from the run seed, the sequence
 and its position) make each sequence's sample independent of which other sequences share the batch.
+``row_uniforms`` draws the torch path's one uniform per sequence from the same generator.
 """
 
 from __future__ import annotations
@@ -108,3 +109,21 @@ def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
     _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc,
                                  CP=max(2, triton.next_power_of_2(triton.cdiv(v, block))), num_warps=1)
     return tok, lp
+
+
+@triton.jit
+def _row_uniform_kernel(SEEDS, U, rows, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < rows
+    seed = tl.load(SEEDS + r, mask=ok, other=0)
+    tl.store(U + r, tl.rand(seed, tl.zeros([BLOCK], tl.int32)), mask=ok)
+
+
+def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
+    """seeds [B] int64 -> [B] fp32 ``tl.rand(seed, 0)`` in one launch (the torch form,
+    ``qerl_cli.engine.philox.uniform``, is ~300 small ops: a launch each on the GPU)."""
+    b = seeds.numel()
+    u = torch.empty(b, dtype=torch.float32, device=seeds.device)
+    if b:
+        _row_uniform_kernel[(triton.cdiv(b, 256),)](seeds.contiguous(), u, b, BLOCK=256, num_warps=4)
+    return u
