@@ -109,14 +109,18 @@ def noise_record_extra(results: list[dict], sigma: float, want: int) -> dict:
     return {} if dtype == "float32" else {"rounded_to": dtype, "survived": round(changed / entries, 4)}
 
 
-def per_prompt_sampling(sampling: dict, n: int, num_prompts: int) -> list[dict]:
-    """One ``vllm.SamplingParams``' keywords per prompt, each with a seed of its own (hashed from the
-    batch's seed and the prompt's index, as the native engine seeds its rows). vLLM seeds completion i
-    of a request with seed + i, so one shared seed would give completion i of every prompt in the batch
-    the same random stream: duplicate prompts would get identical completions."""
+def per_prompt_sampling(sampling: dict, n: int, num_prompts: int, seeds: list[int] | None = None) -> list[dict]:
+    """One ``vllm.SamplingParams``' keywords per prompt, each with a seed of its own, hashed as the native
+    engine seeds its rows: from the prompt's own seed in ``seeds``, else from the batch's seed and the
+    prompt's index. vLLM seeds completion i of a request with seed + i, so one shared seed would give
+    completion i of every prompt in the batch the same random stream: duplicate prompts would get
+    identical completions."""
     from qerl_cli.engine.sampler import row_seed
 
-    return [dict(sampling, n=n, seed=row_seed(sampling["seed"], p, 0, 0)) for p in range(num_prompts)]
+    if seeds is not None and len(seeds) != num_prompts:
+        raise ValueError(f"{len(seeds)} seeds for {num_prompts} prompts")
+    return [dict(sampling, n=n, seed=row_seed(sampling["seed"], p, 0, 0) if seeds is None else row_seed(seeds[p], 0, 0, 0))
+            for p in range(num_prompts)]
 
 
 class VLLMEngine:
@@ -156,13 +160,14 @@ class VLLMEngine:
         results = self.llm.apply_model(functools.partial(set_norm_noise, sigma=sigma, run_seed=run_seed, step=step))
         return noise_record_extra(results, sigma, 2 * self.num_layers)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: dict, n: int, progress: Callable | None = None):
+    def generate(self, prompt_ids: list[list[int]], sampling: dict, n: int, progress: Callable | None = None,
+                 seeds: list[int] | None = None):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from qerl_cli.engine import Completion
 
-        sp = [SamplingParams(**kw) for kw in per_prompt_sampling(sampling, n, len(prompt_ids))]
+        sp = [SamplingParams(**kw) for kw in per_prompt_sampling(sampling, n, len(prompt_ids), seeds)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], sp,
                                  lora_request=self.lora_request, use_tqdm=False)
         groups = []

@@ -148,14 +148,14 @@ class Sample:
 
 
 
-# generate(prompt_token_ids, n, seed, progress) -> per prompt, n samples; progress(prompts_done, tokens)
-# is called as prompts finish (engines that cannot report it simply never call it)
+# generate(prompt_token_ids, n, seeds, progress) -> per prompt, n samples, each prompt seeded by its seed in
+# ``seeds``; progress(prompts_done, tokens) is called as prompts finish (engines that cannot report it never do)
 GenerateFn = Callable[..., list[list[Sample]]]
 
 
-def _sampling_kwargs(cfg: EvalConfig, seed: int) -> dict:
+def _sampling_kwargs(cfg: EvalConfig) -> dict:  # seeded per problem through the engines' ``seeds``
     return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
-                seed=seed)
+                seed=0)
 
 
 def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_model_len: int):
@@ -175,9 +175,9 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}
 
-    def generate(prompt_ids, n, seed, progress=None):
-        sp = SamplingParams(**_sampling_kwargs(cfg, seed))
-        groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
+    def generate(prompt_ids, n, seeds, progress=None):
+        sp = SamplingParams(**_sampling_kwargs(cfg))
+        groups = engine.generate(prompt_ids, sp, n=n, progress=progress, seeds=seeds)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason, all(map(math.isfinite, c.logprobs))) for c in g]
                 for g in groups]
 
@@ -195,9 +195,9 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
     engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype_name, max_num_seqs=cfg.max_num_seqs,
                         max_model_len=max_model_len, seed=cfg.seed)
 
-    def generate(prompt_ids, n, seed, progress=None):
-        sp = vllm_sampling_params(top_k=0, min_p=0.0, **_sampling_kwargs(cfg, seed))
-        groups = engine.generate(prompt_ids, sp, n=n, progress=progress)
+    def generate(prompt_ids, n, seeds, progress=None):
+        sp = vllm_sampling_params(top_k=0, min_p=0.0, **_sampling_kwargs(cfg))
+        groups = engine.generate(prompt_ids, sp, n=n, progress=progress, seeds=seeds)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 
     return generate, {"engine": "vllm", "lora_modules": None}
@@ -209,15 +209,20 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     d["prompt_template"] = template  # the text, also when the flag named a file
     for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch"):
         d.pop(key)
-    if cfg.temperature == 0:
-        d.pop("max_num_seqs")  # greedy text does not depend on batching; sampled text does (batch seeds)
+    d.pop("max_num_seqs")  # the batching changes no sample: every problem is seeded by itself
     d.update(device=device, dtype=dtype)
     return d
 
 
-def _batch_seed(seed: int, start: int) -> int:
-    """The sampling seed of the batch starting at problem ``start``: distinct per batch, reproducible."""
-    return (seed * 1_000_003 + start) % (2**31 - 1)
+def _legacy_fingerprint_config(config: dict, cfg: EvalConfig) -> tuple[dict, ...]:
+    """qerl before 2026-11-26 seeded each batch, so a sampled eval counted --max-num-seqs: its
+    finished outputs still read as done."""
+    return () if cfg.temperature == 0 else (dict(config, max_num_seqs=cfg.max_num_seqs),)
+
+
+def _problem_seed(seed: int, index: int) -> int:
+    """The sampling seed of problem ``index`` (its row in the dataset): reproducible, whatever the batch."""
+    return (seed * 1_000_003 + index) % (2**31 - 1)
 
 
 def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=None) -> dict:
@@ -261,8 +266,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on",
                                 allow_mismatch=cfg.allow_base_mismatch)
         inputs.update(adapter_inputs(cfg.adapter))
-    so = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, template), inputs=inputs,
-                     force=cfg.force)
+    config = _fingerprint_config(cfg, device, dtype_name, template)
+    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force,
+                     legacy_configs=_legacy_fingerprint_config(config, cfg))
     if so.already_done():
         metrics = json.loads((cfg.out / METRICS).read_text())
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
@@ -329,7 +335,8 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
                 progress.update(task, completed=start + done, info=info(generated))
 
             t0 = time.time()
-            groups = generate([p.token_ids for p in batch], n, _batch_seed(cfg.seed, start), on_progress)
+            seeds = [_problem_seed(cfg.seed, start + i) for i in range(len(batch))]
+            groups = generate([p.token_ids for p in batch], n, seeds, on_progress)
             t_gen += time.time() - t0
             if len(groups) != len(batch) or any(len(g) != n for g in groups):
                 raise RuntimeError(f"engine returned {[len(g) for g in groups]} samples for {len(batch)} prompts x {n}")

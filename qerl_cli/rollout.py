@@ -13,8 +13,10 @@ How it works
    those (round robin, so shards are balanced, disjoint, and cover the step).
 3. The output is a resumable ``StageOutput``: records go to ``shard-I-of-N.jsonl`` in a partial
    directory named by the run's fingerprint. Prompts are generated in fixed *batches* (cut from
-   the shard's prompt list, so a rerun cuts the same ones); each batch is sampled with a seed
-   derived from (``--seed``, step, its first prompt id), so it reproduces exactly. Every group is
+   the shard's prompt list, so a rerun cuts the same ones); each prompt's completions are sampled
+   with a seed of its own derived from (``--seed``, step, prompt id), so they reproduce exactly and
+   do not depend on the batch they came in (``--batch-prompts``, ``--max-num-seqs``, sharding)
+   beyond the batched matmuls' rounding. Every group is
    appended and fsynced as soon as its batch is done. A rerun after a crash keeps the complete
    groups, regenerates only batches with missing groups and appends only the missing ones,
    which yields the records of an uninterrupted run. The trade-off: a crash costs up to one
@@ -301,18 +303,17 @@ def summary_table(summary: dict):
 
 @dataclass
 class _Generator:
-    """Wraps one engine behind ``generate(prompt_ids, seed) -> list[list[Completion]]``."""
+    """Wraps one engine behind ``generate(prompt_ids, n, seeds) -> list[list[Completion]]``, one seed per prompt."""
 
     engine: object
-    sampling: Callable[[int], object]
+    sampling: Callable[[], object]
     name: str
     progress: Callable | None = None
     timings: dict = field(default_factory=dict)  # seconds spent building it: load_s, engine_s
     noise_extra: dict = field(default_factory=dict)  # added to the noise record (vLLM: the dtype it rounded to)
 
-    def __call__(self, prompt_ids: list[list[int]], n: int, seed: int):
-        sp = self.sampling(seed)
-        return self.engine.generate(prompt_ids, sp, n=n, progress=self.progress)
+    def __call__(self, prompt_ids: list[list[int]], n: int, seeds: list[int]):
+        return self.engine.generate(prompt_ids, self.sampling(), n=n, progress=self.progress, seeds=seeds)
 
 
 def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, sigma: float, max_model_len: int):
@@ -330,9 +331,9 @@ def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, s
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}  # engine: graphs, kernels
 
-    def sampling(seed: int):
+    def sampling():  # seeded per prompt by the engine's ``seeds``
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                              max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=seed)
+                              max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
     return _Generator(engine, sampling, "native", timings=timings), model
 
@@ -344,9 +345,9 @@ def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigm
                         max_model_len=max_model_len, seed=cfg.seed)
     noise_extra = engine.set_noise(sigma, cfg.run_seed, cfg.step)
 
-    def sampling(seed: int):
+    def sampling():  # seeded per prompt by per_prompt_sampling
         return vllm_sampling_params(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                    max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=seed)
+                                    max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=0)
 
     return _Generator(engine, sampling, "vllm", noise_extra=noise_extra), None
 
@@ -380,14 +381,21 @@ def batch_size(cfg: RolloutConfig) -> int:
 
 
 def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weights: dict) -> dict:
-    """The arguments that change the records. --max-num-seqs alone does not, but the batch size
-    (which seeds the samples) does, so it enters as the effective ``batch_prompts``."""
+    """The arguments that change the records. The batching (--max-num-seqs, --batch-prompts) does not:
+    every prompt is seeded by itself, so a run that went out of memory resumes with smaller batches."""
     d = asdict(cfg)
-    for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines"):
+    for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines",
+              "batch_prompts"):
         d.pop(k)
     # The device *type* changes numerics; which GPU of a node does not.
-    d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop), batch_prompts=batch_size(cfg))
+    d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
     return d
+
+
+def _legacy_fingerprint_config(config: dict, cfg: RolloutConfig) -> dict:
+    """How qerl before 2026-11-26 fingerprinted the same run (it seeded each batch, so the batch size
+    counted): its finished outputs still read as done."""
+    return dict(config, batch_prompts=batch_size(cfg))
 
 
 def rollout(cfg: RolloutConfig) -> dict:
@@ -432,8 +440,9 @@ def rollout(cfg: RolloutConfig) -> dict:
         src = getattr(spec.reward, "source", None)
         if src:
             inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
-    out = StageOutput(cfg.out, STAGE, config=_fingerprint_config(cfg, device, dtype_name, reward_set.weights),
-                      inputs=inputs, force=cfg.force, resumable=True)
+    config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights)
+    out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True,
+                      legacy_configs=(_legacy_fingerprint_config(config, cfg),))
     _refuse_another_shards_out(cfg)
     if out.already_done():
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
@@ -613,7 +622,7 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
     with progress, ShardWriter(shard_path) as writer:
         task = progress.add_task("rollout", total=n_prompts, completed=len(done), info="")
         for batch in batches:
-            seed = derive_seed(cfg.seed, cfg.step, batch[0].row.id)
+            seeds = [derive_seed(cfg.seed, cfg.step, p.row.id) for p in batch]
             base_done, base_tokens = len(done), live.tokens
 
             def on_group(groups_done: int, tokens: int, base_done=base_done, base_tokens=base_tokens):
@@ -623,14 +632,14 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
 
             gen.progress = on_group
             t0 = time.time()
-            groups = gen([p.token_ids for p in batch], G, seed)
+            groups = gen([p.token_ids for p in batch], G, seeds)
             t_gen += time.time() - t0
             live.tokens = base_tokens
             if len(groups) != len(batch):
                 raise RuntimeError(f"engine returned {len(groups)} groups for {len(batch)} prompts")
             sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "min_p": cfg.min_p,
-                        "max_new_tokens": cfg.max_new_tokens, "seed": seed}
-            for p, comps in zip(batch, groups):
+                        "max_new_tokens": cfg.max_new_tokens}
+            for p, comps, seed in zip(batch, groups, seeds):
                 live.tokens += sum(len(c.token_ids) for c in comps)
                 gid = plan.gid(p)
                 if gid in done:
@@ -648,7 +657,8 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
                         prompt_id=p.row.id, group_id=gid, prompt=p.row.prompt_field, prompt_token_ids=p.token_ids,
                         completion_token_ids=c.token_ids, completion=c.text, logprobs=c.logprobs,
                         finish_reason=c.finish_reason, rewards=vals, reward=total, answer=p.row.answer,
-                        step=cfg.step, policy=plan.policy, sampling=sampling, noise=plan.noise, engine=gen.name,
+                        step=cfg.step, policy=plan.policy, sampling=dict(sampling, seed=seed), noise=plan.noise,
+                        engine=gen.name,
                     ))
                     live.reward_sum += total
                     live.completions += 1

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import qerl_cli.evaluate as ev
 from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
 from qerl_cli.eval_metrics import pass_at_k
 from qerl_cli.evaluate import EvalConfig, Sample, evaluate, score_completion, scorer_for
@@ -81,8 +82,8 @@ class Scripted:
     def __init__(self, answers):
         self.answers, self.calls, self.seen = answers, [], 0
 
-    def __call__(self, prompt_ids, n, seed, progress=None):
-        self.calls.append((len(prompt_ids), n, seed))
+    def __call__(self, prompt_ids, n, seeds, progress=None):
+        self.calls.append((len(prompt_ids), n, seeds))
         out = []
         for _ in prompt_ids:
             texts = self.answers[self.seen]
@@ -141,7 +142,8 @@ def test_pass_at_k_uses_unbiased_estimator(model_dir, tmp_path):
     assert s["pass@2"]["value"] == pytest.approx(want) and res["metrics"]["score"] == pytest.approx(want)
     assert res["metrics"]["counts"]["problems_solved"] == 3
     assert [c[:2] for c in gen.calls] == [(2, 4), (2, 4)]  # 4 * max_num_seqs // n prompts per chunk
-    assert len({seed for *_, seed in gen.calls}) == 2  # each chunk draws from its own seed
+    seeds = [s for *_, chunk in gen.calls for s in chunk]  # each problem draws from its own seed
+    assert len(set(seeds)) == 4 and seeds == [ev._problem_seed(0, i) for i in range(4)]
 
 
 def test_math500_parquet_without_chat_template_and_custom_template(model_dir, tmp_path):
@@ -253,7 +255,7 @@ def test_samples_from_nan_logits_are_a_numerical_error_not_a_score(model_dir, tm
     from qerl_cli.engine import Completion, LLMEngine
     from qerl_cli.errors import NumericalError
 
-    def nan_generate(self, prompt_ids, sp, n, progress=None):
+    def nan_generate(self, prompt_ids, sp, n, progress=None, seeds=None):
         return [[Completion([5, 6], [-0.1, float("nan")], "x", "length") for _ in range(n)] for _ in prompt_ids]
 
     monkeypatch.setattr(LLMEngine, "generate", nan_generate)
@@ -281,3 +283,20 @@ def test_a_missing_extra_keeps_its_install_hint(model_dir, tmp_path, monkeypatch
         evaluate(EvalConfig(model=model_dir, dataset=tmp_path / "p.parquet", out=tmp_path / "o", device="cpu",
                             progress=False), generate=Scripted([]))
     assert "qerl[parquet]" in e.value.hint
+
+
+def test_sampled_eval_with_other_batching_is_already_done(model_dir, tmp_path, monkeypatch):
+    # Every problem is seeded by (--seed, its row): --max-num-seqs changes no sample, so a rerun with
+    # another value is the same eval; one finished by the batch-seeded qerl (which counted the flag) too.
+    rows = [{"question": f"{i}+1?", "answer": str(i + 1)} for i in range(3)]
+    answers = [["#### 1", "#### 2"]] * 3
+    kw = dict(k=2, temperature=0.8)
+    res, _ = run(model_dir, tmp_path, rows, answers, max_num_seqs=2, **kw)
+    assert not res["already_done"]
+    again, gen = run(model_dir, tmp_path, rows, answers, max_num_seqs=8, **kw)
+    assert again["already_done"] and gen.calls == []
+    new = ev._fingerprint_config
+    monkeypatch.setattr(ev, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), max_num_seqs=cfg.max_num_seqs))
+    run(model_dir, tmp_path, rows, answers, name="old", max_num_seqs=2, **kw)
+    monkeypatch.setattr(ev, "_fingerprint_config", new)
+    assert run(model_dir, tmp_path, rows, answers, name="old", max_num_seqs=2, **kw)[0]["already_done"]

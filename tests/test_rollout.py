@@ -1,8 +1,8 @@
 """The rollout stage's logic with a scripted engine: selection, sharding, resume, idempotence, errors.
 
-The engine is replaced by a deterministic fake whose samples depend on the batch seed *and* on a
-prompt's position in its batch (as a real batched sampler's may), so these tests prove the stage's
-resume gives the records of an uninterrupted run without relying on per-sequence seeding.
+The engine is replaced by a deterministic fake whose samples depend on the prompt's seed *and* on
+its batch (as a real batched sampler's may, through the logits' rounding), so these tests prove the
+stage's resume gives the records of an uninterrupted run without relying on batch-independent sampling.
 End-to-end runs on the real engine are in tests/test_rollout_engine.py.
 """
 
@@ -32,16 +32,18 @@ class FakeCompletion:
 
 class FakeEngine:
     calls: list = []
+    seeds: list = []
 
     def __init__(self, tokenizer, crash_after_groups=None):
         self.tok = tokenizer
         self.crash_after = crash_after_groups
 
-    def generate(self, prompt_ids, sp, n, progress=None):
+    def generate(self, prompt_ids, sp, n, progress=None, seeds=None):
         FakeEngine.calls.append(len(prompt_ids))
+        FakeEngine.seeds.append(list(seeds))
         out = []
         for pos, ids in enumerate(prompt_ids):
-            rng = random.Random(f"{sp}:{pos}:{len(ids)}")
+            rng = random.Random(f"{seeds[pos]}:{seeds}:{len(ids)}")
             group = []
             for _ in range(n):
                 text = f"#### {rng.randint(0, 3)}"
@@ -59,10 +61,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture()
 def fake_engine(monkeypatch):
-    FakeEngine.calls = []
+    FakeEngine.calls, FakeEngine.seeds = [], []
 
     def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
-        return ro._Generator(FakeEngine(tokenizer), lambda seed: seed, "fake"), None
+        return ro._Generator(FakeEngine(tokenizer), lambda: "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", make)
     return FakeEngine
@@ -230,7 +232,7 @@ def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
 
     def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
         got["sigma"] = sigma
-        return ro._Generator(FakeEngine(tokenizer), lambda seed: seed, "fake"), None
+        return ro._Generator(FakeEngine(tokenizer), lambda: "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", make)
     rollout(cfg_for(model_dir, tmp_path, step=5, total_steps=11, aqn_sigma_start=1e-2, aqn_sigma_end=1e-4,
@@ -399,7 +401,7 @@ def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
         with pytest.raises(OutputExistsError, match="another qerl rollout is writing"):
             rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
         seen["partial_kept"] = part.exists() and (part / ".lock").exists()
-        return ro._Generator(FakeEngine(tokenizer), lambda seed: seed, "fake"), None
+        return ro._Generator(FakeEngine(tokenizer), lambda: "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", second_run_meanwhile)
     res = rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
@@ -475,13 +477,13 @@ def test_nan_logits_stop_the_rollout_with_exit_5_keeping_finished_groups(model_d
     from qerl_cli.errors import NumericalError
 
     class NanEngine(FakeEngine):
-        def generate(self, prompt_ids, sp, n, progress=None):
-            out = super().generate(prompt_ids, sp, n, progress)
+        def generate(self, prompt_ids, sp, n, progress=None, seeds=None):
+            out = super().generate(prompt_ids, sp, n, progress, seeds)
             out[1][0].logprobs[0] = float("nan")
             return out
 
     monkeypatch.setattr(ro, "_native_generator",
-                        lambda cfg, tok, *a: (ro._Generator(NanEngine(tok), lambda seed: seed, "fake"), None))
+                        lambda cfg, tok, *a: (ro._Generator(NanEngine(tok), lambda: "sp", "fake"), None))
     with pytest.raises(NumericalError, match=r"prompts.jsonl:2: a completion was sampled from NaN/Inf logits") as e:
         rollout(cfg_for(model_dir, tmp_path))
     assert e.value.exit_code == 5
@@ -507,3 +509,25 @@ def test_a_run_shorter_than_the_aqn_stages_is_warned_of(model_dir, tmp_path, fak
     assert short.exit_code == 0 and "the AQN schedule skips stages" in short.output, short.output
     full = CliRunner().invoke(app, base + ["--out", str(tmp_path / "b"), "--total-steps", "11"])
     assert full.exit_code == 0 and "skips stages" not in full.output
+
+
+def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
+    rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "a", batch_prompts=3, step=2, seed=5))
+    rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "b", batch_prompts=4, step=2, seed=5))
+    per_prompt = [ro.derive_seed(5, 2, f"p{i}") for i in range(10)]
+    assert fake_engine.calls == [3, 3, 3, 1, 4, 4, 2]
+    assert sum(fake_engine.seeds[:4], []) == sum(fake_engine.seeds[4:], []) == per_prompt
+    recs = read_records(tmp_path / "a")
+    assert [r["sampling"]["seed"] for r in recs[::3]] == per_prompt
+
+
+def test_an_output_finished_under_the_batch_seeded_fingerprint_stays_done(model_dir, tmp_path, fake_engine, monkeypatch):
+    # qerl before 2026-11-26 seeded each batch and so fingerprinted --batch-prompts: its finished
+    # outputs must not read as "different inputs" after the upgrade.
+    new = ro._fingerprint_config
+    monkeypatch.setattr(ro, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), batch_prompts=ro.batch_size(cfg)))
+    rollout(cfg_for(model_dir, tmp_path))
+    monkeypatch.setattr(ro, "_fingerprint_config", new)
+    assert rollout(cfg_for(model_dir, tmp_path))["already_done"]
+    with pytest.raises(OutputExistsError, match="different inputs"):  # the legacy form still counts the flags
+        rollout(cfg_for(model_dir, tmp_path, max_new_tokens=9))

@@ -116,6 +116,13 @@ def test_each_prompt_gets_its_own_seed():
                and p["n"] == 8 for p in per)
     assert per_prompt_sampling(kw, 8, 50) == per  # reproducible
     assert per_prompt_sampling(dict(kw, seed=4), 8, 50)[0]["seed"] != seeds[0]
+    # A seed per prompt (what rollout passes): a prompt's request seed follows from its own seed alone.
+    mine = [1000 + 7 * p for p in range(50)]
+    own = [p["seed"] for p in per_prompt_sampling(kw, 8, 50, mine)]
+    assert own[7:9] == [p["seed"] for p in per_prompt_sampling(dict(kw, seed=99), 8, 2, mine[7:9])]
+    assert len({s + i for s in own for i in range(8)}) == 50 * 8
+    with pytest.raises(ValueError, match="3 seeds for 50 prompts"):
+        per_prompt_sampling(kw, 8, 50, mine[:3])
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install 'qerl[vllm]'); the vLLM engine is untested here")

@@ -75,7 +75,7 @@ def command(
     long_prompts: str = typer.Option("skip", "--long-prompts", help="Prompts longer than the context: skip (counted in the summary) or error. Example: --long-prompts error"),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Sequences decoded concurrently (engine batch). Example: --max-num-seqs 64"),
     batch_prompts: int | None = typer.Option(None, "--batch-prompts", help="Prompts per generation batch, the unit a crash "
-                                                "can lose (default 4*max-num-seqs/G). Changing it changes the samples. Example: --batch-prompts 32"),
+                                                "can lose (default 4*max-num-seqs/G). Each prompt is seeded by itself, so it changes no sample. Example: --batch-prompts 32"),
     skip_bad_lines: bool = typer.Option(False, "--skip-bad-lines", help="Skip (and count) malformed rows of --prompts instead of failing."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table; print only the result line."),

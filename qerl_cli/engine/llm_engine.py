@@ -111,17 +111,22 @@ class LLMEngine:
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int = 1,
-                 progress: Callable[[int, int], None] | None = None) -> list[list[Completion]]:
+                 progress: Callable[[int, int], None] | None = None,
+                 seeds: list[int] | None = None) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order. ``progress(prompts_done, tokens_generated)`` is
-        called whenever a prompt's group completes."""
+        called whenever a prompt's group completes. ``seeds``: one per prompt, so that a prompt's
+        completions depend on its own seed only, not on the call it came in (else ``sp.seed`` and the
+        prompt's index in this call)."""
+        if seeds is not None and len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
         try:
-            return self._generate(prompt_token_ids, sp, n, progress)
+            return self._generate(prompt_token_ids, sp, n, progress, seeds)
         except torch.cuda.OutOfMemoryError:
             raise OutOfMemoryError("out of GPU memory during generation",
                                    hint="lower --max-num-seqs, or max_num_batched_tokens for long prompts") from None
 
     def _generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int,
-                  progress: Callable[[int, int], None] | None) -> list[list[Completion]]:
+                  progress: Callable[[int, int], None] | None, prompt_seeds: list[int] | None) -> list[list[Completion]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         vocab = self.model.config.vocab_size
@@ -156,7 +161,8 @@ class LLMEngine:
                     prefill_tokens += sum(len(g.prompt_ids) for g in admitted)
                     seqs = [s for g in admitted for s in g.seqs]
                     for s in seqs:
-                        s.rng = row_seed(sp.seed, s.group, s.child, 0)
+                        s.rng = (row_seed(sp.seed, s.group, s.child, 0) if prompt_seeds is None
+                                 else row_seed(prompt_seeds[s.group], 0, s.child, 0))
                     seeds = torch.tensor([(s.rng + len(s)) & _SEED_MASK for s in seqs], device=logits.device)
                     tok, lp = sample(logits.repeat_interleave(n, dim=0), sp, seeds)
                     self._process(seqs, tok.tolist(), lp.tolist(), sched, groups, sp, stop_ids, progress)

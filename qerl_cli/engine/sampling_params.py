@@ -11,8 +11,9 @@ class SamplingParams:
     """Sampling controls for one ``generate`` call (every prompt and completion shares them).
 
     Truncation order, vLLM's: temperature, then min-p (relative to the most likely token), then top-k,
-    then top-p (nucleus on what is left). ``temperature == 0`` is greedy. ``seed`` seeds the
-    engine's sampling generator, so the same seed, inputs and engine settings give the same tokens.
+    then top-p (nucleus on what is left). ``temperature == 0`` is greedy. ``seed`` with a
+    prompt's index in the call seeds its completions (unless ``generate`` gets a seed per prompt):
+    each sequence draws from its own stream, so the same seeds give the same tokens in any batch.
     """
 
     temperature: float = 1.0
