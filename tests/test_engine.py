@@ -123,6 +123,30 @@ def test_inverse_cdf_draws_the_distribution_and_never_a_masked_token():
     assert inverse_cdf(logp.repeat(3, 1), edge).tolist()[:2] == [0, 4]
 
 
+@pytest.mark.parametrize("vocab", [7, 384, 1000, 5003, 65553])
+def test_two_level_inverse_cdf_equals_one_cumulative_sum(vocab):
+    # Chunks that divide the vocabulary or not (padding), masked tokens at both ends and at chunk
+    # edges, u = 0 and u just under 1: the same token as one fp64 cumulative sum over the row.
+    from qerl_cli.engine.sampler import inverse_cdf
+
+    def one_level(logp, u):
+        cdf = logp.double().exp().cumsum(-1)
+        total = cdf[:, -1]
+        t = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, t[:, None], right=True).squeeze(1)
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(64, vocab, generator=g) * 3
+    x[torch.rand(64, vocab, generator=g) < 0.5] = float("-inf")
+    x[:, [0, -1]] = float("-inf")
+    x[:, 1] = 0.0
+    logp = torch.log_softmax(x, -1)
+    for u in (torch.rand(64, generator=g), torch.zeros(64), torch.full((64,), 1 - 2**-24)):
+        tok = inverse_cdf(logp, u)
+        assert torch.equal(tok, one_level(logp, u))
+        assert torch.isfinite(logp.gather(1, tok[:, None])).all()
+
+
 @pytest.mark.parametrize("trunc", [dict(), dict(top_p=0.9, top_k=30, min_p=0.02)], ids=["full", "truncated"])
 def test_a_sequence_samples_the_same_whatever_its_batch(tiny, trunc):
     # Per-sequence seeds: 2, 3 or 16 slots (different batches at every step, different scheduling)
@@ -137,6 +161,22 @@ def test_a_sequence_samples_the_same_whatever_its_batch(tiny, trunc):
             for c, c0 in zip(g, g0):
                 assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(c0.logprobs), atol=1e-5)
     assert len({tuple(c.token_ids) for g in runs[0] for c in g}) == 2 * len(PROMPTS)  # no shared streams
+
+
+def test_per_prompt_seeds_make_a_prompts_completions_its_own(tiny):
+    # With a seed per prompt, a prompt's completions do not depend on the call it came in: alone, in
+    # another order, or admitted late through 2 slots (several admissions), it draws the same tokens.
+    model = load_model(tiny, dtype=torch.float32)
+    sp = SamplingParams(temperature=1.0, top_k=40, max_new_tokens=10, ignore_eos=True)
+    seeds = [11, 22, 33, 44, 55]
+    toks = lambda out: [[c.token_ids for c in g] for g in out]  # noqa: E731
+    ref = toks(LLMEngine(model, None, max_num_seqs=16, block_size=4).generate(PROMPTS, sp, n=2, seeds=seeds))
+    slots2 = LLMEngine(model, None, max_num_seqs=2, block_size=4)
+    assert toks(slots2.generate(PROMPTS, sp, n=2, seeds=seeds)) == ref
+    assert toks(slots2.generate(PROMPTS[::-1], sp, n=2, seeds=seeds[::-1])) == ref[::-1]
+    assert toks(slots2.generate(PROMPTS[3:4], sp, n=2, seeds=seeds[3:4])) == ref[3:4]
+    with pytest.raises(ValueError, match="4 seeds for 5 prompts"):
+        slots2.generate(PROMPTS, sp, n=2, seeds=seeds[:4])
 
 
 def test_continuous_batching_more_prompts_than_slots(tiny):

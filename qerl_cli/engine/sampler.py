@@ -11,8 +11,8 @@ gives the same completions (up to the batched matmuls' rounding of the logits). 
 - plain temperature sampling on CUDA: the one-pass Triton Gumbel-max kernel (``triton_sampler``);
 - everything else (CPU, greedy, top-k / top-p / min-p): inverse-CDF sampling on the truncated
   distribution with one uniform per sequence, ``tl.rand(seed, 0)`` (a Triton kernel on the GPU,
-  ``philox.uniform`` in torch elsewhere: the same bits). The CDF is summed in fp64, so the drawn
-  token follows the recorded probabilities to ~1e-15, with no CPU sync. Sorting happens only
+  ``philox.uniform`` in torch elsewhere: the same bits). The CDF is summed in fp64 (in two levels),
+  so the drawn token follows the recorded probabilities to fp32 rounding, with no CPU sync. Sorting happens only
   when top-p is active.
 """
 
@@ -69,16 +69,40 @@ def _fast_path(logits: torch.Tensor, sp: SamplingParams) -> bool:
     return True
 
 
+def _chunk_len(vocab: int) -> int:
+    """A chunk length near sqrt(V) that divides V (no padding copy), else 1024."""
+    target = max(64, math.isqrt(vocab))
+    for d in sorted(range(256, 4097), key=lambda d: abs(d - target)):
+        if vocab % d == 0:
+            return d
+    return 1024
+
+
 def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Tokens [B] drawn from log-probabilities [B, V] (-inf: masked) with uniforms ``u`` [B] in [0, 1):
-    the first token whose cumulative probability exceeds ``u`` x the total."""
-    p = logp.double().exp()
-    cdf = p.cumsum(-1)
-    tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    # u x total can round up to the total itself (no cumulative value exceeds it): then the last
-    # token with mass. A token without mass is never drawn: its cumulative value equals its predecessor's.
-    last = p.shape[-1] - 1 - (p > 0).flip(-1).to(torch.int8).argmax(-1)
-    return torch.minimum(tok, last)
+    the first token whose cumulative probability exceeds ``u`` x the total.
+
+    In two levels, summed in fp64: chunk sums, the chunk the target falls in, then that chunk's
+    cumulative sum. (torch's cumulative sum along a 152k-long row runs one thread block per row:
+    232 us for 16 rows on an H100, against ~10 us for a pass over the logits.) A token without
+    mass is never drawn: its cumulative value equals its predecessor's, and the targets stay below
+    each total, which rounding could otherwise reach."""
+    b, v = logp.shape
+    n = _chunk_len(v)
+    c = -(-v // n)
+    p = logp.exp()
+    if c * n != v:
+        p = torch.nn.functional.pad(p, (0, c * n - v))
+    p = p.view(b, c, n)
+    cum = p.sum(-1, dtype=torch.float64).cumsum_(-1)  # [B, C]
+    total = cum[:, -1]
+    zero = torch.zeros_like(total)
+    target = torch.minimum(u.double() * total, torch.nextafter(total, zero))
+    j = torch.searchsorted(cum, target[:, None], right=True)  # [B, 1]: the first chunk whose sum passes it
+    before = torch.where(j > 0, cum.gather(1, (j - 1).clamp_min_(0)), 0.0).squeeze(1)
+    local = p.gather(1, j[:, :, None].expand(b, 1, n)).squeeze(1).double().cumsum_(-1)  # [B, n]
+    rest = torch.minimum(target - before, torch.nextafter(local[:, -1], zero))
+    return j.squeeze(1) * n + torch.searchsorted(local, rest[:, None], right=True).squeeze(1)
 
 
 def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
