@@ -203,9 +203,80 @@ def test_qwen_sliding_window_caps_only_where_some_layer_slides():
     layers = _tiny_cfg(**base)["num_hidden_layers"]
     assert ModelConfig.from_hf(_tiny_cfg(**base, max_window_layers=layers)).sliding_window is None
     assert ModelConfig.from_hf(_tiny_cfg(**base, max_window_layers=layers - 1)).sliding_window == 16
-    assert ModelConfig.from_hf(_tiny_cfg(**base)).sliding_window == 16  # no max_window_layers: as before
+    # No max_window_layers: HF's default 28, so these 2 layers do not slide (qerl once capped them).
+    assert ModelConfig.from_hf(_tiny_cfg(**base)).sliding_window is None
+    assert ModelConfig.from_hf(_tiny_cfg(**base, num_hidden_layers=30)).sliding_window == 16
     assert ModelConfig.from_hf(_tiny_cfg(**{**base, "use_sliding_window": False})).sliding_window is None
     assert ModelConfig.from_hf(_tiny_cfg(model_type="mistral", sliding_window=16)).sliding_window == 16
+    # An explicit layer_types decides, as in HF (it once lost to max_window_layers), and a missing
+    # sliding_window is HF's default 4096 (Mistral: it once meant no window), null none.
+    types = ["full_attention", "sliding_attention"]
+    assert ModelConfig.from_hf(_tiny_cfg(**base, max_window_layers=2, layer_types=types)).sliding_window == 16
+    assert ModelConfig.from_hf(_tiny_cfg(**base, max_window_layers=0, layer_types=types[:1] * 2)).sliding_window is None
+    assert ModelConfig.from_hf(_tiny_cfg(model_type="mistral")).sliding_window == 4096
+    assert ModelConfig.from_hf(_tiny_cfg(model_type="mistral", sliding_window=None)).sliding_window is None
+    assert ModelConfig.from_hf(_tiny_cfg(model_type="qwen2", use_sliding_window=True, max_window_layers=0)).sliding_window == 4096
+
+
+def _hf_checkpoint(tmp_path, hf_config, patch=(), drop=()):
+    """A tiny random HF model saved from ``hf_config``, its config.json then edited by hand (``patch``,
+    ``drop``): the forms transformers reads but would not write itself."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    out = tmp_path / "hf"
+    model.save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(dict(patch))
+    for key in drop:
+        cfg.pop(key, None)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("case", ["theta_in_dict_wins", "llama3_orig_defaults_to_max_pos", "llama3_orig_top_level_wins"])
+def test_rope_parameters_are_read_as_transformers_reads_them(tmp_path, case):
+    # Each form once gave logits 1.8-2.3 away from HF's or a bare KeyError (audit 2026-11-26).
+    patch, drop = {
+        "theta_in_dict_wins": ({"rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}, ()),
+        "llama3_orig_defaults_to_max_pos": ({"rope_parameters": _LLAMA3}, ()),
+        "llama3_orig_top_level_wins": ({"rope_parameters": {**_LLAMA3, "original_max_position_embeddings": 128},
+                                        "original_max_position_embeddings": 16}, ()),
+    }[case]
+    src = _hf_checkpoint(tmp_path, transformers.LlamaConfig(**_LLAMA), patch, drop)
+    ids, mask = right_padded(length=40, vocab=256)
+    assert_close_on_mask(ours(load_model(src, dtype=torch.float32), ids, mask), hf_logits(src, ids, mask), mask)
+
+
+def test_qwen2_layer_types_window_is_refused_past_it_and_equal_within(tmp_path):
+    cfg = transformers.Qwen2Config(**_LLAMA, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    src = _hf_checkpoint(tmp_path, cfg, {"max_window_layers": 2, "layer_types": ["full_attention", "sliding_attention"]})
+    model = load_model(src, dtype=torch.float32)
+    assert model.config.sliding_window == 16
+    with pytest.raises(ValueError, match="exceeds sliding_window 16"):
+        ours(model, *right_padded(length=40, vocab=256))
+    ids, mask = right_padded(length=16, vocab=256)
+    assert_close_on_mask(ours(model, ids, mask), hf_logits(src, ids, mask), mask)
+
+
+def test_rope_and_activation_forms_qerl_cannot_compute_are_refused_by_name():
+    llama = dict(_tiny_cfg(model_type="llama"))
+    for rope, match in [({"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn' is not supported"),
+                        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),
+                        ({"rope_type": "llama3", "factor": 8.0}, "needs a positive number 'low_freq_factor'"),
+                        ({"rope_type": "linear"}, "needs a positive number 'factor'"),
+                        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+                        ({"rope_type": "default", "rope_theta": -1}, "invalid rope_theta")]:
+        with pytest.raises(BadInputError, match=match):
+            ModelConfig.from_hf({**llama, "rope_parameters": rope})
+    assert ModelConfig.from_hf({**llama, "hidden_act": "swish"}).arch == "llama"  # transformers' SiLU too
 
 
 @pytest.mark.parametrize("quantized", [True, False])

@@ -87,7 +87,7 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             pos_int(key)
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
             raise BadInputError(f"{source}: hidden_act {act!r} is not supported (only silu)")
         default_bias, qk_norm = ARCHS[arch]
         heads = cfg["num_attention_heads"]
@@ -95,14 +95,8 @@ class ModelConfig:
         if heads % kv:
             raise BadInputError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
         head_dim = pos_int("head_dim", cfg["hidden_size"] // heads)
-        rope = cfg.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise BadInputError(f"{source}: rope_parameters must be an object")
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None and not isinstance(scaling, dict):
-            raise BadInputError(f"{source}: rope_scaling must be an object, got {scaling!r}")
-        theta = pos_float("rope_theta", rope.get("rope_theta") if isinstance(rope.get("rope_theta"), (int, float))
-                          else 10000.0)
+        max_pos = pos_int("max_position_embeddings", 4096)
+        theta, scaling = _rope(cfg, max_pos, source, pos_float)
         attn_bias = cfg.get("attention_bias")
         qkv_bias = default_bias if attn_bias is None else bool(attn_bias)
         if arch == "qwen2":
@@ -111,16 +105,9 @@ class ModelConfig:
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
             raise BadInputError(f"{source}: eos_token_id must be a token id or a list of them, got {cfg.get('eos_token_id')!r}")
-        # Qwen2/3 slide only in layers >= max_window_layers (HF's layer_types); when that is every layer's
-        # index or more, no layer slides and the context is not capped at the window.
-        layers_n = cfg.get("num_hidden_layers")
-        qwen_slides = bool(cfg.get("use_sliding_window")) and not (
-            isinstance(cfg.get("max_window_layers"), int) and isinstance(layers_n, int)
-            and cfg["max_window_layers"] >= layers_n)
-        sliding = cfg.get("sliding_window") if (arch == "mistral" or qwen_slides) else None
+        sliding = _sliding_window(cfg, arch)
         if sliding is not None:
-            sliding = pos_int("sliding_window")
-        max_pos = pos_int("max_position_embeddings", 4096)
+            sliding = pos_int("sliding_window", sliding)
         eps = pos_float("rms_norm_eps", 1e-6)
         bos = cfg.get("bos_token_id")
         if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
@@ -178,3 +165,67 @@ def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise BadInputError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})")
     return ModelConfig(**PRESETS[name])
+
+
+_HF_SLIDING_DEFAULT = 4096  # MistralConfig's and Qwen2/3Config's default ``sliding_window``
+_HF_QWEN_MAX_WINDOW_LAYERS = 28  # Qwen2/3Config's default ``max_window_layers``
+_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window as transformers reads the config: Mistral slides in every layer (window
+    4096 when the key is absent, none when it is null); Qwen2/3 only with ``use_sliding_window``, and
+    then in the layers ``layer_types`` names sliding (by default those from ``max_window_layers`` on).
+    qerl computes every layer in full and refuses sequences longer than the window (the engine caps
+    its context there), so one window for the model is enough: within it both agree."""
+    if arch == "mistral":
+        return cfg.get("sliding_window") if "sliding_window" in cfg else _HF_SLIDING_DEFAULT
+    if arch not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window"):
+        return None
+    window = cfg.get("sliding_window") if "sliding_window" in cfg else _HF_SLIDING_DEFAULT
+    if window is None:
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        slides = "sliding_attention" in types
+    else:
+        first = cfg.get("max_window_layers", _HF_QWEN_MAX_WINDOW_LAYERS)
+        layers = cfg.get("num_hidden_layers")
+        slides = not (isinstance(first, int) and isinstance(layers, int) and first >= layers)
+    return window if slides else None
+
+
+def _rope(cfg: dict, max_pos: int, source: str, pos_float) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) with transformers' precedence: a legacy ``rope_scaling`` replaces
+    ``rope_parameters``; the dict's ``rope_theta`` wins over the top-level one (a default only); for
+    llama3 a top-level ``original_max_position_embeddings`` wins, else the dict's, else
+    ``max_position_embeddings``. What qerl cannot compute is refused here, naming the field."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise BadInputError(f"{source}: rope_parameters / rope_scaling must be an object, got {rope!r}")
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise BadInputError(f"{source}: rope parameters per layer type are not supported")
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = pos_float("rope_theta", 10000.0)
+    elif isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise BadInputError(f"{source}: invalid rope_theta in the rope parameters (a positive number, got {theta!r})")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise BadInputError(f"{source}: partial_rotary_factor {partial!r} is not supported (rotary over the whole head only)")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return float(theta), None
+    if kind not in _ROPE_KEYS:
+        raise BadInputError(f"{source}: rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+    scaling = dict(rope, rope_type=kind)
+    for key in _ROPE_KEYS[kind]:
+        v = rope.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise BadInputError(f"{source}: rope {kind} needs a positive number {key!r}, got {v!r}")
+    if kind == "llama3":
+        orig = cfg.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
+        if isinstance(orig, bool) or not isinstance(orig, (int, float)) or orig <= 0:
+            raise BadInputError(f"{source}: invalid original_max_position_embeddings {orig!r}")
+        scaling["original_max_position_embeddings"] = orig
+    return float(theta), scaling
