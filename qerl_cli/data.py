@@ -28,8 +28,10 @@ are MBs, and knowing the row count up front is what lets ``--prompts-per-step`` 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +126,15 @@ def _answer(raw: Any, where: str) -> str | None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
         raise BadInputError(f"{where}: `answer` must be a string or number, got {type(raw).__name__}")
+    if isinstance(raw, float):
+        if not math.isfinite(raw):
+            raise BadInputError(f"{where}: `answer` is {raw}, not a number an answer can equal")
+        # Plain decimals: str(1e16) is "1e+16", which no scorer reads as the number 10000000000000000.
+        s = format(Decimal(repr(raw)), "f")
+        return s[:-2] if s.endswith(".0") else s
     s = str(raw).strip()
+    if not s:
+        return None  # a blank reference is no reference (every answer would "equal" it)
     if "####" in s:  # a GSM8K worked solution: the reference is the number after ####
         num = reference_answer(s, "gsm8k")
         if num is None:
@@ -189,7 +199,7 @@ def remap_row(raw: Any, where: str, prompt_key: str | None, answer_key: str | No
 
 
 def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: list[str] | None = None,
-                 prompt_key: str | None = None, answer_key: str | None = None) -> list[PromptRow]:
+                 prompt_key: str | None = None, answer_key: str | None = None, flag: str = "--prompts") -> list[PromptRow]:
     """All rows of a JSONL / JSON / Parquet prompt file, validated; ids unique.
 
     ``skip_bad_lines``: a row that is not JSON or not a valid prompt row is skipped and its error
@@ -199,9 +209,9 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
     """
     path = Path(path)
     if not path.exists():
-        raise BadInputError(f"prompt file {path} does not exist", hint="check --prompts")
+        raise BadInputError(f"prompt file {path} does not exist", hint=f"check {flag}")
     if path.is_dir():
-        raise BadInputError(f"--prompts {path} is a directory; name a .jsonl, .json or .parquet file")
+        raise BadInputError(f"{flag} {path} is a directory; name a .jsonl, .json or .parquet file")
     bad_lines = bad_lines if bad_lines is not None else []
     raw_rows = _read_rows(path, bad_lines if skip_bad_lines else None)
     if not raw_rows and not bad_lines:

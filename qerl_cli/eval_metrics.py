@@ -141,8 +141,8 @@ def compare_table(eval_dirs: Sequence[Path]):
     ks = sorted({int(k.split("@")[1]) for _, m in runs for k in m["scores"]})
     table = Table(title="qerl eval: side by side (scores in %, 95% CI)", show_lines=False)
     table.add_column("", style="bold")
-    for d, _ in runs:
-        table.add_column(d.name or str(d), justify="right")
+    for name in _column_names([d for d, _ in runs]):
+        table.add_column(name, justify="right")
 
     def row(label, fn):
         table.add_row(label, *[fn(m) for _, m in runs])
@@ -160,6 +160,20 @@ def compare_table(eval_dirs: Sequence[Path]):
     row("mean length (tok)", lambda m: f"{m['lengths']['mean']:.0f}")
     row("time (s)", lambda m: f"{m['time']['total_s']:.1f}")
     datasets = {m.get("dataset_hash") for _, m in runs}
+    problems = {m["counts"]["problems"] for _, m in runs}
     if len(datasets) > 1:
         table.caption = "warning: the runs used different datasets; their scores are not comparable"
+    elif len(problems) > 1:
+        table.caption = "warning: the runs scored different numbers of problems; their scores are not comparable"
     return table
+
+
+def _column_names(dirs: Sequence[Path]) -> list[str]:
+    """Each run's directory name, with as many parent directories as it takes to tell runs apart
+    (``a/run`` and ``b/run``, not ``run`` twice)."""
+    dirs = [Path(d).resolve() for d in dirs]
+    for depth in range(1, max(len(d.parts) for d in dirs) + 1):
+        names = [str(Path(*d.parts[-depth:])) for d in dirs]
+        if len(set(names)) == len(names):
+            return names
+    return [str(d) for d in dirs]  # the same directory given twice

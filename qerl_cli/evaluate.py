@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
-from qerl_cli.hashing import model_hash, sha256_file
+from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput
 
 STAGE = "eval"
@@ -81,6 +82,9 @@ class EvalConfig:
             self.temperature = 0.0 if self.num_samples == 1 else 1.0
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise BadInputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise BadInputError(f"--temperature {self.temperature:g} is below {MIN_TEMPERATURE:g} (the tempered logits "
+                                "overflow)", hint="pass --temperature 0 for greedy decoding")
         if self.temperature == 0 and self.num_samples > 1:
             raise BadInputError(f"--temperature 0 (greedy) with {self.num_samples} samples per problem gives "
                                 "identical samples", hint="pass --temperature > 0 for pass@k")
@@ -101,6 +105,9 @@ class EvalConfig:
             raise BadInputError(f"--max-problems must be at least 1, got {self.max_problems}")
         if self.max_num_seqs < 1:
             raise BadInputError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.engine == "native" and self.num_samples > self.max_num_seqs:
+            raise BadInputError(f"--num-samples {self.num_samples} exceeds --max-num-seqs {self.max_num_seqs}: a problem's "
+                                "samples decode together", hint=f"pass --max-num-seqs {self.num_samples} or more")
         from qerl_cli.outputs import check_out_apart
 
         check_out_apart(self.out, model=self.model, adapter=self.adapter, dataset=self.dataset)
@@ -243,7 +250,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         raise BadInputError(f"--dataset {cfg.dataset} does not exist")
     template = load_template(cfg.prompt_template)
     try:
-        rows = load_prompts(cfg.dataset)
+        rows = load_prompts(cfg.dataset, flag="--dataset")
     except BadInputError as e:
         # Not a hint offering --skip-bad-lines, which eval does not have (every problem counts); any
         # other hint (pip install 'qerl[parquet]') stays.
@@ -267,8 +274,10 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                                 allow_mismatch=cfg.allow_base_mismatch)
         inputs.update(adapter_inputs(cfg.adapter))
     config = _fingerprint_config(cfg, device, dtype_name, template)
+    legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
+    inputs["text"] = text_files_hash(cfg.model)  # the prompts' tokens (chat template) and where sampling stops
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force,
-                     legacy_configs=_legacy_fingerprint_config(config, cfg))
+                     legacy_configs=_legacy_fingerprint_config(config, cfg), legacy_inputs=(legacy_inputs,))
     if so.already_done():
         metrics = json.loads((cfg.out / METRICS).read_text())
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}

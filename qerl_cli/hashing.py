@@ -93,3 +93,22 @@ def dir_hash(path: Path, names: list[str] | None = None) -> str:
         h.update(str(p.relative_to(path)).encode())
         h.update(sha256_file(p).encode())
     return h.hexdigest()
+
+
+# The files besides config.json and the weights that change what rollout and eval sample: the
+# prompts' token ids (tokenizer, chat template) and where generation stops (generation_config.json).
+TEXT_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+              "generation_config.json"]
+
+
+def text_files_hash(model_dir: Path) -> str:
+    """Hash of ``TEXT_FILES`` present in a model directory (top level only)."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    for name in TEXT_FILES:
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode())
+            h.update(sha256_file(p).encode())
+    return h.hexdigest()

@@ -140,12 +140,14 @@ class StageOutput:
     # Configs an older qerl fingerprinted the same run by (a stage that stopped counting an argument
     # that does not change its result): their outputs still read as "already done".
     legacy_configs: tuple[dict[str, Any], ...] = ()
+    # Inputs an older qerl fingerprinted the same run by (before it counted another input file).
+    legacy_inputs: tuple[dict[str, str], ...] = ()
 
     def __post_init__(self):
         self.out = Path(self.out)
         self.fingerprint = sha256_json({"stage": self.stage, "config": self.config, "inputs": self.inputs})
-        self._same_run = {self.fingerprint} | {sha256_json({"stage": self.stage, "config": c, "inputs": self.inputs})
-                                               for c in self.legacy_configs}
+        self._same_run = {sha256_json({"stage": self.stage, "config": c, "inputs": i})
+                          for c in (self.config, *self.legacy_configs) for i in (self.inputs, *self.legacy_inputs)}
         self.manifest: dict | None = None
         self.work: Path | None = None
         self._t0 = 0.0

@@ -44,8 +44,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
+from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError, QerlError
-from qerl_cli.hashing import dir_hash, model_hash, sha256_file
+from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.rewards import RewardSet
@@ -115,6 +116,12 @@ def _check_flags(cfg: RolloutConfig) -> None:
         bad(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0 or not math.isfinite(cfg.temperature):
         bad(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if 0 < cfg.temperature < MIN_TEMPERATURE:
+        bad(f"--temperature {cfg.temperature:g} is below {MIN_TEMPERATURE:g} (the tempered logits overflow)",
+            hint="pass --temperature 0 for greedy decoding")
+    if cfg.engine == "native" and cfg.num_generations > cfg.max_num_seqs:
+        bad(f"--num-generations {cfg.num_generations} exceeds --max-num-seqs {cfg.max_num_seqs}: a prompt's "
+            "completions decode together", hint=f"pass --max-num-seqs {cfg.num_generations} or more")
     if not (0 < cfg.top_p <= 1):
         bad(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if cfg.top_k < 0:
@@ -441,8 +448,10 @@ def rollout(cfg: RolloutConfig) -> dict:
         if src:
             inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
     config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights)
+    legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
+    inputs["text"] = text_files_hash(cfg.model)
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True,
-                      legacy_configs=(_legacy_fingerprint_config(config, cfg),))
+                      legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
     if out.already_done():
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}

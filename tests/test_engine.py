@@ -147,6 +147,20 @@ def test_two_level_inverse_cdf_equals_one_cumulative_sum(vocab):
         assert torch.isfinite(logp.gather(1, tok[:, None])).all()
 
 
+def test_nan_logits_give_a_token_whose_nan_logprob_the_stages_report():
+    # Rollout and eval turn a non-finite log-prob into exit 5; an index error here would be a traceback.
+    from qerl_cli.engine.sampler import sample
+
+    logits = torch.randn(3, 1000)
+    logits[1] = float("nan")
+    logits[2, 500] = float("nan")
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=1)
+    tok, lp = sample(logits, sp, torch.arange(3, dtype=torch.int64))
+    assert ((0 <= tok) & (tok < 1000)).all() and torch.isfinite(lp[0]) and not torch.isfinite(lp[1:]).any()
+    with pytest.raises(ValueError, match="below 1e-05"):
+        SamplingParams(temperature=1e-40)
+
+
 @pytest.mark.parametrize("trunc", [dict(), dict(top_p=0.9, top_k=30, min_p=0.02)], ids=["full", "truncated"])
 def test_a_sequence_samples_the_same_whatever_its_batch(tiny, trunc):
     # Per-sequence seeds: 2, 3 or 16 slots (different batches at every step, different scheduling)

@@ -134,14 +134,14 @@ def test_pass_at_k_uses_unbiased_estimator(model_dir, tmp_path):
     # n = 4 samples; correct counts per problem: 0, 1, 2, 4
     answers = [[wrong] * 4, [right] + [wrong] * 3, [right, wrong, right, wrong], [right] * 4]
     rows = [{"prompt": f"q{i}", "answer": "7"} for i in range(4)]
-    res, gen = run(model_dir, tmp_path, rows, answers, k=2, num_samples=4, temperature=0.8, max_num_seqs=2)
+    res, gen = run(model_dir, tmp_path, rows, answers, k=2, num_samples=4, temperature=0.8, max_num_seqs=6)
     s = res["metrics"]["scores"]
     assert set(s) == {"pass@1", "pass@2"}
     assert s["pass@1"]["value"] == pytest.approx((0 + 1 + 2 + 4) / 16)
     want = sum(pass_at_k(4, c, 2) for c in (0, 1, 2, 4)) / 4
     assert s["pass@2"]["value"] == pytest.approx(want) and res["metrics"]["score"] == pytest.approx(want)
     assert res["metrics"]["counts"]["problems_solved"] == 3
-    assert [c[:2] for c in gen.calls] == [(2, 4), (2, 4)]  # 4 * max_num_seqs // n prompts per chunk
+    assert [c[:2] for c in gen.calls] == [(4, 4)]  # 4 * max_num_seqs // n = 6 prompts per chunk
     seeds = [s for *_, chunk in gen.calls for s in chunk]  # each problem draws from its own seed
     assert len(set(seeds)) == 4 and seeds == [ev._problem_seed(0, i) for i in range(4)]
 
@@ -300,3 +300,71 @@ def test_sampled_eval_with_other_batching_is_already_done(model_dir, tmp_path, m
     run(model_dir, tmp_path, rows, answers, name="old", max_num_seqs=2, **kw)
     monkeypatch.setattr(ev, "_fingerprint_config", new)
     assert run(model_dir, tmp_path, rows, answers, name="old", max_num_seqs=2, **kw)[0]["already_done"]
+
+
+def test_tokenizer_and_generation_config_are_inputs_of_the_eval(model_dir, tmp_path):
+    # The chat template and generation_config.json's EOS change the prompts and where samples stop;
+    # an eval after changing them was "already done" with the old score (audit 2026-11-26).
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    rows = [{"question": "1+1?", "answer": "2"}]
+    assert not run(model, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+    assert run(model, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+    gen = model / "generation_config.json"
+    old = gen.read_text() if gen.exists() else None
+    gen.write_text(json.dumps({"eos_token_id": [1, 15]}))
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        run(model, tmp_path, rows, [["#### 2"]])
+    gen.write_text(old) if old is not None else gen.unlink()
+    assert run(model, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+    cfg = model / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace("{", '{"model_max_length": 77, ', 1))
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        run(model, tmp_path, rows, [["#### 2"]])
+
+
+def test_eval_finished_before_the_tokenizer_counted_stays_done(model_dir, tmp_path, monkeypatch):
+    rows = [{"question": "1+1?", "answer": "2"}]
+    real = ev.text_files_hash
+    monkeypatch.setattr(ev, "StageOutput", _without_text_input(ev.StageOutput))
+    run(model_dir, tmp_path, rows, [["#### 2"]])
+    monkeypatch.undo()
+    assert ev.text_files_hash is real
+    assert run(model_dir, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+
+
+def _without_text_input(cls):
+    """StageOutput as qerl before 2026-11-26 built it: no "text" input."""
+    def make(*a, inputs, **kw):
+        kw.pop("legacy_inputs", None)
+        return cls(*a, inputs={k: v for k, v in inputs.items() if k != "text"}, **kw)
+    return make
+
+
+@pytest.mark.parametrize("answer", ["", "   "])
+def test_blank_reference_answer_is_refused(model_dir, tmp_path, answer):
+    # A blank reference was scored against a blank \boxed{} as correct.
+    with pytest.raises(BadInputError, match="row has no reference `answer`"):
+        run(model_dir, tmp_path, [{"question": "1+1?", "answer": answer}], [["\\boxed{}"]])
+
+
+def test_sample_count_and_temperature_the_engine_cannot_run_are_refused_early(model_dir, tmp_path):
+    rows = [{"question": "1+1?", "answer": "2"}]
+    with pytest.raises(BadInputError, match="--num-samples 100 exceeds --max-num-seqs 64") as e:
+        run(model_dir, tmp_path, rows, [], k=100)
+    assert "--max-num-seqs 100" in e.value.hint
+    for t in (1e-40, 1e-6):
+        with pytest.raises(BadInputError, match="below 1e-05"):
+            run(model_dir, tmp_path, rows, [], k=2, temperature=t)
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(BadInputError, match="--dataset .* is a directory"):
+        run(model_dir, tmp_path, None, [], dataset=tmp_path / "ds")
+
+
+def test_float_answers_are_plain_decimals():
+    from qerl_cli.data import _answer
+
+    assert [_answer(x, "w") for x in (1e16, 2.5e-7, 3.0, -4.5)] == ["10000000000000000", "0.00000025", "3", "-4.5"]
+    assert score_completion("#### 10000000000000000", _answer(1e16, "w"), scorer_for(_answer(1e16, "w"))).correct

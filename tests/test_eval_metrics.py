@@ -121,6 +121,23 @@ def test_compare_table_renders_runs_side_by_side(tmp_path):
     assert "different datasets" in text
 
 
+def test_compare_names_runs_apart_and_flags_other_problem_counts(tmp_path):
+    from rich.console import Console
+
+    (tmp_path / "cmpA").mkdir()
+    (tmp_path / "cmpB").mkdir()
+    a = _fake_run(tmp_path / "cmpA" / "run", "base", 0.4)
+    b = _fake_run(tmp_path / "cmpB" / "run", "trained", 0.7)
+    m = json.loads((b / "metrics.json").read_text())
+    m["counts"]["problems"] = 12  # same file, --max-problems 12
+    (b / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=200)
+    console.print(compare_table([a, b]))
+    text = console.export_text()
+    assert "cmpA/run" in text and "cmpB/run" in text  # both were headed "run"
+    assert "different numbers of problems" in text
+
+
 def test_compare_rejects_non_eval_dirs(tmp_path):
     with pytest.raises(BadInputError, match="not a directory"):
         compare_table([tmp_path / "missing"])

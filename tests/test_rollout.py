@@ -114,7 +114,7 @@ def test_records_summary_and_manifest(model_dir, tmp_path, fake_engine):
     m = read_manifest(tmp_path / "out")
     assert m["stage"] == "rollout" and m["summary"]["groups"] == 10
     assert m["config"]["rewards"] == {"gsm8k": 1.0, "format": 0.5}
-    assert set(m["inputs"]) == {"model", "prompts"}
+    assert set(m["inputs"]) == {"model", "prompts", "text"}  # text: tokenizer files and generation_config.json
 
 
 def test_rerun_is_already_done_and_changes_need_force(model_dir, tmp_path, fake_engine):
@@ -531,3 +531,34 @@ def test_an_output_finished_under_the_batch_seeded_fingerprint_stays_done(model_
     assert rollout(cfg_for(model_dir, tmp_path))["already_done"]
     with pytest.raises(OutputExistsError, match="different inputs"):  # the legacy form still counts the flags
         rollout(cfg_for(model_dir, tmp_path, max_new_tokens=9))
+
+
+def test_flags_the_engine_cannot_run_are_refused_before_loading(model_dir, tmp_path, fake_engine):
+    with pytest.raises(BadInputError, match="--num-generations 8 exceeds --max-num-seqs 4") as e:
+        rollout(cfg_for(model_dir, tmp_path, num_generations=8, max_num_seqs=4))
+    assert "--max-num-seqs 8" in e.value.hint
+    with pytest.raises(BadInputError, match="below 1e-05"):
+        rollout(cfg_for(model_dir, tmp_path, temperature=1e-40))
+    assert fake_engine.calls == []
+
+
+def test_generation_config_is_an_input_and_old_outputs_stay_done(model_dir, tmp_path, fake_engine, monkeypatch):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    real = ro.StageOutput
+
+    def without_text(*a, inputs, **kw):  # how qerl before 2026-11-26 fingerprinted the run
+        kw.pop("legacy_inputs", None)
+        return real(*a, inputs={k: v for k, v in inputs.items() if k != "text"}, **kw)
+
+    monkeypatch.setattr(ro, "StageOutput", without_text)
+    rollout(cfg_for(model, tmp_path, max_prompts=2))
+    monkeypatch.setattr(ro, "StageOutput", real)
+    assert rollout(cfg_for(model, tmp_path, max_prompts=2))["already_done"]
+    new = dict(max_prompts=2, out=tmp_path / "new")
+    rollout(cfg_for(model, tmp_path, **new))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 15]}))
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        rollout(cfg_for(model, tmp_path, **new))

@@ -98,11 +98,13 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cum[:, -1]
     zero = torch.zeros_like(total)
     target = torch.minimum(u.double() * total, torch.nextafter(total, zero))
-    j = torch.searchsorted(cum, target[:, None], right=True)  # [B, 1]: the first chunk whose sum passes it
+    # [B, 1]: the first chunk whose sum passes it (clamped: NaN logits must give a token whose NaN
+    # log-prob the stages report, not an index error)
+    j = torch.searchsorted(cum, target[:, None], right=True).clamp_(max=c - 1)
     before = torch.where(j > 0, cum.gather(1, (j - 1).clamp_min_(0)), 0.0).squeeze(1)
     local = p.gather(1, j[:, :, None].expand(b, 1, n)).squeeze(1).double().cumsum_(-1)  # [B, n]
     rest = torch.minimum(target - before, torch.nextafter(local[:, -1], zero))
-    return j.squeeze(1) * n + torch.searchsorted(local, rest[:, None], right=True).squeeze(1)
+    return (j.squeeze(1) * n + torch.searchsorted(local, rest[:, None], right=True).squeeze(1)).clamp_(max=v - 1)
 
 
 def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Below this, logits / T overflow fp32 for ordinary logits (1e-40 gave inf, then NaN); vLLM treats
+# temperatures under the same 1e-5 as greedy, qerl refuses them.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +33,9 @@ class SamplingParams:
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}: the tempered logits "
+                             "overflow (use 0 for greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
