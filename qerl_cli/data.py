@@ -81,14 +81,16 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
         except ImportError:
             raise BadInputError(f"{path}: reading Parquet needs pyarrow", hint="pip install 'qerl[parquet]'") from None
         try:
-            rows = pq.read_table(path).to_pylist()
+            table = pq.read_table(path)
+            rows = table.cast(_float32_as_text(table.schema)).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
             raise BadInputError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
         return [(f"{path}:row {i + 1}", r) for i, r in enumerate(rows)]
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a leading BOM (Windows editors) is not JSON
     except UnicodeDecodeError as e:
-        raise BadInputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise BadInputError(f"{path}:{line}: not UTF-8 text (byte {e.start})") from None
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -109,7 +111,30 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             if bad_lines is None:
                 raise BadInputError(msg, hint="pass --skip-bad-lines to skip such rows") from None
             bad_lines.append(msg)
+            out.append((f"{path}:{i}", _UNREADABLE))  # keeps its row index, as a readable bad row does
     return out
+
+
+_UNREADABLE = object()  # a line --skip-bad-lines skips that is not even JSON
+
+
+def _float32_as_text(schema):
+    """The schema with float16/32 columns (nested too) as text: pyarrow's cast writes their shortest
+    decimal ("0.1"), while to_pylist widens them to 0.10000000149011612, which no answer equals."""
+    import pyarrow as pa
+
+    def conv(t):
+        if pa.types.is_float32(t) or pa.types.is_float16(t):
+            return pa.string()
+        if pa.types.is_struct(t):
+            return pa.struct([pa.field(f.name, conv(f.type), f.nullable) for f in t])
+        if pa.types.is_list(t):
+            return pa.list_(conv(t.value_type))
+        if pa.types.is_large_list(t):
+            return pa.large_list(conv(t.value_type))
+        return t
+
+    return pa.schema([pa.field(f.name, conv(f.type), f.nullable) for f in schema])
 
 
 def _check_messages(msgs: Any, where: str) -> list[dict]:
@@ -124,6 +149,10 @@ def _check_messages(msgs: Any, where: str) -> list[dict]:
 def _answer(raw: Any, where: str) -> str | None:
     if raw is None:
         return None
+    if isinstance(raw, Decimal):  # a Parquet decimal column
+        if not raw.is_finite():
+            raise BadInputError(f"{where}: `answer` is {raw}, not a number an answer can equal")
+        return format(raw, "f")
     if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
         raise BadInputError(f"{where}: `answer` must be a string or number, got {type(raw).__name__}")
     if isinstance(raw, float):
@@ -150,10 +179,9 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     rid = next((raw[k] for k in ID_FIELDS if raw.get(k) is not None), index)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise BadInputError(f"{where}: `id` must be a string or integer")
-    ans = raw.get("answer")
-    if ans is None and isinstance(raw.get("reward_model"), dict):  # verl-format rows
-        ans = raw["reward_model"].get("ground_truth")
-    answer = _answer(ans, where)
+    answer = _answer(raw.get("answer"), where)  # a blank one is none: the fallbacks below apply
+    if answer is None and isinstance(raw.get("reward_model"), dict):  # verl-format rows
+        answer = _answer(raw["reward_model"].get("ground_truth"), where)
     if isinstance(raw.get("prompt"), list):  # TRL / verl conversational rows: `prompt` is the chat
         return PromptRow(str(rid), messages=_check_messages(raw["prompt"], where), answer=answer, where=where)
     if raw.get("prompt") is not None:
@@ -165,7 +193,7 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     for key in ("question", "problem"):  # GSM8K, MATH / MATH-500
         if isinstance(raw.get(key), str) and raw[key].strip():
             if answer is None and isinstance(raw.get("solution"), str):
-                answer = last_boxed(raw["solution"])
+                answer = _answer(last_boxed(raw["solution"]), where)  # an empty \boxed{} is no reference
             return PromptRow(str(rid), prompt=raw[key], answer=answer, where=where)
     keys = ", ".join(sorted(map(str, raw))) or "none"
     raise BadInputError(
@@ -192,9 +220,14 @@ def remap_row(raw: Any, where: str, prompt_key: str | None, answer_key: str | No
     raw = dict(raw)
     if prompt_key is not None:
         raw["prompt"] = _dotted(raw, prompt_key, where, "--prompt-key")
+        if raw["prompt"] is None:  # not a fallback to `question` or `messages`: the named column is empty
+            raise BadInputError(f"{where}: `{prompt_key}` (named by --prompt-key) is null")
         raw.pop("messages", None)
     if answer_key is not None:
         raw["answer"] = _dotted(raw, answer_key, where, "--answer-key")
+        # The named column is the reference: a null there is none, not reward_model's or a solution's.
+        raw.pop("reward_model", None)
+        raw.pop("solution", None)
     return raw
 
 
@@ -214,11 +247,13 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
         raise BadInputError(f"{flag} {path} is a directory; name a .jsonl, .json or .parquet file")
     bad_lines = bad_lines if bad_lines is not None else []
     raw_rows = _read_rows(path, bad_lines if skip_bad_lines else None)
-    if not raw_rows and not bad_lines:
+    if not raw_rows:
         raise BadInputError(f"prompt file {path} holds no rows")
     rows: list[PromptRow] = []
     seen: dict[str, str] = {}
     for i, (where, raw) in enumerate(raw_rows):
+        if raw is _UNREADABLE:  # already in bad_lines; its index stays taken, so later default ids do not shift
+            continue
         try:
             row = parse_row(remap_row(raw, where, prompt_key, answer_key), where, i)
             if row.id in seen:
@@ -242,12 +277,18 @@ def load_template(template: str | None) -> str | None:
     """A template string, or the text of a file of that name; must contain ``{prompt}``."""
     if template is None:
         return None
-    p = Path(template)
-    if "{prompt}" not in template and len(template) < 4096 and p.is_file():
-        template = p.read_text(encoding="utf-8-sig")
+    if "{prompt}" not in template and _is_file(template):
+        template = Path(template).read_text(encoding="utf-8-sig")
     if "{prompt}" not in template:
         raise BadInputError("--prompt-template must contain {prompt} (or name a file that does)")
     return template
+
+
+def _is_file(name: str) -> bool:
+    try:
+        return Path(name).is_file()
+    except (OSError, ValueError):  # a long template is no file name (ENAMETOOLONG); nor one with NUL
+        return False
 
 
 def has_chat_template(tokenizer) -> bool:

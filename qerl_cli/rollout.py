@@ -387,7 +387,8 @@ def batch_size(cfg: RolloutConfig) -> int:
     return cfg.batch_prompts or max(1, (4 * cfg.max_num_seqs) // cfg.num_generations)
 
 
-def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weights: dict) -> dict:
+def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weights: dict,
+                        template: str | None = None) -> dict:
     """The arguments that change the records. The batching (--max-num-seqs, --batch-prompts) does not:
     every prompt is seeded by itself, so a run that went out of memory resumes with smaller batches."""
     d = asdict(cfg)
@@ -396,13 +397,15 @@ def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weig
         d.pop(k)
     # The device *type* changes numerics; which GPU of a node does not.
     d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
+    d["prompt_template"] = template  # the text, also when the flag named a file (its edits change the prompts)
     return d
 
 
 def _legacy_fingerprint_config(config: dict, cfg: RolloutConfig) -> dict:
     """How qerl before 2026-11-26 fingerprinted the same run (it seeded each batch, so the batch size
-    counted): its finished outputs still read as done."""
-    return dict(config, batch_prompts=batch_size(cfg))
+    counted; it took --prompt-template as given, a file's name rather than its text): its finished
+    outputs still read as done."""
+    return dict(config, batch_prompts=batch_size(cfg), prompt_template=cfg.prompt_template)
 
 
 def rollout(cfg: RolloutConfig) -> dict:
@@ -447,7 +450,7 @@ def rollout(cfg: RolloutConfig) -> dict:
         src = getattr(spec.reward, "source", None)
         if src:
             inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
-    config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights)
+    config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights, template)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     inputs["text"] = text_files_hash(cfg.model)
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True,

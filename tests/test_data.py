@@ -215,3 +215,59 @@ def test_an_implicit_id_colliding_with_an_explicit_one_is_explained(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b", "id": 0}])
     with pytest.raises(BadInputError, match=r"d.jsonl:2: id '0' already used at .*d.jsonl:1 \(a row without an id"):
         load_prompts(p)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_blank_or_empty_boxed_references_fall_back_or_are_none(tmp_path):
+    # Audit 2026-11-26: an empty \boxed{} in a solution became the reference "" (scored correct against
+    # an empty \boxed{}), and a blank `answer` hid reward_model.ground_truth.
+    rows = load_prompts(_jsonl(tmp_path / "d.jsonl", [
+        {"problem": "y?", "solution": "$y=\\boxed{}$"},
+        {"problem": "y?", "answer": "", "solution": "$y=\\boxed{}$"},
+        {"prompt": [{"role": "user", "content": "1+1?"}], "answer": " ", "reward_model": {"ground_truth": "2"}},
+        {"problem": "z?", "answer": "", "solution": "so \\boxed{5}"},
+    ]))
+    assert [r.answer for r in rows] == [None, None, "2", "5"]
+
+
+def test_named_columns_do_not_fall_back_to_others(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"input": None, "question": "other column", "gold": None,
+                                          "reward_model": {"ground_truth": "9"}}])
+    with pytest.raises(BadInputError, match="`input` \\(named by --prompt-key\\) is null"):
+        load_prompts(path, prompt_key="input")
+    assert load_prompts(path, answer_key="gold")[0].answer is None
+
+
+def test_default_ids_do_not_depend_on_how_another_line_is_bad(tmp_path):
+    ok = lambda p: json.dumps({"prompt": p})  # noqa: E731
+    for bad in ("{not json", json.dumps({"nothing": 1})):
+        rows = load_prompts(_jsonl(tmp_path / "d.jsonl", [ok("a"), bad, ok("c")]), skip_bad_lines=True, bad_lines=[])
+        assert [(r.id, r.prompt) for r in rows] == [("0", "a"), ("2", "c")], bad
+
+
+def test_parquet_float32_and_decimal_answers_read_as_written(tmp_path):
+    import decimal
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"prompt": ["a", "b"], "answer": pa.array([0.1, 2.5], pa.float32()),
+                      "reward_model": pa.array([{"ground_truth": 0.3}] * 2, pa.struct([("ground_truth", pa.float32())]))})
+    pq.write_table(table, tmp_path / "f.parquet")
+    assert [r.answer for r in load_prompts(tmp_path / "f.parquet")] == ["0.1", "2.5"]
+    pq.write_table(table.drop(["answer"]), tmp_path / "g.parquet")
+    assert [r.answer for r in load_prompts(tmp_path / "g.parquet")] == ["0.3", "0.3"]
+    dec = pa.table({"prompt": ["a"], "answer": pa.array([decimal.Decimal("12.50")], pa.decimal128(5, 2))})
+    pq.write_table(dec, tmp_path / "h.parquet")
+    assert load_prompts(tmp_path / "h.parquet")[0].answer == "12.50"
+
+
+def test_long_template_without_prompt_is_the_usual_error_and_bad_utf8_names_the_line(tmp_path):
+    with pytest.raises(BadInputError, match="must contain \\{prompt\\}"):
+        load_template("Solve carefully. " * 20 + "{question}")  # 340 characters: no file name (ENAMETOOLONG)
+    (tmp_path / "b.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(BadInputError, match=r"b.jsonl:2: not UTF-8"):
+        load_prompts(tmp_path / "b.jsonl")

@@ -525,7 +525,8 @@ def test_an_output_finished_under_the_batch_seeded_fingerprint_stays_done(model_
     # qerl before 2026-11-26 seeded each batch and so fingerprinted --batch-prompts: its finished
     # outputs must not read as "different inputs" after the upgrade.
     new = ro._fingerprint_config
-    monkeypatch.setattr(ro, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), batch_prompts=ro.batch_size(cfg)))
+    monkeypatch.setattr(ro, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), batch_prompts=ro.batch_size(cfg),
+                                                                      prompt_template=cfg.prompt_template))
     rollout(cfg_for(model_dir, tmp_path))
     monkeypatch.setattr(ro, "_fingerprint_config", new)
     assert rollout(cfg_for(model_dir, tmp_path))["already_done"]
@@ -562,3 +563,14 @@ def test_generation_config_is_an_input_and_old_outputs_stay_done(model_dir, tmp_
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 15]}))
     with pytest.raises(OutputExistsError, match="different inputs"):
         rollout(cfg_for(model, tmp_path, **new))
+
+
+def test_a_template_file_is_fingerprinted_by_its_text(model_dir, tmp_path, fake_engine):
+    # The path was fingerprinted: after editing the file, a rerun was "already done" with the old prompts.
+    tpl = tmp_path / "tpl.txt"
+    tpl.write_text("Solve: {prompt}")
+    rollout(cfg_for(model_dir, tmp_path, prompt_template=str(tpl), max_prompts=2))
+    assert rollout(cfg_for(model_dir, tmp_path, prompt_template=str(tpl), max_prompts=2))["already_done"]
+    tpl.write_text("Answer in French: {prompt}")
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        rollout(cfg_for(model_dir, tmp_path, prompt_template=str(tpl), max_prompts=2))
