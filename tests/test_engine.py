@@ -98,10 +98,14 @@ def test_seeded_sampling_is_reproducible(tiny):
 
 
 def test_philox_is_the_published_philox4x32_10():
-    from qerl_cli.engine.philox import philox, uniform
+    from qerl_cli.engine.philox import philox, philox4, uniform, uniform53
 
-    # Random123's known-answer vector for Philox4x32-10, counter and key all zero: first word 0x6627e8d5.
+    # Random123's known-answer vector for Philox4x32-10, counter and key all zero.
     assert philox(torch.tensor(0), torch.tensor(0)).item() == 0x6627E8D5
+    assert [w.item() for w in philox4(torch.tensor(0), torch.tensor(0))] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    u53 = uniform53(torch.arange(1000, dtype=torch.int64), torch.zeros(1000, dtype=torch.int64))
+    assert u53.dtype == torch.float64 and 0 <= u53.min() and u53.max() < 1
+    assert (u53 * 2.0**53 == (u53 * 2.0**53).round()).all() and (u53 * 2.0**24 % 1 != 0).any()  # 53-bit grid
     u = uniform(torch.arange(1000, dtype=torch.int64) * 7919, torch.arange(1000))
     assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.05
 

@@ -283,7 +283,7 @@ PHILOX = textwrap.dedent("""
     import torch
     import triton
     import triton.language as tl
-    from qerl_cli.engine.philox import uniform
+    from qerl_cli.engine.philox import uniform, uniform53
     from qerl_cli.engine.triton_sampler import row_uniforms
 
     @triton.jit
@@ -298,7 +298,7 @@ PHILOX = textwrap.dedent("""
     draw[(len(seeds),)](seeds, out, 300, BLOCK=512)
     assert torch.equal(out, uniform(seeds[:, None], torch.arange(300)[None, :])), (out != 0).sum()
     many = torch.arange(300, dtype=torch.int64) * 0x9E3779B97F4A7C15 % 2**62  # two launches of 256 rows
-    assert torch.equal(row_uniforms(many), uniform(many, torch.zeros_like(many)))
+    assert torch.equal(row_uniforms(many), uniform53(many, torch.zeros_like(many)))
     print("ok")
 """)
 

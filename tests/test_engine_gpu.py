@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -287,13 +289,13 @@ def test_nvfp4_gate_up_lora_defers_above_16_rows(monkeypatch):
 
 
 def test_row_uniforms_kernel_draws_the_torch_philox_bits_on_gpu():
-    from qerl_cli.engine.philox import uniform
+    from qerl_cli.engine.philox import uniform53
     from qerl_cli.engine.triton_sampler import row_uniforms
 
     seeds = torch.arange(1000, dtype=torch.int64) * 0x9E3779B97F4A7C15 % 2**62
     u = row_uniforms(seeds.cuda()).cpu()
-    assert torch.equal(u, uniform(seeds, torch.zeros_like(seeds)))
-    assert torch.equal(uniform(seeds.cuda(), torch.zeros_like(seeds).cuda()).cpu(), u)
+    assert u.dtype == torch.float64 and torch.equal(u, uniform53(seeds, torch.zeros_like(seeds)))
+    assert torch.equal(uniform53(seeds.cuda(), torch.zeros_like(seeds).cuda()).cpu(), u)
 
 
 @pytest.mark.parametrize("trunc", [dict(top_p=0.9), dict(top_k=50, min_p=0.01), dict(top_p=0.95, top_k=1000, min_p=0.001)])
@@ -314,3 +316,23 @@ def test_truncated_sampling_does_not_depend_on_the_batch_on_gpu(trunc):
         assert torch.equal(lp_rows, lp[rows]), rows
     exact = truncated_logprobs(x.float(), sp).gather(-1, tok[:, None]).squeeze(-1)
     assert torch.isfinite(exact).all() and torch.equal(exact, lp)
+
+
+@pytest.mark.parametrize("gap", [14.0, 18.0])
+def test_gumbel_sampler_draws_rare_tokens_at_their_probability_on_gpu(gap):
+    # One token at logit 0, 152063 at -gap: the tail's exact mass is 0.112 (gap 14) or 0.0023 (gap 18).
+    # The noise used to be capped at ~16 nats (fp32 uniforms clamped under 1): 6% too few tail draws
+    # at gap 14, 99.6% too few at gap 18 (H200, 2026-11-26 audit).
+    from qerl_cli.engine.triton_sampler import gumbel_sample
+
+    rows, calls, v = 4096, 64, 152064
+    x = torch.full((rows, v), -gap, device="cuda", dtype=torch.bfloat16)
+    x[:, 0] = 0.0
+    tail = 0
+    for k in range(calls):
+        seeds = torch.arange(rows, device="cuda", dtype=torch.int64) + k * rows + 12345
+        tok, _ = gumbel_sample(x, 1.0, seeds)
+        tail += (tok != 0).sum().item()
+    mass = (v - 1) * math.exp(-gap)
+    exact, n = mass / (1 + mass), rows * calls
+    assert abs(tail / n - exact) < 5 * (exact * (1 - exact) / n) ** 0.5, (tail / n, exact)

@@ -33,6 +33,11 @@ def _mul(x: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
 def philox(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10) -> torch.Tensor:
     """The first output word of Philox 4x32 for ``tl.randint(seed, offset)`` with int32 offsets:
     key (seed low, seed high), counter (offset, 0, 0, 0). Broadcasts; returns int64 in [0, 2^32)."""
+    return philox4(seed, offset, rounds)[0]
+
+
+def philox4(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """All four output words, as ``tl.randint4x(seed, offset)`` returns them."""
     seed, offset = torch.broadcast_tensors(seed.to(torch.int64), offset.to(torch.int64))
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     c0, c1 = offset & _M32, torch.zeros_like(offset)
@@ -42,7 +47,7 @@ def philox(seed: torch.Tensor, offset: torch.Tensor, rounds: int = 10) -> torch.
         hi_a, lo_a = _mul(c0, _ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
 
 
 def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -50,3 +55,11 @@ def uniform(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     x = philox(seed, offset)
     x = torch.where(x >= 2**31, _M32 - x, x)  # the word read as int32, negatives folded by ~x
     return x.to(torch.float32) * torch.tensor(_TO_UNIFORM, dtype=torch.float32, device=x.device)
+
+
+def uniform53(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """fp64 in [0, 1) on a 2^-53 grid from the first two Philox words (``row_uniforms``' Triton kernel
+    computes the same bits): fine enough that inverse-CDF sampling resolves probabilities far below
+    fp32's 6e-8 spacing under 1, which ``tl.rand``'s one word would not."""
+    c0, c1, _, _ = philox4(seed, offset)
+    return ((c0 << 21) + (c1 >> 11)).to(torch.float64) * 2.0**-53

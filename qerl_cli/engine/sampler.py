@@ -10,8 +10,8 @@ batch: a rerun with another ``--max-num-seqs``, a resumed batch or a different s
 gives the same completions (up to the batched matmuls' rounding of the logits). Two paths:
 - plain temperature sampling on CUDA: the one-pass Triton Gumbel-max kernel (``triton_sampler``);
 - everything else (CPU, greedy, top-k / top-p / min-p): inverse-CDF sampling on the truncated
-  distribution with one uniform per sequence, ``tl.rand(seed, 0)`` (a Triton kernel on the GPU,
-  ``philox.uniform`` in torch elsewhere: the same bits). The CDF is summed in fp64 (in two levels),
+  distribution with one fp64 uniform per sequence from Philox(seed, 0) (53 bits from two words: a
+  Triton kernel on the GPU, ``philox.uniform53`` in torch elsewhere: the same bits). The CDF is summed in fp64 (in two levels),
   so the drawn token follows the recorded probabilities to fp32 rounding, with no CPU sync. Sorting happens only
   when top-p is active.
 """
@@ -108,7 +108,7 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
-    """One uniform per row, ``tl.rand(seed, 0)``: the Triton kernel on CUDA, the same bits in torch elsewhere."""
+    """One fp64 uniform per row from Philox(seed, 0): the Triton kernel on CUDA, the same bits in torch elsewhere."""
     if seeds.is_cuda:
         try:
             from qerl_cli.engine.triton_sampler import row_uniforms as triton_uniforms
@@ -116,9 +116,9 @@ def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
             pass
         else:
             return triton_uniforms(seeds)
-    from qerl_cli.engine.philox import uniform
+    from qerl_cli.engine.philox import uniform53
 
-    return uniform(seeds, torch.zeros_like(seeds))
+    return uniform53(seeds, torch.zeros_like(seeds))
 
 
 def sample(logits: torch.Tensor, sp: SamplingParams, row_seeds: torch.Tensor):

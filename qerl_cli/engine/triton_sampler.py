@@ -18,6 +18,26 @@ import triton.language as tl
 
 
 @triton.jit
+def _exponential(seed, offs):
+    """Exp(1) noise keyed by (seed, token index), so the same however the row is chunked; the Gumbel
+    noise is -log of it.
+
+    A rare token wins only with a large Gumbel value, i.e. a tiny exponential. -log(u) from one fp32
+    uniform cannot get below ~6e-8 (u's spacing under 1), which capped the Gumbel at ~16 (the clamp
+    of u at 1 - 1e-7 that was here: ~16): a token 14 nats under the top was drawn 6% too rarely,
+    one 18 under almost never (H200, 2026-11-26 audit). Here w = 1 - u is built from two Philox
+    words, keeping relative precision down to 2^-64, and -log(1 - w) is a series for small w, so
+    the exponential reaches ~1e-19 (Gumbel ~44): what it still cuts off is below any fp32 logit's
+    resolution."""
+    r0, r1, _, _ = tl.randint4x(seed, offs)
+    w = (r0.to(tl.float32) + r1.to(tl.float32) * 2.3283064365386963e-10) * 2.3283064365386963e-10
+    w = tl.minimum(w, 0.99999994)  # the largest fp32 below 1 (r0 near 2^32 rounds up to it)
+    series = w * (1.0 + w * (0.5 + w * (0.33333334 + w * (0.25 + w * 0.2))))  # error < w^6 / 6
+    e = tl.where(w < 0.01, series, -tl.log(1.0 - w))  # 1 - w exact enough once w >= 0.01
+    return tl.maximum(e, 1e-30)
+
+
+@triton.jit
 def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, num_chunks, inv_t,
                            BLOCK: tl.constexpr):
     """One (row, vocabulary chunk): best Gumbel score, its index and tempered logit, and the chunk's
@@ -36,9 +56,7 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
         x = tl.load(L + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        u = tl.rand(seed, offs)  # keyed by the token index: the same noise however the row is chunked
-        u = tl.minimum(tl.maximum(u, 1e-12), 1.0 - 1e-7)
-        score = tl.where(mask, x - tl.log(-tl.log(u)), float("-inf"))
+        score = tl.where(mask, x - tl.log(_exponential(seed, offs)), float("-inf"))
         cmax = tl.max(score, 0)
         carg = tl.argmax(score, 0)
         cx = tl.sum(tl.where(offs == start + carg, x, 0.0), 0)
@@ -116,14 +134,17 @@ def _row_uniform_kernel(SEEDS, U, rows, BLOCK: tl.constexpr):
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < rows
     seed = tl.load(SEEDS + r, mask=ok, other=0)
-    tl.store(U + r, tl.rand(seed, tl.zeros([BLOCK], tl.int32)), mask=ok)
+    c0, c1, _, _ = tl.randint4x(seed, tl.zeros([BLOCK], tl.int32))
+    u = ((c0.to(tl.uint64) << 21) + (c1 >> 11).to(tl.uint64)).to(tl.float64) * 1.1102230246251565e-16  # 2^-53
+    tl.store(U + r, u, mask=ok)
 
 
 def row_uniforms(seeds: torch.Tensor) -> torch.Tensor:
-    """seeds [B] int64 -> [B] fp32 ``tl.rand(seed, 0)`` in one launch (the torch form,
-    ``qerl_cli.engine.philox.uniform``, is ~300 small ops: a launch each on the GPU)."""
+    """seeds [B] int64 -> [B] fp64 uniforms on a 2^-53 grid from Philox(seed, 0)'s first two words, in
+    one launch (the torch form, ``qerl_cli.engine.philox.uniform53``, is ~300 small ops: a launch each
+    on the GPU)."""
     b = seeds.numel()
-    u = torch.empty(b, dtype=torch.float32, device=seeds.device)
+    u = torch.empty(b, dtype=torch.float64, device=seeds.device)
     if b:
         _row_uniform_kernel[(triton.cdiv(b, 256),)](seeds.contiguous(), u, b, BLOCK=256, num_warps=4)
     return u
