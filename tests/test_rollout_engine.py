@@ -87,22 +87,27 @@ def test_two_shards_cover_all_prompts_disjointly(model_dir, prompts, tmp_path):
     assert set(ids[0]).isdisjoint(ids[1]) and sorted(ids[0] + ids[1]) == sorted(f"q{i}" for i in range(8))
 
 
-def test_resume_after_crash_gives_the_uninterrupted_records(model_dir, prompts, tmp_path, monkeypatch, full_run):
-    want = full_run[1]
+def crash_after_four_groups(model_dir, prompts, out, monkeypatch):
+    """A rollout (batches of 3) killed after writing four groups: batch 2 half written."""
     real = ro.ShardWriter.write_group
     n = {"groups": 0}
 
     def crash_after_four(self, records):
-        if n["groups"] == 4:  # batch 2 half written
+        if n["groups"] == 4:
             raise KeyboardInterrupt
         n["groups"] += 1
         return real(self, records)
 
     monkeypatch.setattr(ro.ShardWriter, "write_group", crash_after_four)
     with pytest.raises(KeyboardInterrupt):
-        rollout(cfg(model_dir, prompts, tmp_path / "out"))
-    assert not (tmp_path / "out").exists()
+        rollout(cfg(model_dir, prompts, out))
     monkeypatch.setattr(ro.ShardWriter, "write_group", real)
+
+
+def test_resume_after_crash_gives_the_uninterrupted_records(model_dir, prompts, tmp_path, monkeypatch, full_run):
+    want = full_run[1]
+    crash_after_four_groups(model_dir, prompts, tmp_path / "out", monkeypatch)
+    assert not (tmp_path / "out").exists()
     res = rollout(cfg(model_dir, prompts, tmp_path / "out"))
     assert res["summary"]["resumed_groups"] == 4
     assert read_records(tmp_path / "out") == want
@@ -137,19 +142,7 @@ def test_batching_and_sharding_do_not_change_a_prompts_completions(model_dir, pr
 def test_resume_with_smaller_batches_continues_the_same_partial(model_dir, prompts, tmp_path, monkeypatch, full_run):
     # The advice after running out of memory is to lower --max-num-seqs (and --batch-prompts); the
     # rerun keeps the groups already written instead of starting over (the batch size was fingerprinted).
-    real = ro.ShardWriter.write_group
-    n = {"groups": 0}
-
-    def crash_after_four(self, records):
-        if n["groups"] == 4:
-            raise KeyboardInterrupt
-        n["groups"] += 1
-        return real(self, records)
-
-    monkeypatch.setattr(ro.ShardWriter, "write_group", crash_after_four)
-    with pytest.raises(KeyboardInterrupt):
-        rollout(cfg(model_dir, prompts, tmp_path / "out"))
-    monkeypatch.setattr(ro.ShardWriter, "write_group", real)
+    crash_after_four_groups(model_dir, prompts, tmp_path / "out", monkeypatch)
     res = rollout(cfg(model_dir, prompts, tmp_path / "out", batch_prompts=2, max_num_seqs=4))
     assert res["summary"]["resumed_groups"] == 4
     _same_completions(read_records(tmp_path / "out"), full_run[1])
