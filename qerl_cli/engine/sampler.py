@@ -11,9 +11,9 @@ gives the same completions (up to the batched matmuls' rounding of the logits). 
 - plain temperature sampling on CUDA: the one-pass Triton Gumbel-max kernel (``triton_sampler``);
 - everything else (CPU, greedy, top-k / top-p / min-p): inverse-CDF sampling on the truncated
   distribution with one fp64 uniform per sequence from Philox(seed, 0) (53 bits from two words: a
-  Triton kernel on the GPU, ``philox.uniform53`` in torch elsewhere: the same bits). The CDF is summed in fp64 (in two levels),
-  so the drawn token follows the recorded probabilities to fp32 rounding, with no CPU sync. Sorting happens only
-  when top-p is active.
+  Triton kernel on the GPU, ``philox.uniform53`` in torch elsewhere: the same bits). The CDF is
+  summed in fp64 (in two levels), so the drawn token follows the recorded probabilities to fp32
+  rounding, with no CPU sync. Sorting happens only when top-p is active.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One-pass Gumbel-max sampling over the vocabulary on the GPU (untruncated temperature sampling).
 
 The torch path (``sampler.sample`` with truncation) makes ~8 passes over the [B, V] logits (divide,
-log-softmax, fp64 exp and cumulative sum, search, gather): at 256 sequences x 152k vocabulary that is
->1 GB of traffic and a dozen launches per step. This kernel reads each logit once: per row (split into vocabulary chunks
-that run in parallel, then merged) it draws Philox noise from a per-row seed, keeps the running
+log-softmax, fp64 exp and cumulative sum, search, gather): at 256 sequences x 152k vocabulary that
+is >1 GB of traffic and a dozen launches per step. This kernel reads each logit once: per row (split
+into vocabulary chunks that run in parallel, then merged) it draws Philox noise from a per-row seed
+(``_exponential``: exact far into the tail), keeps the running
 argmax of ``x/T + Gumbel`` and an online log-sum-exp of ``x/T``, and writes the token and its exact
 log-probability ``x_tok/T - logsumexp(x/T)``. Per-row seeds (derived from the run seed, the sequence
 and its position) make each sequence's sample independent of which other sequences share the batch.
