@@ -98,7 +98,8 @@ def lora_config(*, r: int, alpha: float, dropout: float, targets: list[str], rsl
     whose values are not its defaults, plus the ones every reader checks (vLLM reads r, lora_alpha,
     target_modules, bias, use_rslora and use_dora). peft fills the rest with its defaults on load."""
     return {"base_model_name_or_path": base_model_path, "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": False, "init_lora_weights": True, "lora_alpha": alpha, "lora_dropout": dropout,
+            # float(): an int alpha from the Python API wrote `8`, the CLI `8.0`: two hashes for one adapter
+            "inference_mode": False, "init_lora_weights": True, "lora_alpha": float(alpha), "lora_dropout": float(dropout),
             "modules_to_save": None, "peft_type": "LORA", "r": r, "target_modules": sorted(targets),
             "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": rslora}
 

@@ -26,6 +26,7 @@ interrupted run leaves nothing; a rerun with the same source and arguments is "a
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import time
@@ -247,8 +248,10 @@ def _global_scale(w: torch.Tensor, module: str, stats: dict) -> torch.Tensor:
     amax = w.abs().amax()
     g = nvfp4.global_scale_for(amax)
     if float(amax) > 0 and float(g) == 1.0 and FP8_FP4 / float(amax) > 1.0:
-        stats["fp32_global_fallback"].append(module)
-        g = nvfp4.global_scale_for(amax.to(torch.float32))
+        g32 = nvfp4.global_scale_for(amax.to(torch.float32))
+        if float(g32) != 1.0:  # fp32 overflows too below amax ~ 8e-36: then the global stays 1.0, unreported
+            stats["fp32_global_fallback"].append(module)
+            g = g32
     return g
 
 
@@ -263,13 +266,16 @@ def _quantize_in_row_blocks(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     rows = max(1, (1 << (26 if w.is_cuda else 22)) // k)
     packed, scales = [], []
     err2 = ref2 = 0.0
+    # Norms of w / 2^e with 2^e ~ amax (a power of two: exact, the same sums as unscaled): fp32 norms
+    # of tiny weights underflowed to 0, which reported a layer quantized to all zeros as 0% error.
+    amax = 2.0 ** math.frexp(float(w.abs().amax()) or 1.0)[1]
     for i in range(0, n, rows):
         blk = w[i : i + rows]
         p, s, _ = nvfp4.quantize(blk, g)
         wf = blk.to(torch.float32)
         deq = nvfp4.dequantize(p, s, g, dtype=torch.float32)
-        err2 += float(torch.linalg.vector_norm(deq - wf)) ** 2
-        ref2 += float(torch.linalg.vector_norm(wf)) ** 2
+        err2 += float(torch.linalg.vector_norm((deq - wf) / amax)) ** 2
+        ref2 += float(torch.linalg.vector_norm(wf / amax)) ** 2
         packed.append(p)
         scales.append(s)
         del wf, deq
@@ -376,6 +382,10 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
         return QuantizeResult(out, True, (so.manifest or {}).get("summary", {}), so.manifest)
 
     units, kept_linears = plan_units(source)
+    if not any(u.quant for u in units):  # it wrote a "quantized" copy with every Linear ignored, silently
+        raise BadInputError(f"{cfg.src}: no decoder Linear can be quantized (NVFP4 needs in-features that are a "
+                            f"multiple of 16; {len(kept_linears)} Linears would stay dense)",
+                            hint="this model has nothing for NVFP4 to compress; use it as it is")
     plan = plan_outputs(source, units, fmt)
     ignore = ["lm_head", *kept_linears]
     stats = {"rel_errors": {}, "quantized_params": 0, "fp32_global_fallback": []}

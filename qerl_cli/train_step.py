@@ -403,6 +403,10 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
     need(cfg.warmup_steps >= 0, "--warmup-steps", ">= 0", cfg.warmup_steps)
     if cfg.total_steps is not None:
         need(cfg.total_steps >= 1, "--total-steps", ">= 1 (omit it for a constant LR after warmup)", cfg.total_steps)
+        # The cosine runs from the end of warmup to --total-steps; with no room for it the schedule
+        # silently stayed at the peak (and dropped --min-lr-ratio).
+        need(cfg.total_steps > cfg.warmup_steps, "--total-steps", f"> --warmup-steps ({cfg.warmup_steps}): the cosine "
+             "decay runs between them", cfg.total_steps)
     need(0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio", "in [0, 1]", cfg.min_lr_ratio)
     need(cfg.max_grad_norm >= 0 and math.isfinite(cfg.max_grad_norm), "--max-grad-norm",
          "a finite number >= 0 (0 turns clipping off)", cfg.max_grad_norm)
@@ -822,9 +826,10 @@ def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_no
         "completion_length_max": int(clen.max()),
         "truncated_fraction": float(sum(data.truncated) / len(data.truncated)),
         "trained_tokens": int(sum(live_tokens)),
-        "grad_norm": grad_norms[-1],
+        "grad_norm": grad_norms[0],  # epoch 1's, like loss and lr
         "grad_norm_per_epoch": grad_norms if len(grad_norms) > 1 else None,
         "lr": lrs[0],
+        "lr_per_epoch": lrs if len(lrs) > 1 else None,
         "micro_batches": len(groups),
         "tokens_per_s": total_tokens / step_time if step_time > 0 else None,
         "step_time_s": step_time,  # the optimisation loop (model loading is load_time_s)

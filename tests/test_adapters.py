@@ -219,3 +219,15 @@ def test_a_config_without_lora_alpha_scales_as_peft_does(tmp_path, nvfp4_dirs):
     want = peft.LoraConfig.from_pretrained(tmp_path / "a").lora_alpha
     spec = read_adapter_spec(tmp_path / "a")
     assert spec.alpha == want == 8 and spec.scaling == 2.0
+
+
+def test_int_and_float_alpha_write_the_same_config():
+    # The Python API passed an int alpha through: `8` against the CLI's `8.0`, so one adapter had two
+    # hashes and shards sampled with one were refused for the other (audit 2026-11-26).
+    import json
+
+    from qerl_cli.adapters import lora_config
+
+    kw = dict(r=4, targets=["q_proj"], rslora=False, base_model_path="m")
+    a = json.dumps(lora_config(alpha=8, dropout=0, **kw))
+    assert a == json.dumps(lora_config(alpha=8.0, dropout=0.0, **kw)) and '"lora_alpha": 8.0' in a

@@ -469,3 +469,31 @@ def test_mistral_consolidated_weights_are_ignored(tmp_path):
         not any(k.startswith("layers.") for k in out)
         and not (tmp_path / "q" / "consolidated.safetensors").exists()
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_layer_too_small_for_any_global_is_reported_as_lost_not_as_exact(tmp_path, dtype):
+    # amax ~1e-36: 2688 / amax overflows even in fp32, so the global stays compressed-tensors' 1.0 and
+    # the layer dequantizes to zeros. The summary listed an fp32 global that was never used, and the
+    # fp32 norms underflowed to a 0% error (audit 2026-11-26).
+    m = "model.layers.0.self_attn.o_proj"
+    src = make_tiny_hf_model(tmp_path, "llama", dtype=dtype, tokenizer=False)
+    sd = load_file(src / "model.safetensors")
+    sd[m + ".weight"] = (sd[m + ".weight"].double() * 1e-36 / 0.02).to(dtype)
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    res = quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    out = load_file(tmp_path / "q" / "model.safetensors")
+    assert out[m + ".weight_global_scale"].item() == 1.0
+    assert m not in res.summary["fp32_global_fallback"]
+    deq = R.dequantize(out[m + ".weight_packed"], out[m + ".weight_scale"], out[m + ".weight_global_scale"], torch.float32)
+    assert not deq.any()
+    assert res.summary["per_layer_max_rel_error"]["0"] == pytest.approx(1.0)
+
+
+def test_a_model_with_nothing_to_quantize_is_refused(tmp_path):
+    # hidden 56, intermediate 40: no Linear has in-features divisible by 16; the output was a dense copy
+    # labelled NVFP4, every Linear in `ignore`, without a word (audit 2026-11-26).
+    src = make_tiny_hf_model(tmp_path, "qwen2", hidden=56, intermediate=40, heads=7, kv_heads=1, tokenizer=False)
+    with pytest.raises(BadInputError, match="no decoder Linear can be quantized"):
+        quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    assert not (tmp_path / "q").exists()

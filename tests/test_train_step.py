@@ -408,6 +408,8 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
     for kw, flag in ((dict(lora_rank=0), "--lora-rank"), (dict(lora_alpha=0.0), "--lora-alpha"),
                      (dict(min_lr_ratio=2.0), "--min-lr-ratio"), (dict(warmup_steps=-1), "--warmup-steps"),
                      (dict(total_steps=0), "--total-steps"), (dict(max_grad_norm=-1.0), "--max-grad-norm"),
+                     # total <= warmup left the LR at its peak forever and dropped --min-lr-ratio (audit)
+                     (dict(warmup_steps=5, total_steps=5), "--total-steps"),
                      (dict(logits_chunk_tokens=0), "--logits-chunk-tokens"), (dict(lora_dropout=1.5), "--lora-dropout"),
                      # NaN / inf passed "< 0" checks: a NaN beta silently dropped the KL term, an inf weight
                      # decay wrote an all-NaN adapter with exit 0

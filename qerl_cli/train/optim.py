@@ -114,7 +114,8 @@ def save_optimizer(opt: AdamW, path: Path) -> None:
         tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().cpu().contiguous()
         tensors[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
     # One metadata key only: safetensors writes metadata in hash-map order, so several keys would
-    # make the file's bytes differ between identical runs (betas/eps live in trainer_state.json).
+    # make the file's bytes differ between identical runs (betas and eps are the stage's arguments,
+    # recorded in the manifest).
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
