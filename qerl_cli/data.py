@@ -69,6 +69,7 @@ class EncodedPrompt:
 class EncodeReport:
     skipped_long: list[str] = field(default_factory=list)  # "file:line (N tokens)"
     max_prompt_tokens: int | None = None
+    own_system: list[str] = field(default_factory=list)  # rows whose own system message kept --system-prompt out
 
 
 # ---- loading -------------------------------------------------------------------------------
@@ -351,8 +352,14 @@ def encode_prompts(
     report = report if report is not None else EncodeReport()
     report.max_prompt_tokens = max_prompt_tokens
     use_chat = has_chat_template(tokenizer) if chat_template is None else chat_template
+    if system_prompt and not use_chat:  # it was dropped without a word
+        raise BadInputError("--system-prompt needs a chat template: the tokenizer has none"
+                            + (" in use (--no-chat-template)" if chat_template is False else ""),
+                            hint="put the instruction in --prompt-template instead")
     out = []
     for row in rows:
+        if system_prompt and row.messages is not None and any(m["role"] == "system" for m in row.messages):
+            report.own_system.append(row.where)
         text = render_prompt(row, tokenizer, template=template, system_prompt=system_prompt, chat_template=chat_template)
         try:
             text.encode("utf-8")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -237,7 +238,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
     ``generate`` replaces the engine (tests); by default the native or vLLM engine is built.
     """
-    from qerl_cli.data import encode_prompts, load_prompts, load_template
+    from qerl_cli.data import EncodeReport, encode_prompts, load_prompts, load_template
     from qerl_cli.lineage import check_lineage
     from qerl_cli.runtime import context_length, load_tokenizer, resolve_device, resolve_dtype
 
@@ -289,9 +290,13 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "
                             f"{max_model_len}-token context", hint="lower --max-new-tokens or raise --max-model-len")
     # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
+    enc_report = EncodeReport()
     prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
-                             long_hint="raise --max-model-len or lower --max-new-tokens")
+                             long_hint="raise --max-model-len or lower --max-new-tokens", report=enc_report)
+    if enc_report.own_system and cfg.progress:
+        print(f"note: {len(enc_report.own_system)} problems have their own system message, which --system-prompt "
+              f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
     so.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding

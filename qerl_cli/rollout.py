@@ -465,6 +465,9 @@ def rollout(cfg: RolloutConfig) -> dict:
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
                              on_long=cfg.long_prompts, report=enc_report)
+    if enc_report.own_system and cfg.progress:
+        print(f"note: {len(enc_report.own_system)} rows have their own system message, which --system-prompt "
+              f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
     if selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
         raise BadInputError(f"all {len(selected)} selected prompts are longer than the {max_model_len - 1} tokens "
                             f"that fit the context (first: {enc_report.skipped_long[0]})",

@@ -271,3 +271,16 @@ def test_long_template_without_prompt_is_the_usual_error_and_bad_utf8_names_the_
     (tmp_path / "b.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')
     with pytest.raises(BadInputError, match=r"b.jsonl:2: not UTF-8"):
         load_prompts(tmp_path / "b.jsonl")
+
+
+def test_system_prompt_is_never_dropped_without_a_word(tmp_path, chat_tok, plain_tok):
+    # Without a chat template --system-prompt vanished; a row's own system message kept it out silently.
+    rows = load_prompts(write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "2+2?"},
+        {"messages": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]}]))
+    for tok, flag in ((plain_tok, None), (chat_tok, False)):
+        with pytest.raises(BadInputError, match="--system-prompt needs a chat template"):
+            encode_prompts(rows[:1], tok, system_prompt="Be brief.", chat_template=flag)
+    report = EncodeReport()
+    out = encode_prompts(rows, chat_tok, system_prompt="Be brief.", report=report)
+    assert report.own_system == [rows[1].where] and "Mine." in out[1].text and "Be brief." not in out[1].text
