@@ -115,12 +115,11 @@ def per_prompt_sampling(sampling: dict, n: int, num_prompts: int, seeds: list[in
     prompt's index. vLLM seeds completion i of a request with seed + i, so one shared seed would give
     completion i of every prompt in the batch the same random stream: duplicate prompts would get
     identical completions."""
-    from qerl_cli.engine.sampler import row_seed
+    from qerl_cli.engine.sampler import sequence_seed
 
     if seeds is not None and len(seeds) != num_prompts:
         raise ValueError(f"{len(seeds)} seeds for {num_prompts} prompts")
-    return [dict(sampling, n=n, seed=row_seed(sampling["seed"], p, 0, 0) if seeds is None else row_seed(seeds[p], 0, 0, 0))
-            for p in range(num_prompts)]
+    return [dict(sampling, n=n, seed=sequence_seed(sampling["seed"], seeds, p, 0)) for p in range(num_prompts)]
 
 
 class VLLMEngine:

@@ -313,14 +313,14 @@ class _Generator:
     """Wraps one engine behind ``generate(prompt_ids, n, seeds) -> list[list[Completion]]``, one seed per prompt."""
 
     engine: object
-    sampling: Callable[[], object]
+    sampling: object  # the engine's sampling parameters (every prompt is seeded by ``seeds``)
     name: str
     progress: Callable | None = None
     timings: dict = field(default_factory=dict)  # seconds spent building it: load_s, engine_s
     noise_extra: dict = field(default_factory=dict)  # added to the noise record (vLLM: the dtype it rounded to)
 
     def __call__(self, prompt_ids: list[list[int]], n: int, seeds: list[int]):
-        return self.engine.generate(prompt_ids, self.sampling(), n=n, progress=self.progress, seeds=seeds)
+        return self.engine.generate(prompt_ids, self.sampling, n=n, progress=self.progress, seeds=seeds)
 
 
 def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, sigma: float, max_model_len: int):
@@ -338,8 +338,7 @@ def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, s
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}  # engine: graphs, kernels
 
-    def sampling():  # seeded per prompt by the engine's ``seeds``
-        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                               max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
 
     return _Generator(engine, sampling, "native", timings=timings), model
@@ -352,8 +351,7 @@ def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigm
                         max_model_len=max_model_len, seed=cfg.seed)
     noise_extra = engine.set_noise(sigma, cfg.run_seed, cfg.step)
 
-    def sampling():  # seeded per prompt by per_prompt_sampling
-        return vllm_sampling_params(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+    sampling = vllm_sampling_params(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                                     max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=0)
 
     return _Generator(engine, sampling, "vllm", noise_extra=noise_extra), None

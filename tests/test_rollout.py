@@ -64,7 +64,7 @@ def fake_engine(monkeypatch):
     FakeEngine.calls, FakeEngine.seeds = [], []
 
     def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
-        return ro._Generator(FakeEngine(tokenizer), lambda: "sp", "fake"), None
+        return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", make)
     return FakeEngine
@@ -232,7 +232,7 @@ def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
 
     def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
         got["sigma"] = sigma
-        return ro._Generator(FakeEngine(tokenizer), lambda: "sp", "fake"), None
+        return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", make)
     rollout(cfg_for(model_dir, tmp_path, step=5, total_steps=11, aqn_sigma_start=1e-2, aqn_sigma_end=1e-4,
@@ -401,7 +401,7 @@ def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
         with pytest.raises(OutputExistsError, match="another qerl rollout is writing"):
             rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
         seen["partial_kept"] = part.exists() and (part / ".lock").exists()
-        return ro._Generator(FakeEngine(tokenizer), lambda: "sp", "fake"), None
+        return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", second_run_meanwhile)
     res = rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
@@ -483,7 +483,7 @@ def test_nan_logits_stop_the_rollout_with_exit_5_keeping_finished_groups(model_d
             return out
 
     monkeypatch.setattr(ro, "_native_generator",
-                        lambda cfg, tok, *a: (ro._Generator(NanEngine(tok), lambda: "sp", "fake"), None))
+                        lambda cfg, tok, *a: (ro._Generator(NanEngine(tok), "sp", "fake"), None))
     with pytest.raises(NumericalError, match=r"prompts.jsonl:2: a completion was sampled from NaN/Inf logits") as e:
         rollout(cfg_for(model_dir, tmp_path))
     assert e.value.exit_code == 5

@@ -22,7 +22,7 @@ import torch
 
 from qerl_cli.engine.block_manager import BlockManager
 from qerl_cli.engine.model_runner import ModelRunner
-from qerl_cli.engine.sampler import row_seed, sample
+from qerl_cli.engine.sampler import sample, sequence_seed
 from qerl_cli.engine.sampling_params import Completion, SamplingParams
 from qerl_cli.engine.scheduler import Group, Scheduler
 from qerl_cli.engine.sequence import Sequence
@@ -161,8 +161,7 @@ class LLMEngine:
                     prefill_tokens += sum(len(g.prompt_ids) for g in admitted)
                     seqs = [s for g in admitted for s in g.seqs]
                     for s in seqs:
-                        s.rng = (row_seed(sp.seed, s.group, s.child, 0) if prompt_seeds is None
-                                 else row_seed(prompt_seeds[s.group], 0, s.child, 0))
+                        s.rng = sequence_seed(sp.seed, prompt_seeds, s.group, s.child)
                     seeds = torch.tensor([(s.rng + len(s)) & _SEED_MASK for s in seqs], device=logits.device)
                     tok, lp = sample(logits.repeat_interleave(n, dim=0), sp, seeds)
                     self._process(seqs, tok.tolist(), lp.tolist(), sched, groups, sp, stop_ids, progress)

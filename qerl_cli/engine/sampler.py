@@ -18,6 +18,7 @@ gives the same completions (up to the batched matmuls' rounding of the logits). 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -59,6 +60,14 @@ def row_seed(seed: int, group: int, child: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 2
 
 
+def sequence_seed(seed: int, prompt_seeds: list[int] | None, prompt: int, child: int) -> int:
+    """The stream key of completion ``child`` of prompt ``prompt`` in one ``generate`` call: from the
+    prompt's own seed when the caller gives one per prompt, else from the call's seed and the index."""
+    if prompt_seeds is None:
+        return row_seed(seed, prompt, child, 0)
+    return row_seed(prompt_seeds[prompt], 0, child, 0)
+
+
 def _fast_path(logits: torch.Tensor, sp: SamplingParams) -> bool:
     if not logits.is_cuda or sp.greedy or sp.top_k or sp.top_p < 1.0 or sp.min_p > 0:
         return False
@@ -69,6 +78,7 @@ def _fast_path(logits: torch.Tensor, sp: SamplingParams) -> bool:
     return True
 
 
+@functools.cache  # called every decode step; the search is ~4k Python comparisons
 def _chunk_len(vocab: int) -> int:
     """A chunk length near sqrt(V) that divides V (no padding copy), else 1024."""
     target = max(64, math.isqrt(vocab))
