@@ -29,6 +29,7 @@ from qerl_cli.models import build_random_model, preset
 
 HBM_TBPS = 3.0  # measured H100 SXM HBM3 bandwidth (nvfp4-format.md)
 RESULTS: list[dict] = []
+TRUNCATION: dict = {}  # --top-p / --top-k / --min-p for the run_engine benches
 
 
 def log(rec: dict) -> None:
@@ -73,7 +74,8 @@ def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len
     t0 = time.perf_counter()
     engine = LLMEngine(model, None, max_num_seqs=seqs, max_model_len=max_model_len or prompt_len + new_tokens + 16)
     setup = time.perf_counter() - t0
-    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    trunc = {k: v for k, v in TRUNCATION.items() if k != "sampler"}
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0, **trunc)
     ps = prompts(max(seqs // group, 1), prompt_len, model.config.vocab_size)
     n = min(group, seqs)
     # Warm-up at the timed batch (prefill of every prompt, decode at this batch size), so no first-use
@@ -87,7 +89,8 @@ def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len
     assert all(len(c.token_ids) == new_tokens for g in out for c in g)
     rec = dict(bench=name, seqs=len(ps) * n, prompt=prompt_len, new_tokens=new_tokens, tok_s=round(st["tokens_per_s"], 1),
                wall_s=round(st["elapsed_s"], 2), setup_s=round(setup, 1), decode_steps=st["decode_steps"],
-               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), kv_blocks=engine.num_blocks)
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), kv_blocks=engine.num_blocks,
+               sampling=" ".join(f"{k}={v}" for k, v in TRUNCATION.items()))
     return engine, rec
 
 
@@ -200,7 +203,19 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--big-new-tokens", type=int, default=2048)
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampling truncation for the engine benches (default: none)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--torch-sampler", action="store_true",
+                    help="truncated sampling by the torch reference (sort + inverse CDF), as before 2026-11-26")
     args = ap.parse_args()
+    TRUNCATION.update(top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    if args.torch_sampler:
+        TRUNCATION["sampler"] = "torch"
+        from qerl_cli.engine import sampler
+
+        plain = sampler._fast_path
+        sampler._fast_path = lambda logits, sp: plain(logits, sp) and sp.top_p == 1.0 and not sp.top_k and not sp.min_p
     want = set(args.only.split(",")) if args.only else {"nvfp4-16", "bf16-16", "nvfp4-256", "bf16-256", "nvfp4-lora-16",
                                                         "bf16-lora-16", "nvfp4-lora-256", "bf16-lora-256", "hf-64",
                                                         "bw-64", "32b"}

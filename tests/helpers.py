@@ -227,3 +227,50 @@ def random_lora_model(cfg: dict, *, device: str = "cpu", dtype=torch.float32, qu
     for _, m in lora_modules(model):
         m.refresh_inference_copies(dtype)
     return model
+
+
+def logit_keys(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Integer keys in logit order, written independently of the kernels' ``_radix_key``: the bits of
+    16-bit logits, of x = logits / T for fp32; -0 keyed as +0."""
+    if logits.element_size() == 2:
+        b = logits.view(torch.int16).to(torch.int64)
+        b = torch.where(b == -(2**15), 0, b)
+        return torch.where(b < 0, b ^ 0x7FFF, b) + 2**15
+    b = (logits.float() * (1.0 / temperature)).view(torch.int32).to(torch.int64)
+    b = torch.where(b == -(2**31), 0, b)
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b) + 2**31
+
+
+def mask_from_cut(logits: torch.Tensor, temperature: float, cut) -> torch.Tensor:
+    """[B, V] bool: the tokens a ``triton_truncation.Cut`` keeps, applied in torch (the rule the Gumbel
+    kernel applies on the fly)."""
+    x = logits.float() * (1.0 / temperature)
+    k = logit_keys(logits, temperature)
+    kc = cut.kcut[:, None]
+    stay = (x >= (cut.pmax.max(-1).values + cut.log_min_p)[:, None]) & (k >= kc)
+    if cut.ties is None:
+        return stay & (k > kc)
+    rank = (stay & (k == kc)).long().cumsum(-1) - 1
+    return stay & ((k > kc) | (rank < cut.keep[:, None]))
+
+
+def assert_same_nucleus(kept: torch.Tensor, logits: torch.Tensor, sp) -> None:
+    """``kept`` equals the sorted reference's truncation of ``logits`` under ``sp``, except where the
+    reference's fp32 cumulative sum puts a token within 1e-5 of top_p (exact sums may round it the
+    other way)."""
+    from qerl_cli.engine.sampler import truncated_logprobs
+
+    ref = torch.isfinite(truncated_logprobs(logits.float(), sp))
+    bad = (kept != ref).nonzero().tolist()
+    if not bad:
+        return
+    import dataclasses
+
+    survive = torch.isfinite(truncated_logprobs(logits.float(), dataclasses.replace(sp, top_p=1.0)))
+    x = (logits.float() / sp.temperature).double()
+    for r, i in bad:
+        order = torch.sort(x[r], descending=True, stable=True).indices
+        p = torch.softmax(x[r].masked_fill(~survive[r], float("-inf")), -1)
+        pos = (order == i).nonzero().item()
+        above = p[order[:pos]].sum().item()
+        assert abs(above - sp.top_p) < 1e-5, (r, i, above, sp)

@@ -49,7 +49,8 @@ def test_triton_kernel_matches_torch_in_interpreter(interpreted):
 def interpreted():
     """Run every interpreter script in ONE subprocess (importing torch + triton costs ~10 s a time)."""
     pytest.importorskip("triton")
-    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER, "PHILOX": PHILOX}
+    parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER, "PHILOX": PHILOX,
+             "TRUNC": TRUNC}
     driver = "import traceback\nres = {}\n"
     for key, code in parts.items():
         driver += f"try:\n    exec({code!r}, {{}})\n    res[{key!r}] = 'ok'\nexcept Exception:\n    res[{key!r}] = traceback.format_exc()[-2000:]\n"
@@ -265,6 +266,47 @@ SAMPLER = textwrap.dedent("""
     print("ok")
 """)
 
+TRUNC = textwrap.dedent("""
+    import torch
+    from qerl_cli.engine import triton_truncation as tt
+    from qerl_cli.engine.sampler import truncated_logprobs
+    from qerl_cli.engine.sampling_params import SamplingParams
+    from qerl_cli.engine.triton_sampler import gumbel_sample
+    from tests.helpers import assert_same_nucleus, mask_from_cut
+    torch.manual_seed(0)
+    V = 1100
+    base = torch.randn(4, V) * 2
+    base[1, 100:160] = base[1].max()  # ties at the top: top-p cuts inside the group, lowest indices first
+    base[2] = (torch.randn(V) * 0.5).round()  # a handful of values, hundreds of ties each
+    base[3, ::2] = 0.0
+    base[3, 1::4] = -0.0  # -0 and +0 tie
+    base[3, 3::4] = float("-inf")
+    cases = [dict(top_p=0.9), dict(top_k=5), dict(top_k=1), dict(min_p=0.05), dict(top_p=1e-6),
+             dict(top_k=40, top_p=0.8, min_p=0.01, temperature=0.7), dict(top_p=0.6, temperature=1.7)]
+    seeds = torch.arange(4) * 7919 + 3
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        logits = base.to(dt)
+        for kw in cases:
+            sp = SamplingParams(**kw)
+            for nc in (1, 3) if dt == torch.bfloat16 else (2,):  # whole rows or 3 programs each: the same cut
+                tt._programs_per_row = lambda rows, vocab, block, n=nc: n
+                cut = tt.find_cut(logits, sp, 1024, 2)
+                kept = mask_from_cut(logits, sp.temperature, cut)
+                assert_same_nucleus(kept, logits, sp)
+                if nc != 3:
+                    first = kept
+                assert torch.equal(kept, first), (dt, kw)
+            for chunks in (1, 2) if dt == torch.float16 else (2,):
+                tok, lp = gumbel_sample(logits, sp.temperature, seeds, num_chunks=chunks, sp=sp)
+                ref = truncated_logprobs(logits.float(), sp).gather(-1, tok[:, None]).squeeze(-1)
+                assert kept.gather(-1, tok[:, None]).all(), (dt, kw, tok)
+                assert (lp - ref).abs().max().item() < 1e-5, (dt, kw, lp, ref)
+                if chunks == 1 or dt != torch.float16:
+                    tok1 = tok
+                assert torch.equal(tok, tok1), (dt, kw)
+    print("ok")
+""")
+
 FREQ = textwrap.dedent("""
     import torch
     from qerl_cli.engine.triton_sampler import gumbel_sample
@@ -309,6 +351,14 @@ def test_torch_philox_draws_triton_rand_bits_in_interpreter(interpreted):
 
 def test_triton_sampler_in_interpreter(interpreted):
     assert interpreted["SAMPLER"] == "ok", interpreted["SAMPLER"]
+
+
+def test_triton_truncation_keeps_the_sorted_nucleus_in_interpreter(interpreted):
+    # min-p / top-k / top-p by radix select (no sort) keep what the stable-sort reference keeps, for
+    # 16-bit and fp32 logits, ties at the cut (kept lowest index first), -0 against +0, -inf; the cut
+    # does not depend on how rows are split over programs, the Gumbel kernel draws only kept tokens
+    # and records their log-probability under the truncated distribution.
+    assert interpreted["TRUNC"] == "ok", interpreted["TRUNC"]
 
 
 @pytest.mark.slow

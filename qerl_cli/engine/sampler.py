@@ -8,12 +8,14 @@ Every draw is keyed by its sequence's seed (``row_seed``: run seed, prompt, comp
 never by a shared generator, so a sequence samples the same token whichever sequences share its
 batch: a rerun with another ``--max-num-seqs``, a resumed batch or a different scheduling order
 gives the same completions (up to the batched matmuls' rounding of the logits). Two paths:
-- plain temperature sampling on CUDA: the one-pass Triton Gumbel-max kernel (``triton_sampler``);
-- everything else (CPU, greedy, top-k / top-p / min-p): inverse-CDF sampling on the truncated
-  distribution with one fp64 uniform per sequence from Philox(seed, 0) (53 bits from two words: a
-  Triton kernel on the GPU, ``philox.uniform53`` in torch elsewhere: the same bits). The CDF is
-  summed in fp64 (in two levels), so the drawn token follows the recorded probabilities to fp32
-  rounding, with no CPU sync. Sorting happens only when top-p is active.
+- sampling on CUDA: the one-pass Triton Gumbel-max kernel (``triton_sampler``), which masks the
+  tokens that min-p / top-k / top-p cut as it goes; the cut itself comes from a radix select on the
+  logits' bits (``triton_truncation``), not a sort of the vocabulary;
+- the reference, everywhere else (CPU, and greedy): ``truncated_logprobs`` (a stable sort for
+  top-p), then inverse-CDF sampling with one fp64 uniform per sequence from Philox(seed, 0) (53 bits
+  from two words: ``philox.uniform53``, whose bits a Triton kernel also draws on the GPU). The CDF
+  is summed in fp64 (in two levels), so the drawn token follows the recorded probabilities to fp32
+  rounding, with no CPU sync.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def sequence_seed(seed: int, prompt_seeds: list[int] | None, prompt: int, child:
 
 
 def _fast_path(logits: torch.Tensor, sp: SamplingParams) -> bool:
-    if not logits.is_cuda or sp.greedy or sp.top_k or sp.top_p < 1.0 or sp.min_p > 0:
+    if not logits.is_cuda or sp.greedy:
         return False
     try:
         import triton  # noqa: F401
@@ -137,7 +139,7 @@ def sample(logits: torch.Tensor, sp: SamplingParams, row_seeds: torch.Tensor):
     if _fast_path(logits, sp):
         from qerl_cli.engine.triton_sampler import gumbel_sample
 
-        return gumbel_sample(logits, sp.temperature, row_seeds)
+        return gumbel_sample(logits, sp.temperature, row_seeds, sp=sp)
     logp = truncated_logprobs(logits.float(), sp)
     tokens = logits.argmax(dim=-1) if sp.greedy else inverse_cdf(logp, row_uniforms(row_seeds))
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

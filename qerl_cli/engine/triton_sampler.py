@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl_cli.engine.triton_truncation import _radix_key, _row_max
+
 
 @triton.jit
 def _exponential(seed, offs):
@@ -40,14 +42,24 @@ def _exponential(seed, offs):
 
 @triton.jit
 def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, num_chunks, inv_t,
-                           BLOCK: tl.constexpr):
+                           PMAX, KCUT, KEEP, TIES, max_chunks, log_min_p,
+                           BLOCK: tl.constexpr, TRUNC: tl.constexpr, TIES_ON: tl.constexpr, KEY16: tl.constexpr,
+                           CP: tl.constexpr):
     """One (row, vocabulary chunk): best Gumbel score, its index and tempered logit, and the chunk's
-    log-sum-exp state (max, sum of exp) of x/T."""
+    log-sum-exp state (max, sum of exp) of x/T. With ``TRUNC``, over the tokens that
+    ``triton_truncation.find_cut`` keeps (the rest count as -inf)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     seed = tl.load(SEEDS + row)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, V)
+    if TRUNC:
+        floor = _row_max(PMAX, row, max_chunks, CP) + log_min_p
+        kcut = tl.load(KCUT + row)
+        keep = tl.load(KEEP + row)
+        if TIES_ON:  # ties at the cut before this chunk: the rank of the chunk's first one
+            cc = tl.arange(0, CP)
+            ties = tl.sum(tl.load(TIES + row * num_chunks + cc, mask=cc < c, other=0).to(tl.int64), 0)
     m = float("-inf")
     s = 0.0
     best = float("-inf")
@@ -56,7 +68,19 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        x = tl.load(L + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        raw = tl.load(L + row * stride_l + offs, mask=mask, other=float("-inf"))
+        x = raw.to(tl.float32) * inv_t
+        if TRUNC:
+            key = _radix_key(raw, x, KEY16).to(tl.int64)
+            stay = mask & (x >= floor) & (key >= kcut)
+            if TIES_ON:
+                tie = stay & (key == kcut)
+                rank = ties + tl.cumsum(tie.to(tl.int64), 0) - 1
+                stay = stay & ((key > kcut) | (rank < keep))
+                ties += tl.sum(tie.to(tl.int64), 0)
+            else:
+                stay = stay & (key > kcut)
+            x = tl.where(stay, x, float("-inf"))
         score = tl.where(mask, x - tl.log(_exponential(seed, offs)), float("-inf"))
         cmax = tl.max(score, 0)
         carg = tl.argmax(score, 0)
@@ -103,30 +127,50 @@ def num_chunks_for(rows: int, vocab: int, block: int = 4096, sms: int = 132) -> 
     return max(1, min(-(-2 * sms // max(rows, 1)), -(-vocab // block)))
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, num_chunks: int | None = None):
+def chunking(rows: int, vocab: int, num_chunks: int | None = None, block: int = 4096) -> tuple[int, int]:
+    """(chunk length, chunks per row) of the Gumbel kernel: whole blocks, ``num_chunks`` or the default."""
+    nc = num_chunks or num_chunks_for(rows, vocab, block)
+    chunk = triton.cdiv(triton.cdiv(vocab, nc), block) * block
+    return chunk, triton.cdiv(vocab, chunk)
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, num_chunks: int | None = None,
+                  sp=None):
     """logits [B, V] (any float dtype), seeds [B] int64 -> (tokens [B] int64, logprobs [B] fp32).
 
     Each row is split into vocabulary chunks sampled in parallel, then merged (a second, tiny
     kernel): with one program per row, 16 sequences used 16 of 132 SMs and the sampler took ~0.2 ms
     per decode step on an H100 (5% of a 7B NVFP4 step). The noise is keyed by token index, so the
-    chunking does not change which token is drawn.
+    chunking does not change which token is drawn. ``sp`` (SamplingParams) with min-p / top-k / top-p:
+    draw from the truncated distribution (``triton_truncation``), log-probabilities under it.
     """
     b, v = logits.shape
     block = 4096
-    nc = num_chunks or num_chunks_for(b, v, block)
-    chunk = triton.cdiv(triton.cdiv(v, nc), block) * block
-    nc = triton.cdiv(v, chunk)
+    chunk, nc = chunking(b, v, num_chunks, block)
     dev = logits.device
+    cut = None
+    if sp is not None and (sp.min_p > 0 or (sp.top_k and sp.top_k < v) or sp.top_p < 1.0):
+        from qerl_cli.engine.triton_truncation import find_cut
+
+        cut = find_cut(logits, sp, chunk, nc)
     part = torch.empty(4, b, nc, dtype=torch.float32, device=dev)
     part_i = torch.empty(b, nc, dtype=torch.int32, device=dev)
     tok = torch.empty(b, dtype=torch.int64, device=dev)
     lp = torch.empty(b, dtype=torch.float32, device=dev)
-    _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v, chunk,
-                                    nc, 1.0 / temperature, BLOCK=block, num_warps=8)
     # CP from the vocabulary alone, not the chunk count: a batch size must not trigger a recompile
     # (the first 16-sequence step of a run once paid ~0.25 s of Triton JIT for a new CP).
-    _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc,
-                                 CP=max(2, triton.next_power_of_2(triton.cdiv(v, block))), num_warps=1)
+    cp = max(2, triton.next_power_of_2(triton.cdiv(v, block)))
+    if cut is None:
+        _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v,
+                                        chunk, nc, 1.0 / temperature, None, None, None, None, 1, 0.0, BLOCK=block,
+                                        TRUNC=False, TIES_ON=False, KEY16=False, CP=2, num_warps=8)
+    else:
+        _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v,
+                                        chunk, nc, 1.0 / temperature, cut.pmax, cut.kcut, cut.keep, cut.ties,
+                                        cut.num_chunks, cut.log_min_p, BLOCK=block, TRUNC=True,
+                                        TIES_ON=cut.ties is not None, KEY16=cut.key16,
+                                        CP=max(cp, cut.cp), num_warps=8)
+    _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc, CP=cp, num_warps=1)
     return tok, lp
 
 
