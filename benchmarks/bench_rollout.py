@@ -80,7 +80,7 @@ def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len
     n = min(group, seqs)
     # Warm-up at the timed batch (prefill of every prompt, decode at this batch size), so no first-use
     # cost (Triton JIT for a new shape, cuBLAS heuristics) lands in the timed call.
-    engine.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True), n=n)
+    engine.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, **trunc), n=n)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     out = engine.generate(ps, sp, n=n)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl_cli.engine.triton_truncation import _radix_key, _row_max
+from qerl_cli.engine.triton_truncation import _as_key, _radix_key, _row_max
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
     hi = tl.minimum(lo + chunk, V)
     if TRUNC:
         floor = _row_max(PMAX, row, max_chunks, CP) + log_min_p
-        kcut = tl.load(KCUT + row)
+        kcut = _as_key(tl.load(KCUT + row), KEY16)
         keep = tl.load(KEEP + row)
         if TIES_ON:  # ties at the cut before this chunk: the rank of the chunk's first one
             cc = tl.arange(0, CP)
@@ -71,7 +71,7 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
         raw = tl.load(L + row * stride_l + offs, mask=mask, other=float("-inf"))
         x = raw.to(tl.float32) * inv_t
         if TRUNC:
-            key = _radix_key(raw, x, KEY16).to(tl.int64)
+            key = _radix_key(raw, x, KEY16)
             stay = mask & (x >= floor) & (key >= kcut)
             if TIES_ON:
                 tie = stay & (key == kcut)

@@ -9,15 +9,17 @@ distribution in its one pass, masking on the fly.
 
 How: each logit gets an integer key in the logit order (its bf16/fp16 bits; for fp32 logits, the bits
 of ``x / T``), so ties are equal keys. A pass histograms the keys' next 4 bits over the candidates left
-(count, and for top-p the mass ``exp(x - max)`` in 2^-44 fixed point), a one-program-per-row combine
+(counts by ``tl.histogram``; for top-p also the mass ``exp(x - max)``), a one-program-per-row combine
 picks the digit where the running total crosses the target (k tokens, or ``top_p`` x the survivors'
-mass), and after 4 passes (8 for fp32) the key is exact. Sums are integers, so they do not depend on
-how a row is split over programs: the cut is the same whatever the batch. Ties at the cut keep their
-lowest indices, as the stable sort does; the Gumbel kernel ranks them per chunk.
+mass), and after 4 passes (8 for fp32) the key is exact. Rows are split into programs of a fixed
+2048 tokens whatever the batch, and their partial sums are added in one order, so a row's cut is the
+same in any batch. Ties at the cut keep their lowest indices, as the stable sort does; the Gumbel
+kernel ranks them per chunk.
 
-Trade-off: the cut compares exact fixed-point sums where the torch path compares an fp32 cumulative
-sum, so the two can disagree on a token whose preceding mass lies within ~1e-6 of ``top_p``; either is
-a valid nucleus, and the log-probability recorded is always that of the distribution drawn from.
+Trade-off: masses are fp32 partial sums added in fp64, where the torch path takes an fp32 cumulative
+sum in rank order, so the two can disagree on a token whose preceding mass lies within ~1e-6 of
+``top_p``; either is a valid nucleus, and the log-probability recorded is always that of the
+distribution drawn from.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import triton.language as tl
 
 from qerl_cli.engine.sampling_params import SamplingParams
 
-_FIXED = 17592186044416.0  # 2^44: a row's mass (<= V <= 2^18 tokens of at most 1) stays under 2^62
+# Vocabulary per radix program, fixed (not by batch size) so that a row's fp32 partial sums, and the cut,
+# are the same in any batch: 75 programs per row at a 152k vocabulary.
+CHUNK = 2048
 
 
 @triton.jit
 def _radix_key(raw, x, KEY16: tl.constexpr):
-    """Unsigned keys in logit order: [0, 2^16) from 16-bit logits' bits, [0, 2^32) (int64) from x's.
-    -0 is keyed as +0 (they tie, as in the sort)."""
+    """Unsigned keys in logit order: int32 in [0, 2^16) from 16-bit logits' bits, int64 in [0, 2^32)
+    from x's (fp32 logits). -0 is keyed as +0 (they tie, as in the sort)."""
     if KEY16:
         b = raw.to(tl.int16, bitcast=True).to(tl.int32)
         b = tl.where(b == -32768, 0, b)
@@ -48,84 +52,88 @@ def _radix_key(raw, x, KEY16: tl.constexpr):
 
 
 @triton.jit
+def _as_key(k, KEY16: tl.constexpr):
+    """A key (or -1) stored as int64, in the width ``_radix_key`` gives."""
+    if KEY16:
+        return k.to(tl.int32)
+    else:
+        return k
+
+
+@triton.jit
 def _row_max(PMAX, row, num_chunks, CP: tl.constexpr):
     c = tl.arange(0, CP)
     return tl.max(tl.load(PMAX + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), 0)
 
 
 @triton.jit
-def _max_kernel(L, PMAX, stride_l, V, chunk, num_chunks, inv_t, BLOCK: tl.constexpr):
+def _max_kernel(L, PMAX, stride_l, V, num_chunks, inv_t, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    lo = c * chunk
-    hi = tl.minimum(lo + chunk, V)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(L + row * stride_l + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
-        m = tl.maximum(m, x)
-    tl.store(PMAX + row * num_chunks + c, tl.max(m, 0))
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(L + row * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+    tl.store(PMAX + row * num_chunks + c, tl.max(x, 0))
 
 
 @triton.jit
-def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, chunk, num_chunks, inv_t, log_min_p,
-                       shift, KEY16: tl.constexpr, MASS: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, num_chunks, inv_t, log_min_p, shift,
+                       KEY16: tl.constexpr, MASS: tl.constexpr, CP: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Histogram of the next 4 key bits over one (row, chunk)'s candidates: tokens above the min-p floor
-    (and for top-p at or above the top-k key) whose key matches the prefix found so far."""
+    (and for top-p at or above the top-k key) whose key matches the prefix found so far. Masses by a
+    one-hot sum, skipped for blocks without a candidate (after the first digit, nearly all of them)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     xmax = _row_max(PMAX, row, num_chunks, CP)
     floor = xmax + log_min_p
-    prefix = tl.load(PREFIX + row)
-    klow = tl.load(KLOW + row)
-    lo = c * chunk
-    hi = tl.minimum(lo + chunk, V)
+    prefix = _as_key(tl.load(PREFIX + row), KEY16)
+    klow = _as_key(tl.load(KLOW + row), KEY16)
     bins = tl.arange(0, 16)
-    cnt = tl.zeros([BLOCK, 16], tl.int32)
-    mass = tl.zeros([BLOCK, 16], tl.int64)
-    for start in range(lo, hi, BLOCK):
+    cnt = tl.zeros([32], tl.int32)
+    mass = tl.zeros([BLOCK, 16], tl.float32)
+    for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        raw = tl.load(L + row * stride_l + offs, mask=offs < hi, other=float("-inf"))
+        raw = tl.load(L + row * stride_l + offs, mask=offs < V, other=float("-inf"))
         x = raw.to(tl.float32) * inv_t
-        key = _radix_key(raw, x, KEY16).to(tl.int64)
-        ok = (offs < hi) & (x >= floor) & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
+        key = _radix_key(raw, x, KEY16)
+        ok = (offs < V) & (x >= floor) & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
         if MASS:
             ok = ok & (key >= klow)
-        hit = ok[:, None] & (((key >> shift) & 15)[:, None] == bins[None, :])
-        cnt += hit.to(tl.int32)
+        digit = ((key >> shift) & 15).to(tl.int32)
+        cnt += tl.histogram(tl.where(ok, digit, 16), 32)  # bins 16-31: not a candidate
         if MASS:
-            q = (tl.exp(x - xmax) * 17592186044416.0).to(tl.int64)
-            mass += tl.where(hit, q[:, None], 0)
-    o = (row * num_chunks + c) * 16 + bins
-    tl.store(HCNT + o, tl.sum(cnt, 0))
+            if tl.max(ok.to(tl.int32), 0) > 0:
+                q = tl.exp(x - xmax)
+                mass += tl.where(ok[:, None] & (digit[:, None] == bins[None, :]), q[:, None], 0.0)
+    o = (row * num_chunks + c) * 16
+    b32 = tl.arange(0, 32)
+    tl.store(HCNT + o + b32, cnt, mask=b32 < 16)
     if MASS:
-        tl.store(HMASS + o, tl.sum(mass, 0))
+        tl.store(HMASS + o + bins, tl.sum(mass, 0))
 
 
 @triton.jit
 def _radix_combine_kernel(HCNT, HMASS, PREFIX, ABOVE, TARGET, KLOW, KCUT, KEEP, num_chunks, shift, top_k, top_p,
                           MASS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, CP: tl.constexpr):
-    """One row: sum the chunks' histograms, take the lowest non-empty digit whose mass (count) strictly
-    above stays under the target, extend the prefix; after the last digit, write the cut."""
+    """One row: sum the chunks' histograms (in one fixed order), take the lowest non-empty digit whose
+    mass (count) above stays under the target, extend the prefix; after the last digit, write the cut."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CP)
     bins = tl.arange(0, 16)
     o = (row * num_chunks + c[:, None]) * 16 + bins[None, :]
     ok = (c < num_chunks)[:, None]
-    h_cnt = tl.sum(tl.load(HCNT + o, mask=ok, other=0).to(tl.int64), 0)
+    h_cnt = tl.sum(tl.load(HCNT + o, mask=ok, other=0), 0).to(tl.float64)
     if MASS:
-        h = tl.sum(tl.load(HMASS + o, mask=ok, other=0), 0)
+        h = tl.sum(tl.load(HMASS + o, mask=ok, other=0.0).to(tl.float64), 0)
     else:
         h = h_cnt
     if FIRST:
-        above = tl.zeros([], tl.int64)
+        above = tl.zeros([], tl.float64)
         prefix = tl.zeros([], tl.int64)
-        if MASS:
-            # The nucleus keeps a token while the mass ranked above it is < top_p x the survivors' mass;
-            # for integer sums, < ceil of that.
-            target = tl.ceil(top_p * tl.sum(h, 0).to(tl.float64)).to(tl.int64)
+        if MASS:  # the nucleus keeps a token while the mass ranked above it is < top_p x the survivors' mass
+            target = top_p * tl.sum(h, 0)
         else:
-            target = tl.zeros([], tl.int64) + top_k
+            target = tl.zeros([], tl.float64) + top_k
         tl.store(TARGET + row, target)
     else:
         above = tl.load(ABOVE + row)
@@ -133,41 +141,36 @@ def _radix_combine_kernel(HCNT, HMASS, PREFIX, ABOVE, TARGET, KLOW, KCUT, KEEP, 
         target = tl.load(TARGET + row)
     above_d = above + tl.sum(h, 0) - tl.cumsum(h, 0)  # mass in the prefix's range above each digit's keys
     d = tl.min(tl.where((h_cnt > 0) & (above_d < target), bins, 16), 0)
-    above = tl.sum(tl.where(bins == d, above_d, 0), 0)
+    above = tl.sum(tl.where(bins == d, above_d, 0.0), 0)
     prefix = prefix | (d.to(tl.int64) << shift)
     tl.store(ABOVE + row, above)
     tl.store(PREFIX + row, prefix)
     if LAST:
         if MASS:
-            n = tl.sum(tl.where(bins == d, h_cnt, 0), 0)
-            q = tl.sum(tl.where(bins == d, h, 0), 0) // tl.maximum(n, 1)  # every tie has the same mass
-            keep = tl.where(q > 0, (target - above + q - 1) // tl.maximum(q, 1), n)
+            n = tl.sum(tl.where(bins == d, h_cnt, 0.0), 0)
+            q = tl.sum(tl.where(bins == d, h, 0.0), 0) / tl.maximum(n, 1.0)  # the ties' (equal) mass
+            keep = tl.where(q > 0, tl.ceil((target - above) / q), n)
             tl.store(KCUT + row, prefix)
-            tl.store(KEEP + row, tl.minimum(keep, n))
+            tl.store(KEEP + row, tl.minimum(tl.maximum(keep, 1.0), n).to(tl.int64))
         else:
             tl.store(KLOW + row, prefix)
 
 
 @triton.jit
-def _tie_count_kernel(L, PMAX, KCUT, TIES, stride_l, V, chunk, num_chunks, inv_t, KEY16: tl.constexpr,
-                      CP: tl.constexpr, BLOCK: tl.constexpr):
+def _tie_count_kernel(L, KCUT, TIES, stride_l, V, chunk, num_chunks, inv_t, KEY16: tl.constexpr,
+                      BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    kcut = tl.load(KCUT + row)
+    kcut = _as_key(tl.load(KCUT + row), KEY16)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, V)
     n = tl.zeros([BLOCK], tl.int32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         raw = tl.load(L + row * stride_l + offs, mask=offs < hi, other=float("-inf"))
-        key = _radix_key(raw, raw.to(tl.float32) * inv_t, KEY16).to(tl.int64)
+        key = _radix_key(raw, raw.to(tl.float32) * inv_t, KEY16)
         n += ((offs < hi) & (key == kcut)).to(tl.int32)
     tl.store(TIES + row * num_chunks + c, tl.sum(n, 0))
-
-
-def _programs_per_row(rows: int, vocab: int, block: int, sms: int = 132) -> int:
-    """About four programs per SM in all (each holds a [block, 16] histogram), at least 8 blocks each."""
-    return max(1, min(-(-4 * sms // max(rows, 1)), -(-vocab // (8 * block))))
 
 
 class Cut:
@@ -185,39 +188,32 @@ def find_cut(logits: torch.Tensor, sp: SamplingParams, gumbel_chunk: int, gumbel
     b, v = logits.shape
     dev = logits.device
     key16 = logits.element_size() == 2
-    block = 256
-    nc = _programs_per_row(b, v, block)
-    chunk = triton.cdiv(triton.cdiv(v, nc), block) * block
-    nc = triton.cdiv(v, chunk)
-    cp = max(2, triton.next_power_of_2(max(nc, triton.cdiv(v, 8 * block))))  # from V alone: no recompile per batch
+    nc = triton.cdiv(v, CHUNK)
+    cp = max(2, triton.next_power_of_2(nc))
     inv_t = 1.0 / sp.temperature
     log_min_p = math.log(sp.min_p) if sp.min_p > 0 else float("-inf")
     pmax = torch.empty(b, nc, dtype=torch.float32, device=dev)
-    _max_kernel[(b, nc)](logits, pmax, logits.stride(0), v, chunk, nc, inv_t, BLOCK=1024, num_warps=4)
-    i64 = dict(dtype=torch.int64, device=dev)
-    prefix, above, target = torch.zeros(b, **i64), torch.zeros(b, **i64), torch.zeros(b, **i64)
-    klow = torch.zeros(b, **i64)
+    _max_kernel[(b, nc)](logits, pmax, logits.stride(0), v, nc, inv_t, CHUNK=CHUNK, BLOCK=CHUNK, num_warps=4)
+    i64, f64 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.float64, device=dev)
+    prefix, klow = torch.zeros(b, **i64), torch.zeros(b, **i64)
+    above, target = torch.zeros(b, **f64), torch.zeros(b, **f64)
     kcut = torch.full((b,), -1, **i64)  # below every key: nothing cut but the min-p floor
     keep = torch.zeros(b, **i64)
     hcnt = torch.empty(b, nc, 16, dtype=torch.int32, device=dev)
-    hmass = torch.empty(b, nc, 16, **i64)
-    bits = 16 if key16 else 32
-    phases = []
-    if sp.top_k and sp.top_k < v:
-        phases.append(False)
-    if sp.top_p < 1.0:
-        phases.append(True)
+    hmass = torch.empty(b, nc, 16, dtype=torch.float32, device=dev)
+    phases = ([False] if sp.top_k and sp.top_k < v else []) + ([True] if sp.top_p < 1.0 else [])
     for mass in phases:
-        for i, shift in enumerate(range(bits - 4, -1, -4)):
-            _radix_pass_kernel[(b, nc)](logits, pmax, prefix, klow, hcnt, hmass, logits.stride(0), v, chunk, nc, inv_t,
-                                        log_min_p, shift, KEY16=key16, MASS=mass, CP=cp, BLOCK=block, num_warps=8)
+        for i, shift in enumerate(range((16 if key16 else 32) - 4, -1, -4)):
+            _radix_pass_kernel[(b, nc)](logits, pmax, prefix, klow, hcnt, hmass, logits.stride(0), v, nc, inv_t,
+                                        log_min_p, shift, KEY16=key16, MASS=mass, CP=cp, CHUNK=CHUNK, BLOCK=256,
+                                        num_warps=8)
             _radix_combine_kernel[(b,)](hcnt, hmass, prefix, above, target, klow, kcut, keep, nc, shift, sp.top_k,
                                         sp.top_p, MASS=mass, FIRST=i == 0, LAST=shift == 0, CP=cp, num_warps=4)
     ties = None
     if sp.top_p < 1.0:
         ties = torch.empty(b, gumbel_chunks, dtype=torch.int32, device=dev)
-        _tie_count_kernel[(b, gumbel_chunks)](logits, pmax, kcut, ties, logits.stride(0), v, gumbel_chunk,
-                                              gumbel_chunks, inv_t, KEY16=key16, CP=cp, BLOCK=1024, num_warps=4)
+        _tie_count_kernel[(b, gumbel_chunks)](logits, kcut, ties, logits.stride(0), v, gumbel_chunk, gumbel_chunks,
+                                              inv_t, KEY16=key16, BLOCK=1024, num_warps=4)
     elif phases:  # top-k alone: every token at or above the k-th key stays, ties included
         kcut = klow - 1
     return Cut(pmax, nc, cp, log_min_p, kcut, keep, ties, key16)
