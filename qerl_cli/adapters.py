@@ -43,6 +43,24 @@ class AdapterInfo:
     hash: str
 
 
+# PEFT LoRA variants whose saved tensors are not "add scale * B @ A to the base as it is": applying them
+# as plain LoRA gives another model without any error, so every reader refuses them.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")  # the adapter is relative to a rewritten base
+
+
+def unsupported_lora_variant(cfg: dict) -> str | None:
+    """Why a PEFT LoRA config cannot be applied as plain LoRA (None when it can)."""
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        return (f"init_lora_weights={init!r}: the adapter is relative to a base PEFT rewrote at initialisation "
+                "(save it converted to plain LoRA with path_initial_model_for_weight_conversion)")
+    if cfg.get("lora_bias"):
+        return "lora_bias=true (a trained bias on lora_B) is not supported"
+    if cfg.get("alora_invocation_tokens"):
+        return "alora_invocation_tokens is set: activated LoRA applies only after its invocation tokens, which qerl does not do"
+    return None
+
+
 def _read_config(adapter_dir: Path) -> dict:
     path = Path(adapter_dir) / CONFIG
     try:
@@ -62,6 +80,9 @@ def _read_config(adapter_dir: Path) -> dict:
     for key in ("modules_to_save", "layers_to_transform"):
         if cfg.get(key):
             raise BadInputError(f"{path}: {key} is not supported")
+    why = unsupported_lora_variant(cfg)
+    if why:
+        raise BadInputError(f"{path}: {why}")
     if not isinstance(cfg.get("r"), int) or cfg["r"] <= 0:
         raise BadInputError(f"{path}: missing or invalid 'r'")
     return cfg
@@ -73,6 +94,8 @@ def read_adapter_spec(adapter_dir) -> LoraSpec:
     targets = cfg.get("target_modules")
     if isinstance(targets, str):  # PEFT allows a regex; resolve it from the saved keys instead
         targets = _targets_from_weights(Path(adapter_dir))
+    if not targets or not all(isinstance(t, str) for t in targets):
+        raise BadInputError(f"{Path(adapter_dir) / CONFIG}: target_modules must name the adapted modules, got {targets!r}")
     return LoraSpec(r=cfg["r"], alpha=float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)), dropout=float(cfg.get("lora_dropout") or 0.0),
                     targets=tuple(sorted(targets)), use_rslora=bool(cfg.get("use_rslora", False)))
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import PEFT_DEFAULT_ALPHA
+from qerl_cli.adapters import PEFT_DEFAULT_ALPHA, unsupported_lora_variant
 from qerl_cli.errors import BadInputError, LineageError, NumericalError
 from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
@@ -101,7 +101,8 @@ class Adapter:
     hash: str = ""
 
 
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.[^.]+)?(?:\.weight)?$")
+# (no `.bias`: a lora_bias adapter's lora_B.bias once matched as lora_B, and the weight then overwrote it)
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?!bias$)[^.]+)?(?:\.weight)?$")
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -134,6 +135,9 @@ def read_adapter(adapter_dir: Path) -> Adapter:
             raise BadInputError(f"{cfg_path}: {flag}=true is not supported by qerl merge")
     if cfg.get("bias", "none") != "none":
         raise BadInputError(f"{cfg_path}: bias={cfg['bias']!r} adapters are not supported (only bias='none')")
+    why = unsupported_lora_variant(cfg)
+    if why:
+        raise BadInputError(f"{cfg_path}: {why}")
     try:
         tensors = load_file(str(w_path))
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files

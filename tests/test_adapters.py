@@ -231,3 +231,34 @@ def test_int_and_float_alpha_write_the_same_config():
     kw = dict(r=4, targets=["q_proj"], rslora=False, base_model_path="m")
     a = json.dumps(lora_config(alpha=8, dropout=0, **kw))
     assert a == json.dumps(lora_config(alpha=8.0, dropout=0.0, **kw)) and '"lora_alpha": 8.0' in a
+
+
+@pytest.mark.parametrize("variant,match", [
+    (dict(lora_bias=True), "lora_bias"),
+    (dict(init_lora_weights="pissa"), "init_lora_weights='pissa'"),
+    (dict(init_lora_weights="olora"), "init_lora_weights='olora'"),
+    (dict(alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"), "alora_invocation_tokens"),
+])
+def test_lora_variants_that_are_not_plain_lora_are_refused(tmp_path, nvfp4_dirs, variant, match):
+    # Real PEFT adapters whose saved tensors are not "base + scale * B @ A": PiSSA/OLoRA are relative to a
+    # base PEFT rewrote, lora_bias adds a trained bias, aLoRA acts only after its invocation tokens. Both
+    # the engine's loader and merge applied them as plain LoRA without a word (logits 0.3-0.75 off PEFT's;
+    # merge dropped lora_B.bias, 2026-11-26 audit).
+    from qerl_cli.merge import read_adapter
+
+    qdir, deq = nvfp4_dirs
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **variant))
+    pm.save_pretrained(tmp_path / "a")
+    with pytest.raises(BadInputError, match=match):
+        load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
+    with pytest.raises(BadInputError, match=match):
+        read_adapter(tmp_path / "a")
+
+
+def test_adapter_without_target_modules_is_bad_input(tmp_path, nvfp4_dirs):
+    qdir, _ = nvfp4_dirs
+    model = load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=4))
+    save_adapter(model, tmp_path / "a", base_model_path=qdir, extra_config={"target_modules": None})
+    with pytest.raises(BadInputError, match="target_modules"):  # was a TypeError traceback
+        read_adapter_spec(tmp_path / "a")
