@@ -110,6 +110,31 @@ def make_record(
     return rec
 
 
+def _number(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _noise_problem(noise: dict) -> str | None:
+    """train-step rebuilds the AQN vectors from these: a record without them would train without noise
+    (``{}`` read as AQN off) or fail with a KeyError."""
+    sigma = noise.get("sigma")
+    if not _number(sigma) or sigma < 0:
+        return f"noise.sigma should be a number >= 0, got {sigma!r}"
+    if sigma > 0 and type(noise.get("seed")) is not int:
+        return f"noise.seed should be an integer when noise.sigma > 0, got {noise.get('seed')!r}"
+    if "step" in noise and type(noise["step"]) is not int:  # absent: the record's step (the contract's form)
+        return f"noise.step should be an integer, got {noise['step']!r}"
+    return None
+
+
+def _sampling_problem(sampling: dict) -> str | None:
+    """train-step scales log-probs by the temperature the tokens were drawn at."""
+    t = sampling.get("temperature")
+    if not _number(t) or t < 0:
+        return f"sampling.temperature should be a number >= 0, got {t!r}"
+    return None
+
+
 def validate_record(rec: Any) -> str | None:
     """Why ``rec`` is not a valid record, or None when it is."""
     if not isinstance(rec, dict):
@@ -125,6 +150,11 @@ def validate_record(rec: Any) -> str | None:
             return f"field {k!r} should be {want}, got {type(v).__name__}"
     if rec["schema_version"] > SCHEMA_VERSION:
         return f"schema_version {rec['schema_version']} is newer than this qerl reads ({SCHEMA_VERSION}); upgrade qerl"
+    if rec["schema_version"] < 1:
+        return f"schema_version {rec['schema_version']} is not a version (they start at 1)"
+    why = _noise_problem(rec["noise"]) or _sampling_problem(rec["sampling"])
+    if why:
+        return why
     if rec["finish_reason"] not in FINISH_REASONS:
         return f"finish_reason {rec['finish_reason']!r} is not one of {', '.join(FINISH_REASONS)}"
     if len(rec["logprobs"]) != len(rec["completion_token_ids"]):

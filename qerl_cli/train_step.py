@@ -208,6 +208,8 @@ def read_step(cfg: TrainStepConfig) -> StepData:
     noise = first["noise"] or None
     if noise is not None and not float(noise.get("sigma", 0.0) or 0.0):
         noise = None
+    if noise is not None and "step" not in noise:  # the contract's {sigma, seed}: drawn for the record's step
+        noise = dict(noise, step=first["step"])
     return StepData(
         records=recs,
         files=report.files,

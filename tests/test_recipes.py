@@ -288,6 +288,28 @@ def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
     assert r.returncode == 2 and "ROLLOUT_SHARDS=1" in r.stderr
 
 
+def test_a_slurm_rollout_rerun_alone_samples_with_the_chains_settings(tmp_path):
+    # Submitted with PROMPTS_PER_STEP=4 in the environment, a rollout task rerun by hand without it
+    # sampled the config's default prompt count into the same step, and train-step trained on the mix
+    # (2026-11-26 audit). submit.env now keeps every value of the config as submitted.
+    sbatch, _ = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=3\n")
+    run = tmp_path / "run"
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True, capture_output=True,
+                   env={**os.environ, "SBATCH": str(sbatch), "PROMPTS_PER_STEP": "4", "NUM_GENERATIONS": "4",
+                        "LR": "5e-6", "SEED": "7"})
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$*" >> {log}\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("PROMPTS_PER_STEP", "NUM_GENERATIONS", "LR", "SEED")}
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(run), "1"],
+                   env={**env, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}, check=True, capture_output=True)
+    args = log.read_text().split()
+    assert args[args.index("--prompts-per-step") + 1] == "4", args
+    assert args[args.index("--num-generations") + 1] == "8", args  # this config assigns G outright
+    assert args[args.index("--seed") + 1] == "7", args
+
+
 def test_config_knobs_set_in_the_environment_win(tmp_path):
     # compare_aqn.sh sets the variant through the environment; the Qwen configs assigned these outright,
     # so all three variants ran the same NVFP4 + AQN experiment.

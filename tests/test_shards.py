@@ -102,8 +102,15 @@ def _write_lines(path, lines):
         (json.dumps(rec(policy={"base": "x"})), "policy lacks 'adapter'"),
         (json.dumps(rec(schema_version=SCHEMA_VERSION + 1)), "newer than this qerl"),
         (json.dumps(rec(logprobs=[-0.5, float("nan")])), "must be finite"),  # Python's json writes NaN
+        # the audit's (2026-11-26): read as AQN off, a KeyError in train-step, a temperature assumed, a version
+        (json.dumps(rec(noise={})), "noise.sigma should be a number"),
+        (json.dumps(rec(noise={"sigma": 0.01})), "noise.seed should be an integer"),
+        (json.dumps(rec(noise={"sigma": 0.01, "seed": 1, "step": "3"})), "noise.step should be an integer"),
+        (json.dumps(rec(sampling={})), "sampling.temperature should be a number"),
+        (json.dumps(rec(schema_version=0)), "not a version"),
     ],
-    ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future", "nan"],
+    ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future", "nan",
+         "noise-empty", "noise-seed", "noise-step", "sampling-empty", "version-0"],
 )
 def test_bad_line_names_file_and_line(tmp_path, bad, why):
     p = tmp_path / shard_name(0, 1)
@@ -124,10 +131,13 @@ def test_blank_lines_are_ignored(tmp_path):
     assert len(read_records(p)) == 2
 
 
-def test_mixed_schema_versions_rejected(tmp_path):
-    write_records(tmp_path / shard_name(0, 2), [rec("a")])
-    write_records(tmp_path / shard_name(1, 2), [rec("b", schema_version=0)])
-    with pytest.raises(BadInputError, match="schema_version 0 mixed with schema_version 1"):
+def test_mixed_schema_versions_rejected(tmp_path, monkeypatch):
+    import qerl_cli.shards
+
+    monkeypatch.setattr(qerl_cli.shards, "SCHEMA_VERSION", SCHEMA_VERSION + 1)  # a reader of two versions
+    write_records(tmp_path / shard_name(0, 2), [rec("a", schema_version=SCHEMA_VERSION + 1)])
+    write_records(tmp_path / shard_name(1, 2), [rec("b", schema_version=SCHEMA_VERSION)])
+    with pytest.raises(BadInputError, match=f"schema_version {SCHEMA_VERSION} mixed with schema_version {SCHEMA_VERSION + 1}"):
         read_records(tmp_path)
 
 

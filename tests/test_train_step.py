@@ -246,9 +246,9 @@ def test_mixed_schema_versions_and_single_completion_groups(models, tmp_path):
     sh = make_shard(tmp_path / "sh", models["qhash"])
     lines = (sh / shard_name(0, 1)).read_text().splitlines()
     old = json.loads(lines[-1])
-    old["schema_version"] = 0
+    old["schema_version"] = 0  # not a version: refused with its line
     (sh / shard_name(0, 1)).write_text("\n".join(lines[:-1] + [json.dumps(old)]) + "\n")
-    with pytest.raises(BadInputError, match="schema_version 0 mixed with schema_version 1"):
+    with pytest.raises(BadInputError, match=rf"{shard_name(0, 1)}:{len(lines)}: schema_version 0 is not a version"):
         train_step(_cfg(models["q"], [sh], tmp_path / "out"))
     sh2 = make_shard(tmp_path / "sh2", models["qhash"], per_group=4)
     lines = (sh2 / shard_name(0, 1)).read_text().splitlines()
@@ -604,3 +604,15 @@ def test_a_record_without_prompt_tokens_is_named_before_anything_loads(models, t
     monkeypatch.setattr(ts, "_load", lambda *a, **k: pytest.fail("loaded the model before checking the shards"))
     with pytest.raises(BadInputError, match=r"shard-00000-of-00001.jsonl:4: record of group 's0-g0' has no prompt"):
         train_step(_cfg(models["q"], [sh], tmp_path / "a"))
+
+
+def test_noise_record_in_the_contracts_form_draws_for_the_records_step(models, tmp_path):
+    # stages.md names noise {sigma, seed}; qerl's rollout adds the step. A record without it made
+    # train-step fail with KeyError: 'step' (2026-11-26 audit); it is the record's own step.
+    from qerl_cli.train_step import read_step
+
+    full = make_shard(tmp_path / "a", models["qhash"], step=5, noise={"sigma": 0.01, "seed": 3, "step": 5})
+    short = make_shard(tmp_path / "b", models["qhash"], step=5, noise={"sigma": 0.01, "seed": 3})
+    got = read_step(_cfg(models["q"], [short], tmp_path / "o"))
+    assert got.noise["step"] == 5 and got.noise["sigma"] == 0.01 and got.noise["seed"] == 3
+    assert read_step(_cfg(models["q"], [full], tmp_path / "o")).noise["step"] == 5

@@ -6,8 +6,8 @@
 #
 # Each rollout task writes its own shard directory (--shard-index/--num-shards), so a failed
 # task can be rerun alone (`sbatch --array=3 ...`); every stage is idempotent, so resubmitting
-# the whole chain after a failure redoes only what is missing (RUN_DIR/submit.env keeps the shard and
-# step counts, so a job rerun alone sees the chain's values). Variables (environment or
+# the whole chain after a failure redoes only what is missing (RUN_DIR/submit.env keeps every
+# value of CONFIG as submitted, so a job rerun alone sees the chain's values). Variables (environment or
 # CONFIG): PARTITION, ACCOUNT, ROLLOUT_SHARDS (default 1), ROLLOUT_GPUS (per task, 1),
 # TRAIN_GPUS (1; >1 runs torchrun), GPU_GRES (gres name, default gpu; empty: no --gres, e.g. a
 # CPU-only test cluster), TIME_ROLLOUT, TIME_TRAIN, TIME_QUANTIZE, EXTRA_SBATCH_ARGS.
@@ -24,11 +24,15 @@ SBATCH=${SBATCH:-sbatch}
 HERE=$(cd "$(dirname "$0")" && pwd)
 SCRIPT=$HERE/stage.sbatch
 SHARDS=${ROLLOUT_SHARDS:-1}
-# The chain's shape, which the environment may have set: a job rerun alone later (sbatch --array=3
-# ..., or the train job) must see the same values, or it reads 1 of N shards. stage.sbatch sources
-# this file after CONFIG.
+# Every value the chain was submitted with, which the environment may have set (a config's
+# ${VAR:-default}): a job rerun alone later (sbatch --array=3 ..., or the train job) must see the same
+# ones, or it reads 1 of N shards, or samples other prompts with another G into the same step.
+# stage.sbatch sources this file after CONFIG.
+config_vars=$(grep -oE '^[[:space:]]*(export[[:space:]]+)?[A-Za-z_][A-Za-z0-9_]*=' "$CONFIG" \
+  | sed -E 's/^[[:space:]]*(export[[:space:]]+)?//; s/=$//' | sort -u)
 {
-  echo "# written by submit.sh $(date -u +%FT%TZ): the chain's shape; stage.sbatch reads it after CONFIG"
+  echo "# written by submit.sh $(date -u +%FT%TZ): the chain's values; stage.sbatch reads it after CONFIG"
+  for v in $config_vars; do declare -p "$v" 2>/dev/null || true; done
   printf 'ROLLOUT_SHARDS=%q\nSTEPS=%q\nTRAIN_GPUS=%q\n' "$SHARDS" "$STEPS" "${TRAIN_GPUS:-1}"
 } > "$RUN_DIR/submit.env"
 
