@@ -92,7 +92,9 @@ def read_adapter_spec(adapter_dir) -> LoraSpec:
     """The LoraSpec an adapter directory was trained with (targets as module-name suffixes)."""
     cfg = _read_config(adapter_dir)
     targets = cfg.get("target_modules")
-    if isinstance(targets, str):  # PEFT allows a regex; resolve it from the saved keys instead
+    # PEFT allows a regex, and names matched as dotted suffixes ("self_attn.q_proj"): resolve both from
+    # the saved keys (module names, which the loader then requires in every layer)
+    if isinstance(targets, str) or (isinstance(targets, list) and any(isinstance(t, str) and "." in t for t in targets)):
         targets = _targets_from_weights(Path(adapter_dir))
     if not targets or not all(isinstance(t, str) for t in targets):
         raise BadInputError(f"{Path(adapter_dir) / CONFIG}: target_modules must name the adapted modules, got {targets!r}")

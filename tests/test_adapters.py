@@ -262,3 +262,22 @@ def test_adapter_without_target_modules_is_bad_input(tmp_path, nvfp4_dirs):
     save_adapter(model, tmp_path / "a", base_model_path=qdir, extra_config={"target_modules": None})
     with pytest.raises(BadInputError, match="target_modules"):  # was a TypeError traceback
         read_adapter_spec(tmp_path / "a")
+
+
+def test_peft_targets_named_as_dotted_suffixes_load(tmp_path, nvfp4_dirs):
+    # PEFT matches "self_attn.q_proj" as a suffix of the module path; the loader said it matched no Linear.
+    qdir, deq = nvfp4_dirs
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["self_attn.q_proj", "mlp.down_proj"]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    pm.save_pretrained(tmp_path / "peft")
+    ids, mask = right_padded()
+    with torch.no_grad():
+        ref = pm.eval()(input_ids=ids, attention_mask=mask).logits
+    assert set(read_adapter_spec(tmp_path / "peft").targets) == {"q_proj", "down_proj"}
+    model = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
+    assert (_logits(model, ids, mask) - ref).abs().masked_select(mask[..., None].bool()).max() < 1e-4
