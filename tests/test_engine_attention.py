@@ -284,6 +284,7 @@ TRUNC = textwrap.dedent("""
     cases = [dict(top_p=0.9), dict(top_k=5), dict(top_k=1), dict(min_p=0.05), dict(top_p=1e-6),
              dict(top_k=40, top_p=0.8, min_p=0.01, temperature=0.7), dict(top_p=0.6, temperature=1.7)]
     seeds = torch.arange(4) * 7919 + 3
+    shipped = tt.CHUNK
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         logits = base.to(dt)
         for kw in cases:
@@ -294,6 +295,7 @@ TRUNC = textwrap.dedent("""
                 assert_same_nucleus(kept, logits, sp)
                 alone = mask_from_cut(logits[2:3], sp.temperature, tt.find_cut(logits[2:3], sp, 1024, 2))
                 assert torch.equal(alone, kept[2:3]), (dt, kw)  # a row's cut does not depend on its batch
+            tt.CHUNK = shipped
             for chunks in (1, 2) if dt == torch.float16 else (2,):
                 tok, lp = gumbel_sample(logits, sp.temperature, seeds, num_chunks=chunks, sp=sp)
                 ref = truncated_logprobs(logits.float(), sp).gather(-1, tok[:, None]).squeeze(-1)

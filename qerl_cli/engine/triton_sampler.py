@@ -59,7 +59,7 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
         keep = tl.load(KEEP + row)
         if TIES_ON:  # ties at the cut before this chunk: the rank of the chunk's first one
             cc = tl.arange(0, CP)
-            ties = tl.sum(tl.load(TIES + row * num_chunks + cc, mask=cc < c, other=0).to(tl.int64), 0)
+            ties = tl.sum(tl.load(TIES + row * num_chunks + cc, mask=cc < c, other=0), 0)
     m = float("-inf")
     s = 0.0
     best = float("-inf")
@@ -74,10 +74,11 @@ def _gumbel_partial_kernel(L, SEEDS, PS, PI, PX, PM, PSUM, stride_l, V, chunk, n
             key = _radix_key(raw, x, KEY16)
             stay = mask & (x >= floor) & (key >= kcut)
             if TIES_ON:
-                tie = stay & (key == kcut)
-                rank = ties + tl.cumsum(tie.to(tl.int64), 0) - 1
-                stay = stay & ((key > kcut) | (rank < keep))
-                ties += tl.sum(tie.to(tl.int64), 0)
+                tie = (stay & (key == kcut)).to(tl.int32)
+                n_tie = tl.sum(tie, 0)
+                if n_tie > 0:  # ranks only where the cut's tie group has tokens (rarely)
+                    stay = stay & ((key > kcut) | (ties + tl.cumsum(tie, 0) - 1 < keep))
+                ties += n_tie
             else:
                 stay = stay & (key > kcut)
             x = tl.where(stay, x, float("-inf"))

@@ -12,7 +12,7 @@ of ``x / T``), so ties are equal keys. A pass histograms the keys' next 4 bits o
 (counts by ``tl.histogram``; for top-p also the mass ``exp(x - max)``), a one-program-per-row combine
 picks the digit where the running total crosses the target (k tokens, or ``top_p`` x the survivors'
 mass), and after 4 passes (8 for fp32) the key is exact. Rows are split into programs of a fixed
-2048 tokens whatever the batch, and their partial sums are added in one order, so a row's cut is the
+4096 tokens whatever the batch, and their partial sums are added in one order, so a row's cut is the
 same in any batch. Ties at the cut keep their lowest indices, as the stable sort does; the Gumbel
 kernel ranks them per chunk.
 
@@ -33,8 +33,11 @@ import triton.language as tl
 from qerl_cli.engine.sampling_params import SamplingParams
 
 # Vocabulary per radix program, fixed (not by batch size) so that a row's fp32 partial sums, and the cut,
-# are the same in any batch: 75 programs per row at a 152k vocabulary.
-CHUNK = 2048
+# are the same in any batch: 38 programs per row at a 152k vocabulary.
+CHUNK = 4096
+# A radix pass's tile: tokens per iteration, warps, pipelining. Among the fastest of 18 tiles at 16 and 256
+# rows, and steady over two leases (benchmarks/probe_truncation.py, H100, 2026-11-26).
+PASS_BLOCK, PASS_WARPS, PASS_STAGES = 512, 4, 1
 
 
 @triton.jit
@@ -78,10 +81,13 @@ def _max_kernel(L, PMAX, stride_l, V, num_chunks, inv_t, CHUNK: tl.constexpr, BL
 @triton.jit
 def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, num_chunks, inv_t, log_min_p, shift,
                        KEY16: tl.constexpr, MASS: tl.constexpr, CP: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Histogram of the next 4 key bits over one (row, chunk)'s candidates: tokens above the min-p floor
-    (and for top-p at or above the top-k key) whose key matches the prefix found so far. Masses by a
-    one-hot sum, skipped for blocks without a candidate (after the first digit, nearly all of them)."""
+    (and for top-p at or above the top-k key) whose key matches the prefix found so far.
+
+    The masses are a one-hot sum over a [16, BLOCK] tile with the tokens along its last axis: with the
+    bins last, Triton spread each token's row over 16 threads and ran every per-token operation (load,
+    key, exp) 16 times over (an H100 took ~0.9 ms per pass at 256 x 152k)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     xmax = _row_max(PMAX, row, num_chunks, CP)
@@ -90,8 +96,8 @@ def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, num_chun
     klow = _as_key(tl.load(KLOW + row), KEY16)
     bins = tl.arange(0, 16)
     cnt = tl.zeros([32], tl.int32)
-    mass = tl.zeros([BLOCK, 16], tl.float32)
-    for start in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK):
+    mass = tl.zeros([16, BLOCK], tl.float32)
+    for start in tl.range(c * CHUNK, c * CHUNK + CHUNK, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         raw = tl.load(L + row * stride_l + offs, mask=offs < V, other=float("-inf"))
         x = raw.to(tl.float32) * inv_t
@@ -99,17 +105,16 @@ def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, num_chun
         ok = (offs < V) & (x >= floor) & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
         if MASS:
             ok = ok & (key >= klow)
-        digit = ((key >> shift) & 15).to(tl.int32)
-        cnt += tl.histogram(tl.where(ok, digit, 16), 32)  # bins 16-31: not a candidate
+        digit = tl.where(ok, ((key >> shift) & 15).to(tl.int32), 16)  # 16: not a candidate
+        cnt += tl.histogram(digit, 32)
         if MASS:
-            if tl.max(ok.to(tl.int32), 0) > 0:
-                q = tl.exp(x - xmax)
-                mass += tl.where(ok[:, None] & (digit[:, None] == bins[None, :]), q[:, None], 0.0)
+            if tl.min(digit, 0) < 16:  # after the first digits, most chunks of a peaked row hold no candidate
+                mass += tl.where(digit[None, :] == bins[:, None], tl.exp(x - xmax)[None, :], 0.0)
     o = (row * num_chunks + c) * 16
     b32 = tl.arange(0, 32)
     tl.store(HCNT + o + b32, cnt, mask=b32 < 16)
     if MASS:
-        tl.store(HMASS + o + bins, tl.sum(mass, 0))
+        tl.store(HMASS + o + bins, tl.sum(mass, 1))
 
 
 @triton.jit
@@ -190,10 +195,11 @@ def find_cut(logits: torch.Tensor, sp: SamplingParams, gumbel_chunk: int, gumbel
     key16 = logits.element_size() == 2
     nc = triton.cdiv(v, CHUNK)
     cp = max(2, triton.next_power_of_2(nc))
+    block = min(PASS_BLOCK, CHUNK)  # a pass's loop covers its chunk exactly
     inv_t = 1.0 / sp.temperature
     log_min_p = math.log(sp.min_p) if sp.min_p > 0 else float("-inf")
     pmax = torch.empty(b, nc, dtype=torch.float32, device=dev)
-    _max_kernel[(b, nc)](logits, pmax, logits.stride(0), v, nc, inv_t, CHUNK=CHUNK, BLOCK=CHUNK, num_warps=4)
+    _max_kernel[(b, nc)](logits, pmax, logits.stride(0), v, nc, inv_t, CHUNK=CHUNK, BLOCK=CHUNK, num_warps=8)
     i64, f64 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.float64, device=dev)
     prefix, klow = torch.zeros(b, **i64), torch.zeros(b, **i64)
     above, target = torch.zeros(b, **f64), torch.zeros(b, **f64)
@@ -205,8 +211,8 @@ def find_cut(logits: torch.Tensor, sp: SamplingParams, gumbel_chunk: int, gumbel
     for mass in phases:
         for i, shift in enumerate(range((16 if key16 else 32) - 4, -1, -4)):
             _radix_pass_kernel[(b, nc)](logits, pmax, prefix, klow, hcnt, hmass, logits.stride(0), v, nc, inv_t,
-                                        log_min_p, shift, KEY16=key16, MASS=mass, CP=cp, CHUNK=CHUNK, BLOCK=256,
-                                        num_warps=8)
+                                        log_min_p, shift, KEY16=key16, MASS=mass, CP=cp, CHUNK=CHUNK, BLOCK=block,
+                                        STAGES=PASS_STAGES, num_warps=PASS_WARPS)
             _radix_combine_kernel[(b,)](hcnt, hmass, prefix, above, target, klow, kcut, keep, nc, shift, sp.top_k,
                                         sp.top_p, MASS=mass, FIRST=i == 0, LAST=shift == 0, CP=cp, num_warps=4)
     ties = None
