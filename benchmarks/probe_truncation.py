@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=str(tt.PASS_BLOCK))
     ap.add_argument("--warps", default=str(tt.PASS_WARPS))
     ap.add_argument("--stages", default=str(tt.PASS_STAGES))
+    ap.add_argument("--count-bits", default=str(tt.COUNT_BITS), help="key bits per top-k pass (4 or 8)")
+    ap.add_argument("--key-mass-bits", default=str(tt.KEY_MASS_BITS), help="bits of the last top-p pass (4 or 8)")
     ap.add_argument("--peaked", action="store_true", help="rows with 8 tokens 20 nats up (a small nucleus)")
     args = ap.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -45,13 +47,15 @@ def main(argv=None) -> int:
         xs[r] = x.bfloat16()
     modes = {"top_p": SamplingParams(top_p=0.95), "top_k": SamplingParams(top_k=50)}
     print(f"device: {torch.cuda.get_device_name()}; GPU us per find_cut, and per sample() (cut + Gumbel draw)")
-    print("| chunk | block | warps | stages | " + " | ".join(f"{m} {r}" for r in xs for m in modes) + " | "
+    print("| chunk | block | warps | stages | count bits | key-mass bits | " + " | ".join(f"{m} {r}" for r in xs for m in modes) + " | "
           + " | ".join(f"sample {m} {r}" for r in xs for m in modes) + " |")
-    for chunk, block, warps, stages in itertools.product(ints(args.chunks), ints(args.blocks), ints(args.warps),
-                                                         ints(args.stages)):
+    for chunk, block, warps, stages, cb, kb in itertools.product(ints(args.chunks), ints(args.blocks), ints(args.warps),
+                                                                 ints(args.stages), ints(args.count_bits),
+                                                                 ints(args.key_mass_bits)):
         if block > chunk:
             continue
         tt.CHUNK, tt.PASS_BLOCK, tt.PASS_WARPS, tt.PASS_STAGES = chunk, block, warps, stages
+        tt.COUNT_BITS, tt.KEY_MASS_BITS = cb, kb
         cells, full = [], []
         for r, x in xs.items():
             gc, gn = chunking(r, args.vocab)
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
                     cells.append(type(e).__name__)
                     full.append("-")
         cells += full
-        print(f"| {chunk} | {block} | {warps} | {stages} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| {chunk} | {block} | {warps} | {stages} | {cb} | {kb} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

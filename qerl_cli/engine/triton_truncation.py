@@ -9,9 +9,11 @@ distribution in its one pass, masking on the fly.
 
 How: each logit gets an integer key in the logit order (its bf16/fp16 bits; for fp32 logits, the bits
 of ``x / T``), so ties are equal keys. A pass histograms the keys' next 4 bits over the candidates left
-(counts by ``tl.histogram``; for top-p also the mass ``exp(x - max)``), a one-program-per-row combine
-picks the digit where the running total crosses the target (k tokens, or ``top_p`` x the survivors'
-mass), and after 4 passes (8 for fp32) the key is exact. Rows are split into programs of a fixed
+(counts by ``tl.histogram``; for top-p also the mass ``exp(x - max)``, by a one-hot sum), a
+one-program-per-row combine picks the digit where the running total crosses the target (k tokens, or
+``top_p`` x the survivors' mass), and after 4 passes (8 for fp32) the key is exact. Top-p's last pass
+takes 8 bits by counts alone: with all other bits fixed, each bin is one key, whose mass is its count
+times exp(x(key) - max), exactly. Rows are split into programs of a fixed
 4096 tokens whatever the batch, and their partial sums are added in one order, so a row's cut is the
 same in any batch. Ties at the cut keep their lowest indices, as the stable sort does; the Gumbel
 kernel ranks them per chunk.
@@ -35,9 +37,12 @@ from qerl_cli.engine.sampling_params import SamplingParams
 # Vocabulary per radix program, fixed (not by batch size) so that a row's fp32 partial sums, and the cut,
 # are the same in any batch: 38 programs per row at a 152k vocabulary.
 CHUNK = 4096
-# A radix pass's tile: tokens per iteration, warps, pipelining. Among the fastest of 18 tiles at 16 and 256
-# rows, and steady over two leases (benchmarks/probe_truncation.py, H100, 2026-11-26).
-PASS_BLOCK, PASS_WARPS, PASS_STAGES = 512, 4, 1
+# A radix pass's tile: tokens per iteration, warps, pipelining; key bits a counting pass takes (top-k: a
+# 512-bin tl.histogram made two 8-bit passes slower than four 4-bit ones), and the last top-p pass, whose
+# masses come from per-key counts. The fastest of 16 such settings at 16 rows, within 8% of the fastest
+# at 256 (benchmarks/probe_truncation.py, H100, 2026-11-26).
+PASS_BLOCK, PASS_WARPS, PASS_STAGES = 1024, 4, 1
+COUNT_BITS, KEY_MASS_BITS = 4, 8
 
 
 @triton.jit
@@ -79,82 +84,110 @@ def _max_kernel(L, PMAX, stride_l, V, num_chunks, inv_t, CHUNK: tl.constexpr, BL
 
 
 @triton.jit
-def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, num_chunks, inv_t, log_min_p, shift,
-                       KEY16: tl.constexpr, MASS: tl.constexpr, CP: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """Histogram of the next 4 key bits over one (row, chunk)'s candidates: tokens above the min-p floor
-    (and for top-p at or above the top-k key) whose key matches the prefix found so far.
+def _key_value(key, inv_t, KEY16: tl.constexpr, BF16: tl.constexpr):
+    """x = logit / T of a key (``_radix_key``'s inverse), computed as the passes compute it."""
+    if KEY16:
+        t = key.to(tl.int32) - 32768
+        b = tl.where(t < 0, t ^ 0x7FFF, t).to(tl.int16)
+        if BF16:
+            return b.to(tl.bfloat16, bitcast=True).to(tl.float32) * inv_t
+        else:
+            return b.to(tl.float16, bitcast=True).to(tl.float32) * inv_t
+    else:
+        t = key - 2147483648
+        return tl.where(t < 0, t ^ 0x7FFFFFFF, t).to(tl.int32).to(tl.float32, bitcast=True)
 
-    The masses are a one-hot sum over a [16, BLOCK] tile with the tokens along its last axis: with the
-    bins last, Triton spread each token's row over 16 threads and ran every per-token operation (load,
-    key, exp) 16 times over (an H100 took ~0.9 ms per pass at 256 x 152k)."""
+
+@triton.jit
+def _radix_pass_kernel(L, PMAX, PREFIX, KLOW, HCNT, HMASS, stride_l, V, num_chunks, inv_t, log_min_p, shift,
+                       KEY16: tl.constexpr, CUT_TOP_K: tl.constexpr, MASS: tl.constexpr, DBITS: tl.constexpr,
+                       CP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Histogram of the next DBITS key bits over one (row, chunk)'s candidates: tokens above the min-p
+    floor (and for top-p at or above the top-k key) whose key matches the prefix found so far. Counts
+    by ``tl.histogram``; with MASS also the masses exp(x - max), by a one-hot sum.
+
+    The one-hot tile is [bins, BLOCK], tokens along its last axis: with the bins last, Triton spread
+    each token's row over 16 threads and ran every per-token operation (load, key, exp) 16 times over
+    (an H100 took ~0.9 ms per pass at 256 x 152k)."""
+    NB: tl.constexpr = 1 << DBITS
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     xmax = _row_max(PMAX, row, num_chunks, CP)
     floor = xmax + log_min_p
     prefix = _as_key(tl.load(PREFIX + row), KEY16)
     klow = _as_key(tl.load(KLOW + row), KEY16)
-    bins = tl.arange(0, 16)
-    cnt = tl.zeros([32], tl.int32)
-    mass = tl.zeros([16, BLOCK], tl.float32)
+    bins = tl.arange(0, NB)
+    cnt = tl.zeros([2 * NB], tl.int32)
+    if MASS:
+        mass = tl.zeros([NB, BLOCK], tl.float32)
     for start in tl.range(c * CHUNK, c * CHUNK + CHUNK, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         raw = tl.load(L + row * stride_l + offs, mask=offs < V, other=float("-inf"))
         x = raw.to(tl.float32) * inv_t
         key = _radix_key(raw, x, KEY16)
-        ok = (offs < V) & (x >= floor) & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
-        if MASS:
+        ok = (offs < V) & (x >= floor) & ((key >> (shift + DBITS)) == (prefix >> (shift + DBITS)))
+        if CUT_TOP_K:
             ok = ok & (key >= klow)
-        digit = tl.where(ok, ((key >> shift) & 15).to(tl.int32), 16)  # 16: not a candidate
-        cnt += tl.histogram(digit, 32)
+        digit = tl.where(ok, ((key >> shift) & (NB - 1)).to(tl.int32), NB)  # NB: not a candidate
+        cnt += tl.histogram(digit, 2 * NB)
         if MASS:
-            if tl.min(digit, 0) < 16:  # after the first digits, most chunks of a peaked row hold no candidate
+            if tl.min(digit, 0) < NB:  # after the first digits, most chunks of a peaked row hold no candidate
                 mass += tl.where(digit[None, :] == bins[:, None], tl.exp(x - xmax)[None, :], 0.0)
-    o = (row * num_chunks + c) * 16
-    b32 = tl.arange(0, 32)
-    tl.store(HCNT + o + b32, cnt, mask=b32 < 16)
+    o = (row * num_chunks + c) * NB
+    b2 = tl.arange(0, 2 * NB)
+    tl.store(HCNT + o + b2, cnt, mask=b2 < NB)
     if MASS:
         tl.store(HMASS + o + bins, tl.sum(mass, 1))
 
 
 @triton.jit
-def _radix_combine_kernel(HCNT, HMASS, PREFIX, ABOVE, TARGET, KLOW, KCUT, KEEP, num_chunks, shift, top_k, top_p,
-                          MASS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, CP: tl.constexpr):
+def _radix_combine_kernel(HCNT, HMASS, PMAX, PREFIX, ABOVE, TARGET, KLOW, KCUT, KEEP, num_chunks, shift, top_k, top_p,
+                          inv_t, PHASE_MASS: tl.constexpr, KEY_MASS: tl.constexpr, DBITS: tl.constexpr,
+                          FIRST: tl.constexpr, LAST: tl.constexpr, KEY16: tl.constexpr, BF16: tl.constexpr,
+                          CP: tl.constexpr):
     """One row: sum the chunks' histograms (in one fixed order), take the lowest non-empty digit whose
-    mass (count) above stays under the target, extend the prefix; after the last digit, write the cut."""
+    mass (count) above stays under the target, extend the prefix; after the last digit, write the cut.
+    With KEY_MASS the digits are whole keys, and their masses are count x exp(x(key) - max): exact,
+    without a one-hot pass."""
+    NB: tl.constexpr = 1 << DBITS
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CP)
-    bins = tl.arange(0, 16)
-    o = (row * num_chunks + c[:, None]) * 16 + bins[None, :]
+    bins = tl.arange(0, NB)
+    o = (row * num_chunks + c[:, None]) * NB + bins[None, :]
     ok = (c < num_chunks)[:, None]
     h_cnt = tl.sum(tl.load(HCNT + o, mask=ok, other=0), 0).to(tl.float64)
-    if MASS:
+    if FIRST:
+        above = tl.zeros([], tl.float64)
+        prefix = tl.zeros([], tl.int64)
+    else:
+        above = tl.load(ABOVE + row)
+        prefix = tl.load(PREFIX + row)
+    if KEY_MASS:
+        q = tl.exp(_key_value(prefix | bins, inv_t, KEY16, BF16) - _row_max(PMAX, row, num_chunks, CP))
+        h = h_cnt * q.to(tl.float64)
+    elif PHASE_MASS:
         h = tl.sum(tl.load(HMASS + o, mask=ok, other=0.0).to(tl.float64), 0)
     else:
         h = h_cnt
     if FIRST:
-        above = tl.zeros([], tl.float64)
-        prefix = tl.zeros([], tl.int64)
-        if MASS:  # the nucleus keeps a token while the mass ranked above it is < top_p x the survivors' mass
+        if PHASE_MASS:  # the nucleus keeps a token while the mass ranked above it is < top_p x the survivors'
             target = top_p * tl.sum(h, 0)
         else:
             target = tl.zeros([], tl.float64) + top_k
         tl.store(TARGET + row, target)
     else:
-        above = tl.load(ABOVE + row)
-        prefix = tl.load(PREFIX + row)
         target = tl.load(TARGET + row)
     above_d = above + tl.sum(h, 0) - tl.cumsum(h, 0)  # mass in the prefix's range above each digit's keys
-    d = tl.min(tl.where((h_cnt > 0) & (above_d < target), bins, 16), 0)
+    d = tl.min(tl.where((h_cnt > 0) & (above_d < target), bins, NB), 0)
     above = tl.sum(tl.where(bins == d, above_d, 0.0), 0)
     prefix = prefix | (d.to(tl.int64) << shift)
     tl.store(ABOVE + row, above)
     tl.store(PREFIX + row, prefix)
     if LAST:
-        if MASS:
+        if PHASE_MASS:
             n = tl.sum(tl.where(bins == d, h_cnt, 0.0), 0)
-            q = tl.sum(tl.where(bins == d, h, 0.0), 0) / tl.maximum(n, 1.0)  # the ties' (equal) mass
-            keep = tl.where(q > 0, tl.ceil((target - above) / q), n)
+            q_d = tl.sum(tl.where(bins == d, h, 0.0), 0) / tl.maximum(n, 1.0)  # the ties' (equal) mass
+            keep = tl.where(q_d > 0, tl.ceil((target - above) / q_d), n)
             tl.store(KCUT + row, prefix)
             tl.store(KEEP + row, tl.minimum(tl.maximum(keep, 1.0), n).to(tl.int64))
         else:
@@ -205,16 +238,27 @@ def find_cut(logits: torch.Tensor, sp: SamplingParams, gumbel_chunk: int, gumbel
     above, target = torch.zeros(b, **f64), torch.zeros(b, **f64)
     kcut = torch.full((b,), -1, **i64)  # below every key: nothing cut but the min-p floor
     keep = torch.zeros(b, **i64)
-    hcnt = torch.empty(b, nc, 16, dtype=torch.int32, device=dev)
+    hcnt = torch.empty(b, nc, 256, dtype=torch.int32, device=dev)
     hmass = torch.empty(b, nc, 16, dtype=torch.float32, device=dev)
-    phases = ([False] if sp.top_k and sp.top_k < v else []) + ([True] if sp.top_p < 1.0 else [])
-    for mass in phases:
-        for i, shift in enumerate(range((16 if key16 else 32) - 4, -1, -4)):
-            _radix_pass_kernel[(b, nc)](logits, pmax, prefix, klow, hcnt, hmass, logits.stride(0), v, nc, inv_t,
-                                        log_min_p, shift, KEY16=key16, MASS=mass, CP=cp, CHUNK=CHUNK, BLOCK=block,
-                                        STAGES=PASS_STAGES, num_warps=PASS_WARPS)
-            _radix_combine_kernel[(b,)](hcnt, hmass, prefix, above, target, klow, kcut, keep, nc, shift, sp.top_k,
-                                        sp.top_p, MASS=mass, FIRST=i == 0, LAST=shift == 0, CP=cp, num_warps=4)
+    bits = 16 if key16 else 32
+    # (phase is top-p, one-hot masses, digit bits, shift): top-k by counts; top-p by one-hot masses, 4 bits
+    # a pass, down to the last KEY_MASS_BITS, whose keys' masses are count x exp(x - max)
+    cb, kb = COUNT_BITS, KEY_MASS_BITS
+    plan = [(False, False, cb, sh) for sh in range(bits - cb, -1, -cb)] if sp.top_k and sp.top_k < v else []
+    if sp.top_p < 1.0:
+        plan += [(True, True, 4, sh) for sh in range(bits - 4, kb - 1, -4)] + [(True, False, kb, 0)]
+    for i, (phase_mass, onehot, dbits, shift) in enumerate(plan):
+        first = i == 0 or plan[i - 1][0] != phase_mass
+        last = shift == 0
+        _radix_pass_kernel[(b, nc)](logits, pmax, prefix, klow, hcnt, hmass, logits.stride(0), v, nc, inv_t,
+                                    log_min_p, shift, KEY16=key16, CUT_TOP_K=phase_mass and bool(sp.top_k),
+                                    MASS=onehot, DBITS=dbits, CP=cp, CHUNK=CHUNK, BLOCK=block, STAGES=PASS_STAGES,
+                                    num_warps=PASS_WARPS)
+        _radix_combine_kernel[(b,)](hcnt, hmass, pmax, prefix, above, target, klow, kcut, keep, nc, shift, sp.top_k,
+                                    sp.top_p, inv_t, PHASE_MASS=phase_mass, KEY_MASS=phase_mass and not onehot,
+                                    DBITS=dbits, FIRST=first, LAST=last, KEY16=key16,
+                                    BF16=logits.dtype == torch.bfloat16, CP=cp, num_warps=4)
+    phases = {p for p, *_ in plan}
     ties = None
     if sp.top_p < 1.0:
         ties = torch.empty(b, gumbel_chunks, dtype=torch.int32, device=dev)
