@@ -218,14 +218,19 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch"):
         d.pop(key)
     d.pop("max_num_seqs")  # the batching changes no sample: every problem is seeded by itself
+    # Nor does the context: every prompt must fit beside --max-new-tokens (else the eval stops), so no
+    # sample reaches it. Counted, an explicit value equal to the model's own made a needless new run.
+    d.pop("max_model_len")
     d.update(device=device, dtype=dtype)
     return d
 
 
 def _legacy_fingerprint_config(config: dict, cfg: EvalConfig) -> tuple[dict, ...]:
-    """qerl before 2026-11-26 seeded each batch, so a sampled eval counted --max-num-seqs: its
-    finished outputs still read as done."""
-    return () if cfg.temperature == 0 else (dict(config, max_num_seqs=cfg.max_num_seqs),)
+    """Fingerprints of outputs that older qerl finished, which still read as done: it counted
+    --max-model-len (until session 39), and seeded each batch, so a sampled eval counted --max-num-seqs
+    (until 2026-11-26)."""
+    old = dict(config, max_model_len=cfg.max_model_len)
+    return (old,) if cfg.temperature == 0 else (old, dict(old, max_num_seqs=cfg.max_num_seqs))
 
 
 def _problem_seed(seed: int, index: int) -> int:

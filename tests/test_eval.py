@@ -296,10 +296,28 @@ def test_sampled_eval_with_other_batching_is_already_done(model_dir, tmp_path, m
     again, gen = run(model_dir, tmp_path, rows, answers, max_num_seqs=8, **kw)
     assert again["already_done"] and gen.calls == []
     new = ev._fingerprint_config
-    monkeypatch.setattr(ev, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), max_num_seqs=cfg.max_num_seqs))
+    monkeypatch.setattr(ev, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), max_num_seqs=cfg.max_num_seqs,
+                                                                       max_model_len=cfg.max_model_len))
     run(model_dir, tmp_path, rows, answers, name="old", max_num_seqs=2, **kw)
     monkeypatch.setattr(ev, "_fingerprint_config", new)
     assert run(model_dir, tmp_path, rows, answers, name="old", max_num_seqs=2, **kw)[0]["already_done"]
+
+
+def test_max_model_len_is_not_a_new_eval(model_dir, tmp_path, monkeypatch):
+    # Every prompt must fit beside --max-new-tokens, so the context changes no sample: --max-model-len
+    # equal to the model's own (or any that fits) once made "different config" and a needless --force.
+    from qerl_cli.runtime import context_length
+
+    rows = [{"question": "1+1?", "answer": "2"}]
+    assert not run(model_dir, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+    assert run(model_dir, tmp_path, rows, [["#### 2"]], max_model_len=context_length(model_dir))[0]["already_done"]
+    assert run(model_dir, tmp_path, rows, [["#### 2"]], max_model_len=200)[0]["already_done"]
+    # an output finished while the flag counted still reads as done
+    new = ev._fingerprint_config
+    monkeypatch.setattr(ev, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), max_model_len=cfg.max_model_len))
+    run(model_dir, tmp_path, rows, [["#### 2"]], name="old", max_model_len=300)
+    monkeypatch.setattr(ev, "_fingerprint_config", new)
+    assert run(model_dir, tmp_path, rows, [["#### 2"]], name="old", max_model_len=300)[0]["already_done"]
 
 
 def test_tokenizer_and_generation_config_are_inputs_of_the_eval(model_dir, tmp_path):
