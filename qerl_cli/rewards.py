@@ -124,7 +124,7 @@ def _mixed_value(m: re.Match) -> str:
     return _exact_str((-1 if m.group(1) else 1) * (whole + Fraction(num, den)))
 
 
-def _clean_number_text(s: str) -> str:
+def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = s.replace("\u2212", "-").replace("{,}", "").replace("\\!", "").replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
@@ -136,7 +136,8 @@ def _clean_number_text(s: str) -> str:
             break
     s = re.sub(r"\((-?[\d.,]+)\)", r"\1", s)  # (3) -> 3
     s = s.replace("$", "")
-    s = re.sub(r"(^|[\s(=])\+\s*(?=[\d.])", r"\1", s)  # "+5" -> "5"
+    if strip_plus:
+        s = re.sub(r"(^|[\s(=])\+\s*(?=[\d.])", r"\1", s)  # "+5" -> "5"
     # "- 5" -> "-5" only when the minus is not between two numbers
     s = re.sub(r"(^|[^\d\s])\s*-\s+(?=\d)", r"\1-", s)
     return s
@@ -200,7 +201,7 @@ def span_number(text: str, whole: bool = True) -> str | None:
     if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
         return None
     s = _clean_number_text(text)
-    if "=" in s:
+    if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
         s = s.rsplit("=", 1)[1]
     m = _NUMBER.search(s)
     if m is None or not _words_only(s[: m.start()].rstrip().rstrip("*")):  # "The answer is **72**"
@@ -214,6 +215,17 @@ def span_number(text: str, whole: bool = True) -> str | None:
             return None
     f = _to_fraction(m.group(0))
     return None if f is None else _exact_str(f)
+
+
+_OPERATOR = re.compile(r"\s*(?:[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div)")
+
+
+def _starts_an_expression(s: str) -> bool:
+    """Whether a ``####`` line's leading number is the first operand of an expression ("48 + 24 = 72":
+    its value is the right side) rather than the answer itself ("72 = 48 + 24", "3 hours (t = 180
+    minutes)": the number the line starts with)."""
+    m = _NUMBER.search(s)
+    return m is None or not _words_only(s[: m.start()].rstrip().rstrip("*")) or _OPERATOR.match(s, m.end()) is not None
 
 
 def normalize_number(text: str) -> str | None:
@@ -406,7 +418,13 @@ def _load_user_function(name: str) -> Reward:
                 raise BadInputError(f"reward {name!r}: file {path} does not exist")
             spec = importlib.util.spec_from_file_location(f"qerl_user_reward_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            # registered first, as importlib's recipe does: dataclasses (and pickle) look their module up
+            sys.modules[spec.name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(spec.name, None)
+                raise
         else:
             try:
                 module = importlib.import_module(target)
@@ -422,7 +440,8 @@ def _load_user_function(name: str) -> Reward:
                     sys.path.remove("")
     except BadInputError:
         raise
-    except Exception as e:  # noqa: BLE001 - any import failure of user code is the user's to fix
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any import failure of user code is the user's to fix
+        # (SystemExit: a script-style module that parses its argv at import ended qerl with its code)
         raise BadInputError(f"reward {name!r}: cannot import {target} ({type(e).__name__}: {e})") from None
     fn = getattr(module, attr, None)
     if fn is None:
@@ -443,8 +462,8 @@ def _load_user_function(name: str) -> Reward:
                                 f"f(completion, answer[, prompt=...]) ({e})") from None
     try:
         source = inspect.getsourcefile(fn)
-    except TypeError:
-        source = None
+    except TypeError:  # a functools.partial or a callable instance: the file it was loaded from
+        source = getattr(module, "__file__", None)
     return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt, source=source)
 
 
@@ -514,14 +533,17 @@ class RewardSet:
         for s in self.specs:
             try:
                 v = s.reward(completion, answer, prompt)
-            except Exception as e:  # noqa: BLE001 - a user function's failure is the user's to fix
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a user function's failure is the user's to fix
                 if s.reward.source is None and ":" not in s.name:
                     raise  # a built-in reward failing is qerl's bug: keep the traceback
                 raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}: {e}{where}") from None
             try:
+                if isinstance(v, (str, bytes)):  # float("1") would parse it
+                    raise TypeError
                 v = float(v)
-            except (TypeError, ValueError):
-                raise BadInputError(f"reward {s.name!r} returned {type(v).__name__} {v!r}{where}, not a number") from None
+            except (TypeError, ValueError, OverflowError):
+                raise BadInputError(f"reward {s.name!r} returned {type(v).__name__} {str(v)[:80]!r}{where}, "
+                                    "not a number (a float)") from None
             if not math.isfinite(v):
                 raise BadInputError(f"reward {s.name!r} returned {v}{where}", hint="rewards must be finite")
             values[s.name] = v

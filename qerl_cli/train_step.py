@@ -409,6 +409,8 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
         # silently stayed at the peak (and dropped --min-lr-ratio).
         need(cfg.total_steps > cfg.warmup_steps, "--total-steps", f"> --warmup-steps ({cfg.warmup_steps}): the cosine "
              "decay runs between them", cfg.total_steps)
+    if cfg.max_completion_length is not None:  # 0 read as unset, a negative one recorded (audit)
+        need(cfg.max_completion_length >= 1, "--max-completion-length", ">= 1", cfg.max_completion_length)
     need(0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio", "in [0, 1]", cfg.min_lr_ratio)
     need(cfg.max_grad_norm >= 0 and math.isfinite(cfg.max_grad_norm), "--max-grad-norm",
          "a finite number >= 0 (0 turns clipping off)", cfg.max_grad_norm)

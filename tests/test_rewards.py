@@ -52,6 +52,15 @@ from qerl_cli.rewards import (
         ("\\boxed{3", None),  # box cut off by max tokens
         ("#### unknown", None),
         ("", None),
+        # an equation on a #### line: the number the line starts with, unless it opens an expression
+        # (the right side of the last "=" was taken always: 48, 4, 180, 3 below; 2026-11-26 audit)
+        ("#### 72 = 48 + 24", "72"),
+        ("#### 20 = 4*5", "20"),
+        ("#### 3 hours (t = 180 minutes)", "3"),
+        ("#### 5 (check: x = 3 + 2)", "5"),
+        ("#### 48 + 24 = 72", "72"),
+        ("#### 4 \\times 5 = 20", "20"),
+        ("#### x = 5", "5"),
     ],
 )
 def test_gsm8k_extract(text, want):
@@ -303,3 +312,39 @@ def test_eval_auto_scorer_follows_the_training_rule_and_stays_cheap():
     t0 = time.perf_counter()
     scorer_for("1" + " " * 100000 + "!")  # the old regex backtracked for 11 s on 1,500 spaces
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_user_rewards_the_2026_11_26_audit_found(tmp_path):
+    # A string "1" was scored 1.0; 10**400 was an OverflowError traceback; SystemExit from a reward (or a
+    # module parsing its argv at import) ended qerl with that code and no message; a .py file using
+    # dataclasses failed to import (not in sys.modules while it ran); a functools.partial had no source
+    # file, so editing its file left the rollout "already done".
+    f = tmp_path / "rw2.py"
+    f.write_text(textwrap.dedent("""
+        from __future__ import annotations
+        import dataclasses, functools, sys
+
+        @dataclasses.dataclass
+        class Cfg:
+            k: float = 0.5
+
+        def as_text(c, a):
+            return "1"
+        def huge(c, a):
+            return 10 ** 400
+        def leaves(c, a):
+            sys.exit(3)
+        def _scaled(c, a, k):
+            return k
+        scaled = functools.partial(_scaled, k=Cfg().k)
+    """))
+    for fn, why in (("as_text", "returned str '1'"), ("huge", "returned int"), ("leaves", "raised SystemExit")):
+        with pytest.raises(BadInputError, match=why):
+            RewardSet.from_specs([f"{f}:{fn}"]).score("x", "y")
+    rs = RewardSet.from_specs([f"{f}:scaled"])
+    assert rs.score("x", "y")[1] == 0.5
+    assert rs.specs[0].reward.source == str(f)
+    g = tmp_path / "argv_at_import.py"
+    g.write_text("import sys\nsys.exit(2)\ndef r(c, a):\n    return 0.0\n")
+    with pytest.raises(BadInputError, match=r"cannot import .*\(SystemExit: 2\)"):
+        RewardSet.from_specs([f"{g}:r"])

@@ -415,7 +415,9 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
                      # decay wrote an all-NaN adapter with exit 0
                      (dict(weight_decay=float("inf")), "--weight-decay"), (dict(beta=float("nan")), "--beta"),
                      (dict(beta=float("inf")), "--beta"), (dict(tis_cap=float("nan")), "--tis-cap"),
-                     (dict(clip_eps_high=float("nan")), "--clip-eps-high")):
+                     (dict(clip_eps_high=float("nan")), "--clip-eps-high"),
+                     (dict(max_completion_length=0, loss="dr_grpo"), "--max-completion-length"),
+                     (dict(max_completion_length=-5), "--max-completion-length")):
         with pytest.raises(BadInputError, match=flag):
             train_step(_cfg(q, [sh], tmp_path / "bad", **kw))
     assert not (tmp_path / "bad").exists()
