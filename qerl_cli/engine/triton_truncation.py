@@ -9,11 +9,11 @@ distribution in its one pass, masking on the fly.
 
 How: each logit gets an integer key in the logit order (its bf16/fp16 bits; for fp32 logits, the bits
 of ``x / T``), so ties are equal keys. A pass histograms the keys' next 4 bits over the candidates left
-(counts by ``tl.histogram``; for top-p also the mass ``exp(x - max)``, by a one-hot sum), a
+(counts by ``tl.histogram``; for top-p also the mass ``exp(x - max)``, by a one-hot sum), and a
 one-program-per-row combine picks the digit where the running total crosses the target (k tokens, or
-``top_p`` x the survivors' mass), and after 4 passes (8 for fp32) the key is exact. Top-p's last pass
-takes 8 bits by counts alone: with all other bits fixed, each bin is one key, whose mass is its count
-times exp(x(key) - max), exactly. Rows are split into programs of a fixed
+``top_p`` x the survivors' mass): top-k takes 4 such passes (8 for fp32), top-p 2 (6) and then one
+that takes the last 8 bits by counts alone, since with every other bit fixed each bin is one key,
+whose mass is its count times exp(x(key) - max), exactly. Rows are split into programs of a fixed
 4096 tokens whatever the batch, and their partial sums are added in one order, so a row's cut is the
 same in any batch. Ties at the cut keep their lowest indices, as the stable sort does; the Gumbel
 kernel ranks them per chunk.
