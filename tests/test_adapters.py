@@ -59,23 +59,34 @@ def test_saved_adapter_loads_in_peft_on_dequantized_base(tmp_path, nvfp4_dirs):
     assert (ours - ref).abs().masked_select(m).max() < 1e-4  # ...and peft agrees with us
 
 
-def test_peft_adapter_loads_here(tmp_path, nvfp4_dirs):
-    qdir, deq = nvfp4_dirs
+def _peft_adapter_and_logits(deq, out, seed, **lora):
+    """A PEFT adapter with random lora_B saved to ``out`` from the dequantized base, and PEFT's logits."""
     base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
-    pm = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]))
-    g = torch.Generator().manual_seed(3)
+    pm = peft.get_peft_model(base, peft.LoraConfig(**lora))
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    pm.save_pretrained(tmp_path / "peft")
+    pm.save_pretrained(out)
     ids, mask = right_padded()
     with torch.no_grad():
-        ref = pm.eval()(input_ids=ids, attention_mask=mask).logits
-    model = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
+        return pm.eval()(input_ids=ids, attention_mask=mask).logits
+
+
+def _assert_loads_as_peft(qdir, adapter, ref):
+    ids, mask = right_padded()
+    model = load_model(qdir, dtype=torch.float32, adapter_dir=adapter)
+    assert (_logits(model, ids, mask) - ref).abs().masked_select(mask[..., None].bool()).max() < 1e-4
+
+
+def test_peft_adapter_loads_here(tmp_path, nvfp4_dirs):
+    qdir, deq = nvfp4_dirs
+    ref = _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=8, lora_alpha=16,
+                                   target_modules=["q_proj", "v_proj", "down_proj"])
     spec = read_adapter_spec(tmp_path / "peft")
     assert spec.r == 8 and spec.alpha == 16 and set(spec.targets) == {"q_proj", "v_proj", "down_proj"}
-    assert (_logits(model, ids, mask) - ref).abs().masked_select(mask[..., None].bool()).max() < 1e-4
+    _assert_loads_as_peft(qdir, tmp_path / "peft", ref)
 
 
 def test_rank_mismatch_names_tensor(tmp_path, nvfp4_dirs):
@@ -267,17 +278,7 @@ def test_adapter_without_target_modules_is_bad_input(tmp_path, nvfp4_dirs):
 def test_peft_targets_named_as_dotted_suffixes_load(tmp_path, nvfp4_dirs):
     # PEFT matches "self_attn.q_proj" as a suffix of the module path; the loader said it matched no Linear.
     qdir, deq = nvfp4_dirs
-    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
-    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["self_attn.q_proj", "mlp.down_proj"]))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    pm.save_pretrained(tmp_path / "peft")
-    ids, mask = right_padded()
-    with torch.no_grad():
-        ref = pm.eval()(input_ids=ids, attention_mask=mask).logits
+    ref = _peft_adapter_and_logits(deq, tmp_path / "peft", 5, r=4, lora_alpha=8,
+                                   target_modules=["self_attn.q_proj", "mlp.down_proj"])
     assert set(read_adapter_spec(tmp_path / "peft").targets) == {"q_proj", "down_proj"}
-    model = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
-    assert (_logits(model, ids, mask) - ref).abs().masked_select(mask[..., None].bool()).max() < 1e-4
+    _assert_loads_as_peft(qdir, tmp_path / "peft", ref)

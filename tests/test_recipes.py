@@ -264,15 +264,21 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
                      "eval", "eval"], calls  # the config's EVAL_DATASET: base, final, --compare
 
 
-def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
-    # Submitted with ROLLOUT_SHARDS=2 in the environment, a train job resubmitted by hand without it
-    # read shards-0 only (1/N of the step) and exit 0. submit.sh records the chain's shape.
+def _submit_7b_chain(tmp_path, **env):
+    """submit.sh on the 7B config (3 steps) through a fake sbatch, with ``env`` in its environment."""
     sbatch, _ = _fake_sbatch(tmp_path)
     cfg = tmp_path / "c.env"
     cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=3\n")
     run = tmp_path / "run"
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True, capture_output=True,
-                   env={**os.environ, "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"})
+                   env={**os.environ, "SBATCH": str(sbatch), **env})
+    return cfg, run
+
+
+def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
+    # Submitted with ROLLOUT_SHARDS=2 in the environment, a train job resubmitted by hand without it
+    # read shards-0 only (1/N of the step) and exit 0. submit.sh records the chain's shape.
+    cfg, run = _submit_7b_chain(tmp_path, ROLLOUT_SHARDS="2")
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$*" >> {log}\n')
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_SHARDS"} | {"QERL": str(qerl)}
@@ -292,13 +298,7 @@ def test_a_slurm_rollout_rerun_alone_samples_with_the_chains_settings(tmp_path):
     # Submitted with PROMPTS_PER_STEP=4 in the environment, a rollout task rerun by hand without it
     # sampled the config's default prompt count into the same step, and train-step trained on the mix
     # (2026-11-26 audit). submit.env now keeps every value of the config as submitted.
-    sbatch, _ = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=3\n")
-    run = tmp_path / "run"
-    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True, capture_output=True,
-                   env={**os.environ, "SBATCH": str(sbatch), "PROMPTS_PER_STEP": "4", "NUM_GENERATIONS": "4",
-                        "LR": "5e-6", "SEED": "7"})
+    cfg, run = _submit_7b_chain(tmp_path, PROMPTS_PER_STEP="4", NUM_GENERATIONS="4", LR="5e-6", SEED="7")
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$*" >> {log}\n')
     env = {k: v for k, v in os.environ.items() if k not in ("PROMPTS_PER_STEP", "NUM_GENERATIONS", "LR", "SEED")}
