@@ -55,8 +55,8 @@ def _reference_loss(loss_type, cfg, lengths, micro, masked, seqs, lmax=None):
         per = []
         for m in mbs:
             toks = sum(n for n, mm in zip(live, micro) if mm == m)
-            per.append(sum(sum(t) for t, n, mm in zip(terms, live, micro) if mm == m and n) / toks)
-        return sum(per) / len(per)
+            per.append(sum(sum(t) for t, n, mm in zip(terms, live, micro) if mm == m and n) / max(toks, 1))
+        return sum(per) / len(per)  # TRL: per micro-batch sum / max(tokens, 1), then / accumulation steps
     raise AssertionError
 
 
@@ -160,3 +160,10 @@ def test_dr_grpo_divides_by_the_generation_budget_not_the_longest_trained_comple
     masked = sequence_weights("dr_grpo", live, max_completion_length=dr_grpo_length(cfg, data))
     unmasked = sequence_weights("dr_grpo", [10, 3, 5, 2], max_completion_length=dr_grpo_length(cfg, data))
     assert masked[1] == unmasked[1] == pytest.approx(1 / (4 * 12))
+
+
+def test_bnpo_counts_a_micro_batch_whose_completions_are_all_masked():
+    # TRL divides by its gradient-accumulation steps, all of them; qerl counted only micro-batches with
+    # trained tokens, so a micro-batch emptied by --mask-truncated scaled the loss by M / (M - 1).
+    w = sequence_weights("bnpo", [0, 0, 5, 5], [0, 0, 1, 1])
+    assert w.tolist() == [0.0, 0.0, 0.05, 0.05]

@@ -13,7 +13,7 @@ count changes.
 | ``grpo`` | ``1 / (n_b * N)``: mean over each sequence, then over sequences (long answers diluted) |
 | ``dapo`` | ``1 / sum_b n_b``: token mean over the whole step (default; DAPO) |
 | ``dr_grpo`` | ``1 / (N * L_max)``: constant, ``L_max`` = max completion length (Dr. GRPO) |
-| ``bnpo`` | ``1 / (tokens of b's micro-batch * M)``: token mean per micro-batch, mean over the M micro-batches that have trained tokens (TRL's bnpo) |
+| ``bnpo`` | ``1 / (tokens of b's micro-batch * M)``: token mean per micro-batch, mean over all M micro-batches (TRL's bnpo: one whose completions are all masked adds 0 and still counts) |
 
 N counts masked (``--mask-truncated``) sequences too, as TRL does: they add zero, not shrink N.
 
@@ -99,8 +99,9 @@ def _weights(loss_type, n, num, total, microbatch_of, max_completion_length) -> 
         mb = torch.tensor(microbatch_of, dtype=torch.long)
         m = int(mb.max()) + 1
         per_mb = torch.zeros(m, dtype=torch.float64).index_add_(0, mb, n)
-        num_mb = int((per_mb > 0).sum())
-        return torch.where(per_mb[mb] > 0, 1.0 / (per_mb[mb].clamp(min=1) * num_mb), torch.zeros_like(n))
+        # all M, as TRL divides by its gradient-accumulation steps: counting only those with trained
+        # tokens scaled the loss up by M / (M - 1) when --mask-truncated emptied one (2026-11-26 audit)
+        return torch.where(per_mb[mb] > 0, 1.0 / (per_mb[mb].clamp(min=1) * m), torch.zeros_like(n))
     raise BadInputError(f"--loss must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
