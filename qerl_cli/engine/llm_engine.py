@@ -234,7 +234,12 @@ class LLMEngine:
     def _completion(self, s: Sequence, sp: SamplingParams) -> Completion:
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
+            ids = s.completion_ids
+            if isinstance(s.stop_reason, int) and not sp.ignore_eos and s.stop_reason in self.eos_token_ids:
+                # the EOS stays in token_ids (with its logprob) but not in text, also when the tokenizer
+                # does not mark it special (skip_special_tokens kept an ordinary EOS token's text)
+                ids = ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if isinstance(s.stop_reason, str):
                 cut = min((i for x in sp.stop if (i := text.find(x)) >= 0), default=-1)
                 if cut >= 0:
