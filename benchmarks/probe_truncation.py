@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--count-bits", default=str(tt.COUNT_BITS), help="key bits per top-k pass (4 or 8)")
     ap.add_argument("--key-mass-bits", default=str(tt.KEY_MASS_BITS), help="bits of the last top-p pass (4 or 8)")
     ap.add_argument("--peaked", action="store_true", help="rows with 8 tokens 20 nats up (a small nucleus)")
+    ap.add_argument("--profile", action="store_true", help="print sample()'s kernels for top-p per row count, then stop")
     args = ap.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -46,6 +47,18 @@ def main(argv=None) -> int:
             x[:, :: args.vocab // 8] += 20
         xs[r] = x.bfloat16()
     modes = {"top_p": SamplingParams(top_p=0.95), "top_k": SamplingParams(top_k=50)}
+    if args.profile:
+        for r, x in xs.items():
+            seeds = torch.arange(r, device="cuda", dtype=torch.int64) * 7919 + 1
+            sample(x, modes["top_p"], seeds)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    sample(x, modes["top_p"], seeds)
+                torch.cuda.synchronize()
+            print(f"rows {r}, top-p 0.95, 10 calls:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+        return 0
     print(f"device: {torch.cuda.get_device_name()}; GPU us per find_cut, and per sample() (cut + Gumbel draw)")
     print("| chunk | block | warps | stages | count bits | key-mass bits | " + " | ".join(f"{m} {r}" for r in xs for m in modes) + " | "
           + " | ".join(f"sample {m} {r}" for r in xs for m in modes) + " |")
