@@ -233,11 +233,12 @@ def find_cut(logits: torch.Tensor, sp: SamplingParams, gumbel_chunk: int, gumbel
     log_min_p = math.log(sp.min_p) if sp.min_p > 0 else float("-inf")
     pmax = torch.empty(b, nc, dtype=torch.float32, device=dev)
     _max_kernel[(b, nc)](logits, pmax, logits.stride(0), v, nc, inv_t, CHUNK=CHUNK, BLOCK=CHUNK, num_warps=8)
-    i64, f64 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.float64, device=dev)
-    prefix, klow = torch.zeros(b, **i64), torch.zeros(b, **i64)
-    above, target = torch.zeros(b, **f64), torch.zeros(b, **f64)
-    kcut = torch.full((b,), -1, **i64)  # below every key: nothing cut but the min-p floor
-    keep = torch.zeros(b, **i64)
+    i64 = dict(dtype=torch.int64, device=dev)
+    # One fill for what a first pass reads (the prefix, whose bits above the digit must be 0); every
+    # other per-row value is written by a combine before it is read (fills were 6 launches a call).
+    prefix, klow = torch.zeros(2, b, **i64)
+    above, target = torch.empty(2, b, dtype=torch.float64, device=dev)
+    kcut, keep = torch.empty(2, b, **i64)
     hcnt = torch.empty(b, nc, 256, dtype=torch.int32, device=dev)
     hmass = torch.empty(b, nc, 16, dtype=torch.float32, device=dev)
     bits = 16 if key16 else 32
@@ -266,4 +267,6 @@ def find_cut(logits: torch.Tensor, sp: SamplingParams, gumbel_chunk: int, gumbel
                                               inv_t, KEY16=key16, BLOCK=1024, num_warps=4)
     elif phases:  # top-k alone: every token at or above the k-th key stays, ties included
         kcut = klow - 1
+    else:  # min-p alone: below every key, nothing cut but the floor
+        kcut = prefix - 1
     return Cut(pmax, nc, cp, log_min_p, kcut, keep, ties, key16)
