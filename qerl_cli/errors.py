@@ -54,3 +54,10 @@ class OutOfMemoryError(QerlError):
     """The device ran out of memory; the message says which flag to lower."""
 
     exit_code = 6
+
+
+class OutputWriteError(QerlError):
+    """The file system refused to write the output (no space, no permission, a file in the way);
+    nothing was left at --out."""
+
+    exit_code = 7

@@ -36,10 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import __version__
-from qerl_cli.errors import BadInputError, OutputExistsError
+from qerl_cli.errors import BadInputError, OutputExistsError, OutputWriteError
 from qerl_cli.hashing import sha256_files, sha256_json
 
 MANIFEST = "manifest.json"
+# The file system refusing a write: a one-line error (exit 7), not a traceback. Other OSErrors stay bugs.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.ENOTDIR,
+                 errno.EEXIST}
+_UNSEEN = object()
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "localhost"
 KILL_ENV = "QERL_TEST_KILL_AT"
 _kill_hits: dict[str, int] = {}
@@ -151,6 +155,7 @@ class StageOutput:
         self.manifest: dict | None = None
         self.work: Path | None = None
         self._t0 = 0.0
+        self._seen = _UNSEEN  # the fingerprint at `out` when this run decided to write (None: nothing)
 
     # ---- rerun logic -------------------------------------------------------------------
     def already_done(self) -> bool:
@@ -159,6 +164,7 @@ class StageOutput:
         Raises OutputExistsError when ``out`` exists otherwise and ``force`` is not set.
         """
         self._recover_interrupted_swap()
+        self._seen = None
         if not self.out.exists():
             return False
         # A run killed after swapping its output in, before deleting the old one, left that old one
@@ -172,6 +178,7 @@ class StageOutput:
                 f"{self.out} exists but holds no valid qerl manifest, so it is not a finished qerl output",
                 hint="choose another --out, or delete it yourself if it is disposable",
             )
+        self._seen = m["fingerprint"] if m is not None else None
         damage = damaged_output(self.out, m) if m is not None else None
         if m is not None and m["stage"] == self.stage and m["fingerprint"] in self._same_run and not self.force:
             if damage is None:
@@ -227,27 +234,46 @@ class StageOutput:
                 shutil.rmtree(p, ignore_errors=True)
 
     def __enter__(self) -> Path:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._recover_interrupted_swap()
-        self._clean_stale()
-        self.work = self._partial_name()
-        self.work.mkdir(parents=True, exist_ok=self.resumable)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self._recover_interrupted_swap()
+            self._clean_stale()
+            if self._seen is _UNSEEN:  # a caller that did not ask already_done(): what is there now
+                m = read_manifest(self.out)
+                self._seen = m["fingerprint"] if m is not None else None
+            self.work = self._partial_name()
+            self.work.mkdir(parents=True, exist_ok=self.resumable)
+        except OSError as e:
+            raise self._write_error(e) from None
         self._t0 = time.time()
         crash_point("stage-start")
         return self.work
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         assert self.work is not None
-        if exc_type is not None:
-            if not self.resumable:
-                shutil.rmtree(self.work, ignore_errors=True)
-            return False
-        self.timings.setdefault("total_s", round(time.time() - self._t0, 3))
-        crash_point("before-manifest")
-        self.manifest = self._write_manifest(self.work)
-        crash_point("before-rename")
-        self._swap_into_place(self.work)
+        if exc_type is None:
+            self.timings.setdefault("total_s", round(time.time() - self._t0, 3))
+            crash_point("before-manifest")
+            try:
+                self.manifest = self._write_manifest(self.work)
+                crash_point("before-rename")
+                self._swap_into_place(self.work)
+                return False
+            except BaseException as e:  # noqa: BLE001 - cleaned up, then re-raised (or made one line)
+                exc = e
+        if not self.resumable:
+            shutil.rmtree(self.work, ignore_errors=True)
+        if _is_write_error(exc):
+            raise self._write_error(exc) from None
+        if exc_type is None:
+            raise exc
         return False
+
+    def _write_error(self, e: BaseException) -> OutputWriteError:
+        where = getattr(e, "filename", None) or self.out
+        kept = " (its finished groups are kept for a rerun)" if self.resumable else ""
+        return OutputWriteError(f"cannot write {self.out}: {getattr(e, 'strerror', None) or e} ({where}); nothing was "
+                                f"left at --out{kept}", hint="free space or fix the permissions, then rerun")
 
     def _write_manifest(self, work: Path) -> dict:
         files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -272,29 +298,100 @@ class StageOutput:
 
     def _swap_into_place(self, work: Path) -> None:
         _fsync_dir(work)
+        with _DirLock(self.out.parent):
+            self._refuse_a_concurrent_output()
+            self._swap_locked(work)
+
+    def _refuse_a_concurrent_output(self) -> None:
+        """Another run may have written ``out`` since this one checked it (two runs with different
+        flags into one --out both finished, the later silently replacing the other: audit). Only an
+        output of this same run, or what was there when this run decided to write, may be replaced."""
+        m = read_manifest(self.out)
+        if m is None:
+            if not (self.out.exists() or self.out.is_symlink()) or _is_empty_dir(self.out):
+                return
+            now = None  # something that is not a qerl output appeared there: never replaced
+        else:
+            now = m["fingerprint"]
+            if now == self._seen or now in self._same_run:
+                return
+        raise OutputExistsError(
+            f"{self.out} was written by another run while this one ran ({m['stage'] if m else 'no manifest'}, "
+            f"fingerprint {str(now)[:12]}); this run's output was not put in its place",
+            hint="give each run its own --out" + (" (this run's finished groups are kept for a rerun)"
+                                                  if self.resumable else ""))
+
+    def _swap_locked(self, work: Path) -> None:
         if self.out.exists() or self.out.is_symlink():
             if self.resumable:
                 # The exchange leaves the old output at the temp name: never at the resumable
                 # partial name, where a later run would resume from it.
                 staged = self._tmp_name()
                 os.replace(work, staged)
-                work = staged
-            if _exchange(work, self.out):
-                old = work  # after the exchange the temp name holds the old output
-            else:
-                old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(self.out, old)
-                crash_point("mid-swap")
-                os.replace(work, self.out)
-            _fsync_dir(self.out.parent)
-            crash_point("mid-swap")
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink(missing_ok=True)
+                try:
+                    self._replace(staged)
+                except BaseException:
+                    if staged.is_dir() and read_manifest(staged) == self.manifest:
+                        os.replace(staged, work)  # not swapped in: a rerun finds it all done at the partial name
+                    raise
+                return
+            self._replace(work)
         else:
             os.replace(work, self.out)
         _fsync_dir(self.out.parent)
+
+    def _replace(self, work: Path) -> None:
+        """Put the finished ``work`` at the existing ``out`` and delete what was there."""
+        if _exchange(work, self.out):
+            old = work  # after the exchange the temp name holds the old output
+        else:
+            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.out, old)
+            crash_point("mid-swap")
+            try:
+                os.replace(work, self.out)
+            except OSError:
+                os.replace(old, self.out)  # the old output back where it was (a crash here: the next run does it)
+                raise
+        _fsync_dir(self.out.parent)
+        crash_point("mid-swap")
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+        _fsync_dir(self.out.parent)
+
+
+class _DirLock:
+    """An exclusive ``flock`` on a directory, held for the final check and swap only (milliseconds).
+    Where the file system has no flock (some network mounts) it is skipped: the check still runs."""
+
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        import fcntl
+
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:
+            if self.fd is not None:
+                os.close(self.fd)
+            self.fd = None
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+        return False
+
+
+def _is_write_error(e: BaseException | None) -> bool:
+    if isinstance(e, OSError):
+        return e.errno in _WRITE_ERRNOS
+    # safetensors reports the OS error in its own exception type: "... (os error 28)"
+    return type(e).__name__ == "SafetensorError" and any(f"(os error {n})" in str(e) for n in _WRITE_ERRNOS)
 
 
 _AT_FDCWD = -100

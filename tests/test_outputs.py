@@ -77,3 +77,55 @@ def test_dir_without_manifest_is_not_done(tmp_path):
     (tmp_path / "o").mkdir()
     with pytest.raises(OutputExistsError, match="no valid qerl manifest"):
         _run(tmp_path / "o", {"k": 1})
+
+
+def _stage(out, config, **kw):
+    return StageOutput(out, "demo", config=config, inputs={"x": "h1"}, **kw)
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+def test_a_run_that_finishes_after_another_into_its_out_does_not_replace_it(tmp_path, resumable):
+    # Two runs with different flags into one --out both checked it (empty) and both wrote; the later
+    # silently replaced the earlier, without --force (a rollout's shard 0 deleted by shard 1's run:
+    # 2026-11-26 audit). Now the later one refuses and leaves the earlier output alone.
+    out = tmp_path / "o"
+    first, second = _stage(out, {"k": 1}), _stage(out, {"k": 2}, resumable=resumable)
+    assert not first.already_done() and not second.already_done()
+    work2 = second.__enter__()
+    (work2 / "a.txt").write_text("two")
+    with first as work1:
+        (work1 / "a.txt").write_text("one")
+    with pytest.raises(OutputExistsError, match="written by another run while this one ran"):
+        second.__exit__(None, None, None)
+    assert (out / "a.txt").read_text() == "one" and read_manifest(out)["fingerprint"] == first.fingerprint
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "o")
+    assert left == ([f".o.partial-{second.fingerprint[:16]}"] if resumable else [])  # finished groups kept
+    # the same run finishing twice (two identical jobs) is fine: same fingerprint, same bytes
+    again = _stage(out, {"k": 1}, force=True)
+    assert not again.already_done()
+    same = _stage(out, {"k": 1})
+    with same as work:
+        (work / "a.txt").write_text("one")
+    assert read_manifest(out)["fingerprint"] == first.fingerprint
+
+
+def test_file_system_refusals_are_one_line_errors_and_leave_nothing(tmp_path):
+    import errno
+
+    from qerl_cli.errors import OutputWriteError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputWriteError, match="cannot write .*file/o"):  # --out under a file: was a traceback
+        with _stage(blocker / "o", {"k": 1}) as work:
+            pass
+    so = _stage(tmp_path / "o", {"k": 1})
+    with pytest.raises(OutputWriteError, match="No space left on device") as e:
+        with so as work:
+            (work / "a.txt").write_text("partial")
+            raise OSError(errno.ENOSPC, "No space left on device", str(work / "b.txt"))
+    assert e.value.exit_code == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no --out, no temp dir
+    with pytest.raises(RuntimeError):  # other failures stay what they are
+        with _stage(tmp_path / "o", {"k": 1}) as work:
+            raise RuntimeError("a bug")
