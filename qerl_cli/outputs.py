@@ -370,8 +370,10 @@ class _DirLock:
         self.path, self.fd = path, None
 
     def __enter__(self):
-        import fcntl
-
+        try:
+            import fcntl  # POSIX only
+        except ImportError:
+            return self
         try:
             self.fd = os.open(self.path, os.O_RDONLY)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
