@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl_cli.engine.triton_truncation import _as_key, _radix_key, _row_max
+from qerl_cli.engine.triton_truncation import _as_key, _radix_key, _row_max, find_cut
 
 
 @triton.jit
@@ -151,8 +151,6 @@ def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
     dev = logits.device
     cut = None
     if sp is not None and (sp.min_p > 0 or (sp.top_k and sp.top_k < v) or sp.top_p < 1.0):
-        from qerl_cli.engine.triton_truncation import find_cut
-
         cut = find_cut(logits, sp, chunk, nc)
     part = torch.empty(4, b, nc, dtype=torch.float32, device=dev)
     part_i = torch.empty(b, nc, dtype=torch.int32, device=dev)
@@ -161,16 +159,13 @@ def gumbel_sample(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
     # CP from the vocabulary alone, not the chunk count: a batch size must not trigger a recompile
     # (the first 16-sequence step of a run once paid ~0.25 s of Triton JIT for a new CP).
     cp = max(2, triton.next_power_of_2(triton.cdiv(v, block)))
-    if cut is None:
-        _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v,
-                                        chunk, nc, 1.0 / temperature, None, None, None, None, 1, 0.0, BLOCK=block,
-                                        TRUNC=False, TIES_ON=False, KEY16=False, CP=2, num_warps=8)
+    if cut is None:  # plain temperature sampling: the kernel reads none of the cut's arguments
+        trunc, flags = (None, None, None, None, 1, 0.0), dict(TRUNC=False, TIES_ON=False, KEY16=False, CP=2)
     else:
-        _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v,
-                                        chunk, nc, 1.0 / temperature, cut.pmax, cut.kcut, cut.keep, cut.ties,
-                                        cut.num_chunks, cut.log_min_p, BLOCK=block, TRUNC=True,
-                                        TIES_ON=cut.ties is not None, KEY16=cut.key16,
-                                        CP=max(cp, cut.cp), num_warps=8)
+        trunc = (cut.pmax, cut.kcut, cut.keep, cut.ties, cut.num_chunks, cut.log_min_p)
+        flags = dict(TRUNC=True, TIES_ON=cut.ties is not None, KEY16=cut.key16, CP=max(cp, cut.cp))
+    _gumbel_partial_kernel[(b, nc)](logits, seeds, part[0], part_i, part[1], part[2], part[3], logits.stride(0), v,
+                                    chunk, nc, 1.0 / temperature, *trunc, BLOCK=block, num_warps=8, **flags)
     _gumbel_combine_kernel[(b,)](part[0], part_i, part[1], part[2], part[3], tok, lp, nc, CP=cp, num_warps=1)
     return tok, lp
 
