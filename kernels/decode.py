@@ -67,7 +67,7 @@ def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def decode_e4m3(s):
-    """uint8 e4m3 bits -> exact fp32 (sign, normals and subnormals; no fp8 conversion units)."""
+    """uint8 e4m3 bits -> exact fp32 (sign, normals, subnormals and NaN; no fp8 conversion units)."""
     si = s.to(tl.int32)
     e = (si >> 3) & 0xF
     m = si & 0x7
@@ -75,7 +75,9 @@ def decode_e4m3(s):
     normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     sub = m.to(tl.float32) * 0.001953125  # exponent 0: m * 2^-9
     sub = tl.where(sign != 0, -sub, sub)
-    return tl.where(e == 0, sub, normal)
+    # S.1111.111 is e4m3fn's only NaN (it has no infinities): without this it decoded as 480, where
+    # the reference and the sm_90 hardware conversion give NaN.
+    return tl.where((si & 0x7F) == 0x7F, float("nan"), tl.where(e == 0, sub, normal))
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from qerl_kernels.decode import (
     grouped_tile,
 )
 from qerl_kernels.dequant import nvfp4_dequantize
-from qerl_kernels.reference import check_nvfp4_dtypes
+from qerl_kernels.reference import ACTIVATION_DTYPES, check_weight
 from qerl_kernels.tile_configs import BwdConfig, bwd_config
 
 
@@ -95,13 +95,12 @@ def nvfp4_matmul_grad_input(
     decode reads the on-disk layout, and training's grad-input runs at M in the thousands, where
     that path is the measured winner anyway.
     """
-    check_nvfp4_dtypes(packed, scale)
-    if dy.ndim != 2 or dy.shape[1] != packed.shape[0]:
-        raise ValueError(f"dy {tuple(dy.shape)} does not fit weight with N={packed.shape[0]}")
-    m, n = dy.shape
-    kh = packed.shape[1]
-    if scale.shape != (n, kh // 8):
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit weight [{n}, {2 * kh}]")
+    n, k = check_weight(packed, scale)
+    if dy.ndim != 2 or dy.shape[1] != n:
+        raise ValueError(f"dy {tuple(dy.shape)} does not fit weight with N={n}")
+    if dy.dtype not in ACTIVATION_DTYPES:  # fp64 was read as fp32 bits
+        raise ValueError(f"dy must be one of {', '.join(str(d) for d in ACTIVATION_DTYPES)}, got {dy.dtype}")
+    m, kh = dy.shape[0], k // 2
     if dy.stride(1) != 1:
         dy = dy.contiguous()
     cfg = config or bwd_config(m, n, 2 * kh)

@@ -71,7 +71,7 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.reference import check_nvfp4_dtypes
+from qerl_kernels.reference import ACTIVATION_DTYPES, check_linear
 from qerl_kernels.tile_configs import (
     DEQUANT,
     FwdConfig,
@@ -264,20 +264,12 @@ def _tma_descriptors(x: torch.Tensor, groups: torch.Tensor, cfg: FwdConfig):
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> tuple[int, int, int]:
-    check_nvfp4_dtypes(packed, scale)
-    if x.ndim != 2 or packed.ndim != 2:
-        raise ValueError(f"want x [M, K] and packed [N, K/2], got {tuple(x.shape)} and {tuple(packed.shape)}")
-    m, k = x.shape
-    n, kh = packed.shape
-    if k != 2 * kh or k % 16:
-        raise ValueError(f"x has K={k} but the weight holds K={2 * kh} (K must be a multiple of 16)")
-    if scale.shape != (n, k // 16):
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit weight [{n}, {k}]")
-    # The tiles read bias[0 .. N) at unit stride in x's dtype: anything else read out of bounds or garbage.
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device):
-        raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} "
-                         f"on {bias.device}")
-    return m, n, k
+    if x.ndim != 2:
+        raise ValueError(f"want x [M, K], got {tuple(x.shape)}")
+    # The tiles read bias[0 .. N) at unit stride in x's dtype: anything else read out of bounds or garbage;
+    # fp64 x was read as fp32 bits (relative error 1, no error raised).
+    n, k = check_linear(x, packed, scale, bias, dtypes=ACTIVATION_DTYPES)
+    return x.shape[0], n, k
 
 
 def nvfp4_matmul(

@@ -57,8 +57,8 @@ class NVFP4Weight:
 
 def _use_triton(x: torch.Tensor) -> bool:
     mode = os.environ.get("QERL_KERNELS", "auto")
-    if mode == "triton":  # forced: any device/dtype (the CPU interpreter tests use this)
-        return True
+    if mode == "triton":  # forced: any device (the CPU interpreter tests use this), any dtype they take
+        return x.dtype in reference.ACTIVATION_DTYPES
     return mode != "reference" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
@@ -99,7 +99,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         packed, scale, global_scale = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        gx = _grad_input(grad_out, packed, scale, global_scale, ctx.layout) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _NVFP4GradInputFn.apply(grad_out, packed, scale, global_scale, ctx.layout)
         gb = None
         if ctx.has_bias and ctx.needs_input_grad[4]:
             # fp32 at least: an fp64 bias gets an fp64 sum
@@ -107,13 +109,30 @@ class _NVFP4LinearFn(torch.autograd.Function):
         return gx, None, None, None, gb, None
 
 
+class _NVFP4GradInputFn(torch.autograd.Function):
+    """gy @ dequant(W) as a differentiable op, so a double backward (a gradient penalty) sees the
+    grad-input term: the kernels' output has no autograd history, and would drop it silently."""
+
+    @staticmethod
+    def forward(ctx, gy, packed, scale, global_scale, layout):
+        ctx.save_for_backward(packed, scale, global_scale)
+        ctx.layout = layout
+        return _grad_input(gy, packed, scale, global_scale, layout)
+
+    @staticmethod
+    def backward(ctx, ggx):
+        packed, scale, global_scale = ctx.saved_tensors
+        ggy = None
+        if ctx.needs_input_grad[0]:  # d(gy W)/d(gy) . ggx = ggx W^T: the forward again, itself differentiable
+            ggy = _NVFP4LinearFn.apply(ggx.contiguous(), packed, scale, global_scale, None, ctx.layout)
+        return ggy, None, None, None, None
+
+
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None,
                  x_korder: bool = False) -> torch.Tensor:
     """y = x @ dequant(w)^T (+ bias), any leading dims on x; gradients flow to x and bias, never to w.
     ``x_korder`` (inference): x's columns are in the MMA's K order (``takes_korder_x``)."""
-    k = w.in_features
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
+    _, k = reference.check_linear(x, w.packed, w.scale, bias)
     lead = x.shape[:-1]
     if x_korder:
         from qerl_kernels.gemm_fwd import natural_order, nvfp4_matmul

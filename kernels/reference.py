@@ -65,6 +65,37 @@ def check_nvfp4_dtypes(packed: torch.Tensor, scale: torch.Tensor) -> None:
         raise ValueError(f"block scales must be float8_e4m3fn, got {scale.dtype}")
 
 
+def check_weight(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """-> (N, K) of codes [N, K/2] and scales [N, K/16], or a ValueError naming what does not fit."""
+    check_nvfp4_dtypes(packed, scale)
+    if packed.ndim != 2:
+        raise ValueError(f"packed codes must be [N, K/2], got shape {tuple(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if k % GROUP:
+        raise ValueError(f"the weight holds K={k} columns; NVFP4 needs a multiple of {GROUP}")
+    if scale.shape != (n, k // GROUP):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit weight [{n}, {k}] (want [{n}, {k // GROUP}])")
+    return n, k
+
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 dtypes: tuple = (*ACTIVATION_DTYPES, torch.float64)) -> tuple[int, int]:
+    """The checks every path of ``x @ dequant(W)^T + bias`` shares (the reference's matmul would
+    otherwise fail deep inside, or, for a bias of the wrong shape, only in backward); -> (N, K)."""
+    n, k = check_weight(packed, scale)
+    if x.dtype not in dtypes:
+        raise ValueError(f"activations must be one of {', '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight expects {k}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} {bias.dtype} "
+                         f"on {bias.device}")
+    return n, k
+
+
 def dequantize(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -75,13 +106,7 @@ def dequantize(
 
     Computed in float32 and rounded once at the end, as compressed-tensors does.
     """
-    check_nvfp4_dtypes(packed, scale)
-    n, half_k = packed.shape
-    k = half_k * 2
-    if scale.shape != (n, k // GROUP):
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not fit weight [{n}, {k}] (want [{n}, {k // GROUP}])"
-        )
+    n, k = check_weight(packed, scale)
     vals = decode_codes(unpack_codes(packed)).view(n, k // GROUP, GROUP)
     g = global_scale if isinstance(global_scale, torch.Tensor) else torch.tensor(float(global_scale))
     s = scale.to(torch.float32) / g.to(torch.float32).reshape(())

@@ -69,6 +69,40 @@ try:
     out["refused"] = refused
 except Exception as e:
     out["zero_rows"] = out["strided_bias_err"] = out["refused"] = repr(e)
+# Second audit (2026-11-26): fp64 activations, NaN scales, double backward.
+try:
+    from qerl_kernels import ops, reference as R
+    from qerl_kernels.gemm_bwd import nvfp4_matmul_grad_input
+    from qerl_kernels.gemm_fwd import nvfp4_matmul
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 48, generator=g)
+    gs = R.global_scale_for(w.abs().amax())
+    p, sc = R.quantize(w, gs)[:2]
+    wd = R.dequantize(p, sc, gs, torch.float64)
+    x = torch.randn(5, 48, generator=g, dtype=torch.float64)
+    refused = []
+    for name, fn in (("fwd", lambda: nvfp4_matmul(x, p, sc, gs)),
+                     ("grad_input", lambda: nvfp4_matmul_grad_input(x[:, :40].contiguous(), p, sc, gs))):
+        try:
+            fn()
+        except ValueError:
+            refused.append(name)
+    out["fp64_refused"] = refused
+    # forced kernels, fp64 x: the reference answers instead of the kernels' misread fp32 bits
+    out["fp64_linear_err"] = float((ops.nvfp4_linear(x, ops.NVFP4Weight(p, sc, gs)) - x @ wd.t()).abs().max())
+    nan_sc = sc.clone()
+    nan_sc.view(torch.uint8)[3, 1] = 0x7F  # e4m3fn's NaN
+    y = nvfp4_matmul(x.float(), p, nan_sc, gs)
+    out["nan_scale"] = [bool(y[:, 3].isnan().all()), bool(y[:, torch.arange(40) != 3].isfinite().all())]
+    xs = x.float().requires_grad_()
+    gx = torch.autograd.grad((ops.nvfp4_linear(xs, ops.NVFP4Weight(p, sc, gs)) ** 2).sum(), xs, create_graph=True)[0]
+    (gx ** 2).sum().backward()
+    xr = x.clone().requires_grad_()
+    gr = torch.autograd.grad(((xr @ wd.t()) ** 2).sum(), xr, create_graph=True)[0]
+    (gr ** 2).sum().backward()
+    out["double_backward_err"] = float((xs.grad.double() - xr.grad).norm() / xr.grad.norm())
+except Exception as e:
+    out["fp64_refused"] = out["fp64_linear_err"] = out["nan_scale"] = out["double_backward_err"] = repr(e)
 print("RESULTS" + json.dumps(out))
 """
 
@@ -119,3 +153,13 @@ def test_bad_inputs_are_right_or_refused(interp_results):
     assert interp_results["zero_rows"] == [0, 48], interp_results["zero_rows"]
     assert interp_results["strided_bias_err"] < 1e-4, interp_results["strided_bias_err"]
     assert interp_results["refused"] == ["short_bias", "bias_dtype", "fp32_scale", "uint8_scale"], interp_results["refused"]
+
+
+def test_fp64_nan_scales_and_double_backward_in_the_kernels(interp_results):
+    # fp64 x was read as fp32 bits (relative error 1); the portable e4m3 decode turned the NaN scale
+    # byte into 480; the kernels' grad-input had no autograd history, so a double backward (a gradient
+    # penalty) silently lost that term (2026-11-26 audit).
+    assert interp_results["fp64_refused"] == ["fwd", "grad_input"], interp_results["fp64_refused"]
+    assert interp_results["fp64_linear_err"] < 1e-9, interp_results["fp64_linear_err"]
+    assert interp_results["nan_scale"] == [True, True], interp_results["nan_scale"]
+    assert interp_results["double_backward_err"] < 1e-5, interp_results["double_backward_err"]

@@ -285,3 +285,38 @@ def test_reference_refuses_scales_that_are_not_e4m3_and_sums_an_fp64_bias_in_fp6
     assert torch.equal(b.grad, g.sum(0))  # was summed in fp32 (error 0.02 at this scale)
     with pytest.raises(ValueError, match="multiple of 128"):
         k_order_index(48)
+
+
+def test_reference_path_checks_what_the_kernels_check():
+    # K = 24 failed inside a view; a [2, N] bias passed forward and broke in backward; a bias of another
+    # dtype failed in F.linear: the CPU path now refuses each as the Triton path does.
+    packed, scale, gs = random_nvfp4(24, 64, seed=7)
+    w = NVFP4Weight(packed, scale, gs)
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_linear(torch.randn(2, 24), NVFP4Weight(packed[:, :12], scale[:, :1], gs))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        reference.dequantize(packed[:, :12], scale[:, :1], gs)
+    for bias in (torch.randn(2, 24), torch.randn(24, dtype=torch.float64), torch.randn(23)):
+        with pytest.raises(ValueError, match="bias must be"):
+            nvfp4_linear(x, w, bias)
+    with pytest.raises(ValueError, match="activations must be"):
+        nvfp4_linear(x.to(torch.int32), w)
+
+
+def test_double_backward_keeps_the_grad_input_term(monkeypatch):
+    # The kernels' grad-input has no autograd history; called bare in backward, a gradient penalty lost
+    # its term silently. Emulate a kernel (a detached result) and compare with dense autograd.
+    from qerl_kernels import ops
+    real = ops._grad_input
+    monkeypatch.setattr(ops, "_grad_input", lambda *a: real(*a).detach())
+    packed, scale, gs = random_nvfp4(24, 64, seed=8)
+    wd = reference.dequantize(packed, scale, gs, torch.float64)
+    x = torch.randn(5, 64, dtype=torch.float64, requires_grad=True)
+    gx = torch.autograd.grad((nvfp4_linear(x, NVFP4Weight(packed, scale, gs)) ** 2).sum(), x, create_graph=True)[0]
+    assert gx.requires_grad
+    (gx ** 2).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    gr = torch.autograd.grad(((xr @ wd.t()) ** 2).sum(), xr, create_graph=True)[0]
+    (gr ** 2).sum().backward()
+    assert torch.allclose(x.grad, xr.grad, rtol=1e-10, atol=1e-10)

@@ -135,3 +135,42 @@ def test_state_dict_returns_the_files_codes_after_twiddling():
     q = model.model.layers[0].self_attn.q_proj
     q = getattr(q, "base", q)
     assert q.blocked and not torch.equal(q.weight_packed, before["model.layers.0.self_attn.q_proj.weight_packed"])
+
+
+def test_load_state_dict_writes_the_files_codes_in_the_kernel_layout():
+    # A state dict holds the file's codes; loading one into a twiddled model copied them over the
+    # kernel layout unconverted (outputs off by ~65, no error). Fused modules share the parts' bytes.
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.linear import _all_qlinears, twiddle_codes_
+    model = _blockable_model()
+    fuse_projections(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    twiddle_codes_(model)
+    mods = [m for m in _all_qlinears(model) if m.quantized]
+    dense = {id(m): m.dense_weight() for m in mods}
+    codes = {id(m): m.weight_packed.clone() for m in mods}
+    model.load_state_dict(state)
+    for m in mods:
+        assert m.twiddled and torch.equal(m.weight_packed, codes[id(m)])
+        assert torch.equal(m.dense_weight(), dense[id(m)])
+
+
+def test_to_dtype_moves_nvfp4_buffers_without_casting_them():
+    # torch counts float8 as floating point: model.to(bf16) cast the block scales and rounded the
+    # fp32 global scale, and the next forward failed far from the cause.
+    from qerl_cli.layers.linear import QLinear
+    model = _blockable_model()
+    q = model.model.layers[0].self_attn.q_proj
+    q = getattr(q, "base", q)
+    x = torch.randn(3, 128)
+    y = q(x)
+    gs = q.weight_global_scale.clone()
+    model.to(torch.bfloat16)
+    assert (q.weight_packed.dtype, q.weight_scale.dtype, q.weight_global_scale.dtype) == (
+        torch.uint8, torch.float8_e4m3fn, torch.float32)
+    assert torch.equal(q.weight_global_scale, gs) and q.bias.dtype == torch.bfloat16
+    assert (q(x.bfloat16()).float() - y).abs().max() < 0.05 * y.abs().max()
+    model.half().float()
+    assert q.weight_scale.dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="divisible by 16"):
+        QLinear(24, 8, quantized=True)

@@ -22,6 +22,8 @@ class QLinear(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features, self.quantized = in_features, out_features, quantized
+        if quantized and in_features % 16:
+            raise ValueError(f"an NVFP4 Linear needs in_features divisible by 16 (one scale per 16 weights), got {in_features}")
         if quantized:
             self.register_buffer("weight_packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
             self.register_buffer("weight_scale", torch.empty(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device))
@@ -38,6 +40,21 @@ class QLinear(nn.Module):
         self.blocked = False
         if quantized:
             self._register_state_dict_hook(_ondisk_codes_hook)
+            self.register_load_state_dict_pre_hook(_kernel_codes_pre_hook)
+
+    def _apply(self, fn, recurse=True):
+        # ``.to(dtype)`` / ``.half()`` on a model must move the NVFP4 buffers, never cast them: torch counts
+        # float8 as floating point, so it cast the block scales (and rounded the fp32 global scale) to
+        # bf16, and the next forward failed far from the cause.
+        if not self.quantized:
+            return super()._apply(fn, recurse)
+        own = {id(self._buffers[n]) for n in _NVFP4_BUFFERS if self._buffers.get(n) is not None}
+
+        def device_only(t):
+            new = fn(t)
+            return t.to(new.device) if id(t) in own and new.dtype != t.dtype else new
+
+        return super()._apply(device_only, recurse)
 
     def nvfp4_weight(self) -> NVFP4Weight:
         # Kernels may cache a repacked copy on the NVFP4Weight object, so keep one per set of buffers
@@ -94,6 +111,20 @@ class QLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "nvfp4" if self.quantized else "dense"
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+_NVFP4_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def _kernel_codes_pre_hook(module: QLinear, state: dict, prefix: str, *args) -> None:
+    # The mirror of ``_ondisk_codes_hook``: a state dict holds the file's codes, and copying them over
+    # twiddled codes unconverted gave outputs off by ~65 on a unit-scale layer, with no error.
+    key = prefix + "weight_packed"
+    t = state.get(key)
+    if module.twiddled and isinstance(t, torch.Tensor) and t.shape == module.weight_packed.shape:
+        from qerl_kernels.twiddle import to_kernel_layout
+
+        state[key] = to_kernel_layout(t.to(module.weight_packed.device), module.blocked)
 
 
 def _ondisk_codes_hook(module: QLinear, state: dict, prefix: str, local_metadata) -> None:
