@@ -199,7 +199,21 @@ class StageOutput:
             hint="pass --force to replace it",
         )
 
+    def finished_meanwhile(self) -> bool:
+        """Whether ``out`` now holds a finished, undamaged output of this same run that was not there
+        when this run decided to write (``already_done``): a concurrent run's. A ``--force`` rerun over
+        its own earlier output is not that."""
+        m = None if self._seen is _UNSEEN else read_manifest(self.out)
+        return m is not None and m["stage"] == self.stage and m["fingerprint"] in self._same_run \
+            and m["fingerprint"] != self._seen and damaged_output(self.out, m) is None
+
     # ---- work directory ----------------------------------------------------------------
+    def writer_lock_path(self) -> Path:
+        """A resumable run's writer lock: beside its partial directory, not inside it, so the lock
+        stays held (and findable) until the directory has been renamed into ``out``."""
+        part = self._partial_name()
+        return part.with_name(part.name + ".lock")
+
     def _partial_name(self) -> Path:
         if self.resumable:
             return self.out.parent / f".{self.out.name}.partial-{self.fingerprint[:16]}"

@@ -518,32 +518,69 @@ class _Plan:
         return group_id(self.cfg.step, p.row.id)
 
 
-LOCK = ".lock"
+OLD_LOCK = ".lock"  # where qerl before 2026-11-26 kept the lock: inside the partial directory
 
 
-def _lock_partial(work: Path):
-    """Hold an exclusive lock on the partial directory while appending to it.
+class _WriterLock:
+    """An exclusive lock held from before the partial directory is opened until after it is renamed
+    into ``--out``, so a second writer (a Slurm job requeued while the old one still runs, the same
+    command started twice) is refused instead of interleaving its groups.
 
-    Two processes appending to one partial shard (a Slurm job requeued while the old one still
-    runs, or the same command started twice) would interleave their groups. ``flock`` is
-    released by the kernel however the holder dies, so a crashed run never blocks its resume.
+    The lock file sits beside the partial directory. Inside it, it had to be deleted before the
+    manifest was hashed, and from then to the rename (seconds for a large shard) a second run
+    opened a new lock file, was admitted, and wrote into the same directory (audit, 2026-11-26).
+    ``flock`` is released by the kernel however the holder dies, so a crashed run never blocks its
+    resume. A run admitted after another finished this very output stops with exit 4, too.
     """
-    import fcntl
 
-    f = open(work / LOCK, "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise OutputExistsError(f"another qerl rollout is writing {work} right now",
-                                hint="wait for it, or stop it; this run resumes where it stops") from None
-    return f
+    def __init__(self, out: StageOutput):
+        self.out, self.path, self.f = out, out.writer_lock_path(), None
+
+    def __enter__(self):
+        import errno
+
+        try:
+            import fcntl  # POSIX only: elsewhere the final swap's own check is what remains
+        except ImportError:
+            return self
+        busy = OutputExistsError(f"another qerl rollout is writing {self.out.out} right now",
+                                 hint="wait for it, or stop it; this run resumes where it stops")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(self.path, "a+")
+        except OSError as e:
+            raise self.out._write_error(e) from None
+        try:
+            fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # no flock on this file system
+                return self
+            self.f.close()
+            raise busy from None
+        if self.out.finished_meanwhile():  # finished by a run that held the lock before this one took it
+            self._release(done=True)
+            raise OutputExistsError(f"{self.out.out} was finished by another qerl rollout while this one started",
+                                    hint="nothing to do: a rerun reports it done")
+        return self
+
+    def _release(self, done: bool) -> None:
+        if self.f is None:
+            return
+        if done:  # deleted while held: a run that then opens a new lock file finds --out done and stops
+            self.path.unlink(missing_ok=True)
+        # not done (an error): the file stays, or two later runs could lock two different files
+        self.f.close()
+        self.f = None
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        self._release(done=exc_type is None)
+        return False
 
 
 def _run(plan: _Plan) -> dict:
     cfg, out = plan.cfg, plan.out
-    with out as work:
-        lock = _lock_partial(work)
+    with _WriterLock(out), out as work:
+        (work / OLD_LOCK).unlink(missing_ok=True)  # an older qerl's lock: not part of the output
         shard_path = work / plan.shard
         done, dropped = load_complete_groups(shard_path, cfg.num_generations)
         resumed = len(done)
@@ -578,8 +615,6 @@ def _run(plan: _Plan) -> dict:
         )
         out.extra["summary"] = summary
         out.timings["generate_s"] = round(t_gen, 3)
-        (work / LOCK).unlink()  # still held through the open fd until the directory is renamed
-    lock.close()
     return {"out": str(cfg.out), "already_done": False, "summary": summary, "manifest": out.manifest}
 
 

@@ -169,7 +169,7 @@ def test_resume_after_crash_equals_uninterrupted(model_dir, tmp_path, fake_engin
     monkeypatch.setattr(ro.ShardWriter, "write_group", dying_write)
     with pytest.raises(KeyboardInterrupt):
         rollout(cfg_for(model_dir, tmp_path))
-    partials = list(tmp_path.glob(".out.partial-*"))
+    partials = [p for p in tmp_path.glob(".out.partial-*") if p.is_dir()]  # and its writer lock file
     assert len(partials) == 1 and not (tmp_path / "out").exists()
     assert len((partials[0] / "shard-00000-of-00001.jsonl").read_text().splitlines()) == 7 * 3 + 1
 
@@ -397,16 +397,69 @@ def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
     seen = {}
 
     def second_run_meanwhile(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
-        part = next(tmp_path.glob(".out.partial-*"))
+        part = next(p for p in tmp_path.glob(".out.partial-*") if p.is_dir())
         with pytest.raises(OutputExistsError, match="another qerl rollout is writing"):
             rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
-        seen["partial_kept"] = part.exists() and (part / ".lock").exists()
+        seen["partial_kept"] = part.exists() and part.with_name(part.name + ".lock").exists()
         return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", second_run_meanwhile)
     res = rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
     assert seen == {"partial_kept": True} and res["summary"]["groups"] == 2
-    assert not (tmp_path / "out" / ".lock").exists() and ".lock" not in res["manifest"]["outputs"]
+    assert not list(tmp_path.glob(".out*")) and not any("lock" in f for f in res["manifest"]["outputs"])
+
+
+def test_second_writer_is_refused_while_the_first_hashes_and_renames(model_dir, tmp_path, monkeypatch, fake_engine):
+    """The lock file lived in the partial directory and was deleted before the manifest was hashed:
+    from there to the rename, the same command was admitted into the same directory (audit,
+    2026-11-26; with a multi-GB shard that window is seconds). Now it is refused until the rename
+    (after it, the output is there and done), and a run that checked before the rename but locks
+    after the first finished stops too, leaving the output alone."""
+    from qerl_cli.outputs import StageOutput
+
+    cfg = cfg_for(model_dir, tmp_path, max_prompts=2)
+    seen = []
+    real_manifest, real_swap = StageOutput._write_manifest, StageOutput._swap_into_place
+
+    def second_run(where):
+        seen.append((where, "admitted"))
+        try:
+            if rollout(cfg)["already_done"]:
+                seen[-1] = (where, "already done")
+        except OutputExistsError as e:
+            seen[-1] = (where, str(e).split(" right now")[0])
+
+    def manifest_then(self, work):
+        if not seen:
+            second_run("hashing")
+        return real_manifest(self, work)
+
+    def swap_then(self, work):
+        real_swap(self, work)
+        if len(seen) == 1:
+            second_run("renamed")
+
+    monkeypatch.setattr(StageOutput, "_write_manifest", manifest_then)
+    monkeypatch.setattr(StageOutput, "_swap_into_place", swap_then)
+    res = rollout(cfg)
+    out = str(tmp_path / "out")
+    assert seen == [("hashing", f"another qerl rollout is writing {out}"), ("renamed", "already done")]
+    assert res["summary"]["groups"] == 2 and read_manifest(tmp_path / "out") == res["manifest"]
+    # A run that found no output, then took the lock after another run finished it, stops (exit 4).
+    monkeypatch.undo()
+    cfg2 = cfg_for(model_dir, tmp_path, max_prompts=2, out=tmp_path / "out2")
+    real_enter, first = ro._WriterLock.__enter__, []
+
+    def finish_another_first(self):
+        if not first:
+            first.append(None)
+            first[0] = rollout(cfg2)  # the other run, from plan to rename
+        return real_enter(self)
+
+    monkeypatch.setattr(ro._WriterLock, "__enter__", finish_another_first)
+    with pytest.raises(OutputExistsError, match="was finished by another qerl rollout while this one started"):
+        rollout(cfg2)
+    assert read_manifest(tmp_path / "out2") == first[0]["manifest"] and not list(tmp_path.glob(".out2*"))
 
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed here")
