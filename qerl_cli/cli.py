@@ -77,7 +77,10 @@ OOM_HINTS = {
 
 def _is_oom(e: BaseException) -> bool:
     torch = sys.modules.get("torch")
-    return isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError))
+    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
+        return True
+    # torch's CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory")
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
 def guarded(fn, stage: str | None = None):
@@ -130,6 +133,16 @@ def _wrap(text: str, width: int, indent: str = "", hang: str = "") -> list[str]:
                          break_on_hyphens=False, break_long_words=False) or [indent]
 
 
+def _wrap_command(line: str, width: int, indent: str) -> list[str]:
+    """An example command line wrapped for a narrow terminal as a shell would still run it: every line
+    it continues on ends in `` \\`` (wrapped bare, a pasted example broke at the first wrap)."""
+    text = line.strip()
+    continued = text.endswith("\\")
+    text = text.removesuffix("\\").rstrip()
+    pieces = _wrap(text, width - len(indent) - 2, indent + " " * (len(line) - len(line.lstrip())), "    ")
+    return [p + " \\" if i < len(pieces) - 1 or continued else p for i, p in enumerate(pieces)]
+
+
 class _PlainFormatter(_Context.formatter_class):
     def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
         rows = list(rows)
@@ -178,9 +191,7 @@ class StageCommand(TyperCommand):
         for para in textwrap.dedent(self.help or "").strip("\n").split("\n\n"):
             formatter.write_paragraph()
             if para.startswith("  "):
-                lines = [w for line in para.splitlines()
-                         for w in _wrap(line.strip(), formatter.width - len(indent) - 2,
-                                        indent + " " * (len(line) - len(line.lstrip())), "    ")]
+                lines = [w for line in para.splitlines() for w in _wrap_command(line, formatter.width, indent)]
             else:
                 lines = _wrap(" ".join(para.split()), formatter.width - len(indent), indent)
             formatter.write("\n".join(lines) + "\n")

@@ -261,7 +261,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         # Not a hint offering --skip-bad-lines, which eval does not have (every problem counts); any
         # other hint (pip install 'qerl[parquet]') stays.
         hint = "eval scores every row: fix or remove it" if "--skip-bad-lines" in (e.hint or "") else e.hint
-        raise BadInputError(f"--dataset: {e.args[0]}", hint=hint) from None
+        msg = e.args[0] if e.args[0].startswith("--dataset") else f"--dataset: {e.args[0]}"  # not "--dataset: --dataset x"
+        raise BadInputError(msg, hint=hint) from None
     if cfg.max_problems:
         rows = rows[: cfg.max_problems]
     missing = next((r for r in rows if r.answer is None), None)
@@ -282,7 +283,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     config = _fingerprint_config(cfg, device, dtype_name, template)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     inputs["text"] = text_files_hash(cfg.model)  # the prompts' tokens (chat template) and where sampling stops
-    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force,
+    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg), legacy_inputs=(legacy_inputs,))
     if so.already_done():
         metrics = json.loads((cfg.out / METRICS).read_text())

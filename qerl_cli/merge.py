@@ -381,13 +381,16 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
                 yield name, t.to(dtype) if t.is_floating_point() else t
                 continue
             w, out_name = t.to(device, torch.float32), name
+        base_w = w
         if module in adapter.deltas:
             d = adapter.deltas[module].dense(device)
             stats.add_delta(w, d)
             w = w + d
         # amax propagates NaN and Inf: one reduction instead of a full boolean mask
         if not torch.isfinite(w.abs().amax()):
-            raise NumericalError(f"merged weight {out_name} has NaN/Inf (check --adapter {adapter.path})")
+            # name the input that holds it (a NaN in the base was blamed on the adapter)
+            src = f"in --model {base.path}" if not torch.isfinite(base_w.abs().amax()) else f"check --adapter {adapter.path}"
+            raise NumericalError(f"merged weight {out_name} has NaN/Inf ({src})")
         yield out_name, w.to(dtype)
     if untie and LM_HEAD_WEIGHT not in base.tensors:
         yield LM_HEAD_WEIGHT, reader.get(EMBED_WEIGHT).to(dtype)
@@ -461,6 +464,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
         config={"dtype": cfg.dtype, "max_shard_size": cfg.max_shard_size},
         inputs=inputs,
         force=cfg.force,
+        started=t0,
     )
     if so.already_done():
         so.manifest["already_done"] = True

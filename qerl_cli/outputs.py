@@ -146,6 +146,9 @@ class StageOutput:
     legacy_configs: tuple[dict[str, Any], ...] = ()
     # Inputs an older qerl fingerprinted the same run by (before it counted another input file).
     legacy_inputs: tuple[dict[str, str], ...] = ()
+    # When the stage began (time.time()): the manifest's ``timings.total_s`` counts from here, so it is
+    # never less than the stage's own parts (it counted from entering the temp dir, after prepare_s).
+    started: float | None = None
 
     def __post_init__(self):
         self.out = Path(self.out)
@@ -154,7 +157,7 @@ class StageOutput:
                           for c in (self.config, *self.legacy_configs) for i in (self.inputs, *self.legacy_inputs)}
         self.manifest: dict | None = None
         self.work: Path | None = None
-        self._t0 = 0.0
+        self._t0 = self.started if self.started is not None else time.time()
         self._seen = _UNSEEN  # the fingerprint at `out` when this run decided to write (None: nothing)
 
     # ---- rerun logic -------------------------------------------------------------------
@@ -171,6 +174,9 @@ class StageOutput:
         # in a temp dir (GBs for a checkpoint): an "already done" rerun sweeps it too, not only a new run.
         self._clean_stale()
         m = read_manifest(self.out)
+        if not self.out.is_dir():
+            raise OutputExistsError(f"{self.out} is a file, not a qerl output directory",
+                                    hint="choose another --out, or move that file away")
         if m is None and not _is_empty_dir(self.out):
             # Never replaced, even with --force: a directory without a manifest is not qerl's
             # (qerl's outputs appear only complete, manifest included).
@@ -259,7 +265,6 @@ class StageOutput:
             self.work.mkdir(parents=True, exist_ok=self.resumable)
         except OSError as e:
             raise self._write_error(e) from None
-        self._t0 = time.time()
         crash_point("stage-start")
         return self.work
 
@@ -286,6 +291,10 @@ class StageOutput:
     def _write_error(self, e: BaseException) -> OutputWriteError:
         where = getattr(e, "filename", None) or self.out
         kept = " (its finished groups are kept for a rerun)" if self.resumable else ""
+        blocker = _file_in_the_way(Path(where)) if getattr(e, "errno", None) in (errno.EEXIST, errno.ENOTDIR) else None
+        if blocker is not None:  # was "File exists", with a hint about space and permissions
+            return OutputWriteError(f"cannot write {self.out}: {blocker} is a file, not a directory; nothing was "
+                                    f"left at --out{kept}", hint="choose another --out, or move that file away")
         return OutputWriteError(f"cannot write {self.out}: {getattr(e, 'strerror', None) or e} ({where}); nothing was "
                                 f"left at --out{kept}", hint="free space or fix the permissions, then rerun")
 
@@ -401,6 +410,11 @@ class _DirLock:
         if self.fd is not None:
             os.close(self.fd)  # releases the lock
         return False
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest of ``path`` and its parents that exists as something other than a directory."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
 def _is_write_error(e: BaseException | None) -> bool:

@@ -360,6 +360,7 @@ def _return_freed_memory_to_os() -> None:
 
 def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     """Run the stage; see the module docstring. Raises QerlError subclasses on bad input."""
+    t_start = time.time()
     _return_freed_memory_to_os()
     if cfg.format not in FORMATS:
         raise BadInputError(f"--format {cfg.format!r} is not one of {', '.join(FORMATS)}")
@@ -377,7 +378,7 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     # device is not part of the fingerprint: CPU and CUDA produce the same bytes.
     # Nor is the source path: its content hashes are the inputs, so a moved source is still "done".
     stage_cfg = {"format": cfg.format, "max_shard_size": max_shard}
-    so = StageOutput(out, STAGE, config=stage_cfg, inputs=_source_inputs(source), force=cfg.force)
+    so = StageOutput(out, STAGE, config=stage_cfg, inputs=_source_inputs(source), force=cfg.force, started=t_start)
     if so.already_done():
         return QuantizeResult(out, True, (so.manifest or {}).get("summary", {}), so.manifest)
 

@@ -43,7 +43,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qerl_cli.data import EncodedPrompt, EncodeReport, PromptRow, encode_prompts, load_prompts, load_template
+from qerl_cli.data import (
+    LONG_PROMPT_POLICIES,
+    EncodedPrompt,
+    EncodeReport,
+    PromptRow,
+    encode_prompts,
+    load_prompts,
+    load_template,
+)
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError, QerlError
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
@@ -112,6 +120,8 @@ def _check_flags(cfg: RolloutConfig) -> None:
 
     if cfg.num_generations < 1:
         bad(f"--num-generations must be >= 1, got {cfg.num_generations}")
+    if cfg.long_prompts not in LONG_PROMPT_POLICIES:  # here, not at encoding: before an existing --out answers exit 4
+        bad(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {cfg.long_prompts!r}")
     if cfg.max_new_tokens < 1:
         bad(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0 or not math.isfinite(cfg.temperature):
@@ -451,7 +461,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights, template)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     inputs["text"] = text_files_hash(cfg.model)
-    out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True,
+    out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                       legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
     if out.already_done():

@@ -286,6 +286,9 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
             paths = [Path(s)]
         for p in paths:
             if p.is_dir():
+                if (p / "adapter_config.json").is_file():  # --adapter and --shards swapped: its metrics.jsonl is no shard
+                    raise BadInputError(f"{p} is a LoRA adapter directory, not rollout shards",
+                                        hint="pass it as --adapter, and the rollout output as --shards")
                 found = sorted(p.glob(SHARD_GLOB)) or sorted(p.glob("*.jsonl"))
                 if not found:
                     raise BadInputError(f"{p} holds no shard files ({SHARD_GLOB})", hint="is it a rollout output dir?")

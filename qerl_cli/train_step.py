@@ -491,6 +491,10 @@ def train_step(cfg: TrainStepConfig) -> dict:
         # Overwriting the input adapter would make the step impossible to rerun or resume.
         raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
     check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter)
+    if cfg.metrics_file is not None and (Path(cfg.metrics_file).is_dir() or Path(cfg.metrics_file).parent.is_file()):
+        # found only after the step's output was in place, the traceback stopped a `set -e` recipe there
+        raise BadInputError(f"--metrics-file {cfg.metrics_file} is a directory or inside a file",
+                            hint="name a .jsonl file (one for the whole run), e.g. run/metrics.jsonl")
     device = resolve_device(cfg.device)
     _, dtype = resolve_dtype(cfg.dtype, device)
 
@@ -534,9 +538,9 @@ def train_step(cfg: TrainStepConfig) -> dict:
     if cfg.adapter is not None:
         inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
-                      legacy_configs=(cfg.legacy_fingerprint_config(),))
+                      legacy_configs=(cfg.legacy_fingerprint_config(),), started=t_start)
     if out.already_done():
-        _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)")
+        _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)", result=True)
         _ensure_metrics_line(cfg, out.manifest)
         return out.manifest
 
@@ -762,7 +766,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         if cfg.metrics_file is not None:
             append_jsonl(Path(cfg.metrics_file), metrics)
         _say(cfg, f"step {step} -> {cfg.out}: loss {metrics['loss']:.4g}, reward {metrics['reward_mean']:.3f}, "
-                  f"grad norm {metrics['grad_norm']:.3g}, {metrics['tokens_per_s']:.0f} tok/s")
+                  f"grad norm {metrics['grad_norm']:.3g}, {metrics['tokens_per_s']:.0f} tok/s", result=True)
     dist.barrier()
     return manifest if manifest is not None else {"metrics": metrics}
 
@@ -879,6 +883,7 @@ def _progress(cfg, dist, total):
     return _NoProgress()
 
 
-def _say(cfg, msg: str) -> None:
+def _say(cfg, msg: str, result: bool = False) -> None:
+    """Notes and warnings to stderr; the result line (and "already done") to stdout, as the other stages."""
     if cfg.progress:
-        print(msg, file=sys.stderr)
+        print(msg, file=sys.stdout if result else sys.stderr)

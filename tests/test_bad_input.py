@@ -217,6 +217,24 @@ def test_merge_bad_base(p, tmp_path, case, breaker, code, needles):
     nothing_written(tmp_path)
 
 
+def test_merge_names_the_base_when_a_merged_weight_is_nan_because_of_it(p, tmp_path):
+    # a NaN block scale of a LoRA-targeted base weight was reported as "check --adapter" (audit)
+    from safetensors.torch import load_file, save_file
+
+    q = copy_tree(p["q"], tmp_path / "q")
+    t = load_file(str(q / "model.safetensors"))
+    key = PACKED.replace("weight_packed", "weight_scale")
+    t[key] = t[key].clone()
+    t[key].view(torch.uint8)[0, 0] = 0x7F  # e4m3fn's NaN
+    save_file(t, str(q / "model.safetensors"), metadata={"format": "pt"})
+    a = copy_tree(p["a1"], tmp_path / "a")
+    (a / "trainer_state.json").unlink()
+    r = invoke(merge_args(q, a, tmp_path / "out"))
+    msg = assert_one_line_error(r, 5, "q_proj", "in --model")
+    assert "--adapter" not in msg, msg
+    nothing_written(tmp_path)
+
+
 # ---- prompt / dataset files ------------------------------------------------------------------------
 BAD_LINES = [ANSWERED_ROWS[0], "{not json", {"text": "no prompt field", "answer": "1"}, ANSWERED_ROWS[1]]
 
@@ -430,8 +448,14 @@ def _oom(*a, **k):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
 
 
+def _cpu_oom(*a, **k):  # what torch.empty(10**13) on the CPU raises: a plain RuntimeError, not OutOfMemoryError
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 10000000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
 @pytest.mark.parametrize("stage,target,flag", [
     ("quantize", "qerl_cli.quantize._process_unit", "--device cpu"),
+    ("rollout-cpu", "qerl_cli.rollout._native_generator", "--max-num-seqs"),
     ("rollout", "qerl_cli.rollout._native_generator", "--max-num-seqs"),
     ("rollout-generate", "qerl_cli.engine.LLMEngine.generate", "--max-num-seqs"),
     ("train-step", "qerl_cli.train_step.microbatch_logprobs", "--micro-batch-tokens"),
@@ -448,7 +472,7 @@ def test_out_of_memory_names_the_flag_to_lower(p, tmp_path, monkeypatch, stage, 
     else:
         import importlib
 
-        monkeypatch.setattr(importlib.import_module(mod), attr, _oom)
+        monkeypatch.setattr(importlib.import_module(mod), attr, _cpu_oom if stage.endswith("-cpu") else _oom)
     out = tmp_path / "out"
     args = {
         "quantize": quantize_args(p["src"], out),

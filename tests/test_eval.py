@@ -377,8 +377,9 @@ def test_sample_count_and_temperature_the_engine_cannot_run_are_refused_early(mo
         with pytest.raises(BadInputError, match="below 1e-05"):
             run(model_dir, tmp_path, rows, [], k=2, temperature=t)
     (tmp_path / "ds").mkdir()
-    with pytest.raises(BadInputError, match="--dataset .* is a directory"):
+    with pytest.raises(BadInputError, match="^--dataset /.* is a directory") as e:  # was "--dataset: --dataset ..."
         run(model_dir, tmp_path, None, [], dataset=tmp_path / "ds")
+    assert str(e.value).count("--dataset") == 1, str(e.value)
 
 
 def test_float_answers_are_plain_decimals():

@@ -119,3 +119,24 @@ def test_version_names_qerl_and_every_dependency_without_importing_torch():
     assert re.search(r"^  torch \d", out.stdout, re.M)  # installed here, so a version, not "not installed"
     short = CliRunner().invoke(app, ["-V"])
     assert short.exit_code == 0 and short.output.splitlines()[0] == lines[0]
+
+
+@pytest.mark.parametrize("columns", [60, 80])
+def test_wrapped_help_examples_still_paste_into_a_shell(columns):
+    # A wrapped example line continued without a trailing backslash: pasted, the shell ran half of it
+    # (train-step's torchrun example at 80 columns; audit).
+    import shlex
+    import textwrap
+
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    for name, cmd in get_command(app).commands.items():
+        src = [p for p in textwrap.dedent(cmd.help or "").strip("\n").split("\n\n") if p.startswith("  ")]
+        text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""}).output
+        shown = [p for p in text.split("\n\n") if p.startswith("    ")]  # examples sit two deeper than prose
+        assert len(shown) == len(src), (name, shown)
+        for want, got in zip(src, shown):
+            for w_cmd, g_cmd in zip(want.replace("\\\n", " ").splitlines(), got.replace("\\\n", " ").splitlines()):
+                assert shlex.split(g_cmd) == shlex.split(w_cmd), (name, got)

@@ -267,6 +267,14 @@ def test_bad_flags(model_dir, tmp_path, fake_engine, kw, err, msg):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
+def test_a_bad_flag_value_is_bad_input_also_over_an_existing_output(model_dir, tmp_path, fake_engine):
+    # --long-prompts was checked only when prompts were encoded, after --out's check: over a finished
+    # output the typo read as "holds a rollout output made from different inputs" (exit 4; audit)
+    rollout(cfg_for(model_dir, tmp_path, max_prompts=1))
+    with pytest.raises(BadInputError, match="--long-prompts must be one of"):
+        rollout(cfg_for(model_dir, tmp_path, max_prompts=1, long_prompts="bogus"))
+
+
 def test_bad_prompt_files(model_dir, tmp_path, fake_engine):
     with pytest.raises(BadInputError, match="prompt file .*nope.jsonl does not exist"):
         rollout(cfg_for(model_dir, tmp_path, prompts=tmp_path / "nope.jsonl"))
@@ -627,3 +635,16 @@ def test_a_template_file_is_fingerprinted_by_its_text(model_dir, tmp_path, fake_
     tpl.write_text("Answer in French: {prompt}")
     with pytest.raises(OutputExistsError, match="different inputs"):
         rollout(cfg_for(model_dir, tmp_path, prompt_template=str(tpl), max_prompts=2))
+
+
+def test_the_result_line_stays_one_line_when_piped(model_dir, tmp_path, fake_engine):
+    # Rich wrapped it at 80 columns when stdout was not a terminal: "...; mean reward\n0.750" (audit)
+    write_prompts(tmp_path / "p.jsonl", n=2)
+    out = tmp_path / ("a-rather-long-directory-name-as-runs-have-" * 2) / "step-000"
+    args = ["rollout", "--model", str(model_dir), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out),
+            "-G", "2", "--max-new-tokens", "4", "--device", "cpu", "-q"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert any(ln.startswith("wrote ") and "mean reward" in ln for ln in r.stdout.splitlines()), r.stdout
+    r = CliRunner().invoke(app, args)
+    assert any(ln.startswith("already done: ") and "--force" in ln for ln in r.stdout.splitlines()), r.stdout

@@ -157,6 +157,12 @@ def test_missing_sources(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(BadInputError, match="holds no shard files"):
         read_records(tmp_path / "empty")
+    # --adapter and --shards swapped: the adapter's metrics.jsonl was read as a bad shard (audit)
+    (tmp_path / "a1").mkdir()
+    (tmp_path / "a1" / "adapter_config.json").write_text("{}")
+    (tmp_path / "a1" / "metrics.jsonl").write_text('{"loss": 0.1}\n')
+    with pytest.raises(BadInputError, match="is a LoRA adapter directory, not rollout shards"):
+        read_records(tmp_path / "a1")
 
 
 def test_resume_keeps_complete_groups_and_repairs_file(tmp_path):

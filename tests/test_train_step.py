@@ -334,6 +334,14 @@ def test_cli_runs_a_step_and_reports_errors(models, tmp_path):
     assert res.exit_code == 0, res.output
     cfg = json.loads((tmp_path / "a1" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
+    # the result line on stdout, as every other stage's (it went to stderr; audit)
+    again = runner.invoke(app, ["train-step", "--model", str(models["q"]), "--shards", str(sh), "--out",
+                                str(tmp_path / "a1"), "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
+                                "--micro-batch-tokens", "64"])
+    assert again.exit_code == 0 and again.stdout.startswith("already done: "), (again.stdout, again.stderr)
+    res = runner.invoke(app, ["train-step", "--model", str(models["q"]), "--shards", str(sh), "--out",
+                              str(tmp_path / "a1b"), "--lora-rank", "4", "--micro-batch-tokens", "64"])
+    assert res.exit_code == 0 and "step 0 -> " in res.stdout and "step 0 -> " not in res.stderr, res.stderr
     bad = runner.invoke(app, ["train-step", "--model", str(models["q"]), "--shards", str(sh), "--out",
                               str(tmp_path / "a2"), "--loss", "ppo"])
     assert bad.exit_code == 2 and "--loss must be one of" in bad.output
@@ -417,7 +425,10 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
                      (dict(beta=float("inf")), "--beta"), (dict(tis_cap=float("nan")), "--tis-cap"),
                      (dict(clip_eps_high=float("nan")), "--clip-eps-high"),
                      (dict(max_completion_length=0, loss="dr_grpo"), "--max-completion-length"),
-                     (dict(max_completion_length=-5), "--max-completion-length")):
+                     (dict(max_completion_length=-5), "--max-completion-length"),
+                     # a directory was found only after --out was written: a traceback, exit 1 (audit)
+                     (dict(metrics_file=tmp_path), "--metrics-file"),
+                     (dict(metrics_file=qc / "config.json" / "m.jsonl"), "--metrics-file")):
         with pytest.raises(BadInputError, match=flag):
             train_step(_cfg(q, [sh], tmp_path / "bad", **kw))
     assert not (tmp_path / "bad").exists()

@@ -107,5 +107,5 @@ def command(
     )
     res = evaluate(cfg, console=console)
     if res["already_done"]:
-        console.print(f"already done: {out} holds this eval (pass --force to redo)")
+        console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
     render_metrics(res["metrics"], console)

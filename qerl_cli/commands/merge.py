@@ -56,7 +56,7 @@ def command(
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})
     if m.get("already_done"):
-        console.print(f"already done: {out} holds this merge (pass --force to redo)")
+        console.print(f"already done: {out} holds this merge (pass --force to redo)", soft_wrap=True)
         return
     line = (f"merged {s.get('merged_modules', 0)} LoRA modules"
             f" (+{s.get('replaced_tensors', 0)} trained tensors) into {out} as {s.get('dtype')} "
@@ -66,7 +66,7 @@ def command(
         line += f"; re-quantization rel. error mean {rq['rel_err_mean']:.4f}, max {rq['rel_err_max']:.4f}"
         if rq.get("update_retained") is not None:
             line += f"; LoRA update retained {100 * rq['update_retained']:.0f}%"
-    console.print(line)
+    console.print(line, soft_wrap=True)  # one line for grep, also when piped (80 columns)
     if rq and rq.get("update_retained") is not None and rq["update_retained"] < LOW_RETENTION:
         src = (read_manifest(model) or {}).get("source")
         console.print(f"[yellow]warning:[/] re-quantizing kept only {100 * rq['update_retained']:.0f}% of the LoRA "

@@ -43,7 +43,8 @@ def command(
         "compressed-tensors",
         "--format",
         help="On-disk format: 'compressed-tensors' (nvfp4-pack-quantized; vLLM/transformers/llm-compressor) "
-        "or 'modelopt' (weight/weight_scale/weight_scale_2 + hf_quant_config.json). Example: --format modelopt",
+        "or 'modelopt' (weight/weight_scale/weight_scale_2 + hf_quant_config.json; for serving elsewhere: of qerl's "
+        "stages only merge reads it). Example: --format modelopt",
     ),
     device: str = typer.Option(
         "auto",

@@ -53,8 +53,8 @@ def command(
     aqn_sigma_end: float = typer.Option(0.0, "--aqn-sigma-end", help="AQN noise std of the last stage. Example: --aqn-sigma-end 1e-4"),
     aqn_stages: int = typer.Option(10, "--aqn-stages", help="Noisy stages K (the run is split into K+1 intervals; the first is noise-free). Example: --aqn-stages 10"),
     total_steps: int | None = typer.Option(None, "--total-steps", help="Steps of the whole run (needed with AQN). Example: --total-steps 100"),
-    run_seed: int = typer.Option(0, "--run-seed", help="Seed of the run's AQN noise vectors and --shuffle; train-step must use the same. Example: --run-seed 1"),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed; each prompt batch derives its own from it, so reruns reproduce. Example: --seed 3"),
+    run_seed: int = typer.Option(0, "--run-seed", help="Seed of the run's AQN noise vectors and --shuffle; recorded in each record's noise, from which train-step rebuilds the same vectors. Example: --run-seed 1"),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed; each prompt derives its own from it (recorded per record), so reruns and other batchings reproduce. Example: --seed 3"),
     shard_index: int = typer.Option(0, "--shard-index", help="Which shard this job writes, 0-based (e.g. $SLURM_ARRAY_TASK_ID). Example: --shard-index 3"),
     num_shards: int = typer.Option(1, "--num-shards", help="Number of parallel shards; prompts are dealt round robin. Example: --num-shards 8"),
     engine: str = typer.Option("native", "--engine", help="native (qerl's engine, same kernels and noise as training) or "
@@ -108,7 +108,7 @@ def command(
         raise typer.Exit(130) from None
     console = Console(highlight=False)
     if res["already_done"]:
-        console.print(f"already done: {out} holds this rollout (pass --force to redo)")
+        console.print(f"already done: {out} holds this rollout (pass --force to redo)", soft_wrap=True)
         return
     s = res["summary"]
     if not quiet:
@@ -120,4 +120,4 @@ def command(
             Console(stderr=True, highlight=False).print(f"warning: skipped {', '.join(skipped)}")
     mean = s["reward"]["mean"]
     console.print(f"wrote {s['completions']} completions for {s['groups']} prompts to {out / s['shard']}"
-                  + (f"; mean reward {mean:.3f}" if mean is not None else ""))
+                  + (f"; mean reward {mean:.3f}" if mean is not None else ""), soft_wrap=True)  # one line for grep

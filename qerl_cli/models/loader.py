@@ -48,7 +48,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
 def _check_quant_config(model_dir: Path) -> dict | None:
     if (model_dir / "hf_quant_config.json").exists():
         raise BadInputError(f"{model_dir}: a ModelOpt checkpoint (hf_quant_config.json); qerl loads compressed-tensors "
-                            "NVFP4 or unquantized checkpoints", hint="re-quantize the bf16 model with `qerl quantize`")
+                            "NVFP4 or unquantized checkpoints", hint="re-quantize the bf16 model with `qerl quantize` and its default --format compressed-tensors")
     cfg = json.loads((model_dir / "config.json").read_text())
     q = cfg.get("quantization_config")
     if q is None:
