@@ -43,7 +43,7 @@ def command(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold. Example: --top-p 0.95"),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Completion length cap (longer ones count as "
                                        "truncated). Example: --max-new-tokens 2048"),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. For base models "
+    stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable); EOS always stops. For base models "
                                    "that run on into the next question (a newline needs the shell's $'...' quoting). Example: --stop $'\\nQ:'"),
     prompt_template: str = typer.Option(None, "--prompt-template", help="Instruction around each problem: a string "
                                         "or file containing {prompt}. Default: the row's prompt as it is, exactly as `qerl rollout` "

@@ -28,6 +28,7 @@ HELP = (
 def command(
     src: Path = typer.Argument(
         ...,
+        metavar="SRC_HF_DIR",
         help="Source Hugging Face model directory: config.json + *.safetensors (+ index), tokenizer files. "
         "Pickle .bin checkpoints are refused. Example: ./Qwen2.5-0.5B-Instruct",
         show_default=False,

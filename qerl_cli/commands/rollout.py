@@ -40,8 +40,8 @@ def command(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]; 1 = off. Example: --top-p 0.95"),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens; 0 = off. Example: --top-k 50"),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off. Example: --min-p 0.05"),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); EOS always stops. A newline in it needs the shell's $'...' quoting. Example: --stop $'\\nQ:'"),
-    reward: list[str] = typer.Option(["gsm8k"], "--reward", help="Reward NAME[=WEIGHT], repeatable; reward = weighted sum. "
+    stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable); EOS always stops. A newline in it needs the shell's $'...' quoting. Example: --stop $'\\nQ:'"),
+    reward: list[str] = typer.Option(["gsm8k"], "--reward", metavar="NAME[=WEIGHT]", help="Reward NAME[=WEIGHT], repeatable; reward = weighted sum. "
                                      "Built-in: gsm8k, math, format; your own: module:function or file.py:function. "
                                      "Example: --reward gsm8k --reward format=0.1"),
     step: int = typer.Option(0, "--step", help="RL step k: selects the AQN sigma and, with --prompts-per-step, the prompt slice. Example: --step 12"),

@@ -32,7 +32,7 @@ make qerl check that it is not quantized).
 
 def command(
     model: Annotated[Path, typer.Option("--model", help="Base model dir: qerl NVFP4 QDIR, or a plain HF dir (16-bit baseline). Example: --model qwen-nvfp4")],
-    shards: Annotated[list[str], typer.Option("--shards", help="Rollout shard dir, file or glob; repeat for several. Example: --shards rollouts/step-3")],
+    shards: Annotated[list[str], typer.Option("--shards", metavar="DIR|FILE|GLOB", help="Rollout shard dir, file or glob; repeat for several. Example: --shards rollouts/step-3")],
     out: Annotated[Path, typer.Option("--out", help="Output adapter dir (written atomically). Example: --out adapters/step-4")],
     adapter: Annotated[Path | None, typer.Option("--adapter", help="Adapter dir to continue (the one the rollout used); omit at step 0 for a fresh adapter (seeded init, B = 0). Example: --adapter runs/x/step-000003/adapter")] = None,
     loss: Annotated[str, typer.Option("--loss", rich_help_panel="Algorithm", help="grpo (per-sequence mean) | dapo (token mean over the step) | dr_grpo (divide by max completion length) | bnpo (token mean per micro-batch). Example: --loss grpo")] = "dapo",
@@ -55,7 +55,7 @@ def command(
     lora_rank: Annotated[int | None, typer.Option("--lora-rank", rich_help_panel="LoRA", help="LoRA rank r for a fresh adapter (default 16); must match --adapter if given. Example: --lora-rank 32")] = None,
     lora_alpha: Annotated[float | None, typer.Option("--lora-alpha", rich_help_panel="LoRA", help="LoRA alpha (scaling alpha/r) for a fresh adapter (default 16). Example: --lora-alpha 64")] = None,
     lora_dropout: Annotated[float | None, typer.Option("--lora-dropout", rich_help_panel="LoRA", help="Dropout on the LoRA input (default 0, or the adapter's). Example: --lora-dropout 0.05")] = None,
-    lora_targets: Annotated[list[str] | None, typer.Option("--lora-targets", rich_help_panel="LoRA", help="Linear names to adapt, comma-separated or repeated (default: all seven, q_proj k_proj v_proj o_proj gate_proj up_proj down_proj). Example: --lora-targets q_proj,v_proj")] = None,
+    lora_targets: Annotated[list[str] | None, typer.Option("--lora-targets", metavar="NAMES", rich_help_panel="LoRA", help="Linear names to adapt, comma-separated or repeated (default: all seven, q_proj k_proj v_proj o_proj gate_proj up_proj down_proj). Example: --lora-targets q_proj,v_proj")] = None,
     train_norms: Annotated[bool, typer.Option("--train-norms", rich_help_panel="LoRA", help="Also train the RMSNorm weights (fp32 master, no weight decay; saved as norms.safetensors, which rollout, eval and merge apply with the adapter; --engine vllm cannot).")] = False,
     micro_batch_tokens: Annotated[int, typer.Option("--micro-batch-tokens", rich_help_panel="Memory and devices", help="Padded tokens (rows x longest) per micro-batch; lower it on out-of-memory. Example: --micro-batch-tokens 8192")] = 16384,
     logits_chunk_tokens: Annotated[int, typer.Option("--logits-chunk-tokens", rich_help_panel="Memory and devices", help="Tokens per fp32 logits chunk (memory = chunk x vocab x 4 bytes, twice). Example: --logits-chunk-tokens 1024")] = 2048,
