@@ -83,9 +83,41 @@ def set_norm_noise(model, sigma: float, run_seed: int, step: int, norm_types: tu
     return {"count": count, "dtype": dtype, "changed": changed, "entries": entries}
 
 
+# vllm/sampling_params.py raises any temperature in (1e-5, 1e-2) to 1e-2 (_MAX_TEMP) with only a log
+# warning: the shard would record the temperature asked for while vLLM sampled at another.
+VLLM_MIN_TEMPERATURE = 1e-2
+# vllm/config/lora.py: max_lora_rank must be one of these (validation error otherwise, before any rollout).
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def check_vllm_temperature(temperature: float) -> None:
+    if 0 < temperature < VLLM_MIN_TEMPERATURE:
+        raise BadInputError(f"--temperature {temperature:g} with --engine vllm: vLLM samples every temperature under "
+                            f"{VLLM_MIN_TEMPERATURE:g} at {VLLM_MIN_TEMPERATURE:g}, so the records would name the wrong one",
+                            hint=f"pass --temperature 0 (greedy) or >= {VLLM_MIN_TEMPERATURE:g}, or --engine native")
+
+
+def vllm_max_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of rank ``r``."""
+    for v in VLLM_LORA_RANKS:
+        if v >= r:
+            return v
+    raise BadInputError(f"the adapter's LoRA rank {r} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})",
+                        hint="use --engine native")
+
+
+def completion_finish(reason: str | None) -> str:
+    """vLLM's finish reason -> qerl's; a completion vLLM aborted or failed is never recorded as a stop."""
+    if reason in ("stop", "length"):
+        return reason
+    raise RuntimeError(f"vLLM finished a completion with {reason!r} (not a stop or the length limit); "
+                       "refusing to record and reward it as finished")
+
+
 def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p: float, max_new_tokens: int,
                          stop: Sequence[str], seed: int) -> dict:
     """qerl sampling flags -> keyword arguments of ``vllm.SamplingParams`` (``n`` is added per call)."""
+    check_vllm_temperature(temperature)
     # vLLM >= 0.10 (the extra's floor) reads top_k 0 as "off", like qerl.
     return dict(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
                 max_tokens=max_new_tokens, stop=list(stop) or None, seed=seed, logprobs=0)
@@ -145,7 +177,7 @@ class VLLMEngine:
             from qerl_cli.adapters import read_adapter_spec
 
             spec = read_adapter_spec(adapter_dir)
-            kw.update(enable_lora=True, max_lora_rank=max(spec.r, 8), max_loras=1)
+            kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(spec.r), max_loras=1)
             from vllm.lora.request import LoRARequest
 
             self.lora_request = LoRARequest("qerl-adapter", 1, str(adapter_dir))
@@ -176,6 +208,6 @@ class VLLMEngine:
                 ids = list(c.token_ids)
                 lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
                 group.append(Completion(token_ids=ids, logprobs=lps, text=c.text,
-                                        finish_reason="length" if c.finish_reason == "length" else "stop"))
+                                        finish_reason=completion_finish(c.finish_reason)))
             groups.append(group)
         return groups

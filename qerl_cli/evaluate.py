@@ -86,6 +86,10 @@ class EvalConfig:
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise BadInputError(f"--temperature {self.temperature:g} is below {MIN_TEMPERATURE:g} (the tempered logits "
                                 "overflow)", hint="pass --temperature 0 for greedy decoding")
+        if self.engine == "vllm":
+            from qerl_cli.engine_vllm import check_vllm_temperature
+
+            check_vllm_temperature(self.temperature)
         if self.temperature == 0 and self.num_samples > 1:
             raise BadInputError(f"--temperature 0 (greedy) with {self.num_samples} samples per problem gives "
                                 "identical samples", hint="pass --temperature > 0 for pass@k")

@@ -171,3 +171,31 @@ def test_adapter_with_trained_norms_is_refused_before_vllm_loads(tmp_path):
     (tmp_path / "norms.safetensors").write_bytes(b"")
     with pytest.raises(BadInputError, match="has trained norm weights"):
         VLLMEngine(tmp_path, adapter_dir=tmp_path, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
+
+
+def test_vllm_limits_are_refused_or_rounded_before_vllm_loads(tmp_path):
+    # From vLLM's source (2026-11-26 review): SamplingParams raises any temperature in (1e-5, 1e-2) to
+    # 1e-2 with a log line only (the records would name another temperature than the one sampled);
+    # max_lora_rank must be one of (8, 16, 32, 64, 128, 256, 320, 512) (r = 12 failed vLLM's start);
+    # finish reasons "abort" / "error" were recorded as stops.
+    from qerl_cli.engine_vllm import completion_finish, vllm_max_lora_rank
+    from qerl_cli.evaluate import EvalConfig
+    from qerl_cli.rollout import RolloutConfig, rollout
+
+    for t in (1e-3, 0.0099):
+        with pytest.raises(BadInputError, match="vLLM samples every temperature under 0.01"):
+            vllm_sampling_params(temperature=t, top_p=1.0, top_k=0, min_p=0.0, max_new_tokens=4, stop=(), seed=0)
+        with pytest.raises(BadInputError, match="with --engine vllm"):
+            rollout(RolloutConfig(model=tmp_path, prompts=tmp_path / "p.jsonl", out=tmp_path / "o", engine="vllm",
+                                  temperature=t, progress=False))
+        with pytest.raises(BadInputError, match="with --engine vllm"):
+            EvalConfig(model=tmp_path, dataset=tmp_path / "d.jsonl", out=tmp_path / "e", engine="vllm", temperature=t)
+    assert vllm_sampling_params(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, max_new_tokens=4, stop=(),
+                                seed=0)["temperature"] == 0.0
+    assert [vllm_max_lora_rank(r) for r in (1, 8, 12, 16, 48, 300, 512)] == [8, 8, 16, 16, 64, 320, 512]
+    with pytest.raises(BadInputError, match="exceeds vLLM's largest"):
+        vllm_max_lora_rank(513)
+    assert completion_finish("stop") == "stop" and completion_finish("length") == "length"
+    for bad in ("abort", "error", None):
+        with pytest.raises(RuntimeError, match="refusing to record"):
+            completion_finish(bad)

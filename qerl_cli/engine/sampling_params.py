@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Below this, logits / T overflow fp32 for ordinary logits (1e-40 gave inf, then NaN); vLLM treats
-# temperatures under the same 1e-5 as greedy, qerl refuses them.
+# Below this, logits / T overflow fp32 for ordinary logits (1e-40 gave inf, then NaN); qerl refuses them.
+# (vLLM treats temperatures under 1e-5 as greedy and raises those under 1e-2 to 1e-2: engine_vllm.)
 MIN_TEMPERATURE = 1e-5
 
 
