@@ -349,3 +349,31 @@ def test_qerl_gluon_0_swaps_gluon_tiles_for_triton(monkeypatch):
         assert torch.equal(y_off, triton_y)
         assert not torch.equal(y_on, triton_y)  # the Gluon kernel's own rounding: it did run before
         assert rel_err(y_on, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_double_backward_and_nan_scales_on_gpu(dtype):
+    # The kernels' grad-input had no autograd history: a gradient penalty silently lost the term; the
+    # portable e4m3 decode (fp16 here) read the NaN scale byte as 480 (2026-11-26 audit).
+    from qerl_kernels import ops
+    from qerl_kernels import reference as R
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 272, generator=g)
+    gs = R.global_scale_for(w.abs().amax())
+    p, sc = (t.cuda() for t in R.quantize(w, gs)[:2])
+    gs = gs.cuda()
+    wt = ops.NVFP4Weight(p, sc, gs)
+    wd = R.dequantize(p, sc, gs, torch.float64)
+    x0 = torch.randn(37, 272, generator=g, dtype=torch.float64).cuda()
+    x = x0.to(dtype).requires_grad_()
+    gx = torch.autograd.grad((ops.nvfp4_linear(x, wt).float() ** 2).sum(), x, create_graph=True)[0]
+    (gx.float() ** 2).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    gr = torch.autograd.grad(((xr @ wd.t()) ** 2).sum(), xr, create_graph=True)[0]
+    (gr ** 2).sum().backward()
+    assert (x.grad.double() - xr.grad).norm() / xr.grad.norm() < 3e-2
+    bad = sc.clone()
+    bad.view(torch.uint8)[7, 2] = 0x7F
+    y = ops.nvfp4_linear(x0.to(dtype), ops.NVFP4Weight(p, bad, gs))
+    assert y[:, 7].isnan().all() and y[:, torch.arange(200, device=y.device) != 7].isfinite().all()
