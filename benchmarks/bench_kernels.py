@@ -63,6 +63,15 @@ def n_copies(nbytes: int, cap_bytes: int = 3 << 30) -> int:
     return max(2, min(math.ceil(ROTATE_BYTES / nbytes), max(2, cap_bytes // max(nbytes, 1))))
 
 
+def _busy_gpu(us: float = 40.0) -> None:
+    """Queue a spin kernel, so the GPU is still busy when the host has queued the start event and the
+    replay: the start then fires as the graph begins. On an idle GPU it fired when recorded, and the
+    host's replay launch (a few us) was timed too, divided by each side's own number of calls (up to
+    38 qerl calls against 11 cuBLAS ones on 7B o: a bias towards qerl on small weights; audit, 2026-11-26)."""
+    if os.environ.get("QERL_BENCH_IDLE_START") != "1":  # =1: the old timing, to measure what it changed
+        torch.cuda._sleep(int(us * 2000))  # cycles, at <= 2 GHz
+
+
 def time_graph(fns, target_s: float = 0.12) -> float:
     """Median microseconds per call of ``fns`` (one call per weight copy) replayed in a CUDA graph."""
     for f in fns:  # warm-up: compiles, allocates workspaces and counters outside the capture
@@ -89,6 +98,7 @@ def time_graph(fns, target_s: float = 0.12) -> float:
     reps = max(5, min(40, int(target_s / max(one, 1e-6))))
     times = []
     for _ in range(reps):
+        _busy_gpu()
         start.record()
         graph.replay()
         end.record()

@@ -9,6 +9,7 @@ the summary table goes to stdout and ``$OUT/bench_rollout.md``.
 
     python benchmarks/bench_rollout.py                    # everything (~5 min on an H100)
     python benchmarks/bench_rollout.py --only nvfp4-16,bf16-16 --new-tokens 128   # a quick subset
+    python benchmarks/bench_rollout.py --pairs 16,256 --rounds 4   # the NVFP4/bf16 ratios, engines alternated
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -65,7 +67,9 @@ def weight_bytes(model) -> int:
         if name.startswith("model.embed_tokens") and not model.config.tie_word_embeddings:
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        # LoRA: the step reads its copies in the activations' dtype, not the fp32 masters (audit)
+        size = torch.empty(0, dtype=model.dtype).element_size() if ".lora_" in name else t.element_size()
+        total += t.numel() * size
     return total
 
 
@@ -92,6 +96,35 @@ def run_engine(name, model, seqs, prompt_len, new_tokens, group=8, max_model_len
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), kv_blocks=engine.num_blocks,
                sampling=" ".join(f"{k}={v}" for k, v in TRUNCATION.items()))
     return engine, rec
+
+
+def run_pair(models: dict, seqs: int, prompt_len: int, new_tokens: int, rounds: int, group: int = 8) -> dict:
+    """NVFP4 / bf16 tokens/s with the two engines built side by side and timed alternately (A B B A ...),
+    each side's median over ``rounds``: the single-sample rows run every NVFP4 row before every bf16 one,
+    so a drift of the clocks over the run went into the ratio one way (audit, 2026-11-26)."""
+    free()
+    trunc = {k: v for k, v in TRUNCATION.items() if k != "sampler"}
+    ps = prompts(max(seqs // group, 1), prompt_len, next(iter(models.values())).config.vocab_size)
+    n = min(group, seqs)
+    engines = {q: LLMEngine(m, None, max_num_seqs=seqs, max_model_len=prompt_len + new_tokens + 16)
+               for q, m in models.items()}
+    for e in engines.values():  # warm-up at the timed batch
+        e.generate(ps, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, **trunc), n=n)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0, **trunc)
+    samples: dict[str, list[float]] = {q: [] for q in engines}
+    order = list(engines)
+    for r in range(rounds):
+        for q in (order if r % 2 == 0 else order[::-1]):
+            torch.cuda.synchronize()
+            out = engines[q].generate(ps, sp, n=n)
+            torch.cuda.synchronize()
+            assert all(len(c.token_ids) == new_tokens for g in out for c in g)
+            samples[q].append(round(engines[q].stats["tokens_per_s"], 1))
+    med = {q: statistics.median(v) for q, v in samples.items()}
+    del engines
+    return dict(bench=f"pair-{'-'.join(models)}-7b", seqs=len(ps) * n, prompt=prompt_len, new_tokens=new_tokens,
+                rounds=rounds, median_tok_s=med, samples=samples, ratio=round(med[order[0]] / med[order[1]], 4),
+                tok_s=" / ".join(f"{med[q]:.1f}" for q in order), sampling=" ".join(f"{k}={v}" for k, v in TRUNCATION.items()))
 
 
 def run_eos(name, model, seqs, prompt_len, new_tokens, prompts_total, stop_every=500, group=8):
@@ -174,7 +207,7 @@ def hf_generate(seqs, prompt_len, new_tokens, group=8):
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, min_new_tokens=new_tokens, num_return_sequences=group,
               pad_token_id=0)
     with torch.no_grad():
-        hf.generate(ps[:1], max_new_tokens=4, **{**kw, "min_new_tokens": 4})
+        hf.generate(ps, max_new_tokens=4, **{**kw, "min_new_tokens": 4})  # at the timed batch, as the engine warms up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = hf.generate(ps, max_new_tokens=new_tokens, **kw)
@@ -199,6 +232,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma list: nvfp4-16,bf16-16,nvfp4-256,bf16-256,nvfp4-lora-16,bf16-lora-16,"
                                                    "nvfp4-lora-256,bf16-lora-256,hf-64,bw-64,32b,eos-nvfp4,eos-bf16")
+    ap.add_argument("--pairs", default="", help="comma list of sequence counts (e.g. 16,256): NVFP4 and bf16 engines "
+                                               "side by side, timed alternately; the ratio of medians")
+    ap.add_argument("--rounds", type=int, default=4, help="with --pairs: timed calls per engine")
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--hf-new-tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=256)
@@ -221,6 +257,15 @@ def main() -> None:
                                                         "bw-64", "32b"}
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     cfg7 = preset("qwen2.5-7b")
+    if args.pairs:
+        models = {q: build_random_model(cfg7, device="cuda", dtype=torch.bfloat16, quantized=q == "nvfp4",
+                                        max_positions=4096) for q in ("nvfp4", "bf16")}
+        for seqs in map(int, args.pairs.split(",")):
+            r = guarded(run_pair, models, seqs, args.prompt, args.new_tokens, args.rounds)
+            if r:
+                log(r)
+        del models
+        want = set(args.only.split(",")) if args.only else set()
     for quant in ("nvfp4", "bf16"):
         if not any(w.startswith(quant) for w in want) and not ("bw-64" in want or (quant == "bf16" and "hf-64" in want)):
             continue
