@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import re
 import shutil
@@ -559,35 +560,50 @@ class _WriterLock:
             return self
         busy = OutputExistsError(f"another qerl rollout is writing {self.out.out} right now",
                                  hint="wait for it, or stop it; this run resumes where it stops")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(self.path, "a+")
-        except OSError as e:
-            raise self.out._write_error(e) from None
-        try:
-            fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # no flock on this file system
-                return self
-            self.f.close()
-            raise busy from None
+        for _ in range(8):
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.f = open(self.path, "a+")
+            except OSError as e:
+                raise self.out._write_error(e) from None
+            try:
+                fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # no flock on this file system
+                    return self
+                self.f.close()
+                self.f = None
+                raise busy from None
+            if self._still_the_file():
+                break
+            self.f.close()  # locked a file its holder deleted on the way out: take the one at the path now
+            self.f = None
+        else:
+            raise busy
         if self.out.finished_meanwhile():  # finished by a run that held the lock before this one took it
-            self._release(done=True)
+            self._release()
             raise OutputExistsError(f"{self.out.out} was finished by another qerl rollout while this one started",
                                     hint="nothing to do: a rerun reports it done")
         return self
 
-    def _release(self, done: bool) -> None:
+    def _still_the_file(self) -> bool:
+        """Whether the locked descriptor is still the file at the path (not one deleted since it was opened)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.f.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _release(self) -> None:
         if self.f is None:
             return
-        if done:  # deleted while held: a run that then opens a new lock file finds --out done and stops
-            self.path.unlink(missing_ok=True)
-        # not done (an error): the file stays, or two later runs could lock two different files
+        # Deleted while held: a run that had opened it finds it gone once it gets the lock and retries
+        # (``_still_the_file``); one that opens a new file then finds --out done, or resumes.
+        self.path.unlink(missing_ok=True)
         self.f.close()
         self.f = None
 
-    def __exit__(self, exc_type, *exc) -> bool:
-        self._release(done=exc_type is None)
+    def __exit__(self, *exc) -> bool:
+        self._release()
         return False
 
 

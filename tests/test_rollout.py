@@ -648,3 +648,19 @@ def test_the_result_line_stays_one_line_when_piped(model_dir, tmp_path, fake_eng
     assert any(ln.startswith("wrote ") and "mean reward" in ln for ln in r.stdout.splitlines()), r.stdout
     r = CliRunner().invoke(app, args)
     assert any(ln.startswith("already done: ") and "--force" in ln for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_a_lock_file_deleted_by_its_holder_is_not_taken(model_dir, tmp_path):
+    # Runs delete the lock file when they end; one that opened it just before and locks it after must
+    # notice it holds a deleted file (and take the one at the path), or two runs could both "hold" it.
+    from qerl_cli.outputs import StageOutput
+
+    out = StageOutput(tmp_path / "o", "rollout", config={}, inputs={}, resumable=True)
+    out.already_done()
+    with ro._WriterLock(out) as lock:
+        assert lock._still_the_file() and lock.path.exists()
+        lock.path.unlink()
+        assert not lock._still_the_file()
+    assert not lock.path.exists()
+    with ro._WriterLock(out) as again:  # a new file at the path: taken
+        assert again._still_the_file()
