@@ -249,7 +249,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     """
     from qerl_cli.data import EncodeReport, encode_prompts, load_prompts, load_template
     from qerl_cli.lineage import check_lineage
-    from qerl_cli.runtime import context_length, load_tokenizer, resolve_device, resolve_dtype
+    from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype
 
     t_start = time.time()
     if not cfg.model.is_dir():
@@ -294,16 +294,16 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
-    max_model_len = min(cfg.max_model_len or 1 << 62, context_length(cfg.model))  # the engine caps it so too
+    max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)  # the engine caps it so too
     room = max_model_len - cfg.max_new_tokens
     if room < 1:
         raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "
-                            f"{max_model_len}-token context", hint="lower --max-new-tokens or raise --max-model-len")
+                            f"{max_model_len}-token context", hint=f"lower --max-new-tokens; {raise_hint}")
     # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
     enc_report = EncodeReport()
     prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
-                             long_hint="raise --max-model-len or lower --max-new-tokens", report=enc_report)
+                             long_hint=f"lower --max-new-tokens; {raise_hint}", report=enc_report)
     if enc_report.own_system and cfg.progress:
         print(f"note: {len(enc_report.own_system)} problems have their own system message, which --system-prompt "
               f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)

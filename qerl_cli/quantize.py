@@ -143,9 +143,11 @@ def _check_source(source: SourceModel) -> None:
 def _check_shapes_and_dtypes(source: SourceModel) -> None:
     """Weights must be float tensors, and decoder Linears must have the shapes config.json implies:
     otherwise quantize would write a checkpoint that no loader accepts."""
+    from qerl_cli.checkpoint.source import check_tied_head
     from qerl_cli.models.config import ModelConfig
 
     c = ModelConfig.from_hf(source.config, str(source.path / "config.json"))
+    check_tied_head(c.tie_word_embeddings, {n: t.file for n, t in source.tensors.items()}, source.path / "config.json")
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     H, inter = c.hidden_size, c.intermediate_size
     want = {

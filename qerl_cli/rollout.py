@@ -59,7 +59,7 @@ from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.rewards import RewardSet
-from qerl_cli.runtime import context_length, load_tokenizer, resolve_device, resolve_dtype
+from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
 
 STAGE = "rollout"
@@ -473,18 +473,21 @@ def rollout(cfg: RolloutConfig) -> dict:
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
-    max_model_len = min(cfg.max_model_len or 1 << 62, context_length(cfg.model))
+    max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)
+    if cfg.max_model_len is not None and cfg.max_model_len > max_model_len and cfg.progress:
+        print(f"note: --max-model-len {cfg.max_model_len} is beyond the model's limit; {raise_hint}", file=sys.stderr)
     enc_report = EncodeReport()
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
-                             on_long=cfg.long_prompts, report=enc_report)
+                             on_long=cfg.long_prompts, report=enc_report,
+                             long_hint=f"pass --long-prompts skip to skip such prompts; {raise_hint}")
     if enc_report.own_system and cfg.progress:
         print(f"note: {len(enc_report.own_system)} rows have their own system message, which --system-prompt "
               f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
     if selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
         raise BadInputError(f"all {len(selected)} selected prompts are longer than the {max_model_len - 1} tokens "
                             f"that fit the context (first: {enc_report.skipped_long[0]})",
-                            hint="raise --max-model-len, or shorten the prompts or the template")
+                            hint=f"shorten the prompts or the template; {raise_hint}")
     name = shard_name(cfg.shard_index, cfg.num_shards)
     policy = {"base": base_hash, "adapter": adapter_hash}
     from qerl_cli.aqn import NOISED_NORMS

@@ -54,6 +54,22 @@ def load_tokenizer(model_dir: Path):
         raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
+def context_limit(model_dir: Path, asked: int | None) -> tuple[int, str]:
+    """(the context a stage runs with, the hint for a prompt or a --max-new-tokens that does not fit).
+    Where the model's own limit binds (a sliding window, or max positions), raising --max-model-len
+    cannot help, and the hint says so (it told the user to raise it; audit)."""
+    from qerl_cli.models.config import ModelConfig
+
+    limit = context_length(model_dir)
+    if asked is not None and asked < limit:
+        return asked, "raise --max-model-len"
+    c = ModelConfig.from_dir(Path(model_dir))
+    why = (f"its sliding window of {c.sliding_window} tokens: windowed attention is not implemented"
+           if c.sliding_window and c.sliding_window <= c.max_position_embeddings - 1
+           else f"max_position_embeddings {c.max_position_embeddings} less one")
+    return limit, f"the model's context is {limit} tokens ({why}); --max-model-len cannot raise it"
+
+
 def context_length(model_dir: Path) -> int:
     """The longest sequence the native engine serves, exactly as ``LLMEngine`` computes it: max
     positions less one (its pipelined decode may compute one position past a finished sequence),

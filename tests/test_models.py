@@ -323,3 +323,59 @@ def test_modelopt_checkpoint_is_named(tmp_path):
     (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
     with pytest.raises(BadInputError, match="ModelOpt"):
         load_model(src)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_absent_config_keys_take_transformers_defaults(arch):
+    # qerl used 4096 positions and hidden / heads for every architecture: a Qwen3 config without head_dim
+    # (transformers: 128) was refused, a llama3-rope config without max_position_embeddings (transformers:
+    # 2048) rotated differently, silently (audit, 2026-11-26).
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    heads = 64  # divisible by every default KV head count
+    kw = dict(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=heads)
+    ref = cls(**kw)
+    ours_cfg = ModelConfig.from_hf(dict(kw, model_type=arch))
+    assert ours_cfg.num_kv_heads == ref.num_key_value_heads
+    assert ours_cfg.head_dim == (getattr(ref, "head_dim", None) or 128 // heads)
+    assert ours_cfg.max_position_embeddings == ref.max_position_embeddings
+    if arch == "llama":
+        rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+        cfg = ModelConfig.from_hf(dict(kw, model_type=arch, rope_scaling=rope))
+        assert cfg.rope_scaling["original_max_position_embeddings"] == 2048
+
+
+def test_a_tied_config_with_a_different_stored_lm_head_is_refused(tmp_path):
+    # transformers 4 ties it (ignores the stored head), transformers 5 keeps the stored head: qerl tied it,
+    # 1.5-2.9 off transformers 5 in log-prob, silently (audit, 2026-11-26). Refused by load and quantize;
+    # a stored copy equal to the embedding is fine.
+    from qerl_cli.quantize import QuantizeConfig, quantize
+
+    src = make_tiny_hf_model(tmp_path, "llama", tie_word_embeddings=True, dtype=torch.float32)
+    t = load_file(str(src / "model.safetensors"))
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    load_model(src, dtype=torch.float32)  # equal: loads
+    t["lm_head.weight"] = t["lm_head.weight"] + 0.01
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BadInputError, match="tie_word_embeddings is true, but the checkpoint stores an lm_head.weight"):
+        load_model(src, dtype=torch.float32)
+    with pytest.raises(BadInputError, match="differs from the embedding"):
+        quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu"))
+    assert not (tmp_path / "q").exists()
+
+
+def test_context_limit_says_when_max_model_len_cannot_raise_it(tmp_path):
+    # Over a sliding window the stages said "raise --max-model-len", which cannot help (the engine stays
+    # inside the window), and rollout lowered a larger --max-model-len without a word (audit, 2026-11-26).
+    from qerl_cli.runtime import context_limit
+
+    src = make_tiny_hf_model(tmp_path, "mistral", tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, sliding_window=32)))
+    n, hint = context_limit(src, 64)
+    assert n == 32 and "sliding window of 32 tokens" in hint and "cannot raise it" in hint
+    assert context_limit(src, 16) == (16, "raise --max-model-len")
+    (src / "config.json").write_text(json.dumps(dict(cfg, sliding_window=None)))
+    n, hint = context_limit(src, None)
+    assert n == cfg["max_position_embeddings"] - 1 and "max_position_embeddings" in hint

@@ -112,3 +112,25 @@ def open_source(src: Path) -> SourceModel:
     return SourceModel(
         src, config, tensors, shards, index_path if weight_map is not None else None, weight_files
     )
+
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def check_tied_head(tied: bool, files: dict[str, Path], config_path: Path) -> None:
+    """A tied config whose checkpoint also stores an ``lm_head.weight`` that is not the embedding is
+    refused: transformers 4 ties (the stored head is ignored), transformers 5 keeps the stored head, so
+    the same directory is two different models (qerl tied it: log-probs 1.5-2.9 off transformers 5,
+    silently; audit, 2026-11-26). A stored copy equal to the embedding is fine."""
+    if not tied or LM_HEAD not in files or EMBED not in files:
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(files[LM_HEAD]), framework="pt") as f:
+        head = f.get_tensor(LM_HEAD)
+    with safe_open(str(files[EMBED]), framework="pt") as f:
+        emb = f.get_tensor(EMBED)
+    if head.shape != emb.shape or not bool((head == emb).all()):
+        raise BadInputError(f"{config_path}: tie_word_embeddings is true, but the checkpoint stores an lm_head.weight "
+                            "that differs from the embedding (transformers 5 uses the stored head, 4.x the embedding)",
+                            hint="set tie_word_embeddings to false to use the stored head, or delete lm_head.weight")

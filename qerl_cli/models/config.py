@@ -14,6 +14,17 @@ from pathlib import Path
 
 from qerl_cli.errors import BadInputError
 
+# What transformers' config classes assume for a key config.json leaves out (transformers 5.24: LlamaConfig,
+# Qwen2Config, Qwen3Config, MistralConfig); None: derived (num_key_value_heads = heads, head_dim = hidden /
+# heads). qerl once used 4096 positions and hidden / heads for every architecture: a Qwen3 config without
+# head_dim was refused, a llama3-rope config without max_position_embeddings rotated differently (audit).
+HF_DEFAULTS = {  # model_type -> (num_key_value_heads, head_dim, max_position_embeddings)
+    "llama": (None, None, 2048),
+    "mistral": (8, None, 131072),
+    "qwen2": (32, None, 32768),
+    "qwen3": (32, 128, 32768),
+}
+
 ARCHS = {  # model_type -> (q/k/v bias default, q/k norm)
     "llama": (False, False),
     "mistral": (False, False),
@@ -91,11 +102,12 @@ class ModelConfig:
             raise BadInputError(f"{source}: hidden_act {act!r} is not supported (only silu)")
         default_bias, qk_norm = ARCHS[arch]
         heads = cfg["num_attention_heads"]
-        kv = pos_int("num_key_value_heads", heads)
+        kv_default, hd_default, pos_default = HF_DEFAULTS[arch]
+        kv = pos_int("num_key_value_heads", kv_default or heads)
         if heads % kv:
             raise BadInputError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-        head_dim = pos_int("head_dim", cfg["hidden_size"] // heads)
-        max_pos = pos_int("max_position_embeddings", 4096)
+        head_dim = pos_int("head_dim", hd_default or cfg["hidden_size"] // heads)
+        max_pos = pos_int("max_position_embeddings", pos_default)
         theta, scaling = _rope(cfg, max_pos, source, pos_float)
         attn_bias = cfg.get("attention_bias")
         qkv_bias = default_bias if attn_bias is None else bool(attn_bias)

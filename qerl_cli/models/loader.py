@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qerl_cli.checkpoint.source import check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError
 from qerl_cli.layers.linear import QLinear, twiddle_codes_
 from qerl_cli.layers.lora import LoraSpec, apply_lora
@@ -128,6 +129,7 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
         model = CausalLM(cfg, quantized, dtype=dtype, max_positions=max_positions)
     expected = _expected(model)
     tied = cfg.tie_word_embeddings
+    check_tied_head(tied, where, model_dir / "config.json")
     missing = [n for n in expected if n not in where and not (tied and n == "lm_head.weight")]
     if missing:
         raise BadInputError(f"{model_dir}: checkpoint lacks tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -136,7 +138,7 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
         if name in expected:
             by_file.setdefault(f, []).append(name)
         elif tied and name == "lm_head.weight":
-            continue  # tied: HF ignores a stored lm_head too
+            continue  # tied, and equal to the embedding (check_tied_head)
         elif not name.endswith(_IGNORED):
             raise BadInputError(f"{f}: unexpected tensor {name!r} (not part of a {cfg.arch} decoder qerl can load)")
     for f, names in by_file.items():
