@@ -359,7 +359,7 @@ def test_double_backward_and_nan_scales_on_gpu(dtype):
     from qerl_kernels import reference as R
 
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(200, 272, generator=g)
+    w = torch.randn(200, 272, generator=g) * 0.05  # the second derivative scales as w^4: keep it in fp16's range
     gs = R.global_scale_for(w.abs().amax())
     p, sc = (t.cuda() for t in R.quantize(w, gs)[:2])
     gs = gs.cuda()
