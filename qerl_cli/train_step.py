@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.adapters import NORMS, load_norms, trained_norms
-from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError
+from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError, OutputWriteError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
 from qerl_cli.outputs import StageOutput, check_out_apart
@@ -491,7 +491,8 @@ def train_step(cfg: TrainStepConfig) -> dict:
         # Overwriting the input adapter would make the step impossible to rerun or resume.
         raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
     check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter)
-    if cfg.metrics_file is not None and (Path(cfg.metrics_file).is_dir() or Path(cfg.metrics_file).parent.is_file()):
+    if cfg.metrics_file is not None and (Path(cfg.metrics_file).is_dir()
+                                         or any(p.is_file() for p in Path(cfg.metrics_file).parents)):
         # found only after the step's output was in place, the traceback stopped a `set -e` recipe there
         raise BadInputError(f"--metrics-file {cfg.metrics_file} is a directory or inside a file",
                             hint="name a .jsonl file (one for the whole run), e.g. run/metrics.jsonl")
@@ -719,6 +720,10 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         restore_rng(state.rng)
     else:
         torch.manual_seed(cfg.seed)
+    # Saved for the next step as it stands here, the same on every rank: after the step it is the state
+    # of each rank's own last micro-batch (every micro-batch reseeds), so trainer_state.json, and the
+    # next step's fingerprint, depended on the number of GPUs (audit, 2026-11-26).
+    rng_state = capture_rng(cfg.seed)
 
     batch = StepBatch(
         groups=groups, prompts=data.prompts, completions=data.completions, sampling_logprobs=data.sampling_logprobs,
@@ -752,23 +757,45 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         lineage=state.lineage + ([parent_hash] if parent_hash else []),
         schedule={"position": step + 1, "lr": cfg.lr, "last_lr": lrs[-1], "warmup_steps": cfg.warmup_steps,
                   "total_steps": cfg.total_steps, "min_lr_ratio": cfg.min_lr_ratio, "epochs": cfg.epochs},
-        rng=capture_rng(cfg.seed),
+        rng=rng_state,
         lora={"r": spec.r, "alpha": spec.alpha, "dropout": spec.dropout, "targets": list(spec.targets),
               "train_norms": cfg.train_norms},
         last_shards=[str(f) for f in data.files],
     )
-    manifest = None
+    manifest, failure = None, None
     if dist.is_main:
-        out.extra["metrics"] = metrics
-        with out as work:
-            _write_outputs(work, cfg, model, opt, new_state, named, metrics)
-        manifest = out.manifest
-        if cfg.metrics_file is not None:
-            append_jsonl(Path(cfg.metrics_file), metrics)
-        _say(cfg, f"step {step} -> {cfg.out}: loss {metrics['loss']:.4g}, reward {metrics['reward_mean']:.3f}, "
-                  f"grad norm {metrics['grad_norm']:.3g}, {metrics['tokens_per_s']:.0f} tok/s", result=True)
-    dist.barrier()
+        try:
+            out.extra["metrics"] = metrics
+            with out as work:
+                _write_outputs(work, cfg, model, opt, new_state, named, metrics)
+            manifest = out.manifest
+            if cfg.metrics_file is not None:
+                _append_metrics(Path(cfg.metrics_file), metrics)
+            _say(cfg, f"step {step} -> {cfg.out}: {_result_numbers(metrics)}", result=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised by main_outcome, after the other ranks hear of it
+            failure = e
+    dist.main_outcome(failure, device)
     return manifest if manifest is not None else {"metrics": metrics}
+
+
+def _result_numbers(metrics: dict) -> str:
+    """The result line's numbers; a value the metrics could not hold as a float (None) reads n/a (a
+    reward of 1.7e308 overflowed the mean, and formatting None failed after --out was written; audit)."""
+    def f(key: str, spec: str) -> str:
+        v = metrics.get(key)
+        return "n/a" if v is None else format(v, spec)
+
+    return (f"loss {f('loss', '.4g')}, reward {f('reward_mean', '.3f')}, grad norm {f('grad_norm', '.3g')}, "
+            f"{f('tokens_per_s', '.0f')} tok/s")
+
+
+def _append_metrics(path: Path, metrics: dict) -> None:
+    """--metrics-file after the step is in place: the file system refusing it is exit 7, one line."""
+    try:
+        append_jsonl(path, metrics)
+    except OSError as e:
+        raise OutputWriteError(f"cannot append to --metrics-file {path}: {e.strerror or e} (the step's output at "
+                               "--out is complete; a rerun adds the line)", hint="fix the path, then rerun") from None
 
 
 def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:
@@ -785,7 +812,7 @@ def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:
                     return
             except ValueError:
                 continue  # a torn line of another step: not this one
-    append_jsonl(path, metrics)
+    _append_metrics(path, metrics)
 
 
 def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metrics) -> None:

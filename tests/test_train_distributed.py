@@ -54,3 +54,21 @@ def test_two_ranks_equal_one_process(tmp_path, device):
     m1 = single["metrics"]
     for key in ("loss", "loss_last_epoch", "entropy", "is_ratio_mean", "is_ratio_max", "grad_norm", "trained_tokens"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-4), key
+    # The saved RNG state was rank 0's after its own last micro-batch, so trainer_state.json (and the next
+    # step's fingerprint) depended on the number of ranks (audit, 2026-11-26).
+    s1, s2 = (json.loads((tmp_path / d / "trainer_state.json").read_text()) for d in ("one", "two"))
+    assert s1["rng"] == s2["rng"]
+
+    # Rank 0 failing to write --out (under a file here): every rank ends with its exit code, and no rank
+    # dies in gloo with a traceback (rank 1 did, exit 1, and torchrun could name it as the failure).
+    (tmp_path / "afile").write_text("x")
+    bad = cmd[: cmd.index("--out") + 1] + [str(tmp_path / "afile" / "o")] + cmd[cmd.index("--out") + 2 :]
+    bad[bad.index("--master-port") + 1] = str(_free_port())
+    res = subprocess.run(bad, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "gloo" not in res.stderr.lower() and "connection closed" not in res.stderr.lower(), res.stderr[-3000:]
+    assert "is a file, not a directory" in res.stderr and "rank 0 could not finish the step's output (exit 7); see rank 0's error" in res.stderr
+    # torchrun's summary: the root cause is rank 0's exit 7, and no rank exited 1 (rank 1 may be SIGTERMed first)
+    codes = [ln.split(":")[1].split()[0] for ln in res.stderr.splitlines() if ln.strip().startswith("exitcode")]
+    root = res.stderr.split("Root Cause", 1)[-1]
+    assert "1" not in codes and "rank      : 0" in root and "exitcode  : 7" in root, res.stderr[-3000:]

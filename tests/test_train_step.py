@@ -428,7 +428,8 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
                      (dict(max_completion_length=-5), "--max-completion-length"),
                      # a directory was found only after --out was written: a traceback, exit 1 (audit)
                      (dict(metrics_file=tmp_path), "--metrics-file"),
-                     (dict(metrics_file=qc / "config.json" / "m.jsonl"), "--metrics-file")):
+                     (dict(metrics_file=qc / "config.json" / "m.jsonl"), "--metrics-file"),
+                     (dict(metrics_file=qc / "config.json" / "run" / "m.jsonl"), "--metrics-file")):
         with pytest.raises(BadInputError, match=flag):
             train_step(_cfg(q, [sh], tmp_path / "bad", **kw))
     assert not (tmp_path / "bad").exists()
@@ -629,3 +630,12 @@ def test_noise_record_in_the_contracts_form_draws_for_the_records_step(models, t
     got = read_step(_cfg(models["q"], [short], tmp_path / "o"))
     assert got.noise["step"] == 5 and got.noise["sigma"] == 0.01 and got.noise["seed"] == 3
     assert read_step(_cfg(models["q"], [full], tmp_path / "o")).noise["step"] == 5
+
+
+def test_result_line_survives_metrics_that_are_not_numbers():
+    # a reward of 1.7e308 overflowed the mean to inf, stored as None; formatting it failed after --out was
+    # written (traceback, exit 1; audit)
+    from qerl_cli.train_step import _result_numbers
+
+    line = _result_numbers({"loss": 0.5, "reward_mean": None, "grad_norm": 1.0, "tokens_per_s": 10.0})
+    assert line == "loss 0.5, reward n/a, grad norm 1, 10 tok/s"

@@ -10,7 +10,8 @@ step on identical gradients: the result equals a single-process run up to float 
 This is hand-rolled rather than DDP because only a few MB of LoRA gradients move, once per
 optimizer step (one flat bucket), and ranks may own different numbers of micro-batches, which
 DDP's per-backward hooks do not allow. Backend: NCCL on CUDA, gloo on CPU. Rank 0 alone writes
-the output; the others wait at a barrier, so nobody exits before the directory is in place.
+the output; the others wait for its outcome (``main_outcome``), so nobody exits before the directory
+is in place, and a failure there ends every rank with rank 0's exit code.
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ class Dist:
             n = g.numel()
             p.grad = flat[off : off + n].view_as(p).to(p.dtype)
             off += n
+
+    def main_outcome(self, failure: BaseException | None, device: str) -> None:
+        """Every rank learns whether rank 0's write succeeded (it writes alone). The others waited in a
+        bare barrier, and when rank 0 failed they died in gloo with a traceback (exit 1), which torchrun
+        could name as the failure (audit, 2026-11-26). Rank 0 re-raises its own error; the others raise a
+        one-line error carrying its exit code."""
+        if not self.enabled:
+            if failure is not None:
+                raise failure
+            return
+        from qerl_cli.errors import QerlError
+
+        code = 0 if failure is None else getattr(failure, "exit_code", 130 if isinstance(failure, KeyboardInterrupt) else 1)
+        t = torch.tensor([code], dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
+        code = int(self.all_reduce_(t, "max"))
+        if failure is not None:
+            raise failure
+        if code:
+            err = QerlError(f"rank 0 could not finish the step's output (exit {code}); see rank 0's error")
+            err.exit_code = code
+            raise err
 
     def barrier(self) -> None:
         if self.enabled:
