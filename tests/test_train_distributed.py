@@ -68,7 +68,8 @@ def test_two_ranks_equal_one_process(tmp_path, device):
     assert res.returncode != 0
     assert "gloo" not in res.stderr.lower() and "connection closed" not in res.stderr.lower(), res.stderr[-3000:]
     assert "is a file, not a directory" in res.stderr and "rank 0 could not finish the step's output (exit 7); see rank 0's error" in res.stderr
-    # torchrun's summary: the root cause is rank 0's exit 7, and no rank exited 1 (rank 1 may be SIGTERMed first)
+    # torchrun's summary: the root cause carries exit 7 (either rank may end first, each with rank 0's code;
+    # a rank torchrun SIGTERMs reads -15), and no rank exited 1
     codes = [ln.split(":")[1].split()[0] for ln in res.stderr.splitlines() if ln.strip().startswith("exitcode")]
     root = res.stderr.split("Root Cause", 1)[-1]
-    assert "1" not in codes and "rank      : 0" in root and "exitcode  : 7" in root, res.stderr[-3000:]
+    assert "1" not in codes and "exitcode  : 7" in root, res.stderr[-3000:]
