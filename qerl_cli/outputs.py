@@ -264,7 +264,7 @@ class StageOutput:
             self.work = self._partial_name()
             self.work.mkdir(parents=True, exist_ok=self.resumable)
         except OSError as e:
-            raise self._write_error(e) from None
+            raise self.write_error(e) from None
         crash_point("stage-start")
         return self.work
 
@@ -283,15 +283,15 @@ class StageOutput:
         if not self.resumable:
             shutil.rmtree(self.work, ignore_errors=True)
         if _is_write_error(exc):
-            raise self._write_error(exc) from None
+            raise self.write_error(exc) from None
         if exc_type is None:
             raise exc
         return False
 
-    def _write_error(self, e: BaseException) -> OutputWriteError:
+    def write_error(self, e: BaseException) -> OutputWriteError:
         where = getattr(e, "filename", None) or self.out
         kept = " (its finished groups are kept for a rerun)" if self.resumable else ""
-        blocker = _file_in_the_way(Path(where)) if getattr(e, "errno", None) in (errno.EEXIST, errno.ENOTDIR) else None
+        blocker = file_in_the_way(Path(where)) if getattr(e, "errno", None) in (errno.EEXIST, errno.ENOTDIR) else None
         if blocker is not None:  # was "File exists", with a hint about space and permissions
             return OutputWriteError(f"cannot write {self.out}: {blocker} is a file, not a directory; nothing was "
                                     f"left at --out{kept}", hint="choose another --out, or move that file away")
@@ -412,7 +412,7 @@ class _DirLock:
         return False
 
 
-def _file_in_the_way(path: Path) -> Path | None:
+def file_in_the_way(path: Path) -> Path | None:
     """The nearest of ``path`` and its parents that exists as something other than a directory."""
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 

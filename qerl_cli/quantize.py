@@ -48,7 +48,7 @@ from qerl_cli.checkpoint import (
     open_source,
     parse_linear,
 )
-from qerl_cli.checkpoint.source import PICKLE_SUFFIXES
+from qerl_cli.checkpoint.source import PICKLE_SUFFIXES, check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError, OutOfMemoryError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.outputs import MANIFEST, StageOutput
@@ -143,7 +143,6 @@ def _check_source(source: SourceModel) -> None:
 def _check_shapes_and_dtypes(source: SourceModel) -> None:
     """Weights must be float tensors, and decoder Linears must have the shapes config.json implies:
     otherwise quantize would write a checkpoint that no loader accepts."""
-    from qerl_cli.checkpoint.source import check_tied_head
     from qerl_cli.models.config import ModelConfig
 
     c = ModelConfig.from_hf(source.config, str(source.path / "config.json"))

@@ -568,7 +568,7 @@ class _WriterLock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.f = open(self.path, "a+")
             except OSError as e:
-                raise self.out._write_error(e) from None
+                raise self.out.write_error(e) from None
             try:
                 fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

@@ -60,10 +60,10 @@ def context_limit(model_dir: Path, asked: int | None) -> tuple[int, str]:
     cannot help, and the hint says so (it told the user to raise it; audit)."""
     from qerl_cli.models.config import ModelConfig
 
-    limit = context_length(model_dir)
+    c = ModelConfig.from_dir(Path(model_dir))
+    limit = _engine_limit(c)
     if asked is not None and asked < limit:
         return asked, "raise --max-model-len"
-    c = ModelConfig.from_dir(Path(model_dir))
     why = (f"its sliding window of {c.sliding_window} tokens: windowed attention is not implemented"
            if c.sliding_window and c.sliding_window <= c.max_position_embeddings - 1
            else f"max_position_embeddings {c.max_position_embeddings} less one")
@@ -77,6 +77,9 @@ def context_length(model_dir: Path) -> int:
     A stage that let a prompt of max positions - 1 tokens through had the engine refuse it mid-run."""
     from qerl_cli.models.config import ModelConfig
 
-    c = ModelConfig.from_dir(Path(model_dir))
+    return _engine_limit(ModelConfig.from_dir(Path(model_dir)))
+
+
+def _engine_limit(c) -> int:
     limit = c.max_position_embeddings - 1
     return min(limit, c.sliding_window) if c.sliding_window else limit

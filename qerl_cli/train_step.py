@@ -47,7 +47,7 @@ from qerl_cli.adapters import NORMS, load_norms, trained_norms
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError, OutputWriteError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
-from qerl_cli.outputs import StageOutput, check_out_apart
+from qerl_cli.outputs import StageOutput, check_out_apart, file_in_the_way
 from qerl_cli.runtime import resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.advantages import SCALES, group_advantages
@@ -492,7 +492,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
         raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
     check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter)
     if cfg.metrics_file is not None and (Path(cfg.metrics_file).is_dir()
-                                         or any(p.is_file() for p in Path(cfg.metrics_file).parents)):
+                                         or file_in_the_way(Path(cfg.metrics_file).parent) is not None):
         # found only after the step's output was in place, the traceback stopped a `set -e` recipe there
         raise BadInputError(f"--metrics-file {cfg.metrics_file} is a directory or inside a file",
                             hint="name a .jsonl file (one for the whole run), e.g. run/metrics.jsonl")
