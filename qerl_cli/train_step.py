@@ -162,6 +162,7 @@ class StepData:
     step: int
     noise: dict | None
     bad_lines: tuple[str, ...] = ()  # "file:line: why" of shard lines skipped by --skip-bad-lines
+    cuts: list[tuple[float, int, float]] | None = None  # (top_p, top_k, min_p) per record; None: no record was cut
 
 
 # ---- inputs --------------------------------------------------------------------------------------
@@ -199,12 +200,13 @@ def read_step(cfg: TrainStepConfig) -> StepData:
                                 hint="train on the shards of one step at a time")
         if _noise_key(r["noise"]) != _noise_key(first["noise"]):
             raise BadInputError(f"shards mix AQN noise records: {r['noise']} (record {i}) vs {first['noise']}")
-    temps = []
+    temps, cuts = [], []
     for r in recs:
         t = r["sampling"].get("temperature", 1.0)
         t = 1.0 if t is None else float(t)
         # Greedy (t = 0) records carry the untempered log-prob of the argmax (engine contract).
         temps.append(t if t > 0 else 1.0)
+        cuts.append(_sampling_cut(r["sampling"]) if t > 0 else (1.0, 0, 0.0))
     noise = first["noise"] or None
     if noise is not None and not float(noise.get("sigma", 0.0) or 0.0):
         noise = None
@@ -225,7 +227,15 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         step=int(first["step"]),
         noise=noise,
         bad_lines=tuple(report.bad_lines),
+        cuts=cuts if any(c != (1.0, 0, 0.0) for c in cuts) else None,
     )
+
+
+def _sampling_cut(sampling: dict) -> tuple[float, int, float]:
+    """(top_p, top_k, min_p) a record was sampled with: its log-probs are over what that cut kept."""
+    top_p, top_k, min_p = sampling.get("top_p"), sampling.get("top_k"), sampling.get("min_p")
+    return (1.0 if top_p is None else float(top_p), 0 if top_k is None else int(top_k),
+            0.0 if min_p is None else float(min_p))
 
 
 def dr_grpo_length(cfg: TrainStepConfig, data: StepData) -> int | None:
@@ -430,8 +440,10 @@ def _check_memory_flags(cfg: TrainStepConfig) -> None:
 
 
 # ---- log-probs -----------------------------------------------------------------------------------
-def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int):
-    """Completion-token log-probs [T] (and entropies) of one micro-batch under the current model."""
+def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int,
+                        cut_seq: torch.Tensor | None = None):
+    """Completion-token log-probs [T] (and entropies) of one micro-batch under the current model, over
+    what each sequence's sampling cut kept (``cut_seq`` [N, 3]: top_p, top_k, min_p; None: no cut)."""
     if getattr(model, "embeddings_on_cpu", False):
         # ids stay on the host for the gather there (and the mask check needs no device sync)
         ids, mask = mb.input_ids, mb.attention_mask
@@ -440,7 +452,8 @@ def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, devic
     hidden = model.forward_train(ids, mask)
     sel = hidden[mb.rows.to(device), mb.cols.to(device)]
     inv_t = inv_temp_seq[mb.seq_of_token].to(device=device, dtype=torch.float32)
-    return token_logprobs(model, sel, mb.targets.to(device), inv_t, chunk)
+    cut = None if cut_seq is None else cut_seq[mb.seq_of_token].to(device)
+    return token_logprobs(model, sel, mb.targets.to(device), inv_t, chunk, trunc=cut)
 
 
 @contextlib.contextmanager
@@ -577,6 +590,7 @@ class StepBatch:
     inv_temp: torch.Tensor  # fp32 [N]: 1 / sampling temperature
     adv: torch.Tensor       # fp32 [N]
     weight: torch.Tensor    # fp32 [N]: per-token loss weight of each sequence (0 = masked)
+    cuts: torch.Tensor | None = None  # fp64 [N, 3]: top_p, top_k, min_p each was sampled with; None: no cut
 
 
 @dataclass
@@ -619,7 +633,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                 mb = mbs[j]
                 tok_seq = mb.seq_of_token
                 torch.manual_seed(_dropout_seed(cfg.seed, step, epoch, j))
-                logp, ent = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens)
+                logp, ent = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens, batch.cuts)
                 if epoch == 0:
                     old_lp[j] = logp.detach()
                     samp = torch.tensor([x for s in mb.seqs for x in samp_lp[s]], dtype=torch.float32, device=device)
@@ -627,7 +641,8 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     isw[j] = w_is if cfg.tis_cap else None
                     if cfg.beta > 0:
                         with torch.no_grad(), base_policy(model):
-                            ref_lp[j] = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens)[0]
+                            ref_lp[j] = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens,
+                                                            batch.cuts)[0]
                     live = (w_seq[tok_seq] > 0).to(device)
                     n_live = float(live.sum())
                     if n_live:
@@ -728,7 +743,8 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     batch = StepBatch(
         groups=groups, prompts=data.prompts, completions=data.completions, sampling_logprobs=data.sampling_logprobs,
         inv_temp=torch.tensor([1.0 / t for t in data.temperatures], dtype=torch.float32),
-        adv=adv.values, weight=seq_w.to(torch.float32))  # weight already 0 for masked sequences
+        adv=adv.values, weight=seq_w.to(torch.float32),  # weight already 0 for masked sequences
+        cuts=None if data.cuts is None else torch.tensor(data.cuts, dtype=torch.float64))
     step = state.global_step
     load_time = time.time() - t_start
     t_loop = time.time()

@@ -53,3 +53,17 @@ def test_without_the_noise_logprobs_disagree(rolled, tmp_path, monkeypatch):
     monkeypatch.setattr("qerl_cli.aqn.apply_noise", lambda model, *a, **k: {"norms": list(NOISED_NORMS)})
     m = _step(root, qdir, tmp_path / "b")
     assert m["logprob_abs_diff_max"] > 1e-3
+
+
+def test_records_sampled_with_a_cut_give_importance_ratios_of_one(tmp_path):
+    # top-p / top-k / min-p: the shard's log-probs are over the kept tokens; train-step replays the cut,
+    # so at step 0 the ratio is 1, not the kept mass (before the replay: 0.26-0.41 on a Qwen3-shaped model).
+    _, qdir = quantized_tiny(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Q{i}: 3 + {i} = ?", "answer": str(3 + i)}) + "\n" for i in range(3)))
+    rollout(RolloutConfig(model=qdir, prompts=prompts, out=tmp_path / "sh", num_generations=2, max_new_tokens=8,
+                          temperature=1.3, top_p=0.7, top_k=12, min_p=0.02, device="cpu", dtype="fp32",
+                          chat_template=False, progress=False))
+    m = _step(tmp_path, qdir, tmp_path / "a")
+    assert m["logprob_abs_diff_max"] < 1e-3, m
+    assert m["is_ratio_min"] > 0.999 and m["is_ratio_max"] < 1.001, m

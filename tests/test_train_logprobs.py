@@ -98,3 +98,65 @@ def test_fused_logprobs_equal_autograd_on_cuda_bf16():
     torch.testing.assert_close(lp1, lp2, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(ent1, ent2, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(h1.grad.float(), h2.grad.float(), rtol=2e-2, atol=2e-2 * float(h2.grad.float().abs().max()))
+
+
+def _cuts(n, g):
+    """Per-token (top_p, top_k, min_p): three cut settings and an uncut one, mixed within row blocks."""
+    table = torch.tensor([[0.8, 0, 0.0], [1.0, 7, 0.0], [0.9, 40, 0.05], [1.0, 0, 0.0]], dtype=torch.float64)
+    return table[torch.randint(0, 4, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_replayed_cut_gives_the_samplers_logprobs_and_their_gradient(dense, monkeypatch):
+    # A record sampled with top-p / top-k / min-p carries log-probs of the distribution renormalised over
+    # what the cut kept; train-step's must be the same (else exp(old - sampled) is the kept mass, not 1).
+    import qerl_cli.train.logprobs as logprobs
+    from qerl_cli.engine.sampler import truncated_logprobs
+    from qerl_cli.engine.sampling_params import SamplingParams
+
+    model = build_random_model(ModelConfig(**CFG), device="cpu", dtype=torch.float32, quantized=True,
+                               lora=LoraSpec(r=4, alpha=4), std=0.2)
+    if not dense:
+        monkeypatch.setattr(logprobs, "_dense_head", lambda m: None)
+    g = torch.Generator().manual_seed(3)
+    n = 300
+    h = torch.randn(n, 64, generator=g) * 2
+    inv_t = 1.0 / (0.5 + torch.rand(n, generator=g))
+    cuts = _cuts(n, g)
+    with torch.no_grad():
+        logits = model.compute_logits(h).float()
+    # sampled from the cut distribution (as the engine does), so every target is in its kept set
+    ref_all = torch.stack([truncated_logprobs(logits[i : i + 1], SamplingParams(
+        temperature=1.0 / float(inv_t[i]), top_p=float(cuts[i, 0]), top_k=int(cuts[i, 1]), min_p=float(cuts[i, 2])))[0]
+        for i in range(n)])
+    targets = torch.multinomial(ref_all.exp(), 1, generator=g).squeeze(-1)
+    ref = ref_all.gather(-1, targets[:, None]).squeeze(-1)
+    assert (ref > -1e30).all() and (ref_all == float("-inf")).any()
+
+    h1 = h.clone().requires_grad_(True)
+    lp, ent = token_logprobs(model, h1, targets, inv_t, chunk=70, trunc=cuts)
+    torch.testing.assert_close(lp.detach(), ref, rtol=1e-5, atol=1e-5)
+    p = ref_all.exp()
+    torch.testing.assert_close(ent, -(p * ref_all.clamp(min=-1e30)).sum(-1), rtol=1e-4, atol=1e-5)
+    uncut = token_logprobs(model, h, targets, inv_t, chunk=70)[0]
+    assert (lp.detach() - uncut > 1e-3).sum() > n // 3  # the cut rows: log S off the full-vocabulary value
+
+    up = torch.randn(n, generator=g)
+    (lp * up).sum().backward()
+    h2 = h.clone().requires_grad_(True)
+    z = model.compute_logits(h2).float() * inv_t[:, None]
+    z = z.masked_fill(ref_all == float("-inf"), float("-inf"))
+    (torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1) * up).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-4, atol=1e-5 * float(h2.grad.abs().max()))
+
+
+def test_replayed_cut_keeps_the_sampled_token():
+    # The trainer's logits are a rounding away from the sampler's: a token that was sampled stays in the
+    # support (finite log-prob) even where the replayed cut would drop it.
+    from qerl_cli.train.logprobs import replay_truncation_
+
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    cut = replay_truncation_(z.clone(), torch.tensor([3]), torch.tensor([[1.0, 1, 0.0]], dtype=torch.float64))
+    assert cut.tolist() == [[3.0, float("-inf"), float("-inf"), 0.0]]
+    same = replay_truncation_(z.clone(), torch.tensor([0]), torch.tensor([[1.0, 0, 0.0]], dtype=torch.float64))
+    assert same.tolist() == z.tolist()

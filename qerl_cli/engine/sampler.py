@@ -36,22 +36,28 @@ def truncated_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor
     """
     if sp.greedy:
         return torch.log_softmax(logits, dim=-1)
-    x = logits / sp.temperature
-    if sp.min_p > 0:
+    return torch.log_softmax(truncate(logits / sp.temperature, sp.top_p, sp.top_k, sp.min_p), dim=-1)
+
+
+def truncate(x: torch.Tensor, top_p: float, top_k: int, min_p: float) -> torch.Tensor:
+    """Tempered fp32 logits [B, V] with the tokens that min-p, top-k and top-p cut set to -inf (a new
+    tensor; ``x`` itself where nothing is cut). Train-step replays it on its own logits, so that its
+    log-probs are over the same support as the ones sampled (``qerl_cli.train.logprobs``)."""
+    if min_p > 0:
         logp = torch.log_softmax(x, dim=-1)
-        floor = logp.max(dim=-1, keepdim=True).values + math.log(sp.min_p)
+        floor = logp.max(dim=-1, keepdim=True).values + math.log(min_p)
         x = x.masked_fill(logp < floor, float("-inf"))
-    if sp.top_k and sp.top_k < x.shape[-1]:
-        kth = torch.topk(x, sp.top_k, dim=-1).values[:, -1:]
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    if sp.top_p < 1.0:
+    if top_p < 1.0:
         # Stable: tied logits (common in bf16) keep index order, so the cut does not depend on the batch.
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
-        drop = (probs.cumsum(-1) - probs) >= sp.top_p
+        drop = (probs.cumsum(-1) - probs) >= top_p
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+    return x
 
 
 def row_seed(seed: int, group: int, child: int, position: int) -> int:

@@ -17,6 +17,15 @@ gather's scattered gradient and their sum alive together: 3-5 buffers instead of
 one lm_head matmul recomputed in backward, which checkpointing pays too. The entropy is a metric
 only (no gradient). When the lm_head is not a plain dense Linear (e.g. quantized) the same
 formula runs through ordinary autograd with checkpointing.
+
+Records sampled with top-k, top-p or min-p were drawn from the distribution renormalised over the
+tokens the cut kept, and their recorded log-probs are of that distribution. Over the full vocabulary
+the trainer's log-prob of the same token is lower by log S (S: the mass the cut kept), so the
+importance weight exp(old - sampled) would scale every token by S instead of measuring a policy
+change. ``trunc`` replays the sampler's cut (``engine.sampler.truncate``, same order and ties) on the
+trainer's own logits, in forward and in the backward's recompute, so log-probs, gradients and
+entropies are over the kept support; the sampled token is always kept, where the trainer's logits, a
+rounding away from the sampler's, would cut it (prime-rl's "sampling replay"; TRL issue 6789).
 """
 
 from __future__ import annotations
@@ -24,14 +33,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qerl_cli.engine.sampler import truncate
 from qerl_cli.train.recompute import checkpoint
 
 _ROWS = 128  # row block for the per-row reductions: bounds temporaries at _ROWS x vocab
+_FMIN = torch.finfo(torch.float32).min  # stands in for a cut token's -inf where 0 * -inf would be NaN
 
 
-def _logits(h, w, b, inv_temp):
+def _logits(h, w, b, inv_temp, targets=None, trunc=None):
     z = F.linear(h, w, None if b is None else b.to(h.dtype)).float()
-    return z.mul_(inv_temp.unsqueeze(-1))
+    return replay_truncation_(z.mul_(inv_temp.unsqueeze(-1)), targets, trunc)
+
+
+def replay_truncation_(z: torch.Tensor, targets: torch.Tensor | None, trunc: torch.Tensor | None) -> torch.Tensor:
+    """Tempered fp32 logits ``z`` [n, V], cut in place as the rollout's sampler cut each row's token
+    (``trunc`` [n, 3] fp64: the row's top_p, top_k, min_p; None: nothing to cut), the row's target kept."""
+    if trunc is None:
+        return z
+    combos = [c for c in torch.unique(trunc, dim=0).tolist() if c[0] < 1.0 or c[1] > 0 or c[2] > 0]
+    for i in range(0, z.shape[0], _ROWS):
+        blk, tb, pb = z[i : i + _ROWS], targets[i : i + _ROWS], trunc[i : i + _ROWS]
+        for top_p, top_k, min_p in combos:
+            rows = (pb == pb.new_tensor([top_p, top_k, min_p])).all(-1).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            sub, t = blk[rows], tb[rows].unsqueeze(-1)
+            cut = truncate(sub, top_p, int(top_k), min_p)
+            blk[rows] = cut.scatter_(1, t, sub.gather(1, t)) if cut is not sub else sub
+    return z
 
 
 def _lse_logp_entropy(z: torch.Tensor, targets: torch.Tensor):
@@ -43,7 +72,7 @@ def _lse_logp_entropy(z: torch.Tensor, targets: torch.Tensor):
         blk = z[i : i + _ROWS]
         m = torch.logsumexp(blk, dim=-1)
         lse[i : i + _ROWS] = m
-        ls = blk - m.unsqueeze(-1)
+        ls = (blk - m.unsqueeze(-1)).clamp_(min=_FMIN)  # a cut token: p = 0, p log p = 0
         ent[i : i + _ROWS] = -(ls.exp() * ls).sum(-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     return lse, logp, ent
@@ -51,13 +80,14 @@ def _lse_logp_entropy(z: torch.Tensor, targets: torch.Tensor):
 
 class _TokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, targets, inv_temp):
+    def forward(ctx, h, w, b, targets, inv_temp, trunc):
         with torch.no_grad():
-            z = _logits(h, w, b, inv_temp)
+            z = _logits(h, w, b, inv_temp, targets, trunc)
             lse, logp, ent = _lse_logp_entropy(z, targets)
         del z
         ctx.save_for_backward(h, w, b if b is not None else torch.empty(0, device=h.device), targets, inv_temp, lse)
         ctx.has_bias = b is not None
+        ctx.trunc = trunc
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -66,22 +96,26 @@ class _TokenLogprob(torch.autograd.Function):
         h, w, b, targets, inv_temp, lse = ctx.saved_tensors
         b = b if ctx.has_bias else None
         with torch.no_grad():
-            z = _logits(h, w, b, inv_temp)
+            z = _logits(h, w, b, inv_temp, targets, ctx.trunc)  # the forward's cut again: the same logits
             scale = (g_logp.float() * inv_temp)  # d logp / d z = (onehot - softmax) / T
             for i in range(0, z.shape[0], _ROWS):
                 blk = z[i : i + _ROWS]
                 blk.sub_(lse[i : i + _ROWS].unsqueeze(-1)).exp_().mul_(-scale[i : i + _ROWS].unsqueeze(-1))
             z.scatter_add_(1, targets.unsqueeze(-1), scale.unsqueeze(-1))
             grad_h = z.to(h.dtype) @ w.to(h.dtype)
-        return grad_h, None, None, None, None
+        return grad_h, None, None, None, None, None
 
 
-def _autograd_chunk(model, h, targets, inv_temp):
+def _autograd_chunk(model, h, targets, inv_temp, trunc=None):
     logits = model.compute_logits(h) * inv_temp.unsqueeze(-1)
+    if trunc is not None:
+        with torch.no_grad():
+            cut = torch.isneginf(replay_truncation_(logits.detach().float().clone(), targets, trunc))
+        logits = logits.masked_fill(cut, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        ent = lse - (torch.softmax(logits, dim=-1) * logits.clamp(min=_FMIN)).sum(-1)
     return logp, ent
 
 
@@ -105,11 +139,14 @@ def _standard_compute_logits():
     return CausalLM.compute_logits
 
 
-def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, chunk: int = 2048):
+def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor, chunk: int = 2048,
+                   trunc: torch.Tensor | None = None):
     """Log-prob (differentiable wrt ``hidden``) and entropy (detached) of ``targets`` [T].
 
     ``hidden`` [T, H] are the final hidden states that predict each target; ``inv_temp`` [T] is
-    1 / sampling temperature per token (log-probs are those of the tempered distribution).
+    1 / sampling temperature per token (log-probs are those of the tempered distribution); ``trunc``
+    [T, 3] fp64 (top_p, top_k, min_p per token; None when no token was sampled with a cut): each
+    distribution is cut as the sampler cut it (see the module's docstring).
     """
     chunk = max(1, int(chunk))
     head = _dense_head(model)
@@ -117,17 +154,18 @@ def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, inv_temp:
     lps, ents = [], []
     for i in range(0, hidden.shape[0], chunk):
         h, t, it = hidden[i : i + chunk], targets[i : i + chunk], inv_temp[i : i + chunk]
+        tr = None if trunc is None else trunc[i : i + chunk]
         if head is not None:
             if grad:
-                lp, ent = _TokenLogprob.apply(h, head[0], head[1], t, it)
+                lp, ent = _TokenLogprob.apply(h, head[0], head[1], t, it, tr)
             else:
                 with torch.no_grad():
-                    _, lp, ent = _lse_logp_entropy(_logits(h, head[0], head[1], it), t)
+                    _, lp, ent = _lse_logp_entropy(_logits(h, head[0], head[1], it, t, tr), t)
         elif grad:
-            lp, ent = checkpoint(lambda a, b, c: _autograd_chunk(model, a, b, c), h, t, it)
+            lp, ent = checkpoint(lambda a, b, c, tr=tr: _autograd_chunk(model, a, b, c, tr), h, t, it)
             ent = ent.detach()
         else:
-            lp, ent = _autograd_chunk(model, h, t, it)
+            lp, ent = _autograd_chunk(model, h, t, it, tr)
         lps.append(lp)
         ents.append(ent)
     if not lps:
