@@ -36,6 +36,7 @@ from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput
+from qerl_cli.runtime import as_many
 
 STAGE = "eval"
 SCORERS = ("auto", "gsm8k", "math")
@@ -72,6 +73,7 @@ class EvalConfig:
     def __post_init__(self):
         self.model, self.dataset, self.out = Path(self.model), Path(self.dataset), Path(self.out)
         self.adapter = Path(self.adapter) if self.adapter is not None else None
+        self.stop = as_many(self.stop)
         if self.k < 1:
             raise BadInputError(f"--k must be at least 1, got {self.k}")
         if self.num_samples is None:

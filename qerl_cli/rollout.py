@@ -59,7 +59,7 @@ from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.rewards import RewardSet
-from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype
+from qerl_cli.runtime import as_many, context_limit, load_tokenizer, resolve_device, resolve_dtype
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
 
 STAGE = "rollout"
@@ -112,6 +112,9 @@ class RolloutConfig:
     batch_prompts: int | None = None
     force: bool = False
     progress: bool = True
+
+    def __post_init__(self):
+        self.stop, self.rewards = as_many(self.stop), as_many(self.rewards)
 
 
 # ---- validation ------------------------------------------------------------------------------

@@ -16,6 +16,14 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+def as_many(value, kind=tuple):
+    """A config field of several strings given one string (``stop="####"`` from Python): that one, not
+    its characters, which ``tuple(value)`` made of it (a stop at every '#')."""
+    import os
+
+    return kind([value]) if isinstance(value, (str, os.PathLike)) else value
+
+
 def resolve_device(device: str) -> str:
     """`auto` -> cuda if visible else cpu; `cuda[:N]` checked against the visible GPUs."""
     import torch

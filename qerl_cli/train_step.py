@@ -48,7 +48,7 @@ from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMe
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
 from qerl_cli.outputs import StageOutput, check_out_apart, file_in_the_way
-from qerl_cli.runtime import resolve_device, resolve_dtype
+from qerl_cli.runtime import as_many, resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.advantages import SCALES, group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
@@ -116,6 +116,9 @@ class TrainStepConfig:
     metrics_file: Path | None = None
     force: bool = False
     progress: bool = True
+
+    def __post_init__(self):
+        self.shards, self.lora_targets = as_many(self.shards, list), as_many(self.lora_targets)
 
     # arguments that do not change the result (where things go, how they are shown, where the
     # same bytes wait: the memory options are bit-identical, so toggling them is not a new step)
@@ -483,7 +486,30 @@ def _dropout_seed(seed: int, step: int, epoch: int, mb: int) -> int:
 
 # ---- the stage -----------------------------------------------------------------------------------
 def train_step(cfg: TrainStepConfig) -> dict:
-    """Run one training step; returns the output manifest (with ``metrics``)."""
+    """Run one training step; returns the output manifest (with ``metrics``).
+
+    Called from a caller's ``torch.no_grad()`` or ``inference_mode()`` block (an eval helper in a
+    notebook), it still trains: without this, no loss had a graph, nothing moved and the untrained
+    adapter was written as done. The step seeds torch's RNG for itself; the caller's is restored after.
+    """
+    with torch.inference_mode(False), torch.enable_grad(), _callers_rng_kept():
+        return _train_step(cfg)
+
+
+@contextlib.contextmanager
+def _callers_rng_kept():
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _train_step(cfg: TrainStepConfig) -> dict:
     t_start = time.time()
     LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap).validate()
     if cfg.scale_rewards not in SCALES:

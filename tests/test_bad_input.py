@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -487,3 +488,17 @@ def test_out_of_memory_names_the_flag_to_lower(p, tmp_path, monkeypatch, stage, 
         assert flag in msg, msg
     nothing_written(tmp_path)
     shutil.rmtree(tmp_path / "never", ignore_errors=True)
+
+
+def test_one_string_for_a_many_strings_field_is_that_string_not_its_characters():
+    # From Python, stop="####" became ('#', '#', '#', '#'): a stop at every '#', silently.
+    from qerl_cli.evaluate import EvalConfig
+    from qerl_cli.rollout import RolloutConfig
+    from qerl_cli.train_step import TrainStepConfig
+
+    assert EvalConfig(model="m", dataset="d", out="o", stop="####").stop == ("####",)
+    r = RolloutConfig(model="m", prompts="p", out="o", stop="\nQ:", rewards="gsm8k")
+    assert (r.stop, r.rewards) == (("\nQ:",), ("gsm8k",))
+    t = TrainStepConfig(model="m", shards=Path("s"), out="o", lora_targets="q_proj")
+    assert (t.shards, t.lora_targets) == ([Path("s")], ("q_proj",))
+    assert RolloutConfig(model="m", prompts="p", out="o", stop=["a", "b"]).stop == ["a", "b"]

@@ -639,3 +639,21 @@ def test_result_line_survives_metrics_that_are_not_numbers():
 
     line = _result_numbers({"loss": 0.5, "reward_mean": None, "grad_norm": 1.0, "tokens_per_s": 10.0})
     assert line == "loss 0.5, reward n/a, grad norm 1, 10 tok/s"
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_callers_grad_mode_and_rng_are_not_the_steps(models, tmp_path, mode):
+    # From Python, inside an eval helper's no_grad / inference_mode block: the step still trains (it wrote
+    # an untrained adapter as done, grad norm 0), and the caller's RNG stream goes on as if it had not run.
+    q, h = models["q"], models["qhash"]
+    sh = make_shard(tmp_path / "sh", h, seed=5)
+    normal = train_step(_cfg(q, [sh], tmp_path / "plain", lr=1e-3))
+    torch.manual_seed(123)
+    expect = torch.rand(3)
+    torch.manual_seed(123)
+    with getattr(torch, mode)():
+        got = train_step(_cfg(q, [sh], tmp_path / "inside", lr=1e-3))
+    assert torch.equal(torch.rand(3), expect)
+    assert torch.is_grad_enabled()
+    assert got["metrics"]["grad_norm"] == normal["metrics"]["grad_norm"] > 0
+    assert _read_bytes(tmp_path / "inside") == _read_bytes(tmp_path / "plain")
