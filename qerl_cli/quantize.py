@@ -343,12 +343,18 @@ def _source_inputs(source: SourceModel) -> dict[str, str]:
     return inputs
 
 
-def _return_freed_memory_to_os() -> None:
+def return_freed_memory_to_os() -> None:
     """Make glibc serve allocations >= 1 MiB with mmap, so a freed tensor goes back to the OS at once.
 
     By default glibc raises its mmap threshold up to 32 MiB as blocks are freed, and then keeps
     freed tensor buffers in per-thread heaps: streaming a 15 GB model then left the process at
     15 GB RSS although at most three layers were alive. A fixed threshold keeps RSS at what is live.
+
+    For the whole process, and for good: glibc has no way back to its dynamic threshold, and every
+    later allocation of 1 MiB or more is then mapped and unmapped (2000 temporaries of 4 MiB: 0.11 ->
+    3.8-4.6 s; a train step after it in the same process 1.6x slower, audit 2026-11-26). So
+    ``qerl quantize`` calls it (its process ends with the stage) and ``quantize()`` does not; a
+    script that streams a large model and does nothing heavy after may call it first.
     """
     try:
         import ctypes
@@ -362,7 +368,6 @@ def _return_freed_memory_to_os() -> None:
 def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     """Run the stage; see the module docstring. Raises QerlError subclasses on bad input."""
     t_start = time.time()
-    _return_freed_memory_to_os()
     if cfg.format not in FORMATS:
         raise BadInputError(f"--format {cfg.format!r} is not one of {', '.join(FORMATS)}")
     max_shard = parse_size(cfg.max_shard_size)

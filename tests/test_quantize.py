@@ -497,3 +497,17 @@ def test_a_model_with_nothing_to_quantize_is_refused(tmp_path):
     with pytest.raises(BadInputError, match="no decoder Linear can be quantized"):
         quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
     assert not (tmp_path / "q").exists()
+
+
+def test_the_library_leaves_the_process_malloc_alone_and_the_cli_tunes_it(tmp_path, monkeypatch):
+    # glibc's fixed mmap threshold returns freed tensors to the OS at once, but for the whole process and
+    # for good (a later train step 1.6x slower in the same process): only the CLI, whose process ends, sets it.
+    import qerl_cli.quantize as qz
+
+    calls = []
+    monkeypatch.setattr(qz, "return_freed_memory_to_os", lambda: calls.append(1))
+    src = make_tiny_hf_model(tmp_path, "qwen2")
+    run(src, tmp_path / "lib")
+    assert calls == []
+    r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(tmp_path / "cli"), "--no-progress"])
+    assert r.exit_code == 0 and calls == [1]

@@ -66,7 +66,7 @@ def command(
         False, "--quiet", "-q", help="No progress bar or table; print only the result line (as --no-progress)."
     ),
 ) -> None:
-    from qerl_cli.quantize import QuantizeConfig, quantize, render_summary
+    from qerl_cli.quantize import QuantizeConfig, quantize, render_summary, return_freed_memory_to_os
 
     progress = progress and not quiet
     cfg = QuantizeConfig(
@@ -79,6 +79,7 @@ def command(
         progress=progress,
     )
     console = Console(file=sys.stderr)
+    return_freed_memory_to_os()  # for the rest of the process, which ends with the stage
     result = quantize(cfg, console=console)
     if result.already_done:
         print(f"already done: {result.out} holds a quantize output of these inputs (pass --force to redo)")
