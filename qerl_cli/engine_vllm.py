@@ -115,12 +115,13 @@ def completion_finish(reason: str | None) -> str:
 
 
 def vllm_sampling_params(*, temperature: float, top_p: float, top_k: int, min_p: float, max_new_tokens: int,
-                         stop: Sequence[str], seed: int) -> dict:
+                         stop: Sequence[str], seed: int, stop_token_ids: Sequence[int] = ()) -> dict:
     """qerl sampling flags -> keyword arguments of ``vllm.SamplingParams`` (``n`` is added per call)."""
     check_vllm_temperature(temperature)
     # vLLM >= 0.10 (the extra's floor) reads top_k 0 as "off", like qerl.
     return dict(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), min_p=min_p,
-                max_tokens=max_new_tokens, stop=list(stop) or None, seed=seed, logprobs=0)
+                max_tokens=max_new_tokens, stop=list(stop) or None, stop_token_ids=list(stop_token_ids) or None,
+                seed=seed, logprobs=0)
 
 
 def noise_record_extra(results: list[dict], sigma: float, want: int) -> dict:

@@ -167,9 +167,12 @@ class Sample:
 GenerateFn = Callable[..., list[list[Sample]]]
 
 
-def _sampling_kwargs(cfg: EvalConfig) -> dict:  # seeded per problem through the engines' ``seeds``
-    return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop,
-                seed=0)
+def _sampling_kwargs(cfg: EvalConfig, tokenizer) -> dict:  # seeded per problem through the engines' ``seeds``
+    from qerl_cli.runtime import split_stops
+
+    stops, stop_ids = split_stops(tokenizer, cfg.stop)
+    return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=stops,
+                stop_token_ids=stop_ids, seed=0)
 
 
 def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_model_len: int):
@@ -190,7 +193,7 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}
 
     def generate(prompt_ids, n, seeds, progress=None):
-        sp = SamplingParams(**_sampling_kwargs(cfg))
+        sp = SamplingParams(**_sampling_kwargs(cfg, tokenizer))
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress, seeds=seeds)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason, all(map(math.isfinite, c.logprobs))) for c in g]
                 for g in groups]
@@ -210,7 +213,7 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
                         max_model_len=max_model_len, seed=cfg.seed)
 
     def generate(prompt_ids, n, seeds, progress=None):
-        sp = vllm_sampling_params(top_k=0, min_p=0.0, **_sampling_kwargs(cfg))
+        sp = vllm_sampling_params(top_k=0, min_p=0.0, **_sampling_kwargs(cfg, tokenizer))
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress, seeds=seeds)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 
@@ -251,7 +254,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     """
     from qerl_cli.data import EncodeReport, encode_prompts, load_prompts, load_template
     from qerl_cli.lineage import check_lineage
-    from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype
+    from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype, split_stops
 
     t_start = time.time()
     if not cfg.model.is_dir():
@@ -296,6 +299,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
+    split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
     max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)  # the engine caps it so too
     room = max_model_len - cfg.max_new_tokens
     if room < 1:

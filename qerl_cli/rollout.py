@@ -59,7 +59,14 @@ from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.rewards import RewardSet
-from qerl_cli.runtime import as_many, context_limit, load_tokenizer, resolve_device, resolve_dtype
+from qerl_cli.runtime import (
+    as_many,
+    context_limit,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    split_stops,
+)
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
 
 STAGE = "rollout"
@@ -356,8 +363,9 @@ def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, s
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}  # engine: graphs, kernels
 
+    stops, stop_ids = split_stops(tokenizer, cfg.stop)
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                              max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop))
+                              max_new_tokens=cfg.max_new_tokens, stop=stops, stop_token_ids=stop_ids)
 
     return _Generator(engine, sampling, "native", timings=timings), model
 
@@ -369,8 +377,9 @@ def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigm
                         max_model_len=max_model_len, seed=cfg.seed)
     noise_extra = engine.set_noise(sigma, cfg.run_seed, cfg.step)
 
+    stops, stop_ids = split_stops(tokenizer, cfg.stop)
     sampling = vllm_sampling_params(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                    max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop), seed=0)
+                                    max_new_tokens=cfg.max_new_tokens, stop=stops, stop_token_ids=stop_ids, seed=0)
 
     return _Generator(engine, sampling, "vllm", noise_extra=noise_extra), None
 
@@ -476,6 +485,7 @@ def rollout(cfg: RolloutConfig) -> dict:
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
+    split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
     max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)
     if cfg.max_model_len is not None and cfg.max_model_len > max_model_len and cfg.progress:
         print(f"note: --max-model-len {cfg.max_model_len} is beyond the model's limit; {raise_hint}", file=sys.stderr)

@@ -62,6 +62,30 @@ def load_tokenizer(model_dir: Path):
         raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
+def split_stops(tokenizer, stops) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """--stop strings -> (strings matched on the completion's text, token ids that stop).
+
+    Both engines match stop strings on the text as recorded, where special tokens are not shown (vLLM's
+    rule), so "<|im_end|>" as a string would never match: a stop that is exactly one special token
+    stops as that token instead. One that holds a special token among other text cannot match at all,
+    and is refused."""
+    specials = {}
+    for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(t, "special", False) and tokenizer.decode([i], skip_special_tokens=True) == "":
+            specials[getattr(t, "content", str(t))] = i
+    strings, ids = [], []
+    for x in stops:
+        if x in specials:
+            ids.append(specials[x])
+        elif inside := [t for t in specials if t in x]:
+            raise BadInputError(f"--stop {x!r} holds the special token {inside[0]}, which the completion's text "
+                                "never shows, so it could never match",
+                                hint=f"pass --stop {inside[0]!r} alone: a stop that is one special token stops as that token")
+        else:
+            strings.append(x)
+    return tuple(strings), tuple(ids)
+
+
 def context_limit(model_dir: Path, asked: int | None) -> tuple[int, str]:
     """(the context a stage runs with, the hint for a prompt or a --max-new-tokens that does not fit).
     Where the model's own limit binds (a sliding window, or max positions), raising --max-model-len

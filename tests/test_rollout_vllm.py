@@ -98,7 +98,11 @@ def test_bf16_norm_noise_is_recorded_and_train_step_rounds_the_same_way():
 
 def test_sampling_params_mapping():
     kw = vllm_sampling_params(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_new_tokens=32, stop=(), seed=3)
-    assert kw == dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=32, stop=None, seed=3, logprobs=0)
+    assert kw == dict(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=32, stop=None, stop_token_ids=None,
+                      seed=3, logprobs=0)
+    kw = vllm_sampling_params(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_new_tokens=8, stop=("\n\n",),
+                              stop_token_ids=(7,), seed=0)
+    assert (kw["stop"], kw["stop_token_ids"]) == (["\n\n"], [7])
 
 
 def test_each_prompt_gets_its_own_seed():

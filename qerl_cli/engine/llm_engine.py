@@ -14,6 +14,7 @@ whatever the caller set on it, so the rollout policy is exactly the training pol
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from qerl_cli.layers.attention import fuse_projections, group_lora
 from qerl_cli.layers.lora import lora_modules
 
 _SEED_MASK = (1 << 62) - 1
+_PREFIX_TOKENS = 5  # decoded before a piece of text so it reads as in the whole (vLLM's prefix offset)
 
 
 class LLMEngine:
@@ -224,28 +226,57 @@ class LLMEngine:
     def _stop_string_hit(self, s: Sequence, stops: tuple[str, ...]) -> str | None:
         # Decode only a tail long enough to hold any stop string: O(1) per step instead of O(length).
         # Sized in UTF-8 bytes, not characters: byte-level BPE spends up to 4 tokens on one character
-        # ("你好" is 6 tokens in Qwen's vocabulary), and a token is never less than one byte.
+        # ("你好" is 6 tokens in Qwen's vocabulary), and a token is never less than one byte. Matched
+        # on the text as recorded (special tokens not shown, as vLLM matches): on the raw decode,
+        # text joined across a special token was cut where generation had not stopped.
         window = max(len(x.encode("utf-8")) for x in stops) + 2
-        tail = self.tokenizer.decode(s.completion_ids[-window:], skip_special_tokens=False)
+        start = max(s.num_prompt, len(s) - window)
+        if start == s.num_prompt:  # the completion's first tokens: read after the prompt's (a leading space)
+            tail = self._text(s, start, len(s))
+        else:  # a stop completed by the last token lies >= 2 tokens past the window's first
+            tail = self.tokenizer.decode(s.token_ids[start:], skip_special_tokens=True)
         # The stop the text is cut at (the earliest in it), when one token completes two of them.
         hits = [(i, x) for x in stops if (i := tail.find(x)) >= 0]
         return min(hits, key=lambda h: h[0])[1] if hits else None
 
+    def _text(self, s: Sequence, start: int, end: int) -> str:
+        """token_ids[start:end] as text, special tokens not shown, read after up to five tokens before
+        them (vLLM's prefix offset): SentencePiece-style decoders drop the first token's leading space
+        ("▁Q:" alone decodes to "Q:"), so a completion decoded alone lost its space, and a stop string
+        starting with one was never found at its start."""
+        ids, decode = s.token_ids, self.tokenizer.decode
+        lo = max(start - _PREFIX_TOKENS, 0)
+        if lo < start:
+            head = decode(ids[lo:start], skip_special_tokens=True)
+            full = decode(ids[lo:end], skip_special_tokens=True)
+            if full.startswith(head):
+                return full[len(head):]
+        return decode(ids[start:end], skip_special_tokens=True)
+
     def _completion(self, s: Sequence, sp: SamplingParams) -> Completion:
         text = ""
         if self.tokenizer is not None:
-            ids = s.completion_ids
+            end = len(s)
             if isinstance(s.stop_reason, int) and not sp.ignore_eos and s.stop_reason in self.eos_token_ids:
                 # the EOS stays in token_ids (with its logprob) but not in text, also when the tokenizer
                 # does not mark it special (skip_special_tokens kept an ordinary EOS token's text)
-                ids = ids[:-1]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                end -= 1
+            text = self._text(s, s.num_prompt, end)
             if isinstance(s.stop_reason, str):
-                cut = min((i for x in sp.stop if (i := text.find(x)) >= 0), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
+                text = text[:_stop_cut(text, self._text(s, s.num_prompt, end - 1), sp.stop)]
+            else:  # a character the length limit cut short decodes to U+FFFD; vLLM holds such bytes back too
+                text = text.rstrip("\ufffd")
         return Completion(token_ids=list(s.completion_ids), logprobs=list(s.logprobs), text=text,
                           finish_reason=s.finish_reason or "length", stop_reason=s.stop_reason)
+
+
+def _stop_cut(text: str, before: str, stops: tuple[str, ...]) -> int:
+    """Where ``text`` is cut: at the earliest stop string that the last token's text completes (the one
+    generation stopped at; ``before``: the text without that token), else the earliest anywhere."""
+    new = len(os.path.commonprefix([before, text]))
+    hits = [i for x in stops if (i := text.find(x, max(0, new - len(x) + 1))) >= 0]
+    hits = hits or [i for x in stops if (i := text.find(x)) >= 0]
+    return min(hits, default=len(text))
 
 
 def _to_host(tok: torch.Tensor, lp: torch.Tensor):
