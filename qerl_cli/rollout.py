@@ -502,7 +502,8 @@ def rollout(cfg: RolloutConfig) -> dict:
                             f"that fit the context (first: {enc_report.skipped_long[0]})",
                             hint=f"shorten the prompts or the template; {raise_hint}")
     name = shard_name(cfg.shard_index, cfg.num_shards)
-    policy = {"base": base_hash, "adapter": adapter_hash}
+    # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
+    policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}
     from qerl_cli.aqn import NOISED_NORMS
 
     # "norms" lets train-step check that it noises the same RMSNorms this rollout did.

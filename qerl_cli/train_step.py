@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import NORMS, load_norms, trained_norms
+from qerl_cli.adapters import NORMS, load_norms, norms_input, trained_norms
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError, OutputWriteError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
@@ -194,7 +194,8 @@ def read_step(cfg: TrainStepConfig) -> StepData:
             raise LineageError(
                 f"shards mix base models: record {i} ({r['group_id']}) has base {r['policy'].get('base')!s:.12} "
                 f"but record 0 has {first['policy'].get('base')!s:.12}")
-        if r["policy"].get("adapter") != first["policy"].get("adapter"):
+        if (r["policy"].get("adapter"), r["policy"].get("norms")) != (first["policy"].get("adapter"),
+                                                                       first["policy"].get("norms")):
             raise LineageError(
                 f"shards mix policies: record {i} ({r['group_id']}) was sampled with adapter "
                 f"{r['policy'].get('adapter')!s:.12}, record 0 with {first['policy'].get('adapter')!s:.12}")
@@ -312,6 +313,15 @@ def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter
         got = "no adapter (a fresh start)" if adapter_hash is None else f"adapter {adapter_hash:.12} ({cfg.adapter})"
         was = "no adapter" if data.adapter_hash is None else f"adapter {data.adapter_hash:.12}"
         raise LineageError(f"{src}: shards were sampled with {was}, but this step continues from {got}",
+                           hint="pass the --adapter the rollout used")
+    # The PEFT files' hash leaves out the trained norm weights (norms.safetensors): records since
+    # 2026-11-26 carry their hash (null: none); older records do not say, and are taken as they are.
+    policy = data.records[0]["policy"]
+    mine = norms_input(cfg.adapter).get("adapter_norms") if cfg.adapter is not None else None
+    if "norms" in policy and policy["norms"] != mine:
+        was = "no trained norm weights" if policy["norms"] is None else f"trained norm weights {policy['norms']:.12}"
+        has = "none" if mine is None else f"others ({mine:.12})"
+        raise LineageError(f"{src}: shards were sampled with {was}, but --adapter {cfg.adapter} has {has} in {NORMS}",
                            hint="pass the --adapter the rollout used")
 
 

@@ -39,6 +39,7 @@ def test_recomputed_logprobs_match_engine_with_same_noise(rolled, tmp_path):
     root, qdir = rolled
     recs = read_records(root / "sh")
     assert recs[0]["noise"]["sigma"] > 0 and recs[0]["engine"] == "native"
+    assert recs[0]["policy"]["norms"] is None  # no adapter, so no trained norms: train-step checks it
     assert sum(len(r["completion_token_ids"]) for r in recs) >= 6
     m = _step(root, qdir, tmp_path / "a")
     assert m["aqn_sigma"] == recs[0]["noise"]["sigma"]

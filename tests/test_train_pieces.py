@@ -189,3 +189,28 @@ def test_accumulator_and_jsonl(tmp_path):
     append_jsonl(tmp_path / "m" / "metrics.jsonl", {"a": 2})
     lines = (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["a"] for x in lines] == [1.23457, 2]
+
+
+def test_a_trained_norms_fp32_master_acts_as_the_rollouts_bf16_copy():
+    # Rollout loads trained norm weights rounded to the model dtype; train-step keeps fp32 masters. The
+    # training forward must use the rounded copy (one policy in both stages), the gradient reaching the
+    # master straight through (a bf16 parameter would round lr-sized steps away).
+    from qerl_cli.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    master = 1.0 + torch.randn(64, generator=g) * 1e-3  # not representable in bf16
+    assert not torch.equal(master, master.bfloat16().float())
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    rollout = RMSNorm(64, dtype=torch.bfloat16)
+    rollout.weight.data.copy_(master.bfloat16())
+    train = RMSNorm(64, dtype=torch.float32)
+    train.weight.data.copy_(master)
+    train.weight.requires_grad_(True)
+    y = train(x)
+    assert torch.equal(y, rollout(x))
+    up = torch.randn(5, 64, generator=g)
+    (y.float() * up).sum().backward()
+    copy = master.bfloat16().float().requires_grad_(True)
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + train.eps)
+    ((h * copy).bfloat16().float() * up).sum().backward()
+    assert torch.equal(train.weight.grad, copy.grad)

@@ -657,3 +657,31 @@ def test_a_callers_grad_mode_and_rng_are_not_the_steps(models, tmp_path, mode):
     assert torch.is_grad_enabled()
     assert got["metrics"]["grad_norm"] == normal["metrics"]["grad_norm"] > 0
     assert _read_bytes(tmp_path / "inside") == _read_bytes(tmp_path / "plain")
+
+
+def test_shards_sampled_with_other_trained_norms_are_refused(models, tmp_path):
+    # The adapter's hash covers its PEFT files, not norms.safetensors: shards sampled with other norm
+    # weights trained as if on-policy (is_ratio_min 0.0004 in the audit). Records name the norms now.
+    from qerl_cli.adapters import norms_input
+
+    q, h = models["q"], models["qhash"]
+    train_step(_cfg(q, [make_shard(tmp_path / "sh0", h, seed=6)], tmp_path / "a1", train_norms=True, lr=1e-2,
+                    lora_rank=4))
+    a1 = tmp_path / "a1"
+    mine = norms_input(a1)["adapter_norms"]
+
+    def shard(name, **policy):
+        d = make_shard(tmp_path / name, h, adapter_hash=adapter_hash(a1), step=1, seed=7)
+        f = d / shard_name(0, 1)
+        recs = [json.loads(x) for x in f.read_text().splitlines()]
+        for r in recs:
+            r["policy"].update(policy)
+        f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return d
+
+    for name, policy in (("none", {"norms": None}), ("other", {"norms": "0" * 64})):
+        with pytest.raises(LineageError, match="norm weights"):
+            train_step(_cfg(q, [shard(name, **policy)], tmp_path / f"x-{name}", adapter=a1, train_norms=True))
+        assert not (tmp_path / f"x-{name}").exists()
+    train_step(_cfg(q, [shard("same", norms=mine)], tmp_path / "ok", adapter=a1, train_norms=True))
+    train_step(_cfg(q, [shard("older")], tmp_path / "ok-older", adapter=a1, train_norms=True))  # no "norms": not known

@@ -59,7 +59,13 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
+        w = self.weight
+        if w.requires_grad and w.dtype != dtype:
+            # An fp32 master (train-step --train-norms in bf16/fp16) acts as the copy the rollout holds,
+            # rounded to the activations' dtype (load_model), so both stages run one policy; its gradient
+            # passes straight through to the master, which keeps the steps bf16 would round away.
+            w = w + (w.to(dtype).float() - w).detach()
+        w = w.float()
         if self.noise is not None:
             w = w + self.noise
         y = (h * w).to(dtype)
