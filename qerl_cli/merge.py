@@ -71,6 +71,10 @@ class MergeConfig:
                 raise BadInputError("--requantize-from only applies to --dtype nvfp4")
         if self.dtype not in DTYPES:
             raise BadInputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.max_shard_size, str):  # "2GB", as QuantizeConfig takes it
+            from qerl_cli.quantize import parse_size
+
+            self.max_shard_size = parse_size(self.max_shard_size)
         if self.max_shard_size <= 0:
             raise BadInputError(f"--max-shard-size must be positive, got {self.max_shard_size}")
         check_out_apart(self.out, model=self.model, adapter=self.adapter, requantize_from=self.requantize_from)

@@ -119,6 +119,8 @@ class TrainStepConfig:
 
     def __post_init__(self):
         self.shards, self.lora_targets = as_many(self.shards, list), as_many(self.lora_targets)
+        if self.lora_targets is not None and not self.lora_targets:  # trained all seven, recorded as []
+            raise BadInputError("lora_targets=() names no Linear", hint="None: all seven (or the adapter's own)")
 
     # arguments that do not change the result (where things go, how they are shown, where the
     # same bytes wait: the memory options are bit-identical, so toggling them is not a new step)
@@ -496,7 +498,8 @@ def _dropout_seed(seed: int, step: int, epoch: int, mb: int) -> int:
 
 # ---- the stage -----------------------------------------------------------------------------------
 def train_step(cfg: TrainStepConfig) -> dict:
-    """Run one training step; returns the output manifest (with ``metrics``).
+    """Run one training step; returns the output manifest (with ``metrics``) and ``already_done`` (True:
+    ``cfg.out`` held this step, nothing was trained).
 
     Called from a caller's ``torch.no_grad()`` or ``inference_mode()`` block (an eval helper in a
     notebook), it still trains: without this, no loss had a graph, nothing moved and the untrained
@@ -592,7 +595,7 @@ def _train_step(cfg: TrainStepConfig) -> dict:
     if out.already_done():
         _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)", result=True)
         _ensure_metrics_line(cfg, out.manifest)
-        return out.manifest
+        return dict(out.manifest, already_done=True)
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
     lengths = [len(p) + len(c) for p, c in zip(data.prompts, data.completions)]
@@ -827,7 +830,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         except BaseException as e:  # noqa: BLE001 - re-raised by main_outcome, after the other ranks hear of it
             failure = e
     dist.main_outcome(failure, device)
-    return manifest if manifest is not None else {"metrics": metrics}
+    return dict(manifest if manifest is not None else {"metrics": metrics}, already_done=False)
 
 
 def _result_numbers(metrics: dict) -> str:

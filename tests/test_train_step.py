@@ -399,7 +399,8 @@ def test_trained_norms_continue_from_their_fp32_values_in_bf16(models, tmp_path)
 def test_lora_target_order_is_not_a_new_step(models, tmp_path):
     sh = make_shard(tmp_path / "sh", models["qhash"])
     first = train_step(_cfg(models["q"], [sh], tmp_path / "a", lora_targets=("q_proj", "v_proj")))
-    assert train_step(_cfg(models["q"], [sh], tmp_path / "a", lora_targets=("v_proj", "q_proj"))) == first  # done
+    again = train_step(_cfg(models["q"], [sh], tmp_path / "a", lora_targets=("v_proj", "q_proj")))
+    assert again == dict(first, already_done=True)  # done
 
 
 def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path):
@@ -571,7 +572,8 @@ def test_a_smaller_micro_batch_resumes_a_run(models, tmp_path):
 
     sh = make_shard(tmp_path / "sh", models["qhash"])
     first = train_step(_cfg(models["q"], [sh], tmp_path / "a", micro_batch_tokens=64, logits_chunk_tokens=64))
-    assert train_step(_cfg(models["q"], [sh], tmp_path / "a", micro_batch_tokens=16, logits_chunk_tokens=8)) == first
+    again = train_step(_cfg(models["q"], [sh], tmp_path / "a", micro_batch_tokens=16, logits_chunk_tokens=8))
+    assert again == dict(first, already_done=True)
     train_step(_cfg(models["q"], [sh], tmp_path / "b", loss="bnpo", micro_batch_tokens=64))
     with pytest.raises(OutputExistsError):  # bnpo normalises per micro-batch: a different step
         train_step(_cfg(models["q"], [sh], tmp_path / "b", loss="bnpo", micro_batch_tokens=16))
@@ -685,3 +687,17 @@ def test_shards_sampled_with_other_trained_norms_are_refused(models, tmp_path):
         assert not (tmp_path / f"x-{name}").exists()
     train_step(_cfg(q, [shard("same", norms=mine)], tmp_path / "ok", adapter=a1, train_norms=True))
     train_step(_cfg(q, [shard("older")], tmp_path / "ok-older", adapter=a1, train_norms=True))  # no "norms": not known
+
+
+def test_library_results_say_already_done_and_configs_take_what_the_cli_takes(models, tmp_path):
+    from qerl_cli.merge import MergeConfig
+
+    q, h = models["q"], models["qhash"]
+    sh = make_shard(tmp_path / "sh", h, seed=8)
+    first = train_step(_cfg(q, [sh], tmp_path / "a"))
+    again = train_step(_cfg(q, [sh], tmp_path / "a"))
+    assert first["already_done"] is False and again["already_done"] is True
+    assert again["metrics"] == first["metrics"]
+    with pytest.raises(BadInputError, match="names no Linear"):  # trained all seven, recorded as []
+        _cfg(q, [sh], tmp_path / "b", lora_targets=())
+    assert MergeConfig(q, tmp_path / "a", tmp_path / "m", max_shard_size="2GB").max_shard_size == 2_000_000_000
