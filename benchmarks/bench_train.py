@@ -204,7 +204,7 @@ def record_breakdown(name, run_step, model, params, opt, cuda: bool, timed_peak:
 
 def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda",
             offload_activations: bool = False, embeddings_on_cpu: bool = False,
-            memory_breakdown: Path | None = None) -> dict:
+            memory_breakdown: Path | None = None, cut: tuple[float, int, float] | None = None) -> dict:
     import torch
 
     from qerl_cli.layers.lora import LoraSpec
@@ -252,7 +252,8 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
 
     def batch_of(gs):
         return StepBatch(groups=gs, prompts=prompts, completions=comps, sampling_logprobs=samp,
-                         inv_temp=torch.ones(n_seq), adv=adv.values, weight=weight)
+                         inv_temp=torch.ones(n_seq), adv=adv.values, weight=weight,
+                         cuts=None if cut is None else torch.tensor([cut] * n_seq, dtype=torch.float64))
 
     # warm-up: compile/autotune on real micro-batch shapes: the first two and the last (the packing's
     # odd one out, whose first-use cost otherwise landed in the first timed step)
@@ -287,7 +288,7 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
         "sequences": n_seq, "tokens_per_sequence": p_len + c_len, "micro_batch_tokens": micro_batch_tokens,
         "micro_batches": len(groups), "logits_chunk_tokens": logits_chunk,
         "offload_activations": offload_activations, "embeddings_on_cpu": embeddings_on_cpu,
-        "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in times],
+        "sampling_cut": list(cut) if cut else None, "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(tokens / step_s, 1), "peak_gib": round(max(peaks), 2),
         "weights_gib": round(weights_gib, 2), "build_s": round(build_s, 1), "warmup_s": round(warm_s, 1),
         "loss": res.losses[0], "grad_norm": res.grad_norms[-1],
@@ -303,6 +304,8 @@ def table(rows: list[dict]) -> str:
         if "step_s" in r:
             opts = "".join(f", {o}" for k, o in (("offload_activations", "offload"), ("embeddings_on_cpu", "embeddings on CPU"))
                            if r.get(k))
+            if r.get("sampling_cut"):
+                opts += ", top_p/top_k/min_p {} replayed".format("/".join(map(str, r["sampling_cut"])))
             lines.append(f"| {r['config']} (LoRA r={r['lora_rank']}{opts}) | {r['sequences']} x {r['tokens_per_sequence']} | "
                          f"{r['micro_batch_tokens']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
                          f"{r['weights_gib']:.1f} |")
@@ -330,6 +333,9 @@ def main() -> None:
                     help="train-step --embeddings-on-cpu: the input embedding table stays in CPU memory")
     ap.add_argument("--memory-breakdown", action="store_true",
                     help="one extra recorded step: what is live at the peak, to bench_train_<config>_memory.json")
+    ap.add_argument("--sampling-cut", default="",
+                    help="TOP_P,TOP_K,MIN_P: records sampled with that cut, which train-step replays on its logits "
+                         "(e.g. 0.95,0,0; default: none)")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test with tiny-nvfp4)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per config subprocess")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -340,8 +346,12 @@ def main() -> None:
     if a.one:  # child: one config, result as JSON
         try:
             mem = a.json.with_name(a.json.stem + "_memory.json") if a.memory_breakdown else None
+            cut = None
+            if a.sampling_cut:
+                tp, tk, mp = a.sampling_cut.split(",")
+                cut = (float(tp), int(tk), float(mp))
             row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device,
-                          a.offload_activations, a.embeddings_on_cpu, mem)
+                          a.offload_activations, a.embeddings_on_cpu, mem, cut)
         except Exception as e:  # noqa: BLE001 - report any failure as a table row
             row = {"config": a.one, "error": f"{type(e).__name__}: {e}".splitlines()[0], "trace": traceback.format_exc()}
         a.json.write_text(json.dumps(row))
@@ -357,7 +367,7 @@ def main() -> None:
         res_path = a.out / f"bench_train_{name}.json"
         cmd = [sys.executable, __file__, "--one", name, "--json", str(res_path), "--steps", str(a.steps),
                "--micro-batch-tokens", str(a.micro_batch_tokens), "--logits-chunk-tokens", str(a.logits_chunk_tokens),
-               "--lora-rank", str(a.lora_rank), "--device", a.device]
+               "--lora-rank", str(a.lora_rank), "--device", a.device, "--sampling-cut", a.sampling_cut]
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
                                 ("--memory-breakdown", a.memory_breakdown)) if on]
         t0 = time.time()
