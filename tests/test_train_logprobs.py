@@ -192,3 +192,22 @@ def test_replayed_cut_on_cuda_bf16_matches_the_reference_and_autograd():
     torch.testing.assert_close(lp1, lp2.detach(), rtol=1e-4, atol=1e-4)
     assert torch.isfinite(ent1).all()
     torch.testing.assert_close(h1.grad.float(), h2.grad.float(), rtol=2e-2, atol=2e-2 * float(h2.grad.float().abs().max()))
+
+
+def test_kept_as_two_numbers_per_row_is_the_samplers_cut_with_ties():
+    # Logits rounded to bf16 tie often, and top-p may cut inside a tie group (the stable sort keeps the
+    # lowest indices): the (last, ties) form the backward applies must give exactly the sampler's set.
+    from qerl_cli.engine.sampler import truncate
+    from qerl_cli.train.logprobs import apply_kept_, find_kept
+
+    g = torch.Generator().manual_seed(5)
+    n, v = 256, 97
+    z = (torch.randn(n, v, generator=g) * 1.5).bfloat16().float()
+    trunc = _cuts(n, g)
+    targets = torch.randint(0, v, (n,), generator=g)
+    got = apply_kept_(z.clone(), targets, find_kept(z, trunc))
+    for i in range(n):
+        p, k, m = trunc[i].tolist()
+        ref = truncate(z[i : i + 1], p, int(k), m)[0].clone()
+        ref[targets[i]] = z[i, targets[i]]
+        assert torch.equal(got[i], ref), i

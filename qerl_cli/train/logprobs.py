@@ -26,9 +26,14 @@ change. ``trunc`` replays the sampler's cut (``engine.sampler.truncate``, same o
 trainer's own logits, in forward and in the backward's recompute, so log-probs, gradients and
 entropies are over the kept support; the sampled token is always kept, where the trainer's logits, a
 rounding away from the sampler's, would cut it (prime-rl's "sampling replay"; TRL issue 6789).
+Every cut keeps a prefix of the row's stable ranking (logit descending, ties by index), so the
+forward stores it as two numbers per row (``Kept``) and the backward, whose recomputed logits are the
+same bits, applies them without the top-p sort again: the sort is most of what the replay costs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,27 +45,61 @@ _ROWS = 128  # row block for the per-row reductions: bounds temporaries at _ROWS
 _FMIN = torch.finfo(torch.float32).min  # stands in for a cut token's -inf where 0 * -inf would be NaN
 
 
-def _logits(h, w, b, inv_temp, targets=None, trunc=None):
-    z = F.linear(h, w, None if b is None else b.to(h.dtype)).float()
-    return replay_truncation_(z.mul_(inv_temp.unsqueeze(-1)), targets, trunc)
+def _logits(h, w, b, inv_temp, targets=None, trunc=None, kept=None):
+    """Tempered fp32 logits, cut by ``trunc`` (or by the ``kept`` found for the same logits before);
+    -> (logits, kept)."""
+    z = F.linear(h, w, None if b is None else b.to(h.dtype)).float().mul_(inv_temp.unsqueeze(-1))
+    if trunc is None and kept is None:
+        return z, None
+    kept = kept or find_kept(z, trunc)
+    return apply_kept_(z, targets, kept), kept
+
+
+@dataclass
+class Kept:
+    """A cut of each row as a prefix of its stable ranking: the tokens above ``last``, and the first
+    ``ties`` (by index) of those equal to it. Rows not cut: ``last`` -inf."""
+
+    last: torch.Tensor  # fp32 [n]
+    ties: torch.Tensor  # int32 [n]
+
+
+def find_kept(z: torch.Tensor, trunc: torch.Tensor) -> Kept:
+    """What the rollout's sampler keeps of each row of tempered fp32 logits ``z`` [n, V] (``trunc`` [n, 3]
+    fp64: the row's top_p, top_k, min_p), by the sampler's own function."""
+    n = z.shape[0]
+    last = torch.full((n,), float("-inf"), dtype=torch.float32, device=z.device)
+    ties = torch.zeros(n, dtype=torch.int32, device=z.device)
+    combos = [c for c in torch.unique(trunc, dim=0).tolist() if c[0] < 1.0 or c[1] > 0 or c[2] > 0]
+    for i in range(0, n, _ROWS):
+        blk, pb = z[i : i + _ROWS], trunc[i : i + _ROWS]
+        for top_p, top_k, min_p in combos:
+            rows = (pb == pb.new_tensor([top_p, top_k, min_p])).all(-1).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            sub = blk[rows]
+            keep = truncate(sub, top_p, int(top_k), min_p) > float("-inf")
+            low = torch.where(keep, sub, float("inf")).amin(-1)
+            last[i + rows] = low
+            ties[i + rows] = (keep & (sub == low.unsqueeze(-1))).sum(-1, dtype=torch.int32)
+    return Kept(last, ties)
+
+
+def apply_kept_(z: torch.Tensor, targets: torch.Tensor, kept: Kept) -> torch.Tensor:
+    """Set what ``kept`` cuts of each row of ``z`` to -inf, in place; each row's target stays."""
+    for i in range(0, z.shape[0], _ROWS):
+        blk, last = z[i : i + _ROWS], kept.last[i : i + _ROWS].unsqueeze(-1)
+        at = blk == last
+        keep = (blk > last) | (at & (at.cumsum(-1, dtype=torch.int32) <= kept.ties[i : i + _ROWS].unsqueeze(-1)))
+        keep.scatter_(1, targets[i : i + _ROWS].unsqueeze(-1), True)
+        blk.masked_fill_(~keep, float("-inf"))
+    return z
 
 
 def replay_truncation_(z: torch.Tensor, targets: torch.Tensor | None, trunc: torch.Tensor | None) -> torch.Tensor:
     """Tempered fp32 logits ``z`` [n, V], cut in place as the rollout's sampler cut each row's token
     (``trunc`` [n, 3] fp64: the row's top_p, top_k, min_p; None: nothing to cut), the row's target kept."""
-    if trunc is None:
-        return z
-    combos = [c for c in torch.unique(trunc, dim=0).tolist() if c[0] < 1.0 or c[1] > 0 or c[2] > 0]
-    for i in range(0, z.shape[0], _ROWS):
-        blk, tb, pb = z[i : i + _ROWS], targets[i : i + _ROWS], trunc[i : i + _ROWS]
-        for top_p, top_k, min_p in combos:
-            rows = (pb == pb.new_tensor([top_p, top_k, min_p])).all(-1).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                continue
-            sub, t = blk[rows], tb[rows].unsqueeze(-1)
-            cut = truncate(sub, top_p, int(top_k), min_p)
-            blk[rows] = cut.scatter_(1, t, sub.gather(1, t)) if cut is not sub else sub
-    return z
+    return z if trunc is None else apply_kept_(z, targets, find_kept(z, trunc))
 
 
 def _lse_logp_entropy(z: torch.Tensor, targets: torch.Tensor):
@@ -82,12 +121,11 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, targets, inv_temp, trunc):
         with torch.no_grad():
-            z = _logits(h, w, b, inv_temp, targets, trunc)
+            z, ctx.kept = _logits(h, w, b, inv_temp, targets, trunc)
             lse, logp, ent = _lse_logp_entropy(z, targets)
         del z
         ctx.save_for_backward(h, w, b if b is not None else torch.empty(0, device=h.device), targets, inv_temp, lse)
         ctx.has_bias = b is not None
-        ctx.trunc = trunc
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -96,7 +134,7 @@ class _TokenLogprob(torch.autograd.Function):
         h, w, b, targets, inv_temp, lse = ctx.saved_tensors
         b = b if ctx.has_bias else None
         with torch.no_grad():
-            z = _logits(h, w, b, inv_temp, targets, ctx.trunc)  # the forward's cut again: the same logits
+            z, _ = _logits(h, w, b, inv_temp, targets, kept=ctx.kept)  # the same logits: the forward's cut
             scale = (g_logp.float() * inv_temp)  # d logp / d z = (onehot - softmax) / T
             for i in range(0, z.shape[0], _ROWS):
                 blk = z[i : i + _ROWS]
@@ -160,7 +198,7 @@ def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, inv_temp:
                 lp, ent = _TokenLogprob.apply(h, head[0], head[1], t, it, tr)
             else:
                 with torch.no_grad():
-                    _, lp, ent = _lse_logp_entropy(_logits(h, head[0], head[1], it, t, tr), t)
+                    _, lp, ent = _lse_logp_entropy(_logits(h, head[0], head[1], it, t, tr)[0], t)
         elif grad:
             lp, ent = checkpoint(lambda a, b, c, tr=tr: _autograd_chunk(model, a, b, c, tr), h, t, it)
             ent = ent.detach()
