@@ -50,7 +50,7 @@ def interpreted():
     """Run every interpreter script in ONE subprocess (importing torch + triton costs ~10 s a time)."""
     pytest.importorskip("triton")
     parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER, "PHILOX": PHILOX,
-             "TRUNC": TRUNC}
+             "TRUNC": TRUNC, "REPLAY": REPLAY}
     driver = "import traceback\nres = {}\n"
     for key, code in parts.items():
         driver += f"try:\n    exec({code!r}, {{}})\n    res[{key!r}] = 'ok'\nexcept Exception:\n    res[{key!r}] = traceback.format_exc()[-2000:]\n"
@@ -321,6 +321,30 @@ FREQ = textwrap.dedent("""
 """)
 
 
+REPLAY = textwrap.dedent("""
+    import torch
+    from qerl_cli.engine import triton_truncation as tt
+    from qerl_cli.engine.sampling_params import SamplingParams
+    from qerl_cli.train.logprobs import Kept, _kept_by_radix, apply_kept_
+    from tests.helpers import assert_same_nucleus
+    torch.manual_seed(1)
+    V = 1100
+    base = torch.randn(4, V) * 2
+    base[1, 100:160] = base[1].max()  # ties at the top: top-p cuts inside the group
+    base[2] = (torch.randn(V) * 0.5).round()  # hundreds of ties per value
+    base[3, ::2] = 0.0
+    base[3, 1::4] = -0.0
+    tt.CHUNK = 256
+    for kw in [dict(top_p=0.9), dict(top_k=5), dict(min_p=0.05), dict(top_k=40, top_p=0.8, min_p=0.01),
+               dict(top_p=1e-6), dict(top_k=V + 5)]:
+        x = base * 1.3  # tempered fp32 logits, as train-step replays the cut on them
+        kept = Kept(*_kept_by_radix(x, kw.get("top_p", 1.0), kw.get("top_k", 0), kw.get("min_p", 0.0)))
+        cut = apply_kept_(x.clone(), x.argmax(-1), kept)
+        assert_same_nucleus(torch.isfinite(cut), x, SamplingParams(temperature=1.0, **kw))
+        assert torch.equal(cut[torch.isfinite(cut)], x[torch.isfinite(cut)])
+    print("ok")
+""")
+
 PHILOX = textwrap.dedent("""
     import torch
     import triton
@@ -359,6 +383,12 @@ def test_triton_truncation_keeps_the_sorted_nucleus_in_interpreter(interpreted):
     # does not depend on how rows are split over programs, the Gumbel kernel draws only kept tokens
     # and records their log-probability under the truncated distribution.
     assert interpreted["TRUNC"] == "ok", interpreted["TRUNC"]
+
+
+def test_replayed_cut_by_the_samplers_radix_select_in_interpreter(interpreted):
+    # train-step's replay on CUDA takes the GPU sampler's cut (no sort), as a last logit and a tie count
+    # per row: the same nucleus as the stable-sort reference, on fp32 logits with ties, -0 and +0.
+    assert interpreted["REPLAY"] == "ok", interpreted["REPLAY"]
 
 
 @pytest.mark.slow
