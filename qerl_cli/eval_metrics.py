@@ -159,13 +159,74 @@ def compare_table(eval_dirs: Sequence[Path]):
     row("truncated", lambda m: f"{100 * m['counts']['truncated'] / max(1, m['counts']['samples']):.1f}%")
     row("mean length (tok)", lambda m: f"{m['lengths']['mean']:.0f}")
     row("time (s)", lambda m: f"{m['time']['total_s']:.1f}")
+    row("scorer", lambda m: m.get("scorer", "-"))
     datasets = {m.get("dataset_hash") for _, m in runs}
     problems = {m["counts"]["problems"] for _, m in runs}
+    notes = []
     if len(datasets) > 1:
-        table.caption = "warning: the runs used different datasets; their scores are not comparable"
+        notes.append("warning: the runs used different datasets; their scores are not comparable")
     elif len(problems) > 1:
-        table.caption = "warning: the runs scored different numbers of problems; their scores are not comparable"
+        notes.append("warning: the runs scored different numbers of problems; their scores are not comparable")
+    elif len(runs) > 1:  # the same problems: each run against the first, problem by problem
+        base = per_problem_pass1(runs[0][0])
+        table.add_row("pass@1 vs first, paired",
+                      "-", *[_fmt_paired(paired_difference(base, per_problem_pass1(d))) for d, _ in runs[1:]])
+        notes.append("paired: the difference in points over the same problems, and a two-sided p-value: "
+                     "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
+    if len({m.get("scorer") for _, m in runs}) > 1:
+        notes.append("warning: the runs were scored by different rules (--scorer)")
+    table.caption = "\n".join(notes) or None
     return table
+
+
+def per_problem_pass1(eval_dir: Path) -> dict[str, float] | None:
+    """Each problem's fraction of correct samples (its pass@1), from ``samples.jsonl`` (None without it)."""
+    right: dict[str, list[int]] = {}
+    if not (Path(eval_dir) / SAMPLES).is_file():
+        return None
+    with open(Path(eval_dir) / SAMPLES) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                right.setdefault(str(r["id"]), []).append(bool(r["correct"]))
+    return {i: sum(v) / len(v) for i, v in right.items()}
+
+
+def paired_difference(a: dict[str, float] | None, b: dict[str, float] | None) -> dict | None:
+    """b - a over the problems both scored: the mean difference (points) and a two-sided p-value. Both
+    0/1 (one sample a problem): exact McNemar, a binomial test on the discordant problems. Else an exact
+    sign-flip test on the per-problem differences when there are at most 14 nonzero ones, a normal
+    approximation of it beyond."""
+    if a is None or b is None:
+        return None
+    ids = sorted(a.keys() & b.keys())
+    if not ids:
+        return None
+    d = [b[i] - a[i] for i in ids]
+    mean = 100 * sum(d) / len(d)
+    if all(a[i] in (0.0, 1.0) and b[i] in (0.0, 1.0) for i in ids):
+        up, down = sum(x > 0 for x in d), sum(x < 0 for x in d)
+        n = up + down
+        tail = sum(math.comb(n, i) for i in range(min(up, down) + 1)) / 2**n if n else 1.0
+        return {"diff": mean, "p": min(1.0, 2 * tail), "test": "McNemar", "discordant": (up, down)}
+    nz = [x for x in d if x]
+    if len(nz) <= 14:
+        obs = abs(sum(nz))
+        hits = sum(abs(sum(x if (s >> j) & 1 else -x for j, x in enumerate(nz))) >= obs - 1e-12
+                   for s in range(2 ** len(nz)))
+        p = hits / 2 ** len(nz) if nz else 1.0
+    else:
+        sd = math.sqrt(sum(x * x for x in nz))
+        z = abs(sum(nz)) / sd
+        p = math.erfc(z / math.sqrt(2))
+    return {"diff": mean, "p": min(1.0, p), "test": "sign-flip", "discordant": None}
+
+
+def _fmt_paired(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    extra = f", {r['discordant'][0]}/{r['discordant'][1]}" if r["discordant"] else ""
+    return f"{r['diff']:+.1f} (p={r['p']:.2g}{extra})"
 
 
 def _column_names(dirs: Sequence[Path]) -> list[str]:

@@ -103,7 +103,12 @@ _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\u00b0|\\degree")
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*-?\d+(?:\.\d+)?)?")  # not glued: "x1", "a.1"
 # Words around a number in an answer span: "The answer is 72 apples." Checked token by token, not by
 # one regex: nested optional whitespace backtracked for seconds on a reference of 1,500 spaces.
-_WORD = re.compile(r"[A-Za-z][A-Za-z'.-]*")
+# Units count as words: "km/h", "ft^2", "cm^{3}", a lone "^2" after \text{ ft}.
+_WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?|\^\{?\d\}?")
+# TeX spacing between a number and its unit: "18\ \text{dollars}", "18\;", "18\quad", "18~km".
+_TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
+_TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
+_BRACED_NUMBER = re.compile(r"\{\s*(-?[\d.,]+)\s*\}")
 _WORD_GAP = re.compile(r"[\s,;:]+")
 _GLUE_OK = frozenset(" \t\r\n,;:.%)<*")  # what may follow a #### line's number ("2x", "2^10", "5!" may not)
 
@@ -127,14 +132,16 @@ def _mixed_value(m: re.Match) -> str:
 def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = s.replace("\u2212", "-").replace("{,}", "").replace("\\!", "").replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
+    s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
-    s = _DEGREES.sub("", s)
+    s = _DEGREES.sub(" ", s)  # 18^\circ F: a space, not "18F"
     s = _MIXED_FRAC.sub(_mixed_value, s)  # 1\frac{1}{2} = 1.5, not 11/2
     for _ in range(4):  # innermost first: \frac{\frac{1}{2}}{3} = 1/6
         s, n = _LATEX_FRAC.subn(_frac_value, s)
         if not n:
             break
-    s = re.sub(r"\((-?[\d.,]+)\)", r"\1", s)  # (3) -> 3
+    s = _BRACED_NUMBER.sub(r"\1", s)  # {18} -> 18 (fractions are values by now)
+    s = re.sub(r"(?<![\d)])\((-?[\d.,]+)\)", r"\1", s)  # (3) -> 3, but 2(3) is a product, not 23
     s = s.replace("$", "")
     if strip_plus:
         s = re.sub(r"(^|[\s(=])\+\s*(?=[\d.])", r"\1", s)  # "+5" -> "5"
@@ -201,6 +208,8 @@ def span_number(text: str, whole: bool = True) -> str | None:
     if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
         return None
     s = _clean_number_text(text)
+    if whole and s.count("=") > 1 and re.search(r"=[^=]*(?:[,;]|\band\b)[^=]*=", s):
+        return None  # "x = 5, y = 18": several answers, none of them the answer
     if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
         s = s.rsplit("=", 1)[1]
     m = _NUMBER.search(s)
@@ -217,7 +226,9 @@ def span_number(text: str, whole: bool = True) -> str | None:
     return None if f is None else _exact_str(f)
 
 
-_OPERATOR = re.compile(r"\s*(?:[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div)")
+# What makes a #### line's first number an operand: an operator after it, a bracket glued to it ("5(2) = 10";
+# "3 (t = 180 min)" is an answer and a note), or a spaced letter x between numbers ("2 x 3 = 6").
+_OPERATOR = re.compile(r"\s*(?:[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div)|\((?=[-\d.])|\s+[xX]\s+(?=[\d(.])")
 
 
 def _starts_an_expression(s: str) -> bool:

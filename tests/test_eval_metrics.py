@@ -148,3 +148,48 @@ def test_compare_rejects_non_eval_dirs(tmp_path):
     (tmp_path / "bad" / "metrics.json").write_text("{")
     with pytest.raises(BadInputError, match="not valid JSON"):
         compare_table([tmp_path / "bad"])
+
+
+def _samples(path, correct_by_id):
+    path.joinpath("samples.jsonl").write_text("".join(
+        json.dumps({"id": str(i), "sample": j, "correct": c}) + "\n"
+        for i, cs in correct_by_id.items() for j, c in enumerate(cs)))
+
+
+def test_paired_difference_mcnemar_and_sign_flip_against_direct_sums():
+    from qerl_cli.eval_metrics import paired_difference
+
+    base = {str(i): float(i < 120) for i in range(200)}
+    tuned = {str(i): float(i < 132) for i in range(200)}
+    r = paired_difference(base, tuned)  # 12 fixed, none broken: exact binomial 2 * 0.5^12
+    assert r["test"] == "McNemar" and r["discordant"] == (12, 0)
+    assert r["diff"] == pytest.approx(6.0) and r["p"] == pytest.approx(2 * 0.5**12)
+    mixed = {str(i): float(i < 125) for i in range(200)}
+    mixed["0"] = 0.0  # 5 fixed, 1 broken: 2 * (C(6,0) + C(6,1)) / 2^6
+    assert paired_difference(base, mixed)["p"] == pytest.approx(2 * 7 / 64)
+    # several samples a problem: every sign pattern of the nonzero differences, enumerated here
+    a = {"0": 0.25, "1": 0.5, "2": 1.0, "3": 0.0}
+    b = {"0": 0.75, "1": 0.5, "2": 0.75, "3": 0.5}
+    d = [0.5, -0.25, 0.5]
+    obs = abs(sum(d))
+    want = sum(abs(sum(s * x for s, x in zip(signs, d))) >= obs - 1e-12
+               for signs in itertools.product((1, -1), repeat=3)) / 8
+    r = paired_difference(a, b)
+    assert r["test"] == "sign-flip" and r["p"] == pytest.approx(want) and r["diff"] == pytest.approx(100 * 0.75 / 4)
+
+
+def test_compare_pairs_runs_over_the_same_problems_and_flags_other_scorers(tmp_path):
+    from rich.console import Console
+
+    a = _fake_run(tmp_path / "base", "base", 0.6)
+    b = _fake_run(tmp_path / "tuned", "tuned", 0.66)
+    _samples(a, {i: [i < 6] for i in range(10)})
+    _samples(b, {i: [i < 9] for i in range(10)})
+    m = json.loads((b / "metrics.json").read_text())
+    m["scorer"] = "math"
+    (b / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=200)
+    console.print(compare_table([a, b]))
+    text = console.export_text()
+    assert "+30.0 (p=0.25, 3/0)" in text and "McNemar" in text
+    assert "scored by different rules" in text

@@ -280,6 +280,15 @@ def test_degenerate_completions_stay_cheap(text):
         ("\\boxed{\\text{72}}", "72", True), ("\\boxed{\\textbf{72}}", "72", True), ("\\boxed{\\text{\\$72}}", "72", True),
         ("#### 1.00000000000000000000000000001", "1", False), ("#### 0.99999999999999999999999999999", "1", False),
         ("#### +5", "5", True), ("\\boxed{5}", "+5", True), ("\\boxed{30^\\circ}", "30", True),
+        # units after TeX spacing, units with / and ^2, extra braces, \displaystyle (eval audit, 2026-11-26)
+        ("\\boxed{18\\ \\text{dollars}}", "18", True), ("\\boxed{18\\;\\text{dollars}}", "18", True),
+        ("\\boxed{18\\quad\\text{dollars}}", "18", True), ("\\boxed{18 \\text{ km/h}}", "18", True),
+        ("\\boxed{18 \\text{ ft}^2}", "18", True), ("\\boxed{18^\\circ \\text{F}}", "18", True),
+        ("\\boxed{{18}}", "18", True), ("\\boxed{\\displaystyle 18}", "18", True), ("\\boxed{18~km}", "18", True),
+        # a bracket glued to a number is a product, not digits; "x" between numbers is times; two answers are none
+        ("\\boxed{2(3)}", "23", False), ("\\boxed{2(3)}", "6", False), ("#### 5(2) = 10", "10", True),
+        ("#### 2 x 3 = 6", "6", True), ("#### 3 (t = 180 minutes)", "3", True), ("\\boxed{x = 5, y = 18}", "18", False),
+        ("\\boxed{x = y = 5}", "5", True),
     ],
 )
 def test_gsm8k_rule_edge_cases(completion, ref, ok):
