@@ -6,12 +6,15 @@ Commands only parse flags into a config dataclass and call the stage's library f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
 import shutil
+import signal
 import sys
 import textwrap
+import threading
 
 import typer
 from typer.core import TyperCommand
@@ -83,16 +86,49 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm's pre-emption or time limit, ``kill``), raised where the stage is, so that it
+    cleans up as after Ctrl-C: its temporary output removed, a rollout's finished groups kept. A
+    requeued job usually lands on another node, whose reruns leave a foreign host's temporaries alone."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _stage_signals():
+    """SIGTERM raises ``Terminated`` for the stage's length (main thread only; the old handler after).
+    torch is imported first with SIGINT and SIGTERM held: torch's C setup imports NumPy and drops any
+    exception raised meanwhile, so a Ctrl-C there was lost and the stage ran on to exit 0 (and a bash
+    loop with it). Held, the signal is raised the moment the import is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        if "torch" not in sys.modules and hasattr(signal, "pthread_sigmask"):
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                import torch  # noqa: F401
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def guarded(fn, stage: str | None = None):
     """Wrap a command: QerlError -> 'error: ...' on stderr and its exit code; an out-of-memory the
     stage did not handle itself -> OutOfMemoryError (exit 6) naming the flag to lower;
-    KeyboardInterrupt -> 130."""
+    KeyboardInterrupt -> 130; SIGTERM -> the same clean-up, exit 143."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             try:
-                return fn(*args, **kwargs)
+                with _stage_signals():
+                    return fn(*args, **kwargs)
             except Exception as e:
                 if not _is_oom(e):
                     raise
@@ -104,10 +140,11 @@ def guarded(fn, stage: str | None = None):
                 raise
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             resume = " (a rerun resumes its saved groups)" if stage == "rollout" else ""
-            print(f"interrupted: --out was not written{resume}", file=sys.stderr)
-            raise typer.Exit(130) from None
+            term = isinstance(e, Terminated)
+            print(f"{'terminated (SIGTERM)' if term else 'interrupted'}: --out was not written{resume}", file=sys.stderr)
+            raise typer.Exit(143 if term else 130) from None
 
     return wrapper
 

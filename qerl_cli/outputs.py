@@ -299,7 +299,9 @@ class StageOutput:
                                 f"left at --out{kept}", hint="free space or fix the permissions, then rerun")
 
     def _write_manifest(self, work: Path) -> dict:
-        files = sorted(p for p in work.rglob("*") if p.is_file() and p.name != MANIFEST)
+        # not a manifest.json.tmp that a run killed while writing it left in a rollout's partial directory
+        # (listed, then renamed away: every later rerun called the output damaged, exit 4)
+        files = sorted(p for p in work.rglob("*") if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp"))
         digests = sha256_files(files)
         manifest = {
             "stage": self.stage,

@@ -145,3 +145,16 @@ def test_total_time_counts_from_the_stages_start(tmp_path):
     with so:
         pass
     assert so.manifest["timings"]["total_s"] >= 5.0
+
+
+def test_a_manifest_left_half_written_in_a_partial_dir_is_not_an_output(tmp_path):
+    # A rollout killed while writing its manifest leaves manifest.json.tmp in the partial directory it
+    # resumes from. It was listed as an output, then renamed into manifest.json: the next rerun called the
+    # finished output damaged (exit 4) for a file that could not exist.
+    out = tmp_path / "o"
+    so = StageOutput(out, "demo", config={"k": 1}, inputs={}, resumable=True)
+    with so as work:
+        (work / "manifest.json.tmp").write_text('{"stage": "de')  # the killed run's leftover
+        (work / "a.txt").write_text("hello")
+    assert read_manifest(out)["outputs"].keys() == {"a.txt"}
+    assert StageOutput(out, "demo", config={"k": 1}, inputs={}, resumable=True).already_done()

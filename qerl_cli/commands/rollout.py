@@ -102,10 +102,14 @@ def command(
             f"(the noise may never reach --aqn-sigma-start or end at --aqn-sigma-end)")
     try:
         res = rollout(cfg)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         # Unlike other stages, rollout keeps its complete groups: say so instead of the generic message.
-        Console(stderr=True).print("interrupted: completed prompt groups are kept; rerun the same command to resume")
-        raise typer.Exit(130) from None
+        from qerl_cli.cli import Terminated
+
+        term = isinstance(e, Terminated)
+        Console(stderr=True).print(f"{'terminated (SIGTERM)' if term else 'interrupted'}: completed prompt groups "
+                                   "are kept; rerun the same command to resume")
+        raise typer.Exit(143 if term else 130) from None
     console = Console(highlight=False)
     if res["already_done"]:
         console.print(f"already done: {out} holds this rollout (pass --force to redo)", soft_wrap=True)
