@@ -103,8 +103,10 @@ _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\u00b0|\\degree")
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*-?\d+(?:\.\d+)?)?")  # not glued: "x1", "a.1"
 # Words around a number in an answer span: "The answer is 72 apples." Checked token by token, not by
 # one regex: nested optional whitespace backtracked for seconds on a reference of 1,500 spaces.
-# Units count as words: "km/h", "ft^2", "cm^{3}", a lone "^2" after \text{ ft}.
-_WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?|\^\{?\d\}?")
+# Units count as words: "km/h", "ft^2", "cm^{3}" (a power only on a word: "10 ^{2}" is no 10).
+_WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?")
+# Names an equation assigns: "x = 5, y = 18" (two answers) against "n^2 = 25, n = 5" (one).
+_ASSIGNED = re.compile(r"(?:^|[,;]|\band\b)\s*([A-Za-z]\w*)(?:\^\{?\d+\}?)?\s*=")
 # TeX spacing between a number and its unit: "18\ \text{dollars}", "18\;", "18\quad", "18~km".
 _TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
 _TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
@@ -134,6 +136,7 @@ def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
     s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
+    s = re.sub(r"([A-Za-z])\s+(?=\^)", r"\1", s)  # \text{ ft}^2 -> "ft^2"
     s = _DEGREES.sub(" ", s)  # 18^\circ F: a space, not "18F"
     s = _MIXED_FRAC.sub(_mixed_value, s)  # 1\frac{1}{2} = 1.5, not 11/2
     for _ in range(4):  # innermost first: \frac{\frac{1}{2}}{3} = 1/6
@@ -208,7 +211,7 @@ def span_number(text: str, whole: bool = True) -> str | None:
     if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
         return None
     s = _clean_number_text(text)
-    if whole and s.count("=") > 1 and re.search(r"=[^=]*(?:[,;]|\band\b)[^=]*=", s):
+    if whole and s.count("=") > 1 and len(set(_ASSIGNED.findall(s))) > 1:
         return None  # "x = 5, y = 18": several answers, none of them the answer
     if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
         s = s.rsplit("=", 1)[1]

@@ -62,6 +62,15 @@ def load_tokenizer(model_dir: Path):
         raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
+def special_tokens(tokenizer) -> dict[str, int]:
+    """{text: id} of the tokens the recorded text does not show (special, dropped by decode)."""
+    out = {}
+    for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(t, "special", False) and tokenizer.decode([i], skip_special_tokens=True) == "":
+            out[getattr(t, "content", str(t))] = i
+    return out
+
+
 def split_stops(tokenizer, stops) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """--stop strings -> (strings matched on the completion's text, token ids that stop).
 
@@ -69,10 +78,7 @@ def split_stops(tokenizer, stops) -> tuple[tuple[str, ...], tuple[int, ...]]:
     rule), so "<|im_end|>" as a string would never match: a stop that is exactly one special token
     stops as that token instead. One that holds a special token among other text cannot match at all,
     and is refused."""
-    specials = {}
-    for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items():
-        if getattr(t, "special", False) and tokenizer.decode([i], skip_special_tokens=True) == "":
-            specials[getattr(t, "content", str(t))] = i
+    specials = special_tokens(tokenizer)
     strings, ids = [], []
     for x in stops:
         if x in specials:

@@ -512,6 +512,7 @@ def train_step(cfg: TrainStepConfig) -> dict:
 @contextlib.contextmanager
 def _callers_rng_kept():
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    seed = torch.initial_seed()  # what CUDA's generators start from when first used after the step
     cpu_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if cuda else None
     try:
@@ -520,6 +521,8 @@ def _callers_rng_kept():
         torch.set_rng_state(cpu_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)
 
 
 def _train_step(cfg: TrainStepConfig) -> dict:

@@ -117,3 +117,12 @@ def test_a_stop_that_is_one_special_token_stops_as_that_token(qwen_style):
     with pytest.raises(BadInputError, match="special token <\\|im_start\\|>"):
         split_stops(tok, ("\n<|im_start|>",))
     assert split_stops(tok, ()) == ((), ())
+
+
+def test_special_tokens_inside_a_stop_do_not_push_it_out_of_the_window(qwen_style):
+    # The window was counted in tokens, each taken for a byte of text at least; special tokens show none.
+    tok = qwen_style
+    sp = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>", "<|im_start|>")]
+    comp = _ids(tok, "A: 29\n") + sp + _ids(tok, "\nQ: next one and more words here ok")
+    c = _run(tok, _ids(tok, "hi"), comp, stop=["\n\n"])
+    assert c.finish_reason == "stop" and c.text == "A: 29" and c.token_ids == comp[: len(_ids(tok, "A: 29\n")) + 4]

@@ -288,7 +288,13 @@ def test_degenerate_completions_stay_cheap(text):
         # a bracket glued to a number is a product, not digits; "x" between numbers is times; two answers are none
         ("\\boxed{2(3)}", "23", False), ("\\boxed{2(3)}", "6", False), ("#### 5(2) = 10", "10", True),
         ("#### 2 x 3 = 6", "6", True), ("#### 3 (t = 180 minutes)", "3", True), ("\\boxed{x = 5, y = 18}", "18", False),
-        ("\\boxed{x = y = 5}", "5", True),
+        ("\\boxed{x = y = 5}", "5", True), ("\\boxed{x = 5 and y = 18}", "18", False),
+        # (review of the above) thousands commas are no second equation, one variable is one answer,
+        # and a power stands only on a unit word
+        ("The total is \\boxed{x = 1,200 + 300 = 1,500}", "1500", True),
+        ("\\boxed{2,000 \\times 3 = 6,000 = 6000}", "6000", True), ("\\boxed{n^2 = 25, n = 5}", "5", True),
+        ("\\boxed{10 ^{2}}", "10", False), ("\\boxed{10 ^2}", "10", False), ("\\boxed{9.8 \\text{ m/s}^2}", "9.8", True),
+        ("\\boxed{12\\text{ cm}^{2}}", "12", True),
     ],
 )
 def test_gsm8k_rule_edge_cases(completion, ref, ok):

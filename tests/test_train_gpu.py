@@ -52,3 +52,44 @@ def test_cuda_bf16_step_matches_cpu_fp32_step(tmp_path):
     assert gpu["loss"] == pytest.approx(cpu["loss"], rel=5e-2, abs=1e-3)
     assert gpu["entropy"] == pytest.approx(cpu["entropy"], rel=1e-2)
     assert gpu["grad_norm"] == pytest.approx(cpu["grad_norm"], rel=5e-2)
+
+
+@pytest.mark.gpu
+def test_a_trained_norms_master_is_rounded_in_the_fused_norm_too():
+    # A checkpointed layer's first forward runs without grad, where the fused kernel took the fp32 master
+    # as it was, while the recompute (grad on, torch path) used the rounded copy: two policies in one step.
+    from qerl_cli.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    master = (1.0 + torch.randn(4096, generator=g) * 1e-3).cuda()
+    x = torch.randn(4, 4096, generator=g).cuda().bfloat16()
+    train = RMSNorm(4096, device="cuda", dtype=torch.float32)
+    train.weight.data.copy_(master)
+    train.weight.requires_grad_(True)
+    rollout = RMSNorm(4096, device="cuda", dtype=torch.bfloat16)
+    rollout.weight.data.copy_(master.bfloat16())
+    with torch.no_grad():
+        fused, ref = train(x), rollout(x)
+    assert torch.equal(fused, ref)
+    assert torch.equal(train(x).detach(), ref)
+
+
+@pytest.mark.gpu
+def test_train_step_keeps_a_callers_cuda_rng_it_did_not_initialise():
+    import subprocess
+    import sys
+
+    code = """
+import torch, qerl_cli.train_step as ts
+torch.manual_seed(123)
+with ts._callers_rng_kept():
+    torch.manual_seed(999)
+    torch.randn(3, device="cuda")
+a = torch.randn(3, device="cuda").tolist()
+torch.manual_seed(123)
+b = torch.randn(3, device="cuda").tolist()
+assert a == b, (a, b)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "ok", r.stderr[-2000:]

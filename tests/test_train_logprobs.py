@@ -211,3 +211,18 @@ def test_kept_as_two_numbers_per_row_is_the_samplers_cut_with_ties():
         ref = truncate(z[i : i + 1], p, int(k), m)[0].clone()
         ref[targets[i]] = z[i, targets[i]]
         assert torch.equal(got[i], ref), i
+
+
+def test_replayed_cut_leaves_uncut_rows_and_nan_as_they_are():
+    # Uncut rows in a chunk with cut ones stay bit for bit; a NaN logit stays NaN for the step's
+    # NumericalError check (the mask had turned it into -inf, a finite-looking log-prob).
+    from qerl_cli.train.logprobs import replay_truncation_
+
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(4, 50, generator=g)
+    z[1, 7] = float("nan")
+    z[2, 3] = float("nan")
+    trunc = torch.tensor([[0.5, 0, 0.0], [1.0, 0, 0.0], [0.5, 0, 0.0], [1.0, 0, 0.0]], dtype=torch.float64)
+    out = replay_truncation_(z.clone(), torch.zeros(4, dtype=torch.long), trunc)
+    assert torch.equal(out[[1, 3]].nan_to_num(), z[[1, 3]].nan_to_num()) and out[1, 7].isnan()
+    assert out[2, 3].isnan() and torch.isneginf(out[0]).any()

@@ -214,3 +214,11 @@ def test_a_trained_norms_fp32_master_acts_as_the_rollouts_bf16_copy():
     h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + train.eps)
     ((h * copy).bfloat16().float() * up).sum().backward()
     assert torch.equal(train.weight.grad, copy.grad)
+
+
+def test_ranks_hear_a_sigterm_on_rank_0_as_143():
+    from qerl_cli.cli import Terminated
+    from qerl_cli.train.distributed import _interrupt_code
+
+    assert (_interrupt_code(Terminated()), _interrupt_code(KeyboardInterrupt()), _interrupt_code(ValueError())) == (
+        143, 130, 1)

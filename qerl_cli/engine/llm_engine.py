@@ -229,8 +229,11 @@ class LLMEngine:
         # ("你好" is 6 tokens in Qwen's vocabulary), and a token is never less than one byte. Matched
         # on the text as recorded (special tokens not shown, as vLLM matches): on the raw decode,
         # text joined across a special token was cut where generation had not stopped.
-        window = max(len(x.encode("utf-8")) for x in stops) + 2
-        start = max(s.num_prompt, len(s) - window)
+        need = max(len(x.encode("utf-8")) for x in stops) + 2
+        start, special = len(s), self._special_ids()
+        while start > s.num_prompt and need:  # special tokens show no text: they do not count
+            start -= 1
+            need -= s.token_ids[start] not in special
         if start == s.num_prompt:  # the completion's first tokens: read after the prompt's (a leading space)
             tail = self._text(s, start, len(s))
         else:  # a stop completed by the last token lies >= 2 tokens past the window's first
@@ -238,6 +241,14 @@ class LLMEngine:
         # The stop the text is cut at (the earliest in it), when one token completes two of them.
         hits = [(i, x) for x in stops if (i := tail.find(x)) >= 0]
         return min(hits, key=lambda h: h[0])[1] if hits else None
+
+    def _special_ids(self) -> frozenset[int]:
+        ids = getattr(self, "_special", None)
+        if ids is None:
+            from qerl_cli.runtime import special_tokens
+
+            ids = self._special = frozenset(special_tokens(self.tokenizer).values())
+        return ids
 
     def _text(self, s: Sequence, start: int, end: int) -> str:
         """token_ids[start:end] as text, special tokens not shown, read after up to five tokens before

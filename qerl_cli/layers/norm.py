@@ -30,8 +30,16 @@ class RMSNorm(nn.Module):
         """norm(x), or with ``residual``: (norm(x + residual), x + residual), the residual in x's dtype.
         ``delta``: a term to add to x first (rounded to x's dtype), the producing GEMM's deferred LoRA term."""
         if fused.enabled(x, residual, self.weight):
-            return fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, delta=delta)
+            return fused.rmsnorm(x, self._as_used(x.dtype), self.noise, self.eps, residual, delta=delta)
         return self._torch(x, residual, delta)
+
+    def _as_used(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as the forward uses it: an fp32 master that trains (--train-norms in bf16/fp16)
+        rounded to the activations' dtype, as the rollout loads it (``_torch`` does the same with the
+        gradient passing through). The fused kernel runs without grad, e.g. a checkpointed layer's first
+        forward, which had used the fp32 values there while its recompute used the rounded ones."""
+        w = self.weight
+        return w.detach().to(dtype) if w.requires_grad and w.dtype != dtype else w
 
     def with_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, lora_a: torch.Tensor | None,
                     delta: torch.Tensor | None = None, korder: bool = False):
@@ -40,8 +48,8 @@ class RMSNorm(nn.Module):
         shrinks). ``lora_a`` None: plain norm. ``delta`` as in ``forward``. ``korder``: normed columns in
         the MMA's K order for the next GEMM (``QLinear.takes_korder_x``; fused kernel only)."""
         if (lora_a is not None or korder) and fused.enabled(x, residual, self.weight):
-            out = fused.rmsnorm(x, self.weight, self.noise, self.eps, residual, lora_a=lora_a, delta=delta,
-                                korder=korder)
+            out = fused.rmsnorm(x, self._as_used(x.dtype), self.noise, self.eps, residual, lora_a=lora_a,
+                                delta=delta, korder=korder)
             if lora_a is not None:
                 return out
         elif korder:

@@ -70,7 +70,7 @@ class Dist:
             return
         from qerl_cli.errors import QerlError
 
-        code = 0 if failure is None else getattr(failure, "exit_code", 130 if isinstance(failure, KeyboardInterrupt) else 1)
+        code = 0 if failure is None else getattr(failure, "exit_code", _interrupt_code(failure))
         t = torch.tensor([code], dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
         code = int(self.all_reduce_(t, "max"))
         if failure is not None:
@@ -103,3 +103,10 @@ def setup(device: str) -> Dist:
         torch.cuda.set_device(local)
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     return Dist(rank, world, local, True)
+
+
+def _interrupt_code(failure: BaseException) -> int:
+    """Exit code of an error without one: 143 for SIGTERM (``cli.Terminated``), 130 for Ctrl-C, else 1."""
+    from qerl_cli.cli import Terminated
+
+    return 143 if isinstance(failure, Terminated) else 130 if isinstance(failure, KeyboardInterrupt) else 1

@@ -133,6 +133,7 @@ def apply_kept_(z: torch.Tensor, targets: torch.Tensor, kept: Kept) -> torch.Ten
         blk, last = z[i : i + _ROWS], kept.last[i : i + _ROWS].unsqueeze(-1)
         at = blk == last
         keep = (blk > last) | (at & (at.cumsum(-1, dtype=torch.int32) <= kept.ties[i : i + _ROWS].unsqueeze(-1)))
+        keep |= (last == float("-inf")) | blk.isnan()  # an uncut row stays as it is; a NaN stays to be seen
         keep.scatter_(1, targets[i : i + _ROWS].unsqueeze(-1), True)
         blk.masked_fill_(~keep, float("-inf"))
     return z
