@@ -1,7 +1,8 @@
 """What train-step's replay of a sampling cut costs per 128-row block at a 152k vocabulary.
 
 Times ``find_kept`` (the sampler's own cut: min-p, top-k, stable-sort top-p) and ``apply_kept_`` (the
-backward's re-application from two numbers per row) on random fp32 logits, and the top-p sort alone,
+backward's re-application from two numbers per row) on random logits rounded to bf16 values, as an lm_head
+gives them (ties everywhere), and the top-p sort alone,
 each as the median of CUDA-event timings after a warm-up.
 
     python benchmarks/probe_replay.py --vocab 152064 --rows 128 --scales 1,4
@@ -33,7 +34,7 @@ def timed(fn, reps=20):
 
 
 def probe(rows: int, vocab: int, scale: float, cut: tuple[float, int, float]) -> dict:
-    z = torch.randn(rows, vocab, device="cuda") * scale
+    z = (torch.randn(rows, vocab, device="cuda") * scale).bfloat16().float()  # lm_head's values: bf16, ties
     t = torch.randint(0, vocab, (rows,), device="cuda")
     trunc = torch.tensor([cut] * rows, dtype=torch.float64, device="cuda")
     kept = find_kept(z, trunc)
