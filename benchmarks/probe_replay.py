@@ -11,26 +11,20 @@ each as the median of CUDA-event timings after a warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from qerl_cli.engine.sampler import truncate
-from qerl_cli.train.logprobs import apply_kept_, find_kept
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sampler import timed as _timed  # noqa: E402  (median of CUDA-event timings after a warm-up)
+
+from qerl_cli.engine.sampler import truncate  # noqa: E402
+from qerl_cli.train.logprobs import apply_kept_, find_kept  # noqa: E402
 
 
-def timed(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(out)
+def timed(fn) -> float:
+    return _timed(fn, 20)
 
 
 def probe(rows: int, vocab: int, scale: float, cut: tuple[float, int, float]) -> dict:
