@@ -89,9 +89,9 @@ def find_kept(z: torch.Tensor, trunc: torch.Tensor) -> Kept:
             keep = truncate(sub, top_p, int(top_k), min_p) > float("-inf")
             low = torch.where(keep, sub, float("inf")).amin(-1)
             at = sub == low.unsqueeze(-1)
-            n = (keep & at).sum(-1, dtype=torch.int32)
+            stay = (keep & at).sum(-1, dtype=torch.int32)
             last[i + rows] = low
-            ties[i + rows] = torch.where(n == at.sum(-1, dtype=torch.int32), _ALL_TIES, n)
+            ties[i + rows] = torch.where(stay == at.sum(-1, dtype=torch.int32), _ALL_TIES, stay)
     return Kept(last, ties)
 
 
@@ -100,7 +100,6 @@ def _radix_ok(z: torch.Tensor) -> bool:
     from qerl_cli.engine.sampling_params import SamplingParams
 
     return z.dtype == torch.float32 and z.is_contiguous() and _fast_path(z, SamplingParams(temperature=1.0))
-
 
 
 def _kept_by_radix(x: torch.Tensor, top_p: float, top_k: int, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
