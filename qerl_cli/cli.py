@@ -96,6 +96,11 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def interrupt_outcome(e: KeyboardInterrupt) -> tuple[str, int]:
+    """(the word a stopped stage's line starts with, its exit code): SIGTERM 143, Ctrl-C 130."""
+    return ("terminated (SIGTERM)", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+
+
 @contextlib.contextmanager
 def _stage_signals():
     """SIGTERM raises ``Terminated`` for the stage's length (main thread only; the old handler after).
@@ -142,9 +147,9 @@ def guarded(fn, stage: str | None = None):
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:
             resume = " (a rerun resumes its saved groups)" if stage == "rollout" else ""
-            term = isinstance(e, Terminated)
-            print(f"{'terminated (SIGTERM)' if term else 'interrupted'}: --out was not written{resume}", file=sys.stderr)
-            raise typer.Exit(143 if term else 130) from None
+            word, code = interrupt_outcome(e)
+            print(f"{word}: --out was not written{resume}", file=sys.stderr)
+            raise typer.Exit(code) from None
 
     return wrapper
 

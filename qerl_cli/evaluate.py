@@ -192,8 +192,10 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}
 
+    sampling = _sampling_kwargs(cfg, tokenizer)  # once: it reads the tokenizer's special tokens
+
     def generate(prompt_ids, n, seeds, progress=None):
-        sp = SamplingParams(**_sampling_kwargs(cfg, tokenizer))
+        sp = SamplingParams(**sampling)
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress, seeds=seeds)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason, all(map(math.isfinite, c.logprobs))) for c in g]
                 for g in groups]
@@ -212,8 +214,10 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
     engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype_name, max_num_seqs=cfg.max_num_seqs,
                         max_model_len=max_model_len, seed=cfg.seed)
 
+    sampling = _sampling_kwargs(cfg, tokenizer)  # once: it reads the tokenizer's special tokens
+
     def generate(prompt_ids, n, seeds, progress=None):
-        sp = vllm_sampling_params(top_k=0, min_p=0.0, **_sampling_kwargs(cfg, tokenizer))
+        sp = vllm_sampling_params(top_k=0, min_p=0.0, **sampling)
         groups = engine.generate(prompt_ids, sp, n=n, progress=progress, seeds=seeds)
         return [[Sample(list(c.token_ids), c.text, c.finish_reason) for c in g] for g in groups]
 

@@ -80,16 +80,21 @@ def test_gradient_matches_finite_differences_fp64_direction():
     assert float((hh.grad * d).sum()) == pytest.approx(fd, rel=2e-3)
 
 
-@pytest.mark.gpu
-def test_fused_logprobs_equal_autograd_on_cuda_bf16():
+def _cuda_batch(n: int, seed: int):
+    """A bf16 NVFP4 model on the GPU and n tokens: (model, hidden, targets, 1/T, upstream grad, generator)."""
     model = build_random_model(ModelConfig(**CFG), device="cuda", dtype=torch.bfloat16, quantized=True,
                                lora=LoraSpec(r=4, alpha=4), std=0.2)
-    g = torch.Generator().manual_seed(0)
-    n = 1000
+    g = torch.Generator().manual_seed(seed)
     h = (torch.randn(n, 64, generator=g) * 2).to(torch.bfloat16).cuda()
     targets = torch.randint(0, 320, (n,), generator=g).cuda()
     inv_t = (1.0 / (0.5 + torch.rand(n, generator=g))).cuda()
     up = torch.randn(n, generator=g).cuda()
+    return model, h, targets, inv_t, up, g
+
+
+@pytest.mark.gpu
+def test_fused_logprobs_equal_autograd_on_cuda_bf16():
+    model, h, targets, inv_t, up, _ = _cuda_batch(1000, seed=0)
     h1, h2 = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
     lp1, ent1 = token_logprobs(model, h1, targets, inv_t, chunk=300)
     (lp1 * up).sum().backward()
@@ -168,15 +173,9 @@ def test_replayed_cut_on_cuda_bf16_matches_the_reference_and_autograd():
     # the sampler, values and gradients as plain autograd over the masked logits.
     from qerl_cli.engine.sampler import truncate
 
-    model = build_random_model(ModelConfig(**CFG), device="cuda", dtype=torch.bfloat16, quantized=True,
-                               lora=LoraSpec(r=4, alpha=4), std=0.2)
-    g = torch.Generator().manual_seed(4)
     n = 700
-    h = (torch.randn(n, 64, generator=g) * 2).to(torch.bfloat16).cuda()
-    targets = torch.randint(0, 320, (n,), generator=g).cuda()
-    inv_t = (1.0 / (0.5 + torch.rand(n, generator=g))).cuda()
+    model, h, targets, inv_t, up, g = _cuda_batch(n, seed=4)
     cuts = _cuts(n, g).cuda()
-    up = torch.randn(n, generator=g).cuda()
     h1, h2 = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
     lp1, ent1 = token_logprobs(model, h1, targets, inv_t, chunk=300, trunc=cuts)
     (lp1 * up).sum().backward()

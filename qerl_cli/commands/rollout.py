@@ -104,12 +104,11 @@ def command(
         res = rollout(cfg)
     except KeyboardInterrupt as e:
         # Unlike other stages, rollout keeps its complete groups: say so instead of the generic message.
-        from qerl_cli.cli import Terminated
+        from qerl_cli.cli import interrupt_outcome
 
-        term = isinstance(e, Terminated)
-        Console(stderr=True).print(f"{'terminated (SIGTERM)' if term else 'interrupted'}: completed prompt groups "
-                                   "are kept; rerun the same command to resume")
-        raise typer.Exit(143 if term else 130) from None
+        word, code = interrupt_outcome(e)
+        Console(stderr=True).print(f"{word}: completed prompt groups are kept; rerun the same command to resume")
+        raise typer.Exit(code) from None
     console = Console(highlight=False)
     if res["already_done"]:
         console.print(f"already done: {out} holds this rollout (pass --force to redo)", soft_wrap=True)

@@ -107,6 +107,6 @@ def setup(device: str) -> Dist:
 
 def _interrupt_code(failure: BaseException) -> int:
     """Exit code of an error without one: 143 for SIGTERM (``cli.Terminated``), 130 for Ctrl-C, else 1."""
-    from qerl_cli.cli import Terminated
+    from qerl_cli.cli import interrupt_outcome
 
-    return 143 if isinstance(failure, Terminated) else 130 if isinstance(failure, KeyboardInterrupt) else 1
+    return interrupt_outcome(failure)[1] if isinstance(failure, KeyboardInterrupt) else 1
