@@ -15,12 +15,13 @@ import signal
 import sys
 import textwrap
 import threading
+import warnings
 
 import typer
 from typer.core import TyperCommand
 
 from qerl_cli import __version__
-from qerl_cli.errors import OutOfMemoryError, QerlError
+from qerl_cli.errors import OutOfMemoryError, QerlError, QerlWarning
 
 app = typer.Typer(
     name="qerl",
@@ -123,6 +124,24 @@ def _stage_signals():
         signal.signal(signal.SIGTERM, old)
 
 
+@contextlib.contextmanager
+def _plain_warnings():
+    """A stage's QerlWarning as one `warning: ...` line on stderr, every time, instead of Python's
+    `file:line: QerlWarning: ...` shown once; other warnings as Python shows them."""
+    show = warnings.showwarning
+
+    def plain(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, QerlWarning):
+            print(f"warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", QerlWarning)
+        warnings.showwarning = plain
+        yield
+
+
 def guarded(fn, stage: str | None = None):
     """Wrap a command: QerlError -> 'error: ...' on stderr and its exit code; an out-of-memory the
     stage did not handle itself -> OutOfMemoryError (exit 6) naming the flag to lower;
@@ -132,7 +151,7 @@ def guarded(fn, stage: str | None = None):
     def wrapper(*args, **kwargs):
         try:
             try:
-                with _stage_signals():
+                with _stage_signals(), _plain_warnings():
                     return fn(*args, **kwargs)
             except Exception as e:
                 if not _is_oom(e):

@@ -22,6 +22,11 @@ class QerlError(Exception):
         return f"{msg} ({self.hint})" if self.hint else msg
 
 
+class QerlWarning(UserWarning):
+    """Something the user should know that does not stop the stage (``warnings.warn``; the CLI prints it
+    as one ``warning: ...`` line on stderr, a library caller sees it through Python's warnings)."""
+
+
 class BadInputError(QerlError):
     """Malformed, missing or inconsistent input files or flags."""
 

@@ -70,30 +70,41 @@ class EvalConfig:
     force: bool = False
     progress: bool = True
 
+    # The defaults of num_samples and temperature are resolved on read, not written into the fields, so
+    # dataclasses.replace(cfg, k=1) from a k = 4 config gets one greedy sample again, not 4 at 1.0.
+    @property
+    def samples(self) -> int:
+        """Samples per problem: --num-samples, or k."""
+        return self.k if self.num_samples is None else self.num_samples
+
+    @property
+    def sampling_temperature(self) -> float:
+        """--temperature, or 0 (greedy) for one sample per problem and 1.0 for several."""
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if self.samples == 1 else 1.0
+
     def __post_init__(self):
         self.model, self.dataset, self.out = Path(self.model), Path(self.dataset), Path(self.out)
         self.adapter = Path(self.adapter) if self.adapter is not None else None
         self.stop = as_many(self.stop)
         if self.k < 1:
             raise BadInputError(f"--k must be at least 1, got {self.k}")
-        if self.num_samples is None:
-            self.num_samples = self.k
-        if self.num_samples < self.k:
-            raise BadInputError(f"--num-samples {self.num_samples} is less than --k {self.k}",
+        if self.samples < self.k:
+            raise BadInputError(f"--num-samples {self.samples} is less than --k {self.k}",
                                 hint="pass@k needs at least k samples per problem")
-        if self.temperature is None:
-            self.temperature = 0.0 if self.num_samples == 1 else 1.0
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise BadInputError(f"--temperature must be a finite number >= 0, got {self.temperature}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise BadInputError(f"--temperature {self.temperature:g} is below {MIN_TEMPERATURE:g} (the tempered logits "
+        t = self.sampling_temperature
+        if not (math.isfinite(t) and t >= 0):
+            raise BadInputError(f"--temperature must be a finite number >= 0, got {t}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise BadInputError(f"--temperature {t:g} is below {MIN_TEMPERATURE:g} (the tempered logits "
                                 "overflow)", hint="pass --temperature 0 for greedy decoding")
         if self.engine == "vllm":
             from qerl_cli.engine_vllm import check_vllm_temperature
 
-            check_vllm_temperature(self.temperature)
-        if self.temperature == 0 and self.num_samples > 1:
-            raise BadInputError(f"--temperature 0 (greedy) with {self.num_samples} samples per problem gives "
+            check_vllm_temperature(t)
+        if t == 0 and self.samples > 1:
+            raise BadInputError(f"--temperature 0 (greedy) with {self.samples} samples per problem gives "
                                 "identical samples", hint="pass --temperature > 0 for pass@k")
         if not 0 < self.top_p <= 1:
             raise BadInputError(f"--top-p must be in (0, 1], got {self.top_p}")
@@ -112,9 +123,9 @@ class EvalConfig:
             raise BadInputError(f"--max-problems must be at least 1, got {self.max_problems}")
         if self.max_num_seqs < 1:
             raise BadInputError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
-        if self.engine == "native" and self.num_samples > self.max_num_seqs:
-            raise BadInputError(f"--num-samples {self.num_samples} exceeds --max-num-seqs {self.max_num_seqs}: a problem's "
-                                "samples decode together", hint=f"pass --max-num-seqs {self.num_samples} or more")
+        if self.engine == "native" and self.samples > self.max_num_seqs:
+            raise BadInputError(f"--num-samples {self.samples} exceeds --max-num-seqs {self.max_num_seqs}: a problem's "
+                                "samples decode together", hint=f"pass --max-num-seqs {self.samples} or more")
         from qerl_cli.outputs import check_out_apart
 
         check_out_apart(self.out, model=self.model, adapter=self.adapter, dataset=self.dataset)
@@ -171,7 +182,7 @@ def _sampling_kwargs(cfg: EvalConfig, tokenizer) -> dict:  # seeded per problem 
     from qerl_cli.runtime import split_stops
 
     stops, stop_ids = split_stops(tokenizer, cfg.stop)
-    return dict(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=stops,
+    return dict(temperature=cfg.sampling_temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, stop=stops,
                 stop_token_ids=stop_ids, seed=0)
 
 
@@ -228,6 +239,7 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
 def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str | None) -> dict:
     d = asdict(cfg)
     d["prompt_template"] = template  # the text, also when the flag named a file
+    d.update(num_samples=cfg.samples, temperature=cfg.sampling_temperature)  # resolved, as outputs always recorded them
     for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch"):
         d.pop(key)
     d.pop("max_num_seqs")  # the batching changes no sample: every problem is seeded by itself
@@ -243,7 +255,7 @@ def _legacy_fingerprint_config(config: dict, cfg: EvalConfig) -> tuple[dict, ...
     --max-model-len (until session 39), and seeded each batch, so a sampled eval counted --max-num-seqs
     (until 2026-11-26)."""
     old = dict(config, max_model_len=cfg.max_model_len)
-    return (old,) if cfg.temperature == 0 else (old, dict(old, max_num_seqs=cfg.max_num_seqs))
+    return (old,) if cfg.sampling_temperature == 0 else (old, dict(old, max_num_seqs=cfg.max_num_seqs))
 
 
 def _problem_seed(seed: int, index: int) -> int:
@@ -343,7 +355,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path, console) -> tuple[list[dict], float]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    n = cfg.num_samples
+    n = cfg.samples
     # Chunks of several engine batches: the engine's continuous batching keeps its slots full
     # within a chunk (only the chunk's tail runs partly empty), while samples.jsonl and the
     # progress line still advance chunk by chunk on engines that report no per-prompt progress.
@@ -403,7 +415,7 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
 
 
 def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage, info, device, dtype_name) -> dict:
-    n = cfg.num_samples
+    n = cfg.samples
     per_problem: dict[str, list[dict]] = {}
     for r in records:
         per_problem.setdefault(r["id"], []).append(r)
@@ -440,7 +452,7 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
             "truncated": sum(1 for r in records if r["finish_reason"] == "length"),
         },
         "lengths": length_stats([r["num_tokens"] for r in records]),
-        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+        "sampling": {"temperature": cfg.sampling_temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
                      "stop": list(cfg.stop), "seed": cfg.seed},
         "prompt_template": template,
         "engine": info.get("engine", cfg.engine),

@@ -32,6 +32,7 @@ import math
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.adapters import PEFT_DEFAULT_ALPHA, unsupported_lora_variant
-from qerl_cli.errors import BadInputError, LineageError, NumericalError
+from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWarning
 from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
 from qerl_cli.outputs import StageOutput, check_out_apart
@@ -509,10 +510,27 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
             rq["from"] = "source" if cfg.requantize_from is not None else "dequantized base"
             rq.update(update_retention(base, work, adapter))
             summary["requantization"] = rq
+            _warn_of_low_retention(rq, cfg)
             shutil.rmtree(bf16_dir)
         so.timings["merge_s"] = round(time.time() - t0, 3)
         so.extra["summary"] = summary
     return so.manifest
+
+
+LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy
+
+
+def _warn_of_low_retention(rq: dict, cfg: MergeConfig) -> None:
+    kept = rq.get("update_retained")
+    if kept is None or kept >= LOW_RETENTION:
+        return
+    from qerl_cli.outputs import read_manifest
+
+    src = (read_manifest(Path(cfg.model)) or {}).get("source")
+    warnings.warn(QerlWarning(
+        f"re-quantizing kept only {100 * kept:.0f}% of the LoRA update (small updates round back onto the base's "
+        f"FP4 grid); pass --requantize-from {src or 'BF16_SOURCE_DIR'} to add it to the bf16 source instead, or "
+        "serve the bf16 merge"), stacklevel=3)
 
 
 def check_source_of(model_dir: Path, source: Path, allow_mismatch: bool = False) -> str:

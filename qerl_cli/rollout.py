@@ -40,6 +40,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +55,14 @@ from qerl_cli.data import (
     load_template,
 )
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
-from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError, QerlError
+from qerl_cli.errors import (
+    NONFINITE_LOGITS_HINT,
+    BadInputError,
+    NumericalError,
+    OutputExistsError,
+    QerlError,
+    QerlWarning,
+)
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
@@ -191,6 +199,14 @@ def _check_flags(cfg: RolloutConfig) -> None:
         bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)")
     # --force replaces --out: never let that be the model, the adapter or the prompt file's directory.
     check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, prompts=cfg.prompts)
+
+
+def _warn_of_skipped_aqn_stages(cfg: RolloutConfig) -> None:
+    # The schedule splits the run into K + 1 intervals; fewer steps than that skip some of them.
+    if cfg.aqn_sigma_start > 0 and cfg.total_steps < cfg.aqn_stages + 1:
+        warnings.warn(QerlWarning(
+            f"--total-steps {cfg.total_steps} < --aqn-stages {cfg.aqn_stages} + 1: the AQN schedule skips stages "
+            "(the noise may never reach --aqn-sigma-start or end at --aqn-sigma-end)"), stacklevel=3)
 
 
 def aqn_sigma(cfg: RolloutConfig) -> float:
@@ -439,6 +455,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     cfg.model, cfg.prompts, cfg.out = Path(cfg.model), Path(cfg.prompts), Path(cfg.out)
     cfg.adapter = Path(cfg.adapter) if cfg.adapter is not None else None
     _check_flags(cfg)
+    _warn_of_skipped_aqn_stages(cfg)
     reward_set = RewardSet.from_specs(cfg.rewards)
     template = load_template(cfg.prompt_template)
     bad_rows: list[str] = []

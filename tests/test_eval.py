@@ -387,3 +387,23 @@ def test_float_answers_are_plain_decimals():
 
     assert [_answer(x, "w") for x in (1e16, 2.5e-7, 3.0, -4.5)] == ["10000000000000000", "0.00000025", "3", "-4.5"]
     assert score_completion("#### 10000000000000000", _answer(1e16, "w"), scorer_for(_answer(1e16, "w"))).correct
+
+
+def test_replace_resolves_the_defaults_again(tmp_path):
+    import dataclasses
+
+    cfg = EvalConfig(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o", k=4)
+    assert (cfg.samples, cfg.sampling_temperature) == (4, 1.0)
+    one = dataclasses.replace(cfg, k=1)                       # one greedy sample, as a fresh k = 1 config
+    assert (one.samples, one.sampling_temperature) == (1, 0.0)
+    assert (dataclasses.replace(EvalConfig(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o"), k=4).samples) == 4
+    kept = dataclasses.replace(EvalConfig(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "o", k=4, num_samples=8,
+                                          temperature=0.7), k=2)
+    assert (kept.samples, kept.sampling_temperature) == (8, 0.7)  # values the caller set stay set
+
+
+def test_fingerprint_is_the_same_with_defaults_spelled_out(tmp_path):
+    base = dict(model=tmp_path / "m", dataset=tmp_path / "d.jsonl", out=tmp_path / "o", k=2)
+    implicit = ev._fingerprint_config(EvalConfig(**base), "cpu", "float32", None)
+    explicit = ev._fingerprint_config(EvalConfig(**base, num_samples=2, temperature=1.0), "cpu", "float32", None)
+    assert implicit == explicit and implicit["num_samples"] == 2 and implicit["temperature"] == 1.0

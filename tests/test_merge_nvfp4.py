@@ -1,12 +1,14 @@
 """`qerl merge` from an NVFP4 base: bf16 output equals qerl's unmerged forward; --dtype nvfp4 error bound."""
 
 import json
+import warnings
 
 import pytest
 import torch
 from qerl_kernels.reference import dequantize
 from safetensors.torch import load_file
 
+from qerl_cli.errors import QerlWarning
 from qerl_cli.hashing import model_hash
 from qerl_cli.merge import MergeConfig, merge
 from qerl_cli.quantize import QuantizeConfig, quantize
@@ -159,11 +161,15 @@ def test_requantize_from_source_keeps_small_updates(qpair, small_update, tmp_pat
     from qerl_cli.cli import app
 
     src, qdir, _ = qpair
-    naive = merge(MergeConfig(qdir, small_update, tmp_path / "naive", dtype="nvfp4"), progress=False)
+    with pytest.warns(QerlWarning, match="re-quantizing kept only"):  # a library caller hears it too
+        naive = merge(MergeConfig(qdir, small_update, tmp_path / "naive", dtype="nvfp4"), progress=False)
     rq = naive["summary"]["requantization"]
     assert naive["summary"]["delta_rel_norm_mean"] < 0.1
     assert rq["from"] == "dequantized base" and rq["update_retained"] < 0.5 and rq["update_rel_error"] > 0.7
-    good = merge(MergeConfig(qdir, small_update, tmp_path / "good", dtype="nvfp4", requantize_from=src), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)
+        good = merge(MergeConfig(qdir, small_update, tmp_path / "good", dtype="nvfp4", requantize_from=src),
+                     progress=False)
     rq2 = good["summary"]["requantization"]
     assert rq2["from"] == "source" and 0.8 < rq2["update_retained"] < 1.2, rq2
     assert good["inputs"]["requantize_from"] == model_hash(src)

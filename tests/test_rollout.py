@@ -570,6 +570,10 @@ def test_a_run_shorter_than_the_aqn_stages_is_warned_of(model_dir, tmp_path, fak
     assert short.exit_code == 0 and "the AQN schedule skips stages" in short.output, short.output
     full = CliRunner().invoke(app, base + ["--out", str(tmp_path / "b"), "--total-steps", "11"])
     assert full.exit_code == 0 and "skips stages" not in full.output
+    from qerl_cli.errors import QerlWarning
+    with pytest.warns(QerlWarning, match="the AQN schedule skips stages"):  # the library says it, not only the CLI
+        rollout(cfg_for(model_dir, tmp_path, aqn_sigma_start=1e-2, aqn_sigma_end=1e-4, aqn_stages=10, total_steps=5,
+                        out=tmp_path / "c"))
 
 
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import typer
 
-LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy
-
 SHORT = "Merge a LoRA adapter into the base: a servable bf16 or NVFP4 checkpoint."
 HELP = (
     SHORT + "\n\n"
@@ -46,7 +44,6 @@ def command(
     from rich.console import Console
 
     from qerl_cli.merge import MergeConfig, merge
-    from qerl_cli.outputs import read_manifest
     from qerl_cli.quantize import parse_size
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
@@ -67,8 +64,3 @@ def command(
         if rq.get("update_retained") is not None:
             line += f"; LoRA update retained {100 * rq['update_retained']:.0f}%"
     console.print(line, soft_wrap=True)  # one line for grep, also when piped (80 columns)
-    if rq and rq.get("update_retained") is not None and rq["update_retained"] < LOW_RETENTION:
-        src = (read_manifest(model) or {}).get("source")
-        console.print(f"[yellow]warning:[/] re-quantizing kept only {100 * rq['update_retained']:.0f}% of the LoRA "
-                      "update (small updates round back onto the base's FP4 grid); pass --requantize-from "
-                      f"{src or 'BF16_SOURCE_DIR'} to add it to the bf16 source instead, or serve the bf16 merge")

@@ -95,11 +95,6 @@ def command(
         max_model_len=max_model_len, long_prompts=long_prompts, max_num_seqs=max_num_seqs,
         batch_prompts=batch_prompts, force=force, progress=not quiet,
     )
-    if aqn_sigma_start > 0 and total_steps is not None and total_steps < aqn_stages + 1:
-        # The schedule splits the run into K + 1 intervals; fewer steps than that skip some of them.
-        Console(stderr=True, highlight=False).print(
-            f"warning: --total-steps {total_steps} < --aqn-stages {aqn_stages} + 1: the AQN schedule skips stages "
-            f"(the noise may never reach --aqn-sigma-start or end at --aqn-sigma-end)")
     try:
         res = rollout(cfg)
     except KeyboardInterrupt as e:
