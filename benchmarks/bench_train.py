@@ -336,6 +336,9 @@ def main() -> None:
     ap.add_argument("--sampling-cut", default="",
                     help="TOP_P,TOP_K,MIN_P: records sampled with that cut, which train-step replays on its logits "
                          "(e.g. 0.95,0,0; default: none)")
+    ap.add_argument("--torch-logprobs", action="store_true",
+                    help="A/B: the log-prob passes in torch, as before the one-pass Triton kernels "
+                         "(qerl_cli.train.triton_logprobs) took them over on CUDA")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test with tiny-nvfp4)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per config subprocess")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -344,6 +347,10 @@ def main() -> None:
     a = ap.parse_args()
 
     if a.one:  # child: one config, result as JSON
+        if a.torch_logprobs:
+            from qerl_cli.train import logprobs
+
+            logprobs._fused = lambda z: False
         try:
             mem = a.json.with_name(a.json.stem + "_memory.json") if a.memory_breakdown else None
             cut = None
@@ -352,6 +359,7 @@ def main() -> None:
                 cut = (float(tp), int(tk), float(mp))
             row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device,
                           a.offload_activations, a.embeddings_on_cpu, mem, cut)
+            row["logprobs"] = "torch" if a.torch_logprobs else "default"
         except Exception as e:  # noqa: BLE001 - report any failure as a table row
             row = {"config": a.one, "error": f"{type(e).__name__}: {e}".splitlines()[0], "trace": traceback.format_exc()}
         a.json.write_text(json.dumps(row))
@@ -369,7 +377,7 @@ def main() -> None:
                "--micro-batch-tokens", str(a.micro_batch_tokens), "--logits-chunk-tokens", str(a.logits_chunk_tokens),
                "--lora-rank", str(a.lora_rank), "--device", a.device, "--sampling-cut", a.sampling_cut]
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
-                                ("--memory-breakdown", a.memory_breakdown)) if on]
+                                ("--memory-breakdown", a.memory_breakdown), ("--torch-logprobs", a.torch_logprobs)) if on]
         t0 = time.time()
         with open(a.out / f"bench_train_{name}.log", "w") as log:
             try:

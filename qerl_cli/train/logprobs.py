@@ -46,14 +46,9 @@ _FMIN = torch.finfo(torch.float32).min  # stands in for a cut token's -inf where
 _ALL_TIES = torch.iinfo(torch.int32).max  # Kept.ties: every token at the row's last kept logit stays
 
 
-def _logits(h, w, b, inv_temp, targets=None, trunc=None, kept=None):
-    """Tempered fp32 logits, cut by ``trunc`` (or by the ``kept`` found for the same logits before);
-    -> (logits, kept)."""
-    z = F.linear(h, w, None if b is None else b.to(h.dtype)).float().mul_(inv_temp.unsqueeze(-1))
-    if trunc is None and kept is None:
-        return z, None
-    kept = kept or find_kept(z, trunc)
-    return apply_kept_(z, targets, kept), kept
+def _logits(h, w, b, inv_temp):
+    """Tempered fp32 logits of hidden states ``h`` under a dense head (``w``, ``b``)."""
+    return F.linear(h, w, None if b is None else b.to(h.dtype)).float().mul_(inv_temp.unsqueeze(-1))
 
 
 @dataclass
@@ -150,6 +145,39 @@ def replay_truncation_(z: torch.Tensor, targets: torch.Tensor | None, trunc: tor
     return z if trunc is None else apply_kept_(z, targets, find_kept(z, trunc))
 
 
+def _fused(z: torch.Tensor) -> bool:
+    """The one-pass Triton kernels (``train.triton_logprobs``) on CUDA; torch elsewhere."""
+    from qerl_cli.engine.sampler import _fast_path
+    from qerl_cli.engine.sampling_params import SamplingParams
+
+    return _fast_path(z, SamplingParams(temperature=1.0))
+
+
+def _cut_lse_logp_entropy(z: torch.Tensor, targets: torch.Tensor, kept: Kept | None):
+    """(log-sum-exp, target log-prob, entropy) of each row of ``z`` cut by ``kept``; on CUDA ``z`` is left
+    as it is, in torch it is cut in place."""
+    if _fused(z):
+        from qerl_cli.train.triton_logprobs import lse_logp_entropy
+
+        return lse_logp_entropy(z, targets, kept)
+    return _lse_logp_entropy(z if kept is None else apply_kept_(z, targets, kept), targets)
+
+
+def _logits_grad_(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                  kept: Kept | None) -> torch.Tensor:
+    """``z`` overwritten with scale * (onehot(target) - softmax(z cut by ``kept``))."""
+    if _fused(z):
+        from qerl_cli.train.triton_logprobs import logits_grad_
+
+        return logits_grad_(z, targets, lse, scale, kept)
+    if kept is not None:
+        apply_kept_(z, targets, kept)
+    for i in range(0, z.shape[0], _ROWS):
+        blk = z[i : i + _ROWS]
+        blk.sub_(lse[i : i + _ROWS].unsqueeze(-1)).exp_().mul_(-scale[i : i + _ROWS].unsqueeze(-1))
+    return z.scatter_add_(1, targets.unsqueeze(-1), scale.unsqueeze(-1))
+
+
 def _lse_logp_entropy(z: torch.Tensor, targets: torch.Tensor):
     """Row-blocked log-sum-exp, target log-prob and entropy of fp32 logits ``z`` (left unchanged)."""
     n = z.shape[0]
@@ -169,8 +197,9 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, targets, inv_temp, trunc):
         with torch.no_grad():
-            z, ctx.kept = _logits(h, w, b, inv_temp, targets, trunc)
-            lse, logp, ent = _lse_logp_entropy(z, targets)
+            z = _logits(h, w, b, inv_temp)
+            ctx.kept = None if trunc is None else find_kept(z, trunc)
+            lse, logp, ent = _cut_lse_logp_entropy(z, targets, ctx.kept)
         del z
         ctx.save_for_backward(h, w, b if b is not None else torch.empty(0, device=h.device), targets, inv_temp, lse)
         ctx.has_bias = b is not None
@@ -182,12 +211,9 @@ class _TokenLogprob(torch.autograd.Function):
         h, w, b, targets, inv_temp, lse = ctx.saved_tensors
         b = b if ctx.has_bias else None
         with torch.no_grad():
-            z, _ = _logits(h, w, b, inv_temp, targets, kept=ctx.kept)  # the same logits: the forward's cut
+            z = _logits(h, w, b, inv_temp)  # the same logits as the forward's, so the same cut
             scale = (g_logp.float() * inv_temp)  # d logp / d z = (onehot - softmax) / T
-            for i in range(0, z.shape[0], _ROWS):
-                blk = z[i : i + _ROWS]
-                blk.sub_(lse[i : i + _ROWS].unsqueeze(-1)).exp_().mul_(-scale[i : i + _ROWS].unsqueeze(-1))
-            z.scatter_add_(1, targets.unsqueeze(-1), scale.unsqueeze(-1))
+            _logits_grad_(z, targets, lse, scale, ctx.kept)
             grad_h = z.to(h.dtype) @ w.to(h.dtype)
         return grad_h, None, None, None, None, None
 
@@ -246,7 +272,8 @@ def token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, inv_temp:
                 lp, ent = _TokenLogprob.apply(h, head[0], head[1], t, it, tr)
             else:
                 with torch.no_grad():
-                    _, lp, ent = _lse_logp_entropy(_logits(h, head[0], head[1], it, t, tr)[0], t)
+                    z = _logits(h, head[0], head[1], it)
+                    _, lp, ent = _cut_lse_logp_entropy(z, t, None if tr is None else find_kept(z, tr))
         elif grad:
             lp, ent = checkpoint(lambda a, b, c, tr=tr: _autograd_chunk(model, a, b, c, tr), h, t, it)
             ent = ent.detach()
