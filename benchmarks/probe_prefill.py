@@ -34,6 +34,9 @@ def admit(engine, ps):
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return 0
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     for lora in (0, 16):
         free()

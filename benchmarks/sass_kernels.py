@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     import triton
 
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     names = ("bm", "bn", "bkw", "swap", "join", "warps", "stages", "twiddled", "perm", "blocked", "stagger", "tma",
              "maxnreg")
     flags = ("swap", "join", "twiddled", "perm", "blocked", "stagger", "tma")

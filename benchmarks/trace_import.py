@@ -14,6 +14,9 @@ import traceback
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     target, argv = sys.argv[1], sys.argv[2:]
     depth = 12
     if argv[:1] == ["--depth"]:

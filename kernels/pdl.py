@@ -68,7 +68,6 @@ def launch_kwargs(on: bool) -> dict:
     return {"launch_pdl": True} if on else {}
 
 
-HAVE_GLUON_PDL = False
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -78,6 +77,5 @@ try:
         """Block until the predecessor grid has completed and its writes are visible (a no-op without PDL)."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
-    HAVE_GLUON_PDL = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     pass

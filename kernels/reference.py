@@ -20,10 +20,8 @@ GROUP = 16
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Decision thresholds between neighbouring E2M1 magnitudes, with round-half-to-even ties:
-# a value exactly on a threshold goes to the neighbour with the even (lower-bit 0) code.
-_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-# (threshold, whether a value exactly on it goes up): up where the upper neighbour's code is even.
+# Decision thresholds between neighbouring E2M1 magnitudes, with round-half-to-even ties: (threshold,
+# whether a value exactly on it goes up), up where the upper neighbour's code is even (lower bit 0).
 _TIES_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 

@@ -1,7 +1,7 @@
 """Rollout shards: versioned JSONL records, one completion per line.
 
 A shard is the hand-over between ``qerl rollout`` and ``qerl train-step`` (record fields:
-``../shared/docs/stages.md``). JSONL was chosen over Parquet because it can be *appended* a
+docs/rollout.md, "Record"). JSONL was chosen over Parquet because it can be *appended* a
 group at a time and survives a crash with at most the last line damaged: the writer appends
 the G lines of one group, flushes and fsyncs, so a killed process loses at most the group in
 flight. The price is size and parse speed (a few MB per thousand completions, negligible next to

@@ -443,7 +443,7 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
          cfg.weight_decay)
     need(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "--adam-beta1/--adam-beta2", "in [0, 1)",
          (cfg.adam_beta1, cfg.adam_beta2))
-    need(cfg.adam_eps > 0, "--adam-eps", "> 0", cfg.adam_eps)
+    need(cfg.adam_eps > 0, "adam_eps (no flag; TrainStepConfig)", "> 0", cfg.adam_eps)
     need(cfg.micro_batch_tokens >= 1, "--micro-batch-tokens", ">= 1", cfg.micro_batch_tokens)
     need(cfg.logits_chunk_tokens >= 1, "--logits-chunk-tokens", ">= 1", cfg.logits_chunk_tokens)
 

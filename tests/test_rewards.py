@@ -189,8 +189,8 @@ def test_user_reward_module_function(tmp_path, monkeypatch):
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(__import__("sys").modules, "my_rewards_mod", raising=False)
-    assert "my_rewards_mod:length_penalty" not in REWARDS  # user functions are not registered globally
     rs = RewardSet.from_specs(["my_rewards_mod:length_penalty=2", "my_rewards_mod:two_args"])
+    assert "my_rewards_mod:length_penalty" not in REWARDS  # user functions are not registered globally
     vals, total = rs.score("x" * 10, "x", prompt="P")
     assert vals == {"my_rewards_mod:length_penalty": -0.1, "my_rewards_mod:two_args": 1.0}
     assert total == pytest.approx(2 * -0.1 + 1.0)

@@ -80,7 +80,7 @@ class Scheduler:
         for c in range(g.n):
             blocks = self.blocks.allocate(own)
             seq = Sequence(group=g.index, child=c, token_ids=list(g.prompt_ids), num_prompt=p, max_len=g.max_len,
-                           block_table=shared + blocks, owned_blocks=blocks, slot=self.free_slots.pop())
+                           block_table=shared + blocks, slot=self.free_slots.pop())
             g.seqs.append(seq)
             self.running.append(seq)
 

@@ -13,7 +13,6 @@ class Sequence:
     num_prompt: int
     max_len: int  # prompt + the most new tokens it may produce
     block_table: list[int] = field(default_factory=list)
-    owned_blocks: list[int] = field(default_factory=list)  # blocks only this sequence references
     slot: int = -1  # row in the runner's persistent block-table tensor
     rng: int = 0  # per-sequence sampling seed base (position is added each step)
     logprobs: list[float] = field(default_factory=list)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qerl_cli.errors import BadInputError
@@ -157,9 +157,6 @@ class ModelConfig:
         except ValueError as e:
             raise BadInputError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf(cfg, str(path))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # Shapes of public checkpoints, for benchmarks that build random weights on the GPU.

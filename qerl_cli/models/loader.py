@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from qerl_cli.checkpoint.source import check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError
-from qerl_cli.layers.linear import QLinear, twiddle_codes_
+from qerl_cli.layers.linear import twiddle_codes_
 from qerl_cli.layers.lora import LoraSpec, apply_lora
 from qerl_cli.models.config import ModelConfig
 from qerl_cli.models.decoder import CausalLM
@@ -251,6 +251,3 @@ def maybe_twiddle(model: CausalLM, device, dtype: torch.dtype) -> bool:
     twiddle_codes_(model)
     return True
 
-
-def quantized_linear_names(model: CausalLM) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, QLinear) and m.quantized]

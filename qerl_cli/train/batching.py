@@ -58,10 +58,6 @@ class Microbatch:
     seq_of_token: torch.Tensor   # long [T]: sequence index (into the step) of each token
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    @property
     def padded_tokens(self) -> int:
         return self.input_ids.numel()
 

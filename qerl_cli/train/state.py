@@ -4,7 +4,8 @@ Plain JSON (readable with ``jq``), written next to the adapter. It records
 
 - ``global_step``: RL steps taken so far (the adapter in this directory is the policy of
   rollout step ``global_step``); ``optimizer_steps`` counts updates (``--epochs`` per step).
-- ``schedule``: the LR schedule's position and parameters, so the next step continues it.
+- ``schedule`` and ``last_shards``: a record for people and tools (the step's LR settings and the last LR
+  it used; the shard files it read). Not read back: the LR is a pure function of the step and the flags.
 - ``rng``: the seed and the torch CPU/CUDA generator states after the step, restored by the next
   step (dropout masks themselves are drawn from generators seeded per (seed, step, epoch,
   micro-batch) so they do not depend on how micro-batches are spread over GPUs).
