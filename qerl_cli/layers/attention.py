@@ -163,13 +163,7 @@ def fuse_projections(model) -> int:
     the final ``.to()`` and update weights in place.
     """
     count = 0
-    cuda = model.device.type == "cuda"
     for layer in model.model.layers:
-        if cuda:
-            # Each fusion frees its parts' tensors into the caching allocator in pieces no later (larger)
-            # fused tensor fits: on a 32B bf16 model 16.5 GiB of them stayed reserved and the fusion itself
-            # ran an 80 GB GPU out of memory. Hand them back (and what loading left cached) before each layer.
-            torch.cuda.empty_cache()
         a, m = layer.self_attn, layer.mlp
         if not a._qkv:
             f = fuse_linears([base_of(a.q_proj), base_of(a.k_proj), base_of(a.v_proj)])
