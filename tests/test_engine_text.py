@@ -126,3 +126,50 @@ def test_special_tokens_inside_a_stop_do_not_push_it_out_of_the_window(qwen_styl
     comp = _ids(tok, "A: 29\n") + sp + _ids(tok, "\nQ: next one and more words here ok")
     c = _run(tok, _ids(tok, "hi"), comp, stop=["\n\n"])
     assert c.finish_reason == "stop" and c.text == "A: 29" and c.token_ids == comp[: len(_ids(tok, "A: 29\n")) + 4]
+
+
+def _reference_stop_hit(engine, s, stops):
+    """The stop check before its shortcuts (session 41): walk the window back token by token, always decode."""
+    need = max(len(x.encode("utf-8")) for x in stops) + 2
+    start, special = len(s), engine._special_ids()
+    while start > s.num_prompt and need:
+        start -= 1
+        need -= s.token_ids[start] not in special
+    if start == s.num_prompt:
+        tail = engine._text(s, start, len(s))
+    else:
+        tail = engine.tokenizer.decode(s.token_ids[start:], skip_special_tokens=True)
+    hits = [(i, x) for x in stops if (i := tail.find(x)) >= 0]
+    return min(hits, key=lambda h: h[0])[1] if hits else None
+
+
+@pytest.mark.parametrize("family", ["qwen_style", "sentencepiece_style"])
+def test_the_stop_checks_shortcuts_give_the_full_decodes_verdict(family, request):
+    # The per-step stop check skips the decode when no token of its window shows a character every stop
+    # needs, and calls the Rust decoder directly: every verdict must equal the always-decoding check's,
+    # over streams with CJK, emoji, special tokens inside the window and one-token prompts.
+    import random
+
+    tok = request.getfixturevalue(family)
+    engine = object.__new__(LLMEngine)
+    engine.tokenizer, engine.eos_token_ids = tok, {tok.eos_token_id}
+    rng = random.Random(0)
+    words = "".join(CORPUS[:3]).replace("\n", " \n ").split(" ")
+    ids = _ids(tok, " ".join(rng.choice(words) for _ in range(1500)))  # shuffled, so merges do not swallow it
+    specials = sorted(engine._special_ids() - {tok.eos_token_id})
+    hits = 0
+    for stops in [("####",), ("</answer>",), ("你好",), ("😀",), (" ",), ("\n\n",), ("Question:", "42"), (" Q:",),
+                  ("<|im_start|>x",), ("A: 21",)]:
+        for _ in range(25):
+            p = rng.choice([1, 2, 5])
+            a = rng.randrange(0, len(ids) - 80)
+            comp = ids[a + p : a + p + 60]
+            for _k in range(rng.choice([0, 1, 3, 30])):  # 30: specials inside nearly every window
+                comp.insert(rng.randrange(len(comp) + 1), rng.choice(specials))
+            s = Sequence(group=0, child=0, token_ids=list(ids[a : a + p]), num_prompt=p, max_len=p + 80)
+            for t in comp:
+                s.token_ids.append(t)
+                want = _reference_stop_hit(engine, s, stops)
+                assert engine._stop_string_hit(s, stops) == want, (family, stops, s.token_ids[p:])
+                hits += want is not None
+    assert hits > 100  # the streams do reach the stops

@@ -1,6 +1,7 @@
 """No stage imports torch._dynamo: qerl compiles nothing, and that import alone took 1.5 s of
 every stage process on a CPU machine and 4-6 s on an H100 machine (docs/benchmarks.md, RL loop)."""
 
+import os
 import subprocess
 import sys
 
@@ -61,3 +62,18 @@ def test_every_stage_runs_on_cpu_without_triton(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "e" / "metrics.json").exists() and (tmp_path / "m" / "manifest.json").exists()
+
+
+def test_the_cli_grows_cuda_segments_by_pages_unless_the_user_chose(monkeypatch):
+    from qerl_cli.cli import use_expandable_segments
+
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    use_expandable_segments()
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+        monkeypatch.setenv(var, "max_split_size_mb:128")
+        use_expandable_segments()
+        assert os.environ.get("PYTORCH_ALLOC_CONF", "max_split_size_mb:128") == "max_split_size_mb:128"
+        monkeypatch.delenv(var)

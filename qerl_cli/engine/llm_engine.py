@@ -229,18 +229,79 @@ class LLMEngine:
         # ("你好" is 6 tokens in Qwen's vocabulary), and a token is never less than one byte. Matched
         # on the text as recorded (special tokens not shown, as vLLM matches): on the raw decode,
         # text joined across a special token was cut where generation had not stopped.
-        need = max(len(x.encode("utf-8")) for x in stops) + 2
-        start, special = len(s), self._special_ids()
-        while start > s.num_prompt and need:  # special tokens show no text: they do not count
-            start -= 1
-            need -= s.token_ids[start] not in special
+        need, enders = self._stop_plan(stops)
+        ids, n, special = s.token_ids, len(s), self._special_ids()
+        start = n - need
+        if not (start > s.num_prompt and (not special or special.isdisjoint(ids[start:]))):
+            start = n  # special tokens show no text: they do not count
+            while start > s.num_prompt and need:
+                start -= 1
+                need -= ids[start] not in special
         if start == s.num_prompt:  # the completion's first tokens: read after the prompt's (a leading space)
-            tail = self._text(s, start, len(s))
+            tail = self._text(s, start, n)
         else:  # a stop completed by the last token lies >= 2 tokens past the window's first
-            tail = self.tokenizer.decode(s.token_ids[start:], skip_special_tokens=True)
+            window = ids[start:]
+            if enders is not None and enders.isdisjoint(window):
+                return None  # no token of the window shows a character every stop needs: no decode
+            tail = self._decode(window)
         # The stop the text is cut at (the earliest in it), when one token completes two of them.
         hits = [(i, x) for x in stops if (i := tail.find(x)) >= 0]
         return min(hits, key=lambda h: h[0])[1] if hits else None
+
+    def _stop_plan(self, stops: tuple[str, ...]):
+        """(tokens the stop window spans, ids of the tokens that can show a stop's key character or None),
+        once per stop set. Each stop gets a key: its printable non-space ASCII character that the fewest
+        tokens show. A decoder puts such a character into the text only from a token whose own text
+        holds it (byte-level: an ASCII byte decodes as itself; Metaspace/byte fallback/strip change
+        spaces only), so a window none of whose tokens holds any key holds no stop. No key (a stop of
+        spaces or non-ASCII only): None, always decode."""
+        cache = self.__dict__.setdefault("_stop_plans", {})
+        plan = cache.get(stops)
+        if plan is None:
+            need = max(len(x.encode("utf-8")) for x in stops) + 2
+            texts = self._token_texts()
+            enders: set[int] | None = set()
+            for x in stops:
+                keys = {c for c in x if "!" <= c <= "~"}
+                if not keys or texts is None:
+                    enders = None
+                    break
+                sets = {c: [v for v, t in enumerate(texts) if c in t] for c in keys}
+                enders.update(min(sets.values(), key=len))
+            plan = cache[stops] = (need, frozenset(enders) if enders is not None else None)
+        return plan
+
+    def _token_texts(self) -> list[str] | None:
+        """Each token id's own text (special tokens: none), or None where the vocabulary is unknown."""
+        texts = getattr(self, "_texts", None)
+        if texts is None:
+            try:
+                size = len(self.tokenizer)
+            except TypeError:
+                return None
+            texts = self._texts = [self._decode([v]) for v in range(size)]
+        return texts
+
+    def _decode(self, ids: list[int]) -> str:
+        """``tokenizer.decode(ids, skip_special_tokens=True)``; straight to the Rust tokenizer where that is
+        all the Python wrapper does (stock fast tokenizer, no clean-up pass): ~2.7 us less per call."""
+        fast = getattr(self, "_fast_decode", None)
+        if fast is None:
+            tok = self.tokenizer
+            fast = self._fast_decode = False
+            try:
+                from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+                backend = tok.backend_tokenizer
+                if (isinstance(tok, PreTrainedTokenizerFast) and type(tok).decode is PreTrainedTokenizerBase.decode
+                        and type(tok)._decode is PreTrainedTokenizerFast._decode
+                        and tok.clean_up_tokenization_spaces is False):
+                    fast = self._fast_decode = backend.decode
+            except (ImportError, AttributeError):
+                pass
+        if fast:
+            return fast(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _special_ids(self) -> frozenset[int]:
         ids = getattr(self, "_special", None)
@@ -255,14 +316,14 @@ class LLMEngine:
         them (vLLM's prefix offset): SentencePiece-style decoders drop the first token's leading space
         ("▁Q:" alone decodes to "Q:"), so a completion decoded alone lost its space, and a stop string
         starting with one was never found at its start."""
-        ids, decode = s.token_ids, self.tokenizer.decode
+        ids, decode = s.token_ids, self._decode
         lo = max(start - _PREFIX_TOKENS, 0)
         if lo < start:
-            head = decode(ids[lo:start], skip_special_tokens=True)
-            full = decode(ids[lo:end], skip_special_tokens=True)
+            head = decode(ids[lo:start])
+            full = decode(ids[lo:end])
             if full.startswith(head):
                 return full[len(head):]
-        return decode(ids[start:end], skip_special_tokens=True)
+        return decode(ids[start:end])
 
     def _completion(self, s: Sequence, sp: SamplingParams) -> Completion:
         text = ""
