@@ -83,6 +83,7 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             raise BadInputError(f"{path}: reading Parquet needs pyarrow", hint="pip install 'qerl[parquet]'") from None
         try:
             table = pq.read_table(path)
+            table = _float16_columns_as_text(table)
             rows = table.cast(_float32_as_text(table.schema)).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
             raise BadInputError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
@@ -119,9 +120,31 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
 _UNREADABLE = object()  # a line --skip-bad-lines skips that is not even JSON
 
 
+def _float16_columns_as_text(table):
+    """Top-level float16 columns as their shortest decimal text ("0.1"; integers as "3"): pyarrow's string
+    cast of float16 writes the widened double ("0.0999755859375"), which no answer equals."""
+    import numpy as np
+    import pyarrow as pa
+
+    def text(v):
+        if v is None:
+            return None
+        if np.isfinite(v) and float(v).is_integer():
+            return str(int(v))
+        return np.format_float_positional(np.float16(v), unique=True, trim="-")
+
+    for i, f in enumerate(table.schema):
+        if pa.types.is_float16(f.type):
+            col = pa.array([text(v) for v in table.column(i).to_pylist()], pa.string())
+            table = table.set_column(i, pa.field(f.name, pa.string(), f.nullable), col)
+    return table
+
+
 def _float32_as_text(schema):
-    """The schema with float16/32 columns (nested too) as text: pyarrow's cast writes their shortest
-    decimal ("0.1"), while to_pylist widens them to 0.10000000149011612, which no answer equals."""
+    """The schema with float32 columns (nested too) as text: pyarrow's cast writes their shortest
+    decimal ("0.1"), while to_pylist widens them to 0.10000000149011612, which no answer equals. float16:
+    top-level columns are text already (``_float16_columns_as_text``); a nested one reads as the widened
+    value ("0.0999755859375")."""
     import pyarrow as pa
 
     def conv(t):
