@@ -204,7 +204,8 @@ def record_breakdown(name, run_step, model, params, opt, cuda: bool, timed_peak:
 
 def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda",
             offload_activations: bool = False, embeddings_on_cpu: bool = False,
-            memory_breakdown: Path | None = None, cut: tuple[float, int, float] | None = None) -> dict:
+            memory_breakdown: Path | None = None, cut: tuple[float, int, float] | None = None,
+            kernel_profile: int = 0) -> dict:
     import torch
 
     from qerl_cli.layers.lora import LoraSpec
@@ -283,6 +284,8 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
             b = {"config": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
             print(f"memory breakdown failed: {b['error']}", flush=True)
         memory_breakdown.write_text(json.dumps(b, indent=2))
+    if kernel_profile and cuda:
+        print_kernel_profile(lambda: run_epochs(cfg, model, params, opt, batch_of(groups[:2]), device=dev), kernel_profile)
     return {
         "config": name, "preset": preset_name, "quantized": quantized, "lora_rank": rank,
         "sequences": n_seq, "tokens_per_sequence": p_len + c_len, "micro_batch_tokens": micro_batch_tokens,
@@ -294,6 +297,24 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
         "loss": res.losses[0], "grad_norm": res.grad_norms[-1],
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
     }
+
+
+def print_kernel_profile(fn, top: int) -> None:
+    """Where the GPU time of ``fn`` (two micro-batches of the step) goes: torch.profiler's device kernels
+    by total time, the top ``top`` and the share of the whole."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: -e.self_device_time_total)
+    print(f"# GPU kernel time over two micro-batches: {total / 1e3:.1f} ms", flush=True)
+    for e in events[:top]:
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+              f"x{e.count:<6} {e.key[:110]}", flush=True)
 
 
 def table(rows: list[dict]) -> str:
@@ -339,6 +360,8 @@ def main() -> None:
     ap.add_argument("--torch-logprobs", action="store_true",
                     help="A/B: the log-prob passes in torch, as before the one-pass Triton kernels "
                          "(qerl_cli.train.triton_logprobs) took them over on CUDA")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, print the N GPU kernels that take the most time over two micro-batches")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (smoke test with tiny-nvfp4)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per config subprocess")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -358,7 +381,7 @@ def main() -> None:
                 tp, tk, mp = a.sampling_cut.split(",")
                 cut = (float(tp), int(tk), float(mp))
             row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device,
-                          a.offload_activations, a.embeddings_on_cpu, mem, cut)
+                          a.offload_activations, a.embeddings_on_cpu, mem, cut, a.kernel_profile)
             row["logprobs"] = "torch" if a.torch_logprobs else "default"
         except Exception as e:  # noqa: BLE001 - report any failure as a table row
             row = {"config": a.one, "error": f"{type(e).__name__}: {e}".splitlines()[0], "trace": traceback.format_exc()}
@@ -375,7 +398,8 @@ def main() -> None:
         res_path = a.out / f"bench_train_{name}.json"
         cmd = [sys.executable, __file__, "--one", name, "--json", str(res_path), "--steps", str(a.steps),
                "--micro-batch-tokens", str(a.micro_batch_tokens), "--logits-chunk-tokens", str(a.logits_chunk_tokens),
-               "--lora-rank", str(a.lora_rank), "--device", a.device, "--sampling-cut", a.sampling_cut]
+               "--lora-rank", str(a.lora_rank), "--device", a.device, "--sampling-cut", a.sampling_cut,
+               "--kernel-profile", str(a.kernel_profile)]
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
                                 ("--memory-breakdown", a.memory_breakdown), ("--torch-logprobs", a.torch_logprobs)) if on]
         t0 = time.time()
