@@ -282,8 +282,21 @@ def use_expandable_segments() -> None:
     gate/up weights of a 32B bf16 model left 16.7 GiB reserved that nothing could use (78.24 GiB
     reserved for 61.53 allocated; 61.58 with this, H100, benchmarks/probe_fuse_memory.py), and the KV
     cache, sized from the driver's free memory, lost it all. Read when CUDA starts: set before torch."""
-    if not os.environ.get("PYTORCH_ALLOC_CONF") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    if os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return
+    # torch before 2.10 reads only the old name for CUDA (2.9.1 ignores the new one there); later ones
+    # take the new name. Read from the package metadata: importing torch here would start too early.
+    os.environ[_alloc_conf_variable()] = "expandable_segments:True"
+
+
+def _alloc_conf_variable() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return "PYTORCH_CUDA_ALLOC_CONF"
+    return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def main() -> None:

@@ -130,7 +130,7 @@ def _float16_columns_as_text(table):
         if v is None:
             return None
         if np.isfinite(v) and float(v).is_integer():
-            return str(int(v))
+            return "-0" if v == 0 and np.signbit(v) else str(int(v))  # as the float32 cast writes -0
         return np.format_float_positional(np.float16(v), unique=True, trim="-")
 
     for i, f in enumerate(table.schema):

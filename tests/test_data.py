@@ -261,9 +261,9 @@ def test_parquet_float32_and_decimal_answers_read_as_written(tmp_path):
     pq.write_table(table.drop(["answer"]), tmp_path / "g.parquet")
     assert [r.answer for r in load_prompts(tmp_path / "g.parquet")] == ["0.3", "0.3"]
     import numpy as np
-    half = pa.table({"prompt": ["a", "b", "c", "d"], "answer": pa.array(np.array([0.1, 2.5, 65504, 0], np.float16))})
+    half = pa.table({"prompt": list("abcde"), "answer": pa.array(np.array([0.1, 2.5, 65504, 0, -0.0], np.float16))})
     pq.write_table(half, tmp_path / "half.parquet")  # pyarrow's own cast wrote 0.0999755859375
-    assert [r.answer for r in load_prompts(tmp_path / "half.parquet")] == ["0.1", "2.5", "65504", "0"]
+    assert [r.answer for r in load_prompts(tmp_path / "half.parquet")] == ["0.1", "2.5", "65504", "0", "-0"]
     dec = pa.table({"prompt": ["a"], "answer": pa.array([decimal.Decimal("12.50")], pa.decimal128(5, 2))})
     pq.write_table(dec, tmp_path / "h.parquet")
     assert load_prompts(tmp_path / "h.parquet")[0].answer == "12.50"

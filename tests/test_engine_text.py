@@ -173,3 +173,22 @@ def test_the_stop_checks_shortcuts_give_the_full_decodes_verdict(family, request
                 assert engine._stop_string_hit(s, stops) == want, (family, stops, s.token_ids[p:])
                 hits += want is not None
     assert hits > 100  # the streams do reach the stops
+
+
+def test_the_stop_check_reads_token_ids_past_the_tokenizers_length():
+    # A vocabulary whose ids skip numbers: len(tokenizer) counts tokens, so a table of ids 0..len-1 left
+    # "</answer>" (id 50) out, found no token that could show the stop, and skipped every window.
+    from tokenizers import models
+
+    vocab = {c: i for i, c in enumerate(["<eos>", "a", "b", "c", " ", "d", "e", "f", "g", "h", "#"])}
+    vocab["</answer>"] = 50
+    base = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    base.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=base, eos_token="<eos>")
+    engine = object.__new__(LLMEngine)
+    engine.tokenizer, engine.eos_token_ids = tok, {0}
+    s = Sequence(group=0, child=0, token_ids=[1, 2], num_prompt=2, max_len=100)
+    for t in [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 50]:
+        s.token_ids.append(t)
+    assert _reference_stop_hit(engine, s, ("</answer>",)) == "</answer>"
+    assert engine._stop_string_hit(s, ("</answer>",)) == "</answer>"

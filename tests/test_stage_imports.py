@@ -70,7 +70,17 @@ def test_the_cli_grows_cuda_segments_by_pages_unless_the_user_chose(monkeypatch)
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
     use_expandable_segments()
-    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"  # torch 2.13 here: the new name
+    import qerl_cli.cli as cli
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "2.8.0+cu128")
+    cli.use_expandable_segments()  # torch before 2.10 reads only the old name for CUDA
+    assert os.environ.pop("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.undo()
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
         monkeypatch.setenv(var, "max_split_size_mb:128")

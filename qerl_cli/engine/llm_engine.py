@@ -241,7 +241,7 @@ class LLMEngine:
             tail = self._text(s, start, n)
         else:  # a stop completed by the last token lies >= 2 tokens past the window's first
             window = ids[start:]
-            if enders is not None and enders.isdisjoint(window):
+            if enders is not None and enders.isdisjoint(window) and max(window) < len(self._texts):
                 return None  # no token of the window shows a character every stop needs: no decode
             tail = self._decode(window)
         # The stop the text is cut at (the earliest in it), when one token completes two of them.
@@ -279,7 +279,15 @@ class LLMEngine:
                 size = len(self.tokenizer)
             except TypeError:
                 return None
-            texts = self._texts = [self._decode([v]) for v in range(size)]
+            vocab = getattr(self.tokenizer, "get_vocab", dict)()
+            size = max(size, max(vocab.values(), default=-1) + 1)  # ids may skip numbers: len() counts tokens
+            ids = [[v] for v in range(size)]
+            self._decode([0])  # settles whether the Rust decoder is called directly
+            if self._fast_decode:  # 0.4 s for a 152k vocabulary, against ~0.7 s one call at a time
+                texts = self.tokenizer.backend_tokenizer.decode_batch(ids, skip_special_tokens=True)
+            else:
+                texts = [self._decode(v) for v in ids]
+            self._texts = texts
         return texts
 
     def _decode(self, ids: list[int]) -> str:
