@@ -32,6 +32,12 @@ def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return True
 
 
+def trainable(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """The autograd form of a fused kernel runs (``norm._RMSNormFn``): x on CUDA, gradients wanted."""
+    return (triton is not None and x.is_cuda and os.environ.get("QERL_FUSED", "1") != "0"
+            and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)))
+
+
 def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
 
@@ -73,6 +79,59 @@ def _rmsnorm_kernel(X, R, W, Z, Y, RO, A, T, D, stride_x, stride_r, stride_y, st
         a = tl.load(A + j[:, None] * stride_a + cols[None, :], mask=jm[:, None] & mask[None, :], other=0.0)
         yr = y.to(Y.dtype.element_ty).to(tl.float32)
         tl.store(T + row * stride_t + j, tl.sum(a.to(tl.float32) * yr[None, :], 1).to(T.dtype.element_ty), mask=jm)
+
+
+@_jit
+def _rmsnorm_bwd_kernel(S, W, Z, DY, DR, DS, DW, M, N, stride_s, stride_dy, stride_dr, stride_ds, eps,
+                        HAS_NOISE: tl.constexpr, HAS_DRES: tl.constexpr, W_GRAD: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [pid*ROWS, pid*ROWS + ROWS) of the gradient of y = s * rsqrt(mean(s^2) + eps) * (w + z): ds,
+    plus the gradient reaching the returned residual (DR), in s's dtype; with W_GRAD this program's
+    partial sum of dy * s * rsqrt(...) over its rows (fp32, one row of DW)."""
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NOISE:
+        w = w + tl.load(Z + cols, mask=mask, other=0.0)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(ROWS):
+        row = tl.program_id(0).to(tl.int64) * ROWS + i
+        if row < M:
+            x = tl.load(S + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+            xh = x * r
+            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            g = dy * w
+            ds = r * (g - xh * (tl.sum(g * xh, 0) / N))
+            if HAS_DRES:
+                ds += tl.load(DR + row * stride_dr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DS + row * stride_ds + cols, ds.to(DS.dtype.element_ty), mask=mask)
+            if W_GRAD:
+                dw += dy * xh
+    if W_GRAD:
+        tl.store(DW + tl.program_id(0).to(tl.int64) * N + cols, dw, mask=mask)
+
+
+BWD_ROWS = 4  # rows per backward program: the weight gradient's partial sums are [rows / 4, n]
+
+
+def rmsnorm_backward(s: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, eps: float,
+                     dy: torch.Tensor, dres: torch.Tensor | None, weight_grad: bool):
+    """Gradients of ``rmsnorm`` for its input ``s`` (x + residual as the forward rounded it; it reaches x
+    and the residual alike) and, with ``weight_grad``, for the weight (fp32): one pass over the rows.
+    ``dres``: the gradient of the residual the forward returned (added into ds), or None."""
+    n = s.shape[-1]
+    s2, dy2 = s.reshape(-1, n), dy.contiguous().reshape(-1, n)
+    m = s2.shape[0]
+    ds = torch.empty_like(s2)
+    dr2 = dy2 if dres is None else dres.contiguous().reshape(-1, n)
+    grid = triton.cdiv(m, BWD_ROWS)
+    dw = torch.empty(grid if weight_grad else 1, n, dtype=torch.float32, device=s.device)
+    _rmsnorm_bwd_kernel[(grid,)](s2, weight, noise if noise is not None else weight, dy2, dr2, ds, dw, m, n,
+                                 s2.stride(0), dy2.stride(0), dr2.stride(0), ds.stride(0), eps,
+                                 HAS_NOISE=noise is not None, HAS_DRES=dres is not None, W_GRAD=weight_grad,
+                                 ROWS=BWD_ROWS, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return ds.view(s.shape), (dw.sum(0) if weight_grad else None)
 
 
 def shrink_rows_per_program(rows: int, n: int) -> int:

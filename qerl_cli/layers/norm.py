@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
         ``delta``: a term to add to x first (rounded to x's dtype), the producing GEMM's deferred LoRA term."""
         if fused.enabled(x, residual, self.weight):
             return fused.rmsnorm(x, self._as_used(x.dtype), self.noise, self.eps, residual, delta=delta)
+        if delta is None and fused.trainable(x, residual, self.weight):
+            return _RMSNormFn.apply(x, residual, self.weight, self._as_used(x.dtype), self.noise, self.eps)
         return self._torch(x, residual, delta)
 
     def _as_used(self, dtype: torch.dtype) -> torch.Tensor:
@@ -81,3 +83,28 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, noise_slot={self.noise_slot}"
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """The fused norm under autograd (training's recomputed forward and its backward): one Triton pass
+    each way, where torch runs ~8 elementwise kernels forward and ~10 back over fp32 copies of the rows;
+    the forward is the inference kernel's, so a checkpointed layer's recompute gives its first forward's
+    bits. ``weight`` is the parameter (it gets the gradient, straight through to an fp32 master);
+    ``used`` the copy the forward multiplies by (``RMSNorm._as_used``). Returns y, or (y, x + residual)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, used, noise, eps):
+        out = fused.rmsnorm(x, used, noise, eps, residual)
+        s = x if residual is None else out[1]
+        ctx.save_for_backward(s, used, noise if noise is not None else used)
+        ctx.eps, ctx.has_noise, ctx.has_res, ctx.w_dtype = eps, noise is not None, residual is not None, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy, ds_out=None):
+        s, used, noise = ctx.saved_tensors
+        w_grad = ctx.needs_input_grad[2]
+        if dy is None:
+            dy = torch.zeros_like(s)
+        ds, dw = fused.rmsnorm_backward(s, used, noise if ctx.has_noise else None, ctx.eps, dy, ds_out, w_grad)
+        return ds, (ds if ctx.has_res else None), (dw.to(ctx.w_dtype) if w_grad else None), None, None, None

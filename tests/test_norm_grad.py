@@ -1,0 +1,77 @@
+"""The fused RMSNorm under autograd (``norm._RMSNormFn``: the inference kernel forward, one Triton pass
+back) against the torch path it replaces in training: outputs, the residual stream and the gradients of
+x, the residual and a trained fp32 master weight; in Triton's interpreter (fp32 / fp16) and on the GPU
+(bf16, through ``RMSNorm.forward``)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CHECK = textwrap.dedent("""
+    import torch
+    from qerl_cli.layers.norm import RMSNorm, _RMSNormFn
+
+    def run(norm, x, res, fused):
+        x = x.clone().requires_grad_(True)
+        r = None if res is None else res.clone().requires_grad_(True)
+        if fused:
+            out = _RMSNormFn.apply(x, r, norm.weight, norm._as_used(x.dtype), norm.noise, norm.eps)
+        else:
+            out = norm._torch(x, r)
+        y, s = (out, None) if r is None else out
+        g = torch.Generator(device=x.device).manual_seed(7)
+        loss = (y.float() * torch.randn(y.shape, generator=g, device=x.device)).sum()
+        if s is not None:
+            loss = loss + (s.float() * torch.randn(s.shape, generator=g, device=x.device)).sum()
+        if norm.weight.grad is not None:
+            norm.weight.grad = None
+        loss.backward()
+        wg = None if norm.weight.grad is None else norm.weight.grad.clone()
+        return y.detach(), None if s is None else s.detach(), x.grad, None if r is None else r.grad, wg
+
+    def check(dev, dtype, rows, n, train_w, noise, residual, tol):
+        torch.manual_seed(rows + n)
+        norm = RMSNorm(n, eps=1e-6, noise_slot=noise, device=dev, dtype=torch.float32 if train_w else dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(n))
+            if noise:
+                norm.noise.copy_(1e-2 * torch.randn(n))
+        norm.weight.requires_grad_(train_w)
+        x = (torch.randn(rows, n) * 3).to(dev, dtype)
+        res = (torch.randn(rows, n)).to(dev, dtype) if residual else None
+        a, b = run(norm, x, res, True), run(norm, x, res, False)
+        for got, want, name in zip(a, b, ("y", "residual", "dx", "dres", "dw")):
+            if want is None:
+                assert got is None, name
+                continue
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max()),
+                                       msg=name)
+""")
+
+
+def test_fused_norm_gradients_match_torch_in_interpreter():
+    pytest.importorskip("triton")
+    cases = [("float32", 5, 96, True, True, True, 1e-5), ("float32", 3, 100, False, False, False, 1e-5),
+             ("float16", 9, 64, True, False, True, 2e-3), ("float32", 7, 33, True, True, False, 1e-5)]
+    script = CHECK + "import qerl_cli.layers.fused as f\nf.BWD_ROWS = 2\n" + "".join(
+        f"check('cpu', torch.{d}, {r}, {n}, {t}, {z}, {res}, {tol})\n" for d, r, n, t, z, res, tol in cases) + "print('ok')\n"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_training_norm_takes_the_fused_kernels_and_matches_torch_on_gpu():
+    from qerl_cli.layers import fused
+
+    ns = {}
+    exec(CHECK, ns)
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert fused.trainable(x)
+    for rows, n, train_w, noise, residual in ((8192, 3584, False, True, True), (37, 5120, True, True, True),
+                                              (100, 3584, True, False, False), (1, 896, False, False, True)):
+        ns["check"]("cuda", torch.bfloat16, rows, n, train_w, noise, residual, 2e-2)
