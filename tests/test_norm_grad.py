@@ -75,3 +75,44 @@ def test_training_norm_takes_the_fused_kernels_and_matches_torch_on_gpu():
     for rows, n, train_w, noise, residual in ((8192, 3584, False, True, True), (37, 5120, True, True, True),
                                               (100, 3584, True, False, False), (1, 896, False, False, True)):
         ns["check"]("cuda", torch.bfloat16, rows, n, train_w, noise, residual, 2e-2)
+
+
+def test_fused_norm_edge_cases_in_interpreter():
+    # A second-order gradient (a gradient penalty) equals the torch path's, where the kernel's graphless
+    # gradient had dropped the norm's part of it silently; the
+    # outputs take in-place ops (they are no views of tensors made inside the function); an input of
+    # non-unit column stride is read right; only the residual used: no weight gradient.
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import torch
+        from qerl_cli.layers.norm import RMSNorm, _RMSNormFn
+        norm = RMSNorm(48, eps=1e-6, noise_slot=True)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(48))
+        norm.weight.requires_grad_(True)
+        fn = lambda x, r: _RMSNormFn.apply(x, r, norm.weight, norm._as_used(x.dtype), norm.noise, norm.eps)
+        c = torch.randn(6, 48)
+        second = []
+        for fused in (True, False):
+            x = torch.randn(6, 48, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+            y = fn(x, None) if fused else norm._torch(x, None)
+            (g,) = torch.autograd.grad((y * c).sum() + (x ** 3).sum(), x, create_graph=True)
+            (g ** 2).sum().backward()
+            second.append(x.grad)
+        torch.testing.assert_close(second[0], second[1], rtol=1e-4, atol=1e-4)
+        x = torch.randn(6, 48, requires_grad=True)
+        y, s = fn(x, torch.randn(6, 48))
+        y.mul_(2)
+        s.add_(1)
+        xt = torch.randn(48, 6).t()
+        want = norm._torch(xt.contiguous(), None)
+        torch.testing.assert_close(fn(xt, None), want, rtol=1e-5, atol=1e-5)
+        norm.weight.grad = None
+        _, s = fn(x, torch.randn(6, 48))
+        s.sum().backward()
+        assert norm.weight.grad is None and x.grad is not None
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])

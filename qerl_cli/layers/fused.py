@@ -162,11 +162,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
     n = x.shape[-1]
     if korder and n % 128:
         raise ValueError(f"korder permutes 128-column steps; the row has {n} columns")
+    x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads rows of unit column stride
     x2 = x.reshape(-1, n)
-    y = torch.empty_like(x2)
+    # Outputs made in x's shape (no view of a tensor made here: autograd forbids in-place ops on those)
+    y_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = y_out.view(-1, n)
     if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         r2 = residual.reshape(-1, n)
-        ro = torch.empty_like(x2)
+        ro_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ro = ro_out.view(-1, n)
     else:
         r2 = ro = x2
     d2 = x2 if delta is None else delta.reshape(-1, n)
@@ -187,10 +192,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, noise: torch.Tensor | None, e
         SHRINK=lora_a is not None, RC=rc, HAS_DELTA=delta is not None, KORDER=korder,
         num_warps=4 if n <= 4096 and lora_a is None else 8,
     )
-    y = y.view(x.shape)
     if lora_a is not None:
-        return y, None if residual is None else ro.view(x.shape), t.view(*x.shape[:-1], lora_a.shape[0])
-    return y if residual is None else (y, ro.view(x.shape))
+        return y_out, None if residual is None else ro_out, t.view(*x.shape[:-1], lora_a.shape[0])
+    return y_out if residual is None else (y_out, ro_out)
 
 
 @_jit

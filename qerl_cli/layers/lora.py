@@ -124,8 +124,10 @@ class LoRALinear(nn.Module):
             # (its autograd keeps x and W), so adding into it spares one [tokens, out] tensor at
             # training's memory peak. Views (chunks of a fused GEMM's output) stay out of place.
             t, bt = self._factors(x)
-            if y._is_view():
-                return y + t @ bt
+            if y.dtype != t.dtype or bt.dtype != t.dtype:  # autocast: the matmuls' dtype is not x's
+                return y + t @ bt.to(t.dtype)
+            if y._is_view():  # new output, y added in the GEMM's epilogue (NVFP4's output is a reshape)
+                return torch.addmm(y.reshape(-1, y.shape[-1]), t.reshape(-1, t.shape[-1]), bt).view(y.shape)
             if y.dim() == 2:
                 return y.addmm_(t, bt)
             if y.dim() == 3:  # [B, L, out], as training runs: batched, y added in the GEMM's epilogue

@@ -89,7 +89,9 @@ class _RMSNormFn(torch.autograd.Function):
     """The fused norm under autograd (training's recomputed forward and its backward): one Triton pass
     each way, where torch runs ~8 elementwise kernels forward and ~10 back over fp32 copies of the rows;
     the forward is the inference kernel's, so a checkpointed layer's recompute gives its first forward's
-    bits. ``weight`` is the parameter (it gets the gradient, straight through to an fp32 master);
+    bits (the backward adds the returned residual's gradient in fp32 and rounds once, where autograd's
+    sum rounds twice: in 16-bit, checkpointed and plain gradients agree to that rounding, not bit for
+    bit). ``weight`` is the parameter (it gets the gradient, straight through to an fp32 master);
     ``used`` the copy the forward multiplies by (``RMSNorm._as_used``). Returns y, or (y, x + residual)."""
 
     @staticmethod
@@ -98,13 +100,33 @@ class _RMSNormFn(torch.autograd.Function):
         s = x if residual is None else out[1]
         ctx.save_for_backward(s, used, noise if noise is not None else used)
         ctx.eps, ctx.has_noise, ctx.has_res, ctx.w_dtype = eps, noise is not None, residual is not None, weight.dtype
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not a tensor of zeros
         return out
 
     @staticmethod
     def backward(ctx, dy, ds_out=None):
         s, used, noise = ctx.saved_tensors
-        w_grad = ctx.needs_input_grad[2]
+        noise = noise if ctx.has_noise else None
+        w_grad = ctx.needs_input_grad[2] and dy is not None  # only the residual used: no weight gradient
         if dy is None:
             dy = torch.zeros_like(s)
-        ds, dw = fused.rmsnorm_backward(s, used, noise if ctx.has_noise else None, ctx.eps, dy, ds_out, w_grad)
+        if torch.is_grad_enabled():  # a double backward (create_graph): the same gradient in torch ops
+            ds, dw = _rmsnorm_grad(s, used, noise, ctx.eps, dy, ds_out, w_grad)
+        else:  # the kernel's output has no autograd history, which a second order would drop silently
+            ds, dw = fused.rmsnorm_backward(s, used, noise, ctx.eps, dy, ds_out, w_grad)
         return ds, (ds if ctx.has_res else None), (dw.to(ctx.w_dtype) if w_grad else None), None, None, None
+
+
+def _rmsnorm_grad(s, used, noise, eps, dy, dres, w_grad):
+    """``fused.rmsnorm_backward`` in differentiable torch ops (through ``s`` and ``dy``; ``used`` is the
+    weight as the forward multiplied by it, a detached copy for an fp32 master)."""
+    h = s.float()
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    xh = h * r
+    w = used.float() if noise is None else used.float() + noise
+    g = dy.float() * w
+    ds = r * (g - xh * (g * xh).mean(-1, keepdim=True))
+    if dres is not None:
+        ds = ds + dres.float()
+    dw = (dy.float() * xh).reshape(-1, s.shape[-1]).sum(0) if w_grad else None
+    return ds.to(s.dtype), dw

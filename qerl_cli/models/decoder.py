@@ -126,8 +126,9 @@ class DecoderLayer(nn.Module):
 
         ``s`` is what ``forward`` would add up inside its first norm (the previous layer's mlp output +
         residual, or the embedding), and the result is this layer's mlp output + residual, added here
-        instead of in the next layer's norm. Same operations in the same order, so the same bits; but a
-        checkpoint around it saves one [tokens, hidden] tensor per layer instead of two.
+        instead of in the next layer's norm. Same operations in the same order, so the same bits (but for
+        the fused norm's backward in 16-bit on CUDA: ``norm._RMSNormFn``); and a checkpoint around it saves
+        one [tokens, hidden] tensor per layer instead of two.
         """
         h = self.input_layernorm(s)
         h = self.self_attn(h, positions)

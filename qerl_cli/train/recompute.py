@@ -14,7 +14,9 @@ form as an ``autograd.Function``:
 
 The same operations in the same order as the plain forward, so the same bits:
 tests/test_train_memory.py checks the gradients against the un-checkpointed model bit for bit, with
-dropout, trained norms and the offloader. A reentrant checkpoint gets no backward at all when none of
+dropout, trained norms and the offloader (on CPU; on CUDA in 16-bit the fused norm's backward adds the
+residual stream's gradient before rounding, where the checkpointed graph lets autograd add it after, so
+the two agree to one rounding of the activations' dtype). A reentrant checkpoint gets no backward at all when none of
 its inputs requires grad (the first layer: its input is the frozen embedding), so every call passes a
 zero-size tensor that does, and gives it no gradient. Being reentrant, it supports ``.backward()``
 through the checkpointed piece (all train-step does), not ``torch.autograd.grad``.
