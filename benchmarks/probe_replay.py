@@ -61,8 +61,9 @@ def _torch_backward(z, t, lse, scale, kept):
 
 
 def probe_fused(rows: int, vocab: int, scale: float, cut: tuple[float, int, float] | None) -> dict:
-    """us per chunk of the log-prob forward / backward: torch path against the one-pass kernels. Each
-    timing includes the clone of the chunk that the backward overwrites (``clone_us``, also given)."""
+    """us per chunk of the log-prob forward / backward: torch path against the one-pass kernels. The torch
+    forward and both backwards include a clone of the chunk (they overwrite it; ``clone_us``, also given);
+    the one-pass forward leaves it as it is and clones nothing."""
     z = (torch.randn(rows, vocab, device="cuda") * scale).bfloat16().float()
     t = torch.randint(0, vocab, (rows,), device="cuda")
     g = torch.rand(rows, device="cuda") + 0.5

@@ -242,7 +242,7 @@ class LLMEngine:
         else:  # a stop completed by the last token lies >= 2 tokens past the window's first
             window = ids[start:]
             if enders is not None and enders.isdisjoint(window) and max(window) < len(self._texts):
-                return None  # no token of the window shows a character every stop needs: no decode
+                return None  # no window token shows any stop's key character: no decode
             tail = self._decode(window)
         # The stop the text is cut at (the earliest in it), when one token completes two of them.
         hits = [(i, x) for x in stops if (i := tail.find(x)) >= 0]

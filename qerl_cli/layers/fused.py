@@ -4,8 +4,9 @@ A 7B decode step in plain torch is ~45 small elementwise kernels per layer (cast
 cat, neg ...), ~1,300 per step at ~2 us each: more time than the NVFP4 weight reads they sit between.
 These kernels cut that to 4 per layer. Norm and rotary compute in fp32 and round once, so they agree
 with the torch path (used for training, where autograd is needed) to within one bf16 rounding; SwiGLU
-rounds where torch does (``silu(g)``, then the product). Used only for CUDA tensors outside autograd
-(rollout, scoring); ``QERL_FUSED=0`` turns them off.
+rounds where torch does (``silu(g)``, then the product). Used for CUDA tensors outside autograd (rollout,
+scoring); the norm also under autograd (training's recompute and backward: ``rmsnorm_backward``,
+``norm._RMSNormFn``). ``QERL_FUSED=0`` turns them all off.
 """
 
 from __future__ import annotations
