@@ -122,6 +122,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _differences(m: dict, stage: str, config: dict, inputs: dict, most: int = 3) -> str:
+    """What differs from an output's manifest, as ``name: old -> new`` / ``input NAME changed`` (the first
+    ``most``), or "" where the manifest cannot say (another stage's; only the fingerprint differs)."""
+    if m.get("stage") != stage:
+        return ""
+    new = json.loads(json.dumps({"config": config, "inputs": inputs}, default=str))
+    found = []
+    for part in ("config", "inputs"):
+        old, cur = m.get(part) or {}, new[part]
+        for key in sorted(set(old) | set(cur), key=str):
+            if old.get(key) != cur.get(key):
+                found.append(f"input {key} changed" if part == "inputs"
+                             else f"{key}: {_short(old.get(key))} -> {_short(cur.get(key))}")
+    more = f" and {len(found) - most} more" if len(found) > most else ""
+    return "; ".join(found[:most]) + more
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 @dataclass
 class StageOutput:
     """Context manager owning one stage's output directory.
@@ -199,10 +221,12 @@ class StageOutput:
         if m is None:
             raise OutputExistsError(f"{self.out} exists but holds no valid qerl manifest (it is empty)",
                                     hint="choose another --out or pass --force")
+        fp = f"fingerprint {m['fingerprint'][:12]} != {self.fingerprint[:12]}"
+        changed = _differences(m, self.stage, self.config, self.inputs)
+        what = f"{changed}; {fp}" if changed else fp
         raise OutputExistsError(
-            f"{self.out} holds a {m['stage']} output made from different inputs or arguments "
-            f"(fingerprint {m['fingerprint'][:12]} != {self.fingerprint[:12]})",
-            hint="pass --force to replace it",
+            f"{self.out} holds a {m['stage']} output made from different inputs or arguments ({what})",
+            hint="pass --force to replace it, or choose another --out",
         )
 
     def finished_meanwhile(self) -> bool:

@@ -167,8 +167,9 @@ def test_rerun_is_already_done_and_force(model_dir, tmp_path):
     first, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers)
     again, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers)
     assert again["already_done"] and gen.calls == [] and again["metrics"] == first["metrics"]
-    with pytest.raises(OutputExistsError, match="--force"):
+    with pytest.raises(OutputExistsError, match="--force") as e:
         run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=32)
+    assert "(max_new_tokens: 64 -> 32; fingerprint " in str(e.value), e.value  # what changed, not two hashes
     redo, gen = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=32, force=True)
     assert not redo["already_done"] and len(gen.calls) == 1
 

@@ -274,7 +274,7 @@ def test_rerun_is_already_done_and_changes_need_force(p, tmp_path, stage):
 
     changed = invoke(stage_args(stage, p, out) + CHANGED_FLAG[stage])
     msg = assert_one_line_error(changed, 4, str(out), "--force")
-    assert m1["fingerprint"][:12] in msg
+    assert m1["fingerprint"][:12] in msg and " -> " in msg, msg  # the changed setting, old -> new
     assert read_manifest(out) == m1
 
     forced = invoke(stage_args(stage, p, out) + CHANGED_FLAG[stage] + ["--force"])
@@ -290,7 +290,8 @@ def test_changed_input_content_is_a_changed_input(p, tmp_path):
     out = tmp_path / "out"
     assert invoke(stage_args("rollout", p, out, prompts=prompts)).exit_code == 0
     write_jsonl(prompts, ANSWERED_ROWS[:3])
-    assert_one_line_error(invoke(stage_args("rollout", p, out, prompts=prompts)), 4, "--force")
+    assert_one_line_error(invoke(stage_args("rollout", p, out, prompts=prompts)), 4, "--force",
+                          "input prompts changed")  # the error names what changed
 
 
 # ---- lineage -----------------------------------------------------------------------------------------
