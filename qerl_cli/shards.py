@@ -269,6 +269,14 @@ class ReadReport:
     origins: list[tuple[Path, int]] = field(default_factory=list)  # (file, line) of each record yielded
 
 
+def _stage_of(directory: Path) -> str | None:
+    """The stage a qerl output directory's manifest names, or None (no readable manifest)."""
+    try:
+        return json.loads((directory / "manifest.json").read_text()).get("stage")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path]:
     """Shard files named by a directory (its ``shard-*.jsonl``), a file, or a glob; several allowed."""
     if isinstance(sources, (str, Path)):
@@ -277,7 +285,8 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
     for src in sources:
         s = str(src)
         # A path that exists is itself, even with glob characters in it ("run [v1]/step-0").
-        if any(c in s for c in "*?[") and not Path(s).exists():
+        globbed = any(c in s for c in "*?[") and not Path(s).exists()
+        if globbed:
             matched = sorted(_glob.glob(s))
             if not matched:
                 raise BadInputError(f"no files match the shard glob {s!r}")
@@ -289,6 +298,13 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
                 if (p / "adapter_config.json").is_file():  # --adapter and --shards swapped: its metrics.jsonl is no shard
                     raise BadInputError(f"{p} is a LoRA adapter directory, not rollout shards",
                                         hint="pass it as --adapter, and the rollout output as --shards")
+                stage = _stage_of(p)
+                if stage not in (None, "rollout"):  # its *.jsonl (eval's samples, metrics) are no shards
+                    raise BadInputError(f"{p} is the output of `qerl {stage}`, not rollout shards",
+                                        hint=f"narrow the glob {s!r}" if globbed else "pass a rollout output as --shards")
+                if globbed and not any(p.glob(SHARD_GLOB)):  # a directory a glob swept in: only rollout's files
+                    raise BadInputError(f"{p} (matched by {s!r}) holds no rollout shards ({SHARD_GLOB})",
+                                        hint="narrow the glob to rollout output directories")
                 found = sorted(p.glob(SHARD_GLOB)) or sorted(p.glob("*.jsonl"))
                 if not found:
                     raise BadInputError(f"{p} holds no shard files ({SHARD_GLOB})", hint="is it a rollout output dir?")

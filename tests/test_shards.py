@@ -226,3 +226,26 @@ def test_lone_surrogate_round_trips(tmp_path):
     ok = rec("q", completion="caf\u00e9")
     write_records(tmp_path / "t.jsonl", [ok])
     assert "café".encode() in (tmp_path / "t.jsonl").read_bytes()  # readable UTF-8, not \u escapes
+
+
+def test_a_glob_takes_only_rollout_shards_and_names_what_else_it_swept_in(tmp_path):
+    # `--shards 'r*'` also matched a run directory whose metrics.jsonl was then read as a shard, with
+    # advice to --skip-bad-lines; and an eval output's samples.jsonl would have been read the same way.
+    from qerl_cli.shards import resolve_shard_files
+
+    (tmp_path / "r0").mkdir()
+    write_records(tmp_path / "r0" / shard_name(0, 1), [rec("a")])
+    (tmp_path / "r0" / "manifest.json").write_text(json.dumps({"stage": "rollout"}))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(BadInputError, match=r"run \(matched by .*\) holds no rollout shards"):
+        resolve_shard_files(str(tmp_path / "r*"))
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    (tmp_path / "run" / "samples.jsonl").write_text('{"id": 0}\n')
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({"stage": "eval"}))
+    with pytest.raises(BadInputError, match="run is the output of `qerl eval`, not rollout shards"):
+        resolve_shard_files(str(tmp_path / "run"))
+    assert resolve_shard_files(str(tmp_path / "r0*")) == [tmp_path / "r0" / shard_name(0, 1)]
+    (tmp_path / "mine").mkdir()  # a directory of shards named plainly, by a user's own tool: still read
+    write_records(tmp_path / "mine" / "batch.jsonl", [rec("b")])
+    assert resolve_shard_files(str(tmp_path / "mine")) == [tmp_path / "mine" / "batch.jsonl"]
