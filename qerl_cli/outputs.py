@@ -31,12 +31,13 @@ import signal
 import socket
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qerl_cli import __version__
-from qerl_cli.errors import BadInputError, OutputExistsError, OutputWriteError
+from qerl_cli.errors import BadInputError, OutputExistsError, OutputWriteError, QerlWarning
 from qerl_cli.hashing import sha256_files, sha256_json
 
 MANIFEST = "manifest.json"
@@ -254,6 +255,17 @@ class StageOutput:
         # file system another node's live run must not be swept away.
         return self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_HOST}"
 
+    def _warn_of_other_partials(self) -> None:
+        """A resumable run that starts afresh beside partial directories of other arguments says so: a
+        user who changed a flag after an interrupt took the start-over for a resume (trial, session 42)."""
+        others = sorted(p.name for p in self.out.parent.glob(f".{self.out.name}.partial-*")
+                        if p.is_dir() and p != self.work)
+        if others:
+            warnings.warn(QerlWarning(
+                f"{', '.join(others)} beside {self.out} hold{'s' if len(others) == 1 else ''} an unfinished run "
+                "made with other arguments; this run starts afresh (rerun that run's command to resume it, "
+                "or delete the directory)"), stacklevel=4)
+
     def _recover_interrupted_swap(self) -> None:
         """A crash between the two renames of a non-atomic replace leaves ``out`` missing and the
         old output under ``.<name>.old-*``: put it back (the new one was never complete at ``out``)."""
@@ -286,6 +298,8 @@ class StageOutput:
                 m = read_manifest(self.out)
                 self._seen = m["fingerprint"] if m is not None else None
             self.work = self._partial_name()
+            if self.resumable and not self.work.exists():
+                self._warn_of_other_partials()
             self.work.mkdir(parents=True, exist_ok=self.resumable)
         except OSError as e:
             raise self.write_error(e) from None

@@ -8,6 +8,7 @@ End-to-end runs on the real engine are in tests/test_rollout_engine.py.
 
 import json
 import random
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -174,8 +175,16 @@ def test_resume_after_crash_equals_uninterrupted(model_dir, tmp_path, fake_engin
     assert len((partials[0] / "shard-00000-of-00001.jsonl").read_text().splitlines()) == 7 * 3 + 1
 
     monkeypatch.setattr(ro.ShardWriter, "write_group", real_write)
+    # Rerun with another flag: no resume, and it says why, naming the partial left beside --out.
+    from qerl_cli.errors import QerlWarning
+    with pytest.warns(QerlWarning, match=rf"{partials[0].name} beside .* made with other arguments"):
+        rollout(cfg_for(model_dir, tmp_path, max_new_tokens=6))
+    import shutil
+    shutil.rmtree(tmp_path / "out")
     fake_engine.calls.clear()
-    res = rollout(cfg_for(model_dir, tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # resuming its own partial: nothing to say
+        res = rollout(cfg_for(model_dir, tmp_path))
     # batches 1-2 complete (6 groups) and p6 of batch 3 kept; batch 3 regenerated whole, then batch 4
     assert fake_engine.calls == [3, 1]
     assert res["summary"]["resumed_groups"] == 7 and res["summary"]["dropped_partial_lines"] == 1
