@@ -671,6 +671,7 @@ def _run(plan: _Plan) -> dict:
             bad_rows=plan.bad_rows[:20],
             sigma=plan.sigma,
             adapter_lineage=plan.lineage,
+            adapter_path=None if cfg.adapter is None else str(Path(cfg.adapter).resolve()),  # for people: not hashed
             engine=cfg.engine,
             device=plan.device,
             dtype=plan.dtype_name,

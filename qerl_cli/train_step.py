@@ -300,6 +300,15 @@ def _adapter_inputs_hash(adapter: Path) -> str:
     return h.hexdigest()
 
 
+def _rollout_adapter_path(shard: Path) -> str | None:
+    """The --adapter path the rollout that wrote ``shard`` was given, from its manifest (a hint only)."""
+    try:
+        m = json.loads((Path(shard).parent / "manifest.json").read_text())
+        return (m.get("summary") or {}).get("adapter_path") if m.get("stage") == "rollout" else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter_hash: str | None,
                    state: TrainerState) -> None:
     src = data.files[0]
@@ -314,6 +323,8 @@ def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter
     if data.adapter_hash != adapter_hash:
         got = "no adapter (a fresh start)" if adapter_hash is None else f"adapter {adapter_hash:.12} ({cfg.adapter})"
         was = "no adapter" if data.adapter_hash is None else f"adapter {data.adapter_hash:.12}"
+        where = _rollout_adapter_path(src)
+        was += f" ({where} when it ran)" if where else ""
         raise LineageError(f"{src}: shards were sampled with {was}, but this step continues from {got}",
                            hint="pass the --adapter the rollout used")
     # The PEFT files' hash leaves out the trained norm weights (norms.safetensors): records since

@@ -180,6 +180,7 @@ def test_adapter_is_applied_and_hashed(model_dir, prompts, tmp_path):
     res = rollout(cfg(model_dir, prompts, tmp_path / "o", adapter=a, max_prompts=2))
     recs = read_records(tmp_path / "o")
     assert recs[0]["policy"]["adapter"] == adapter_hash(a) and res["summary"]["adapter_lineage"] == "verified"
+    assert res["manifest"]["summary"]["adapter_path"] == str(a.resolve())  # named by train-step's lineage error
     model = load_model(model_dir, device="cpu", dtype=torch.float32, adapter_dir=a)
     assert recompute_logprobs(model, recs[0]) == pytest.approx(recs[0]["logprobs"], abs=2e-4)
 
