@@ -167,10 +167,16 @@ def compare_table(eval_dirs: Sequence[Path]):
         notes.append("warning: the runs used different datasets; their scores are not comparable")
     elif len(problems) > 1:
         notes.append("warning: the runs scored different numbers of problems; their scores are not comparable")
-    elif len(runs) > 1:  # the same problems: each run against the first, problem by problem
+    first = runs[0][1]
+
+    def same_problems(m) -> bool:
+        return (m.get("dataset_hash"), m["counts"]["problems"]) == (first.get("dataset_hash"), first["counts"]["problems"])
+
+    if any(same_problems(m) for _, m in runs[1:]):  # each run on the first's problems against it, problem by problem
         base = per_problem_pass1(runs[0][0])
-        table.add_row("pass@1 vs first, paired",
-                      "-", *[_fmt_paired(paired_difference(base, per_problem_pass1(d))) for d, _ in runs[1:]])
+        table.add_row("pass@1 vs first, paired", "-", *[
+            _fmt_paired(paired_difference(base, per_problem_pass1(d))) if same_problems(m) else "other problems"
+            for d, m in runs[1:]])
         notes.append("paired: the difference in points over the same problems, and a two-sided p-value: "
                      "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
     if len({m.get("scorer") for _, m in runs}) > 1:

@@ -193,3 +193,19 @@ def test_compare_pairs_runs_over_the_same_problems_and_flags_other_scorers(tmp_p
     text = console.export_text()
     assert "+30.0 (p=0.25, 3/0)" in text and "McNemar" in text
     assert "scored by different rules" in text
+
+
+def test_compare_still_pairs_the_runs_on_the_first_runs_problems_beside_one_on_other_problems(tmp_path):
+    # A third run on another dataset dropped the paired row for every run (a user's trial).
+    from rich.console import Console
+
+    a = _fake_run(tmp_path / "base", "base", 0.6)
+    b = _fake_run(tmp_path / "tuned", "tuned", 0.9)
+    c = _fake_run(tmp_path / "math", "tuned", 0.5, dataset_hash="other")
+    _samples(a, {i: [i < 6] for i in range(10)})
+    _samples(b, {i: [i < 9] for i in range(10)})
+    _samples(c, {i: [i < 5] for i in range(10)})
+    console = Console(record=True, width=250)
+    console.print(compare_table([a, b, c]))
+    text = console.export_text()
+    assert "+30.0 (p=0.25, 3/0)" in text and "other problems" in text and "different datasets" in text
