@@ -461,6 +461,13 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
     }
 
 
+def result_line(metrics: dict, out) -> str:
+    """One line for ``-q``: every score with its 95% CI, the problem count and the output directory."""
+    scores = ", ".join(f"{name} {100 * s['value']:.2f}% (95% CI {100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f})"
+                       for name, s in metrics["scores"].items())
+    return f"{scores} on {metrics['counts']['problems']} problems; wrote {out}"
+
+
 def render_metrics(metrics: dict, console) -> None:
     """The end-of-run table: scores with CI, counts, lengths, time."""
     from rich.table import Table

@@ -113,6 +113,7 @@ def test_cli_eval_prints_scores_and_rerun_is_done(setup):
     assert r.exit_code == 0, r.output
     m = json.loads((tmp / "cli" / "metrics.json").read_text())
     assert "pass@1" in r.output and f"{100 * m['score']:.2f}%" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and "problems; wrote" in r.output  # -q: the result line only
     assert m["lora_modules"] == 14 and m["sampling"]["max_new_tokens"] == 8
     r = CliRunner().invoke(app, args, terminal_width=160)
     assert r.exit_code == 0 and "already done" in r.output

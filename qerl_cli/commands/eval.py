@@ -76,7 +76,7 @@ def command(
                                              "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
                                              "applied to the bf16 original); the manifest records it."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table; print only the result line."),
 ) -> None:
     from rich.console import Console
 
@@ -94,7 +94,7 @@ def command(
         if value is None:
             raise BadInputError(f"{flag} is required (or use --compare DIR... to tabulate finished runs)")
 
-    from qerl_cli.evaluate import EvalConfig, evaluate, render_metrics
+    from qerl_cli.evaluate import EvalConfig, evaluate, render_metrics, result_line
 
     cfg = EvalConfig(
         model=model, dataset=dataset, out=out, adapter=adapter, k=k, num_samples=num_samples,
@@ -108,4 +108,7 @@ def command(
     res = evaluate(cfg, console=console)
     if res["already_done"]:
         console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
-    render_metrics(res["metrics"], console)
+    if quiet:
+        console.print(result_line(res["metrics"], out), soft_wrap=True)  # one line for grep, as rollout's -q
+    else:
+        render_metrics(res["metrics"], console)
