@@ -46,16 +46,21 @@ def _cut(x, offs, target, last, ties, seen, HAS_CUT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(z_ptr, stride, V, t_ptr, last_ptr, ties_ptr, lse_ptr, logp_ptr, ent_ptr,
-                HAS_CUT: tl.constexpr, BLOCK: tl.constexpr):
+def _row(z_ptr, stride, t_ptr, last_ptr, ties_ptr, HAS_CUT: tl.constexpr):
+    """This program's row: its index, logits pointer, target, and the cut's last logit and tie count."""
     row = tl.program_id(0).to(tl.int64)
-    base = z_ptr + row * stride
-    target = tl.load(t_ptr + row)
     last = float("-inf")
     ties = 0
     if HAS_CUT:
         last = tl.load(last_ptr + row)
         ties = tl.load(ties_ptr + row)
+    return row, z_ptr + row * stride, tl.load(t_ptr + row), last, ties
+
+
+@triton.jit
+def _fwd_kernel(z_ptr, stride, V, t_ptr, last_ptr, ties_ptr, lse_ptr, logp_ptr, ent_ptr,
+                HAS_CUT: tl.constexpr, BLOCK: tl.constexpr):
+    row, base, target, last, ties = _row(z_ptr, stride, t_ptr, last_ptr, ties_ptr, HAS_CUT)
     seen = tl.zeros((), dtype=tl.int32)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), dtype=tl.float32)
@@ -89,14 +94,7 @@ def _fwd_kernel(z_ptr, stride, V, t_ptr, last_ptr, ties_ptr, lse_ptr, logp_ptr, 
 @triton.jit
 def _bwd_kernel(z_ptr, stride, V, t_ptr, last_ptr, ties_ptr, lse_ptr, scale_ptr,
                 HAS_CUT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = z_ptr + row * stride
-    target = tl.load(t_ptr + row)
-    last = float("-inf")
-    ties = 0
-    if HAS_CUT:
-        last = tl.load(last_ptr + row)
-        ties = tl.load(ties_ptr + row)
+    row, base, target, last, ties = _row(z_ptr, stride, t_ptr, last_ptr, ties_ptr, HAS_CUT)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row)
     seen = tl.zeros((), dtype=tl.int32)
