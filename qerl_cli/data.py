@@ -315,6 +315,31 @@ def _is_file(name: str) -> bool:
         return False
 
 
+def read_chat_template(path) -> str:
+    """The Jinja text of ``--chat-template-file`` (for a tokenizer without a chat template of its own, e.g.
+    a base model's, or to replace it)."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInputError(f"--chat-template-file {p} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadInputError(f"--chat-template-file {p} is not UTF-8 text") from None
+    if not text.strip():
+        raise BadInputError(f"--chat-template-file {p} is empty")
+    return text
+
+
+def set_chat_template(tokenizer, text: str, path) -> None:
+    """Give ``tokenizer`` the template ``text`` (from ``path``), checked by rendering one conversation."""
+    tokenizer.chat_template = text
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja2 raises several types for a bad template
+        raise BadInputError(f"--chat-template-file {path} does not render a conversation "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -335,7 +360,7 @@ def render_prompt(
         if not use_chat:
             raise BadInputError(
                 f"{row.where}: row has `messages` but the tokenizer has no chat template (or it is turned off)",
-                hint="give such rows a `prompt` string instead",
+                hint="give such rows a `prompt` string instead, or pass --chat-template-file with a Jinja template",
             )
         msgs = [dict(m) for m in row.messages]
         if template is not None:  # wrap the last user turn

@@ -23,6 +23,7 @@ rerunning the same eval is "already done" and two runs can be compared with ``--
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -58,6 +59,7 @@ class EvalConfig:
     prompt_template: str | None = None  # same default as rollout: the row's prompt as it is
     system_prompt: str | None = None
     chat_template: bool | None = None  # None: use it when the tokenizer has one
+    chat_template_file: Path | None = None  # a Jinja chat template replacing the tokenizer's (or giving it one)
     scorer: str = "auto"
     max_problems: int | None = None
     engine: str = "native"
@@ -110,6 +112,8 @@ class EvalConfig:
             raise BadInputError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise BadInputError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.chat_template_file is not None and self.chat_template is False:
+            raise BadInputError("--chat-template-file with --no-chat-template: the file would not be used")
         if self.max_new_tokens < 1:
             raise BadInputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         self.stop = tuple(self.stop)
@@ -240,8 +244,8 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     d = asdict(cfg)
     d["prompt_template"] = template  # the text, also when the flag named a file
     d.update(num_samples=cfg.samples, temperature=cfg.sampling_temperature)  # resolved, as outputs always recorded them
-    for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch"):
-        d.pop(key)
+    for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch", "chat_template_file"):
+        d.pop(key)  # (the chat template file's text is an input: inputs["chat_template"])
     d.pop("max_num_seqs")  # the batching changes no sample: every problem is seeded by itself
     # Nor does the context: every prompt must fit beside --max-new-tokens (else the eval stops), so no
     # sample reaches it. Counted, an explicit value equal to the model's own made a needless new run.
@@ -268,7 +272,14 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
     ``generate`` replaces the engine (tests); by default the native or vLLM engine is built.
     """
-    from qerl_cli.data import EncodeReport, encode_prompts, load_prompts, load_template
+    from qerl_cli.data import (
+        EncodeReport,
+        encode_prompts,
+        load_prompts,
+        load_template,
+        read_chat_template,
+        set_chat_template,
+    )
     from qerl_cli.lineage import check_lineage
     from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype, split_stops
 
@@ -308,6 +319,10 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     config = _fingerprint_config(cfg, device, dtype_name, template)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     inputs["text"] = text_files_hash(cfg.model)  # the prompts' tokens (chat template) and where sampling stops
+    chat_text = None
+    if cfg.chat_template_file is not None:
+        chat_text = read_chat_template(cfg.chat_template_file)
+        inputs["chat_template"] = hashlib.sha256(chat_text.encode()).hexdigest()
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg), legacy_inputs=(legacy_inputs,))
     if so.already_done():
@@ -315,6 +330,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
+    if chat_text is not None:
+        set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
     split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
     max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)  # the engine caps it so too
     room = max_model_len - cfg.max_new_tokens

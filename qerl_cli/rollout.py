@@ -53,6 +53,8 @@ from qerl_cli.data import (
     encode_prompts,
     load_prompts,
     load_template,
+    read_chat_template,
+    set_chat_template,
 )
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import (
@@ -121,6 +123,7 @@ class RolloutConfig:
     prompt_template: str | None = None
     system_prompt: str | None = None
     chat_template: bool | None = None
+    chat_template_file: Path | None = None  # a Jinja chat template replacing the tokenizer's (or giving it one)
     max_model_len: int | None = None
     long_prompts: str = "skip"
     max_num_seqs: int = 256
@@ -139,6 +142,8 @@ def _check_flags(cfg: RolloutConfig) -> None:
 
     if cfg.num_generations < 1:
         bad(f"--num-generations must be >= 1, got {cfg.num_generations}")
+    if cfg.chat_template_file is not None and cfg.chat_template is False:
+        bad("--chat-template-file with --no-chat-template: the file would not be used")
     if cfg.long_prompts not in LONG_PROMPT_POLICIES:  # here, not at encoding: before an existing --out answers exit 4
         bad(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {cfg.long_prompts!r}")
     if cfg.max_new_tokens < 1:
@@ -434,7 +439,7 @@ def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weig
     every prompt is seeded by itself, so a run that went out of memory resumes with smaller batches."""
     d = asdict(cfg)
     for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines",
-              "batch_prompts"):
+              "batch_prompts", "chat_template_file"):  # the file's text is an input (inputs["chat_template"])
         d.pop(k)
     # The device *type* changes numerics; which GPU of a node does not.
     d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
@@ -495,6 +500,10 @@ def rollout(cfg: RolloutConfig) -> dict:
     config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights, template)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     inputs["text"] = text_files_hash(cfg.model)
+    chat_text = None
+    if cfg.chat_template_file is not None:
+        chat_text = read_chat_template(cfg.chat_template_file)
+        inputs["chat_template"] = hashlib.sha256(chat_text.encode()).hexdigest()
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                       legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
@@ -502,6 +511,8 @@ def rollout(cfg: RolloutConfig) -> dict:
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
 
     tokenizer = load_tokenizer(cfg.model)
+    if chat_text is not None:
+        set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
     split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
     max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)
     if cfg.max_model_len is not None and cfg.max_model_len > max_model_len and cfg.progress:

@@ -51,6 +51,8 @@ for r in $REWARDS; do reward_flags+=(--reward "$r"); done
 # The same instruction around every prompt for rollout and eval (empty: the rows' prompts as they are).
 template_flag=()
 [ -n "${PROMPT_TEMPLATE:-}" ] && template_flag=(--prompt-template "$PROMPT_TEMPLATE")
+# A Jinja chat template for a tokenizer without one (a base model's), for `messages` rows.
+[ -n "${CHAT_TEMPLATE_FILE:-}" ] && template_flag+=(--chat-template-file "$CHAT_TEMPLATE_FILE")
 eval_flags=(--dataset "${EVAL_DATASET:-$DATASET}" --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE" --dtype "$DTYPE" "${template_flag[@]}")
 [ "$EVAL_MAX_PROBLEMS" != 0 ] && eval_flags+=(--max-problems "$EVAL_MAX_PROBLEMS")
 

@@ -408,3 +408,22 @@ def test_fingerprint_is_the_same_with_defaults_spelled_out(tmp_path):
     implicit = ev._fingerprint_config(EvalConfig(**base), "cpu", "float32", None)
     explicit = ev._fingerprint_config(EvalConfig(**base, num_samples=2, temperature=1.0), "cpu", "float32", None)
     assert implicit == explicit and implicit["num_samples"] == 2 and implicit["temperature"] == 1.0
+
+
+def test_a_chat_template_file_renders_messages_rows_and_is_an_input(model_dir, tmp_path):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    rows = [{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7"}]
+    with pytest.raises(BadInputError, match="--chat-template-file"):
+        run(base, tmp_path, rows, [["#### 7"]])
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
+    res, _ = run(base, tmp_path, rows, [["#### 7"]], chat_template_file=tpl)
+    assert res["metrics"]["score"] == 1.0 and "chat_template" in res["manifest"]["inputs"]
+    assert run(base, tmp_path, rows, [["#### 7"]], chat_template_file=tpl)[0]["already_done"]
+    tpl.write_text("{% for m in messages %}Question: {{ m.content }}\n{% endfor %}Answer:")
+    with pytest.raises(OutputExistsError, match="input chat_template changed"):
+        run(base, tmp_path, rows, [["#### 7"]], chat_template_file=tpl)

@@ -677,3 +677,37 @@ def test_a_lock_file_deleted_by_its_holder_is_not_taken(model_dir, tmp_path):
     assert not lock.path.exists()
     with ro._WriterLock(out) as again:  # a new file at the path: taken
         assert again._still_the_file()
+
+
+def test_a_chat_template_file_lets_messages_rows_run_on_a_tokenizer_without_one(model_dir, tmp_path, fake_engine):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from qerl_cli.errors import OutputExistsError
+
+    base = tmp_path / "base"
+    shutil.copytree(model_dir, base)
+    (base / "chat_template.jinja").unlink()  # a base model's tokenizer: no chat template
+    p = tmp_path / "chat.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
+    with pytest.raises(BadInputError, match="--chat-template-file"):
+        rollout(cfg_for(base, tmp_path, prompts=p))
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>{% endif %}")
+    rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tpl))
+    tok = AutoTokenizer.from_pretrained(base)
+    assert read_records(tmp_path / "out")[0]["prompt_token_ids"] == tok("<user>2+2?\n<assistant>",
+                                                                         add_special_tokens=False)["input_ids"]
+    assert rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tpl))["already_done"]
+    tpl.write_text(tpl.read_text().replace("<assistant>", "<bot>"))  # the template's text is an input
+    with pytest.raises(OutputExistsError, match="input chat_template changed"):
+        rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tpl))
+    tpl.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(BadInputError, match=r"t.jinja does not render a conversation \(TemplateSyntaxError"):
+        rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tpl, out=tmp_path / "o2"))
+    with pytest.raises(BadInputError, match="with --no-chat-template"):
+        rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tpl, chat_template=False))
+    with pytest.raises(BadInputError, match="does not exist"):
+        rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tmp_path / "none.jinja", out=tmp_path / "o3"))

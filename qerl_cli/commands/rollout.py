@@ -69,6 +69,7 @@ def command(
                                                   "{prompt}, or a file holding one. Example: --prompt-template $'Solve: {prompt}\\nEnd with #### N.'"),
     system_prompt: str | None = typer.Option(None, "--system-prompt", help="System message added when the chat template is used. Example: --system-prompt 'Think step by step.'"),
     chat_template: bool | None = typer.Option(None, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template (default: when it has one)."),
+    chat_template_file: Path = typer.Option(None, "--chat-template-file", help="A Jinja chat template to use instead of the tokenizer's (a base model often has none, and `messages` rows need one); its text is part of the run's inputs. Example: --chat-template-file chatml.jinja"),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (default and at most: the "
                                                 "model's max_position_embeddings - 1, what the engine serves); prompts must "
                                                 "fit in it. Example: --max-model-len 4096"),
@@ -91,7 +92,7 @@ def command(
         aqn_sigma_end=aqn_sigma_end, aqn_stages=aqn_stages, total_steps=total_steps, run_seed=run_seed,
         shard_index=shard_index, num_shards=num_shards, engine=engine, seed=seed, device=device, dtype=dtype,
         max_prompts=max_prompts, prompts_per_step=prompts_per_step, shuffle=shuffle, skip_bad_lines=skip_bad_lines,
-        prompt_key=prompt_key, answer_key=answer_key, prompt_template=prompt_template, system_prompt=system_prompt, chat_template=chat_template,
+        prompt_key=prompt_key, answer_key=answer_key, prompt_template=prompt_template, system_prompt=system_prompt, chat_template=chat_template, chat_template_file=chat_template_file,
         max_model_len=max_model_len, long_prompts=long_prompts, max_num_seqs=max_num_seqs,
         batch_prompts=batch_prompts, force=force, progress=not quiet,
     )
