@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import BadInputError
+from qerl_cli.hashing import sha256_bytes
 from qerl_cli.rewards import last_boxed, reference_answer
 
 ID_FIELDS = ("id", "prompt_id", "unique_id")
@@ -315,9 +316,9 @@ def _is_file(name: str) -> bool:
         return False
 
 
-def read_chat_template(path) -> str:
-    """The Jinja text of ``--chat-template-file`` (for a tokenizer without a chat template of its own, e.g.
-    a base model's, or to replace it)."""
+def read_chat_template(path) -> tuple[str, str]:
+    """(The Jinja text of ``--chat-template-file``, its sha256: an input of the run), for a tokenizer
+    without a chat template of its own (e.g. a base model's), or to replace it."""
     p = Path(path)
     if not p.is_file():
         raise BadInputError(f"--chat-template-file {p} does not exist")
@@ -327,7 +328,7 @@ def read_chat_template(path) -> str:
         raise BadInputError(f"--chat-template-file {p} is not UTF-8 text") from None
     if not text.strip():
         raise BadInputError(f"--chat-template-file {p} is empty")
-    return text
+    return text, sha256_bytes(text.encode())
 
 
 def set_chat_template(tokenizer, text: str, path) -> None:

@@ -23,7 +23,6 @@ rerunning the same eval is "already done" and two runs can be compared with ``--
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -321,8 +320,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     inputs["text"] = text_files_hash(cfg.model)  # the prompts' tokens (chat template) and where sampling stops
     chat_text = None
     if cfg.chat_template_file is not None:
-        chat_text = read_chat_template(cfg.chat_template_file)
-        inputs["chat_template"] = hashlib.sha256(chat_text.encode()).hexdigest()
+        chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg), legacy_inputs=(legacy_inputs,))
     if so.already_done():

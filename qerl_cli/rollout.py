@@ -502,8 +502,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     inputs["text"] = text_files_hash(cfg.model)
     chat_text = None
     if cfg.chat_template_file is not None:
-        chat_text = read_chat_template(cfg.chat_template_file)
-        inputs["chat_template"] = hashlib.sha256(chat_text.encode()).hexdigest()
+        chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                       legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)

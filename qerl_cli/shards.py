@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import BadInputError
-from qerl_cli.outputs import crash_point
+from qerl_cli.outputs import crash_point, read_manifest
 
 SCHEMA_VERSION = 1
 
@@ -269,14 +269,6 @@ class ReadReport:
     origins: list[tuple[Path, int]] = field(default_factory=list)  # (file, line) of each record yielded
 
 
-def _stage_of(directory: Path) -> str | None:
-    """The stage a qerl output directory's manifest names, or None (no readable manifest)."""
-    try:
-        return json.loads((directory / "manifest.json").read_text()).get("stage")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path]:
     """Shard files named by a directory (its ``shard-*.jsonl``), a file, or a glob; several allowed."""
     if isinstance(sources, (str, Path)):
@@ -298,7 +290,7 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
                 if (p / "adapter_config.json").is_file():  # --adapter and --shards swapped: its metrics.jsonl is no shard
                     raise BadInputError(f"{p} is a LoRA adapter directory, not rollout shards",
                                         hint="pass it as --adapter, and the rollout output as --shards")
-                stage = _stage_of(p)
+                stage = (read_manifest(p) or {}).get("stage")
                 if stage not in (None, "rollout"):  # its *.jsonl (eval's samples, metrics) are no shards
                     raise BadInputError(f"{p} is the output of `qerl {stage}`, not rollout shards",
                                         hint=f"narrow the glob {s!r}" if globbed else "pass a rollout output as --shards")

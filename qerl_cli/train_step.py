@@ -302,11 +302,10 @@ def _adapter_inputs_hash(adapter: Path) -> str:
 
 def _rollout_adapter_path(shard: Path) -> str | None:
     """The --adapter path the rollout that wrote ``shard`` was given, from its manifest (a hint only)."""
-    try:
-        m = json.loads((Path(shard).parent / "manifest.json").read_text())
-        return (m.get("summary") or {}).get("adapter_path") if m.get("stage") == "rollout" else None
-    except (OSError, ValueError, AttributeError):
-        return None
+    from qerl_cli.outputs import read_manifest
+
+    m = read_manifest(Path(shard).parent) or {}
+    return (m.get("summary") or {}).get("adapter_path") if m.get("stage") == "rollout" else None
 
 
 def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter_hash: str | None,

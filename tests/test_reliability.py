@@ -319,7 +319,7 @@ def test_train_step_refuses_shards_of_another_adapter(p, tmp_path):
     msg = assert_one_line_error(invoke(args), 3)
     _hashes_named(msg, other, adapter_hash(p["a1"]))
     # a rollout's manifest records the --adapter path it was given: the error names it beside the hash
-    (sh / "manifest.json").write_text(json.dumps({"stage": "rollout", "summary": {"adapter_path": "/runs/a7"}}))
+    (sh / "manifest.json").write_text(json.dumps({"stage": "rollout", "fingerprint": "f", "summary": {"adapter_path": "/runs/a7"}}))
     assert "(/runs/a7 when it ran)" in assert_one_line_error(invoke(args), 3)
     (sh / "manifest.json").unlink()
     # ... and shards sampled with an adapter cannot train a fresh one

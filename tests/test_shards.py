@@ -235,14 +235,14 @@ def test_a_glob_takes_only_rollout_shards_and_names_what_else_it_swept_in(tmp_pa
 
     (tmp_path / "r0").mkdir()
     write_records(tmp_path / "r0" / shard_name(0, 1), [rec("a")])
-    (tmp_path / "r0" / "manifest.json").write_text(json.dumps({"stage": "rollout"}))
+    (tmp_path / "r0" / "manifest.json").write_text(json.dumps({"stage": "rollout", "fingerprint": "f"}))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(BadInputError, match=r"run \(matched by .*\) holds no rollout shards"):
         resolve_shard_files(str(tmp_path / "r*"))
     (tmp_path / "run" / "metrics.jsonl").unlink()
     (tmp_path / "run" / "samples.jsonl").write_text('{"id": 0}\n')
-    (tmp_path / "run" / "manifest.json").write_text(json.dumps({"stage": "eval"}))
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({"stage": "eval", "fingerprint": "f"}))
     with pytest.raises(BadInputError, match="run is the output of `qerl eval`, not rollout shards"):
         resolve_shard_files(str(tmp_path / "run"))
     assert resolve_shard_files(str(tmp_path / "r0*")) == [tmp_path / "r0" / shard_name(0, 1)]

@@ -26,17 +26,20 @@ except ImportError:  # triton is Linux-only; the torch paths cover everything wi
 def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Fused kernels run when x is on CUDA and autograd needs nothing from this op (no input, weight
     or residual requires grad, e.g. trained norm weights)."""
-    if triton is None or not x.is_cuda or os.environ.get("QERL_FUSED", "1") == "0":
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)):
-        return False
-    return True
+    return _on(x) and not _wants_grad(x, *others)
 
 
 def trainable(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """The autograd form of a fused kernel runs (``norm._RMSNormFn``): x on CUDA, gradients wanted."""
-    return (triton is not None and x.is_cuda and os.environ.get("QERL_FUSED", "1") != "0"
-            and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)))
+    return _on(x) and _wants_grad(x, *others)
+
+
+def _on(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda and os.environ.get("QERL_FUSED", "1") != "0"
+
+
+def _wants_grad(*ts: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
 
 def _jit(fn):

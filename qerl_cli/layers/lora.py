@@ -100,18 +100,18 @@ class LoRALinear(nn.Module):
         return c
 
     def _factors(self, x: torch.Tensor):
-        """(dropout(x) @ A^T, (B * scaling)^T) in x's dtype, through autograd: the scaling multiplies the
+        """(dropout(x) @ A^T, B * scaling) in x's dtype, through autograd: the scaling multiplies the
         [out, r] factor, not the [tokens, out] product."""
         a, bs = self.lora_A.to(x.dtype), (self.lora_B * self.scaling).to(x.dtype)
-        return self.dropout(x) @ a.t(), bs.t()
+        return self.dropout(x) @ a.t(), bs
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA term alone: dropout(x) @ A^T @ B^T * scaling, in x's dtype."""
         c = self._inference_copies(x)
         if c is not None:
             return (x @ c[0].t()) @ c[1].t()
-        t, bt = self._factors(x)
-        return t @ bt
+        t, b = self._factors(x)
+        return t @ b.t()
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + the LoRA term: x @ A^T, then one addmm of it with the scaled B into y (cuBLAS adds y in its
@@ -123,16 +123,16 @@ class LoRALinear(nn.Module):
             # In place where y is a plain tensor: the frozen base's output is saved by no backward
             # (its autograd keeps x and W), so adding into it spares one [tokens, out] tensor at
             # training's memory peak. Views (chunks of a fused GEMM's output) stay out of place.
-            t, bt = self._factors(x)
-            if y.dtype != t.dtype or bt.dtype != t.dtype:  # autocast: the matmuls' dtype is not x's
-                return y + t @ bt.to(t.dtype)
-            if y._is_view():  # new output, y added in the GEMM's epilogue (NVFP4's output is a reshape)
-                return torch.addmm(y.reshape(-1, y.shape[-1]), t.reshape(-1, t.shape[-1]), bt).view(y.shape)
+            t, b = self._factors(x)
+            if y.dtype != t.dtype or b.dtype != t.dtype:  # autocast: the matmuls' dtype is not x's
+                return y + t @ b.t().to(t.dtype)
+            if y._is_view():  # NVFP4's output is a reshape: one addmm, y added in its epilogue
+                return expand(y, t.reshape(-1, t.shape[-1]), b)
             if y.dim() == 2:
-                return y.addmm_(t, bt)
+                return y.addmm_(t, b.t())
             if y.dim() == 3:  # [B, L, out], as training runs: batched, y added in the GEMM's epilogue
-                return y.baddbmm_(t, bt.expand(y.shape[0], *bt.shape))
-            return y.add_(t @ bt)
+                return y.baddbmm_(t, b.t().expand(y.shape[0], *b.t().shape))
+            return y.add_(t @ b.t())
         return expand(y, shrink(x, c[0]), c[1])
 
     def refresh_inference_copies(self, dtype: torch.dtype) -> None:
@@ -365,7 +365,8 @@ def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 def expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``y + t @ b^T`` (t [tokens, r], b [out, r]; y [..., out]), into y in place where y is contiguous
     and outside autograd: out of place, addmm first copies y, one more launch per LoRA projection
-    at decode. Only the engine calls this, on a base GEMM's fresh output that nothing else reads."""
+    at decode. Called on a base GEMM's fresh output that nothing else reads (the engine's, and a view
+    of one in ``LoRALinear.add_delta``)."""
     y2 = y.reshape(-1, y.shape[-1])
     if y.is_contiguous() and not (torch.is_grad_enabled() and y.requires_grad):
         y2.addmm_(t, b.t())

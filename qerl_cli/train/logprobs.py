@@ -91,10 +91,7 @@ def find_kept(z: torch.Tensor, trunc: torch.Tensor) -> Kept:
 
 
 def _radix_ok(z: torch.Tensor) -> bool:
-    from qerl_cli.engine.sampler import _fast_path
-    from qerl_cli.engine.sampling_params import SamplingParams
-
-    return z.dtype == torch.float32 and z.is_contiguous() and _fast_path(z, SamplingParams(temperature=1.0))
+    return z.dtype == torch.float32 and z.is_contiguous() and _triton_on_cuda(z)
 
 
 def _kept_by_radix(x: torch.Tensor, top_p: float, top_k: int, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +143,13 @@ def replay_truncation_(z: torch.Tensor, targets: torch.Tensor | None, trunc: tor
 
 
 def _fused(z: torch.Tensor) -> bool:
-    """The one-pass Triton kernels (``train.triton_logprobs``) on CUDA; torch elsewhere."""
+    """The one-pass Triton kernels (``train.triton_logprobs``) on CUDA; torch elsewhere (a separate switch
+    from ``_radix_ok``'s: ``bench_train.py --torch-logprobs`` turns off these passes alone)."""
+    return _triton_on_cuda(z)
+
+
+def _triton_on_cuda(z: torch.Tensor) -> bool:
+    """z on CUDA with Triton importable: the GPU sampler's own test (``sampler._fast_path``)."""
     from qerl_cli.engine.sampler import _fast_path
     from qerl_cli.engine.sampling_params import SamplingParams
 
