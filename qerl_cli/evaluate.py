@@ -28,7 +28,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
@@ -39,6 +39,7 @@ from qerl_cli.outputs import StageOutput
 from qerl_cli.runtime import as_many
 
 STAGE = "eval"
+DEFAULT_MAX_NEW_TOKENS = 1024
 SCORERS = ("auto", "gsm8k", "math")
 ENGINES = ("native", "vllm")
 
@@ -53,7 +54,7 @@ class EvalConfig:
     num_samples: int | None = None  # default: k
     temperature: float | None = None  # default: 0 (greedy) for k = 1, else 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 1024
+    max_new_tokens: int | None = None  # default: DEFAULT_MAX_NEW_TOKENS, or half the model's context if less
     stop: tuple[str, ...] = ()  # stop strings (EOS always stops)
     prompt_template: str | None = None  # same default as rollout: the row's prompt as it is
     system_prompt: str | None = None
@@ -113,7 +114,7 @@ class EvalConfig:
             raise BadInputError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.chat_template_file is not None and self.chat_template is False:
             raise BadInputError("--chat-template-file with --no-chat-template: the file would not be used")
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise BadInputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         self.stop = tuple(self.stop)
         if any(not x for x in self.stop):
@@ -261,6 +262,13 @@ def _legacy_fingerprint_config(config: dict, cfg: EvalConfig) -> tuple[dict, ...
     return (old,) if cfg.sampling_temperature == 0 else (old, dict(old, max_num_seqs=cfg.max_num_seqs))
 
 
+def default_max_new_tokens(context: int) -> int:
+    """--max-new-tokens when not given: DEFAULT_MAX_NEW_TOKENS, or half the model's context where that is
+    less, so the default leaves prompts room on a small model (1024 was refused outright on the bundled
+    model's 255-token context). On a model of 2048+ tokens it is 1024, as before."""
+    return max(1, min(DEFAULT_MAX_NEW_TOKENS, context // 2))
+
+
 def _problem_seed(seed: int, index: int) -> int:
     """The sampling seed of problem ``index`` (its row in the dataset): reproducible, whatever the batch."""
     return (seed * 1_000_003 + index) % (2**31 - 1)
@@ -304,6 +312,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if missing is not None:
         raise BadInputError(f"{missing.where}: row has no reference `answer`; eval needs one per problem")
 
+    if cfg.max_new_tokens is None:  # resolved before the fingerprint, which records the number generated with
+        cfg = replace(cfg, max_new_tokens=default_max_new_tokens(context_limit(cfg.model, cfg.max_model_len)[0]))
     device = resolve_device(cfg.device)
     dtype_name, torch_dtype = resolve_dtype(cfg.dtype, device)
     base_hash = model_hash(cfg.model)

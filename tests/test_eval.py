@@ -11,7 +11,7 @@ import pytest
 import qerl_cli.evaluate as ev
 from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
 from qerl_cli.eval_metrics import pass_at_k
-from qerl_cli.evaluate import EvalConfig, Sample, evaluate, score_completion, scorer_for
+from qerl_cli.evaluate import EvalConfig, Sample, default_max_new_tokens, evaluate, score_completion, scorer_for
 from tests.helpers import make_tiny_hf_model
 
 
@@ -193,6 +193,20 @@ def test_bad_inputs(model_dir, tmp_path):
     with pytest.raises(BadInputError, match="no room for the prompt"):
         run(model_dir, tmp_path, GSM8K_ROWS, [], name="long", max_new_tokens=600)
     assert not (tmp_path / "o").exists()
+
+
+def test_default_max_new_tokens_fits_a_small_context(model_dir, tmp_path):
+    # The default was a fixed 1024, refused outright on the bundled model's 255-token context (a trial's
+    # first `qerl eval`). Now: 1024, or half the context where that is less, recorded as a number.
+    answers = [["#### 7"], ["#### 10"], ["#### 4"], ["#### -5"]]
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=None)
+    assert res["metrics"]["sampling"]["max_new_tokens"] == 255  # the fixture's 512 positions: 511 // 2
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers[:0], max_new_tokens=255)
+    assert res["already_done"]  # the default and the same number given are one run
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers, name="e100", max_new_tokens=None, max_model_len=100)
+    assert res["metrics"]["sampling"]["max_new_tokens"] == 50  # the context it runs with, not the model's
+    assert default_max_new_tokens(32767) == 1024 and default_max_new_tokens(255) == 127
+    assert default_max_new_tokens(1) == 1
 
 
 def test_refuses_adapter_for_another_base(model_dir, tmp_path):

@@ -41,8 +41,9 @@ def command(
     temperature: float = typer.Option(None, "--temperature", help="Sampling temperature. Default: 0 (greedy) for "
                                       "one sample, 1.0 otherwise. Example: --temperature 0.6", show_default=False),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold. Example: --top-p 0.95"),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", help="Completion length cap (longer ones count as "
-                                       "truncated). Example: --max-new-tokens 2048"),
+    max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Completion length cap (longer ones count as "
+                                       "truncated). Default: 1024, or half the model's context if that is less. "
+                                       "Example: --max-new-tokens 2048", show_default=False),
     stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable); EOS always stops. For base models "
                                    "that run on into the next question (a newline needs the shell's $'...' quoting). Example: --stop $'\\nQ:'"),
     prompt_template: str = typer.Option(None, "--prompt-template", help="Instruction around each problem: a string "
