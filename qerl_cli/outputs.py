@@ -71,7 +71,7 @@ def crash_point(name: str) -> None:
     does. Named points: ``stage-start`` (temp dir just created), ``before-manifest`` (every
     output file written), ``before-rename`` (manifest written, not yet renamed), ``mid-swap``
     (replacing an output: between the swap and the removal of the old one), ``shard-group``
-    (a rollout group appended and fsynced), ``tensor`` (a safetensors tensor written). Unset, as
+    (a rollout group appended and flushed), ``tensor`` (a safetensors tensor written). Unset, as
     always outside the tests, it costs one environment lookup.
     """
     spec = os.environ.get(KILL_ENV)

@@ -17,7 +17,7 @@ How it works
    with a seed of its own derived from (``--seed``, step, prompt id), so they reproduce exactly and
    do not depend on the batch they came in (``--batch-prompts``, ``--max-num-seqs``, sharding)
    beyond the batched matmuls' rounding. Every group is
-   appended and fsynced as soon as its batch is done. A rerun after a crash keeps the complete
+   appended and flushed as soon as its batch is done (fsynced at most once a second). A rerun after a crash keeps the complete
    groups, regenerates only batches with missing groups and appends only the missing ones,
    which yields the records of an uninterrupted run. The trade-off: a crash costs up to one
    batch of generation (``--batch-prompts``), not one group.

@@ -1,6 +1,7 @@
 """Rollout shard records: round trip, validation with file:line, resume repair."""
 
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -66,14 +67,26 @@ def test_round_trip_dir_file_glob(tmp_path):
     assert list(recs[0])[:3] == ["schema_version", "prompt_id", "group_id"]
 
 
-def test_writer_appends_and_fsyncs_per_group(tmp_path):
+def test_writer_flushes_per_group_and_fsyncs_by_time(tmp_path, monkeypatch):
     p = tmp_path / shard_name(0, 1)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     with ShardWriter(p) as w:
         w.write_group(group("a"))
-        # visible on disk before close: a crash now keeps group a
+        # visible to other processes before close: a killed process keeps group a
         assert len(p.read_text().splitlines()) == 2
         w.write_group(group("b"))
-    assert w.groups_written == 2 and w.records_written == 4
+        assert synced == []  # within the first second: flushed, not fsynced
+        w._synced_at -= 1.0  # a second later, the next group is fsynced
+        w.write_group(group("c"))
+        assert len(synced) == 1
+    assert len(synced) == 2  # and close fsyncs what is left
+    assert w.groups_written == 3 and w.records_written == 6 and w.fsyncs == 2
+    with ShardWriter(tmp_path / "every.jsonl", fsync_every_s=0) as w:
+        w.write_group(group("a"))
+        w.write_group(group("b"))
+        assert w.fsyncs == 2
 
 
 def test_writer_refuses_invalid_and_nan(tmp_path):
