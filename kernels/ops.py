@@ -16,7 +16,7 @@ that runs them on CPU, which is how the CPU test suite checks them).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from qerl_kernels import reference
@@ -35,6 +35,10 @@ class NVFP4Weight:
     global_scale: torch.Tensor
     twiddled: bool = False
     blocked: bool = False  # twiddled and stored in 1 KB blocks (twiddle.block); implies twiddled
+    # Where the reference path runs (CPU), keep the dequantized weight between calls instead of decoding
+    # it on every call (``dense``): the owner opts in where the copy fits its memory.
+    keep_dense: bool = False
+    _dense: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -49,6 +53,17 @@ class NVFP4Weight:
 
     def dequantize(self, dtype=torch.bfloat16) -> torch.Tensor:
         return reference.dequantize(self.ondisk_packed(), self.scale, self.global_scale, dtype)
+
+    def dense(self, dtype) -> torch.Tensor:
+        """The dequantized weight in ``dtype``, kept until the codes or scales change in place (their
+        version counters) or another dtype is asked for. Made outside inference mode, so a cache filled
+        by the engine still serves autograd."""
+        key = (dtype, self.packed.device, self.packed._version, self.scale._version, self.global_scale._version)
+        if self._dense is None or self._dense[0] != key:
+            self._dense = None  # the old copy is freed before the new one is made
+            with torch.inference_mode(False), torch.no_grad():
+                self._dense = (key, self.dequantize(dtype))
+        return self._dense[1]
 
     def to(self, device) -> NVFP4Weight:
         return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device), self.twiddled,
@@ -145,6 +160,8 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
                              x_korder=True)
             return y.reshape(*lead, w.out_features)
         x = natural_order(x2).reshape(x.shape)
+    if w.keep_dense and not _use_triton(x):  # the reference path's numbers, without decoding every call
+        return torch.nn.functional.linear(x, w.dense(x.dtype), bias)
     y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked))
     return y.reshape(*lead, w.out_features)
 

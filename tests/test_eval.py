@@ -11,7 +11,14 @@ import pytest
 import qerl_cli.evaluate as ev
 from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
 from qerl_cli.eval_metrics import pass_at_k
-from qerl_cli.evaluate import EvalConfig, Sample, default_max_new_tokens, evaluate, score_completion, scorer_for
+from qerl_cli.evaluate import (
+    EvalConfig,
+    Sample,
+    default_max_new_tokens,
+    evaluate,
+    score_completion,
+    scorer_for,
+)
 from tests.helpers import make_tiny_hf_model
 
 

@@ -34,6 +34,7 @@ class QLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
         self._nvfp4: NVFP4Weight | None = None
+        self.keep_dense = False  # NVFP4 on the reference path: keep the dequantized weight (keep_dense_weights)
         # True once ``twiddle_codes_`` rewrote weight_packed into the sm_90 decode's layout (in place),
         # ``blocked`` when it also stored the codes in 1 KB tiles (qerl_kernels.twiddle.block).
         self.twiddled = False
@@ -65,6 +66,7 @@ class QLinear(nn.Module):
                 or w.blocked != self.blocked:
             w = self._nvfp4 = NVFP4Weight(self.weight_packed, self.weight_scale, self.weight_global_scale, self.twiddled,
                                           self.blocked)
+        w.keep_dense = self.keep_dense
         return w
 
     def dense_weight(self, dtype=None) -> torch.Tensor:
@@ -172,6 +174,7 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
         # Twiddling is row-local and blocks are 16-row tiles of parts whose rows are multiples of 16,
         # so the stacked rows keep the layout.
         fused.twiddled, fused.blocked = first.twiddled, first.blocked
+        fused.keep_dense = all(p.keep_dense for p in parts)
     else:
         share("weight", True)
     if first.bias is not None:
@@ -214,6 +217,22 @@ def twiddle_codes_(model: nn.Module, rows_per_chunk: int = 4096) -> int:
         for m in readers:
             m.twiddled, m.blocked = True, blocked
     return len(mods)
+
+
+def keep_dense_weights(model: nn.Module, dtype: torch.dtype, max_bytes: int) -> bool:
+    """Let every NVFP4 QLinear keep its dequantized weight between calls on the reference path, when
+    the dense copies of them all fit ``max_bytes``; returns whether they do.
+
+    Why: on CPU the reference path decoded every weight on every call, 0.8 of 11 s of a small CPU
+    rollout. A copy is made on a module's first call (so the per-projection modules that fused ones
+    replace at inference never make one); the numbers are the reference path's, bit for bit.
+    """
+    mods = [m for m in model.modules() if isinstance(m, QLinear) and m.quantized]
+    elem = torch.empty(0, dtype=dtype).element_size()
+    fits = sum(m.in_features * m.out_features for m in mods) * elem <= max_bytes
+    for m in _all_qlinears(model):
+        m.keep_dense = fits and m.quantized
+    return fits
 
 
 def _all_qlinears(model: nn.Module) -> list[QLinear]:

@@ -19,13 +19,16 @@ from safetensors import safe_open
 
 from qerl_cli.checkpoint.source import check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError
-from qerl_cli.layers.linear import twiddle_codes_
+from qerl_cli.layers.linear import keep_dense_weights, twiddle_codes_
 from qerl_cli.layers.lora import LoraSpec, apply_lora
 from qerl_cli.models.config import ModelConfig
 from qerl_cli.models.decoder import CausalLM
 
 _QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
 _IGNORED = ("rotary_emb.inv_freq",)
+# On CPU an NVFP4 model keeps its dequantized Linear weights up to this size (keep_dense_weights): the
+# tiny and test models (a few MB); a 1.5B model in fp32 (~6 GB) decodes per call instead.
+CPU_DENSE_WEIGHT_BYTES = 4 << 30
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
@@ -166,6 +169,8 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_runtime_buffers(model, device)
     maybe_twiddle(model, device, dtype)
+    if device.type == "cpu":  # the reference path, which would decode every weight on every call
+        keep_dense_weights(model, dtype, CPU_DENSE_WEIGHT_BYTES)
     model.base_hash = model_hash(model_dir)
     model.model_dir = model_dir
     _attach_lora(model, lora, adapter_dir)
@@ -226,6 +231,8 @@ def build_random_model(config: ModelConfig, device="cuda", dtype: torch.dtype = 
         model.lm_head.weight = model.model.embed_tokens.weight
     _init_runtime_buffers(model, device)
     maybe_twiddle(model, device, dtype)
+    if device.type == "cpu":  # the reference path, which would decode every weight on every call
+        keep_dense_weights(model, dtype, CPU_DENSE_WEIGHT_BYTES)
     model.base_hash = f"random-{seed}"
     model.eval()
     if lora is not None:
