@@ -858,12 +858,41 @@ def _result_numbers(metrics: dict) -> str:
 
 
 def _append_metrics(path: Path, metrics: dict) -> None:
-    """--metrics-file after the step is in place: the file system refusing it is exit 7, one line."""
+    """--metrics-file after the step is in place, one line per step: a redone step (--force, or its
+    output removed and run again) replaces its earlier line, which a reader of "one line per step"
+    took for a second run (a trial's FORCE=1 rerun left 6 lines for 3 steps). The file system refusing
+    it is exit 7, one line."""
     try:
+        _drop_step_lines(path, metrics["step"])
         append_jsonl(path, metrics)
     except OSError as e:
         raise OutputWriteError(f"cannot append to --metrics-file {path}: {e.strerror or e} (the step's output at "
                                "--out is complete; a rerun adds the line)", hint="fix the path, then rerun") from None
+
+
+def _drop_step_lines(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without its lines for ``step``, ending on a newline; torn or foreign
+    lines stay."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+
+    def of_step(line: str) -> bool:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(rec, dict) and rec.get("step") == step
+
+    kept = [x for x in lines if not of_step(x)]
+    torn = bool(kept) and not kept[-1].endswith("\n")
+    if torn:
+        kept[-1] += "\n"  # a torn last line (a kill mid-append) stays a line of its own, not glued to ours
+    if len(kept) == len(lines) and not torn:
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:

@@ -562,6 +562,20 @@ def test_a_rerun_restores_the_metrics_line_a_kill_lost(models, tmp_path, monkeyp
     assert lines == [m["metrics"]]
 
 
+def test_a_redone_step_replaces_its_metrics_line(models, tmp_path):
+    # FORCE=1 in grpo.sh redoes a step with --force: the file kept both lines, so "one line per step"
+    # read two runs. The redo replaces the step's line; other steps' lines and a torn line stay.
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    mf = tmp_path / "run" / "metrics.jsonl"
+    mf.parent.mkdir()
+    mf.write_text(json.dumps({"step": 7, "loss": 1.0}) + "\n" + '{"step": 1, "lo')
+    train_step(_cfg(models["q"], [sh], tmp_path / "a", metrics_file=mf))
+    m = train_step(_cfg(models["q"], [sh], tmp_path / "a", metrics_file=mf, lr=2e-3, force=True))
+    lines = mf.read_text().splitlines()
+    assert lines[:2] == [json.dumps({"step": 7, "loss": 1.0}), '{"step": 1, "lo']
+    assert [json.loads(x) for x in lines[2:]] == [m["metrics"]] and m["metrics"]["lr"] == pytest.approx(2e-3)
+
+
 def test_a_smaller_micro_batch_resumes_a_run(models, tmp_path):
     # After an out-of-memory the advice is a smaller --micro-batch-tokens; the finished steps must stay
     # "already done" (the sizes only reorder float sums), except where they change the math.

@@ -67,7 +67,7 @@ def command(
     baseline: Annotated[str | None, typer.Option("--baseline", rich_help_panel="Run", help="bf16: check --model is a plain 16-bit HF dir (the 16-bit LoRA comparison run). Example: --baseline bf16")] = None,
     seed: Annotated[int, typer.Option("--seed", rich_help_panel="Run", help="Seeds the fresh adapter's init and the LoRA dropout masks. Example: --seed 1")] = 0,
     skip_bad_lines: Annotated[bool, typer.Option("--skip-bad-lines", rich_help_panel="Run", help="Skip unparseable shard lines instead of stopping.")] = False,
-    metrics_file: Annotated[Path | None, typer.Option("--metrics-file", rich_help_panel="Run", help="Also append this step's metrics line here (one file for the whole run). Example: --metrics-file run/metrics.jsonl")] = None,
+    metrics_file: Annotated[Path | None, typer.Option("--metrics-file", rich_help_panel="Run", help="Also append this step's metrics line here (one file for the whole run, one line per step: a redone step replaces its line). Example: --metrics-file run/metrics.jsonl")] = None,
     force: Annotated[bool, typer.Option("--force", rich_help_panel="Run", help="Redo the step even if --out already holds it / holds something else.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel="Run", help="No progress bar or summary line.")] = False,
 ) -> None:
