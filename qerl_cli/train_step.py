@@ -917,7 +917,9 @@ def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metr
 
     from qerl_cli.adapters import save_adapter
 
-    save_adapter(model, work, base_model_path=str(cfg.model))
+    # Absolute: PEFT's AutoPeftModel resolves a relative base against its own working directory, so an
+    # adapter trained as --model runs/x/base could not find its base from anywhere else (a trial).
+    save_adapter(model, work, base_model_path=str(Path(cfg.model).resolve()))
     save_optimizer(opt, work / OPTIMIZER_FILE)
     if cfg.train_norms:
         norms = {n: p.detach().float().cpu().contiguous() for n, p in named if ".lora_" not in n}

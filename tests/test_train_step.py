@@ -576,6 +576,17 @@ def test_a_redone_step_replaces_its_metrics_line(models, tmp_path):
     assert [json.loads(x) for x in lines[2:]] == [m["metrics"]] and m["metrics"]["lr"] == pytest.approx(2e-3)
 
 
+def test_adapter_names_its_base_by_absolute_path(models, tmp_path, monkeypatch):
+    # PEFT resolves base_model_name_or_path against its own working directory: "runs/x/base" as
+    # written for a relative --model could not be found from anywhere else.
+    sh = make_shard(tmp_path / "sh", models["qhash"])
+    q = Path(models["q"]).resolve()
+    monkeypatch.chdir(q.parent)
+    train_step(_cfg(Path(q.name), [sh], tmp_path / "a"))
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(q)
+
+
 def test_a_smaller_micro_batch_resumes_a_run(models, tmp_path):
     # After an out-of-memory the advice is a smaller --micro-batch-tokens; the finished steps must stay
     # "already done" (the sizes only reorder float sums), except where they change the math.
