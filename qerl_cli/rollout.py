@@ -467,6 +467,10 @@ def rollout(cfg: RolloutConfig) -> dict:
     rows = load_prompts(cfg.prompts, skip_bad_lines=cfg.skip_bad_lines, bad_lines=bad_rows,
                         prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
     selected = select_prompts(rows, cfg)
+    if not selected and cfg.num_shards > 1:  # harmless for train-step, but a Slurm task (a GPU) spent on nothing
+        warnings.warn(QerlWarning(
+            f"shard {cfg.shard_index} of {cfg.num_shards} gets no prompts (fewer prompts this step than shards): "
+            "it writes an empty shard; fewer --num-shards would do"), stacklevel=2)
     if reward_set.needs_answer:
         missing = next((r for r in selected if r.answer is None), None)
         if missing is not None:

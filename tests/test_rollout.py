@@ -143,8 +143,11 @@ def test_shards_are_disjoint_and_cover(model_dir, tmp_path, fake_engine):
 
 
 def test_more_shards_than_prompts_gives_empty_shard(model_dir, tmp_path, fake_engine):
+    from qerl_cli.errors import QerlWarning
+
     write_prompts(tmp_path / "prompts.jsonl", n=2)
-    res = rollout(cfg_for(model_dir, tmp_path, shard_index=2, num_shards=3))
+    with pytest.warns(QerlWarning, match="shard 2 of 3 gets no prompts"):  # a Slurm task spent on nothing
+        res = rollout(cfg_for(model_dir, tmp_path, shard_index=2, num_shards=3))
     assert res["summary"]["groups"] == 0 and fake_engine.calls == []
     assert (tmp_path / "out" / "shard-00002-of-00003.jsonl").read_text() == ""
 
