@@ -163,7 +163,17 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
     if w.keep_dense and not _use_triton(x):  # the reference path's numbers, without decoding every call
         return torch.nn.functional.linear(x, w.dense(x.dtype), bias)
     y = _NVFP4LinearFn.apply(x.reshape(-1, k), w.packed, w.scale, w.global_scale, bias, (w.twiddled, w.blocked))
-    return y.reshape(*lead, w.out_features)
+    # 2-D x: the kernel's own tensor, not a view of it (a view cannot be added into in place under
+    # autograd, which cost NVFP4's LoRA term a copy of the output per projection in training)
+    return y if x.dim() == 2 else y.reshape(*lead, w.out_features)
+
+
+def nvfp4_grad_input(gy: torch.Tensor, w: NVFP4Weight) -> torch.Tensor:
+    """``gy @ dequant(w)``, [M, N] -> [M, K]: ``nvfp4_linear``'s gradient for its input, itself
+    differentiable (a double backward sees it), for a caller writing its own backward around the base."""
+    if w.keep_dense and not _use_triton(gy):
+        return gy @ w.dense(gy.dtype)
+    return _NVFP4GradInputFn.apply(gy.contiguous(), w.packed, w.scale, w.global_scale, (w.twiddled, w.blocked))
 
 
 def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight, x_korder: bool = False, y_korder: bool = False) -> torch.Tensor | None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from qerl_cli.layers.context import get_context
+from qerl_cli.layers.lora_train import lora_train, trains_through_fn
 
 # Batch rows up to which the norm kernel computes the q/k/v and gate/up LoRA shrink. Each row's programs
 # read all of A, so its cost grows with the rows, while past a few rows the separate shrink hides beside
@@ -153,6 +154,8 @@ class LoRALinear(nn.Module):
         if c is not None and overlap_enabled(x):
             y, t = base_and_shrink(self.base, x, c[0])
             return expand(y, t, c[1])
+        if self.enabled and c is None and trains_through_fn(self, x):
+            return lora_train(self, x)
         y = self.base(x)
         return self.add_delta(x, y) if self.enabled else y
 
