@@ -7,6 +7,8 @@
 # step-numbered directory atomically and says "already done" when rerun with the same inputs,
 # so rerunning this script after a crash resumes after the last completed stage; a changed
 # config makes the first changed stage refuse (pass FORCE=1 to redo the stages that refuse).
+# SIGTERM, SIGINT or SIGHUP to this script reach the running stage, which cleans up (a rollout keeps
+# its finished groups); the script then exits with the stage's status, and a rerun resumes.
 #
 # Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
 #          RUN_DIR/step-000012/{shards,adapter,eval}
@@ -24,16 +26,45 @@ EVAL_EVERY=${EVAL_EVERY:-0}          # 0: evaluate only the base (step -1) and t
 EVAL_MAX_PROBLEMS=${EVAL_MAX_PROBLEMS:-0}
 DTYPE=${DTYPE:-auto}
 RUN_SEED=${RUN_SEED:-$SEED}
+# The running stage gets the signal this script gets (bash would not pass it on to a foreground
+# child: `kill <this pid>` left the stage running, still writing). The stage runs in its own process
+# group, so a Ctrl-C or a signal to this script's group reaches it once, through here.
+child=""
+signals=0     # how many arrived (each ends a `wait` early)
+signalled=""  # the number of the last one
+on_signal() {  # SIGNAL NUMBER
+  signals=$((signals + 1)); signalled=$2
+  if [ -n "$child" ]; then
+    kill -s "$1" "$child" 2>/dev/null || true
+  else
+    exit $((128 + $2))  # between stages: nothing to clean up
+  fi
+}
+trap 'on_signal TERM 15' TERM
+trap 'on_signal INT 2' INT
+trap 'on_signal TERM 1' HUP  # a closed terminal: the stage cleans up as after SIGTERM
+run_qerl() {  # qerl ARGS..., as a child this script waits for; after a signal, exit with its status
+  local rc seen
+  set -m; "$QERL" "$@" < /dev/null & child=$!; set +m
+  while :; do
+    seen=$signals; rc=0; wait "$child" || rc=$?
+    if [ "$signals" = "$seen" ]; then break; fi  # a signal ended this wait early: wait for the stage's status
+  done
+  child=""
+  if [ -n "$signalled" ]; then exit $(( rc != 0 ? rc : 128 + signalled )); fi
+  return "$rc"
+}
+
 # A stage that refuses because its output was made from other inputs exits 4. With FORCE=1 that
 # stage alone is redone with --force; a later stage whose inputs it changed refuses and is redone in
 # turn, and one whose inputs did not change stays "already done" (so changing MERGE_DTYPE redoes
 # merge and eval, not the RL loop).
 stage() {
   local rc=0
-  "$QERL" "$@" || rc=$?
+  run_qerl "$@" || rc=$?
   if [ "$rc" = 4 ] && [ "${FORCE:-0}" = 1 ]; then
-    echo "FORCE=1: redoing qerl $1 with --force" >&2
-    "$QERL" "$@" --force
+    echo "FORCE=1: qerl $1 refused above (exit 4, made from other inputs); redoing it with --force" >&2
+    run_qerl "$@" --force
   else
     return "$rc"
   fi
@@ -106,5 +137,5 @@ stage merge --model "$BASE" --adapter "$last/adapter" --out "$RUN_DIR/merged" "$
 if [ -n "${EVAL_DATASET:-}" ]; then
   say "eval merged policy"
   stage eval --model "$RUN_DIR/merged" "${eval_flags[@]}" --out "$RUN_DIR/eval-final"
-  "$QERL" eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"
+  run_qerl eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"
 fi

@@ -7,8 +7,10 @@ recording stand-in for ``qerl`` so every generated command line is checked witho
 
 import os
 import shutil
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -257,8 +259,9 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 4  # without FORCE the refusal stops the loop
     log.write_text("")
-    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env={**env, "FORCE": "1"},
-                   check=True, capture_output=True)
+    err = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env={**env, "FORCE": "1"},
+                         check=True, capture_output=True, text=True).stderr
+    assert "error: exists\nFORCE=1: qerl merge refused above (exit 4" in err  # the error shown is being handled
     calls = [x.strip() for x in log.read_text().splitlines()]
     assert calls == ["quantize", "eval", "rollout", "train-step", "rollout", "train-step", "merge", "merge forced",
                      "eval", "eval"], calls  # the config's EVAL_DATASET: base, final, --compare
@@ -308,6 +311,35 @@ def test_a_slurm_rollout_rerun_alone_samples_with_the_chains_settings(tmp_path):
     assert args[args.index("--prompts-per-step") + 1] == "4", args
     assert args[args.index("--num-generations") + 1] == "8", args  # this config assigns G outright
     assert args[args.index("--seed") + 1] == "7", args
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
+def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig, code):
+    # `kill <grpo.sh pid>` left the stage running, still writing: bash passes no signal to a foreground child.
+    # A stand-in stage records the signal it gets and exits as qerl does (143 / 130); the script waits for
+    # it, exits with its status and starts no other stage.
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $$" >> {log}\n'
+            f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
+            f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
+            f'for _ in $(seq 100); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=2\n")
+    p = subprocess.Popen(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")],
+                         env={**os.environ, "QERL": str(qerl)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    for _ in range(100):
+        if log.exists() and log.read_text().startswith("quantize"):
+            break
+        time.sleep(0.05)
+    p.send_signal(sig)  # to the script alone, not its process group
+    assert p.wait(timeout=10) == code
+    lines = log.read_text().splitlines()
+    assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
+    with pytest.raises(ProcessLookupError):  # the stage is gone, not orphaned
+        os.kill(int(lines[0].split()[1]), 0)
 
 
 def test_config_knobs_set_in_the_environment_win(tmp_path):
