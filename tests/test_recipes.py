@@ -41,6 +41,9 @@ def test_configs_define_what_the_loop_needs(config):
     assert all(values[k] for k in keys.split()), values
     if "qwen2.5" in config.name:
         assert values["LOSS"] == "dapo" and values["CLIP_EPS_HIGH"] == "0.28" and values["LORA_RANK"] == "16"
+    # and recipes/lib.sh's check (every key a stage reads, BASE_FORMAT, the whole numbers) takes it
+    subprocess.run(["bash", "-c", f"set -euo pipefail; source {config}; source {RECIPES / 'lib.sh'}; qerl_load_config {config}"],
+                   check=True)
 
 
 def _fake_sbatch(tmp_path):
@@ -51,6 +54,15 @@ def _fake_sbatch(tmp_path):
     return _recorder(tmp_path, "sbatch", body), log
 
 
+def _jobs(log):
+    """The fake sbatch's log as {job name: (id, args)}."""
+    jobs = {}
+    for line in log.read_text().splitlines():
+        jid, args = line.split(" ", 1)
+        jobs[args.split("--job-name ", 1)[1].split(" ", 1)[0]] = (int(jid), args)
+    return jobs
+
+
 def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
     sbatch, log = _fake_sbatch(tmp_path)
     cfg = tmp_path / "c.env"
@@ -58,18 +70,55 @@ def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
     env = {**os.environ, "SBATCH": str(sbatch), "PARTITION": "gpu"}
     out = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
                          capture_output=True, text=True, env=env, check=True).stdout
-    jobs = [line.split(" ", 1) for line in log.read_text().splitlines()]
-    assert len(jobs) == 1 + 3 * 2 + 1, out
-    ids = [int(j) for j, _ in jobs]
-    args = [a for _, a in jobs]
-    assert "quantize" in args[0] and "--dependency" not in args[0]
+    jobs = _jobs(log)
+    assert len(jobs) == 1 + 1 + 3 * 2 + 1, out  # quantize, eval-base (the config's EVAL_DATASET), 3 x 2, final
+    ids = {name: jid for name, (jid, _) in jobs.items()}
+    args = {name: a for name, (_, a) in jobs.items()}
+    assert "quantize" in args["qerl-quantize"] and "--dependency" not in args["qerl-quantize"]
+    prev = ids["qerl-quantize"]
     for s in range(3):
-        roll, train = args[1 + 2 * s], args[2 + 2 * s]
+        roll, train = args[f"qerl-rollout-{s}"], args[f"qerl-train-{s}"]
         assert "--array 0-3" in roll and f" rollout {cfg} " in roll and roll.endswith(f" {s}")
-        assert f"--dependency afterok:{ids[2 * s]}" in roll  # after quantize / previous train
-        assert f"--dependency afterok:{ids[1 + 2 * s]}" in train and " train " in train
-        assert "--partition gpu" in roll
-    assert f"afterok:{ids[-2]}" in args[-1] and " final " in args[-1]
+        assert f"--dependency afterok:{prev} " in roll  # after quantize / previous train
+        assert f"--dependency afterok:{ids[f'qerl-rollout-{s}']} " in train and " train " in train
+        assert "--partition gpu" in roll and "--gres=gpu:1 " in roll  # one GPU per rollout task
+        prev = ids[f"qerl-train-{s}"]
+    assert f"afterok:{prev}:{ids['qerl-eval-base']} " in args["qerl-final"] and " final " in args["qerl-final"]
+    # Log names: %a is 4294967294 outside an array, so only the rollout arrays use it.
+    run = tmp_path / "run"
+    for name, a in args.items():
+        pattern = "slurm-%x-%A_%a.out" if "rollout" in name else "slurm-%x-%j.out"
+        assert f"--output {run}/{pattern} " in a, (name, a)
+
+
+def test_slurm_evals_run_beside_the_chain(tmp_path):
+    # EVAL_EVERY was ignored under Slurm and the base eval ran in the final job, on the critical path.
+    sbatch, log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nEVAL_EVERY=2\n")
+    run = tmp_path / "run"
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True,
+                   capture_output=True, env={**os.environ, "SBATCH": str(sbatch)})
+    jobs = _jobs(log)
+    ids = {name: jid for name, (jid, _) in jobs.items()}
+    assert sorted(n for n in jobs if "eval" in n) == ["qerl-eval-1", "qerl-eval-3", "qerl-eval-base"]  # as grpo.sh
+    base = jobs["qerl-eval-base"][1]
+    assert f"--dependency afterok:{ids['qerl-quantize']} " in base and base.endswith(f" eval {cfg} {run} -1")
+    for s in (1, 3):
+        a = jobs[f"qerl-eval-{s}"][1]
+        assert f"--dependency afterok:{ids[f'qerl-train-{s}']} " in a and a.endswith(f" eval {cfg} {run} {s}")
+    # nothing waits for a per-step eval; the final job waits for the last train and the base eval
+    deps = [a.split("afterok:", 1)[1].split(" ", 1)[0].split(":") for _, a in jobs.values() if "afterok:" in a]
+    assert not {str(ids["qerl-eval-1"]), str(ids["qerl-eval-3"])} & {d for ds in deps for d in ds}
+    assert f"--dependency afterok:{ids['qerl-train-4']}:{ids['qerl-eval-base']} " in jobs["qerl-final"][1]
+    # without EVAL_DATASET: no eval job, and the final job waits for the last train alone
+    log.write_text("")
+    cfg.write_text(cfg.read_text() + "EVAL_DATASET=\n")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True,
+                   capture_output=True, env={**os.environ, "SBATCH": str(sbatch)})
+    jobs = _jobs(log)
+    assert not [n for n in jobs if "eval" in n]
+    assert f"--dependency afterok:{jobs['qerl-train-4'][0]} " in jobs["qerl-final"][1]
 
 
 def _stage(tmp_path, stage, step, extra=""):
@@ -129,18 +178,61 @@ def test_slurm_bf16_baseline_uses_the_model_dir_and_skips_quantize(tmp_path):
     assert _stage(tmp_path, "rollout", 0, "BASE_FORMAT=bf16").startswith("rollout --model /models/Qwen2.5-7B-Instruct ")
 
 
-def test_slurm_final_fp4_merge_requantizes_and_scores_base_and_merged(tmp_path):
-    # As grpo.sh: an NVFP4 merge adds the update to the bf16 source, and both policies are scored alike.
+def test_slurm_final_fp4_merge_requantizes_and_scores_the_merged_policy(tmp_path):
+    # As grpo.sh: an NVFP4 merge adds the update to the bf16 source, and both policies are scored alike
+    # (the base by its own job, the eval stage with STEP -1, which the final job depends on).
     run, model = tmp_path / "run", "/models/Qwen2.5-7B-Instruct"
     log = _stage(tmp_path, "final", 0, "MERGE_DTYPE=nvfp4\nEVAL_DATASET=t.jsonl\nEVAL_MAX_PROBLEMS=50")
     cmds = [c.strip() for c in log.split("--device cuda")]  # the prompt template holds newlines
     assert cmds[0].startswith(f"merge --model {run}/base --adapter {run}/step-000004/adapter --out {run}/merged")
     assert f"--dtype nvfp4 --requantize-from {model}" in cmds[0]
-    assert f"eval --model {run}/base --dataset t.jsonl" in cmds[0] and f"eval --model {run}/merged" in cmds[1]
-    assert [c.count("--max-problems 50") for c in cmds] == [0, 1, 1]
+    assert f"eval --model {run}/merged --dataset t.jsonl" in cmds[0] and "eval-base" not in cmds[0]
+    assert [c.count("--max-problems 50") for c in cmds] == [0, 1]
     assert log.endswith(f"eval --compare {run}/eval-base {run}/eval-final")
     (tmp_path / "b").mkdir()
     assert "--requantize-from" not in _stage(tmp_path / "b", "final", 0)  # a bf16 merge needs no source
+
+
+def test_slurm_eval_stage_scores_the_base_or_a_steps_adapter(tmp_path):
+    run = tmp_path / "run"
+    base = _stage(tmp_path, "eval", -1, "EVAL_DATASET=t.jsonl")
+    assert base.startswith(f"eval --model {run}/base --dataset t.jsonl ") and base.endswith(f"--out {run}/eval-base")
+    (tmp_path / "b").mkdir()
+    run = tmp_path / "b" / "run"
+    step = _stage(tmp_path / "b", "eval", 2, "EVAL_DATASET=t.jsonl")
+    assert step.startswith(f"eval --model {run}/base --adapter {run}/step-000002/adapter --dataset t.jsonl ")
+    assert step.endswith(f"--out {run}/step-000002/eval")
+
+
+def _argv_recorder(tmp_path):
+    """A stand-in qerl that logs each call's arguments, one call a line (shell-quoted, newlines escaped)."""
+    log = tmp_path / "qerl.log"
+    return _recorder(tmp_path, "qerl", f'printf "%q " "$@" >> {log}; echo >> {log}\n'), log
+
+
+def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
+    # The two scripts kept a copy each of every stage's flags, and stage.sbatch lost --chat-template-file
+    # (rollout and eval). Both now build them in recipes/lib.sh: the same config gives the same commands,
+    # but for where the shards go.
+    extra = ("STEPS=2\nEVAL_EVERY=1\nEVAL_MAX_PROBLEMS=9\nCHAT_TEMPLATE_FILE=/t/chat.jinja\nMERGE_DTYPE=nvfp4\n"
+             "DTYPE=bf16\nRUN_SEED=5\nEVAL_DATASET=t.jsonl\n")
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + extra)
+    run = tmp_path / "run"
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    local = log.read_text().splitlines()
+    log.write_text("")
+    for stage, step in [("quantize", 0), ("eval", -1), ("rollout", 0), ("train", 0), ("eval", 0), ("rollout", 1),
+                        ("train", 1), ("final", 0)]:
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), str(step)],
+                       env=env, check=True, capture_output=True)
+    slurm = [c.replace(" --shard-index 0 --num-shards 1", "").replace("/shards-0 ", "/shards ")
+             for c in log.read_text().splitlines()]
+    assert slurm == local
+    assert sum("--chat-template-file /t/chat.jinja" in c for c in local) == 5  # 2 rollouts, 3 evals
+    assert sum("--run-seed 5 " in c for c in local) == 2 and all("--dtype bf16 " in c for c in local[1:-3])
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -239,8 +331,12 @@ def test_live_slurm_runs_the_chain_in_dependency_order(tmp_path, live_slurm):
         time.sleep(0.5)
     lines = log.read_text().split("\n")[:-1] if log.exists() else []
     stages = [line.split(" ")[0] for line in lines]
-    assert stages == ["quantize", "rollout", "rollout", "train-step", "rollout", "rollout", "train-step", "merge", "eval", "eval",
-                      "eval"], lines  # base, merged, --compare
+    # The base policy's eval runs beside the chain: after quantize, before the final job (merge).
+    base_eval = stages.index("eval") if "eval" in stages else -1
+    assert 0 < base_eval < stages.index("merge"), lines
+    del stages[base_eval], lines[base_eval]
+    assert stages == ["quantize", "rollout", "rollout", "train-step", "rollout", "rollout", "train-step", "merge", "eval",
+                      "eval"], lines  # merged, --compare
     assert sorted(line.split(" ")[1] for line in lines[1:3]) == ["0", "1"]
 
 
@@ -311,6 +407,81 @@ def test_a_slurm_rollout_rerun_alone_samples_with_the_chains_settings(tmp_path):
     assert args[args.index("--prompts-per-step") + 1] == "4", args
     assert args[args.index("--num-generations") + 1] == "8", args  # this config assigns G outright
     assert args[args.index("--seed") + 1] == "7", args
+
+
+def test_submit_env_keeps_what_only_the_environment_set(tmp_path):
+    # submit.env kept only what CONFIG assigns: submitted with RUN_SEED=5, a rollout task rerun alone
+    # sampled with --run-seed 0 (and lost DTYPE, the chat template, ...). It now records every value the
+    # stages read, resolved at submission.
+    cfg, run = _submit_7b_chain(tmp_path, RUN_SEED="5", DTYPE="bf16", CHAT_TEMPLATE_FILE="/t/chat.jinja",
+                                EVAL_MAX_PROBLEMS="7", MERGE_DTYPE="nvfp4")
+    qerl, log = _argv_recorder(tmp_path)
+    gone = ("RUN_SEED", "DTYPE", "CHAT_TEMPLATE_FILE", "EVAL_MAX_PROBLEMS", "MERGE_DTYPE")
+    env = {k: v for k, v in os.environ.items() if k not in gone} | {"QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
+    for stage, step in [("rollout", 1), ("eval", -1), ("final", 0)]:
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), str(step)],
+                       env=env, check=True, capture_output=True)
+    rollout, evaluation, merge = log.read_text().splitlines()[:3]
+    assert "--run-seed 5 " in rollout and "--dtype bf16" in rollout and "--chat-template-file /t/chat.jinja" in rollout
+    assert "--max-problems 7 " in evaluation and "--chat-template-file /t/chat.jinja" in evaluation
+    assert "--dtype nvfp4 --requantize-from " in merge
+
+
+def test_a_rerun_takes_its_settings_from_submit_env_and_says_so(tmp_path):
+    # A job rerun with MICRO_BATCH_TOKENS=8192 in the environment (to avoid an OOM) silently ran with the
+    # chain's value. The chain's values still win (the chain stays consistent), but the job says where its
+    # settings come from and which of the environment's it does not use; editing submit.env changes them.
+    cfg, run = _submit_7b_chain(tmp_path)
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "MICRO_BATCH_TOKENS": "8192"}
+    cmd = ["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "0"]
+    err = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stderr
+    assert "--micro-batch-tokens 24576 " in log.read_text()
+    assert f"settings from {run}/submit.env" in err and "MICRO_BATCH_TOKENS differ" in err, err
+    env_file = run / "submit.env"
+    env_file.write_text(env_file.read_text().replace("MICRO_BATCH_TOKENS=24576", "MICRO_BATCH_TOKENS=8192"))
+    log.write_text("")
+    err = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stderr
+    assert "--micro-batch-tokens 8192 " in log.read_text() and "differ" not in err
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "stage.sbatch", "submit.sh"])
+def test_an_unknown_base_format_is_refused(tmp_path, script):
+    # BASE_FORMAT=NVFP4 (anything but nvfp4) ran the 16-bit baseline without a word.
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text())
+    argv = {"grpo.sh": [RECIPES / "grpo.sh", cfg, tmp_path / "run"],
+            "stage.sbatch": [RECIPES / "slurm" / "stage.sbatch", "rollout", cfg, tmp_path / "run", 0],
+            "submit.sh": [RECIPES / "slurm" / "submit.sh", cfg, tmp_path / "run"]}[script]
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "BASE_FORMAT": "NVFP4"}
+    r = subprocess.run(["bash", *map(str, argv)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "error: BASE_FORMAT=NVFP4: use nvfp4 (QeRL) or bf16" in r.stderr, r.stderr
+    assert not log.exists() and not sbatch_log.exists()
+
+
+def test_a_config_that_misses_keys_is_refused_naming_them(tmp_path):
+    # grpo.sh checked 9 keys, then died with "SEED: unbound variable".
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = tmp_path / "c.env"
+    text = (RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text()
+    cfg.write_text("\n".join(x for x in text.splitlines() if not x.startswith(("SEED=", "TOP_P="))))
+    env = {k: v for k, v in os.environ.items() if k not in ("SEED", "TOP_P")} | {"QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and f"error: {cfg} does not set TOP_P SEED " in r.stderr, r.stderr
+    assert not log.exists()
+
+
+def test_more_than_one_gpu_per_rollout_task_is_refused(tmp_path):
+    # Nothing in qerl uses a second GPU in rollout (no tensor parallelism): ROLLOUT_GPUS=N left N-1 idle.
+    sbatch, log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text())
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
+                       env={**os.environ, "SBATCH": str(sbatch), "ROLLOUT_GPUS": "4"}, capture_output=True, text=True)
+    assert r.returncode == 2 and "raise ROLLOUT_SHARDS" in r.stderr and not log.exists()
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

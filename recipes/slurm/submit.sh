@@ -1,65 +1,94 @@
 #!/usr/bin/env bash
 # Submit a whole qerl RL run to Slurm as a chain of dependent jobs:
 #   quantize -> [rollout array (ROLLOUT_SHARDS tasks) -> train] x STEPS -> final (merge + eval)
+# and, with EVAL_DATASET, beside the chain: the base policy's eval (after quantize; final waits for it)
+# and one eval every EVAL_EVERY steps (after that step's train; nothing waits for them).
 #
 #   bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]
 #
-# Each rollout task writes its own shard directory (--shard-index/--num-shards), so a failed
-# task can be rerun alone (`sbatch --array=3 ...`); every stage is idempotent, so resubmitting
-# the whole chain after a failure redoes only what is missing (RUN_DIR/submit.env keeps every
-# value of CONFIG as submitted, so a job rerun alone sees the chain's values). Variables (environment or
-# CONFIG): PARTITION, ACCOUNT, ROLLOUT_SHARDS (default 1), ROLLOUT_GPUS (per task, 1),
+# Every stage is idempotent, so after a failure (which cancels the jobs that depend on the failed one)
+# resubmit the whole chain: it redoes only what is missing. RUN_DIR/submit.env keeps every value the
+# stages read, as resolved at submission (from CONFIG or the environment), and every job reads it after
+# CONFIG, so a job rerun alone sees the chain's values; edit it to change one for such a rerun.
+# Variables (environment or CONFIG): PARTITION, ACCOUNT, ROLLOUT_SHARDS (default 1; one GPU per task),
 # TRAIN_GPUS (1; >1 runs torchrun), GPU_GRES (gres name, default gpu; empty: no --gres, e.g. a
-# CPU-only test cluster), TIME_ROLLOUT, TIME_TRAIN, TIME_QUANTIZE, EXTRA_SBATCH_ARGS.
+# CPU-only test cluster), TIME_ROLLOUT, TIME_TRAIN, TIME_QUANTIZE, TIME_EVAL, EXTRA_SBATCH_ARGS.
 # SBATCH=echo-like command replaces sbatch for a dry run (it must print a job id).
 set -euo pipefail
 CONFIG=${1:?usage: bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]}
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 # shellcheck disable=SC1090
 source "$CONFIG"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+RECIPES=$(cd "$HERE/.." && pwd)
+# shellcheck source=recipes/lib.sh
+source "$RECIPES/lib.sh"
+qerl_load_config "$CONFIG"
+# A rollout runs on one GPU (no tensor parallelism): more per task sat idle.
+if [ "${ROLLOUT_GPUS:-1}" != 1 ]; then
+  echo "error: ROLLOUT_GPUS=$ROLLOUT_GPUS: a rollout task uses one GPU; raise ROLLOUT_SHARDS for more rollout GPUs" >&2
+  exit 2
+fi
 RUN_DIR=${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}
 CONFIG=$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")
 mkdir -p "$RUN_DIR"; RUN_DIR=$(cd "$RUN_DIR" && pwd)
 SBATCH=${SBATCH:-sbatch}
-HERE=$(cd "$(dirname "$0")" && pwd)
 SCRIPT=$HERE/stage.sbatch
-SHARDS=${ROLLOUT_SHARDS:-1}
-# Every value the chain was submitted with, which the environment may have set (a config's
-# ${VAR:-default}): a job rerun alone later (sbatch --array=3 ..., or the train job) must see the same
+# Every value the stages read, resolved now (the config's ${VAR:-default} and what only the environment
+# set, e.g. RUN_SEED or DTYPE): a job rerun alone later (an array task, a train job) must see the same
 # ones, or it reads 1 of N shards, or samples other prompts with another G into the same step.
 # stage.sbatch sources this file after CONFIG.
-config_vars=$(grep -oE '^[[:space:]]*(export[[:space:]]+)?[A-Za-z_][A-Za-z0-9_]*=' "$CONFIG" \
-  | sed -E 's/^[[:space:]]*(export[[:space:]]+)?//; s/=$//' | sort -u)
 {
-  echo "# written by submit.sh $(date -u +%FT%TZ): the chain's values; stage.sbatch reads it after CONFIG"
-  for v in $config_vars; do declare -p "$v" 2>/dev/null || true; done
-  printf 'ROLLOUT_SHARDS=%q\nSTEPS=%q\nTRAIN_GPUS=%q\n' "$SHARDS" "$STEPS" "${TRAIN_GPUS:-1}"
+  echo "# written by submit.sh $(date -u +%FT%TZ): the chain's settings, read by every job after CONFIG."
+  echo "# To change one for a job you rerun alone, edit it here; resubmitting the chain rewrites this file."
+  printf 'QERL_RECIPES_DIR=%q\n' "$RECIPES"
+  for v in "${QERL_STAGE_VARS[@]}"; do printf '%s=%q\n' "$v" "${!v}"; done
 } > "$RUN_DIR/submit.env"
 
-common=(--parsable --chdir "$PWD" --output "$RUN_DIR/slurm-%x-%A_%a.out")
+common=(--parsable --chdir "$PWD")
 [ -n "${PARTITION:-}" ] && common+=(--partition "$PARTITION")
 [ -n "${ACCOUNT:-}" ] && common+=(--account "$ACCOUNT")
 # shellcheck disable=SC2206
 [ -n "${EXTRA_SBATCH_ARGS:-}" ] && common+=($EXTRA_SBATCH_ARGS)
+log_job=(--output "$RUN_DIR/slurm-%x-%j.out")      # %a is 4294967294 outside an array
+log_task=(--output "$RUN_DIR/slurm-%x-%A_%a.out")   # array job id _ task index
 
 GPU_GRES=${GPU_GRES-gpu}
-gpus() { if [ -n "$GPU_GRES" ]; then echo "--gres=$GPU_GRES:$1"; fi; }  # used unquoted: empty -> no flag
+gpus=()
+if [ -n "$GPU_GRES" ]; then gpus=(--gres="$GPU_GRES:1"); fi
+train_gpus=()
+if [ -n "$GPU_GRES" ]; then train_gpus=(--gres="$GPU_GRES:$TRAIN_GPUS"); fi
 
-submit() {  # submit NAME DEPENDENCY ARGS... -> prints the job id
+submit() {  # submit NAME DEPENDENCY ARGS... -> prints the job id (DEPENDENCY: id[:id...] or empty)
   local name=$1 dep=$2; shift 2
   local dep_flag=()
   [ -n "$dep" ] && dep_flag=(--dependency "afterok:$dep" --kill-on-invalid-dep=yes)
   "$SBATCH" "${common[@]}" --job-name "$name" "${dep_flag[@]}" "$@" | cut -d';' -f1
 }
 
-jid=$(submit qerl-quantize "" $(gpus 1) --time "${TIME_QUANTIZE:-01:00:00}" "$SCRIPT" quantize "$CONFIG" "$RUN_DIR")
-echo "quantize: $jid"
+qid=$(submit qerl-quantize "" "${log_job[@]}" "${gpus[@]}" --time "${TIME_QUANTIZE:-01:00:00}" \
+  "$SCRIPT" quantize "$CONFIG" "$RUN_DIR")
+echo "quantize: $qid"
+final_dep=""
+if [ -n "$EVAL_DATASET" ]; then  # the base policy's score, off the critical path
+  bid=$(submit qerl-eval-base "$qid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
+    "$SCRIPT" eval "$CONFIG" "$RUN_DIR" -1)
+  echo "eval base: $bid"
+  final_dep=":$bid"
+fi
+jid=$qid
 for ((s = 0; s < STEPS; s++)); do
-  rid=$(submit "qerl-rollout-$s" "$jid" --array "0-$((SHARDS - 1))" $(gpus "${ROLLOUT_GPUS:-1}") \
+  rid=$(submit "qerl-rollout-$s" "$jid" --array "0-$((ROLLOUT_SHARDS - 1))" "${log_task[@]}" "${gpus[@]}" \
     --time "${TIME_ROLLOUT:-04:00:00}" "$SCRIPT" rollout "$CONFIG" "$RUN_DIR" "$s")
-  jid=$(submit "qerl-train-$s" "$rid" $(gpus "${TRAIN_GPUS:-1}") --time "${TIME_TRAIN:-02:00:00}" \
+  jid=$(submit "qerl-train-$s" "$rid" "${log_job[@]}" "${train_gpus[@]}" --time "${TIME_TRAIN:-02:00:00}" \
     "$SCRIPT" train "$CONFIG" "$RUN_DIR" "$s")
-  echo "step $s: rollout $rid (array of $SHARDS) -> train $jid"
+  echo "step $s: rollout $rid (array of $ROLLOUT_SHARDS) -> train $jid"
+  if qerl_eval_due "$s"; then  # beside the chain: nothing depends on it
+    eid=$(submit "qerl-eval-$s" "$jid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
+      "$SCRIPT" eval "$CONFIG" "$RUN_DIR" "$s")
+    echo "step $s: eval $eid"
+  fi
 done
-fid=$(submit qerl-final "$jid" $(gpus 1) --time "${TIME_QUANTIZE:-01:00:00}" "$SCRIPT" final "$CONFIG" "$RUN_DIR")
+fid=$(submit qerl-final "$jid$final_dep" "${log_job[@]}" "${gpus[@]}" --time "${TIME_QUANTIZE:-01:00:00}" \
+  "$SCRIPT" final "$CONFIG" "$RUN_DIR")
 echo "final: $fid"

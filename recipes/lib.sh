@@ -1,0 +1,131 @@
+# The pieces recipes/grpo.sh and recipes/slurm/stage.sbatch share; sourced by them and by
+# recipes/slurm/submit.sh, after CONFIG. One place for the config check and for every stage's
+# command line built from the config, so a flag added here reaches the local loop and the Slurm
+# chain alike (they once kept a copy each, and stage.sbatch lost --chat-template-file).
+#
+#   source CONFIG; source recipes/lib.sh; qerl_load_config CONFIG; qerl_set_base RUN_DIR
+#   qerl_rollout_cmd STEP OUT [FLAG...]; "$QERL" "${QERL_CMD[@]}"     (and the other *_cmd)
+# shellcheck shell=bash
+
+# Every variable the stages read: these the config (or the environment) must set, non-empty ...
+QERL_REQUIRED_VARS=(MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW_TOKENS TEMPERATURE TOP_P
+  REWARDS LOSS CLIP_EPS CLIP_EPS_HIGH BETA TIS_CAP LR WARMUP_STEPS MAX_GRAD_NORM LORA_RANK LORA_ALPHA
+  MICRO_BATCH_TOKENS SEED DEVICE)
+# ... and these have a default (qerl_load_config). ROLLOUT_SHARDS and TRAIN_GPUS are read by the Slurm jobs.
+QERL_OPTIONAL_VARS=(EVAL_DATASET EVAL_MAX_PROBLEMS EVAL_EVERY BASE_FORMAT MERGE_DTYPE DTYPE RUN_SEED
+  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS)
+# shellcheck disable=SC2034
+QERL_STAGE_VARS=("${QERL_REQUIRED_VARS[@]}" "${QERL_OPTIONAL_VARS[@]}")
+
+_qerl_die() { echo "error: $*" >&2; exit 2; }
+
+# Check the sourced config, then give every optional variable its value; exit 2 naming what is wrong.
+qerl_load_config() {  # CONFIG (for the messages)
+  local v missing=()
+  for v in "${QERL_REQUIRED_VARS[@]}"; do
+    [ -n "${!v:-}" ] || missing+=("$v")
+  done
+  [ "${#missing[@]}" = 0 ] || _qerl_die "$1 does not set ${missing[*]} (every stage reads them; see recipes/configs/*.env)"
+  EVAL_DATASET=${EVAL_DATASET:-}
+  EVAL_MAX_PROBLEMS=${EVAL_MAX_PROBLEMS:-0}
+  EVAL_EVERY=${EVAL_EVERY:-0}          # 0: evaluate only the base (step -1) and the final policy
+  BASE_FORMAT=${BASE_FORMAT:-nvfp4}
+  MERGE_DTYPE=${MERGE_DTYPE:-bf16}
+  DTYPE=${DTYPE:-auto}
+  RUN_SEED=${RUN_SEED:-$SEED}
+  PROMPT_TEMPLATE=${PROMPT_TEMPLATE:-}
+  CHAT_TEMPLATE_FILE=${CHAT_TEMPLATE_FILE:-}
+  TRAIN_EXTRA=${TRAIN_EXTRA:-}
+  AQN_SIGMA_START=${AQN_SIGMA_START:-0}
+  AQN_SIGMA_END=${AQN_SIGMA_END:-0}
+  AQN_STAGES=${AQN_STAGES:-10}
+  ROLLOUT_SHARDS=${ROLLOUT_SHARDS:-1}
+  TRAIN_GPUS=${TRAIN_GPUS:-1}
+  # Anything else once ran the 16-bit baseline without a word (BASE_FORMAT=NVFP4 included).
+  case "$BASE_FORMAT" in nvfp4 | bf16) ;; *) _qerl_die "BASE_FORMAT=$BASE_FORMAT: use nvfp4 (QeRL) or bf16 (the 16-bit LoRA baseline)" ;; esac
+  case "$MERGE_DTYPE" in nvfp4 | bf16) ;; *) _qerl_die "MERGE_DTYPE=$MERGE_DTYPE: use bf16 or nvfp4" ;; esac
+  for v in STEPS EVAL_EVERY EVAL_MAX_PROBLEMS ROLLOUT_SHARDS TRAIN_GPUS; do
+    [[ ${!v} =~ ^[0-9]+$ ]] || _qerl_die "$v=${!v}: expected a whole number"
+  done
+  for v in STEPS ROLLOUT_SHARDS TRAIN_GPUS; do
+    [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1"
+  done
+}
+
+qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
+
+# The frozen base every stage loads: RUN_DIR/base (NVFP4, QeRL) or the bf16 checkpoint itself.
+qerl_set_base() {  # RUN_DIR
+  RUN_DIR=$1
+  if [ "$BASE_FORMAT" = nvfp4 ]; then BASE=$RUN_DIR/base; else BASE=$MODEL; fi
+}
+
+# Whether the policy after step S is scored (EVAL_EVERY; the last step's is the merged one, eval-final).
+qerl_eval_due() {  # STEP
+  [ -n "$EVAL_DATASET" ] && [ "$EVAL_EVERY" -gt 0 ] && (( ($1 + 1) % EVAL_EVERY == 0 && $1 + 1 < STEPS ))
+}
+
+# Each *_cmd sets QERL_CMD to one qerl command line (the subcommand first), for "$QERL" or torchrun.
+_qerl_adapter_before() {  # STEP -> QERL_ADAPTER: the adapter step STEP starts from (none for step 0)
+  QERL_ADAPTER=()
+  if [ "$1" -gt 0 ]; then QERL_ADAPTER=(--adapter "$(qerl_step_dir $(($1 - 1)))/adapter"); fi
+}
+
+# The same instruction around every prompt for rollout and eval (empty: the rows' prompts as they are),
+# and a Jinja chat template for a tokenizer without one (a base model's), for `messages` rows.
+_qerl_template_flags() {
+  QERL_TEMPLATE=()
+  if [ -n "$PROMPT_TEMPLATE" ]; then QERL_TEMPLATE+=(--prompt-template "$PROMPT_TEMPLATE"); fi
+  if [ -n "$CHAT_TEMPLATE_FILE" ]; then QERL_TEMPLATE+=(--chat-template-file "$CHAT_TEMPLATE_FILE"); fi
+}
+
+qerl_quantize_cmd() { QERL_CMD=(quantize "$MODEL" --out "$RUN_DIR/base" --device "$DEVICE"); }
+
+qerl_rollout_cmd() {  # STEP OUT [FLAG...]: step STEP's rollout, with adapter STEP-1, into OUT
+  local s=$1 out=$2 r rewards=()
+  shift 2
+  # shellcheck disable=SC2153  # the config sets REWARDS
+  for r in $REWARDS; do rewards+=(--reward "$r"); done
+  _qerl_adapter_before "$s"
+  _qerl_template_flags
+  QERL_CMD=(rollout --model "$BASE" "${QERL_ADAPTER[@]}" --prompts "$DATASET" --out "$out" "$@"
+    --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" --num-generations "$NUM_GENERATIONS"
+    --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${rewards[@]}" "${QERL_TEMPLATE[@]}"
+    --aqn-sigma-start "$AQN_SIGMA_START" --aqn-sigma-end "$AQN_SIGMA_END" --aqn-stages "$AQN_STAGES"
+    --total-steps "$STEPS" --run-seed "$RUN_SEED" --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE")
+}
+
+qerl_train_cmd() {  # STEP --shards DIR...: step STEP's train-step, from adapter STEP-1, into step-STEP/adapter
+  local s=$1 extra=()
+  shift
+  read -r -a extra <<< "$TRAIN_EXTRA"  # extra train-step flags from the config, word-split
+  _qerl_adapter_before "$s"
+  QERL_CMD=(train-step --model "$BASE" "${QERL_ADAPTER[@]}" "$@" --out "$(qerl_step_dir "$s")/adapter"
+    --loss "$LOSS" --clip-eps "$CLIP_EPS" --clip-eps-high "$CLIP_EPS_HIGH" --beta "$BETA" --tis-cap "$TIS_CAP"
+    --lr "$LR" --warmup-steps "$WARMUP_STEPS" --total-steps "$STEPS" --max-grad-norm "$MAX_GRAD_NORM"
+    --lora-rank "$LORA_RANK" --lora-alpha "$LORA_ALPHA" --micro-batch-tokens "$MICRO_BATCH_TOKENS"
+    --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE" --metrics-file "$RUN_DIR/metrics.jsonl" "${extra[@]}")
+}
+
+qerl_eval_cmd() {  # -1 | STEP | final: the base policy into eval-base, base + adapter STEP into
+  local policy=(--model "$BASE") out  # step-STEP/eval, or the merged model into eval-final
+  case "$1" in
+    -1) out=$RUN_DIR/eval-base ;;
+    final) policy=(--model "$RUN_DIR/merged"); out=$RUN_DIR/eval-final ;;
+    *) policy+=(--adapter "$(qerl_step_dir "$1")/adapter"); out=$(qerl_step_dir "$1")/eval ;;
+  esac
+  _qerl_template_flags
+  QERL_CMD=(eval "${policy[@]}" --dataset "$EVAL_DATASET" --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE"
+    --dtype "$DTYPE" "${QERL_TEMPLATE[@]}")
+  if [ "$EVAL_MAX_PROBLEMS" != 0 ]; then QERL_CMD+=(--max-problems "$EVAL_MAX_PROBLEMS"); fi
+  QERL_CMD+=(--out "$out")
+}
+
+qerl_merge_cmd() {  # the last step's adapter merged into RUN_DIR/merged
+  QERL_CMD=(merge --model "$BASE" --adapter "$(qerl_step_dir $((STEPS - 1)))/adapter" --out "$RUN_DIR/merged"
+    --dtype "$MERGE_DTYPE")
+  # An FP4 merge keeps a small RL update only when it is added to the bf16 source (docs/merge-eval.md).
+  if [ "$MERGE_DTYPE" = nvfp4 ] && [ "$BASE" != "$MODEL" ]; then QERL_CMD+=(--requantize-from "$MODEL"); fi
+}
+
+qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"); }
