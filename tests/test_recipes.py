@@ -405,7 +405,7 @@ def test_a_slurm_rollout_rerun_alone_samples_with_the_chains_settings(tmp_path):
                    env={**env, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}, check=True, capture_output=True)
     args = log.read_text().split()
     assert args[args.index("--prompts-per-step") + 1] == "4", args
-    assert args[args.index("--num-generations") + 1] == "8", args  # this config assigns G outright
+    assert args[args.index("--num-generations") + 1] == "4", args  # every config key takes the environment's
     assert args[args.index("--seed") + 1] == "7", args
 
 
@@ -521,6 +521,26 @@ def test_config_knobs_set_in_the_environment_win(tmp_path):
         out = subprocess.run(["bash", "-c", f'source "{cfg}" >/dev/null; echo "$BASE_FORMAT $AQN_SIGMA_START $SEED $STEPS $LR"'],
                              env=env, capture_output=True, text=True, check=True).stdout.split()
         assert out == ["bf16", "0", "7", "3", "5e-6"], (cfg.name, out)
+
+
+def test_every_config_key_can_be_set_from_the_environment(tmp_path):
+    # A trial's `REWARDS=... bash recipes/quickstart.sh` was ignored: tiny.env assigned REWARDS, LOSS,
+    # TEMPERATURE, TOP_P outright. Every key a config assigns now takes the environment's value first.
+    import re
+
+    for cfg in CONFIGS:
+        keys = sorted(set(re.findall(r"^(?:if \[ -z \"\$\{)?([A-Z][A-Z0-9_]*)[=+]", cfg.read_text(), re.M)) - {"ASSETS"})
+        assert len(keys) >= 20, (cfg.name, keys)
+        env = {**os.environ, **{k: f"env-{k}" for k in keys}}
+        script = f'source "{cfg}" >/dev/null; ' + "; ".join(f'echo "${k}"' for k in keys)
+        out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
+        assert out == [f"env-{k}" for k in keys], cfg.name
+    # an empty TRAIN_EXTRA / PROMPT_TEMPLATE turns the config's extras off
+    cfg = RECIPES / "configs" / "qwen2.5-7b-instruct.env"
+    env = {**os.environ, "TRAIN_EXTRA": "", "PROMPT_TEMPLATE": ""}
+    out = subprocess.run(["bash", "-c", f'source "{cfg}"; echo "[$TRAIN_EXTRA][$PROMPT_TEMPLATE]"'], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[][]"
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
