@@ -254,19 +254,24 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     return d
 
 
-def _legacy_fingerprint_config(config: dict, cfg: EvalConfig) -> tuple[dict, ...]:
+def _legacy_fingerprint_config(config: dict, cfg: EvalConfig, default_was: int | None = None) -> tuple[dict, ...]:
     """Fingerprints of outputs that older qerl finished, which still read as done: it counted
     --max-model-len (until session 39), and seeded each batch, so a sampled eval counted --max-num-seqs
-    (until 2026-11-26)."""
-    old = dict(config, max_model_len=cfg.max_model_len)
-    return (old,) if cfg.sampling_temperature == 0 else (old, dict(old, max_num_seqs=cfg.max_num_seqs))
+    (until 2026-11-26). ``default_was``: the fixed default --max-new-tokens of older qerl, where this run
+    took the default and that one fit the context too (its outputs were made with it)."""
+    olds = [dict(config, max_model_len=cfg.max_model_len)]
+    if cfg.sampling_temperature != 0:
+        olds.append(dict(olds[0], max_num_seqs=cfg.max_num_seqs))
+    if default_was is not None:
+        olds += [dict(o, max_new_tokens=default_was) for o in olds] + [dict(config, max_new_tokens=default_was)]
+    return tuple(olds)
 
 
 def default_max_new_tokens(context: int) -> int:
-    """--max-new-tokens when not given: DEFAULT_MAX_NEW_TOKENS, or half the model's context where that is
-    less, so the default leaves prompts room on a small model (1024 was refused outright on the bundled
-    model's 255-token context). On a model of 2048+ tokens it is 1024, as before."""
-    return max(1, min(DEFAULT_MAX_NEW_TOKENS, context // 2))
+    """--max-new-tokens when not given: DEFAULT_MAX_NEW_TOKENS, or half the model's context (rounded up)
+    where that is less, so the default leaves prompts room on a small model (1024 was refused outright on
+    the bundled model's 255-token context). On a model of 2048+ positions it is 1024, as before."""
+    return max(1, min(DEFAULT_MAX_NEW_TOKENS, (context + 1) // 2))  # 2047 (2048 positions less one): 1024
 
 
 def _problem_seed(seed: int, index: int) -> int:
@@ -312,8 +317,12 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if missing is not None:
         raise BadInputError(f"{missing.where}: row has no reference `answer`; eval needs one per problem")
 
+    default_was = None  # older qerl's fixed default, where this run takes the default and that one fit
     if cfg.max_new_tokens is None:  # resolved before the fingerprint, which records the number generated with
-        cfg = replace(cfg, max_new_tokens=default_max_new_tokens(context_limit(cfg.model, cfg.max_model_len)[0]))
+        context = context_limit(cfg.model, cfg.max_model_len)[0]
+        cfg = replace(cfg, max_new_tokens=default_max_new_tokens(context))
+        if context > DEFAULT_MAX_NEW_TOKENS and cfg.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+            default_was = DEFAULT_MAX_NEW_TOKENS
     device = resolve_device(cfg.device)
     dtype_name, torch_dtype = resolve_dtype(cfg.dtype, device)
     base_hash = model_hash(cfg.model)
@@ -332,7 +341,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
-                     legacy_configs=_legacy_fingerprint_config(config, cfg), legacy_inputs=(legacy_inputs,))
+                     legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
     if so.already_done():
         metrics = json.loads((cfg.out / METRICS).read_text())
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}

@@ -207,13 +207,27 @@ def test_default_max_new_tokens_fits_a_small_context(model_dir, tmp_path):
     # first `qerl eval`). Now: 1024, or half the context where that is less, recorded as a number.
     answers = [["#### 7"], ["#### 10"], ["#### 4"], ["#### -5"]]
     res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=None)
-    assert res["metrics"]["sampling"]["max_new_tokens"] == 255  # the fixture's 512 positions: 511 // 2
-    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers[:0], max_new_tokens=255)
+    assert res["metrics"]["sampling"]["max_new_tokens"] == 256  # the fixture's 512 positions: 511 halved, up
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers[:0], max_new_tokens=256)
     assert res["already_done"]  # the default and the same number given are one run
     res, _ = run(model_dir, tmp_path, GSM8K_ROWS, answers, name="e100", max_new_tokens=None, max_model_len=100)
     assert res["metrics"]["sampling"]["max_new_tokens"] == 50  # the context it runs with, not the model's
-    assert default_max_new_tokens(32767) == 1024 and default_max_new_tokens(255) == 127
+    assert default_max_new_tokens(32767) == 1024 and default_max_new_tokens(255) == 128
+    assert default_max_new_tokens(2047) == 1024  # 2048 positions less one: the old default, unchanged
     assert default_max_new_tokens(1) == 1
+
+
+def test_an_eval_older_qerl_made_with_its_default_still_reads_as_done(model_dir, tmp_path, monkeypatch):
+    # Older qerl's default was a fixed number (1024); where this run takes the default and that number
+    # fits the context, an output made with it is this run (a review: 1024 -> 1023 on 2048 positions made
+    # every finished eval a new one). Scaled down: the fixture's context is 511 tokens.
+    monkeypatch.setattr(ev, "DEFAULT_MAX_NEW_TOKENS", 200)
+    answers = [["#### 7"], ["#### 10"], ["#### 4"], ["#### -5"]]
+    run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=200, max_model_len=300)  # as older qerl ran it
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=300)
+    assert res["already_done"]
+    with pytest.raises(OutputExistsError, match="max_new_tokens: 200 -> 100"):  # where the old one did not fit: a new eval
+        run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=200)
 
 
 def test_refuses_adapter_for_another_base(model_dir, tmp_path):
