@@ -56,8 +56,11 @@ class NVFP4Weight:
 
     def dense(self, dtype) -> torch.Tensor:
         """The dequantized weight in ``dtype``, kept until the codes or scales change in place (their
-        version counters) or another dtype is asked for. Made outside inference mode, so a cache filled
-        by the engine still serves autograd."""
+        version counters; a write through ``.data`` bumps none and is not seen) or another dtype is asked
+        for. Made outside inference mode, so a cache filled by the engine still serves autograd. Buffers
+        made in inference mode have no version counter: decoded on every call."""
+        if any(t.is_inference() for t in (self.packed, self.scale, self.global_scale)):
+            return self.dequantize(dtype)  # no version counter to tell an in-place change by: decode each call
         key = (dtype, self.packed.device, self.packed._version, self.scale._version, self.global_scale._version)
         if self._dense is None or self._dense[0] != key:
             self._dense = None  # the old copy is freed before the new one is made

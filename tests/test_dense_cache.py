@@ -64,3 +64,13 @@ def test_kept_weight_follows_in_place_changes_and_serves_autograd(tmp_path):
         lin.weight_global_scale.mul_(0.5)  # in place, as a reload's copy_: every weight doubles
     assert torch.equal(lin(x.detach()), x.detach() @ lin.dense_weight(torch.float32).T)  # not the stale copy
     assert torch.allclose(lin(x.detach()), 2 * y.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_weights_made_in_inference_mode_decode_every_call(tmp_path):
+    # Inference tensors track no version: reading one raised ("Inference tensors do not track version
+    # counter") on the first forward of a model loaded, or an engine built, under torch.inference_mode().
+    with torch.inference_mode():
+        model = load_model(_model(tmp_path), dtype=torch.float32)
+        lin = model.model.layers[0].mlp.down_proj
+        x = torch.randn(2, lin.in_features)
+        assert lin.keep_dense and torch.equal(lin(x), x @ lin.dense_weight(torch.float32).T)
