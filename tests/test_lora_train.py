@@ -70,8 +70,9 @@ def test_second_order_gradients_match_autograd(monkeypatch):
     for flag in ("1", "0"):
         monkeypatch.setenv("QERL_LORA_FN", flag)
         x = x0.clone().requires_grad_(True)
-        (dx,) = torch.autograd.grad((lora(x) ** 2).sum(), x, create_graph=True)
-        out[flag] = torch.autograd.grad(dx.pow(2).sum(), (x, lora.lora_A, lora.lora_B))
+        dx, da, db = torch.autograd.grad((lora(x) ** 2).sum(), (x, lora.lora_A, lora.lora_B), create_graph=True)
+        out[flag] = torch.autograd.grad(dx.pow(2).sum() + da.pow(2).sum() + db.pow(2).sum(),
+                                        (x, lora.lora_A, lora.lora_B))
     for a, b in zip(out["1"], out["0"]):
         torch.testing.assert_close(a, b)
 

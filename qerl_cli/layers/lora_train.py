@@ -66,6 +66,8 @@ class _LoRATrainFn(torch.autograd.Function):
         x2, a, bs, t = ctx.saved_tensors
         gy = gy.contiguous()
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # a double backward: t again, with its history (saved, it is a constant
+            t = x2 @ a.t()           # and dB's dependence on x and A is lost; a review)
         gt = gy @ bs if (need_x or need_a) else None
         da = gt.t() @ x2 if need_a else None
         db = gy.t() @ t if need_b else None
