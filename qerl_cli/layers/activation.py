@@ -51,9 +51,13 @@ class _SiluMul(torch.autograd.Function):
 
 
 def _fusable(g: torch.Tensor, u: torch.Tensor) -> bool:
-    """The fused kernels take this pair: on CUDA (``QERL_FUSED`` not 0), same shape and dtype, rows of
-    unit column stride (g and u may be the halves of one gate/up output)."""
-    return (fused._on(g) and g.shape == u.shape and g.dtype == u.dtype and g.stride(-1) == 1 and u.stride(-1) == 1)
+    """The fused kernels take this pair: on CUDA (``QERL_FUSED`` not 0), same shape and 16/32-bit dtype,
+    rows of unit column stride (g and u may be the halves of one gate/up output)."""
+    return (fused._on(g) and g.shape == u.shape and g.dtype == u.dtype and g.dtype in _KERNEL_DTYPES
+            and g.stride(-1) == 1 and u.stride(-1) == 1)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernels compute in fp32: not fp64
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, du: torch.Tensor | None = None,
