@@ -94,7 +94,33 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum, frame):
+    # Once: a second SIGTERM (a process-group kill on top of the one grpo.sh passes on) raised again
+    # inside the clean-up the first started, and cut it short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
+
+
+STOP_WITH_PARENT_ENV = "QERL_STOP_WITH_PARENT"
+
+
+def _stop_with_parent() -> None:
+    """With ``QERL_STOP_WITH_PARENT=1`` (recipes/grpo.sh sets it), SIGTERM this stage when the process
+    that started it dies (Linux ``PR_SET_PDEATHSIG``). grpo.sh runs each stage in a process group of its
+    own so that a signal reaches it once; a SIGKILL or SIGQUIT of the script's group (``timeout -k``, a CI
+    cancel, Ctrl-\\) then left the stage running on its own, still writing (a review). Off by default:
+    a stage started by hand under ``nohup`` must outlive its shell."""
+    if os.environ.get(STOP_WITH_PARENT_ENV) != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl: nobody will signal
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def interrupt_outcome(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -112,6 +138,7 @@ def _stage_signals():
         yield
         return
     old = signal.signal(signal.SIGTERM, _raise_terminated)
+    _stop_with_parent()
     try:
         if "torch" not in sys.modules and hasattr(signal, "pthread_sigmask"):
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

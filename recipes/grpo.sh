@@ -46,7 +46,9 @@ trap 'on_signal INT 2' INT
 trap 'on_signal TERM 1' HUP  # a closed terminal: the stage cleans up as after SIGTERM
 run_qerl() {  # qerl ARGS..., as a child this script waits for; after a signal, exit with its status
   local rc seen
-  set -m; "$QERL" "$@" < /dev/null & child=$!; set +m
+  # QERL_STOP_WITH_PARENT: the stage gets SIGTERM if this script dies (a SIGKILL of its group reaches
+  # nothing in the stage's own group otherwise; qerl_cli.cli._stop_with_parent).
+  set -m; QERL_STOP_WITH_PARENT=1 "$QERL" "$@" < /dev/null & child=$!; set +m
   while :; do
     seen=$signals; rc=0; wait "$child" || rc=$?
     if [ "$signals" = "$seen" ]; then break; fi  # a signal ended this wait early: wait for the stage's status

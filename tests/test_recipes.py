@@ -10,6 +10,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -491,7 +492,7 @@ def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig, code):
     # A stand-in stage records the signal it gets and exits as qerl does (143 / 130); the script waits for
     # it, exits with its status and starts no other stage.
     log = tmp_path / "qerl.log"
-    body = (f'echo "$1 $$" >> {log}\n'
+    body = (f'echo "$1 $$ ${{QERL_STOP_WITH_PARENT:-unset}}" >> {log}\n'
             f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
             f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
             f'for _ in $(seq 100); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
@@ -511,6 +512,7 @@ def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig, code):
     assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
     with pytest.raises(ProcessLookupError):  # the stage is gone, not orphaned
         os.kill(int(lines[0].split()[1]), 0)
+    assert lines[0].split()[2] == "1"  # and told to stop if the script dies (its own process group)
 
 
 def test_config_knobs_set_in_the_environment_win(tmp_path):
@@ -583,3 +585,69 @@ def test_plotting_without_matplotlib_says_what_to_install(tmp_path):
             f"runpy.run_path({str(RECIPES / 'plot_run.py')!r}, run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 1 and "pip install 'qerl[plot]'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+_CHILD = """
+import signal, sys, time
+from qerl_cli import cli
+signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("term"), sys.exit(0)))
+cli._stop_with_parent()
+open(sys.argv[2], "w").write("ready")
+time.sleep(30)
+"""
+_PARENT = """
+import subprocess, sys
+p = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], start_new_session=True)
+print(p.pid, flush=True)
+p.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("on", [True, False], ids=["QERL_STOP_WITH_PARENT=1", "unset"])
+def test_a_stage_in_its_own_group_stops_when_grpo_sh_dies(tmp_path, on):
+    # grpo.sh runs each stage in a process group of its own (a signal reaches it once); a SIGKILL of
+    # the script's group then left the stage running, still writing (a review). With the variable the
+    # stage is sent SIGTERM when its parent dies; without it (a stage started by hand) it runs on.
+    term, ready = tmp_path / "term", tmp_path / "ready"
+    env = {k: v for k, v in os.environ.items() if k != "QERL_STOP_WITH_PARENT"}
+    if on:
+        env["QERL_STOP_WITH_PARENT"] = "1"
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(term), str(ready)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        for _ in range(400):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait()
+        for _ in range(100 if on else 30):
+            if term.exists():
+                break
+            time.sleep(0.05)
+        assert term.exists() == on
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)  # the child this test started, if it still runs
+        except ProcessLookupError:
+            pass
+
+
+def test_a_second_sigterm_does_not_cut_the_clean_up_short():
+    # grpo.sh passes SIGTERM on to the stage; a kill of the whole group sends it one too. The second
+    # raised Terminated again inside the clean-up the first had started.
+    from qerl_cli import cli
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        with cli._stage_signals():
+            with pytest.raises(cli.Terminated):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs here
+            os.kill(os.getpid(), signal.SIGTERM)  # ignored while the stage cleans up
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert signal.getsignal(signal.SIGTERM) == old  # the stage's handling ends with it
