@@ -891,7 +891,10 @@ def _drop_step_lines(path: Path, step: int) -> None:
     if len(kept) == len(lines) and not torn:
         return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(kept), encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(kept))
+        f.flush()
+        os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
     os.replace(tmp, path)
 
 
