@@ -26,6 +26,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 qerl_load_config "$CONFIG"
 qerl_set_base "${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}"
 QERL=${QERL:-qerl}
+# A wrapper may come first, word-split as CC="ccache gcc" is: QERL="apptainer exec img.sif qerl".
+read -r -a QERL_WORDS <<< "$QERL"
 
 # The running stage gets the signal this script gets (bash would not pass it on to a foreground
 # child: `kill <this pid>` left the stage running, still writing). The stage runs in its own process
@@ -48,7 +50,7 @@ run_qerl() {  # qerl ARGS..., as a child this script waits for; after a signal, 
   local rc seen
   # QERL_STOP_WITH_PARENT: the stage gets SIGTERM if this script dies (a SIGKILL of its group reaches
   # nothing in the stage's own group otherwise; qerl_cli.cli._stop_with_parent).
-  set -m; QERL_STOP_WITH_PARENT=1 "$QERL" "$@" < /dev/null & child=$!; set +m
+  set -m; QERL_STOP_WITH_PARENT=1 "${QERL_WORDS[@]}" "$@" < /dev/null & child=$!; set +m
   while :; do
     seen=$signals; rc=0; wait "$child" || rc=$?
     if [ "$signals" = "$seen" ]; then break; fi  # a signal ended this wait early: wait for the stage's status

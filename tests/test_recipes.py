@@ -651,3 +651,19 @@ def test_a_second_sigterm_does_not_cut_the_clean_up_short():
     finally:
         signal.signal(signal.SIGTERM, old)
     assert signal.getsignal(signal.SIGTERM) == old  # the stage's handling ends with it
+
+
+def test_qerl_may_be_a_wrapper_command(tmp_path):
+    # QERL="apptainer exec img.sif qerl" (a container on a cluster) ran as one file name, not found.
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$WRAPPED $1" >> {log}\n')
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=1\nEVAL_DATASET=\n")
+    env = {**os.environ, "QERL": f"env WRAPPED=yes {qerl}"}
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
+                   capture_output=True)
+    assert log.read_text().split("\n")[:4] == ["yes quantize", "yes rollout", "yes train-step", "yes merge"]
+    log.unlink()
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "0"],
+                   env={**env, "SLURM_ARRAY_TASK_ID": "0"}, check=True, capture_output=True)
+    assert log.read_text() == "yes rollout\n"
