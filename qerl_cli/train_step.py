@@ -264,13 +264,15 @@ def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
     from qerl_cli.models import ModelConfig
 
     mcfg = ModelConfig.from_dir(Path(cfg.model))
-    limit = mcfg.max_position_embeddings
+    limit, what = mcfg.max_position_embeddings, "positions"
+    if mcfg.sliding_window and mcfg.sliding_window < limit:  # windowed attention is not implemented: the
+        limit, what = mcfg.sliding_window, "tokens of the sliding window"  # forward refused it after loading
     for i, (p, c) in enumerate(zip(data.prompts, data.completions)):
         rec = data.records[i]
         who = f"record {i} (group {rec['group_id']!r}, prompt {rec['prompt_id']!r})"
         if len(p) + len(c) > limit:
             raise BadInputError(f"{data.files[0]}: {who} has {len(p) + len(c)} tokens, more than the {limit} "
-                                f"positions of --model {cfg.model}")
+                                f"{what} of --model {cfg.model}")
         bad = next((t for t in p + c if not 0 <= t < mcfg.vocab_size), None)
         if bad is not None:
             raise BadInputError(f"{data.files[0]}: {who} has token id {bad}, outside --model {cfg.model}'s vocabulary "

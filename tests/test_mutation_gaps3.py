@@ -477,3 +477,24 @@ def test_an_index_naming_a_missing_shard_is_bad_input(qmodel, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict(wm, **{"x": files[0]})}))
     with pytest.raises(BadInputError, match="model-00009-of-00009.safetensors, which does not exist"):
         load_model(d, dtype=torch.float32)
+
+
+def test_a_record_longer_than_the_sliding_window_is_bad_input_before_loading(qmodel, tmp_path):
+    # Windowed attention is not implemented: the forward refused such a record with a plain ValueError,
+    # after the model had loaded. Named up front, as a record past the positions is.
+    import shutil
+
+    from qerl_cli.errors import BadInputError
+    from tests.train_fixtures import base_hash_of, make_shard
+
+    q = tmp_path / "windowed"
+    shutil.copytree(qmodel[0], q)
+    cfg = json.loads((q / "config.json").read_text())
+    windowed = dict(cfg, sliding_window=16, use_sliding_window=True, max_window_layers=0)
+    windowed.pop("layer_types", None)  # every layer slides
+    (q / "config.json").write_text(json.dumps(windowed))
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), seed=1, groups=2)
+    _edit_first_record(sh, prompt_token_ids=lambda p: (p * 20)[:15], completion_token_ids=lambda c: [5, 6, 7],
+                       logprobs=lambda lp: [-6.0] * 3)
+    with pytest.raises(BadInputError, match="18 tokens, more than the 16 tokens of the sliding window"):
+        _step(q, sh, tmp_path / "a")
