@@ -67,6 +67,8 @@ class RotaryEmbedding(nn.Module):
         """
         if self._fusable(q, k):
             return fused.rope_(q, k, positions, self.cos_sin)
+        if self._trainable(q, k):
+            return _RopeFn.apply(q, k, positions, self.cos_sin, self._cos_neg_sin())
         cs = self.cos_sin[positions]  # [..., D]
         half = self.head_dim // 2
         cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(q.dtype)
@@ -104,6 +106,20 @@ class RotaryEmbedding(nn.Module):
                             self.head_dim)
         return qkv.qkv_rope(x, rope, x_korder)
 
+    def _trainable(self, q, k) -> bool:
+        """The fused rotation under autograd (``_RopeFn``): training's q and k on CUDA in 16-bit."""
+        return (fused.trainable(q, k) and self.head_dim in (32, 64, 128, 256) and q.dtype == k.dtype
+                and q.dtype in (torch.bfloat16, torch.float16) and positions_ok(q, k)
+                and os.environ.get("QERL_TRAIN_ROPE", "1") != "0")
+
+    def _cos_neg_sin(self) -> torch.Tensor:
+        """The table of the inverse rotation (sin negated): the backward of a rotation rotates back."""
+        t = getattr(self, "_neg", None)
+        if t is None or t.device != self.cos_sin.device or t.shape != self.cos_sin.shape:
+            half = self.head_dim // 2
+            t = self._neg = torch.cat([self.cos_sin[:, :half], -self.cos_sin[:, half:]], -1)
+        return t
+
     def _fusable(self, q, k, v=None) -> bool:
         return (fused.enabled(q, k, v) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q)
                 and fused.rope_ok(k))
@@ -112,3 +128,40 @@ class RotaryEmbedding(nn.Module):
 def _rot(x, cos, sin, half):
     x1, x2 = x[..., :half], x[..., half:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def positions_ok(q, k) -> bool:
+    return q.shape[:-2] == k.shape[:-2] and q.stride(-1) == 1 and k.stride(-1) == 1
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x rotated by ``table`` (cos | sin rows) at ``positions``, into a fresh tensor (the fused kernel
+    rotates in place: a copy first, so autograd's inputs stay as they were)."""
+    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    other = like.contiguous().clone() if like.is_contiguous() else like.contiguous()
+    fused.rope_(out, other, positions, table)
+    return out, other
+
+
+class _RopeFn(torch.autograd.Function):
+    """Training's rotation of q and k in one Triton pass each way (``fused.rope_``, the inference kernel:
+    fp32 math on the fp32 cos/sin table, rounded once, as the engine rotates, where the torch path rounds
+    cos and sin to 16 bits and each of its five ops). The backward rotates the gradients back (sin
+    negated). A double backward takes the torch ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, cos_sin, cos_neg_sin):
+        ctx.save_for_backward(positions, cos_sin, cos_neg_sin)
+        return _rotate(q, positions, cos_sin, k)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        positions, cos_sin, cos_neg_sin = ctx.saved_tensors
+        if torch.is_grad_enabled():  # differentiable: the inverse rotation in torch ops
+            half = cos_sin.shape[-1] // 2
+            cs = cos_neg_sin[positions]
+            cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(dq.dtype)
+            sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(dq.dtype)
+            return _rot(dq, cos, sin, half), _rot(dk, cos, sin, half), None, None, None
+        gq, gk = _rotate(dq, positions, cos_neg_sin, dk)
+        return gq, gk, None, None, None

@@ -1,0 +1,89 @@
+"""Training's rotary under autograd (``rotary._RopeFn``: the inference kernel forward, the inverse rotation
+back) against the torch path it replaces: rotated q and k and their gradients, in Triton's interpreter
+(fp32 / fp16) and on the GPU (bf16, through ``RotaryEmbedding.forward``), plus a double backward."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CHECK = textwrap.dedent("""
+    import torch
+    from qerl_cli.layers.rotary import RotaryEmbedding, _RopeFn
+
+    def run(rope, q0, k0, pos, fused):
+        q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
+        if fused:
+            qr, kr = _RopeFn.apply(q, k, pos, rope.cos_sin, rope._cos_neg_sin())
+        else:
+            import os
+            os.environ["QERL_TRAIN_ROPE"] = "0"
+            qr, kr = rope(pos, q, k)
+            del os.environ["QERL_TRAIN_ROPE"]
+        g = torch.Generator(device=q.device).manual_seed(3)
+        loss = (qr.float() * torch.randn(qr.shape, generator=g, device=q.device)).sum() + \\
+               (kr.float() * torch.randn(kr.shape, generator=g, device=q.device)).sum()
+        loss.backward()
+        return qr.detach(), kr.detach(), q.grad, k.grad
+
+    def check(dev, dtype, b, L, hq, hk, d, tol, scaling=None):
+        torch.manual_seed(b * 100 + L)
+        rope = RotaryEmbedding(d, 512, 10000.0, scaling, device=dev)
+        q0 = torch.randn(b, L, hq, d).to(dev, dtype)
+        k0 = torch.randn(b, L, hk, d).to(dev, dtype)
+        pos = torch.randint(0, 512, (b, L)).to(dev)
+        got, want = run(rope, q0, k0, pos, True), run(rope, q0, k0, pos, False)
+        for a, w, name in zip(got, want, ("q", "k", "dq", "dk")):
+            assert a.shape == w.shape and a.dtype == w.dtype, name
+            torch.testing.assert_close(a.float(), w.float(), rtol=tol, atol=tol, msg=name)
+
+    def second_order(dev):
+        # create_graph: the backward's inverse rotation in torch ops, so the second order is autograd's
+        import os
+        rope = RotaryEmbedding(64, 32, 10000.0, device=dev)
+        g = torch.Generator().manual_seed(0)
+        q0, k0 = torch.randn(2, 3, 2, 64, generator=g).to(dev), torch.randn(2, 3, 1, 64, generator=g).to(dev)
+        pos = torch.tensor([[0, 5, 9], [3, 3, 31]]).to(dev)
+        out = []
+        for fused in (True, False):
+            q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
+            if fused:
+                qr, kr = _RopeFn.apply(q, k, pos, rope.cos_sin, rope._cos_neg_sin())
+            else:
+                os.environ["QERL_TRAIN_ROPE"] = "0"
+                qr, kr = rope(pos, q, k)
+                del os.environ["QERL_TRAIN_ROPE"]
+            dq, dk = torch.autograd.grad((qr ** 3).sum() + (kr ** 3).sum(), (q, k), create_graph=True)
+            out.append(torch.autograd.grad((dq ** 2).sum() + (dk ** 2).sum(), (q, k)))
+        for a, b in zip(*out):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+""")
+
+
+def test_fused_rope_gradients_match_torch_in_interpreter():
+    pytest.importorskip("triton")
+    cases = [("float32", 2, 5, 4, 2, 64, 1e-5), ("float16", 1, 7, 2, 2, 32, 2e-3), ("float32", 3, 1, 6, 1, 128, 1e-5)]
+    script = CHECK + "".join(f"check('cpu', torch.{d}, {b}, {L}, {hq}, {hk}, {hd}, {tol})\n"
+                             for d, b, L, hq, hk, hd, tol in cases) + "second_order('cpu')\nprint('ok')\n"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_training_rope_takes_the_fused_kernel_and_matches_torch_on_gpu():
+    from qerl_cli.layers import rotary
+
+    ns = {}
+    exec(CHECK, ns)
+    for b, L, hq, hk, d in ((4, 1536, 28, 4, 128), (1, 37, 40, 8, 128), (2, 9, 14, 2, 64)):
+        ns["check"]("cuda", torch.bfloat16, b, L, hq, hk, d, 2e-2)
+    rope = rotary.RotaryEmbedding(128, 64, 10000.0, device="cuda")
+    q = torch.randn(1, 4, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qr, _ = rope(torch.arange(4, device="cuda")[None], q, k)
+    assert isinstance(qr.grad_fn, rotary._RopeFn._backward_cls)  # training takes it
+    ns["second_order"]("cuda")  # a double backward takes the torch ops of the inverse rotation
