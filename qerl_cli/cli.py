@@ -110,17 +110,28 @@ def _stop_with_parent() -> None:
     cancel, Ctrl-\\) then left the stage running on its own, still writing (a review). Off by default:
     a stage started by hand under ``nohup`` must outlive its shell."""
     if os.environ.get(STOP_WITH_PARENT_ENV) != "1" or not sys.platform.startswith("linux"):
-        return
+        return None
     import ctypes
     import ctypes.util
 
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return None
     except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl: nobody will signal
+        return None
+    # The parent died before prctl: re-parented, nobody will signal. Not "parent is PID 1", which a live
+    # parent may be (a container's entrypoint; a review).
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+    return libc
+
+
+def _stop_with_parent_off(libc) -> None:
+    """Clear the death signal at the stage's end: a process that goes on (the library API) keeps none."""
+    if libc is not None:
+        libc.prctl(1, 0, 0, 0, 0)
 
 
 def interrupt_outcome(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -138,8 +149,9 @@ def _stage_signals():
         yield
         return
     old = signal.signal(signal.SIGTERM, _raise_terminated)
-    _stop_with_parent()
+    libc = None
     try:
+        libc = _stop_with_parent()
         if "torch" not in sys.modules and hasattr(signal, "pthread_sigmask"):
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             try:
@@ -148,6 +160,7 @@ def _stage_signals():
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
         yield
     finally:
+        _stop_with_parent_off(libc)
         signal.signal(signal.SIGTERM, old)
 
 

@@ -537,12 +537,13 @@ def test_every_config_key_can_be_set_from_the_environment(tmp_path):
         script = f'source "{cfg}" >/dev/null; ' + "; ".join(f'echo "${k}"' for k in keys)
         out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
         assert out == [f"env-{k}" for k in keys], cfg.name
-    # an empty TRAIN_EXTRA / PROMPT_TEMPLATE turns the config's extras off
-    cfg = RECIPES / "configs" / "qwen2.5-7b-instruct.env"
-    env = {**os.environ, "TRAIN_EXTRA": "", "PROMPT_TEMPLATE": ""}
-    out = subprocess.run(["bash", "-c", f'source "{cfg}"; echo "[$TRAIN_EXTRA][$PROMPT_TEMPLATE]"'], env=env,
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "[][]"
+    # an empty TRAIN_EXTRA / PROMPT_TEMPLATE turns the config's extras off, an empty EVAL_DATASET the evals
+    # (docs/recipes.md: "none: no eval"; `${EVAL_DATASET:-...}` had read empty as unset)
+    for cfg in CONFIGS:
+        env = {**os.environ, "TRAIN_EXTRA": "", "PROMPT_TEMPLATE": "", "EVAL_DATASET": ""}
+        out = subprocess.run(["bash", "-c", f'source "{cfg}"; echo "[$TRAIN_EXTRA][$PROMPT_TEMPLATE][$EVAL_DATASET]"'],
+                             env=env, capture_output=True, text=True, check=True).stdout.strip()
+        assert out == "[][][]", (cfg.name, out)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -667,3 +668,17 @@ def test_qerl_may_be_a_wrapper_command(tmp_path):
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "0"],
                    env={**env, "SLURM_ARRAY_TASK_ID": "0"}, check=True, capture_output=True)
     assert log.read_text() == "yes rollout\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stage_whose_live_parent_is_pid_1_runs(monkeypatch):
+    # grpo.sh as a container's entrypoint is PID 1, alive: the stage took "parent is PID 1" for "parent
+    # died", stopped itself at once (exit 143) and left SIGTERM ignored for the rest of the process.
+    from qerl_cli import cli
+
+    monkeypatch.setenv("QERL_STOP_WITH_PARENT", "1")
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    old = signal.getsignal(signal.SIGTERM)
+    with cli._stage_signals():
+        time.sleep(0.05)  # a self-sent SIGTERM would raise here
+    assert signal.getsignal(signal.SIGTERM) == old

@@ -87,3 +87,13 @@ def test_training_rope_takes_the_fused_kernel_and_matches_torch_on_gpu():
     qr, _ = rope(torch.arange(4, device="cuda")[None], q, k)
     assert isinstance(qr.grad_fn, rotary._RopeFn._backward_cls)  # training takes it
     ns["second_order"]("cuda")  # a double backward takes the torch ops of the inverse rotation
+
+
+def test_the_kernels_take_one_position_per_row_only():
+    # [L] positions against a batched q broadcast in torch, but the kernel read B*L of them (past the end)
+    from qerl_cli.layers.rotary import positions_ok
+
+    q, k = torch.zeros(2, 5, 4, 8), torch.zeros(2, 5, 2, 8)
+    assert positions_ok(q, k, torch.zeros(2, 5, dtype=torch.long))
+    assert not positions_ok(q, k, torch.arange(5))
+    assert positions_ok(q[0], k[0], torch.arange(5))

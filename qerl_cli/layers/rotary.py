@@ -65,9 +65,9 @@ class RotaryEmbedding(nn.Module):
 
         Outside autograd on CUDA this rotates in place with one fused kernel (see layers/fused.py).
         """
-        if self._fusable(q, k):
+        if self._fusable(q, k) and positions_ok(q, k, positions):
             return fused.rope_(q, k, positions, self.cos_sin)
-        if self._trainable(q, k):
+        if self._trainable(q, k, positions):
             return _RopeFn.apply(q, k, positions, self.cos_sin, self._cos_neg_sin())
         cs = self.cos_sin[positions]  # [..., D]
         half = self.head_dim // 2
@@ -106,19 +106,20 @@ class RotaryEmbedding(nn.Module):
                             self.head_dim)
         return qkv.qkv_rope(x, rope, x_korder)
 
-    def _trainable(self, q, k) -> bool:
+    def _trainable(self, q, k, positions) -> bool:
         """The fused rotation under autograd (``_RopeFn``): training's q and k on CUDA in 16-bit."""
         return (fused.trainable(q, k) and self.head_dim in (32, 64, 128, 256) and q.dtype == k.dtype
-                and q.dtype in (torch.bfloat16, torch.float16) and positions_ok(q, k)
+                and q.dtype in (torch.bfloat16, torch.float16) and positions_ok(q, k, positions)
                 and os.environ.get("QERL_TRAIN_ROPE", "1") != "0")
 
     def _cos_neg_sin(self) -> torch.Tensor:
         """The table of the inverse rotation (sin negated): the backward of a rotation rotates back."""
-        t = getattr(self, "_neg", None)
-        if t is None or t.device != self.cos_sin.device or t.shape != self.cos_sin.shape:
+        cs = self.cos_sin
+        key = (cs.data_ptr(), cs.dtype, cs.device, cs._version)  # a new or re-cast table (reset, .to) makes a new one
+        if getattr(self, "_neg_key", None) != key:
             half = self.head_dim // 2
-            t = self._neg = torch.cat([self.cos_sin[:, :half], -self.cos_sin[:, half:]], -1)
-        return t
+            self._neg, self._neg_key = torch.cat([cs[:, :half], -cs[:, half:]], -1), key
+        return self._neg
 
     def _fusable(self, q, k, v=None) -> bool:
         return (fused.enabled(q, k, v) and self.head_dim in (32, 64, 128, 256) and fused.rope_ok(q)
@@ -130,8 +131,11 @@ def _rot(x, cos, sin, half):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def positions_ok(q, k) -> bool:
-    return q.shape[:-2] == k.shape[:-2] and q.stride(-1) == 1 and k.stride(-1) == 1
+def positions_ok(q, k, positions) -> bool:
+    """The kernels' view: one position per row of q and k (``[L]`` against a batched ``[B, L, H, D]``
+    broadcasts in torch but not there: the kernel read past the positions' end; a review)."""
+    return (q.shape[:-2] == k.shape[:-2] and q.stride(-1) == 1 and k.stride(-1) == 1
+            and positions.numel() == q.numel() // (q.shape[-1] * q.shape[-2]))
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
