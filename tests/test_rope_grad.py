@@ -14,15 +14,20 @@ CHECK = textwrap.dedent("""
     import torch
     from qerl_cli.layers.rotary import RotaryEmbedding, _RopeFn
 
-    def run(rope, q0, k0, pos, fused):
+    def rotate(rope, q0, k0, pos, fused):
+        # (q, k leaves with grad, rotated q, rotated k) through _RopeFn or the torch path
+        import os
         q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
         if fused:
-            qr, kr = _RopeFn.apply(q, k, pos, rope.cos_sin, rope._cos_neg_sin())
-        else:
-            import os
-            os.environ["QERL_TRAIN_ROPE"] = "0"
-            qr, kr = rope(pos, q, k)
+            return q, k, *_RopeFn.apply(q, k, pos, rope.cos_sin, rope._cos_neg_sin())
+        os.environ["QERL_TRAIN_ROPE"] = "0"
+        try:
+            return q, k, *rope(pos, q, k)
+        finally:
             del os.environ["QERL_TRAIN_ROPE"]
+
+    def run(rope, q0, k0, pos, fused):
+        q, k, qr, kr = rotate(rope, q0, k0, pos, fused)
         g = torch.Generator(device=q.device).manual_seed(3)
         loss = (qr.float() * torch.randn(qr.shape, generator=g, device=q.device)).sum() + \\
                (kr.float() * torch.randn(kr.shape, generator=g, device=q.device)).sum()
@@ -42,20 +47,13 @@ CHECK = textwrap.dedent("""
 
     def second_order(dev):
         # create_graph: the backward's inverse rotation in torch ops, so the second order is autograd's
-        import os
         rope = RotaryEmbedding(64, 32, 10000.0, device=dev)
         g = torch.Generator().manual_seed(0)
         q0, k0 = torch.randn(2, 3, 2, 64, generator=g).to(dev), torch.randn(2, 3, 1, 64, generator=g).to(dev)
         pos = torch.tensor([[0, 5, 9], [3, 3, 31]]).to(dev)
         out = []
         for fused in (True, False):
-            q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
-            if fused:
-                qr, kr = _RopeFn.apply(q, k, pos, rope.cos_sin, rope._cos_neg_sin())
-            else:
-                os.environ["QERL_TRAIN_ROPE"] = "0"
-                qr, kr = rope(pos, q, k)
-                del os.environ["QERL_TRAIN_ROPE"]
+            q, k, qr, kr = rotate(rope, q0, k0, pos, fused)
             dq, dk = torch.autograd.grad((qr ** 3).sum() + (kr ** 3).sum(), (q, k), create_graph=True)
             out.append(torch.autograd.grad((dq ** 2).sum() + (dk ** 2).sum(), (q, k)))
         for a, b in zip(*out):
