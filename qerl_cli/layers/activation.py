@@ -69,7 +69,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, dg: torch.Tensor | None = None, d
         if korder:
             raise ValueError("korder is an inference path: no autograd through it")
         return _SiluMul.apply(g, u)
-    if fused.enabled(g, u) and g.shape == u.shape and g.stride(-1) == 1 and u.stride(-1) == 1:
+    if _fusable(g, u):  # (autograd wants nothing here: returned above otherwise)
         return fused.silu_mul(g, u, dg, du, korder=korder)
     if dg is not None:
         g, u = g + dg, u + du

@@ -69,11 +69,7 @@ class RotaryEmbedding(nn.Module):
             return fused.rope_(q, k, positions, self.cos_sin)
         if self._trainable(q, k, positions):
             return _RopeFn.apply(q, k, positions, self.cos_sin, self._cos_neg_sin())
-        cs = self.cos_sin[positions]  # [..., D]
-        half = self.head_dim // 2
-        cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(q.dtype)
-        sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(q.dtype)
-        return _rot(q, cos, sin, half), _rot(k, cos, sin, half)
+        return _rot_torch(q, k, positions, self.cos_sin)
 
     def rotate_and_cache(self, positions, q, k, v, k_cache, v_cache, slots, delta=None):
         """``forward`` plus writing each token's rotated k and its v into cache row ``slots[i]`` of
@@ -131,6 +127,15 @@ def _rot(x, cos, sin, half):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def _rot_torch(q, k, positions, table):
+    """q and k rotated by ``table`` (cos | sin rows) at ``positions`` in torch ops (differentiable)."""
+    half = table.shape[-1] // 2
+    cs = table[positions]  # [..., D]
+    cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(q.dtype)
+    sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(q.dtype)
+    return _rot(q, cos, sin, half), _rot(k, cos, sin, half)
+
+
 def positions_ok(q, k, positions) -> bool:
     """The kernels' view: one position per row of q and k (``[L]`` against a batched ``[B, L, H, D]``
     broadcasts in torch but not there: the kernel read past the positions' end; a review)."""
@@ -138,13 +143,11 @@ def positions_ok(q, k, positions) -> bool:
             and positions.numel() == q.numel() // (q.shape[-1] * q.shape[-2]))
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """x rotated by ``table`` (cos | sin rows) at ``positions``, into a fresh tensor (the fused kernel
+def _rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor):
+    """q and k rotated by ``table`` (cos | sin rows) at ``positions``, into fresh tensors (the fused kernel
     rotates in place: a copy first, so autograd's inputs stay as they were)."""
-    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
-    other = like.contiguous().clone() if like.is_contiguous() else like.contiguous()
-    fused.rope_(out, other, positions, table)
-    return out, other
+    q, k = q.clone(memory_format=torch.contiguous_format), k.clone(memory_format=torch.contiguous_format)
+    return fused.rope_(q, k, positions, table)
 
 
 class _RopeFn(torch.autograd.Function):
@@ -155,17 +158,11 @@ class _RopeFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, positions, cos_sin, cos_neg_sin):
-        ctx.save_for_backward(positions, cos_sin, cos_neg_sin)
-        return _rotate(q, positions, cos_sin, k)
+        ctx.save_for_backward(positions, cos_neg_sin)
+        return _rotate(q, k, positions, cos_sin)
 
     @staticmethod
     def backward(ctx, dq, dk):
-        positions, cos_sin, cos_neg_sin = ctx.saved_tensors
-        if torch.is_grad_enabled():  # differentiable: the inverse rotation in torch ops
-            half = cos_sin.shape[-1] // 2
-            cs = cos_neg_sin[positions]
-            cos = torch.cat([cs[..., :half], cs[..., :half]], -1).unsqueeze(-2).to(dq.dtype)
-            sin = torch.cat([cs[..., half:], cs[..., half:]], -1).unsqueeze(-2).to(dq.dtype)
-            return _rot(dq, cos, sin, half), _rot(dk, cos, sin, half), None, None, None
-        gq, gk = _rotate(dq, positions, cos_neg_sin, dk)
-        return gq, gk, None, None, None
+        positions, cos_neg_sin = ctx.saved_tensors
+        rotate_back = _rot_torch if torch.is_grad_enabled() else _rotate  # a double backward: torch ops
+        return (*rotate_back(dq, dk, positions, cos_neg_sin), None, None, None)
