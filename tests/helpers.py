@@ -274,3 +274,15 @@ def assert_same_nucleus(kept: torch.Tensor, logits: torch.Tensor, sp) -> None:
         pos = (order == i).nonzero().item()
         above = p[order[:pos]].sum().item()
         assert abs(above - sp.top_p) < 1e-5, (r, i, above, sp)
+
+
+def run_in_interpreter(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on (``TRITON_INTERPRET=1``,
+    read at import) and assert it ends by printing ``ok``."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])

@@ -1,9 +1,6 @@
 """silu_mul: forward and gradients bit-identical to autograd through ``F.silu(g) * u`` on CPU; the fused
 Triton passes against the same torch ops in the interpreter (fp32 / fp16) and on the GPU (bf16)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -11,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl_cli.layers.activation import _SiluMul, silu_mul
+from tests.helpers import run_in_interpreter
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,10 +109,7 @@ def test_fused_swiglu_backward_matches_torch_in_interpreter():
     cases = [("float32", 3, 33, True, 1e-5), ("float32", 1, 1030, False, 1e-5), ("float16", 5, 1000, True, 2e-3),
              ("float32", 4, 7, False, 1e-5)]
     script = SWIGLU_CHECK + "".join(f"check('cpu', torch.{d}, {r}, {n}, {h}, {tol})\n" for d, r, n, h, tol in cases)
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", script + "print('ok')\n"], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_in_interpreter(script + "print('ok')\n")
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qerl_cli.errors import BadInputError
+from tests.train_fixtures import quick_step
 
 
 # ---- engine: scheduler / block manager ----
@@ -606,17 +607,12 @@ def test_another_max_shard_size_is_not_already_done(tiny_src, tmp_path):
 # ---- train-step: resume ----
 @pytest.fixture(scope="module")
 def qmodel(tmp_path_factory):
-    from tests.train_fixtures import base_hash_of, quantized_tiny
+    from tests.train_fixtures import quantized_tiny_with_hash
 
-    _, q = quantized_tiny(tmp_path_factory.mktemp("tm"))
-    return q, base_hash_of(q)
+    return quantized_tiny_with_hash(tmp_path_factory.mktemp("tm"))
 
 
-def _step(q, shard, out, **kw):
-    from qerl_cli.train_step import TrainStepConfig, train_step
-
-    kw = dict(dict(micro_batch_tokens=400, lora_rank=4, lr=1e-3), **kw)
-    return train_step(TrainStepConfig(model=q, shards=[str(shard)], out=out, progress=False, **kw))
+_step = quick_step
 
 
 def test_a_resumed_step_continues_the_adam_moments_and_the_lr_schedule(qmodel, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qerl_cli.errors import BadInputError
+from tests.train_fixtures import quick_step
 
 
 # ---- layers: LoRA wrapping, init, disabling ----
@@ -179,17 +180,12 @@ def test_a_model_with_its_own_compute_logits_is_scored_through_it():
 # ---- train-step ----
 @pytest.fixture(scope="module")
 def qmodel(tmp_path_factory):
-    from tests.train_fixtures import base_hash_of, quantized_tiny
+    from tests.train_fixtures import quantized_tiny_with_hash
 
-    _, q = quantized_tiny(tmp_path_factory.mktemp("tm3"))
-    return q, base_hash_of(q)
+    return quantized_tiny_with_hash(tmp_path_factory.mktemp("tm3"))
 
 
-def _step(q, shard, out, **kw):
-    from qerl_cli.train_step import TrainStepConfig, train_step
-
-    kw = dict(dict(micro_batch_tokens=400, lora_rank=4, lr=1e-3), **kw)
-    return train_step(TrainStepConfig(model=q, shards=[str(shard)], out=out, progress=False, **kw))
+_step = quick_step
 
 
 def test_the_kl_metric_is_the_pre_update_policys(qmodel, tmp_path):

@@ -3,13 +3,12 @@ back) against the torch path it replaces in training: outputs, the residual stre
 x, the residual and a trained fp32 master weight; in Triton's interpreter (fp32 / fp16) and on the GPU
 (bf16, through ``RMSNorm.forward``)."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.helpers import run_in_interpreter
 
 CHECK = textwrap.dedent("""
     import torch
@@ -59,9 +58,7 @@ def test_fused_norm_gradients_match_torch_in_interpreter():
              ("float16", 9, 64, True, False, True, 2e-3), ("float32", 7, 33, True, True, False, 1e-5)]
     script = CHECK + "import qerl_cli.layers.fused as f\nf.BWD_ROWS = 2\n" + "".join(
         f"check('cpu', torch.{d}, {r}, {n}, {t}, {z}, {res}, {tol})\n" for d, r, n, t, z, res, tol in cases) + "print('ok')\n"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_in_interpreter(script)
 
 
 @pytest.mark.gpu
@@ -113,6 +110,4 @@ def test_fused_norm_edge_cases_in_interpreter():
         assert norm.weight.grad is None and x.grad is not None
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])
+    run_in_interpreter(script)

@@ -2,13 +2,12 @@
 back) against the torch path it replaces: rotated q and k and their gradients, in Triton's interpreter
 (fp32 / fp16) and on the GPU (bf16, through ``RotaryEmbedding.forward``), plus a double backward."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.helpers import run_in_interpreter
 
 CHECK = textwrap.dedent("""
     import torch
@@ -66,9 +65,7 @@ def test_fused_rope_gradients_match_torch_in_interpreter():
     cases = [("float32", 2, 5, 4, 2, 64, 1e-5), ("float16", 1, 7, 2, 2, 32, 2e-3), ("float32", 3, 1, 6, 1, 128, 1e-5)]
     script = CHECK + "".join(f"check('cpu', torch.{d}, {b}, {L}, {hq}, {hk}, {hd}, {tol})\n"
                              for d, b, L, hq, hk, hd, tol in cases) + "second_order('cpu')\nprint('ok')\n"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_in_interpreter(script)
 
 
 @pytest.mark.gpu

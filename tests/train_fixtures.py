@@ -93,3 +93,17 @@ def make_shard(out: Path, base_hash: str, *, adapter_hash=None, step=0, groups=3
 
 def base_hash_of(d: Path) -> str:
     return model_hash(d)
+
+
+def quantized_tiny_with_hash(root: Path) -> tuple[Path, str]:
+    """(NVFP4 QDIR of ``quantized_tiny``, its base hash): what train-step tests build shards against."""
+    _, q = quantized_tiny(root)
+    return q, base_hash_of(q)
+
+
+def quick_step(q: Path, shard: Path, out: Path, **kw):
+    """One small train-step on CPU (rank 4, 400-token micro-batches, lr 1e-3 unless ``kw`` says otherwise)."""
+    from qerl_cli.train_step import TrainStepConfig, train_step
+
+    kw = dict(dict(micro_batch_tokens=400, lora_rank=4, lr=1e-3), **kw)
+    return train_step(TrainStepConfig(model=q, shards=[str(shard)], out=out, progress=False, **kw))
