@@ -9,6 +9,9 @@
 # SEEDS (default "0 1 2"), STEPS and every other knob of the config can be set in the environment;
 # EXTRA_AQN=START:END adds a fourth variant with a larger noise schedule. Finished runs are kept:
 # rerunning with more variants only runs the new ones (every stage says "already done").
+# The NVFP4 base and each base policy's eval are the same for every seed and variant, so they are made
+# once, in OUT_DIR/shared-nvfp4 and OUT_DIR/shared-bf16 (STEPS=0 runs of grpo.sh), and each run directory
+# gets hard links to them, where its own quantize and base eval then read "already done".
 set -euo pipefail
 here=$PWD
 cd "$(dirname "$0")/.."
@@ -27,12 +30,28 @@ for seed in $SEEDS; do
   # EXTRA_AQN="0.1:1e-3": also run NVFP4 + AQN with a larger schedule (sigma_start:sigma_end)
   if [ -n "${EXTRA_AQN:-}" ]; then jobs+=("nvfp4-aqn-${EXTRA_AQN%%:*} $seed nvfp4 ${EXTRA_AQN%%:*} ${EXTRA_AQN##*:}"); fi
 done
+# Once per base format, before the runs: a run quantized and scored its own copy (9 copies for 3 seeds).
+for fmt in nvfp4 bf16; do
+  STEPS=0 BASE_FORMAT=$fmt bash recipes/grpo.sh "$CONFIG" "$OUT/shared-$fmt" > "$OUT/shared-$fmt.log" 2>&1 \
+    || { echo "FAILED: the shared $fmt base (see $OUT/shared-$fmt.log)"; exit 1; }
+done
+link_shared() {  # RUN_DIR BASE_FORMAT: hard links (a copy across file systems) to what the run shares
+  local name
+  mkdir -p "$1"
+  for name in base eval-base; do
+    if [ -d "$OUT/shared-$2/$name" ] && [ ! -e "$1/$name" ]; then
+      cp -al "$OUT/shared-$2/$name" "$1/$name" 2>/dev/null \
+        || { rm -rf "$1/$name"; cp -a "$OUT/shared-$2/$name" "$1/$name"; }
+    fi
+  done
+}
 run_one() {  # NAME SEED BASE_FORMAT SIGMA_START [SIGMA_END]
   local dir=$OUT/$1-s$2
+  link_shared "$dir" "$3"
   BASE_FORMAT=$3 AQN_SIGMA_START=$4 AQN_SIGMA_END=${5:-${AQN_SIGMA_END:-1e-4}} SEED=$2 \
     bash recipes/grpo.sh "$CONFIG" "$dir" > "$dir.log" 2>&1 \
     && echo "done: $dir" || { echo "FAILED: $dir (see $dir.log)"; return 1; }
 }
-export -f run_one; export OUT CONFIG
+export -f run_one link_shared; export OUT CONFIG
 printf '%s\n' "${jobs[@]}" | xargs -P "$PARALLEL" -I{} bash -c 'run_one {}'
 python recipes/plot_compare.py "$OUT"

@@ -2,6 +2,7 @@
 # The generic qerl RL loop: quantize -> STEPS x (rollout -> train-step) -> merge -> eval.
 #
 #   bash recipes/grpo.sh CONFIG.env [RUN_DIR]
+#   STEPS=0 bash recipes/grpo.sh CONFIG.env [RUN_DIR]     the base only: quantize it, score it
 #
 # CONFIG.env is a sourced KEY=value file (see recipes/configs/). Every stage writes one
 # step-numbered directory atomically and says "already done" when rerun with the same inputs,
@@ -87,6 +88,12 @@ fi
 if [ -n "$EVAL_DATASET" ]; then
   say "eval base policy"
   qerl_eval_cmd -1; stage "${QERL_CMD[@]}"
+fi
+
+# STEPS=0: the base alone (compare_aqn.sh makes the base its runs share this way).
+if [ "$STEPS" = 0 ]; then
+  say "STEPS=0: the base policy only; no RL steps, nothing to merge"
+  exit 0
 fi
 
 # 2. The RL loop. Step s samples with adapter s-1 and writes adapter s.

@@ -47,9 +47,9 @@ qerl_load_config() {  # CONFIG (for the messages)
   for v in STEPS EVAL_EVERY EVAL_MAX_PROBLEMS ROLLOUT_SHARDS TRAIN_GPUS; do
     [[ ${!v} =~ ^[0-9]+$ ]] || _qerl_die "$v=${!v}: expected a whole number"
   done
-  for v in STEPS ROLLOUT_SHARDS TRAIN_GPUS; do
+  for v in ROLLOUT_SHARDS TRAIN_GPUS; do
     [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1"
-  done
+  done  # STEPS=0 is grpo.sh's base-only run (quantize, score the base); submit.sh refuses it
 }
 
 qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }

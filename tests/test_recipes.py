@@ -555,9 +555,51 @@ def test_compare_aqn_reads_relative_paths_where_it_was_run(tmp_path):
     env = {**os.environ, "QERL": str(qerl), "SEEDS": "0", "PARALLEL": "1"}
     subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), "out", "my.env"], cwd=cwd, env=env, capture_output=True)
     logs = sorted(p.name for p in (cwd / "out").glob("*.log"))
-    assert logs == ["bf16-lora-s0.log", "nvfp4-aqn-s0.log", "nvfp4-lora-s0.log"]
+    assert logs == ["bf16-lora-s0.log", "nvfp4-aqn-s0.log", "nvfp4-lora-s0.log", "shared-bf16.log", "shared-nvfp4.log"]
     assert "not found" not in (cwd / "out" / "nvfp4-lora-s0.log").read_text()
     assert not (ROOT / "out").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_compare_aqn_quantizes_and_scores_each_base_once(tmp_path):
+    # Every NVFP4 run quantized the same checkpoint and every run scored its base policy again: 6 quantizes
+    # and 9 base evals for 3 seeds (a 7B: 28 s each, its evals minutes). Now one of each per base format.
+    log = tmp_path / "calls.log"
+    qerl = _recorder(tmp_path, "qerl", f"""stage=$1; out=""
+while [ $# -gt 0 ]; do if [ "$1" = --out ]; then out=$2; fi; shift; done
+[ -n "$out" ] || exit 0
+if [ -e "$out/manifest.json" ]; then echo "$stage already $out" >> {log}
+else mkdir -p "$out"; echo "{{}}" > "$out/manifest.json"; echo "$stage made $out" >> {log}; fi
+""")
+    env = {**os.environ, "QERL": str(qerl), "SEEDS": "0 1", "PARALLEL": "1", "STEPS": "1", "EVAL_EVERY": "0"}
+    out = tmp_path / "out"
+    subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), str(out)], env=env, capture_output=True)
+    calls = [line.split() for line in log.read_text().splitlines()]
+    made = sorted((st, str(Path(o).relative_to(out))) for st, how, o in calls if how == "made" and st in ("quantize", "eval"))
+    assert made == [("eval", "bf16-lora-s0/eval-final"), ("eval", "bf16-lora-s1/eval-final"),
+                    ("eval", "nvfp4-aqn-s0/eval-final"), ("eval", "nvfp4-aqn-s1/eval-final"),
+                    ("eval", "nvfp4-lora-s0/eval-final"), ("eval", "nvfp4-lora-s1/eval-final"),
+                    ("eval", "shared-bf16/eval-base"), ("eval", "shared-nvfp4/eval-base"), ("quantize", "shared-nvfp4/base")]
+    already = sorted(str(Path(o).relative_to(out)) for st, how, o in calls if how == "already")
+    assert already == sorted([f"{v}-s{s}/eval-base" for v in ("bf16-lora", "nvfp4-aqn", "nvfp4-lora") for s in (0, 1)]
+                             + [f"{v}-s{s}/base" for v in ("nvfp4-aqn", "nvfp4-lora") for s in (0, 1)])
+    # hard links, not copies: a 32B base is 18 GB
+    assert os.path.samefile(out / "nvfp4-aqn-s1" / "base" / "manifest.json", out / "shared-nvfp4" / "base" / "manifest.json")
+    assert not (out / "bf16-lora-s0" / "base").exists()  # the 16-bit runs load the checkpoint itself
+
+
+def test_grpo_steps_0_makes_and_scores_the_base_only_and_slurm_refuses_it(tmp_path):
+    log = tmp_path / "calls.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$1" >> {log}\n')
+    env = {**os.environ, "QERL": str(qerl), "STEPS": "0"}
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(RECIPES / "configs" / "tiny.env"), str(tmp_path / "run")],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "STEPS=0" in r.stdout, r.stderr
+    assert log.read_text().split() == ["quantize", "eval"]
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(RECIPES / "configs" / "tiny.env"),
+                        str(tmp_path / "chain")], env={**env, "SBATCH": str(qerl)}, capture_output=True, text=True)
+    assert r.returncode == 2 and "STEPS=0: nothing to chain" in r.stderr
+    assert log.read_text().split() == ["quantize", "eval"]  # nothing submitted
 
 
 def test_plot_compare_keeps_the_last_line_of_a_redone_step(tmp_path):

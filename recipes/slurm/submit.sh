@@ -24,6 +24,10 @@ RECIPES=$(cd "$HERE/.." && pwd)
 # shellcheck source=recipes/lib.sh
 source "$RECIPES/lib.sh"
 qerl_load_config "$CONFIG"
+if [ "$STEPS" = 0 ]; then  # grpo.sh's base-only run; a chain needs a step
+  echo "error: STEPS=0: nothing to chain (for the base alone: STEPS=0 bash recipes/grpo.sh $CONFIG)" >&2
+  exit 2
+fi
 # A rollout runs on one GPU (no tensor parallelism): more per task sat idle.
 if [ "${ROLLOUT_GPUS:-1}" != 1 ]; then
   echo "error: ROLLOUT_GPUS=$ROLLOUT_GPUS: a rollout task uses one GPU; raise ROLLOUT_SHARDS for more rollout GPUs" >&2
