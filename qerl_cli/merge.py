@@ -526,11 +526,15 @@ def _warn_of_low_retention(rq: dict, cfg: MergeConfig) -> None:
         return
     from qerl_cli.outputs import read_manifest
 
-    src = (read_manifest(Path(cfg.model)) or {}).get("source")
-    warnings.warn(QerlWarning(
-        f"re-quantizing kept only {100 * kept:.0f}% of the LoRA update (small updates round back onto the base's "
-        f"FP4 grid); pass --requantize-from {src or 'BF16_SOURCE_DIR'} to add it to the bf16 source instead, or "
-        "serve the bf16 merge"), stacklevel=3)
+    pct = 100 * kept if abs(100 * kept) >= 0.5 else 0.0  # no "-0%"
+    said = f"re-quantizing kept only {pct:.0f}% of the LoRA update (small updates round back onto the base's FP4 grid)"
+    if cfg.requantize_from is not None:  # added to the bf16 source already: FP4 cannot hold this update
+        advice = "the update is below what FP4 resolves even from the bf16 source; serve the bf16 merge (--dtype bf16)"
+    else:
+        src = (read_manifest(Path(cfg.model)) or {}).get("source")
+        advice = (f"pass --requantize-from {src or 'BF16_SOURCE_DIR'} to add it to the bf16 source instead, or "
+                  "serve the bf16 merge")
+    warnings.warn(QerlWarning(f"{said}; {advice}"), stacklevel=3)
 
 
 def check_source_of(model_dir: Path, source: Path, allow_mismatch: bool = False) -> str:

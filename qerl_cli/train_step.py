@@ -38,13 +38,21 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from qerl_cli.adapters import NORMS, load_norms, norms_input, trained_norms
-from qerl_cli.errors import BadInputError, LineageError, NumericalError, OutOfMemoryError, OutputWriteError
+from qerl_cli.errors import (
+    BadInputError,
+    LineageError,
+    NumericalError,
+    OutOfMemoryError,
+    OutputWriteError,
+    QerlWarning,
+)
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
 from qerl_cli.outputs import StageOutput, check_out_apart, file_in_the_way
@@ -571,11 +579,12 @@ def _train_step(cfg: TrainStepConfig) -> dict:
         check_out_apart(cfg.out, shards=d)
     from qerl_cli.shards import missing_shards
 
-    if missing := missing_shards(data.files):  # shown even with -q: the step trains on part of its data
-        print(f"warning: the shards name {len(missing)} more shard file(s) of this step that --shards does not "
-              f"reach (first: {missing[0]}); training on the {len(data.files)} given", file=sys.stderr)
+    # Warnings are QerlWarnings: shown with -q (one `warning:` line from the CLI), catchable by a library caller.
+    if missing := missing_shards(data.files):
+        _warn(f"the shards name {len(missing)} more shard file(s) of this step that --shards does not "
+              f"reach (first: {missing[0]}); training on the {len(data.files)} given")
     if data.bad_lines:
-        _say(cfg, f"warning: skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
+        _warn(f"skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
     base_hash = model_hash(Path(cfg.model))
     _check_fits_model(cfg, data)
     if cfg.embeddings_on_cpu:
@@ -594,8 +603,6 @@ def _train_step(cfg: TrainStepConfig) -> dict:
     elif cfg.adapter is not None:
         _say(cfg, f"note: {cfg.adapter} has no {STATE_FILE}; starting the schedule at step {data.step}")
         state.global_step = data.step
-    if data.step != state.global_step:
-        _say(cfg, f"warning: shards are from rollout step {data.step} but the adapter is at step {state.global_step}")
     spec = _lora_spec(cfg)
     parent_hash = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
     _check_lineage(cfg, data, base_hash, parent_hash, state)
@@ -608,9 +615,11 @@ def _train_step(cfg: TrainStepConfig) -> dict:
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
                       legacy_configs=(cfg.legacy_fingerprint_config(),), started=t_start)
     if out.already_done():
-        _say(cfg, f"already done: {cfg.out} holds this step (pass --force to redo it)", result=True)
+        _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
         _ensure_metrics_line(cfg, out.manifest)
         return dict(out.manifest, already_done=True)
+    if data.step != state.global_step:  # after the checks: not a line above an error, nor on an "already done"
+        _warn(f"shards are from rollout step {data.step} but the adapter is at step {state.global_step}")
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
     lengths = [len(p) + len(c) for p, c in zip(data.prompts, data.completions)]
@@ -841,11 +850,20 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
             manifest = out.manifest
             if cfg.metrics_file is not None:
                 _append_metrics(Path(cfg.metrics_file), metrics)
-            _say(cfg, f"step {step} -> {cfg.out}: {_result_numbers(metrics)}", result=True)
+            _say(cfg, result_line(cfg.out, manifest), result=True)
         except BaseException as e:  # noqa: BLE001 - re-raised by main_outcome, after the other ranks hear of it
             failure = e
     dist.main_outcome(failure, device)
     return dict(manifest if manifest is not None else {"metrics": metrics}, already_done=False)
+
+
+def result_line(out, manifest: dict, already_done: bool = False) -> str:
+    """The line a finished (or already done) step prints on stdout: with progress, by train_step; under
+    -q, by the CLI (the result and warnings were lost with the progress bar; docs audit, session 44)."""
+    if already_done:
+        return f"already done: {out} holds this step (pass --force to redo it)"
+    metrics = manifest.get("metrics", {})
+    return f"step {metrics.get('step')} -> {out}: {_result_numbers(metrics)}"
 
 
 def _result_numbers(metrics: dict) -> str:
@@ -1012,6 +1030,10 @@ def _progress(cfg, dist, total):
     if cfg.progress and dist.is_main and sys.stderr.isatty():
         return _RichProgress(total)
     return _NoProgress()
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(QerlWarning(msg), stacklevel=3)
 
 
 def _say(cfg, msg: str, result: bool = False) -> None:

@@ -326,12 +326,27 @@ def test_train_step_skip_bad_lines_reports_the_count(p, tmp_path):
     lines.insert(3, "garbage line")
     lines.insert(7, '{"schema_version": 1}')
     sh = _write_shard(tmp_path, name, lines)
-    args = train_args(p["q"], sh, tmp_path / "out", "--skip-bad-lines")
-    args.remove("-q")
-    r = invoke(args)
+    args = train_args(p["q"], sh, tmp_path / "out", "--skip-bad-lines")  # with -q: it hid the warning and
+    r = invoke(args)  # the result line too, where every other stage's -q drops only the progress (docs audit)
     assert r.exit_code == 0, r.stderr
-    assert "skipped 2 bad shard line(s)" in r.stderr and f"{name}:4" in r.stderr
+    assert "warning: skipped 2 bad shard line(s)" in r.stderr and f"{name}:4" in r.stderr
+    assert r.stdout.startswith("step 0 -> ") and "loss " in r.stdout, r.stdout
     assert read_manifest(tmp_path / "out")["metrics"]["skipped_bad_lines"] == 2
+    again = invoke(args)
+    assert again.exit_code == 0 and again.stdout.startswith("already done: "), again.stdout
+
+
+def test_train_step_warnings_reach_a_library_caller(p, tmp_path, capsys):
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.train_step import TrainStepConfig, train_step
+
+    name, lines = _shard_lines(p)
+    lines.insert(3, "garbage line")
+    sh = _write_shard(tmp_path, name, lines)
+    with pytest.warns(QerlWarning, match="skipped 1 bad shard line"):
+        train_step(TrainStepConfig(model=p["q"], shards=[sh], out=tmp_path / "out", device="cpu",
+                                   skip_bad_lines=True, progress=False))
+    assert capsys.readouterr().out == ""  # progress=False: the library prints nothing
 
 
 @pytest.mark.parametrize("how", ["empty-file", "empty-dir"])

@@ -181,6 +181,19 @@ def test_requantize_from_source_keeps_small_updates(qpair, small_update, tmp_pat
     assert "warning: re-quantizing kept only" in text and f"--requantize-from {src.resolve()}" in text
 
 
+def test_an_update_fp4_cannot_hold_even_from_the_source_is_not_told_to_pass_the_source(qpair, tmp_path):
+    # (docs audit, session 44) with --requantize-from given, the warning still said "pass --requantize-from
+    # SRC", and a near-zero retention printed as "-0%"
+    src, qdir, _ = qpair
+    tiny = make_peft_adapter(src, tmp_path / "ad", scale=1e-6, base_hash=model_hash(qdir))
+    with pytest.warns(QerlWarning) as seen:
+        m = merge(MergeConfig(qdir, tiny, tmp_path / "m", dtype="nvfp4", requantize_from=src), progress=False)
+    assert m["summary"]["requantization"]["update_retained"] < 0.5
+    text = " ".join(str(w.message) for w in seen)
+    assert "serve the bf16 merge (--dtype bf16)" in text and "pass --requantize-from" not in text, text
+    assert "-0%" not in text
+
+
 def test_requantize_from_checks_the_source(qpair, small_update, tmp_path):
     from qerl_cli.errors import BadInputError, LineageError
 

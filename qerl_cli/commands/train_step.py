@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -69,9 +70,9 @@ def command(
     skip_bad_lines: Annotated[bool, typer.Option("--skip-bad-lines", rich_help_panel="Run", help="Skip unparseable shard lines instead of stopping.")] = False,
     metrics_file: Annotated[Path | None, typer.Option("--metrics-file", rich_help_panel="Run", help="Also append this step's metrics line here (one file for the whole run, one line per step: a redone step replaces its line). Example: --metrics-file run/metrics.jsonl")] = None,
     force: Annotated[bool, typer.Option("--force", rich_help_panel="Run", help="Redo the step even if --out already holds it / holds something else.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel="Run", help="No progress bar or summary line.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel="Run", help="No progress bar or notes; print only the result line (and warnings, on stderr).")] = False,
 ) -> None:
-    from qerl_cli.train_step import TrainStepConfig, train_step
+    from qerl_cli.train_step import TrainStepConfig, result_line, train_step
 
     targets = None
     if lora_targets is not None:  # repeated and comma-joined alike; "" or "," names nothing: refused
@@ -93,4 +94,7 @@ def command(
         embeddings_on_cpu=embeddings_on_cpu, device=device,
         dtype=dtype, baseline=baseline, seed=seed, skip_bad_lines=skip_bad_lines, metrics_file=metrics_file, force=force, progress=not quiet,
     )
-    train_step(cfg)
+    res = train_step(cfg)
+    if quiet and os.environ.get("RANK", "0") == "0" and (res.get("already_done") or "stage" in res):
+        # -q drops the progress bar and notes, not the result (train_step prints it itself otherwise)
+        print(result_line(out, res, already_done=res.get("already_done", False)))
