@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from qerl_cli.checkpoint.safetensors_io import save_small
 from qerl_cli.errors import BadInputError
 from qerl_cli.hashing import dir_hash
 from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_modules
@@ -148,7 +148,7 @@ def save_adapter(model, out_dir, *, base_model_path, extra_config: dict | None =
     for name, m in mods:
         tensors[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().cpu().contiguous()
         tensors[f"{PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().cpu().contiguous()
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    save_small(tensors, out / WEIGHTS)
     return out
 
 

@@ -936,9 +936,8 @@ def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:
 
 
 def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metrics) -> None:
-    from safetensors.torch import save_file
-
     from qerl_cli.adapters import save_adapter
+    from qerl_cli.checkpoint.safetensors_io import save_small
 
     # Absolute: PEFT's AutoPeftModel resolves a relative base against its own working directory, so an
     # adapter trained as --model runs/x/base could not find its base from anywhere else (a trial).
@@ -946,7 +945,7 @@ def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metr
     save_optimizer(opt, work / OPTIMIZER_FILE)
     if cfg.train_norms:
         norms = {n: p.detach().float().cpu().contiguous() for n, p in named if ".lora_" not in n}
-        save_file(norms, str(work / NORMS), metadata={"format": "pt"})
+        save_small(norms, work / NORMS)
     state.save(work / STATE_FILE)
     append_jsonl(work / METRICS_FILE, metrics)
 

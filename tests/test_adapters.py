@@ -282,3 +282,25 @@ def test_peft_targets_named_as_dotted_suffixes_load(tmp_path, nvfp4_dirs):
                                    target_modules=["self_attn.q_proj", "mlp.down_proj"])
     assert set(read_adapter_spec(tmp_path / "peft").targets) == {"q_proj", "down_proj"}
     _assert_loads_as_peft(qdir, tmp_path / "peft", ref)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_steps_files_get_the_mode_the_umask_gives_any_file(tmp_path, umask):
+    # safetensors 0.8's save_file wrote adapter_model, optimizer and norms files 0600: a teammate, or a
+    # vLLM server running as another user, could not read the adapter (docs audit, session 44)
+    import os
+
+    from tests.train_fixtures import make_shard, quantized_tiny_with_hash, quick_step
+
+    q, base = quantized_tiny_with_hash(tmp_path / "m")
+    old = os.umask(umask)
+    try:
+        quick_step(q, make_shard(tmp_path / "sh", base), tmp_path / "a", train_norms=True)
+        (tmp_path / "plain").write_text("x")
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "a").iterdir() if p.suffix == ".safetensors"}
+    assert set(modes) == {"adapter_model.safetensors", "optimizer.safetensors", "norms.safetensors"}, modes
+    assert set(modes.values()) == {want}, modes

@@ -16,6 +16,7 @@ copy out of the page cache, sequential when tensors are visited in file order).
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,3 +274,15 @@ class ShardedWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def save_small(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` for the small files (adapter, optimizer state, norms), with the mode
+    any other file gets (0666 less the umask): safetensors 0.8 writes through a private temporary file, so
+    they came out 0600, unreadable by a teammate or a vLLM server running as another user (docs audit)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)  # read it: there is no other portable way
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from qerl_cli.checkpoint.safetensors_io import save_small
 from qerl_cli.errors import BadInputError
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -116,7 +116,7 @@ def save_optimizer(opt: AdamW, path: Path) -> None:
     # One metadata key only: safetensors writes metadata in hash-map order, so several keys would
     # make the file's bytes differ between identical runs (betas and eps are the stage's arguments,
     # recorded in the manifest).
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    save_small(tensors, Path(path))
 
 
 def load_optimizer(opt: AdamW, path: Path) -> int:
