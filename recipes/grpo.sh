@@ -20,10 +20,11 @@ set -euo pipefail
 
 CONFIG=${1:?usage: bash recipes/grpo.sh CONFIG.env [RUN_DIR]}
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
-# shellcheck disable=SC1090
-source "$CONFIG"
 # shellcheck source=recipes/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+qerl_check_env_numbers
+# shellcheck disable=SC1090
+source "$CONFIG"
 qerl_load_config "$CONFIG"
 qerl_set_base "${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}"
 QERL=${QERL:-qerl}

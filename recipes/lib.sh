@@ -19,6 +19,17 @@ QERL_STAGE_VARS=("${QERL_REQUIRED_VARS[@]}" "${QERL_OPTIONAL_VARS[@]}")
 
 _qerl_die() { echo "error: $*" >&2; exit 2; }
 
+# The whole-number keys. The configs compute with some of them (WARMUP_STEPS from STEPS) as they are
+# sourced, before qerl_load_config can check them, so STEPS=abc from the environment ended in bash's
+# "abc: unbound variable": grpo.sh and submit.sh call qerl_check_env_numbers before sourcing CONFIG.
+QERL_NUMBER_VARS=(STEPS EVAL_EVERY EVAL_MAX_PROBLEMS ROLLOUT_SHARDS TRAIN_GPUS)
+qerl_check_env_numbers() {
+  local v
+  for v in "${QERL_NUMBER_VARS[@]}"; do
+    if [ -n "${!v:-}" ] && ! [[ ${!v} =~ ^[0-9]+$ ]]; then _qerl_die "$v=${!v}: expected a whole number"; fi
+  done
+}
+
 # Check the sourced config, then give every optional variable its value; exit 2 naming what is wrong.
 qerl_load_config() {  # CONFIG (for the messages)
   local v missing=()
@@ -44,7 +55,7 @@ qerl_load_config() {  # CONFIG (for the messages)
   # Anything else once ran the 16-bit baseline without a word (BASE_FORMAT=NVFP4 included).
   case "$BASE_FORMAT" in nvfp4 | bf16) ;; *) _qerl_die "BASE_FORMAT=$BASE_FORMAT: use nvfp4 (QeRL) or bf16 (the 16-bit LoRA baseline)" ;; esac
   case "$MERGE_DTYPE" in nvfp4 | bf16) ;; *) _qerl_die "MERGE_DTYPE=$MERGE_DTYPE: use bf16 or nvfp4" ;; esac
-  for v in STEPS EVAL_EVERY EVAL_MAX_PROBLEMS ROLLOUT_SHARDS TRAIN_GPUS; do
+  for v in "${QERL_NUMBER_VARS[@]}"; do
     [[ ${!v} =~ ^[0-9]+$ ]] || _qerl_die "$v=${!v}: expected a whole number"
   done
   for v in ROLLOUT_SHARDS TRAIN_GPUS; do

@@ -166,6 +166,23 @@ def test_slurm_train_reads_every_shard_and_first_step_has_no_adapter(tmp_path):
     assert cmd.endswith("--offload-activations --embeddings-on-cpu")  # the 7B config's TRAIN_EXTRA
 
 
+@pytest.mark.parametrize("torchrun", [None, "/venv/bin/torchrun --rdzv-backend c10d"])
+def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torchrun):
+    # TRAIN_GPUS > 1 ran a bare `torchrun -m qerl_cli`, outside QERL's container (docs audit, session 44)
+    log = tmp_path / "wrapper.log"
+    wrapper = _recorder(tmp_path, "wrap", f'echo "$*" >> {log}\n')
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nTRAIN_GPUS=4\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
+    env["QERL"] = f"{wrapper} exec --nv img.sif qerl"
+    if torchrun:
+        env["TORCHRUN"] = torchrun
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
+                   env=env, check=True, capture_output=True)
+    launcher = torchrun or "torchrun"
+    assert log.read_text().startswith(f"exec --nv img.sif {launcher} --nproc-per-node 4 -m qerl_cli train-step --model ")
+
+
 def test_train_extra_is_word_split_and_optional(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -460,6 +477,18 @@ def test_an_unknown_base_format_is_refused(tmp_path, script):
     r = subprocess.run(["bash", *map(str, argv)], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "error: BASE_FORMAT=NVFP4: use nvfp4 (QeRL) or bf16" in r.stderr, r.stderr
     assert not log.exists() and not sbatch_log.exists()
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "submit.sh"])
+@pytest.mark.parametrize("value", ["abc", "1.5"])
+def test_a_step_count_that_is_not_a_number_is_one_error_line(tmp_path, script, value):
+    # the configs compute WARMUP_STEPS from STEPS as they are sourced: STEPS=abc ended in bash's
+    # "abc: unbound variable" (exit 1), STEPS=1.5 in a syntax error and "does not set WARMUP_STEPS" (docs audit)
+    path = RECIPES / script if script == "grpo.sh" else RECIPES / "slurm" / script
+    for cfg in CONFIGS:
+        r = subprocess.run(["bash", str(path), str(cfg), str(tmp_path / "run")], capture_output=True, text=True,
+                           env={**os.environ, "STEPS": value, "QERL": "false", "SBATCH": "false"})
+        assert r.returncode == 2 and r.stderr == f"error: STEPS={value}: expected a whole number\n", (cfg.name, r.stderr)
 
 
 def test_a_config_that_misses_keys_is_refused_naming_them(tmp_path):

@@ -17,12 +17,13 @@
 set -euo pipefail
 CONFIG=${1:?usage: bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]}
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
-# shellcheck disable=SC1090
-source "$CONFIG"
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 RECIPES=$(cd "$HERE/.." && pwd)
 # shellcheck source=recipes/lib.sh
 source "$RECIPES/lib.sh"
+qerl_check_env_numbers
+# shellcheck disable=SC1090
+source "$CONFIG"
 qerl_load_config "$CONFIG"
 if [ "$STEPS" = 0 ]; then  # grpo.sh's base-only run; a chain needs a step
   echo "error: STEPS=0: nothing to chain (for the base alone: STEPS=0 bash recipes/grpo.sh $CONFIG)" >&2
