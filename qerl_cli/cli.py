@@ -18,12 +18,56 @@ import threading
 import warnings
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import __version__
 from qerl_cli.errors import OutOfMemoryError, QerlError, QerlWarning
 
+
+def _click_exceptions():
+    """The click exceptions Typer raises: its own vendored copy since typer 0.2x, click's before."""
+    try:
+        from typer._click import exceptions
+    except ImportError:  # an older typer on click itself
+        from click import exceptions
+    return exceptions
+
+
+def _usage_error(e, command_path: str):
+    """A flag-parsing error as one `error:` line on stderr, exit 2, as every other bad input: Click and Typer
+    printed the usage, a hint and a Rich box (five lines, no `error:`; docs audit, session 44)."""
+    print(f"error: {e.format_message()} (see `{command_path} --help`)", file=sys.stderr)
+    sys.exit(e.exit_code)
+
+
+class _OneLineUsageErrors:
+    """make_context for the group and the stages: a usage error (missing, unknown or ill-typed flag) as
+    one line; no arguments at all still print the help."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        exceptions = _click_exceptions()
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except exceptions.NoArgsIsHelpError:
+            raise  # the help, printed
+        except exceptions.UsageError as e:
+            path = e.ctx.command_path if e.ctx is not None else " ".join(
+                x for x in (parent.command_path if parent is not None else "", info_name or "") if x)
+            _usage_error(e, path)
+
+
+class _Group(_OneLineUsageErrors, TyperGroup):
+    """The top level: an unknown command or top-level flag is one error line too."""
+
+    def resolve_command(self, ctx, args):
+        try:
+            return super().resolve_command(ctx, args)
+        except _click_exceptions().UsageError as e:
+            _usage_error(e, ctx.command_path)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="qerl",
     help="RL post-training of LLMs on NVFP4 base weights with LoRA and Adaptive Quantization Noise.\n\n"
     "An RL run is a chain of stages that hand over through directories: "
@@ -264,7 +308,7 @@ class _PlainContext(_Context):
     formatter_class = _PlainFormatter
 
 
-class StageCommand(TyperCommand):
+class StageCommand(_OneLineUsageErrors, TyperCommand):
     """A stage's command: Rich help where the option table fits, plain help where it would not."""
 
     context_class = _PlainContext

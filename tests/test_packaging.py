@@ -140,3 +140,23 @@ def test_wrapped_help_examples_still_paste_into_a_shell(columns):
         for want, got in zip(src, shown):
             for w_cmd, g_cmd in zip(want.replace("\\\n", " ").splitlines(), got.replace("\\\n", " ").splitlines()):
                 assert shlex.split(g_cmd) == shlex.split(w_cmd), (name, got)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["rollout", "--model", "q", "--out", "x"], "Missing option '--prompts'"),
+    (["rollout", "--model", "q", "--out", "x", "--prompts", "p", "--step", "abc"], "'--step'"),
+    (["train-step", "--loss"], "'--loss' requires an argument"),
+    (["eval", "--bogus", "1"], "No such option: --bogus"),
+    (["rolout"], "No such command 'rolout'"),
+    (["--bogus"], "No such option: --bogus"),
+])
+def test_a_flag_parsing_error_is_one_error_line(args, needle):
+    # Click printed the usage, a hint and a Rich box: five lines and no `error:` (docs audit, session 44)
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+    from tests.reliability_fixtures import assert_one_line_error
+
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
+    line = assert_one_line_error(r, 2, needle)
+    assert "--help`)" in line and r.stdout == ""
