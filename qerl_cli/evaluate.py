@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
-from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
+from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput
@@ -285,15 +285,12 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     ``generate`` replaces the engine (tests); by default the native or vLLM engine is built.
     """
     from qerl_cli.data import (
-        EncodeReport,
-        encode_prompts,
         load_prompts,
         load_template,
         read_chat_template,
-        set_chat_template,
     )
     from qerl_cli.lineage import check_lineage
-    from qerl_cli.runtime import context_limit, load_tokenizer, resolve_device, resolve_dtype, split_stops
+    from qerl_cli.runtime import context_limit, resolve_device, resolve_dtype
 
     t_start = time.time()
     if not cfg.model.is_dir():
@@ -342,27 +339,16 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
-    if so.already_done():
-        metrics = json.loads((cfg.out / METRICS).read_text())
-        return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
-
-    tokenizer = load_tokenizer(cfg.model)
-    if chat_text is not None:
-        set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
-    split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
-    max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)  # the engine caps it so too
-    room = max_model_len - cfg.max_new_tokens
-    if room < 1:
-        raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "
-                            f"{max_model_len}-token context", hint=f"lower --max-new-tokens; {raise_hint}")
-    # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
-    enc_report = EncodeReport()
-    prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
-                             chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
-                             long_hint=f"lower --max-new-tokens; {raise_hint}", report=enc_report)
-    if enc_report.own_system and cfg.progress:
-        print(f"note: {len(enc_report.own_system)} problems have their own system message, which --system-prompt "
-              f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
+    try:
+        if so.already_done():
+            metrics = json.loads((cfg.out / METRICS).read_text())
+            return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
+    except OutputExistsError:
+        # A flag bad in itself is bad input (exit 2) before "made from other inputs" (exit 4), as into a
+        # fresh --out (docs audit, session 44); an "already done" rerun never pays for the tokenizer.
+        _encode(cfg, rows, template, chat_text, notes=False)
+        raise
+    tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
     so.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
@@ -384,6 +370,32 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
         so.timings.update(info.pop("timings", {}), generate_s=round(t_gen, 3))
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
+
+
+def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
+    """The tokenizer and every problem encoded, with every check of the flags that need them (chat
+    template, stops, context): (tokenizer, prompts, max_model_len)."""
+    from qerl_cli.data import EncodeReport, encode_prompts, set_chat_template
+    from qerl_cli.runtime import context_limit, load_tokenizer, split_stops
+
+    tokenizer = load_tokenizer(cfg.model)
+    if chat_text is not None:
+        set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
+    split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
+    max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)  # the engine caps it so too
+    room = max_model_len - cfg.max_new_tokens
+    if room < 1:
+        raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "
+                            f"{max_model_len}-token context", hint=f"lower --max-new-tokens; {raise_hint}")
+    # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
+    enc_report = EncodeReport()
+    prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
+                             chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
+                             long_hint=f"lower --max-new-tokens; {raise_hint}", report=enc_report)
+    if enc_report.own_system and notes and cfg.progress:
+        print(f"note: {len(enc_report.own_system)} problems have their own system message, which --system-prompt "
+              f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
+    return tokenizer, prompts, max_model_len
 
 
 def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path, console) -> tuple[list[dict], float]:
@@ -495,11 +507,12 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
     }
 
 
-def result_line(metrics: dict, out) -> str:
-    """One line for ``-q``: every score with its 95% CI, the problem count and the output directory."""
+def result_line(metrics: dict, out, already_done: bool = False) -> str:
+    """One line for ``-q``: every score with its 95% CI, the problem count and the output directory
+    (``in OUT`` for an already-done rerun, which wrote nothing)."""
     scores = ", ".join(f"{name} {100 * s['value']:.2f}% (95% CI {100 * s['ci95'][0]:.1f}-{100 * s['ci95'][1]:.1f})"
                        for name, s in metrics["scores"].items())
-    return f"{scores} on {metrics['counts']['problems']} problems; wrote {out}"
+    return f"{scores} on {metrics['counts']['problems']} problems; {'in' if already_done else 'wrote'} {out}"
 
 
 def render_metrics(metrics: dict, console) -> None:

@@ -338,7 +338,7 @@ def summary_table(summary: dict):
     c = summary["completion_tokens"]
     t.add_row("completion tokens mean / p50 / min / max",
               f"{f(c['mean'], 1)} / {f(c.get('p50'), 1)} / {f(c['min'])} / {f(c['max'])}")
-    t.add_row("truncated (hit --max-new-tokens)", f(summary["truncated_fraction"]))
+    t.add_row("truncated (--max-new-tokens or the context)", f(summary["truncated_fraction"]))
     t.add_row("zero-variance groups", f(summary["zero_variance_group_fraction"]))
     t.add_row("AQN sigma", f(summary.get("sigma"), 6))
     thr = summary.get("throughput", {})
@@ -510,28 +510,17 @@ def rollout(cfg: RolloutConfig) -> dict:
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                       legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
-    if out.already_done():
-        return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
-
-    tokenizer = load_tokenizer(cfg.model)
-    if chat_text is not None:
-        set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
-    split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
-    max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)
-    if cfg.max_model_len is not None and cfg.max_model_len > max_model_len and cfg.progress:
-        print(f"note: --max-model-len {cfg.max_model_len} is beyond the model's limit; {raise_hint}", file=sys.stderr)
-    enc_report = EncodeReport()
-    prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
-                             chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
-                             on_long=cfg.long_prompts, report=enc_report,
-                             long_hint=f"pass --long-prompts skip to skip such prompts; {raise_hint}")
-    if enc_report.own_system and cfg.progress:
-        print(f"note: {len(enc_report.own_system)} rows have their own system message, which --system-prompt "
-              f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
-    if selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
-        raise BadInputError(f"all {len(selected)} selected prompts are longer than the {max_model_len - 1} tokens "
-                            f"that fit the context (first: {enc_report.skipped_long[0]})",
-                            hint=f"shorten the prompts or the template; {raise_hint}")
+    try:
+        if out.already_done():
+            return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"),
+                    "manifest": out.manifest}
+    except OutputExistsError:
+        # A flag bad in itself is bad input (exit 2) before "made from other inputs" (exit 4): into a fresh
+        # --out the same flags were exit 2 (docs audit, session 44). Only on this path: a rerun that is
+        # already done never pays for the tokenizer.
+        _encode(cfg, selected, template, chat_text, notes=False)
+        raise
+    tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
     policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}
@@ -554,6 +543,36 @@ def rollout(cfg: RolloutConfig) -> dict:
                 p.stat().st_size for p in out.work.glob("shard-*.jsonl")):
             shutil.rmtree(out.work, ignore_errors=True)
         raise
+
+
+def _encode(cfg: RolloutConfig, selected, template, chat_text, notes: bool = True):
+    """The tokenizer and the selected rows encoded, with every check of the flags that need them (chat
+    template, stops, context): (tokenizer, prompts, max_model_len, raise_hint, report)."""
+    notes = notes and cfg.progress
+    tokenizer = load_tokenizer(cfg.model)
+    if chat_text is not None:
+        set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
+    split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
+    max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)
+    if cfg.max_model_len is not None and cfg.max_model_len > max_model_len and notes:
+        print(f"note: --max-model-len {cfg.max_model_len} is beyond the model's limit; {raise_hint}", file=sys.stderr)
+    enc_report = EncodeReport()
+    prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
+                             chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
+                             on_long=cfg.long_prompts, report=enc_report,
+                             long_hint=f"pass --long-prompts skip to skip such prompts; {raise_hint}")
+    if enc_report.own_system and notes:
+        print(f"note: {len(enc_report.own_system)} rows have their own system message, which --system-prompt "
+              f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)
+    short = sum(len(x.token_ids) + cfg.max_new_tokens > max_model_len for x in prompts)
+    if short and notes:  # their completions stop at the context, counted as truncated like --max-new-tokens
+        print(f"note: {short} of {len(prompts)} prompts leave fewer than --max-new-tokens {cfg.max_new_tokens} "
+              f"tokens of the {max_model_len}-token context; their completions stop at the context", file=sys.stderr)
+    if selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
+        raise BadInputError(f"all {len(selected)} selected prompts are longer than the {max_model_len - 1} tokens "
+                            f"that fit the context (first: {enc_report.skipped_long[0]})",
+                            hint=f"shorten the prompts or the template; {raise_hint}")
+    return tokenizer, prompts, max_model_len, raise_hint, enc_report
 
 
 @dataclass

@@ -517,3 +517,34 @@ def test_one_string_for_a_many_strings_field_is_that_string_not_its_characters()
     t = TrainStepConfig(model="m", shards=Path("s"), out="o", lora_targets="q_proj")
     assert (t.shards, t.lora_targets) == ([Path("s")], ("q_proj",))
     assert RolloutConfig(model="m", prompts="p", out="o", stop=["a", "b"]).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("stage", ["rollout", "eval"])
+def test_a_flag_bad_in_itself_is_exit_2_over_an_existing_output_too(p, tmp_path, stage):
+    # Over an output made with other flags, `--system-prompt` on a tokenizer without a chat template was
+    # exit 4 ("made from different inputs (system_prompt: null -> 'hi')"), into a fresh --out exit 2 (docs audit)
+    from qerl_cli.assets import ASSETS_DIR
+
+    model = ASSETS_DIR / "tiny_model"  # its tokenizer has no chat template
+    args = rollout_args if stage == "rollout" else eval_args
+    first = invoke(args(model, p["prompts"], tmp_path / "out"))
+    assert first.exit_code == 0, first.stderr
+    fresh = invoke(args(model, p["prompts"], tmp_path / "fresh", "--system-prompt", "hi"))
+    assert_one_line_error(fresh, 2, "--system-prompt needs a chat template")
+    bad = invoke(args(model, p["prompts"], tmp_path / "out", "--system-prompt", "hi"))
+    assert_one_line_error(bad, 2, "--system-prompt needs a chat template")
+    other = invoke(args(model, p["prompts"], tmp_path / "out", "--max-new-tokens", 4))  # merely different: 4
+    assert_one_line_error(other, 4, "made from different inputs")
+
+
+def test_a_rollout_whose_prompts_leave_less_than_max_new_tokens_says_so(p, tmp_path):
+    # the summary called such completions "hit --max-new-tokens" while they stopped at the context (docs audit)
+    args = rollout_args(p["q"], p["prompts"], tmp_path / "out", "--max-model-len", 40, "--max-new-tokens", 48)
+    args.remove("-q")
+    r = invoke(args)
+    assert r.exit_code == 0, r.stderr
+    from qerl_cli.shards import read_records
+
+    n = len(read_records(tmp_path / "out")) // 2
+    assert f"note: {n} of {n} prompts leave fewer than --max-new-tokens 48 tokens of the 40-token context" in r.stderr
+    assert "hit --max-new-tokens" not in r.stdout

@@ -117,6 +117,7 @@ def test_cli_eval_prints_scores_and_rerun_is_done(setup):
     assert m["lora_modules"] == 14 and m["sampling"]["max_new_tokens"] == 8
     r = CliRunner().invoke(app, args, terminal_width=160)
     assert r.exit_code == 0 and "already done" in r.output
+    assert "wrote" not in r.output and f"problems; in {tmp / 'cli'}" in r.output  # it wrote nothing (docs audit)
 
 
 def test_bundled_tiny_model_bf16_and_nvfp4(tmp_path):

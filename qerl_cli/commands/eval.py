@@ -111,6 +111,6 @@ def command(
     if res["already_done"]:
         console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
     if quiet:
-        console.print(result_line(res["metrics"], out), soft_wrap=True)  # one line for grep, as rollout's -q
+        console.print(result_line(res["metrics"], out, res["already_done"]), soft_wrap=True)  # one line for grep, as rollout's -q
     else:
         render_metrics(res["metrics"], console)
