@@ -81,6 +81,24 @@ def test_model_twiddle_in_place_keeps_every_output(tmp_path):
     assert twiddle_codes_(model) == 0  # idempotent: already twiddled modules are skipped
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 10**6])
+def test_twiddling_in_row_chunks_writes_what_one_pass_does(chunk_bytes):
+    # chunks of 1 row (chunk_bytes under a row), of a few rows, of a whole small weight
+    from qerl_cli.layers.linear import _all_qlinears, twiddle_codes_
+    from qerl_cli.models.config import ModelConfig
+    from qerl_cli.models.loader import build_random_model
+
+    cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    a, b = (build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True, seed=3) for _ in range(2))
+    twiddle_codes_(a)
+    twiddle_codes_(b, chunk_bytes=chunk_bytes)
+    pairs = [(ma, mb) for ma, mb in zip(_all_qlinears(a), _all_qlinears(b), strict=True) if ma.quantized]
+    assert len(pairs) >= 4
+    for ma, mb in pairs:
+        assert torch.equal(ma.weight_packed, mb.weight_packed) and ma.twiddled and mb.twiddled
+
+
 def test_block_round_trip_and_tile_contiguity():
     packed, _, _ = random_nvfp4(48, 384, seed=7)
     assert can_block(48, 384) and not can_block(40, 384) and not can_block(48, 320)

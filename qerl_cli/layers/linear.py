@@ -182,14 +182,17 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
     return fused
 
 
-def twiddle_codes_(model: nn.Module, rows_per_chunk: int = 4096) -> int:
+def twiddle_codes_(model: nn.Module, chunk_bytes: int = 128 << 20) -> int:
     """Rewrite every NVFP4 QLinear's codes in place into the sm_90 kernels' layout; returns how many.
 
     Why: ``qerl_kernels.twiddle`` (~1.9 instead of ~3.2 decode instructions per weight, and 1 KB
     reads per K step). Same bytes, same memory; buffers shared between fused and per-projection
     modules are rewritten once (through the largest tensor on each storage), and blocked only when
-    every module reading them has whole 16-row blocks. Twiddling is chunked by rows so its int64
-    temporaries stay small (blocking copies one weight at a time). Everything that reads the codes
+    every module reading them has whole 16-row blocks. Twiddling is chunked by rows, ``chunk_bytes`` of
+    codes at a time, so its int64 temporaries stay bounded (~2x that each; blocking copies one weight at a
+    time): chunks of 4096 rows made ~420 calls of ~20 small torch ops each for a 7B model, 1.15 s of a
+    rollout's load under cProfile on an H100 (docs/benchmarks.md, RL loop, fourth pass); a whole weight is
+    one chunk now up to 256 MB of codes. Everything that reads the codes
     back (``dense_weight``, the kernels, the reference path) honours the flags; the checkpoint on
     disk is untouched.
     """
@@ -210,8 +213,9 @@ def twiddle_codes_(model: nn.Module, rows_per_chunk: int = 4096) -> int:
         readers = [m for m in mods if start <= m.weight_packed.data_ptr() < start + size]
         blocked = all(can_block(m.out_features, m.in_features) for m in readers) and all(
             (m.weight_packed.data_ptr() - start) % (16 * t.shape[1]) == 0 for m in readers)
-        for a in range(0, t.shape[0], rows_per_chunk):
-            t[a:a + rows_per_chunk].copy_(twiddle(t[a:a + rows_per_chunk]))
+        rows = max(1, chunk_bytes // t.shape[1])
+        for a in range(0, t.shape[0], rows):
+            t[a:a + rows].copy_(twiddle(t[a:a + rows]))
         if blocked:
             t.copy_(block(t))
         for m in readers:
