@@ -377,8 +377,10 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     src, out = Path(cfg.src), Path(cfg.out)
     source = open_source(src)
     _check_source(source)
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise BadInputError(f"--out {out} must not be the source directory or inside it")
+    o, s = out.resolve(), src.resolve()
+    if o == s or s in o.parents or o in s.parents:  # --force would replace (or sweep) the source being read
+        raise BadInputError(f"--out {out} must not be the source directory, inside it, or hold it",
+                            hint="write the output to a separate directory")
 
     fmt = NVFP4Format(cfg.format)
     # device is not part of the fingerprint: CPU and CUDA produce the same bytes.

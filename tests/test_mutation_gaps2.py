@@ -591,9 +591,22 @@ def _quantize(src, out, **kw):
 
 
 def test_quantize_refuses_an_out_inside_its_source(tiny_src):
-    with pytest.raises(BadInputError, match="must not be the source directory or inside it"):
+    with pytest.raises(BadInputError, match="must not be the source directory, inside it"):
         _quantize(tiny_src, tiny_src / "q")
     assert not (tiny_src / "q").exists()
+
+
+def test_quantize_refuses_an_out_that_holds_its_source(tiny_src, tmp_path):
+    # (mutation round 4) `quantize out/src --out out --force` over an earlier output swapped `out` away,
+    # and the source inside it with it: exit 0, the source gone
+    import shutil
+
+    out = tmp_path / "out"
+    _quantize(tiny_src, out)
+    shutil.copytree(tiny_src, out / "src")
+    with pytest.raises(BadInputError, match="or hold it"):
+        _quantize(out / "src", out, force=True)
+    assert (out / "src" / "config.json").is_file()
 
 
 def test_another_max_shard_size_is_not_already_done(tiny_src, tmp_path):
