@@ -203,9 +203,15 @@ def read_adapter(adapter_dir: Path) -> Adapter:
 def open_base(model_dir: Path, flag: str = "--model"):
     """The base as a streaming ``SourceModel`` (headers only); errors name ``flag``."""
     from qerl_cli.checkpoint import open_source
+    from qerl_cli.checkpoint.source import check_tied_head
 
     try:
-        return open_source(model_dir)
+        src = open_source(model_dir)
+        # An ambiguous head (tied config, a stored lm_head that differs) is refused as the loader and
+        # quantize refuse it: merging it picked the embedding without a word (mutation round 4).
+        check_tied_head(bool(src.config.get("tie_word_embeddings", False)),
+                        {n: t.file for n, t in src.tensors.items()}, Path(model_dir) / "config.json")
+        return src
     except BadInputError as e:
         raise BadInputError(f"{flag}: {e}") from None
 

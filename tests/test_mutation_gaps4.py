@@ -518,6 +518,13 @@ def test_a_tied_base_that_stores_its_head_unties_with_one_lm_head(tmp_path):
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert torch.equal(out["lm_head.weight"], t["model.embed_tokens.weight"].to(torch.bfloat16))
     assert not torch.equal(out["model.embed_tokens.weight"], out["lm_head.weight"])
+    # a stored head that is not the embedding is ambiguous (transformers 4 ties, 5 keeps it): refused, as the
+    # loader and quantize refuse it; merge picked the embedding without a word
+    t["lm_head.weight"] = t["lm_head.weight"] + 1
+    save_file(t, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(BadInputError, match="tie_word_embeddings is true, but the checkpoint stores an lm_head"):
+        merge(MergeConfig(base, adapter, tmp_path / "out2"), progress=False)
+    assert not (tmp_path / "out2").exists()
 
 
 # ---- quantize ----
