@@ -1,0 +1,65 @@
+"""How long the load-time twiddle of a 7B-shaped NVFP4 model takes, by chunk size (a device-machine probe).
+
+`twiddle_codes_` rewrites every weight's codes with ~20 torch integer ops per chunk. Until 2026-11-27 a
+chunk was 4096 rows (~420 calls for a 7B model); now it is 128 MB of codes (a whole 7B weight). This
+times the twiddle alone over the model's fused code tensors, each chunking, median of --repeats (the
+codes are twiddled back and forth on copies, so values do not matter).
+
+    python benchmarks/probe_twiddle_chunks.py --model qwen2.5-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def run(tensors, rows_of) -> float:
+    from qerl_kernels.twiddle import twiddle
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in tensors:
+        rows = rows_of(t)
+        for a in range(0, t.shape[0], rows):
+            t[a:a + rows].copy_(twiddle(t[a:a + rows]))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    os.environ["QERL_TWIDDLE"] = "0"  # build in the on-disk layout; the probe twiddles
+    from qerl_cli.layers.attention import fuse_projections
+    from qerl_cli.layers.linear import _all_qlinears
+    from qerl_cli.models import build_random_model, preset
+
+    model = build_random_model(preset(args.model), device="cuda", dtype=torch.bfloat16, quantized=True)
+    fuse_projections(model)
+    seen, tensors = set(), []
+    for m in _all_qlinears(model):
+        if m.quantized and m.weight_packed.data_ptr() not in seen:
+            seen.add(m.weight_packed.data_ptr())
+            tensors.append(m.weight_packed.clone())
+    ways = {"4096 rows (before)": lambda t: 4096, "128 MB (now)": lambda t: max(1, (128 << 20) // t.shape[1])}
+    calls = {k: sum(-(-t.shape[0] // f(t)) for t in tensors) for k, f in ways.items()}
+    run(tensors, ways["128 MB (now)"])  # warm-up
+    times = {k: [] for k in ways}
+    for _ in range(args.repeats):
+        for k, f in ways.items():
+            times[k].append(run(tensors, f))
+    print(f"{torch.cuda.get_device_name()}; {args.model}, {len(tensors)} code tensors, "
+          f"{sum(t.numel() for t in tensors) / 2**30:.2f} GiB of codes")
+    for k in ways:
+        print(f"{k}: {calls[k]} calls, median {statistics.median(times[k]):.3f} s over {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()
