@@ -43,11 +43,8 @@ def main() -> None:
 
     model = build_random_model(preset(args.model), device="cuda", dtype=torch.bfloat16, quantized=True)
     fuse_projections(model)
-    seen, tensors = set(), []
-    for m in _all_qlinears(model):
-        if m.quantized and m.weight_packed.data_ptr() not in seen:
-            seen.add(m.weight_packed.data_ptr())
-            tensors.append(m.weight_packed.clone())
+    # each byte once, as twiddle_codes_ does: the fused tensors, not the per-projection views into them
+    tensors = [m.weight_packed.clone() for m in _all_qlinears(model) if m.quantized and m.weight_packed._base is None]
     ways = {"4096 rows (before)": lambda t: 4096, "128 MB (now)": lambda t: max(1, (128 << 20) // t.shape[1])}
     calls = {k: sum(-(-t.shape[0] // f(t)) for t in tensors) for k, f in ways.items()}
     run(tensors, ways["128 MB (now)"])  # warm-up
