@@ -190,9 +190,9 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 128 << 20) -> int:
     modules are rewritten once (through the largest tensor on each storage), and blocked only when
     every module reading them has whole 16-row blocks. Twiddling is chunked by rows, ``chunk_bytes`` of
     codes at a time, so its int64 temporaries stay bounded (~2x that each; blocking copies one weight at a
-    time): chunks of 4096 rows made ~420 calls of ~20 small torch ops each for a 7B model, 1.15 s of a
-    rollout's load under cProfile on an H100 (docs/benchmarks.md, RL loop, fourth pass); a whole weight is
-    one chunk now up to 256 MB of codes. Everything that reads the codes
+    time): chunks of 4096 rows made 392 calls of ~20 small torch ops each for a 7B model, 0.712 s against
+    0.477 s for 112 calls now, a whole weight per chunk up to 128 MB of codes (a 7B gate/up: 68 MB; H100,
+    `benchmarks/probe_twiddle_chunks.py`, docs/benchmarks.md, RL loop, fourth pass). Everything that reads the codes
     back (``dense_weight``, the kernels, the reference path) honours the flags; the checkpoint on
     disk is untouched.
     """
