@@ -116,7 +116,8 @@ def run_loop(args, src: Path) -> list[dict]:
     # Every config key takes the environment's value first (docs/recipes.md), so the config runs as it is.
     # (A filtered copy of it broke when the configs learned that: its template lost its closing quote.)
     t_run = time.time()
-    proc = subprocess.run(["bash", str(ROOT / "recipes" / "grpo.sh"), args.config, str(run_dir)], cwd=ROOT, env=env)
+    config = str(Path(args.config).resolve())  # read where this was run; grpo.sh runs in the repository
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "grpo.sh"), config, str(run_dir)], cwd=ROOT, env=env)
     rows = []
     for line in log.read_text().splitlines() if log.exists() else []:
         argv0, t0, t1, rc = line.split("\t")

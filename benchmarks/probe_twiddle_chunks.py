@@ -1,7 +1,7 @@
 """How long the load-time twiddle of a 7B-shaped NVFP4 model takes, by chunk size (a device-machine probe).
 
 `twiddle_codes_` rewrites every weight's codes with ~20 torch integer ops per chunk. Until 2026-11-27 a
-chunk was 4096 rows (~420 calls for a 7B model); now it is 128 MB of codes (a whole 7B weight). This
+chunk was 4096 rows (392 calls for a 7B model); now it is 64 MB of codes. This
 times the twiddle alone over the model's fused code tensors, each chunking, median of --repeats (the
 codes are twiddled back and forth on copies, so values do not matter).
 
@@ -45,17 +45,22 @@ def main() -> None:
     fuse_projections(model)
     # each byte once, as twiddle_codes_ does: the fused tensors, not the per-projection views into them
     tensors = [m.weight_packed.clone() for m in _all_qlinears(model) if m.quantized and m.weight_packed._base is None]
-    ways = {"4096 rows (before)": lambda t: 4096, "128 MB (now)": lambda t: max(1, (128 << 20) // t.shape[1])}
+    ways = {"4096 rows (before)": lambda t: 4096, **{f"{mb} MB": (lambda t, mb=mb: max(1, (mb << 20) // t.shape[1]))
+                                                    for mb in (32, 64, 128)}}
     calls = {k: sum(-(-t.shape[0] // f(t)) for t in tensors) for k, f in ways.items()}
-    run(tensors, ways["128 MB (now)"])  # warm-up
-    times = {k: [] for k in ways}
+    run(tensors, ways["128 MB"])  # warm-up
+    times, peaks = {k: [] for k in ways}, {}
     for _ in range(args.repeats):
         for k, f in ways.items():
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
             times[k].append(run(tensors, f))
+            peaks[k] = (torch.cuda.max_memory_allocated() - base) / 2**20
     print(f"{torch.cuda.get_device_name()}; {args.model}, {len(tensors)} code tensors, "
           f"{sum(t.numel() for t in tensors) / 2**30:.2f} GiB of codes")
     for k in ways:
-        print(f"{k}: {calls[k]} calls, median {statistics.median(times[k]):.3f} s over {args.repeats}")
+        print(f"{k}: {calls[k]} calls, median {statistics.median(times[k]):.3f} s over {args.repeats}, "
+              f"temporaries' peak {peaks[k]:.0f} MiB")
 
 
 if __name__ == "__main__":

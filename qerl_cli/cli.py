@@ -33,9 +33,13 @@ def _click_exceptions():
     return exceptions
 
 
-def _usage_error(e, command_path: str):
+def _usage_error(e, command_path: str, root) -> None:
     """A flag-parsing error as one `error:` line on stderr, exit 2, as every other bad input: Click and Typer
-    printed the usage, a hint and a Rich box (five lines, no `error:`; docs audit, session 44)."""
+    printed the usage, a hint and a Rich box (five lines, no `error:`; docs audit, session 44). Only where
+    the app runs standalone (the `qerl` command, CliRunner): a caller of ``app(..., standalone_mode=False)``
+    gets click's exception, as before."""
+    if not getattr(root, "standalone", True):
+        raise e
     print(f"error: {e.format_message()} (see `{command_path} --help`)", file=sys.stderr)
     sys.exit(e.exit_code)
 
@@ -46,24 +50,31 @@ class _OneLineUsageErrors:
 
     def make_context(self, info_name, args, parent=None, **extra):
         exceptions = _click_exceptions()
+        help_error = getattr(exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; older click prints the help itself
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
-        except exceptions.NoArgsIsHelpError:
+        except help_error:
             raise  # the help, printed
         except exceptions.UsageError as e:
             path = e.ctx.command_path if e.ctx is not None else " ".join(
                 x for x in (parent.command_path if parent is not None else "", info_name or "") if x)
-            _usage_error(e, path)
+            _usage_error(e, path, parent.find_root().command if parent is not None else self)
 
 
 class _Group(_OneLineUsageErrors, TyperGroup):
     """The top level: an unknown command or top-level flag is one error line too."""
 
+    standalone = True
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        self.standalone = standalone_mode
+        return super().main(*args, standalone_mode=standalone_mode, **kwargs)
+
     def resolve_command(self, ctx, args):
         try:
             return super().resolve_command(ctx, args)
         except _click_exceptions().UsageError as e:
-            _usage_error(e, ctx.command_path)
+            _usage_error(e, ctx.command_path, self)
 
 
 app = typer.Typer(

@@ -532,8 +532,8 @@ def _warn_of_low_retention(rq: dict, cfg: MergeConfig) -> None:
         return
     from qerl_cli.outputs import read_manifest
 
-    pct = 100 * kept if abs(100 * kept) >= 0.5 else 0.0  # no "-0%"
-    said = f"re-quantizing kept only {pct:.0f}% of the LoRA update (small updates round back onto the base's FP4 grid)"
+    pct = int(100 * kept)  # toward zero: never "50%" under the 50% threshold, nor "-0%"
+    said = f"re-quantizing kept only {pct}% of the LoRA update (small updates round back onto the base's FP4 grid)"
     if cfg.requantize_from is not None:  # added to the bf16 source already: FP4 cannot hold this update
         advice = "the update is below what FP4 resolves even from the bf16 source; serve the bf16 merge (--dtype bf16)"
     else:

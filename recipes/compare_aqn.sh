@@ -39,7 +39,14 @@ link_shared() {  # RUN_DIR BASE_FORMAT: hard links (a copy across file systems) 
   local name
   mkdir -p "$1"
   for name in base eval-base; do
-    if [ -d "$OUT/shared-$2/$name" ] && [ ! -e "$1/$name" ]; then
+    [ -d "$OUT/shared-$2/$name" ] || continue
+    # The shared one was redone (FORCE=1 after a change) and this run has taken no step on the old one:
+    # link the new one (else the run redid it itself). A run with steps keeps what its steps were made on.
+    if [ -e "$1/$name" ] && ! cmp -s "$1/$name/manifest.json" "$OUT/shared-$2/$name/manifest.json" \
+        && ! compgen -G "$1/step-*" > /dev/null; then
+      rm -rf "$1/$name"
+    fi
+    if [ ! -e "$1/$name" ]; then
       cp -al "$OUT/shared-$2/$name" "$1/$name" 2>/dev/null \
         || { rm -rf "$1/$name"; cp -a "$OUT/shared-$2/$name" "$1/$name"; }
     fi

@@ -92,7 +92,7 @@ if [ -n "$EVAL_DATASET" ]; then
 fi
 
 # STEPS=0: the base alone (compare_aqn.sh makes the base its runs share this way).
-if [ "$STEPS" = 0 ]; then
+if [ "$STEPS" -eq 0 ]; then
   say "STEPS=0: the base policy only; no RL steps, nothing to merge"
   exit 0
 fi

@@ -23,10 +23,12 @@ _qerl_die() { echo "error: $*" >&2; exit 2; }
 # sourced, before qerl_load_config can check them, so STEPS=abc from the environment ended in bash's
 # "abc: unbound variable": grpo.sh and submit.sh call qerl_check_env_numbers before sourcing CONFIG.
 QERL_NUMBER_VARS=(STEPS EVAL_EVERY EVAL_MAX_PROBLEMS ROLLOUT_SHARDS TRAIN_GPUS)
+# No leading zeros: bash reads 010 as octal 8 (and 08 not at all), the stages as 10.
+QERL_WHOLE_NUMBER='^(0|[1-9][0-9]*)$'
 qerl_check_env_numbers() {
   local v
   for v in "${QERL_NUMBER_VARS[@]}"; do
-    if [ -n "${!v:-}" ] && ! [[ ${!v} =~ ^[0-9]+$ ]]; then _qerl_die "$v=${!v}: expected a whole number"; fi
+    if [ -n "${!v:-}" ] && ! [[ ${!v} =~ $QERL_WHOLE_NUMBER ]]; then _qerl_die "$v=${!v}: expected a whole number"; fi
   done
 }
 
@@ -56,7 +58,7 @@ qerl_load_config() {  # CONFIG (for the messages)
   case "$BASE_FORMAT" in nvfp4 | bf16) ;; *) _qerl_die "BASE_FORMAT=$BASE_FORMAT: use nvfp4 (QeRL) or bf16 (the 16-bit LoRA baseline)" ;; esac
   case "$MERGE_DTYPE" in nvfp4 | bf16) ;; *) _qerl_die "MERGE_DTYPE=$MERGE_DTYPE: use bf16 or nvfp4" ;; esac
   for v in "${QERL_NUMBER_VARS[@]}"; do
-    [[ ${!v} =~ ^[0-9]+$ ]] || _qerl_die "$v=${!v}: expected a whole number"
+    [[ ${!v} =~ $QERL_WHOLE_NUMBER ]] || _qerl_die "$v=${!v}: expected a whole number"
   done
   for v in ROLLOUT_SHARDS TRAIN_GPUS; do
     [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1"

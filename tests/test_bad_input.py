@@ -334,6 +334,14 @@ def test_train_step_skip_bad_lines_reports_the_count(p, tmp_path):
     assert read_manifest(tmp_path / "out")["metrics"]["skipped_bad_lines"] == 2
     again = invoke(args)
     assert again.exit_code == 0 and again.stdout.startswith("already done: "), again.stdout
+    # (review) RANK set without a process group (WORLD_SIZE unset: k8s, Ray) is a single process: it prints too
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"RANK": "1"}):
+        os.environ.pop("WORLD_SIZE", None)
+        alone = invoke(args)
+    assert alone.exit_code == 0 and alone.stdout.startswith("already done: "), alone.stdout
 
 
 def test_train_step_warnings_reach_a_library_caller(p, tmp_path, capsys):

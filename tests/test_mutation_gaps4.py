@@ -455,6 +455,10 @@ def test_the_low_retention_warning_starts_below_half_the_update(tmp_path, recwar
     assert not [w for w in recwarn if issubclass(w.category, QerlWarning)]
     with pytest.warns(QerlWarning, match="kept only 30% of the LoRA update"):
         _warn_of_low_retention({"update_retained": 0.3}, cfg)
+    with pytest.warns(QerlWarning, match="kept only 49% of"):  # (review) it rounded to "50%" under the threshold
+        _warn_of_low_retention({"update_retained": 0.4996}, cfg)
+    with pytest.warns(QerlWarning, match="kept only 0% of"):  # not "-0%"
+        _warn_of_low_retention({"update_retained": -0.003}, cfg)
 
 
 def test_update_retention_reports_the_relative_error_as_a_norm_ratio(tmp_path):

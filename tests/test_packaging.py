@@ -160,3 +160,14 @@ def test_a_flag_parsing_error_is_one_error_line(args, needle):
     r = CliRunner().invoke(app, args, env={"COLUMNS": "120"})
     line = assert_one_line_error(r, 2, needle)
     assert "--help`)" in line and r.stdout == ""
+
+
+def test_a_caller_running_the_app_not_standalone_gets_clicks_exception():
+    # the one-line form is for the command; app(..., standalone_mode=False) raised click's error before and
+    # still does (review, session 44: it had become SystemExit 2)
+    from qerl_cli.cli import _click_exceptions, app
+
+    with pytest.raises(_click_exceptions().UsageError, match="No such option: --bogus"):
+        app(["rollout", "--bogus"], standalone_mode=False)
+    with pytest.raises(_click_exceptions().UsageError, match="No such command"):
+        app(["rolout"], standalone_mode=False)

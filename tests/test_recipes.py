@@ -166,6 +166,20 @@ def test_slurm_train_reads_every_shard_and_first_step_has_no_adapter(tmp_path):
     assert cmd.endswith("--offload-activations --embeddings-on-cpu")  # the 7B config's TRAIN_EXTRA
 
 
+def test_multi_gpu_training_with_qerl_as_a_python_module_runs_a_bare_torchrun(tmp_path):
+    # (review) QERL="python -m qerl_cli" had become `python -m torchrun ...`: only a last word `qerl` is
+    # dropped for the wrapper
+    log = tmp_path / "torchrun.log"
+    _recorder(tmp_path, "torchrun", f'echo "$*" >> {log}\n')
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nTRAIN_GPUS=2\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
+    env.update(QERL="python -m qerl_cli", PATH=f"{tmp_path}:{os.environ['PATH']}")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
+                   env=env, check=True, capture_output=True)
+    assert log.read_text().startswith("--nproc-per-node 2 -m qerl_cli train-step --model ")
+
+
 @pytest.mark.parametrize("torchrun", [None, "/venv/bin/torchrun --rdzv-backend c10d"])
 def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torchrun):
     # TRAIN_GPUS > 1 ran a bare `torchrun -m qerl_cli`, outside QERL's container (docs audit, session 44)
@@ -480,8 +494,10 @@ def test_an_unknown_base_format_is_refused(tmp_path, script):
 
 
 @pytest.mark.parametrize("script", ["grpo.sh", "submit.sh"])
-@pytest.mark.parametrize("value", ["abc", "1.5"])
+@pytest.mark.parametrize("value", ["abc", "1.5", "00", "08", "010"])
 def test_a_step_count_that_is_not_a_number_is_one_error_line(tmp_path, script, value):
+    # (review) leading zeros: STEPS=00 ran no step and merged step--00001, 08 broke the config's arithmetic,
+    # 010 ran 8 steps (octal) with --total-steps 010 (read as 10)
     # the configs compute WARMUP_STEPS from STEPS as they are sourced: STEPS=abc ended in bash's
     # "abc: unbound variable" (exit 1), STEPS=1.5 in a syntax error and "does not set WARMUP_STEPS" (docs audit)
     path = RECIPES / script if script == "grpo.sh" else RECIPES / "slurm" / script
@@ -615,6 +631,17 @@ else mkdir -p "$out"; echo "{{}}" > "$out/manifest.json"; echo "$stage made $out
     # hard links, not copies: a 32B base is 18 GB
     assert os.path.samefile(out / "nvfp4-aqn-s1" / "base" / "manifest.json", out / "shared-nvfp4" / "base" / "manifest.json")
     assert not (out / "bf16-lora-s0" / "base").exists()  # the 16-bit runs load the checkpoint itself
+    # (review) the shared base redone (FORCE=1 after a change): a run that has taken no step links the new one,
+    # a run with steps keeps the base its steps were made on
+    shutil.rmtree(out / "shared-nvfp4" / "base")
+    (out / "shared-nvfp4" / "base").mkdir()
+    (out / "shared-nvfp4" / "base" / "manifest.json").write_text('{"new": 1}')
+    for step in (out / "nvfp4-lora-s0").glob("step-*"):
+        shutil.rmtree(step)
+    subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), str(out)], env=env, capture_output=True)
+    new = out / "shared-nvfp4" / "base" / "manifest.json"
+    assert os.path.samefile(out / "nvfp4-lora-s0" / "base" / "manifest.json", new)
+    assert not os.path.samefile(out / "nvfp4-aqn-s0" / "base" / "manifest.json", new)
 
 
 def test_grpo_steps_0_makes_and_scores_the_base_only_and_slurm_refuses_it(tmp_path):

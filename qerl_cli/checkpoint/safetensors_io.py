@@ -283,6 +283,18 @@ def save_small(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata={"format": "pt"})
-    mask = os.umask(0)  # read it: there is no other portable way
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, from /proc where it is there: setting it to read it (the portable way) leaves
+    a moment in which another thread's new files are world-writable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # the moment's files: private, not world-writable
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask

@@ -95,6 +95,7 @@ def command(
         dtype=dtype, baseline=baseline, seed=seed, skip_bad_lines=skip_bad_lines, metrics_file=metrics_file, force=force, progress=not quiet,
     )
     res = train_step(cfg)
-    if quiet and os.environ.get("RANK", "0") == "0" and (res.get("already_done") or "stage" in res):
+    main_rank = int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"  # as distributed.setup
+    if quiet and main_rank and (res.get("already_done") or "stage" in res):
         # -q drops the progress bar and notes, not the result (train_step prints it itself otherwise)
         print(result_line(out, res, already_done=res.get("already_done", False)))

@@ -182,7 +182,7 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
     return fused
 
 
-def twiddle_codes_(model: nn.Module, chunk_bytes: int = 128 << 20) -> int:
+def twiddle_codes_(model: nn.Module, chunk_bytes: int = 64 << 20) -> int:
     """Rewrite every NVFP4 QLinear's codes in place into the sm_90 kernels' layout; returns how many.
 
     Why: ``qerl_kernels.twiddle`` (~1.9 instead of ~3.2 decode instructions per weight, and 1 KB
@@ -190,8 +190,8 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 128 << 20) -> int:
     modules are rewritten once (through the largest tensor on each storage), and blocked only when
     every module reading them has whole 16-row blocks. Twiddling is chunked by rows, ``chunk_bytes`` of
     codes at a time, so its int64 temporaries stay bounded (~2x that each; blocking copies one weight at a
-    time): chunks of 4096 rows made 392 calls of ~20 small torch ops each for a 7B model, 0.712 s against
-    0.477 s for 112 calls now, a whole weight per chunk up to 128 MB of codes (a 7B gate/up: 68 MB; H100,
+    time, and the allocator's cache is emptied after, so the KV cache, sized from free memory, gets it back):
+    chunks of 4096 rows made 392 calls of ~20 small torch ops each for a 7B model, 64 MB chunks 140 (H100,
     `benchmarks/probe_twiddle_chunks.py`, docs/benchmarks.md, RL loop, fourth pass). Everything that reads the codes
     back (``dense_weight``, the kernels, the reference path) honours the flags; the checkpoint on
     disk is untouched.
@@ -220,6 +220,8 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 128 << 20) -> int:
             t.copy_(block(t))
         for m in readers:
             m.twiddled, m.blocked = True, blocked
+    if any(t.is_cuda for _, _, t in kept):
+        torch.cuda.empty_cache()  # the int64 temporaries' blocks: free memory is what the KV cache is sized from
     return len(mods)
 
 

@@ -25,7 +25,7 @@ qerl_check_env_numbers
 # shellcheck disable=SC1090
 source "$CONFIG"
 qerl_load_config "$CONFIG"
-if [ "$STEPS" = 0 ]; then  # grpo.sh's base-only run; a chain needs a step
+if [ "$STEPS" -eq 0 ]; then  # grpo.sh's base-only run; a chain needs a step
   echo "error: STEPS=0: nothing to chain (for the base alone: STEPS=0 bash recipes/grpo.sh $CONFIG)" >&2
   exit 2
 fi
