@@ -1,7 +1,7 @@
 """How long the load-time twiddle of a 7B-shaped NVFP4 model takes, by chunk size (a device-machine probe).
 
 `twiddle_codes_` rewrites every weight's codes with ~20 torch integer ops per chunk. Until 2026-11-27 a
-chunk was 4096 rows (392 calls for a 7B model); now it is 64 MB of codes. This
+chunk was 4096 rows (392 calls for a 7B model); now it is 32 MB of codes. This
 times the twiddle alone over the model's fused code tensors, each chunking, median of --repeats (the
 codes are twiddled back and forth on copies, so values do not matter).
 

@@ -182,7 +182,7 @@ def fuse_linears(parts: list[QLinear]) -> QLinear | None:
     return fused
 
 
-def twiddle_codes_(model: nn.Module, chunk_bytes: int = 64 << 20) -> int:
+def twiddle_codes_(model: nn.Module, chunk_bytes: int = 32 << 20) -> int:
     """Rewrite every NVFP4 QLinear's codes in place into the sm_90 kernels' layout; returns how many.
 
     Why: ``qerl_kernels.twiddle`` (~1.9 instead of ~3.2 decode instructions per weight, and 1 KB
@@ -191,7 +191,8 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 64 << 20) -> int:
     every module reading them has whole 16-row blocks. Twiddling is chunked by rows, ``chunk_bytes`` of
     codes at a time, so its int64 temporaries stay bounded (~2x that each; blocking copies one weight at a
     time, and the allocator's cache is emptied after, so the KV cache, sized from free memory, gets it back):
-    chunks of 4096 rows made 392 calls of ~20 small torch ops each for a 7B model, 64 MB chunks 140 (H100,
+    chunks of 4096 rows made 392 calls of ~20 small torch ops each for a 7B model, 0.711 s; 32 MB chunks make
+    196, 0.505 s, with the same 352 MiB peak of temporaries (64 MB: 0.492 s, 704 MiB; H100,
     `benchmarks/probe_twiddle_chunks.py`, docs/benchmarks.md, RL loop, fourth pass). Everything that reads the codes
     back (``dense_weight``, the kernels, the reference path) honours the flags; the checkpoint on
     disk is untouched.
