@@ -1,9 +1,9 @@
 """How long the load-time twiddle of a 7B-shaped NVFP4 model takes, by chunk size (a device-machine probe).
 
-`twiddle_codes_` rewrites every weight's codes with ~20 torch integer ops per chunk. Until 2026-11-27 a
-chunk was 4096 rows (392 calls for a 7B model); now it is 32 MB of codes. This
-times the twiddle alone over the model's fused code tensors, each chunking, median of --repeats (the
-codes are twiddled back and forth on copies, so values do not matter).
+The torch reference rewrites a weight's codes with ~20 integer ops per chunk. Until 2026-11-27 a chunk was
+4096 rows (392 calls for a 7B model); the CPU path now takes 32 MB of codes, and on a GPU `twiddle_codes_`
+runs one Triton pass in place (qerl_kernels.twiddle_triton). This times each way over the model's fused
+code tensors, median of --repeats (the codes are twiddled over and over on copies: values do not matter).
 
     python benchmarks/probe_twiddle_chunks.py --model qwen2.5-7b
 """
@@ -19,11 +19,16 @@ import torch
 
 
 def run(tensors, rows_of) -> float:
+    """The torch reference in chunks of ``rows_of(t)`` rows, or (None) the Triton pass."""
     from qerl_kernels.twiddle import twiddle
+    from qerl_kernels.twiddle_triton import twiddle_
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for t in tensors:
+        if rows_of is None:
+            twiddle_(t)
+            continue
         rows = rows_of(t)
         for a in range(0, t.shape[0], rows):
             t[a:a + rows].copy_(twiddle(t[a:a + rows]))
@@ -46,8 +51,8 @@ def main() -> None:
     # each byte once, as twiddle_codes_ does: the fused tensors, not the per-projection views into them
     tensors = [m.weight_packed.clone() for m in _all_qlinears(model) if m.quantized and m.weight_packed._base is None]
     ways = {"4096 rows (before)": lambda t: 4096, **{f"{mb} MB": (lambda t, mb=mb: max(1, (mb << 20) // t.shape[1]))
-                                                    for mb in (32, 64, 128)}}
-    calls = {k: sum(-(-t.shape[0] // f(t)) for t in tensors) for k, f in ways.items()}
+                                                    for mb in (32, 64, 128)}, "triton (now)": None}
+    calls = {k: sum(-(-t.shape[0] // f(t)) for t in tensors) if f else len(tensors) for k, f in ways.items()}
     run(tensors, ways["128 MB"])  # warm-up
     times, peaks = {k: [] for k in ways}, {}
     for _ in range(args.repeats):

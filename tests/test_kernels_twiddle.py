@@ -192,3 +192,44 @@ def test_to_dtype_moves_nvfp4_buffers_without_casting_them():
     assert q.weight_scale.dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="divisible by 16"):
         QLinear(24, 8, quantized=True)
+
+
+TWIDDLE_CHECK = """
+import torch
+from qerl_kernels.twiddle import twiddle
+from qerl_kernels.twiddle_triton import twiddle_
+
+def check(device, shapes, block=1024):
+    g = torch.Generator().manual_seed(5)
+    for n, kh in shapes:
+        p = torch.randint(0, 256, (n, kh), generator=g, dtype=torch.uint8)
+        if n * kh >= 256:
+            p.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte value
+        got = twiddle_(p.clone().to(device), block=block).cpu()  # in place: never p itself
+        assert torch.equal(got, twiddle(p)), (n, kh)
+"""
+
+
+def test_the_triton_twiddle_writes_the_references_bits_in_interpreter():
+    # one pass in place instead of ~20 int64 torch ops per chunk (docs/benchmarks.md, RL loop, fourth pass)
+    from tests.helpers import run_in_interpreter
+
+    pytest.importorskip("triton")
+    shapes = [(1, 8), (3, 24), (17, 40), (5, 1000), (64, 64)]
+    run_in_interpreter(TWIDDLE_CHECK + f"check('cpu', {shapes})\ncheck('cpu', [(7, 72)], block=16)\nprint('ok')\n")
+
+
+def test_the_triton_twiddle_refuses_what_it_cannot_view_as_word_pairs():
+    from qerl_kernels.twiddle_triton import twiddle_
+
+    for bad in (torch.zeros(4, 12, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.int8),
+                torch.zeros(8, 16, dtype=torch.uint8)[:, :8]):
+        with pytest.raises(ValueError, match="contiguous packed uint8"):
+            twiddle_(bad)
+
+
+@pytest.mark.gpu
+def test_the_triton_twiddle_writes_the_references_bits_on_gpu():
+    ns = {}
+    exec(TWIDDLE_CHECK, ns)
+    ns["check"]("cuda", [(1, 8), (3, 24), (17, 40), (37888, 1792), (3584, 9472)])

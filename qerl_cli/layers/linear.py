@@ -188,16 +188,17 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 32 << 20) -> int:
     Why: ``qerl_kernels.twiddle`` (~1.9 instead of ~3.2 decode instructions per weight, and 1 KB
     reads per K step). Same bytes, same memory; buffers shared between fused and per-projection
     modules are rewritten once (through the largest tensor on each storage), and blocked only when
-    every module reading them has whole 16-row blocks. Twiddling is chunked by rows, ``chunk_bytes`` of
-    codes at a time, so its int64 temporaries stay bounded (~2x that each; blocking copies one weight at a
-    time, and the allocator's cache is emptied after, so the KV cache, sized from free memory, gets it back):
-    chunks of 4096 rows made 392 calls of ~20 small torch ops each for a 7B model, 0.711 s; 32 MB chunks make
-    196, 0.505 s, with the same 352 MiB peak of temporaries (64 MB: 0.492 s, 704 MiB; H100,
-    `benchmarks/probe_twiddle_chunks.py`, docs/benchmarks.md, RL loop, fourth pass). Everything that reads the codes
+    every module reading them has whole 16-row blocks. On a GPU the twiddle is one Triton pass in place
+    (``qerl_kernels.twiddle_triton``); the torch reference, on CPU, is chunked by rows, ``chunk_bytes`` of
+    codes at a time, so its int64 temporaries stay bounded (on an H100 it took 0.711 s for a 7B model in the
+    4096-row chunks of before, 0.505 s in 32 MB ones: `benchmarks/probe_twiddle_chunks.py`, docs/benchmarks.md,
+    RL loop, fourth pass). Blocking copies one weight at a time; the allocator's cache is emptied after, so
+    the KV cache, sized from free memory, gets it back. Everything that reads the codes
     back (``dense_weight``, the kernels, the reference path) honours the flags; the checkpoint on
     disk is untouched.
     """
     from qerl_kernels.twiddle import block, can_block, twiddle
+    from qerl_kernels.twiddle_triton import twiddle_
 
     mods = [m for m in _all_qlinears(model) if m.quantized and not m.twiddled]
     # Fused modules' tensors contain their parts' rows: rewrite each byte range exactly once.
@@ -214,9 +215,12 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 32 << 20) -> int:
         readers = [m for m in mods if start <= m.weight_packed.data_ptr() < start + size]
         blocked = all(can_block(m.out_features, m.in_features) for m in readers) and all(
             (m.weight_packed.data_ptr() - start) % (16 * t.shape[1]) == 0 for m in readers)
-        rows = max(1, chunk_bytes // t.shape[1])
-        for a in range(0, t.shape[0], rows):
-            t[a:a + rows].copy_(twiddle(t[a:a + rows]))
+        if t.is_cuda:  # one Triton pass in place (qerl_kernels.twiddle_triton)
+            twiddle_(t)
+        else:
+            rows = max(1, chunk_bytes // t.shape[1])
+            for a in range(0, t.shape[0], rows):
+                t[a:a + rows].copy_(twiddle(t[a:a + rows]))
         if blocked:
             t.copy_(block(t))
         for m in readers:
