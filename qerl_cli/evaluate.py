@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput
-from qerl_cli.runtime import as_many
+from qerl_cli.runtime import as_many, check_field_types
 
 STAGE = "eval"
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -87,9 +88,12 @@ class EvalConfig:
         return 0.0 if self.samples == 1 else 1.0
 
     def __post_init__(self):
+        check_field_types(self)
         self.model, self.dataset, self.out = Path(self.model), Path(self.dataset), Path(self.out)
         self.adapter = Path(self.adapter) if self.adapter is not None else None
         self.stop = as_many(self.stop)
+        if isinstance(self.prompt_template, os.PathLike):  # "a string or a file": a Path names the file
+            self.prompt_template = str(self.prompt_template)
         if self.k < 1:
             raise BadInputError(f"--k must be at least 1, got {self.k}")
         if self.samples < self.k:

@@ -44,6 +44,7 @@ from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWar
 from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
 from qerl_cli.outputs import StageOutput, check_out_apart
+from qerl_cli.runtime import check_field_types
 
 DTYPES = ("bf16", "nvfp4")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -76,6 +77,7 @@ class MergeConfig:
             from qerl_cli.quantize import parse_size
 
             self.max_shard_size = parse_size(self.max_shard_size)
+        check_field_types(self)  # after "2GB" became its int
         if self.max_shard_size <= 0:
             raise BadInputError(f"--max-shard-size must be positive, got {self.max_shard_size}")
         check_out_apart(self.out, model=self.model, adapter=self.adapter, requantize_from=self.requantize_from)
@@ -520,7 +522,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
             shutil.rmtree(bf16_dir)
         so.timings["merge_s"] = round(time.time() - t0, 3)
         so.extra["summary"] = summary
-    return so.manifest
+    return dict(so.manifest, already_done=False)  # the key a rerun's has too
 
 
 LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy

@@ -133,7 +133,8 @@ def _differences(m: dict, stage: str, config: dict, inputs: dict, most: int = 3)
     for part in ("config", "inputs"):
         old, cur = m.get(part) or {}, new[part]
         for key in sorted(set(old) | set(cur), key=str):
-            if old.get(key) != cur.get(key):
+            # as the fingerprint sees them: 32 and 32.0 are two fingerprints, and were named as no change
+            if json.dumps(old.get(key), sort_keys=True) != json.dumps(cur.get(key), sort_keys=True):
                 found.append(f"input {key} changed" if part == "inputs"
                              else f"{key}: {_short(old.get(key))} -> {_short(cur.get(key))}")
     more = f" and {len(found) - most} more" if len(found) > most else ""

@@ -52,6 +52,7 @@ from qerl_cli.checkpoint.source import PICKLE_SUFFIXES, check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError, OutOfMemoryError
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.outputs import MANIFEST, StageOutput
+from qerl_cli.runtime import check_field_types
 
 STAGE = "quantize"
 DEVICES = ("auto", "cpu", "cuda")
@@ -78,6 +79,9 @@ class QuantizeConfig:
     max_shard_size: str = "5GB"
     force: bool = False
     progress: bool = True
+
+    def __post_init__(self):
+        check_field_types(self)
 
 
 @dataclass

@@ -71,6 +71,7 @@ from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.rewards import RewardSet
 from qerl_cli.runtime import (
     as_many,
+    check_field_types,
     context_limit,
     load_tokenizer,
     resolve_device,
@@ -132,7 +133,12 @@ class RolloutConfig:
     progress: bool = True
 
     def __post_init__(self):
+        check_field_types(self)
+        if isinstance(self.rewards, dict):  # {"gsm8k": 1.0, "format": 0.1}: its weights were dropped
+            self.rewards = tuple(f"{name}={weight}" for name, weight in self.rewards.items())
         self.stop, self.rewards = as_many(self.stop), as_many(self.rewards)
+        if isinstance(self.prompt_template, os.PathLike):  # "a string or a file": a Path names the file
+            self.prompt_template = str(self.prompt_template)
 
 
 # ---- validation ------------------------------------------------------------------------------

@@ -24,6 +24,48 @@ def as_many(value, kind=tuple):
     return kind([value]) if isinstance(value, (str, os.PathLike)) else value
 
 
+def check_field_types(cfg) -> None:
+    """A stage config's numbers and switches as the CLI gives them, for a caller from Python.
+
+    An int where the field is a float becomes that float: ``lora_alpha=32`` and ``--lora-alpha 32`` are one
+    run, yet their fingerprints and records differed (32 against 32.0), and the CLI refused the library's
+    output as made from other arguments. Numpy scalars become Python numbers (a ``np.int64`` step passed
+    every check and failed after generation, writing its record). A float, string or bool where a whole
+    number is wanted, a string where a number is, and anything but a bool for a switch are bad input, named,
+    before any work (a library trial, session 44). Fields of other or mixed types are left to their checks.
+    """
+    import dataclasses
+    import numbers
+    import typing
+
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        kinds = set(typing.get_args(hints.get(f.name))) or {hints.get(f.name)}
+        optional = type(None) in kinds
+        kinds.discard(type(None))
+        if len(kinds) != 1 or kinds & {bool, int, float} == set():
+            continue
+        if v is None:
+            if not optional:  # seed=None was recorded as such and sampled unseeded
+                raise BadInputError(f"{f.name} must not be None")
+            continue
+        kind = kinds.pop()
+        is_bool = isinstance(v, bool) or (type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"))
+        if kind is bool:
+            if not is_bool:
+                raise BadInputError(f"{f.name} must be True or False, got {v!r}")
+            setattr(cfg, f.name, bool(v))
+        elif kind is int:
+            if is_bool or not isinstance(v, numbers.Integral):
+                raise BadInputError(f"{f.name} must be a whole number, got {v!r}")
+            setattr(cfg, f.name, int(v))
+        elif kind is float:
+            if is_bool or not isinstance(v, numbers.Real):
+                raise BadInputError(f"{f.name} must be a number, got {v!r}")
+            setattr(cfg, f.name, float(v))
+
+
 def resolve_device(device: str) -> str:
     """`auto` -> cuda if visible else cpu; `cuda[:N]` checked against the visible GPUs."""
     import torch

@@ -56,7 +56,7 @@ from qerl_cli.errors import (
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
 from qerl_cli.outputs import StageOutput, check_out_apart, file_in_the_way
-from qerl_cli.runtime import as_many, resolve_device, resolve_dtype
+from qerl_cli.runtime import as_many, check_field_types, resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.advantages import SCALES, group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
@@ -126,7 +126,10 @@ class TrainStepConfig:
     progress: bool = True
 
     def __post_init__(self):
+        check_field_types(self)
         self.shards, self.lora_targets = as_many(self.shards, list), as_many(self.lora_targets)
+        if self.lora_targets is not None:  # "q_proj,v_proj", as the CLI's --lora-targets takes them
+            self.lora_targets = tuple(t.strip() for x in self.lora_targets for t in str(x).split(",") if t.strip())
         if self.lora_targets is not None and not self.lora_targets:  # trained all seven, recorded as []
             raise BadInputError("lora_targets=() names no Linear", hint="None: all seven (or the adapter's own)")
 
