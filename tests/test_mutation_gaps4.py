@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qerl_cli.errors import BadInputError
+from tests.test_mutation_gaps2 import _lora_model
 
 GOLDEN_MODEL_HASH = "12b25eb94801320b6b44b8e74d2865de5892bd216fd72b2af07532ef41e34848"  # test_model_hash_of_a_fixed_directory_is_stable
 
@@ -300,14 +301,6 @@ def test_an_adapter_config_with_null_flags_reads_as_their_defaults(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps(dict(cfg, use_dora=True)))
     with pytest.raises(BadInputError, match="use_dora=True is not supported"):
         read_adapter_spec(tmp_path)
-
-
-def _lora_model(spec):
-    from qerl_cli.models import ModelConfig, build_random_model
-
-    cfg = ModelConfig.from_hf(dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    return build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=False, lora=spec)
 
 
 def test_adapter_keys_without_peft_prefix_load(tmp_path):
