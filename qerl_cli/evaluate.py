@@ -403,6 +403,7 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
 
 
 def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path, console) -> tuple[list[dict], float]:
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     n = cfg.samples
@@ -415,7 +416,7 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
     solved = tokens = 0
     t_start = time.time()
     progress = Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console or Console(stderr=True),
                         disable=not cfg.progress, transient=False)
 
     def info(extra_tokens: int = 0) -> str:

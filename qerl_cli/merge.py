@@ -447,6 +447,7 @@ def write_plain_config(base, out_dir: Path, torch_dtype: str = "bfloat16", untie
 # ---- the stage -------------------------------------------------------------------------------
 def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     """Run `qerl merge`; returns the output manifest (with ``summary``)."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from qerl_cli.quantize import resolve_device
@@ -490,7 +491,7 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     plan = merged_plan(target, untie=untie)
     with so as work, TensorReader(target.tensors) as reader, Progress(
         TextColumn("[bold]merge[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), disable=not progress, transient=True,
+        TimeElapsedColumn(), disable=not progress, transient=True, console=Console(stderr=True),
     ) as bar:
         task = bar.add_task("", total=len(plan))
 

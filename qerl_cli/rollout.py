@@ -769,8 +769,12 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
     live = _Live()
     G, n_prompts = cfg.num_generations, len(plan.prompts)
     t_gen = 0.0
+    from rich.console import Console
+
+    # on stderr, as every stage's: stdout holds the result lines (a bar there vanished when stdout was a file)
     progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not cfg.progress, transient=False)
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not cfg.progress, transient=False,
+                        console=Console(stderr=True))
     with progress, ShardWriter(shard_path) as writer:
         task = progress.add_task("rollout", total=n_prompts, completed=len(done), info="")
         for batch in batches:

@@ -556,3 +556,27 @@ def test_a_rollout_whose_prompts_leave_less_than_max_new_tokens_says_so(p, tmp_p
     n = len(read_records(tmp_path / "out")) // 2
     assert f"note: {n} of {n} prompts leave fewer than --max-new-tokens 48 tokens of the 40-token context" in r.stderr
     assert "hit --max-new-tokens" not in r.stdout
+
+
+def test_every_stage_draws_its_progress_on_stderr(p, tmp_path, monkeypatch):
+    # rollout's, merge's and eval's bars went to stdout, where the result lines go: with stdout in a file the
+    # bar vanished, and a terminal got it among the results (a library trial, session 44)
+    import sys
+
+    import rich.progress
+
+    seen = []
+    init = rich.progress.Progress.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        seen.append(self.console.file is sys.stderr)
+
+    monkeypatch.setattr(rich.progress.Progress, "__init__", spy)
+    runs = [rollout_args(p["q"], p["prompts"], tmp_path / "r"), eval_args(p["q"], p["prompts"], tmp_path / "e"),
+            merge_args(p["q"], p["a1"], tmp_path / "m"), quantize_args(p["src"], tmp_path / "q")]
+    for args in runs:
+        args = [a for a in args if a not in ("-q", "--no-progress")]
+        r = invoke(args)
+        assert r.exit_code == 0, (args[0], r.stderr)
+    assert len(seen) >= 4 and all(seen), seen

@@ -107,7 +107,7 @@ def command(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, allow_base_mismatch=allow_base_mismatch,
         force=force, progress=not quiet,
     )
-    res = evaluate(cfg, console=console)
+    res = evaluate(cfg, console=Console(stderr=True, highlight=False))  # the progress, on stderr as every stage's
     if res["already_done"]:
         console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
     if quiet:
