@@ -254,7 +254,7 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     # Nor does the context: every prompt must fit beside --max-new-tokens (else the eval stops), so no
     # sample reaches it. Counted, an explicit value equal to the model's own made a needless new run.
     d.pop("max_model_len")
-    d.update(device=device, dtype=dtype)
+    d.update(device=device, dtype=dtype, stop=list(cfg.stop))  # as JSON holds it: a rerun's manifest says [] too
     return d
 
 

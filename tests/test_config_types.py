@@ -118,3 +118,13 @@ def test_merge_says_already_done_either_way(tmp_path):
     adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["v_proj"], trainer_state=False)
     assert merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)["already_done"] is False
     assert merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)["already_done"] is True
+
+
+def test_evals_recorded_stop_reads_the_same_on_a_first_run_and_a_rerun():
+    # the returned manifest held () on a first run and [] (from the JSON) on a rerun; same fingerprint either way
+    from qerl_cli.evaluate import _fingerprint_config
+    from qerl_cli.hashing import sha256_json
+
+    cfg = EvalConfig(model="m", dataset="d", out="o", stop=("####",))
+    d = _fingerprint_config(cfg, "cpu", "fp32", None)
+    assert d["stop"] == ["####"] and sha256_json(dict(d, stop=("####",))) == sha256_json(d)
