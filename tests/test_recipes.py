@@ -92,6 +92,23 @@ def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
         assert f"--output {run}/{pattern} " in a, (name, a)
 
 
+def test_slurm_jobs_take_cores_and_memory_from_the_settings(tmp_path):
+    # clusters default to one core and little memory a job; only EXTRA_SBATCH_ARGS could raise them
+    sbatch, log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=1\n")
+    env = {**os.environ, "SBATCH": str(sbatch), "JOB_CPUS": "8", "JOB_MEM": "64G"}
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")], env=env,
+                   check=True, capture_output=True)
+    jobs = _jobs(log)
+    assert len(jobs) >= 4 and all("--cpus-per-task 8 --mem 64G " in a for _, a in jobs.values()), jobs
+    log.write_text("")
+    env = {k: v for k, v in env.items() if k not in ("JOB_CPUS", "JOB_MEM")}
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run2")], env=env,
+                   check=True, capture_output=True)
+    assert not any("--cpus-per-task" in a or "--mem" in a for _, a in _jobs(log).values())
+
+
 def test_slurm_evals_run_beside_the_chain(tmp_path):
     # EVAL_EVERY was ignored under Slurm and the base eval ran in the final job, on the critical path.
     sbatch, log = _fake_sbatch(tmp_path)

@@ -12,7 +12,8 @@
 # CONFIG, so a job rerun alone sees the chain's values; edit it to change one for such a rerun.
 # Variables (environment or CONFIG): PARTITION, ACCOUNT, ROLLOUT_SHARDS (default 1; one GPU per task),
 # TRAIN_GPUS (1; >1 runs torchrun), GPU_GRES (gres name, default gpu; empty: no --gres, e.g. a
-# CPU-only test cluster), TIME_ROLLOUT, TIME_TRAIN, TIME_QUANTIZE, TIME_EVAL, EXTRA_SBATCH_ARGS.
+# CPU-only test cluster), TIME_ROLLOUT, TIME_TRAIN, TIME_QUANTIZE, TIME_EVAL, JOB_CPUS (--cpus-per-task) and
+# JOB_MEM (--mem) for every job, EXTRA_SBATCH_ARGS.
 # SBATCH=echo-like command replaces sbatch for a dry run (it must print a job id).
 set -euo pipefail
 CONFIG=${1:?usage: bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]}
@@ -53,6 +54,11 @@ SCRIPT=$HERE/stage.sbatch
 common=(--parsable --chdir "$PWD")
 [ -n "${PARTITION:-}" ] && common+=(--partition "$PARTITION")
 [ -n "${ACCOUNT:-}" ] && common+=(--account "$ACCOUNT")
+# Clusters whose default is one core and a little memory per job starve a stage (tokenizing, loading and
+# hashing a 7B checkpoint): JOB_CPUS and JOB_MEM set them for every job. (Not SLURM_*: Slurm sets those
+# inside an allocation, where submit.sh may run.)
+[ -n "${JOB_CPUS:-}" ] && common+=(--cpus-per-task "$JOB_CPUS")
+[ -n "${JOB_MEM:-}" ] && common+=(--mem "$JOB_MEM")
 # shellcheck disable=SC2206
 [ -n "${EXTRA_SBATCH_ARGS:-}" ] && common+=($EXTRA_SBATCH_ARGS)
 log_job=(--output "$RUN_DIR/slurm-%x-%j.out")      # %a is 4294967294 outside an array
