@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
-from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
+from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput
@@ -343,15 +343,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
-    try:
-        if so.already_done():
-            metrics = json.loads((cfg.out / METRICS).read_text())
-            return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
-    except OutputExistsError:
-        # A flag bad in itself is bad input (exit 2) before "made from other inputs" (exit 4), as into a
-        # fresh --out (docs audit, session 44); an "already done" rerun never pays for the tokenizer.
-        _encode(cfg, rows, template, chat_text, notes=False)
-        raise
+    if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
+        metrics = json.loads((cfg.out / METRICS).read_text())
+        return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}

@@ -185,11 +185,21 @@ class StageOutput:
         self._seen = _UNSEEN  # the fingerprint at `out` when this run decided to write (None: nothing)
 
     # ---- rerun logic -------------------------------------------------------------------
-    def already_done(self) -> bool:
+    def already_done(self, check_first=None) -> bool:
         """True when ``out`` holds a finished run of the same stage with the same inputs.
 
-        Raises OutputExistsError when ``out`` exists otherwise and ``force`` is not set.
+        Raises OutputExistsError when ``out`` exists otherwise and ``force`` is not set; ``check_first()``
+        runs before that error, so a flag bad in itself is bad input (exit 2) there as into a fresh --out,
+        not "made from other inputs" (exit 4), while an "already done" rerun never pays for the check.
         """
+        try:
+            return self._already_done()
+        except OutputExistsError:
+            if check_first is not None:
+                check_first()
+            raise
+
+    def _already_done(self) -> bool:
         self._recover_interrupted_swap()
         self._seen = None
         if not self.out.exists():

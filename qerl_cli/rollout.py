@@ -516,16 +516,8 @@ def rollout(cfg: RolloutConfig) -> dict:
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                       legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
-    try:
-        if out.already_done():
-            return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"),
-                    "manifest": out.manifest}
-    except OutputExistsError:
-        # A flag bad in itself is bad input (exit 2) before "made from other inputs" (exit 4): into a fresh
-        # --out the same flags were exit 2 (docs audit, session 44). Only on this path: a rerun that is
-        # already done never pays for the tokenizer.
-        _encode(cfg, selected, template, chat_text, notes=False)
-        raise
+    if out.already_done(check_first=lambda: _encode(cfg, selected, template, chat_text, notes=False)):
+        return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them

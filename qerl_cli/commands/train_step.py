@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -72,6 +71,7 @@ def command(
     force: Annotated[bool, typer.Option("--force", rich_help_panel="Run", help="Redo the step even if --out already holds it / holds something else.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", rich_help_panel="Run", help="No progress bar or notes; print only the result line (and warnings, on stderr).")] = False,
 ) -> None:
+    from qerl_cli.train.distributed import main_by_environment
     from qerl_cli.train_step import TrainStepConfig, result_line, train_step
 
     targets = None
@@ -95,7 +95,6 @@ def command(
         dtype=dtype, baseline=baseline, seed=seed, skip_bad_lines=skip_bad_lines, metrics_file=metrics_file, force=force, progress=not quiet,
     )
     res = train_step(cfg)
-    main_rank = int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"  # as distributed.setup
-    if quiet and main_rank and (res.get("already_done") or "stage" in res):
+    if quiet and main_by_environment() and (res.get("already_done") or "stage" in res):
         # -q drops the progress bar and notes, not the result (train_step prints it itself otherwise)
         print(result_line(out, res, already_done=res.get("already_done", False)))

@@ -226,7 +226,7 @@ def twiddle_codes_(model: nn.Module, chunk_bytes: int = 32 << 20) -> int:
         for m in readers:
             m.twiddled, m.blocked = True, blocked
     if any(t.is_cuda for _, _, t in kept):
-        torch.cuda.empty_cache()  # the int64 temporaries' blocks: free memory is what the KV cache is sized from
+        torch.cuda.empty_cache()  # blocking's copies: free memory is what the KV cache is sized from
     return len(mods)
 
 

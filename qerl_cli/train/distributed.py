@@ -89,6 +89,11 @@ class Dist:
             dist.destroy_process_group()
 
 
+def main_by_environment() -> bool:
+    """Whether this process is rank 0 of what ``setup`` joins (alone when WORLD_SIZE <= 1, whatever RANK says)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0
+
+
 def setup(device: str) -> Dist:
     """Join the torchrun process group if the environment asks for one (WORLD_SIZE > 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
