@@ -14,3 +14,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def qmodel(tmp_path_factory):
+    """(NVFP4 QDIR of the tiny quantized model, its base hash), made once per test module."""
+    from tests.train_fixtures import quantized_tiny_with_hash
+
+    return quantized_tiny_with_hash(tmp_path_factory.mktemp("qmodel"))

@@ -618,13 +618,6 @@ def test_another_max_shard_size_is_not_already_done(tiny_src, tmp_path):
 
 
 # ---- train-step: resume ----
-@pytest.fixture(scope="module")
-def qmodel(tmp_path_factory):
-    from tests.train_fixtures import quantized_tiny_with_hash
-
-    return quantized_tiny_with_hash(tmp_path_factory.mktemp("tm"))
-
-
 _step = quick_step
 
 

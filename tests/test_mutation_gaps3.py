@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from qerl_cli.errors import BadInputError
-from tests.train_fixtures import quick_step
+from tests.test_mutation_gaps2 import _EosTokenizer
+from tests.train_fixtures import quick_step as _step
 
 
 # ---- layers: LoRA wrapping, init, disabling ----
@@ -178,14 +179,6 @@ def test_a_model_with_its_own_compute_logits_is_scored_through_it():
 
 
 # ---- train-step ----
-@pytest.fixture(scope="module")
-def qmodel(tmp_path_factory):
-    from tests.train_fixtures import quantized_tiny_with_hash
-
-    return quantized_tiny_with_hash(tmp_path_factory.mktemp("tm3"))
-
-
-_step = quick_step
 
 
 def test_the_kl_metric_is_the_pre_update_policys(qmodel, tmp_path):
@@ -312,14 +305,6 @@ def _greedy(n_new, **kw):
 
 
 
-
-
-class _EosTokenizer:
-    def __init__(self, eos):
-        self.eos_token_id = eos
-
-    def decode(self, ids, skip_special_tokens=False):
-        return " ".join(map(str, ids))
 
 
 def test_an_eos_as_the_last_allowed_token_is_a_stop_and_ignore_eos_keeps_its_text():
