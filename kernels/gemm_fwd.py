@@ -71,7 +71,6 @@ from qerl_kernels.decode import (
     split8,
 )
 from qerl_kernels.dequant import as_words, nvfp4_dequantize
-from qerl_kernels.gemv import MAX_ROWS, launch_gemv
 from qerl_kernels.reference import ACTIVATION_DTYPES, check_linear
 from qerl_kernels.tile_configs import (
     DEQUANT,
@@ -311,8 +310,6 @@ def nvfp4_matmul(
 
         if not (fast and gluon_supported(x, n, k, twiddled, blocked)):
             cfg = heuristic_fwd(m, n, k, gluon=False)  # not a layout (or device) the Gluon kernels read
-    if cfg.gemv and m > MAX_ROWS:
-        cfg = heuristic_fwd(m, n, k, gluon=False)  # a GEMV tile serves 1-4 rows (gemv.py)
     if twiddled and not layout_safe(cfg):
         cfg = DEQUANT  # a tile family Triton cannot compile on these codes (tile_configs.layout_safe)
     if cfg.dequant:
@@ -325,8 +322,6 @@ def nvfp4_matmul(
     scale_u8 = scale.contiguous().view(torch.uint8)
     if cfg.gluon and m > 0:
         return _launch_gluon_tile(x, words, scale_u8, global_scale, bias, cfg, x_korder=x_korder)
-    if cfg.gemv:
-        return launch_gemv(x, words, scale_u8, global_scale, bias, cfg.bn, cfg.bkw, cfg.warps, fast, twiddled, blocked)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

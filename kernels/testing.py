@@ -99,13 +99,6 @@ INTERP_CASES = [
     ("bl_fwd_m3_perm_split2", "fwd", 3, 48, 384, "float16", dict(bm=16, bn=16, bkw=16, split_k=2, swap=True, perm=True, twiddled=True, blocked=True), True),
     ("bl_fwd_m17_nt", "fwd", 17, 32, 256, "float32", dict(bm=16, bn=32, bkw=32, twiddled=True, blocked=True), False),
     ("bl_deq_fp32", "deq", 0, 48, 256, "float32", dict(twiddled=True, blocked=True), False),
-    # GEMV (gemv.py): 1-4 rows of X on the CUDA cores, whole K per program, next step prefetched.
-    ("gemv_m1_bias", "fwd", 1, 40, 528, "float32", dict(bm=1, bn=16, bkw=16, gemv=True), True),
-    ("gemv_m3_one_step", "fwd", 3, 24, 48, "float16", dict(bm=4, bn=16, bkw=16, gemv=True), False),
-    ("gemv_m2_odd_n", "fwd", 2, 40, 272, "float32", dict(bm=2, bn=32, bkw=16, gemv=True), True),
-    ("tw_gemv_m4", "fwd", 4, 72, 144, "float16", dict(bm=4, bn=16, bkw=16, gemv=True, twiddled=True), True),
-    ("bl_gemv_m1_long_k", "fwd", 1, 48, 384, "float32", dict(bm=1, bn=16, bkw=32, gemv=True, twiddled=True, blocked=True), False),
-    ("bl_gemv_m3", "fwd", 3, 32, 256, "float16", dict(bm=4, bn=32, bkw=16, gemv=True, twiddled=True, blocked=True), True),
     ("tw_bwd_m17", "bwd", 17, 72, 80, "float16", dict(twiddled=True), False),
     ("bwd_m1", "bwd", 1, 24, 80, "float16", dict(bm=16, bn=16, bkh=16), False),
     ("bwd_m3", "bwd", 3, 40, 48, "float32", dict(bm=16, bn=16, bkh=16), False),

@@ -71,7 +71,6 @@ class FwdConfig:
     persist: int = 0  # with duo and xstages, split-K 1: this many persistent programs per SM walk the tiles
     tstore: bool = False  # with persist: each tile's rows leave by a TMA store the consumers do not wait for
     tail: bool = False  # with persist and tstore: the last partial wave's tiles split in K among the programs (plain)
-    gemv: bool = False  # M <= 4 on the CUDA cores (gemv.py; bn rows per program over all K, bkw, warps)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -107,7 +106,7 @@ def layout_safe(cfg: FwdConfig) -> bool:
     machine with both); every other candidate compiles (tests/test_kernels_compile.py). None is in
     the measured table; the GEMM runs such a tile as decode-once + cuBLAS.
     """
-    return cfg.dequant or cfg.gluon or cfg.gemv or cfg.swap or cfg.bn // cfg.warps < 32
+    return cfg.dequant or cfg.gluon or cfg.swap or cfg.bn // cfg.warps < 32
 
 
 def m_bucket(m: int) -> int:

@@ -377,16 +377,3 @@ def test_double_backward_and_nan_scales_on_gpu(dtype):
     bad.view(torch.uint8)[7, 2] = 0x7F
     y = ops.nvfp4_linear(x0.to(dtype), ops.NVFP4Weight(p, bad, gs))
     assert y[:, 7].isnan().all() and y[:, torch.arange(200, device=y.device) != 7].isfinite().all()
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_gemv_tiles_in_bf16_on_every_layout(m):
-    # The CUDA-core GEMV (gemv.py) with the sm_90 PTX decode: on-disk, twiddled and blocked codes, odd N
-    # (wrapped rows past N), K with a partial last step, with and without bias; M > 4 falls back.
-    for n, k, tw, bl in ((200, 272, False, False), (264, 784, True, False), (400, 1152, True, True)):
-        for bn, bkw, warps in ((4, 16, 1), (16, 32, 4), (32, 64, 2)):
-            d = dict(bm=m, bn=bn, bkw=bkw, warps=warps, gemv=True, twiddled=tw, blocked=bl)
-            err = run_case("fwd", m, n, k, "bfloat16", d, m % 2 == 1, device="cuda", seed=m + bn)
-            assert err < TOL[torch.bfloat16], (d, err)
-    d = dict(bm=4, bn=16, bkw=32, warps=4, gemv=True, twiddled=True, blocked=True)
-    assert run_case("fwd", 17, 400, 1152, "bfloat16", d, True, device="cuda") < TOL[torch.bfloat16]
