@@ -17,19 +17,30 @@ busy for only ~9-10 ms, and the decode batch waits all that time. More than
 ``PREFILL_GRAPH_MAX_GROUPS`` prompts admitted at once, or one longer than the largest bucket, run
 eagerly as one padded batch. Right padding cannot change a causal prefill's real positions; the
 padded positions write into the scratch block. ``QERL_PREFILL_GRAPHS=0`` turns the graphs off.
+
+Before capturing, one dry pass of every graph's step compiles the Triton kernels they launch side by side
+(``_compile_ahead``): on a machine whose kernel cache is empty, a 7B engine for 256 sequences built in 20 s
+instead of 39 s (H100, docs/benchmarks.md, "Compiling ahead").
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from qerl_cli.engine.block_manager import BlockManager
 from qerl_cli.engine.scheduler import Group
 from qerl_cli.engine.sequence import Sequence
+from qerl_cli.errors import QerlWarning
 from qerl_cli.layers import fused
 from qerl_cli.layers.attention import ForwardContext, set_context
+
+try:
+    from qerl_kernels import compile_ahead
+except ImportError:  # no Triton (CPU-only installs): graphs, and so this, run on CUDA only
+    compile_ahead = None
 
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 # Up to this many prompts admitted together replay one prefill graph each; more run as one eager batch,
@@ -72,9 +83,13 @@ class ModelRunner:
         if self.use_graphs:
             # The model's dtype, as lm_head writes it: an fp32 copy was two more passes over [B, V] per step.
             self.static_logits = torch.zeros(max_num_seqs, cfg.vocab_size, dtype=model.dtype, device=self.device)
+            buckets = prefill_buckets(max_model_len, max_prefill_tokens)
+            if os.environ.get("QERL_PREFILL_GRAPHS", "1") == "0":
+                buckets = []
+            self._compile_ahead(buckets)
             self._capture()
-            if os.environ.get("QERL_PREFILL_GRAPHS", "1") != "0":
-                self._capture_prefill(prefill_buckets(max_model_len, max_prefill_tokens))
+            if buckets:
+                self._capture_prefill(buckets)
 
     def bind(self) -> None:
         """Point every attention layer at this runner's cache. Called per generate: a second engine
@@ -259,6 +274,26 @@ class ModelRunner:
         finally:
             set_context(None)
         return self.model.raw_logits(hidden[:, 0])
+
+    def _compile_ahead(self, buckets: list[int]) -> None:
+        """Compile every Triton kernel the captures below will launch, side by side (compile_ahead's
+        docstring): one dry pass of each decode batch size and prefill bucket that launches nothing. On a
+        machine whose Triton cache already holds them this only looks them up (a fraction of a second).
+        ``QERL_COMPILE_AHEAD=0`` skips it: each kernel then compiles when the warm-up first launches it."""
+        if compile_ahead is None or os.environ.get("QERL_COMPILE_AHEAD", "1") == "0" or not compile_ahead.available():
+            return
+        try:
+            with torch.inference_mode(), compile_ahead.compile_only():
+                for b in reversed(self.graph_sizes):
+                    self._decode_step(self.state[0, :b], self.state[1, :b], self.state[2, :b])
+                for length in buckets:
+                    inputs = torch.zeros(3, length, dtype=torch.long, device=self.device)
+                    inputs[1].fill_(BlockManager.SCRATCH * self.block_size)
+                    self._prefill_step(inputs)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up below compiles whatever is missing
+            warnings.warn(f"compiling the engine's kernels ahead failed ({type(e).__name__}: {e}); they compile one "
+                          "by one as the warm-up reaches them", QerlWarning, stacklevel=2)
+        torch.cuda.synchronize()
 
     def _capture(self) -> None:
         pool = None

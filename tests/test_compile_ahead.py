@@ -1,0 +1,122 @@
+"""qerl_kernels.compile_ahead: launches become side-by-side compiles, and the engine's captures then compile nothing.
+
+The CPU tests check the patching (Triton's launch entry point is swapped for a compile-only call and put
+back, also on an error); the GPU test builds an engine on an empty Triton cache in a fresh process, where
+compiles are real, and checks that the warm-up and capture after the dry pass compile nothing and that
+the samples equal those of an engine built without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+compile_ahead = pytest.importorskip("qerl_kernels.compile_ahead")
+pytestmark = pytest.mark.skipif(not compile_ahead.available(), reason="this Triton has no asynchronous compile mode")
+
+
+def test_launches_inside_compile_only_ask_for_a_compile_and_the_entry_point_is_restored(monkeypatch):
+    from triton.runtime import _async_compile, jit
+
+    calls = []
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        calls.append((self.__name__, args, grid, warmup, kwargs, _async_compile.active_mode.get() is not None))
+        return "kernel"
+
+    monkeypatch.setattr(jit.JITFunction, "run", fake_run)
+    fn = type("Fn", (), {"__name__": "k1", "device_caches": {}})()
+    with compile_ahead.compile_only(workers=2) as launched:
+        assert jit.JITFunction.run(fn, 1, 2, grid=(3,), warmup=False, BLOCK=16) == "kernel"
+        jit.JITFunction.run(fn, grid=(1,), warmup=False)
+    assert jit.JITFunction.run is fake_run
+    assert launched == ["k1", "k1"]
+    assert calls[0] == ("k1", (1, 2), (3,), True, {"BLOCK": 16}, True)  # warmup forced, under the async mode
+    assert _async_compile.active_mode.get() is None
+    jit.JITFunction.run(fn, grid=(1,), warmup=False)
+    assert calls[-1][3] is False and calls[-1][5] is False  # outside the block: a plain launch again
+
+
+def test_an_error_inside_the_block_restores_the_entry_point(monkeypatch):
+    from triton.runtime import _async_compile, jit
+
+    original = jit.JITFunction.run
+    with pytest.raises(ValueError, match="boom"):
+        with compile_ahead.compile_only(workers=1):
+            raise ValueError("boom")
+    assert jit.JITFunction.run is original and _async_compile.active_mode.get() is None
+
+
+def test_finished_placeholders_are_swapped_for_their_kernels_and_failed_ones_dropped():
+    from concurrent.futures import Future
+
+    from triton.runtime._async_compile import FutureKernel
+
+    done, failed = Future(), Future()
+    done.set_result("compiled")
+    failed.set_exception(RuntimeError("ptxas died"))
+    cache = {"a": FutureKernel(lambda k: None, lambda fk: None, done),
+             "b": FutureKernel(lambda k: None, lambda fk: None, failed), "c": "plain"}
+    fn = type("Fn", (), {"device_caches": {0: (cache, {}, None, None, None)}})()
+    compile_ahead._unwrap_futures([fn])
+    assert cache == {"a": "compiled", "c": "plain"}
+
+
+def test_compile_threads_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("QERL_COMPILE_THREADS", "3")
+    assert compile_ahead.default_workers() == 3
+    monkeypatch.delenv("QERL_COMPILE_THREADS")
+    assert 1 <= compile_ahead.default_workers() <= 32
+
+
+_ENGINE_RUN = r"""
+import json, sys, torch, triton
+from qerl_cli.engine import LLMEngine, SamplingParams
+from qerl_cli.engine import model_runner
+from qerl_cli.models import build_random_model
+from qerl_cli.models.config import ModelConfig
+
+phase = ["build"]
+compiles = {}
+def hook(*a, **k):
+    compiles[phase[0]] = compiles.get(phase[0], 0) + 1
+    return False
+triton.knobs.runtime.jit_post_compile_hook = hook
+for name in ("_compile_ahead", "_capture", "_capture_prefill"):
+    real = getattr(model_runner.ModelRunner, name)
+    def wrapped(self, *a, _real=real, _name=name, **k):
+        phase[0] = _name
+        try:
+            return _real(self, *a, **k)
+        finally:
+            phase[0] = "other"
+    setattr(model_runner.ModelRunner, name, wrapped)
+cfg = ModelConfig(arch="qwen2", vocab_size=1024, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
+                  num_kv_heads=2, head_dim=64, rope_theta=1e6, max_position_embeddings=4096, qkv_bias=True)
+model = build_random_model(cfg, device="cuda", dtype=torch.bfloat16, quantized=True, max_positions=512)
+engine = LLMEngine(model, None, max_num_seqs=8, max_model_len=200)
+phase[0] = "generate"
+out = engine.generate([list(range(5, 40)), list(range(50, 120))], SamplingParams(temperature=1.0, max_new_tokens=24,
+                      ignore_eos=True, seed=3), n=4)
+print(json.dumps({"compiles": compiles, "tokens": [c.token_ids for g in out for c in g]}))
+"""
+
+
+@pytest.mark.gpu
+def test_engine_captures_compile_nothing_after_the_dry_pass_and_sample_the_same(tmp_path):
+    runs = {}
+    for flag in ("1", "0"):
+        cache = tmp_path / f"triton-{flag}"
+        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), QERL_COMPILE_AHEAD=flag)
+        r = subprocess.run([sys.executable, "-c", _ENGINE_RUN], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[flag] = json.loads(r.stdout.strip().splitlines()[-1])
+    ahead, plain = runs["1"]["compiles"], runs["0"]["compiles"]
+    assert ahead.get("_compile_ahead", 0) > 0
+    assert ahead.get("_capture", 0) == 0 and ahead.get("_capture_prefill", 0) == 0, ahead
+    assert plain.get("_capture", 0) > 0 and "_compile_ahead" not in plain, plain  # the same work, one by one
+    assert runs["1"]["tokens"] == runs["0"]["tokens"]
