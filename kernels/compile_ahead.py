@@ -9,20 +9,24 @@ thread pool, and nothing is launched; leaving the block waits for every compile 
 kernels in each function's in-memory cache (and Triton's on-disk one), so the real run that follows only
 looks them up.
 
-The trade-off: host code run inside the block still executes its torch operations, on whatever the skipped
-kernels left in their outputs (uninitialised memory). That is harmless for code whose torch operations do
-not index with a Triton kernel's output, which is what the engine's decode and prefill steps are on CUDA
-(their index arithmetic is torch's, on the engine's own inputs, or inside the Triton kernels). Anything
-that reads values back to the host inside the block would read garbage: keep such code out of it.
-``available()`` is False where the installed Triton lacks the asynchronous mode; callers then run as
-before.
+The trade-off: host code run inside the block still executes its torch operations, on what the skipped
+kernels would have written. So that this is never garbage (an index from uninitialised memory is a
+device-side assert, which ends the process's CUDA context: the engine's fp32 test models hit one through
+the torch cache write), every tensor ``torch.empty`` and its relatives allocate inside the block comes
+zero-filled: skipped kernels leave zeros, and a zero index is in range (the engine's block 0 is its scratch
+block). Values read back to the host inside the block are then zeros too, not the real ones; the engine's
+steps read none. ``available()`` is False where the installed Triton lacks the asynchronous mode; callers
+then run as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 try:
     from triton.runtime import _async_compile
@@ -64,11 +68,34 @@ def compile_only(workers: int | None = None):
     with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="qerl-compile") as pool:
         _jit.JITFunction.run = compile_instead
         try:
-            with _async_compile.AsyncCompileMode(pool):
+            with _async_compile.AsyncCompileMode(pool), _zero_filled_allocations():
                 yield launched
         finally:
             _jit.JITFunction.run = original
             _unwrap_futures(functions.values())
+
+
+_ALLOCATORS = ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"), (torch.Tensor, "new_empty"))
+
+
+@contextlib.contextmanager
+def _zero_filled_allocations():
+    """``torch.empty`` & co. return zero-filled tensors inside the block (what a skipped kernel leaves)."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _ALLOCATORS]
+
+    def zeroing(allocate):
+        @functools.wraps(allocate)
+        def allocate_zeros(*args, **kwargs):
+            return allocate(*args, **kwargs).zero_()
+        return allocate_zeros
+
+    try:
+        for owner, name, allocate in saved:
+            setattr(owner, name, zeroing(allocate))
+        yield
+    finally:
+        for owner, name, allocate in saved:
+            setattr(owner, name, allocate)
 
 
 def _unwrap_futures(functions) -> None:

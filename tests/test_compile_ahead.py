@@ -120,3 +120,20 @@ def test_engine_captures_compile_nothing_after_the_dry_pass_and_sample_the_same(
     assert ahead.get("_capture", 0) == 0 and ahead.get("_capture_prefill", 0) == 0, ahead
     assert plain.get("_capture", 0) > 0 and "_compile_ahead" not in plain, plain  # the same work, one by one
     assert runs["1"]["tokens"] == runs["0"]["tokens"]
+
+
+def test_allocations_inside_the_block_are_zero_filled_and_restored_after(monkeypatch):
+    import torch
+    from triton.runtime import jit
+
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, grid, warmup, **k: None)
+    for owner, name in compile_ahead._ALLOCATORS:  # allocators that hand out non-zero memory, visibly
+        allocate = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _f=allocate, **k: _f(*a, **k).fill_(7))
+    real = torch.empty
+    assert int(torch.empty(3).count_nonzero()) == 3
+    with compile_ahead.compile_only(workers=1):
+        tensors = [torch.empty(257, dtype=torch.int64), torch.empty_like(torch.ones(3, 5)),
+                   torch.empty_strided((4, 4), (1, 4), dtype=torch.float16), torch.ones(2).new_empty(9, dtype=torch.int32)]
+        assert all(int(t.count_nonzero()) == 0 for t in tensors)
+    assert torch.empty is real and int(torch.ones(2).new_empty(4).count_nonzero()) == 4
