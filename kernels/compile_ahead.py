@@ -1,13 +1,15 @@
 """Compile the Triton kernels a piece of host code would launch, side by side, before it launches them.
 
-A machine's first rollout used to compile ~100 kernel variants one after the other as the engine's warm-up
-reached each (decode steps for every captured batch size, prefill buckets, LoRA paths): ~35-40 s on an
-H100 host (docs/benchmarks.md, "RL loop"), most of it ptxas, which runs as a subprocess and so needs no
-Python lock. Inside ``compile_only()`` every Triton launch is turned into a compile request for Triton's
-own asynchronous compile mode (``triton.runtime._async_compile``, the hook PyTorch's inductor uses) on a
-thread pool, and nothing is launched; leaving the block waits for every compile and puts the finished
-kernels in each function's in-memory cache (and Triton's on-disk one), so the real run that follows only
-looks them up.
+A machine's first rollout used to compile its engine's kernels one after the other as the warm-up reached
+each (36-43 variants for a 7B engine of 256 sequences: decode steps for every captured batch size, prefill
+buckets, LoRA paths), and building that engine took 39-42 s on an H100 host instead of 6-7 s with the
+kernels cached (docs/benchmarks.md, "Compiling ahead"). Inside ``compile_only()`` every Triton launch of
+this thread becomes a compile request for Triton's own asynchronous compile mode
+(``triton.runtime._async_compile``, the hook PyTorch's inductor uses) on a thread pool, and nothing is
+launched; leaving the block waits for every compile, and each finished kernel lands in its function's
+in-memory cache (and Triton's on-disk one), so the real run that follows only looks them up. The
+compiles overlap about 3x on 16 CPUs, not 16x: Triton's compiler passes hold Python's lock, and only
+ptxas, a subprocess, runs truly in parallel. That halved the engine build (20-23 s).
 
 The trade-off: host code run inside the block still executes its torch operations, on what the skipped
 kernels would have written. So that this is never garbage (an index from uninitialised memory is a
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -42,37 +46,62 @@ def available() -> bool:
 
 
 def default_workers() -> int:
-    """Compile threads: ``QERL_COMPILE_THREADS``, else the CPUs this process may use, at most 32."""
-    env = os.environ.get("QERL_COMPILE_THREADS")
+    """Compile threads: ``QERL_COMPILE_THREADS`` (a whole number >= 1), else the CPUs this process may use,
+    at most 32."""
+    env = os.environ.get("QERL_COMPILE_THREADS", "").strip()
     if env:
-        return max(1, int(env))
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"QERL_COMPILE_THREADS must be a whole number >= 1, got {env!r}")
+        return int(env)
     return max(1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+_ACTIVE = threading.Lock()  # the patches below are process-wide: one block at a time
 
 
 @contextlib.contextmanager
 def compile_only(workers: int | None = None):
-    """Within the block, Triton launches compile (on ``workers`` threads) instead of running; on exit,
-    every compile has finished and its kernel is cached. Yields a list that collects the launched
-    functions' names, in launch order (repeats included)."""
+    """Within the block, Triton launches made by this thread compile (on ``workers`` threads) instead of
+    running; on exit, every compile has finished and its kernel sits in its function's cache. A compile
+    that failed is not raised here: the kernel is left uncompiled, so its first real launch compiles it
+    again and raises there. Yields a list that collects the launched functions' names, in launch order
+    (repeats included). Another thread's launches run as usual; a second block at the same time, from
+    any thread, is refused (RuntimeError)."""
     if not available():
         raise RuntimeError("this Triton has no asynchronous compile mode (triton.runtime._async_compile)")
-    launched: list[str] = []
-    functions: dict[int, object] = {}
-    original = _jit.JITFunction.run
+    if not _ACTIVE.acquire(blocking=False):
+        raise RuntimeError("compile_only is already active (one block at a time per process)")
+    try:
+        launched: list[str] = []
+        original = _jit.JITFunction.run
+        with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="qerl-compile") as pool:
+            mode = _async_compile.AsyncCompileMode(pool, **_quiet_failures())
 
-    def compile_instead(self, *args, grid, warmup, **kwargs):
-        launched.append(getattr(self, "__name__", repr(self)))
-        functions[id(self)] = self
-        return original(self, *args, grid=grid, warmup=True, **kwargs)
+            def compile_instead(self, *args, grid, warmup, **kwargs):
+                if _async_compile.active_mode.get() is not mode:  # another thread: launch as usual
+                    return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+                launched.append(getattr(self, "__name__", repr(self)))
+                return original(self, *args, grid=grid, warmup=True, **kwargs)
 
-    with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="qerl-compile") as pool:
-        _jit.JITFunction.run = compile_instead
-        try:
-            with _async_compile.AsyncCompileMode(pool), _zero_filled_allocations():
-                yield launched
-        finally:
-            _jit.JITFunction.run = original
-            _unwrap_futures(functions.values())
+            _jit.JITFunction.run = compile_instead
+            try:
+                with mode, _zero_filled_allocations():
+                    yield launched
+            finally:
+                _jit.JITFunction.run = original
+                # Triton 3.5/3.6's __exit__ raises a failed compile before it clears the mode, which would
+                # leave this thread compiling into a shut-down pool for good.
+                if _async_compile.active_mode.get() is mode:
+                    _async_compile.active_mode.set(None)
+    finally:
+        _ACTIVE.release()
+
+
+def _quiet_failures() -> dict:
+    """``ignore_errors=True`` where this Triton's AsyncCompileMode takes it (3.6 on; 3.5 has none, and there a
+    failed compile raises on exit, after which the mode is still cleared)."""
+    params = inspect.signature(_async_compile.AsyncCompileMode.__init__).parameters
+    return {"ignore_errors": True} if "ignore_errors" in params else {}
 
 
 _ALLOCATORS = ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"), (torch.Tensor, "new_empty"))
@@ -86,7 +115,9 @@ def _zero_filled_allocations():
     def zeroing(allocate):
         @functools.wraps(allocate)
         def allocate_zeros(*args, **kwargs):
-            return allocate(*args, **kwargs).zero_()
+            t = allocate(*args, **kwargs)
+            with torch.no_grad():  # a requires_grad leaf refuses an in-place zero_ under autograd
+                return t.zero_()
         return allocate_zeros
 
     try:
@@ -97,18 +128,3 @@ def _zero_filled_allocations():
         for owner, name, allocate in saved:
             setattr(owner, name, allocate)
 
-
-def _unwrap_futures(functions) -> None:
-    """Replace each cached placeholder (FutureKernel) by its finished kernel: later launches then skip the
-    placeholder's attribute forwarding; a compile that failed leaves no entry, so a later launch retries
-    it and raises its error where the kernel runs."""
-    for fn in functions:
-        for caches in getattr(fn, "device_caches", {}).values():
-            cache = caches[0]
-            for key, kernel in list(cache.items()):
-                if isinstance(kernel, _async_compile.FutureKernel):
-                    done = kernel.result(ignore_errors=True)
-                    if done is None:
-                        cache.pop(key, None)
-                    else:
-                        cache[key] = done

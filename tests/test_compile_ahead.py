@@ -51,24 +51,68 @@ def test_an_error_inside_the_block_restores_the_entry_point(monkeypatch):
     assert jit.JITFunction.run is original and _async_compile.active_mode.get() is None
 
 
-def test_finished_placeholders_are_swapped_for_their_kernels_and_failed_ones_dropped():
-    from concurrent.futures import Future
+def _submit(mode, key, compile_fn):
+    """Submit one compile to Triton's mode, whatever its version's signature (3.9 adds a cleanup hook)."""
+    import inspect
 
-    from triton.runtime._async_compile import FutureKernel
+    args = [key, compile_fn, lambda kernel: None]
+    if "cleanup_fn" in inspect.signature(mode.submit).parameters:
+        args.append(lambda future_kernel: None)
+    return mode.submit(*args)
 
-    done, failed = Future(), Future()
-    done.set_result("compiled")
-    failed.set_exception(RuntimeError("ptxas died"))
-    cache = {"a": FutureKernel(lambda k: None, lambda fk: None, done),
-             "b": FutureKernel(lambda k: None, lambda fk: None, failed), "c": "plain"}
-    fn = type("Fn", (), {"device_caches": {0: (cache, {}, None, None, None)}})()
-    compile_ahead._unwrap_futures([fn])
-    assert cache == {"a": "compiled", "c": "plain"}
+
+def test_a_failed_compile_is_not_raised_and_leaves_no_mode_behind(monkeypatch):
+    """Triton 3.5/3.6 raise a failed compile on leaving the mode before clearing it: every later compile
+    of the thread then went to a shut-down pool (review, session 45)."""
+    from triton.runtime import _async_compile, jit
+
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, grid, warmup, **k: None)
+
+    def broken():
+        raise RuntimeError("ptxas died")
+
+    with compile_ahead.compile_only(workers=1):
+        _submit(_async_compile.active_mode.get(), "k", broken)
+        _submit(_async_compile.active_mode.get(), "ok", lambda: "compiled")
+    assert _async_compile.active_mode.get() is None
+    with compile_ahead.compile_only(workers=1):  # usable again
+        assert _submit(_async_compile.active_mode.get(), "ok2", lambda: "kernel").result() == "kernel"
+
+
+def test_other_threads_launch_as_usual_and_a_second_block_is_refused(monkeypatch):
+    import threading
+
+    from triton.runtime import jit
+
+    calls = []
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, grid, warmup, **k: calls.append(warmup))
+    fn = type("Fn", (), {"__name__": "k1"})()
+    refused = []
+
+    def elsewhere():
+        jit.JITFunction.run(fn, grid=(1,), warmup=False)
+        try:
+            with compile_ahead.compile_only(workers=1):
+                pass
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    with compile_ahead.compile_only(workers=1) as launched:
+        jit.JITFunction.run(fn, grid=(1,), warmup=False)
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+    assert calls == [True, False] and launched == ["k1"]
+    assert refused and "already active" in refused[0]
 
 
 def test_compile_threads_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("QERL_COMPILE_THREADS", "3")
     assert compile_ahead.default_workers() == 3
+    for bad in ("0", "four", "-2"):
+        monkeypatch.setenv("QERL_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="QERL_COMPILE_THREADS"):
+            compile_ahead.default_workers()
     monkeypatch.delenv("QERL_COMPILE_THREADS")
     assert 1 <= compile_ahead.default_workers() <= 32
 
@@ -129,11 +173,13 @@ def test_allocations_inside_the_block_are_zero_filled_and_restored_after(monkeyp
     monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, grid, warmup, **k: None)
     for owner, name in compile_ahead._ALLOCATORS:  # allocators that hand out non-zero memory, visibly
         allocate = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, _f=allocate, **k: _f(*a, **k).fill_(7))
+        monkeypatch.setattr(owner, name, lambda *a, _f=allocate, **k: _f(*a, **k).detach().fill_(7).requires_grad_(
+            bool(k.get("requires_grad"))))
     real = torch.empty
     assert int(torch.empty(3).count_nonzero()) == 3
     with compile_ahead.compile_only(workers=1):
         tensors = [torch.empty(257, dtype=torch.int64), torch.empty_like(torch.ones(3, 5)),
                    torch.empty_strided((4, 4), (1, 4), dtype=torch.float16), torch.ones(2).new_empty(9, dtype=torch.int32)]
         assert all(int(t.count_nonzero()) == 0 for t in tensors)
+        assert int(torch.empty(4, requires_grad=True).count_nonzero()) == 0  # a leaf that wants gradients too
     assert torch.empty is real and int(torch.ones(2).new_empty(4).count_nonzero()) == 4

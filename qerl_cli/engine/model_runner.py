@@ -19,8 +19,8 @@ eagerly as one padded batch. Right padding cannot change a causal prefill's real
 padded positions write into the scratch block. ``QERL_PREFILL_GRAPHS=0`` turns the graphs off.
 
 Before capturing, one dry pass of every graph's step compiles the Triton kernels they launch side by side
-(``_compile_ahead``): on a machine whose kernel cache is empty, a 7B engine for 256 sequences built in 20 s
-instead of 39 s (H100, docs/benchmarks.md, "Compiling ahead").
+(``_compile_ahead``): on a machine whose kernel cache is empty, a 7B engine for 256 sequences built in 20-23 s
+instead of 39-42 s (H100, docs/benchmarks.md, "Compiling ahead").
 """
 
 from __future__ import annotations
@@ -184,8 +184,7 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         with torch.inference_mode():
             for length in sorted(buckets, reverse=True):
-                inputs = torch.zeros(3, length, dtype=torch.long, device=self.device)
-                inputs[1].fill_(BlockManager.SCRATCH * self.block_size)
+                inputs = self._scratch_prefill_inputs(length)
                 logits = torch.zeros(1, vocab, dtype=torch.float32, device=self.device)
                 logits.copy_(self._prefill_step(inputs))  # warm up: kernels for this M, lazy caches
                 torch.cuda.synchronize()
@@ -194,6 +193,12 @@ class ModelRunner:
                     logits.copy_(self._prefill_step(inputs))
                 self.prefill_graphs[length] = (graph, {"inputs": inputs, "logits": logits})
         torch.cuda.synchronize()
+
+    def _scratch_prefill_inputs(self, length: int) -> torch.Tensor:
+        """``_prefill_step`` inputs of ``length`` zero tokens whose K/V all go to the scratch block."""
+        inputs = torch.zeros(3, length, dtype=torch.long, device=self.device)
+        inputs[1].fill_(BlockManager.SCRATCH * self.block_size)
+        return inputs
 
     def _fork_partial_blocks(self, groups: list[Group]) -> None:
         """Copy each prompt's partial last block from child 0 to its siblings (full blocks are shared)."""
@@ -287,9 +292,7 @@ class ModelRunner:
                 for b in reversed(self.graph_sizes):
                     self._decode_step(self.state[0, :b], self.state[1, :b], self.state[2, :b])
                 for length in buckets:
-                    inputs = torch.zeros(3, length, dtype=torch.long, device=self.device)
-                    inputs[1].fill_(BlockManager.SCRATCH * self.block_size)
-                    self._prefill_step(inputs)
+                    self._prefill_step(self._scratch_prefill_inputs(length))
         except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up below compiles whatever is missing
             warnings.warn(f"compiling the engine's kernels ahead failed ({type(e).__name__}: {e}); they compile one "
                           "by one as the warm-up reaches them", QerlWarning, stacklevel=2)
