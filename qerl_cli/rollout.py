@@ -375,7 +375,8 @@ class _Generator:
         return self.engine.generate(prompt_ids, self.sampling, n=n, progress=self.progress, seeds=seeds)
 
 
-def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, sigma: float, max_model_len: int):
+def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, sigma: float, max_model_len: int,
+                      say=lambda text: None):
     from qerl_cli.aqn import apply_noise, clear_noise
     from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.models import load_model
@@ -387,6 +388,9 @@ def _native_generator(cfg: RolloutConfig, tokenizer, device: str, torch_dtype, s
     else:
         clear_noise(model)
     t1 = time.time()
+    if device != "cpu":
+        say(f"building the engine on {device}: CUDA graphs, and on a machine's first run its Triton kernels "
+            "(~20 s for a 7B model on an H100)")
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}  # engine: graphs, kernels
 
@@ -750,7 +754,7 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
             gen, _ = _vllm_generator(cfg, plan.tokenizer, plan.device, plan.dtype_name, plan.sigma, plan.max_model_len)
         else:
             gen, _ = _native_generator(cfg, plan.tokenizer, plan.device, plan.torch_dtype, plan.sigma,
-                                       plan.max_model_len)
+                                       plan.max_model_len, say=status.update if cfg.progress else lambda text: None)
     plan.out.timings.update(gen.timings or {"load_s": round(time.time() - t0, 3)})
     if gen.noise_extra:
         plan.noise.update(gen.noise_extra)

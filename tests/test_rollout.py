@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory):
 def fake_engine(monkeypatch):
     FakeEngine.calls, FakeEngine.seeds = [], []
 
-    def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+    def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len, **_):
         return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
 
     monkeypatch.setattr(ro, "_native_generator", make)
@@ -242,7 +242,7 @@ def test_step_slice_in_records(model_dir, tmp_path, fake_engine):
 def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
     got = {}
 
-    def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+    def make(cfg, tokenizer, device, torch_dtype, sigma, max_model_len, **_):
         got["sigma"] = sigma
         return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
 
@@ -387,7 +387,7 @@ def test_cli(model_dir, tmp_path, fake_engine):
 def test_cli_interrupt_says_groups_are_kept(model_dir, tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
 
-    def boom(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+    def boom(cfg, tokenizer, device, torch_dtype, sigma, max_model_len, **_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ro, "_native_generator", boom)
@@ -416,7 +416,7 @@ def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
     """The same command started while a run is generating stops at once and leaves its partial dir alone."""
     seen = {}
 
-    def second_run_meanwhile(cfg, tokenizer, device, torch_dtype, sigma, max_model_len):
+    def second_run_meanwhile(cfg, tokenizer, device, torch_dtype, sigma, max_model_len, **_):
         part = next(p for p in tmp_path.glob(".out.partial-*") if p.is_dir())
         with pytest.raises(OutputExistsError, match="another qerl rollout is writing"):
             rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
@@ -556,7 +556,7 @@ def test_nan_logits_stop_the_rollout_with_exit_5_keeping_finished_groups(model_d
             return out
 
     monkeypatch.setattr(ro, "_native_generator",
-                        lambda cfg, tok, *a: (ro._Generator(NanEngine(tok), "sp", "fake"), None))
+                        lambda cfg, tok, *a, **k: (ro._Generator(NanEngine(tok), "sp", "fake"), None))
     with pytest.raises(NumericalError, match=r"prompts.jsonl:2: a completion was sampled from NaN/Inf logits") as e:
         rollout(cfg_for(model_dir, tmp_path))
     assert e.value.exit_code == 5
@@ -714,3 +714,23 @@ def test_a_chat_template_file_lets_messages_rows_run_on_a_tokenizer_without_one(
         rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tpl, chat_template=False))
     with pytest.raises(BadInputError, match="does not exist"):
         rollout(cfg_for(base, tmp_path, prompts=p, chat_template_file=tmp_path / "none.jinja", out=tmp_path / "o3"))
+
+
+def test_a_gpu_engine_build_is_announced_before_its_graphs_and_first_compiles(model_dir, tmp_path, monkeypatch):
+    """The spinner said "loading" through the engine build, ~20 s on a machine's first run (its kernels)."""
+    import qerl_cli.aqn as aqn_mod
+    import qerl_cli.engine as engine_mod
+    import qerl_cli.models as models_mod
+
+    said = []
+    monkeypatch.setattr(models_mod, "load_model", lambda *a, **k: object())
+    monkeypatch.setattr(aqn_mod, "clear_noise", lambda model: None)
+    monkeypatch.setattr(engine_mod, "LLMEngine", lambda *a, **k: said.append("built") or object())
+    cfg = cfg_for(model_dir, tmp_path)
+    for device in ("cuda", "cpu"):
+        said.clear()
+        ro._native_generator(cfg, None, device, None, 0.0, 64, say=said.append)
+        if device == "cuda":
+            assert len(said) == 2 and said[0].startswith("building the engine on cuda") and said[1] == "built"
+        else:
+            assert said == ["built"]
