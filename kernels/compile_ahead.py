@@ -29,14 +29,16 @@ import inspect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 try:
+    import triton
     from triton.runtime import _async_compile
     from triton.runtime import jit as _jit
 except ImportError:  # pragma: no cover - Triton missing or too old
-    _async_compile = _jit = None
+    triton = _async_compile = _jit = None
 
 
 def available() -> bool:
@@ -59,20 +61,29 @@ def default_workers() -> int:
 _ACTIVE = threading.Lock()  # the patches below are process-wide: one block at a time
 
 
+@dataclass
+class CompileStats:
+    """What a ``compile_only`` block did: the launched functions' names in launch order (repeats included),
+    and how many compiles missed Triton's on-disk cache (None where this Triton has no compilation
+    listener to tell), complete once the block has exited."""
+
+    launched: list[str] = field(default_factory=list)
+    compiled: int | None = None
+
+
 @contextlib.contextmanager
 def compile_only(workers: int | None = None):
     """Within the block, Triton launches made by this thread compile (on ``workers`` threads) instead of
     running; on exit, every compile has finished and its kernel sits in its function's cache. A compile
     that failed is not raised here: the kernel is left uncompiled, so its first real launch compiles it
-    again and raises there. Yields a list that collects the launched functions' names, in launch order
-    (repeats included). Another thread's launches run as usual; a second block at the same time, from
-    any thread, is refused (RuntimeError)."""
+    again and raises there. Yields a ``CompileStats``. Another thread's launches run as usual; a second
+    block at the same time, from any thread, is refused (RuntimeError)."""
     if not available():
         raise RuntimeError("this Triton has no asynchronous compile mode (triton.runtime._async_compile)")
     if not _ACTIVE.acquire(blocking=False):
         raise RuntimeError("compile_only is already active (one block at a time per process)")
     try:
-        launched: list[str] = []
+        stats = CompileStats()
         original = _jit.JITFunction.run
         with ThreadPoolExecutor(max_workers=workers or default_workers(), thread_name_prefix="qerl-compile") as pool:
             mode = _async_compile.AsyncCompileMode(pool, **_quiet_failures())
@@ -80,13 +91,13 @@ def compile_only(workers: int | None = None):
             def compile_instead(self, *args, grid, warmup, **kwargs):
                 if _async_compile.active_mode.get() is not mode:  # another thread: launch as usual
                     return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-                launched.append(getattr(self, "__name__", repr(self)))
+                stats.launched.append(getattr(self, "__name__", repr(self)))
                 return original(self, *args, grid=grid, warmup=True, **kwargs)
 
             _jit.JITFunction.run = compile_instead
             try:
-                with mode, _zero_filled_allocations():
-                    yield launched
+                with _counting_cache_misses(stats), mode, _zero_filled_allocations():
+                    yield stats
             finally:
                 _jit.JITFunction.run = original
                 # Triton 3.5/3.6's __exit__ raises a failed compile before it clears the mode, which would
@@ -102,6 +113,31 @@ def _quiet_failures() -> dict:
     failed compile raises on exit, after which the mode is still cleared)."""
     params = inspect.signature(_async_compile.AsyncCompileMode.__init__).parameters
     return {"ignore_errors": True} if "ignore_errors" in params else {}
+
+
+@contextlib.contextmanager
+def _counting_cache_misses(stats: CompileStats):
+    """Count into ``stats.compiled`` the compiles that miss Triton's on-disk cache (its compilation listener,
+    called with ``cache_hit``; any listener already set is still called)."""
+    compilation = getattr(getattr(triton, "knobs", None), "compilation", None)
+    if compilation is None or not hasattr(compilation, "listener"):
+        yield
+        return
+    previous, lock = compilation.listener, threading.Lock()
+    stats.compiled = 0
+
+    def listen(*args, **kwargs):
+        if not kwargs.get("cache_hit", False):
+            with lock:
+                stats.compiled += 1
+        if previous is not None:
+            previous(*args, **kwargs)
+
+    compilation.listener = listen
+    try:
+        yield
+    finally:
+        compilation.listener = previous
 
 
 _ALLOCATORS = ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"), (torch.Tensor, "new_empty"))

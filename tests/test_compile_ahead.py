@@ -30,11 +30,11 @@ def test_launches_inside_compile_only_ask_for_a_compile_and_the_entry_point_is_r
 
     monkeypatch.setattr(jit.JITFunction, "run", fake_run)
     fn = type("Fn", (), {"__name__": "k1", "device_caches": {}})()
-    with compile_ahead.compile_only(workers=2) as launched:
+    with compile_ahead.compile_only(workers=2) as stats:
         assert jit.JITFunction.run(fn, 1, 2, grid=(3,), warmup=False, BLOCK=16) == "kernel"
         jit.JITFunction.run(fn, grid=(1,), warmup=False)
     assert jit.JITFunction.run is fake_run
-    assert launched == ["k1", "k1"]
+    assert stats.launched == ["k1", "k1"]
     assert calls[0] == ("k1", (1, 2), (3,), True, {"BLOCK": 16}, True)  # warmup forced, under the async mode
     assert _async_compile.active_mode.get() is None
     jit.JITFunction.run(fn, grid=(1,), warmup=False)
@@ -97,13 +97,30 @@ def test_other_threads_launch_as_usual_and_a_second_block_is_refused(monkeypatch
         except RuntimeError as e:
             refused.append(str(e))
 
-    with compile_ahead.compile_only(workers=1) as launched:
+    with compile_ahead.compile_only(workers=1) as stats:
         jit.JITFunction.run(fn, grid=(1,), warmup=False)
         t = threading.Thread(target=elsewhere)
         t.start()
         t.join()
-    assert calls == [True, False] and launched == ["k1"]
+    assert calls == [True, False] and stats.launched == ["k1"]
     assert refused and "already active" in refused[0]
+
+
+def test_compiles_that_miss_the_disk_cache_are_counted_and_the_listener_restored(monkeypatch):
+    """The engine skips its other dry passes when the largest step's kernels all came from Triton's cache."""
+    import triton
+
+    heard = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **k: heard.append(k["cache_hit"]))
+    previous = triton.knobs.compilation.listener
+    with compile_ahead.compile_only(workers=1) as stats:
+        for hit in (True, False, True, False, False):
+            triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
+    assert stats.compiled == 3 and heard == [True, False, True, False, False]  # chained to the listener set before
+    assert triton.knobs.compilation.listener is previous
+    with compile_ahead.compile_only(workers=1) as stats:
+        pass
+    assert stats.compiled == 0
 
 
 def test_compile_threads_come_from_the_environment(monkeypatch):
@@ -153,17 +170,20 @@ print(json.dumps({"compiles": compiles, "tokens": [c.token_ids for g in out for 
 @pytest.mark.gpu
 def test_engine_captures_compile_nothing_after_the_dry_pass_and_sample_the_same(tmp_path):
     runs = {}
-    for flag in ("1", "0"):
-        cache = tmp_path / f"triton-{flag}"
-        env = dict(os.environ, TRITON_CACHE_DIR=str(cache), QERL_COMPILE_AHEAD=flag)
+    for name, flag, cache in (("ahead", "1", "a"), ("plain", "0", "p"), ("warm", "1", "a")):  # warm: a's cache again
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / cache), QERL_COMPILE_AHEAD=flag)
         r = subprocess.run([sys.executable, "-c", _ENGINE_RUN], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[flag] = json.loads(r.stdout.strip().splitlines()[-1])
-    ahead, plain = runs["1"]["compiles"], runs["0"]["compiles"]
+        runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    ahead, plain, warm = (runs[k]["compiles"] for k in ("ahead", "plain", "warm"))
     assert ahead.get("_compile_ahead", 0) > 0
     assert ahead.get("_capture", 0) == 0 and ahead.get("_capture_prefill", 0) == 0, ahead
     assert plain.get("_capture", 0) > 0 and "_compile_ahead" not in plain, plain  # the same work, one by one
-    assert runs["1"]["tokens"] == runs["0"]["tokens"]
+    # A warm cache: only the largest step's dry pass ran (its kernels all came from the disk cache), and the
+    # captures loaded the rest from the disk cache as before.
+    assert 0 < warm.get("_compile_ahead", 0) < ahead["_compile_ahead"], (warm, ahead)
+    assert warm.get("_capture", 0) + warm.get("_capture_prefill", 0) > 0, (warm, ahead)
+    assert runs["ahead"]["tokens"] == runs["plain"]["tokens"] == runs["warm"]["tokens"]
 
 
 def test_allocations_inside_the_block_are_zero_filled_and_restored_after(monkeypatch):
