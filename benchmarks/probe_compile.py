@@ -3,12 +3,15 @@
 Each run is a fresh process with an empty Triton cache (a new ``TRITON_CACHE_DIR``), as on a machine that
 never ran qerl: it builds a Qwen2.5-7B-shaped model with random weights (NVFP4, optionally LoRA r=16 on all
 seven projections), builds the engine (decode graphs for every batch size up to ``--seqs``, prefill graphs)
-and generates ``--new-tokens`` for ``--seqs`` sequences. ``QERL_COMPILE_AHEAD`` picks the engine's mode
-(``0``: each kernel compiles when the warm-up first launches it; ``1``: the default, compiled side by side
-first, ``qerl_kernels.compile_ahead``). Every ``triton.compile`` call is timed (its wall time, on whichever
-thread ran it). Prints one JSON line per run.
+and generates ``--new-tokens`` for ``--seqs`` sequences. ``--modes`` picks the engine's ways to compile: ``0``
+(``QERL_COMPILE_AHEAD=0``: each kernel compiles when the warm-up first launches it), ``threads`` (compiled
+side by side first, ``qerl_kernels.compile_ahead``, on threads only: ``QERL_COMPILE_PROCESSES=0``) and
+``1`` (the default: kernels missing from the disk cache compile in worker processes). Every
+``triton.compile`` call in the process is timed (its wall time, on whichever thread ran it; a worker's are
+not seen). ``--warm-runs N`` then builds the same engine N more times on the cache the cold run filled.
+Prints one JSON line per run.
 
-    python benchmarks/probe_compile.py --modes 0,1 --lora 0,1
+    python benchmarks/probe_compile.py --modes 0,threads,1 --lora 0,1 --warm-runs 1
 """
 
 from __future__ import annotations
@@ -42,6 +45,32 @@ def one_run(lora: bool, seqs: int, new_tokens: int, prompt_len: int) -> dict:
     triton.compiler.compile = timed  # JITFunction binds triton.compiler.compile when it first runs on a device
 
     import torch
+    from qerl_kernels import compile_workers
+
+    from qerl_cli.engine import model_runner
+
+    phases: dict[str, float] = {}
+    for phase in ("_compile_ahead", "_capture", "_capture_prefill"):
+        real_phase = getattr(model_runner.ModelRunner, phase)
+
+        def timed_phase(self, *a, _real=real_phase, _name=phase, **k):
+            t = time.perf_counter()
+            try:
+                return _real(self, *a, **k)
+            finally:
+                phases[_name] = round(time.perf_counter() - t, 2)
+        setattr(model_runner.ModelRunner, phase, timed_phase)
+    jobs = []  # (kernel, submitted, finished) seconds from the first submit: what the workers did
+    real_submit = compile_workers.WorkerPool.submit
+
+    def timed_submit(self, job):
+        t = time.perf_counter()
+        future = real_submit(self, job)
+        entry = [job[1], t, None]
+        jobs.append(entry)
+        future.add_done_callback(lambda f, e=entry: e.__setitem__(2, time.perf_counter()))
+        return future
+    compile_workers.WorkerPool.submit = timed_submit
 
     from qerl_cli.engine import LLMEngine, SamplingParams
     from qerl_cli.layers.lora import LoraSpec
@@ -70,17 +99,21 @@ def one_run(lora: bool, seqs: int, new_tokens: int, prompt_len: int) -> dict:
     for name, s, _ in records:
         by_name.setdefault(name, []).append(s)
     top = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:12]
-    return dict(lora=lora, ahead=os.environ.get("QERL_COMPILE_AHEAD", "1"), seqs=seqs, engine_s=round(engine_s, 2),
+    return dict(lora=lora, ahead=os.environ.get("QERL_COMPILE_AHEAD", "1"),
+                processes=os.environ.get("QERL_COMPILE_PROCESSES", ""), seqs=seqs, engine_s=round(engine_s, 2),
                 generate_s=round(generate_s, 2), generate_again_s=round(again_s, 2),
                 compiles_before_engine=n_before, compiles_in_engine=n_engine - n_before,
                 compiles_in_generate=len(records) - n_engine, compile_sum_s=round(sum(s for _, s, _ in records), 2),
-                threads=len({t for _, _, t in records}),
+                threads=len({t for _, _, t in records}), phases=phases,
+                worker_jobs=[[name, round(a - jobs[0][1], 2), round(b - jobs[0][1], 2) if b else None]
+                             for name, a, b in jobs],
                 top=[dict(name=k, n=n, s=round(s, 2)) for s, n, k in top])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="0,1", help="QERL_COMPILE_AHEAD values, one fresh process each")
+    ap.add_argument("--modes", default="0,threads,1", help="0, threads, 1 (see above): one fresh process each")
+    ap.add_argument("--warm-runs", type=int, default=0, help="builds after each cold one, on its cache")
     ap.add_argument("--lora", default="0", help="comma list of 0/1")
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -93,21 +126,27 @@ def main(argv=None) -> int:
     rc = 0
     for lora in args.lora.split(","):
         for mode in args.modes.split(","):
+            flags = MODES[mode]
             with tempfile.TemporaryDirectory(prefix="triton-cold-") as cache:
-                env = dict(os.environ, TRITON_CACHE_DIR=cache, QERL_COMPILE_AHEAD=mode)
-                t0 = time.perf_counter()
-                proc = subprocess.run([sys.executable, __file__, "--child", "--lora", lora, "--seqs", str(args.seqs),
-                                       "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len)],
-                                      env=env, capture_output=True, text=True)
-                wall = time.perf_counter() - t0
-                line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "{}"
-                print(f"# mode={mode} lora={lora} rc={proc.returncode} process wall {wall:.1f} s", flush=True)
-                print(line, flush=True)
-                if proc.returncode:
-                    print(proc.stderr[-4000:], flush=True)
-                    rc = 1
+                env = dict(os.environ, TRITON_CACHE_DIR=cache, **flags)
+                for run in range(1 + args.warm_runs):
+                    t0 = time.perf_counter()
+                    proc = subprocess.run([sys.executable, __file__, "--child", "--lora", lora, "--seqs",
+                                           str(args.seqs), "--new-tokens", str(args.new_tokens), "--prompt-len",
+                                           str(args.prompt_len)], env=env, capture_output=True, text=True)
+                    wall = time.perf_counter() - t0
+                    line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "{}"
+                    print(f"# mode={mode} lora={lora} cache={'cold' if run == 0 else 'warm'} rc={proc.returncode} "
+                          f"process wall {wall:.1f} s", flush=True)
+                    print(line, flush=True)
+                    if proc.returncode:
+                        print(proc.stderr[-4000:], flush=True)
+                        rc = 1
     return rc
 
+
+MODES = {"0": {"QERL_COMPILE_AHEAD": "0"}, "threads": {"QERL_COMPILE_AHEAD": "1", "QERL_COMPILE_PROCESSES": "0"},
+         "1": {"QERL_COMPILE_AHEAD": "1", "QERL_COMPILE_PROCESSES": ""}}
 
 if __name__ == "__main__":
     sys.exit(main())

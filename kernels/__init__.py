@@ -9,6 +9,7 @@ Modules: ``decode`` (in-register E2M1/E4M3 decode, sm_90 PTX and a portable path
 ``twiddle`` (the load-time code bit layout the sm_90 decode reads), ``lora_shrink`` (the engine's
 one-launch LoRA shrink x @ A^T at decode sizes), ``pdl`` (the GEMM after ``permute_x`` launched early),
 ``tile_configs`` / ``tile_table`` (per-shape configs measured on an H100), ``compile_ahead`` (compile the
-kernels a block of host code would launch side by side, without launching them), ``testing`` (adversarial
+kernels a block of host code would launch side by side, without launching them; ``compile_workers`` runs
+those compiles in forked processes), ``testing`` (adversarial
 weights and kernel-vs-reference checks shared by tests and benchmarks).
 """

@@ -134,19 +134,137 @@ def test_compile_threads_come_from_the_environment(monkeypatch):
     assert 1 <= compile_ahead.default_workers() <= 32
 
 
+class _FakePool:
+    """compile_workers.WorkerPool's surface: records jobs, answers each with ``answer``."""
+
+    def __init__(self, size, answer=True):
+        self.size, self.jobs, self.closed, self.answer = size, [], False, answer
+
+    def submit(self, job):
+        from concurrent.futures import Future
+
+        self.jobs.append(job)
+        f = Future()
+        f.set_exception(self.answer) if isinstance(self.answer, Exception) else f.set_result(self.answer)
+        return f
+
+    def close(self, timeout=600.0):
+        self.closed, self.timeout = True, timeout
+
+
+def _fake_kernel(name):
+    return type("Fn", (), {"__name__": name, "device_caches": {0: (None, None, "sm90-target", None, None)}})()
+
+
+def test_kernels_missing_from_the_disk_cache_go_to_the_workers_once_and_the_rest_compile_here(monkeypatch):
+    from types import SimpleNamespace
+
+    from qerl_kernels import compile_workers
+    from triton.runtime import jit
+
+    here = []
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, key, *a: here.append((self.__name__, key)) or "k")
+    pools = []
+    monkeypatch.setattr(compile_workers, "WorkerPool", lambda size: pools.append(_FakePool(size)) or pools[-1])
+    monkeypatch.setattr(compile_workers, "shippable", lambda fn: None if fn.__name__ == "local" else ("mod", fn.__name__))
+    monkeypatch.setattr(compile_workers, "cached_on_disk", lambda fn, *a: fn.__name__ == "cached")
+    missing, cached, local = _fake_kernel("missing"), _fake_kernel("cached"), _fake_kernel("local")
+    options = SimpleNamespace(num_warps=4)
+    with compile_ahead.compile_only(workers=1, processes=3) as stats:
+        for fn in (missing, missing, cached, local, missing):
+            assert jit.JITFunction._do_compile(fn, "key1", {"X": "*bf16"}, 0, {(1,): 16}, options, {}, True) in (None, "k")
+        jit.JITFunction._do_compile(missing, "key2", {"X": "*fp16"}, 0, {(1,): 32}, options, {}, True)
+        assert stats.sent == 2  # live inside the block: the engine's cold-cache test reads it
+    (pool,) = pools
+    assert pool.size == 3 and pool.closed
+    assert pool.jobs == [("mod", "missing", {"X": "*bf16"}, {(1,): 16}, {"num_warps": 4}, {}, "sm90-target"),
+                         ("mod", "missing", {"X": "*fp16"}, {(1,): 32}, {"num_warps": 4}, {}, "sm90-target")]
+    # A cached kernel loads here and a local one compiles here, at once; the workers' kernels are loaded into
+    # their functions' caches under the launches' own keys as the block ends (no launch after it looks at disk).
+    assert here == [("cached", "key1"), ("local", "key1"), ("missing", "key1"), ("missing", "key2")]
+    assert stats.compiled == 2  # the workers' real compiles (the listener heard none here)
+    jit.JITFunction._do_compile(missing, "key3", {}, 0, {}, options, {}, True)  # after the block: as before
+    assert here[-1] == ("missing", "key3")
+
+
+def test_a_kernel_whose_worker_failed_compiles_here_before_the_block_ends(monkeypatch):
+    from types import SimpleNamespace
+
+    from qerl_kernels import compile_workers
+    from triton.runtime import jit
+
+    monkeypatch.setattr(compile_workers, "WorkerPool", lambda size: _FakePool(size, RuntimeError("ptxas died")))
+    monkeypatch.setattr(compile_workers, "shippable", lambda fn: ("mod", fn.__name__))
+    monkeypatch.setattr(compile_workers, "cached_on_disk", lambda fn, *a: False)
+    here = []
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, key, *a: here.append(key) or "k")
+    with compile_ahead.compile_only(workers=1, processes=2) as stats:
+        jit.JITFunction._do_compile(_fake_kernel("k1"), "key", {}, 0, {}, SimpleNamespace(), {}, True)
+        assert here == []
+    assert stats.sent == 1 and stats.compiled == 0
+    assert here == ["key"]  # compiled here as the block ends, ahead of the launches that follow
+
+
+def test_an_error_in_the_block_stops_the_workers_at_once_and_loads_nothing(monkeypatch):
+    from types import SimpleNamespace
+
+    from qerl_kernels import compile_workers
+    from triton.runtime import jit
+
+    here, pools = [], []
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, key, *a: here.append(key) or "k")
+    monkeypatch.setattr(compile_workers, "WorkerPool", lambda size: pools.append(_FakePool(size)) or pools[-1])
+    monkeypatch.setattr(compile_workers, "shippable", lambda fn: ("mod", fn.__name__))
+    monkeypatch.setattr(compile_workers, "cached_on_disk", lambda fn, *a: False)
+    with pytest.raises(KeyboardInterrupt):
+        with compile_ahead.compile_only(workers=1, processes=2):
+            jit.JITFunction._do_compile(_fake_kernel("k1"), "key", {}, 0, {}, SimpleNamespace(), {}, True)
+            raise KeyboardInterrupt
+    assert pools[0].closed and pools[0].timeout == 0 and here == []
+
+
+def test_no_worker_is_started_with_processes_zero(monkeypatch):
+    from qerl_kernels import compile_workers
+    from triton.runtime import jit
+
+    monkeypatch.setattr(compile_workers, "WorkerPool", lambda size: pytest.fail("a pool was made"))
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, *a: "k")
+    with compile_ahead.compile_only(workers=1, processes=0) as stats:
+        assert jit.JITFunction._do_compile(_fake_kernel("k1"), "key", {}, 0, {}, None, {}, True) == "k"
+    assert stats.sent == 0
+    monkeypatch.setenv("QERL_COMPILE_PROCESSES", "0")
+    assert compile_ahead.default_processes() == 0
+    monkeypatch.setenv("QERL_COMPILE_PROCESSES", "x")
+    with pytest.raises(ValueError, match="QERL_COMPILE_PROCESSES"):
+        compile_ahead.default_processes()
+
+
 _ENGINE_RUN = r"""
 import json, sys, torch, triton
 from qerl_cli.engine import LLMEngine, SamplingParams
 from qerl_cli.engine import model_runner
 from qerl_cli.models import build_random_model
 from qerl_cli.models.config import ModelConfig
+from qerl_kernels import compile_ahead
 
 phase = ["build"]
-compiles = {}
-def hook(*a, **k):
-    compiles[phase[0]] = compiles.get(phase[0], 0) + 1
-    return False
-triton.knobs.runtime.jit_post_compile_hook = hook
+missed = {}  # phase -> compiles in this process that missed the disk cache
+def listen(**k):
+    if not k["cache_hit"]:
+        missed[phase[0]] = missed.get(phase[0], 0) + 1
+triton.knobs.compilation.listener = listen
+blocks = []  # each compile_only block's stats
+real_block = compile_ahead.compile_only
+def recorded(*a, **k):
+    cm = real_block(*a, **k)
+    class Recording:
+        def __enter__(self):
+            blocks.append(cm.__enter__())
+            return blocks[-1]
+        def __exit__(self, *exc):
+            return cm.__exit__(*exc)
+    return Recording()
+compile_ahead.compile_only = recorded
 for name in ("_compile_ahead", "_capture", "_capture_prefill"):
     real = getattr(model_runner.ModelRunner, name)
     def wrapped(self, *a, _real=real, _name=name, **k):
@@ -163,27 +281,35 @@ engine = LLMEngine(model, None, max_num_seqs=8, max_model_len=200)
 phase[0] = "generate"
 out = engine.generate([list(range(5, 40)), list(range(50, 120))], SamplingParams(temperature=1.0, max_new_tokens=24,
                       ignore_eos=True, seed=3), n=4)
-print(json.dumps({"compiles": compiles, "tokens": [c.token_ids for g in out for c in g]}))
+print(json.dumps({"missed": missed, "blocks": [[len(b.launched), b.sent, b.compiled] for b in blocks],
+                  "tokens": [c.token_ids for g in out for c in g]}))
 """
 
 
 @pytest.mark.gpu
 def test_engine_captures_compile_nothing_after_the_dry_pass_and_sample_the_same(tmp_path):
     runs = {}
-    for name, flag, cache in (("ahead", "1", "a"), ("plain", "0", "p"), ("warm", "1", "a")):  # warm: a's cache again
-        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / cache), QERL_COMPILE_AHEAD=flag)
+    for name, flag, procs, cache in (("workers", "1", "", "w"), ("threads", "1", "0", "t"), ("plain", "0", "", "p"),
+                                     ("warm", "1", "", "w")):  # warm: the workers' cache again
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / cache), QERL_COMPILE_AHEAD=flag,
+                   QERL_COMPILE_PROCESSES=procs)
         r = subprocess.run([sys.executable, "-c", _ENGINE_RUN], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = json.loads(r.stdout.strip().splitlines()[-1])
-    ahead, plain, warm = (runs[k]["compiles"] for k in ("ahead", "plain", "warm"))
-    assert ahead.get("_compile_ahead", 0) > 0
-    assert ahead.get("_capture", 0) == 0 and ahead.get("_capture_prefill", 0) == 0, ahead
-    assert plain.get("_capture", 0) > 0 and "_compile_ahead" not in plain, plain  # the same work, one by one
-    # A warm cache: only the largest step's dry pass ran (its kernels all came from the disk cache), and the
-    # captures loaded the rest from the disk cache as before.
-    assert 0 < warm.get("_compile_ahead", 0) < ahead["_compile_ahead"], (warm, ahead)
-    assert warm.get("_capture", 0) + warm.get("_capture_prefill", 0) > 0, (warm, ahead)
-    assert runs["ahead"]["tokens"] == runs["plain"]["tokens"] == runs["warm"]["tokens"]
+    captures = ("_capture", "_capture_prefill")
+    workers, threads, plain, warm = (runs[k] for k in ("workers", "threads", "plain", "warm"))
+    # Worker processes: one block, its kernels compiled elsewhere; the captures then only load them.
+    (launched, sent, compiled), = workers["blocks"]
+    assert sent > 0 and compiled > 0 and not any(workers["missed"].get(p) for p in captures), workers
+    # Threads only: the largest step's block, then the rest's; the captures compile nothing either.
+    assert len(threads["blocks"]) == 2 and threads["missed"].get("_compile_ahead", 0) > 0, threads
+    assert not any(threads["missed"].get(p) for p in captures), threads
+    assert plain["missed"].get("_capture", 0) > 0 and not plain["blocks"], plain  # the same work, one by one
+    # A warm cache: only the largest step's dry pass ran, no worker started, nothing compiled anywhere.
+    (w_launched, w_sent, w_compiled), = warm["blocks"]
+    assert w_sent == 0 and w_compiled == 0 and 0 < w_launched < launched, (warm, workers)
+    assert not any(warm["missed"].values()), warm
+    assert workers["tokens"] == threads["tokens"] == plain["tokens"] == warm["tokens"]
 
 
 def test_allocations_inside_the_block_are_zero_filled_and_restored_after(monkeypatch):

@@ -283,23 +283,30 @@ class ModelRunner:
     def _compile_ahead(self, buckets: list[int]) -> None:
         """Compile every Triton kernel the captures below will launch, side by side (compile_ahead's
         docstring): dry passes of each decode batch size and prefill bucket that launch nothing. The largest
-        batch's step goes first, alone: where Triton's on-disk cache held all its kernels, the others are
-        taken to be there too and the rest is skipped (the dry passes of every step cost ~4 s of host time on
-        a 7B engine, more than loading the kernels; H100, docs/benchmarks.md, "Compiling ahead").
-        ``QERL_COMPILE_AHEAD=0`` skips it: each kernel then compiles when the warm-up first launches it."""
+        batch's step goes first: where it sent no kernel to the compile workers (each one they get is missing
+        from Triton's on-disk cache), the others are taken to be cached too and the rest is skipped (the dry
+        passes of every step cost ~4 s of host time on a 7B engine, more than loading the kernels; H100,
+        docs/benchmarks.md, "Compiling ahead"). With no workers (``QERL_COMPILE_PROCESSES=0``) the same test
+        waits for the first step's compiles on threads. ``QERL_COMPILE_AHEAD=0`` skips it all: each kernel
+        then compiles when the warm-up first launches it."""
         if compile_ahead is None or os.environ.get("QERL_COMPILE_AHEAD", "1") == "0" or not compile_ahead.available():
             return
         sizes = list(reversed(self.graph_sizes))
+
+        def rest():
+            for b in sizes[1:]:
+                self._decode_step(self.state[0, :b], self.state[1, :b], self.state[2, :b])
+            for length in buckets:
+                self._prefill_step(self._scratch_prefill_inputs(length))
+
         try:
             with torch.inference_mode(), compile_ahead.compile_only() as first:
                 self._decode_step(self.state[0, :sizes[0]], self.state[1, :sizes[0]], self.state[2, :sizes[0]])
-            if first.compiled == 0:
-                return
-            with torch.inference_mode(), compile_ahead.compile_only():
-                for b in sizes[1:]:
-                    self._decode_step(self.state[0, :b], self.state[1, :b], self.state[2, :b])
-                for length in buckets:
-                    self._prefill_step(self._scratch_prefill_inputs(length))
+                if first.sent:
+                    rest()
+            if not first.sent and first.compiled != 0:
+                with torch.inference_mode(), compile_ahead.compile_only():
+                    rest()
         except Exception as e:  # noqa: BLE001 - an optimisation: the warm-up below compiles whatever is missing
             warnings.warn(f"compiling the engine's kernels ahead failed ({type(e).__name__}: {e}); they compile one "
                           "by one as the warm-up reaches them", QerlWarning, stacklevel=2)

@@ -1,0 +1,126 @@
+"""qerl_kernels.compile_workers: a kernel compiled in a worker process lands in Triton's on-disk cache under
+the key this process computes, so its launch here only loads it; a worker's failure or hang fails its
+job and nothing else. No GPU needed: the worker compiles for an sm_90 ``GPUTarget`` ahead of time."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compile_workers = pytest.importorskip("qerl_kernels.compile_workers")
+
+
+def _dequant_job():
+    """A real qerl kernel's compile request, as ``JITFunction._do_compile`` would hold it."""
+    from qerl_kernels.dequant import _nvfp4_dequant_kernel as k
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"PW": "*i64", "S": "*u8", "G": "*fp32", "W": "*bf16", "N": "i32", "KW": "i32", "stride_pw": "i32",
+           "stride_sn": "i32", "stride_wn": "i32"}
+    consts = {"BN": 32, "BKW": 8, "FAST": True, "EPI": 0, "TWIDDLED": False, "BLOCKED": False}
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    constexprs = {(k.arg_names.index(n),): v for n, v in consts.items()}
+    options = make_backend(target).parse_options({"num_warps": 4}).__dict__
+    return k, (*compile_workers.shippable(k), sig, constexprs, dict(options), {}, target)
+
+
+def test_a_kernel_a_worker_compiles_is_a_disk_cache_hit_here(tmp_path, monkeypatch):
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    k, job = _dequant_job()
+    _, _, sig, constexprs, options, attrs, target = job
+    assert not compile_workers.cached_on_disk(k, sig, constexprs, options, attrs, target)
+    pool = compile_workers.WorkerPool(2)
+    try:
+        assert pool.submit(job).result(timeout=300) is True  # compiled: missed the cache
+        assert pool.submit(job).result(timeout=300) is False  # the second time it was there
+    finally:
+        pool.close()
+    assert compile_workers.cached_on_disk(k, sig, constexprs, options, attrs, target)
+    heard = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
+    triton.compile(ASTSource(k, sig, constexprs, attrs), target=target, options=options)
+    assert heard == [True]
+
+
+def test_a_failed_job_fails_alone_and_the_next_one_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    _, job = _dequant_job()
+    pool = compile_workers.WorkerPool(1)
+    try:
+        bad = pool.submit(("qerl_kernels.no_such_module", "kernel", *job[2:]))
+        good = pool.submit(job)
+        with pytest.raises(RuntimeError, match="no_such_module"):
+            bad.result(timeout=300)
+        assert good.result(timeout=300) is True
+    finally:
+        pool.close()
+
+
+def test_a_hung_worker_is_killed_at_close_and_its_job_fails(monkeypatch):
+    import time
+
+    monkeypatch.setattr(compile_workers, "_compile", lambda *job: time.sleep(120))  # the fork inherits it
+    pool = compile_workers.WorkerPool(1)
+    future = pool.submit(("m", "f", {}, {}, {}, {}, None))
+    time.sleep(0.5)  # let it fork and take the job
+    t0 = time.monotonic()
+    pool.close(timeout=1.0)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(Exception):  # noqa: B017 - killed: the pipe closes, whatever the error's class
+        future.result(timeout=0)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(("m", "f", {}, {}, {}, {}, None))
+    _assert_reaped(pool)
+
+
+def _assert_reaped(pool):
+    import os
+
+    for w in pool.workers:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(w.pid, os.WNOHANG)
+
+
+def test_workers_exit_when_closed_and_hold_no_pipe_of_each_other(monkeypatch):
+    """Each worker must close its siblings' pipe ends, or closing a pipe would never end its worker."""
+    import os
+    import time
+
+    monkeypatch.setattr(compile_workers, "_compile", lambda *job: time.sleep(0.3) or os.getpid())
+    pool = compile_workers.WorkerPool(3)
+    futures = [pool.submit(("m", "f", {}, {}, {}, {}, None)) for _ in range(6)]
+    pids = {f.result(timeout=60) for f in futures}
+    assert len(pids) >= 2 and os.getpid() not in pids  # ran side by side, elsewhere
+    t0 = time.monotonic()
+    pool.close(timeout=60)
+    assert time.monotonic() - t0 < 10
+    _assert_reaped(pool)
+
+
+def test_only_kernels_importable_by_name_are_shipped():
+    from qerl_kernels.dequant import _nvfp4_dequant_kernel
+
+    assert compile_workers.shippable(_nvfp4_dequant_kernel) == ("qerl_kernels.dequant", "_nvfp4_dequant_kernel")
+
+    def factory():
+        @triton.jit
+        def local(X):
+            pass
+        return local
+
+    assert compile_workers.shippable(factory()) is None
+    assert compile_workers.shippable(object()) is None
+
+
+def test_a_value_that_does_not_pickle_is_refused_in_the_callers_thread():
+    import threading
+
+    pool = compile_workers.WorkerPool(1)
+    with pytest.raises(Exception):  # noqa: B017 - pickle's error class varies with the value
+        pool.submit(("m", "f", {}, {(0,): threading.Lock()}, {}, {}, None))
+    assert not pool.threads  # nothing started
+    pool.close()
