@@ -131,6 +131,10 @@ def _child(requests: int, answers: int) -> None:
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent decides
+        for sig in signal.valid_signals():  # the parent's Python handlers (a trainer's SIGTERM checkpoint) are not
+            with contextlib.suppress(OSError, ValueError):  # the worker's: their signals act as by default here
+                if sig != signal.SIGINT and callable(signal.getsignal(sig)):
+                    signal.signal(sig, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
@@ -140,10 +144,33 @@ def _child(requests: int, answers: int) -> None:
                     os.close(fd)
         sys.stdout = sys.stderr = open(os.devnull, "w")  # fresh objects: a parent thread may hold the old locks
         warnings.simplefilter("ignore")
+        _own_hash_locks()
         _serve(os.fdopen(requests, "rb"), os.fdopen(answers, "wb"))
         code = 0
     finally:
         os._exit(code)
+
+
+def _own_hash_locks() -> None:
+    """In the child: a Triton function's ``_hash_lock`` may have been held at the fork by a parent thread that
+    does not exist here (the parent hashes each function as it first checks the disk cache), and would then
+    block its compile here for good. Each function gets a lock of the child's own on first use; one whose
+    lock was held also drops its hash, which may have been caught half-made, and hashes it again."""
+    try:
+        from triton.runtime.jit import JITCallable
+    except ImportError:  # an older Triton: no lock
+        return
+
+    def own(self):
+        d = self.__dict__
+        if "_child_hash_lock" not in d:
+            inherited = d.get("_hash_lock")
+            if inherited is not None and not inherited.acquire(blocking=False):
+                self.hash = None
+            d["_child_hash_lock"] = threading.RLock()
+        return d["_child_hash_lock"]
+
+    JITCallable._hash_lock = property(own, lambda self, lock: self.__dict__.__setitem__("_hash_lock", lock))
 
 
 def _open_fds() -> list[int]:
@@ -230,15 +257,24 @@ class WorkerPool:
         for _ in threads:
             self.jobs.put(None)
         deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):
-            with _FORK:
-                self.dead = True  # the feeders fail what is left instead of starting workers again
-            for w in list(self.workers):
-                w.kill()
+        try:
             for t in threads:
-                t.join()
+                t.join(max(0.0, deadline - time.monotonic()))
+            if not any(t.is_alive() for t in threads):
+                return
+        except BaseException:  # Ctrl-C while waiting: the workers stop now too (and the join it broke may
+            self._kill(threads)  # have marked a running feeder stopped, Python 3.11: no is_alive test here)
+            raise
+        self._kill(threads)
+
+    def _kill(self, threads) -> None:
+        with _FORK:
+            self.dead = True  # the feeders fail what is left instead of starting workers again
+        for w in list(self.workers):
+            if not w.reaped:  # a reaped worker's pid may be another process's by now
+                w.kill()
+        for t in threads:
+            t.join()
 
 
 class _Worker:

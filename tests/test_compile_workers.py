@@ -4,6 +4,8 @@ job and nothing else. No GPU needed: the worker compiles for an sm_90 ``GPUTarge
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -124,3 +126,114 @@ def test_a_value_that_does_not_pickle_is_refused_in_the_callers_thread():
         pool.submit(("m", "f", {}, {(0,): threading.Lock()}, {}, {}, None))
     assert not pool.threads  # nothing started
     pool.close()
+
+
+def test_a_function_being_hashed_by_another_thread_at_the_fork_still_compiles_under_the_parents_key(
+        tmp_path, monkeypatch):
+    """The parent hashes each function (under its ``_hash_lock``) as it first checks the disk cache, while the
+    feeders fork: a worker forked then inherited the lock held by a thread it does not have, and hung for
+    good on its next job for that function (until close's timeout, 600 s by default)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    k, job = _dequant_job()
+    _, _, sig, constexprs, options, attrs, target = job
+    real = k.cache_key
+    holding, release = threading.Event(), threading.Event()
+
+    def hashing():  # as the parent's cache_key does, caught half-way by the fork
+        with k._hash_lock:
+            k.hash = "recursion:half-made"
+            holding.set()
+            release.wait()
+            k.hash = real
+
+    t = threading.Thread(target=hashing)
+    t.start()
+    holding.wait()
+    pool = compile_workers.WorkerPool(1)
+    try:
+        future = pool.submit(job)
+        time.sleep(1.0)  # the feeder forks meanwhile
+        release.set()
+        t.join()
+        assert future.result(timeout=120) is True
+    finally:
+        pool.close(timeout=5)
+    assert compile_workers.cached_on_disk(k, sig, constexprs, options, attrs, target)  # the parent's own key
+
+
+def test_an_interrupt_while_close_waits_stops_the_workers(monkeypatch):
+    """Ctrl-C while ``compile_only``'s exit waits in ``close`` (where the compile time is spent): the workers,
+    which ignore SIGINT, went on through every queued job."""
+    import signal
+    import threading
+    import time
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupt(*_):
+        raise Interrupt
+
+    monkeypatch.setattr(compile_workers, "_compile", lambda *job: time.sleep(0.5) or True)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        pool = compile_workers.WorkerPool(1)
+        futures = [pool.submit(("m", "f", {}, {}, {}, {}, None)) for _ in range(40)]
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(Interrupt):
+            pool.close(timeout=60)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    time.sleep(1.0)
+    assert sum(f.done() for f in futures) == 40  # failed at once, not compiled one by one
+    _assert_reaped(pool)
+
+
+def test_a_timed_out_close_signals_no_pid_it_reaped_already(monkeypatch):
+    import time
+
+    monkeypatch.setattr(compile_workers, "_compile",
+                        lambda *job: os._exit(3) if job[0] == "crash" else time.sleep(120))
+    pool = compile_workers.WorkerPool(2)
+    crashed = pool.submit(("crash", "f", {}, {}, {}, {}, None))
+    with pytest.raises(RuntimeError, match="exited"):
+        crashed.result(timeout=60)
+    hung = pool.submit(("m", "f", {}, {}, {}, {}, None))
+    time.sleep(0.5)
+    reaped = [w.pid for w in pool.workers if w.reaped]
+    assert reaped
+    signalled = []
+    real_kill = os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append(pid) or real_kill(pid, sig))
+    pool.close(timeout=1.0)
+    assert hung.exception(timeout=0) is not None
+    assert not set(signalled) & set(reaped)  # that pid may belong to another process by now
+
+
+def test_the_parents_signal_handlers_do_not_run_in_a_worker(tmp_path, monkeypatch):
+    """A SIGTERM reaching the workers (Slurm signals every process of the step) ran the parent's Python handler
+    there (a trainer's checkpoint save, in a fork that may not touch CUDA); now it ends the worker, whose job
+    then fails and is compiled by the caller."""
+    import signal
+    import time
+
+    log = tmp_path / "handler.log"
+    monkeypatch.setattr(compile_workers, "_compile", lambda *job: time.sleep(2) or True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: log.open("a").write(f"{os.getpid()}\n"))
+    try:
+        pool = compile_workers.WorkerPool(1)
+        future = pool.submit(("m", "f", {}, {}, {}, {}, None))
+        time.sleep(0.5)
+        (worker,) = pool.workers
+        os.kill(worker.pid, signal.SIGTERM)
+        with pytest.raises(RuntimeError, match="exited"):
+            future.result(timeout=30)
+        pool.close(timeout=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not log.exists()
