@@ -133,12 +133,25 @@ def _differences(m: dict, stage: str, config: dict, inputs: dict, most: int = 3)
     for part in ("config", "inputs"):
         old, cur = m.get(part) or {}, new[part]
         for key in sorted(set(old) | set(cur), key=str):
-            # as the fingerprint sees them: 32 and 32.0 are two fingerprints, and were named as no change
-            if json.dumps(old.get(key), sort_keys=True) != json.dumps(cur.get(key), sort_keys=True):
+            if _numbers_as_floats(old.get(key)) != _numbers_as_floats(cur.get(key)):  # 32 -> 32.0: the same run
                 found.append(f"input {key} changed" if part == "inputs"
                              else f"{key}: {_short(old.get(key))} -> {_short(cur.get(key))}")
     more = f" and {len(found) - most} more" if len(found) > most else ""
     return "; ".join(found[:most]) + more
+
+
+def _numbers_as_floats(obj):
+    """``obj`` (parsed JSON) with every int as a float, so that 32 and 32.0 compare equal; a bool becomes a
+    tuple, which parsed JSON never holds, as True == 1 == 1.0 in Python."""
+    if isinstance(obj, bool):
+        return ("bool", obj)
+    if isinstance(obj, int):
+        return float(obj)
+    if isinstance(obj, dict):
+        return {k: _numbers_as_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_numbers_as_floats(v) for v in obj]
+    return obj
 
 
 def _short(value) -> str:
@@ -220,7 +233,7 @@ class StageOutput:
             )
         self._seen = m["fingerprint"] if m is not None else None
         damage = damaged_output(self.out, m) if m is not None else None
-        if m is not None and m["stage"] == self.stage and m["fingerprint"] in self._same_run and not self.force:
+        if m is not None and self._same_run_as(m) and not self.force:
             if damage is None:
                 self.manifest = m
                 return True
@@ -246,8 +259,21 @@ class StageOutput:
         when this run decided to write (``already_done``): a concurrent run's. A ``--force`` rerun over
         its own earlier output is not that."""
         m = None if self._seen is _UNSEEN else read_manifest(self.out)
-        return m is not None and m["stage"] == self.stage and m["fingerprint"] in self._same_run \
-            and m["fingerprint"] != self._seen and damaged_output(self.out, m) is None
+        return m is not None and self._same_run_as(m) and m["fingerprint"] != self._seen \
+            and damaged_output(self.out, m) is None
+
+    def _same_run_as(self, m: dict) -> bool:
+        """Whether manifest ``m`` records this run: its fingerprint is this run's (or a legacy one's), or its
+        config and inputs differ from them only in number types. A library call before 2026-11-26 recorded an
+        int given for a float field (``lora_alpha=32``) as an int, where the CLI and now the library record
+        32.0: the same run, which read as changed and needed --force."""
+        if m["stage"] != self.stage:
+            return False
+        if m["fingerprint"] in self._same_run:
+            return True
+        recorded = _numbers_as_floats({"config": m.get("config"), "inputs": m.get("inputs")})
+        return any(recorded == _numbers_as_floats(json.loads(json.dumps({"config": c, "inputs": i}, default=str)))
+                   for c in (self.config, *self.legacy_configs) for i in (self.inputs, *self.legacy_inputs))
 
     # ---- work directory ----------------------------------------------------------------
     def writer_lock_path(self) -> Path:

@@ -92,20 +92,32 @@ def test_lora_targets_in_one_string_split_at_commas_as_the_cli_splits_them():
     assert _train(lora_targets=["q_proj", "k_proj, v_proj"]).lora_targets == ("q_proj", "k_proj", "v_proj")
 
 
-def test_a_refused_rerun_names_a_number_that_changed_only_its_type(tmp_path):
-    # a library output made with lora_alpha=32 (before: recorded 32) against the CLI's 32.0: exit 4 named
-    # nothing, as 32 == 32.0
+def test_an_output_recorded_with_ints_for_float_fields_is_the_same_run(tmp_path):
+    # a library output made before 2026-11-26 with lora_alpha=32 recorded 32, where the CLI (and now the
+    # library) record 32.0: it read as changed, and the refusal named "lora_alpha: 32 -> 32.0"
     import json
 
     from qerl_cli.errors import OutputExistsError
     from qerl_cli.outputs import StageOutput
 
     out = tmp_path / "o"
-    with StageOutput(out, "train-step", config={"lora_alpha": 32}, inputs={"model": "h"}) as work:
+    with StageOutput(out, "train-step", config={"lora_alpha": 32, "beta": 0, "dropout": True},
+                     inputs={"model": "h"}) as work:
         (Path(work) / "x").write_text("x")
-    assert json.loads((out / "manifest.json").read_text())["config"] == {"lora_alpha": 32}
-    with pytest.raises(OutputExistsError, match=r"lora_alpha: 32 -> 32.0"):
-        StageOutput(out, "train-step", config={"lora_alpha": 32.0}, inputs={"model": "h"}).already_done()
+    assert json.loads((out / "manifest.json").read_text())["config"]["lora_alpha"] == 32
+    assert StageOutput(out, "train-step", config={"lora_alpha": 32.0, "beta": 0.0, "dropout": True},
+                       inputs={"model": "h"}).already_done()
+    # a real change is still one, named alone (not the type-only one beside it); True is not 1
+    with pytest.raises(OutputExistsError, match=r"\(lr: null -> 1e-05; fingerprint") as e:
+        StageOutput(out, "train-step", config={"lora_alpha": 32.0, "beta": 0.0, "dropout": True, "lr": 1e-5},
+                    inputs={"model": "h"}).already_done()
+    assert "lora_alpha" not in str(e.value)
+    with pytest.raises(OutputExistsError, match=r"dropout: true -> 1"):
+        StageOutput(out, "train-step", config={"lora_alpha": 32.0, "beta": 0.0, "dropout": 1},
+                    inputs={"model": "h"}).already_done()
+    with pytest.raises(OutputExistsError):  # another stage's output is never this run's
+        StageOutput(out, "rollout", config={"lora_alpha": 32.0, "beta": 0.0, "dropout": True},
+                    inputs={"model": "h"}).already_done()
 
 
 def test_merge_says_already_done_either_way(tmp_path):
