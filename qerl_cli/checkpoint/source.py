@@ -65,6 +65,9 @@ def open_source(src: Path) -> SourceModel:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise BadInputError(f"{index_path}: no 'weight_map' object")
+        for name, shard_name in weight_map.items():
+            if not isinstance(shard_name, str):
+                raise BadInputError(f"{index_path}: maps tensor {name!r} to {shard_name!r}, not a shard file name")
         shard_names = sorted(
             set(weight_map.values())
         )  # file order, so reads go through the shards in sequence

@@ -148,10 +148,11 @@ def load_optimizer(opt: AdamW, path: Path) -> int:
             if not all(have):
                 raise BadInputError(f"{path}: incomplete optimizer state for {name!r}")
             avg, sq = f.get_tensor(f"{name}.exp_avg"), f.get_tensor(f"{name}.exp_avg_sq")
-            if avg.shape != p.shape or sq.shape != p.shape:
-                raise BadInputError(
-                    f"{path}: optimizer state {name}.exp_avg has shape {tuple(avg.shape)}, parameter has {tuple(p.shape)}"
-                )
+            for kind, t in (("exp_avg", avg), ("exp_avg_sq", sq)):
+                if t.shape != p.shape:
+                    raise BadInputError(
+                        f"{path}: optimizer state {name}.{kind} has shape {tuple(t.shape)}, parameter has {tuple(p.shape)}"
+                    )
             step = f.get_tensor(f"{name}.step").reshape(())
             opt.state[p] = {
                 "step": step.to(torch.float32),
