@@ -458,9 +458,8 @@ def test_offloader_takes_float_tensors_of_at_least_min_bytes_only():
     assert (off.stats["packed"], off.stats["packed_bytes"]) == (1, 64)
 
 
-def test_a_tensor_already_prefetched_is_not_fetched_again(monkeypatch):
-    import torch
-
+def _recording_offloader(monkeypatch):
+    """A CPU offloader whose fetches are recorded, its first forward begun: (offloader, fetched handles)."""
     from qerl_cli.train.offload import ActivationOffloader
 
     off = ActivationOffloader("cpu")
@@ -468,6 +467,13 @@ def test_a_tensor_already_prefetched_is_not_fetched_again(monkeypatch):
     real = off._fetch
     monkeypatch.setattr(off, "_fetch", lambda h: (fetched.append(h), real(h)))
     off.begin()
+    return off, fetched
+
+
+def test_a_tensor_already_prefetched_is_not_fetched_again(monkeypatch):
+    import torch
+
+    off, fetched = _recording_offloader(monkeypatch)
     a, b = off._pack(torch.ones(4)), off._pack(torch.zeros(4))
     assert torch.equal(off._unpack(b), torch.zeros(4))  # b fetched, a prefetched
     assert torch.equal(off._unpack(b), torch.zeros(4))  # b again (a retained graph): a is already here
@@ -478,13 +484,7 @@ def test_a_tensor_already_prefetched_is_not_fetched_again(monkeypatch):
 def test_a_new_forward_does_not_prefetch_the_last_ones_tensors(monkeypatch):
     import torch
 
-    from qerl_cli.train.offload import ActivationOffloader
-
-    off = ActivationOffloader("cpu")
-    fetched = []
-    real = off._fetch
-    monkeypatch.setattr(off, "_fetch", lambda h: (fetched.append(h), real(h)))
-    off.begin()
+    off, fetched = _recording_offloader(monkeypatch)
     first = off._pack(torch.ones(4))  # micro-batch 1's forward
     off.begin()
     second = off._pack(torch.zeros(4))  # micro-batch 2's: the first tensor of its forward
