@@ -128,7 +128,7 @@ def _differences(m: dict, stage: str, config: dict, inputs: dict, most: int = 3)
     ``most``), or "" where the manifest cannot say (another stage's; only the fingerprint differs)."""
     if m.get("stage") != stage:
         return ""
-    new = json.loads(json.dumps({"config": config, "inputs": inputs}, default=str))
+    new = _as_recorded(config, inputs)
     found = []
     for part in ("config", "inputs"):
         old, cur = m.get(part) or {}, new[part]
@@ -138,6 +138,11 @@ def _differences(m: dict, stage: str, config: dict, inputs: dict, most: int = 3)
                              else f"{key}: {_short(old.get(key))} -> {_short(cur.get(key))}")
     more = f" and {len(found) - most} more" if len(found) > most else ""
     return "; ".join(found[:most]) + more
+
+
+def _as_recorded(config: dict, inputs: dict) -> dict:
+    """``config`` and ``inputs`` as a manifest records them (through JSON, unknown types as strings)."""
+    return json.loads(json.dumps({"config": config, "inputs": inputs}, default=str))
 
 
 def _numbers_as_floats(obj):
@@ -272,7 +277,7 @@ class StageOutput:
         if m["fingerprint"] in self._same_run:
             return True
         recorded = _numbers_as_floats({"config": m.get("config"), "inputs": m.get("inputs")})
-        return any(recorded == _numbers_as_floats(json.loads(json.dumps({"config": c, "inputs": i}, default=str)))
+        return any(recorded == _numbers_as_floats(_as_recorded(c, i))
                    for c in (self.config, *self.legacy_configs) for i in (self.inputs, *self.legacy_inputs))
 
     # ---- work directory ----------------------------------------------------------------
