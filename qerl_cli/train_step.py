@@ -114,6 +114,7 @@ class TrainStepConfig:
     micro_batch_tokens: int = 16384
     logits_chunk_tokens: int = 2048
     gradient_checkpointing: bool = True
+    keep_activations: int = 0          # under checkpointing, the last N decoder layers are not recomputed
     offload_activations: bool = False  # checkpointed layer inputs to pinned CPU memory (CUDA only)
     embeddings_on_cpu: bool = False    # frozen input embedding table in CPU memory (CUDA only; not when tied)
     device: str = "auto"
@@ -136,7 +137,7 @@ class TrainStepConfig:
     # arguments that do not change the result (where things go, how they are shown, where the
     # same bytes wait: the memory options are bit-identical, so toggling them is not a new step)
     _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "offload_activations",
-                   "embeddings_on_cpu")
+                   "embeddings_on_cpu", "keep_activations")
 
     def fingerprint_config(self, lora_dropout: float | None = None) -> dict:
         """The arguments that make the step's result. The micro-batch and logits-chunk sizes only
@@ -413,6 +414,14 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
     """
     notes = []
     model.gradient_checkpointing = cfg.gradient_checkpointing
+    n_layers = len(model.model.layers)
+    if cfg.keep_activations > n_layers:
+        raise BadInputError(f"--keep-activations {cfg.keep_activations}: the model has {n_layers} decoder layers",
+                            hint=f"at most {n_layers} (every layer kept)")
+    model.keep_activations = cfg.keep_activations if cfg.gradient_checkpointing else 0
+    if cfg.keep_activations:
+        notes.append(f"--keep-activations: the last {cfg.keep_activations} of {n_layers} decoder layers keep their "
+                     f"activations for the backward; the other {n_layers - cfg.keep_activations} are recomputed")
     model.activation_offload = None
     cuda = str(device).startswith("cuda")
     if cfg.offload_activations:
@@ -472,6 +481,11 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
 
 
 def _check_memory_flags(cfg: TrainStepConfig) -> None:
+    if cfg.keep_activations < 0:
+        raise BadInputError(f"--keep-activations must be >= 0, got {cfg.keep_activations}")
+    if cfg.keep_activations and not cfg.gradient_checkpointing:
+        raise BadInputError("--keep-activations chooses which layers gradient checkpointing leaves out, and "
+                            "--no-checkpointing leaves out all of them", hint="drop one of the two")
     if cfg.offload_activations and not cfg.gradient_checkpointing:
         raise BadInputError("--offload-activations moves the checkpointed layer inputs to CPU memory, so it needs "
                             "gradient checkpointing", hint="drop --no-checkpointing or --offload-activations")
@@ -590,10 +604,14 @@ def _train_step(cfg: TrainStepConfig) -> dict:
         _warn(f"skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
     base_hash = model_hash(Path(cfg.model))
     _check_fits_model(cfg, data)
-    if cfg.embeddings_on_cpu:
+    if cfg.embeddings_on_cpu or cfg.keep_activations:
         from qerl_cli.models import ModelConfig
 
-        if ModelConfig.from_dir(Path(cfg.model)).tie_word_embeddings:
+        mcfg = ModelConfig.from_dir(Path(cfg.model))
+        if cfg.keep_activations > mcfg.num_layers:
+            raise BadInputError(f"--keep-activations {cfg.keep_activations}: --model {cfg.model} has {mcfg.num_layers} "
+                                "decoder layers", hint=f"at most {mcfg.num_layers} (every layer kept)")
+        if cfg.embeddings_on_cpu and mcfg.tie_word_embeddings:
             raise BadInputError(f"--embeddings-on-cpu: --model {cfg.model} ties its input embedding to the lm_head "
                                 "(tie_word_embeddings), which needs the table on the GPU",
                                 hint="drop --embeddings-on-cpu (it only helps untied models)")

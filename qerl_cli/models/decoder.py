@@ -167,6 +167,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.keep_activations = 0  # under checkpointing: the last N layers keep their activations instead
         self.activation_offload = None  # a qerl_cli.train.offload.ActivationOffloader (training only)
         self.is_quantized = bool(quantized)
         self.base_hash: str | None = None
@@ -185,7 +186,9 @@ class CausalLM(nn.Module):
         """Hidden states [B, L, H] for token ids [B, L] at the given positions [B, L].
 
         Under gradient checkpointing (training) each layer runs as ``forward_stream`` inside one
-        checkpoint whose only saved input is the residual stream [B, L, H]; with
+        checkpoint whose only saved input is the residual stream [B, L, H], but for the last
+        ``keep_activations`` layers, which run the same ``forward_stream`` outside any checkpoint (their
+        activations stay for the backward: no recompute, more memory; the same bits); with
         ``activation_offload`` set, that saved input waits in pinned CPU memory until the backward
         recomputes the layer (``qerl_cli.train.offload``). Otherwise (inference, the engine, no
         checkpointing) the (mlp output, residual) pair flows on and each add fuses into the next norm.
@@ -195,7 +198,11 @@ class CausalLM(nn.Module):
             off = self.activation_offload
             if off is not None:
                 off.begin()
-            for layer in self.model.layers:
+            recomputed = len(self.model.layers) - self.keep_activations
+            for i, layer in enumerate(self.model.layers):
+                if i >= recomputed:  # kept: the same forward_stream, its activations saved by autograd
+                    x = layer.forward_stream(x, positions)
+                    continue
                 with off.hooks() if off is not None else nullcontext():
                     x = checkpoint(layer.forward_stream, x, positions)
             return self.model.norm(x)
