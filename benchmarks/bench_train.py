@@ -205,7 +205,7 @@ def record_breakdown(name, run_step, model, params, opt, cuda: bool, timed_peak:
 def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda",
             offload_activations: bool = False, embeddings_on_cpu: bool = False,
             memory_breakdown: Path | None = None, cut: tuple[float, int, float] | None = None,
-            kernel_profile: int = 0, keep_activations: int = 0, checkpointing: bool = True) -> dict:
+            kernel_profile: int = 0, keep_activations: int | str = 0, checkpointing: bool = True) -> dict:
     import torch
 
     from qerl_cli.layers.lora import LoraSpec
@@ -292,7 +292,7 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
         "sequences": n_seq, "tokens_per_sequence": p_len + c_len, "micro_batch_tokens": micro_batch_tokens,
         "micro_batches": len(groups), "logits_chunk_tokens": logits_chunk,
         "offload_activations": offload_activations, "embeddings_on_cpu": embeddings_on_cpu,
-        "keep_activations": keep_activations, "checkpointing": checkpointing,
+        "keep_activations": keep_activations, "kept_layers": model.keep_activations, "checkpointing": checkpointing,
         "sampling_cut": list(cut) if cut else None, "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(tokens / step_s, 1), "peak_gib": round(max(peaks), 2),
         "weights_gib": round(weights_gib, 2), "build_s": round(build_s, 1), "warmup_s": round(warm_s, 1),
@@ -327,7 +327,9 @@ def table(rows: list[dict]) -> str:
         if "step_s" in r:
             opts = "".join(f", {o}" for k, o in (("offload_activations", "offload"), ("embeddings_on_cpu", "embeddings on CPU"))
                            if r.get(k))
-            if r.get("keep_activations"):
+            if r.get("keep_activations") == "auto":
+                opts += f", auto: {r.get('kept_layers')} layers kept"
+            elif r.get("keep_activations"):
                 opts += f", {r['keep_activations']} layers kept"
             if r.get("checkpointing") is False:
                 opts += ", no checkpointing"
@@ -358,8 +360,8 @@ def main() -> None:
                     help="train-step --offload-activations: checkpointed layer inputs wait in pinned CPU memory")
     ap.add_argument("--embeddings-on-cpu", action="store_true",
                     help="train-step --embeddings-on-cpu: the input embedding table stays in CPU memory")
-    ap.add_argument("--keep-activations", type=int, default=0, metavar="N",
-                    help="train-step --keep-activations: the last N layers keep their activations (no recompute)")
+    ap.add_argument("--keep-activations", default="0", metavar="N|auto",
+                    help="train-step --keep-activations: the last N layers keep their activations (no recompute); auto")
     ap.add_argument("--no-checkpointing", action="store_true", help="train-step --no-checkpointing")
     ap.add_argument("--memory-breakdown", action="store_true",
                     help="one extra recorded step: what is live at the peak, to bench_train_<config>_memory.json")
@@ -390,7 +392,8 @@ def main() -> None:
                 tp, tk, mp = a.sampling_cut.split(",")
                 cut = (float(tp), int(tk), float(mp))
             row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device,
-                          a.offload_activations, a.embeddings_on_cpu, mem, cut, a.kernel_profile, a.keep_activations,
+                          a.offload_activations, a.embeddings_on_cpu, mem, cut, a.kernel_profile,
+                          a.keep_activations if a.keep_activations == "auto" else int(a.keep_activations),
                           not a.no_checkpointing)
             row["logprobs"] = "torch" if a.torch_logprobs else "default"
         except Exception as e:  # noqa: BLE001 - report any failure as a table row

@@ -58,6 +58,7 @@ from qerl_cli.layers.lora import DEFAULT_TARGETS
 from qerl_cli.outputs import StageOutput, check_out_apart, file_in_the_way
 from qerl_cli.runtime import as_many, check_field_types, resolve_device, resolve_dtype
 from qerl_cli.train import distributed
+from qerl_cli.train.activation_budget import AutoKeep
 from qerl_cli.train.advantages import SCALES, group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
 from qerl_cli.train.logprobs import token_logprobs
@@ -114,7 +115,7 @@ class TrainStepConfig:
     micro_batch_tokens: int = 16384
     logits_chunk_tokens: int = 2048
     gradient_checkpointing: bool = True
-    keep_activations: int = 0          # under checkpointing, the last N decoder layers are not recomputed
+    keep_activations: int | str = 0    # under checkpointing, the last N decoder layers are not recomputed; "auto"
     offload_activations: bool = False  # checkpointed layer inputs to pinned CPU memory (CUDA only)
     embeddings_on_cpu: bool = False    # frozen input embedding table in CPU memory (CUDA only; not when tied)
     device: str = "auto"
@@ -414,16 +415,21 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
     """
     notes = []
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    n_layers = len(model.model.layers)
-    if cfg.keep_activations > n_layers:
-        raise BadInputError(f"--keep-activations {cfg.keep_activations}: the model has {n_layers} decoder layers",
-                            hint=f"at most {n_layers} (every layer kept)")
-    model.keep_activations = cfg.keep_activations if cfg.gradient_checkpointing else 0
-    if cfg.keep_activations:
-        notes.append(f"--keep-activations: the last {cfg.keep_activations} of {n_layers} decoder layers keep their "
-                     f"activations for the backward; the other {n_layers - cfg.keep_activations} are recomputed")
-    model.activation_offload = None
     cuda = str(device).startswith("cuda")
+    n_layers = len(model.model.layers)
+    keep = cfg.keep_activations
+    model.keep_activations = 0
+    if keep == "auto":
+        notes.append("--keep-activations auto: the count is chosen after the first micro-batch" if cuda else
+                     f"--keep-activations auto: no effect on {device} (every layer is recomputed)")
+    elif keep > n_layers:
+        raise BadInputError(f"--keep-activations {keep}: the model has {n_layers} decoder layers",
+                            hint=f"at most {n_layers} (every layer kept)")
+    elif keep:
+        model.keep_activations = keep
+        notes.append(f"--keep-activations: the last {keep} of {n_layers} decoder layers keep their "
+                     f"activations for the backward; the other {n_layers - keep} are recomputed")
+    model.activation_offload = None
     if cfg.offload_activations:
         if cuda:
             from qerl_cli.train.offload import ActivationOffloader
@@ -481,8 +487,9 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
 
 
 def _check_memory_flags(cfg: TrainStepConfig) -> None:
-    if cfg.keep_activations < 0:
-        raise BadInputError(f"--keep-activations must be >= 0, got {cfg.keep_activations}")
+    keep = cfg.keep_activations
+    if isinstance(keep, bool) or not (keep == "auto" or (isinstance(keep, int) and keep >= 0)):
+        raise BadInputError(f"--keep-activations must be a whole number >= 0 or auto, got {keep!r}")
     if cfg.keep_activations and not cfg.gradient_checkpointing:
         raise BadInputError("--keep-activations chooses which layers gradient checkpointing leaves out, and "
                             "--no-checkpointing leaves out all of them", hint="drop one of the two")
@@ -608,7 +615,7 @@ def _train_step(cfg: TrainStepConfig) -> dict:
         from qerl_cli.models import ModelConfig
 
         mcfg = ModelConfig.from_dir(Path(cfg.model))
-        if cfg.keep_activations > mcfg.num_layers:
+        if cfg.keep_activations != "auto" and cfg.keep_activations > mcfg.num_layers:
             raise BadInputError(f"--keep-activations {cfg.keep_activations}: --model {cfg.model} has {mcfg.num_layers} "
                                 "decoder layers", hint=f"at most {mcfg.num_layers} (every layer kept)")
         if cfg.embeddings_on_cpu and mcfg.tie_word_embeddings:
@@ -705,6 +712,9 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     acc = Accumulator()
     losses_per_epoch, grad_norms, lrs = [], [], []
     progress = _progress(cfg, dist, len(owned) * cfg.epochs)
+    auto = None
+    if cfg.keep_activations == "auto" and cuda and model.gradient_checkpointing and owned:
+        auto = AutoKeep(model, torch.device(device), max(mbs[j].padded_tokens for j in owned))
     try:
         for epoch in range(cfg.epochs):
             lr = lr_at(step + epoch / cfg.epochs, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
@@ -717,6 +727,9 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                 mb = mbs[j]
                 tok_seq = mb.seq_of_token
                 torch.manual_seed(_dropout_seed(cfg.seed, step, epoch, j))
+                measuring = auto is not None and auto.chosen is None
+                if measuring:
+                    auto.before_first()
                 logp, ent = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens, batch.cuts)
                 if epoch == 0:
                     old_lp[j] = logp.detach()
@@ -744,6 +757,9 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     break
                 if loss.requires_grad:  # a micro-batch of empty completions only has no graph (nor gradient)
                     loss.backward()
+                if measuring:
+                    auto.after_first(mb.padded_tokens)
+                    _say(cfg, auto.note)
                 epoch_loss += float(loss.detach())
                 # Clipping can only happen from epoch 2 on (epoch 1 is on-policy: ratio 1), so clip
                 # fractions count every epoch's tokens; the KL is that of the pre-update policy.
@@ -767,9 +783,13 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
             opt.step()
     except torch.OutOfMemoryError:
         biggest = max((mbs[j].padded_tokens for j in owned), default=0)
+        kept = model.keep_activations if model.gradient_checkpointing else 0
+        keep_hint = (f"--keep-activations N below the {kept} layers kept now (0 recomputes them all), " if kept else "")
         raise OutOfMemoryError(
-            f"out of GPU memory in a training micro-batch on {device} (largest has {biggest} padded tokens)",
-            hint=f"lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens, or pass "
+            f"out of GPU memory in a training micro-batch on {device} (largest has {biggest} padded tokens"
+            + (f"; {kept} layers kept their activations" + (", chosen by --keep-activations auto" if auto else "")
+               if kept else "") + ")",
+            hint=f"{keep_hint}lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens, or pass "
                  "--offload-activations / --embeddings-on-cpu") from None
     finally:
         progress.stop()

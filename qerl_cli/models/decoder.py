@@ -168,6 +168,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
         self.keep_activations = 0  # under checkpointing: the last N layers keep their activations instead
+        self.kept_bytes_per_layer: float | None = None  # measured by the last forward that kept any (CUDA)
         self.activation_offload = None  # a qerl_cli.train.offload.ActivationOffloader (training only)
         self.is_quantized = bool(quantized)
         self.base_hash: str | None = None
@@ -199,12 +200,17 @@ class CausalLM(nn.Module):
             if off is not None:
                 off.begin()
             recomputed = len(self.model.layers) - self.keep_activations
+            before = None
             for i, layer in enumerate(self.model.layers):
                 if i >= recomputed:  # kept: the same forward_stream, its activations saved by autograd
+                    if before is None and x.is_cuda:
+                        before = torch.cuda.memory_allocated(x.device)
                     x = layer.forward_stream(x, positions)
                     continue
                 with off.hooks() if off is not None else nullcontext():
                     x = checkpoint(layer.forward_stream, x, positions)
+            if before is not None:  # what --keep-activations auto sizes by (train/activation_budget.py)
+                self.kept_bytes_per_layer = (torch.cuda.memory_allocated(x.device) - before) / self.keep_activations
             return self.model.norm(x)
         residual = delta = None
         for layer in self.model.layers:
