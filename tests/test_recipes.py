@@ -180,7 +180,7 @@ def test_slurm_train_reads_every_shard_and_first_step_has_no_adapter(tmp_path):
     assert "--adapter" not in cmd
     assert f"--shards {run}/step-000000/shards-0 --shards {run}/step-000000/shards-1" in cmd
     assert f"--out {run}/step-000000/adapter" in cmd and "--loss dapo" in cmd
-    assert cmd.endswith("--offload-activations --embeddings-on-cpu")  # the 7B config's TRAIN_EXTRA
+    assert cmd.endswith("--offload-activations --embeddings-on-cpu --keep-activations auto")  # the 7B config's TRAIN_EXTRA
 
 
 def test_multi_gpu_training_with_qerl_as_a_python_module_runs_a_bare_torchrun(tmp_path):
