@@ -4,6 +4,12 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Typer reads TERMINAL_WIDTH once, when typer.rich_utils is first imported. Tests that invoke --help with
+# TERMINAL_WIDTH=250 in the CliRunner's environment would, if they ran first in a worker, fix every later
+# help of that process at 250 columns (test_packaging's width checks then fail, depending on the order).
+os.environ.pop("TERMINAL_WIDTH", None)
+import typer.rich_utils  # noqa: E402,F401
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
