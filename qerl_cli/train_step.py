@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -413,6 +414,7 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
     Shared with ``benchmarks/bench_train.py``. The options are no-ops on a CPU device (the tensors
     already live in CPU memory): a note says so.
     """
+    _check_memory_flags(cfg)  # usable alone (bench_train.py): the same refusals as train_step
     notes = []
     model.gradient_checkpointing = cfg.gradient_checkpointing
     cuda = str(device).startswith("cuda")
@@ -488,6 +490,8 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
 
 def _check_memory_flags(cfg: TrainStepConfig) -> None:
     keep = cfg.keep_activations
+    if isinstance(keep, numbers.Integral) and not isinstance(keep, bool) and type(keep).__name__ != "bool_":
+        keep = cfg.keep_activations = int(keep)  # numpy integers, as check_field_types takes them for int fields
     if isinstance(keep, bool) or not (keep == "auto" or (isinstance(keep, int) and keep >= 0)):
         raise BadInputError(f"--keep-activations must be a whole number >= 0 or auto, got {keep!r}")
     if cfg.keep_activations and not cfg.gradient_checkpointing:
@@ -692,6 +696,45 @@ class LoopResult:
     lrs: list[float]
 
 
+def _one_microbatch(cfg: TrainStepConfig, model, mb: Microbatch, j: int, epoch: int, step: int, batch: StepBatch,
+                    lcfg: LossConfig, device, auto, old_lp: dict, ref_lp: dict, isw: dict):
+    """Forward, loss and backward of one micro-batch: (loss, loss stats, epoch-1 stats or None), or None for a
+    non-finite loss. Nothing outside ``old_lp``/``ref_lp``/``isw`` (rewritten alike) and the gradients changes
+    before it returns, so ``run_epochs`` can run it again after an out-of-memory error."""
+    tok_seq = mb.seq_of_token
+    torch.manual_seed(_dropout_seed(cfg.seed, step, epoch, j))
+    measuring = auto is not None and auto.chosen is None
+    if measuring:
+        auto.before_first()
+    logp, ent = microbatch_logprobs(model, mb, batch.inv_temp, device, cfg.logits_chunk_tokens, batch.cuts)
+    first_stats = None
+    if epoch == 0:
+        old_lp[j] = logp.detach()
+        samp = torch.tensor([x for s in mb.seqs for x in batch.sampling_logprobs[s]], dtype=torch.float32, device=device)
+        w_is, raw = tis_weights(old_lp[j], samp, cfg.tis_cap)
+        isw[j] = w_is if cfg.tis_cap else None
+        if cfg.beta > 0:
+            with torch.no_grad(), base_policy(model):
+                ref_lp[j] = microbatch_logprobs(model, mb, batch.inv_temp, device, cfg.logits_chunk_tokens, batch.cuts)[0]
+        live = (batch.weight[tok_seq] > 0).to(device)
+        n_live = float(live.sum())
+        if n_live:
+            diff = (old_lp[j] - samp)[live].abs()
+            r = raw[live]
+            first_stats = (n_live, float(ent[live].sum()), (float(r.sum()), float(r.min()), float(r.max())),
+                           float((r > cfg.tis_cap).sum()) if cfg.tis_cap else 0.0, (float(diff.sum()), float(diff.max())))
+    adv_t = batch.adv[tok_seq].to(device)
+    w_t = batch.weight[tok_seq].to(device)
+    loss, _, st = policy_loss(logp, old_lp[j], adv_t, w_t, lcfg, is_weight=isw.get(j), ref_logp=ref_lp.get(j))
+    if not torch.isfinite(loss):
+        return None
+    if loss.requires_grad:  # a micro-batch of empty completions only has no graph (nor gradient)
+        loss.backward()
+    if measuring and loss.requires_grad:  # a micro-batch without a backward has no peak to size by: the next one
+        auto.after_first(mb.padded_tokens)
+    return float(loss.detach()), st, first_stats
+
+
 def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, batch: StepBatch, *, dist=None,
                device="cpu", step: int = 0) -> LoopResult:
     """The optimisation itself: ``cfg.epochs`` AdamW steps over the micro-batches this rank owns.
@@ -702,7 +745,6 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     dist = dist or distributed.Dist()
     cuda = str(device).startswith("cuda")
     groups = batch.groups
-    inv_temp, adv_seq, w_seq, samp_lp = batch.inv_temp, batch.adv, batch.weight, batch.sampling_logprobs
     lcfg = LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap)
     owned = [j for j in range(len(groups)) if dist.owns(j)]
     mbs = {j: collate(j, groups[j], batch.prompts, batch.completions) for j in owned}
@@ -714,7 +756,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     progress = _progress(cfg, dist, len(owned) * cfg.epochs)
     auto = None
     if cfg.keep_activations == "auto" and cuda and model.gradient_checkpointing and owned:
-        auto = AutoKeep(model, torch.device(device), max(mbs[j].padded_tokens for j in owned))
+        auto = AutoKeep(model, torch.device(device), max(mbs[j].padded_tokens for j in owned), params)
     try:
         for epoch in range(cfg.epochs):
             lr = lr_at(step + epoch / cfg.epochs, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
@@ -724,43 +766,31 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
             epoch_loss = torch.zeros((), dtype=torch.float64)
             bad_mb = -1
             for j in owned:
-                mb = mbs[j]
-                tok_seq = mb.seq_of_token
-                torch.manual_seed(_dropout_seed(cfg.seed, step, epoch, j))
-                measuring = auto is not None and auto.chosen is None
-                if measuring:
-                    auto.before_first()
-                logp, ent = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens, batch.cuts)
-                if epoch == 0:
-                    old_lp[j] = logp.detach()
-                    samp = torch.tensor([x for s in mb.seqs for x in samp_lp[s]], dtype=torch.float32, device=device)
-                    w_is, raw = tis_weights(old_lp[j], samp, cfg.tis_cap)
-                    isw[j] = w_is if cfg.tis_cap else None
-                    if cfg.beta > 0:
-                        with torch.no_grad(), base_policy(model):
-                            ref_lp[j] = microbatch_logprobs(model, mb, inv_temp, device, cfg.logits_chunk_tokens,
-                                                            batch.cuts)[0]
-                    live = (w_seq[tok_seq] > 0).to(device)
-                    n_live = float(live.sum())
-                    if n_live:
-                        diff = (old_lp[j] - samp)[live]
-                        acc.add(tokens=n_live, entropy=float(ent[live].sum()), is_ratio=float(raw[live].sum()),
-                                is_capped=float((raw[live] > cfg.tis_cap).sum()) if cfg.tis_cap else 0.0,
-                                lp_abs_diff=float(diff.abs().sum()))
-                        acc.min(is_ratio=float(raw[live].min()))
-                        acc.max(is_ratio=float(raw[live].max()), lp_abs_diff=float(diff.abs().max()))
-                adv_t = adv_seq[tok_seq].to(device)
-                w_t = w_seq[tok_seq].to(device)
-                loss, _, st = policy_loss(logp, old_lp[j], adv_t, w_t, lcfg, is_weight=isw.get(j), ref_logp=ref_lp.get(j))
-                if not torch.isfinite(loss):
+                while True:  # once, or again with fewer layers kept when auto's estimate ran out of memory
+                    retry = auto is not None and (model.keep_activations or auto.chosen is None)
+                    saved = auto.save_grads(params) if retry else None
+                    try:
+                        res = _one_microbatch(cfg, model, mbs[j], j, epoch, step, batch, lcfg, device, auto,
+                                              old_lp, ref_lp, isw)
+                        break
+                    except torch.OutOfMemoryError:
+                        if saved is None:
+                            raise
+                    # outside the except: the failed graph's tensors are freed with the traceback
+                    _say(cfg, auto.retry_with_fewer(params, saved))
+                if res is None:  # non-finite loss
                     bad_mb = j
                     break
-                if loss.requires_grad:  # a micro-batch of empty completions only has no graph (nor gradient)
-                    loss.backward()
-                if measuring:
-                    auto.after_first(mb.padded_tokens)
+                loss_value, st, first_stats = res
+                if first_stats is not None:
+                    n_live, entropy, raw, is_capped, diff_abs = first_stats
+                    acc.add(tokens=n_live, entropy=entropy, is_ratio=raw[0], is_capped=is_capped, lp_abs_diff=diff_abs[0])
+                    acc.min(is_ratio=raw[1])
+                    acc.max(is_ratio=raw[2], lp_abs_diff=diff_abs[1])
+                if auto is not None and auto.note and not auto.said:
                     _say(cfg, auto.note)
-                epoch_loss += float(loss.detach())
+                    auto.said = True
+                epoch_loss += loss_value
                 # Clipping can only happen from epoch 2 on (epoch 1 is on-policy: ratio 1), so clip
                 # fractions count every epoch's tokens; the KL is that of the pre-update policy.
                 acc.add(clip_low=st.clip_low, clip_high=st.clip_high, clip_tokens=st.tokens)
@@ -784,11 +814,11 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     except torch.OutOfMemoryError:
         biggest = max((mbs[j].padded_tokens for j in owned), default=0)
         kept = model.keep_activations if model.gradient_checkpointing else 0
-        keep_hint = (f"--keep-activations N below the {kept} layers kept now (0 recomputes them all), " if kept else "")
+        layers = f"{kept} layer{'s' * (kept != 1)}"
+        keep_hint = (f"--keep-activations N below the {layers} kept now (0 recomputes them all), " if kept else "")
         raise OutOfMemoryError(
             f"out of GPU memory in a training micro-batch on {device} (largest has {biggest} padded tokens"
-            + (f"; {kept} layers kept their activations" + (", chosen by --keep-activations auto" if auto else "")
-               if kept else "") + ")",
+            + (f"; {layers} kept {'their' if kept != 1 else 'its'} activations" if kept else "") + ")",
             hint=f"{keep_hint}lower --micro-batch-tokens (now {cfg.micro_batch_tokens}) or --logits-chunk-tokens, or pass "
                  "--offload-activations / --embeddings-on-cpu") from None
     finally:

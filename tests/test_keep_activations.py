@@ -212,13 +212,13 @@ def test_auto_on_cuda_keeps_every_layer_of_a_small_model_and_changes_no_result(s
 @pytest.mark.gpu
 def test_kept_bytes_per_layer_grow_with_the_tokens():
     model, params = cuda_model()
-    model.keep_activations = 2
+    model.keep_activations, model.measure_kept = 2, True
     sizes = {}
     for seq in (256, 512):
         ids, mask = batch(b=4, seq=seq, vocab=CUDA_TINY["vocab_size"], device="cuda")
         grads_of(model, params, ids, mask)
         sizes[seq] = model.kept_bytes_per_layer
-    model.keep_activations = 0
+    model.keep_activations, model.measure_kept = 0, False
     assert sizes[256] > 0
     assert 1.8 < sizes[512] / sizes[256] < 2.2  # activations are linear in the tokens (no [L, L] attention matrix)
 

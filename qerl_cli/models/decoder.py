@@ -168,7 +168,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
         self.keep_activations = 0  # under checkpointing: the last N layers keep their activations instead
-        self.kept_bytes_per_layer: float | None = None  # measured by the last forward that kept any (CUDA)
+        self.measure_kept = False  # set by --keep-activations auto: measure what the kept layers hold (CUDA)
+        self.kept_bytes_per_layer: float | None = None  # measured by the last such forward
         self.activation_offload = None  # a qerl_cli.train.offload.ActivationOffloader (training only)
         self.is_quantized = bool(quantized)
         self.base_hash: str | None = None
@@ -203,7 +204,7 @@ class CausalLM(nn.Module):
             before = None
             for i, layer in enumerate(self.model.layers):
                 if i >= recomputed:  # kept: the same forward_stream, its activations saved by autograd
-                    if before is None and x.is_cuda:
+                    if before is None and self.measure_kept:
                         before = torch.cuda.memory_allocated(x.device)
                     x = layer.forward_stream(x, positions)
                     continue

@@ -1,7 +1,7 @@
 """``--keep-activations auto``: how many decoder layers can skip their recompute in the GPU memory there is.
 
 Gradient checkpointing trades time for memory: every layer's forward runs twice. On a 7B model at 8192
-tokens a micro-batch, keeping all 28 layers' activations made the step 1.40x faster for 30 GiB more
+tokens a micro-batch, keeping all 28 layers' activations made the step 1.39x faster for 30 GiB more
 (docs/benchmarks.md, train-step). Which layers are kept changes no bit of the result
 (``CausalLM.keep_activations``), so the count can be chosen while the step runs.
 
@@ -10,14 +10,16 @@ activations took (``CausalLM.kept_bytes_per_layer``); the allocator's peak over 
 rest of the step's need. Both are scaled to the step's largest micro-batch (activations grow with its
 padded tokens; weights, LoRA and AdamW state do not), and the remaining micro-batches keep as many
 layers as fit under what the device can give PyTorch (its free memory plus what PyTorch already holds),
-less a margin for the allocator's fragmentation. An estimate can still be wrong (fragmentation, a
-micro-batch of another shape): the out-of-memory error then names the count chosen, and
-``--keep-activations N`` with a smaller N, or 0, fixes it.
+less a margin for the allocator's fragmentation, and less one copy of the gradients. An estimate can still
+be wrong (fragmentation, a micro-batch of another shape, another process taking memory): a micro-batch that
+runs out of memory with layers kept is run again with half as many, from the gradients as they were
+before it (each micro-batch starts by copying them: ~0.1 ms and 160 MB for LoRA r=16 on a 7B model), so
+`auto` fails only where keeping none would. An explicit N is not lowered: its out-of-memory error names N.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,23 +35,30 @@ class AutoKeep:
     model: torch.nn.Module
     device: torch.device
     largest_tokens: int  # padded tokens of the largest micro-batch this rank will run
+    params: list = field(default_factory=list)  # the trained tensors: their grads are saved before each try
     chosen: int | None = None
     note: str = ""
+    said: bool = False
+    retries: int = 0
 
     def before_first(self) -> None:
         self.model.keep_activations = 1
         self.model.kept_bytes_per_layer = None
-        self.resident = torch.cuda.memory_allocated(self.device)  # weights, LoRA, grads, AdamW state
+        self.model.measure_kept = True
+        self.resident = torch.cuda.memory_allocated(self.device)  # weights, LoRA (+ grads, AdamW state if any yet)
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def after_first(self, tokens: int) -> int:
+        self.model.measure_kept = False
         per_layer = self.model.kept_bytes_per_layer
         peak = torch.cuda.max_memory_allocated(self.device)
         free, _ = torch.cuda.mem_get_info(self.device)
         usable = free + torch.cuda.memory_reserved(self.device)
-        self.chosen = choose(n_layers=len(self.model.model.layers), resident=self.resident, peak_with_one=peak,
-                             per_layer=per_layer or 0, tokens=tokens, largest_tokens=self.largest_tokens,
-                             usable=usable)
+        # each later micro-batch first copies the gradients (save_grads): that copy is not in this peak
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        self.chosen = choose(n_layers=len(self.model.model.layers), resident=self.resident + grads,
+                             peak_with_one=peak + grads, per_layer=per_layer or 0, tokens=tokens,
+                             largest_tokens=self.largest_tokens, usable=usable)
         self.model.keep_activations = self.chosen
         n = len(self.model.model.layers)
         scale = max(1.0, self.largest_tokens / max(tokens, 1))
@@ -61,6 +70,27 @@ class AutoKeep:
         if self.chosen < n and fits:  # fewer, larger micro-batches recompute; smaller ones may keep every layer
             self.note += f"; all {n} would fit with --micro-batch-tokens {fits}"
         return self.chosen
+
+    def save_grads(self, params: list) -> list:
+        """The gradients as they stand before a micro-batch, for ``retry_with_fewer``: its backward may have
+        added into some of them before running out of memory."""
+        return [None if p.grad is None else p.grad.clone() for p in params]
+
+    def retry_with_fewer(self, params: list, saved: list) -> str:
+        """After an out-of-memory error in a micro-batch: the gradients back as ``saved``, half the layers
+        kept (none if it failed while measuring); returns the note to print. The micro-batch then runs again,
+        with the same dropout masks (it reseeds), to the same bits: which layers are kept changes none."""
+        for p, g in zip(params, saved):
+            p.grad = g
+        before = self.model.keep_activations
+        self.model.measure_kept = False
+        self.chosen = 0 if self.chosen is None else before // 2
+        self.model.keep_activations = self.chosen
+        self.retries += 1
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return (f"--keep-activations auto: out of GPU memory with {before} layers kept; running the micro-batch "
+                f"again with {self.chosen}")
 
 
 def choose(*, n_layers: int, resident: int, peak_with_one: int, per_layer: int, tokens: int, largest_tokens: int,
