@@ -363,6 +363,9 @@ def main() -> None:
     ap.add_argument("--keep-activations", default="0", metavar="N|auto",
                     help="train-step --keep-activations: the last N layers keep their activations (no recompute); auto")
     ap.add_argument("--no-checkpointing", action="store_true", help="train-step --no-checkpointing")
+    ap.add_argument("--auto-start-all", action="store_true",
+                    help="with --keep-activations auto: its first choice is every layer, whatever fits (to time its "
+                         "out-of-memory retry, which then halves the count)")
     ap.add_argument("--memory-breakdown", action="store_true",
                     help="one extra recorded step: what is live at the peak, to bench_train_<config>_memory.json")
     ap.add_argument("--sampling-cut", default="",
@@ -381,6 +384,18 @@ def main() -> None:
     a = ap.parse_args()
 
     if a.one:  # child: one config, result as JSON
+        retries = []
+        if a.auto_start_all:
+            from qerl_cli.train import activation_budget as ab
+
+            ab.choose = lambda **kw: kw["n_layers"]
+            real_retry = ab.AutoKeep.retry_with_fewer
+
+            def retry(self, params, saved):
+                retries.append(real_retry(self, params, saved))
+                print(retries[-1], flush=True)
+                return retries[-1]
+            ab.AutoKeep.retry_with_fewer = retry
         if a.torch_logprobs:
             from qerl_cli.train import logprobs
 
@@ -396,6 +411,8 @@ def main() -> None:
                           a.keep_activations if a.keep_activations == "auto" else int(a.keep_activations),
                           not a.no_checkpointing)
             row["logprobs"] = "torch" if a.torch_logprobs else "default"
+            if a.auto_start_all:
+                row["auto_retries"] = retries
         except Exception as e:  # noqa: BLE001 - report any failure as a table row
             row = {"config": a.one, "error": f"{type(e).__name__}: {e}".splitlines()[0], "trace": traceback.format_exc()}
         a.json.write_text(json.dumps(row))
@@ -415,7 +432,7 @@ def main() -> None:
                "--kernel-profile", str(a.kernel_profile), "--keep-activations", str(a.keep_activations)]
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
                                 ("--memory-breakdown", a.memory_breakdown), ("--torch-logprobs", a.torch_logprobs),
-                                ("--no-checkpointing", a.no_checkpointing)) if on]
+                                ("--no-checkpointing", a.no_checkpointing), ("--auto-start-all", a.auto_start_all)) if on]
         t0 = time.time()
         with open(a.out / f"bench_train_{name}.log", "w") as log:
             try:
