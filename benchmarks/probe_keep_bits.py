@@ -1,0 +1,47 @@
+"""Are the results of --keep-activations N the same bits for every N on the GPU, at a real model's shape?
+
+A Qwen2.5-7B-shaped NVFP4 model with random weights and a random LoRA r=16 on all seven projections,
+one micro-batch of 3 x 1536 tokens, torch's default attention backend (flash) and bf16: the hidden states
+and every LoRA gradient under N = 0, 28, 0 (again) and 14, against the first.
+
+    python benchmarks/probe_keep_bits.py
+"""
+
+import torch
+
+from qerl_cli.layers.lora import LoraSpec, lora_parameters
+from qerl_cli.models import build_random_model, preset
+from tests.test_train_memory import grads_of
+
+
+def main() -> None:
+    m = build_random_model(preset("qwen2.5-7b"), device="cuda", dtype=torch.bfloat16, quantized=True,
+                           lora=LoraSpec(r=16, alpha=16), max_positions=4096)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for p in lora_parameters(m):  # B = 0 at init would leave A's gradient at zero
+            p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.01)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    params = lora_parameters(m)
+    for p in params:
+        p.requires_grad_(True)
+    m.train()
+    m.gradient_checkpointing = True
+    ids = torch.randint(0, 150000, (3, 1536), device="cuda")
+    mask = torch.ones_like(ids)
+    ref = None
+    for keep in (0, 28, 0, 14):
+        m.keep_activations = keep
+        h, gr = grads_of(m, params, ids, mask)
+        if ref is None:
+            ref = (h, gr)
+            continue
+        print(keep, "hidden equal", torch.equal(ref[0], h), float((ref[0].float() - h.float()).abs().max()),
+              "grads equal", sum(torch.equal(a, b) for a, b in zip(ref[1], gr)), "of", len(gr),
+              "max rel", max(float((a - b).abs().max() / (a.abs().max() + 1e-30)) for a, b in zip(ref[1], gr)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
