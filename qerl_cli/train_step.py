@@ -755,6 +755,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     losses_per_epoch, grad_norms, lrs = [], [], []
     progress = _progress(cfg, dist, len(owned) * cfg.epochs)
     auto = None
+    who = f"rank {dist.rank}: " if dist.enabled else ""  # each rank measures and chooses for itself
     if cfg.keep_activations == "auto" and cuda and model.gradient_checkpointing and owned:
         auto = AutoKeep(model, torch.device(device), max(mbs[j].padded_tokens for j in owned), params)
     try:
@@ -777,7 +778,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                         if saved is None:
                             raise
                     # outside the except: the failed graph's tensors are freed with the traceback
-                    _say(cfg, auto.retry_with_fewer(params, saved))
+                    _say(cfg, who + auto.retry_with_fewer(params, saved))
                 if res is None:  # non-finite loss
                     bad_mb = j
                     break
@@ -788,7 +789,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     acc.min(is_ratio=raw[1])
                     acc.max(is_ratio=raw[2], lp_abs_diff=diff_abs[1])
                 if auto is not None and auto.note and not auto.said:
-                    _say(cfg, auto.note)
+                    _say(cfg, who + auto.note)
                     auto.said = True
                 epoch_loss += loss_value
                 # Clipping can only happen from epoch 2 on (epoch 1 is on-policy: ratio 1), so clip

@@ -251,3 +251,26 @@ def test_an_explicit_count_is_not_lowered_and_its_error_names_it(monkeypatch):
         run_epochs(cfg, model, params, opt, batch, device=FakeCudaDevice("cpu"))
     assert "2 layers kept their activations" in str(e.value)
     assert "--keep-activations N below the 2 layers kept now" in e.value.hint
+
+
+def test_under_torchrun_each_rank_names_itself_in_auto_notes(monkeypatch, capsys):
+    import dataclasses
+
+    from qerl_cli.train.distributed import Dist
+    from qerl_cli.train_step import run_epochs
+
+    class LocalRank1(Dist):  # rank 1 of 2 without a process group: the collectives leave its own values
+        def all_reduce_(self, t, op="sum"):
+            return t
+
+        def all_reduce_grads_(self, params):
+            pass
+
+    _fake_cuda_memory(monkeypatch, allocated=_growing())
+    cfg, model, params, opt, batch = _loop_inputs("auto", n_seq=18)  # rank 1 owns 3 of 6 micro-batches
+    cfg = dataclasses.replace(cfg, progress=True)
+    _arm_boom(monkeypatch, model, lambda keep, n: n == 2)
+    run_epochs(cfg, model, params, opt, batch, dist=LocalRank1(rank=1, world_size=2), device=FakeCudaDevice("cpu"))
+    err = capsys.readouterr().err
+    assert "rank 1: --keep-activations auto: 3 of 3 decoder layers keep their activations" in err, err
+    assert "rank 1: --keep-activations auto: out of GPU memory with 3 layers kept" in err, err
