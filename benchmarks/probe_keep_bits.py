@@ -9,25 +9,15 @@ and every LoRA gradient under N = 0, 28, 0 (again) and 14, against the first.
 
 import torch
 
-from qerl_cli.layers.lora import LoraSpec, lora_parameters
+from qerl_cli.layers.lora import LoraSpec
 from qerl_cli.models import build_random_model, preset
-from tests.test_train_memory import grads_of
+from tests.test_train_memory import grads_of, train_lora_only
 
 
 def main() -> None:
     m = build_random_model(preset("qwen2.5-7b"), device="cuda", dtype=torch.bfloat16, quantized=True,
                            lora=LoraSpec(r=16, alpha=16), max_positions=4096)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    with torch.no_grad():
-        for p in lora_parameters(m):  # B = 0 at init would leave A's gradient at zero
-            p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.01)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    params = lora_parameters(m)
-    for p in params:
-        p.requires_grad_(True)
-    m.train()
-    m.gradient_checkpointing = True
+    params = train_lora_only(m, 0.01)
     ids = torch.randint(0, 150000, (3, 1536), device="cuda")
     mask = torch.ones_like(ids)
     ref = None

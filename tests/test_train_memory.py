@@ -166,14 +166,13 @@ CUDA_TINY = dict(TINY, hidden_size=128, intermediate_size=256, num_layers=4, num
                  vocab_size=512)
 
 
-def cuda_model(quantized=True):
-    cfg = ModelConfig(**CUDA_TINY)
-    m = build_random_model(cfg, device="cuda", dtype=torch.bfloat16, quantized=quantized, seed=3, std=0.05,
-                           lora=LoraSpec(r=8, alpha=8, seed=1))
-    g = torch.Generator(device="cuda").manual_seed(5)
+def train_lora_only(m, scale: float, device="cuda"):
+    """Random LoRA weights (B = 0 at init would leave A's gradient at zero), the base frozen, the model in
+    training mode under gradient checkpointing; returns the LoRA parameters."""
+    g = torch.Generator(device=device).manual_seed(5)
     with torch.no_grad():
         for p in lora_parameters(m):
-            p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.05)
+            p.copy_(torch.randn(p.shape, generator=g, device=device) * scale)
     for p in m.parameters():
         p.requires_grad_(False)
     params = lora_parameters(m)
@@ -181,7 +180,14 @@ def cuda_model(quantized=True):
         p.requires_grad_(True)
     m.train()
     m.gradient_checkpointing = True
-    return m, params
+    return params
+
+
+def cuda_model(quantized=True):
+    cfg = ModelConfig(**CUDA_TINY)
+    m = build_random_model(cfg, device="cuda", dtype=torch.bfloat16, quantized=quantized, seed=3, std=0.05,
+                           lora=LoraSpec(r=8, alpha=8, seed=1))
+    return m, train_lora_only(m, 0.05)
 
 
 @pytest.mark.gpu
