@@ -65,8 +65,8 @@ class AutoKeep:
         self.note = (f"--keep-activations auto: {self.chosen} of {n} decoder layers keep "
                      f"their activations ({(per_layer or 0) * scale / GIB:.2f} GiB each at {self.largest_tokens} "
                      f"tokens; first micro-batch's peak {peak / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable)")
-        fits = tokens_for_all(n_layers=n, resident=self.resident, peak_with_one=peak, per_layer=per_layer or 0,
-                              tokens=tokens, usable=usable)
+        fits = tokens_for_all(n_layers=n, resident=self.resident + grads, peak_with_one=peak + grads,
+                              per_layer=per_layer or 0, tokens=tokens, usable=usable)
         if self.chosen < n and fits:  # fewer, larger micro-batches recompute; smaller ones may keep every layer
             self.note += f"; all {n} would fit with --micro-batch-tokens {fits}"
         return self.chosen
