@@ -241,16 +241,17 @@ def test_auto_halves_down_to_none_and_a_miss_while_measuring_keeps_none(monkeypa
         assert torch.equal(a.detach(), b)
 
 
-def test_an_explicit_count_is_not_lowered_and_its_error_names_it(monkeypatch):
+@pytest.mark.parametrize("keep,layers,their", [(2, "2 layers", "their"), (1, "1 layer", "its")])
+def test_an_explicit_count_is_not_lowered_and_its_error_names_it(monkeypatch, keep, layers, their):
     from qerl_cli.train_step import run_epochs
 
     _fake_cuda_memory(monkeypatch)
-    cfg, model, params, opt, batch = _loop_inputs(2)
+    cfg, model, params, opt, batch = _loop_inputs(keep)
     _arm_boom(monkeypatch, model, lambda keep, n: True)
     with pytest.raises(OutOfMemoryError) as e:
         run_epochs(cfg, model, params, opt, batch, device=FakeCudaDevice("cpu"))
-    assert "2 layers kept their activations" in str(e.value)
-    assert "--keep-activations N below the 2 layers kept now" in e.value.hint
+    assert f"; {layers} kept {their} activations)" in str(e.value), str(e.value)
+    assert f"--keep-activations N below the {layers} kept now" in e.value.hint
 
 
 def test_under_torchrun_each_rank_names_itself_in_auto_notes(monkeypatch, capsys):

@@ -189,18 +189,6 @@ def _raise_oom(*a, **k):
     raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
 
-def test_an_explicit_single_kept_layer_is_named_in_the_singular(monkeypatch):
-    from qerl_cli.train_step import run_epochs
-
-    _fake_cuda_memory(monkeypatch)
-    cfg, model, params, opt, batch = _loop_inputs(1)
-    _arm_boom(monkeypatch, model, lambda keep, n: True)
-    with pytest.raises(OutOfMemoryError) as e:
-        run_epochs(cfg, model, params, opt, batch, device=FakeCudaDevice("cpu"))
-    assert "; 1 layer kept its activations)" in str(e.value), str(e.value)
-    assert "--keep-activations N below the 1 layer kept now" in e.value.hint
-
-
 def test_auto_on_a_rank_that_owns_no_micro_batch(monkeypatch):
     from qerl_cli.train.distributed import Dist
     from qerl_cli.train_step import run_epochs
