@@ -694,6 +694,8 @@ class LoopResult:
     losses: list[float]
     grad_norms: list[float]
     lrs: list[float]
+    kept_layers: int = 0  # decoder layers that kept their activations at the end (--keep-activations)
+    keep_retries: int = 0  # micro-batches --keep-activations auto ran again after running out of memory
 
 
 def _one_microbatch(cfg: TrainStepConfig, model, mb: Microbatch, j: int, epoch: int, step: int, batch: StepBatch,
@@ -824,7 +826,8 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                  "--offload-activations / --embeddings-on-cpu") from None
     finally:
         progress.stop()
-    return LoopResult(acc, losses_per_epoch, grad_norms, lrs)
+    kept = getattr(model, "keep_activations", 0) if getattr(model, "gradient_checkpointing", False) else 0
+    return LoopResult(acc, losses_per_epoch, grad_norms, lrs, kept, auto.retries if auto is not None else 0)
 
 
 def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash,
@@ -917,6 +920,9 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     if dist.is_main:
         try:
             out.extra["metrics"] = metrics
+            # how this rank ran, not what it computed (the same bits for any count): next to the timings
+            out.extra["keep_activations"] = {"asked": cfg.keep_activations, "kept": res.kept_layers,
+                                             "retries": res.keep_retries}
             with out as work:
                 _write_outputs(work, cfg, model, opt, new_state, named, metrics)
             manifest = out.manifest

@@ -80,6 +80,8 @@ def test_keep_activations_flag(step_inputs, tmp_path, capsys):  # noqa: F811
     b = _step(q, sh, tmp_path / "b", device="cpu", keep_activations=1)
     assert "--keep-activations: the last 1 of 2 decoder layers keep their activations" in capsys.readouterr().err
     assert a["fingerprint"] == b["fingerprint"]  # the same result: toggling it is not a new step
+    assert a["keep_activations"] == {"asked": 0, "kept": 0, "retries": 0}  # how it ran, in the manifest
+    assert b["keep_activations"] == {"asked": 1, "kept": 1, "retries": 0}
     for f in ("adapter_model.safetensors", "optimizer.safetensors"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
     # a rerun into the same --out with another N finds the step done
@@ -159,6 +161,7 @@ def test_auto_is_a_logged_no_op_on_cpu(step_inputs, tmp_path, capsys):  # noqa: 
     capsys.readouterr()
     b = _step(q, sh, tmp_path / "b", device="cpu", keep_activations="auto")
     assert "--keep-activations auto: no effect on cpu (every layer is recomputed)" in capsys.readouterr().err
+    assert b["keep_activations"] == {"asked": "auto", "kept": 0, "retries": 0}
     assert a["fingerprint"] == b["fingerprint"]
     assert (tmp_path / "a" / "adapter_model.safetensors").read_bytes() == \
         (tmp_path / "b" / "adapter_model.safetensors").read_bytes()

@@ -219,6 +219,7 @@ def test_auto_runs_a_micro_batch_that_ran_out_of_memory_again_with_half_the_laye
     assert seen[:3] == [1, 3, 1]  # measured with one kept, chose 3, ran again with 1
     assert notes == ["--keep-activations auto: out of GPU memory with 3 layers kept; running the micro-batch again with 1"]
     assert model.keep_activations == 1
+    assert (res.kept_layers, res.keep_retries) == (1, 1)  # what the manifest records
     assert res.losses == ref.losses and res.grad_norms == ref.grad_norms
     for a, b in zip(params, ref_params):
         assert torch.equal(a.detach(), b)  # the partial grads of the failed try were put back
