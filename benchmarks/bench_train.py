@@ -391,8 +391,8 @@ def main() -> None:
             ab.choose = lambda **kw: kw["n_layers"]
             real_retry = ab.AutoKeep.retry_with_fewer
 
-            def retry(self, params, saved):
-                retries.append(real_retry(self, params, saved))
+            def retry(self, saved):
+                retries.append(real_retry(self, saved))
                 print(retries[-1], flush=True)
                 return retries[-1]
             ab.AutoKeep.retry_with_fewer = retry

@@ -424,13 +424,12 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
     if keep == "auto":
         notes.append("--keep-activations auto: the count is chosen after the first micro-batch" if cuda else
                      f"--keep-activations auto: no effect on {device} (every layer is recomputed)")
-    elif keep > n_layers:
-        raise BadInputError(f"--keep-activations {keep}: the model has {n_layers} decoder layers",
-                            hint=f"at most {n_layers} (every layer kept)")
-    elif keep:
-        model.keep_activations = keep
-        notes.append(f"--keep-activations: the last {keep} of {n_layers} decoder layers keep their "
-                     f"activations for the backward; the other {n_layers - keep} are recomputed")
+    else:
+        _check_keep_fits(keep, n_layers, "the model")
+        if keep:
+            model.keep_activations = keep
+            notes.append(f"--keep-activations: the last {keep} of {n_layers} decoder layers keep their "
+                         f"activations for the backward; the other {n_layers - keep} are recomputed")
     model.activation_offload = None
     if cfg.offload_activations:
         if cuda:
@@ -486,6 +485,14 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
     need(cfg.adam_eps > 0, "adam_eps (no flag; TrainStepConfig)", "> 0", cfg.adam_eps)
     need(cfg.micro_batch_tokens >= 1, "--micro-batch-tokens", ">= 1", cfg.micro_batch_tokens)
     need(cfg.logits_chunk_tokens >= 1, "--logits-chunk-tokens", ">= 1", cfg.logits_chunk_tokens)
+
+
+def _check_keep_fits(keep: int, n_layers: int, model: str) -> None:
+    """Refuse a --keep-activations count above the model's layer count (before loading, and in
+    ``apply_memory_options`` for a library caller)."""
+    if keep > n_layers:
+        raise BadInputError(f"--keep-activations {keep}: {model} has {n_layers} decoder layers",
+                            hint=f"at most {n_layers} (every layer kept)")
 
 
 def _check_memory_flags(cfg: TrainStepConfig) -> None:
@@ -619,9 +626,8 @@ def _train_step(cfg: TrainStepConfig) -> dict:
         from qerl_cli.models import ModelConfig
 
         mcfg = ModelConfig.from_dir(Path(cfg.model))
-        if cfg.keep_activations != "auto" and cfg.keep_activations > mcfg.num_layers:
-            raise BadInputError(f"--keep-activations {cfg.keep_activations}: --model {cfg.model} has {mcfg.num_layers} "
-                                "decoder layers", hint=f"at most {mcfg.num_layers} (every layer kept)")
+        if cfg.keep_activations != "auto":
+            _check_keep_fits(cfg.keep_activations, mcfg.num_layers, f"--model {cfg.model}")
         if cfg.embeddings_on_cpu and mcfg.tie_word_embeddings:
             raise BadInputError(f"--embeddings-on-cpu: --model {cfg.model} ties its input embedding to the lm_head "
                                 "(tie_word_embeddings), which needs the table on the GPU",
@@ -771,7 +777,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
             for j in owned:
                 while True:  # once, or again with fewer layers kept when auto's estimate ran out of memory
                     retry = auto is not None and (model.keep_activations or auto.chosen is None)
-                    saved = auto.save_grads(params) if retry else None
+                    saved = auto.save_grads() if retry else None
                     try:
                         res = _one_microbatch(cfg, model, mbs[j], j, epoch, step, batch, lcfg, device, auto,
                                               old_lp, ref_lp, isw)
@@ -780,7 +786,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                         if saved is None:
                             raise
                     # outside the except: the failed graph's tensors are freed with the traceback
-                    _say(cfg, who + auto.retry_with_fewer(params, saved))
+                    _say(cfg, who + auto.retry_with_fewer(saved))
                 if res is None:  # non-finite loss
                     bad_mb = j
                     break

@@ -197,8 +197,8 @@ def _spy_retries(monkeypatch):
 
     notes, real = [], ab.AutoKeep.retry_with_fewer
 
-    def spy(self, params, saved):
-        notes.append(real(self, params, saved))
+    def spy(self, saved):
+        notes.append(real(self, saved))
         return notes[-1]
 
     monkeypatch.setattr(ab.AutoKeep, "retry_with_fewer", spy)

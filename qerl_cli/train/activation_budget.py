@@ -71,16 +71,16 @@ class AutoKeep:
             self.note += f"; all {n} would fit with --micro-batch-tokens {fits}"
         return self.chosen
 
-    def save_grads(self, params: list) -> list:
+    def save_grads(self) -> list:
         """The gradients as they stand before a micro-batch, for ``retry_with_fewer``: its backward may have
         added into some of them before running out of memory."""
-        return [None if p.grad is None else p.grad.clone() for p in params]
+        return [None if p.grad is None else p.grad.clone() for p in self.params]
 
-    def retry_with_fewer(self, params: list, saved: list) -> str:
+    def retry_with_fewer(self, saved: list) -> str:
         """After an out-of-memory error in a micro-batch: the gradients back as ``saved``, half the layers
         kept (none if it failed while measuring); returns the note to print. The micro-batch then runs again,
         with the same dropout masks (it reseeds), to the same bits: which layers are kept changes none."""
-        for p, g in zip(params, saved):
+        for p, g in zip(self.params, saved):
             p.grad = g
         before = self.model.keep_activations
         self.model.measure_kept = False
