@@ -205,13 +205,17 @@ def record_breakdown(name, run_step, model, params, opt, cuda: bool, timed_peak:
 def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, rank: int, dev: str = "cuda",
             offload_activations: bool = False, embeddings_on_cpu: bool = False,
             memory_breakdown: Path | None = None, cut: tuple[float, int, float] | None = None,
-            kernel_profile: int = 0, keep_activations: int | str = 0, checkpointing: bool = True) -> dict:
+            kernel_profile: int = 0, keep_activations: int | str = 0, checkpointing: bool = True,
+            deterministic: bool = False) -> dict:
+    import hashlib
+
     import torch
 
     from qerl_cli.layers.lora import LoraSpec
     from qerl_cli.models import ModelConfig, build_random_model, preset
     from qerl_cli.train.advantages import group_advantages
     from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train.determinism import deterministic_algorithms, prepare_environment
     from qerl_cli.train.losses import sequence_weights
     from qerl_cli.train.optim import make_optimizer
     from qerl_cli.train_step import StepBatch, TrainStepConfig, _trainable, apply_memory_options, run_epochs
@@ -219,6 +223,8 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
     preset_name, quantized, n_seq, p_len, c_len = CONFIGS[name]
     mcfg = ModelConfig(**TINY) if preset_name == "tiny" else preset(preset_name)
     cuda = dev == "cuda"
+    if deterministic:
+        prepare_environment()  # as train-step does: before CUDA starts
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -231,7 +237,7 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
     cfg = TrainStepConfig(model=Path("-"), shards=[], out=Path("-"), micro_batch_tokens=micro_batch_tokens,
                           logits_chunk_tokens=logits_chunk, progress=False, offload_activations=offload_activations,
                           embeddings_on_cpu=embeddings_on_cpu, keep_activations=keep_activations,
-                          gradient_checkpointing=checkpointing)
+                          gradient_checkpointing=checkpointing, deterministic=deterministic)
     for note in apply_memory_options(cfg, model, dev):  # gradient checkpointing (+ the memory options)
         print(note, flush=True)
     model.train()
@@ -259,8 +265,12 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
 
     # warm-up: compile/autotune on real micro-batch shapes: the first two and the last (the packing's
     # odd one out, whose first-use cost otherwise landed in the first timed step)
+    def step(gs):  # the loop as train-step runs it (--deterministic: under PyTorch's deterministic mode)
+        with deterministic_algorithms(deterministic):
+            return run_epochs(cfg, model, params, opt, batch_of(gs), device=dev)
+
     t0 = time.time()
-    run_epochs(cfg, model, params, opt, batch_of(groups[:2] + groups[2:][-1:]), device=dev)
+    step(groups[:2] + groups[2:][-1:])
     sync()
     warm_s = time.time() - t0
     times, peaks = [], []
@@ -269,16 +279,19 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
             torch.cuda.reset_peak_memory_stats()
         sync()
         t0 = time.time()
-        res = run_epochs(cfg, model, params, opt, batch_of(groups), device=dev)
+        res = step(groups)
         sync()
         times.append(time.time() - t0)
         peaks.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
     step_s = statistics.median(times)  # times[len // 2] of the sorted list took the slower of two steps
+    digest = hashlib.sha256()  # the LoRA weights after every step: equal across runs iff the steps were
+    for p in params:
+        digest.update(p.detach().float().cpu().numpy().tobytes())
     tokens = n_seq * (p_len + c_len)
     if memory_breakdown is not None:
         mbs = groups[:2]
         try:  # a failure here must not lose the timed row
-            b = record_breakdown(name, lambda: run_epochs(cfg, model, params, opt, batch_of(mbs), device=dev), model,
+            b = record_breakdown(name, lambda: step(mbs), model,
                                  params, opt, cuda, round(max(peaks), 2), len(mbs))
             print(format_breakdown(b), flush=True)
         except Exception as e:  # noqa: BLE001
@@ -286,7 +299,7 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
             print(f"memory breakdown failed: {b['error']}", flush=True)
         memory_breakdown.write_text(json.dumps(b, indent=2))
     if kernel_profile and cuda:
-        print_kernel_profile(lambda: run_epochs(cfg, model, params, opt, batch_of(groups[:2]), device=dev), kernel_profile)
+        print_kernel_profile(lambda: step(groups[:2]), kernel_profile)
     return {
         "config": name, "preset": preset_name, "quantized": quantized, "lora_rank": rank,
         "sequences": n_seq, "tokens_per_sequence": p_len + c_len, "micro_batch_tokens": micro_batch_tokens,
@@ -296,7 +309,8 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
         "sampling_cut": list(cut) if cut else None, "step_s": round(step_s, 3), "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(tokens / step_s, 1), "peak_gib": round(max(peaks), 2),
         "weights_gib": round(weights_gib, 2), "build_s": round(build_s, 1), "warmup_s": round(warm_s, 1),
-        "loss": res.losses[0], "grad_norm": res.grad_norms[-1],
+        "loss": res.losses[0], "grad_norm": res.grad_norms[-1], "deterministic": deterministic,
+        "lora_sha256": digest.hexdigest()[:16],
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
     }
 
@@ -333,6 +347,8 @@ def table(rows: list[dict]) -> str:
                 opts += f", {r['keep_activations']} layers kept"
             if r.get("checkpointing") is False:
                 opts += ", no checkpointing"
+            if r.get("deterministic"):
+                opts += ", deterministic"
             if r.get("sampling_cut"):
                 opts += ", top_p/top_k/min_p {} replayed".format("/".join(map(str, r["sampling_cut"])))
             lines.append(f"| {r['config']} (LoRA r={r['lora_rank']}{opts}) | {r['sequences']} x {r['tokens_per_sequence']} | "
@@ -363,6 +379,9 @@ def main() -> None:
     ap.add_argument("--keep-activations", default="0", metavar="N|auto",
                     help="train-step --keep-activations: the last N layers keep their activations (no recompute); auto")
     ap.add_argument("--no-checkpointing", action="store_true", help="train-step --no-checkpointing")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="train-step --deterministic (each row's lora_sha256, the LoRA weights after its steps, "
+                         "then matches a rerun's)")
     ap.add_argument("--auto-start-all", action="store_true",
                     help="with --keep-activations auto: its first choice is every layer, whatever fits (to time its "
                          "out-of-memory retry, which then halves the count)")
@@ -409,7 +428,7 @@ def main() -> None:
             row = run_one(a.one, a.steps, a.micro_batch_tokens, a.logits_chunk_tokens, a.lora_rank, a.device,
                           a.offload_activations, a.embeddings_on_cpu, mem, cut, a.kernel_profile,
                           a.keep_activations if a.keep_activations == "auto" else int(a.keep_activations),
-                          not a.no_checkpointing)
+                          not a.no_checkpointing, a.deterministic)
             row["logprobs"] = "torch" if a.torch_logprobs else "default"
             if a.auto_start_all:
                 row["auto_retries"] = retries
@@ -432,7 +451,8 @@ def main() -> None:
                "--kernel-profile", str(a.kernel_profile), "--keep-activations", str(a.keep_activations)]
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
                                 ("--memory-breakdown", a.memory_breakdown), ("--torch-logprobs", a.torch_logprobs),
-                                ("--no-checkpointing", a.no_checkpointing), ("--auto-start-all", a.auto_start_all)) if on]
+                                ("--no-checkpointing", a.no_checkpointing), ("--auto-start-all", a.auto_start_all),
+                                ("--deterministic", a.deterministic)) if on]
         t0 = time.time()
         with open(a.out / f"bench_train_{name}.log", "w") as log:
             try:

@@ -21,8 +21,9 @@ How it works, in order:
 
 Determinism: the adapter init, the micro-batch packing and the dropout masks (seeded per
 (seed, step, epoch, micro-batch)) depend only on the inputs, so rerunning a step from the same
-inputs reproduces the adapter bit for bit on the same machine, and a multi-GPU run equals the
-single-process run up to float summation order.
+inputs reproduces the adapter bit for bit on the same machine: on a CPU always, on a GPU with
+``--deterministic`` (without it PyTorch's cuDNN attention backward may vary in the last bits;
+``train.determinism``). A multi-GPU run equals the single-process run up to float summation order.
 
 Trade-offs: log-probs are recomputed at the training policy instead of trusting the rollout's
 (costs one forward, which the backward needs anyway); the reference policy for ``--beta`` is the
@@ -62,6 +63,7 @@ from qerl_cli.train import distributed
 from qerl_cli.train.activation_budget import AutoKeep
 from qerl_cli.train.advantages import SCALES, group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
+from qerl_cli.train.determinism import deterministic_algorithms, prepare_environment
 from qerl_cli.train.logprobs import token_logprobs
 from qerl_cli.train.losses import LossConfig, policy_loss, sequence_weights, tis_weights
 from qerl_cli.train.metrics import Accumulator, append_jsonl, clean
@@ -119,6 +121,7 @@ class TrainStepConfig:
     keep_activations: int | str = 0    # under checkpointing, the last N decoder layers are not recomputed; "auto"
     offload_activations: bool = False  # checkpointed layer inputs to pinned CPU memory (CUDA only)
     embeddings_on_cpu: bool = False    # frozen input embedding table in CPU memory (CUDA only; not when tied)
+    deterministic: bool = False        # PyTorch's deterministic algorithms for the loop (train.determinism)
     device: str = "auto"
     dtype: str = "auto"
     baseline: str | None = None
@@ -137,9 +140,10 @@ class TrainStepConfig:
             raise BadInputError("lora_targets=() names no Linear", hint="None: all seven (or the adapter's own)")
 
     # arguments that do not change the result (where things go, how they are shown, where the
-    # same bytes wait: the memory options are bit-identical, so toggling them is not a new step)
+    # same bytes wait: the memory options are bit-identical, so toggling them is not a new step;
+    # --deterministic only fixes the order of float sums, as --micro-batch-tokens changes it)
     _NOT_RESULT = ("model", "shards", "out", "adapter", "metrics_file", "force", "progress", "offload_activations",
-                   "embeddings_on_cpu", "keep_activations")
+                   "embeddings_on_cpu", "keep_activations", "deterministic")
 
     def fingerprint_config(self, lora_dropout: float | None = None) -> dict:
         """The arguments that make the step's result. The micro-batch and logits-chunk sizes only
@@ -606,6 +610,8 @@ def _train_step(cfg: TrainStepConfig) -> dict:
         # found only after the step's output was in place, the traceback stopped a `set -e` recipe there
         raise BadInputError(f"--metrics-file {cfg.metrics_file} is a directory or inside a file",
                             hint="name a .jsonl file (one for the whole run), e.g. run/metrics.jsonl")
+    if cfg.deterministic:
+        prepare_environment()  # before CUDA starts: cuBLAS reads its workspace setting once
     device = resolve_device(cfg.device)
     _, dtype = resolve_dtype(cfg.dtype, device)
 
@@ -892,7 +898,8 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     step = state.global_step
     load_time = time.time() - t_start
     t_loop = time.time()
-    res = run_epochs(cfg, model, params, opt, batch, dist=dist, device=device, step=step)
+    with deterministic_algorithms(cfg.deterministic):
+        res = run_epochs(cfg, model, params, opt, batch, dist=dist, device=device, step=step)
     acc, losses_per_epoch, grad_norms, lrs = res.acc, res.losses, res.grad_norms, res.lrs
     if cuda:
         torch.cuda.synchronize(device)
@@ -929,6 +936,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
             # how this rank ran, not what it computed (the same bits for any count): next to the timings
             out.extra["keep_activations"] = {"asked": cfg.keep_activations, "kept": res.kept_layers,
                                              "retries": res.keep_retries}
+            out.extra["deterministic"] = cfg.deterministic
             with out as work:
                 _write_outputs(work, cfg, model, opt, new_state, named, metrics)
             manifest = out.manifest
