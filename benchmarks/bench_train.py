@@ -382,6 +382,9 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true",
                     help="train-step --deterministic (each row's lora_sha256, the LoRA weights after its steps, "
                          "then matches a rerun's)")
+    ap.add_argument("--no-fill", action="store_true",
+                    help="A/B with --deterministic: torch.utils.deterministic.fill_uninitialized_memory off (PyTorch "
+                         "fills every new tensor with NaN in the deterministic mode; what does that cost?)")
     ap.add_argument("--auto-start-all", action="store_true",
                     help="with --keep-activations auto: its first choice is every layer, whatever fits (to time its "
                          "out-of-memory retry, which then halves the count)")
@@ -415,6 +418,10 @@ def main() -> None:
                 print(retries[-1], flush=True)
                 return retries[-1]
             ab.AutoKeep.retry_with_fewer = retry
+        if a.no_fill:
+            import torch.utils.deterministic
+
+            torch.utils.deterministic.fill_uninitialized_memory = False
         if a.torch_logprobs:
             from qerl_cli.train import logprobs
 
@@ -452,7 +459,7 @@ def main() -> None:
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
                                 ("--memory-breakdown", a.memory_breakdown), ("--torch-logprobs", a.torch_logprobs),
                                 ("--no-checkpointing", a.no_checkpointing), ("--auto-start-all", a.auto_start_all),
-                                ("--deterministic", a.deterministic)) if on]
+                                ("--deterministic", a.deterministic), ("--no-fill", a.no_fill)) if on]
         t0 = time.time()
         with open(a.out / f"bench_train_{name}.log", "w") as log:
             try:
