@@ -610,9 +610,9 @@ def _train_step(cfg: TrainStepConfig) -> dict:
         # found only after the step's output was in place, the traceback stopped a `set -e` recipe there
         raise BadInputError(f"--metrics-file {cfg.metrics_file} is a directory or inside a file",
                             hint="name a .jsonl file (one for the whole run), e.g. run/metrics.jsonl")
-    if cfg.deterministic:
-        prepare_environment()  # before CUDA starts: cuBLAS reads its workspace setting once
     device = resolve_device(cfg.device)
+    if cfg.deterministic and device.startswith("cuda"):
+        prepare_environment()  # before CUDA starts: cuBLAS reads its workspace setting once
     _, dtype = resolve_dtype(cfg.dtype, device)
 
     data = read_step(cfg)

@@ -12,7 +12,8 @@ attention and runs flash attention with its deterministic backward (or another d
 and raises on any op that has no deterministic kernel instead of letting it vary: the step stops with
 that op's name (``NondeterministicOpError``). cuBLAS is deterministic only with a fixed workspace,
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (PyTorch refuses matmuls in this mode without it), which is set for
-the process before CUDA starts unless the user set a deterministic value; another value is refused.
+the process before CUDA starts unless the user set ``:16:8``, the other deterministic value; another value
+is refused (on a CUDA device only: the CPU never reads it).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def deterministic_algorithms(enabled: bool):
     except RuntimeError as e:
         if "deterministic" not in str(e):
             raise
-        raise NondeterministicOpError(f"--deterministic: {str(e).splitlines()[0]}",
+        op = str(e).splitlines()[0].split(", but you set")[0]  # PyTorch's advice after it is for its own API
+        raise NondeterministicOpError(f"--deterministic: {op}",
                                       hint="rerun without --deterministic (the results then may differ in the "
                                            "last bits from run to run), and report the op to qerl") from e
     finally:
