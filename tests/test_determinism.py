@@ -113,6 +113,28 @@ def test_cli_flag_and_the_error_of_an_op_without_a_deterministic_kernel(step_inp
     assert "--deterministic" in res.output
 
 
+@pytest.mark.parametrize("deterministic,device,prepared", [(True, "cuda", 1), (True, "cpu", 0), (False, "cuda", 0)])
+def test_the_cublas_setting_is_made_on_a_gpu_before_the_step_reads_anything(step_inputs, tmp_path, monkeypatch,  # noqa: F811
+                                                                              deterministic, device, prepared):
+    import qerl_cli.train_step as ts
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def read_step(cfg):  # the first thing after the device is known: CUDA is not touched before it
+        raise Stop
+
+    monkeypatch.setattr(ts, "resolve_device", lambda d: device)
+    monkeypatch.setattr(ts, "prepare_environment", lambda: calls.append(1))
+    monkeypatch.setattr(ts, "read_step", read_step)
+    q, sh = step_inputs
+    with pytest.raises(Stop):
+        _step(q, sh, tmp_path / "o", deterministic=deterministic)
+    assert len(calls) == prepared
+
+
 @pytest.mark.gpu
 def test_deterministic_mode_makes_attention_backward_repeatable_at_a_shape_cudnn_varies_at(monkeypatch):
     """Qwen2.5-32B heads, 3 x 2560 tokens: cuDNN's backward differed between identical calls on an H100
