@@ -73,3 +73,25 @@ def test_two_ranks_equal_one_process(tmp_path, device):
     codes = [ln.split(":")[1].split()[0] for ln in res.stderr.splitlines() if ln.strip().startswith("exitcode")]
     root = res.stderr.split("Root Cause", 1)[-1]
     assert "1" not in codes and "exitcode  : 7" in root, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_two_ranks_with_deterministic_write_the_same_bytes_twice(tmp_path):
+    """torchrun, NCCL, bf16: a rerun of the step with --deterministic writes the same adapter and optimizer."""
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    outs = []
+    for run in ("a", "b"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(q), "--shards",
+               str(sh), "--out", str(tmp_path / run), "--lr", "1e-3", "--epochs", "2", "--lora-rank", "4",
+               "--lora-dropout", "0.1", "--micro-batch-tokens", "40", "--keep-activations", "1", "--device", "cuda",
+               "--deterministic", "--quiet"]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs.append(tmp_path / run)
+    assert json.loads((outs[0] / "manifest.json").read_text())["deterministic"] is True
+    for f in ("adapter_model.safetensors", "optimizer.safetensors"):
+        assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes()
