@@ -28,6 +28,8 @@ from collections import Counter
 
 import torch
 
+from qerl_cli.train.determinism import empty_unfilled
+
 
 class _Saved:
     """One offloaded tensor: its host copy and, once fetched back, the device copy."""
@@ -80,7 +82,7 @@ class ActivationOffloader:
                 main = torch.cuda.current_stream(t.device)
                 self.stream.wait_stream(main)  # t is written by work queued on the compute stream
                 with torch.cuda.stream(self.stream):
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host = empty_unfilled(t.shape, dtype=t.dtype, pin_memory=True)  # the copy writes it all
                     host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # its block is not reused before the copy has read it
             else:
@@ -114,7 +116,7 @@ class ActivationOffloader:
         with torch.no_grad():
             if self.cuda:
                 with torch.cuda.stream(self.stream):  # after this tensor's copy out, queued on the same stream
-                    t = torch.empty(h.host.shape, dtype=h.host.dtype, device=h.device)
+                    t = empty_unfilled(h.host.shape, dtype=h.host.dtype, device=h.device)
                     t.copy_(h.host, non_blocking=True)
                     h.ready = torch.cuda.Event()
                     h.ready.record(self.stream)
