@@ -385,9 +385,6 @@ def main() -> None:
     ap.add_argument("--no-fill", action="store_true",
                     help="A/B with --deterministic: torch.utils.deterministic.fill_uninitialized_memory off (PyTorch "
                          "fills every new tensor with NaN in the deterministic mode; what does that cost?)")
-    ap.add_argument("--fill-all", action="store_true",
-                    help="A/B with --deterministic: the offload's and the CPU embedding's buffers NaN-filled too, as "
-                         "before empty_unfilled (qerl_cli.train.determinism)")
     ap.add_argument("--auto-start-all", action="store_true",
                     help="with --keep-activations auto: its first choice is every layer, whatever fits (to time its "
                          "out-of-memory retry, which then halves the count)")
@@ -425,13 +422,6 @@ def main() -> None:
             import torch.utils.deterministic
 
             torch.utils.deterministic.fill_uninitialized_memory = False
-        if a.fill_all:
-            import torch
-
-            from qerl_cli.models import decoder
-            from qerl_cli.train import offload
-
-            offload.empty_unfilled = decoder.empty_unfilled = torch.empty
         if a.torch_logprobs:
             from qerl_cli.train import logprobs
 
@@ -469,8 +459,7 @@ def main() -> None:
         cmd += [f for f, on in (("--offload-activations", a.offload_activations), ("--embeddings-on-cpu", a.embeddings_on_cpu),
                                 ("--memory-breakdown", a.memory_breakdown), ("--torch-logprobs", a.torch_logprobs),
                                 ("--no-checkpointing", a.no_checkpointing), ("--auto-start-all", a.auto_start_all),
-                                ("--deterministic", a.deterministic), ("--no-fill", a.no_fill),
-                                ("--fill-all", a.fill_all)) if on]
+                                ("--deterministic", a.deterministic), ("--no-fill", a.no_fill)) if on]
         t0 = time.time()
         with open(a.out / f"bench_train_{name}.log", "w") as log:
             try:

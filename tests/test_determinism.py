@@ -113,26 +113,6 @@ def test_cli_flag_and_the_error_of_an_op_without_a_deterministic_kernel(step_inp
     assert "--deterministic" in res.output
 
 
-def test_empty_unfilled_skips_the_nan_fill_only_in_the_mode(monkeypatch):
-    import torch.utils.deterministic as td
-
-    from qerl_cli.train.determinism import empty_unfilled
-
-    seen = []
-    real = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: seen.append(td.fill_uninitialized_memory) or real(*a, **kw))
-    x = empty_unfilled((2, 3), dtype=torch.bfloat16)
-    assert x.shape == (2, 3) and x.dtype == torch.bfloat16 and seen == [True]  # outside the mode: untouched
-    with deterministic_algorithms(True):
-        y = empty_unfilled(4, 5)
-        assert y.shape == (4, 5) and seen[-1] is False  # no NaN fill for this one
-        assert td.fill_uninitialized_memory is True  # every other tensor is still filled
-        assert torch.isnan(real(8)).all()
-        monkeypatch.setattr(td, "fill_uninitialized_memory", False)  # a caller who turned the fill off keeps it off
-        empty_unfilled(3)
-        assert td.fill_uninitialized_memory is False
-
-
 @pytest.mark.parametrize("deterministic,device,prepared", [(True, "cuda", 1), (True, "cpu", 0), (False, "cuda", 0)])
 def test_the_cublas_setting_is_made_on_a_gpu_before_the_step_reads_anything(step_inputs, tmp_path, monkeypatch,  # noqa: F811
                                                                               deterministic, device, prepared):
@@ -180,27 +160,13 @@ def test_deterministic_mode_makes_attention_backward_repeatable_at_a_shape_cudnn
 
 @pytest.mark.gpu
 def test_deterministic_step_on_cuda_runs_and_a_rerun_writes_the_same_bytes(step_inputs, tmp_path, monkeypatch):  # noqa: F811
-    """Every op of the loop has a deterministic kernel on CUDA (none raises), with the memory options on; the
-    offload's and the CPU embedding's pinned buffers skip the mode's NaN fill (the copies write them whole)."""
-    from qerl_cli.models import decoder
-    from qerl_cli.train import determinism, offload
-
+    """Every op of the loop has a deterministic kernel on CUDA (none raises), with the memory options on."""
     monkeypatch.setenv(CUBLAS_VAR, ":4096:8")
-    unfilled = []
-
-    def spy(*a, **kw):
-        unfilled.append(kw.get("pin_memory", False))
-        return determinism.empty_unfilled(*a, **kw)
-
-    monkeypatch.setattr(offload, "empty_unfilled", spy)
-    monkeypatch.setattr(decoder, "empty_unfilled", spy)
     q, sh = step_inputs
-    kw = dict(device="cuda", deterministic=True, keep_activations=1, offload_activations=True, lora_dropout=0.1,
-              embeddings_on_cpu=True)
+    kw = dict(device="cuda", deterministic=True, keep_activations=1, offload_activations=True, lora_dropout=0.1)
     a = _step(q, sh, tmp_path / "a", **kw)
     _step(q, sh, tmp_path / "b", **kw)
     assert a["deterministic"] is True
-    assert sum(unfilled) > 0 and not all(unfilled)  # pinned host buffers, and the fetched device copies
     for f in FILES:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
 

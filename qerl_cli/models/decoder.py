@@ -21,7 +21,6 @@ from qerl_cli.layers.linear import QLinear
 from qerl_cli.layers.norm import RMSNorm
 from qerl_cli.layers.rotary import RotaryEmbedding
 from qerl_cli.models.config import ModelConfig
-from qerl_cli.train.determinism import empty_unfilled
 from qerl_cli.train.recompute import checkpoint
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -229,7 +228,7 @@ class CausalLM(nn.Module):
             return emb(input_ids)
         w = emb.weight
         ids = input_ids.to(w.device)
-        rows = empty_unfilled((*ids.shape, w.shape[1]), dtype=w.dtype, pin_memory=dev.type == "cuda")  # index_select fills it
+        rows = torch.empty((*ids.shape, w.shape[1]), dtype=w.dtype, pin_memory=dev.type == "cuda")
         torch.index_select(w, 0, ids.reshape(-1), out=rows.view(-1, w.shape[1]))
         return rows.to(dev, non_blocking=True)
 

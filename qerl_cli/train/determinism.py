@@ -10,11 +10,7 @@ attention's deterministic backward took 2.3-2.6x cuDNN's there), so it is off by
 How: ``torch.use_deterministic_algorithms(True)`` for the optimisation loop. PyTorch then refuses cuDNN
 attention and runs flash attention with its deterministic backward (or another deterministic kernel),
 and raises on any op that has no deterministic kernel instead of letting it vary: the step stops with
-that op's name (``NondeterministicOpError``). It also fills every new tensor with NaN, so that a read of
-memory nobody wrote cannot vary; ``empty_unfilled`` skips that for the buffers a copy fills whole at
-once, above all the pinned host buffers of ``--offload-activations`` and ``--embeddings-on-cpu``, which the
-CPU would otherwise fill (51 ms for one 7B layer input of 24576 tokens on the 2-core machine, per layer
-and micro-batch, with the host stalled). cuBLAS is deterministic only with a fixed workspace,
+that op's name (``NondeterministicOpError``). cuBLAS is deterministic only with a fixed workspace,
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (PyTorch refuses matmuls in this mode without it), which is set for
 the process before CUDA starts unless the user set ``:16:8``, the other deterministic value; another value
 is refused (on a CUDA device only: the CPU never reads it).
@@ -26,7 +22,6 @@ import contextlib
 import os
 
 import torch
-import torch.utils.deterministic
 
 from qerl_cli.errors import BadInputError
 
@@ -68,15 +63,3 @@ def deterministic_algorithms(enabled: bool):
                                            "last bits from run to run), and report the op to qerl") from e
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
-
-
-def empty_unfilled(*shape, **kw) -> torch.Tensor:
-    """``torch.empty`` without the deterministic mode's NaN fill: only for a buffer that one copy or kernel
-    writes in full before anything reads it."""
-    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
-        return torch.empty(*shape, **kw)
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        return torch.empty(*shape, **kw)
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = True

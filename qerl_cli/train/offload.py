@@ -28,8 +28,6 @@ from collections import Counter
 
 import torch
 
-from qerl_cli.train.determinism import empty_unfilled
-
 
 class _Saved:
     """One offloaded tensor: its host copy and, once fetched back, the device copy."""
@@ -82,7 +80,7 @@ class ActivationOffloader:
                 main = torch.cuda.current_stream(t.device)
                 self.stream.wait_stream(main)  # t is written by work queued on the compute stream
                 with torch.cuda.stream(self.stream):
-                    host = empty_unfilled(t.shape, dtype=t.dtype, pin_memory=True)  # the copy writes it all
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                     host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # its block is not reused before the copy has read it
             else:
@@ -116,7 +114,7 @@ class ActivationOffloader:
         with torch.no_grad():
             if self.cuda:
                 with torch.cuda.stream(self.stream):  # after this tensor's copy out, queued on the same stream
-                    t = empty_unfilled(h.host.shape, dtype=h.host.dtype, device=h.device)
+                    t = torch.empty(h.host.shape, dtype=h.host.dtype, device=h.device)
                     t.copy_(h.host, non_blocking=True)
                     h.ready = torch.cuda.Event()
                     h.ready.record(self.stream)
