@@ -160,10 +160,11 @@ def test_deterministic_mode_makes_attention_backward_repeatable_at_a_shape_cudnn
 
 @pytest.mark.gpu
 def test_deterministic_step_on_cuda_runs_and_a_rerun_writes_the_same_bytes(step_inputs, tmp_path, monkeypatch):  # noqa: F811
-    """Every op of the loop has a deterministic kernel on CUDA (none raises), with the memory options on."""
+    """Every op of the loop has a deterministic kernel on CUDA (none raises), with the recipes' memory options on."""
     monkeypatch.setenv(CUBLAS_VAR, ":4096:8")
     q, sh = step_inputs
-    kw = dict(device="cuda", deterministic=True, keep_activations=1, offload_activations=True, lora_dropout=0.1)
+    kw = dict(device="cuda", deterministic=True, keep_activations=1, offload_activations=True, lora_dropout=0.1,
+              embeddings_on_cpu=True)
     a = _step(q, sh, tmp_path / "a", **kw)
     _step(q, sh, tmp_path / "b", **kw)
     assert a["deterministic"] is True
