@@ -477,21 +477,21 @@ def test_submit_env_keeps_what_only_the_environment_set(tmp_path):
 
 
 def test_a_rerun_takes_its_settings_from_submit_env_and_says_so(tmp_path):
-    # A job rerun with MICRO_BATCH_TOKENS=8192 in the environment (to avoid an OOM) silently ran with the
+    # A job rerun with MICRO_BATCH_TOKENS=4096 in the environment (to avoid an OOM) silently ran with the
     # chain's value. The chain's values still win (the chain stays consistent), but the job says where its
     # settings come from and which of the environment's it does not use; editing submit.env changes them.
     cfg, run = _submit_7b_chain(tmp_path)
     qerl, log = _argv_recorder(tmp_path)
-    env = {**os.environ, "QERL": str(qerl), "MICRO_BATCH_TOKENS": "8192"}
+    env = {**os.environ, "QERL": str(qerl), "MICRO_BATCH_TOKENS": "4096"}
     cmd = ["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "0"]
     err = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stderr
-    assert "--micro-batch-tokens 24576 " in log.read_text()
+    assert "--micro-batch-tokens 8192 " in log.read_text()  # the 7B config's
     assert f"settings from {run}/submit.env" in err and "MICRO_BATCH_TOKENS differ" in err, err
     env_file = run / "submit.env"
-    env_file.write_text(env_file.read_text().replace("MICRO_BATCH_TOKENS=24576", "MICRO_BATCH_TOKENS=8192"))
+    env_file.write_text(env_file.read_text().replace("MICRO_BATCH_TOKENS=8192", "MICRO_BATCH_TOKENS=4096"))
     log.write_text("")
     err = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stderr
-    assert "--micro-batch-tokens 8192 " in log.read_text() and "differ" not in err
+    assert "--micro-batch-tokens 4096 " in log.read_text() and "differ" not in err
 
 
 @pytest.mark.parametrize("script", ["grpo.sh", "stage.sbatch", "submit.sh"])
