@@ -4,8 +4,9 @@ Why it is a switch: a step's inputs fix everything qerl computes (seeds, micro-b
 masks; qerl's Triton kernels are not autotuned and sum split-K partials in a fixed order), but on an H100
 PyTorch runs training's attention backward in cuDNN, whose gradients vary in the last bits from run to
 run at some shapes (`benchmarks/probe_sdpa_determinism.py`: Qwen2.5-32B heads, 3 x 2560 tokens), so
-two runs of one step can write different adapters. The deterministic choice costs time (flash
-attention's deterministic backward took 2.3-2.6x cuDNN's there), so it is off by default.
+two runs of one step can write different adapters (measured at the 7B and 32B shapes). The deterministic
+choice costs time (flash attention's deterministic backward takes 2.3-2.6x cuDNN's; the step 8-14% more on
+an H100, docs/train-step.md), so it is off by default.
 
 How: ``torch.use_deterministic_algorithms(True)`` for the optimisation loop. PyTorch then refuses cuDNN
 attention and runs flash attention with its deterministic backward (or another deterministic kernel),
