@@ -48,6 +48,8 @@ from pathlib import Path
 CONFIGS = {
     "7b-bf16": ("qwen2.5-7b", False, 64, 256, 1280),
     "7b-nvfp4": ("qwen2.5-7b", True, 64, 256, 1280),
+    "3b-nvfp4": ("qwen2.5-3b", True, 32, 256, 2048),  # the recipes' completion length
+    "14b-nvfp4": ("qwen2.5-14b", True, 32, 256, 2048),
     "32b-nvfp4": ("qwen2.5-32b", True, 8, 256, 2304),
     "32b-bf16": ("qwen2.5-32b", False, 8, 256, 2304),
     "tiny-nvfp4": ("tiny", True, 8, 16, 48),  # smoke test of this script (runs on CPU too)

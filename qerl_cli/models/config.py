@@ -161,9 +161,15 @@ class ModelConfig:
 
 # Shapes of public checkpoints, for benchmarks that build random weights on the GPU.
 PRESETS = {
+    "qwen2.5-3b": dict(arch="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36,
+                       num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
+                       qkv_bias=True, tie_word_embeddings=True, eos_token_ids=(151645, 151643)),
     "qwen2.5-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
                        qkv_bias=True, eos_token_ids=(151645, 151643)),
+    "qwen2.5-14b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+                        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
+                        qkv_bias=True, eos_token_ids=(151645, 151643)),
     "qwen2.5-32b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
                         num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=32768,
                         qkv_bias=True, eos_token_ids=(151645, 151643)),
