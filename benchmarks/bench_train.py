@@ -265,12 +265,12 @@ def run_one(name: str, steps: int, micro_batch_tokens: int, logits_chunk: int, r
                          inv_temp=torch.ones(n_seq), adv=adv.values, weight=weight,
                          cuts=None if cut is None else torch.tensor([cut] * n_seq, dtype=torch.float64))
 
-    # warm-up: compile/autotune on real micro-batch shapes: the first two and the last (the packing's
-    # odd one out, whose first-use cost otherwise landed in the first timed step)
     def step(gs):  # the loop as train-step runs it (--deterministic: under PyTorch's deterministic mode)
         with deterministic_algorithms(deterministic):
             return run_epochs(cfg, model, params, opt, batch_of(gs), device=dev)
 
+    # warm-up: compile/autotune on real micro-batch shapes: the first two and the last (the packing's
+    # odd one out, whose first-use cost otherwise landed in the first timed step)
     t0 = time.time()
     step(groups[:2] + groups[2:][-1:])
     sync()

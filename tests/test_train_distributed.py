@@ -23,6 +23,18 @@ def _free_port() -> int:
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+
+
+def _two_ranks(model, shards, out, *flags) -> list[str]:
+    """torchrun's command for a train-step on 2 ranks of this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(model), "--shards",
+            str(shards), "--out", str(out), *flags]
+
+
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=pytest.mark.slow),  # ~60 s on 2 shared cores: two extra interpreters import torch
     pytest.param("cuda", marks=[pytest.mark.gpu, two_gpus]),  # NCCL; fp32 compute so the comparison stays tight
@@ -35,11 +47,9 @@ def test_two_ranks_equal_one_process(tmp_path, device):
     single = train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "one", progress=False, **args, **dev))
     assert single["metrics"]["micro_batches"] >= 3  # both ranks get work, one gets more
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(q), "--shards", str(sh),
-           "--out", str(tmp_path / "two"), "--lr", "1e-3", "--loss", "bnpo", "--epochs", "2", "--lora-rank", "4",
-           "--micro-batch-tokens", "40", "--quiet"]
+    env = _env()
+    cmd = _two_ranks(q, sh, tmp_path / "two", "--lr", "1e-3", "--loss", "bnpo", "--epochs", "2", "--lora-rank", "4",
+                     "--micro-batch-tokens", "40", "--quiet")
     cmd += ["--device", "cpu"] if device == "cpu" else ["--device", "cuda", "--dtype", "fp32"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -81,15 +91,12 @@ def test_two_ranks_with_deterministic_write_the_same_bytes_twice(tmp_path):
     """torchrun, NCCL, bf16: a rerun of the step with --deterministic writes the same adapter and optimizer."""
     _, q = quantized_tiny(tmp_path)
     sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     outs = []
     for run in ("a", "b"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(q), "--shards",
-               str(sh), "--out", str(tmp_path / run), "--lr", "1e-3", "--epochs", "2", "--lora-rank", "4",
-               "--lora-dropout", "0.1", "--micro-batch-tokens", "40", "--keep-activations", "1", "--device", "cuda",
-               "--deterministic", "--quiet"]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        cmd = _two_ranks(q, sh, tmp_path / run, "--lr", "1e-3", "--epochs", "2", "--lora-rank", "4", "--lora-dropout",
+                         "0.1", "--micro-batch-tokens", "40", "--keep-activations", "1", "--device", "cuda",
+                         "--deterministic", "--quiet")
+        res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         outs.append(tmp_path / run)
     assert json.loads((outs[0] / "manifest.json").read_text())["deterministic"] is True
