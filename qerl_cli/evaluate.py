@@ -381,6 +381,8 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
         set_chat_template(tokenizer, chat_text, cfg.chat_template_file)
     split_stops(tokenizer, cfg.stop)  # a stop that could never match is refused before any work
     max_model_len, raise_hint = context_limit(cfg.model, cfg.max_model_len)  # the engine caps it so too
+    if cfg.max_model_len is not None and cfg.max_model_len > max_model_len and notes and cfg.progress:
+        print(f"note: --max-model-len {cfg.max_model_len} is beyond the model's limit; {raise_hint}", file=sys.stderr)
     room = max_model_len - cfg.max_new_tokens
     if room < 1:
         raise BadInputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a "
@@ -532,5 +534,6 @@ def render_metrics(metrics: dict, console) -> None:
     L = metrics["lengths"]
     t.add_row("completion tokens mean / p90 / max", f"{L['mean']:.0f} / {L['p90']} / {L['max']}")
     tm = metrics["time"]
-    t.add_row("time", f"{tm['total_s']:.1f}s ({tm['tokens_per_s']} tok/s)" if tm.get("tokens_per_s") else f"{tm['total_s']:.1f}s")
+    t.add_row("time", f"{tm['total_s']:.1f}s in all" if not tm.get("tokens_per_s") else
+              f"{tm['total_s']:.1f}s in all; generating {tm['generate_s']:.1f}s = {tm['tokens_per_s']} tok/s")
     console.print(t)

@@ -148,9 +148,11 @@ def _check_shapes_and_dtypes(source: SourceModel) -> None:
     """Weights must be float tensors, and decoder Linears must have the shapes config.json implies:
     otherwise quantize would write a checkpoint that no loader accepts."""
     from qerl_cli.models.config import ModelConfig
+    from qerl_cli.models.loader import source_tensor_check
 
     c = ModelConfig.from_hf(source.config, str(source.path / "config.json"))
-    check_tied_head(c.tie_word_embeddings, {n: t.file for n, t in source.tensors.items()}, source.path / "config.json")
+    where = {n: t.file for n, t in source.tensors.items()}
+    check_tied_head(c.tie_word_embeddings, where, source.path / "config.json")
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     H, inter = c.hidden_size, c.intermediate_size
     want = {
@@ -173,6 +175,7 @@ def _check_shapes_and_dtypes(source: SourceModel) -> None:
                 f"{info.file}: tensor {name} has shape {list(info.shape)} but config.json implies "
                 f"{list(want[lin.proj])}"
             )
+    source_tensor_check(c, where, source.path)  # after the shapes: their message is the more precise one
 
 
 def plan_units(source: SourceModel) -> tuple[list[Unit], list[str]]:

@@ -462,3 +462,12 @@ def test_a_chat_template_file_renders_messages_rows_and_is_an_input(model_dir, t
     tpl.write_text("{% for m in messages %}Question: {{ m.content }}\n{% endfor %}Answer:")
     with pytest.raises(OutputExistsError, match="input chat_template changed"):
         run(base, tmp_path, rows, [["#### 7"]], chat_template_file=tpl)
+
+
+def test_a_max_model_len_beyond_the_model_gets_the_rollouts_note(model_dir, tmp_path, capsys):
+    # eval capped it without a word where rollout prints a note (a review, 2026-11-27); -q leaves it out.
+    rows = [{"question": "1+1?", "answer": "2"}]
+    run(model_dir, tmp_path, rows, [["#### 2"]], max_model_len=100000, progress=True)
+    assert "note: --max-model-len 100000 is beyond the model's limit; the model's context is" in capsys.readouterr().err
+    run(model_dir, tmp_path, rows, [["#### 2"]], name="q", max_model_len=100000)
+    assert "--max-model-len" not in capsys.readouterr().err

@@ -209,3 +209,22 @@ def test_compare_still_pairs_the_runs_on_the_first_runs_problems_beside_one_on_o
     console.print(compare_table([a, b, c]))
     text = console.export_text()
     assert "+30.0 (p=0.25, 3/0)" in text and "other problems" in text and "different datasets" in text
+
+
+def test_the_summary_table_says_the_rate_is_over_generation_time_only():
+    # It printed "2.0s (3091.1 tok/s)": a rate over 0.18 s of generation beside the whole run's 2.0 s (a review).
+    from rich.console import Console
+
+    from qerl_cli.evaluate import render_metrics
+
+    m = {"model": "/m", "dataset": "/d/t.jsonl", "scores": {"pass@1": {"value": 0.5, "ci95": [0.4, 0.6]}},
+         "counts": {"problems": 2, "samples": 2, "problems_solved": 1, "no_answer": 0, "truncated": 0},
+         "lengths": {"mean": 10.0, "p90": 12, "max": 14},
+         "time": {"total_s": 2.026, "generate_s": 0.182, "tokens_per_s": 3091.1}}
+    console = Console(record=True, width=200)
+    render_metrics(m, console)
+    assert "2.0s in all; generating 0.2s = 3091.1 tok/s" in console.export_text()
+    m["time"] = {"total_s": 2.026, "generate_s": 0.0, "tokens_per_s": None}
+    console = Console(record=True, width=200)
+    render_metrics(m, console)
+    assert "2.0s in all" in console.export_text() and "tok/s" not in console.export_text()

@@ -318,6 +318,14 @@ def _break(kind: str, tmp: Path) -> Path:
         idx = json.loads((src / "model.safetensors.index.json").read_text())
         idx["weight_map"]["model.layers.9.mlp.up_proj.weight"] = next(iter(idx["weight_map"].values()))
         (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    elif kind in ("dropped_tensor", "foreign_tensor"):  # wrote an unloadable checkpoint with exit 0 (a review)
+        f = src / "model.safetensors"
+        sd = load_file(f)
+        if kind == "dropped_tensor":
+            del sd["model.layers.0.self_attn.q_proj.weight"]
+        else:
+            sd["model.layers.5.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].clone()
+        save_file(sd, f, metadata={"format": "pt"})
     elif kind in ("nan", "inf"):
         f = src / "model.safetensors"
         sd = load_file(f)
@@ -345,6 +353,8 @@ BAD = {
     "no_weights": (2, "no *.safetensors"),
     "missing_shard": (2, "names shard"),
     "missing_tensor": (2, "model.layers.9.mlp.up_proj.weight"),
+    "dropped_tensor": (2, "lacks tensor 'model.layers.0.self_attn.q_proj.weight'"),
+    "foreign_tensor": (2, "unexpected tensor 'model.layers.5.mlp.up_proj.weight'"),
     "nan": (5, "model.layers.1.mlp.up_proj.weight"),
     "inf": (5, "model.layers.1.mlp.up_proj.weight"),
     "truncated": (2, "model.safetensors"),

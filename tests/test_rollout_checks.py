@@ -226,3 +226,15 @@ def test_cli_passes_shuffle_run_seed_and_seed_through(model_dir, tmp_path, fake_
     assert want != ["0", "1", "2", "3"] and [r["prompt_id"] for r in recs] == [f"p{i}" for i in want]
     assert {r["noise"]["seed"] for r in recs} == {7}
     assert [r["sampling"]["seed"] for r in recs] == [ro.derive_seed(3, 0, r["prompt_id"]) for r in recs]
+
+
+def test_the_progress_line_counts_resumed_completions_in_its_mean_and_names_unsaved_groups():
+    # A resumed run's bar showed the mean of the new groups only while the summary's covers the whole shard
+    # (a review, 2026-11-27); groups generated but not yet saved now show as such, the bar counting saved ones.
+    done = {"g0": [{"reward": 0.0}, {"reward": 1.0}], "g1": [{"reward": 0.0}, {"reward": 0.0}]}
+    live = ro._Live.resuming(done)
+    assert "mean reward 0.250" in live.line()
+    live.reward_sum, live.completions = live.reward_sum + 2.0, live.completions + 2
+    assert "mean reward 0.500" in live.line()
+    assert live.line(in_batch=3).startswith("+3 generated, saved at the batch's end") and "+" not in live.line()
+    assert "mean reward nan" in ro._Live().line()

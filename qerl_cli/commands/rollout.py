@@ -103,7 +103,8 @@ def command(
         from qerl_cli.cli import interrupt_outcome
 
         word, code = interrupt_outcome(e)
-        Console(stderr=True).print(f"{word}: completed prompt groups are kept; rerun the same command to resume")
+        Console(stderr=True).print(f"{word}: saved prompt groups are kept (a batch is saved when it ends; the progress "
+                                   "bar counts saved groups); rerun the same command to resume")
         raise typer.Exit(code) from None
     console = Console(highlight=False)
     if res["already_done"]:

@@ -93,6 +93,26 @@ def _expected(model: CausalLM) -> dict[str, torch.Tensor]:
     return exp
 
 
+def check_tensor_names(cfg: ModelConfig, expected, where: dict[str, Path], model_dir: Path) -> None:
+    """Refuse a checkpoint whose tensor names are not exactly the decoder's ``expected`` ones: one missing
+    (a tied ``lm_head`` may be left out) or one no module holds (``rotary_emb.inv_freq`` is ignored)."""
+    tied = cfg.tie_word_embeddings
+    missing = [n for n in expected if n not in where and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise BadInputError(f"{model_dir}: checkpoint lacks tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, f in where.items():
+        if name not in expected and not (tied and name == "lm_head.weight") and not name.endswith(_IGNORED):
+            raise BadInputError(f"{f}: unexpected tensor {name!r} (not part of a {cfg.arch} decoder qerl can load)")
+
+
+def source_tensor_check(cfg: ModelConfig, where: dict[str, Path], model_dir: Path) -> None:
+    """``check_tensor_names`` for an unquantized source checkpoint (quantize's input): what quantize would
+    write from it must be loadable, so a tensor missing or foreign there is refused before any work."""
+    with torch.device("meta"):
+        model = CausalLM(cfg, set(), dtype=torch.bfloat16)
+    check_tensor_names(cfg, _expected(model), where, model_dir)
+
+
 def _check_finite(f: Path, name: str, t: torch.Tensor) -> None:
     """NaN/Inf weights would generate garbage (or NaN log-probs) without any error: refuse them."""
     if not bool(torch.isfinite(t).all()):
@@ -133,17 +153,11 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
     expected = _expected(model)
     tied = cfg.tie_word_embeddings
     check_tied_head(tied, where, model_dir / "config.json")
-    missing = [n for n in expected if n not in where and not (tied and n == "lm_head.weight")]
-    if missing:
-        raise BadInputError(f"{model_dir}: checkpoint lacks tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    check_tensor_names(cfg, expected, where, model_dir)
     by_file: dict[Path, list[str]] = {}
     for name, f in where.items():
         if name in expected:
             by_file.setdefault(f, []).append(name)
-        elif tied and name == "lm_head.weight":
-            continue  # tied, and equal to the embedding (check_tied_head)
-        elif not name.endswith(_IGNORED):
-            raise BadInputError(f"{f}: unexpected tensor {name!r} (not part of a {cfg.arch} decoder qerl can load)")
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in names:
