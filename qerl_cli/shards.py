@@ -177,10 +177,15 @@ def validate_record(rec: Any) -> str | None:
     if not math.isfinite(rec["reward"]) or (
             not math.isfinite(sum(lps)) and not all(math.isfinite(x) for x in lps)):
         return "logprobs and reward must be finite (found NaN or Inf)"
+    if lps and max(lps) > LOGPROB_SLACK:  # a probability above 1: a wrong field or a sampler fault
+        return f"logprob {max(lps)!r} is above 0 (a log-probability is at most 0)"
     for k in ("base", "adapter"):
         if k not in rec["policy"]:
             return f"policy lacks {k!r}"
     return None
+
+
+LOGPROB_SLACK = 1e-3  # rounding room above 0 for a log-probability computed in low precision
 
 
 def _dumps(rec: dict, ascii: bool = False) -> str:
@@ -406,6 +411,11 @@ def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> 
         if g not in first:
             first[g] = j
             continue
+        if r["prompt_id"] != records[first[g]]["prompt_id"]:  # advantages would compare different prompts
+            (fa, la), (fb, lb) = origins[first[g]], origins[j]
+            raise BadInputError(f"group {g!r} holds prompt {records[first[g]]['prompt_id']!r} at {fa}:{la} and "
+                                f"prompt {r['prompt_id']!r} at {fb}:{lb}",
+                                hint="a group is one prompt's G completions: give each prompt its own group_id")
         k = j - 1
         if records[k]["group_id"] != g or origins[k][0] != origins[j][0]:
             (fa, la), (fb, lb) = origins[first[g]], origins[j]

@@ -25,6 +25,7 @@ FAST = settings(max_examples=60, deadline=None,
 
 # ---- shards ----------------------------------------------------------------------------------------
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+logprob = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=64)  # at most 0: shards refuse above
 token = st.integers(0, 2**31 - 1)
 text = st.text(max_size=30)  # any unicode: newlines, quotes, NUL, surrogates
 
@@ -45,7 +46,7 @@ def groups_of_records(draw):
                 prompt_id=draw(text), group_id=f"g{g}", prompt=prompt,
                 prompt_token_ids=draw(st.lists(token, max_size=5)), completion_token_ids=draw(
                     st.lists(token, min_size=n, max_size=n)),
-                completion=draw(text), logprobs=draw(st.lists(finite, min_size=n, max_size=n)),
+                completion=draw(text), logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
                 finish_reason=draw(st.sampled_from(["stop", "length"])),
                 rewards=draw(st.dictionaries(st.text(min_size=1, max_size=6), finite, max_size=3)),
                 reward=draw(finite), answer=draw(st.one_of(st.none(), text)), step=draw(st.integers(0, 10**6)),

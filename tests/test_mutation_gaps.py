@@ -167,6 +167,15 @@ def test_group_split_across_two_files_is_refused(tmp_path):
         check_groups_whole(recs, [(tmp_path / "a.jsonl", 1), (tmp_path / "b.jsonl", 1)])
 
 
+def test_a_group_holding_two_prompts_is_refused(tmp_path):
+    # Its advantages compared completions of different prompts, with exit 0 (a review, 2026-11-27).
+    from qerl_cli.shards import check_groups_whole
+    recs = [_rec(group_id="g", prompt_id="p0"), _rec(group_id="g", prompt_id="p1")]
+    with pytest.raises(BadInputError, match=r"group 'g' holds prompt 'p0' at .*a.jsonl:1 and prompt 'p1' at .*a.jsonl:2"):
+        check_groups_whole(recs, [(tmp_path / "a.jsonl", 1), (tmp_path / "a.jsonl", 2)])
+    check_groups_whole(recs[:1] * 2, [(tmp_path / "a.jsonl", 1), (tmp_path / "a.jsonl", 2)])
+
+
 def test_resume_drops_an_oversized_group(tmp_path):
     from qerl_cli.shards import load_complete_groups, write_records
     p = tmp_path / "s.jsonl"

@@ -121,9 +121,10 @@ def _write_lines(path, lines):
         (json.dumps(rec(noise={"sigma": 0.01, "seed": 1, "step": "3"})), "noise.step should be an integer"),
         (json.dumps(rec(sampling={})), "sampling.temperature should be a number"),
         (json.dumps(rec(schema_version=0)), "not a version"),
+        (json.dumps(rec(logprobs=[-0.1, 0.5])), "logprob 0.5 is above 0"),  # trained on with exit 0 (a review)
     ],
     ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future", "nan",
-         "noise-empty", "noise-seed", "noise-step", "sampling-empty", "version-0"],
+         "noise-empty", "noise-seed", "noise-step", "sampling-empty", "version-0", "logprob-above-0"],
 )
 def test_bad_line_names_file_and_line(tmp_path, bad, why):
     p = tmp_path / shard_name(0, 1)
@@ -220,7 +221,7 @@ def test_an_existing_path_with_glob_characters_is_read_as_itself(tmp_path):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     text=st.text(max_size=40),  # any unicode, incl. newlines and quotes
-    lps=st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64), min_size=1, max_size=5),
+    lps=st.lists(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=64), min_size=1, max_size=5),
     answer=st.one_of(st.none(), st.text(max_size=5)),
 )
 def test_round_trip_any_text_and_floats(tmp_path, text, lps, answer):
@@ -262,3 +263,9 @@ def test_a_glob_takes_only_rollout_shards_and_names_what_else_it_swept_in(tmp_pa
     (tmp_path / "mine").mkdir()  # a directory of shards named plainly, by a user's own tool: still read
     write_records(tmp_path / "mine" / "batch.jsonl", [rec("b")])
     assert resolve_shard_files(str(tmp_path / "mine")) == [tmp_path / "mine" / "batch.jsonl"]
+
+
+def test_a_logprob_a_rounding_above_0_is_still_a_record():
+    from qerl_cli.shards import validate_record
+
+    assert validate_record(rec("a", logprobs=[-0.1, 1e-4])) is None and validate_record(rec("a", logprobs=[0.0, 0])) is None
