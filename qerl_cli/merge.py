@@ -281,6 +281,11 @@ def validate_pair(adapter: Adapter, base) -> None:
     """Every LoRA module and replaced tensor exists in the base with fitting shapes."""
     shapes = module_shapes(base)
     for module, d in adapter.deltas.items():
+        if module == "lm_head" and module not in shapes and base.config.get("tie_word_embeddings", False):
+            raise BadInputError(f"--adapter {adapter.path}: LoRA on lm_head over --model {base.path}, whose lm_head is "
+                                "its tied input embedding: merge does not untie a head for it (not supported)",
+                                hint="train the adapter without lm_head in its target modules, or merge it with "
+                                     "PEFT's merge_and_unload")
         if module not in shapes:
             raise BadInputError(f"--adapter {adapter.path}: module {module} is not in --model {base.path}")
         out_f, in_f = shapes[module]
@@ -457,8 +462,14 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     adapter = read_adapter(cfg.adapter)
     base = open_base(cfg.model)
     base_hash = model_hash(cfg.model)
-    lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash,
-                            hint="merge it into the model it was trained on", allow_mismatch=cfg.allow_base_mismatch)
+    modelopt = any(n.endswith(".weight_scale_2") for n in base.tensors)
+    # qerl trains on compressed-tensors only, so an adapter's recorded base is never a ModelOpt directory:
+    # say how to merge into a ModelOpt copy of the same source (the hint said only "the model it was trained on").
+    hint = ("its recorded base is the compressed-tensors checkpoint it was trained on; if --model is a ModelOpt "
+            "quantization of the same source (qerl quantize --format modelopt), that is expected"
+            if modelopt else "merge it into the model it was trained on")
+    lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash, hint=hint,
+                            allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
     from qerl_cli.adapters import norms_input
 

@@ -255,6 +255,15 @@ def test_an_adapter_that_changes_a_tied_embedding_unties_lm_head(tmp_path, how):
     assert err < tol and (plain - ref).abs().max().item() > 2 * err, (err, (plain - ref).abs().max().item())
 
 
+def test_lora_on_a_tied_lm_head_is_refused_as_such(tmp_path):
+    # It read "module lm_head is not in --model" for a head the model plainly has (a review, 2026-11-27).
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, tie_word_embeddings=True)
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["lm_head", "v_proj"], trainer_state=False)
+    with pytest.raises(BadInputError, match="LoRA on lm_head .* tied input embedding") as e:
+        merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
+    assert "merge_and_unload" in e.value.hint and not (tmp_path / "out").exists()
+
+
 def test_embedding_and_lm_head_lora(tmp_path):
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1)
     adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["embed_tokens", "lm_head", "v_proj"],

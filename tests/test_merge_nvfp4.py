@@ -116,6 +116,12 @@ def test_modelopt_base_merges_to_the_same_weights(qpair, tmp_path):
     a = load_file(tmp_path / "from-ct" / "model.safetensors")
     b = load_file(tmp_path / "from-mo" / "model.safetensors")
     assert a.keys() == b.keys()
+    # With its trainer state the adapter names the compressed-tensors base: the error says how to go on.
+    from qerl_cli.errors import LineageError
+
+    with pytest.raises(LineageError) as e:
+        merge(MergeConfig(mo, adapter, tmp_path / "from-mo-2"), progress=False)
+    assert "ModelOpt quantization of the same source" in e.value.hint and "--allow-base-mismatch" in e.value.hint
     for k in a:
         # ModelOpt multiplies by 1/global where compressed-tensors divides by it: the fp32 results
         # differ in the last bit at most, which bf16 rounding almost always hides
