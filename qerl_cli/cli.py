@@ -7,6 +7,7 @@ Commands only parse flags into a config dataclass and call the stage's library f
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import platform
@@ -21,7 +22,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import __version__
-from qerl_cli.errors import OutOfMemoryError, QerlError, QerlWarning
+from qerl_cli.errors import BadInputError, OutOfMemoryError, QerlError, QerlWarning
 
 
 def _click_exceptions():
@@ -237,6 +238,16 @@ def _plain_warnings():
         yield
 
 
+def _bad_path(e: Exception) -> BadInputError | None:
+    """A path no file system call can take (a name over the length limit, a symlink loop) as bad input: it
+    was a traceback (exit 1) from whichever check first touched it (a review)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+        return BadInputError(f"{e.filename}: {e.strerror}", hint="check the paths given")
+    if type(e) is RuntimeError and str(e).startswith("Symlink loop"):  # Path.resolve() before Python 3.13
+        return BadInputError(f"{str(e).removeprefix('Symlink loop from ')}: a symlink loop", hint="check the paths given")
+    return None
+
+
 def guarded(fn, stage: str | None = None):
     """Wrap a command: QerlError -> 'error: ...' on stderr and its exit code; an out-of-memory the
     stage did not handle itself -> OutOfMemoryError (exit 6) naming the flag to lower;
@@ -249,6 +260,9 @@ def guarded(fn, stage: str | None = None):
                 with _stage_signals(), _plain_warnings():
                     return fn(*args, **kwargs)
             except Exception as e:
+                bad = _bad_path(e)
+                if bad is not None:
+                    raise bad from None
                 if not _is_oom(e):
                     raise
                 what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

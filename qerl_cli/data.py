@@ -270,6 +270,9 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
         raise BadInputError(f"prompt file {path} does not exist", hint=f"check {flag}")
     if path.is_dir():
         raise BadInputError(f"{flag} {path} is a directory; name a .jsonl, .json or .parquet file")
+    if not path.is_file():  # a pipe (<(...), a FIFO) reads once: the stage's fingerprint then hashed nothing
+        raise BadInputError(f"{flag} {path} is not a regular file (a pipe or device can be read only once, and the "
+                            "output's fingerprint needs its content again)", hint="write it to a file first")
     bad_lines = bad_lines if bad_lines is not None else []
     raw_rows = _read_rows(path, bad_lines if skip_bad_lines else None)
     if not raw_rows:

@@ -218,6 +218,9 @@ class StageOutput:
             raise
 
     def _already_done(self) -> bool:
+        if self.out.is_symlink() and not self.out.exists():  # found only after all the work (a review)
+            raise BadInputError(f"--out {self.out} is a symlink to {os.readlink(self.out)}, which does not exist",
+                                hint="point --out at a directory that can be made, or remove the link")
         self._recover_interrupted_swap()
         self._seen = None
         if not self.out.exists():

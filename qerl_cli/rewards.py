@@ -44,6 +44,9 @@ from fractions import Fraction
 from pathlib import Path
 
 from qerl_cli.errors import BadInputError
+from qerl_cli.shards import REWARD_LIMIT
+
+REWARD_LIMIT_HINT = "rewards (and their weighted total) must lie within +-1e15"
 
 ANSWER_KINDS = ("gsm8k", "math")
 
@@ -560,6 +563,10 @@ class RewardSet:
                                     "not a number (a float)") from None
             if not math.isfinite(v):
                 raise BadInputError(f"reward {s.name!r} returned {v}{where}", hint="rewards must be finite")
+            if abs(v) > REWARD_LIMIT:
+                raise BadInputError(f"reward {s.name!r} returned {v}{where}", hint=REWARD_LIMIT_HINT)
             values[s.name] = v
             total += s.weight * v
+        if abs(total) > REWARD_LIMIT:  # weights can push finite values past it (or to inf)
+            raise BadInputError(f"the weighted reward total is {total}{where}", hint=REWARD_LIMIT_HINT)
         return values, total

@@ -177,6 +177,8 @@ def validate_record(rec: Any) -> str | None:
     if not math.isfinite(rec["reward"]) or (
             not math.isfinite(sum(lps)) and not all(math.isfinite(x) for x in lps)):
         return "logprobs and reward must be finite (found NaN or Inf)"
+    if abs(rec["reward"]) > REWARD_LIMIT:
+        return f"reward {rec['reward']!r} is beyond +-{REWARD_LIMIT:g} (group statistics would overflow)"
     if lps and max(lps) > LOGPROB_SLACK:  # a probability above 1: a wrong field or a sampler fault
         return f"logprob {max(lps)!r} is above 0 (a log-probability is at most 0)"
     for k in ("base", "adapter"):
@@ -186,6 +188,9 @@ def validate_record(rec: Any) -> str | None:
 
 
 LOGPROB_SLACK = 1e-3  # rounding room above 0 for a log-probability computed in low precision
+# Rewards beyond this break a step's statistics: a rollout's mean of 1e308s overflowed (a traceback, exit 1)
+# and train-step's group std squares them. No scoring scheme needs more.
+REWARD_LIMIT = 1e15
 
 
 def _dumps(rec: dict, ascii: bool = False) -> str:

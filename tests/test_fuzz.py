@@ -26,6 +26,7 @@ FAST = settings(max_examples=60, deadline=None,
 # ---- shards ----------------------------------------------------------------------------------------
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 logprob = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False, width=64)  # at most 0: shards refuse above
+reward = st.floats(-1e15, 1e15, allow_nan=False, width=64)  # shards refuse rewards beyond (REWARD_LIMIT)
 token = st.integers(0, 2**31 - 1)
 text = st.text(max_size=30)  # any unicode: newlines, quotes, NUL, surrogates
 
@@ -49,7 +50,7 @@ def groups_of_records(draw):
                 completion=draw(text), logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
                 finish_reason=draw(st.sampled_from(["stop", "length"])),
                 rewards=draw(st.dictionaries(st.text(min_size=1, max_size=6), finite, max_size=3)),
-                reward=draw(finite), answer=draw(st.one_of(st.none(), text)), step=draw(st.integers(0, 10**6)),
+                reward=draw(reward), answer=draw(st.one_of(st.none(), text)), step=draw(st.integers(0, 10**6)),
                 policy={"base": draw(st.text("0123456789abcdef", min_size=64, max_size=64)),
                         "adapter": draw(st.one_of(st.none(), st.text("0123456789abcdef", min_size=64, max_size=64)))},
                 sampling={"temperature": draw(st.floats(0, 2)), "top_p": 1.0, "top_k": 0, "seed": draw(token)},

@@ -238,3 +238,47 @@ def test_the_progress_line_counts_resumed_completions_in_its_mean_and_names_unsa
     assert "mean reward 0.500" in live.line()
     assert live.line(in_batch=3).startswith("+3 generated, saved at the batch's end") and "+" not in live.line()
     assert "mean reward nan" in ro._Live().line()
+
+
+def _cli_fails(*args):
+    return CliRunner().invoke(app, ["rollout", "--device", "cpu", "--max-new-tokens", "4", *map(str, args)])
+
+
+def test_odd_paths_are_one_line_errors_before_any_work(model_dir, tmp_path, fake_engine):
+    # A review (2026-11-27): a dangling symlink as --out was found after all the work (exit 4, "written by another
+    # run", a partial dir left); a symlink loop or a name over 255 bytes was a traceback (exit 1); a pipe as
+    # --prompts was read once and then fingerprinted as empty, so other prompts later read as "already done".
+    import os
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2)
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    os.symlink(tmp_path / "loopB", tmp_path / "loopA")
+    os.symlink(tmp_path / "loopA", tmp_path / "loopB")
+    os.mkfifo(tmp_path / "fifo")
+    cases = [(("--prompts", prompts, "--out", tmp_path / "dangling"), "is a symlink to"),
+             (("--prompts", prompts, "--out", tmp_path / "loopA"), "loop"),
+             (("--prompts", tmp_path / "loopA", "--out", tmp_path / "o1"), "loop"),
+             (("--prompts", prompts, "--out", tmp_path / ("a" * 300)), "File name too long"),
+             (("--prompts", tmp_path / "fifo", "--out", tmp_path / "o2"), "is not a regular file")]
+    for args, needle in cases:
+        r = _cli_fails("--model", model_dir, *args, "-G", 2, "-q")
+        err = r.stderr.strip()
+        assert r.exit_code == 2 and err.startswith("error: ") and "\n" not in err and needle in err, (args, r.output)
+    assert fake_engine.calls == [] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "dangling", "fifo", "loopA", "loopB", "p.jsonl"]
+
+
+def test_rewards_beyond_the_limit_are_refused_naming_the_row(model_dir, tmp_path, fake_engine):
+    # 1e308 was a traceback from the summary's mean (exit 1, every rerun resuming into it); a weight pushing a
+    # finite value to inf failed writing the record.
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2)
+    (tmp_path / "myr.py").write_text("def huge(c, a, prompt=None):\n    return 1e308\n"
+                                     "def big(c, a, prompt=None):\n    return 1e14\n")
+    for reward, needle in ((f"{tmp_path / 'myr.py'}:huge", "returned 1e+308"),
+                           (f"{tmp_path / 'myr.py'}:big=100", "weighted reward total is 1e+16")):
+        r = _cli_fails("--model", model_dir, "--prompts", prompts, "--out", tmp_path / "o", "-G", 2, "-q",
+                       "--reward", reward)
+        err = r.stderr.strip()
+        assert r.exit_code == 2 and needle in err and "1e15" in err and "\n" not in err, r.output
+    _cli("--model", model_dir, "--prompts", prompts, "--out", tmp_path / "ok", "-G", 2, "-q",
+         "--reward", f"{tmp_path / 'myr.py'}:big")
