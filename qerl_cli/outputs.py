@@ -290,6 +290,10 @@ class StageOutput:
         part = self._partial_name()
         return part.with_name(part.name + ".lock")
 
+    def partial_dir(self) -> Path:
+        """Where a resumable run of these arguments keeps its work until it is renamed into ``out``."""
+        return self._partial_name()
+
     def _partial_name(self) -> Path:
         if self.resumable:
             return self.out.parent / f".{self.out.name}.partial-{self.fingerprint[:16]}"

@@ -454,14 +454,18 @@ def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weig
     # The device *type* changes numerics; which GPU of a node does not.
     d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
     d["prompt_template"] = template  # the text, also when the flag named a file (its edits change the prompts)
+    # The context the run has, not the flag as typed: unset, the model's limit and anything above it are one run
+    # (it read as "changed", exit 4, and an interrupted run resumed with the flag added started over; a review).
+    d["max_model_len"] = context_limit(cfg.model, cfg.max_model_len)[0]
     return d
 
 
-def _legacy_fingerprint_config(config: dict, cfg: RolloutConfig) -> dict:
-    """How qerl before 2026-11-26 fingerprinted the same run (it seeded each batch, so the batch size
-    counted; it took --prompt-template as given, a file's name rather than its text): its finished
-    outputs still read as done."""
-    return dict(config, batch_prompts=batch_size(cfg), prompt_template=cfg.prompt_template)
+def _legacy_fingerprint_configs(config: dict, cfg: RolloutConfig) -> tuple[dict, ...]:
+    """How older qerl fingerprinted the same run, whose finished outputs still read as done: --max-model-len as
+    typed (until 2026-11-27); before 2026-11-26 also the batch size (it seeded each batch) and
+    --prompt-template as given, a file's name rather than its text."""
+    typed = dict(config, max_model_len=cfg.max_model_len)
+    return typed, dict(typed, batch_prompts=batch_size(cfg), prompt_template=cfg.prompt_template)
 
 
 def rollout(cfg: RolloutConfig) -> dict:
@@ -518,9 +522,10 @@ def rollout(cfg: RolloutConfig) -> dict:
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
-                      legacy_configs=(_legacy_fingerprint_config(config, cfg),), legacy_inputs=(legacy_inputs,))
+                      legacy_configs=_legacy_fingerprint_configs(config, cfg), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
     if out.already_done(check_first=lambda: _encode(cfg, selected, template, chat_text, notes=False)):
+        _sweep_leftover_partial(out)
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
     name = shard_name(cfg.shard_index, cfg.num_shards)
@@ -674,6 +679,20 @@ class _WriterLock:
     def __exit__(self, *exc) -> bool:
         self._release()
         return False
+
+
+def _sweep_leftover_partial(out: StageOutput) -> None:
+    """Remove this run's partial directory beside an ``--out`` that already holds the run: an interrupted
+    ``--force`` redo left it there, and no later run without --force would ever resume or remove it (a
+    review). Only under the writer lock: a redo still running keeps its directory."""
+    part = out.partial_dir()
+    if not part.exists():
+        return
+    try:
+        with _WriterLock(out):
+            shutil.rmtree(part, ignore_errors=True)
+    except OutputExistsError:
+        pass  # another rollout holds it: leave it alone
 
 
 def _run(plan: _Plan) -> dict:

@@ -603,7 +603,8 @@ def test_an_output_finished_under_the_batch_seeded_fingerprint_stays_done(model_
     # outputs must not read as "different inputs" after the upgrade.
     new = ro._fingerprint_config
     monkeypatch.setattr(ro, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), batch_prompts=ro.batch_size(cfg),
-                                                                      prompt_template=cfg.prompt_template))
+                                                                      prompt_template=cfg.prompt_template,
+                                                                      max_model_len=cfg.max_model_len))  # as typed then
     rollout(cfg_for(model_dir, tmp_path))
     monkeypatch.setattr(ro, "_fingerprint_config", new)
     assert rollout(cfg_for(model_dir, tmp_path))["already_done"]

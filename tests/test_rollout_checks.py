@@ -282,3 +282,44 @@ def test_rewards_beyond_the_limit_are_refused_naming_the_row(model_dir, tmp_path
         assert r.exit_code == 2 and needle in err and "1e15" in err and "\n" not in err, r.output
     _cli("--model", model_dir, "--prompts", prompts, "--out", tmp_path / "ok", "-G", 2, "-q",
          "--reward", f"{tmp_path / 'myr.py'}:big")
+
+
+def test_an_already_done_rerun_removes_the_partial_dir_an_interrupted_force_redo_left(model_dir, tmp_path, fake_engine):
+    # A --force redo stopped by SIGTERM left .o.partial-<fp> beside the finished --out for good: every later run
+    # answered "already done" and none resumed or removed it (a review, 2026-11-27). A writer still running keeps it.
+    import fcntl
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2)
+    args = ("--model", model_dir, "--prompts", prompts, "--out", tmp_path / "o", "-G", 2, "-q")
+    _cli(*args)
+    fp = read_manifest(tmp_path / "o")["fingerprint"]
+    part = tmp_path / f".o.partial-{fp[:16]}"
+    part.mkdir()
+    (part / "shard-00000-of-00001.jsonl").write_text("{}\n")
+    lock = part.with_name(part.name + ".lock")
+    with open(lock, "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert "already" in _cli(*args).output and part.exists()  # a redo holding the lock keeps its directory
+    assert "already" in _cli(*args).output and not part.exists() and not lock.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "p.jsonl"]
+
+
+def test_max_model_len_counts_as_the_context_the_run_has(model_dir, tmp_path, fake_engine, monkeypatch):
+    # Unset, the model's limit and anything above it give the same records: they read as "changed" (exit 4), and
+    # an interrupted run resumed with the flag added started over (a review, 2026-11-27). A smaller context is
+    # another run; an output fingerprinted with the flag as typed (older qerl) still reads as done.
+    from qerl_cli.runtime import context_limit
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2)
+    limit = context_limit(model_dir, None)[0]
+    base = ("--model", model_dir, "--prompts", prompts, "-G", 2, "-q")
+    _cli(*base, "--out", tmp_path / "o")
+    for v in (limit, 100000):
+        assert "already" in _cli(*base, "--out", tmp_path / "o", "--max-model-len", v).output
+    r = _cli_fails(*base, "--out", tmp_path / "o", "--max-model-len", limit - 1)
+    assert r.exit_code == 4 and f"max_model_len: {limit} -> {limit - 1}" in r.stderr, r.output
+    new = ro._fingerprint_config
+    monkeypatch.setattr(ro, "_fingerprint_config", lambda cfg, *a: dict(new(cfg, *a), max_model_len=cfg.max_model_len))
+    _cli(*base, "--out", tmp_path / "old", "--max-model-len", 100000)
+    monkeypatch.setattr(ro, "_fingerprint_config", new)
+    assert "already" in _cli(*base, "--out", tmp_path / "old", "--max-model-len", 100000).output
