@@ -281,11 +281,8 @@ def validate_pair(adapter: Adapter, base) -> None:
     """Every LoRA module and replaced tensor exists in the base with fitting shapes."""
     shapes = module_shapes(base)
     for module, d in adapter.deltas.items():
-        if module == "lm_head" and module not in shapes and base.config.get("tie_word_embeddings", False):
-            raise BadInputError(f"--adapter {adapter.path}: LoRA on lm_head over --model {base.path}, whose lm_head is "
-                                "its tied input embedding: merge does not untie a head for it (not supported)",
-                                hint="train the adapter without lm_head in its target modules, or merge it with "
-                                     "PEFT's merge_and_unload")
+        if module == "lm_head" and module not in shapes and _tied(base):
+            shapes["lm_head"] = shapes[EMBED_WEIGHT.removesuffix(".weight")]  # the head is the tied embedding
         if module not in shapes:
             raise BadInputError(f"--adapter {adapter.path}: module {module} is not in --model {base.path}")
         out_f, in_f = shapes[module]
@@ -297,6 +294,11 @@ def validate_pair(adapter: Adapter, base) -> None:
                 f"weight is [{out_f}, {in_f}] in --model {base.path}"
             )
     for name, t in adapter.replacements.items():
+        if name == LM_HEAD_WEIGHT and name not in base.tensors and _tied(base):  # a copy of the tied head
+            if tuple(t.shape) != base.tensors[EMBED_WEIGHT].shape:
+                raise BadInputError(f"--adapter {adapter.path}: trained tensor {name} has shape {tuple(t.shape)}, the "
+                                    f"base's tied embedding has {base.tensors[EMBED_WEIGHT].shape}")
+            continue
         if name not in base.tensors:
             raise BadInputError(f"--adapter {adapter.path}: trained tensor {name} is not in --model {base.path}")
         if tuple(t.shape) != base.tensors[name].shape:
@@ -307,15 +309,40 @@ def validate_pair(adapter: Adapter, base) -> None:
 
 
 EMBED_WEIGHT, LM_HEAD_WEIGHT = "model.embed_tokens.weight", "lm_head.weight"
+LM_HEAD = LM_HEAD_WEIGHT.removesuffix(".weight")
 
 
 def unties_lm_head(base, adapter: Adapter) -> bool:
     """A base with tied embeddings whose input embedding the adapter changes (LoRA on embed_tokens or
-    a trained copy of it). The adapter's policy reads tokens through the new embedding but scores them
-    with the original one (PEFT's unmerged model; its merge_and_unload unties too), so the merged
-    checkpoint must untie: lm_head is written as the original embedding."""
-    return bool(base.config.get("tie_word_embeddings", False)) and (
-        EMBED_WEIGHT.removesuffix(".weight") in adapter.deltas or EMBED_WEIGHT in adapter.replacements)
+    a trained copy of it), or whose output head it changes (LoRA on lm_head). The adapter's policy reads
+    tokens through its embedding and scores them with its head, each as the adapter made it (PEFT's unmerged
+    model; its merge_and_unload unties too), so the merged checkpoint must untie: lm_head is written as the
+    original embedding plus the head's own LoRA, if any."""
+    return _tied(base) and (EMBED_WEIGHT.removesuffix(".weight") in adapter.deltas or EMBED_WEIGHT in adapter.replacements
+                            or LM_HEAD in adapter.deltas or LM_HEAD_WEIGHT in adapter.replacements)
+
+
+def _tied(base) -> bool:
+    return bool(base.config.get("tie_word_embeddings", False))
+
+
+def _untied_head(reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype, device) -> torch.Tensor:
+    """lm_head of an untied merge: the base's own embedding (or the head the adapter saved), plus the adapter's
+    LoRA on lm_head where it has one (PEFT applies that to the output head only, not to the input embedding)."""
+    w = reader.get(EMBED_WEIGHT)
+    if LM_HEAD_WEIGHT in adapter.replacements:  # PEFT saves the head it wraps (a copy, or a trained one)
+        rep = adapter.replacements[LM_HEAD_WEIGHT]
+        stats.replaced_tensors += not torch.equal(rep.to(w.dtype), w)
+        w = rep
+    if LM_HEAD not in adapter.deltas:
+        return w.to(dtype)
+    w = w.to(device, torch.float32)
+    d = adapter.deltas[LM_HEAD].dense(device)
+    stats.add_delta(w, d)
+    w = w + d
+    if not torch.isfinite(w.abs().amax()):
+        raise NumericalError(f"merged weight {LM_HEAD_WEIGHT} has NaN/Inf (check --adapter {adapter.path})")
+    return w.to(dtype)
 
 
 def merged_plan(base, dtype: torch.dtype = torch.bfloat16, untie: bool = False) -> list:
@@ -364,7 +391,8 @@ class MergeStats:
 def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype = torch.bfloat16,
                    device: torch.device | str = "cpu", untie: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the merged checkpoint in ``merged_plan`` order, one at a time; ``untie``
-    (``unties_lm_head``): lm_head is the base's own embedding, whatever the adapter did to it.
+    (``unties_lm_head``): lm_head is the base's own embedding, whatever the adapter did to it, plus the
+    adapter's lm_head LoRA where it has one.
 
     LoRA-targeted and NVFP4 weights are formed in fp32 on ``device`` and rounded to ``dtype`` once;
     the result is identical on CPU and CUDA up to the fp32 matmul's summation order.
@@ -383,7 +411,7 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
             out_name = f"{module}.weight"
         else:
             if untie and name == LM_HEAD_WEIGHT:  # a stored lm_head is the base's embedding (unties_lm_head)
-                yield name, reader.get(EMBED_WEIGHT).to(dtype)
+                yield name, _untied_head(reader, adapter, stats, dtype, device)
                 continue
             t = reader.get(name)
             where = f"in --model {base.path}"
@@ -411,7 +439,7 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
             raise NumericalError(f"merged weight {out_name} has NaN/Inf ({src})")
         yield out_name, w.to(dtype)
     if untie and LM_HEAD_WEIGHT not in base.tensors:
-        yield LM_HEAD_WEIGHT, reader.get(EMBED_WEIGHT).to(dtype)
+        yield LM_HEAD_WEIGHT, _untied_head(reader, adapter, stats, dtype, device)
 
 
 # ---- output ----------------------------------------------------------------------------------

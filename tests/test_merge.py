@@ -255,13 +255,19 @@ def test_an_adapter_that_changes_a_tied_embedding_unties_lm_head(tmp_path, how):
     assert err < tol and (plain - ref).abs().max().item() > 2 * err, (err, (plain - ref).abs().max().item())
 
 
-def test_lora_on_a_tied_lm_head_is_refused_as_such(tmp_path):
-    # It read "module lm_head is not in --model" for a head the model plainly has (a review, 2026-11-27).
+@pytest.mark.parametrize("targets", [["lm_head", "v_proj"], ["embed_tokens", "lm_head"]])
+def test_lora_on_a_tied_lm_head_unties_it_as_peft_does(tmp_path, targets):
+    # It was refused as "module lm_head is not in --model", a head the model plainly has (a review, 2026-11-27).
+    # PEFT puts the LoRA on the output head only: merged, lm_head = the base's embedding + B A, embedding as the
+    # adapter left it.
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, tie_word_embeddings=True)
-    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["lm_head", "v_proj"], trainer_state=False)
-    with pytest.raises(BadInputError, match="LoRA on lm_head .* tied input embedding") as e:
-        merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
-    assert "merge_and_unload" in e.value.hint and not (tmp_path / "out").exists()
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, scale=0.2, targets=targets, trainer_state=False)
+    m = merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
+    assert m["summary"]["untied_lm_head"] is True and m["summary"]["merged_modules"] == 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    ref, plain = peft_logits(base, adapter, IDS % 300), peft_logits(base, None, IDS % 300)
+    err = (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
 
 
 def test_embedding_and_lm_head_lora(tmp_path):
