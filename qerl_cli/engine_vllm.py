@@ -90,11 +90,35 @@ VLLM_MIN_TEMPERATURE = 1e-2
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def check_vllm_temperature(temperature: float) -> None:
+# vllm/sampling_params.py (_verify_args, since vLLM PR #44965, 2026-06): a temperature above 2 is an error, raised
+# only once the model has loaded; and greedy sampling with n > 1 (_verify_greedy_sampling) too.
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def check_vllm_temperature(temperature: float, n: int = 1) -> None:
+    """Refuse, before vLLM loads the model, what vLLM would change silently or refuse only after loading."""
     if 0 < temperature < VLLM_MIN_TEMPERATURE:
         raise BadInputError(f"--temperature {temperature:g} with --engine vllm: vLLM samples every temperature under "
                             f"{VLLM_MIN_TEMPERATURE:g} at {VLLM_MIN_TEMPERATURE:g}, so the records would name the wrong one",
                             hint=f"pass --temperature 0 (greedy) or >= {VLLM_MIN_TEMPERATURE:g}, or --engine native")
+    if temperature > VLLM_MAX_TEMPERATURE:
+        raise BadInputError(f"--temperature {temperature:g} with --engine vllm: vLLM refuses temperatures above "
+                            f"{VLLM_MAX_TEMPERATURE:g}", hint="lower --temperature, or use --engine native")
+    if temperature == 0 and n > 1:
+        raise BadInputError(f"--temperature 0 (greedy) with {n} completions per prompt and --engine vllm: vLLM refuses "
+                            "greedy sampling of more than one (they would all be the same)",
+                            hint="pass --temperature > 0 (a GRPO group needs different completions)")
+
+
+def allow_function_shipping() -> None:
+    """``apply_model`` ships a Python function to vLLM's engine-core process, which vLLM allows only with
+    pickle-based serialization on: switch it on, refusing a value the user set to off (vLLM then failed only
+    after loading the whole model)."""
+    v = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    if v is not None and v.strip().lower() in ("", "0", "false", "no", "off"):
+        raise BadInputError(f"VLLM_ALLOW_INSECURE_SERIALIZATION={v!r}: the vLLM engine applies AQN noise through "
+                            "vLLM's apply_model, which needs it on", hint="unset it, or use --engine native")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 
 def vllm_max_lora_rank(r: int) -> int:
@@ -166,10 +190,8 @@ class VLLMEngine:
             # vLLM's LoRA requests carry only LoRA tensors: sampling would silently use the base's norms.
             raise BadInputError(f"--adapter {adapter_dir} has trained norm weights ({NORMS}), which the vLLM engine "
                                 "cannot apply", hint="use --engine native, or serve a qerl merge of the adapter")
+        allow_function_shipping()
         vllm = _vllm()
-        # apply_model ships a Python function to the engine-core process; vLLM only allows
-        # that with pickle-based serialization switched on.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         kw = dict(model=str(model_dir), dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, "auto"),
                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
                   gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs")
@@ -207,6 +229,9 @@ class VLLMEngine:
             group = []
             for c in out.outputs:
                 ids = list(c.token_ids)
+                if not ids:  # vLLM reports a request it ignored (e.g. too long a prompt) as finished by length
+                    raise RuntimeError(f"vLLM returned no tokens (finish reason {c.finish_reason!r}) for a prompt of "
+                                       f"{len(out.prompt_token_ids or [])} tokens; refusing to record an empty completion")
                 lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
                 group.append(Completion(token_ids=ids, logprobs=lps, text=c.text,
                                         finish_reason=completion_finish(c.finish_reason)))

@@ -162,7 +162,7 @@ def _check_flags(cfg: RolloutConfig) -> None:
     if cfg.engine == "vllm":
         from qerl_cli.engine_vllm import check_vllm_temperature
 
-        check_vllm_temperature(cfg.temperature)
+        check_vllm_temperature(cfg.temperature, cfg.num_generations)
     if cfg.engine == "native" and cfg.num_generations > cfg.max_num_seqs:
         bad(f"--num-generations {cfg.num_generations} exceeds --max-num-seqs {cfg.max_num_seqs}: a prompt's "
             "completions decode together", hint=f"pass --max-num-seqs {cfg.num_generations} or more")

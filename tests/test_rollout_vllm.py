@@ -203,3 +203,25 @@ def test_vllm_limits_are_refused_or_rounded_before_vllm_loads(tmp_path):
     for bad in ("abort", "error", None):
         with pytest.raises(RuntimeError, match="refusing to record"):
             completion_finish(bad)
+
+
+def test_what_vllm_refuses_after_loading_is_refused_before_it(tmp_path, monkeypatch):
+    # From vLLM's source (2026-11-27 review): SamplingParams refuses a temperature above 2 (PR #44965) and greedy
+    # sampling with n > 1, and apply_model fails with pickle serialization off: each only after the model loaded.
+    from qerl_cli.engine_vllm import VLLMEngine, check_vllm_temperature
+    from qerl_cli.rollout import RolloutConfig, rollout
+
+    def cfg(**kw):
+        return RolloutConfig(model=tmp_path, prompts=tmp_path / "p.jsonl", out=tmp_path / "o", engine="vllm",
+                             progress=False, **kw)
+
+    with pytest.raises(BadInputError, match="vLLM refuses temperatures above 2"):
+        rollout(cfg(temperature=2.5))
+    with pytest.raises(BadInputError, match="--temperature 0 .* with 8 completions per prompt and --engine vllm"):
+        rollout(cfg(temperature=0.0))  # G defaults to 8
+    check_vllm_temperature(2.0, 8)
+    check_vllm_temperature(0.0, 1)
+    for off in ("0", "false", ""):
+        monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", off)
+        with pytest.raises(BadInputError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+            VLLMEngine(tmp_path, adapter_dir=None, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
