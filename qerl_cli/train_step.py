@@ -677,6 +677,9 @@ def _train_step(cfg: TrainStepConfig) -> dict:
 
     dist = distributed.setup(device)
     try:
+        # Paths may differ between nodes; what they hold is in the fingerprint's input hashes.
+        dist.agree(dict({k: v for k, v in asdict(cfg).items() if k not in _PATH_FLAGS}, fingerprint=out.fingerprint,
+                        micro_batches=len(groups)))
         if dist.enabled and device.startswith("cuda"):
             device = f"cuda:{dist.local_rank}"
         out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, shards, hashes, advantages
@@ -684,6 +687,9 @@ def _train_step(cfg: TrainStepConfig) -> dict:
                     parent_hash)
     finally:
         dist.close()
+
+
+_PATH_FLAGS = ("model", "shards", "out", "adapter", "metrics_file", "progress")
 
 
 @dataclass

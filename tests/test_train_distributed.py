@@ -102,3 +102,32 @@ def test_two_ranks_with_deterministic_write_the_same_bytes_twice(tmp_path):
     assert json.loads((outs[0] / "manifest.json").read_text())["deterministic"] is True
     for f in ("adapter_model.safetensors", "optimizer.safetensors"):
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes()
+
+
+def test_disagreeing_ranks_are_named_with_every_value():
+    from qerl_cli.train.distributed import disagreement
+
+    same = {"lr": 1e-3, "micro_batch_tokens": 200, "lora_targets": ["q_proj"]}
+    assert disagreement([same, dict(same)]) is None
+    why = disagreement([same, dict(same, micro_batch_tokens=2000, lr=2e-3), dict(same)])
+    assert why == "lr: rank 0 0.001, rank 1 0.002, rank 2 0.001 (and 1 more: micro_batch_tokens)"
+    assert disagreement([same, {k: v for k, v in same.items() if k != "lr"}]).startswith("lr: rank 0 0.001, rank 1 None")
+
+
+@pytest.mark.slow  # ~60 s on 2 shared cores: two extra interpreters import torch
+def test_ranks_started_with_different_flags_stop_before_training(tmp_path):
+    # Rank 0 with --micro-batch-tokens 200 and rank 1 with 2000 wrote a wrong adapter with exit 0, which a rerun with
+    # the right flags called "already done" (the flag is not in the fingerprint; a review, 2026-11-27).
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    script = tmp_path / "rank.sh"
+    script.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then mb=2000; else mb=200; fi\nexec "{sys.executable}" -m qerl_cli '
+                      f'train-step --model "{q}" --shards "{sh}" --out "{tmp_path / "o"}" --device cpu --quiet '
+                      '--micro-batch-tokens "$mb"\n')
+    script.chmod(0o755)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "--no-python", str(script)]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and not (tmp_path / "o").exists(), res.stderr[-3000:]
+    assert res.stderr.count("error: torchrun ranks disagree: micro_batch_tokens: rank 0 200, rank 1 2000") == 2, \
+        res.stderr[-3000:]

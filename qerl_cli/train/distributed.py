@@ -16,6 +16,7 @@ is in place, and a failure there ends every rank with rank 0's exit code.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -80,6 +81,22 @@ class Dist:
             err.exit_code = code
             raise err
 
+    def agree(self, settings: dict) -> None:
+        """Refuse a step whose ranks were started with different flags or inputs (``settings``: JSON values).
+        Each rank ran its own: with --micro-batch-tokens 200 on one and 2000 on the other, the ranks summed
+        gradients of different micro-batch plans and wrote a wrong adapter with exit 0, which a rerun with
+        the right flags then called "already done" (the flag is not in the fingerprint; a review)."""
+        if not self.enabled:
+            return
+        mine = json.dumps(settings, sort_keys=True, default=str)
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        why = disagreement([json.loads(v) for v in every])
+        if why:
+            from qerl_cli.errors import BadInputError
+
+            raise BadInputError(f"torchrun ranks disagree: {why}", hint="start every rank with the same flags and inputs")
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
@@ -87,6 +104,18 @@ class Dist:
     def close(self) -> None:
         if self.initialized_here and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def disagreement(per_rank: list[dict]) -> str | None:
+    """The first setting whose value differs between ranks, with every rank's value; None when all agree."""
+    keys = sorted(set().union(*per_rank))
+    diff = [k for k in keys if len({json.dumps(d.get(k), sort_keys=True) for d in per_rank}) > 1]
+    if not diff:
+        return None
+    k = diff[0]
+    values = ", ".join(f"rank {r} {d.get(k)!r}" for r, d in enumerate(per_rank))
+    more = f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else ""
+    return f"{k}: {values}{more}"
 
 
 def main_by_environment() -> bool:
