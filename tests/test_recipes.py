@@ -214,6 +214,28 @@ def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torc
     assert log.read_text().startswith(f"exec --nv img.sif {launcher} --nproc-per-node 4 -m qerl_cli train-step --model ")
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_multi_gpu_training_takes_the_torchrun_beside_an_absolute_qerl(tmp_path, beside):
+    # QERL=/venv/bin/qerl ran the first torchrun on PATH, another Python's without qerl_cli where the job has no
+    # activated venv (a review, 2026-11-27); without a torchrun beside it, the one on PATH as before.
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "qerl").write_text("#!/bin/sh\n")
+    (venv / "qerl").chmod(0o755)
+    log = tmp_path / "torchrun.log"
+    _recorder(tmp_path, "torchrun", f'echo "PATH $*" >> {log}\n')
+    if beside:
+        (venv / "torchrun").write_text(f'#!/bin/sh\necho "VENV $*" >> {log}\n')
+        (venv / "torchrun").chmod(0o755)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nTRAIN_GPUS=2\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
+    env.update(QERL=str(venv / "qerl"), PATH=f"{tmp_path}:{os.environ['PATH']}")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
+                   env=env, check=True, capture_output=True)
+    assert log.read_text().startswith(f"{'VENV' if beside else 'PATH'} --nproc-per-node 2 -m qerl_cli train-step ")
+
+
 def test_train_extra_is_word_split_and_optional(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
