@@ -63,7 +63,33 @@ qerl_load_config() {  # CONFIG (for the messages)
   for v in ROLLOUT_SHARDS TRAIN_GPUS; do
     [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1"
   done  # STEPS=0 is grpo.sh's base-only run (quantize, score the base); submit.sh refuses it
+  qerl_check_stage_values "$1"
 }
+
+# The stage flags' values, checked here because each stage checks its own only when it runs: LR=abc stopped the
+# loop after quantize and a whole rollout, and on Slurm after the chain was queued (a review, 2026-11-27).
+# Only what is certain: the stages keep the finer rules (top-p in (0, 1], a temperature's floor, ...).
+QERL_STAGE_COUNTS=(PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW_TOKENS LORA_RANK MICRO_BATCH_TOKENS WARMUP_STEPS AQN_STAGES)
+QERL_STAGE_FLOATS=(TEMPERATURE TOP_P CLIP_EPS CLIP_EPS_HIGH BETA TIS_CAP LR MAX_GRAD_NORM LORA_ALPHA AQN_SIGMA_START
+  AQN_SIGMA_END)
+QERL_FLOAT='^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$'
+qerl_check_stage_values() {  # CONFIG (for the messages)
+  local v
+  for v in "${QERL_STAGE_COUNTS[@]}"; do
+    [[ ${!v} =~ $QERL_WHOLE_NUMBER ]] || _qerl_die "$v=${!v}: expected a whole number ($1)"
+  done
+  for v in PROMPTS_PER_STEP MAX_NEW_TOKENS LORA_RANK MICRO_BATCH_TOKENS AQN_STAGES; do
+    [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1 ($1)"
+  done
+  [ "$NUM_GENERATIONS" -ge 2 ] || _qerl_die "NUM_GENERATIONS=$NUM_GENERATIONS: a group needs at least 2 completions for its advantages ($1)"
+  if [ "$STEPS" -ge 1 ] && [ "$WARMUP_STEPS" -ge "$STEPS" ]; then
+    _qerl_die "WARMUP_STEPS=$WARMUP_STEPS: must be below STEPS=$STEPS, the run's total ($1)"
+  fi
+  for v in "${QERL_STAGE_FLOATS[@]}"; do
+    [[ ${!v} =~ $QERL_FLOAT ]] || _qerl_die "$v=${!v}: expected a number >= 0, e.g. 1e-5 or 0.2 ($1)"
+  done
+}
+
 
 qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
 

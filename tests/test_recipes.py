@@ -67,7 +67,7 @@ def _jobs(log):
 def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
     sbatch, log = _fake_sbatch(tmp_path)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=3\nROLLOUT_SHARDS=4\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\nROLLOUT_SHARDS=4\n")
     env = {**os.environ, "SBATCH": str(sbatch), "PARTITION": "gpu"}
     out = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
                          capture_output=True, text=True, env=env, check=True).stdout
@@ -96,7 +96,7 @@ def test_slurm_jobs_take_cores_and_memory_from_the_settings(tmp_path):
     # clusters default to one core and little memory a job; only EXTRA_SBATCH_ARGS could raise them
     sbatch, log = _fake_sbatch(tmp_path)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=1\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=1\n")
     env = {**os.environ, "SBATCH": str(sbatch), "JOB_CPUS": "8", "JOB_MEM": "64G"}
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")], env=env,
                    check=True, capture_output=True)
@@ -113,7 +113,7 @@ def test_slurm_evals_run_beside_the_chain(tmp_path):
     # EVAL_EVERY was ignored under Slurm and the base eval ran in the final job, on the critical path.
     sbatch, log = _fake_sbatch(tmp_path)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nEVAL_EVERY=2\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_EVERY=2\n")
     run = tmp_path / "run"
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True,
                    capture_output=True, env={**os.environ, "SBATCH": str(sbatch)})
@@ -143,7 +143,7 @@ def _stage(tmp_path, stage, step, extra=""):
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$*" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + f"\nSTEPS=5\nROLLOUT_SHARDS=2\n{extra}\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + f"\nWARMUP_STEPS=0\nSTEPS=5\nROLLOUT_SHARDS=2\n{extra}\n")
     env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "1"}
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(tmp_path / "run"), str(step)],
                    env=env, check=True)
@@ -160,7 +160,7 @@ def test_slurm_stages_share_compiled_kernels_through_the_run_dir(tmp_path, prese
     log = tmp_path / "env.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$TRITON_CACHE_DIR" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\n")
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "1"],
                    env={**os.environ, "QERL": str(qerl)}, check=True)
     assert log.read_text().strip() == (preset or f"{tmp_path / 'run'}/.triton-cache")
@@ -189,7 +189,7 @@ def test_multi_gpu_training_with_qerl_as_a_python_module_runs_a_bare_torchrun(tm
     log = tmp_path / "torchrun.log"
     _recorder(tmp_path, "torchrun", f'echo "$*" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nTRAIN_GPUS=2\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=2\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
     env.update(QERL="python -m qerl_cli", PATH=f"{tmp_path}:{os.environ['PATH']}")
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
@@ -203,7 +203,7 @@ def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torc
     log = tmp_path / "wrapper.log"
     wrapper = _recorder(tmp_path, "wrap", f'echo "$*" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nTRAIN_GPUS=4\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=4\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
     env["QERL"] = f"{wrapper} exec --nv img.sif qerl"
     if torchrun:
@@ -228,7 +228,7 @@ def test_multi_gpu_training_takes_the_torchrun_beside_an_absolute_qerl(tmp_path,
         (venv / "torchrun").write_text(f'#!/bin/sh\necho "VENV $*" >> {log}\n')
         (venv / "torchrun").chmod(0o755)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=5\nTRAIN_GPUS=2\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=2\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
     env.update(QERL=str(venv / "qerl"), PATH=f"{tmp_path}:{os.environ['PATH']}")
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
@@ -285,7 +285,7 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     # The two scripts kept a copy each of every stage's flags, and stage.sbatch lost --chat-template-file
     # (rollout and eval). Both now build them in recipes/lib.sh: the same config gives the same commands,
     # but for where the shards go.
-    extra = ("STEPS=2\nEVAL_EVERY=1\nEVAL_MAX_PROBLEMS=9\nCHAT_TEMPLATE_FILE=/t/chat.jinja\nMERGE_DTYPE=nvfp4\n"
+    extra = ("WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_MAX_PROBLEMS=9\nCHAT_TEMPLATE_FILE=/t/chat.jinja\nMERGE_DTYPE=nvfp4\n"
              "DTYPE=bf16\nRUN_SEED=5\nEVAL_DATASET=t.jsonl\n")
     cfg = tmp_path / "c.env"
     cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + extra)
@@ -311,7 +311,7 @@ def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$1" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=2\nEVAL_DATASET=t.jsonl\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=t.jsonl\n")
     env = {**os.environ, "QERL": str(qerl)}
     subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
                    capture_output=True)
@@ -391,7 +391,7 @@ def test_live_slurm_runs_the_chain_in_dependency_order(tmp_path, live_slurm):
     # Each fake stage records itself and sleeps a little, so a missing dependency shows as disorder.
     qerl = _recorder(tmp_path, "qerl", f'sleep 0.3; echo "$1 $SLURM_ARRAY_TASK_ID" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=2\nROLLOUT_SHARDS=2\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nROLLOUT_SHARDS=2\n")
     env = {**live_slurm, "QERL": str(qerl), "GPU_GRES": ""}
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
                    env=env, check=True, capture_output=True, cwd=tmp_path)
@@ -420,7 +420,7 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
             'if [ "$1" = merge ] && [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
     qerl = _recorder(tmp_path, "qerl", body)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=2\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
     env = {**os.environ, "QERL": str(qerl)}
     run = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
                          capture_output=True, text=True)
@@ -438,7 +438,7 @@ def _submit_7b_chain(tmp_path, **env):
     """submit.sh on the 7B config (3 steps) through a fake sbatch, with ``env`` in its environment."""
     sbatch, _ = _fake_sbatch(tmp_path)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=3\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\n")
     run = tmp_path / "run"
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True, capture_output=True,
                    env={**os.environ, "SBATCH": str(sbatch), **env})
@@ -546,6 +546,28 @@ def test_a_step_count_that_is_not_a_number_is_one_error_line(tmp_path, script, v
         assert r.returncode == 2 and r.stderr == f"error: STEPS={value}: expected a whole number\n", (cfg.name, r.stderr)
 
 
+@pytest.mark.parametrize("script", ["grpo.sh", "submit.sh"])
+@pytest.mark.parametrize("setting, needle", [
+    ("LR=abc", "LR=abc: expected a number >= 0"), ("TEMPERATURE=-1", "TEMPERATURE=-1: expected a number >= 0"),
+    ("MICRO_BATCH_TOKENS=0", "MICRO_BATCH_TOKENS=0: expected at least 1"),
+    ("NUM_GENERATIONS=1", "NUM_GENERATIONS=1: a group needs at least 2 completions"),
+    ("LORA_RANK=1.5", "LORA_RANK=1.5: expected a whole number"),
+    ("WARMUP_STEPS=5", "WARMUP_STEPS=5: must be below STEPS=3"),
+])
+def test_a_stage_value_that_cannot_run_stops_the_loop_before_any_stage(tmp_path, script, setting, needle):
+    # Each was found by its stage only: LR=abc after quantize and a whole rollout, and on Slurm after the whole
+    # chain was queued (a review, 2026-11-27).
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    path = RECIPES / script if script == "grpo.sh" else RECIPES / "slurm" / script
+    key, value = setting.split("=")
+    env = {**os.environ, "STEPS": "3", key: value, "QERL": str(qerl), "SBATCH": str(sbatch)}
+    r = subprocess.run(["bash", str(path), str(RECIPES / "configs" / "qwen2.5-7b-instruct.env"), str(tmp_path / "run")],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {needle}") and r.stderr.count("\n") == 1, r.stderr
+    assert not log.exists() and not sbatch_log.exists()
+
+
 def test_a_config_that_misses_keys_is_refused_naming_them(tmp_path):
     # grpo.sh checked 9 keys, then died with "SEED: unbound variable".
     qerl, log = _argv_recorder(tmp_path)
@@ -582,7 +604,7 @@ def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig, code):
             f'for _ in $(seq 100); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
     qerl = _recorder(tmp_path, "qerl", body)
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=2\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
     p = subprocess.Popen(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")],
                          env={**os.environ, "QERL": str(qerl)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
@@ -796,7 +818,7 @@ def test_qerl_may_be_a_wrapper_command(tmp_path):
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$WRAPPED $1" >> {log}\n')
     cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nSTEPS=1\nEVAL_DATASET=\n")
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\n")
     env = {**os.environ, "QERL": f"env WRAPPED=yes {qerl}"}
     subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
                    capture_output=True)
