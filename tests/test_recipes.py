@@ -92,6 +92,26 @@ def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
         assert f"--output {run}/{pattern} " in a, (name, a)
 
 
+@pytest.mark.parametrize("scancel_works", [True, False])
+def test_a_refused_sbatch_cancels_the_jobs_the_chain_submitted_before_it(tmp_path, scancel_works):
+    # The jobs before it stayed queued and a rerun submitted them all again beside them (a review, 2026-11-27).
+    sbatch, log = _fake_sbatch(tmp_path)
+    real = sbatch.with_name("sbatch-ok")
+    sbatch.rename(real)
+    _recorder(tmp_path, "sbatch", f'[ "$(cat {tmp_path / "jid"})" -ge 104 ] && {{ echo "QOSMaxSubmitJobPerUserLimit" >&2; '
+                                  f'exit 1; }}; exec {real} "$@"\n')
+    cancelled = tmp_path / "scancel.log"
+    scancel = _recorder(tmp_path, "scancel", f'echo "$*" >> {cancelled}\n' + ("" if scancel_works else "exit 1\n"))
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\n")
+    env = {**os.environ, "SBATCH": str(sbatch), "SCANCEL": str(scancel)}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "error: sbatch refused job qerl-rollout-1; cancelling the 4 job(s)" in r.stderr, r.stderr
+    assert cancelled.read_text().split() == ["101", "102", "103", "104"]
+    assert ("scancel failed too: cancel them yourself: scancel 101 102 103 104" in r.stderr) is not scancel_works
+
+
 def test_slurm_jobs_take_cores_and_memory_from_the_settings(tmp_path):
     # clusters default to one core and little memory a job; only EXTRA_SBATCH_ARGS could raise them
     sbatch, log = _fake_sbatch(tmp_path)

@@ -70,36 +70,50 @@ if [ -n "$GPU_GRES" ]; then gpus=(--gres="$GPU_GRES:1"); fi
 train_gpus=()
 if [ -n "$GPU_GRES" ]; then train_gpus=(--gres="$GPU_GRES:$TRAIN_GPUS"); fi
 
-submit() {  # submit NAME DEPENDENCY ARGS... -> prints the job id (DEPENDENCY: id[:id...] or empty)
-  local name=$1 dep=$2; shift 2
+SUBMITTED=()  # every job id this run submitted: cancelled if a later sbatch fails
+qid="" bid="" rid="" jid="" eid="" fid=""  # set by submit
+submit() {  # submit VAR NAME DEPENDENCY ARGS... -> VAR holds the job id (DEPENDENCY: id[:id...] or empty)
+  local var=$1 name=$2 dep=$3 out; shift 3
   local dep_flag=()
   [ -n "$dep" ] && dep_flag=(--dependency "afterok:$dep" --kill-on-invalid-dep=yes)
-  "$SBATCH" "${common[@]}" --job-name "$name" "${dep_flag[@]}" "$@" | cut -d';' -f1
+  if ! out=$("$SBATCH" "${common[@]}" --job-name "$name" "${dep_flag[@]}" "$@"); then abort_chain "$name"; fi
+  printf -v "$var" '%s' "${out%%;*}"
+  SUBMITTED+=("${!var}")
 }
 
-qid=$(submit qerl-quantize "" "${log_job[@]}" "${gpus[@]}" --time "${TIME_QUANTIZE:-01:00:00}" \
-  "$SCRIPT" quantize "$CONFIG" "$RUN_DIR")
+# A half-submitted chain (sbatch refused one job: a QOS limit on jobs per user, a wrong partition) left the jobs
+# before it queued, a rerun submitting them all again beside them (a review, 2026-11-27): cancel them.
+abort_chain() {  # abort_chain NAME
+  echo "error: sbatch refused job $1; cancelling the ${#SUBMITTED[@]} job(s) this chain submitted before it" >&2
+  if [ "${#SUBMITTED[@]}" -gt 0 ] && ! "${SCANCEL:-scancel}" "${SUBMITTED[@]}"; then
+    echo "error: scancel failed too: cancel them yourself: scancel ${SUBMITTED[*]}" >&2
+  fi
+  exit 1
+}
+
+submit qid qerl-quantize "" "${log_job[@]}" "${gpus[@]}" --time "${TIME_QUANTIZE:-01:00:00}" \
+  "$SCRIPT" quantize "$CONFIG" "$RUN_DIR"
 echo "quantize: $qid"
 final_dep=""
 if [ -n "$EVAL_DATASET" ]; then  # the base policy's score, off the critical path
-  bid=$(submit qerl-eval-base "$qid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
-    "$SCRIPT" eval "$CONFIG" "$RUN_DIR" -1)
+  submit bid qerl-eval-base "$qid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
+    "$SCRIPT" eval "$CONFIG" "$RUN_DIR" -1
   echo "eval base: $bid"
   final_dep=":$bid"
 fi
 jid=$qid
 for ((s = 0; s < STEPS; s++)); do
-  rid=$(submit "qerl-rollout-$s" "$jid" --array "0-$((ROLLOUT_SHARDS - 1))" "${log_task[@]}" "${gpus[@]}" \
-    --time "${TIME_ROLLOUT:-04:00:00}" "$SCRIPT" rollout "$CONFIG" "$RUN_DIR" "$s")
-  jid=$(submit "qerl-train-$s" "$rid" "${log_job[@]}" "${train_gpus[@]}" --time "${TIME_TRAIN:-02:00:00}" \
-    "$SCRIPT" train "$CONFIG" "$RUN_DIR" "$s")
+  submit rid "qerl-rollout-$s" "$jid" --array "0-$((ROLLOUT_SHARDS - 1))" "${log_task[@]}" "${gpus[@]}" \
+    --time "${TIME_ROLLOUT:-04:00:00}" "$SCRIPT" rollout "$CONFIG" "$RUN_DIR" "$s"
+  submit jid "qerl-train-$s" "$rid" "${log_job[@]}" "${train_gpus[@]}" --time "${TIME_TRAIN:-02:00:00}" \
+    "$SCRIPT" train "$CONFIG" "$RUN_DIR" "$s"
   echo "step $s: rollout $rid (array of $ROLLOUT_SHARDS) -> train $jid"
   if qerl_eval_due "$s"; then  # beside the chain: nothing depends on it
-    eid=$(submit "qerl-eval-$s" "$jid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
-      "$SCRIPT" eval "$CONFIG" "$RUN_DIR" "$s")
+    submit eid "qerl-eval-$s" "$jid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
+      "$SCRIPT" eval "$CONFIG" "$RUN_DIR" "$s"
     echo "step $s: eval $eid"
   fi
 done
-fid=$(submit qerl-final "$jid$final_dep" "${log_job[@]}" "${gpus[@]}" --time "${TIME_QUANTIZE:-01:00:00}" \
-  "$SCRIPT" final "$CONFIG" "$RUN_DIR")
+submit fid qerl-final "$jid$final_dep" "${log_job[@]}" "${gpus[@]}" --time "${TIME_QUANTIZE:-01:00:00}" \
+  "$SCRIPT" final "$CONFIG" "$RUN_DIR"
 echo "final: $fid"
