@@ -339,6 +339,39 @@ def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     assert stages == ["quantize", "eval", "rollout", "train-step", "rollout", "train-step", "merge", "eval", "eval"]
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_a_rerun_starts_qerl_from_the_last_finished_step(tmp_path, force):
+    # Every finished stage started a qerl process to say "already done", ~2 s each: 35 minutes before a 500-step
+    # run went on (a review, 2026-11-27). The last finished step still goes through qerl (its fingerprints check
+    # the config and inputs); an eval missing before it runs; FORCE=1 goes through every step as before.
+    import shlex
+
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text()
+                   + "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_DATASET=t.jsonl\nEVAL_EVERY=2\n")  # evals after steps 1, 3
+    run = tmp_path / "run"
+    for s in range(3):  # steps 0-2 finished; step 1's eval is missing
+        (run / f"step-{s:06d}" / "adapter").mkdir(parents=True)
+        (run / f"step-{s:06d}" / "adapter" / "manifest.json").write_text("{}")
+    env = {**os.environ, "QERL": str(qerl)} | ({"FORCE": "1"} if force else {})
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    steps = []
+    for line in log.read_text().splitlines():
+        argv = shlex.split(line)
+        out = argv[argv.index("--out") + 1].removeprefix(f"{run}/") if "--out" in argv else ""
+        if out.startswith("step-"):
+            steps.append((argv[0], out))
+    if force:
+        assert [o for _, o in steps][:4] == ["step-000000/shards", "step-000000/adapter", "step-000001/shards",
+                                             "step-000001/adapter"]
+    else:
+        assert steps == [("eval", "step-000001/eval"), ("rollout", "step-000002/shards"),
+                         ("train-step", "step-000002/adapter"), ("rollout", "step-000003/shards"),
+                         ("train-step", "step-000003/adapter"), ("eval", "step-000003/eval"),
+                         ("rollout", "step-000004/shards"), ("train-step", "step-000004/adapter")]
+
+
 # ---- a live single-node Slurm (Debian's slurm-wlm + munge), started by the test ----------
 def _slurm_binaries():
     return all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "squeue", "munged", "munge"))
