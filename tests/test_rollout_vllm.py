@@ -145,6 +145,16 @@ def test_vllm_api_we_rely_on_exists():
     assert callable(getattr(vllm.LLM, "apply_model", None))
     assert TokensPrompt(prompt_token_ids=[1, 2])["prompt_token_ids"] == [1, 2]
     assert LoRARequest("a", 1, "/tmp").lora_int_id == 1 and isinstance(RMSNorm, type)
+    # the LLM(...) keywords VLLMEngine passes reach EngineArgs (a review of vLLM's source found no check of them)
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {"logprobs_mode", "enable_lora", "max_lora_rank", "max_loras", "max_num_seqs", "max_model_len", "seed",
+            "gpu_memory_utilization", "dtype"} <= fields
+    with pytest.raises(Exception):  # noqa: B017 - greedy with n > 1: what check_vllm_temperature refuses first
+        vllm.SamplingParams(n=2, temperature=0.0)
 
 
 @pytest.mark.gpu
