@@ -92,6 +92,28 @@ def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
         assert f"--output {run}/{pattern} " in a, (name, a)
 
 
+def test_a_resubmitted_chain_starts_at_the_last_finished_step(tmp_path):
+    # Each finished step took two GPU jobs only to say "already done" (a review, 2026-11-27); an eval missing before
+    # the last finished step is submitted, on the base's job.
+    sbatch, log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text()
+                   + "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_EVERY=2\n")  # evals after steps 1 and 3
+    run = tmp_path / "run"
+    for st in range(3):
+        (run / f"step-{st:06d}" / "adapter").mkdir(parents=True)
+        (run / f"step-{st:06d}" / "adapter" / "manifest.json").write_text("{}")
+    out = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], capture_output=True,
+                         text=True, env={**os.environ, "SBATCH": str(sbatch)}, check=True).stdout
+    jobs = _jobs(log)
+    assert sorted(jobs, key=lambda n: jobs[n][0]) == [
+        "qerl-quantize", "qerl-eval-base", "qerl-eval-1", "qerl-rollout-2", "qerl-train-2", "qerl-rollout-3",
+        "qerl-train-3", "qerl-eval-3", "qerl-rollout-4", "qerl-train-4", "qerl-final"], out
+    qid = jobs["qerl-quantize"][0]
+    assert f"afterok:{qid} " in jobs["qerl-eval-1"][1] and f"afterok:{qid} " in jobs["qerl-rollout-2"][1]
+    assert "steps 0-1: finished; the chain starts at step 2" in out
+
+
 @pytest.mark.parametrize("scancel_works", [True, False])
 def test_a_refused_sbatch_cancels_the_jobs_the_chain_submitted_before_it(tmp_path, scancel_works):
     # The jobs before it stayed queued and a rerun submitted them all again beside them (a review, 2026-11-27).

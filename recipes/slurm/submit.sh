@@ -102,7 +102,24 @@ if [ -n "$EVAL_DATASET" ]; then  # the base policy's score, off the critical pat
   final_dep=":$bid"
 fi
 jid=$qid
-for ((s = 0; s < STEPS; s++)); do
+# A resubmitted chain starts at the last step with a finished adapter, as grpo.sh's rerun does: each earlier step
+# took two GPU jobs only to say "already done" (a review, 2026-11-27). That step's jobs check the run (their
+# fingerprints hold the config and inputs every step shares); an eval missing before it is submitted.
+first=0
+for ((s = STEPS - 1; s > 0; s--)); do
+  if [ -f "$(qerl_step_dir "$s")/adapter/manifest.json" ]; then first=$s; break; fi
+done
+if [ "$first" -gt 0 ]; then
+  echo "steps 0-$((first - 1)): finished; the chain starts at step $first"
+  for ((s = 0; s < first; s++)); do
+    if qerl_eval_due "$s" && ! [ -f "$(qerl_step_dir "$s")/eval/manifest.json" ]; then
+      submit eid "qerl-eval-$s" "$qid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
+        "$SCRIPT" eval "$CONFIG" "$RUN_DIR" "$s"
+      echo "step $s: eval $eid"
+    fi
+  done
+fi
+for ((s = first; s < STEPS; s++)); do
   submit rid "qerl-rollout-$s" "$jid" --array "0-$((ROLLOUT_SHARDS - 1))" "${log_task[@]}" "${gpus[@]}" \
     --time "${TIME_ROLLOUT:-04:00:00}" "$SCRIPT" rollout "$CONFIG" "$RUN_DIR" "$s"
   submit jid "qerl-train-$s" "$rid" "${log_job[@]}" "${train_gpus[@]}" --time "${TIME_TRAIN:-02:00:00}" \
