@@ -624,6 +624,7 @@ class _WriterLock:
 
     def __init__(self, out: StageOutput):
         self.out, self.path, self.f = out, out.writer_lock_path(), None
+        self.held = False  # an exclusive flock taken (not on a file system without flock, nor without fcntl)
 
     def __enter__(self):
         import errno
@@ -649,6 +650,7 @@ class _WriterLock:
                 self.f = None
                 raise busy from None
             if self._still_the_file():
+                self.held = True
                 break
             self.f.close()  # locked a file its holder deleted on the way out: take the one at the path now
             self.f = None
@@ -689,8 +691,9 @@ def _sweep_leftover_partial(out: StageOutput) -> None:
     if not part.exists():
         return
     try:
-        with _WriterLock(out):
-            shutil.rmtree(part, ignore_errors=True)
+        with _WriterLock(out) as lock:
+            if lock.held:  # without flock (NFS without lockd) a live redo's directory cannot be told apart
+                shutil.rmtree(part, ignore_errors=True)
     except OutputExistsError:
         pass  # another rollout holds it: leave it alone
 

@@ -78,7 +78,7 @@ qerl_check_stage_values() {  # CONFIG (for the messages)
   for v in "${QERL_STAGE_COUNTS[@]}"; do
     [[ ${!v} =~ $QERL_WHOLE_NUMBER ]] || _qerl_die "$v=${!v}: expected a whole number ($1)"
   done
-  for v in PROMPTS_PER_STEP MAX_NEW_TOKENS LORA_RANK MICRO_BATCH_TOKENS AQN_STAGES; do
+  for v in PROMPTS_PER_STEP MAX_NEW_TOKENS LORA_RANK MICRO_BATCH_TOKENS; do  # AQN_STAGES=0 runs with AQN off
     [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1 ($1)"
   done
   [ "$NUM_GENERATIONS" -ge 2 ] || _qerl_die "NUM_GENERATIONS=$NUM_GENERATIONS: a group needs at least 2 completions for its advantages ($1)"

@@ -304,6 +304,25 @@ def test_an_already_done_rerun_removes_the_partial_dir_an_interrupted_force_redo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "p.jsonl"]
 
 
+def test_without_flock_an_already_done_rerun_leaves_a_partial_dir_alone(model_dir, tmp_path, fake_engine, monkeypatch):
+    # On a file system without flock (NFS without lockd) a live --force redo's directory cannot be told from a
+    # leftover one: the sweep must not delete it (a review of the sweep, 2026-11-27).
+    import errno
+    import fcntl
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2)
+    args = ("--model", model_dir, "--prompts", prompts, "--out", tmp_path / "o", "-G", 2, "-q")
+    _cli(*args)
+    part = tmp_path / f".o.partial-{read_manifest(tmp_path / 'o')['fingerprint'][:16]}"
+    part.mkdir()
+
+    def no_flock(*a):
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    assert "already" in _cli(*args).output and part.exists()
+
+
 def test_max_model_len_counts_as_the_context_the_run_has(model_dir, tmp_path, fake_engine, monkeypatch):
     # Unset, the model's limit and anything above it give the same records: they read as "changed" (exit 4), and
     # an interrupted run resumed with the flag added started over (a review, 2026-11-27). A smaller context is
