@@ -99,18 +99,22 @@ fi
 
 # 2. The RL loop. Step s samples with adapter s-1 and writes adapter s.
 # A rerun goes through the steps before the last finished one without starting qerl for each (a stage that
-# says "already done" costs a process start, ~2 s: 35 minutes for a 500-step run; a review, 2026-11-27). That
-# last step's stages still check the run: its fingerprints hold the config and the inputs every step shares,
-# and its adapter's lineage each adapter before it. Their evals run if missing. Not with FORCE=1, which redoes
-# from the first step whose inputs changed.
-first=0
-if [ "${FORCE:-0}" != 1 ]; then
-  for ((s = STEPS - 1; s > 0; s--)); do
-    if [ -f "$(qerl_step_dir "$s")/adapter/manifest.json" ]; then first=$s; break; fi
-  done
+# says "already done" costs a process start, ~2 s: 35 minutes for a 500-step run; a review, 2026-11-27), where
+# their adapters are one run's (qerl_resume_point). That step's stages check the current config and inputs
+# first; if one refuses, every step is gone through from step 0, as without the shortcut, so the first stage
+# whose inputs changed is the one that says so (and FORCE=1, which takes no shortcut, redoes from there).
+first=$(qerl_resume_point)
+if [ "$first" -gt 0 ]; then
+  d=$(qerl_step_dir "$first")
+  say "step $first / $STEPS: the last finished step, checked against this config"
+  qerl_rollout_cmd "$first" "$d/shards"
+  if ! run_qerl "${QERL_CMD[@]}" || { qerl_train_cmd "$first" --shards "$d/shards"; ! run_qerl "${QERL_CMD[@]}"; }; then
+    say "step $first refused (above): going through every step from step 0"
+    first=0
+  fi
 fi
 if [ "$first" -gt 0 ]; then
-  say "steps 0-$((first - 1)) / $STEPS: finished (step $first's stages check the run's config and inputs)"
+  say "steps 0-$((first - 1)) / $STEPS: finished"
   for ((s = 0; s < first; s++)); do
     if qerl_eval_due "$s" && ! [ -f "$(qerl_step_dir "$s")/eval/manifest.json" ]; then
       say "step $s: eval"

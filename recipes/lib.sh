@@ -93,6 +93,17 @@ qerl_check_stage_values() {  # CONFIG (for the messages)
 
 qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
 
+# The step a rerun starts qerl from: the last with a finished adapter when every adapter before it is of the same
+# run (recipes/resume_point.py), else 0; 0 too without python3 on the host, and with FORCE=1.
+QERL_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+qerl_resume_point() {
+  local first
+  if [ "${FORCE:-0}" = 1 ] || ! first=$(python3 "$QERL_LIB_DIR/resume_point.py" "$RUN_DIR" "$STEPS" 2>/dev/null); then
+    first=0
+  fi
+  echo "$first"
+}
+
 # The frozen base every stage loads: RUN_DIR/base (NVFP4, QeRL) or the bf16 checkpoint itself.
 qerl_set_base() {  # RUN_DIR
   RUN_DIR=$1

@@ -100,9 +100,7 @@ def test_a_resubmitted_chain_starts_at_the_last_finished_step(tmp_path):
     cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text()
                    + "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_EVERY=2\n")  # evals after steps 1 and 3
     run = tmp_path / "run"
-    for st in range(3):
-        (run / f"step-{st:06d}" / "adapter").mkdir(parents=True)
-        (run / f"step-{st:06d}" / "adapter" / "manifest.json").write_text("{}")
+    _finished_steps(run, 3)
     out = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], capture_output=True,
                          text=True, env={**os.environ, "SBATCH": str(sbatch)}, check=True).stdout
     jobs = _jobs(log)
@@ -361,37 +359,77 @@ def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     assert stages == ["quantize", "eval", "rollout", "train-step", "rollout", "train-step", "merge", "eval", "eval"]
 
 
-@pytest.mark.parametrize("force", [False, True])
-def test_a_rerun_starts_qerl_from_the_last_finished_step(tmp_path, force):
+def _finished_steps(run, n, config=None, break_chain_at=None):
+    """Adapter manifests of steps 0..n-1 as train-step writes them: one config, each step's input adapter the
+    hash of the step before (recipes/resume_point.py rebuilds it from the file hashes)."""
+    import json as _json
+
+    from recipes.resume_point import adapter_inputs_hash
+
+    prev = None
+    for st in range(n):
+        outputs = {"adapter_config.json": f"c{st}", "adapter_model.safetensors": f"w{st}", "trainer_state.json": f"t{st}"}
+        inputs = {"model": "m", "shards": f"s{st}"}
+        if prev is not None:
+            inputs["adapter"] = "x" if st == break_chain_at else adapter_inputs_hash(prev)
+        cfg = {"lr": 3e-5 if st == 0 and config == "mixed" else 1e-5}  # "mixed": step 0 made with another LR
+        d = run / f"step-{st:06d}" / "adapter"
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text(_json.dumps({"stage": "train-step", "config": cfg, "inputs": inputs,
+                                                      "outputs": outputs}))
+        prev = outputs
+
+
+def test_the_resume_point_is_the_last_finished_step_of_one_run(tmp_path):
+    # Adapters of another config (an interrupted FORCE=1 redo) or a broken chain were skipped over by the first
+    # version of the shortcut (a review of it, 2026-11-27): then every step is gone through.
+    from recipes.resume_point import resume_point
+
+    for name, kw, want in [("ok", {}, 2), ("mixed", {"config": "mixed"}, 0), ("chain", {"break_chain_at": 1}, 0)]:
+        run = tmp_path / name
+        _finished_steps(run, 3, **kw)
+        assert resume_point(run, 5) == want, name
+    assert resume_point(tmp_path / "none", 5) == 0 and resume_point(tmp_path / "ok", 2) == 1
+
+
+@pytest.mark.parametrize("case", ["resume", "force", "mixed", "refused"])
+def test_a_rerun_starts_qerl_from_the_last_finished_step(tmp_path, case):
     # Every finished stage started a qerl process to say "already done", ~2 s each: 35 minutes before a 500-step
     # run went on (a review, 2026-11-27). The last finished step still goes through qerl (its fingerprints check
-    # the config and inputs); an eval missing before it runs; FORCE=1 goes through every step as before.
+    # the config and inputs); an eval missing before it runs. FORCE=1, adapters of another run, or a refusal at
+    # that step (a changed LoRA rank refuses there with exit 2): every step from step 0, as before.
     import shlex
 
     qerl, log = _argv_recorder(tmp_path)
+    if case == "refused":  # the last finished step's train-step refuses once (its adapter's rank changed)
+        qerl.write_text(qerl.read_text().replace('printf', f'[ "$1" = train-step ] && [ ! -e {tmp_path}/once ] && '
+                                                          f'touch {tmp_path}/once && exit 2\nprintf', 1))
     cfg = tmp_path / "c.env"
     cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text()
                    + "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_DATASET=t.jsonl\nEVAL_EVERY=2\n")  # evals after steps 1, 3
     run = tmp_path / "run"
-    for s in range(3):  # steps 0-2 finished; step 1's eval is missing
-        (run / f"step-{s:06d}" / "adapter").mkdir(parents=True)
-        (run / f"step-{s:06d}" / "adapter" / "manifest.json").write_text("{}")
-    env = {**os.environ, "QERL": str(qerl)} | ({"FORCE": "1"} if force else {})
-    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    _finished_steps(run, 3, config="mixed" if case == "mixed" else None)  # steps 0-2; step 1's eval is missing
+    env = {**os.environ, "QERL": str(qerl)} | ({"FORCE": "1"} if case == "force" else {})
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
     steps = []
     for line in log.read_text().splitlines():
         argv = shlex.split(line)
         out = argv[argv.index("--out") + 1].removeprefix(f"{run}/") if "--out" in argv else ""
         if out.startswith("step-"):
             steps.append((argv[0], out))
-    if force:
-        assert [o for _, o in steps][:4] == ["step-000000/shards", "step-000000/adapter", "step-000001/shards",
-                                             "step-000001/adapter"]
+    tail = [("rollout", "step-000002/shards"), ("train-step", "step-000002/adapter"), ("rollout", "step-000003/shards"),
+            ("train-step", "step-000003/adapter"), ("eval", "step-000003/eval"), ("rollout", "step-000004/shards"),
+            ("train-step", "step-000004/adapter")]
+    walk = [("rollout", "step-000000/shards"), ("train-step", "step-000000/adapter"), ("rollout", "step-000001/shards"),
+            ("train-step", "step-000001/adapter"), ("eval", "step-000001/eval")] + tail
+    if case == "resume":
+        assert steps == tail[:2] + [("eval", "step-000001/eval")] + tail, steps
+    elif case == "refused":  # the refused train-step is not logged (the stand-in exits before it writes)
+        assert steps == [tail[0]] + walk, steps
+        assert "step 2 refused (above): going through every step from step 0" in r.stdout
     else:
-        assert steps == [("eval", "step-000001/eval"), ("rollout", "step-000002/shards"),
-                         ("train-step", "step-000002/adapter"), ("rollout", "step-000003/shards"),
-                         ("train-step", "step-000003/adapter"), ("eval", "step-000003/eval"),
-                         ("rollout", "step-000004/shards"), ("train-step", "step-000004/adapter")]
+        assert steps == walk, steps
 
 
 # ---- a live single-node Slurm (Debian's slurm-wlm + munge), started by the test ----------

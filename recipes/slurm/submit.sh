@@ -102,13 +102,11 @@ if [ -n "$EVAL_DATASET" ]; then  # the base policy's score, off the critical pat
   final_dep=":$bid"
 fi
 jid=$qid
-# A resubmitted chain starts at the last step with a finished adapter, as grpo.sh's rerun does: each earlier step
-# took two GPU jobs only to say "already done" (a review, 2026-11-27). That step's jobs check the run (their
-# fingerprints hold the config and inputs every step shares); an eval missing before it is submitted.
-first=0
-for ((s = STEPS - 1; s > 0; s--)); do
-  if [ -f "$(qerl_step_dir "$s")/adapter/manifest.json" ]; then first=$s; break; fi
-done
+# A resubmitted chain starts at the last step with a finished adapter where every adapter before it is of the same
+# run (qerl_resume_point), as grpo.sh's rerun does: each earlier step took two GPU jobs only to say "already done"
+# (a review, 2026-11-27). That step's jobs check the current config and inputs; an eval missing before it is
+# submitted. A refusal there cancels the chain (afterok); with FORCE=1 the chain starts at step 0.
+first=$(qerl_resume_point)
 if [ "$first" -gt 0 ]; then
   echo "steps 0-$((first - 1)): finished; the chain starts at step $first"
   for ((s = 0; s < first; s++)); do
