@@ -112,6 +112,8 @@ def test_disagreeing_ranks_are_named_with_every_value():
     why = disagreement([same, dict(same, micro_batch_tokens=2000, lr=2e-3), dict(same)])
     assert why == "lr: rank 0 0.001, rank 1 0.002, rank 2 0.001 (and 1 more: micro_batch_tokens)"
     assert disagreement([same, {k: v for k, v in same.items() if k != "lr"}]).startswith("lr: rank 0 0.001, rank 1 None")
+    # the flag is named, not the fingerprint it changes
+    assert disagreement([dict(same, fingerprint="a"), dict(same, lr=2e-3, fingerprint="b")]).startswith("lr: ")
 
 
 @pytest.mark.slow  # ~60 s on 2 shared cores: two extra interpreters import torch

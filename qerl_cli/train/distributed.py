@@ -106,9 +106,13 @@ class Dist:
             dist.destroy_process_group()
 
 
+DERIVED = ("fingerprint", "micro_batches")  # named after the flags: a flag that differs changes them too
+
+
 def disagreement(per_rank: list[dict]) -> str | None:
-    """The first setting whose value differs between ranks, with every rank's value; None when all agree."""
-    keys = sorted(set().union(*per_rank))
+    """The first setting whose value differs between ranks (flags before ``DERIVED``), with every rank's value;
+    None when all agree."""
+    keys = sorted(set().union(*per_rank), key=lambda k: (k in DERIVED, k))
     diff = [k for k in keys if len({json.dumps(d.get(k), sort_keys=True) for d in per_rank}) > 1]
     if not diff:
         return None
