@@ -614,7 +614,19 @@ def _train_step(cfg: TrainStepConfig) -> dict:
     if cfg.deterministic and device.startswith("cuda"):
         prepare_environment()  # before CUDA starts: cuBLAS reads its workspace setting once
     _, dtype = resolve_dtype(cfg.dtype, device)
+    # Under torchrun every rank joins before anything can end one alone: a rank that found its output "already
+    # done" (or a bad shard) and exited left the others waiting at the process group until its timeout. The ranks
+    # then compare their flags, and later their fingerprints (_joined_step).
+    dist = distributed.setup(device)
+    try:
+        dist.agree({k: v for k, v in asdict(cfg).items() if k not in _PATH_FLAGS})
+        return _joined_step(cfg, dist, device, dtype, t_start)
+    finally:
+        dist.close()
 
+
+def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtype, t_start: float) -> dict:
+    """The step once every torchrun rank has joined (a single process: right away)."""
     data = read_step(cfg)
     for d in {f.parent for f in data.files}:  # --force replaces --out: never a directory the shards are read from
         check_out_apart(cfg.out, shards=d)
@@ -660,7 +672,8 @@ def _train_step(cfg: TrainStepConfig) -> dict:
                       legacy_configs=(cfg.legacy_fingerprint_config(),), started=t_start)
     if out.already_done():
         _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
-        _ensure_metrics_line(cfg, out.manifest)
+        if dist.is_main:  # one writer of the run's metrics file, as for a step that runs
+            _ensure_metrics_line(cfg, out.manifest)
         return dict(out.manifest, already_done=True)
     if data.step != state.global_step:  # after the checks: not a line above an error, nor on an "already done"
         _warn(f"shards are from rollout step {data.step} but the adapter is at step {state.global_step}")
@@ -675,18 +688,13 @@ def _train_step(cfg: TrainStepConfig) -> dict:
     live_tokens = [0 if (cfg.mask_truncated and tr) else len(c) for c, tr in zip(data.completions, data.truncated)]
     seq_w = sequence_weights(cfg.loss, live_tokens, mb_of, dr_grpo_length(cfg, data))
 
-    dist = distributed.setup(device)
-    try:
-        # Paths may differ between nodes; what they hold is in the fingerprint's input hashes.
-        dist.agree(dict({k: v for k, v in asdict(cfg).items() if k not in _PATH_FLAGS}, fingerprint=out.fingerprint,
-                        micro_batches=len(groups)))
-        if dist.enabled and device.startswith("cuda"):
-            device = f"cuda:{dist.local_rank}"
-        out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, shards, hashes, advantages
-        return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash, spec,
-                    parent_hash)
-    finally:
-        dist.close()
+    # Paths may differ between nodes; what they hold is in the fingerprint's input hashes.
+    dist.agree({"fingerprint": out.fingerprint, "micro_batches": len(groups)})
+    if dist.enabled and device.startswith("cuda"):
+        device = f"cuda:{dist.local_rank}"
+    out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, shards, hashes, advantages
+    return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash, spec,
+                parent_hash)
 
 
 _PATH_FLAGS = ("model", "shards", "out", "adapter", "metrics_file", "progress")

@@ -133,3 +133,22 @@ def test_ranks_started_with_different_flags_stop_before_training(tmp_path):
     assert res.returncode != 0 and not (tmp_path / "o").exists(), res.stderr[-3000:]
     assert res.stderr.count("error: torchrun ranks disagree: micro_batch_tokens: rank 0 200, rank 1 2000") == 2, \
         res.stderr[-3000:]
+
+
+@pytest.mark.slow  # ~30 s on 2 shared cores
+def test_a_rank_whose_output_is_done_does_not_leave_the_other_waiting(tmp_path):
+    # With --lr differing, rank 0 found its output "already done" and exited before joining, and rank 1 waited at
+    # the process group until its timeout (a review, 2026-11-27). Ranks now join first and compare their flags.
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    out = tmp_path / "o"
+    train_step(TrainStepConfig(model=q, shards=[str(sh)], out=out, progress=False, lr=1e-3, device="cpu"))
+    script = tmp_path / "rank.sh"
+    script.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then lr=2e-3; else lr=1e-3; fi\nexec "{sys.executable}" -m qerl_cli '
+                      f'train-step --model "{q}" --shards "{sh}" --out "{out}" --device cpu --quiet --lr "$lr"\n')
+    script.chmod(0o755)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "--no-python", str(script)]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode != 0, res.stderr[-3000:]
+    assert res.stderr.count("error: torchrun ranks disagree: lr: rank 0 0.001, rank 1 0.002") == 2, res.stderr[-3000:]
