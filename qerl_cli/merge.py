@@ -326,7 +326,7 @@ def _tied(base) -> bool:
     return bool(base.config.get("tie_word_embeddings", False))
 
 
-def _untied_head(reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype, device) -> torch.Tensor:
+def _untied_head(base, reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype, device) -> torch.Tensor:
     """lm_head of an untied merge: the base's own embedding (or the head the adapter saved), plus the adapter's
     LoRA on lm_head where it has one (PEFT applies that to the output head only, not to the input embedding)."""
     w = reader.get(EMBED_WEIGHT)
@@ -336,13 +336,23 @@ def _untied_head(reader, adapter: Adapter, stats: MergeStats, dtype: torch.dtype
         w = rep
     if LM_HEAD not in adapter.deltas:
         return w.to(dtype)
-    w = w.to(device, torch.float32)
-    d = adapter.deltas[LM_HEAD].dense(device)
-    stats.add_delta(w, d)
-    w = w + d
+    return _plus_delta(w.to(device, torch.float32), LM_HEAD, LM_HEAD_WEIGHT, base, adapter, stats, device).to(dtype)
+
+
+def _plus_delta(w: torch.Tensor, module: str, out_name: str, base, adapter: Adapter, stats: MergeStats,
+                device) -> torch.Tensor:
+    """fp32 ``w`` plus the adapter's LoRA update of ``module`` (if any), refused with NaN/Inf naming the input."""
+    base_w = w
+    if module in adapter.deltas:
+        d = adapter.deltas[module].dense(device)
+        stats.add_delta(w, d)
+        w = w + d
+    # amax propagates NaN and Inf: one reduction instead of a full boolean mask
     if not torch.isfinite(w.abs().amax()):
-        raise NumericalError(f"merged weight {LM_HEAD_WEIGHT} has NaN/Inf (check --adapter {adapter.path})")
-    return w.to(dtype)
+        # name the input that holds it (a NaN in the base was blamed on the adapter)
+        src = f"in --model {base.path}" if not torch.isfinite(base_w.abs().amax()) else f"check --adapter {adapter.path}"
+        raise NumericalError(f"merged weight {out_name} has NaN/Inf ({src})")
+    return w
 
 
 def merged_plan(base, dtype: torch.dtype = torch.bfloat16, untie: bool = False) -> list:
@@ -411,7 +421,7 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
             out_name = f"{module}.weight"
         else:
             if untie and name == LM_HEAD_WEIGHT:  # a stored lm_head is the base's embedding (unties_lm_head)
-                yield name, _untied_head(reader, adapter, stats, dtype, device)
+                yield name, _untied_head(base, reader, adapter, stats, dtype, device)
                 continue
             t = reader.get(name)
             where = f"in --model {base.path}"
@@ -427,19 +437,9 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
                 yield name, t.to(dtype) if t.is_floating_point() else t
                 continue
             w, out_name = t.to(device, torch.float32), name
-        base_w = w
-        if module in adapter.deltas:
-            d = adapter.deltas[module].dense(device)
-            stats.add_delta(w, d)
-            w = w + d
-        # amax propagates NaN and Inf: one reduction instead of a full boolean mask
-        if not torch.isfinite(w.abs().amax()):
-            # name the input that holds it (a NaN in the base was blamed on the adapter)
-            src = f"in --model {base.path}" if not torch.isfinite(base_w.abs().amax()) else f"check --adapter {adapter.path}"
-            raise NumericalError(f"merged weight {out_name} has NaN/Inf ({src})")
-        yield out_name, w.to(dtype)
+        yield out_name, _plus_delta(w, module, out_name, base, adapter, stats, device).to(dtype)
     if untie and LM_HEAD_WEIGHT not in base.tensors:
-        yield LM_HEAD_WEIGHT, _untied_head(reader, adapter, stats, dtype, device)
+        yield LM_HEAD_WEIGHT, _untied_head(base, reader, adapter, stats, dtype, device)
 
 
 # ---- output ----------------------------------------------------------------------------------
