@@ -116,7 +116,7 @@ fi
 if [ "$first" -gt 0 ]; then
   say "steps 0-$((first - 1)) / $STEPS: finished"
   for ((s = 0; s < first; s++)); do
-    if qerl_eval_due "$s" && ! [ -f "$(qerl_step_dir "$s")/eval/manifest.json" ]; then
+    if qerl_eval_missing "$s"; then
       say "step $s: eval"
       qerl_eval_cmd "$s"; stage "${QERL_CMD[@]}"
     fi

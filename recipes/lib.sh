@@ -114,6 +114,9 @@ qerl_set_base() {  # RUN_DIR
 qerl_eval_due() {  # STEP
   [ -n "$EVAL_DATASET" ] && [ "$EVAL_EVERY" -gt 0 ] && (( ($1 + 1) % EVAL_EVERY == 0 && $1 + 1 < STEPS ))
 }
+qerl_eval_missing() {  # STEP: due and not finished (a resumed run's steps before its resume point)
+  qerl_eval_due "$1" && ! [ -f "$(qerl_step_dir "$1")/eval/manifest.json" ]
+}
 
 # Each *_cmd sets QERL_CMD to one qerl command line (the subcommand first), for "$QERL" or torchrun.
 _qerl_adapter_before() {  # STEP -> QERL_ADAPTER: the adapter step STEP starts from (none for step 0)

@@ -110,7 +110,7 @@ first=$(qerl_resume_point)
 if [ "$first" -gt 0 ]; then
   echo "steps 0-$((first - 1)): finished; the chain starts at step $first"
   for ((s = 0; s < first; s++)); do
-    if qerl_eval_due "$s" && ! [ -f "$(qerl_step_dir "$s")/eval/manifest.json" ]; then
+    if qerl_eval_missing "$s"; then
       submit eid "qerl-eval-$s" "$qid" "${log_job[@]}" "${gpus[@]}" --time "${TIME_EVAL:-01:00:00}" \
         "$SCRIPT" eval "$CONFIG" "$RUN_DIR" "$s"
       echo "step $s: eval $eid"
