@@ -2,8 +2,10 @@
 
 Full sha256 of every weight byte would cost minutes on a 60 GB model at every stage, so a
 *model* fingerprint hashes config.json, each safetensors header (names, dtypes, shapes,
-offsets) and a 1 MiB sample from the start, middle and end of every shard's data. Any
-re-quantization, retraining or truncation changes it; two byte-identical directories agree.
+offsets) and a 1 MiB sample from the start, middle and end of every shard's data.
+Re-quantization, full retraining or truncation changes it; two byte-identical directories agree.
+An in-place edit of a few tensors that keeps every shape (a LoRA merged into some layers) can
+fall outside the windows: a fresh output directory, or ``--force``, is the way to redo after one.
 Small files (adapters, shards, manifests) are hashed in full.
 
 A stage's own outputs are hashed in full for its manifest, several files at once

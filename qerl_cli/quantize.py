@@ -50,7 +50,7 @@ from qerl_cli.checkpoint import (
 )
 from qerl_cli.checkpoint.source import PICKLE_SUFFIXES, check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError, OutOfMemoryError
-from qerl_cli.hashing import model_hash, sha256_file
+from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import MANIFEST, StageOutput
 from qerl_cli.runtime import check_field_types
 
@@ -119,7 +119,7 @@ def parse_size(text: str | int) -> int:
 def _check_source(source: SourceModel) -> None:
     cfg = source.config
     for key in ("quantization_config", "compression_config"):
-        if key in cfg:
+        if cfg.get(key) is not None:  # `null` is a plain model to transformers and to qerl's loader
             method = (cfg[key] or {}).get("quant_method", "?") if isinstance(cfg[key], dict) else "?"
             raise BadInputError(
                 f"source {source.path} is already quantized (config.json has {key}, quant_method={method})",
@@ -350,6 +350,12 @@ def _source_inputs(source: SourceModel) -> dict[str, str]:
     return inputs
 
 
+def _text_input(source: SourceModel) -> dict[str, str]:
+    """The tokenizer, chat template and generation config that quantize copies into QDIR: a source whose
+    eos or chat template was fixed after a first run must not be 'already done' with the stale copies."""
+    return {"src_text": text_files_hash(source.path)}
+
+
 def return_freed_memory_to_os() -> None:
     """Make glibc serve allocations >= 1 MiB with mmap, so a freed tensor goes back to the OS at once.
 
@@ -393,7 +399,10 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     # device is not part of the fingerprint: CPU and CUDA produce the same bytes.
     # Nor is the source path: its content hashes are the inputs, so a moved source is still "done".
     stage_cfg = {"format": cfg.format, "max_shard_size": max_shard}
-    so = StageOutput(out, STAGE, config=stage_cfg, inputs=_source_inputs(source), force=cfg.force, started=t_start)
+    legacy_inputs = _source_inputs(source)  # qerl before 2026-11-27 did not count the copied text files
+    inputs = {**legacy_inputs, **_text_input(source)}
+    so = StageOutput(out, STAGE, config=stage_cfg, inputs=inputs, force=cfg.force, started=t_start,
+                     legacy_inputs=(legacy_inputs,))
     if so.already_done():
         return QuantizeResult(out, True, (so.manifest or {}).get("summary", {}), so.manifest)
 

@@ -109,7 +109,7 @@ def test_config_manifest_and_side_files(qwen):
     assert index is None or set(index["weight_map"].values()) == {p.name for p in q.glob("*.safetensors")}
     m = json.loads((q / "manifest.json").read_text())
     assert m["stage"] == "quantize" and m["source"] == str(src.resolve())
-    assert set(m["inputs"]) == {"src_model_hash", "src_config_sha256", "src_index_sha256"}
+    assert set(m["inputs"]) == {"src_model_hash", "src_config_sha256", "src_index_sha256", "src_text"}
     s = m["summary"]
     assert s["quantized_linears"] == 12 and s["kept_tensors"] == len(load_dir(src)) - 12
     assert s["size_after_bytes"] < s["size_before_bytes"] and s["seconds"] >= 0
@@ -259,6 +259,19 @@ def test_rerun_is_already_done_and_force_redoes(tmp_path):
     )
     with pytest.raises(OutputExistsError):
         run(src, tmp_path / "q", format="modelopt")
+
+
+def test_rerun_after_the_source_tokenizer_or_generation_config_changed_is_not_done(tmp_path):
+    src = make_tiny_hf_model(tmp_path, "qwen2")
+    run(src, tmp_path / "q")
+    gen = json.loads((src / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 7]
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        run(src, tmp_path / "q")
+    assert not run(src, tmp_path / "q", force=True).already_done
+    assert json.loads((tmp_path / "q" / "generation_config.json").read_text())["eos_token_id"] == [2, 7]
+    assert run(src, tmp_path / "q").already_done
 
 
 def test_modelopt_format(tmp_path):
@@ -479,6 +492,23 @@ def test_mistral_consolidated_weights_are_ignored(tmp_path):
         not any(k.startswith("layers.") for k in out)
         and not (tmp_path / "q" / "consolidated.safetensors").exists()
     )
+    from qerl_cli.models.loader import load_model
+
+    load_model(src)  # the 16-bit baseline reads the directory quantize read (it had refused its wq)
+
+
+def test_a_checkpoint_with_a_quantized_lm_head_is_refused_by_name(tmp_path):
+    from qerl_cli.models.loader import load_model
+
+    src = make_tiny_hf_model(tmp_path, "qwen2")
+    run(src, tmp_path / "q")
+    f = tmp_path / "q" / "model.safetensors"
+    t = load_file(f)
+    packed, scale, glob = R.quantize(t.pop("lm_head.weight"))
+    t.update({"lm_head.weight_packed": packed, "lm_head.weight_scale": scale, "lm_head.weight_global_scale": glob})
+    save_file(t, f)
+    with pytest.raises(BadInputError, match="lm_head is NVFP4-quantized"):
+        load_model(tmp_path / "q")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -521,3 +551,15 @@ def test_the_library_leaves_the_process_malloc_alone_and_the_cli_tunes_it(tmp_pa
     assert calls == []
     r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(tmp_path / "cli"), "--no-progress"])
     assert r.exit_code == 0 and calls == [1]
+
+
+def test_a_null_quantization_config_is_a_plain_model(tmp_path):
+    src = make_tiny_hf_model(tmp_path, "qwen2")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = None  # transformers and qerl's loader read this as unquantized
+    (src / "config.json").write_text(json.dumps(cfg))
+    run(src, tmp_path / "q")
+    out_cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert out_cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    run(src, tmp_path / "m", format="modelopt")
+    assert "quantization_config" not in json.loads((tmp_path / "m" / "config.json").read_text())

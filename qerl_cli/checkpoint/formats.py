@@ -108,7 +108,9 @@ class NVFP4Format:
         ]
 
     def update_config(self, config: dict, ignore: list[str]) -> dict:
-        config = dict(config)
+        # A source's `"quantization_config": null` (a plain model) is not carried over as a null block.
+        null = ("quantization_config", "compression_config")
+        config = {k: v for k, v in config.items() if not (k in null and v is None)}
         if self.name == "compressed-tensors":
             config["quantization_config"] = compressed_tensors_config(ignore)
         return config

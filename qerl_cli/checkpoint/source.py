@@ -46,6 +46,14 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
+def unindexed_shards(model_dir: Path) -> list[Path]:
+    """The ``*.safetensors`` of a directory without an index. Mistral repos ship the original-format
+    ``consolidated.safetensors`` beside the HF weights: the same model under other names, left out
+    where HF-named shards exist (quantize and the loader read the same files)."""
+    shards = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    return [p for p in shards if not p.name.startswith("consolidated")] or shards
+
+
 def open_source(src: Path) -> SourceModel:
     """Validate ``src`` as a safetensors HF model directory and index its tensors."""
     src = Path(src)
@@ -79,11 +87,7 @@ def open_source(src: Path) -> SourceModel:
             shards.append(p)
         weight_files = {INDEX_NAME, *shard_names}
     else:
-        shards = sorted(p for p in src.glob("*.safetensors") if p.is_file())
-        # Mistral repos ship the original-format `consolidated.safetensors` beside the HF weights:
-        # the same model under other names, which must not be copied in as extra tensors.
-        hf_shards = [p for p in shards if not p.name.startswith("consolidated")]
-        shards = hf_shards or shards
+        shards = unindexed_shards(src)
         if not shards:
             pickles = sorted(p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qerl_cli.checkpoint.source import check_tied_head
+from qerl_cli.checkpoint.source import check_tied_head, unindexed_shards
 from qerl_cli.errors import BadInputError, NumericalError
 from qerl_cli.layers.linear import keep_dense_weights, twiddle_codes_
 from qerl_cli.layers.lora import LoraSpec, apply_lora
@@ -43,7 +43,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
             if not f.exists():
                 raise BadInputError(f"{index}: lists {f.name}, which does not exist")
         return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = unindexed_shards(model_dir)
     if not files:
         raise BadInputError(f"{model_dir}: no *.safetensors weights found")
     return files
@@ -147,6 +147,9 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
     files = _shard_files(model_dir)
     where = _index_tensors(files)
     quantized = _quantized_linears(where)
+    if "lm_head" in quantized:  # llm-compressor can write one; the decoder's head is a dense Linear
+        raise BadInputError(f"{model_dir}: lm_head is NVFP4-quantized; qerl keeps lm_head in 16 bits",
+                            hint="quantize with lm_head in the ignore list (`qerl quantize` does)")
     device = torch.device(device)
     with torch.device("meta"):
         model = CausalLM(cfg, quantized, dtype=dtype, max_positions=max_positions)
