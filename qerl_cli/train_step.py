@@ -225,12 +225,15 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         if _noise_key(r["noise"]) != _noise_key(first["noise"]):
             raise BadInputError(f"shards mix AQN noise records: {r['noise']} (record {i}) vs {first['noise']}")
     temps, cuts = [], []
-    for r in recs:
+    for r, (f, line) in zip(recs, report.origins):
         t = r["sampling"].get("temperature", 1.0)
         t = 1.0 if t is None else float(t)
         # Greedy (t = 0) records carry the untempered log-prob of the argmax (engine contract).
         temps.append(t if t > 0 else 1.0)
-        cuts.append(_sampling_cut(r["sampling"]) if t > 0 else (1.0, 0, 0.0))
+        try:
+            cuts.append(_sampling_cut(r["sampling"]) if t > 0 else (1.0, 0, 0.0))
+        except BadInputError as e:
+            raise BadInputError(f"{f}:{line}: {e}") from None
     noise = first["noise"] or None
     if noise is not None and not float(noise.get("sigma", 0.0) or 0.0):
         noise = None
@@ -256,9 +259,14 @@ def read_step(cfg: TrainStepConfig) -> StepData:
 
 
 def _sampling_cut(sampling: dict) -> tuple[float, int, float]:
-    """(top_p, top_k, min_p) a record was sampled with: its log-probs are over what that cut kept."""
+    """(top_p, top_k, min_p) a record was sampled with: its log-probs are over what that cut kept.
+    A top_k <= 0 is no cut (qerl writes 0; vLLM before 0.10 and other tools wrote -1 for "off"): a
+    negative one reached ``torch.topk`` and ended the step in a traceback."""
     top_p, top_k, min_p = sampling.get("top_p"), sampling.get("top_k"), sampling.get("min_p")
-    return (1.0 if top_p is None else float(top_p), 0 if top_k is None else int(top_k),
+    for key, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)):
+        if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
+            raise BadInputError(f"sampling.{key} should be a number or null, got {v!r}")
+    return (1.0 if top_p is None else float(top_p), 0 if top_k is None else max(int(top_k), 0),
             0.0 if min_p is None else float(min_p))
 
 

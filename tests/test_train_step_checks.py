@@ -225,3 +225,24 @@ def test_a_non_finite_gradient_norm_is_a_numerical_error(monkeypatch):
     # sqrt at 0: a finite loss whose gradient is infinite
     with pytest.raises(NumericalError, match="non-finite gradient norm at step 0"):
         _fake_loop(monkeypatch, lambda p, n: torch.sqrt(p) * torch.ones(n), [0.0, 0.0])
+
+
+def test_a_negative_top_k_is_no_cut_and_a_non_number_is_named(first, tmp_path):
+    # vLLM before 0.10 (and other tools) record top_k -1 for "off": with a top-p cut beside it, the
+    # replay called torch.topk(x, -1) and the step ended in a RuntimeError traceback (exit 1).
+    def sheet(name, top_k):
+        sh = tmp_path / name
+        shutil.copytree(first.sh, sh)
+        for i in range(len(read_records(sh))):
+            _edit_record(sh, i, sampling=lambda s: dict(s, top_p=0.9, top_k=top_k))
+        return sh
+
+    off, minus = sheet("off", 0), sheet("minus", -1)
+    a = _step(first, off, tmp_path / "a_off", tis_cap=0.0)["metrics"]
+    b = _step(first, minus, tmp_path / "a_minus", tis_cap=0.0)["metrics"]
+    assert b["loss"] == a["loss"] and b["entropy"] == a["entropy"]
+    assert ((tmp_path / "a_off" / "adapter_model.safetensors").read_bytes()
+            == (tmp_path / "a_minus" / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(BadInputError, match=r"shard-00000-of-00001.jsonl:1: sampling.top_k should be a number"):
+        _step(first, sheet("text", "all"), tmp_path / "a_text")
+    assert not (tmp_path / "a_text").exists()
