@@ -45,7 +45,14 @@ class AdapterInfo:
 
 # PEFT LoRA variants whose saved tensors are not "add scale * B @ A to the base as it is": applying them
 # as plain LoRA gives another model without any error, so every reader refuses them.
-_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")  # the adapter is relative to a rewritten base
+# (PEFT lists LoRA-GA among them too: its init subtracts scale * B0 @ A0 from the base weight)
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")  # the adapter is relative to a rewritten base
+
+
+# PEFT LoRA features with tensors or arithmetic beyond A and B: without this list they were refused
+# later, as a "trained tensor ... is not in --model", which reads like a wrong base.
+_UNSUPPORTED_FEATURES = ("trainable_token_indices", "use_qalora", "use_bdlora", "kasa_config", "velora_config",
+                         "monteclora_config", "arrow_config")
 
 
 def unsupported_lora_variant(cfg: dict) -> str | None:
@@ -56,6 +63,9 @@ def unsupported_lora_variant(cfg: dict) -> str | None:
                 "(save it converted to plain LoRA with path_initial_model_for_weight_conversion)")
     if cfg.get("lora_bias"):
         return "lora_bias=true (a trained bias on lora_B) is not supported"
+    for key in _UNSUPPORTED_FEATURES:  # PEFT writes each as null/false/empty when unused
+        if cfg.get(key):
+            return f"{key} is set: this PEFT feature is not plain LoRA, which is all qerl applies"
     if cfg.get("alora_invocation_tokens"):
         return "alora_invocation_tokens is set: activated LoRA applies only after its invocation tokens, which qerl does not do"
     return None

@@ -300,6 +300,9 @@ def validate_pair(adapter: Adapter, base) -> None:
                                     f"base's tied embedding has {base.tensors[EMBED_WEIGHT].shape}")
             continue
         if name not in base.tensors:
+            if name.removesuffix(".weight") + ".weight_packed" in base.tensors:
+                raise BadInputError(f"--adapter {adapter.path}: {name} is a full-trained copy (modules_to_save) of an "
+                                    f"NVFP4-quantized Linear of --model {base.path}, which merge does not support")
             raise BadInputError(f"--adapter {adapter.path}: trained tensor {name} is not in --model {base.path}")
         if tuple(t.shape) != base.tensors[name].shape:
             raise BadInputError(

@@ -249,6 +249,8 @@ def test_int_and_float_alpha_write_the_same_config():
     (dict(init_lora_weights="pissa"), "init_lora_weights='pissa'"),
     (dict(init_lora_weights="olora"), "init_lora_weights='olora'"),
     (dict(alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"), "alora_invocation_tokens"),
+    # merge refused it as "trained tensor ...token_adapter.trainable_tokens_delta is not in --model"
+    (dict(trainable_token_indices=[3, 5]), "trainable_token_indices is set"),
 ])
 def test_lora_variants_that_are_not_plain_lora_are_refused(tmp_path, nvfp4_dirs, variant, match):
     # Real PEFT adapters whose saved tensors are not "base + scale * B @ A": PiSSA/OLoRA are relative to a
@@ -264,6 +266,28 @@ def test_lora_variants_that_are_not_plain_lora_are_refused(tmp_path, nvfp4_dirs,
     with pytest.raises(BadInputError, match=match):
         load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
     with pytest.raises(BadInputError, match=match):
+        read_adapter(tmp_path / "a")
+
+
+def test_lora_ga_adapter_is_refused(tmp_path, nvfp4_dirs):
+    # LoRA-GA (init_lora_weights="lora_ga") subtracts scale * B0 @ A0 from the base weight at init, as PiSSA
+    # does; PEFT converts it only with path_initial_model_for_weight_conversion. Saved as is, merge and the
+    # loader applied it as plain LoRA: a merged model further from the trained policy than the base.
+    from peft.tuners.lora.config import LoraGAConfig
+    from peft.tuners.lora.loraga import preprocess_loraga
+
+    from qerl_cli.merge import read_adapter
+
+    qdir, deq = nvfp4_dirs
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="lora_ga",
+                          lora_ga_config=LoraGAConfig())
+    ids = torch.arange(8).unsqueeze(0)
+    preprocess_loraga(base, cfg, lambda: base(ids, labels=ids).loss.backward())
+    peft.get_peft_model(base, cfg).save_pretrained(tmp_path / "a")
+    with pytest.raises(BadInputError, match="init_lora_weights='lora_ga'"):
+        load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "a")
+    with pytest.raises(BadInputError, match="init_lora_weights='lora_ga'"):
         read_adapter(tmp_path / "a")
 
 

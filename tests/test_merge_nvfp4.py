@@ -213,3 +213,15 @@ def test_requantize_from_checks_the_source(qpair, small_update, tmp_path):
         merge(MergeConfig(qdir, small_update, tmp_path / "m", dtype="nvfp4", requantize_from=qdir,
                           allow_base_mismatch=True), progress=False)
     assert not (tmp_path / "m").exists()
+
+
+def test_a_full_trained_copy_of_a_quantized_linear_is_named_as_such(qpair, tmp_path):
+    # It said "trained tensor ...o_proj.weight is not in --model", which reads like a wrong base: the
+    # Linear is there, packed as NVFP4 (the documented limit, docs/merge-eval.md).
+    from qerl_cli.errors import BadInputError
+
+    src, qdir, _ = qpair
+    adapter = make_peft_adapter(src, tmp_path / "a", modules_to_save=["o_proj"], base_hash=model_hash(qdir))
+    with pytest.raises(BadInputError, match=r"o_proj.weight is a full-trained copy \(modules_to_save\) of an NVFP4"):
+        merge(MergeConfig(qdir, adapter, tmp_path / "m"), progress=False)
+    assert not (tmp_path / "m").exists()
