@@ -189,6 +189,9 @@ def _check_flags(cfg: RolloutConfig) -> None:
                     ("--max-model-len", cfg.max_model_len), ("--batch-prompts", cfg.batch_prompts)):
         if v is not None and v < 1:
             bad(f"{flag} must be >= 1, got {v}")
+    if cfg.shuffle and cfg.prompts_per_step is None:  # it changed nothing but the fingerprint
+        bad("--shuffle reorders the epochs of --prompts-per-step; without it the rows are read in order",
+            hint="pass --prompts-per-step P, or drop --shuffle")
     if cfg.max_num_seqs < 1:
         bad(f"--max-num-seqs must be >= 1, got {cfg.max_num_seqs}")
     if not all(math.isfinite(x) and x >= 0 for x in (cfg.aqn_sigma_start, cfg.aqn_sigma_end)):
@@ -555,6 +558,7 @@ def rollout(cfg: RolloutConfig) -> dict:
 def _encode(cfg: RolloutConfig, selected, template, chat_text, notes: bool = True):
     """The tokenizer and the selected rows encoded, with every check of the flags that need them (chat
     template, stops, context): (tokenizer, prompts, max_model_len, raise_hint, report)."""
+    warn = notes  # warnings are shown with -q too (the CLI prints them); notes only with progress
     notes = notes and cfg.progress
     tokenizer = load_tokenizer(cfg.model)
     if chat_text is not None:
@@ -575,7 +579,15 @@ def _encode(cfg: RolloutConfig, selected, template, chat_text, notes: bool = Tru
     if short and notes:  # their completions stop at the context, counted as truncated like --max-new-tokens
         print(f"note: {short} of {len(prompts)} prompts leave fewer than --max-new-tokens {cfg.max_new_tokens} "
               f"tokens of the {max_model_len}-token context; their completions stop at the context", file=sys.stderr)
-    if selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
+    if selected and not prompts and cfg.num_shards > 1:
+        # One shard of a step whose other shards may hold prompts that fit: skipped as --long-prompts skip says,
+        # an empty shard (as for more shards than prompts), not a failed Slurm task that stops the run.
+        if warn:
+            warnings.warn(QerlWarning(
+                f"shard {cfg.shard_index} of {cfg.num_shards}: all {len(selected)} of its prompts are longer than the "
+                f"{max_model_len - 1} tokens that fit the context (first: {enc_report.skipped_long[0]}); it writes an "
+                "empty shard"), stacklevel=3)
+    elif selected and not prompts:  # a step of nothing would pass for done here and fail only in train-step
         raise BadInputError(f"all {len(selected)} selected prompts are longer than the {max_model_len - 1} tokens "
                             f"that fit the context (first: {enc_report.skipped_long[0]})",
                             hint=f"shorten the prompts or the template; {raise_hint}")

@@ -152,6 +152,33 @@ def test_more_shards_than_prompts_gives_empty_shard(model_dir, tmp_path, fake_en
     assert (tmp_path / "out" / "shard-00002-of-00003.jsonl").read_text() == ""
 
 
+def test_a_shard_whose_prompts_are_all_too_long_writes_an_empty_shard(model_dir, tmp_path, fake_engine):
+    """--long-prompts skip over a sharded step: the shard that happens to get only long prompts writes an
+    empty shard with a warning (as one with no prompts does) instead of failing its Slurm task, which stopped
+    the run although the unsharded step, and the other shard, rolled out the prompts that fit."""
+    from qerl_cli.errors import QerlWarning
+
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(4):  # odd rows long: round robin gives shard 1 only those
+            f.write(json.dumps({"prompt": "Q" if i % 2 == 0 else "Q " * 200, "answer": "1"}) + "\n")
+    kw = dict(max_model_len=60, num_shards=2)
+    assert rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "s0", shard_index=0, **kw))["summary"]["groups"] == 2
+    with pytest.warns(QerlWarning, match="shard 1 of 2: all 2 of its prompts are longer"):
+        res = rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "s1", shard_index=1, **kw))
+    assert res["summary"]["groups"] == 0 and res["summary"]["skipped_long_prompts"] == 2
+    assert (tmp_path / "s1" / "shard-00001-of-00002.jsonl").read_text() == ""
+    assert rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "s1", shard_index=1, **kw))["already_done"]
+    with pytest.raises(BadInputError, match="all 2 selected prompts are longer"):  # unsharded: still refused
+        rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "one", max_model_len=60, max_prompts=None,
+                        prompts=_long_only(tmp_path)))
+
+
+def _long_only(tmp_path):
+    p = tmp_path / "long.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "Q " * 200, "answer": "1"}) + "\n" for _ in range(2)))
+    return p
+
+
 def test_resume_after_crash_equals_uninterrupted(model_dir, tmp_path, fake_engine, monkeypatch):
     full = tmp_path / "full"
     rollout(cfg_for(model_dir, tmp_path, out=full))
@@ -271,6 +298,8 @@ def test_aqn_sigma_recorded(model_dir, tmp_path, monkeypatch):
         # NaN passed "< 0" checks: a traceback, or an error blaming the sampler after generating
         (dict(aqn_sigma_start=float("nan"), total_steps=10), BadInputError, "must be finite numbers >= 0"),
         (dict(aqn_sigma_start=0.01, aqn_sigma_end=float("inf"), total_steps=10), BadInputError, "finite"),
+        # it changed no row's order, only the fingerprint (dropping it later was exit 4)
+        (dict(shuffle=True), BadInputError, "--shuffle reorders the epochs of --prompts-per-step"),
     ],
 )
 def test_bad_flags(model_dir, tmp_path, fake_engine, kw, err, msg):
