@@ -78,7 +78,7 @@ qerl_check_stage_values() {  # CONFIG (for the messages)
   for v in "${QERL_STAGE_COUNTS[@]}"; do
     [[ ${!v} =~ $QERL_WHOLE_NUMBER ]] || _qerl_die "$v=${!v}: expected a whole number ($1)"
   done
-  for v in PROMPTS_PER_STEP MAX_NEW_TOKENS LORA_RANK MICRO_BATCH_TOKENS; do  # AQN_STAGES=0 runs with AQN off
+  for v in PROMPTS_PER_STEP MAX_NEW_TOKENS LORA_RANK MICRO_BATCH_TOKENS; do  # AQN_STAGES=0: only with AQN off (below)
     [ "${!v}" -ge 1 ] || _qerl_die "$v=${!v}: expected at least 1 ($1)"
   done
   [ "$NUM_GENERATIONS" -ge 2 ] || _qerl_die "NUM_GENERATIONS=$NUM_GENERATIONS: a group needs at least 2 completions for its advantages ($1)"
@@ -88,7 +88,19 @@ qerl_check_stage_values() {  # CONFIG (for the messages)
   for v in "${QERL_STAGE_FLOATS[@]}"; do
     [[ ${!v} =~ $QERL_FLOAT ]] || _qerl_die "$v=${!v}: expected a number >= 0, e.g. 1e-5 or 0.2 ($1)"
   done
+  # Zeros no stage runs with, found by train-step (LORA_ALPHA=0: after quantize and a whole rollout) or the first
+  # rollout (AQN on with no stage, or a geometric schedule down to 0).
+  if [[ $LORA_ALPHA =~ $QERL_ZERO ]]; then _qerl_die "LORA_ALPHA=$LORA_ALPHA: expected a number > 0 ($1)"; fi
+  if ! [[ $AQN_SIGMA_START =~ $QERL_ZERO ]]; then
+    if [ "$AQN_STAGES" -lt 1 ]; then
+      _qerl_die "AQN_STAGES=$AQN_STAGES: AQN is on (AQN_SIGMA_START=$AQN_SIGMA_START) and needs at least 1 stage; AQN_SIGMA_START=0 turns it off ($1)"
+    fi
+    if [ "$AQN_STAGES" -gt 1 ] && [[ $AQN_SIGMA_END =~ $QERL_ZERO ]]; then
+      _qerl_die "AQN_SIGMA_END=$AQN_SIGMA_END: must be > 0 when AQN_SIGMA_START > 0 (the schedule is geometric), e.g. 1e-4 ($1)"
+    fi
+  fi
 }
+QERL_ZERO='^[0.]*([eE][-+]?[0-9]+)?$'  # a QERL_FLOAT that is 0
 
 
 qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }

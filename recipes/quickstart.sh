@@ -4,7 +4,8 @@
 #   bash recipes/quickstart.sh [RUN_DIR]        (default runs/quickstart; CPU is enough)
 #
 # quantize -> STEPS x (rollout -> train-step) -> merge -> eval, printing the reward per step,
-# then RUN_DIR/curves.png (reward, entropy, pass@1 per step). Rerun it to resume; FORCE=1 redoes.
+# then RUN_DIR/curves.png (reward, entropy, pass@1 per step). Rerun it to resume; after a changed knob,
+# FORCE=1 redoes the stages it makes refuse (to start over, pass a new RUN_DIR).
 # Knobs (environment): STEPS, LR, PROMPTS_PER_STEP, NUM_GENERATIONS, DEVICE, SEED, BASE_FORMAT.
 set -euo pipefail
 here=$PWD

@@ -558,6 +558,26 @@ def _submit_7b_chain(tmp_path, **env):
     return cfg, run
 
 
+@pytest.mark.parametrize("force", ["0", "1"])
+def test_a_slurm_job_of_a_force_chain_redoes_a_refusing_stage(tmp_path, force):
+    # stage.sbatch had no FORCE: a FORCE=1 chain (submit.sh's comment promised a restart) failed its first
+    # refusing job with exit 4 and afterok cancelled the rest. The chain's FORCE is in submit.env.
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force)
+    assert f"FORCE={force}" in (run / "submit.env").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    calls = [x.strip() for x in log.read_text().splitlines()]
+    if force == "1":
+        assert r.returncode == 0 and calls == ["rollout", "rollout forced"] and "redoing it with --force" in r.stderr
+    else:
+        assert r.returncode == 4 and calls == ["rollout"]
+
+
 def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
     # Submitted with ROLLOUT_SHARDS=2 in the environment, a train job resubmitted by hand without it
     # read shards-0 only (1/N of the step) and exit 0. submit.sh records the chain's shape.
@@ -666,6 +686,9 @@ def test_a_step_count_that_is_not_a_number_is_one_error_line(tmp_path, script, v
     ("NUM_GENERATIONS=1", "NUM_GENERATIONS=1: a group needs at least 2 completions"),
     ("LORA_RANK=1.5", "LORA_RANK=1.5: expected a whole number"),
     ("WARMUP_STEPS=5", "WARMUP_STEPS=5: must be below STEPS=3"),
+    # zeros train-step or the first rollout refused only when it ran (a review, session 50)
+    ("LORA_ALPHA=0", "LORA_ALPHA=0: expected a number > 0"), ("LORA_ALPHA=0.0e3", "LORA_ALPHA=0.0e3: expected a number > 0"),
+    ("AQN_STAGES=0", "AQN_STAGES=0: AQN is on"), ("AQN_SIGMA_END=0", "AQN_SIGMA_END=0: must be > 0"),
 ])
 def test_a_stage_value_that_cannot_run_stops_the_loop_before_any_stage(tmp_path, script, setting, needle):
     # Each was found by its stage only: LR=abc after quantize and a whole rollout, and on Slurm after the whole
@@ -679,6 +702,18 @@ def test_a_stage_value_that_cannot_run_stops_the_loop_before_any_stage(tmp_path,
                        env=env, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith(f"error: {needle}") and r.stderr.count("\n") == 1, r.stderr
     assert not log.exists() and not sbatch_log.exists()
+
+
+@pytest.mark.parametrize("settings", [
+    {"AQN_SIGMA_START": "0", "AQN_SIGMA_END": "0", "AQN_STAGES": "0"},  # AQN off: no stage needed
+    {"AQN_STAGES": "1", "AQN_SIGMA_END": "0"},  # one stage: sigma_start alone, no geometric end
+    {"LORA_ALPHA": "0.5", "AQN_SIGMA_START": "0.0", "AQN_STAGES": "0"},
+])
+def test_zeros_a_stage_runs_with_pass_the_check(tmp_path, settings):
+    env = {**os.environ, **settings}
+    cfg = RECIPES / "configs" / "qwen2.5-7b-instruct.env"
+    subprocess.run(["bash", "-c", f"set -euo pipefail; source {cfg}; source {RECIPES / 'lib.sh'}; qerl_load_config {cfg}"],
+                   env=env, check=True)
 
 
 def test_a_config_that_misses_keys_is_refused_naming_them(tmp_path):
