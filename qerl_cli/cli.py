@@ -255,6 +255,9 @@ def guarded(fn, stage: str | None = None):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from qerl_cli import outputs
+
+        outputs.forget_completed()
         try:
             try:
                 with _stage_signals(), _plain_warnings():
@@ -276,7 +279,12 @@ def guarded(fn, stage: str | None = None):
         except KeyboardInterrupt as e:
             resume = " (a rerun resumes its saved groups)" if stage == "rollout" else ""
             word, code = interrupt_outcome(e)
-            print(f"{word}: --out was not written{resume}", file=sys.stderr)
+            done = outputs.completed_outputs()
+            if done:  # after the rename: the output is whole, only the summary lines were cut short
+                print(f"{word} after --out was written: {done[-1]} is complete (a rerun says already done)",
+                      file=sys.stderr)
+            else:
+                print(f"{word}: --out was not written{resume}", file=sys.stderr)
             raise typer.Exit(code) from None
 
     return wrapper

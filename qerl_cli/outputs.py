@@ -38,6 +38,18 @@ from typing import Any
 
 from qerl_cli import __version__
 from qerl_cli.errors import BadInputError, OutputExistsError, OutputWriteError, QerlWarning
+
+# Outputs this process found done or put in place: a signal after that point leaves them whole, which the
+# CLI's interrupt line says instead of "--out was not written" (a review: that line followed a finished run).
+_COMPLETE: list[Path] = []
+
+
+def completed_outputs() -> list[Path]:
+    return list(_COMPLETE)
+
+
+def forget_completed() -> None:
+    _COMPLETE.clear()
 from qerl_cli.hashing import sha256_files, sha256_json
 
 MANIFEST = "manifest.json"
@@ -244,6 +256,7 @@ class StageOutput:
         if m is not None and self._same_run_as(m) and not self.force:
             if damage is None:
                 self.manifest = m
+                _COMPLETE.append(self.out)
                 return True
             raise OutputExistsError(
                 f"{self.out} holds this {self.stage} output but it was damaged after it was written ({damage})",
@@ -364,6 +377,8 @@ class StageOutput:
                 self.manifest = self._write_manifest(self.work)
                 crash_point("before-rename")
                 self._swap_into_place(self.work)
+                _COMPLETE.append(self.out)
+                crash_point("after-rename")
                 return False
             except BaseException as e:  # noqa: BLE001 - cleaned up, then re-raised (or made one line)
                 exc = e

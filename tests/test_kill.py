@@ -150,6 +150,20 @@ def test_sigterm_and_sigint_mid_write_leave_nothing(sig, tmp_path):
     assert output_hashes(out) == ref and leftovers(tmp_path, "out") == ["out"]
 
 
+def test_a_signal_after_the_output_is_in_place_says_it_is_complete(tmp_path):
+    """A SIGTERM after the rename (a Slurm time limit while the summary prints) said "--out was not
+    written", though the output was whole and a rerun says already done (a review)."""
+    p = pipeline()
+    out = tmp_path / "out"
+    r = run_cli(_args("quantize", p, out), kill_at="after-rename", signal="TERM")
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"terminated (SIGTERM) after --out was written: {out} is complete "
+                                                 "(a rerun says already done)")
+    assert read_manifest(out)["outputs"] == output_hashes(out)
+    rerun = invoke(_args("quantize", p, out))
+    assert rerun.exit_code == 0 and "already done" in rerun.output + rerun.stderr
+
+
 IMPORT_INT = """
 import importlib.abc, os, signal, sys, time
 
