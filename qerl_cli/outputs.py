@@ -38,6 +38,7 @@ from typing import Any
 
 from qerl_cli import __version__
 from qerl_cli.errors import BadInputError, OutputExistsError, OutputWriteError, QerlWarning
+from qerl_cli.hashing import sha256_files, sha256_json
 
 # Outputs this process found done or put in place: a signal after that point leaves them whole, which the
 # CLI's interrupt line says instead of "--out was not written" (a review: that line followed a finished run).
@@ -50,7 +51,7 @@ def completed_outputs() -> list[Path]:
 
 def forget_completed() -> None:
     _COMPLETE.clear()
-from qerl_cli.hashing import sha256_files, sha256_json
+
 
 MANIFEST = "manifest.json"
 # The file system refusing a write: a one-line error (exit 7), not a traceback. Other OSErrors stay bugs.

@@ -55,7 +55,6 @@ from qerl_cli.outputs import MANIFEST, StageOutput
 from qerl_cli.runtime import check_field_types
 
 STAGE = "quantize"
-DEVICES = ("auto", "cpu", "cuda")
 _QUANT_SUFFIXES = (
     "weight_packed",
     "weight_scale",
@@ -215,15 +214,11 @@ def plan_outputs(source: SourceModel, units: list[Unit], fmt: NVFP4Format) -> li
 
 
 def resolve_device(device: str) -> torch.device:
-    if device not in DEVICES:
-        raise BadInputError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise BadInputError(
-            "--device cuda was given but no CUDA device is available", hint="use --device cpu"
-        )
-    return torch.device(device)
+    """``runtime.resolve_device`` as a torch.device: the same auto/cpu/cuda[:N] every stage takes (quantize and
+    merge refused cuda:N, which a recipe's one DEVICE passes to every stage: a review)."""
+    from qerl_cli.runtime import resolve_device as resolve
+
+    return torch.device(resolve(device))
 
 
 # ---- the work --------------------------------------------------------------------------------

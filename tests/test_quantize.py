@@ -438,6 +438,9 @@ def test_cli_rejects_bad_flags(tmp_path):
     if not torch.cuda.is_available():
         r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(tmp_path / "o"), "--device", "cuda"])
         assert r.exit_code == 2 and "CUDA" in r.stderr
+        # cuda:N as every other stage takes it (a recipe passes one DEVICE to all; it was "not one of ...")
+        r = CliRunner().invoke(app, ["quantize", str(src), "--out", str(tmp_path / "o"), "--device", "cuda:1"])
+        assert r.exit_code == 2 and "--device cuda:1: no CUDA device is visible" in r.stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -29,7 +29,7 @@ def command(
                               "nvfp4: re-quantized compressed-tensors NVFP4 (next RL phase, FP4 serving). Example: --dtype nvfp4"),
     max_shard_size: str = typer.Option("4GB", "--max-shard-size", help="Largest safetensors shard. Example: --max-shard-size 2GB"),
     device: str = typer.Option("auto", "--device", help="Where to dequantize, add and re-quantize: auto (cuda if "
-                               "available), cpu or cuda (results agree up to fp32 summation order). Example: --device cpu"),
+                               "available), cpu, cuda or cuda:N (results agree up to fp32 summation order). Example: --device cpu"),
     requantize_from: Path = typer.Option(None, "--requantize-from", help="With --dtype nvfp4: the bf16 checkpoint "
                                          "--model was quantized from (checked against --model's manifest). The update "
                                          "is added to it before quantizing, which keeps small updates that "

@@ -51,7 +51,7 @@ def command(
     device: str = typer.Option(
         "auto",
         "--device",
-        help="Where to quantize: 'auto' (CUDA if present), 'cpu' or 'cuda'. Same bytes either way. "
+        help="Where to quantize: 'auto' (CUDA if present), 'cpu', 'cuda' or 'cuda:N'. Same bytes either way. "
         "Example: --device cpu",
     ),
     max_shard_size: str = typer.Option(
