@@ -571,13 +571,19 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
 LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy
 
 
+def retained_percent(kept: float) -> int:
+    """``update_retained`` as the warning and the result line both print it (they said 17% and 18% for 0.1779):
+    toward zero, so never "50%" under the 50% threshold, nor "-0%"."""
+    return int(100 * kept)
+
+
 def _warn_of_low_retention(rq: dict, cfg: MergeConfig) -> None:
     kept = rq.get("update_retained")
     if kept is None or kept >= LOW_RETENTION:
         return
     from qerl_cli.outputs import read_manifest
 
-    pct = int(100 * kept)  # toward zero: never "50%" under the 50% threshold, nor "-0%"
+    pct = retained_percent(kept)
     said = f"re-quantizing kept only {pct}% of the LoRA update (small updates round back onto the base's FP4 grid)"
     if cfg.requantize_from is not None:  # added to the bf16 source already: FP4 cannot hold this update
         advice = "the update is below what FP4 resolves even from the bf16 source; serve the bf16 merge (--dtype bf16)"

@@ -15,6 +15,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_run import read_steps  # noqa: E402  (a sibling script, not a package)
+
 VARIANTS = ("bf16-lora", "nvfp4-lora", "nvfp4-aqn")
 
 
@@ -24,10 +27,9 @@ def load(out: Path) -> dict[str, list[dict]]:
         m = re.fullmatch(r"(.+)-s(\d+)", d.name)
         if not d.is_dir() or not m or not (d / "metrics.jsonl").exists():
             continue
-        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        by_step = {int(r["step"]): r for r in rows}  # a forced redo of a step replaces its line (as plot_run)
+        train = read_steps(d / "metrics.jsonl")
         score = lambda p: json.loads((p / "metrics.json").read_text())["score"] if (p / "metrics.json").exists() else None  # noqa: E731
-        runs[m.group(1)].append({"seed": int(m.group(2)), "train": [by_step[k] for k in sorted(by_step)],
+        runs[m.group(1)].append({"seed": int(m.group(2)), "train": train,
                                  "base": score(d / "eval-base"), "final": score(d / "eval-final")})
     return runs
 

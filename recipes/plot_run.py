@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 
@@ -19,8 +20,24 @@ def load_train_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"error: {path} not found (is {run} a qerl run directory?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by_step = {int(r["step"]): r for r in rows}  # a forced rerun of a step replaces its line
+    return read_steps(path)
+
+
+def read_steps(path: Path) -> list[dict]:
+    """One row per step of a metrics.jsonl, in step order: a forced rerun of a step replaces its line, and a
+    line that is not a step's JSON (torn by a kill mid-append or a full disk; train-step keeps such lines) is
+    skipped with a note: it ended the plot in a traceback, and quickstart.sh with it (a review)."""
+    by_step, torn = {}, 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+    if torn:
+        print(f"note: {path}: skipped {torn} line(s) that are not a step's metrics", file=sys.stderr)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -877,7 +877,8 @@ def test_plot_compare_keeps_the_last_line_of_a_redone_step(tmp_path):
     d = tmp_path / "nvfp4-lora-s0"
     d.mkdir()
     rows = [{"step": s, "entropy": e} for s, e in ((0, 9.0), (1, 9.0), (0, 1.0), (1, 2.0), (2, 3.0))]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # and a line torn by a kill mid-append, which train-step keeps: it was a JSONDecodeError traceback
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "entr')
     train = pc.load(tmp_path)["nvfp4-lora"][0]["train"]
     assert [(r["step"], r["entropy"]) for r in train] == [(0, 1.0), (1, 2.0), (2, 3.0)]
 

@@ -145,6 +145,12 @@ def test_merge_result_line_reports_requantization_and_a_zero_retained_update(mer
     merge_calls.result = {"already_done": True, "summary": {}, "timings": {}}
     r = _invoke(args)
     assert r.exit_code == 0 and "already done:" in r.output and "merged" not in r.output
+    # the warning's figure (toward zero): the line said 18% where the warning said 17% for 0.1779 (a review)
+    merge_calls.result = {"summary": {"merged_modules": 3, "replaced_tensors": 0, "dtype": "nvfp4", "lineage": "verified",
+                                      "requantization": {"rel_err_mean": 0.01, "rel_err_max": 0.02,
+                                                         "update_retained": 0.1779}},
+                          "timings": {"total_s": 1.0}}
+    assert "LoRA update retained 17%" in _invoke(args).output
 
 
 # ---- qerl quantize ---------------------------------------------------------------------------------

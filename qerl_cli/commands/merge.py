@@ -43,7 +43,7 @@ def command(
 ) -> None:
     from rich.console import Console
 
-    from qerl_cli.merge import MergeConfig, merge
+    from qerl_cli.merge import MergeConfig, merge, retained_percent
     from qerl_cli.quantize import parse_size
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
@@ -62,5 +62,5 @@ def command(
     if rq:
         line += f"; re-quantization rel. error mean {rq['rel_err_mean']:.4f}, max {rq['rel_err_max']:.4f}"
         if rq.get("update_retained") is not None:
-            line += f"; LoRA update retained {100 * rq['update_retained']:.0f}%"
+            line += f"; LoRA update retained {retained_percent(rq['update_retained'])}%"
     console.print(line, soft_wrap=True)  # one line for grep, also when piped (80 columns)
