@@ -244,8 +244,10 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
 
 
 # ---- the stage ---------------------------------------------------------------------------------
-def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str | None) -> dict:
+def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str | None, every_row: bool = False) -> dict:
     d = asdict(cfg)
+    if every_row:  # --max-problems at or above the dataset's rows scores them all, as leaving it out does
+        d["max_problems"] = None
     d["prompt_template"] = template  # the text, also when the flag named a file
     d.update(num_samples=cfg.samples, temperature=cfg.sampling_temperature)  # resolved, as outputs always recorded them
     for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch", "chat_template_file"):
@@ -264,6 +266,8 @@ def _legacy_fingerprint_config(config: dict, cfg: EvalConfig, default_was: int |
     (until 2026-11-26). ``default_was``: the fixed default --max-new-tokens of older qerl, where this run
     took the default and that one fit the context too (its outputs were made with it)."""
     olds = [dict(config, max_model_len=cfg.max_model_len)]
+    if config["max_problems"] != cfg.max_problems:  # recorded as typed until 2026-11-27 (50 vs 60 of 5 rows: exit 4)
+        olds += [dict(config, max_problems=cfg.max_problems), dict(olds[0], max_problems=cfg.max_problems)]
     if cfg.sampling_temperature != 0:
         olds.append(dict(olds[0], max_num_seqs=cfg.max_num_seqs))
     if default_was is not None:
@@ -312,6 +316,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         hint = "eval scores every row: fix or remove it" if "--skip-bad-lines" in (e.hint or "") else e.hint
         msg = e.args[0] if e.args[0].startswith("--dataset") else f"--dataset: {e.args[0]}"  # not "--dataset: --dataset x"
         raise BadInputError(msg, hint=hint) from None
+    every_row = cfg.max_problems is None or cfg.max_problems >= len(rows)
     if cfg.max_problems:
         rows = rows[: cfg.max_problems]
     missing = next((r for r in rows if r.answer is None), None)
@@ -335,7 +340,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on",
                                 allow_mismatch=cfg.allow_base_mismatch)
         inputs.update(adapter_inputs(cfg.adapter))
-    config = _fingerprint_config(cfg, device, dtype_name, template)
+    config = _fingerprint_config(cfg, device, dtype_name, template, every_row)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     inputs["text"] = text_files_hash(cfg.model)  # the prompts' tokens (chat template) and where sampling stops
     chat_text = None

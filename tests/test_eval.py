@@ -471,3 +471,25 @@ def test_a_max_model_len_beyond_the_model_gets_the_rollouts_note(model_dir, tmp_
     assert "note: --max-model-len 100000 is beyond the model's limit; the model's context is" in capsys.readouterr().err
     run(model_dir, tmp_path, rows, [["#### 2"]], name="q", max_model_len=100000)
     assert "--max-model-len" not in capsys.readouterr().err
+
+
+def test_max_problems_at_or_above_the_rows_is_the_whole_dataset(model_dir, tmp_path):
+    # --max-problems 50, 60 and none all score the same 4 rows; the typed value was fingerprinted, so each
+    # was "made from different arguments" (exit 4) and FORCE=1 redid identical evals (a review).
+    answers = [["#### 7"], ["#### 1"], ["#### 3"], ["#### -5"]]
+    assert not run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50)[0]["already_done"]
+    assert run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=60)[0]["already_done"]
+    assert run(model_dir, tmp_path, GSM8K_ROWS, answers)[0]["already_done"]
+    assert run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=4)[0]["already_done"]
+    with pytest.raises(OutputExistsError, match="max_problems: null -> 3"):  # fewer rows: another eval
+        run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=3)
+
+
+def test_an_eval_finished_with_the_typed_max_problems_stays_done(model_dir, tmp_path, monkeypatch):
+    answers = [["#### 7"], ["#### 1"], ["#### 3"], ["#### -5"]]
+    new = ev._fingerprint_config
+    monkeypatch.setattr(ev, "_fingerprint_config", lambda cfg, *a: {**new(cfg, *a), "max_problems": cfg.max_problems})
+    monkeypatch.setattr(ev, "_legacy_fingerprint_config", lambda *a, **k: ())  # older qerl wrote just this
+    run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50)
+    monkeypatch.undo()
+    assert run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50)[0]["already_done"]
