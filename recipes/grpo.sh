@@ -111,6 +111,8 @@ if [ "$first" -gt 0 ]; then
   if ! run_qerl "${QERL_CMD[@]}" || { qerl_train_cmd "$first" --shards "$d/shards"; ! run_qerl "${QERL_CMD[@]}"; }; then
     say "step $first refused (above): going through every step from step 0"
     first=0
+  else
+    first=$((first + 1))  # its two stages just said "already done": the loop starts after it
   fi
 fi
 if [ "$first" -gt 0 ]; then
