@@ -11,6 +11,7 @@ import errno
 import functools
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -305,10 +306,19 @@ def help_columns() -> int:
 _Context = TyperCommand.context_class  # the click Typer runs on (typer 0.29 vendors its own)
 
 
+_QUOTED = re.compile(r"\$?'[^']*'|\"[^\"]*\"")
+_GLUE = "\u00a0"  # a space textwrap does not break at
+
+
 def _wrap(text: str, width: int, indent: str = "", hang: str = "") -> list[str]:
-    """Lines of ``text``; a flag in it is never split at its hyphens (--max-|new-tokens)."""
-    return textwrap.wrap(text, width=max(width, 20), initial_indent=indent, subsequent_indent=indent + hang,
-                         break_on_hyphens=False, break_long_words=False) or [indent]
+    """Lines of ``text``; a flag in it is never split at its hyphens (--max-|new-tokens), nor a quoted value
+    of its example (`--system-prompt 'You are a careful` / `mathematician.'` pasted a newline into it)."""
+    at = text.find("Example")
+    if at >= 0:
+        text = text[:at] + _QUOTED.sub(lambda m: m[0].replace(" ", _GLUE), text[at:])
+    lines = textwrap.wrap(text, width=max(width, 20), initial_indent=indent, subsequent_indent=indent + hang,
+                          break_on_hyphens=False, break_long_words=False) or [indent]
+    return [line.replace(_GLUE, " ") for line in lines]
 
 
 def _wrap_command(line: str, width: int, indent: str) -> list[str]:

@@ -142,6 +142,24 @@ def test_wrapped_help_examples_still_paste_into_a_shell(columns):
                 assert shlex.split(g_cmd) == shlex.split(w_cmd), (name, got)
 
 
+@pytest.mark.parametrize("columns", [60, 80])
+def test_a_quoted_example_value_is_never_wrapped_inside(columns):
+    # `--system-prompt 'You are a careful` / `mathematician.'`: pasted, the value held a newline and spaces.
+    import re
+
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    quoted = re.compile(r"\$?'[^'\n]*'|\"[^\"\n]*\"")
+    for name, cmd in get_command(app).commands.items():
+        want = {m[0] for p in cmd.params for m in quoted.finditer((p.help or "")[(p.help or "").find("Example"):])
+                if "Example" in (p.help or "")}
+        text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""}).output
+        for value in want:
+            assert value in text, (name, value)  # on one line, as written
+
+
 @pytest.mark.parametrize("args,needle", [
     (["rollout", "--model", "q", "--out", "x"], "Missing option '--prompts'"),
     (["rollout", "--model", "q", "--out", "x", "--prompts", "p", "--step", "abc"], "'--step'"),
