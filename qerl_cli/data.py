@@ -396,9 +396,11 @@ def encode_prompts(
     on_long: str = "skip",
     report: EncodeReport | None = None,
     long_hint: str = "pass --long-prompts skip to skip such prompts, or raise --max-model-len",
+    vocab_size: int | None = None,
 ) -> list[EncodedPrompt]:
     """Render and tokenize rows; prompts over ``max_prompt_tokens`` are skipped (counted) or an error
-    (``long_hint``: what the calling stage's flags offer)."""
+    (``long_hint``: what the calling stage's flags offer). ``vocab_size``: the model's; a prompt holding a
+    token id at or past it (a tokenizer with tokens the model has no embedding for) is an error naming its row."""
     if on_long not in LONG_PROMPT_POLICIES:
         raise BadInputError(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {on_long!r}")
     report = report if report is not None else EncodeReport()
@@ -422,6 +424,11 @@ def encode_prompts(
         ids = tokenizer(text, add_special_tokens=not use_chat)["input_ids"]
         if not ids:
             raise BadInputError(f"{row.where}: prompt encodes to zero tokens")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            bad = max(ids)
+            raise BadInputError(f"{row.where}: prompt holds token {bad} ({tokenizer.convert_ids_to_tokens(bad)!r}), "
+                                f"outside the model's vocabulary of {vocab_size} (config.json vocab_size)",
+                                hint="the tokenizer has tokens the model has no embedding for (added without resizing it)")
         if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
             if on_long == "error":
                 raise BadInputError(

@@ -379,6 +379,7 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
     """The tokenizer and every problem encoded, with every check of the flags that need them (chat
     template, stops, context): (tokenizer, prompts, max_model_len)."""
     from qerl_cli.data import EncodeReport, encode_prompts, set_chat_template
+    from qerl_cli.models.config import ModelConfig
     from qerl_cli.runtime import context_limit, load_tokenizer, split_stops
 
     tokenizer = load_tokenizer(cfg.model)
@@ -396,7 +397,8 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
     enc_report = EncodeReport()
     prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
-                             long_hint=f"lower --max-new-tokens; {raise_hint}", report=enc_report)
+                             long_hint=f"lower --max-new-tokens; {raise_hint}", report=enc_report,
+                             vocab_size=ModelConfig.from_dir(cfg.model).vocab_size)
     if enc_report.own_system and notes and cfg.progress:
         print(f"note: {len(enc_report.own_system)} problems have their own system message, which --system-prompt "
               f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)

@@ -558,6 +558,8 @@ def rollout(cfg: RolloutConfig) -> dict:
 def _encode(cfg: RolloutConfig, selected, template, chat_text, notes: bool = True):
     """The tokenizer and the selected rows encoded, with every check of the flags that need them (chat
     template, stops, context): (tokenizer, prompts, max_model_len, raise_hint, report)."""
+    from qerl_cli.models.config import ModelConfig
+
     warn = notes  # warnings are shown with -q too (the CLI prints them); notes only with progress
     notes = notes and cfg.progress
     tokenizer = load_tokenizer(cfg.model)
@@ -571,7 +573,8 @@ def _encode(cfg: RolloutConfig, selected, template, chat_text, notes: bool = Tru
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
                              on_long=cfg.long_prompts, report=enc_report,
-                             long_hint=f"pass --long-prompts skip to skip such prompts; {raise_hint}")
+                             long_hint=f"pass --long-prompts skip to skip such prompts; {raise_hint}",
+                             vocab_size=ModelConfig.from_dir(cfg.model).vocab_size)
     if enc_report.own_system and notes:
         print(f"note: {len(enc_report.own_system)} rows have their own system message, which --system-prompt "
               f"does not replace (first: {enc_report.own_system[0]})", file=sys.stderr)

@@ -342,3 +342,22 @@ def test_max_model_len_counts_as_the_context_the_run_has(model_dir, tmp_path, fa
     _cli(*base, "--out", tmp_path / "old", "--max-model-len", 100000)
     monkeypatch.setattr(ro, "_fingerprint_config", new)
     assert "already" in _cli(*base, "--out", tmp_path / "old", "--max-model-len", 100000).output
+
+
+def test_a_prompt_token_past_the_models_vocabulary_is_named_before_generation(tmp_path):
+    """A tokenizer with tokens the model has no embedding for (added without resizing): the row is named
+    up front, where the engine had refused it mid-run as 'prompt 0' (its index in the batch) after
+    generating the batches before it."""
+    from transformers import AutoTokenizer
+
+    src = make_tiny_hf_model(tmp_path, vocab=384)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.add_tokens([f"<x{i}>" for i in range(384 - len(tok) + 2)])
+    tok.save_pretrained(src)
+    assert len(tok) > 384
+    rows = [{"prompt": "Q: 1 + 1?", "answer": "2"}, {"prompt": "Q: 2 + 2?", "answer": "4"},
+            {"prompt": f"Q: {tok.convert_ids_to_tokens(len(tok) - 1)} 3?", "answer": "3"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(BadInputError, match=r"p\.jsonl:3: prompt holds token \d+ .*outside the model's vocabulary of 384"):
+        rollout(cfg_for(src, tmp_path, prompts=tmp_path / "p.jsonl", batch_prompts=1, num_generations=1))
+    assert not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir())  # nothing was generated
