@@ -379,3 +379,17 @@ def test_context_limit_says_when_max_model_len_cannot_raise_it(tmp_path):
     (src / "config.json").write_text(json.dumps(dict(cfg, sliding_window=None)))
     n, hint = context_limit(src, None)
     assert n == cfg["max_position_embeddings"] - 1 and "max_position_embeddings" in hint
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_bias_keys_count_only_where_transformers_reads_them(tmp_path, arch):
+    # attention_bias / mlp_bias in a Mistral (both) or Qwen2/Qwen3 (mlp_bias) config: transformers builds no
+    # bias and loads the checkpoint; qerl expected q_proj.bias / gate_proj.bias and refused it (a review).
+    import json
+
+    src = make_tiny_hf_model(tmp_path, arch=arch, dtype=torch.float32, tokenizer=False)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(attention_bias=cfg.get("attention_bias", False) or arch == "mistral", mlp_bias=arch != "llama")
+    (src / "config.json").write_text(json.dumps(cfg))
+    ids, mask = right_padded()
+    assert_close_on_mask(ours(load_model(src, dtype=torch.float32), ids, mask), hf_logits(src, ids, mask), mask)

@@ -113,6 +113,8 @@ class ModelConfig:
         qkv_bias = default_bias if attn_bias is None else bool(attn_bias)
         if arch == "qwen2":
             qkv_bias = True  # Qwen2 always has q/k/v biases and never an o_proj bias
+        elif arch == "mistral":
+            qkv_bias = False  # transformers' Mistral ignores attention_bias (a config with it loads there)
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
@@ -140,7 +142,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=bool(attn_bias) if arch in ("llama", "qwen3") else False,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "llama" else False,  # only Llama's reads it
             qk_norm=qk_norm,
             sliding_window=sliding,
             bos_token_id=bos,
