@@ -173,10 +173,19 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
 
 def nvfp4_grad_input(gy: torch.Tensor, w: NVFP4Weight) -> torch.Tensor:
     """``gy @ dequant(w)``, [M, N] -> [M, K]: ``nvfp4_linear``'s gradient for its input, itself
-    differentiable (a double backward sees it), for a caller writing its own backward around the base."""
+    differentiable (a double backward sees it), for a caller writing its own backward around the base.
+    Any leading dims on gy, as ``nvfp4_linear``'s x; checked as its x is (dtype, width)."""
+    n, k = reference.check_weight(w.packed, w.scale)
+    dtypes = (*reference.ACTIVATION_DTYPES, torch.float64)
+    if gy.dtype not in dtypes:
+        raise ValueError(f"gy must be one of {', '.join(str(d) for d in dtypes)}, got {gy.dtype}")
+    if gy.dim() == 0 or gy.shape[-1] != n:
+        raise ValueError(f"gy has {gy.shape[-1] if gy.dim() else 0} output features, the NVFP4 weight has {n}")
     if w.keep_dense and not _use_triton(gy):
         return gy @ w.dense(gy.dtype)
-    return _NVFP4GradInputFn.apply(gy.contiguous(), w.packed, w.scale, w.global_scale, (w.twiddled, w.blocked))
+    gx = _NVFP4GradInputFn.apply(gy.reshape(-1, n).contiguous(), w.packed, w.scale, w.global_scale,
+                                 (w.twiddled, w.blocked))
+    return gx if gy.dim() == 2 else gx.reshape(*gy.shape[:-1], k)
 
 
 def nvfp4_swiglu(x: torch.Tensor, w: NVFP4Weight, x_korder: bool = False, y_korder: bool = False) -> torch.Tensor | None:

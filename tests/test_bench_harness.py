@@ -54,3 +54,14 @@ def test_ptxas_report_reads_spills_and_serialised_wgmmas():
                "    328 bytes stack frame, 352 bytes spill stores, 352 bytes spill loads\n"
                "ptxas info    : Used 255 registers, used 1 barriers, 328 bytes cumulative stack size\n")
     assert ptxas_report(spilled) == {"regs": 255, "spill_bytes": 704, "serialized": []}
+
+
+def test_targets_table_has_one_backward_row_per_m(monkeypatch):
+    # With --bwd-ms 1024,4096 the targets table pooled both Ms into one geomean labelled "bwd 1024".
+    import torch
+    from bench_kernels import render
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    rec = dict(op="bwd", model="7B", layer="o", N=3584, K=3584, cublas_us=1.0, TFLOPs=1.0)
+    text = render([{**rec, "M": 1024, "us": 2.0, "speedup": 0.5}, {**rec, "M": 4096, "us": 0.5, "speedup": 2.0}], "cmd")
+    assert "| bwd 1024 | 0.50x | 0.50x |" in text and "| bwd 4096 | 2.00x | 2.00x |" in text

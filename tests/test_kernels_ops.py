@@ -320,3 +320,23 @@ def test_double_backward_keeps_the_grad_input_term(monkeypatch):
     gr = torch.autograd.grad(((xr @ wd.t()) ** 2).sum(), xr, create_graph=True)[0]
     (gr ** 2).sum().backward()
     assert torch.allclose(x.grad, xr.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("keep_dense", [False, True])
+def test_grad_input_checks_its_input_as_nvfp4_linear_does(keep_dense):
+    # nvfp4_grad_input ran gy @ dequant(W) unchecked: integer gy dequantized W to integers (every weight
+    # below 1 truncated to 0: an all-zero result, no error), a wrong N failed deep in torch's matmul, and
+    # [B, T, N] worked on the reference path while the kernels refused it ("does not fit weight").
+    from qerl_kernels.ops import nvfp4_grad_input
+
+    packed, scale, gs = random_nvfp4(24, 64, seed=9)
+    w = NVFP4Weight(packed, scale, gs, keep_dense=keep_dense)
+    with pytest.raises(ValueError, match="must be one of"):
+        nvfp4_grad_input(torch.ones(2, 24, dtype=torch.int64), w)
+    with pytest.raises(ValueError, match="output features"):
+        nvfp4_grad_input(torch.randn(2, 16), w)
+    gy = torch.randn(2, 3, 24)
+    gx = nvfp4_grad_input(gy, w)
+    assert gx.shape == (2, 3, 64)
+    want = gy.reshape(-1, 24).double() @ reference.dequantize(packed, scale, gs, torch.float64)
+    assert rel_err(gx.reshape(-1, 64), want) < 1e-6
