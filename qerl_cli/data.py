@@ -92,6 +92,11 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a leading BOM (Windows editors) is not JSON
     except UnicodeDecodeError as e:
+        head = path.read_bytes()[:4]
+        packed = next((name for magic, name in _COMPRESSED if head.startswith(magic)), None)
+        if packed is not None:  # it read as "not UTF-8 text (byte 1)"
+            raise BadInputError(f"{path}: is {packed}-compressed; qerl reads plain JSONL, JSON or Parquet",
+                                hint="decompress it first, e.g. `zcat F.gz > F.jsonl`") from None
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise BadInputError(f"{path}:{line}: not UTF-8 text (byte {e.start})") from None
     if suffix == ".json" and text.lstrip().startswith("["):
@@ -99,6 +104,8 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise BadInputError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except ValueError as e:  # int() refuses a number of 4300+ digits
+            raise BadInputError(f"{path}: not valid JSON ({_json_value_error(e)})") from None
         return [(f"{path}:item {i + 1}", r) for i, r in enumerate(rows)]
     out = []
     # JSON Lines ends records at "\n" only: str.splitlines() would also split inside a JSON string
@@ -109,13 +116,22 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             continue
         try:
             out.append((f"{path}:{i}", json.loads(line)))
-        except json.JSONDecodeError as e:
-            msg = f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno})"
+        except ValueError as e:  # a JSONDecodeError, or int() refusing a number of 4300+ digits
+            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else _json_value_error(e)
+            msg = f"{path}:{i}: not valid JSON ({detail})"
             if bad_lines is None:
                 raise BadInputError(msg, hint="pass --skip-bad-lines to skip such rows") from None
             bad_lines.append(msg)
             out.append((f"{path}:{i}", _UNREADABLE))  # keeps its row index, as a readable bad row does
     return out
+
+
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"))
+
+
+def _json_value_error(e: ValueError) -> str:
+    """json.loads' non-syntax error in words: Python's int() limit (sys.set_int_max_str_digits)."""
+    return "an integer longer than Python reads (4300 digits)" if "integer string conversion" in str(e) else str(e)
 
 
 _UNREADABLE = object()  # a line --skip-bad-lines skips that is not even JSON
@@ -372,6 +388,10 @@ def render_prompt(
                 if m["role"] == "user":
                     m["content"] = template.replace("{prompt}", m["content"])
                     break
+            else:  # a chat of other roles ("human", ShareGPT's) was sent without the template, without a word
+                roles = ", ".join(dict.fromkeys(m["role"] for m in msgs))
+                raise BadInputError(f"{row.where}: --prompt-template wraps the last `user` message, and this row's "
+                                    f"`messages` have none (roles: {roles})")
     else:
         text = row.prompt if template is None else template.replace("{prompt}", row.prompt)
         if not use_chat:

@@ -29,10 +29,12 @@ never disagree on what counts as right.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import re
 import sys
@@ -99,8 +101,9 @@ MAX_NUMBER_DIGITS = 100
 # \frac arguments that are numbers: {1}, {-2.5}, {1/2} (an inner \frac already evaluated), or one
 # digit without braces (\frac12, \frac{1}2: TeX takes a single token).
 _FRAC_ARG = r"(?:\{\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?)\s*\}|(\d))"
-_LATEX_FRAC = re.compile(rf"\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
-_MIXED_FRAC = re.compile(r"(?<![\d.])(-?)(\d+)\s*\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+# A whole number glued before it makes a mixed number (1\frac{1}{2}, 3\frac12 = 3.5), matched in the same left-to-right
+# scan: a separate pass for mixed numbers took the digits of a braceless \frac12 before it for a whole part.
+_LATEX_FRAC = re.compile(rf"(?:(?<![\d.])(-?)(\d+)\s*)?\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\u00b0|\\degree")
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*-?\d+(?:\.\d+)?)?")  # not glued: "x1", "a.1"
@@ -123,15 +126,16 @@ def _words_only(text: str) -> bool:
 
 
 def _frac_value(m: re.Match) -> str:
-    a, b = (_to_fraction(m.group(i) or m.group(i + 1)) for i in (1, 3))
-    return m.group(0) if a is None or b is None or b == 0 else _exact_str(a / b)
-
-
-def _mixed_value(m: re.Match) -> str:
-    whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
-    if den == 0:
+    a, b = (_to_fraction(m.group(i) or m.group(i + 1)) for i in (3, 5))
+    if a is None or b is None or b == 0:
         return m.group(0)
-    return _exact_str((-1 if m.group(1) else 1) * (whole + Fraction(num, den)))
+    if m.group(2) is None:
+        return _exact_str(a / b)
+    # a mixed number: _to_fraction, not int(), so a whole part of 4300+ digits is no answer rather than a ValueError
+    whole = _to_fraction(m.group(2))
+    if whole is None or a < 0 or b < 0:  # "3\frac{-1}{2}" is no mixed number
+        return m.group(0)
+    return _exact_str((-1 if m.group(1) else 1) * (whole + a / b))
 
 
 def _clean_number_text(s: str, strip_plus: bool = True) -> str:
@@ -141,8 +145,7 @@ def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
     s = re.sub(r"([A-Za-z])\s+(?=\^)", r"\1", s)  # \text{ ft}^2 -> "ft^2"
     s = _DEGREES.sub(" ", s)  # 18^\circ F: a space, not "18F"
-    s = _MIXED_FRAC.sub(_mixed_value, s)  # 1\frac{1}{2} = 1.5, not 11/2
-    for _ in range(4):  # innermost first: \frac{\frac{1}{2}}{3} = 1/6
+    for _ in range(4):  # innermost first: \frac{\frac{1}{2}}{3} = 1/6; 1\frac{1}{2} = 1.5, not 11/2
         s, n = _LATEX_FRAC.subn(_frac_value, s)
         if not n:
             break
@@ -314,10 +317,31 @@ def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
 
 
+class _ShortLogLines(logging.Filter):
+    """math-verify logs a parse timeout with the whole text it parsed: a degenerate completion's 40 KB box (or
+    1 MB) went to stderr, through the progress display, once per completion."""
+
+    LIMIT = 300
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if len(msg) > self.LIMIT:
+            record.msg, record.args = f"{msg[: self.LIMIT]}... ({len(msg):,} characters)", None
+        return True
+
+
+@functools.cache
+def _quiet_math_verify() -> None:
+    for name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+        logging.getLogger(name).addFilter(_ShortLogLines())  # a parent logger's filter misses its children's records
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
     # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
     from math_verify import LatexExtractionConfig, parse, verify
+
+    _quiet_math_verify()
 
     # math-verify's timeouts use SIGALRM, which only works on the main thread.
     main = threading.current_thread() is threading.main_thread()
@@ -549,7 +573,9 @@ class RewardSet:
         total = 0.0
         for s in self.specs:
             try:
-                v = s.reward(completion, answer, prompt)
+                # a copy of a chat prompt: a function that appends to the list it gets (to build a judge's
+                # conversation) must not change the record's `prompt` or what the next completion is scored on
+                v = s.reward(completion, answer, copy.deepcopy(prompt) if isinstance(prompt, (list, dict)) else prompt)
             except (Exception, SystemExit) as e:  # noqa: BLE001 - a user function's failure is the user's to fix
                 if s.reward.source is None and ":" not in s.name:
                     raise  # a built-in reward failing is qerl's bug: keep the traceback
@@ -558,7 +584,10 @@ class RewardSet:
                 if isinstance(v, (str, bytes)):  # float("1") would parse it
                     raise TypeError
                 v = float(v)
-            except (TypeError, ValueError, OverflowError):
+            except OverflowError:  # an int past float's range (10**400): a number, over the limit
+                raise BadInputError(f"reward {s.name!r} returned an integer beyond float's range{where}",
+                                    hint=REWARD_LIMIT_HINT) from None
+            except (TypeError, ValueError):
                 raise BadInputError(f"reward {s.name!r} returned {type(v).__name__} {str(v)[:80]!r}{where}, "
                                     "not a number (a float)") from None
             if not math.isfinite(v):

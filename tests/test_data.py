@@ -288,3 +288,33 @@ def test_system_prompt_is_never_dropped_without_a_word(tmp_path, chat_tok, plain
     report = EncodeReport()
     out = encode_prompts(rows, chat_tok, system_prompt="Be brief.", report=report)
     assert report.own_system == [rows[1].where] and "Mine." in out[1].text and "Be brief." not in out[1].text
+
+
+def test_an_integer_too_long_for_python_is_a_bad_line_not_a_traceback(tmp_path):
+    # json.loads raises a plain ValueError (int()'s 4300-digit limit), not a JSONDecodeError
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, '{"prompt": "b", "answer": ' + "9" * 5000 + "}"])
+    with pytest.raises(BadInputError, match="d.jsonl:2: not valid JSON"):
+        load_prompts(p)
+    bad = []
+    assert [r.prompt for r in load_prompts(p, skip_bad_lines=True, bad_lines=bad)] == ["a"] and len(bad) == 1
+    (tmp_path / "d.json").write_text('[{"prompt": "b", "id": ' + "9" * 5000 + "}]")
+    with pytest.raises(BadInputError, match="d.json: not valid JSON"):
+        load_prompts(tmp_path / "d.json")
+
+
+def test_a_prompt_template_is_never_dropped_from_a_chat_without_a_user_turn(tmp_path, chat_tok):
+    rows = load_prompts(write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "human", "content": "hi"}]}]))
+    assert "hi" in render_prompt(rows[0], chat_tok)  # without a template the chat renders as it is
+    with pytest.raises(BadInputError, match=r"d.jsonl:1: --prompt-template .* none \(roles: human\)"):
+        render_prompt(rows[0], chat_tok, template="Q: {prompt}")
+
+
+@pytest.mark.parametrize("magic,name", [(b"\x1f\x8b\x08\x00", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd")])
+def test_a_compressed_dataset_is_named_as_such(tmp_path, magic, name):
+    # a .jsonl.gz read as "not UTF-8 text (byte 1)", an encoding problem it is not (a review)
+    import gzip
+
+    p = tmp_path / "d.jsonl.gz"
+    p.write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50) if name == "gzip" else magic + bytes(range(128, 250)))
+    with pytest.raises(BadInputError, match=f"is {name}-compressed"):
+        load_prompts(p)

@@ -363,3 +363,51 @@ def test_user_rewards_the_2026_11_26_audit_found(tmp_path):
     g.write_text("import sys\nsys.exit(2)\ndef r(c, a):\n    return 0.0\n")
     with pytest.raises(BadInputError, match=r"cannot import .*\(SystemExit: 2\)"):
         RewardSet.from_specs([f"{g}:r"])
+
+
+def test_braceless_mixed_numbers_and_huge_whole_parts():
+    # 3\frac12 is the mixed number 3.5 (as 3\frac{1}{2} is), not "3" glued to "0.5" = 30.5
+    assert extract_answer("\\boxed{3\\frac12}", "gsm8k") == "3.5"
+    assert extract_answer("#### 3\\tfrac{1}2 cups", "gsm8k") == "3.5"
+    assert is_correct("\\boxed{3\\frac12}", "3.5") and not is_correct("\\boxed{3\\frac12}", "30.5")
+    assert extract_answer("\\boxed{1\\frac{\\frac{1}{2}}{3}}", "gsm8k") == "7/6"
+    assert extract_answer("\\boxed{\\frac12}", "gsm8k") == "0.5"  # a braceless \frac's digits are no whole part
+    # a whole part of 4300+ digits made int() raise out of the built-in reward (a traceback ending the rollout)
+    for text in ("\\boxed{" + "1" * 5000 + "\\frac{1}{2}}", "#### " + "1" * 5000 + "\\frac{1}{2}",
+                 "\\boxed{1\\frac{1}{" + "3" * 5000 + "}}"):
+        assert extract_answer(text, "gsm8k") is None
+        assert REWARDS["gsm8k"](text, "5") == 0.0
+
+
+def test_a_reward_that_mutates_the_chat_prompt_changes_nothing_else():
+    def judge(completion, answer, prompt=None):
+        prompt.append({"role": "assistant", "content": completion})  # building a judge's conversation
+        return float(len(prompt))
+
+    from qerl_cli.rewards import Reward, RewardSpec
+
+    rs = RewardSet([RewardSpec("m:judge", 1.0, Reward("m:judge", judge, "user", source="m.py"))])
+    chat = [{"role": "user", "content": "q"}]
+    assert [rs.score(c, "1", chat)[1] for c in ("a", "b")] == [2.0, 2.0]
+    assert chat == [{"role": "user", "content": "q"}]
+
+
+def test_math_verify_log_lines_do_not_carry_a_whole_completion(caplog):
+    import logging
+
+    from qerl_cli.rewards import _math_verify_equal
+
+    _math_verify_equal("1", "1")  # installs the filter
+    # what math-verify logs when parsing a degenerate completion's box times out (after 5 s)
+    logging.getLogger("math_verify.parser").warning(f"Timeout during parsing: {'x+' * 50_000}")
+    assert caplog.records and len(caplog.records[-1].getMessage()) < 400
+
+
+def test_a_reward_past_floats_range_gets_the_limit_message():
+    # 10**5000 is a number (past str()'s 4300 digits too); float() overflowed and the message said "not a number (a float)" (a review)
+    from qerl_cli.rewards import Reward, RewardSpec
+
+    rs = RewardSet([RewardSpec("m:big", 1.0, Reward("m:big", lambda c, a, prompt=None: 10**5000, "user", source="m.py"))])
+    with pytest.raises(BadInputError, match="returned an integer beyond float's range") as e:
+        rs.score("a", "1", "q")
+    assert "1e15" in (e.value.hint or "")
