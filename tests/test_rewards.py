@@ -353,7 +353,7 @@ def test_user_rewards_the_2026_11_26_audit_found(tmp_path):
             return k
         scaled = functools.partial(_scaled, k=Cfg().k)
     """))
-    for fn, why in (("as_text", "returned str '1'"), ("huge", "returned int"), ("leaves", "raised SystemExit")):
+    for fn, why in (("as_text", "returned str '1'"), ("huge", "returned an integer beyond float"), ("leaves", "raised SystemExit")):
         with pytest.raises(BadInputError, match=why):
             RewardSet.from_specs([f"{f}:{fn}"]).score("x", "y")
     rs = RewardSet.from_specs([f"{f}:scaled"])
