@@ -17,7 +17,9 @@ if ! python -c "import torch" 2>/dev/null; then
   # The CPU build, or pip pulls several GB of CUDA wheels for the project's torch requirement.
   python -m pip install -q torch==2.13.0
 fi
-if ! python -c "import qerl_cli, matplotlib" 2>/dev/null; then
+# Checked from / : in the repository root `import qerl_cli` finds the source tree itself, installed or not,
+# and the loop below runs the `qerl` command, which only the install provides ("qerl: command not found").
+if ! (cd / && python -c "import qerl_cli, matplotlib") 2>/dev/null || { [ -z "${QERL:-}" ] && ! command -v qerl >/dev/null; }; then
   python -m pip install -q -e ".[plot]"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} TOKENIZERS_PARALLELISM=false

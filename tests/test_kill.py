@@ -220,3 +220,16 @@ def test_a_rollout_stopped_by_a_signal_keeps_its_groups_and_resumes(sig, tmp_pat
     rerun = invoke(_args("rollout", p, out), cli_threads=True)
     assert rerun.exit_code == 0, rerun.stderr
     assert output_hashes(out) == ref and leftovers(tmp_path, "out") == ["out"]
+
+
+def test_a_stopped_rollouts_message_is_one_line_in_a_piped_log(tmp_path):
+    # Rich wrapped the rollout's "saved prompt groups are kept ..." line at 80 columns when stderr was a file
+    # (a Slurm log), against the one-line errors every stage prints (a review, 2026-11-27).
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+
+    out = tmp_path / "out"
+    r = run_cli(["rollout", "--model", tiny_model_dir(), "--prompts", tiny_task_file("test"), "--out", out,
+                 "--max-prompts", 3, "-G", 2, "--max-new-tokens", 4, "--batch-prompts", 1, "--device", "cpu", "-q"],
+                kill_at="shard-group:1", signal="INT")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 130 and len(lines) == 1 and "groups are kept" in lines[0], r.stderr

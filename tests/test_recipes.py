@@ -991,3 +991,20 @@ def test_a_stage_whose_live_parent_is_pid_1_runs(monkeypatch):
     with cli._stage_signals():
         time.sleep(0.05)  # a self-sent SIGTERM would raise here
     assert signal.getsignal(signal.SIGTERM) == old
+
+
+def test_quickstart_installs_the_project_when_the_qerl_command_is_missing(tmp_path):
+    # In the repository root `python -c "import qerl_cli"` finds the source tree, so on a machine with torch and
+    # matplotlib but without qerl installed the quickstart skipped its install and grpo.sh stopped at its first
+    # stage: "qerl: command not found", exit 127 (a review, 2026-11-27).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "python.log"
+    _recorder(bin_dir, "python", f'if [ "$1 $2" = "-m pip" ]; then echo "$*" >> {log}; exit 0; fi\n'
+                                 f'exec {sys.executable} "$@"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("QERL", "PYTHONPATH")}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STEPS="0", EVAL_DATASET="")
+    proc = subprocess.run(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert shutil.which("qerl", path=env["PATH"]) is None
+    assert log.exists() and "install -q -e .[plot]" in log.read_text(), (proc.returncode, proc.stderr[-2000:])

@@ -103,8 +103,9 @@ def command(
         from qerl_cli.cli import interrupt_outcome
 
         word, code = interrupt_outcome(e)
-        Console(stderr=True).print(f"{word}: saved prompt groups are kept (a batch is saved when it ends; the progress "
-                                   "bar counts saved groups); rerun the same command to resume")
+        Console(stderr=True, highlight=False).print(  # one line, also in a piped log (Rich wraps at 80 there)
+            f"{word}: saved prompt groups are kept (a batch is saved when it ends; the progress "
+            "bar counts saved groups); rerun the same command to resume", soft_wrap=True)
         raise typer.Exit(code) from None
     console = Console(highlight=False)
     if res["already_done"]:
@@ -117,7 +118,7 @@ def command(
         skipped = [f"{s[k]} {what}" for k, what in (("skipped_long_prompts", "prompts too long for the context"),
                                                     ("skipped_bad_rows", "bad prompt rows")) if s.get(k)]
         if skipped:
-            Console(stderr=True, highlight=False).print(f"warning: skipped {', '.join(skipped)}")
+            Console(stderr=True, highlight=False).print(f"warning: skipped {', '.join(skipped)}", soft_wrap=True)
     mean = s["reward"]["mean"]
     console.print(f"wrote {s['completions']} completions for {s['groups']} prompts to {out / s['shard']}"
                   + (f"; mean reward {mean:.3f}" if mean is not None else ""), soft_wrap=True)  # one line for grep
