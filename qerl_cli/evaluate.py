@@ -266,10 +266,10 @@ def _legacy_fingerprint_config(config: dict, cfg: EvalConfig, default_was: int |
     (until 2026-11-26). ``default_was``: the fixed default --max-new-tokens of older qerl, where this run
     took the default and that one fit the context too (its outputs were made with it)."""
     olds = [dict(config, max_model_len=cfg.max_model_len)]
-    if config["max_problems"] != cfg.max_problems:  # recorded as typed until 2026-11-27 (50 vs 60 of 5 rows: exit 4)
-        olds += [dict(config, max_problems=cfg.max_problems), dict(olds[0], max_problems=cfg.max_problems)]
     if cfg.sampling_temperature != 0:
         olds.append(dict(olds[0], max_num_seqs=cfg.max_num_seqs))
+    if config["max_problems"] != cfg.max_problems:  # recorded as typed until 2026-11-27 (50 vs 60 of 5 rows: exit 4)
+        olds += [dict(o, max_problems=cfg.max_problems) for o in (config, *olds)]
     if default_was is not None:
         olds += [dict(o, max_new_tokens=default_was) for o in olds] + [dict(config, max_new_tokens=default_was)]
     return tuple(olds)

@@ -574,7 +574,7 @@ LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to th
 def retained_percent(kept: float) -> int:
     """``update_retained`` as the warning and the result line both print it (they said 17% and 18% for 0.1779):
     toward zero, so never "50%" under the 50% threshold, nor "-0%"."""
-    return int(100 * kept)
+    return int(round(100 * kept, 6))  # 100 * 0.57 is 56.99999999999999: the rounding error is not a percent
 
 
 def _warn_of_low_retention(rq: dict, cfg: MergeConfig) -> None:
@@ -649,11 +649,15 @@ def requantize_nvfp4(bf16_dir: Path, out_dir: Path, cfg: MergeConfig, *, progres
     format, same shared q/k/v and gate/up global scales, same error measure) and return the
     re-quantization error summary: relative Frobenius error of each re-quantized Linear against the
     merged bf16 weight."""
+    from qerl_cli.outputs import forget_completed
     from qerl_cli.quantize import QuantizeConfig, quantize
 
     tmp = out_dir / ".nvfp4"
-    res = quantize(QuantizeConfig(src=bf16_dir, out=tmp, format="compressed-tensors", device=cfg.device,
-                                  max_shard_size=str(cfg.max_shard_size), progress=progress))
+    try:
+        res = quantize(QuantizeConfig(src=bf16_dir, out=tmp, format="compressed-tensors", device=cfg.device,
+                                      max_shard_size=str(cfg.max_shard_size), progress=progress))
+    finally:  # the inner output in merge's temp dir is not --out: a signal now must not call it complete
+        forget_completed(tmp)
     for p in tmp.iterdir():
         if p.name != "manifest.json":  # the merge manifest replaces quantize's
             p.rename(out_dir / p.name)

@@ -49,8 +49,13 @@ def completed_outputs() -> list[Path]:
     return list(_COMPLETE)
 
 
-def forget_completed() -> None:
-    _COMPLETE.clear()
+def forget_completed(out: Path | None = None) -> None:
+    """Forget every output (a new CLI invocation), or just ``out``: a stage's own inner output, such as merge
+    --dtype nvfp4's quantize into its temp dir, which is not the --out a signal's line may call complete."""
+    if out is None:
+        _COMPLETE.clear()
+    else:
+        _COMPLETE[:] = [p for p in _COMPLETE if p != Path(out)]
 
 
 MANIFEST = "manifest.json"

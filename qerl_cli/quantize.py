@@ -396,8 +396,11 @@ def quantize(cfg: QuantizeConfig, console=None) -> QuantizeResult:
     stage_cfg = {"format": cfg.format, "max_shard_size": max_shard}
     legacy_inputs = _source_inputs(source)  # qerl before 2026-11-27 did not count the copied text files
     inputs = {**legacy_inputs, **_text_input(source)}
+    # Such an output is done only while its copies still match the source's (they are verbatim copies):
+    # a source whose tokenizer or generation config changed since is not done with the stale ones.
+    current = text_files_hash(out) == inputs["src_text"] if out.is_dir() else False
     so = StageOutput(out, STAGE, config=stage_cfg, inputs=inputs, force=cfg.force, started=t_start,
-                     legacy_inputs=(legacy_inputs,))
+                     legacy_inputs=(legacy_inputs,) if current else ())
     if so.already_done():
         return QuantizeResult(out, True, (so.manifest or {}).get("summary", {}), so.manifest)
 

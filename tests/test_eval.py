@@ -493,3 +493,18 @@ def test_an_eval_finished_with_the_typed_max_problems_stays_done(model_dir, tmp_
     run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50)
     monkeypatch.undo()
     assert run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50)[0]["already_done"]
+
+
+def test_a_sampled_eval_finished_before_the_batch_seeds_with_the_typed_max_problems_stays_done(model_dir, tmp_path,
+                                                                                              monkeypatch):
+    # Until 2026-11-26 a sampled eval counted --max-num-seqs; until 2026-11-27 --max-problems as typed. An eval
+    # of both eras (pass@2, --max-problems 50 of 4 rows) was done before the every-row change, then exit 4.
+    answers = [["#### 7", "#### 8"], ["#### 1", "#### 2"], ["#### 3", "#### 4"], ["#### -5", "#### 5"]]
+    new = ev._fingerprint_config
+    monkeypatch.setattr(ev, "_fingerprint_config", lambda cfg, *a: {**new(cfg, *a), "max_problems": cfg.max_problems,
+                                                                     "max_num_seqs": cfg.max_num_seqs,
+                                                                     "max_model_len": cfg.max_model_len})
+    monkeypatch.setattr(ev, "_legacy_fingerprint_config", lambda *a, **k: ())
+    run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50, k=2)
+    monkeypatch.undo()
+    assert run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50, k=2)[0]["already_done"]

@@ -233,3 +233,14 @@ def test_a_stopped_rollouts_message_is_one_line_in_a_piped_log(tmp_path):
                 kill_at="shard-group:1", signal="INT")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 130 and len(lines) == 1 and "groups are kept" in lines[0], r.stderr
+
+
+def test_a_signal_after_merge_nvfp4s_inner_quantize_does_not_call_a_temp_dir_complete(tmp_path):
+    """merge --dtype nvfp4 quantizes into its own temp dir first: a SIGTERM after that inner rename said
+    "after --out was written: .OUT.tmp-.../.nvfp4 is complete (a rerun says already done)", with no --out."""
+    p = pipeline()
+    out = tmp_path / "out"
+    r = run_cli(_args("merge", p, out) + ["--dtype", "nvfp4"], kill_at="after-rename", signal="TERM")
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "terminated (SIGTERM): --out was not written", r.stderr[-500:]
+    assert not out.exists()

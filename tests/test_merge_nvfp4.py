@@ -225,3 +225,9 @@ def test_a_full_trained_copy_of_a_quantized_linear_is_named_as_such(qpair, tmp_p
     with pytest.raises(BadInputError, match=r"o_proj.weight is a full-trained copy \(modules_to_save\) of an NVFP4"):
         merge(MergeConfig(qdir, adapter, tmp_path / "m"), progress=False)
     assert not (tmp_path / "m").exists()
+
+
+def test_retained_percent_truncates_the_share_not_its_float_error():
+    from qerl_cli.merge import retained_percent
+
+    assert [retained_percent(x) for x in (0.57, 0.29, 0.58, 0.4999, 0.1779, -0.003, 1.2)] == [57, 29, 58, 49, 17, 0, 120]

@@ -566,3 +566,26 @@ def test_a_null_quantization_config_is_a_plain_model(tmp_path):
     assert out_cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
     run(src, tmp_path / "m", format="modelopt")
     assert "quantization_config" not in json.loads((tmp_path / "m" / "config.json").read_text())
+
+
+def _as_written_before_src_text(out: Path) -> None:
+    """Rewrite ``out``'s manifest as qerl before 2026-11-27 wrote it: no src_text input in the fingerprint."""
+    from qerl_cli.hashing import sha256_json
+
+    m = json.loads((out / "manifest.json").read_text())
+    m["inputs"].pop("src_text")
+    m["fingerprint"] = sha256_json({"stage": "quantize", "config": m["config"], "inputs": m["inputs"]})
+    (out / "manifest.json").write_text(json.dumps(m))
+
+
+def test_an_older_output_is_done_only_while_its_copied_text_files_match_the_source(tmp_path):
+    # Outputs written before src_text was counted stayed 'already done' whatever the source's text files
+    # became: the stale generation_config.json (its eos) was kept, the case the src_text input was added for.
+    src = make_tiny_hf_model(tmp_path, "qwen2")
+    run(src, tmp_path / "q")
+    _as_written_before_src_text(tmp_path / "q")
+    assert run(src, tmp_path / "q").already_done  # unchanged source: still done
+    gen = json.loads((src / "generation_config.json").read_text())
+    (src / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[2, 7])))
+    with pytest.raises(OutputExistsError, match="input src_text changed"):
+        run(src, tmp_path / "q")

@@ -1008,3 +1008,26 @@ def test_quickstart_installs_the_project_when_the_qerl_command_is_missing(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert shutil.which("qerl", path=env["PATH"]) is None
     assert log.exists() and "install -q -e .[plot]" in log.read_text(), (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("force", ["0", "1"])
+def test_a_force_chains_multi_gpu_train_job_redoes_a_refusing_train_step(tmp_path, force):
+    # torchrun exits 1 when a rank exits 4 (ChildFailedError), so the FORCE wrapper never saw the refusal of a
+    # TRAIN_GPUS > 1 job: a changed LR failed the job and afterok cancelled the chain (a review).
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    # torchrun beside an absolute QERL is the one stage.sbatch runs; like the real one it exits 1 on a failed rank
+    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force, TRAIN_GPUS="2")
+    (run / "step-000001" / "adapter").mkdir(parents=True)
+    (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    calls = [x.strip() for x in log.read_text().splitlines()]
+    if force == "1":
+        assert r.returncode == 0 and calls == ["train-step", "train-step forced"], r.stderr
+    else:
+        assert r.returncode == 1 and calls == ["train-step"], r.stderr
