@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import BadInputError
-from qerl_cli.outputs import crash_point, read_manifest
+from qerl_cli.outputs import MANIFEST, crash_point, read_manifest
 
 SCHEMA_VERSION = 1
 
@@ -309,7 +309,9 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
         # A path that exists is itself, even with glob characters in it ("run [v1]/step-0").
         globbed = any(c in s for c in "*?[") and not Path(s).exists()
         if globbed:
-            matched = sorted(_glob.glob(s))
+            # A stage's manifest.json is no shard: "step-3/*" read it as 100 bad lines, and the hint to pass
+            # --skip-bad-lines then trained "around" it.
+            matched = [m for m in sorted(_glob.glob(s)) if not (Path(m).name == MANIFEST and Path(m).is_file())]
             if not matched:
                 raise BadInputError(f"no files match the shard glob {s!r}")
             paths = [Path(m) for m in matched]

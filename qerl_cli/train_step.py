@@ -209,21 +209,25 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         if not r["prompt_token_ids"]:
             raise BadInputError(f"{f}:{line}: record of group {r['group_id']!r} has no prompt tokens")
     first = recs[0]
+    f0, l0 = report.origins[0]
     for i, r in enumerate(recs):
+        # Named by file:line (a record's index counts over every file given: "record 32345" found nothing)
+        at = f"{report.origins[i][0]}:{report.origins[i][1]} (group {r['group_id']!r}) and {f0}:{l0}"
         if r["policy"].get("base") != first["policy"].get("base"):
             raise LineageError(
-                f"shards mix base models: record {i} ({r['group_id']}) has base {r['policy'].get('base')!s:.12} "
-                f"but record 0 has {first['policy'].get('base')!s:.12}")
+                f"shards mix base models: {at} were sampled from base {r['policy'].get('base')!s:.12} and "
+                f"{first['policy'].get('base')!s:.12}")
         if (r["policy"].get("adapter"), r["policy"].get("norms")) != (first["policy"].get("adapter"),
                                                                        first["policy"].get("norms")):
+            steps = f" at rollout steps {r['step']} and {first['step']}" if r["step"] != first["step"] else ""
             raise LineageError(
-                f"shards mix policies: record {i} ({r['group_id']}) was sampled with adapter "
-                f"{r['policy'].get('adapter')!s:.12}, record 0 with {first['policy'].get('adapter')!s:.12}")
+                f"shards mix policies: {at} were sampled with {_policy_name(r['policy'])} and "
+                f"{_policy_name(first['policy'])}{steps}", hint="train on the shards of one step at a time")
         if r["step"] != first["step"]:
-            raise BadInputError(f"shards mix rollout steps {first['step']} and {r['step']} (record {i}, {r['group_id']})",
+            raise BadInputError(f"shards mix rollout steps {first['step']} and {r['step']} ({at})",
                                 hint="train on the shards of one step at a time")
         if _noise_key(r["noise"]) != _noise_key(first["noise"]):
-            raise BadInputError(f"shards mix AQN noise records: {r['noise']} (record {i}) vs {first['noise']}")
+            raise BadInputError(f"shards mix AQN noise records: {r['noise']} vs {first['noise']} ({at})")
     temps, cuts = [], []
     for r, (f, line) in zip(recs, report.origins):
         t = r["sampling"].get("temperature", 1.0)
@@ -256,6 +260,12 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         bad_lines=tuple(report.bad_lines),
         cuts=cuts if any(c != (1.0, 0, 0.0) for c in cuts) else None,
     )
+
+
+def _policy_name(policy: dict) -> str:
+    a = policy.get("adapter")
+    name = "no adapter" if a is None else f"adapter {a!s:.12}"
+    return name + (f" + norms {policy['norms']!s:.12}" if policy.get("norms") else "")
 
 
 def _sampling_cut(sampling: dict) -> tuple[float, int, float]:
@@ -638,6 +648,10 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     data = read_step(cfg)
     for d in {f.parent for f in data.files}:  # --force replaces --out: never a directory the shards are read from
         check_out_apart(cfg.out, shards=d)
+    if cfg.metrics_file is not None and Path(cfg.metrics_file).resolve() in {f.resolve() for f in data.files}:
+        # its records carry a "step" too: the append dropped every record of this step from the shard
+        raise BadInputError(f"--metrics-file {cfg.metrics_file} is one of the --shards files",
+                            hint="name a .jsonl file of its own for the run's metrics, e.g. run/metrics.jsonl")
     from qerl_cli.shards import missing_shards
 
     # Warnings are QerlWarnings: shown with -q (one `warning:` line from the CLI), catchable by a library caller.
@@ -1016,7 +1030,8 @@ def _drop_step_lines(path: Path, step: int) -> None:
             rec = json.loads(line)
         except ValueError:
             return False
-        return isinstance(rec, dict) and rec.get("step") == step
+        # a train-step metrics line (not another tool's JSON line that also has a "step")
+        return isinstance(rec, dict) and rec.get("step") == step and "loss" in rec and "group_id" not in rec
 
     kept = [x for x in lines if not of_step(x)]
     torn = bool(kept) and not kept[-1].endswith("\n")
@@ -1025,11 +1040,15 @@ def _drop_step_lines(path: Path, step: int) -> None:
     if len(kept) == len(lines) and not torn:
         return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(kept))
-        f.flush()
-        os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(kept))
+            f.flush()
+            os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk left the half-written copy beside the file
+        raise
 
 
 def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:

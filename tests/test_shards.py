@@ -270,3 +270,15 @@ def test_a_logprob_a_rounding_above_0_is_still_a_record():
     from qerl_cli.shards import validate_record
 
     assert validate_record(rec("a", logprobs=[-0.1, 1e-4])) is None and validate_record(rec("a", logprobs=[0.0, 0])) is None
+
+
+def test_a_glob_over_a_rollout_directory_leaves_its_manifest_out(tmp_path):
+    # `--shards 'step-3/*'` read the rollout's manifest.json as a shard (exit 2 advising --skip-bad-lines,
+    # which then skipped ~100 "bad lines" and trained)
+    from qerl_cli.shards import resolve_shard_files
+
+    write_records(tmp_path / "r0" / shard_name(0, 1), [rec("a")])
+    (tmp_path / "r0" / "manifest.json").write_text(json.dumps({"stage": "rollout", "fingerprint": "f"}, indent=2))
+    assert resolve_shard_files(str(tmp_path / "r0" / "*")) == [tmp_path / "r0" / shard_name(0, 1)]
+    with pytest.raises(BadInputError, match="no files match"):
+        resolve_shard_files(str(tmp_path / "r0" / "man*"))

@@ -222,3 +222,54 @@ def test_ranks_hear_a_sigterm_on_rank_0_as_143():
 
     assert (_interrupt_code(Terminated()), _interrupt_code(KeyboardInterrupt()), _interrupt_code(ValueError())) == (
         143, 130, 1)
+
+
+def test_a_short_metrics_append_on_a_full_disk_fails_and_leaves_no_torn_line(tmp_path, monkeypatch):
+    # A full file system answers an append that fits only in part with a short write, not an error:
+    # the torn line stayed in --metrics-file and train-step exited 0 (tmpfs at 100%, a review).
+    import errno
+    import os
+
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, {"step": 0})
+    before = path.read_bytes()
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:10]))
+    with pytest.raises(OSError) as e:
+        append_jsonl(path, {"step": 1, "loss": 0.5})
+    assert e.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before
+
+
+def test_a_failed_metrics_rewrite_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from qerl_cli.train_step import _drop_step_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":0,"loss":1}\n{"step":1,"loss":2}\n')
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        _drop_step_lines(path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert path.read_text() == '{"step":0,"loss":1}\n{"step":1,"loss":2}\n'
+
+
+@pytest.mark.parametrize("field,value", [("optimizer_steps", None), ("lineage", "abc"), ("lineage", [1]),
+                                         ("rng", {"torch_cpu": "AAAA"}), ("rng", []), ("base_model_hash", 3)])
+def test_a_trainer_state_field_of_another_type_is_bad_input(tmp_path, field, value):
+    # each ended train-step in a traceback (rng before the loop, optimizer_steps/lineage after it had run)
+    path = tmp_path / "trainer_state.json"
+    st = TrainerState(global_step=2, optimizer_steps=2, rng=capture_rng(0))
+    st.save(path)
+    TrainerState.load(path)
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(BadInputError, match=field):
+        TrainerState.load(path)

@@ -110,6 +110,23 @@ def test_shards_mixing_records_of_two_steps_or_policies_are_refused(tmp_path, fi
         read_step(TrainStepConfig(model=tmp_path / "m", shards=[str(sh)], out=tmp_path / "o", progress=False))
 
 
+def test_shards_of_two_steps_are_refused_naming_both_files_and_lines(tmp_path):
+    # Two steps' rollouts in one --shards list: the error named "record 12" (an index over every file) and
+    # "None" for no adapter; it names each record's file:line and the two rollout steps.
+    a = make_shard(tmp_path / "s0", "b" * 64, groups=2)
+    b = make_shard(tmp_path / "s1", "b" * 64, adapter_hash="f" * 64, step=1, groups=2, seed=1)
+    for r in (recs := read_records(b)):
+        r["group_id"] = "x" + r["group_id"]
+    (b / shard_name(0, 1)).unlink()
+    write_records(b / shard_name(0, 1), recs)
+    cfg = TrainStepConfig(model=tmp_path / "m", shards=[str(a), str(b)], out=tmp_path / "o", progress=False)
+    with pytest.raises(LineageError) as e:
+        read_step(cfg)
+    msg = str(e.value)
+    assert f"{b / shard_name(0, 1)}:1" in msg and f"{a / shard_name(0, 1)}:1" in msg
+    assert "no adapter" in msg and "rollout steps 1 and 0" in msg and "None" not in msg
+
+
 def test_dr_grpo_length_is_the_longest_completion_when_a_record_has_no_budget():
     from qerl_cli.train_step import dr_grpo_length
 
@@ -156,6 +173,26 @@ def test_editing_the_second_shard_file_makes_a_rerun_a_new_step(first, tmp_path)
     write_records(files[1], [dict(r, reward=1.0 - r["reward"]) for r in recs])
     with pytest.raises(OutputExistsError, match="input shards changed"):
         _step(first, tmp_path / "sh", tmp_path / "a")
+
+
+def test_a_shard_file_as_metrics_file_is_refused_and_kept(first, tmp_path):
+    # its records carry "step": 0 too, and the metrics append dropped all of them (exit 0, the shard left
+    # holding one metrics line)
+    sh = shutil.copytree(first.sh, tmp_path / "sh")
+    shard = sh / shard_name(0, 1)
+    before = shard.read_bytes()
+    with pytest.raises(BadInputError, match="is one of the --shards files"):
+        _step(first, sh, tmp_path / "a", metrics_file=shard)
+    assert shard.read_bytes() == before and not (tmp_path / "a").exists()
+
+
+def test_a_metrics_file_rewrite_drops_only_train_step_lines(tmp_path):
+    from qerl_cli.train_step import _drop_step_lines
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step":0,"group_id":"g","loss":1}\n{"step":0,"reward":1}\n{"step":0,"loss":2}\n')
+    _drop_step_lines(path, 0)
+    assert path.read_text() == '{"step":0,"group_id":"g","loss":1}\n{"step":0,"reward":1}\n'
 
 
 def test_removing_the_adapters_optimizer_state_makes_a_rerun_a_new_step(first, tmp_path):

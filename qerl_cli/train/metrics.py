@@ -8,6 +8,7 @@ runs logging to one ``--metrics-file``) never interleave inside a line.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -71,6 +72,11 @@ def append_jsonl(path: Path, record: dict) -> None:
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        n = os.write(fd, line)
+        if n != len(line):
+            # A short write is how a full disk answers an append that fits only in part (no error): the
+            # torn line stayed and the step ended with exit 0. Take the part back and fail as ENOSPC would.
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {n} of {len(line)} bytes)", str(path))
     finally:
         os.close(fd)

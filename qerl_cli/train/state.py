@@ -55,7 +55,32 @@ class TrainerState:
         if data.get("schema", STATE_SCHEMA) > STATE_SCHEMA:
             raise BadInputError(f"{path}: trainer state schema {data['schema']} is newer than this qerl ({STATE_SCHEMA})")
         known = set(cls.__dataclass_fields__)
+        # A field of another type (a hand edit, another tool's file) ended the step in a traceback: the RNG
+        # state before the loop, optimizer_steps or lineage only after the whole step had run.
+        for k, types in _FIELD_TYPES.items():
+            v = data.get(k)
+            if k in data and (not isinstance(v, types) or isinstance(v, bool)):
+                raise BadInputError(f"{path}: {k} should be {' or '.join(t.__name__ for t in types)}, "
+                                    f"got {json.dumps(v)[:40]}", hint="restore the file from the step that wrote it")
+        if not all(isinstance(h, str) for h in data.get("lineage", [])):
+            raise BadInputError(f"{path}: lineage should be a list of adapter hashes")
+        cpu = (data.get("rng") or {}).get("torch_cpu")
+        if cpu is not None and not (isinstance(cpu, str) and _is_b64(cpu)
+                                    and len(_unb64(cpu)) == torch.get_rng_state().numel()):
+            raise BadInputError(f"{path}: rng.torch_cpu is not a torch CPU generator state")
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_FIELD_TYPES = {"optimizer_steps": (int,), "base_model_hash": (str, type(None)), "lineage": (list,),
+                "schedule": (dict,), "rng": (dict,), "lora": (dict,), "last_shards": (list,), "schema": (int,)}
+
+
+def _is_b64(s: str) -> bool:
+    try:
+        base64.b64decode(s, validate=True)
+        return True
+    except (ValueError, TypeError):
+        return False
 
 
 def _b64(t: torch.Tensor) -> str:
