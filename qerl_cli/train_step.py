@@ -708,6 +708,11 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
         for s in g:
             mb_of[s] = j
     live_tokens = [0 if (cfg.mask_truncated and tr) else len(c) for c, tr in zip(data.completions, data.truncated)]
+    if cfg.mask_truncated and data.completions and all(data.truncated):  # said only "no completion tokens left"
+        raise BadInputError(f"--mask-truncated masks every completion of this step: all {len(data.completions)} "
+                            "stopped at the rollout's --max-new-tokens (or the context)",
+                            hint="rerun this train-step without --mask-truncated, or the rollout with a larger "
+                                 "--max-new-tokens")
     seq_w = sequence_weights(cfg.loss, live_tokens, mb_of, dr_grpo_length(cfg, data))
 
     # Paths may differ between nodes; what they hold is in the fingerprint's input hashes.

@@ -283,3 +283,15 @@ def test_a_negative_top_k_is_no_cut_and_a_non_number_is_named(first, tmp_path):
     with pytest.raises(BadInputError, match=r"shard-00000-of-00001.jsonl:1: sampling.top_k should be a number"):
         _step(first, sheet("text", "all"), tmp_path / "a_text")
     assert not (tmp_path / "a_text").exists()
+
+
+def test_a_step_mask_truncated_leaves_nothing_of_is_named_with_its_way_out(first, tmp_path):
+    # It said "no completion tokens left to train on" with no hint, and a rerun stopped the same way (a review)
+    sh = tmp_path / "sh"
+    shutil.copytree(first.sh, sh)
+    for i in range(len(read_records(sh))):
+        _edit_record(sh, i, finish_reason=lambda _: "length")
+    with pytest.raises(BadInputError, match="--mask-truncated masks every completion of this step") as e:
+        _step(first, sh, tmp_path / "a", mask_truncated=True)
+    assert "without --mask-truncated" in e.value.hint and not (tmp_path / "a").exists()
+    assert _step(first, sh, tmp_path / "b")["metrics"]["completions"] == len(read_records(sh))
