@@ -19,12 +19,25 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 # Checked from / : in the repository root `import qerl_cli` finds the source tree itself, installed or not,
 # and the loop below runs the `qerl` command, which only the install provides ("qerl: command not found").
-if ! (cd / && python -c "import qerl_cli, matplotlib") 2>/dev/null || { [ -z "${QERL:-}" ] && ! command -v qerl >/dev/null; }; then
+# A QERL you set runs the stages instead (QERL="python -m qerl_cli" from this root needs no install): then only
+# the plot's matplotlib is checked here.
+if ! (cd / && python -c "import matplotlib") 2>/dev/null \
+   || { [ -z "${QERL:-}" ] && { ! (cd / && python -c "import qerl_cli") 2>/dev/null || ! command -v qerl >/dev/null; }; }; then
   python -m pip install -q -e ".[plot]"
+fi
+if [ -z "${QERL:-}" ]; then  # the qerl command runs whatever tree is installed: say so when it is another one
+  installed=$(cd / && python -c "import os, qerl_cli; print(os.path.dirname(os.path.dirname(os.path.realpath(qerl_cli.__file__))))" 2>/dev/null || true)
+  if [ -n "$installed" ] && [ "$installed" != "$(pwd -P)" ]; then
+    echo "note: the qerl command runs the checkout installed at $installed, not this one ($(pwd -P)); 'pip install -e .' here, or QERL='python -m qerl_cli', runs this one" >&2
+  fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} TOKENIZERS_PARALLELISM=false
 
 start=$(date +%s)
 bash recipes/grpo.sh recipes/configs/tiny.env "$RUN_DIR"
-python recipes/plot_run.py "$RUN_DIR"
-echo "quickstart finished in $(( $(date +%s) - start )) s; curves: $RUN_DIR/curves.png"
+if [ -f "$RUN_DIR/metrics.jsonl" ]; then
+  python recipes/plot_run.py "$RUN_DIR"
+  echo "quickstart finished in $(( $(date +%s) - start )) s; curves: $RUN_DIR/curves.png"
+else  # STEPS=0: the base policy only, no step to plot (plot_run.py stopped the script with exit 1)
+  echo "quickstart finished in $(( $(date +%s) - start )) s; no RL steps (STEPS=0), so no curves"
+fi

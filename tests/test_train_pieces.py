@@ -261,7 +261,9 @@ def test_a_failed_metrics_rewrite_leaves_no_temporary_file(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("field,value", [("optimizer_steps", None), ("lineage", "abc"), ("lineage", [1]),
-                                         ("rng", {"torch_cpu": "AAAA"}), ("rng", []), ("base_model_hash", 3)])
+                                         ("rng", {"torch_cpu": "AAAA"}), ("rng", []), ("base_model_hash", 3),
+                                         ("schema", "1"), ("schema", None), ("rng", {"torch_cpu": None}),
+                                         ("rng", {"torch_cuda": "AAAA"}), ("rng", {"torch_cuda": [None]})])
 def test_a_trainer_state_field_of_another_type_is_bad_input(tmp_path, field, value):
     # each ended train-step in a traceback (rng before the loop, optimizer_steps/lineage after it had run)
     path = tmp_path / "trainer_state.json"

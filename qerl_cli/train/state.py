@@ -52,22 +52,27 @@ class TrainerState:
             raise BadInputError(f"{path}: unreadable trainer state ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
             raise BadInputError(f"{path}: not a qerl trainer state (no integer global_step)")
-        if data.get("schema", STATE_SCHEMA) > STATE_SCHEMA:
-            raise BadInputError(f"{path}: trainer state schema {data['schema']} is newer than this qerl ({STATE_SCHEMA})")
         known = set(cls.__dataclass_fields__)
         # A field of another type (a hand edit, another tool's file) ended the step in a traceback: the RNG
-        # state before the loop, optimizer_steps or lineage only after the whole step had run.
+        # state before the loop, optimizer_steps or lineage only after the whole step had run. Checked before
+        # the schema comparison below ("schema": "1" > 1 was a TypeError).
         for k, types in _FIELD_TYPES.items():
             v = data.get(k)
             if k in data and (not isinstance(v, types) or isinstance(v, bool)):
                 raise BadInputError(f"{path}: {k} should be {' or '.join(t.__name__ for t in types)}, "
                                     f"got {json.dumps(v)[:40]}", hint="restore the file from the step that wrote it")
+        if data.get("schema", STATE_SCHEMA) > STATE_SCHEMA:
+            raise BadInputError(f"{path}: trainer state schema {data['schema']} is newer than this qerl ({STATE_SCHEMA})")
         if not all(isinstance(h, str) for h in data.get("lineage", [])):
             raise BadInputError(f"{path}: lineage should be a list of adapter hashes")
-        cpu = (data.get("rng") or {}).get("torch_cpu")
-        if cpu is not None and not (isinstance(cpu, str) and _is_b64(cpu)
-                                    and len(_unb64(cpu)) == torch.get_rng_state().numel()):
+        rng = data.get("rng") or {}
+        # restore_rng reads a key that is present: "torch_cpu": null passed here and failed after the model loaded
+        if "torch_cpu" in rng and not (isinstance(rng["torch_cpu"], str) and _is_b64(rng["torch_cpu"])
+                                       and len(_unb64(rng["torch_cpu"])) == torch.get_rng_state().numel()):
             raise BadInputError(f"{path}: rng.torch_cpu is not a torch CPU generator state")
+        if "torch_cuda" in rng and not (isinstance(rng["torch_cuda"], list)
+                                        and all(isinstance(s, str) and _is_b64(s) for s in rng["torch_cuda"])):
+            raise BadInputError(f"{path}: rng.torch_cuda is not a list of torch CUDA generator states")
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
