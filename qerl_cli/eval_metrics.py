@@ -181,8 +181,33 @@ def compare_table(eval_dirs: Sequence[Path]):
                      "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
     if len({m.get("scorer") for _, m in runs}) > 1:
         notes.append("warning: the runs were scored by different rules (--scorer)")
+    settings = [_generation_settings(d, m) for d, m in runs]
+    differ = [flag for flag in settings[0] if len({json.dumps(s[flag], sort_keys=True) for s in settings}) > 1]
+    if differ:
+        notes.append(f"warning: the runs were generated with different {', '.join(differ)}; a difference in "
+                     "score may come from them, not from the model")
     table.caption = "\n".join(notes) or None
     return table
+
+
+def _generation_settings(eval_dir: Path, m: dict) -> dict:
+    """The flags besides the model that change what a run generates from the same problems (its prompts,
+    where it stops), from metrics.json and, for those only the fingerprint holds, manifest.json."""
+    try:
+        manifest = json.loads((Path(eval_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    config = manifest.get("config") or {}
+    sampling = m.get("sampling") or {}
+    return {
+        "--prompt-template": m.get("prompt_template", config.get("prompt_template")),
+        "--system-prompt": config.get("system_prompt"),
+        "--no-chat-template": config.get("chat_template"),
+        "--chat-template-file": (manifest.get("inputs") or {}).get("chat_template"),
+        "--max-new-tokens": sampling.get("max_new_tokens", config.get("max_new_tokens")),
+        "--stop": sampling.get("stop", config.get("stop")),
+        "--top-p": sampling.get("top_p", config.get("top_p")),
+    }
 
 
 def per_problem_pass1(eval_dir: Path) -> dict[str, float] | None:
@@ -201,8 +226,7 @@ def per_problem_pass1(eval_dir: Path) -> dict[str, float] | None:
 def paired_difference(a: dict[str, float] | None, b: dict[str, float] | None) -> dict | None:
     """b - a over the problems both scored: the mean difference (points) and a two-sided p-value. Both
     0/1 (one sample a problem): exact McNemar, a binomial test on the discordant problems. Else an exact
-    sign-flip test on the per-problem differences when there are at most 14 nonzero ones, a normal
-    approximation of it beyond."""
+    sign-flip test on the per-problem differences (``_sign_flip_p``)."""
     if a is None or b is None:
         return None
     ids = sorted(a.keys() & b.keys())
@@ -216,16 +240,35 @@ def paired_difference(a: dict[str, float] | None, b: dict[str, float] | None) ->
         tail = sum(math.comb(n, i) for i in range(min(up, down) + 1)) / 2**n if n else 1.0
         return {"diff": mean, "p": min(1.0, 2 * tail), "test": "McNemar", "discordant": (up, down)}
     nz = [x for x in d if x]
-    if len(nz) <= 14:
-        obs = abs(sum(nz))
-        hits = sum(abs(sum(x if (s >> j) & 1 else -x for j, x in enumerate(nz))) >= obs - 1e-12
-                   for s in range(2 ** len(nz)))
-        p = hits / 2 ** len(nz) if nz else 1.0
-    else:
-        sd = math.sqrt(sum(x * x for x in nz))
-        z = abs(sum(nz)) / sd
-        p = math.erfc(z / math.sqrt(2))
+    p = _sign_flip_p(nz)
     return {"diff": mean, "p": min(1.0, p), "test": "sign-flip", "discordant": None}
+
+
+def _sign_flip_p(nz: Sequence[float], max_states: int = 2_000_000) -> float:
+    """Two-sided p-value of the paired sign-flip test on the nonzero differences ``nz``. Each is a
+    difference of two fractions c/n of samples, so scaled by the common denominator they are integers
+    and the null distribution of their signed sum is counted exactly, sum by sum (a few thousand sums
+    for 200 problems of 8 samples). The normal approximation is used only where that table would be
+    too large (it understated p by 40% at 16 nonzero differences: 0.046 for an exact 0.077)."""
+    from fractions import Fraction
+
+    if not nz:
+        return 1.0
+    fr = [Fraction(x).limit_denominator(1 << 16) for x in nz]
+    scale = math.lcm(*(f.denominator for f in fr))
+    ints = [abs(int(f * scale)) for f in fr]
+    if sum(ints) * len(ints) <= max_states:
+        dist = {0: 1.0}
+        for x in ints:
+            nxt: dict[int, float] = {}
+            for s, q in dist.items():
+                nxt[s + x] = nxt.get(s + x, 0.0) + 0.5 * q
+                nxt[s - x] = nxt.get(s - x, 0.0) + 0.5 * q
+            dist = nxt
+        obs = abs(sum(int(f * scale) for f in fr))
+        return sum(q for s, q in dist.items() if abs(s) >= obs)
+    z = abs(sum(nz)) / math.sqrt(sum(x * x for x in nz))
+    return math.erfc(z / math.sqrt(2))
 
 
 def _fmt_paired(r: dict | None) -> str:

@@ -32,7 +32,7 @@ for seed in $SEEDS; do
 done
 # Once per base format, before the runs: a run quantized and scored its own copy (9 copies for 3 seeds).
 for fmt in nvfp4 bf16; do
-  STEPS=0 BASE_FORMAT=$fmt bash recipes/grpo.sh "$CONFIG" "$OUT/shared-$fmt" > "$OUT/shared-$fmt.log" 2>&1 \
+  STEPS=0 BASE_FORMAT=$fmt bash recipes/grpo.sh "$CONFIG" "$OUT/shared-$fmt" >> "$OUT/shared-$fmt.log" 2>&1 \
     || { echo "FAILED: the shared $fmt base (see $OUT/shared-$fmt.log)"; exit 1; }
 done
 link_shared() {  # RUN_DIR BASE_FORMAT: hard links (a copy across file systems) to what the run shares
@@ -44,11 +44,11 @@ link_shared() {  # RUN_DIR BASE_FORMAT: hard links (a copy across file systems) 
     # link the new one (else the run redid it itself). A run with steps keeps what its steps were made on.
     if [ -e "$1/$name" ] && ! cmp -s "$1/$name/manifest.json" "$OUT/shared-$2/$name/manifest.json" \
         && ! compgen -G "$1/step-*" > /dev/null; then
-      rm -rf "$1/$name"
+      rm -rf "${1:?}/$name"
     fi
     if [ ! -e "$1/$name" ]; then
       cp -al "$OUT/shared-$2/$name" "$1/$name" 2>/dev/null \
-        || { rm -rf "$1/$name"; cp -a "$OUT/shared-$2/$name" "$1/$name"; }
+        || { rm -rf "${1:?}/$name"; cp -a "$OUT/shared-$2/$name" "$1/$name"; }
     fi
   done
 }
@@ -56,8 +56,8 @@ run_one() {  # NAME SEED BASE_FORMAT SIGMA_START [SIGMA_END]
   local dir=$OUT/$1-s$2
   link_shared "$dir" "$3"
   BASE_FORMAT=$3 AQN_SIGMA_START=$4 AQN_SIGMA_END=${5:-${AQN_SIGMA_END:-1e-4}} SEED=$2 \
-    bash recipes/grpo.sh "$CONFIG" "$dir" > "$dir.log" 2>&1 \
-    && echo "done: $dir" || { echo "FAILED: $dir (see $dir.log)"; return 1; }
+    bash recipes/grpo.sh "$CONFIG" "$dir" >> "$dir.log" 2>&1 || { echo "FAILED: $dir (see $dir.log)"; return 1; }
+  echo "done: $dir"
 }
 export -f run_one link_shared; export OUT CONFIG
 printf '%s\n' "${jobs[@]}" | xargs -P "$PARALLEL" -I{} bash -c 'run_one {}'

@@ -27,6 +27,9 @@ def load(out: Path) -> dict[str, list[dict]]:
         m = re.fullmatch(r"(.+)-s(\d+)", d.name)
         if not d.is_dir() or not m or not (d / "metrics.jsonl").exists():
             continue
+        if not (d / "merged" / "manifest.json").exists():  # its loop has not finished (interrupted, failed, running)
+            print(f"note: {d.name} is left out: its loop has not finished (no merged/)", file=sys.stderr)
+            continue
         train = read_steps(d / "metrics.jsonl")
         score = lambda p: json.loads((p / "metrics.json").read_text())["score"] if (p / "metrics.json").exists() else None  # noqa: E731
         runs[m.group(1)].append({"seed": int(m.group(2)), "train": train,
@@ -35,11 +38,13 @@ def load(out: Path) -> dict[str, list[dict]]:
 
 
 def _fmt(xs):
+    missing = sum(x is None for x in xs)
     xs = [100 * x for x in xs if x is not None]
     if not xs:
         return "n/a"
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.mean(xs):.1f} ± {sd:.1f} ({', '.join(f'{x:.1f}' for x in xs)})"
+    sd = f"{statistics.stdev(xs):.1f}" if len(xs) > 1 else "n/a"  # one seed has no spread to show
+    return (f"{statistics.mean(xs):.1f} ± {sd} ({', '.join(f'{x:.1f}' for x in xs)})"
+            + (f", {missing} without a score" if missing else ""))
 
 
 def main() -> None:
@@ -51,10 +56,12 @@ def main() -> None:
              "| --- | --- | --- | --- | --- | --- |"]
     for v in [v for v in VARIANTS if v in runs] + [v for v in runs if v not in VARIANTS]:
         rs = runs[v]
-        last_reward = statistics.mean(r["train"][-1]["reward_mean"] for r in rs if r["train"])
-        ent = statistics.mean(statistics.mean(t["entropy"] for t in r["train"][:3]) for r in rs if r["train"])
+        trained = [r for r in rs if r["train"]]
+        last_reward = f"{statistics.mean(r['train'][-1]['reward_mean'] for r in trained):.3f}" if trained else "n/a"
+        ent = (f"{statistics.mean(statistics.mean(t['entropy'] for t in r['train'][:3]) for r in trained):.3f}"
+               if trained else "n/a")
         lines.append(f"| {v} | {len(rs)} | {_fmt([r['base'] for r in rs])} | {_fmt([r['final'] for r in rs])} "
-                     f"| {last_reward:.3f} | {ent:.3f} |")
+                     f"| {last_reward} | {ent} |")
     table = "\n".join(lines)
     (out / "results.md").write_text(table + "\n")
     print(table)

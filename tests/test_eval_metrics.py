@@ -228,3 +228,23 @@ def test_the_summary_table_says_the_rate_is_over_generation_time_only():
     console = Console(record=True, width=200)
     render_metrics(m, console)
     assert "2.0s in all" in console.export_text() and "tok/s" not in console.export_text()
+
+
+def test_compare_says_which_generation_settings_differ(tmp_path):
+    # bf16 at --max-new-tokens 64 against NVFP4 at another --prompt-template: "-16.5 (p=2.3e-10, 0/33)" with no
+    # word that the runs saw other prompts (a review)
+    from rich.console import Console
+
+    a = _fake_run(tmp_path / "base", "base", 0.6)
+    b = _fake_run(tmp_path / "other", "tuned", 0.5)
+    c = _fake_run(tmp_path / "same", "tuned", 0.5)
+    for run, template, tokens in ((a, "{prompt}", 64), (b, "Q: {prompt}", 20), (c, "{prompt}", 64)):
+        m = json.loads((run / "metrics.json").read_text())
+        m["prompt_template"], m["sampling"]["max_new_tokens"] = template, tokens
+        (run / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=250)
+    console.print(compare_table([a, b]))
+    assert "different --prompt-template, --max-new-tokens;" in " ".join(console.export_text().split())
+    console = Console(record=True, width=250)
+    console.print(compare_table([a, c]))
+    assert "generated with different" not in console.export_text()

@@ -127,15 +127,22 @@ def _exact_sign_flip(nz):
     return hits / 2 ** len(nz)
 
 
-def test_sign_flip_is_exact_up_to_14_and_two_sided_beyond():
+def test_sign_flip_is_exact_and_two_sided():
     from qerl_cli.eval_metrics import paired_difference
     a = {str(i): 0.5 for i in range(20)}
     b6 = {str(i): (0.75 if i < 5 else 0.25 if i == 5 else 0.5) for i in range(20)}
     nz = [b6[i] - a[i] for i in sorted(a) if b6[i] != a[i]]
     assert paired_difference(a, b6)["p"] == pytest.approx(_exact_sign_flip(nz))
-    b = {str(i): 0.75 if i < 12 else 0.25 for i in range(20)}   # 20 nonzero: normal approximation
-    z = (12 * 0.25 - 8 * 0.25) / math.sqrt(20 * 0.0625)
-    assert paired_difference(a, b)["p"] == pytest.approx(math.erfc(z / math.sqrt(2)))
+    b = {str(i): 0.75 if i < 12 else 0.25 for i in range(20)}   # 20 nonzero, all of one size: the sign test
+    assert paired_difference(a, b)["p"] == pytest.approx(2 * sum(math.comb(20, i) for i in range(9)) / 2**20)
+    # 16 nonzero, 12 up and 4 down: the normal approximation gave p = 0.046, the exact p is 0.077 (a review)
+    c = {str(i): 1.0 if i < 12 else 0.0 if i < 16 else 0.5 for i in range(200)}
+    a = {str(i): 0.5 for i in range(200)}
+    assert paired_difference(a, c)["p"] == pytest.approx(2 * sum(math.comb(16, i) for i in range(5)) / 2**16)
+    mixed = {str(i): x for i, x in enumerate([1 / 3, 2 / 3, 1.0, 0.0, 0.25, 0.75, 0.5] * 3)}
+    other = {str(i): x for i, x in enumerate([0.5, 0.125, 0.0, 1.0, 0.6, 0.2, 0.5] * 3)}
+    nz = [other[i] - mixed[i] for i in sorted(mixed) if other[i] != mixed[i]]
+    assert len(nz) == 18 and paired_difference(mixed, other)["p"] == pytest.approx(_exact_sign_flip(nz))
 
 
 def test_length_mean_two_decimals():

@@ -854,6 +854,24 @@ else mkdir -p "$out"; echo "{{}}" > "$out/manifest.json"; echo "$stage made $out
     assert not os.path.samefile(out / "nvfp4-aqn-s0" / "base" / "manifest.json", new)
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_compare_aqn_rerun_keeps_the_first_runs_logs(tmp_path):
+    # A rerun (after an interrupt, or to add EXTRA_AQN) truncated every run's log: the training output of the
+    # finished runs was replaced by "already done" lines (a review)
+    count = tmp_path / "n"
+    qerl = _recorder(tmp_path, "qerl", f'n=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $n > {count}; '
+                                       'echo "call $n: $1"\n')
+    env = {**os.environ, "QERL": str(qerl), "SEEDS": "0", "PARALLEL": "1", "STEPS": "1", "EVAL_EVERY": "0"}
+    out = tmp_path / "out"
+    logs = ("bf16-lora-s0.log", "nvfp4-aqn-s0.log", "shared-nvfp4.log")
+    subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), str(out)], env=env, capture_output=True)
+    first = {log: (out / log).read_text() for log in logs}
+    subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), str(out)], env=env, capture_output=True)
+    for log in logs:
+        assert "call " in first[log] and (out / log).read_text().startswith(first[log]), log
+        assert len((out / log).read_text()) > len(first[log]), log
+
+
 def test_grpo_steps_0_makes_and_scores_the_base_only_and_slurm_refuses_it(tmp_path):
     log = tmp_path / "calls.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$1" >> {log}\n')
@@ -876,12 +894,40 @@ def test_plot_compare_keeps_the_last_line_of_a_redone_step(tmp_path):
     pc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pc)
     d = tmp_path / "nvfp4-lora-s0"
-    d.mkdir()
+    (d / "merged").mkdir(parents=True)
+    (d / "merged" / "manifest.json").write_text("{}")
     rows = [{"step": s, "entropy": e} for s, e in ((0, 9.0), (1, 9.0), (0, 1.0), (1, 2.0), (2, 3.0))]
     # and a line torn by a kill mid-append, which train-step keeps: it was a JSONDecodeError traceback
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "entr')
     train = pc.load(tmp_path)["nvfp4-lora"][0]["train"]
     assert [(r["step"], r["entropy"]) for r in train] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_plot_compare_leaves_out_a_run_whose_loop_has_not_finished(tmp_path):
+    # An interrupted seed (2 of 4 steps, no eval-final) was counted in "seeds", its step-1 reward averaged
+    # with the others' last-step reward, and the final pass@1 "mean over 3 seeds" was over 2 (a review).
+    import json
+
+    def run(name, rewards, final):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward_mean": r, "entropy": 0.1}) + "\n"
+                                                 for i, r in enumerate(rewards)))
+        for sub, v in (("eval-base", 0.41), ("eval-final", final)):
+            if v is not None:
+                (d / sub).mkdir()
+                (d / sub / "metrics.json").write_text(json.dumps({"score": v}))
+        if final is not None:
+            (d / "merged").mkdir()
+            (d / "merged" / "manifest.json").write_text("{}")
+
+    run("bf16-lora-s0", [0.1, 0.2, 0.3, 0.9], 0.90)
+    run("bf16-lora-s1", [0.1, 0.2, 0.3, 0.8], 0.80)
+    run("bf16-lora-s2", [0.1, 0.2], None)
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_compare.py"), str(tmp_path)], capture_output=True, text=True)
+    row = next(line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| bf16-lora"))
+    assert row.split("|")[2].strip() == "2" and "| 0.850 |" in row, row
+    assert "bf16-lora-s2 is left out" in r.stderr
 
 
 def test_plotting_without_matplotlib_says_what_to_install(tmp_path):
