@@ -102,10 +102,14 @@ def dir_hash(path: Path, names: list[str] | None = None) -> str:
 TEXT_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
               "generation_config.json"]
+# transformers keeps a tokenizer's named chat templates ("tool_use", ...) beside chat_template.jinja, one
+# .jinja file each in this folder (transformers.utils.hub.CHAT_TEMPLATE_DIR).
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
 def text_files_hash(model_dir: Path) -> str:
-    """Hash of ``TEXT_FILES`` present in a model directory (top level only)."""
+    """Hash of ``TEXT_FILES`` present in a model directory (top level) and of its named chat templates
+    (``CHAT_TEMPLATE_DIR``; a directory without them hashes as before)."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     for name in TEXT_FILES:
@@ -113,4 +117,8 @@ def text_files_hash(model_dir: Path) -> str:
         if p.is_file():
             h.update(name.encode())
             h.update(sha256_file(p).encode())
+    named = model_dir / CHAT_TEMPLATE_DIR
+    for p in sorted(named.glob("*.jinja")) if named.is_dir() else ():
+        h.update(f"{CHAT_TEMPLATE_DIR}/{p.name}".encode())
+        h.update(sha256_file(p).encode())
     return h.hexdigest()

@@ -50,7 +50,7 @@ from qerl_cli.checkpoint import (
 )
 from qerl_cli.checkpoint.source import PICKLE_SUFFIXES, check_tied_head
 from qerl_cli.errors import BadInputError, NumericalError, OutOfMemoryError
-from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
+from qerl_cli.hashing import CHAT_TEMPLATE_DIR, model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import MANIFEST, StageOutput
 from qerl_cli.runtime import check_field_types
 
@@ -318,7 +318,8 @@ def _process_unit(unit: Unit, tensors: dict[str, torch.Tensor], source, fmt, dev
 
 
 def copy_side_files(source: SourceModel, work: Path) -> list[str]:
-    """Tokenizer, generation config, chat template, custom code...: every top-level file that is not a weight."""
+    """Tokenizer, generation config, chat template, custom code...: every top-level file that is not a weight,
+    and the named chat templates (``additional_chat_templates/*.jinja``)."""
     skip = {"config.json", MANIFEST, "hf_quant_config.json", *source.weight_files}
     copied = []
     for p in sorted(source.path.iterdir()):
@@ -332,6 +333,12 @@ def copy_side_files(source: SourceModel, work: Path) -> list[str]:
             continue
         shutil.copy2(p, work / p.name)
         copied.append(p.name)
+    named = source.path / CHAT_TEMPLATE_DIR  # the tokenizer's named chat templates ("tool_use", ...)
+    if named.is_dir():
+        (work / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+        for p in sorted(named.glob("*.jinja")):
+            shutil.copy2(p, work / CHAT_TEMPLATE_DIR / p.name)
+            copied.append(f"{CHAT_TEMPLATE_DIR}/{p.name}")
     return copied
 
 

@@ -198,7 +198,10 @@ def test_package_data_ships_every_asset_file():
     """A non-editable install must carry the model and task files (pyproject package-data)."""
     import fnmatch
 
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
 
     from qerl_cli.assets import ASSETS_DIR
 

@@ -274,6 +274,35 @@ def test_rerun_after_the_source_tokenizer_or_generation_config_changed_is_not_do
     assert run(src, tmp_path / "q").already_done
 
 
+
+def test_named_chat_templates_are_copied_and_a_changed_one_is_not_done(tmp_path):
+    # transformers saves a tokenizer's named templates ("tool_use") in additional_chat_templates/*.jinja;
+    # quantize and merge copied top-level files only, so QDIR and the merged checkpoint lost them silently
+    # (AutoTokenizer then read chat_template as one string; apply_chat_template(chat_template="tool_use")
+    # returned the text "tool_use").
+    from transformers import AutoTokenizer
+
+    from qerl_cli.checkpoint import open_source
+    from qerl_cli.merge import write_plain_config
+
+    src = make_tiny_hf_model(tmp_path, "qwen2")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0]['content'] }}")
+    q = tmp_path / "q"
+    run(src, q)
+    assert (q / "additional_chat_templates" / "tool_use.jinja").read_text() == "TOOLS {{ messages[0]['content'] }}"
+    tok = AutoTokenizer.from_pretrained(q)
+    assert isinstance(tok.chat_template, dict) and "tool_use" in tok.chat_template
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS2 {{ messages[0]['content'] }}")
+    with pytest.raises(OutputExistsError, match="different inputs"):
+        run(src, q)
+    assert not run(src, q, force=True).already_done
+    assert (q / "additional_chat_templates" / "tool_use.jinja").read_text().startswith("TOOLS2")
+    merged = tmp_path / "m"
+    merged.mkdir()
+    write_plain_config(open_source(q), merged)  # what `qerl merge` writes beside the weights
+    assert (merged / "additional_chat_templates" / "tool_use.jinja").read_text().startswith("TOOLS2")
+
 def test_modelopt_format(tmp_path):
     src = make_tiny_hf_model(tmp_path, "qwen2", intermediate=40)
     run(src, tmp_path / "ct")
