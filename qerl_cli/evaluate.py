@@ -342,7 +342,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         inputs.update(adapter_inputs(cfg.adapter))
     config = _fingerprint_config(cfg, device, dtype_name, template, every_row)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
-    inputs["text"] = text_files_hash(cfg.model)  # the prompts' tokens (chat template) and where sampling stops
+    # the prompts' tokens (chat template) and where sampling stops; not the named chat templates
+    # (additional_chat_templates/), which eval never renders
+    inputs["text"] = text_files_hash(cfg.model, named_templates=False)
     chat_text = None
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)

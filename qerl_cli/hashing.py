@@ -107,9 +107,11 @@ TEXT_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
-def text_files_hash(model_dir: Path) -> str:
-    """Hash of ``TEXT_FILES`` present in a model directory (top level) and of its named chat templates
-    (``CHAT_TEMPLATE_DIR``; a directory without them hashes as before)."""
+def text_files_hash(model_dir: Path, named_templates: bool = True) -> str:
+    """Hash of ``TEXT_FILES`` present in a model directory (top level) and, with ``named_templates``, of
+    its named chat templates (``CHAT_TEMPLATE_DIR``; a directory without them hashes as before). Rollout
+    and eval pass False: they render with the default template only, and their outputs made before the
+    named templates counted must stay done."""
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     for name in TEXT_FILES:
@@ -118,7 +120,7 @@ def text_files_hash(model_dir: Path) -> str:
             h.update(name.encode())
             h.update(sha256_file(p).encode())
     named = model_dir / CHAT_TEMPLATE_DIR
-    for p in sorted(named.glob("*.jinja")) if named.is_dir() else ():
+    for p in sorted(named.glob("*.jinja")) if named_templates and named.is_dir() else ():
         h.update(f"{CHAT_TEMPLATE_DIR}/{p.name}".encode())
         h.update(sha256_file(p).encode())
     return h.hexdigest()

@@ -520,7 +520,8 @@ def rollout(cfg: RolloutConfig) -> dict:
             inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
     config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights, template)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
-    inputs["text"] = text_files_hash(cfg.model)
+    # the named chat templates (additional_chat_templates/) are never rendered here: not an input
+    inputs["text"] = text_files_hash(cfg.model, named_templates=False)
     chat_text = None
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)

@@ -27,14 +27,29 @@ def load(out: Path) -> dict[str, list[dict]]:
         m = re.fullmatch(r"(.+)-s(\d+)", d.name)
         if not d.is_dir() or not m or not (d / "metrics.jsonl").exists():
             continue
-        if not (d / "merged" / "manifest.json").exists():  # its loop has not finished (interrupted, failed, running)
-            print(f"note: {d.name} is left out: its loop has not finished (no merged/)", file=sys.stderr)
+        why = _unfinished(d)
+        if why:  # its loop has not finished (interrupted, failed, running)
+            print(f"note: {d.name} is left out: its loop has not finished ({why})", file=sys.stderr)
             continue
         train = read_steps(d / "metrics.jsonl")
         score = lambda p: json.loads((p / "metrics.json").read_text())["score"] if (p / "metrics.json").exists() else None  # noqa: E731
         runs[m.group(1)].append({"seed": int(m.group(2)), "train": train,
                                  "base": score(d / "eval-base"), "final": score(d / "eval-final")})
     return runs
+
+
+def _unfinished(run: Path) -> str | None:
+    """Why ``run``'s loop has not finished, or None: its merge must exist and be newer than every step's
+    adapter (manifests' ``created``), else a finished run rerun with more STEPS or FORCE=1 and then stopped
+    kept its old merged/ and eval-final/ beside newer steps, and counted as finished (a review)."""
+    merged = run / "merged" / "manifest.json"
+    if not merged.exists():
+        return "no merged/"
+    created = json.loads(merged.read_text()).get("created", "")
+    for a in run.glob("step-*/adapter/manifest.json"):
+        if json.loads(a.read_text()).get("created", "") > created:
+            return f"{a.parent.parent.name} is newer than merged/"
+    return None
 
 
 def _fmt(xs):

@@ -508,3 +508,18 @@ def test_a_sampled_eval_finished_before_the_batch_seeds_with_the_typed_max_probl
     run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50, k=2)
     monkeypatch.undo()
     assert run(model_dir, tmp_path, GSM8K_ROWS, answers, max_problems=50, k=2)[0]["already_done"]
+
+
+def test_a_named_chat_template_is_not_an_input_of_the_eval(model_dir, tmp_path):
+    # The named chat templates (additional_chat_templates/*.jinja) were hashed into inputs.text when quantize
+    # started copying them: an eval that qerl before then had finished on such a model (or on a QDIR re-quantized
+    # with them) was refused, "input text changed", though eval renders the default template only.
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    rows = [{"question": "1+1?", "answer": "2"}]
+    assert not run(model, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0]['content'] }}")
+    assert run(model, tmp_path, rows, [["#### 2"]])[0]["already_done"]

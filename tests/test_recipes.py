@@ -924,10 +924,17 @@ def test_plot_compare_leaves_out_a_run_whose_loop_has_not_finished(tmp_path):
     run("bf16-lora-s0", [0.1, 0.2, 0.3, 0.9], 0.90)
     run("bf16-lora-s1", [0.1, 0.2, 0.3, 0.8], 0.80)
     run("bf16-lora-s2", [0.1, 0.2], None)
+    # a finished run rerun with more steps (or FORCE=1) and stopped: its old merged/ is older than a step
+    run("bf16-lora-s3", [0.1, 0.2, 0.3, 0.4, 0.5], 0.95)
+    (tmp_path / "bf16-lora-s3" / "merged" / "manifest.json").write_text(json.dumps({"created": "2026-11-27T10:00:00Z"}))
+    (tmp_path / "bf16-lora-s3" / "step-000004" / "adapter").mkdir(parents=True)
+    (tmp_path / "bf16-lora-s3" / "step-000004" / "adapter" / "manifest.json").write_text(
+        json.dumps({"created": "2026-11-27T11:00:00Z"}))
     r = subprocess.run([sys.executable, str(RECIPES / "plot_compare.py"), str(tmp_path)], capture_output=True, text=True)
     row = next(line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| bf16-lora"))
     assert row.split("|")[2].strip() == "2" and "| 0.850 |" in row, row
     assert "bf16-lora-s2 is left out" in r.stderr
+    assert "bf16-lora-s3 is left out: its loop has not finished (step-000004 is newer than merged/)" in r.stderr
 
 
 def test_plotting_without_matplotlib_says_what_to_install(tmp_path):

@@ -764,3 +764,16 @@ def test_a_gpu_engine_build_is_announced_before_its_graphs_and_first_compiles(mo
             assert len(said) == 2 and said[0].startswith("building the engine on cuda") and said[1] == "built"
         else:
             assert said == ["built"]
+
+
+def test_a_named_chat_template_is_not_an_input_of_the_rollout(model_dir, tmp_path, fake_engine):
+    # additional_chat_templates/*.jinja are never rendered by a rollout: counting them refused rollouts that
+    # qerl before 2026-11-27 had finished on such a model ("input text changed")
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    rollout(cfg_for(model, tmp_path, max_prompts=2))
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0]['content'] }}")
+    assert rollout(cfg_for(model, tmp_path, max_prompts=2))["already_done"]
