@@ -559,24 +559,41 @@ def _submit_7b_chain(tmp_path, **env):
     return cfg, run
 
 
-@pytest.mark.parametrize("force", ["0", "1"])
-def test_a_slurm_job_of_a_force_chain_redoes_a_refusing_stage(tmp_path, force):
-    # stage.sbatch had no FORCE: a FORCE=1 chain (submit.sh's comment promised a restart) failed its first
-    # refusing job with exit 4 and afterok cancelled the rest. The chain's FORCE is in submit.env.
+def _force_chain_job(tmp_path, force, stage, **chain_env):
+    """A job of a chain submitted with FORCE=``force``, whose stand-in qerl refuses (exit 4) unless --force:
+    (the job's result, the qerl calls it made)."""
     log = tmp_path / "qerl.log"
     body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
             'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
     qerl = _recorder(tmp_path, "qerl", body)
-    cfg, run = _submit_7b_chain(tmp_path, FORCE=force)
+    # torchrun beside an absolute QERL is the one stage.sbatch runs; like the real one it exits 1 on a failed rank
+    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force, **chain_env)
     assert f"FORCE={force}" in (run / "submit.env").read_text()
+    (run / "step-000001" / "adapter").mkdir(parents=True)
+    (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
     env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
-    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(run), "1"], env=env,
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), "1"], env=env,
                        capture_output=True, text=True)
-    calls = [x.strip() for x in log.read_text().splitlines()]
+    return r, [x.strip() for x in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("force", ["0", "1"])
+@pytest.mark.parametrize("stage, gpus, qerl_stage, refused_rc", [
+    ("rollout", "1", "rollout", 4),
+    # torchrun exits 1 when a rank exits 4 (ChildFailedError), so the FORCE wrapper never saw the refusal of a
+    # TRAIN_GPUS > 1 job: a changed LR failed the job and afterok cancelled the chain (a review)
+    ("train", "2", "train-step", 1),
+])
+def test_a_slurm_job_of_a_force_chain_redoes_a_refusing_stage(tmp_path, force, stage, gpus, qerl_stage, refused_rc):
+    # stage.sbatch had no FORCE: a FORCE=1 chain (submit.sh's comment promised a restart) failed its first
+    # refusing job with exit 4 and afterok cancelled the rest. The chain's FORCE is in submit.env.
+    r, calls = _force_chain_job(tmp_path, force, stage, TRAIN_GPUS=gpus)
     if force == "1":
-        assert r.returncode == 0 and calls == ["rollout", "rollout forced"] and "redoing it with --force" in r.stderr
+        assert r.returncode == 0 and calls == [qerl_stage, f"{qerl_stage} forced"], r.stderr
+        assert "redoing it with --force" in r.stderr
     else:
-        assert r.returncode == 4 and calls == ["rollout"]
+        assert r.returncode == refused_rc and calls == [qerl_stage], r.stderr
 
 
 def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
@@ -1046,61 +1063,43 @@ def test_a_stage_whose_live_parent_is_pid_1_runs(monkeypatch):
     assert signal.getsignal(signal.SIGTERM) == old
 
 
+def _quickstart(tmp_path, pip_rc: int, pythonpath: Path | None = None, **env_extra):
+    """quickstart.sh with STEPS=0 on a PATH of stand-ins (tmp_path/bin, then /usr/bin:/bin): a `python` that
+    logs `pip` calls and answers them with ``pip_rc``, else runs this Python with ``pythonpath`` (what
+    `import qerl_cli` finds outside the repository). Returns (the run, the pip log)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "python.log"
+    bin_dir.mkdir(exist_ok=True)
+    path_env = f"PYTHONPATH={pythonpath} " if pythonpath else ""
+    _recorder(bin_dir, "python", f'if [ "$1 $2" = "-m pip" ]; then echo "$*" >> {log}; exit {pip_rc}; fi\n'
+                                 f'{path_env}exec {sys.executable} "$@"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("QERL", "PYTHONPATH")}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STEPS="0", EVAL_DATASET="", **env_extra)
+    proc = subprocess.run(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, log
+
+
+def _stub_package(root: Path, body: str) -> Path:
+    (root / "qerl_cli").mkdir(parents=True)
+    (root / "qerl_cli" / "__init__.py").write_text(body)
+    return root
+
+
 def test_quickstart_installs_the_project_when_the_qerl_command_is_missing(tmp_path):
     # In the repository root `python -c "import qerl_cli"` finds the source tree, so on a machine with torch and
     # matplotlib but without qerl installed the quickstart skipped its install and grpo.sh stopped at its first
     # stage: "qerl: command not found", exit 127 (a review, 2026-11-27).
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "python.log"
-    _recorder(bin_dir, "python", f'if [ "$1 $2" = "-m pip" ]; then echo "$*" >> {log}; exit 0; fi\n'
-                                 f'exec {sys.executable} "$@"\n')
-    env = {k: v for k, v in os.environ.items() if k not in ("QERL", "PYTHONPATH")}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STEPS="0", EVAL_DATASET="")
-    proc = subprocess.run(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert shutil.which("qerl", path=env["PATH"]) is None
+    proc, log = _quickstart(tmp_path, pip_rc=0)
+    assert shutil.which("qerl", path=f"{tmp_path / 'bin'}:/usr/bin:/bin") is None
     assert log.exists() and "install -q -e .[plot]" in log.read_text(), (proc.returncode, proc.stderr[-2000:])
-
-
-@pytest.mark.parametrize("force", ["0", "1"])
-def test_a_force_chains_multi_gpu_train_job_redoes_a_refusing_train_step(tmp_path, force):
-    # torchrun exits 1 when a rank exits 4 (ChildFailedError), so the FORCE wrapper never saw the refusal of a
-    # TRAIN_GPUS > 1 job: a changed LR failed the job and afterok cancelled the chain (a review).
-    log = tmp_path / "qerl.log"
-    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
-            'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
-    qerl = _recorder(tmp_path, "qerl", body)
-    # torchrun beside an absolute QERL is the one stage.sbatch runs; like the real one it exits 1 on a failed rank
-    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
-    cfg, run = _submit_7b_chain(tmp_path, FORCE=force, TRAIN_GPUS="2")
-    (run / "step-000001" / "adapter").mkdir(parents=True)
-    (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
-    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
-    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
-                       capture_output=True, text=True)
-    calls = [x.strip() for x in log.read_text().splitlines()]
-    if force == "1":
-        assert r.returncode == 0 and calls == ["train-step", "train-step forced"], r.stderr
-    else:
-        assert r.returncode == 1 and calls == ["train-step"], r.stderr
 
 
 def test_quickstart_with_qerl_set_installs_nothing_when_matplotlib_is_there(tmp_path):
     # QERL="python -m qerl_cli" runs the stages from the repository root without an install; the check above
     # sent such a machine (qerl_cli not installed: simulated by a stub that fails to import outside the root)
     # to `pip install -e` before any stage, which fails offline.
-    bin_dir, stub = tmp_path / "bin", tmp_path / "stub" / "qerl_cli"
-    bin_dir.mkdir()
-    stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text("raise ImportError('not installed')\n")
-    log = tmp_path / "python.log"
-    _recorder(bin_dir, "python", f'if [ "$1 $2" = "-m pip" ]; then echo "$*" >> {log}; exit 1; fi\n'
-                                 f'PYTHONPATH={stub.parent} exec {sys.executable} "$@"\n')
-    env = {k: v for k, v in os.environ.items() if k not in ("QERL", "PYTHONPATH")}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STEPS="0", EVAL_DATASET="", QERL="python -m qerl_cli")
-    proc = subprocess.run(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    stub = _stub_package(tmp_path / "stub", "raise ImportError('not installed')\n")
+    proc, log = _quickstart(tmp_path, pip_rc=1, pythonpath=stub, QERL="python -m qerl_cli")
     assert not log.exists(), log.read_text()
     assert (tmp_path / "run" / "base" / "manifest.json").exists(), (proc.returncode, proc.stderr[-2000:])
     # STEPS=0 makes no step to plot: plot_run.py's "metrics.jsonl not found" ended the script with exit 1
@@ -1110,16 +1109,9 @@ def test_quickstart_with_qerl_set_installs_nothing_when_matplotlib_is_there(tmp_
 def test_quickstart_names_an_installed_qerl_from_another_checkout(tmp_path):
     # The `qerl` command ran whatever checkout was installed: a quickstart from a fresh clone ran another tree's
     # code without a word (a review). It now says which tree runs.
-    bin_dir, other = tmp_path / "bin", tmp_path / "other" / "qerl_cli"
-    bin_dir.mkdir()
-    other.mkdir(parents=True)
-    (other / "__init__.py").write_text("")
-    _recorder(bin_dir, "qerl", "exit 0\n")
-    _recorder(bin_dir, "python", f'if [ "$1 $2" = "-m pip" ]; then exit 1; fi\n'
-                                 f'PYTHONPATH={other.parent} exec {sys.executable} "$@"\n')
-    env = {k: v for k, v in os.environ.items() if k not in ("QERL", "PYTHONPATH")}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", STEPS="0", EVAL_DATASET="")
-    proc = subprocess.run(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    other = _stub_package(tmp_path / "other", "")
+    (tmp_path / "bin").mkdir()
+    _recorder(tmp_path / "bin", "qerl", "exit 0\n")
+    proc, _ = _quickstart(tmp_path, pip_rc=1, pythonpath=other)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"note: the qerl command runs the checkout installed at {os.path.realpath(tmp_path / 'other')}" in proc.stderr
+    assert f"note: the qerl command runs the checkout installed at {os.path.realpath(other)}" in proc.stderr
