@@ -92,12 +92,12 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a leading BOM (Windows editors) is not JSON
     except UnicodeDecodeError as e:
-        head = path.read_bytes()[:4]
-        packed = next((name for magic, name in _COMPRESSED if head.startswith(magic)), None)
+        raw = path.read_bytes()
+        packed = next((name for magic, name in _COMPRESSED if raw.startswith(magic)), None)
         if packed is not None:  # it read as "not UTF-8 text (byte 1)"
             raise BadInputError(f"{path}: is {packed}-compressed; qerl reads plain JSONL, JSON or Parquet",
                                 hint="decompress it first, e.g. `zcat F.gz > F.jsonl`") from None
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        line = raw[: e.start].count(b"\n") + 1
         raise BadInputError(f"{path}:{line}: not UTF-8 text (byte {e.start})") from None
     if suffix == ".json" and text.lstrip().startswith("["):
         try:

@@ -210,24 +210,27 @@ def read_step(cfg: TrainStepConfig) -> StepData:
             raise BadInputError(f"{f}:{line}: record of group {r['group_id']!r} has no prompt tokens")
     first = recs[0]
     f0, l0 = report.origins[0]
+
+    def at(i: int) -> str:  # by file:line (a record's index counts over every file given: "record 32345" found nothing)
+        f, line = report.origins[i]
+        return f"{f}:{line} (group {recs[i]['group_id']!r}) and {f0}:{l0}"
+
     for i, r in enumerate(recs):
-        # Named by file:line (a record's index counts over every file given: "record 32345" found nothing)
-        at = f"{report.origins[i][0]}:{report.origins[i][1]} (group {r['group_id']!r}) and {f0}:{l0}"
         if r["policy"].get("base") != first["policy"].get("base"):
             raise LineageError(
-                f"shards mix base models: {at} were sampled from base {r['policy'].get('base')!s:.12} and "
+                f"shards mix base models: {at(i)} were sampled from base {r['policy'].get('base')!s:.12} and "
                 f"{first['policy'].get('base')!s:.12}")
         if (r["policy"].get("adapter"), r["policy"].get("norms")) != (first["policy"].get("adapter"),
                                                                        first["policy"].get("norms")):
             steps = f" at rollout steps {r['step']} and {first['step']}" if r["step"] != first["step"] else ""
             raise LineageError(
-                f"shards mix policies: {at} were sampled with {_policy_name(r['policy'])} and "
+                f"shards mix policies: {at(i)} were sampled with {_policy_name(r['policy'])} and "
                 f"{_policy_name(first['policy'])}{steps}", hint="train on the shards of one step at a time")
         if r["step"] != first["step"]:
-            raise BadInputError(f"shards mix rollout steps {first['step']} and {r['step']} ({at})",
+            raise BadInputError(f"shards mix rollout steps {first['step']} and {r['step']} ({at(i)})",
                                 hint="train on the shards of one step at a time")
         if _noise_key(r["noise"]) != _noise_key(first["noise"]):
-            raise BadInputError(f"shards mix AQN noise records: {r['noise']} vs {first['noise']} ({at})")
+            raise BadInputError(f"shards mix AQN noise records: {r['noise']} vs {first['noise']} ({at(i)})")
     temps, cuts = [], []
     for r, (f, line) in zip(recs, report.origins):
         t = r["sampling"].get("temperature", 1.0)
