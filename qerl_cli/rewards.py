@@ -125,9 +125,18 @@ def _words_only(text: str) -> bool:
     return all(_WORD.fullmatch(w) for w in _WORD_GAP.split(text) if w)
 
 
+# What may not touch a \frac's value: it would merge with it into another number ("(2)\frac12" read as 20.5,
+# "\frac12\frac13" as 0.51/3 = 0.17, "\frac{1}{2}3" as 0.53). Such a \frac stays as written: no number.
+_GLUED_BEFORE_FRAC = frozenset("0123456789.)}")
+_GLUED_AFTER_FRAC = re.compile(r"\.?\d|\\[dt]?frac(?![A-Za-z])")
+
+
 def _frac_value(m: re.Match) -> str:
     a, b = (_to_fraction(m.group(i) or m.group(i + 1)) for i in (3, 5))
     if a is None or b is None or b == 0:
+        return m.group(0)
+    s, start = m.string, m.start()
+    if (m.group(2) is None and start and s[start - 1] in _GLUED_BEFORE_FRAC) or _GLUED_AFTER_FRAC.match(s, m.end()):
         return m.group(0)
     if m.group(2) is None:
         return _exact_str(a / b)

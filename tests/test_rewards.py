@@ -379,6 +379,22 @@ def test_braceless_mixed_numbers_and_huge_whole_parts():
         assert REWARDS["gsm8k"](text, "5") == 0.0
 
 
+def test_a_frac_glued_to_another_number_is_no_answer():
+    # a \frac's value merged with a neighbour into a wrong number: \frac12\frac13 -> "0.51/3" = 0.17,
+    # (2)\frac12 and {2}\frac12 -> 20.5, \frac{1}{2}3 -> 0.53, 2\frac12\frac13 -> "2.51/3" = 251/300
+    for glued, wrong in (("\\frac{1}{2}\\frac{1}{3}", "0.17"), ("\\frac12\\frac13", "0.17"), ("(2)\\frac12", "20.5"),
+                         ("{2}\\frac12", "20.5"), ("\\frac{1}{2}3", "0.53"), ("2\\frac12\\frac13", "251/300")):
+        for text in ("\\boxed{" + glued + "}", "#### " + glued, "<answer>" + glued + "</answer>"):
+            assert extract_answer(text, "gsm8k") is None, text  # the eval path
+            assert REWARDS["gsm8k"](text, wrong) == 0.0, text  # the reward
+        assert reference_answer("#### " + glued, "gsm8k") is None
+    # what stays a number: spaced or TeX-spaced mixed numbers, a sign, \dfrac/\tfrac, %, a full stop after
+    for text, value in (("2\\,\\frac12", "2.5"), ("2 \\frac{1}{2}", "2.5"), ("-3\\frac12", "-3.5"),
+                        ("\\tfrac{1}{2}", "0.5"), ("\\dfrac{1}{2}", "0.5"), ("\\frac12\\%", "0.5"), ("\\frac12.", "0.5"),
+                        ("(\\frac12)", "0.5"), ("\\frac{\\frac{1}{2}}{3}", "1/6")):
+        assert extract_answer("\\boxed{" + text + "}", "gsm8k") == value, text
+
+
 def test_a_reward_that_mutates_the_chat_prompt_changes_nothing_else():
     def judge(completion, answer, prompt=None):
         prompt.append({"role": "assistant", "content": completion})  # building a judge's conversation
