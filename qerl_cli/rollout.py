@@ -148,6 +148,9 @@ def _check_flags(cfg: RolloutConfig) -> None:
 
     if cfg.num_generations < 1:
         bad(f"--num-generations must be >= 1, got {cfg.num_generations}")
+    if cfg.num_generations == 1:  # train-step would refuse every group of its shard, after the whole rollout ran
+        bad("--num-generations 1: a GRPO group needs >= 2 completions per prompt (one has no baseline to compare "
+            "with, so train-step refuses the shard)", hint="pass -G 2 or more; to sample once per prompt, use qerl eval")
     if cfg.chat_template_file is not None and cfg.chat_template is False:
         bad("--chat-template-file with --no-chat-template: the file would not be used")
     if cfg.long_prompts not in LONG_PROMPT_POLICIES:  # here, not at encoding: before an existing --out answers exit 4

@@ -80,10 +80,22 @@ def test_a_bad_long_prompts_policy_is_named_before_the_prompt_file_is_read(model
         rollout(cfg_for(model_dir, tmp_path, prompts=tmp_path / "missing.jsonl", long_prompts="cut"))
 
 
-@pytest.mark.parametrize("kw", [dict(num_generations=1), dict(prompts_per_step=10)])
+@pytest.mark.parametrize("kw", [dict(num_generations=2), dict(prompts_per_step=10)])
 def test_edge_values_that_are_valid_run(model_dir, tmp_path, fake_engine, kw):
     s = rollout(cfg_for(model_dir, tmp_path, **kw))["summary"]
     assert s["groups"] == 10 and s["completions"] == 10 * kw.get("num_generations", 3)
+
+
+def test_one_completion_per_prompt_is_refused_up_front(model_dir, tmp_path, fake_engine):
+    # -G 1 ran the whole rollout (exit 0), then train-step refused the shard: "group 's0:0' has only one completion;
+    # group advantages need >= 2 per prompt"
+    r = _cli_fails("--model", model_dir, "--prompts", write_prompts(tmp_path / "p.jsonl", n=2), "--out", tmp_path / "o",
+                   "-G", 1, "-q")
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("error: --num-generations 1: a GRPO group needs >= 2 completions per prompt (one has no "
+                                "baseline to compare with, so train-step refuses the shard) (pass -G 2 or more; to "
+                                "sample once per prompt, use qerl eval)")
+    assert fake_engine.calls == [] and not (tmp_path / "o").exists()
 
 
 def test_as_many_steps_as_aqn_stages_is_warned_of_as_skipping_the_last_stage(model_dir, tmp_path, fake_engine):
@@ -359,5 +371,5 @@ def test_a_prompt_token_past_the_models_vocabulary_is_named_before_generation(tm
             {"prompt": f"Q: {tok.convert_ids_to_tokens(len(tok) - 1)} 3?", "answer": "3"}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(BadInputError, match=r"p\.jsonl:3: prompt holds token \d+ .*outside the model's vocabulary of 384"):
-        rollout(cfg_for(src, tmp_path, prompts=tmp_path / "p.jsonl", batch_prompts=1, num_generations=1))
+        rollout(cfg_for(src, tmp_path, prompts=tmp_path / "p.jsonl", batch_prompts=1, num_generations=2))
     assert not any(p.name.startswith(".out.partial") for p in tmp_path.iterdir())  # nothing was generated
