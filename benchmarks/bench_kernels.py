@@ -273,6 +273,8 @@ def main(argv=None) -> int:
                 break
             ref_us = bench_cublas_fwd(d, m)
             cands = [tc.fwd_config(m, n, k, num_sms)]
+            if cands[0].gluon and not gluon_runs(d):  # the Triton tile nvfp4_matmul runs for this table entry
+                cands = [tc.heuristic_fwd(m, n, k, gluon=False)]  # (an explicit Gluon tile is refused)
             if args.sweep:
                 for c in tc.fwd_candidates(m):
                     if args.cand_filter and not re.search(args.cand_filter, repr(c)):
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
                 if d.tw and not tc.layout_safe(cfg):
                     continue  # the wrapper would run it as DEQUANT anyway
                 if args.sweep and cfg.gluon and not gluon_runs(d):
-                    continue  # nvfp4_matmul would run a Triton tile in its place, timed under this config's name
+                    continue  # nvfp4_matmul refuses it (QERL_GLUON=0: runs a Triton tile in its place, under this config's name)
                 try:
                     us, err = bench_fwd_point(d, m, cfg)
                 except Exception as e:  # a config that fails to compile is reported, not fatal

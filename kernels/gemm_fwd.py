@@ -287,7 +287,10 @@ def nvfp4_matmul(
 ) -> torch.Tensor:
     """x [M, K] (fp16/bf16/fp32) @ dequant(packed [N, K/2], scale [N, K/16] e4m3, global [1])^T.
 
-    ``config`` overrides the table/heuristic (benchmarks, tests); ``fast`` forces the decode path
+    ``config`` overrides the table/heuristic (benchmarks, tests); a Gluon ``config`` where the Gluon kernels
+    cannot run (``gemm_gluon.gluon_unsupported``: not bf16 on sm_90 with twiddled + blocked codes) is a
+    ValueError, while the table's Gluon entries (and any Gluon tile under ``QERL_GLUON=0``) run the heuristic
+    Triton tile instead; ``fast`` forces the decode path
     (default: the PTX decode for bf16 on sm_90, the portable decode otherwise); ``twiddled``: the
     codes are in ``twiddle.py``'s load-time layout, ``blocked`` also in its 1 KB blocks.
     ``x_korder``: x's columns are in the MMA's K order (``decode.k_order``), as a producing kernel wrote
@@ -306,9 +309,13 @@ def nvfp4_matmul(
     if fast is None:
         fast = x.dtype == torch.bfloat16 and fast_decode_supported(x.device)
     if cfg.gluon:
-        from qerl_kernels.gemm_gluon import gluon_supported
+        from qerl_kernels.gemm_gluon import GLUON_OFF, gluon_unsupported
 
-        if not (fast and gluon_supported(x, n, k, twiddled, blocked)):
+        why = gluon_unsupported(x, n, k, twiddled, blocked) or (None if fast else "fast=False (the Gluon kernels decode by PTX only)")
+        if why is not None:
+            if config is not None and why != GLUON_OFF:  # a caller's tile is run as itself or not at all
+                raise ValueError(f"config is a Gluon tile, which cannot run here: {why} (pass a Triton tile, or "
+                                 "config=None for the table's, which falls back to a Triton tile)")
             cfg = heuristic_fwd(m, n, k, gluon=False)  # not a layout (or device) the Gluon kernels read
     if twiddled and not layout_safe(cfg):
         cfg = DEQUANT  # a tile family Triton cannot compile on these codes (tile_configs.layout_safe)

@@ -68,12 +68,34 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+GLUON_OFF = "QERL_GLUON=0 turns the Gluon kernels off"
+
+
+def gluon_unsupported(x: torch.Tensor, n: int, k: int, twiddled: bool, blocked: bool) -> str | None:
+    """Why the Gluon kernels cannot run this call (see the module docstring's limits), or None where they can.
+    ``GLUON_OFF`` (``QERL_GLUON=0``) only where nothing else stands in the way."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon (triton.experimental.gluon)"
+    if not x.is_cuda:
+        return f"x is on {x.device.type}, not a CUDA GPU"
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}, not torch.bfloat16"
+    if not (twiddled and blocked):
+        return f"the codes are not in the twiddled + blocked layout (twiddled={twiddled}, blocked={blocked})"
+    if k % K_STEP or n % 16:
+        return f"K = {k} is not a multiple of {K_STEP} or N = {n} not of 16"
+    if x.stride(1) != 1:
+        return "x's last dimension is not contiguous"
+    if not _is_sm90(x.device.index or 0):
+        return "the GPU is not sm_90"
+    return GLUON_OFF if os.environ.get("QERL_GLUON", "1") == "0" else None
+
+
 def gluon_supported(x: torch.Tensor, n: int, k: int, twiddled: bool, blocked: bool) -> bool:
     """Whether the Gluon kernels can run this call (see the module docstring's limits).
     ``QERL_GLUON=0`` turns them off (Gluon is Triton's experimental API; the table's Gluon entries then
     run the heuristic Triton tile), e.g. to tell a Gluon fault from a model one."""
-    return (HAVE_GLUON and os.environ.get("QERL_GLUON", "1") != "0" and x.is_cuda and x.dtype == torch.bfloat16 and twiddled and blocked
-            and k % K_STEP == 0 and n % 16 == 0 and x.stride(1) == 1 and _is_sm90(x.device.index or 0))
+    return gluon_unsupported(x, n, k, twiddled, blocked) is None
 
 
 if HAVE_GLUON:

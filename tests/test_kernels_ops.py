@@ -340,3 +340,25 @@ def test_grad_input_checks_its_input_as_nvfp4_linear_does(keep_dense):
     assert gx.shape == (2, 3, 64)
     want = gy.reshape(-1, 24).double() @ reference.dequantize(packed, scale, gs, torch.float64)
     assert rel_err(gx.reshape(-1, 64), want) < 1e-6
+
+
+def test_an_explicit_gluon_config_that_cannot_run_is_refused_not_replaced(monkeypatch):
+    # A caller's Gluon tile where Gluon cannot run (here: CPU tensors) ran the heuristic Triton tile under its name
+    # (a benchmark timed a fallback as that tile); the table's own Gluon entries still fall back.
+    from qerl_kernels import gemm_fwd
+    from qerl_kernels.tile_configs import DEQUANT, FwdConfig
+
+    packed, scale, gs = random_nvfp4(32, 128, seed=7)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    tile = FwdConfig(16, 64, 16, warps=4, swap=True, gluon=True)
+    for tw in (False, True):
+        with pytest.raises(ValueError, match=r"config is a Gluon tile, which cannot run here: x is on cpu, not a CUDA"):
+            gemm_fwd.nvfp4_matmul(x, packed, scale, gs, config=tile, twiddled=tw, blocked=tw)
+    fallbacks = []
+    monkeypatch.setattr(gemm_fwd, "fwd_config", lambda m, n, k: tile)
+    monkeypatch.setattr(gemm_fwd, "heuristic_fwd", lambda m, n, k, gluon=True: fallbacks.append(gluon) or DEQUANT)
+    monkeypatch.setattr(gemm_fwd, "nvfp4_dequantize", lambda p, s, g, dtype, twiddled, blocked:
+                        reference.dequantize(p, s, g, dtype))
+    y = gemm_fwd.nvfp4_matmul(x, packed, scale, gs)
+    assert fallbacks == [False]
+    assert torch.equal(y, torch.nn.functional.linear(x, reference.dequantize(packed, scale, gs, torch.bfloat16)))
