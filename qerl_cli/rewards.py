@@ -17,7 +17,9 @@ regenerating. Built-ins:
   on the right number and teaches nothing about answering.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
   ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy, ~10 ms a verdict), so verdicts are
-  cached per (reference, answer): the G completions of a group mostly repeat a few answers.
+  cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each parse and
+  comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored
+  from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and
   nothing else (the opening ``<think>`` may come from the chat template, so it is optional).
 - ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named.
@@ -39,13 +41,14 @@ import math
 import re
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from pathlib import Path
 
-from qerl_cli.errors import BadInputError
+from qerl_cli.errors import BadInputError, QerlWarning
 from qerl_cli.shards import REWARD_LIMIT
 
 REWARD_LIMIT_HINT = "rewards (and their weighted total) must lie within +-1e15"
@@ -339,10 +342,26 @@ class _ShortLogLines(logging.Filter):
         return True
 
 
+def _not_timeout_disabled(record: logging.LogRecord) -> bool:
+    # math-verify's "Timeout is disabled ..., you must provide the logic for timeout interuption yourself": qerl's
+    # own warning (_warn_no_timeout) says what that means for a reward scored off the main thread
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
 @functools.cache
 def _quiet_math_verify() -> None:
     for name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
-        logging.getLogger(name).addFilter(_ShortLogLines())  # a parent logger's filter misses its children's records
+        logger = logging.getLogger(name)  # a parent logger's filter misses its children's records
+        logger.addFilter(_ShortLogLines())
+        logger.addFilter(_not_timeout_disabled)
+
+
+@functools.cache
+def _warn_no_timeout() -> None:
+    warnings.warn("the math reward is scored off the main thread: math-verify's 5 s timeout needs SIGALRM, which "
+                  "only the main thread gets, so its verdicts run without a time limit there (a degenerate answer "
+                  "such as 10^{10^{10^{10}}} can hold the process for good); score from the main thread to keep it",
+                  QerlWarning, stacklevel=2)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -352,9 +371,12 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
 
     _quiet_math_verify()
 
-    # math-verify's timeouts use SIGALRM, which only works on the main thread.
+    # math-verify's timeouts use SIGALRM, which only works on the main thread (signal.signal raises elsewhere):
+    # off it, no timeout (0 is math-verify's own switch for that), and one warning that says so.
     main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if main else None
+    timeout = 5 if main else 0
+    if not main:
+        _warn_no_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)

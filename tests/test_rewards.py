@@ -427,3 +427,44 @@ def test_a_reward_past_floats_range_gets_the_limit_message():
     with pytest.raises(BadInputError, match="returned an integer beyond float's range") as e:
         rs.score("a", "1", "q")
     assert "1e15" in (e.value.hint or "")
+
+
+def test_the_math_reward_off_the_main_thread_runs_without_a_timeout_and_says_so(caplog, monkeypatch):
+    # math-verify's timeout is SIGALRM (main thread only): a reward scored from a worker thread got none, silently
+    # but for math-verify's own "you must provide the logic for timeout interuption yourself"
+    import threading
+    import warnings
+
+    import math_verify
+    import math_verify.grader
+    import math_verify.parser
+
+    from qerl_cli import rewards
+    from qerl_cli.errors import QerlWarning
+
+    for mod in (math_verify.parser, math_verify.grader):  # math-verify logs its note once a process
+        monkeypatch.setattr(mod, "TIMEOUT_WARNING_SHOWN", False, raising=False)
+    rewards._math_verify_equal.cache_clear()
+    if hasattr(rewards, "_warn_no_timeout"):
+        rewards._warn_no_timeout.cache_clear()
+    timeouts = []
+    parse, verify = math_verify.parse, math_verify.verify
+    monkeypatch.setattr(math_verify, "parse", lambda *a, **kw: timeouts.append(kw["parsing_timeout"]) or parse(*a, **kw))
+    monkeypatch.setattr(math_verify, "verify", lambda *a, **kw: timeouts.append(kw["timeout_seconds"]) or verify(*a, **kw))
+    got = []
+
+    def score():
+        got.extend(REWARDS["math"](c, "0.5") for c in ("\\boxed{\\frac12}", "\\boxed{\\frac13}", "\\boxed{\\frac12}"))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = threading.Thread(target=score)
+        t.start()
+        t.join(60)
+    assert got == [1.0, 0.0, 1.0]  # no error: signal.signal is never called off the main thread
+    assert [str(w.message)[:60] for w in caught if issubclass(w.category, QerlWarning)] == [
+        "the math reward is scored off the main thread: math-verify's"]  # once a process
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
+    assert timeouts == [0, 0, 0, 0, 0, 0]  # two verdicts (one cached): two parses and a verify each, no timeout
+    timeouts.clear()
+    assert REWARDS["math"]("\\boxed{2}", "2") == 1.0 and timeouts == [5, 5, 5]  # the main thread keeps 5 s
