@@ -131,6 +131,8 @@ class LLMEngine:
                   progress: Callable[[int, int], None] | None, prompt_seeds: list[int] | None) -> list[list[Completion]]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if sp.stop and self.tokenizer is None:  # they are matched on the decoded text: without one, never
+            raise ValueError(f"stop strings {sp.stop!r} need the engine's tokenizer (LLMEngine(model, tokenizer))")
         vocab = self.model.config.vocab_size
         groups = []
         for i, p in enumerate(prompt_token_ids):

@@ -44,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):  # one stop string, as vLLM takes it: tuple("####") was four stops of "#"
+            object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         object.__setattr__(self, "stop", tuple(self.stop))
