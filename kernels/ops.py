@@ -68,6 +68,10 @@ class NVFP4Weight:
                 self._dense = (key, self.dequantize(dtype))
         return self._dense[1]
 
+    def __getstate__(self):
+        # pickling / deepcopy: the dequantized copy is a cache (4-8x the codes' size), not state
+        return {**self.__dict__, "_dense": None}
+
     def to(self, device) -> NVFP4Weight:
         return NVFP4Weight(self.packed.to(device), self.scale.to(device), self.global_scale.to(device), self.twiddled,
                            self.blocked)

@@ -84,6 +84,11 @@ def check_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bia
     """The checks every path of ``x @ dequant(W)^T + bias`` shares (the reference's matmul would
     otherwise fail deep inside, or, for a bias of the wrong shape, only in backward); -> (N, K)."""
     n, k = check_weight(packed, scale)
+    if x.dim() == 0:
+        raise ValueError(f"x must be [..., {k}] (its last dimension the input features), got a 0-dim tensor")
+    if x.device != packed.device or scale.device != packed.device:
+        # torch's F.linear with a meta weight (a QLinear never loaded) and a CPU x returned uninitialised memory
+        raise ValueError(f"x is on {x.device}, the NVFP4 weight on {packed.device} (scales on {scale.device})")
     if x.dtype not in dtypes:
         raise ValueError(f"activations must be one of {', '.join(str(d) for d in dtypes)}, got {x.dtype}")
     if x.shape[-1] != k:

@@ -362,3 +362,47 @@ def test_an_explicit_gluon_config_that_cannot_run_is_refused_not_replaced(monkey
     y = gemm_fwd.nvfp4_matmul(x, packed, scale, gs)
     assert fallbacks == [False]
     assert torch.equal(y, torch.nn.functional.linear(x, reference.dequantize(packed, scale, gs, torch.bfloat16)))
+
+
+def test_zero_dim_and_foreign_device_x_are_refused():
+    # A 0-dim x failed with IndexError inside the check; a weight left on the meta device (a QLinear
+    # never loaded) with a CPU x returned uninitialised CPU memory, no error (nn.Linear refuses it).
+    from qerl_cli.layers.linear import QLinear
+
+    packed, scale, gs = random_nvfp4(24, 64, seed=10)
+    with pytest.raises(ValueError, match="0-dim"):
+        nvfp4_linear(torch.tensor(1.0), NVFP4Weight(packed, scale, gs))
+    q = QLinear(64, 24, quantized=True, device="meta")
+    for keep_dense in (False, True):
+        q.keep_dense = keep_dense
+        with pytest.raises(ValueError, match="NVFP4 weight on meta"):
+            q(torch.randn(2, 64))
+
+
+def test_pickled_and_copied_weights_leave_the_dense_cache_behind():
+    import copy
+    import io
+
+    from qerl_cli.layers.linear import QLinear
+
+    packed, scale, gs = random_nvfp4(64, 256, seed=11)
+    q = QLinear(256, 64, quantized=True)
+    q.load_state_dict({"weight_packed": packed, "weight_scale": scale, "weight_global_scale": gs})
+    q.keep_dense = True
+
+    def size():
+        b = io.BytesIO()
+        torch.save(q, b)
+        return b.tell()
+
+    before = size()
+    x = torch.randn(3, 256)
+    y = q(x)
+    assert q._nvfp4._dense is not None
+    assert size() < before + 4096  # was + 64 KB: the fp32 dense copy pickled with the module
+    c = copy.deepcopy(q)
+    assert c._nvfp4._dense is None and torch.equal(c(x), y)
+    b = io.BytesIO()
+    torch.save(q, b)
+    b.seek(0)
+    assert torch.equal(torch.load(b, weights_only=False)(x), y)
