@@ -77,8 +77,21 @@ class NVFP4Weight:
                            self.blocked)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+KERNEL_MODES = ("auto", "reference", "triton")
+
+
+def _kernels_mode(x: torch.Tensor) -> str:
     mode = os.environ.get("QERL_KERNELS", "auto")
+    if mode not in KERNEL_MODES:  # a typo ("refernce") silently ran the kernels being debugged
+        raise ValueError(f"QERL_KERNELS={mode!r}: expected one of {', '.join(KERNEL_MODES)}")
+    if mode == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"QERL_KERNELS=triton on {x.device.type} needs TRITON_INTERPRET=1 (Triton's CPU interpreter; "
+                         "without it Triton finds no GPU driver)")
+    return mode
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    mode = _kernels_mode(x)
     if mode == "triton":  # forced: any device (the CPU interpreter tests use this), any dtype they take
         return x.dtype in reference.ACTIVATION_DTYPES
     return mode != "reference" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)

@@ -406,3 +406,19 @@ def test_pickled_and_copied_weights_leave_the_dense_cache_behind():
     torch.save(q, b)
     b.seek(0)
     assert torch.equal(torch.load(b, weights_only=False)(x), y)
+
+
+def test_a_mistyped_or_unrunnable_kernels_mode_is_refused(monkeypatch):
+    # QERL_KERNELS=refernce ran the Triton kernels as "auto" (the ones being debugged), and =triton on CPU
+    # without the interpreter failed deep inside Triton with "0 active drivers".
+    packed, scale, gs = random_nvfp4(24, 64, seed=12)
+    w, x = NVFP4Weight(packed, scale, gs), torch.randn(2, 64)
+    monkeypatch.setenv("QERL_KERNELS", "refernce")
+    with pytest.raises(ValueError, match="QERL_KERNELS='refernce': expected one of auto, reference, triton"):
+        nvfp4_linear(x, w)
+    monkeypatch.setenv("QERL_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        nvfp4_linear(x, w)
+    monkeypatch.setenv("QERL_KERNELS", "reference")
+    assert torch.equal(nvfp4_linear(x, w), reference.linear(x, packed, scale, gs, None))
