@@ -236,7 +236,9 @@ def keep_dense_weights(model: nn.Module, dtype: torch.dtype, max_bytes: int) -> 
 
     Why: on CPU the reference path decoded every weight on every call, 0.8 of 11 s of a small CPU
     rollout. A copy is made on a module's first call (so the per-projection modules that fused ones
-    replace at inference never make one); the numbers are the reference path's, bit for bit.
+    replace at inference never make one); the numbers are the reference path's, bit for bit, except for a
+    non-contiguous N-D x with a bias (torch then adds the bias after the matmul, not in it: last-bit
+    differences), which the decoder never passes.
     """
     mods = [m for m in model.modules() if isinstance(m, QLinear) and m.quantized]
     elem = torch.empty(0, dtype=dtype).element_size()
