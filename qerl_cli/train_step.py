@@ -508,6 +508,11 @@ def _check_numeric_flags(cfg: TrainStepConfig) -> None:
     need(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "--adam-beta1/--adam-beta2", "in [0, 1)",
          (cfg.adam_beta1, cfg.adam_beta2))
     need(cfg.adam_eps > 0, "adam_eps (no flag; TrainStepConfig)", "> 0", cfg.adam_eps)
+    # AdamW makes fp32 scalars of lr / (1 - beta1^t) and 1 - lr * weight_decay: past fp32's range (--lr 1e38) the
+    # update raised "value cannot be converted to type float without overflow" after the whole step (exit 1)
+    big = torch.finfo(torch.float32).max
+    need(cfg.lr / (1.0 - cfg.adam_beta1) < big and cfg.lr * cfg.weight_decay < big, "--lr/--weight-decay",
+         f"small enough for AdamW's fp32 step (lr / (1 - --adam-beta1) and lr x --weight-decay below {big:.3g})", (cfg.lr, cfg.weight_decay))
     need(cfg.micro_batch_tokens >= 1, "--micro-batch-tokens", ">= 1", cfg.micro_batch_tokens)
     need(cfg.logits_chunk_tokens >= 1, "--logits-chunk-tokens", ">= 1", cfg.logits_chunk_tokens)
 

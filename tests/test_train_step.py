@@ -427,6 +427,8 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
                      (dict(clip_eps_high=float("nan")), "--clip-eps-high"),
                      (dict(max_completion_length=0, loss="dr_grpo"), "--max-completion-length"),
                      (dict(max_completion_length=-5), "--max-completion-length"),
+                     # past fp32's range AdamW's update raised after the whole step: a traceback, exit 1 (audit)
+                     (dict(lr=1e38), "--lr/--weight-decay"), (dict(lr=1e-5, weight_decay=1e44), "--lr/--weight-decay"),
                      # a directory was found only after --out was written: a traceback, exit 1 (audit)
                      (dict(metrics_file=tmp_path), "--metrics-file"),
                      (dict(metrics_file=qc / "config.json" / "m.jsonl"), "--metrics-file"),

@@ -16,6 +16,8 @@ count changes.
 | ``bnpo`` | ``1 / (tokens of b's micro-batch * M)``: token mean per micro-batch, mean over all M micro-batches (TRL's bnpo: one whose completions are all masked adds 0 and still counts) |
 
 N counts masked (``--mask-truncated``) sequences too, as TRL does: they add zero, not shrink N.
+Zero-variance groups (advantage 0) likewise count in ``sum_b n_b`` and N, as in TRL: the DAPO paper's
+dynamic sampling would drop them (and sample more), which a file-based step cannot.
 
 Per token (``ratio = exp(logp - old_logp)``, ``A`` the sequence's advantage)::
 
