@@ -17,8 +17,9 @@ HELP = (
     "Examples:\n\n"
     "  qerl rollout --model runs/q/qwen-nvfp4 --prompts gsm8k_train.jsonl --out runs/r/step-0000 "
     "--num-generations 8 --reward gsm8k --reward format=0.1\n\n"
-    "  # step 12 of a 100-step run, AQN on, shard 3 of an 8-job Slurm array:\n\n"
-    "  qerl rollout --model Q --adapter runs/a/step-0011 --prompts train.jsonl --out runs/r/step-0012 "
+    "  # step 12 of a 100-step run, AQN on, shard 3 of an 8-job Slurm array (each shard into its own --out;\n"
+    "  # train-step --shards 'runs/r/step-0012-shard-*' reads them all):\n\n"
+    "  qerl rollout --model Q --adapter runs/a/step-0011 --prompts train.jsonl --out runs/r/step-0012-shard-3 "
     "--step 12 --prompts-per-step 64 --aqn-sigma-start 1e-2 --aqn-sigma-end 1e-4 --aqn-stages 10 "
     "--total-steps 100 --shard-index 3 --num-shards 8"
 )
