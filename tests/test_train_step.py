@@ -425,6 +425,8 @@ def test_train_step_refuses_out_over_its_inputs_and_bad_numbers(models, tmp_path
                      (dict(weight_decay=float("inf")), "--weight-decay"), (dict(beta=float("nan")), "--beta"),
                      (dict(beta=float("inf")), "--beta"), (dict(tis_cap=float("nan")), "--tis-cap"),
                      (dict(clip_eps_high=float("nan")), "--clip-eps-high"),
+                     # finite values past float32's range reached torch as clamp bounds: a traceback (review)
+                     (dict(tis_cap=1e39), "--tis-cap"), (dict(clip_eps_high=1e39), "--clip-eps-high"),
                      (dict(max_completion_length=0, loss="dr_grpo"), "--max-completion-length"),
                      (dict(max_completion_length=-5), "--max-completion-length"),
                      # past fp32's range AdamW's update raised after the whole step: a traceback, exit 1 (audit)

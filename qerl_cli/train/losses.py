@@ -63,6 +63,12 @@ class LossConfig:
             raise BadInputError(f"--beta must be a finite number >= 0, got {self.beta}")
         if self.tis_cap is not None and not self.tis_cap >= 0:
             raise BadInputError(f"--tis-cap must be >= 0 (0 disables TIS), got {self.tis_cap}")
+        # torch makes float32 clamp bounds of these: a finite value past its range was a RuntimeError traceback,
+        # exit 1, after the model loaded and the step ran; inf already means "no bound"
+        big = torch.finfo(torch.float32).max
+        for flag, v in (("--clip-eps-high", self.clip_eps_high), ("--tis-cap", self.tis_cap)):
+            if v is not None and math.isfinite(v) and v > big:
+                raise BadInputError(f"{flag} must be at most {big:.4g} (float32's largest; inf for no bound), got {v}")
 
 
 def sequence_weights(
