@@ -411,6 +411,13 @@ class StageOutput:
         # (listed, then renamed away: every later rerun called the output damaged, exit 4)
         files = sorted(p for p in work.rglob("*") if p.is_file() and p.name not in (MANIFEST, MANIFEST + ".tmp"))
         digests = sha256_files(files)
+        # Every output file on disk before the manifest that vouches for it and the rename that publishes it:
+        # fsyncing the manifest and the directory alone let a machine crash (power, kernel panic) leave a
+        # renamed-in output whose weights were never written (empty or zero-filled) behind a valid manifest.
+        for p in files:
+            _fsync_file(p)
+        for d in {p.parent for p in files} - {work}:  # a file's name in a subdirectory (work's own: _swap_into_place)
+            _fsync_dir(d)
         manifest = {
             "stage": self.stage,
             "qerl_version": __version__,

@@ -158,3 +158,34 @@ def test_a_manifest_left_half_written_in_a_partial_dir_is_not_an_output(tmp_path
         (work / "a.txt").write_text("hello")
     assert read_manifest(out)["outputs"].keys() == {"a.txt"}
     assert StageOutput(out, "demo", config={"k": 1}, inputs={}, resumable=True).already_done()
+
+
+def test_every_output_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """A machine crash after the rename must not publish files whose data never reached the disk: each
+    output file is fsynced before its manifest is written (only the manifest and the directory were)."""
+    import os
+
+    from qerl_cli import outputs
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(a, b, **kw):
+        events.append(("rename", os.path.basename(str(b))))
+        return real_replace(a, b, **kw)
+
+    monkeypatch.setattr(outputs.os, "fsync", fsync)
+    monkeypatch.setattr(outputs.os, "replace", replace)
+    so = StageOutput(tmp_path / "o", "demo", config={}, inputs={})
+    with so as work:
+        (work / "model.safetensors").write_bytes(b"w" * 1000)
+        (work / "sub").mkdir()
+        (work / "sub" / "b.json").write_text("{}")
+    synced = {name for kind, name in events if kind == "fsync"}
+    assert {"model.safetensors", "b.json"} <= synced
+    published = events.index(("rename", "o")) if ("rename", "o") in events else len(events)
+    assert all(events.index(("fsync", n)) < published for n in ("model.safetensors", "b.json"))
