@@ -439,10 +439,10 @@ class StageOutput:
     def _swap_into_place(self, work: Path) -> None:
         _fsync_dir(work)
         with _DirLock(self.out.parent):
-            self._refuse_a_concurrent_output()
+            self._refuse_a_concurrent_output(work)
             self._swap_locked(work)
 
-    def _refuse_a_concurrent_output(self) -> None:
+    def _refuse_a_concurrent_output(self, work: Path) -> None:
         """Another run may have written ``out`` since this one checked it (two runs with different
         flags into one --out both finished, the later silently replacing the other: audit). Only an
         output of this same run, or what was there when this run decided to write, may be replaced."""
@@ -458,8 +458,9 @@ class StageOutput:
         raise OutputExistsError(
             f"{self.out} was written by another run while this one ran ({m['stage'] if m else 'no manifest'}, "
             f"fingerprint {str(now)[:12]}); this run's output was not put in its place",
-            hint="give each run its own --out" + (" (this run's finished groups are kept for a rerun)"
-                                                  if self.resumable else ""))
+            hint="give each run its own --out" + (f"; this run's finished groups stay in {work}, which only a run into "
+                                                  f"{self.out} resumes (one with --force, replacing what is there): "
+                                                  "delete it otherwise" if self.resumable else ""))
 
     def _swap_locked(self, work: Path) -> None:
         if self.out.exists() or self.out.is_symlink():
