@@ -62,6 +62,8 @@ class EvalConfig:
     chat_template: bool | None = None  # None: use it when the tokenizer has one
     chat_template_file: Path | None = None  # a Jinja chat template replacing the tokenizer's (or giving it one)
     scorer: str = "auto"
+    prompt_key: str | None = None  # the dataset's own column names, as rollout's flags
+    answer_key: str | None = None
     max_problems: int | None = None
     engine: str = "native"
     device: str = "auto"
@@ -253,6 +255,9 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch", "chat_template_file"):
         d.pop(key)  # (the chat template file's text is an input: inputs["chat_template"])
     d.pop("max_num_seqs")  # the batching changes no sample: every problem is seeded by itself
+    for key in ("prompt_key", "answer_key"):  # unset, as outputs made before the flags recorded nothing
+        if d[key] is None:
+            d.pop(key)
     # Nor does the context: every prompt must fit beside --max-new-tokens (else the eval stops), so no
     # sample reaches it. Counted, an explicit value equal to the model's own made a needless new run.
     d.pop("max_model_len")
@@ -309,7 +314,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         raise BadInputError(f"--dataset {cfg.dataset} does not exist")
     template = load_template(cfg.prompt_template)
     try:
-        rows = load_prompts(cfg.dataset, flag="--dataset")
+        rows = load_prompts(cfg.dataset, flag="--dataset", prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
     except BadInputError as e:
         # Not a hint offering --skip-bad-lines, which eval does not have (every problem counts); any
         # other hint (pip install 'qerl[parquet]') stays.

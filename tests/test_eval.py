@@ -523,3 +523,23 @@ def test_a_named_chat_template_is_not_an_input_of_the_eval(model_dir, tmp_path):
     (model / "additional_chat_templates").mkdir()
     (model / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0]['content'] }}")
     assert run(model, tmp_path, rows, [["#### 2"]])[0]["already_done"]
+
+
+def test_the_datasets_own_column_names_are_read_as_rollout_reads_them(model_dir, tmp_path):
+    # eval had no --prompt-key / --answer-key: a dataset rollout read with them had every row refused
+    rows = [{"input": "Tom has 3 apples and buys 4 more. How many?", "meta": {"gold": "7"}},
+            {"input": "What is 5 + 5?", "meta": {"gold": "10"}}]
+    res, gen = run(model_dir, tmp_path, rows, [["#### 7"], ["#### 11"]], prompt_key="input", answer_key="meta.gold")
+    assert res["metrics"]["score"] == pytest.approx(0.5)
+    samples = [json.loads(x) for x in (tmp_path / "e" / "samples.jsonl").read_text().splitlines()]
+    assert [s["reference"] for s in samples] == ["7", "10"] and "Tom has 3 apples" in samples[0]["prompt"]
+    # unset, the keys stay out of the fingerprint: evals finished before the flags existed stay done
+    base = dict(model=tmp_path / "m", dataset=tmp_path / "d.jsonl", out=tmp_path / "o")
+    assert "prompt_key" not in ev._fingerprint_config(EvalConfig(**base), "cpu", "float32", None)
+    assert ev._fingerprint_config(EvalConfig(**base, answer_key="a.b"), "cpu", "float32", None)["answer_key"] == "a.b"
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    r = CliRunner().invoke(app, ["eval", "--help"], terminal_width=200)
+    assert "--prompt-key" in r.output and "--answer-key" in r.output

@@ -58,6 +58,12 @@ def command(
     scorer: str = typer.Option("auto", "--scorer", help="auto: gsm8k rule for numeric references, math-verify "
                                "otherwise; gsm8k: final number (####, \\boxed{}, <answer>); math: math-verify on the "
                                "last \\boxed{}. Example: --scorer math"),
+    prompt_key: str = typer.Option(None, "--prompt-key", help="Column holding the problem (text or chat list) when it "
+                                   "is not `prompt`, `messages`, `question` or `problem`; dotted for nested fields, as "
+                                   "`qerl rollout --prompt-key`. Example: --prompt-key input", show_default=False),
+    answer_key: str = typer.Option(None, "--answer-key", help="Column holding the reference when it is not `answer`; "
+                                   "dotted for nested fields, as `qerl rollout --answer-key`. Example: --answer-key "
+                                   "reward_model.ground_truth", show_default=False),
     max_problems: int = typer.Option(None, "--max-problems", help="Score only the first N problems (smoke runs). "
                                      "Example: --max-problems 50", show_default=False),
     engine: str = typer.Option("native", "--engine", help="native (qerl's engine) or vllm (needs `qerl\\[vllm]`). "
@@ -103,7 +109,7 @@ def command(
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop),
         prompt_template=prompt_template,
         system_prompt=system_prompt, chat_template=False if no_chat_template else None, chat_template_file=chat_template_file, scorer=scorer,
-        max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
+        prompt_key=prompt_key, answer_key=answer_key, max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, allow_base_mismatch=allow_base_mismatch,
         force=force, progress=not quiet,
     )
