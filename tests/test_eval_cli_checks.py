@@ -87,6 +87,15 @@ def test_a_prompt_one_token_longer_than_the_room_is_refused(model_dir, tmp_path)
     assert res["metrics"]["score"] == 1.0  # a prompt exactly as long as the room fits
 
 
+def test_a_prompt_longer_than_the_whole_context_is_not_told_to_lower_max_new_tokens_alone(model_dir, tmp_path):
+    # A prompt longer than the context itself got "lower --max-new-tokens", which cannot make it fit (a
+    # 37-token prompt on a 32-token sliding window, --max-new-tokens 1; review_arch).
+    rows = GSM8K_ROWS[:1]
+    with pytest.raises(BadInputError, match=r"prompt has \d+ tokens") as e:
+        run(model_dir, tmp_path, rows, [], max_model_len=8, max_new_tokens=1)
+    assert "shorten the prompt" in e.value.hint and "prompts of up to 7 tokens fit" in e.value.hint
+
+
 # ---- eval: what the engine returns ---------------------------------------------------------------
 def test_an_engine_returning_too_few_samples_for_a_problem_is_an_error(model_dir, tmp_path):
     def short(prompt_ids, n, seeds, progress=None):
