@@ -195,10 +195,13 @@ class StepData:
 
 def read_step(cfg: TrainStepConfig) -> StepData:
     """Read the shards and check that they form one consistent step."""
-    from qerl_cli.shards import ReadReport, check_groups_whole, read_records
+    from qerl_cli.shards import ReadReport, check_groups_whole, read_records, resolve_shard_files
 
     report = ReadReport()
-    recs = read_records(cfg.shards, skip_bad_lines=cfg.skip_bad_lines, report=report)
+    # In path order, whatever order --shards named them in: the order changes float sums, so `--shards b a`
+    # was another step than `--shards a b` (exit 4 over the finished one)
+    recs = read_records(_in_path_order(resolve_shard_files(cfg.shards)), skip_bad_lines=cfg.skip_bad_lines,
+                        report=report)
     where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
     if not recs:
         raise BadInputError(f"{where}: no rollout records to train on")
@@ -322,6 +325,10 @@ def _noise_key(noise: dict | None):
     if not noise or not float(noise.get("sigma", 0.0) or 0.0):
         return None
     return (float(noise["sigma"]), int(noise.get("seed", 0)), int(noise.get("step", 0)), noise.get("rounded_to"))
+
+
+def _in_path_order(files: list[Path]) -> list[Path]:
+    return sorted(files, key=lambda f: str(f.resolve()))
 
 
 def _shards_hash(files: list[Path]) -> str:
@@ -698,8 +705,13 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
     if cfg.adapter is not None:
         inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
+    from qerl_cli.shards import resolve_shard_files
+
+    # until 2026-11-27 the files were read, and hashed, in the order --shards named them
+    as_named = resolve_shard_files(cfg.shards) if len(data.files) > 1 else data.files
+    legacy_inputs = (dict(inputs, shards=_shards_hash(as_named)),) if as_named != data.files else ()
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
-                      legacy_configs=(cfg.legacy_fingerprint_config(),), started=t_start)
+                      legacy_configs=(cfg.legacy_fingerprint_config(),), legacy_inputs=legacy_inputs, started=t_start)
     if out.already_done():
         _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
         if dist.is_main:  # one writer of the run's metrics file, as for a step that runs

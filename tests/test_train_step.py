@@ -518,8 +518,8 @@ def test_a_group_found_twice_is_refused_with_both_places(models, tmp_path):
 
     sh = make_shard(tmp_path / "sh", models["qhash"])
     shutil.copytree(sh, tmp_path / "retry")
-    with pytest.raises(BadInputError, match=r"group 's0-g0' appears at .*sh/shard-00000-of-00001.jsonl:1 and again at "
-                                            r".*retry/shard-00000-of-00001.jsonl:1"):
+    with pytest.raises(BadInputError, match=r"group 's0-g0' appears at .*retry/shard-00000-of-00001.jsonl:1 and again "
+                                            r"at .*sh/shard-00000-of-00001.jsonl:1"):  # (read in path order)
         train_step(_cfg(models["q"], [sh, tmp_path / "retry"], tmp_path / "a"))
     assert not (tmp_path / "a").exists()
     train_step(_cfg(models["q"], [sh, sh], tmp_path / "a"))  # the same file named twice is read once
@@ -730,3 +730,29 @@ def test_library_results_say_already_done_and_configs_take_what_the_cli_takes(mo
     with pytest.raises(BadInputError, match="names no Linear"):  # trained all seven, recorded as []
         _cfg(q, [sh], tmp_path / "b", lora_targets=())
     assert MergeConfig(q, tmp_path / "a", tmp_path / "m", max_shard_size="2GB").max_shard_size == 2_000_000_000
+
+
+def test_shards_named_in_another_order_are_the_same_step(models, tmp_path, monkeypatch):
+    # --shards b a was another step than --shards a b (exit 4 over the finished one), since the read order
+    # changes float sums; the files are now read in path order, whatever order they were named in.
+    import qerl_cli.train_step as ts
+    from qerl_cli.shards import write_records
+
+    q, h = models["q"], models["qhash"]
+    a, b = make_shard(tmp_path / "a", h, seed=1), make_shard(tmp_path / "b", h, seed=2)
+    recs = read_records(b)
+    for r in recs:
+        r["group_id"] = "b-" + r["group_id"]
+    (b / shard_name(0, 1)).unlink()
+    write_records(b / shard_name(0, 1), recs)
+    train_step(_cfg(q, [a, b], tmp_path / "o1"))
+    assert train_step(_cfg(q, [b, a], tmp_path / "o1"))["already_done"]
+    train_step(_cfg(q, [b, a], tmp_path / "o2"))
+    name = "adapter_model.safetensors"
+    assert (tmp_path / "o1" / name).read_bytes() == (tmp_path / "o2" / name).read_bytes()
+    # a step older qerl finished over --shards b a (read and hashed in that order) stays done
+    monkeypatch.setattr(ts, "_in_path_order", lambda files: files)
+    train_step(_cfg(q, [b, a], tmp_path / "o3"))
+    monkeypatch.undo()
+    assert train_step(_cfg(q, [b, a], tmp_path / "o3"))["already_done"]
+    assert not train_step(_cfg(q, [a, b], tmp_path / "o2", force=True))["already_done"]  # --force still redoes it
