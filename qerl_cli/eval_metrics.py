@@ -237,11 +237,23 @@ def paired_difference(a: dict[str, float] | None, b: dict[str, float] | None) ->
     if all(a[i] in (0.0, 1.0) and b[i] in (0.0, 1.0) for i in ids):
         up, down = sum(x > 0 for x in d), sum(x < 0 for x in d)
         n = up + down
-        tail = sum(math.comb(n, i) for i in range(min(up, down) + 1)) / 2**n if n else 1.0
+        tail = _binomial_tail(n, min(up, down))
         return {"diff": mean, "p": min(1.0, 2 * tail), "test": "McNemar", "discordant": (up, down)}
     nz = [x for x in d if x]
     p = _sign_flip_p(nz)
     return {"diff": mean, "p": min(1.0, p), "test": "sign-flip", "discordant": None}
+
+
+def _binomial_tail(n: int, m: int) -> float:
+    """P(X <= m) for X ~ Binomial(n, 1/2), exactly: each C(n, i) from the last (a math.comb per term cost
+    O(n^3): 9 minutes for 50,000 discordant problems)."""
+    if not n:
+        return 1.0
+    term = total = 1
+    for i in range(m):
+        term = term * (n - i) // (i + 1)
+        total += term
+    return total / 2**n
 
 
 def _sign_flip_p(nz: Sequence[float], max_states: int = 2_000_000) -> float:

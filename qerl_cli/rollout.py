@@ -249,6 +249,7 @@ def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[Prompt
             raise BadInputError(f"--prompts-per-step {p} is more than the {n} prompts in {cfg.prompts}")
         start = cfg.step * p
         shuffled: dict[int, list[int]] = {}
+        ordered: dict[int, list[int]] = {}  # order(epoch) once per epoch: per row it cost O(n), O(P * n) a step
 
         def raw(epoch: int) -> list[int]:
             if epoch not in shuffled:
@@ -264,14 +265,17 @@ def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[Prompt
             (the first non-repeating rows go first), so the step holds P distinct rows and the epoch
             still uses every row once. The head takes rows from the first P positions only, so the
             last epoch's tail is its raw shuffle's wherever the dataset holds 2P rows or more."""
+            if epoch in ordered:
+                return ordered[epoch]
             idx = raw(epoch)
             a = (epoch * n) % p  # rows of the crossing step that come from the last epoch
-            if not cfg.shuffle or epoch == 0 or a == 0:
-                return idx
-            tail = set(raw(epoch - 1)[n - a:])
-            head = [i for i in idx if i not in tail][: p - a]
-            taken = set(head)
-            return head + [i for i in idx if i not in taken]
+            if cfg.shuffle and epoch > 0 and a > 0:
+                tail = set(raw(epoch - 1)[n - a:])
+                head = [i for i in idx if i not in tail][: p - a]
+                taken = set(head)
+                idx = head + [i for i in idx if i not in taken]
+            ordered[epoch] = idx
+            return idx
 
         picked, seen = [], set()
         for j in range(start, start + p):

@@ -219,7 +219,10 @@ class LLMEngine:
         s.logprobs.append(logprob)
         if token in stop_ids:
             s.finish_reason, s.stop_reason = "stop", token
-        elif sp.stop and self.tokenizer is not None and (hit := self._stop_string_hit(s, sp.stop)):
+        # A special token shows no text, so it cannot complete a stop (the text is the one checked a token
+        # ago); checked anyway, a run of them walked the window back over the whole run: O(n^2) a sequence.
+        elif (sp.stop and self.tokenizer is not None and token not in self._special_ids()
+              and (hit := self._stop_string_hit(s, sp.stop))):
             s.finish_reason, s.stop_reason = "stop", hit
         elif len(s) >= s.max_len:
             s.finish_reason = "length"
