@@ -80,14 +80,22 @@ class NVFP4Weight:
 KERNEL_MODES = ("auto", "reference", "triton")
 
 
-def _kernels_mode(x: torch.Tensor) -> str:
-    mode = os.environ.get("QERL_KERNELS", "auto")
+def kernels_mode_error(device: torch.device) -> str | None:
+    """Why ``QERL_KERNELS`` cannot run NVFP4 layers on ``device``, or None. Unset or empty is ``auto``."""
+    mode = os.environ.get("QERL_KERNELS") or "auto"
     if mode not in KERNEL_MODES:  # a typo ("refernce") silently ran the kernels being debugged
-        raise ValueError(f"QERL_KERNELS={mode!r}: expected one of {', '.join(KERNEL_MODES)}")
-    if mode == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"QERL_KERNELS=triton on {x.device.type} needs TRITON_INTERPRET=1 (Triton's CPU interpreter; "
-                         "without it Triton finds no GPU driver)")
-    return mode
+        return f"QERL_KERNELS={mode!r}: expected one of {', '.join(KERNEL_MODES)}"
+    if mode == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"QERL_KERNELS=triton on {device.type} needs TRITON_INTERPRET=1 (Triton's CPU interpreter; "
+                "without it Triton finds no GPU driver)")
+    return None
+
+
+def _kernels_mode(x: torch.Tensor) -> str:
+    why = kernels_mode_error(x.device)
+    if why is not None:
+        raise ValueError(why)
+    return os.environ.get("QERL_KERNELS") or "auto"
 
 
 def _use_triton(x: torch.Tensor) -> bool:

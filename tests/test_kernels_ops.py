@@ -422,3 +422,26 @@ def test_a_mistyped_or_unrunnable_kernels_mode_is_refused(monkeypatch):
         nvfp4_linear(x, w)
     monkeypatch.setenv("QERL_KERNELS", "reference")
     assert torch.equal(nvfp4_linear(x, w), reference.linear(x, packed, scale, gs, None))
+
+
+def test_the_stages_refuse_a_bad_kernels_mode_in_one_line_and_an_empty_one_is_auto(monkeypatch, tmp_path):
+    # The layers' ValueError reached the CLI as a 100-line traceback, exit 1, after the model loaded (a
+    # rollout left its partial directory); QERL_KERNELS= (set, empty) ran as auto until it was refused.
+    from qerl_cli.assets import TINY_MODEL
+    from qerl_cli.errors import BadInputError
+    from qerl_cli.models.loader import load_model
+    from qerl_cli.quantize import QuantizeConfig, quantize
+
+    quantize(QuantizeConfig(TINY_MODEL, tmp_path / "q", device="cpu", progress=False))
+    monkeypatch.setenv("QERL_KERNELS", "refernce")
+    with pytest.raises(BadInputError, match="QERL_KERNELS='refernce': expected one of auto, reference, triton"):
+        load_model(tmp_path / "q", device="cpu", dtype=torch.float32)
+    monkeypatch.setenv("QERL_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BadInputError, match="needs TRITON_INTERPRET=1"):
+        load_model(tmp_path / "q", device="cpu", dtype=torch.float32)
+    load_model(TINY_MODEL, device="cpu", dtype=torch.float32)  # no NVFP4 layer: the kernels never run
+    monkeypatch.setenv("QERL_KERNELS", "")
+    packed, scale, gs = random_nvfp4(24, 64, seed=12)
+    x = torch.randn(2, 64)
+    assert torch.equal(nvfp4_linear(x, NVFP4Weight(packed, scale, gs)), reference.linear(x, packed, scale, gs, None))

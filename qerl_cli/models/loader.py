@@ -151,6 +151,11 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
         raise BadInputError(f"{model_dir}: lm_head is NVFP4-quantized; qerl keeps lm_head in 16 bits",
                             hint="quantize with lm_head in the ignore list (`qerl quantize` does)")
     device = torch.device(device)
+    if quantized:  # before the weights load: the layers' first call raised it as a traceback (exit 1)
+        from qerl_kernels.ops import kernels_mode_error
+
+        if (why := kernels_mode_error(device)) is not None:
+            raise BadInputError(why, hint="unset QERL_KERNELS for the default (auto)")
     with torch.device("meta"):
         model = CausalLM(cfg, quantized, dtype=dtype, max_positions=max_positions)
     expected = _expected(model)
