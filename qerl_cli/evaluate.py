@@ -404,8 +404,8 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
     enc_report = EncodeReport()
     prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
                              chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
-                             long_hint=f"lower --max-new-tokens (prompts of up to {max_model_len - 1} tokens fit, with "
-                                       f"--max-new-tokens 1) or shorten the prompt; {raise_hint}", report=enc_report,
+                             long_hint=f"shorten the prompt, or lower --max-new-tokens: prompts of up to {max_model_len - 1} "
+                                       f"tokens fit with --max-new-tokens 1; {raise_hint}", report=enc_report,
                              vocab_size=ModelConfig.from_dir(cfg.model).vocab_size)
     if enc_report.own_system and notes and cfg.progress:
         print(f"note: {len(enc_report.own_system)} problems have their own system message, which --system-prompt "

@@ -431,6 +431,7 @@ def test_stop_string_of_many_byte_tokens_is_found(tiny):
 def test_one_stop_string_is_one_stop_and_needs_a_tokenizer(tiny):
     # SamplingParams(stop="15.") became ("1", "5", "."): a stop at the first "1", "5" or ".", silently
     assert SamplingParams(stop="15.").stop == ("15.",)
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()  # vLLM's default (a TypeError)
     engine = LLMEngine(load_model(tiny, dtype=torch.float32), None, max_num_seqs=2, block_size=4)
     with pytest.raises(ValueError, match="tokenizer"):  # were ignored: every completion ran to its length
         engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=4, stop=("x",)))

@@ -46,6 +46,9 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if isinstance(self.stop, str):  # one stop string, as vLLM takes it: tuple("####") was four stops of "#"
             object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):  # None, vLLM's default: none (it was a TypeError)
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         object.__setattr__(self, "stop", tuple(self.stop))
