@@ -110,6 +110,29 @@ def check_vllm_temperature(temperature: float, n: int = 1) -> None:
                             hint="pass --temperature > 0 (a GRPO group needs different completions)")
 
 
+def check_vllm_device(device: str) -> None:
+    """vLLM takes no device: it runs on the first GPU of CUDA_VISIBLE_DEVICES. Refuse a --device it would ignore
+    (the stage recorded and printed a device vLLM never used; `cpu` ran vLLM on a GPU at fp32)."""
+    if device == "cpu":
+        raise BadInputError("--device cpu with --engine vllm: vLLM would ignore it and run on a GPU",
+                            hint="use --engine native on CPU")
+    m = re.fullmatch(r"cuda:(\d+)", device)
+    if m and int(m.group(1)) != 0:
+        n = m.group(1)
+        raise BadInputError(f"--device {device} with --engine vllm: vLLM ignores it and runs on the first visible GPU",
+                            hint=f"select the GPU with CUDA_VISIBLE_DEVICES={n} and pass --device cuda")
+
+
+def use_spawn() -> None:
+    """Start vLLM's engine-core process with spawn unless the user chose a method. qerl probes the GPU with
+    ``torch.cuda.is_available()`` (``runtime.resolve_device``) before vLLM is imported, which poisons fork
+    (torch registers its bad-fork handler there); vLLM forks by default and forces spawn only when
+    ``torch.cuda.is_initialized()``, which that probe leaves False: the forked engine core then failed with
+    "Cannot re-initialize CUDA in forked subprocess". (vLLM's own guard, PYTORCH_NVML_BASED_CUDA_CHECK=1,
+    is set only when vLLM is imported: after qerl's probe.)"""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
 def allow_function_shipping() -> None:
     """``apply_model`` ships a Python function to vLLM's engine-core process, which vLLM allows only with
     pickle-based serialization on: switch it on, refusing a value the user set to off (vLLM then failed only
@@ -183,14 +206,17 @@ class VLLMEngine:
     """``generate(prompt_ids, sampling_kwargs, n) -> list[list[Completion]]`` on a vLLM ``LLM``."""
 
     def __init__(self, model_dir: Path, *, adapter_dir: Path | None, dtype: str, max_num_seqs: int,
-                 max_model_len: int | None, seed: int, gpu_memory_utilization: float = 0.85):
+                 max_model_len: int | None, seed: int, gpu_memory_utilization: float = 0.85,
+                 ship_functions: bool = True):
         from qerl_cli.adapters import NORMS, trained_norms
 
         if adapter_dir is not None and trained_norms(adapter_dir):
             # vLLM's LoRA requests carry only LoRA tensors: sampling would silently use the base's norms.
             raise BadInputError(f"--adapter {adapter_dir} has trained norm weights ({NORMS}), which the vLLM engine "
                                 "cannot apply", hint="use --engine native, or serve a qerl merge of the adapter")
-        allow_function_shipping()
+        if ship_functions:  # only set_noise (rollout) ships a function; eval needs no pickle serialization
+            allow_function_shipping()
+        use_spawn()
         vllm = _vllm()
         kw = dict(model=str(model_dir), dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, "auto"),
                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,

@@ -108,9 +108,10 @@ class EvalConfig:
             raise BadInputError(f"--temperature {t:g} is below {MIN_TEMPERATURE:g} (the tempered logits "
                                 "overflow)", hint="pass --temperature 0 for greedy decoding")
         if self.engine == "vllm":
-            from qerl_cli.engine_vllm import check_vllm_temperature
+            from qerl_cli.engine_vllm import check_vllm_device, check_vllm_temperature
 
             check_vllm_temperature(t)
+            check_vllm_device(self.device)
         if t == 0 and self.samples > 1:
             raise BadInputError(f"--temperature 0 (greedy) with {self.samples} samples per problem gives "
                                 "identical samples", hint="pass --temperature > 0 for pass@k")
@@ -233,7 +234,7 @@ def vllm_generator(cfg: EvalConfig, tokenizer, dtype_name: str, max_model_len: i
     from qerl_cli.engine_vllm import VLLMEngine, vllm_sampling_params
 
     engine = VLLMEngine(cfg.model, adapter_dir=cfg.adapter, dtype=dtype_name, max_num_seqs=cfg.max_num_seqs,
-                        max_model_len=max_model_len, seed=cfg.seed)
+                        max_model_len=max_model_len, seed=cfg.seed, ship_functions=False)
 
     sampling = _sampling_kwargs(cfg, tokenizer)  # once: it reads the tokenizer's special tokens
 

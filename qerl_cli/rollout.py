@@ -163,9 +163,10 @@ def _check_flags(cfg: RolloutConfig) -> None:
         bad(f"--temperature {cfg.temperature:g} is below {MIN_TEMPERATURE:g} (the tempered logits overflow)",
             hint="pass --temperature 0 for greedy decoding")
     if cfg.engine == "vllm":
-        from qerl_cli.engine_vllm import check_vllm_temperature
+        from qerl_cli.engine_vllm import check_vllm_device, check_vllm_temperature
 
         check_vllm_temperature(cfg.temperature, cfg.num_generations)
+        check_vllm_device(cfg.device)
     if cfg.engine == "native" and cfg.num_generations > cfg.max_num_seqs:
         bad(f"--num-generations {cfg.num_generations} exceeds --max-num-seqs {cfg.max_num_seqs}: a prompt's "
             "completions decode together", hint=f"pass --max-num-seqs {cfg.num_generations} or more")

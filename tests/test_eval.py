@@ -264,7 +264,7 @@ def test_vllm_engine_missing_is_a_clear_error(model_dir, tmp_path):
         pytest.skip("vLLM is installed here")
     data = write_jsonl(tmp_path / "d.jsonl", GSM8K_ROWS)
     cfg = EvalConfig(model=model_dir, dataset=data, out=tmp_path / "o", engine="vllm", max_new_tokens=16,
-                     device="cpu", progress=False)
+                     progress=False)  # device auto: --device cpu with --engine vllm is refused first
     with pytest.raises(BadInputError, match="--engine vllm needs vLLM"):
         evaluate(cfg)
     assert not (tmp_path / "o").exists()

@@ -514,7 +514,7 @@ def test_second_writer_is_refused_while_the_first_hashes_and_renames(model_dir, 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_engine_vllm_without_vllm_is_one_line_error(model_dir, tmp_path):
     with pytest.raises(BadInputError, match=r"--engine vllm needs vLLM, which is not installed \(pip install 'qerl\[vllm\]'\)"):
-        rollout(cfg_for(model_dir, tmp_path, engine="vllm"))
+        rollout(cfg_for(model_dir, tmp_path, engine="vllm", device="auto"))  # cpu with vllm is refused first
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 

@@ -65,7 +65,7 @@ AQN = dict(aqn_sigma_start=1e-2, aqn_sigma_end=1e-4, total_steps=10)
     (dict(prompts_per_step=0), "--prompts-per-step must be >= 1, got 0"),
     (dict(batch_prompts=0), "--batch-prompts must be >= 1, got 0"),
     (dict(step=-1), "--step must be >= 0, got -1"),
-    (dict(engine="vllm", max_num_seqs=0), "--max-num-seqs must be >= 1, got 0"),  # native names -G first
+    (dict(engine="vllm", device="auto", max_num_seqs=0), "--max-num-seqs must be >= 1, got 0"),  # native names -G first
     (dict(AQN, aqn_sigma_end=0.0, aqn_stages=2), "--aqn-sigma-end must be > 0"),  # step 0 is noise-free
     (dict(AQN, aqn_stages=0), "--aqn-stages must be >= 1"),
 ])

@@ -235,3 +235,67 @@ def test_what_vllm_refuses_after_loading_is_refused_before_it(tmp_path, monkeypa
         monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", off)
         with pytest.raises(BadInputError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
             VLLMEngine(tmp_path, adapter_dir=None, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
+
+
+def _fake_vllm(monkeypatch, seen: dict):
+    """A stand-in ``vllm`` module (no vLLM here): records the environment ``LLM(...)`` starts under."""
+    import os
+    import sys
+    import types
+
+    mod = types.ModuleType("vllm")
+
+    class LLM:
+        def __init__(self, **kw):
+            seen.update(kw=kw, method=os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+                        pickle=os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"))
+
+    mod.LLM = LLM
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+
+
+def test_vllm_engine_core_is_spawned_not_forked(monkeypatch):
+    # resolve_device's torch.cuda.is_available() runs before vLLM is imported and poisons fork (torch), while
+    # vLLM forks its engine core unless torch.cuda.is_initialized(): the child died with "Cannot re-initialize
+    # CUDA in forked subprocess". The engine now asks for spawn, keeping a method the user set.
+    from qerl_cli.assets import tiny_model_dir
+    from qerl_cli.engine_vllm import VLLMEngine
+
+    seen: dict = {}
+    _fake_vllm(monkeypatch, seen)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    VLLMEngine(tiny_model_dir(), adapter_dir=None, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
+    assert seen["method"] == "spawn" and seen["pickle"] == "1"
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    VLLMEngine(tiny_model_dir(), adapter_dir=None, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
+    assert seen["method"] == "fork"
+
+
+def test_eval_engine_needs_no_pickle_serialization(monkeypatch):
+    # Only rollout ships a function (the AQN noise) to vLLM; eval was refused under
+    # VLLM_ALLOW_INSECURE_SERIALIZATION=0 with a message about AQN noise, and otherwise switched pickle on.
+    from qerl_cli.assets import tiny_model_dir
+    from qerl_cli.engine_vllm import VLLMEngine
+
+    seen: dict = {}
+    _fake_vllm(monkeypatch, seen)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
+    VLLMEngine(tiny_model_dir(), adapter_dir=None, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0,
+               ship_functions=False)
+    assert seen["pickle"] == "0"
+
+
+def test_a_device_vllm_would_ignore_is_refused(tmp_path):
+    # vLLM takes no device argument: --device cuda:1 ran on the first visible GPU (recorded as cuda:1), cpu on a GPU.
+    from qerl_cli.engine_vllm import check_vllm_device
+    from qerl_cli.evaluate import EvalConfig
+    from qerl_cli.rollout import RolloutConfig, rollout
+
+    for ok in ("auto", "cuda", "cuda:0"):
+        check_vllm_device(ok)
+    with pytest.raises(BadInputError, match="CUDA_VISIBLE_DEVICES=1"):
+        rollout(RolloutConfig(model=tmp_path, prompts=tmp_path / "p.jsonl", out=tmp_path / "o", engine="vllm",
+                              device="cuda:1", progress=False))
+    with pytest.raises(BadInputError, match="--device cpu with --engine vllm"):
+        EvalConfig(model=tmp_path, dataset=tmp_path / "d.jsonl", out=tmp_path / "e", engine="vllm", device="cpu")
