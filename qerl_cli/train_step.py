@@ -713,8 +713,8 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
                       legacy_configs=(cfg.legacy_fingerprint_config(),), legacy_inputs=legacy_inputs, started=t_start)
     if out.already_done():
-        _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
-        if dist.is_main:  # one writer of the run's metrics file, as for a step that runs
+        if dist.is_main:  # one result line (each rank printed it) and one writer of the run's metrics file
+            _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
             _ensure_metrics_line(cfg, out.manifest)
         return dict(out.manifest, already_done=True)
     if data.step != state.global_step:  # after the checks: not a line above an error, nor on an "already done"

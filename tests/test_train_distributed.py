@@ -53,6 +53,11 @@ def test_two_ranks_equal_one_process(tmp_path, device):
     cmd += ["--device", "cpu"] if device == "cpu" else ["--device", "cuda", "--dtype", "fp32"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    # a rerun says "already done" once, with progress as with -q (each rank printed it; a review, 2026-11-27)
+    again = [a for a in cmd if a != "--quiet"]
+    again[again.index("--master-port") + 1] = str(_free_port())
+    res = subprocess.run(again, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.count("already done:") == 1, res.stdout + res.stderr[-3000:]
     a, b = load_file(str(tmp_path / "one" / "adapter_model.safetensors")), load_file(str(tmp_path / "two" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()
     moved = 0
@@ -152,3 +157,56 @@ def test_a_rank_whose_output_is_done_does_not_leave_the_other_waiting(tmp_path):
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert res.returncode != 0, res.stderr[-3000:]
     assert res.stderr.count("error: torchrun ranks disagree: lr: rank 0 0.001, rank 1 0.002") == 2, res.stderr[-3000:]
+
+
+@pytest.mark.slow  # ~30 s on 2 shared cores
+def test_a_rank_that_fails_mid_step_is_torchruns_root_cause(tmp_path):
+    # Rank 1 out of memory in its micro-batch (rank 0, which owns the longest one, is the usual case on a GPU):
+    # rank 0 died in gloo's all-reduce with "Connection closed by peer", a traceback and exit 1, usually first, so
+    # torchrun named it as the root cause and rank 1's exit 6 read -15 (a review, 2026-11-27).
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    prog = tmp_path / "rank.py"
+    prog.write_text("import os, sys, torch\nimport qerl_cli.train_step as ts\nfrom qerl_cli.cli import main\n"
+                    "if os.environ['RANK'] == '1':\n"
+                    "    def oom(*a, **k):\n        raise torch.OutOfMemoryError('CUDA out of memory (simulated)')\n"
+                    "    ts._one_microbatch = oom\n"
+                    "sys.argv = ['qerl'] + sys.argv[1:]\nmain()\n")
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(prog), "train-step", "--model", str(q), "--shards", str(sh),
+           "--out", str(out), "--device", "cpu", "--micro-batch-tokens", "40", "--quiet"]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and not out.exists(), res.stderr[-3000:]
+    assert "error: out of GPU memory in a training micro-batch" in res.stderr
+    assert "gloo" not in res.stderr.lower() and "]: Traceback" not in res.stderr, res.stderr[-3000:]  # no rank's traceback
+    root = res.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 1" in root and "exitcode  : 6" in root, res.stderr[-3000:]
+
+
+def test_world_size_without_torchrun_is_one_line_and_a_waiting_rank_stops_on_sigterm(tmp_path):
+    # WORLD_SIZE set by hand: a KeyError/ValueError traceback (exit 1) without RANK or MASTER_ADDR; with them and no
+    # other rank, the wait to join ignored SIGTERM and Ctrl-C for 30 minutes (a review, 2026-11-27).
+    import signal
+    import time
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "s").mkdir()
+    cmd = [sys.executable, "-m", "qerl_cli", "train-step", "--model", str(tmp_path / "m"), "--shards", str(tmp_path / "s"),
+           "--out", str(tmp_path / "o"), "--device", "cpu", "--quiet"]
+    base = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    for extra, missing in (({"WORLD_SIZE": "2"}, "RANK is not set"), ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR"),
+                           ({"WORLD_SIZE": "two"}, "WORLD_SIZE is 'two'")):
+        res = subprocess.run(cmd, env=dict(base, **extra), capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and missing in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    env = dict(base, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(8)  # imports done, waiting for rank 1
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) != 0
+    finally:
+        p.kill()
+        p.wait()
+    assert not (tmp_path / "o").exists()

@@ -16,8 +16,10 @@ is in place, and a failure there ends every rank with rank 0's exit code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +46,28 @@ class Dist:
 
     def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+            with self._collective():
+                dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return t
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """A collective that fails because another rank stopped (its error, an out-of-memory or a bad shard line
+        that only it saw, went to stderr): gloo raised "Connection closed by peer" here, a traceback with exit 1,
+        usually before the failed rank had exited, so torchrun named this rank, exit 1, as the root cause and the
+        real exit code was lost (a review). This rank now waits a moment for torchrun to see the failed rank and
+        stop this one (SIGTERM: exit 143), then ends with one line."""
+        try:
+            yield
+        except RuntimeError as e:
+            from qerl_cli.errors import QerlError
+
+            time.sleep(PEER_WAIT_S)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            err = QerlError(f"rank {self.rank}: another torchrun rank stopped mid-step (its error is in the log); "
+                            f"nothing was written by this rank ({first})")
+            err.exit_code = 1
+            raise err from None
 
     def all_reduce_grads_(self, params: list[torch.Tensor]) -> None:
         """Sum the gradients of ``params`` over ranks in one flat fp32 bucket."""
@@ -53,7 +75,8 @@ class Dist:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        with self._collective():
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         off = 0
         for p, g in zip(params, grads):
             n = g.numel()
@@ -73,7 +96,12 @@ class Dist:
 
         code = 0 if failure is None else getattr(failure, "exit_code", _interrupt_code(failure))
         t = torch.tensor([code], dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
-        code = int(self.all_reduce_(t, "max"))
+        try:
+            code = int(self.all_reduce_(t, "max"))
+        except QerlError:
+            if failure is not None:  # this rank's own error, not the lost peer's
+                raise failure from None
+            raise
         if failure is not None:
             raise failure
         if code:
@@ -90,7 +118,8 @@ class Dist:
             return
         mine = json.dumps(settings, sort_keys=True, default=str)
         every: list = [None] * self.world_size
-        dist.all_gather_object(every, mine)
+        with self._collective():
+            dist.all_gather_object(every, mine)
         why = disagreement([json.loads(v) for v in every])
         if why:
             from qerl_cli.errors import BadInputError
@@ -99,12 +128,15 @@ class Dist:
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier()
+            with self._collective():
+                dist.barrier()
 
     def close(self) -> None:
         if self.initialized_here and dist.is_initialized():
             dist.destroy_process_group()
 
+
+PEER_WAIT_S = 5.0  # torchrun looks at its ranks every 0.1 s by default (--monitor-interval)
 
 DERIVED = ("fingerprint", "micro_batches")  # named after the flags: a flag that differs changes them too
 
@@ -127,20 +159,55 @@ def main_by_environment() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0
 
 
+def _env_int(name: str, default: str | None = None) -> int:
+    from qerl_cli.errors import BadInputError
+
+    value = os.environ.get(name, default)
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise BadInputError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} asks for a torchrun process group, but "
+                            f"{name} is {'not set' if value is None else repr(value)}",
+                            hint="start several ranks with torchrun, or unset WORLD_SIZE for one process") from None
+
+
 def setup(device: str) -> Dist:
     """Join the torchrun process group if the environment asks for one (WORLD_SIZE > 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _env_int("WORLD_SIZE", "1")
     if world <= 1:
         return Dist()
-    rank = int(os.environ["RANK"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    rank = _env_int("RANK")
+    local = _env_int("LOCAL_RANK", str(rank))
     if dist.is_initialized():
         return Dist(dist.get_rank(), dist.get_world_size(), local, False)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # torch's ValueError was a traceback (a review)
+        if not os.environ.get(name):
+            _env_int(name)
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(local)
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    with _default_signals():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
     return Dist(rank, world, local, True)
+
+
+@contextlib.contextmanager
+def _default_signals():
+    """SIGTERM and Ctrl-C end the process while it waits for the other ranks to join: the stage's Python handlers
+    never ran inside that C++ wait, so a rank whose peers never came (WORLD_SIZE set by hand) outlived `timeout`'s
+    SIGTERM and Ctrl-C for the process group's 30 minutes (a review). Nothing is written yet to clean up."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _interrupt_code(failure: BaseException) -> int:
