@@ -119,6 +119,9 @@ def check_vllm_device(device: str) -> None:
     m = re.fullmatch(r"cuda:(\d+)", device)
     if m and int(m.group(1)) != 0:
         n = m.group(1)
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if int(n) < len(visible):  # cuda:N counts the visible GPUs: name the GPU it meant
+            n = visible[int(n)]
         raise BadInputError(f"--device {device} with --engine vllm: vLLM ignores it and runs on the first visible GPU",
                             hint=f"select the GPU with CUDA_VISIBLE_DEVICES={n} and pass --device cuda")
 

@@ -712,7 +712,11 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     legacy_inputs = (dict(inputs, shards=_shards_hash(as_named)),) if as_named != data.files else ()
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
                       legacy_configs=(cfg.legacy_fingerprint_config(),), legacy_inputs=legacy_inputs, started=t_start)
-    if out.already_done():
+    done = out.already_done()
+    # compared before a rank returns alone: with a node-local --out done on one node only, the others read its
+    # exit as "another torchrun rank stopped mid-step (its error is in the log)", with no error in the log
+    dist.agree({"already_done": done, "fingerprint": out.fingerprint})
+    if done:
         if dist.is_main:  # one result line (each rank printed it) and one writer of the run's metrics file
             _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
             _ensure_metrics_line(cfg, out.manifest)

@@ -251,7 +251,11 @@ def _fake_vllm(monkeypatch, seen: dict):
                         pickle=os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"))
 
     mod.LLM = LLM
+    mod.__spec__ = __import__("importlib.machinery").machinery.ModuleSpec("vllm", None)
     monkeypatch.setitem(sys.modules, "vllm", mod)
+    for name in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.setenv(name, "")  # recorded, so that what the engine sets is undone after the test
+        monkeypatch.delenv(name)
 
 
 def test_vllm_engine_core_is_spawned_not_forked(monkeypatch):
@@ -284,6 +288,34 @@ def test_eval_engine_needs_no_pickle_serialization(monkeypatch):
     VLLMEngine(tiny_model_dir(), adapter_dir=None, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0,
                ship_functions=False)
     assert seen["pickle"] == "0"
+
+
+def test_eval_asks_its_engine_for_no_pickle_serialization(monkeypatch, tmp_path):
+    # the call site: VLLMEngine(ship_functions=False) alone passed with eval still switching pickle on
+    from qerl_cli.assets import tiny_model_dir
+    from qerl_cli.evaluate import EvalConfig, vllm_generator
+
+    seen: dict = {}
+    _fake_vllm(monkeypatch, seen)
+    cfg = EvalConfig(model=tiny_model_dir(), dataset=tmp_path / "d.jsonl", out=tmp_path / "e", engine="vllm")
+    try:
+        vllm_generator(cfg, None, "bf16", 64)
+    except AttributeError:  # the stand-in has no tokenizer to read past the engine
+        pass
+    assert seen["pickle"] is None and seen["method"] == "spawn"
+
+
+def test_the_device_hint_names_the_gpu_cuda_n_meant(monkeypatch):
+    from qerl_cli.engine_vllm import check_vllm_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(BadInputError) as e:
+        check_vllm_device("cuda:1")
+    assert "CUDA_VISIBLE_DEVICES=5 " in e.value.hint
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(BadInputError) as e:
+        check_vllm_device("cuda:1")
+    assert "CUDA_VISIBLE_DEVICES=1 " in e.value.hint
 
 
 def test_a_device_vllm_would_ignore_is_refused(tmp_path):

@@ -210,3 +210,22 @@ def test_world_size_without_torchrun_is_one_line_and_a_waiting_rank_stops_on_sig
         p.kill()
         p.wait()
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # ~20 s on 2 shared cores
+def test_a_rank_whose_node_local_out_is_done_is_named(tmp_path):
+    # --out on node-local disks, done on rank 1's node only: rank 1 returned "already done" (exit 0, silent) and rank 0
+    # said "another torchrun rank stopped mid-step (its error is in the log)" with no error in the log (a review).
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "o1", progress=False, device="cpu"))
+    script = tmp_path / "rank.sh"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m qerl_cli train-step --model "{q}" --shards "{sh}" '
+                      f'--out "{tmp_path}/o$RANK" --device cpu --quiet\n')
+    script.chmod(0o755)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "--no-python", str(script)]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert res.returncode != 0 and not (tmp_path / "o0").exists(), res.stderr[-3000:]
+    assert res.stderr.count("error: torchrun ranks disagree: already_done: rank 0 False, rank 1 True") == 2, \
+        res.stderr[-3000:]
