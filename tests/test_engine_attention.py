@@ -50,7 +50,7 @@ def interpreted():
     """Run every interpreter script in ONE subprocess (importing torch + triton costs ~10 s a time)."""
     pytest.importorskip("triton")
     parts = {"SCRIPT": SCRIPT, "FUSED": FUSED, "NORM_SHRINK": NORM_SHRINK, "SAMPLER": SAMPLER, "PHILOX": PHILOX,
-             "TRUNC": TRUNC, "REPLAY": REPLAY}
+             "TRUNC": TRUNC, "REPLAY": REPLAY, "STRIDED": STRIDED}
     driver = "import traceback\nres = {}\n"
     for key, code in parts.items():
         driver += f"try:\n    exec({code!r}, {{}})\n    res[{key!r}] = 'ok'\nexcept Exception:\n    res[{key!r}] = traceback.format_exc()[-2000:]\n"
@@ -367,6 +367,45 @@ PHILOX = textwrap.dedent("""
     assert torch.equal(row_uniforms(many), uniform53(many, torch.zeros_like(many)))
     print("ok")
 """)
+
+
+# What the decode step really passes: q a [B, Hq, D] view of the fused q/k/v output's q columns (row
+# stride (Hq + 2 Hk) D, never Hq D), in fp32 and fp16; and decode_inputs on block tables wider than its
+# 1024-column block (long contexts: 32k tokens in 16-token blocks), where the copy loop takes a second
+# pass. Neither was compared with torch anywhere (a kernel reading q at dense row stride, or copying only
+# the first 1024 table columns, passed every test).
+STRIDED = textwrap.dedent("""
+    import torch
+    from qerl_cli.layers import fused
+    from qerl_cli.layers.paged_attention import paged_decode_attention_torch
+    from qerl_cli.layers.triton_attention import paged_decode_attention_triton
+    g = torch.Generator().manual_seed(2)
+    for dt, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
+        hq, hk, d, bs, nblocks, b = 6, 2, 32, 8, 30, 3
+        qkv = torch.randn(b, (hq + 2 * hk) * d, generator=g).to(dt)
+        q = qkv[:, : hq * d].view(b, hq, d)
+        assert not q.is_contiguous()
+        k = torch.randn(nblocks, bs, hk, d, generator=g).to(dt)
+        v = torch.randn(nblocks, bs, hk, d, generator=g).to(dt)
+        lens = torch.tensor([1, 29, 50], dtype=torch.int32)
+        tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:10] + 1 for _ in range(b)]).int()
+        ref = paged_decode_attention_torch(q.float().contiguous(), k.float(), v.float(), tables, lens, d ** -0.5)
+        for splits in (1, 3):
+            for fz in (True, False):
+                out = paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, num_splits=splits, fused=fz)
+                err = (out.float() - ref).abs().max().item()
+                assert out.dtype == dt and err < tol, (dt, splits, fz, err)
+    bt = torch.randint(0, 5000, (5, 1500), generator=g, dtype=torch.int32)
+    slot, p = torch.tensor([4, 0, 2]), torch.tensor([0, 1033 * 16 + 5, 1499 * 16 + 15])
+    t, sm, cl = fused.decode_inputs(bt, slot, p, 16)
+    ref_t = bt.index_select(0, slot)
+    assert torch.equal(t, ref_t) and torch.equal(cl, (p + 1).to(torch.int32))
+    assert torch.equal(sm, ref_t.gather(1, (p // 16)[:, None])[:, 0].long() * 16 + p % 16)
+""")
+
+
+def test_attention_on_a_qkv_slice_and_wide_decode_tables_in_interpreter(interpreted):
+    assert interpreted["STRIDED"] == "ok", interpreted["STRIDED"]
 
 
 def test_torch_philox_draws_triton_rand_bits_in_interpreter(interpreted):
