@@ -51,8 +51,10 @@ _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")  # the a
 
 # PEFT LoRA features with tensors or arithmetic beyond A and B: without this list they were refused
 # later, as a "trained tensor ... is not in --model", which reads like a wrong base.
+# layer_replication: the adapter's layer i is a copy of some other base layer (PEFT rebuilds the stack), so its
+# keys do not name the base's layers: merge applied them to the wrong layers of the unexpanded model.
 _UNSUPPORTED_FEATURES = ("trainable_token_indices", "use_qalora", "use_bdlora", "kasa_config", "velora_config",
-                         "monteclora_config", "arrow_config")
+                         "monteclora_config", "arrow_config", "layer_replication")
 
 
 def unsupported_lora_variant(cfg: dict) -> str | None:

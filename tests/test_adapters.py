@@ -251,6 +251,8 @@ def test_int_and_float_alpha_write_the_same_config():
     (dict(alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM"), "alora_invocation_tokens"),
     # merge refused it as "trained tensor ...token_adapter.trainable_tokens_delta is not in --model"
     (dict(trainable_token_indices=[3, 5]), "trainable_token_indices is set"),
+    # merge applied the layers of a [[1, 2], [0, 1]] stack to base layers 0 and 1, in the wrong order
+    (dict(layer_replication=[[1, 2], [0, 1]]), "layer_replication is set"),
 ])
 def test_lora_variants_that_are_not_plain_lora_are_refused(tmp_path, nvfp4_dirs, variant, match):
     # Real PEFT adapters whose saved tensors are not "base + scale * B @ A": PiSSA/OLoRA are relative to a
