@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import os
 import re
@@ -212,6 +213,9 @@ class StageOutput:
 
     def __post_init__(self):
         self.out = Path(self.out)
+        if self.out.name in ("", ".", ".."):  # the temp dir beside it landed inside it: a false "written by another run"
+            raise BadInputError(f"--out {str(self.out)!r} names no directory of its own (the output is written beside "
+                                "it, then renamed into place)", hint="name the directory to create, e.g. --out runs/x")
         self.fingerprint = sha256_json({"stage": self.stage, "config": self.config, "inputs": self.inputs})
         self._same_run = {sha256_json({"stage": self.stage, "config": c, "inputs": i})
                           for c in (self.config, *self.legacy_configs) for i in (self.inputs, *self.legacy_inputs)}
@@ -326,7 +330,7 @@ class StageOutput:
     def _warn_of_other_partials(self) -> None:
         """A resumable run that starts afresh beside partial directories of other arguments says so: a
         user who changed a flag after an interrupt took the start-over for a resume (trial, session 42)."""
-        others = sorted(p.name for p in self.out.parent.glob(f".{self.out.name}.partial-*")
+        others = sorted(p.name for p in self.out.parent.glob(self._sibling_glob("partial"))
                         if p.is_dir() and p != self.work)
         if others:
             warnings.warn(QerlWarning(
@@ -334,20 +338,26 @@ class StageOutput:
                 "made with other arguments; this run starts afresh (rerun that run's command to resume it, "
                 "or delete the directory)"), stacklevel=4)
 
+    def _sibling_glob(self, kind: str) -> str:
+        """The pattern of this output's own ``.<name>.<kind>-*`` siblings: the name escaped, or an --out named
+        "run [1]" or "q?" missed its own stale temp dirs and swept up (deleted, or renamed into itself) another
+        output's (.run 1.old-*, .qa.old-*)."""
+        return f".{glob.escape(self.out.name)}.{kind}-*"
+
     def _recover_interrupted_swap(self) -> None:
         """A crash between the two renames of a non-atomic replace leaves ``out`` missing and the
         old output under ``.<name>.old-*``: put it back (the new one was never complete at ``out``)."""
         if self.out.exists() or not self.out.parent.is_dir():
             return
-        olds = [p for p in self.out.parent.glob(f".{self.out.name}.old-*") if read_manifest(p) is not None]
+        olds = [p for p in self.out.parent.glob(self._sibling_glob("old")) if read_manifest(p) is not None]
         if olds:
             newest = max(olds, key=lambda p: p.stat().st_mtime)
             os.replace(newest, self.out)
 
     def _clean_stale(self) -> None:
-        for p in self.out.parent.glob(f".{self.out.name}.old-*"):
+        for p in self.out.parent.glob(self._sibling_glob("old")):
             shutil.rmtree(p, ignore_errors=True)
-        for p in self.out.parent.glob(f".{self.out.name}.tmp-*"):
+        for p in self.out.parent.glob(self._sibling_glob("tmp")):
             parts = p.name.split(".tmp-", 1)[1].split("-", 2)
             try:
                 pid = int(parts[0])

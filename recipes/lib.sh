@@ -119,6 +119,8 @@ qerl_resume_point() {
 # The frozen base every stage loads: RUN_DIR/base (NVFP4, QeRL) or the bf16 checkpoint itself.
 qerl_set_base() {  # RUN_DIR
   RUN_DIR=$1
+  # A RUN_DIR "-x" read as an option: mkdir's "invalid option -- 'x'", eval --compare's "No such option: -x".
+  case "$RUN_DIR" in -*) RUN_DIR=./$RUN_DIR ;; esac
   if [ "$BASE_FORMAT" = nvfp4 ]; then BASE=$RUN_DIR/base; else BASE=$MODEL; fi
 }
 

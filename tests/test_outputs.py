@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +192,33 @@ def test_every_output_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
     assert {"model.safetensors", "b.json"} <= synced
     published = events.index(("rename", "o")) if ("rename", "o") in events else len(events)
     assert all(events.index(("fsync", n)) < published for n in ("model.safetensors", "b.json"))
+
+
+@pytest.mark.parametrize("name", ["run [1]", "q?", "r*"])
+def test_an_out_named_with_glob_characters_finds_its_own_leftovers_and_no_others(tmp_path, name, monkeypatch):
+    import os
+    dead = 2 ** 22 + 12345  # no such pid
+    own_tmp = tmp_path / f".{name}.tmp-{dead}-abcd1234-x"
+    own_tmp.mkdir()
+    (own_tmp / "big.bin").write_text("stale")
+    other = {"run [1]": "run 1", "q?": "qa", "r*": "rb"}[name]
+    _run(tmp_path / other, {"k": 1})
+    os.replace(tmp_path / other, tmp_path / f".{other}.old-deadbeef")  # another output's interrupted swap
+    from qerl_cli import outputs
+    monkeypatch.setattr(outputs, "_HOST", "x")
+    _run(tmp_path / name, {"k": 1})
+    assert not own_tmp.exists()  # its own stale temp dir swept
+    assert (tmp_path / f".{other}.old-deadbeef" / "manifest.json").is_file()  # the other's backup untouched
+    assert read_manifest(tmp_path / name)["stage"] == "demo" and (tmp_path / name / "a.txt").is_file()
+
+
+@pytest.mark.parametrize("out", [".", "", "..", "a/.."])
+def test_an_out_that_names_no_directory_of_its_own_is_refused(tmp_path, monkeypatch, out):
+    # --out . put the temp dir inside the output dir: an empty cwd asked for --force, which then ran the whole
+    # stage and failed as "written by another run"; over a finished output, --force was an OSError traceback.
+    from qerl_cli.errors import BadInputError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    with pytest.raises(BadInputError, match="names no directory of its own"):
+        _stage(Path(out), {"k": 1})

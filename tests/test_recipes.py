@@ -1115,3 +1115,14 @@ def test_quickstart_names_an_installed_qerl_from_another_checkout(tmp_path):
     proc, _ = _quickstart(tmp_path, pip_rc=1, pythonpath=other)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"note: the qerl command runs the checkout installed at {os.path.realpath(other)}" in proc.stderr
+
+
+def test_a_run_dir_with_a_leading_dash_is_not_read_as_an_option(tmp_path):
+    # RUN_DIR "-rd" ended grpo.sh at `mkdir: invalid option -- 'r'` and, made, at eval --compare's "No such option: -r"
+    lib = RECIPES / "lib.sh"
+    out = subprocess.run(["bash", "-c", f'source "{lib}"; BASE_FORMAT=nvfp4; qerl_set_base -rd; mkdir -p "$RUN_DIR";'
+                          ' qerl_compare_cmd; printf "%s\\n" "$RUN_DIR" "$BASE" "${QERL_CMD[@]}"'],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:5] == ["./-rd", "./-rd/base", "eval", "--compare", "./-rd/eval-base"]
+    assert (tmp_path / "-rd").is_dir()

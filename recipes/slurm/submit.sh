@@ -37,7 +37,7 @@ if [ "${ROLLOUT_GPUS:-1}" != 1 ]; then
 fi
 RUN_DIR=${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}
 CONFIG=$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")
-mkdir -p "$RUN_DIR"; RUN_DIR=$(cd "$RUN_DIR" && pwd)
+mkdir -p -- "$RUN_DIR"; RUN_DIR=$(cd -- "$RUN_DIR" && pwd)
 SBATCH=${SBATCH:-sbatch}
 SCRIPT=$HERE/stage.sbatch
 # Every value the stages read, resolved now (the config's ${VAR:-default} and what only the environment
