@@ -28,11 +28,25 @@ def _env() -> dict:
                 PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
 
 
+def _torchrun(*args: str) -> list[str]:
+    """torchrun's command for 2 ranks of this machine, on a free port, running ``args``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), *args]
+
+
+def _ranks_run(tmp_path, body: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    """Run the shell ``body`` as each of 2 torchrun ranks (it reads $RANK): ranks given different flags or outputs."""
+    script = tmp_path / "rank.sh"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return subprocess.run(_torchrun("--no-python", str(script)), env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def _two_ranks(model, shards, out, *flags) -> list[str]:
     """torchrun's command for a train-step on 2 ranks of this machine."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), "-m", "qerl_cli", "train-step", "--model", str(model), "--shards",
-            str(shards), "--out", str(out), *flags]
+    return _torchrun("-m", "qerl_cli", "train-step", "--model", str(model), "--shards", str(shards), "--out", str(out),
+                     *flags)
 
 
 @pytest.mark.parametrize("device", [
@@ -127,14 +141,9 @@ def test_ranks_started_with_different_flags_stop_before_training(tmp_path):
     # the right flags called "already done" (the flag is not in the fingerprint; a review, 2026-11-27).
     _, q = quantized_tiny(tmp_path)
     sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
-    script = tmp_path / "rank.sh"
-    script.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then mb=2000; else mb=200; fi\nexec "{sys.executable}" -m qerl_cli '
-                      f'train-step --model "{q}" --shards "{sh}" --out "{tmp_path / "o"}" --device cpu --quiet '
-                      '--micro-batch-tokens "$mb"\n')
-    script.chmod(0o755)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "--no-python", str(script)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    res = _ranks_run(tmp_path, f'if [ "$RANK" = 1 ]; then mb=2000; else mb=200; fi\nexec "{sys.executable}" -m qerl_cli '
+                     f'train-step --model "{q}" --shards "{sh}" --out "{tmp_path / "o"}" --device cpu --quiet '
+                     '--micro-batch-tokens "$mb"\n', timeout=300)
     assert res.returncode != 0 and not (tmp_path / "o").exists(), res.stderr[-3000:]
     assert res.stderr.count("error: torchrun ranks disagree: micro_batch_tokens: rank 0 200, rank 1 2000") == 2, \
         res.stderr[-3000:]
@@ -148,13 +157,8 @@ def test_a_rank_whose_output_is_done_does_not_leave_the_other_waiting(tmp_path):
     sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
     out = tmp_path / "o"
     train_step(TrainStepConfig(model=q, shards=[str(sh)], out=out, progress=False, lr=1e-3, device="cpu"))
-    script = tmp_path / "rank.sh"
-    script.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then lr=2e-3; else lr=1e-3; fi\nexec "{sys.executable}" -m qerl_cli '
-                      f'train-step --model "{q}" --shards "{sh}" --out "{out}" --device cpu --quiet --lr "$lr"\n')
-    script.chmod(0o755)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "--no-python", str(script)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    res = _ranks_run(tmp_path, f'if [ "$RANK" = 1 ]; then lr=2e-3; else lr=1e-3; fi\nexec "{sys.executable}" -m qerl_cli '
+                     f'train-step --model "{q}" --shards "{sh}" --out "{out}" --device cpu --quiet --lr "$lr"\n')
     assert res.returncode != 0, res.stderr[-3000:]
     assert res.stderr.count("error: torchrun ranks disagree: lr: rank 0 0.001, rank 1 0.002") == 2, res.stderr[-3000:]
 
@@ -173,9 +177,8 @@ def test_a_rank_that_fails_mid_step_is_torchruns_root_cause(tmp_path):
                     "    ts._one_microbatch = oom\n"
                     "sys.argv = ['qerl'] + sys.argv[1:]\nmain()\n")
     out = tmp_path / "o"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(prog), "train-step", "--model", str(q), "--shards", str(sh),
-           "--out", str(out), "--device", "cpu", "--micro-batch-tokens", "40", "--quiet"]
+    cmd = _torchrun(str(prog), "train-step", "--model", str(q), "--shards", str(sh), "--out", str(out), "--device", "cpu",
+                    "--micro-batch-tokens", "40", "--quiet")
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and not out.exists(), res.stderr[-3000:]
     assert "error: out of GPU memory in a training micro-batch" in res.stderr
@@ -219,13 +222,8 @@ def test_a_rank_whose_node_local_out_is_done_is_named(tmp_path):
     _, q = quantized_tiny(tmp_path)
     sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
     train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "o1", progress=False, device="cpu"))
-    script = tmp_path / "rank.sh"
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m qerl_cli train-step --model "{q}" --shards "{sh}" '
-                      f'--out "{tmp_path}/o$RANK" --device cpu --quiet\n')
-    script.chmod(0o755)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "--no-python", str(script)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    res = _ranks_run(tmp_path, f'exec "{sys.executable}" -m qerl_cli train-step --model "{q}" --shards "{sh}" '
+                     f'--out "{tmp_path}/o$RANK" --device cpu --quiet\n')
     assert res.returncode != 0 and not (tmp_path / "o0").exists(), res.stderr[-3000:]
     assert res.stderr.count("error: torchrun ranks disagree: already_done: rank 0 False, rank 1 True") == 2, \
         res.stderr[-3000:]
