@@ -270,8 +270,9 @@ def _quantize_in_row_blocks(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Ten
     packed, scales = [], []
     err2 = ref2 = 0.0
     # Norms of w / 2^e with 2^e ~ amax (a power of two: exact, the same sums as unscaled): fp32 norms
-    # of tiny weights underflowed to 0, which reported a layer quantized to all zeros as 0% error.
-    amax = 2.0 ** math.frexp(float(w.abs().amax()) or 1.0)[1]
+    # of tiny weights underflowed to 0, which reported a layer quantized to all zeros as 0% error. One
+    # below frexp's exponent (ratios < 2): for amax > 2^127 the scale 2^128 is inf in fp32 and reported 0%.
+    amax = 2.0 ** (math.frexp(float(w.abs().amax()) or 1.0)[1] - 1)
     for i in range(0, n, rows):
         blk = w[i : i + rows]
         p, s, _ = nvfp4.quantize(blk, g)

@@ -503,6 +503,21 @@ def test_row_blocks_give_the_same_bytes_as_one_call():
     assert abs(err - float((d - w.float()).norm() / w.float().norm())) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_error_of_a_weight_near_the_dtype_max_is_not_reported_as_zero(dtype):
+    from qerl_cli.quantize import _quantize_in_row_blocks
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    w = (w / w.abs().max() * 3e38).to(dtype)  # amax > 2^127: the norms' power-of-two scale was inf in fp32
+    g = R.global_scale_for(w.abs().amax())
+    packed, scale, err = _quantize_in_row_blocks(w, g)
+    deq = R.dequantize(packed, scale, g, dtype=torch.float64)
+    true = float((deq - w.double()).norm() / w.double().norm())
+    assert 0.05 < true < 0.2
+    assert err == pytest.approx(true, rel=1e-3)
+
+
 @pytest.mark.gpu
 def test_cuda_and_cpu_write_identical_files(tmp_path):
     src = make_tiny_hf_model(tmp_path, "qwen2", intermediate=40)
