@@ -186,6 +186,7 @@ class StepData:
     noise: dict | None
     bad_lines: tuple[str, ...] = ()  # "file:line: why" of shard lines skipped by --skip-bad-lines
     cuts: list[tuple[float, int, float]] | None = None  # (top_p, top_k, min_p) per record; None: no record was cut
+    files_as_named: tuple[Path, ...] = ()  # ``files`` in --shards' order (older qerl read and hashed them so)
 
 
 # ---- inputs --------------------------------------------------------------------------------------
@@ -198,10 +199,10 @@ def read_step(cfg: TrainStepConfig) -> StepData:
     from qerl_cli.shards import ReadReport, check_groups_whole, read_records, resolve_shard_files
 
     report = ReadReport()
+    named = resolve_shard_files(cfg.shards)
     # In path order, whatever order --shards named them in: the order changes float sums, so `--shards b a`
     # was another step than `--shards a b` (exit 4 over the finished one)
-    recs = read_records(_in_path_order(resolve_shard_files(cfg.shards)), skip_bad_lines=cfg.skip_bad_lines,
-                        report=report)
+    recs = read_records(_in_path_order(named), skip_bad_lines=cfg.skip_bad_lines, report=report)
     where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
     if not recs:
         raise BadInputError(f"{where}: no rollout records to train on")
@@ -265,6 +266,7 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         noise=noise,
         bad_lines=tuple(report.bad_lines),
         cuts=cuts if any(c != (1.0, 0, 0.0) for c in cuts) else None,
+        files_as_named=tuple(named),
     )
 
 
@@ -705,11 +707,9 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
     if cfg.adapter is not None:
         inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
-    from qerl_cli.shards import resolve_shard_files
-
     # until 2026-11-27 the files were read, and hashed, in the order --shards named them
-    as_named = resolve_shard_files(cfg.shards) if len(data.files) > 1 else data.files
-    legacy_inputs = (dict(inputs, shards=_shards_hash(as_named)),) if as_named != data.files else ()
+    as_named = list(data.files_as_named)
+    legacy_inputs = (dict(inputs, shards=_shards_hash(as_named)),) if as_named and as_named != data.files else ()
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
                       legacy_configs=(cfg.legacy_fingerprint_config(),), legacy_inputs=legacy_inputs, started=t_start)
     done = out.already_done()
