@@ -249,6 +249,22 @@ def _bad_path(e: Exception) -> BadInputError | None:
     return None
 
 
+def _expand_home(value):
+    """A path flag's leading ``~`` as the user's home: the shell expands none after ``=`` (``--out=~/x``), nor in
+    a quoted or Slurm-templated argument, and the stage then wrote a directory named ``~`` under the working
+    directory while it printed ``wrote ~/x`` (a review)."""
+    from pathlib import Path
+
+    if isinstance(value, Path) and value.parts[:1] and value.parts[0].startswith("~"):
+        try:
+            return value.expanduser()
+        except RuntimeError:  # no home directory to expand to: leave it as given
+            return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_expand_home(v) for v in value)
+    return value
+
+
 def guarded(fn, stage: str | None = None):
     """Wrap a command: QerlError -> 'error: ...' on stderr and its exit code; an out-of-memory the
     stage did not handle itself -> OutOfMemoryError (exit 6) naming the flag to lower;
@@ -259,6 +275,7 @@ def guarded(fn, stage: str | None = None):
         from qerl_cli import outputs
 
         outputs.forget_completed()
+        kwargs = {k: _expand_home(v) for k, v in kwargs.items()}
         try:
             try:
                 with _stage_signals(), _plain_warnings():
@@ -325,10 +342,21 @@ def _wrap_command(line: str, width: int, indent: str) -> list[str]:
     """An example command line wrapped for a narrow terminal as a shell would still run it: every line
     it continues on ends in `` \\`` (wrapped bare, a pasted example broke at the first wrap)."""
     text = line.strip()
+    lead = indent + " " * (len(line) - len(line.lstrip()))
+    if text.startswith("#"):  # a comment ends at the newline: a backslash there continues nothing, so each
+        # wrapped piece is a comment of its own (wrapped with ` \\`, the second piece ran as a command)
+        return _wrap(text.lstrip("#").strip(), width - len(indent), lead + "# ")
     continued = text.endswith("\\")
     text = text.removesuffix("\\").rstrip()
-    pieces = _wrap(text, width - len(indent) - 2, indent + " " * (len(line) - len(line.lstrip())), "    ")
+    pieces = _wrap(text, width - len(indent) - 2, lead, "    ")
     return [p + " \\" if i < len(pieces) - 1 or continued else p for i, p in enumerate(pieces)]
+
+
+def _wrap_examples(help_text: str, width: int) -> str:
+    """``help_text`` with each example paragraph (indented) wrapped to ``width`` as `_wrap_command` wraps it."""
+    paras = textwrap.dedent(help_text).strip("\n").split("\n\n")
+    return "\n\n".join("\n".join(w for line in p.splitlines() for w in _wrap_command(line, width, ""))
+                       if p.startswith("  ") else p for p in paras)
 
 
 class _PlainFormatter(_Context.formatter_class):
@@ -358,7 +386,14 @@ class StageCommand(_OneLineUsageErrors, TyperCommand):
 
     def format_help(self, ctx, formatter) -> None:
         if help_columns() >= RICH_HELP_MIN_COLUMNS:
-            return super().format_help(ctx, formatter)
+            # Rich wraps an example longer than the terminal bare, as the plain layout once did: pasted, the
+            # shell ran the first line alone (`--reward format=0.1` dropped) and the rest as commands. Wrap
+            # them here first, to the width Rich leaves inside its one-column padding on each side.
+            text, self.help = self.help, _wrap_examples(self.help or "", help_columns() - 2)
+            try:
+                return super().format_help(ctx, formatter)
+            finally:
+                self.help = text
         mode, self.rich_markup_mode = self.rich_markup_mode, None
         try:
             return super().format_help(ctx, formatter)

@@ -142,7 +142,10 @@ def test_wrapped_help_examples_still_paste_into_a_shell(columns):
         shown = [p for p in text.split("\n\n") if p.startswith("    ")]  # examples sit two deeper than prose
         assert len(shown) == len(src), (name, shown)
         for want, got in zip(src, shown):
-            for w_cmd, g_cmd in zip(want.replace("\\\n", " ").splitlines(), got.replace("\\\n", " ").splitlines()):
+            def commands(p):  # a comment wraps into comment lines of its own (the bash test below runs them)
+                return [x for x in p.replace("\\\n", " ").splitlines() if not x.lstrip().startswith("#")]
+
+            for w_cmd, g_cmd in zip(commands(want), commands(got)):
                 assert shlex.split(g_cmd) == shlex.split(w_cmd), (name, got)
 
 
@@ -245,3 +248,51 @@ def test_the_tests_read_toml_on_every_supported_python():
         for node in ast.walk(tree):
             if isinstance(node, ast.Import) and any(a.name == "tomllib" for a in node.names):
                 assert id(node) in guarded, f"{path.name}:{node.lineno}: `import tomllib` without a tomli fallback"
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100, 140])
+def test_every_help_example_runs_in_bash_as_written(columns):
+    # What a user pastes is what the shell runs: bash ends a comment at its newline, so a comment wrapped with
+    # ` \` ran its second half as a command (plain layout); and Rich's layout (>= 100 columns) wrapped a long
+    # example bare, so the first line ran alone (`--reward format=0.1` dropped) and the rest as commands.
+    # Lines are pasted without the trailing blanks Rich pads them with, as terminals copy them.
+    import subprocess
+    import textwrap
+
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    stub = "qerl() { printf '<%s>' qerl \"$@\"; echo; }; torchrun() { printf '<%s>' torchrun \"$@\"; echo; }\n"
+
+    def run(script):
+        out = subprocess.run(["bash", "-c", stub + script], capture_output=True, text=True, timeout=60)
+        return out.returncode, out.stdout, out.stderr
+
+    def examples(text):
+        paras = "\n".join(line.rstrip() for line in text.splitlines()).split("\n\n")
+        return "\n\n".join(textwrap.dedent(p) for p in paras if p.lstrip().startswith(("qerl ", "torchrun ", "#")))
+
+    for name, cmd in get_command(app).commands.items():
+        want = run(examples(textwrap.dedent(cmd.help or "")))
+        assert want[0] == 0 and want[1].count("<qerl>") + want[1].count("<torchrun>") >= 1, (name, want)
+        text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""}).output
+        got = run(examples(text))
+        assert got == want, (name, columns, got, want)
+
+
+def test_a_path_flag_after_equals_takes_tilde_as_home(tmp_path, monkeypatch):
+    # `--out=~/x`: the shell expands no `~` after `=`, and quantize wrote ./~/x under the working directory
+    # while it printed `wrote ~/x`; `--model=~/q` and `--prompts=~/p.jsonl` were "not found" though they exist.
+    from qerl_cli.assets import tiny_model_dir
+    from qerl_cli.cli import app
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    out = CliRunner().invoke(app, ["quantize", str(tiny_model_dir()), "--out=~/q", "--device", "cpu", "-q"])
+    assert out.exit_code == 0, out.output
+    assert (home / "q" / "manifest.json").is_file() and not (work / "~").exists()
+    assert str(home / "q") in out.output
