@@ -357,7 +357,8 @@ def summary_table(summary: dict):
               f"{f(c['mean'], 1)} / {f(c.get('p50'), 1)} / {f(c['min'])} / {f(c['max'])}")
     t.add_row("truncated (--max-new-tokens or the context)", f(summary["truncated_fraction"]))
     t.add_row("zero-variance groups", f(summary["zero_variance_group_fraction"]))
-    t.add_row("AQN sigma", f(summary.get("sigma"), 6))
+    sigma = summary.get("sigma")  # %g: a fixed 6 decimals printed 0.000000 for a sigma under 5e-7 that was on
+    t.add_row("AQN sigma", "-" if sigma is None else f"{sigma:.3g}")
     thr = summary.get("throughput", {})
     if thr.get("generated_tokens"):
         t.add_row("generated tokens / s", f"{thr['generated_tokens']} in {thr['generate_s']:.1f}s = {thr['tokens_per_s']:.1f} tok/s")

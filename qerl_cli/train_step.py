@@ -233,7 +233,7 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         if r["step"] != first["step"]:
             raise BadInputError(f"shards mix rollout steps {first['step']} and {r['step']} ({at(i)})",
                                 hint="train on the shards of one step at a time")
-        if _noise_key(r["noise"]) != _noise_key(first["noise"]):
+        if _noise_key(r["noise"], r["step"]) != _noise_key(first["noise"], first["step"]):
             raise BadInputError(f"shards mix AQN noise records: {r['noise']} vs {first['noise']} ({at(i)})")
     temps, cuts = [], []
     for r, (f, line) in zip(recs, report.origins):
@@ -323,10 +323,12 @@ def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
                                 f"of {mcfg.vocab_size}", hint="were the shards made with another model's tokenizer?")
 
 
-def _noise_key(noise: dict | None):
+def _noise_key(noise: dict | None, step: int):
+    """What decides a record's noise vectors. Without ``step`` (the contract's ``{sigma, seed}``) they are
+    drawn for the record's own step, as ``read_step`` applies them: the same noise as qerl's form names."""
     if not noise or not float(noise.get("sigma", 0.0) or 0.0):
         return None
-    return (float(noise["sigma"]), int(noise.get("seed", 0)), int(noise.get("step", 0)), noise.get("rounded_to"))
+    return (float(noise["sigma"]), int(noise.get("seed", 0)), int(noise.get("step", step)), noise.get("rounded_to"))
 
 
 def _in_path_order(files: list[Path]) -> list[Path]:

@@ -90,3 +90,21 @@ def test_small_noise_survives_bf16():
     clean = _logits(m)
     apply_noise(m, 1e-3, run_seed=1, step=1)
     assert not torch.equal(_logits(m), clean)
+
+
+def test_rollout_summary_shows_a_small_sigma_that_is_on():
+    # A fixed 6 decimals printed "AQN sigma 0.000000" for sigma 4e-7, which the records carry and train-step
+    # applies (review, session 52); sigmas under 1e-5 showed one significant digit at most.
+    from rich.console import Console
+
+    from qerl_cli.rollout import summary_table
+
+    def shown(sigma):
+        s = {"groups": 1, "completions": 2, "reward": {"mean": 0.5, "std": 0.5}, "rewards": {},
+             "completion_tokens": {"mean": 4.0, "p50": 4, "min": 4, "max": 4}, "truncated_fraction": 0.0,
+             "zero_variance_group_fraction": 0.0, "sigma": sigma}
+        console = Console(record=True, width=200)
+        console.print(summary_table(s))
+        return next(line for line in console.export_text().splitlines() if "AQN sigma" in line)
+
+    assert "4e-07" in shown(4e-7) and "0.00215" in shown(2.154434690031884e-3) and " 0 " in shown(0.0)

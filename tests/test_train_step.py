@@ -663,6 +663,29 @@ def test_noise_record_in_the_contracts_form_draws_for_the_records_step(models, t
     assert read_step(_cfg(models["q"], [full], tmp_path / "o")).noise["step"] == 5
 
 
+def test_noise_records_in_both_forms_for_one_step_are_one_noise(models, tmp_path):
+    # {sigma, seed} is drawn for the record's step, so beside qerl's {sigma, seed, step} of that step it names
+    # the same vectors: train-step refused the mix as "shards mix AQN noise records" (review, session 52).
+    from qerl_cli.shards import read_records, write_records
+    from qerl_cli.train_step import read_step
+
+    sh = make_shard(tmp_path / "a", models["qhash"], step=5, noise={"sigma": 0.01, "seed": 3, "step": 5})
+    f = sh / shard_name(0, 1)
+    recs = read_records(f)
+    for r in recs[len(recs) // 2:]:
+        r["noise"] = {"sigma": 0.01, "seed": 3}
+    f.unlink()
+    write_records(f, recs)
+    got = read_step(_cfg(models["q"], [sh], tmp_path / "o"))
+    assert (got.noise["sigma"], got.noise["seed"], got.noise["step"]) == (0.01, 3, 5)
+    for r in recs[len(recs) // 2:]:  # another step's noise is still another noise
+        r["noise"] = {"sigma": 0.01, "seed": 3, "step": 4}
+    f.unlink()
+    write_records(f, recs)
+    with pytest.raises(BadInputError, match="shards mix AQN noise records"):
+        read_step(_cfg(models["q"], [sh], tmp_path / "o"))
+
+
 def test_result_line_survives_metrics_that_are_not_numbers():
     # a reward of 1.7e308 overflowed the mean to inf, stored as None; formatting it failed after --out was
     # written (traceback, exit 1; audit)
