@@ -738,7 +738,11 @@ def _run(plan: _Plan) -> dict:
         todo = [b for b in _batches(plan.prompts, batch_size(cfg)) if any(plan.gid(p) not in done for p in b)]
         t_gen, n_tokens = 0.0, 0
         if todo:
-            t_gen, n_tokens = _generate_all(plan, todo, done, shard_path)
+            try:
+                t_gen, n_tokens = _generate_all(plan, todo, done, shard_path)
+            except KeyboardInterrupt as e:
+                e.kept_groups = (len(done), len(plan.prompts), work)  # for the stop line: what a rerun resumes
+                raise
         elif not shard_path.exists():
             shard_path.touch()  # zero prompts selected (e.g. more shards than prompts): an empty shard
         groups = [done[g] for g in map(plan.gid, plan.prompts) if g in done]
@@ -796,6 +800,7 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
 
     cfg = plan.cfg
     # Loading a large checkpoint takes minutes: say what is happening before the bar appears.
@@ -822,9 +827,12 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
     from rich.console import Console
 
     # on stderr, as every stage's: stdout holds the result lines (a bar there vanished when stdout was a file)
-    progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), disable=not cfg.progress, transient=False,
-                        console=Console(stderr=True))
+    # The count and the time first, the long info last and cut alone: at 80 columns (a Slurm log) Rich shrank every
+    # column alike, and "rol… pro… +5 generated" lost the count of saved groups (a review).
+    progress = Progress(TextColumn("rollout"), BarColumn(bar_width=20), MofNCompleteColumn(), TextColumn("prompts"),
+                        TimeElapsedColumn(),
+                        TextColumn("{task.fields[info]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+                        disable=not cfg.progress, transient=False, expand=True, console=Console(stderr=True))
     with progress, ShardWriter(shard_path) as writer:
         task = progress.add_task("rollout", total=n_prompts, completed=len(done), info="")
         for batch in batches:

@@ -75,10 +75,10 @@ def cli_env(**extra) -> dict:
 
 
 def run_cli(args, *, kill_at: str | None = None, signal: str | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess:
+            timeout: float = 300, **env) -> subprocess.CompletedProcess:
     """``python -m qerl_cli *args`` in a fresh interpreter; ``kill_at`` sets QERL_TEST_KILL_AT
-    (and ``signal`` QERL_TEST_KILL_SIGNAL, default KILL)."""
-    extra = {"QERL_TEST_KILL_AT": kill_at} if kill_at else {}
+    (and ``signal`` QERL_TEST_KILL_SIGNAL, default KILL); ``env``: more environment variables."""
+    extra = dict(env, QERL_TEST_KILL_AT=kill_at) if kill_at else dict(env)
     if signal:
         extra["QERL_TEST_KILL_SIGNAL"] = signal
     env = cli_env(**extra)

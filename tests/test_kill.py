@@ -215,24 +215,42 @@ def test_a_rollout_stopped_by_a_signal_keeps_its_groups_and_resumes(sig, tmp_pat
     out = tmp_path / "out"
     r = run_cli(_args("rollout", p, out), kill_at="shard-group:2", signal=sig)
     code, word = (143, "terminated (SIGTERM)") if sig == "TERM" else (130, "interrupted")
-    assert r.returncode == code and word in r.stderr and "groups are kept" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == code and word in r.stderr and "prompt groups are saved in" in r.stderr, r.stderr[-2000:]
     assert not out.exists() and [x for x in leftovers(tmp_path, "out") if ".partial-" in x]
     rerun = invoke(_args("rollout", p, out), cli_threads=True)
     assert rerun.exit_code == 0, rerun.stderr
     assert output_hashes(out) == ref and leftovers(tmp_path, "out") == ["out"]
 
 
-def test_a_stopped_rollouts_message_is_one_line_in_a_piped_log(tmp_path):
-    # Rich wrapped the rollout's "saved prompt groups are kept ..." line at 80 columns when stderr was a file
-    # (a Slurm log), against the one-line errors every stage prints (a review, 2026-11-27).
+@pytest.mark.parametrize("at, said", [(1, "no prompt group was saved yet (0 of 3;"), (2, "1 of 3 prompt groups are saved in ")])
+def test_a_stopped_rollouts_message_is_one_line_in_a_piped_log(at, said, tmp_path):
+    # Rich wrapped the rollout's stop line at 80 columns when stderr was a file (a Slurm log), against the one-line
+    # errors every stage prints (a review, 2026-11-27). It names how many groups a rerun resumes, and where: it
+    # pointed at the progress bar's count, which that log did not show (a review, session 52).
     from qerl_cli.assets import tiny_model_dir, tiny_task_file
 
     out = tmp_path / "out"
     r = run_cli(["rollout", "--model", tiny_model_dir(), "--prompts", tiny_task_file("test"), "--out", out,
                  "--max-prompts", 3, "-G", 2, "--max-new-tokens", 4, "--batch-prompts", 1, "--device", "cpu", "-q"],
-                kill_at="shard-group:1", signal="INT")
+                kill_at=f"shard-group:{at}", signal="INT")
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert r.returncode == 130 and len(lines) == 1 and "groups are kept" in lines[0], r.stderr
+    assert r.returncode == 130 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"interrupted: {said}") and (at == 1 or ".partial-" in lines[0]), lines
+
+
+def test_a_stopped_rollouts_progress_in_an_80_column_log_keeps_its_count(tmp_path):
+    """At 80 columns Rich shrank every progress column alike, and mid-batch a Slurm log read `rol… pro… +5
+    generated, saved at the batch's end · …`: no count of saved groups, no time (a review, session 52)."""
+    import re
+
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+
+    r = run_cli(["rollout", "--model", tiny_model_dir(), "--prompts", tiny_task_file("test"), "--out", tmp_path / "o",
+                 "--max-prompts", 3, "-G", 2, "--max-new-tokens", 4, "--batch-prompts", 1, "--device", "cpu"],
+                kill_at="shard-group:2", signal="INT", COLUMNS=80)
+    bar = [x for x in r.stderr.splitlines() if x.startswith("rollout")]
+    assert r.returncode == 130 and bar, r.stderr
+    assert re.search(r"rollout .* 1/3 prompts \d+:\d\d:\d\d \+\d+ generated", bar[-1]) and len(bar[-1]) <= 80, bar
 
 
 def test_a_signal_after_merge_nvfp4s_inner_quantize_does_not_call_a_temp_dir_complete(tmp_path):

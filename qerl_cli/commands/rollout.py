@@ -104,9 +104,15 @@ def command(
         from qerl_cli.cli import interrupt_outcome
 
         word, code = interrupt_outcome(e)
-        Console(stderr=True, highlight=False).print(  # one line, also in a piped log (Rich wraps at 80 there)
-            f"{word}: saved prompt groups are kept (a batch is saved when it ends; the progress "
-            "bar counts saved groups); rerun the same command to resume", soft_wrap=True)
+        kept = getattr(e, "kept_groups", None)  # (saved, selected, partial dir) once generation had started
+        if kept is None:
+            what = "stopped before generating; rerun the same command to start or resume"
+        elif kept[0] == 0:
+            what = f"no prompt group was saved yet (0 of {kept[1]}; a batch is saved when it ends); rerun the same command"
+        else:
+            what = (f"{kept[0]} of {kept[1]} prompt groups are saved in {kept[2]} (a batch is saved when it ends); "
+                    "rerun the same command to resume")
+        Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True)  # one line, also in a piped log
         raise typer.Exit(code) from None
     console = Console(highlight=False)
     if res["already_done"]:
