@@ -73,6 +73,35 @@ def unsupported_lora_variant(cfg: dict) -> str | None:
     return None
 
 
+def check_config_types(cfg, path) -> None:
+    """The adapter_config.json values every reader computes with, as PEFT writes them: one line naming the
+    file and key for a hand-edited or foreign config (a list, ``"lora_alpha": null``, ``"r": "8"`` or a
+    rank_pattern key that is no regex crashed with a traceback, or said "rank 8 but r=8")."""
+    if not isinstance(cfg, dict):
+        raise BadInputError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if "r" in cfg and not (isinstance(cfg["r"], int) and not isinstance(cfg["r"], bool) and cfg["r"] > 0):
+        raise BadInputError(f"{path}: 'r' must be a positive integer, got {cfg['r']!r}")
+    if "lora_alpha" in cfg and not number(cfg["lora_alpha"]):
+        raise BadInputError(f"{path}: 'lora_alpha' must be a number, got {cfg['lora_alpha']!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = cfg.get(key)
+        if not pattern:
+            continue
+        if not isinstance(pattern, dict):
+            raise BadInputError(f"{path}: {key} must map module-name patterns to values, got {pattern!r}")
+        for k, v in pattern.items():
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise BadInputError(f"{path}: {key} key {k!r} is not a valid regex ({e})") from None
+            if not number(v) or (key == "rank_pattern" and not (isinstance(v, int) and v > 0)):
+                raise BadInputError(f"{path}: {key}[{k!r}] must be a {'positive integer' if key == 'rank_pattern' else 'number'}, got {v!r}")
+
+
 def _read_config(adapter_dir: Path) -> dict:
     path = Path(adapter_dir) / CONFIG
     try:
@@ -81,6 +110,7 @@ def _read_config(adapter_dir: Path) -> dict:
         raise BadInputError(f"{path}: not found (is {adapter_dir} a PEFT adapter directory?)") from None
     except ValueError as e:
         raise BadInputError(f"{path}: not valid JSON ({e})") from None
+    check_config_types(cfg, path)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise BadInputError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
     for key, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):

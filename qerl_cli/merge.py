@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import PEFT_DEFAULT_ALPHA, unsupported_lora_variant
+from qerl_cli.adapters import PEFT_DEFAULT_ALPHA, check_config_types, unsupported_lora_variant
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWarning
 from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
@@ -135,6 +135,7 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
         raise BadInputError(f"{cfg_path}: invalid JSON ({e})") from None
+    check_config_types(cfg, cfg_path)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise BadInputError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for flag in ("use_dora", "fan_in_fan_out"):
@@ -174,7 +175,7 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         if a is None or b is None:
             missing = "A" if a is None else "B"
             raise BadInputError(f"{w_path}: module {module} has no lora_{missing} tensor")
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
             raise BadInputError(
                 f"{w_path}: {module} lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not form a rank-r pair"
             )

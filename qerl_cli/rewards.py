@@ -224,7 +224,7 @@ def _exact_str(f: Fraction) -> str:
 # A span that is only an ASCII integer, as nearly every GSM8K "#### 72" line is: its value without the parse below
 # (which cost ~70 us a row: a million-row dataset spent 72 s of its load there). Same result by construction, and
 # tests/test_rewards.py holds the two paths equal. Only the whitespace _GLUE_OK lets follow a number.
-_PLAIN_INT = re.compile(r"[ \t\r\n]*(-?)([0-9]{1,%d})[ \t\r\n]*" % MAX_NUMBER_DIGITS, re.ASCII)
+_PLAIN_INT = re.compile(rf"[ \t\r\n]*(-?)([0-9]{{1,{MAX_NUMBER_DIGITS}}})[ \t\r\n]*", re.ASCII)
 
 
 def span_number(text: str, whole: bool = True) -> str | None:

@@ -177,6 +177,36 @@ def test_refuses_missing_files(pair, tmp_path):
         MergeConfig(base, adapter, tmp_path / "m", dtype="fp8")
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: [c], "expected a JSON object, got list"),
+    (lambda c: dict(c, lora_alpha=None), "'lora_alpha' must be a number, got None"),
+    (lambda c: dict(c, r=str(c["r"])), "'r' must be a positive integer, got '4'"),
+    (lambda c: dict(c, r=0), "'r' must be a positive integer, got 0"),
+    (lambda c: dict(c, rank_pattern={"q_proj(": 2}), "rank_pattern key 'q_proj\\(' is not a valid regex"),
+    (lambda c: dict(c, alpha_pattern="v_proj"), "alpha_pattern must map module-name patterns"),
+])
+def test_malformed_adapter_config_is_one_line_error(pair, tmp_path, edit, match):
+    """A hand-edited adapter_config.json: merge and the adapter loader name the key (they raised
+    AttributeError / TypeError / re.error tracebacks, or said "rank 4 but r=4")."""
+    import shutil
+
+    from qerl_cli.adapters import read_adapter_spec
+
+    base, adapter = pair
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter, bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps(edit(cfg)))
+    with pytest.raises(BadInputError, match=match):
+        read_adapter(bad)
+    with pytest.raises(BadInputError, match=match):
+        merge(MergeConfig(base, bad, tmp_path / "m"), progress=False)
+    assert not (tmp_path / "m").exists()
+    if "pattern" not in match:  # the loader refuses any rank/alpha pattern before reading it
+        with pytest.raises(BadInputError, match=match):
+            read_adapter_spec(bad)
+
+
 def test_read_adapter_scaling_and_rslora(pair, tmp_path):
     _, adapter = pair
     a = read_adapter(adapter)
