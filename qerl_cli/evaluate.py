@@ -281,6 +281,18 @@ def _legacy_fingerprint_config(config: dict, cfg: EvalConfig, default_was: int |
     return tuple(olds)
 
 
+DEFAULT_CHANGED = "2026-11-26T21:13:40Z"  # commit 8ecb69e: the default became half the context where that is less
+
+
+def _created_before(out: Path, when: str) -> bool:
+    """Whether ``out`` holds an output whose manifest was written before ``when`` (ISO UTC, as manifests say)."""
+    try:
+        created = json.loads((Path(out) / "manifest.json").read_text()).get("created")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(created, str) and created < when
+
+
 def default_max_new_tokens(context: int) -> int:
     """--max-new-tokens when not given: DEFAULT_MAX_NEW_TOKENS, or half the model's context (rounded up)
     where that is less, so the default leaves prompts room on a small model (1024 was refused outright on
@@ -333,7 +345,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if cfg.max_new_tokens is None:  # resolved before the fingerprint, which records the number generated with
         context = context_limit(cfg.model, cfg.max_model_len)[0]
         cfg = replace(cfg, max_new_tokens=default_max_new_tokens(context))
-        if context > DEFAULT_MAX_NEW_TOKENS and cfg.max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+        if (context > DEFAULT_MAX_NEW_TOKENS and cfg.max_new_tokens != DEFAULT_MAX_NEW_TOKENS
+                and _created_before(cfg.out, DEFAULT_CHANGED)):  # not today's explicit --max-new-tokens 1024
             default_was = DEFAULT_MAX_NEW_TOKENS
     device = resolve_device(cfg.device)
     dtype_name, torch_dtype = resolve_dtype(cfg.dtype, device)

@@ -224,6 +224,13 @@ def test_an_eval_older_qerl_made_with_its_default_still_reads_as_done(model_dir,
     monkeypatch.setattr(ev, "DEFAULT_MAX_NEW_TOKENS", 200)
     answers = [["#### 7"], ["#### 10"], ["#### 4"], ["#### -5"]]
     run(model_dir, tmp_path, GSM8K_ROWS, answers, max_new_tokens=200, max_model_len=300)  # as older qerl ran it
+    # Made by today's qerl with an explicit --max-new-tokens 200, it is another eval than the default's 150
+    # (a review: it read as done, and one command meant two evals depending on what --out held).
+    with pytest.raises(OutputExistsError, match="max_new_tokens: 200 -> 150"):
+        run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=300)
+    manifest = tmp_path / "e" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(dict(m, created="2026-11-25T10:00:00Z")))  # older qerl's, before the change
     res, _ = run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=300)
     assert res["already_done"]
     with pytest.raises(OutputExistsError, match="max_new_tokens: 200 -> 100"):  # where the old one did not fit: a new eval
