@@ -552,7 +552,7 @@ def render_metrics(metrics: dict, console) -> None:
     c = metrics["counts"]
     t = Table(title=f"qerl eval: {Path(metrics['dataset']).name}", show_header=False)
     t.add_column("what")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", overflow="fold")  # a long adapter path whole, not cut with "…"
     t.add_row("model", metrics["model"] + (f" + {metrics['adapter']}" if metrics.get("adapter") else ""))
     for name, s in metrics["scores"].items():
         lo, hi = s["ci95"]

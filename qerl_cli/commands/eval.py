@@ -84,7 +84,7 @@ def command(
                                              "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
                                              "applied to the bf16 original); the manifest records it."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --out made from other inputs or flags."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table; print only the result line."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table: only the result line (printed after the table without it)."),
 ) -> None:
     from rich.console import Console
 
@@ -116,7 +116,8 @@ def command(
     res = evaluate(cfg, console=Console(stderr=True, highlight=False))  # the progress, on stderr as every stage's
     if res["already_done"]:
         console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
-    if quiet:
-        console.print(result_line(res["metrics"], out, res["already_done"]), soft_wrap=True)  # one line for grep, as rollout's -q
-    else:
+    if not quiet:
         render_metrics(res["metrics"], console)
+    # One line for grep, after the table too: as every other stage's last line, it names --out, so a log holding
+    # several evals (grpo.sh's EVAL_EVERY) ties each score to its run (a review).
+    console.print(result_line(res["metrics"], out, res["already_done"]), soft_wrap=True)
