@@ -287,7 +287,10 @@ def guarded(fn, stage: str | None = None):
                 if not _is_oom(e):
                     raise
                 what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-                raise OutOfMemoryError(f"out of memory in {stage or 'qerl'}: {what}; nothing was written",
+                # A rollout appends finished prompt groups to its partial directory as it goes: they stay.
+                kept = ("--out was not written; prompt groups finished before it are kept for a rerun"
+                        if stage == "rollout" else "nothing was written")
+                raise OutOfMemoryError(f"out of memory in {stage or 'qerl'}: {what}; {kept}",
                                        hint=OOM_HINTS.get(stage or "", None)) from None
         except QerlError as e:
             if os.environ.get("QERL_DEBUG"):

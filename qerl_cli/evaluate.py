@@ -105,8 +105,8 @@ class EvalConfig:
         if not (math.isfinite(t) and t >= 0):
             raise BadInputError(f"--temperature must be a finite number >= 0, got {t}")
         if 0 < t < MIN_TEMPERATURE:
-            raise BadInputError(f"--temperature {t:g} is below {MIN_TEMPERATURE:g} (the tempered logits "
-                                "overflow)", hint="pass --temperature 0 for greedy decoding")
+            raise BadInputError(f"--temperature {t:g} is below {MIN_TEMPERATURE:g}, which vLLM treats as greedy",
+                                hint="pass --temperature 0 for greedy decoding")
         if self.engine == "vllm":
             from qerl_cli.engine_vllm import check_vllm_device, check_vllm_temperature
 

@@ -160,7 +160,7 @@ def _check_flags(cfg: RolloutConfig) -> None:
     if cfg.temperature < 0 or not math.isfinite(cfg.temperature):
         bad(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
     if 0 < cfg.temperature < MIN_TEMPERATURE:
-        bad(f"--temperature {cfg.temperature:g} is below {MIN_TEMPERATURE:g} (the tempered logits overflow)",
+        bad(f"--temperature {cfg.temperature:g} is below {MIN_TEMPERATURE:g}, which vLLM treats as greedy",
             hint="pass --temperature 0 for greedy decoding")
     if cfg.engine == "vllm":
         from qerl_cli.engine_vllm import check_vllm_device, check_vllm_temperature

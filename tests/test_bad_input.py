@@ -513,6 +513,31 @@ def test_out_of_memory_names_the_flag_to_lower(p, tmp_path, monkeypatch, stage, 
     shutil.rmtree(tmp_path / "never", ignore_errors=True)
 
 
+def test_out_of_memory_inside_a_decode_step_names_rollouts_flags_and_keeps_its_groups(p, tmp_path, monkeypatch):
+    # A real GPU OOM surfaces in a decode step, inside LLMEngine.generate: it named max_num_batched_tokens (no
+    # stage takes it), not --batch-prompts, and the generic path said "nothing was written" while the groups
+    # finished before it stayed in the partial directory and a rerun resumed them.
+    from qerl_cli.engine.model_runner import ModelRunner
+
+    real, calls = ModelRunner.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) > 3:
+            _oom()
+        return real(self)
+
+    monkeypatch.setattr(ModelRunner, "step", step)
+    r = invoke(rollout_args(p["q"], p["prompts"], tmp_path / "out", "--batch-prompts", 1))
+    msg = assert_one_line_error(r, 6, "out of memory in rollout", "--max-num-seqs", "--batch-prompts", "kept")
+    assert "max_num_batched_tokens" not in msg and "nothing was written" not in msg
+    partial = [d for d in tmp_path.iterdir() if d.name.startswith(".out.partial-")]
+    assert partial and any(f.read_text().strip() for f in partial[0].glob("*.jsonl"))  # a finished group kept
+    monkeypatch.setattr(ModelRunner, "step", real)
+    r = invoke(rollout_args(p["q"], p["prompts"], tmp_path / "out", "--batch-prompts", 1))
+    assert r.exit_code == 0 and "wrote 8 completions for 4 prompts" in r.stdout, (r.stdout, r.stderr)
+
+
 def test_one_string_for_a_many_strings_field_is_that_string_not_its_characters():
     # From Python, stop="####" became ('#', '#', '#', '#'): a stop at every '#', silently.
     from qerl_cli.evaluate import EvalConfig

@@ -316,9 +316,12 @@ def test_an_eos_as_the_last_allowed_token_is_a_stop_and_ignore_eos_keeps_its_tex
     engine = LLMEngine(model, _EosTokenizer(first), max_num_seqs=2, block_size=4)
     out = engine.generate([[3, 4, 5]], _greedy(1))[0][0]  # EOS drawn as the one token allowed
     assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == ([first], "stop", first, "")
-    # ignore_eos: the EOS id is an ordinary token; stopping on it as a stop_token_id keeps its text
+    # ignore_eos: the EOS id is an ordinary token, drawn again past it; stopping on it as a stop_token_id leaves
+    # its text out, as vLLM does for any stop token
+    free = engine.generate([[3, 4, 5]], _greedy(4, ignore_eos=True))[0][0]
+    assert free.token_ids[0] == first and len(free.token_ids) == 4 and free.text.split()[0] == str(first)
     out = engine.generate([[3, 4, 5]], _greedy(4, ignore_eos=True, stop_token_ids=(first,)))[0][0]
-    assert (out.token_ids, out.stop_reason, out.text.strip()) == ([first], first, str(first))
+    assert (out.token_ids, out.stop_reason, out.text) == ([first], first, "")
 
 
 def test_generation_configs_eos_ids_stop_generation(tmp_path):

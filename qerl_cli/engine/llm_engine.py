@@ -121,11 +121,9 @@ class LLMEngine:
         prompt's index in this call)."""
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
-        try:
-            return self._generate(prompt_token_ids, sp, n, progress, seeds)
-        except torch.cuda.OutOfMemoryError:
-            raise OutOfMemoryError("out of GPU memory during generation",
-                                   hint="lower --max-num-seqs, or max_num_batched_tokens for long prompts") from None
+        # Out of memory propagates as torch's error: each stage names its own flags to lower (cli.OOM_HINTS);
+        # a hint here named max_num_batched_tokens, which no stage takes, and dropped rollout's --batch-prompts.
+        return self._generate(prompt_token_ids, sp, n, progress, seeds)
 
     def _generate(self, prompt_token_ids: list[list[int]], sp: SamplingParams, n: int,
                   progress: Callable[[int, int], None] | None, prompt_seeds: list[int] | None) -> list[list[Completion]]:
@@ -345,9 +343,10 @@ class LLMEngine:
         text = ""
         if self.tokenizer is not None:
             end = len(s)
-            if isinstance(s.stop_reason, int) and not sp.ignore_eos and s.stop_reason in self.eos_token_ids:
-                # the EOS stays in token_ids (with its logprob) but not in text, also when the tokenizer
-                # does not mark it special (skip_special_tokens kept an ordinary EOS token's text)
+            if isinstance(s.stop_reason, int):
+                # The EOS or stop token stays in token_ids (with its logprob) but not in text, as vLLM's detokenizer
+                # leaves it out; also when the tokenizer does not mark it special (skip_special_tokens kept an
+                # ordinary token's text, and a stop_token_ids hit was kept on purpose, wrongly, as "vLLM's way")
                 end -= 1
             text = self._text(s, s.num_prompt, end)
             if isinstance(s.stop_reason, str):

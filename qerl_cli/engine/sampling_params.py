@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Below this, logits / T overflow fp32 for ordinary logits (1e-40 gave inf, then NaN); qerl refuses them.
-# (vLLM treats temperatures under 1e-5 as greedy and raises those under 1e-2 to 1e-2: engine_vllm.)
+# Below this qerl refuses a temperature: vLLM treats temperatures under 1e-5 as greedy (and raises those under
+# 1e-2 to 1e-2: engine_vllm), and far enough below it logits / T overflow fp32 (1e-40 gave inf, then NaN).
 MIN_TEMPERATURE = 1e-5
 
 
@@ -34,8 +34,8 @@ class SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}: the tempered logits "
-                             "overflow (use 0 for greedy)")
+            raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, which vLLM treats as "
+                             "greedy (use 0 for greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
