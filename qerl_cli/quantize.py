@@ -318,6 +318,11 @@ def _process_unit(unit: Unit, tensors: dict[str, torch.Tensor], source, fmt, dev
     return out
 
 
+# The dense weights in other frameworks' files (TF, Flax, GGUF, ONNX): copying them put the full-precision
+# model into the NVFP4 directory, unreported in its "size after" (audit 2026-11-27).
+OTHER_WEIGHT_SUFFIXES = (".h5", ".msgpack", ".gguf", ".onnx", ".onnx_data")
+
+
 def copy_side_files(source: SourceModel, work: Path) -> list[str]:
     """Tokenizer, generation config, chat template, custom code...: every top-level file that is not a weight,
     and the named chat templates (``additional_chat_templates/*.jinja``)."""
@@ -328,8 +333,9 @@ def copy_side_files(source: SourceModel, work: Path) -> list[str]:
             continue
         if (
             p.suffix in PICKLE_SUFFIXES
+            or p.suffix in OTHER_WEIGHT_SUFFIXES
             or p.suffix == ".safetensors"
-            or p.name.endswith(".safetensors.index.json")
+            or p.name.endswith(".index.json")  # any framework's shard index: the source's weights, not ours
         ):
             continue
         shutil.copy2(p, work / p.name)

@@ -633,3 +633,39 @@ def test_an_older_output_is_done_only_while_its_copied_text_files_match_the_sour
     (src / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[2, 7])))
     with pytest.raises(OutputExistsError, match="input src_text changed"):
         run(src, tmp_path / "q")
+
+
+def test_other_frameworks_weights_and_shard_indexes_are_not_copied(tmp_path):
+    """A hub snapshot's TF/Flax/GGUF weights and pytorch_model.bin.index.json are the source's dense
+    weights: they do not belong in the NVFP4 directory (they were copied, and left out of "size after")."""
+    src = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, tokenizer=False)
+    extra = ["tf_model.h5", "flax_model.msgpack", "model-f16.gguf", "model.onnx", "pytorch_model.bin.index.json"]
+    for name in extra:
+        (src / name).write_bytes(b"{}")
+    (src / "README.md").write_text("kept\n")
+    res = quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    for name in extra:
+        assert not (tmp_path / "q" / name).exists() and name not in res.summary["copied_files"], name
+    assert (tmp_path / "q" / "README.md").exists()
+
+
+@pytest.mark.parametrize("stale", ["single", "index"])
+def test_a_directory_with_two_checkpoints_is_refused(tmp_path, stale):
+    """save_pretrained into a used directory leaves the other layout behind: transformers then loads
+    model.safetensors and vLLM the index's shards; quantize silently took the shards (or, for a stale
+    index, named a missing shard) instead of saying the source is ambiguous."""
+    import transformers
+
+    src = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, tokenizer=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    if stale == "single":
+        model.save_pretrained(src, max_shard_size="20KB")  # model.safetensors stays beside the new shards
+    else:
+        model.save_pretrained(src, max_shard_size="20KB")
+        for p in src.glob("model-*.safetensors"):
+            p.unlink()
+        model.save_pretrained(src)  # the index stays, naming deleted shards
+    assert (src / "model.safetensors").is_file() and (src / "model.safetensors.index.json").is_file()
+    with pytest.raises(BadInputError, match="two checkpoints"):
+        quantize(QuantizeConfig(src=src, out=tmp_path / "q", device="cpu", progress=False))
+    assert not (tmp_path / "q").exists()

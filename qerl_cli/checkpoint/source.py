@@ -79,6 +79,15 @@ def open_source(src: Path) -> SourceModel:
         shard_names = sorted(
             set(weight_map.values())
         )  # file order, so reads go through the shards in sequence
+        single = src / "model.safetensors"
+        if single.is_file() and single.name not in shard_names:
+            # Two checkpoints in one directory (save_pretrained into a used directory leaves the other
+            # behind): transformers loads model.safetensors, vLLM and qerl the index's shards.
+            raise BadInputError(
+                f"{src} holds two checkpoints: model.safetensors and the shards {INDEX_NAME} names "
+                "(transformers loads the first, vLLM and qerl the second)",
+                hint=f"delete the stale one: model.safetensors, or {INDEX_NAME} and its shards",
+            )
         shards = []
         for name in shard_names:
             p = src / name
