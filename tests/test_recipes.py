@@ -1126,3 +1126,41 @@ def test_a_run_dir_with_a_leading_dash_is_not_read_as_an_option(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:5] == ["./-rd", "./-rd/base", "eval", "--compare", "./-rd/eval-base"]
     assert (tmp_path / "-rd").is_dir()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["TERM", "INT"])
+def test_a_signal_to_quickstart_sh_stops_the_loop(tmp_path, sig, code):
+    # `kill <quickstart.sh pid>` stopped quickstart.sh alone: bash passes no signal to a foreground child, so
+    # grpo.sh ran the rest of the loop orphaned, still writing (a review). The signal now reaches the loop,
+    # whose running stage (a stand-in that records it) stops; quickstart.sh exits with the loop's status.
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $$" >> {log}\n'
+            f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
+            f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
+            f'for _ in $(seq 200); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    for _ in range(400):
+        if log.exists() and log.read_text().startswith("quantize"):
+            break
+        time.sleep(0.05)
+    p.send_signal(sig)  # to the script alone, not its process group
+    assert p.wait(timeout=20) == code
+    time.sleep(1)  # an orphaned loop would start its next stage here
+    lines = log.read_text().splitlines()
+    assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
+
+
+def test_a_job_rerun_alone_names_a_force_of_the_environment_it_does_not_use(tmp_path):
+    # FORCE=1 in the environment of a job rerun alone (after editing submit.env) was silently the chain's FORCE=0:
+    # the stage refused with "pass --force", and the note naming the environment's unused settings left FORCE out.
+    cfg, run = _submit_7b_chain(tmp_path)
+    qerl, _ = _argv_recorder(tmp_path)
+    cmd = ["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "0"]
+    err = subprocess.run(cmd, env={**os.environ, "QERL": str(qerl), "FORCE": "1"}, check=True, capture_output=True,
+                         text=True).stderr
+    assert "FORCE differ" in err, err
