@@ -45,6 +45,13 @@ class OutputExistsError(QerlError):
     exit_code = 4
 
 
+class OutputBusyError(OutputExistsError):
+    """Another qerl run is writing the same --out, or wrote it while this one ran. Not exit 4: a loop that
+    redoes an exit-4 stage with --force (the recipes' FORCE=1) would replace what the other run made."""
+
+    exit_code = 8
+
+
 # Sampled log-probs that are NaN/Inf: the logits were (rollout, eval).
 NONFINITE_LOGITS_HINT = "the forward overflows: run with --dtype bf16 or fp32 (fp16 overflows easily), or check --adapter"
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import __version__
-from qerl_cli.errors import BadInputError, OutputExistsError, OutputWriteError, QerlWarning
+from qerl_cli.errors import BadInputError, OutputBusyError, OutputExistsError, OutputWriteError, QerlWarning
 from qerl_cli.hashing import sha256_files, sha256_json
 
 # Outputs this process found done or put in place: a signal after that point leaves them whole, which the
@@ -465,7 +465,7 @@ class StageOutput:
             now = m["fingerprint"]
             if now == self._seen or now in self._same_run:
                 return
-        raise OutputExistsError(
+        raise OutputBusyError(
             f"{self.out} was written by another run while this one ran ({m['stage'] if m else 'no manifest'}, "
             f"fingerprint {str(now)[:12]}); this run's output was not put in its place",
             hint="give each run its own --out" + (f"; this run's finished groups stay in {work}, which only a run into "

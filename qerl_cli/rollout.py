@@ -61,6 +61,7 @@ from qerl_cli.errors import (
     NONFINITE_LOGITS_HINT,
     BadInputError,
     NumericalError,
+    OutputBusyError,
     OutputExistsError,
     QerlError,
     QerlWarning,
@@ -658,7 +659,7 @@ class _WriterLock:
             import fcntl  # POSIX only: elsewhere the final swap's own check is what remains
         except ImportError:
             return self
-        busy = OutputExistsError(f"another qerl rollout is writing {self.out.out} right now",
+        busy = OutputBusyError(f"another qerl rollout is writing {self.out.out} right now",
                                  hint="wait for it, or stop it; this run resumes where it stops")
         for _ in range(8):
             try:
@@ -683,7 +684,7 @@ class _WriterLock:
             raise busy
         if self.out.finished_meanwhile():  # finished by a run that held the lock before this one took it
             self._release()
-            raise OutputExistsError(f"{self.out.out} was finished by another qerl rollout while this one started",
+            raise OutputBusyError(f"{self.out.out} was finished by another qerl rollout while this one started",
                                     hint="nothing to do: a rerun reports it done")
         return self
 

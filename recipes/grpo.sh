@@ -65,7 +65,8 @@ run_qerl() {  # qerl ARGS..., as a child this script waits for; after a signal, 
 # A stage that refuses because its output was made from other inputs exits 4. With FORCE=1 that
 # stage alone is redone with --force; a later stage whose inputs it changed refuses and is redone in
 # turn, and one whose inputs did not change stays "already done" (so changing MERGE_DTYPE redoes
-# merge and eval, not the RL loop).
+# merge and eval, not the RL loop). Exit 8 (another qerl run is writing that output, or wrote it meanwhile: two
+# loops on one run dir) is never redone: --force would replace the other loop's output.
 stage() {
   local rc=0
   run_qerl "$@" || rc=$?

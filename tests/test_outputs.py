@@ -100,6 +100,8 @@ def test_a_run_that_finishes_after_another_into_its_out_does_not_replace_it(tmp_
         second.__exit__(None, None, None)
     # the hint said "kept for a rerun": a rerun is refused (--out holds the other run) and another --out starts over
     assert (f"finished groups stay in {work2}, which only a run into {out} resumes" in e.value.hint) == resumable
+    # exit 8, not 4: recipes redo an exit-4 stage with --force under FORCE=1, replacing the other run's output
+    assert e.value.exit_code == 8
     assert (out / "a.txt").read_text() == "one" and read_manifest(out)["fingerprint"] == first.fingerprint
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "o")
     assert left == ([f".o.partial-{second.fingerprint[:16]}"] if resumable else [])  # finished groups kept

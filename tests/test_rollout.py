@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import qerl_cli.rollout as ro
 from qerl_cli.cli import app
-from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
+from qerl_cli.errors import BadInputError, LineageError, OutputBusyError, OutputExistsError
 from qerl_cli.outputs import read_manifest
 from qerl_cli.rollout import RolloutConfig, rollout, select_prompts
 from qerl_cli.shards import read_records
@@ -422,7 +422,7 @@ def test_cli_interrupt_says_groups_are_kept(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ro, "_native_generator", boom)
     r = CliRunner().invoke(app, ["rollout", "--model", str(model_dir), "--prompts", str(prompts),
                                  "--out", str(tmp_path / "o"), "--device", "cpu", "-q"])
-    assert r.exit_code == 130 and "rerun the same command to resume" in r.output
+    assert r.exit_code == 130 and "no prompt group was saved yet (0 of 4; " in r.output and "rerun the same" in r.output
 
 
 def test_chat_rows_and_gsm8k_rows(model_dir, tmp_path, fake_engine):
@@ -447,7 +447,7 @@ def test_second_concurrent_writer_is_refused(model_dir, tmp_path, monkeypatch):
 
     def second_run_meanwhile(cfg, tokenizer, device, torch_dtype, sigma, max_model_len, **_):
         part = next(p for p in tmp_path.glob(".out.partial-*") if p.is_dir())
-        with pytest.raises(OutputExistsError, match="another qerl rollout is writing"):
+        with pytest.raises(OutputBusyError, match="another qerl rollout is writing"):  # exit 8: FORCE=1 redoes 4s
             rollout(cfg_for(model_dir, tmp_path, max_prompts=2))
         seen["partial_kept"] = part.exists() and part.with_name(part.name + ".lock").exists()
         return ro._Generator(FakeEngine(tokenizer), "sp", "fake"), None
@@ -506,7 +506,7 @@ def test_second_writer_is_refused_while_the_first_hashes_and_renames(model_dir, 
         return real_enter(self)
 
     monkeypatch.setattr(ro._WriterLock, "__enter__", finish_another_first)
-    with pytest.raises(OutputExistsError, match="was finished by another qerl rollout while this one started"):
+    with pytest.raises(OutputBusyError, match="was finished by another qerl rollout while this one started"):
         rollout(cfg2)
     assert read_manifest(tmp_path / "out2") == first[0]["manifest"] and not list(tmp_path.glob(".out2*"))
 
