@@ -15,6 +15,8 @@
 set -euo pipefail
 here=$PWD
 cd "$(dirname "$0")/.."
+# shellcheck source=recipes/lib.sh
+source recipes/lib.sh  # qerl_run_forwarding: a signal to this script stops what it runs
 # Paths you pass are read where you ran the command; the defaults live in the repository.
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$here" "$1" ;; esac; }
 OUT=${1:+$(abs "$1")}; OUT=${OUT:-runs/compare}
@@ -32,7 +34,7 @@ for seed in $SEEDS; do
 done
 # Once per base format, before the runs: a run quantized and scored its own copy (9 copies for 3 seeds).
 for fmt in nvfp4 bf16; do
-  STEPS=0 BASE_FORMAT=$fmt bash recipes/grpo.sh "$CONFIG" "$OUT/shared-$fmt" >> "$OUT/shared-$fmt.log" 2>&1 \
+  STEPS=0 BASE_FORMAT=$fmt qerl_run_forwarding bash recipes/grpo.sh "$CONFIG" "$OUT/shared-$fmt" >> "$OUT/shared-$fmt.log" 2>&1 \
     || { echo "FAILED: the shared $fmt base (see $OUT/shared-$fmt.log)"; exit 1; }
 done
 link_shared() {  # RUN_DIR BASE_FORMAT: hard links (a copy across file systems) to what the run shares
@@ -60,5 +62,6 @@ run_one() {  # NAME SEED BASE_FORMAT SIGMA_START [SIGMA_END]
   echo "done: $dir"
 }
 export -f run_one link_shared; export OUT CONFIG
-printf '%s\n' "${jobs[@]}" | xargs -P "$PARALLEL" -I{} bash -c 'run_one {}'
+printf '%s\n' "${jobs[@]}" > "$OUT/.jobs"
+qerl_run_forwarding xargs -a "$OUT/.jobs" -P "$PARALLEL" -I{} bash -c 'run_one {}'  # a signal stops every run
 python recipes/plot_compare.py "$OUT"

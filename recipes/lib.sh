@@ -196,3 +196,27 @@ qerl_merge_cmd() {  # the last step's adapter merged into RUN_DIR/merged
 }
 
 qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"); }
+
+# `qerl_run_forwarding CMD...`: CMD in a process group of its own, passing TERM, INT and HUP on to that group;
+# returns CMD's status. bash passes no signal to a foreground child, so `kill <script pid>` stopped a script
+# alone and left what it ran going, orphaned: quickstart.sh's loop, compare_aqn.sh's xargs starting the rest
+# of its runs (a review). The group is CMD's own (a background job of a script without job control ignores
+# SIGINT), and a signal to the script's group reaches it once, through here.
+_qerl_group=""
+_qerl_forward() {  # SIGNAL NUMBER
+  if [ -n "$_qerl_group" ]; then kill -s "$1" -- "-$_qerl_group" 2>/dev/null || true; else exit $((128 + $2)); fi
+}
+qerl_run_forwarding() {
+  local rc=0
+  trap '_qerl_forward TERM 15' TERM
+  trap '_qerl_forward INT 2' INT
+  trap '_qerl_forward HUP 1' HUP
+  set -m; "$@" & _qerl_group=$!; set +m
+  while :; do  # a signal ends a wait early: wait until CMD itself has exited (a zombie still answers kill -0)
+    rc=0; wait "$_qerl_group" || rc=$?
+    kill -0 "$_qerl_group" 2>/dev/null || break
+  done
+  _qerl_group=""
+  trap - TERM INT HUP
+  return "$rc"
+}

@@ -34,21 +34,9 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} TOKENIZERS_PARALLELISM=false
 
 start=$(date +%s)
-# The loop gets the signal this script gets: bash passes none to a foreground child, so `kill <this pid>`
-# stopped this script alone and left grpo.sh running the rest of the loop, orphaned (a review). It runs in
-# a process group of its own (a background job of a script without one ignores SIGINT, and a signal to
-# this script's group reaches it once, through here); the script waits for it and exits with its status.
-loop=""
-on_signal() { if [ -n "$loop" ]; then kill -s "$1" "$loop" 2>/dev/null || true; else exit $((128 + $2)); fi; }
-trap 'on_signal TERM 15' TERM
-trap 'on_signal INT 2' INT
-trap 'on_signal HUP 1' HUP
-set -m; bash recipes/grpo.sh recipes/configs/tiny.env "$RUN_DIR" & loop=$!; set +m
-while :; do  # a signal ends a wait early: wait until the loop itself has exited (a zombie still answers kill -0)
-  rc=0; wait "$loop" || rc=$?
-  kill -0 "$loop" 2>/dev/null || break
-done
-trap - TERM INT HUP
+# shellcheck source=recipes/lib.sh
+source recipes/lib.sh
+rc=0; qerl_run_forwarding bash recipes/grpo.sh recipes/configs/tiny.env "$RUN_DIR" || rc=$?  # a signal reaches the loop
 [ "$rc" = 0 ] || exit "$rc"
 if [ -f "$RUN_DIR/metrics.jsonl" ]; then
   python recipes/plot_run.py "$RUN_DIR"

@@ -889,6 +889,30 @@ def test_compare_aqn_rerun_keeps_the_first_runs_logs(tmp_path):
         assert len((out / log).read_text()) > len(first[log]), log
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_signal_to_compare_aqn_sh_stops_every_run(tmp_path):
+    # `kill <compare_aqn.sh pid>` stopped the script alone: xargs went on starting the remaining runs, and no
+    # results were written (a review). The signal now reaches xargs and each running loop's stage.
+    log = tmp_path / "calls.log"
+    qerl = _recorder(tmp_path, "qerl", f"""echo "$1 $*" >> {log}
+[ "$1" = rollout ] || exit 0
+trap 'echo "rollout got TERM" >> {log}; exit 143' TERM
+for _ in $(seq 200); do sleep 0.05; done; echo "rollout not signalled" >> {log}
+""")
+    env = {**os.environ, "QERL": str(qerl), "SEEDS": "0 1", "PARALLEL": "1", "STEPS": "1", "EVAL_EVERY": "0"}
+    p = subprocess.Popen(["bash", str(RECIPES / "compare_aqn.sh"), str(tmp_path / "out")], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(400):
+        if log.exists() and "rollout" in log.read_text():
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # to the script alone, not its process group
+    assert p.wait(timeout=20) != 0
+    time.sleep(1.5)  # an orphaned xargs would start the next run here
+    rollouts = [x for x in log.read_text().splitlines() if x.startswith("rollout")]
+    assert len(rollouts) == 2 and rollouts[1] == "rollout got TERM", rollouts
+
+
 def test_grpo_steps_0_makes_and_scores_the_base_only_and_slurm_refuses_it(tmp_path):
     log = tmp_path / "calls.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$1" >> {log}\n')

@@ -494,7 +494,7 @@ def test_second_writer_is_refused_while_the_first_hashes_and_renames(model_dir, 
     out = str(tmp_path / "out")
     assert seen == [("hashing", f"another qerl rollout is writing {out}"), ("renamed", "already done")]
     assert res["summary"]["groups"] == 2 and read_manifest(tmp_path / "out") == res["manifest"]
-    # A run that found no output, then took the lock after another run finished it, stops (exit 4).
+    # A run that found no output, then took the lock after another run finished it, stops (exit 8).
     monkeypatch.undo()
     cfg2 = cfg_for(model_dir, tmp_path, max_prompts=2, out=tmp_path / "out2")
     real_enter, first = ro._WriterLock.__enter__, []
