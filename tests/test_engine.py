@@ -436,3 +436,21 @@ def test_one_stop_string_is_one_stop_and_needs_a_tokenizer(tiny):
     engine = LLMEngine(load_model(tiny, dtype=torch.float32), None, max_num_seqs=2, block_size=4)
     with pytest.raises(ValueError, match="tokenizer"):  # were ignored: every completion ran to its length
         engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=4, stop=("x",)))
+
+
+def test_a_slot_reused_by_a_shorter_sequence_points_past_its_blocks_at_scratch():
+    """A slot's block-table row kept its previous occupant's block ids past the new sequence's own blocks, and
+    another live sequence may hold those blocks by then: one write past a reservation would have corrupted its
+    KV silently (a mutation review: nothing but the reservation's +1 kept that from happening)."""
+    from types import SimpleNamespace
+
+    from qerl_cli.engine.block_manager import BlockManager
+    from qerl_cli.engine.model_runner import ModelRunner
+    from qerl_cli.engine.sequence import Sequence
+
+    runner = SimpleNamespace(block_tables=torch.zeros(3, 6, dtype=torch.int32))
+    long = Sequence(group=0, child=0, token_ids=[1] * 20, num_prompt=20, max_len=24, block_table=[5, 6, 7, 8, 9], slot=1)
+    ModelRunner.set_block_table(runner, long)
+    short = Sequence(group=1, child=0, token_ids=[1] * 3, num_prompt=3, max_len=6, block_table=[2, 3], slot=1)
+    ModelRunner.set_block_table(runner, short)
+    assert runner.block_tables[1].tolist() == [2, 3] + [BlockManager.SCRATCH] * 4

@@ -105,6 +105,9 @@ class ModelRunner:
     def set_block_table(self, seq: Sequence) -> None:
         row = torch.tensor(seq.block_table, dtype=torch.int32)
         self.block_tables[seq.slot, : len(row)].copy_(row, non_blocking=False)
+        # Past its own blocks the row named the slot's previous occupant's, which another live sequence may hold
+        # by now: a write past a reservation would have corrupted its cache silently. Scratch takes it instead.
+        self.block_tables[seq.slot, len(row):].fill_(BlockManager.SCRATCH)
 
     # ---- prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
