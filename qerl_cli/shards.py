@@ -56,6 +56,8 @@ FIELDS: dict[str, tuple] = {
     "noise": (dict,),
     "engine": (str,),
 }
+# The stages contract's "answer (reference, if any)": a writer may leave it out; read as null.
+OPTIONAL_FIELDS = ("answer",)
 FINISH_REASONS = ("stop", "length")
 SHARD_GLOB = "shard-*-of-*.jsonl"
 
@@ -140,11 +142,11 @@ def validate_record(rec: Any) -> str | None:
     """Why ``rec`` is not a valid record, or None when it is."""
     if not isinstance(rec, dict):
         return f"expected a JSON object, got {type(rec).__name__}"
-    missing = [k for k in FIELDS if k not in rec]
+    missing = [k for k in FIELDS if k not in rec and k not in OPTIONAL_FIELDS]
     if missing:
         return f"missing field(s) {', '.join(missing)}"
     for k, types in FIELDS.items():
-        v = rec[k]
+        v = rec.get(k)
         # bool is an int subclass in Python; a boolean reward or step is a bug upstream.
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
@@ -383,6 +385,8 @@ def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator
                     raise BadInputError(msg, hint="pass --skip-bad-lines to skip such lines")
                 report.bad_lines.append(msg)
                 continue
+            for k in OPTIONAL_FIELDS:
+                rec.setdefault(k, None)
             report.records += 1
             report.origins.append((path, i))
             yield rec
@@ -409,9 +413,11 @@ def iter_records(
 
 
 def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> None:
-    """Each group's records must be one run of lines in one file, as a rollout writes them. A group
-    found twice (a retried job's second output dir, a shard named twice, two prompt files whose
-    default ids collide) would silently merge two samplings into one group's advantages."""
+    """Each group's records must lie in one file. A group found in two files (a retried job's second
+    output dir, a copied shard, two prompt files whose default ids collide) would silently merge two
+    samplings into one group's advantages. Within one file the lines of a group need not be adjacent:
+    the stages contract asks only for a shared group_id, and a writer that emits completions as they
+    finish interleaves groups (qerl's rollout writes each group as one run of lines)."""
     first: dict[str, int] = {}
     for j, r in enumerate(records):
         g = r["group_id"]
@@ -423,8 +429,7 @@ def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> 
             raise BadInputError(f"group {g!r} holds prompt {records[first[g]]['prompt_id']!r} at {fa}:{la} and "
                                 f"prompt {r['prompt_id']!r} at {fb}:{lb}",
                                 hint="a group is one prompt's G completions: give each prompt its own group_id")
-        k = j - 1
-        if records[k]["group_id"] != g or origins[k][0] != origins[j][0]:
+        if origins[first[g]][0] != origins[j][0]:
             (fa, la), (fb, lb) = origins[first[g]], origins[j]
             raise BadInputError(f"group {g!r} appears at {fa}:{la} and again at {fb}:{lb}",
                                 hint="train on each group once: name each rollout output of the step once")

@@ -205,7 +205,9 @@ def read_step(cfg: TrainStepConfig) -> StepData:
     recs = read_records(_in_path_order(named), skip_bad_lines=cfg.skip_bad_lines, report=report)
     where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
     if not recs:
-        raise BadInputError(f"{where}: no rollout records to train on")
+        skipped = (f" (--skip-bad-lines skipped all {len(report.bad_lines)} lines; first: {report.bad_lines[0]})"
+                   if report.bad_lines else "")
+        raise BadInputError(f"{where}: no rollout records to train on{skipped}")
     check_groups_whole(recs, report.origins)
     for r, (f, line) in zip(recs, report.origins):
         # Caught here, before a process group starts: found later by the one rank that collates it, the

@@ -248,3 +248,39 @@ def test_model_without_noised_norms_is_refused():
 def test_noise_record_names_the_rounding_dtype():
     from qerl_cli.aqn import apply_noise
     assert apply_noise(_model(), 1e-2, run_seed=1, step=1, rounded_to="bfloat16")["rounded_to"] == "bfloat16"
+
+
+def test_a_group_interleaved_within_one_file_is_accepted(tmp_path):
+    # The stages contract asks only that the G completions of a prompt share a group_id; a writer that
+    # emits completions as they finish interleaves groups in its file. Refused as "appears ... and again".
+    from qerl_cli.shards import check_groups_whole
+    recs = [_rec(group_id="a", prompt_id="pa"), _rec(group_id="b", prompt_id="pb"),
+            _rec(group_id="a", prompt_id="pa"), _rec(group_id="b", prompt_id="pb")]
+    check_groups_whole(recs, [(tmp_path / "a.jsonl", i) for i in range(1, 5)])
+    with pytest.raises(BadInputError, match="appears at"):  # across files it is still a group found twice
+        check_groups_whole(recs, [(tmp_path / "a.jsonl", 1), (tmp_path / "a.jsonl", 2),
+                                  (tmp_path / "b.jsonl", 1), (tmp_path / "b.jsonl", 2)])
+
+
+def test_a_record_without_answer_reads_as_null(tmp_path):
+    # The contract: "answer (reference, if any)"; a writer may leave it out.
+    import json
+    from qerl_cli.shards import read_records
+    rec = _rec()
+    del rec["answer"]
+    (tmp_path / "shard-00000-of-00001.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
+    got = read_records(tmp_path)
+    assert len(got) == 2 and got[0]["answer"] is None
+
+
+def test_no_records_left_after_skipping_says_why(tmp_path):
+    # --skip-bad-lines over a shard whose every line is bad ended in "no rollout records to train on"
+    # without the reason the lines were skipped.
+    import json
+    from types import SimpleNamespace
+    from qerl_cli.train_step import read_step
+    rec = _rec()
+    del rec["engine"]
+    (tmp_path / "shard-00000-of-00001.jsonl").write_text(json.dumps(rec) + "\n")
+    with pytest.raises(BadInputError, match=r"no rollout records to train on .*skipped all 1 lines.*missing field\(s\) engine"):
+        read_step(SimpleNamespace(shards=[str(tmp_path)], skip_bad_lines=True))
