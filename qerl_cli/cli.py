@@ -35,14 +35,24 @@ def _click_exceptions():
     return exceptions
 
 
-def _usage_error(e, command_path: str, root) -> None:
+def _repeat_hint(command, args: list[str], message: str) -> str:
+    """For `--shards a b`: the flag takes one value and is repeated (Click said only "unexpected extra argument b")."""
+    if "unexpected extra argument" not in message:
+        return ""
+    multi = {o for p in getattr(command, "params", ()) if getattr(p, "multiple", False) for o in p.opts}
+    # a bare word right after such a flag's value: the stages take no positional arguments
+    named = next((args[i - 2] for i in range(2, len(args)) if args[i - 2] in multi and not args[i].startswith("-")), None)
+    return f"; {named} takes one value, repeated for several ({named} A {named} B)" if named else ""
+
+
+def _usage_error(e, command_path: str, root, extra: str = "") -> None:
     """A flag-parsing error as one `error:` line on stderr, exit 2, as every other bad input: Click and Typer
     printed the usage, a hint and a Rich box (five lines, no `error:`; docs audit, session 44). Only where
     the app runs standalone (the `qerl` command, CliRunner): a caller of ``app(..., standalone_mode=False)``
     gets click's exception, as before."""
     if not getattr(root, "standalone", True):
         raise e
-    print(f"error: {e.format_message()} (see `{command_path} --help`)", file=sys.stderr)
+    print(f"error: {e.format_message()}{extra} (see `{command_path} --help`)", file=sys.stderr)
     sys.exit(e.exit_code)
 
 
@@ -53,6 +63,7 @@ class _OneLineUsageErrors:
     def make_context(self, info_name, args, parent=None, **extra):
         exceptions = _click_exceptions()
         help_error = getattr(exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; older click prints the help itself
+        given = list(args)  # click's parser consumes the list it is given
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except help_error:
@@ -60,7 +71,8 @@ class _OneLineUsageErrors:
         except exceptions.UsageError as e:
             path = e.ctx.command_path if e.ctx is not None else " ".join(
                 x for x in (parent.command_path if parent is not None else "", info_name or "") if x)
-            _usage_error(e, path, parent.find_root().command if parent is not None else self)
+            _usage_error(e, path, parent.find_root().command if parent is not None else self,
+                         _repeat_hint(self, given, e.format_message()))
 
 
 class _Group(_OneLineUsageErrors, TyperGroup):

@@ -265,6 +265,7 @@ def test_a_group_interleaved_within_one_file_is_accepted(tmp_path):
 def test_a_record_without_answer_reads_as_null(tmp_path):
     # The contract: "answer (reference, if any)"; a writer may leave it out.
     import json
+
     from qerl_cli.shards import read_records
     rec = _rec()
     del rec["answer"]
@@ -278,6 +279,7 @@ def test_no_records_left_after_skipping_says_why(tmp_path):
     # without the reason the lines were skipped.
     import json
     from types import SimpleNamespace
+
     from qerl_cli.train_step import read_step
     rec = _rec()
     del rec["engine"]

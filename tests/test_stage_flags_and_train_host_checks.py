@@ -907,3 +907,17 @@ def test_compile_processes_default_to_the_cpus_at_most_16_and_take_the_environme
     monkeypatch.setenv("QERL_COMPILE_PROCESSES", "-1")
     with pytest.raises(ValueError, match="QERL_COMPILE_PROCESSES must be a whole number >= 0, got '-1'"):
         compile_ahead.default_processes()
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["train-step", "--model", "m", "--shards", "a", "b", "--out", "o"], "; --shards takes one value, repeated"),
+    (["rollout", "--model", "m", "--prompts", "p", "--out", "o", "--reward", "gsm8k", "format"], "; --reward takes one"),
+    (["rollout", "--model", "m", "--prompts", "p", "--stop", "X", "--out", "o", "extra"], None),
+])
+def test_several_values_after_a_repeated_flag_name_the_repetition(args, hint):
+    """`--shards a b`, as stages.md spells it, was "Got unexpected extra argument(s) (b)" with no word of why (a
+    review). A flag that takes several values takes one each time it is given: the error now says so; a stray
+    word elsewhere keeps Click's message."""
+    r = _invoke(args)
+    assert r.exit_code == 2 and "unexpected extra argument" in r.output, r.output
+    assert (hint in r.output) if hint else "takes one value" not in r.output, r.output
