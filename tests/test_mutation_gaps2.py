@@ -497,7 +497,7 @@ def test_an_adapter_config_with_rank_zero_is_bad_input(tmp_path):
     from qerl_cli.adapters import read_adapter_spec
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 0, "target_modules": ["q_proj"]}))
-    with pytest.raises(BadInputError, match="invalid 'r'"):
+    with pytest.raises(BadInputError, match="'r' must be a positive integer, got 0"):
         read_adapter_spec(tmp_path)
 
 
