@@ -1,7 +1,29 @@
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+
+def _import_the_installed_kernels_package():
+    """`python -m pytest` (tests/run.sh) runs with the repository root on sys.path, where the directory
+    kernels/ (installed as qerl_kernels) answers `import kernels`: the name of the Hugging Face package
+    that transformers imports whenever that package is installed (transformers.integrations.hub_kernels),
+    which then failed with "cannot import name 'CUDAProperties' from 'kernels'". Imported first with the
+    root left out, the installed package is the one every later `import kernels` gets."""
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != root]
+    try:
+        import kernels  # noqa: F401
+    except ImportError:  # not installed: nothing imports it under this name
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_the_installed_kernels_package()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Typer reads TERMINAL_WIDTH once, when typer.rich_utils is first imported. Tests that invoke --help with

@@ -218,8 +218,12 @@ def test_sdist_carries_every_tracked_file(tmp_path):
     for f in tracked:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, src / f)
-    out = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
-                          "print(b.build_sdist(sys.argv[1]))", str(tmp_path / "dist")],
+    # With no directory holding qerl's kernels/ on sys.path (pip runs a backend without the source tree there):
+    # `kernels.locking`, an egg_info writer the Hugging Face package `kernels` registers, was looked up in it.
+    build = ("import os, sys; sys.path[:] = [p for p in sys.path if not os.path.isfile("
+             "os.path.join(p or os.curdir, 'kernels', 'twiddle_triton.py'))]\n"
+             "from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))")
+    out = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")],
                          cwd=src, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     name = out.stdout.strip().splitlines()[-1]
@@ -296,3 +300,35 @@ def test_a_path_flag_after_equals_takes_tilde_as_home(tmp_path, monkeypatch):
     assert out.exit_code == 0, out.output
     assert (home / "q" / "manifest.json").is_file() and not (work / "~").exists()
     assert str(home / "q") in out.output
+
+
+def test_the_installed_kernels_package_is_not_shadowed_by_the_repositorys_kernels_dir(tmp_path):
+    # `python -m pytest` from the root (tests/run.sh) puts the root on sys.path, where kernels/ (installed as
+    # qerl_kernels) answered `import kernels`, the Hugging Face package's name: with that package installed,
+    # transformers' modeling_utils failed to import ("cannot import name 'CUDAProperties' from 'kernels'").
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'the installed kernels package'\n")
+    probe = (f"import sys; sys.path.insert(1, {str(site)!r})\n"
+             "import tests.conftest\n"
+             "import kernels, qerl_kernels.reference\n"
+             "print(kernels.CUDAProperties)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "the installed kernels package"
+
+
+def test_typer_floor_runs_with_the_click_pip_installs_beside_it():
+    # typer declares click >= 8.0 with no upper bound, so pip pairs any typer with the newest click. With
+    # click >= 8.2, typer 0.12-0.15 raised TypeError on every `qerl` command (even --version) and 0.16-0.17
+    # printed a traceback for a missing required option (`qerl rollout --model q --out x`); 0.18 is the first
+    # that gives the one-line error.
+    from packaging.version import Version
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (typer,) = [d for d in deps if re.match(r"typer\b", d)]
+    floor = re.search(r">=\s*([0-9.]+)", typer)
+    assert floor and Version(floor.group(1)) >= Version("0.18"), typer
