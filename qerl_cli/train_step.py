@@ -76,7 +76,7 @@ from qerl_cli.train.optim import (
     save_optimizer,
     set_lr,
 )
-from qerl_cli.train.state import STATE_FILE, TrainerState, capture_rng, restore_rng
+from qerl_cli.train.state import STATE_FILE, TrainerState, capture_rng, foreign_state, restore_rng
 
 STAGE = "train-step"
 METRICS_FILE = "metrics.jsonl"
@@ -697,10 +697,13 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     from qerl_cli.adapters import adapter_hash
 
     state = TrainerState()
-    if cfg.adapter is not None and (Path(cfg.adapter) / STATE_FILE).exists():
-        state = TrainerState.load(Path(cfg.adapter) / STATE_FILE)
+    state_file = Path(cfg.adapter) / STATE_FILE if cfg.adapter is not None else None
+    who = foreign_state(state_file) if state_file is not None and state_file.exists() else None
+    if state_file is not None and state_file.exists() and who is None:
+        state = TrainerState.load(state_file)
     elif cfg.adapter is not None:
-        _say(cfg, f"note: {cfg.adapter} has no {STATE_FILE}; starting the schedule at step {data.step}")
+        why = f": its {STATE_FILE} is {who}, not qerl's" if who else f" has no {STATE_FILE}"
+        _say(cfg, f"note: {cfg.adapter}{why}; starting the schedule at step {data.step}")
         state.global_step = data.step
     spec = _lora_spec(cfg)
     parent_hash = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
@@ -727,6 +730,11 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
         return dict(out.manifest, already_done=True)
     if data.step != state.global_step:  # after the checks: not a line above an error, nor on an "already done"
         _warn(f"shards are from rollout step {data.step} but the adapter is at step {state.global_step}")
+    if cfg.total_steps and state.global_step >= cfg.total_steps:  # the schedule is over: without --min-lr-ratio,
+        floor = cfg.lr * cfg.min_lr_ratio                          # LR 0 wrote the input adapter back unchanged
+        _warn(f"the adapter is at step {state.global_step}, past --total-steps {cfg.total_steps}: this step trains at "
+              f"the schedule's floor, --min-lr-ratio x --lr = {floor:g}"
+              + ("" if floor else " (the weights will not change)"))
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
     lengths = [len(p) + len(c) for p, c in zip(data.prompts, data.completions)]
@@ -996,7 +1004,9 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
         rng=rng_state,
         lora={"r": spec.r, "alpha": spec.alpha, "dropout": spec.dropout, "targets": list(spec.targets),
               "train_norms": cfg.train_norms},
-        last_shards=[str(f) for f in data.files],
+        # resolved: as --shards spelled them (a relative path, another cwd), one step's redo wrote another
+        # trainer_state.json, and the next step, whose input hash holds that file, said "input adapter changed"
+        last_shards=[str(f.resolve()) for f in data.files],
     )
     manifest, failure = None, None
     if dist.is_main:

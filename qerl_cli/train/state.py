@@ -6,9 +6,11 @@ Plain JSON (readable with ``jq``), written next to the adapter. It records
   rollout step ``global_step``); ``optimizer_steps`` counts updates (``--epochs`` per step).
 - ``schedule`` and ``last_shards``: a record for people and tools (the step's LR settings and the last LR
   it used; the shard files it read). Not read back: the LR is a pure function of the step and the flags.
-- ``rng``: the seed and the torch CPU/CUDA generator states after the step, restored by the next
-  step (dropout masks themselves are drawn from generators seeded per (seed, step, epoch,
-  micro-batch) so they do not depend on how micro-batches are spread over GPUs).
+- ``rng``: the seed and the torch CPU/CUDA generator states as the step began (restored from the input
+  adapter, or seeded with ``--seed`` at a fresh start), restored by the next step: so the same state is
+  handed down the whole run, whatever the number of GPUs (after the loop each rank's state would be its own
+  last micro-batch's). Dropout masks are drawn from generators seeded per (seed, step, epoch, micro-batch),
+  so nothing the step computes depends on this state.
 - ``base_model_hash`` and ``lineage`` (hashes of every adapter this one descends from, oldest
   first): a later step refuses a base model or shards that do not belong to this chain.
 """
@@ -52,6 +54,12 @@ class TrainerState:
             raise BadInputError(f"{path}: unreadable trainer state ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
             raise BadInputError(f"{path}: not a qerl trainer state (no integer global_step)")
+        # A negative step is no position on the schedule: under warmup, lr_at gave a negative LR there (gradient
+        # ascent, written as a finished step)
+        for k in ("global_step", "optimizer_steps"):
+            if isinstance(data.get(k), int) and data[k] < 0:
+                raise BadInputError(f"{path}: {k} should be >= 0, got {data[k]}",
+                                    hint="restore the file from the step that wrote it")
         known = set(cls.__dataclass_fields__)
         # A field of another type (a hand edit, another tool's file) ended the step in a traceback: the RNG
         # state before the loop, optimizer_steps or lineage only after the whole step had run. Checked before
@@ -74,6 +82,24 @@ class TrainerState:
                                         and all(isinstance(s, str) and _is_b64(s) for s in rng["torch_cuda"])):
             raise BadInputError(f"{path}: rng.torch_cuda is not a list of torch CUDA generator states")
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# Keys transformers' Trainer writes in its own trainer_state.json (a checkpoint-N/ dir of an SFT LoRA run holds
+# it beside the PEFT files) and qerl's never does: its global_step counts optimizer steps of another run.
+_HF_TRAINER_KEYS = ("log_history", "best_model_checkpoint", "total_flos", "is_world_process_zero")
+
+
+def foreign_state(path: Path) -> str | None:
+    """Who wrote ``path`` when it is not qerl's own trainer state (a Hugging Face Trainer checkpoint's), else None.
+    Read as qerl's, its ``global_step`` (the SFT run's optimizer steps, e.g. 500) became the RL schedule position:
+    warmup skipped and, past ``--total-steps``, an LR of 0 for every step of the run."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None  # TrainerState.load says what is wrong with it
+    if isinstance(data, dict) and "schema" not in data and any(k in data for k in _HF_TRAINER_KEYS):
+        return "a Hugging Face Trainer's"
+    return None
 
 
 _FIELD_TYPES = {"optimizer_steps": (int,), "base_model_hash": (str, type(None)), "lineage": (list,),
