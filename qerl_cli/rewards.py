@@ -8,11 +8,14 @@ regenerating. Built-ins:
 - ``gsm8k``: 1 if the final number equals the reference. The number is the one the first
   ``####`` line with a number starts with (a base model that runs on past its answer and starts
   another "Q: ... ####" is still judged on the answer it gave), else the last ``\\boxed{}``, else
-  the last ``<answer>...</answer>``, which must each *be* a number (words around it allowed):
+  the last ``<answer>...</answer>``, else a ``####`` line's number after words ("#### The answer is 72";
+  a Markdown heading "#### Step 1:" does not outrank the box), which must each *be* a number (words allowed):
   ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
   door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
-  exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer.
+  exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
+  line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``) and a number with a
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) are no answer.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
@@ -77,7 +80,8 @@ def last_boxed(text: str) -> str | None:
 
     Linear time: a degenerate completion repeating ``\\boxed{`` thousands of times must not cost
     seconds per reward (a naive scan per match is quadratic). An unclosed box (generation cut
-    off) is not an answer; the last *closed* one counts.
+    off) is not an answer, nor is an empty one (a base model running on echoes the prompt's "put your final
+    answer within \\boxed{}"); the last closed one with content counts.
     """
     matches = list(_BOX.finditer(text))
     if not matches:
@@ -89,7 +93,7 @@ def last_boxed(text: str) -> str | None:
             if pairs is None:
                 pairs = _closing_braces(text)
             j = pairs.get(i)
-            if j is not None:
+            if j is not None and text[i + 1 : j].strip():  # an empty box is the prompt's "within \boxed{}" echoed
                 return text[i + 1 : j].strip()
         else:  # "\\boxed 5": TeX allows a single token without braces
             tok = _BARE_TOKEN.match(text, i)
@@ -117,13 +121,36 @@ _NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*-?\d+(?
 # Units count as words: "km/h", "ft^2", "cm^{3}" (a power only on a word: "10 ^{2}" is no 10).
 _WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?")
 # Names an equation assigns: "x = 5, y = 18" (two answers) against "n^2 = 25, n = 5" (one).
-_ASSIGNED = re.compile(r"(?:^|[,;]|\band\b)\s*([A-Za-z]\w*)(?:\^\{?\d+\}?)?\s*=")
+_ASSIGNED = re.compile(r"(?:^|[,;]|(?<=[\d}])\s|\band\b)\s*([A-Za-z]\w*)(?:\^\{?\d+\}?)?\s*=")  # "x=5 \quad y=18" too
 # TeX spacing between a number and its unit: "18\ \text{dollars}", "18\;", "18\quad", "18~km".
 _TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
 _TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
 _BRACED_NUMBER = re.compile(r"\{\s*(-?[\d.,]+)\s*\}")
 _WORD_GAP = re.compile(r"[\s,;:]+")
 _GLUE_OK = frozenset(" \t\r\n,;:.%)<*")  # what may follow a #### line's number ("2x", "2^10", "5!" may not)
+# After a span's number: an operator and an operand, or (after a space or a colon) another number. Spaced, such a
+# line passed the glue check above and read as its first number ("#### 10 - 2" as 10, "#### 1 000 000" as 1).
+# Whitespace stripped in code, not by "\s*...\s*" in the pattern: adjacent optional runs backtrack in O(n^2).
+_AN_OPERATOR = re.compile(r"[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div|[xX](?=\s)")
+_AN_OPERAND = re.compile(r"\(?-?\.?\d")
+_A_NUMBER_START = re.compile(r"\.?\d")
+
+
+def _next_operand(rest: str) -> bool:
+    if rest[:1] == ":":  # "3:30", "3:2": a time or a ratio
+        return rest[1:2].isdigit()
+    r = rest.lstrip()
+    op = _AN_OPERATOR.match(r)
+    if op is None:  # another number after a space ("1 000", "1 1/2"); a note in brackets ("72 (48 + 24)") is none
+        return len(r) < len(rest) and _A_NUMBER_START.match(r) is not None
+    return _AN_OPERAND.match(r[op.end():].lstrip()) is not None
+
+
+# Words that make the number another one ("minus 5" is -5, "2 dozen" is 24) or deny it ("not 5"): the span is no
+# answer. A denial counts before the number only: "#### 72 not counting tax" still answers 72.
+_CHANGES_BEFORE = frozenset("negative minus not no half".split())
+_CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
+    trillion trillions squared cubed""".split())
 
 
 def _words_only(text: str) -> bool:
@@ -153,7 +180,10 @@ def _frac_value(m: re.Match) -> str:
 
 
 def _clean_number_text(s: str, strip_plus: bool = True) -> str:
-    s = s.replace("\u2212", "-").replace("{,}", "").replace("\\!", "").replace("\\,", "")
+    # {,} and a thin space \, between digits separate thousands ("1{,}000", "1\,000"): a comma, so the groups-of-three
+    # check applies ("0{,}5" is a European 0.5 and "2\,3" two numbers, not 5 and 23)
+    s = s.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "")
+    s = re.sub(r"(?<=\d)\\,(?=\d)", ",", s).replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
     s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
@@ -164,7 +194,8 @@ def _clean_number_text(s: str, strip_plus: bool = True) -> str:
         if not n:
             break
     s = _BRACED_NUMBER.sub(r"\1", s)  # {18} -> 18 (fractions are values by now)
-    s = re.sub(r"(?<![\d)])\((-?[\d.,]+)\)", r"\1", s)  # (3) -> 3, but 2(3) is a product, not 23
+    # (3) -> 3, but 2(3) is a product, not 23, and (1,500) a point (or an accountant's -1500), not 1500
+    s = re.sub(r"(?<![\d)])\((-?[\d.]+)\)", r"\1", s)
     s = s.replace("$", "")
     if strip_plus:
         s = re.sub(r"(^|[\s(=])\+\s*(?=[\d.])", r"\1", s)  # "+5" -> "5"
@@ -246,9 +277,9 @@ def _parsed_span_number(text: str, whole: bool) -> str | None:
     if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
         return None
     s = _clean_number_text(text)
-    if whole and s.count("=") > 1 and len(set(_ASSIGNED.findall(s))) > 1:
-        return None  # "x = 5, y = 18": several answers, none of them the answer
     if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
+        if s.count("=") > 1 and len(set(_ASSIGNED.findall(s))) > 1:
+            return None  # "x = 5, y = 18" (in a box or on a #### line): several answers, none of them the answer
         s = s.rsplit("=", 1)[1]
     m = _NUMBER.search(s)
     if m is None or not _words_only(s[: m.start()].rstrip().rstrip("*")):  # "The answer is **72**"
@@ -256,6 +287,13 @@ def _parsed_span_number(text: str, whole: bool) -> str | None:
     rest = s[m.end():]
     if rest and rest[0] not in _GLUE_OK:  # "2x", "2^{10}", "2\\sqrt{2}", "5!": not the number 2 or 5
         return None
+    if _next_operand(rest):  # "10 - 2", "2 x 3", "2 ^ 3", "1 000 000", "1 1/2", "3:30": not the number 10, 2, 1 or 3
+        return None
+    # the words before, and those after (a #### line's first only: what follows may be run-on text)
+    after = _WORD_GAP.split(rest.strip()) if whole else _WORD_GAP.split(rest.strip(), maxsplit=1)[:1]
+    if (_CHANGES_BEFORE.intersection(w.lower() for w in _WORD_GAP.split(s[: m.start()]))
+            or _CHANGES_AFTER.intersection(w.lower() for w in after)):
+        return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
     if whole:
         rest = rest.lstrip().lstrip("*").lstrip().removeprefix("%").lstrip("*").strip().removesuffix(".")
         if not _words_only(rest):  # "72 apples" yes; "2 \\cdot 3", "3 and 4" no
@@ -282,11 +320,19 @@ def normalize_number(text: str) -> str | None:
     return span_number(text)
 
 
-def _after_hashes(text: str) -> str | None:
-    """What follows the first ``####`` that is followed by a number, up to the line end (or the
-    next ``####``: each span is then read once, so the cost stays linear in the text)."""
+def _leads_with_number(span: str) -> bool:
+    """Whether a ``####`` span's number comes first ("#### 72", "#### $72", "#### **72**"), not after words:
+    "#### Step 1:" is a Markdown heading, "#### The answer is 72" an answer only where no box or tag gives one."""
+    s = _clean_number_text(span).lstrip().lstrip("*").lstrip().removeprefix("-").lstrip().removeprefix(".")
+    return s[:1].isdigit()
+
+
+def _hash_spans(text: str) -> tuple[str | None, str | None]:
+    """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
+    stays linear in the text): (the first span that starts with a number, the first span with a number anywhere, or
+    the first span if none has one)."""
     starts = [m.start() for m in re.finditer("####", text)]
-    first = None
+    first = any_number = None
     for k, pos in enumerate(starts):
         bound = starts[k + 1] if k + 1 < len(starts) else len(text)
         stop = text.find("\n", pos + 4, bound)  # bounded: a search to the text's end per #### was O(n^2)
@@ -294,9 +340,18 @@ def _after_hashes(text: str) -> str | None:
         span = text[pos + 4 : stop]
         if first is None:
             first = span
+        if any_number is not None and span.lstrip()[:1].isalpha():
+            continue  # "#### Step 2": no number first, and one with words before its number is already kept
         if span_number(span, whole=False) is not None:
-            return span
-    return first
+            if _leads_with_number(span):
+                return span, any_number or span
+            any_number = any_number or span
+    return None, any_number or first
+
+
+def _after_hashes(text: str) -> str | None:
+    """What follows the first ``####`` that is followed by a number, up to the line end."""
+    return _hash_spans(text)[1]
 
 
 def _answer_tag(text: str) -> str | None:
@@ -311,11 +366,17 @@ def _answer_tag(text: str) -> str | None:
 def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     """The answer a completion gives, or None when it gives none.
 
-    ``gsm8k``: normalised number after the first ``####``, else in the last ``\\boxed{}``, else in
-    the last ``<answer>`` tag. ``math``: the raw content of the last ``\\boxed{}``.
+    ``gsm8k``: normalised number the first ``####`` line starts with, else in the last ``\\boxed{}``, else in
+    the last ``<answer>`` tag, else after words on the first ``####`` line ("#### The answer is 72").
+    ``math``: the raw content of the last ``\\boxed{}``.
     """
     if kind == "gsm8k":
-        for span, whole in ((_after_hashes(text), False), (last_boxed(text), True), (_answer_tag(text), True)):
+        # a #### line that starts with its number, else the box, else the tag, else a #### line with words before its
+        # number ("#### The answer is 72"): a Markdown heading "#### Step 1: ..." must not outrank the final \boxed{72}
+        lead, any_number = _hash_spans(text)
+        spans = ((lambda _: lead, False), (last_boxed, True), (_answer_tag, True), (lambda _: any_number, False))
+        for find, whole in spans:
+            span = find(text)
             if span is not None:
                 num = span_number(span, whole)
                 if num is not None:

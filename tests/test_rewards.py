@@ -496,3 +496,61 @@ def test_plain_integer_fast_path_is_taken_for_gsm8k_references():
     with mock.patch.object(rewards, "_parsed_span_number", side_effect=AssertionError("parsed")):
         assert reference_answer("She sold 48 + 24 = 72 clips.\n#### 72") == "72"
         assert reference_answer("so -5 degrees.\n####  -005 \n") == "-5"
+
+
+@pytest.mark.parametrize(
+    "completion, ref, ok",
+    [
+        # {,} and \, between digits are thousands separators only in groups of three ("0{,}5" is a European 0.5)
+        ("\\boxed{0{,}5}", "5", False), ("\\boxed{1{,}5}", "15", False), ("\\boxed{2\\,3}", "23", False),
+        ("\\boxed{1{,}000}", "1000", True), ("\\boxed{1\\,000\\,000}", "1000000", True),
+        # a #### line's number followed by an operand or another number is not a number standing alone
+        ("#### 10 - 2", "10", False), ("#### 3 * 4", "3", False), ("#### 2 x 3", "2", False), ("#### 2 ^ 3", "2", False),
+        ("#### 2 \u00d7 3", "2", False), ("#### 1 000 000", "1", False), ("#### 1 1/2", "1", False), ("#### 3:30", "3", False),
+        ("#### 10 - 2\n#### 8", "8", True), ("#### 72 (48 + 24)", "72", True), ("#### 72 - done", "72", True),
+        # several names assigned, on a #### line or apart by TeX spacing, as in a box with commas
+        ("#### x = 5, y = 18", "18", False), ("\\boxed{x=5 \\quad y=18}", "18", False), ("\\boxed{x = y = 5}", "5", True),
+        # words that change the number or deny it
+        ("\\boxed{2 \\text{ dozen}}", "2", False), ("\\boxed{5 \\text{ million}}", "5", False), ("#### minus 5", "5", False),
+        ("\\boxed{\\text{not } 5}", "5", False), ("#### 72 apples. Then she has no more", "72", True),
+        ("#### 4 dozen eggs", "4", False), ("#### 72 not counting tax", "72", True),  # a denial counts before only
+    ],
+)
+def test_gsm8k_rule_no_number_read_from_a_longer_answer(completion, ref, ok):
+    assert is_correct(completion, ref, "gsm8k") is ok
+
+
+def test_an_empty_box_echoed_after_the_answer_does_not_hide_it():
+    # a base model that runs on into the next question echoes the prompt's instruction with an empty box
+    c = ("48 + 24 = 72.\nThe answer is \\boxed{72}.\n\nQuestion: Weng earns $12 an hour. How much did she earn?\n"
+         "Please reason step by step, and put your final answer within \\boxed{}.")
+    assert last_boxed(c) == "72" and last_boxed("\\boxed{ }") is None
+    assert REWARDS["gsm8k"](c, "72") == 1.0 and REWARDS["math"](c, "72") == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion, want",
+    [
+        # a Markdown heading "#### Step 1:" was the answer 1, outranking the final box (or a later "#### 12")
+        ("#### Step 1: Find the total\nThere are 24 + 48 = 72 apples.\n\\boxed{72}", "72"),
+        ("#### Step 1: Add\n5 + 7 = 12\n#### Step 2: Answer\n#### 12", "12"),
+        ("#### Step 1: Add\n<answer>12</answer>", "12"),
+        ("#### The answer is 72", "72"),  # words before the number: still an answer where nothing else gives one
+        ("#### 5 \\boxed{6}", "5"),  # a #### line that starts with its number still outranks a box
+        ("#### **72**\n\\boxed{6}", "72"), ("#### $72\n\\boxed{6}", "72"), ("#### -\\frac12\n\\boxed{6}", "-0.5"),
+    ],
+)
+def test_a_markdown_heading_is_not_the_answer(completion, want):
+    assert extract_answer(completion, "gsm8k") == want
+
+
+def test_a_point_is_not_a_number_with_thousands_commas():
+    # a MATH reference (1,500) or (-2,100) read as 1500 / -2100: eval's auto scorer sent it to the exact rule, where
+    # the right answer \boxed{(1, 500)} scored wrong and \boxed{1500} right
+    from qerl_cli.evaluate import score_completion
+
+    for ref, point, number in (("(1,500)", "(1, 500)", "1500"), ("(-2,100)", "(-2, 100)", "-2100")):
+        assert reference_answer(ref, "gsm8k") is None
+        assert score_completion("\\boxed{" + point + "}", ref).correct
+        assert not score_completion("\\boxed{" + number + "}", ref).correct
+    assert extract_answer("\\boxed{(3)}") == "3" and extract_answer("\\boxed{(-2.5)}") == "-2.5"
