@@ -368,8 +368,11 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
 
     ``gsm8k``: normalised number the first ``####`` line starts with, else in the last ``\\boxed{}``, else in
     the last ``<answer>`` tag, else after words on the first ``####`` line ("#### The answer is 72").
-    ``math``: the raw content of the last ``\\boxed{}``.
+    ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts.
     """
+    think_end = text.rfind("</think>")
+    if think_end >= 0:  # the format reward's layout: a draft "\boxed{70}" or "#### 70" inside <think> is no answer
+        text = text[think_end + len("</think>"):]
     if kind == "gsm8k":
         # a #### line that starts with its number, else the box, else the tag, else a #### line with words before its
         # number ("#### The answer is 72"): a Markdown heading "#### Step 1: ..." must not outrank the final \boxed{72}

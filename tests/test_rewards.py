@@ -520,6 +520,17 @@ def test_gsm8k_rule_no_number_read_from_a_longer_answer(completion, ref, ok):
     assert is_correct(completion, ref, "gsm8k") is ok
 
 
+def test_a_draft_inside_think_is_not_the_answer():
+    """With the format reward's layout a draft answer inside <think> outranked the final <answer> (a review): only the
+    text after a closed </think> is read; a completion that gives its answer only inside <think> gives none."""
+    for kind in ("gsm8k", "math"):
+        draft = "\\boxed{70}" if kind == "math" else "#### 70"
+        assert extract_answer(f"<think>first guess {draft}, no wait</think> so \\boxed{{72}}", kind) == "72"
+        assert extract_answer(f"<think>the answer is {draft}</think><answer></answer>", kind) is None
+    assert REWARDS["gsm8k"]("<think>first guess \\boxed{70}, no wait</think><answer>72</answer>", "72") == 1.0
+    assert extract_answer("no think tags: \\boxed{5}") == "5"
+
+
 def test_an_empty_box_echoed_after_the_answer_does_not_hide_it():
     # a base model that runs on into the next question echoes the prompt's instruction with an empty box
     c = ("48 + 24 = 72.\nThe answer is \\boxed{72}.\n\nQuestion: Weng earns $12 an hour. How much did she earn?\n"
