@@ -183,6 +183,15 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _missing_before_dotdot(out: Path) -> Path | None:
+    """The first directory an ``--out`` goes up out of ('..') that does not exist, else None."""
+    parts = out.parts
+    for i in range(1, len(parts)):
+        if parts[i] == ".." and not Path(*parts[:i]).exists():
+            return Path(*parts[:i])
+    return None
+
+
 @dataclass
 class StageOutput:
     """Context manager owning one stage's output directory.
@@ -216,6 +225,10 @@ class StageOutput:
         if self.out.name in ("", ".", ".."):  # the temp dir beside it landed inside it: a false "written by another run"
             raise BadInputError(f"--out {str(self.out)!r} names no directory of its own (the output is written beside "
                                 "it, then renamed into place)", hint="name the directory to create, e.g. --out runs/x")
+        missing = _missing_before_dotdot(self.out)
+        if missing is not None:  # the existence checks failed through it, then mkdir made it: a false "written by another run"
+            raise BadInputError(f"--out {str(self.out)!r} goes up ('..') out of {str(missing)!r}, which does not exist",
+                                hint="name --out without '..', or create that directory first")
         self.fingerprint = sha256_json({"stage": self.stage, "config": self.config, "inputs": self.inputs})
         self._same_run = {sha256_json({"stage": self.stage, "config": c, "inputs": i})
                           for c in (self.config, *self.legacy_configs) for i in (self.inputs, *self.legacy_inputs)}

@@ -224,3 +224,19 @@ def test_an_out_that_names_no_directory_of_its_own_is_refused(tmp_path, monkeypa
     (tmp_path / "a").mkdir()
     with pytest.raises(BadInputError, match="names no directory of its own"):
         _stage(Path(out), {"k": 1})
+
+
+def test_an_out_that_goes_up_out_of_a_missing_directory_is_refused(tmp_path, monkeypatch):
+    # --out nosuch/../q: the checks failed to see q through nosuch, mkdir then made nosuch, and the final rename
+    # found q there: "written by another run while this one ran" (exit 4) with no other run, nosuch left behind,
+    # or "wrote" where q already held this output (a review).
+    from qerl_cli.errors import BadInputError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInputError, match="goes up \\('..'\\) out of 'nosuch', which does not exist"):
+        _stage(Path("nosuch/../q"), {"k": 1})
+    assert not (tmp_path / "nosuch").exists()
+    (tmp_path / "real").mkdir()
+    with _stage(Path("real/../q"), {"k": 1}) as work:
+        (work / "a.txt").write_text("x")
+    assert (tmp_path / "q" / "a.txt").read_text() == "x"
