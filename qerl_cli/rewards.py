@@ -9,7 +9,8 @@ regenerating. Built-ins:
   ``####`` line with a number starts with (a base model that runs on past its answer and starts
   another "Q: ... ####" is still judged on the answer it gave), else the last ``\\boxed{}``, else
   the last ``<answer>...</answer>``, else a ``####`` line's number after words ("#### The answer is 72";
-  a Markdown heading "#### Step 1:" does not outrank the box), which must each *be* a number (words allowed):
+  a Markdown heading "#### Step 1:" does not outrank the box; the price: such a line loses to a later run-on
+  "#### 7" or box, as a heading must), which must each *be* a number (words allowed):
   ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
   door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
@@ -146,8 +147,8 @@ def _next_operand(rest: str) -> bool:
     return _AN_OPERAND.match(r[op.end():].lstrip()) is not None
 
 
-# Words that make the number another one ("minus 5" is -5, "2 dozen" is 24) or deny it ("not 5"): the span is no
-# answer. A denial counts before the number only: "#### 72 not counting tax" still answers 72.
+# Words that make the number another one ("minus 5" is -5, "2 dozen" is 24) or deny it ("not 5"), right before or
+# after it: the span is no answer. A denial counts before the number only: "#### 72 not counting tax" still answers 72.
 _CHANGES_BEFORE = frozenset("negative minus not no half".split())
 _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
     trillion trillions squared cubed""".split())
@@ -289,9 +290,11 @@ def _parsed_span_number(text: str, whole: bool) -> str | None:
         return None
     if _next_operand(rest):  # "10 - 2", "2 x 3", "2 ^ 3", "1 000 000", "1 1/2", "3:30": not the number 10, 2, 1 or 3
         return None
-    # the words before, and those after (a #### line's first only: what follows may be run-on text)
-    after = _WORD_GAP.split(rest.strip()) if whole else _WORD_GAP.split(rest.strip(), maxsplit=1)[:1]
-    if (_CHANGES_BEFORE.intersection(w.lower() for w in _WORD_GAP.split(s[: m.start()]))
+    # the word right before the number and the one right after it: a word further away belongs to the sentence
+    # ("After giving away half, she has 36 marbles", "There are no cookies left, so 0", "24 eggs, two dozen")
+    before = [w for w in _WORD_GAP.split(s[: m.start()]) if w][-1:]
+    after = _WORD_GAP.split(rest.strip(), maxsplit=1)[:1]
+    if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
     if whole:

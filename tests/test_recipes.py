@@ -596,6 +596,24 @@ def test_a_slurm_job_of_a_force_chain_redoes_a_refusing_stage(tmp_path, force, s
         assert r.returncode == refused_rc and calls == [qerl_stage], r.stderr
 
 
+def test_a_force_chains_torchrun_job_does_not_force_over_an_output_another_chain_wrote_meanwhile(tmp_path):
+    # torchrun turns the stage's exit 8 (another run wrote --out while this one ran) into 1; stage.sbatch took any
+    # failure with a manifest at --out for the exit-4 refusal and redid the step with --force over the other chain's
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            'out=$(for a in "$@"; do [ "${prev:-}" = --out ] && echo "$a"; prev=$a; done)\n'
+            'mkdir -p "$out"; echo "{}" > "$out/manifest.json"\n'
+            'echo "error: $out was written by another run while this one ran" >&2; exit 8\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
+    cfg, run = _submit_7b_chain(tmp_path, FORCE="1", TRAIN_GPUS="2")
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    calls = [x.strip() for x in log.read_text().splitlines()]
+    assert r.returncode == 1 and calls == ["train-step"] and "redoing it with --force" not in r.stderr, r.stderr
+
+
 def test_a_slurm_job_rerun_alone_reads_every_shard_of_the_chain(tmp_path):
     # Submitted with ROLLOUT_SHARDS=2 in the environment, a train job resubmitted by hand without it
     # read shards-0 only (1/N of the step) and exit 0. submit.sh records the chain's shape.

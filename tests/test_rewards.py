@@ -514,6 +514,12 @@ def test_plain_integer_fast_path_is_taken_for_gsm8k_references():
         ("\\boxed{2 \\text{ dozen}}", "2", False), ("\\boxed{5 \\text{ million}}", "5", False), ("#### minus 5", "5", False),
         ("\\boxed{\\text{not } 5}", "5", False), ("#### 72 apples. Then she has no more", "72", True),
         ("#### 4 dozen eggs", "4", False), ("#### 72 not counting tax", "72", True),  # a denial counts before only
+        # only the word next to the number: one further away is the sentence's (all of these scored 0)
+        ("<answer>After giving away half of her marbles, she has 36 marbles left.</answer>", "36", True),
+        ("<answer>There are no cookies left, so 0.</answer>", "0", True),
+        ("\\boxed{\\text{She does not need any more boxes, so the answer is 120.}}", "120", True),
+        ("#### Since there is no discount, the total cost is $1,250.", "1250", True),
+        ("<answer>24 eggs, which is two dozen</answer>", "24", True), ("<answer>The answer is not 5</answer>", "5", False),
     ],
 )
 def test_gsm8k_rule_no_number_read_from_a_longer_answer(completion, ref, ok):
