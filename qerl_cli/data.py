@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -321,8 +322,8 @@ def load_template(template: str | None) -> str | None:
     """A template string, or the text of a file of that name; must contain ``{prompt}``."""
     if template is None:
         return None
-    if "{prompt}" not in template and _is_file(template):
-        template = Path(template).read_text(encoding="utf-8-sig")
+    if "{prompt}" not in template and _is_file(os.path.expanduser(template)):  # ~ after =: the shell left it
+        template = Path(os.path.expanduser(template)).read_text(encoding="utf-8-sig")
     if "{prompt}" not in template:
         raise BadInputError("--prompt-template must contain {prompt} (or name a file that does)")
     return template

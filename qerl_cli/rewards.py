@@ -42,6 +42,7 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
 import re
 import sys
 import threading
@@ -568,7 +569,7 @@ def _load_user_function(name: str) -> Reward:
         raise BadInputError(f"reward {name!r}: expected module:function")
     try:
         if target.endswith(".py"):
-            path = Path(target)
+            path = Path(os.path.expanduser(target))  # --reward=~/r.py:f: the shell expands no ~ after =
             if not path.is_file():
                 raise BadInputError(f"reward {name!r}: file {path} does not exist")
             spec = importlib.util.spec_from_file_location(f"qerl_user_reward_{path.stem}", path)

@@ -308,7 +308,7 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
         sources = [sources]
     files: list[Path] = []
     for src in sources:
-        s = str(src)
+        s = os.path.expanduser(str(src))  # --shards=~/r: the shell expands no ~ after = (nor in quotes)
         # A path that exists is itself, even with glob characters in it ("run [v1]/step-0").
         globbed = any(c in s for c in "*?[") and not Path(s).exists()
         if globbed:

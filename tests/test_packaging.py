@@ -302,6 +302,26 @@ def test_a_path_flag_after_equals_takes_tilde_as_home(tmp_path, monkeypatch):
     assert str(home / "q") in out.output
 
 
+def test_string_path_flags_take_tilde_as_home_too(tmp_path, monkeypatch):
+    # --shards (a glob), --prompt-template (text or a file) and --reward FILE.py:fn are strings, not Paths, so the
+    # `~` the shell leaves after `=` reached them as written: "shard path ~/ro does not exist", a template file
+    # "must contain {prompt}", a reward file "does not exist" (a review of the first fix).
+    from qerl_cli.data import load_template
+    from qerl_cli.rewards import parse_reward_specs
+    from qerl_cli.shards import resolve_shard_files
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "shard-00000-of-00001.jsonl").write_text("")
+    (tmp_path / "t.txt").write_text("Q: {prompt}\nA:")
+    (tmp_path / "r.py").write_text("def fn(completion, answer, prompt=None):\n    return 1.0\n")
+    assert resolve_shard_files("~/ro") == [tmp_path / "ro" / "shard-00000-of-00001.jsonl"]
+    assert resolve_shard_files("~/ro/shard-*.jsonl") == [tmp_path / "ro" / "shard-00000-of-00001.jsonl"]
+    assert load_template("~/t.txt") == "Q: {prompt}\nA:"
+    (spec,) = parse_reward_specs(["~/r.py:fn"])
+    assert spec.reward("x", "y") == 1.0
+
+
 def test_the_installed_kernels_package_is_not_shadowed_by_the_repositorys_kernels_dir(tmp_path):
     # `python -m pytest` from the root (tests/run.sh) puts the root on sys.path, where kernels/ (installed as
     # qerl_kernels) answered `import kernels`, the Hugging Face package's name: with that package installed,
