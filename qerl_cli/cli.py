@@ -35,13 +35,27 @@ def _click_exceptions():
     return exceptions
 
 
+def current_context():
+    """The running command's click context, or None (Typer's vendored click since typer 0.2x, click's before)."""
+    try:
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+    return get_current_context(silent=True)
+
+
+def repeated_flag(command, args: list[str]) -> str | None:
+    """The repeatable flag (``--shards``, ``--reward``, ``--stop``) given a second value without its name, if any:
+    a bare word right after such a flag's value (the stages take no positional arguments; eval only with --compare)."""
+    multi = {o for p in getattr(command, "params", ()) if getattr(p, "multiple", False) for o in p.opts}
+    return next((args[i - 2] for i in range(2, len(args)) if args[i - 2] in multi and not args[i].startswith("-")), None)
+
+
 def _repeat_hint(command, args: list[str], message: str) -> str:
     """For `--shards a b`: the flag takes one value and is repeated (Click said only "unexpected extra argument b")."""
     if "unexpected extra argument" not in message:
         return ""
-    multi = {o for p in getattr(command, "params", ()) if getattr(p, "multiple", False) for o in p.opts}
-    # a bare word right after such a flag's value: the stages take no positional arguments
-    named = next((args[i - 2] for i in range(2, len(args)) if args[i - 2] in multi and not args[i].startswith("-")), None)
+    named = repeated_flag(command, args)
     return f"; {named} takes one value, repeated for several ({named} A {named} B)" if named else ""
 
 
@@ -65,7 +79,9 @@ class _OneLineUsageErrors:
         help_error = getattr(exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; older click prints the help itself
         given = list(args)  # click's parser consumes the list it is given
         try:
-            return super().make_context(info_name, args, parent=parent, **extra)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+            ctx.meta["qerl.args"] = given  # for eval, whose stray word is no usage error (it takes --compare's dirs)
+            return ctx
         except help_error:
             raise  # the help, printed
         except exceptions.UsageError as e:

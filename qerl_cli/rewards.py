@@ -18,7 +18,8 @@ regenerating. Built-ins:
   line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``) and a number with a
   word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) are no answer.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
-  on the right number and teaches nothing about answering.
+  on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
+  read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
   ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy, ~10 ms a verdict), so verdicts are
   cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each parse and

@@ -913,11 +913,14 @@ def test_compile_processes_default_to_the_cpus_at_most_16_and_take_the_environme
     (["train-step", "--model", "m", "--shards", "a", "b", "--out", "o"], "; --shards takes one value, repeated"),
     (["rollout", "--model", "m", "--prompts", "p", "--out", "o", "--reward", "gsm8k", "format"], "; --reward takes one"),
     (["rollout", "--model", "m", "--prompts", "p", "--stop", "X", "--out", "o", "extra"], None),
+    # eval takes positional dirs (for --compare): `--stop a b` said "pass --compare DIR..." (session 52 docs review)
+    (["eval", "--model", "m", "--dataset", "d", "--out", "o", "--stop", "X", "Y"], "; --stop takes one value"),
 ])
 def test_several_values_after_a_repeated_flag_name_the_repetition(args, hint):
     """`--shards a b`, as stages.md spells it, was "Got unexpected extra argument(s) (b)" with no word of why (a
     review). A flag that takes several values takes one each time it is given: the error now says so; a stray
     word elsewhere keeps Click's message."""
     r = _invoke(args)
-    assert r.exit_code == 2 and "unexpected extra argument" in r.output, r.output
-    assert (hint in r.output) if hint else "takes one value" not in r.output, r.output
+    assert r.exit_code == 2 and "unexpected" in r.output and "argument" in r.output, r.output
+    assert (hint.removeprefix("; ") in r.output) if hint else "takes one value" not in r.output, r.output
+    assert "--compare" not in r.output, r.output

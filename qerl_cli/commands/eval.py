@@ -91,7 +91,13 @@ def command(
     console = Console(highlight=False)
     if compare or runs:
         if not compare:
-            raise BadInputError(f"unexpected argument {runs[0]}", hint="to tabulate eval dirs pass --compare DIR...")
+            from qerl_cli.cli import current_context, repeated_flag
+
+            ctx = current_context()  # `--stop a b`: b is no eval dir, --stop is given twice
+            named = repeated_flag(ctx.command, ctx.meta.get("qerl.args", [])) if ctx is not None else None
+            raise BadInputError(f"unexpected argument {runs[0]}",
+                                hint=f"{named} takes one value, repeated for several ({named} A {named} B)" if named
+                                else "to tabulate eval dirs pass --compare DIR...")
         if not runs:
             raise BadInputError("--compare needs at least one eval output directory")
         from qerl_cli.eval_metrics import compare_table
