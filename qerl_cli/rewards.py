@@ -9,8 +9,8 @@ regenerating. Built-ins:
   ``####`` line with a number starts with (a base model that runs on past its answer and starts
   another "Q: ... ####" is still judged on the answer it gave), else the last ``\\boxed{}``, else
   the last ``<answer>...</answer>``, else a ``####`` line's number after words ("#### The answer is 72";
-  a Markdown heading "#### Step 1:" does not outrank the box; the price: such a line loses to a later run-on
-  "#### 7" or box, as a heading must), which must each *be* a number (words allowed):
+  the last such line, after headings "#### Step 1:", "#### Step 2:"; a heading does not outrank the box; the price:
+  such a line loses to a later run-on "#### 7" or box, as a heading must), which must each *be* a number (words allowed):
   ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
   door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
@@ -334,10 +334,11 @@ def _leads_with_number(span: str) -> bool:
 
 def _hash_spans(text: str) -> tuple[str | None, str | None]:
     """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
-    stays linear in the text): (the first span that starts with a number, the first span with a number anywhere, or
-    the first span if none has one)."""
+    stays linear in the text): (the first span that starts with a number, or None; the *last* span whose number
+    comes after words, else the first span). Last: Markdown headings "#### Step 1: ...", "#### Step 2: ..." come
+    before "#### Final Answer: 72" (the first was read as 1: a review); a run-on after such a line loses it."""
     starts = [m.start() for m in re.finditer("####", text)]
-    first = any_number = None
+    first, after_words = None, []
     for k, pos in enumerate(starts):
         bound = starts[k + 1] if k + 1 < len(starts) else len(text)
         stop = text.find("\n", pos + 4, bound)  # bounded: a search to the text's end per #### was O(n^2)
@@ -345,18 +346,19 @@ def _hash_spans(text: str) -> tuple[str | None, str | None]:
         span = text[pos + 4 : stop]
         if first is None:
             first = span
-        if any_number is not None and span.lstrip()[:1].isalpha():
-            continue  # "#### Step 2": no number first, and one with words before its number is already kept
-        if span_number(span, whole=False) is not None:
-            if _leads_with_number(span):
-                return span, any_number or span
-            any_number = any_number or span
-    return None, any_number or first
+        if not _leads_with_number(span):
+            after_words.append(span)
+        elif span_number(span, whole=False) is not None:
+            return span, span
+    last = next((s for s in reversed(after_words) if span_number(s, whole=False) is not None), None)
+    return None, last or first
 
 
 def _after_hashes(text: str) -> str | None:
-    """What follows the first ``####`` that is followed by a number, up to the line end."""
-    return _hash_spans(text)[1]
+    """What follows the first ``####`` that starts with a number, else the last one with a number after words, up to
+    the line end (a GSM8K reference: "... #### 72")."""
+    lead, words = _hash_spans(text)
+    return lead or words
 
 
 def _answer_tag(text: str) -> str | None:
@@ -372,7 +374,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     """The answer a completion gives, or None when it gives none.
 
     ``gsm8k``: normalised number the first ``####`` line starts with, else in the last ``\\boxed{}``, else in
-    the last ``<answer>`` tag, else after words on the first ``####`` line ("#### The answer is 72").
+    the last ``<answer>`` tag, else after words on the last ``####`` line ("#### Final Answer: 72").
     ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts.
     """
     think_end = text.rfind("</think>")

@@ -526,6 +526,14 @@ def test_gsm8k_rule_no_number_read_from_a_longer_answer(completion, ref, ok):
     assert is_correct(completion, ref, "gsm8k") is ok
 
 
+def test_markdown_headings_before_a_final_answer_line_do_not_give_the_answer():
+    """"#### Step 1: ..." headings, then "#### Final Answer: 72" and no box: the first words-first line was read (1);
+    now the last one is (a review). A line that starts with its number still comes first."""
+    c = "#### Step 1: add\n24 + 48 = 72\n#### Step 2: check\nok\n#### Final Answer: 72"
+    assert extract_answer(c) == "72" and is_correct(c, "72", "gsm8k") and not is_correct(c, "1", "gsm8k")
+    assert extract_answer("#### Step 1: add\n#### 72\n#### Final Answer: 7") == "72"
+
+
 def test_a_draft_inside_think_is_not_the_answer():
     """With the format reward's layout a draft answer inside <think> outranked the final <answer> (a review): only the
     text after a closed </think> is read; a completion that gives its answer only inside <think> gives none."""
