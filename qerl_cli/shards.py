@@ -59,7 +59,6 @@ FIELDS: dict[str, tuple] = {
 # The stages contract's "answer (reference, if any)": a writer may leave it out; read as null.
 OPTIONAL_FIELDS = ("answer",)
 FINISH_REASONS = ("stop", "length")
-QERL_ENGINES = ("native", "vllm")  # the `engine` of records qerl's rollout wrote: one run of lines per group
 SHARD_GLOB = "shard-*-of-*.jsonl"
 
 
@@ -418,7 +417,7 @@ def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> 
     output dir, a copied shard, two prompt files whose default ids collide) would silently merge two
     samplings into one group's advantages. Within one file the lines of a group need not be adjacent:
     the stages contract asks only for a shared group_id, and a writer that emits completions as they
-    finish interleaves groups. qerl's own engines write each group as one run of lines, so in their
+    finish interleaves groups. qerl's rollout writes each group as one run of lines, so in its
     records a group that comes back (a shard concatenated with itself, two retries appended to one
     file) is the same group twice."""
     first: dict[str, int] = {}
@@ -432,7 +431,9 @@ def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> 
             raise BadInputError(f"group {g!r} holds prompt {records[first[g]]['prompt_id']!r} at {fa}:{la} and "
                                 f"prompt {r['prompt_id']!r} at {fb}:{lb}",
                                 hint="a group is one prompt's G completions: give each prompt its own group_id")
-        comes_back = records[j - 1]["group_id"] != g and r.get("engine") in QERL_ENGINES
+        # qerl's own records (their policy names the trained norms, a key the contract's {base, adapter} lacks; the
+        # contract's engine names, native and vllm, are any writer's) are one run of lines per group
+        comes_back = records[j - 1]["group_id"] != g and "norms" in r["policy"]
         if origins[first[g]][0] != origins[j][0] or comes_back:
             (fa, la), (fb, lb) = origins[first[g]], origins[j]
             raise BadInputError(f"group {g!r} appears at {fa}:{la} and again at {fb}:{lb}",

@@ -254,12 +254,12 @@ def test_a_group_interleaved_within_one_file_is_accepted(tmp_path):
     # The stages contract asks only that the G completions of a prompt share a group_id; a writer that
     # emits completions as they finish interleaves groups in its file. Refused as "appears ... and again".
     from qerl_cli.shards import check_groups_whole
-    recs = [_rec(group_id="a", prompt_id="pa", engine="other"), _rec(group_id="b", prompt_id="pb", engine="other"),
-            _rec(group_id="a", prompt_id="pa", engine="other"), _rec(group_id="b", prompt_id="pb", engine="other")]
-    check_groups_whole(recs, [(tmp_path / "a.jsonl", i) for i in range(1, 5)])
-    # qerl's own engines write a group as one run of lines: one that comes back is the same group twice
-    # (`cat a.jsonl a.jsonl`, two retries appended to one file), which would double its weight (a review)
-    own = [dict(r, engine="native") for r in recs]
+    recs = [_rec(group_id="a", prompt_id="pa", engine="vllm"), _rec(group_id="b", prompt_id="pb", engine="vllm"),
+            _rec(group_id="a", prompt_id="pa", engine="vllm"), _rec(group_id="b", prompt_id="pb", engine="vllm")]
+    check_groups_whole(recs, [(tmp_path / "a.jsonl", i) for i in range(1, 5)])  # the contract's policy {base, adapter}
+    # qerl's own records (policy with `norms`) hold a group as one run of lines: one that comes back is the same
+    # group twice (`cat a.jsonl a.jsonl`, two retries appended to one file), which would double its weight (a review)
+    own = [dict(r, policy=dict(r["policy"], norms=None)) for r in recs]
     with pytest.raises(BadInputError, match="group 'a' appears at .*a.jsonl:1 and again at .*a.jsonl:3"):
         check_groups_whole(own, [(tmp_path / "a.jsonl", i) for i in range(1, 5)])
     with pytest.raises(BadInputError, match="appears at"):  # across files it is still a group found twice
