@@ -243,12 +243,14 @@ def aqn_sigma(cfg: RolloutConfig) -> float:
 # ---- prompt selection -------------------------------------------------------------------------
 def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[PromptRow]:
     """The rows this step and shard use (see the module docstring); deterministic in the flags."""
+    capped = bool(cfg.max_prompts) and cfg.max_prompts < len(rows)
     rows = list(rows[: cfg.max_prompts] if cfg.max_prompts else rows)
     n = len(rows)
     if cfg.prompts_per_step:
         p = cfg.prompts_per_step
         if p > n:
-            raise BadInputError(f"--prompts-per-step {p} is more than the {n} prompts in {cfg.prompts}")
+            raise BadInputError(f"--prompts-per-step {p} is more than the {n} prompts "
+                                + (f"--max-prompts {cfg.max_prompts} keeps of" if capped else "in") + f" {cfg.prompts}")
         start = cfg.step * p
         shuffled: dict[int, list[int]] = {}
         ordered: dict[int, list[int]] = {}  # order(epoch) once per epoch: per row it cost O(n), O(P * n) a step
@@ -266,26 +268,34 @@ def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[Prompt
             first rows from the end of the last epoch: those rows are moved out of this epoch's head
             (the first non-repeating rows go first), so the step holds P distinct rows and the epoch
             still uses every row once. The head takes rows from the first P positions only, so the
-            last epoch's tail is its raw shuffle's wherever the dataset holds 2P rows or more."""
+            last epoch's tail is its raw shuffle's wherever the dataset holds 2P rows or more; below
+            that the tail may reach the last epoch's moved head, so that epoch is built first (back to
+            one whose tail is untouched: at most P / gcd(N, P) epochs)."""
             if epoch in ordered:
                 return ordered[epoch]
-            idx = raw(epoch)
-            a = (epoch * n) % p  # rows of the crossing step that come from the last epoch
-            if cfg.shuffle and epoch > 0 and a > 0:
-                tail = set(raw(epoch - 1)[n - a:])
-                head = [i for i in idx if i not in tail][: p - a]
-                taken = set(head)
-                idx = head + [i for i in idx if i not in taken]
-            ordered[epoch] = idx
-            return idx
+            first = epoch
+            while cfg.shuffle and first > 0 and 0 < (first * n) % p and n - (first * n) % p < p:
+                first -= 1  # order(first)'s head depends on the moved head of order(first - 1)
+            for e in range(first, epoch + 1):
+                if e in ordered:
+                    continue
+                idx = raw(e)
+                a = (e * n) % p  # rows of the crossing step that come from the last epoch
+                if cfg.shuffle and e > 0 and a > 0:
+                    tail = set((ordered.get(e - 1) or raw(e - 1))[n - a:])
+                    head = [i for i in idx if i not in tail][: p - a]
+                    taken = set(head)
+                    idx = head + [i for i in idx if i not in taken]
+                ordered[e] = idx
+            return ordered[epoch]
 
         picked, seen = [], set()
         for j in range(start, start + p):
             i = order(j // n)[j % n]
-            # Below 2P rows the last epoch's tail may differ from its raw shuffle: never a row twice.
-            if i not in seen:
-                seen.add(i)
-                picked.append(rows[i])
+            if i in seen:  # cannot happen: the crossing step's head skips the rows of the last epoch's tail
+                raise AssertionError(f"select_prompts: row {i} twice in step {cfg.step}")
+            seen.add(i)
+            picked.append(rows[i])
         rows = picked
     return rows[cfg.shard_index :: cfg.num_shards]
 

@@ -237,16 +237,20 @@ def test_prompts_per_step_walks_the_dataset(model_dir, tmp_path):
     assert shuffled[0] != ["0", "1", "2", "3", "4"]
     with pytest.raises(BadInputError, match="--prompts-per-step 11 is more than the 10"):
         ids(prompts_per_step=11)
+    with pytest.raises(BadInputError, match="more than the 3 prompts --max-prompts 3 keeps of"):  # not "the 3 in" a 10-row file
+        ids(prompts_per_step=4, max_prompts=3)
 
 
 def test_shuffled_steps_that_cross_an_epoch_hold_p_distinct_rows_and_epochs_stay_permutations(model_dir, tmp_path):
     # A step crossing an epoch boundary could meet a row twice; one copy was dropped, so the step came
     # out short and that row went unused for the whole next epoch (GSM8K, P = 512: 94 slots lost).
+    # Below 2P rows too (900 rows, P = 512: 25 of 200 steps short), where the last epoch's tail can
+    # reach its own moved head.
     import math
 
     for n in range(2, 13):
         rows = [type("R", (), {"id": str(i)})() for i in range(n)]
-        for p in range(1, n // 2 + 1):  # at least 2P rows: exact (below that, never a row twice)
+        for p in range(1, n + 1):
             span = 3 * math.lcm(n, p)  # positions covering whole epochs and whole steps
             used = []
             for k in range(span // p):
