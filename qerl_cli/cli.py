@@ -48,7 +48,14 @@ def repeated_flag(command, args: list[str]) -> str | None:
     """The repeatable flag (``--shards``, ``--reward``, ``--stop``) given a second value without its name, if any:
     a bare word right after such a flag's value (the stages take no positional arguments; eval only with --compare)."""
     multi = {o for p in getattr(command, "params", ()) if getattr(p, "multiple", False) for o in p.opts}
-    return next((args[i - 2] for i in range(2, len(args)) if args[i - 2] in multi and not args[i].startswith("-")), None)
+    for i in range(1, len(args)):
+        if args[i].startswith("-"):
+            continue
+        named = args[i - 1].split("=", 1)[0] if args[i - 1].startswith("--") and "=" in args[i - 1] else None
+        named = named if named in multi else args[i - 2] if i >= 2 and args[i - 2] in multi else None  # --shards=a b
+        if named:
+            return named
+    return None
 
 
 def _repeat_hint(command, args: list[str], message: str) -> str:

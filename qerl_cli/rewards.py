@@ -9,8 +9,9 @@ regenerating. Built-ins:
   ``####`` line with a number starts with (a base model that runs on past its answer and starts
   another "Q: ... ####" is still judged on the answer it gave), else the last ``\\boxed{}``, else
   the last ``<answer>...</answer>``, else a ``####`` line's number after words ("#### The answer is 72";
-  the last such line, after headings "#### Step 1:", "#### Step 2:"; a heading does not outrank the box; the price:
-  such a line loses to a later run-on "#### 7" or box, as a heading must), which must each *be* a number (words allowed):
+  the first such line that is no heading label "#### Step 1:", "#### Part 2"; a heading does not outrank the box; the
+  price: such a line loses to a later run-on "#### 7" or box, as a heading must, and a heading with a number in its
+  words, "#### Add the 3 eggs", before it is read as 3), which must each *be* a number (words allowed):
   ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
   door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
@@ -127,6 +128,7 @@ _WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?")
 _ASSIGNED = re.compile(r"(?:^|[,;]|(?<=[\d}])\s|\band\b)\s*([A-Za-z]\w*)(?:\^\{?\d+\}?)?\s*=")  # "x=5 \quad y=18" too
 # TeX spacing between a number and its unit: "18\ \text{dollars}", "18\;", "18\quad", "18~km".
 _TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
+_TEX_MATH_DELIM = re.compile(r"\\[()\[\]]")
 _TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
 _BRACED_NUMBER = re.compile(r"\{\s*(-?[\d.,]+)\s*\}")
 _WORD_GAP = re.compile(r"[\s,;:]+")
@@ -188,6 +190,7 @@ def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = s.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "")
     s = re.sub(r"(?<=\d)\\,(?=\d)", ",", s).replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
+    s = _TEX_MATH_DELIM.sub(" ", s)  # inline/display math \(72\), \[72\]: as $72$
     s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
     s = re.sub(r"([A-Za-z])\s+(?=\^)", r"\1", s)  # \text{ ft}^2 -> "ft^2"
@@ -332,13 +335,18 @@ def _leads_with_number(span: str) -> bool:
     return s[:1].isdigit()
 
 
+# A Markdown heading's label ("#### Step 1: Add", "#### **Part 2**"): its number is no answer. Skipped rather than
+# taking the *last* words-first line, which read a note or check after the answer ("#### Note: 7 eggs were broken")
+# and a base model's run-on ("#### The answer is 72\n\nQuestion: ... #### The answer is 5") instead of the answer.
+_HEADING_LABEL = re.compile(r"\s*\**\s*(?:step|part|case|method|stage|phase|section)\s*\d", re.IGNORECASE)
+
+
 def _hash_spans(text: str) -> tuple[str | None, str | None]:
     """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
-    stays linear in the text): (the first span that starts with a number, or None; the *last* span whose number
-    comes after words, else the first span). Last: Markdown headings "#### Step 1: ...", "#### Step 2: ..." come
-    before "#### Final Answer: 72" (the first was read as 1: a review); a run-on after such a line loses it."""
+    stays linear in the text): (the first span that starts with a number, or None; the first span whose number
+    comes after words and that is no heading label "#### Step 1: ...", else the first span)."""
     starts = [m.start() for m in re.finditer("####", text)]
-    first, after_words = None, []
+    first = words = None
     for k, pos in enumerate(starts):
         bound = starts[k + 1] if k + 1 < len(starts) else len(text)
         stop = text.find("\n", pos + 4, bound)  # bounded: a search to the text's end per #### was O(n^2)
@@ -346,17 +354,19 @@ def _hash_spans(text: str) -> tuple[str | None, str | None]:
         span = text[pos + 4 : stop]
         if first is None:
             first = span
-        if not _leads_with_number(span):
-            after_words.append(span)
-        elif span_number(span, whole=False) is not None:
-            return span, span
-    last = next((s for s in reversed(after_words) if span_number(s, whole=False) is not None), None)
-    return None, last or first
+        if _DIGIT.search(span) is None:
+            continue  # no number (a degenerate "####" run): not worth the cleaning below
+        if _leads_with_number(span):
+            if span_number(span, whole=False) is not None:
+                return span, span
+        elif words is None and _HEADING_LABEL.match(span) is None and span_number(span, whole=False) is not None:
+            words = span
+    return None, words or first
 
 
 def _after_hashes(text: str) -> str | None:
-    """What follows the first ``####`` that starts with a number, else the last one with a number after words, up to
-    the line end (a GSM8K reference: "... #### 72")."""
+    """What follows the first ``####`` that starts with a number, else the first one with a number after words (no
+    heading label), up to the line end (a GSM8K reference: "... #### 72")."""
     lead, words = _hash_spans(text)
     return lead or words
 
@@ -374,7 +384,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     """The answer a completion gives, or None when it gives none.
 
     ``gsm8k``: normalised number the first ``####`` line starts with, else in the last ``\\boxed{}``, else in
-    the last ``<answer>`` tag, else after words on the last ``####`` line ("#### Final Answer: 72").
+    the last ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:").
     ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts.
     """
     think_end = text.rfind("</think>")

@@ -534,6 +534,24 @@ def test_markdown_headings_before_a_final_answer_line_do_not_give_the_answer():
     assert extract_answer("#### Step 1: add\n#### 72\n#### Final Answer: 7") == "72"
 
 
+@pytest.mark.parametrize("completion", [
+    # a base model's run-on in its few-shot's words-first form: judged on the answer it gave, not the next question's
+    "48+24=72 clips.\n#### The answer is 72\n\nQuestion: Weng earns $12 an hour...\nAnswer: 12*5=60\n#### The answer is 60",
+    # a note or a check after the final answer line
+    "#### Step 1: add\n24 + 48 = 72\n#### Final Answer: 72\n\n#### Note: Natalia sold 48 clips in April.",
+    "#### Result: 72\n#### Check: 72 - 24 = 48",
+    "#### Answer: **72**\n\n#### Step 3: Double-check\n48 + 24 = 72",
+    # heading labels in other spellings
+    "#### **Step 1:** add\n#### Part 2 - check\n#### Final Answer: 72",
+    # TeX math delimiters around the number
+    "#### Final Answer: \\(72\\)", "<answer>\\[72\\]</answer>",
+])
+def test_words_first_answer_line_is_not_replaced_by_a_later_line(completion):
+    """Taking the *last* words-first #### line (so that "#### Step 1:" headings gave way to "#### Final Answer: 72")
+    read a later note, check or run-on instead of the answer (a review): headings are skipped by their label instead."""
+    assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+
+
 def test_a_draft_inside_think_is_not_the_answer():
     """With the format reward's layout a draft answer inside <think> outranked the final <answer> (a review): only the
     text after a closed </think> is read; a completion that gives its answer only inside <think> gives none."""

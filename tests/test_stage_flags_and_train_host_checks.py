@@ -915,6 +915,9 @@ def test_compile_processes_default_to_the_cpus_at_most_16_and_take_the_environme
     (["rollout", "--model", "m", "--prompts", "p", "--stop", "X", "--out", "o", "extra"], None),
     # eval takes positional dirs (for --compare): `--stop a b` said "pass --compare DIR..." (session 52 docs review)
     (["eval", "--model", "m", "--dataset", "d", "--out", "o", "--stop", "X", "Y"], "; --stop takes one value"),
+    # the --flag=value spelling (docs name --shards=~/r): Click's bare message, and eval's "pass --compare" (a review)
+    (["train-step", "--model", "m", "--shards=a", "b", "--out", "o"], "; --shards takes one value, repeated"),
+    (["eval", "--model", "m", "--dataset", "d", "--out", "o", "--stop=X", "Y"], "; --stop takes one value"),
 ])
 def test_several_values_after_a_repeated_flag_name_the_repetition(args, hint):
     """`--shards a b`, as stages.md spells it, was "Got unexpected extra argument(s) (b)" with no word of why (a
