@@ -467,10 +467,12 @@ def batch_size(cfg: RolloutConfig) -> int:
 
 
 def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weights: dict,
-                        template: str | None = None) -> dict:
+                        template: str | None = None, every_row: bool = False) -> dict:
     """The arguments that change the records. The batching (--max-num-seqs, --batch-prompts) does not:
     every prompt is seeded by itself, so a run that went out of memory resumes with smaller batches."""
     d = asdict(cfg)
+    if every_row:  # --max-prompts at or above the file's rows keeps them all, as leaving it out does (as eval's cap)
+        d["max_prompts"] = None
     for k in ("model", "prompts", "out", "adapter", "force", "progress", "max_num_seqs", "rewards", "skip_bad_lines",
               "batch_prompts", "chat_template_file"):  # the file's text is an input (inputs["chat_template"])
         d.pop(k)
@@ -488,7 +490,10 @@ def _legacy_fingerprint_configs(config: dict, cfg: RolloutConfig) -> tuple[dict,
     typed (until 2026-11-27); before 2026-11-26 also the batch size (it seeded each batch) and
     --prompt-template as given, a file's name rather than its text."""
     typed = dict(config, max_model_len=cfg.max_model_len)
-    return typed, dict(typed, batch_prompts=batch_size(cfg), prompt_template=cfg.prompt_template)
+    olds = [typed, dict(typed, batch_prompts=batch_size(cfg), prompt_template=cfg.prompt_template)]
+    if config["max_prompts"] != cfg.max_prompts:  # recorded as typed until 2026-11-27 (10 vs 20 of 4 rows: exit 4)
+        olds += [dict(o, max_prompts=cfg.max_prompts) for o in (config, *olds)]
+    return tuple(olds)
 
 
 def rollout(cfg: RolloutConfig) -> dict:
@@ -538,7 +543,8 @@ def rollout(cfg: RolloutConfig) -> dict:
         src = getattr(spec.reward, "source", None)
         if src:
             inputs[f"reward:{spec.name}"] = sha256_file(Path(src))
-    config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights, template)
+    every_row = not cfg.max_prompts or cfg.max_prompts >= len(rows)
+    config = _fingerprint_config(cfg, device, dtype_name, reward_set.weights, template, every_row)
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     # the named chat templates (additional_chat_templates/) are never rendered here: not an input
     inputs["text"] = text_files_hash(cfg.model, named_templates=False)

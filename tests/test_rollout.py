@@ -781,3 +781,21 @@ def test_a_named_chat_template_is_not_an_input_of_the_rollout(model_dir, tmp_pat
     (model / "additional_chat_templates").mkdir()
     (model / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0]['content'] }}")
     assert rollout(cfg_for(model, tmp_path, max_prompts=2))["already_done"]
+
+
+def test_a_max_prompts_cap_that_keeps_every_row_is_the_run_without_it(model_dir, tmp_path, fake_engine, monkeypatch):
+    """--max-prompts was fingerprinted as typed: 10, 20 or none over the same rows were "made from other inputs"
+    (exit 4), and resuming an interrupted run with the cap changed needed --force, which threw its groups away (a
+    review). A cap at or above the rows is recorded as none, as eval records --max-problems; outputs recorded as typed
+    still read as done."""
+    rollout(cfg_for(model_dir, tmp_path, max_prompts=100))
+    n = len((tmp_path / "prompts.jsonl").read_text().splitlines())
+    for cap in (None, n, 1000):
+        assert rollout(cfg_for(model_dir, tmp_path, max_prompts=cap))["already_done"], cap
+    with pytest.raises(OutputExistsError, match="max_prompts"):  # a cap that drops rows is another run
+        rollout(cfg_for(model_dir, tmp_path, max_prompts=n - 1))
+    real = ro._fingerprint_config
+    with monkeypatch.context() as m:  # as older qerl recorded it: the cap as typed
+        m.setattr(ro, "_fingerprint_config", lambda cfg, *a, **k: dict(real(cfg, *a), max_prompts=cfg.max_prompts))
+        rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "old", max_prompts=100))
+    assert rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "old", max_prompts=100))["already_done"]
