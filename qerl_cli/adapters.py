@@ -154,8 +154,18 @@ def _open_weights(path: Path):
         raise BadInputError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
+def _weights_path(adapter_dir: Path) -> Path:
+    """The adapter's safetensors weights; a PEFT adapter saved with ``safe_serialization=False`` has only
+    ``adapter_model.bin`` (a pickle, never loaded here): say so rather than a bare "not found"."""
+    path = Path(adapter_dir) / WEIGHTS
+    if not path.exists() and (Path(adapter_dir) / "adapter_model.bin").exists():
+        raise BadInputError(f"{path}: not found; {adapter_dir} holds adapter_model.bin, a pickle, which qerl does not load",
+                            hint="re-save the adapter with PEFT's save_pretrained(..., safe_serialization=True)")
+    return path
+
+
 def _targets_from_weights(adapter_dir: Path) -> set[str]:
-    with _open_weights(adapter_dir / WEIGHTS) as fh:
+    with _open_weights(_weights_path(adapter_dir)) as fh:
         return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in fh.keys() if ".lora_" in k}
 
 
@@ -201,7 +211,7 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
     """Copy a PEFT adapter into the model's LoRALinears (they must exist: ``load_model(lora=...)``)."""
     adapter_dir = Path(adapter_dir)
     cfg = _read_config(adapter_dir)
-    wpath = adapter_dir / WEIGHTS
+    wpath = _weights_path(adapter_dir)
     if not wpath.exists():
         raise BadInputError(f"{wpath}: not found")
     mods = dict(lora_modules(model))
@@ -229,6 +239,14 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
             values[(name, ab)] = t
             seen[name].add(ab)
     incomplete = [n for n, s in seen.items() if s != {"A", "B"}]
+    present = {n.rsplit(".", 1)[-1] for n, s in seen.items() if s}
+    absent = [n for n in incomplete if not seen[n] and n.rsplit(".", 1)[-1] in present]
+    if absent:  # a target the adapter has in other layers: left out of some, not a damaged pair
+        raise BadInputError(
+            f"{wpath}: no lora_A/lora_B for {absent[0]!r}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+            + f", though the adapter adapts {absent[0].rsplit('.', 1)[-1]!r} elsewhere: it covers only some layers "
+            "(PEFT exclude_modules or a target_modules regex); qerl applies LoRA to a target module in every layer",
+            hint="qerl merge applies such an adapter: merge it and use the merged model as --model")
     if incomplete:
         raise BadInputError(f"{wpath}: no lora_A/lora_B for {incomplete[0]!r}" + (f" (and {len(incomplete) - 1} more)" if len(incomplete) > 1 else ""))
     alpha = float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))

@@ -351,3 +351,23 @@ def test_saved_adapter_loads_over_the_nvfp4_dir_as_the_docs_say(tmp_path, nvfp4_
         base_only = _logits(model, ids, mask)
     assert (ours - base_only).abs().masked_select(m).max() > 0.2  # the adapter matters (0.96 here)...
     assert (ours - ref).abs().masked_select(m).max() < 0.02  # ...and bf16 PEFT agrees with fp32 qerl (0.007)
+
+
+def test_an_adapter_covering_only_some_layers_or_saved_as_bin_names_why(tmp_path, nvfp4_dirs):
+    """A PEFT adapter with exclude_modules (or a regex over some layers) was refused as "no lora_A/lora_B for
+    ...", which reads as a damaged file; one saved with safe_serialization=False as a bare "not found"."""
+    q, _ = nvfp4_dirs
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(nvfp4_dirs[1]), dtype=torch.float32)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          exclude_modules=["model.layers.0.self_attn.q_proj"])
+    pm = peft.get_peft_model(hf, cfg)
+    pm.save_pretrained(str(tmp_path / "ex"))
+    with pytest.raises(BadInputError, match="covers only some layers.*exclude_modules") as e:
+        load_model(str(q), device="cpu", dtype=torch.float32, adapter_dir=str(tmp_path / "ex"))
+    assert "qerl merge" in str(e.value)
+    pm.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
+    assert not (tmp_path / "bin" / "adapter_model.safetensors").exists()
+    with pytest.raises(BadInputError, match="adapter_model.bin, a pickle") as e:
+        load_model(str(q), device="cpu", dtype=torch.float32, adapter_dir=str(tmp_path / "bin"))
+    assert "safe_serialization=True" in str(e.value)
