@@ -14,11 +14,12 @@ An ``answer`` holding ``####`` anywhere is treated as a worked solution and redu
 after it, so a reward never compares against a whole paragraph.
 
 Rendering: an optional ``--prompt-template`` (must contain ``{prompt}``; substituted by plain
-replacement, so braces in LaTeX prompts are safe) wraps the prompt text; then, when the tokenizer
-has a chat template (and it is not turned off), the prompt becomes a user message (plus an optional
-system prompt) rendered with ``add_generation_prompt=True``. Without a chat template the text is
-tokenized as is; a ``messages`` row then is an error, since there is no faithful way to flatten a
-chat for a model that was never taught one.
+replacement, so braces in LaTeX prompts are safe; a file's final newline is dropped, as Jinja does)
+wraps the prompt text; then, when the tokenizer has a chat template (and it is not turned off), the
+prompt becomes a user message (plus an optional system prompt) rendered with
+``add_generation_prompt=True``. Without a chat template the text is tokenized as is; a ``messages``
+row then is an error, since there is no faithful way to flatten a chat for a model that was never
+taught one.
 
 Every error names ``file:line`` (``file:row N`` for Parquet). Rows are loaded whole: prompt sets
 are MBs, and knowing the row count up front is what lets ``--prompts-per-step`` and
@@ -324,6 +325,9 @@ def load_template(template: str | None) -> str | None:
         return None
     if "{prompt}" not in template and _is_file(os.path.expanduser(template)):  # ~ after =: the shell left it
         template = Path(os.path.expanduser(template)).read_text(encoding="utf-8-sig")
+        # the final newline an editor (or `echo`) ends a file with is no part of the prompt, as Jinja drops it from a
+        # template file: "Q: {prompt}\nA:\n" prompted "A:\n", not the "A:" the same string as the flag gives
+        template = template.removesuffix("\n")
     if "{prompt}" not in template:
         raise BadInputError("--prompt-template must contain {prompt} (or name a file that does)")
     return template

@@ -20,7 +20,8 @@ regenerating. Built-ins:
   word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) are no answer.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
-  read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one.
+  read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
+  ``<think>`` never closed (a completion cut short mid-thought) is no answer.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
   ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy, ~10 ms a verdict), so verdicts are
   cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each parse and
@@ -385,11 +386,15 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
 
     ``gsm8k``: normalised number the first ``####`` line starts with, else in the last ``\\boxed{}``, else in
     the last ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:").
-    ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts.
+    ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts, and
+    nothing after a ``<think>`` left open.
     """
     think_end = text.rfind("</think>")
     if think_end >= 0:  # the format reward's layout: a draft "\boxed{70}" or "#### 70" inside <think> is no answer
         text = text[think_end + len("</think>"):]
+    think_open = text.find("<think>")
+    if think_open >= 0:  # a <think> never closed (cut short mid-thought): a draft inside it is no answer either
+        text = text[:think_open]
     if kind == "gsm8k":
         # a #### line that starts with its number, else the box, else the tag, else a #### line with words before its
         # number ("#### The answer is 72"): a Markdown heading "#### Step 1: ..." must not outrank the final \boxed{72}

@@ -122,6 +122,13 @@ def test_template_string_and_file(tmp_path, plain_tok):
     assert render_prompt(rows[0], plain_tok, template=t) == "Solve: \\frac{1}{2} + {x}\nPut the answer after ####."
     (tmp_path / "t.txt").write_text("Q: {prompt}\nA:")
     assert load_template(str(tmp_path / "t.txt")) == "Q: {prompt}\nA:"
+    # the final newline an editor or `echo` writes is no part of the prompt (it cut the tiny model's eval from 40% to 5%)
+    (tmp_path / "t.txt").write_text("Q: {prompt}\nA:\n")
+    assert load_template(str(tmp_path / "t.txt")) == "Q: {prompt}\nA:"
+    (tmp_path / "t.txt").write_bytes(b"Q: {prompt}\r\nA:\r\n")  # a Windows editor's
+    assert load_template(str(tmp_path / "t.txt")) == "Q: {prompt}\nA:"
+    (tmp_path / "t.txt").write_text("Q: {prompt}\nA:\n\n")  # only the one: a blank line asked for stays
+    assert load_template(str(tmp_path / "t.txt")) == "Q: {prompt}\nA:\n"
     with pytest.raises(BadInputError, match=r"must contain \{prompt\}"):
         load_template("no placeholder")
 

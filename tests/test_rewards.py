@@ -563,6 +563,19 @@ def test_a_draft_inside_think_is_not_the_answer():
     assert extract_answer("no think tags: \\boxed{5}") == "5"
 
 
+def test_a_draft_inside_an_unclosed_think_is_not_the_answer():
+    """A completion cut short mid-thought (<think> never closed) was scored on its draft: "<think>first guess
+    \\boxed{72}, let me recheck 5*" earned gsm8k and math 1.0, though a draft inside <think> is no answer (a review)."""
+    for draft in ("\\boxed{72}", "#### 72", "<answer>72</answer>"):
+        cut = f"<think>first guess {draft}? wait, let me recheck 5*"
+        assert extract_answer(cut, "gsm8k") is None
+        assert REWARDS["gsm8k"](cut, "72") == 0.0
+    assert extract_answer("<think>guess \\boxed{72}, recheck", "math") is None
+    # a final answer before a new, unclosed <think> still counts; so does one after a closed block
+    assert extract_answer("<think>a</think> \\boxed{72} <think>more", "gsm8k") == "72"
+    assert extract_answer("<think>a \\boxed{70}</think> \\boxed{72}", "math") == "72"
+
+
 def test_an_empty_box_echoed_after_the_answer_does_not_hide_it():
     # a base model that runs on into the next question echoes the prompt's instruction with an empty box
     c = ("48 + 24 = 72.\nThe answer is \\boxed{72}.\n\nQuestion: Weng earns $12 an hour. How much did she earn?\n"
