@@ -345,7 +345,7 @@ _HEADING_LABEL = re.compile(r"\s*\**\s*(?:step|part|case|method|stage|phase|sect
 def _hash_spans(text: str) -> tuple[str | None, str | None]:
     """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
     stays linear in the text): (the first span that starts with a number, or None; the first span whose number
-    comes after words and that is no heading label "#### Step 1: ...", else the first span)."""
+    comes after words and that is no heading label "#### Step 1: ...", else the first span unless it is one)."""
     starts = [m.start() for m in re.finditer("####", text)]
     first = words = None
     for k, pos in enumerate(starts):
@@ -362,7 +362,8 @@ def _hash_spans(text: str) -> tuple[str | None, str | None]:
                 return span, span
         elif words is None and _HEADING_LABEL.match(span) is None and span_number(span, whole=False) is not None:
             words = span
-    return None, words or first
+    # not a heading label's span ("#### Step 1:" alone, a truncated worked solution): its number is no answer
+    return None, words or (first if first is not None and _HEADING_LABEL.match(first) is None else None)
 
 
 def _after_hashes(text: str) -> str | None:

@@ -600,6 +600,15 @@ def test_a_markdown_heading_is_not_the_answer(completion, want):
     assert extract_answer(completion, "gsm8k") == want
 
 
+@pytest.mark.parametrize("completion", [
+    "#### Part 2", "#### Step 1: count the pens\nZoe has 5 pens and buys", "#### Step 1:\n#### Step 2: add",
+])
+def test_a_heading_alone_gives_no_answer(completion):
+    """A completion whose only #### lines are heading labels (docs/merge-eval.md: "#### Part 2" gives no answer) fell
+    back to the first span and was read as the heading's number: a truncated "#### Step 1:" scored 1 against "1"."""
+    assert extract_answer(completion, "gsm8k") is None and not is_correct(completion, completion[10:11], "gsm8k")
+
+
 def test_a_point_is_not_a_number_with_thousands_commas():
     # a MATH reference (1,500) or (-2,100) read as 1500 / -2100: eval's auto scorer sent it to the exact rule, where
     # the right answer \boxed{(1, 500)} scored wrong and \boxed{1500} right
