@@ -345,16 +345,14 @@ _HEADING_LABEL = re.compile(r"\s*\**\s*(?:step|part|case|method|stage|phase|sect
 def _hash_spans(text: str) -> tuple[str | None, str | None]:
     """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
     stays linear in the text): (the first span that starts with a number, or None; the first span whose number
-    comes after words and that is no heading label "#### Step 1: ...", else the first span unless it is one)."""
+    comes after words and that is no heading label "#### Step 1: ...", or None: a heading alone gives no answer)."""
     starts = [m.start() for m in re.finditer("####", text)]
-    first = words = None
+    words = None
     for k, pos in enumerate(starts):
         bound = starts[k + 1] if k + 1 < len(starts) else len(text)
         stop = text.find("\n", pos + 4, bound)  # bounded: a search to the text's end per #### was O(n^2)
         stop = bound if stop < 0 else stop
         span = text[pos + 4 : stop]
-        if first is None:
-            first = span
         if _DIGIT.search(span) is None:
             continue  # no number (a degenerate "####" run): not worth the cleaning below
         if _leads_with_number(span):
@@ -362,8 +360,7 @@ def _hash_spans(text: str) -> tuple[str | None, str | None]:
                 return span, span
         elif words is None and _HEADING_LABEL.match(span) is None and span_number(span, whole=False) is not None:
             words = span
-    # not a heading label's span ("#### Step 1:" alone, a truncated worked solution): its number is no answer
-    return None, words or (first if first is not None and _HEADING_LABEL.match(first) is None else None)
+    return None, words
 
 
 def _after_hashes(text: str) -> str | None:
