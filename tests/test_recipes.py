@@ -315,6 +315,30 @@ def test_slurm_eval_stage_scores_the_base_or_a_steps_adapter(tmp_path):
     assert step.endswith(f"--out {run}/step-000002/eval")
 
 
+def _signal_recorder(tmp_path, ticks: int, extra: str = ""):
+    """A stand-in stage that logs "STAGE PID{extra}", then the TERM or INT it gets (exiting 143 / 130 as qerl does),
+    or "not signalled" after ``ticks`` x 0.05 s."""
+    log = tmp_path / "qerl.log"
+    body = (f'echo "$1 $${extra}" >> {log}\n'
+            f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
+            f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
+            f'for _ in $(seq {ticks}); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
+    return _recorder(tmp_path, "qerl", body), log
+
+
+def _signal_once_started(cmd, env, log, sig, polls: int = 400, timeout: float = 20) -> int:
+    """Start ``cmd`` as from a terminal (SIGINT not ignored), send ``sig`` to it alone (not its process group) once
+    the first stage has logged itself, and return its exit status."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for _ in range(polls):
+        if log.exists() and log.read_text().strip():
+            break
+        time.sleep(0.05)
+    p.send_signal(sig)
+    return p.wait(timeout=timeout)
+
+
 def _argv_recorder(tmp_path):
     """A stand-in qerl that logs each call's arguments, one call a line (shell-quoted, newlines escaped)."""
     log = tmp_path / "qerl.log"
@@ -781,23 +805,12 @@ def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig, code):
     # `kill <grpo.sh pid>` left the stage running, still writing: bash passes no signal to a foreground child.
     # A stand-in stage records the signal it gets and exits as qerl does (143 / 130); the script waits for
     # it, exits with its status and starts no other stage.
-    log = tmp_path / "qerl.log"
-    body = (f'echo "$1 $$ ${{QERL_STOP_WITH_PARENT:-unset}}" >> {log}\n'
-            f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
-            f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
-            f'for _ in $(seq 100); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
-    qerl = _recorder(tmp_path, "qerl", body)
+    qerl, log = _signal_recorder(tmp_path, 100, ' ${QERL_STOP_WITH_PARENT:-unset}')
     cfg = tmp_path / "c.env"
     cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
-    p = subprocess.Popen(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")],
-                         env={**os.environ, "QERL": str(qerl)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
-    for _ in range(100):
-        if log.exists() and log.read_text().startswith("quantize"):
-            break
-        time.sleep(0.05)
-    p.send_signal(sig)  # to the script alone, not its process group
-    assert p.wait(timeout=10) == code
+    rc = _signal_once_started(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")],
+                              {**os.environ, "QERL": str(qerl)}, log, sig, polls=100, timeout=10)
+    assert rc == code
     lines = log.read_text().splitlines()
     assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
     with pytest.raises(ProcessLookupError):  # the stage is gone, not orphaned
@@ -1176,22 +1189,9 @@ def test_a_signal_to_quickstart_sh_stops_the_loop(tmp_path, sig, code):
     # `kill <quickstart.sh pid>` stopped quickstart.sh alone: bash passes no signal to a foreground child, so
     # grpo.sh ran the rest of the loop orphaned, still writing (a review). The signal now reaches the loop,
     # whose running stage (a stand-in that records it) stops; quickstart.sh exits with the loop's status.
-    log = tmp_path / "qerl.log"
-    body = (f'echo "$1 $$" >> {log}\n'
-            f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
-            f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
-            f'for _ in $(seq 200); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
-    qerl = _recorder(tmp_path, "qerl", body)
+    qerl, log = _signal_recorder(tmp_path, 200)
     env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.Popen(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
-    for _ in range(400):
-        if log.exists() and log.read_text().startswith("quantize"):
-            break
-        time.sleep(0.05)
-    p.send_signal(sig)  # to the script alone, not its process group
-    assert p.wait(timeout=20) == code
+    assert _signal_once_started(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env, log, sig) == code
     time.sleep(1)  # an orphaned loop would start its next stage here
     lines = log.read_text().splitlines()
     assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
