@@ -103,11 +103,11 @@ class ModelRunner:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv.element_size()
 
     def set_block_table(self, seq: Sequence) -> None:
-        row = torch.tensor(seq.block_table, dtype=torch.int32)
-        self.block_tables[seq.slot, : len(row)].copy_(row, non_blocking=False)
-        # Past its own blocks the row named the slot's previous occupant's, which another live sequence may hold
-        # by now: a write past a reservation would have corrupted its cache silently. Scratch takes it instead.
-        self.block_tables[seq.slot, len(row):].fill_(BlockManager.SCRATCH)
+        # The whole row in one copy: past its own blocks it named the slot's previous occupant's, which another live
+        # sequence may hold by now (a write past a reservation would have corrupted its cache). Scratch takes it.
+        row = torch.full((self.block_tables.shape[1],), BlockManager.SCRATCH, dtype=torch.int32)
+        row[: len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        self.block_tables[seq.slot].copy_(row, non_blocking=False)
 
     # ---- prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
