@@ -1,0 +1,163 @@
+"""`qerl eval` checked against implementations written here, independently of qerl_cli.eval_metrics:
+pass@k from exact binomial coefficients, per-problem aggregation recomputed from samples.jsonl, the
+paired sign-flip p-value by enumerating every sign pattern, and an interrupted eval's rerun."""
+
+import itertools
+import json
+from fractions import Fraction
+from math import comb
+
+import pytest
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.eval_metrics import paired_difference, pass_at_k, per_problem_pass1, score_block
+from qerl_cli.evaluate import EvalConfig, Sample, evaluate
+from tests.helpers import make_tiny_hf_model
+
+
+def exact_pass_at_k(n: int, c: int, k: int) -> Fraction:
+    """Chen et al. (2021), exactly: 1 - C(n-c, k) / C(n, k)."""
+    return 1 - Fraction(comb(n - c, k), comb(n, k))
+
+
+@pytest.mark.parametrize("n, c, k", [(n, c, k) for n in (1, 2, 3, 5, 16) for c in range(n + 1) for k in range(1, n + 1)]
+                         + [(2000, 3, 1), (2000, 3, 1000), (100_000, 1, 7), (1024, 1023, 1), (1024, 0, 1024)])
+def test_pass_at_k_equals_the_exact_binomial_ratio(n, c, k):
+    # large n: C(n, k) overflows a float; the running product must still hold 1e-12
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact_pass_at_k(n, c, k)), rel=1e-9, abs=1e-12)
+
+
+def test_per_problem_aggregation_k_above_n_and_a_problem_without_samples():
+    counts = [(4, 0), (4, 1), (6, 3), (8, 8), (1, 1)]  # unequal n per problem: each is averaged alone
+    want = sum(exact_pass_at_k(n, c, 1) for n, c in counts) / len(counts)
+    assert score_block(counts, [1])["pass@1"]["value"] == pytest.approx(float(want), abs=1e-6)
+    with pytest.raises(ValueError, match="pass@2 needs at least 2 samples"):
+        score_block(counts, [2])  # the n = 1 problem cannot give pass@2
+    with pytest.raises(ValueError, match="at least 1 samples"):
+        score_block([(3, 1), (0, 0)], [1])  # a problem without samples is refused, not dropped from the mean
+    assert score_block([(1, 0), (1, 1)], [1])["pass@1"]["value"] == 0.5  # n = 1: greedy pass@1 is the fraction
+
+
+def test_paired_sign_flip_p_value_against_every_sign_pattern():
+    a = {"0": 0.0, "1": 1 / 3, "2": 1.0, "3": 2 / 3, "4": 0.0, "5": 1 / 3}
+    b = {"0": 2 / 3, "1": 1.0, "2": 2 / 3, "3": 2 / 3, "4": 1 / 3, "5": 1.0}
+    d = [Fraction(round(3 * b[i]), 3) - Fraction(round(3 * a[i]), 3) for i in a]
+    nz = [x for x in d if x]
+    obs = abs(sum(nz))
+    want = Fraction(sum(abs(sum(s * x for s, x in zip(signs, nz))) >= obs
+                        for signs in itertools.product((1, -1), repeat=len(nz))), 2 ** len(nz))
+    r = paired_difference(a, b)
+    assert r["test"] == "sign-flip" and r["p"] == pytest.approx(float(want))
+    assert r["diff"] == pytest.approx(100 * float(sum(d)) / len(d))
+
+
+# ---- the stage, with a scripted engine ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("evalr"), arch="qwen2", hidden=32, layers=1)
+
+
+ROWS = [  # references in the forms the brief names; answers[i] are problem i's samples
+    {"id": "thousand", "question": "q1", "answer": "... #### 1,000"},
+    {"id": "price", "prompt": "q2", "answer": "3.50"},
+    {"id": "neg", "messages": [{"role": "user", "content": "q3"}], "answer": -2},
+    {"id": "half", "problem": "q4", "answer": "\\frac{1}{2}"},
+    {"id": "dec", "prompt": "q5", "answer": "0.5"},
+]
+ANSWERS = [
+    ["#### 1000", "\\boxed{1{,}000}", "#### 100"],     # 2 of 3
+    ["#### $3.5", "#### 3.05", "\\boxed{3.500}"],        # 2 of 3
+    ["#### -2", "#### 2", "no answer here"],             # 1 of 3
+    ["\\boxed{0.5}", "\\boxed{\\dfrac{2}{4}}", "#### 0.5"],  # 2 of 3 (math-verify reads only \boxed{})
+    ["\\boxed{\\frac{1}{2}}", "#### 1/2", "#### 2"],   # 2 of 3
+]
+CORRECT = [[1, 1, 0], [1, 0, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+class Scripted:
+    def __init__(self, answers, fail_at_call=None):
+        self.answers, self.seen, self.calls, self.fail_at_call = answers, 0, 0, fail_at_call
+
+    def __call__(self, prompt_ids, n, seeds, progress=None):
+        self.calls += 1
+        if self.calls == self.fail_at_call:
+            raise KeyboardInterrupt  # a crash (Ctrl-C, OOM kill) mid-eval
+        out = []
+        for _ in prompt_ids:
+            out.append([Sample([1] * (j + 1), t, "stop") for j, t in enumerate(self.answers[self.seen])])
+            self.seen += 1
+        return out
+
+
+def _cfg(model_dir, tmp_path, dataset, name="e", **kw):
+    (tmp_path / "chat.jinja").write_text(CHAT)
+    return EvalConfig(model=model_dir, dataset=dataset, out=tmp_path / name, device="cpu", k=2, num_samples=3,
+                      max_new_tokens=32, progress=False, chat_template_file=tmp_path / "chat.jinja", **kw)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _recomputed(out):
+    """metrics.json's numbers, from samples.jsonl alone."""
+    lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    by_id: dict[str, list[bool]] = {}
+    for r in lines:
+        by_id.setdefault(r["id"], []).append(r["correct"])
+    return lines, {f"pass@{k}": float(sum(exact_pass_at_k(len(v), sum(v), k) for v in by_id.values()) / len(by_id))
+                   for k in (1, 2)}
+
+
+def test_metrics_equal_an_independent_recount_of_samples_jsonl(model_dir, tmp_path):
+    res = evaluate(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS)), generate=Scripted(ANSWERS))
+    m, out = res["metrics"], tmp_path / "e"
+    lines, want = _recomputed(out)
+    assert [[r["correct"] for r in lines if r["id"] == row["id"]] for row in ROWS] == [list(map(bool, c)) for c in CORRECT]
+    assert {k: v["value"] for k, v in m["scores"].items()} == pytest.approx(want, abs=1e-6)
+    assert m["counts"] == {"problems": 5, "samples_per_problem": 3, "samples": 15, "correct_samples": 9,
+                           "problems_solved": 5, "no_answer": sum(r["extracted"] is None for r in lines),
+                           "truncated": 0}
+    assert m["scored_with"] == {"gsm8k": 4, "math": 1}
+    assert json.loads((out / "metrics.json").read_text())["scores"] == m["scores"]
+    assert per_problem_pass1(out) == {row["id"]: sum(c) / 3 for row, c in zip(ROWS, CORRECT)}
+
+
+def test_parquet_rows_score_as_their_jsonl_twin(model_dir, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"id": r["id"], "prompt": f"q{i}", "answer": str(r["answer"])} for i, r in enumerate(ROWS)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    a = evaluate(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", rows), "j"), generate=Scripted(ANSWERS))
+    b = evaluate(_cfg(model_dir, tmp_path, tmp_path / "d.parquet", "p"), generate=Scripted(ANSWERS))
+    assert a["metrics"]["scores"] == b["metrics"]["scores"] and a["metrics"]["counts"] == b["metrics"]["counts"]
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"id": "a", "prompt": "x", "answer": "1"}, {"id": "a", "prompt": "y", "answer": "2"}], "id 'a' already used"),
+    ([{"id": 1, "prompt": "x", "answer": "1"}, {"id": "1", "prompt": "y", "answer": "2"}], "id '1' already used"),
+    ([{"prompt": "x", "answer": "1"}, {"id": 0, "prompt": "y", "answer": "2"}], "id '0' already used"),
+    ([{"prompt": "x", "answer": "1"}, {"prompt": "y"}], "d.jsonl:2: row has no reference `answer`"),
+    ([{"prompt": "x", "answer": "1"}, {"prompt": "y", "answer": "  "}], "d.jsonl:2: row has no reference `answer`"),
+])
+def test_duplicate_ids_and_missing_answers_are_refused_before_any_generation(model_dir, tmp_path, rows, message):
+    gen = Scripted([["#### 1"] * 3] * 2)
+    with pytest.raises(BadInputError, match=message):
+        evaluate(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", rows)), generate=gen)
+    assert gen.calls == 0 and not (tmp_path / "e").exists()
+
+
+def test_an_interrupted_eval_leaves_nothing_and_its_rerun_scores_every_problem(model_dir, tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = _cfg(model_dir, tmp_path, data, max_num_seqs=3)  # 4 * 3 // 3 = 4 problems a chunk: two chunks
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg, generate=Scripted(ANSWERS, fail_at_call=2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jinja", "d.jsonl"]  # no --out, no temp dir
+    gen = Scripted(ANSWERS)
+    res = evaluate(cfg, generate=gen)
+    assert gen.calls == 2 and not res["already_done"]  # eval keeps no finished problems: it starts over
+    lines, want = _recomputed(tmp_path / "e")
+    assert len(lines) == 15 and {k: v["value"] for k, v in res["metrics"]["scores"].items()} == pytest.approx(want, abs=1e-6)
