@@ -262,6 +262,11 @@ def test_compare_cli_prints_runs_side_by_side(model_dir, tmp_path):
     assert r.exit_code == 2 and "metrics.json not found" in r.output
     r = CliRunner().invoke(app, ["eval", "--dataset", "x.jsonl", "--out", "o"])
     assert r.exit_code == 2 and "--model" in r.output
+    both = [str(tmp_path / "base"), str(tmp_path / "tuned")]
+    r = CliRunner().invoke(app, ["eval", "--compare", *both, "--model", str(model_dir), "--k=2"])
+    assert r.exit_code == 2 and "--model, --k would run an eval" in r.output  # not a table without the run asked for
+    r = CliRunner().invoke(app, ["eval", "--compare", *both, "-q"], terminal_width=200)
+    assert r.exit_code == 0 and "pass@1" in r.output  # --quiet runs nothing: a script's habit is no error
 
 
 def test_vllm_engine_missing_is_a_clear_error(model_dir, tmp_path):

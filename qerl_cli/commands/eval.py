@@ -100,6 +100,7 @@ def command(
                                 else "to tabulate eval dirs pass --compare DIR...")
         if not runs:
             raise BadInputError("--compare needs at least one eval output directory")
+        _refuse_run_flags_with_compare()
         from qerl_cli.eval_metrics import compare_table
 
         console.print(compare_table(runs))
@@ -127,3 +128,18 @@ def command(
     # One line for grep, after the table too: as every other stage's last line, it names --out, so a log holding
     # several evals (grpo.sh's EVAL_EVERY) ties each score to its run (a review).
     console.print(result_line(res["metrics"], out, res["already_done"]), soft_wrap=True)
+
+
+def _refuse_run_flags_with_compare() -> None:
+    """`qerl eval --compare A B --model X --dataset D`: the table is of finished runs, so flags that would run an
+    eval do nothing there; said, rather than ignored (a user expecting X scored and added to the table)."""
+    from qerl_cli.cli import current_context
+
+    ctx = current_context()
+    if ctx is None:
+        return
+    given = [p.opts[0] for p in ctx.command.params if p.name not in ("runs", "compare", "quiet")
+             and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")]
+    if given:
+        raise BadInputError(f"--compare tabulates finished eval dirs; {', '.join(given)} would run an eval",
+                            hint="run the eval first (with --out), then pass its dir to --compare")
