@@ -5,19 +5,21 @@ weight: ``--reward gsm8k --reward format=0.1`` gives ``reward = 1.0*gsm8k + 0.1*
 unweighted value is kept in the record's ``rewards`` so training can re-weight without
 regenerating. Built-ins:
 
-- ``gsm8k``: 1 if the final number equals the reference. The number is the one the first
-  ``####`` line with a number starts with (a base model that runs on past its answer and starts
-  another "Q: ... ####" is still judged on the answer it gave), else the last ``\\boxed{}``, else
-  the last ``<answer>...</answer>``, else a ``####`` line's number after words ("#### The answer is 72";
-  the first such line that is no heading label "#### Step 1:", "#### Part 2"; a heading does not outrank the box; the
-  price: such a line loses to a later run-on "#### 7" or box, as a heading must, and a heading with a number in its
-  words, "#### Add the 3 eggs", before it is read as 3), which must each *be* a number (words allowed):
+- ``gsm8k``: 1 if the final number equals the reference. The number is the one of the first
+  ``####`` line that starts with its number or names the answer before it ("#### 72", "#### The answer is 72",
+  "#### Final Answer: 72", or a heading "#### Final Answer" with the number on the next line; a base model that runs
+  on past its answer and starts another "Q: ... ####" is still judged on the answer it gave), else the last
+  ``\\boxed{}``, else the last ``<answer>...</answer>``, else a ``####`` line's number after other words (the first
+  such line that is no heading label "#### Step 1:", "#### Part 2": "#### Add the 3 eggs" does not outrank the box),
+  else a numbered heading's number ("#### 1. Understand the problem" is 1 only where nothing else gives an answer;
+  "#### 18. She makes $18" says its number twice and is 18), which must each *be* a number (words allowed):
   ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
   door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
   exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
-  line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``) and a number with a
-  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) are no answer.
+  line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) and a hedge (``72 or 73``, ``72 or so``) are no
+  answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
   read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
@@ -67,6 +69,10 @@ ANSWER_KINDS = ("gsm8k", "math")
 # ---- extraction ------------------------------------------------------------------------------
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 _BARE_TOKEN = re.compile(r"[^\s$]+")
+# What follows a bare \boxed in prose, not an argument: a word ("I put it in \boxed as asked") or punctuation ("in
+# \boxed."). Read as the last box, it hid the answer boxed before it. A letter ("\boxed x"), a number or a command
+# ("\boxed\pi") stays an argument.
+_PROSE_TOKEN = re.compile(r"[A-Za-z]{2,}[^\w\\]*|[^\w\\]+")
 
 
 def _closing_braces(text: str) -> dict[int, int]:
@@ -102,7 +108,7 @@ def last_boxed(text: str) -> str | None:
                 return text[i + 1 : j].strip()
         else:  # "\\boxed 5": TeX allows a single token without braces
             tok = _BARE_TOKEN.match(text, i)
-            if tok:
+            if tok and _PROSE_TOKEN.fullmatch(tok.group(0)) is None:
                 return tok.group(0).strip()
     return None
 
@@ -157,6 +163,10 @@ def _next_operand(rest: str) -> bool:
 _CHANGES_BEFORE = frozenset("negative minus not no half".split())
 _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
     trillion trillions squared cubed""".split())
+
+# A hedge right after the number: "#### 72 or 73" (or "72 or so", "72 and/or 73") offers more than one answer, and an
+# answer that hedges must not be rewarded for the alternative that happens to be right.
+_HEDGE = re.compile(r"[\s,;(*]*(?:and/)?or\b", re.IGNORECASE)
 
 
 def _words_only(text: str) -> bool:
@@ -283,7 +293,12 @@ def _parsed_span_number(text: str, whole: bool) -> str | None:
     """span_number for any span: TeX, units, thousands commas, fractions, equations."""
     if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
         return None
-    s = _clean_number_text(text)
+    return _cleaned_span_number(_clean_number_text(text), text, whole)
+
+
+def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
+    """_parsed_span_number on ``s``, the span ``text`` already through _clean_number_text (a #### line is cleaned
+    once, for its number and for the kind of line it is)."""
     if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
         if s.count("=") > 1 and len(set(_ASSIGNED.findall(s))) > 1:
             return None  # "x = 5, y = 18" (in a box or on a #### line): several answers, none of them the answer
@@ -303,6 +318,8 @@ def _parsed_span_number(text: str, whole: bool) -> str | None:
     if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
+    if _HEDGE.match(rest):
+        return None  # "72 or 73", "72, or so", "72 (or 73)": a hedge, not an answer (it read as 72)
     if whole:
         rest = rest.lstrip().lstrip("*").lstrip().removeprefix("%").lstrip("*").strip().removesuffix(".")
         if not _words_only(rest):  # "72 apples" yes; "2 \\cdot 3", "3 and 4" no
@@ -329,45 +346,112 @@ def normalize_number(text: str) -> str | None:
     return span_number(text)
 
 
-def _leads_with_number(span: str) -> bool:
-    """Whether a ``####`` span's number comes first ("#### 72", "#### $72", "#### **72**"), not after words:
-    "#### Step 1:" is a Markdown heading, "#### The answer is 72" an answer only where no box or tag gives one."""
-    s = _clean_number_text(span).lstrip().lstrip("*").lstrip().removeprefix("-").lstrip().removeprefix(".")
-    return s[:1].isdigit()
-
-
 # A Markdown heading's label ("#### Step 1: Add", "#### **Part 2**"): its number is no answer. Skipped rather than
 # taking the *last* words-first line, which read a note or check after the answer ("#### Note: 7 eggs were broken")
 # and a base model's run-on ("#### The answer is 72\n\nQuestion: ... #### The answer is 5") instead of the answer.
 _HEADING_LABEL = re.compile(r"\s*\**\s*(?:step|part|case|method|stage|phase|section)\s*\d", re.IGNORECASE)
+# A heading that only names the answer, which follows on the next line: "#### Final Answer\n72" (also "**Answer:**",
+# "3. Final Answer", "The final answer is"). Its line has no number, so the answer under it was never read.
+_ANSWER_HEADING = re.compile(r"[\s*]*(?:\d+\.\s+)?(?:the\s+)?(?:final\s+)?(?:answer|result)s?(?:\s+is)?[\s*:.]*",
+                             re.IGNORECASE)
+# A numbered Markdown heading "#### 1. Understand the problem": the number of a list item, not an answer (no letter
+# may follow it: "#### 18." and "#### 1.5" stay numbers).
+_NUMBERED_HEADING = re.compile(r"(\d+)\.\s+(?=[A-Za-z*])")
+_A_WORD = re.compile(r"[A-Za-z]+")
 
 
-def _hash_spans(text: str) -> tuple[str | None, str | None]:
+def _names_the_answer(words: str) -> bool:
+    """Whether the words before a #### line's number end on "answer" ("#### The answer is 72", "#### **Final
+    Answer:** 72", "#### Answer = 72"), as a heading that happens to hold a number ("#### Add the 3 eggs") does not."""
+    last = [w.lower() for w in _A_WORD.findall(words)[-2:]]
+    if last[-1:] == ["is"] or last[-1:] == ["was"]:
+        last = last[:-1]
+    return last[-1:] in (["answer"], ["answers"])
+
+
+def _read_hash_span(span: str, need_words: bool = True) -> tuple[str, str | None]:
+    """(kind, number) of a #### span with a digit, cleaned once. Kinds: "lead" (the line starts with its number,
+    "#### 72", "#### $72", "#### **72**"; or names the answer before it, "#### The answer is 72"), "words" (words
+    come first, "#### Add the 3 eggs", "#### She has 72 left"), "numbered" (a numbered heading "#### 1. Understand
+    the problem": its number is the last resort). ``need_words`` False: a "words" line's number is not parsed (one
+    was found before; a degenerate run of such lines stays at one clean each)."""
+    if _PLAIN_INT.fullmatch(span):  # "#### 72", nearly every GSM8K line
+        return "lead", span_number(span)
+    s = _clean_number_text(span)
+    head = s.lstrip().lstrip("*").lstrip()
+    item = _NUMBERED_HEADING.match(head)
+    if item is not None:
+        rest = head[item.end():]
+        num = _cleaned_span_number(rest, rest, whole=False) if _DIGIT.search(rest) else None
+        if num is None:  # "#### 1. Understand the problem"
+            return "numbered", span_number(item.group(1))
+        if num == span_number(item.group(1)):  # "#### 18. She makes $18": the number, said twice
+            return "lead", num
+        # "#### 3. Answer: 18", "#### 2. Add the 3 eggs": the item's own words
+        return ("lead" if _names_the_answer(rest[: _DIGIT.search(rest).start()]) else "words"), num
+    if head.removeprefix("-").lstrip().removeprefix(".")[:1].isdigit():
+        return "lead", _cleaned_span_number(s, span, whole=False)
+    first = _DIGIT.search(s)
+    if first is None:  # cleaning left no digit (none seen so far; a guard, not a case)
+        return "words", None
+    kind = "lead" if _names_the_answer(s[: first.start()]) else "words"
+    return kind, (_cleaned_span_number(s, span, whole=False) if kind == "lead" or need_words else None)
+
+
+def _line_after(text: str, start: int, bound: int) -> str | None:
+    """The first line with content in text[start:bound] (the answer under a heading), or None."""
+    for line in text[start:bound].split("\n", 8)[:8]:  # a few blank lines at most: the answer right below
+        if line.strip():
+            return line
+    return None
+
+
+HashAnswer = tuple[str, str] | None  # (the span, its number)
+
+
+def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
     """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
-    stays linear in the text): (the first span that starts with a number, or None; the first span whose number
-    comes after words and that is no heading label "#### Step 1: ...", or None: a heading alone gives no answer)."""
+    stays linear in the text), with its number: (the first line that starts with its number or names the answer
+    before it, "#### 72", "#### The answer is 72", or the line under a heading "#### Final Answer"; the first line
+    with its number after other words that is no heading label "#### Step 1: ..."; the first numbered heading
+    "#### 1. Understand the problem"), each None where there is none: a heading label alone gives no answer."""
     starts = [m.start() for m in re.finditer("####", text)]
-    words = None
+    words = numbered = None
     for k, pos in enumerate(starts):
         bound = starts[k + 1] if k + 1 < len(starts) else len(text)
         stop = text.find("\n", pos + 4, bound)  # bounded: a search to the text's end per #### was O(n^2)
         stop = bound if stop < 0 else stop
         span = text[pos + 4 : stop]
-        if _DIGIT.search(span) is None:
-            continue  # no number (a degenerate "####" run): not worth the cleaning below
-        if _leads_with_number(span):
-            if span_number(span, whole=False) is not None:
-                return span, span
-        elif words is None and _HEADING_LABEL.match(span) is None and span_number(span, whole=False) is not None:
-            words = span
-    return None, words
+        if _ANSWER_HEADING.fullmatch(span):  # the answer is on the line below: read it as if after a ####
+            below = _line_after(text, stop, bound)
+            num = None if below is None else span_number(below)  # all of it a number: "72", "$72$", "72 apples."
+            if num is None:
+                continue
+            # a line that starts with its number ("72", "$72$") leads; a sentence ("She needs 5 more boxes.") is
+            # only words-first: prose under "#### Answer" must not outrank the final box
+            kind = _read_hash_span(below)[0]
+            span = below
+        elif _DIGIT.search(span) is None or _HEADING_LABEL.match(span):
+            continue  # no number (a degenerate "####" run: not worth the cleaning below), or a heading's label
+        else:
+            kind, num = _read_hash_span(span, need_words=words is None)
+        if num is None:
+            continue
+        if kind == "lead":
+            return (span, num), words, numbered
+        if kind == "words" and words is None:
+            words = span, num
+        elif kind == "numbered" and numbered is None:
+            numbered = span, num
+    return None, words, numbered
 
 
 def _after_hashes(text: str) -> str | None:
-    """What follows the first ``####`` that starts with a number, else the first one with a number after words (no
-    heading label), up to the line end (a GSM8K reference: "... #### 72")."""
-    lead, words = _hash_spans(text)
-    return lead or words
+    """What follows the first ``####`` that starts with a number (or names the answer before it), else the first one
+    with a number after words (no heading label), else the first numbered heading, up to the line end (a GSM8K
+    reference: "... #### 72")."""
+    found = next((f for f in _hash_spans(text) if f is not None), None)
+    return None if found is None else found[0]
 
 
 def _answer_tag(text: str) -> str | None:
@@ -382,8 +466,10 @@ def _answer_tag(text: str) -> str | None:
 def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     """The answer a completion gives, or None when it gives none.
 
-    ``gsm8k``: normalised number the first ``####`` line starts with, else in the last ``\\boxed{}``, else in
-    the last ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:").
+    ``gsm8k``: normalised number of the first ``####`` line that starts with it or names the answer before it ("####
+    The answer is 72", or the line under "#### Final Answer"), else in the last ``\\boxed{}``, else in the last
+    ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:"), else of
+    the first numbered heading ("#### 1. Understand the problem").
     ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts, and
     nothing after a ``<think>`` left open.
     """
@@ -394,17 +480,19 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     if think_open >= 0:  # a <think> never closed (cut short mid-thought): a draft inside it is no answer either
         text = text[:think_open]
     if kind == "gsm8k":
-        # a #### line that starts with its number, else the box, else the tag, else a #### line with words before its
-        # number ("#### The answer is 72"): a Markdown heading "#### Step 1: ..." must not outrank the final \boxed{72}
-        lead, any_number = _hash_spans(text)
-        spans = ((lambda _: lead, False), (last_boxed, True), (_answer_tag, True), (lambda _: any_number, False))
-        for find, whole in spans:
+        # a #### line that starts with its number (or names the answer), else the box, else the tag, else a #### line
+        # with other words before its number, else a numbered heading: a Markdown heading "#### Step 1: ..." or "####
+        # 1. Understand the problem" must not outrank the final \boxed{72}
+        lead, words, numbered = _hash_spans(text)
+        if lead is not None:
+            return lead[1]
+        for find in (last_boxed, _answer_tag):
             span = find(text)
             if span is not None:
-                num = span_number(span, whole)
+                num = span_number(span, whole=True)
                 if num is not None:
                     return num
-        return None
+        return next((f[1] for f in (words, numbered) if f is not None), None)
     if kind == "math":
         return last_boxed(text)
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")

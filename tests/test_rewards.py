@@ -619,3 +619,82 @@ def test_a_point_is_not_a_number_with_thousands_commas():
         assert score_completion("\\boxed{" + point + "}", ref).correct
         assert not score_completion("\\boxed{" + number + "}", ref).correct
     assert extract_answer("\\boxed{(3)}") == "3" and extract_answer("\\boxed{(-2.5)}") == "-2.5"
+
+
+@pytest.mark.parametrize("completion", [
+    "48 + 24 = 72\n#### Final Answer\n72", "#### **Final Answer:**\n\n$72$", "#### 2. Final Answer\n72 apples.",
+    "#### Answer\nShe has 72 in total.", "#### The final answer is:\n**72**",
+])
+def test_the_answer_on_the_line_under_an_answer_heading_is_read(completion):
+    """"#### Final Answer" with the number on the next line: the heading holds no number, so the answer under it was
+    never read (no answer at all; a leftover of session 52)."""
+    assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    # prose under the heading does not outrank the final box; a heading with no number below gives none
+    assert extract_answer("#### Answer\nFirst, 3 apples are left.\n48 + 24 = 72\n\\boxed{72}") == "72"
+    assert extract_answer("#### Final Answer\nSee above.") is None
+    assert extract_answer("#### Final Answer\nSee above.\n#### 5") == "5"
+
+
+@pytest.mark.parametrize("completion", [
+    "#### 72 or 73", "#### **72** or 73", "#### 72 (or 73)", "#### The answer is 72, or maybe 73", "#### 72 or so",
+    "#### 72 and/or 73", "\\boxed{72 \\text{ or so}}", "<answer>72 or more</answer>",
+])
+def test_a_hedge_is_no_answer(completion):
+    """"#### 72 or 73" scored 1 against 72 (and against 73 nothing): a hedge must not be rewarded for the
+    alternative that happens to be right."""
+    assert extract_answer(completion) is None and not is_correct(completion, "72", "gsm8k")
+    assert extract_answer("#### 72 oranges") == "72" and extract_answer("\\boxed{72 \\text{ ordered}}") == "72"
+
+
+@pytest.mark.parametrize("completion", [
+    "So \\boxed{72}. I put it in \\boxed as asked.", "\\boxed{72}, written in \\boxed.",
+    "\\boxed{72} (the \\boxed\ncommand)",
+])
+def test_a_bare_boxed_in_prose_does_not_hide_the_answer(completion):
+    """A bare \\boxed after the answer, in prose, was the last box, and its "argument" (a word) no number: no answer."""
+    assert last_boxed(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    assert REWARDS["math"](completion, "72") == 1.0
+    # a number, a letter or a command after a bare \boxed is still its argument
+    assert last_boxed("\\boxed 7") == "7" and last_boxed("so \\boxed x") == "x" and last_boxed("\\boxed\\pi") == "\\pi"
+    assert last_boxed("\\boxed -5.") == "-5."
+
+
+@pytest.mark.parametrize("completion", [
+    # a words-first answer line, then a base model's run-on "#### 7"
+    "48 + 24 = 72\n#### The answer is 72\n\nQuestion: Tom has 9 marbles and loses 2.\nAnswer: 9 - 2 = 7\n#### 7",
+    "#### Final Answer: **72**\n\nQuestion: ...\n\\boxed{7}",
+    # a heading with a number in its words before a words-first answer line (or a plain one)
+    "#### Add the 3 eggs\n48 + 24 = 72\n#### The answer is 72",
+    "#### Add the 3 eggs\n48 + 24 = 72\n#### Answer = 72",
+])
+def test_a_hash_line_that_names_the_answer_is_the_answer(completion):
+    """A #### line whose words name the answer ("The answer is 72", "Final Answer: 72") ranked with headings, below
+    a later run-on "#### 7" or box; and "#### Add the 3 eggs" before it was read as 3."""
+    assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    assert extract_answer("#### Add the 3 eggs\n48 + 24 = 72\n#### 72") == "72"  # a plain line still wins
+
+
+@pytest.mark.parametrize("completion", [
+    "#### 1. Understand the problem\n48 + 24 = 72\n#### 2. Answer\n\\boxed{72}",
+    "#### 1. Understand the problem\n48 + 24 = 72\n#### 72", "#### 1. Add\n#### 2. Answer: 72",
+    "#### 2. Add the 3 eggs\n<answer>72</answer>",
+])
+def test_a_numbered_heading_does_not_outrank_the_answer(completion):
+    """"#### 1. Understand the problem" read as 1 before the final \\boxed{72}: a numbered heading's number is now the
+    last resort, and "#### 72. She makes $72" (the number said again) still leads."""
+    assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    for alone in ("#### 72. She makes $72", "#### 72. That is the total.", "#### 72."):  # a numbered-looking answer
+        assert extract_answer(alone) == "72"
+
+
+@pytest.mark.parametrize("completion", ["#### The answer is $72$", "#### $72", "#### 1. Add\n#### 72 apples"])
+def test_a_hash_span_is_cleaned_once(completion):
+    """Each #### span went through _clean_number_text two or three times (_leads_with_number, span_number in
+    _hash_spans, span_number again in extract_answer): wasted work per completion."""
+    from unittest import mock
+
+    from qerl_cli import rewards
+
+    with mock.patch.object(rewards, "_clean_number_text", wraps=rewards._clean_number_text) as clean:
+        assert extract_answer(completion) == "72"
+    assert clean.call_count == completion.count("####")
