@@ -17,9 +17,12 @@ Rendering: an optional ``--prompt-template`` (must contain ``{prompt}``; substit
 replacement, so braces in LaTeX prompts are safe; a file's final newline is dropped, as Jinja does)
 wraps the prompt text; then, when the tokenizer has a chat template (and it is not turned off), the
 prompt becomes a user message (plus an optional system prompt) rendered with
-``add_generation_prompt=True``. Without a chat template the text is tokenized as is; a ``messages``
+``add_generation_prompt=True`` and ``--chat-template-kwargs`` (extra template variables, such as Qwen3's
+``enable_thinking``). Without a chat template the text is tokenized as is; a ``messages``
 row then is an error, since there is no faithful way to flatten a chat for a model that was never
-taught one.
+taught one. A rendered prompt may end inside a ``<think>`` block it opened (QwQ's and DeepSeek-R1's chat
+templates do): ``EncodedPrompt.opens_think`` says so, and the rewards then judge its completions as
+starting inside that block.
 
 Every error names ``file:line`` (``file:row N`` for Parquet). Rows are loaded whole: prompt sets
 are MBs, and knowing the row count up front is what lets ``--prompts-per-step`` and
@@ -39,7 +42,7 @@ from typing import Any
 
 from qerl_cli.errors import BadInputError
 from qerl_cli.hashing import sha256_bytes
-from qerl_cli.rewards import last_boxed, reference_answer
+from qerl_cli.rewards import last_boxed, prompt_opens_think, reference_answer
 
 ID_FIELDS = ("id", "prompt_id", "unique_id")
 LONG_PROMPT_POLICIES = ("skip", "error")
@@ -66,6 +69,11 @@ class EncodedPrompt:
     row: PromptRow
     text: str
     token_ids: list[int]
+
+    @property
+    def opens_think(self) -> bool:
+        """Whether the prompt ends inside a ``<think>`` it opened: its completions start mid-thought."""
+        return prompt_opens_think(self.text)
 
 
 @dataclass
@@ -365,6 +373,77 @@ def set_chat_template(tokenizer, text: str, path) -> None:
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
+# apply_chat_template's own arguments and the variables transformers fills itself: a kwarg of such a name is no
+# variable of the template's to set (it clashed with qerl's own argument, or changed how qerl renders the prompt)
+RESERVED_CHAT_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"))
+_KWARGS_EXAMPLE = """--chat-template-kwargs '{"enable_thinking": false}'"""
+
+
+def parse_chat_template_kwargs(value: Any) -> dict | None:
+    """``--chat-template-kwargs``: a JSON object (its text, or a dict from Python) -> the chat template's extra
+    variables, as plain JSON values (what the fingerprint records); None for none (``{}`` is the run without it)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+            raise BadInputError(f"--chat-template-kwargs is not valid JSON ({detail})",
+                                hint=f"pass a JSON object in single quotes, e.g. {_KWARGS_EXAMPLE}") from None
+    if not isinstance(value, dict):
+        raise BadInputError(f"--chat-template-kwargs must be a JSON object of template variables, got "
+                            f"{type(value).__name__} {str(value)[:80]}", hint=f"e.g. {_KWARGS_EXAMPLE}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():  # a template cannot read "enable-thinking"
+            raise BadInputError(f"--chat-template-kwargs: {key!r} is no name a chat template can read")
+        if key in RESERVED_CHAT_TEMPLATE_KWARGS:
+            raise BadInputError(f"--chat-template-kwargs: `{key}` is set by qerl itself, not a template variable",
+                                hint="system prompts go in --system-prompt, the template in --chat-template-file")
+    try:  # plain JSON values: a tuple is recorded as the list the CLI gives; a set or an object is refused
+        plain = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise BadInputError(f"--chat-template-kwargs must hold JSON values only ({e})") from None
+    return plain or None
+
+
+def chat_template_variables(tokenizer) -> set[str] | None:
+    """The variables the tokenizer's chat template reads from outside (None when it cannot be parsed here)."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        text = tokenizer.get_chat_template()
+    except Exception:  # noqa: BLE001 - no template, or named ones without a default: rendering says so
+        return None
+    try:  # transformers' own environment: its extensions ({% generation %}, loop controls) parse
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        env = _compile_jinja_template(text).environment
+    except Exception:  # noqa: BLE001 - a private helper of transformers; a bad template is rendering's to report
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return set(jinja2.meta.find_undeclared_variables(env.parse(text)))
+    except jinja2.TemplateError:
+        return None
+
+
+def check_chat_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """Each ``--chat-template-kwargs`` name must be a variable the chat template reads: Jinja renders an unknown
+    one as nothing, so a misspelt ``enable_thinkng`` changed nothing but the run's fingerprint, without a word."""
+    names = chat_template_variables(tokenizer)
+    unread = sorted(k for k in kwargs if names is not None and k not in names)
+    if unread:
+        offered = sorted(names - RESERVED_CHAT_TEMPLATE_KWARGS - {"raise_exception", "strftime_now"})
+        raise BadInputError(f"--chat-template-kwargs: the chat template reads no variable `{unread[0]}`"
+                            + (f" (it reads: {', '.join(offered)})" if offered else " (it reads none)"),
+                            hint="check the name against the model's chat template (chat_template.jinja or "
+                                 "tokenizer_config.json)")
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
@@ -376,6 +455,7 @@ def render_prompt(
     template: str | None = None,
     system_prompt: str | None = None,
     chat_template: bool | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> str:
     """The exact text the model is prompted with (see the module docstring)."""
     use_chat = has_chat_template(tokenizer) if chat_template is None else chat_template
@@ -405,7 +485,8 @@ def render_prompt(
     if system_prompt and not any(m["role"] == "system" for m in msgs):
         msgs = [{"role": "system", "content": system_prompt}, *msgs]
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja errors from a model's own template
         raise BadInputError(f"{row.where}: the tokenizer's chat template failed ({type(e).__name__}: {e})") from None
 
@@ -417,6 +498,7 @@ def encode_prompts(
     template: str | None = None,
     system_prompt: str | None = None,
     chat_template: bool | None = None,
+    chat_template_kwargs: dict | None = None,
     max_prompt_tokens: int | None = None,
     on_long: str = "skip",
     report: EncodeReport | None = None,
@@ -435,11 +517,17 @@ def encode_prompts(
         raise BadInputError("--system-prompt needs a chat template: the tokenizer has none"
                             + (" in use (--no-chat-template)" if chat_template is False else ""),
                             hint="put the instruction in --prompt-template instead")
+    if chat_template_kwargs:
+        if not use_chat:  # they would be dropped without a word
+            raise BadInputError("--chat-template-kwargs needs a chat template: the tokenizer has none"
+                                + (" in use (--no-chat-template)" if chat_template is False else ""))
+        check_chat_template_kwargs(tokenizer, chat_template_kwargs)
     out = []
     for row in rows:
         if system_prompt and row.messages is not None and any(m["role"] == "system" for m in row.messages):
             report.own_system.append(row.where)
-        text = render_prompt(row, tokenizer, template=template, system_prompt=system_prompt, chat_template=chat_template)
+        text = render_prompt(row, tokenizer, template=template, system_prompt=system_prompt, chat_template=chat_template,
+                             chat_template_kwargs=chat_template_kwargs)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\ud800"); no tokenizer takes it

@@ -204,6 +204,7 @@ def _generation_settings(eval_dir: Path, m: dict) -> dict:
         "--system-prompt": config.get("system_prompt"),
         "--no-chat-template": config.get("chat_template"),
         "--chat-template-file": (manifest.get("inputs") or {}).get("chat_template"),
+        "--chat-template-kwargs": config.get("chat_template_kwargs"),  # enable_thinking: another prompt altogether
         "--max-new-tokens": sampling.get("max_new_tokens", config.get("max_new_tokens")),
         "--stop": sampling.get("stop", config.get("stop")),
         "--top-p": sampling.get("top_p", config.get("top_p")),

@@ -61,6 +61,7 @@ class EvalConfig:
     system_prompt: str | None = None
     chat_template: bool | None = None  # None: use it when the tokenizer has one
     chat_template_file: Path | None = None  # a Jinja chat template replacing the tokenizer's (or giving it one)
+    chat_template_kwargs: dict | str | None = None  # extra chat template variables: a dict, or its JSON text
     scorer: str = "auto"
     prompt_key: str | None = None  # the dataset's own column names, as rollout's flags
     answer_key: str | None = None
@@ -121,6 +122,11 @@ class EvalConfig:
             raise BadInputError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.chat_template_file is not None and self.chat_template is False:
             raise BadInputError("--chat-template-file with --no-chat-template: the file would not be used")
+        from qerl_cli.data import parse_chat_template_kwargs
+
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
+        if self.chat_template_kwargs and self.chat_template is False:
+            raise BadInputError("--chat-template-kwargs with --no-chat-template: no template would read them")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise BadInputError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         self.stop = tuple(self.stop)
@@ -162,10 +168,12 @@ class Scored:
     kind: str
 
 
-def score_completion(completion: str, reference: str, scorer: str = "auto") -> Scored:
-    """Extract the completion's answer and judge it against ``reference`` with the rollout rewards' rule."""
-    from qerl_cli.rewards import extract_answer, is_correct
+def score_completion(completion: str, reference: str, scorer: str = "auto", opens_think: bool = False) -> Scored:
+    """Extract the completion's answer and judge it against ``reference`` with the rollout rewards' rule;
+    ``opens_think``: its prompt ended inside a ``<think>`` it opened (judged as rollout judges it)."""
+    from qerl_cli.rewards import extract_answer, is_correct, judged_completion
 
+    completion = judged_completion(completion, opens_think)
     kind = scorer_for(reference, scorer)
     extracted = extract_answer(completion, kind)
     return Scored(extracted, extracted is not None and is_correct(completion, reference, kind), kind)
@@ -256,7 +264,7 @@ def _fingerprint_config(cfg: EvalConfig, device: str, dtype: str, template: str 
     for key in ("model", "dataset", "out", "adapter", "force", "progress", "allow_base_mismatch", "chat_template_file"):
         d.pop(key)  # (the chat template file's text is an input: inputs["chat_template"])
     d.pop("max_num_seqs")  # the batching changes no sample: every problem is seeded by itself
-    for key in ("prompt_key", "answer_key"):  # unset, as outputs made before the flags recorded nothing
+    for key in ("prompt_key", "answer_key", "chat_template_kwargs"):  # unset, as outputs made before the flags recorded nothing
         if d[key] is None:
             d.pop(key)
     # Nor does the context: every prompt must fit beside --max-new-tokens (else the eval stops), so no
@@ -417,7 +425,8 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
     # Every problem counts: a prompt that does not fit is an error, never silently dropped from the score.
     enc_report = EncodeReport()
     prompts = encode_prompts(rows, tokenizer, template=template, system_prompt=cfg.system_prompt,
-                             chat_template=cfg.chat_template, max_prompt_tokens=room, on_long="error",
+                             chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs,
+                             max_prompt_tokens=room, on_long="error",
                              long_hint=f"shorten the prompt, or lower --max-new-tokens: prompts of up to {max_model_len - 1} "
                                        f"tokens fit with --max-new-tokens 1; {raise_hint}", report=enc_report,
                              vocab_size=ModelConfig.from_dir(cfg.model).vocab_size)
@@ -468,7 +477,7 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
                     if not s.finite:  # a score of NaN-logit samples would look like a real, bad model
                         raise NumericalError(f"{p.row.where}: sample {j} was drawn from NaN/Inf logits; nothing "
                                              "was written", hint=NONFINITE_LOGITS_HINT)
-                    sc = score_completion(s.text, p.row.answer, cfg.scorer)
+                    sc = score_completion(s.text, p.row.answer, cfg.scorer, p.opens_think)
                     any_ok |= sc.correct
                     rec = {
                         "id": p.row.id,

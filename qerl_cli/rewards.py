@@ -30,7 +30,12 @@ regenerating. Built-ins:
   comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored
   from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and
-  nothing else (the opening ``<think>`` may come from the chat template, so it is optional).
+  nothing else.
+
+A prompt that ends inside a ``<think>`` it opened (QwQ's and DeepSeek-R1's chat templates end the generation prompt
+with ``<think>\n``) gets completions without the opening tag: rollout and eval score ``"<think>" + completion``
+(``judged_completion``), so every reward judges the turn the model wrote (a draft answer before a ``</think>`` that
+never came is no answer; ``format`` finds its opening tag). The stored completion is never changed.
 - ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named.
 
 ``extract_answer(text, kind)`` and ``is_correct(completion, reference, kind)`` are the same logic
@@ -64,6 +69,21 @@ from qerl_cli.shards import REWARD_LIMIT
 REWARD_LIMIT_HINT = "rewards (and their weighted total) must lie within +-1e15"
 
 ANSWER_KINDS = ("gsm8k", "math")
+
+
+# ---- a prompt that opens <think> ----------------------------------------------------------------
+THINK_OPEN = "<think>"
+
+
+def prompt_opens_think(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends (whitespace aside) with an opening ``<think>``: its completion starts inside
+    that block and holds no opening tag of its own. The end only: a ``<think>`` a user message mentions is not one."""
+    return prompt_text.rstrip().endswith(THINK_OPEN)
+
+
+def judged_completion(completion: str, opens_think: bool) -> str:
+    """The text rewards judge: the completion, after the ``<think>`` its prompt opened (``prompt_opens_think``)."""
+    return THINK_OPEN + completion if opens_think else completion
 
 
 # ---- extraction ------------------------------------------------------------------------------
@@ -636,11 +656,14 @@ def math_reward(completion: str, answer: str | None, *, prompt=None) -> float:
 
 @register_reward("format", "1 if the completion is <think>...</think><answer>...</answer> and nothing else")
 def format_reward(completion: str, answer: str | None = None, *, prompt=None) -> float:
-    """``[<think>] thinking </think> <answer> answer </answer>`` with non-empty parts, one of each,
-    nothing around. String scanning instead of a backtracking regex: linear on any input."""
+    """``<think> thinking </think> <answer> answer </answer>`` with non-empty parts, one of each,
+    nothing around. String scanning instead of a backtracking regex: linear on any input. A chat template that opens
+    the ``<think>`` itself is no exception: the stages judge such completions with the tag put back
+    (``judged_completion``), so a completion that never opened one (or opened a second) is not the format."""
     s = completion.lstrip()
-    if s.startswith("<think>"):  # optional: chat templates of reasoning models open it themselves
-        s = s[len("<think>"):]
+    if not s.startswith("<think>"):
+        return 0.0
+    s = s[len("<think>"):]
     end = s.find("</think>")
     if end <= 0 or _has_tag(s[:end]) or not s[:end].strip():
         return 0.0

@@ -53,6 +53,7 @@ from qerl_cli.data import (
     encode_prompts,
     load_prompts,
     load_template,
+    parse_chat_template_kwargs,
     read_chat_template,
     set_chat_template,
 )
@@ -69,7 +70,7 @@ from qerl_cli.errors import (
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, check_out_apart
-from qerl_cli.rewards import RewardSet
+from qerl_cli.rewards import RewardSet, judged_completion
 from qerl_cli.runtime import (
     as_many,
     check_field_types,
@@ -126,6 +127,7 @@ class RolloutConfig:
     system_prompt: str | None = None
     chat_template: bool | None = None
     chat_template_file: Path | None = None  # a Jinja chat template replacing the tokenizer's (or giving it one)
+    chat_template_kwargs: dict | str | None = None  # extra chat template variables: a dict, or its JSON text
     max_model_len: int | None = None
     long_prompts: str = "skip"
     max_num_seqs: int = 256
@@ -140,6 +142,7 @@ class RolloutConfig:
         self.stop, self.rewards = as_many(self.stop), as_many(self.rewards)
         if isinstance(self.prompt_template, os.PathLike):  # "a string or a file": a Path names the file
             self.prompt_template = str(self.prompt_template)
+        self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -154,6 +157,8 @@ def _check_flags(cfg: RolloutConfig) -> None:
             "with, so train-step refuses the shard)", hint="pass -G 2 or more; to sample once per prompt, use qerl eval")
     if cfg.chat_template_file is not None and cfg.chat_template is False:
         bad("--chat-template-file with --no-chat-template: the file would not be used")
+    if cfg.chat_template_kwargs and cfg.chat_template is False:
+        bad("--chat-template-kwargs with --no-chat-template: no template would read them")
     if cfg.long_prompts not in LONG_PROMPT_POLICIES:  # here, not at encoding: before an existing --out answers exit 4
         bad(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {cfg.long_prompts!r}")
     if cfg.max_new_tokens < 1:
@@ -479,6 +484,8 @@ def _fingerprint_config(cfg: RolloutConfig, device: str, dtype: str, reward_weig
     # The device *type* changes numerics; which GPU of a node does not.
     d.update(device=device.split(":")[0], dtype=dtype, rewards=reward_weights, stop=list(cfg.stop))
     d["prompt_template"] = template  # the text, also when the flag named a file (its edits change the prompts)
+    if d["chat_template_kwargs"] is None:  # unset, as outputs made before the flag recorded nothing
+        d.pop("chat_template_kwargs")
     # The context the run has, not the flag as typed: unset, the model's limit and anything above it are one run
     # (it read as "changed", exit 4, and an interrupted run resumed with the flag added started over; a review).
     d["max_model_len"] = context_limit(cfg.model, cfg.max_model_len)[0]
@@ -598,7 +605,8 @@ def _encode(cfg: RolloutConfig, selected, template, chat_text, notes: bool = Tru
         print(f"note: --max-model-len {cfg.max_model_len} is beyond the model's limit; {raise_hint}", file=sys.stderr)
     enc_report = EncodeReport()
     prompts = encode_prompts(selected, tokenizer, template=template, system_prompt=cfg.system_prompt,
-                             chat_template=cfg.chat_template, max_prompt_tokens=max_model_len - 1,
+                             chat_template=cfg.chat_template, chat_template_kwargs=cfg.chat_template_kwargs,
+                             max_prompt_tokens=max_model_len - 1,
                              on_long=cfg.long_prompts, report=enc_report,
                              long_hint=f"pass --long-prompts skip to skip such prompts; {raise_hint}",
                              vocab_size=ModelConfig.from_dir(cfg.model).vocab_size)
@@ -883,8 +891,9 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
                     if not all(map(math.isfinite, c.logprobs)):  # NaN/Inf logits: no record, no traceback
                         raise NumericalError(f"{p.row.where}: a completion was sampled from NaN/Inf logits (groups "
                                              "finished before it are kept for a rerun)", hint=NONFINITE_LOGITS_HINT)
-                    vals, total = plan.reward_set.score(c.text, p.row.answer, p.row.prompt_field,
-                                                        where=f" for {p.row.where}")
+                    # judged after the <think> a prompt opened (the record keeps the completion as generated)
+                    vals, total = plan.reward_set.score(judged_completion(c.text, p.opens_think), p.row.answer,
+                                                        p.row.prompt_field, where=f" for {p.row.where}")
                     records.append(make_record(
                         prompt_id=p.row.id, group_id=gid, prompt=p.row.prompt_field, prompt_token_ids=p.token_ids,
                         completion_token_ids=c.token_ids, completion=c.text, logprobs=c.logprobs,

@@ -28,6 +28,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A reasoning model's template (QwQ, DeepSeek-R1 distills, Qwen3's thinking switch): the generation prompt opens
+# <think> itself, unless enable_thinking=false (a chat template kwarg) renders an empty, closed think block.
+THINKING_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",

@@ -4,9 +4,17 @@ import json
 
 import pytest
 
-from qerl_cli.data import EncodeReport, encode_prompts, load_prompts, load_template, render_prompt
+from qerl_cli.data import (
+    EncodeReport,
+    PromptRow,
+    encode_prompts,
+    load_prompts,
+    load_template,
+    parse_chat_template_kwargs,
+    render_prompt,
+)
 from qerl_cli.errors import BadInputError
-from tests.helpers import make_tiny_tokenizer
+from tests.helpers import THINKING_CHAT_TEMPLATE, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +333,53 @@ def test_a_compressed_dataset_is_named_as_such(tmp_path, magic, name):
     p.write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50) if name == "gzip" else magic + bytes(range(128, 250)))
     with pytest.raises(BadInputError, match=f"is {name}-compressed"):
         load_prompts(p)
+
+
+@pytest.fixture(scope="module")
+def thinking_tok():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = THINKING_CHAT_TEMPLATE
+    return tok
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_open_think_is_seen(thinking_tok):
+    # Qwen3's enable_thinking could not be set: the prompt always opened <think>
+    row = PromptRow("0", prompt="2+2?")
+    (on,) = encode_prompts([row], thinking_tok)
+    assert on.text.endswith("<|im_start|>assistant\n<think>\n") and on.opens_think
+    (off,) = encode_prompts([row], thinking_tok, chat_template_kwargs={"enable_thinking": False})
+    assert off.text.endswith("<think>\n\n</think>\n\n") and not off.opens_think
+    assert off.token_ids != on.token_ids
+    # a <think> a user message mentions is no open block: only the prompt's end counts
+    (said,) = encode_prompts([PromptRow("1", prompt="Use <think>")], thinking_tok, chat_template_kwargs={"enable_thinking": False})
+    assert not said.opens_think
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{enable_thinking: false}", "--chat-template-kwargs is not valid JSON"),
+    ('["enable_thinking"]', "must be a JSON object of template variables, got list"),
+    ('{"add_generation_prompt": false}', "`add_generation_prompt` is set by qerl itself"),
+    ('{"messages": []}', "`messages` is set by qerl itself"),
+    ('{"enable-thinking": false}', "'enable-thinking' is no name a chat template can read"),
+    ({"x": {1, 2}}, "must hold JSON values only"),
+])
+def test_chat_template_kwargs_that_are_no_template_variables_are_refused(value, message):
+    with pytest.raises(BadInputError, match=message.replace("[", r"\[")):
+        parse_chat_template_kwargs(value)
+
+
+def test_chat_template_kwargs_parse_to_what_the_fingerprint_records():
+    assert parse_chat_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    assert parse_chat_template_kwargs({"tags": ("a", "b")}) == {"tags": ["a", "b"]}  # as the CLI's JSON gives it
+    assert parse_chat_template_kwargs("{}") is None and parse_chat_template_kwargs(None) is None  # none: the flag unset
+
+
+def test_a_chat_template_kwarg_the_template_never_reads_is_an_error(thinking_tok, plain_tok):
+    # Jinja renders an unknown variable as nothing: a misspelt name changed the fingerprint and nothing else
+    row = PromptRow("0", prompt="2+2?")
+    with pytest.raises(BadInputError, match=r"reads no variable `enable_thinkng` \(it reads: .*enable_thinking"):
+        encode_prompts([row], thinking_tok, chat_template_kwargs={"enable_thinkng": False})
+    with pytest.raises(BadInputError, match="needs a chat template: the tokenizer has none$"):
+        encode_prompts([row], plain_tok, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(BadInputError, match=r"none in use \(--no-chat-template\)"):
+        encode_prompts([row], thinking_tok, chat_template=False, chat_template_kwargs={"enable_thinking": False})

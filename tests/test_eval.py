@@ -555,3 +555,30 @@ def test_the_datasets_own_column_names_are_read_as_rollout_reads_them(model_dir,
 
     r = CliRunner().invoke(app, ["eval", "--help"], terminal_width=200)
     assert "--prompt-key" in r.output and "--answer-key" in r.output
+
+
+def test_a_template_that_opens_think_scores_completions_from_inside_it(model_dir, tmp_path):
+    # A reasoning template's prompt ends in "<think>\n": a completion cut short mid-thought ("#### 7 ..." and no
+    # </think>) was credited with its draft; eval now judges it as rollout's rewards do, "<think>" + completion.
+    from qerl_cli.eval_metrics import compare_table
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "What is 2 + 2?", "answer": "4"}]
+    answers = [["maybe #### 7 ..."], ["2 and 2.</think> #### 4"]]
+    res, _ = run(model_dir, tmp_path, rows, answers, chat_template_file=tpl)
+    samples = [json.loads(x) for x in (tmp_path / "e" / "samples.jsonl").read_text().splitlines()]
+    assert [s["correct"] for s in samples] == [False, True] and samples[0]["extracted"] is None
+    assert samples[0]["completion"] == "maybe #### 7 ..."  # stored as generated
+    assert samples[0]["prompt"].endswith("<think>\n") and "chat_template_kwargs" not in res["manifest"]["config"]
+    # enable_thinking=false closes the block in the prompt: the direct answer counts, and it is another eval
+    res, _ = run(model_dir, tmp_path, rows, answers, name="off", chat_template_file=tpl,
+                 chat_template_kwargs='{"enable_thinking": false}')
+    assert res["metrics"]["score"] == 1.0 and res["manifest"]["config"]["chat_template_kwargs"] == {"enable_thinking": False}
+    with pytest.raises(OutputExistsError, match="chat_template_kwargs"):
+        run(model_dir, tmp_path, rows, answers, name="off", chat_template_file=tpl)
+    # --compare names the kwargs among the flags that differ: the score may come from them
+    assert "different --chat-template-kwargs" in compare_table([tmp_path / "e", tmp_path / "off"]).caption
+    with pytest.raises(BadInputError, match="--chat-template-kwargs with --no-chat-template"):
+        run(model_dir, tmp_path, rows, answers, name="x", chat_template=False, chat_template_kwargs={"enable_thinking": True})

@@ -350,7 +350,7 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     # (rollout and eval). Both now build them in recipes/lib.sh: the same config gives the same commands,
     # but for where the shards go.
     extra = ("WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_MAX_PROBLEMS=9\nCHAT_TEMPLATE_FILE=/t/chat.jinja\nMERGE_DTYPE=nvfp4\n"
-             "DTYPE=bf16\nRUN_SEED=5\nEVAL_DATASET=t.jsonl\n")
+             "DTYPE=bf16\nRUN_SEED=5\nEVAL_DATASET=t.jsonl\nCHAT_TEMPLATE_KWARGS='{\"enable_thinking\": false}'\n")
     cfg = tmp_path / "c.env"
     cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + extra)
     run = tmp_path / "run"
@@ -367,6 +367,9 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
              for c in log.read_text().splitlines()]
     assert slurm == local
     assert sum("--chat-template-file /t/chat.jinja" in c for c in local) == 5  # 2 rollouts, 3 evals
+    kwargs = subprocess.run(["bash", "-c", 'printf %q "$1"', "_", '{"enable_thinking": false}'], capture_output=True,
+                            text=True, check=True).stdout  # as the recorder logs it: one argument, quotes kept
+    assert sum(f"--chat-template-kwargs {kwargs} " in c for c in local) == 5
     assert sum("--run-seed 5 " in c for c in local) == 2 and all("--dtype bf16 " in c for c in local[1:-3])
 
 

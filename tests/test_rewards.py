@@ -129,7 +129,8 @@ def test_reference_answer():
     [
         ("<think>step</think><answer>4</answer>", 1.0),
         ("  <think>a\nb</think>\n<answer> 4 </answer>\n", 1.0),
-        ("step</think><answer>4</answer>", 1.0),  # <think> opened by the chat template
+        # never opened: where the chat template opens it, rollout and eval judge "<think>" + completion (below)
+        ("step</think><answer>4</answer>", 0.0),
         ("<think>a</think><answer>4</answer> trailing", 0.0),
         ("<answer>4</answer>", 0.0),
         ("<think>a</think>", 0.0),
@@ -139,6 +140,21 @@ def test_reference_answer():
 )
 def test_format_reward(text, want):
     assert format_reward(text) == want
+
+
+def test_a_prompt_that_opens_think_is_judged_from_inside_it():
+    from qerl_cli.rewards import judged_completion, prompt_opens_think
+
+    assert prompt_opens_think("<|im_start|>assistant\n<think>\n") and prompt_opens_think("Assistant: <think>")
+    assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, enable_thinking=false
+    assert not prompt_opens_think("user: what does <think> do?\nassistant:")  # a tag the question mentions
+    rs = RewardSet.from_specs(["gsm8k", "format"])
+    cut = "so #### 72\nbut wait"  # generation stopped mid-thought: a draft, no </think>
+    assert rs.score(judged_completion(cut, True), "72")[0] == {"gsm8k": 0.0, "format": 0.0}
+    assert rs.score(judged_completion(cut, False), "72")[0]["gsm8k"] == 1.0  # no open block: an answer
+    done = "a</think><answer>72</answer>"
+    assert rs.score(judged_completion(done, True), "72")[0] == {"gsm8k": 1.0, "format": 1.0}
+    assert format_reward(judged_completion("<think>a</think><answer>72</answer>", True)) == 0.0  # a second <think>
 
 
 def test_specs_weights_and_scoring():

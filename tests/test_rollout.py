@@ -799,3 +799,61 @@ def test_a_max_prompts_cap_that_keeps_every_row_is_the_run_without_it(model_dir,
         m.setattr(ro, "_fingerprint_config", lambda cfg, *a, **k: dict(real(cfg, *a), max_prompts=cfg.max_prompts))
         rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "old", max_prompts=100))
     assert rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "old", max_prompts=100))["already_done"]
+
+
+class _ScriptedEngine:
+    """Every prompt's completions are ``texts`` (cut at the length cap unless they hold ``</answer>``)."""
+
+    def __init__(self, tokenizer, texts):
+        self.tok, self.texts = tokenizer, texts
+
+    def generate(self, prompt_ids, sp, n, progress=None, seeds=None):
+        def one(text):
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            return FakeCompletion(ids, [-0.5] * len(ids), text, "stop" if "</answer>" in text else "length")
+
+        return [[one(t) for t in self.texts[:n]] for _ in prompt_ids]
+
+
+def test_a_template_that_opens_think_has_its_completions_judged_inside_it(model_dir, tmp_path, monkeypatch):
+    # QwQ / DeepSeek-R1 templates end the prompt with "<think>\n": a completion cut short mid-thought holds a
+    # draft answer and no </think>. The rewards saw no <think> at all, so the draft scored 1 (the gsm8k rule reads
+    # nothing after an unclosed <think>), and format read an opening tag the completion never had as optional.
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    texts = ["Let me see: #### 1\nhmm, maybe", "So it is 1.</think><answer>1</answer>"]
+    monkeypatch.setattr(ro, "_native_generator", lambda cfg, tok, *a, **k: (
+        ro._Generator(_ScriptedEngine(tok, texts), "sp", "fake"), None))
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    p = tmp_path / "one.jsonl"
+    p.write_text(json.dumps({"prompt": "What is 1 mod 4?", "answer": "1", "id": "a"}) + "\n")
+    kw = dict(prompts=p, chat_template_file=tpl, num_generations=2, rewards=("gsm8k", "format"))
+    rollout(cfg_for(model_dir, tmp_path, **kw))
+    cut, done = read_records(tmp_path / "out")
+    assert cut["rewards"] == {"gsm8k": 0.0, "format": 0.0} and done["rewards"] == {"gsm8k": 1.0, "format": 1.0}
+    assert [cut["completion"], done["completion"]] == texts  # stored as generated: no tag added to text or tokens
+    assert cut["completion_token_ids"] == ro.load_tokenizer(model_dir)(texts[0], add_special_tokens=False)["input_ids"]
+    assert "chat_template_kwargs" not in read_manifest(tmp_path / "out")["config"]  # unset: as older outputs
+
+    # enable_thinking=false: the prompt closes an empty think block, so the direct answer is the answer
+    off = cfg_for(model_dir, tmp_path, **kw, out=tmp_path / "off", chat_template_kwargs='{"enable_thinking": false}')
+    rollout(off)
+    direct = read_records(tmp_path / "off")[0]
+    assert direct["rewards"]["gsm8k"] == 1.0 and direct["prompt_token_ids"] != cut["prompt_token_ids"]
+    assert read_manifest(tmp_path / "off")["config"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert rollout(off)["already_done"]
+    cli = ["rollout", "--model", str(model_dir), "--prompts", str(p), "--out", str(tmp_path / "off"), "-G", "2",
+           "--max-new-tokens", "8", "--batch-prompts", "3", "--device", "cpu", "--chat-template-file", str(tpl),
+           "--reward", "gsm8k", "--reward", "format", "--chat-template-kwargs"]
+    r = CliRunner().invoke(app, [*cli, '{"enable_thinking": false}'])  # the flag's JSON is the library's dict
+    assert r.exit_code == 0 and "already done" in r.output, r.output
+    r = CliRunner().invoke(app, [*cli, "enable_thinking=false"])
+    assert r.exit_code == 2 and "--chat-template-kwargs is not valid JSON" in r.output, r.output
+    with pytest.raises(OutputExistsError, match="chat_template_kwargs"):  # fingerprinted: another value is another run
+        rollout(cfg_for(model_dir, tmp_path, **kw, out=tmp_path / "off", chat_template_kwargs={"enable_thinking": True}))
+    with pytest.raises(BadInputError, match="--chat-template-kwargs with --no-chat-template"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=p, chat_template=False, out=tmp_path / "o3",
+                        chat_template_kwargs={"enable_thinking": True}))
+    with pytest.raises(BadInputError, match="reads no variable `enable_thinkng`"):
+        rollout(cfg_for(model_dir, tmp_path, **kw, out=tmp_path / "o4", chat_template_kwargs={"enable_thinkng": False}))

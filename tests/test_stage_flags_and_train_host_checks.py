@@ -55,7 +55,8 @@ def test_eval_flags_reach_the_config(eval_calls, tmp_path):
     args = ["eval", "--model", tmp_path / "m", "--dataset", tmp_path / "d.jsonl", "--out", tmp_path / "o",
             "--adapter", tmp_path / "a", "--k", "4", "--num-samples", "8", "--temperature", "0.7", "--top-p", "0.9",
             "--max-new-tokens", "77", "--stop", "\nQ:", "--stop", "END", "--prompt-template", "{prompt}!",
-            "--system-prompt", "be brief", "--chat-template-file", tpl, "--scorer", "math", "--max-problems", "5",
+            "--system-prompt", "be brief", "--chat-template-file", tpl, "--chat-template-kwargs", '{"enable_thinking": false}',
+            "--scorer", "math", "--max-problems", "5",
             "--engine", "native", "--device", "cpu", "--dtype", "fp32", "--seed", "3", "--max-num-seqs", "9",
             "--max-model-len", "333", "--allow-base-mismatch", "--force", "-q"]
     r = _invoke(args)
@@ -67,6 +68,7 @@ def test_eval_flags_reach_the_config(eval_calls, tmp_path):
         "{prompt}!", "be brief", tpl, "math", 5)
     assert (cfg.device, cfg.dtype, cfg.seed, cfg.max_num_seqs, cfg.max_model_len) == ("cpu", "fp32", 3, 9, 333)
     assert (cfg.allow_base_mismatch, cfg.force, cfg.progress, cfg.chat_template) == (True, True, False, None)
+    assert cfg.chat_template_kwargs == {"enable_thinking": False}  # the JSON text, parsed
     r = _invoke(args[:9] + ["--no-chat-template"])
     assert r.exit_code == 0, r.output
     assert eval_calls.cfgs[-1].chat_template is False

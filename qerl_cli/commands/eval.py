@@ -55,6 +55,7 @@ def command(
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Prompt with the raw text even if the "
                                           "tokenizer has a chat template (base models)."),
     chat_template_file: Path = typer.Option(None, "--chat-template-file", help="A Jinja chat template to use instead of the tokenizer's (a base model often has none, and `messages` rows need one); its text is part of the eval's inputs. Example: --chat-template-file chatml.jinja"),
+    chat_template_kwargs: str = typer.Option(None, "--chat-template-kwargs", metavar="JSON", help="Extra variables for the chat template, a JSON object passed to it as vLLM's chat_template_kwargs are; each must be a variable the template reads (a misspelt one is an error, not ignored), and they are part of the eval's fingerprint. Example: --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3 without thinking)", show_default=False),
     scorer: str = typer.Option("auto", "--scorer", help="auto: gsm8k rule for numeric references, math-verify "
                                "otherwise; gsm8k: final number (####, \\boxed{}, <answer>); math: math-verify on the "
                                "last \\boxed{}. Example: --scorer math"),
@@ -115,7 +116,8 @@ def command(
         model=model, dataset=dataset, out=out, adapter=adapter, k=k, num_samples=num_samples,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop),
         prompt_template=prompt_template,
-        system_prompt=system_prompt, chat_template=False if no_chat_template else None, chat_template_file=chat_template_file, scorer=scorer,
+        system_prompt=system_prompt, chat_template=False if no_chat_template else None, chat_template_file=chat_template_file,
+        chat_template_kwargs=chat_template_kwargs, scorer=scorer,
         prompt_key=prompt_key, answer_key=answer_key, max_problems=max_problems, engine=engine, device=device, dtype=dtype, seed=seed,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, allow_base_mismatch=allow_base_mismatch,
         force=force, progress=not quiet,

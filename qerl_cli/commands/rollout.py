@@ -71,6 +71,7 @@ def command(
     system_prompt: str | None = typer.Option(None, "--system-prompt", help="System message added when the chat template is used. Example: --system-prompt 'Think step by step.'"),
     chat_template: bool | None = typer.Option(None, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template (default: when it has one)."),
     chat_template_file: Path = typer.Option(None, "--chat-template-file", help="A Jinja chat template to use instead of the tokenizer's (a base model often has none, and `messages` rows need one); its text is part of the run's inputs. Example: --chat-template-file chatml.jinja"),
+    chat_template_kwargs: str | None = typer.Option(None, "--chat-template-kwargs", metavar="JSON", help="Extra variables for the chat template, a JSON object passed to it as vLLM's chat_template_kwargs are; each must be a variable the template reads (a misspelt one is an error, not ignored), and they are part of the run's fingerprint. Example: --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3 without thinking)", show_default=False),
     max_model_len: int | None = typer.Option(None, "--max-model-len", help="Context length (default and at most: the "
                                                 "model's max_position_embeddings - 1, what the engine serves); prompts must "
                                                 "fit in it. Example: --max-model-len 4096"),
@@ -94,6 +95,7 @@ def command(
         shard_index=shard_index, num_shards=num_shards, engine=engine, seed=seed, device=device, dtype=dtype,
         max_prompts=max_prompts, prompts_per_step=prompts_per_step, shuffle=shuffle, skip_bad_lines=skip_bad_lines,
         prompt_key=prompt_key, answer_key=answer_key, prompt_template=prompt_template, system_prompt=system_prompt, chat_template=chat_template, chat_template_file=chat_template_file,
+        chat_template_kwargs=chat_template_kwargs,
         max_model_len=max_model_len, long_prompts=long_prompts, max_num_seqs=max_num_seqs,
         batch_prompts=batch_prompts, force=force, progress=not quiet,
     )
