@@ -10,7 +10,8 @@
 # config makes the first changed stage refuse (pass FORCE=1 to redo the stages that refuse).
 # The stages' command lines come from recipes/lib.sh, shared with the Slurm chain (recipes/slurm/).
 # SIGTERM, SIGINT or SIGHUP to this script reach the running stage, which cleans up (a rollout keeps
-# its finished groups); the script then exits with the stage's status, and a rerun resumes.
+# its finished groups); the script then exits with the stage's status (as killed by the signal when the
+# stage stopped with the signal's status), and a rerun resumes.
 #
 # Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
 #          RUN_DIR/step-000012/{shards,adapter,eval}
@@ -31,35 +32,11 @@ QERL=${QERL:-qerl}
 # A wrapper may come first, word-split as CC="ccache gcc" is: QERL="apptainer exec img.sif qerl".
 read -r -a QERL_WORDS <<< "$QERL"
 
-# The running stage gets the signal this script gets (bash would not pass it on to a foreground
-# child: `kill <this pid>` left the stage running, still writing). The stage runs in its own process
-# group, so a Ctrl-C or a signal to this script's group reaches it once, through here.
-child=""
-signals=0     # how many arrived (each ends a `wait` early)
-signalled=""  # the number of the last one
-on_signal() {  # SIGNAL NUMBER
-  signals=$((signals + 1)); signalled=$2
-  if [ -n "$child" ]; then
-    kill -s "$1" "$child" 2>/dev/null || true
-  else
-    exit $((128 + $2))  # between stages: nothing to clean up
-  fi
-}
-trap 'on_signal TERM 15' TERM
-trap 'on_signal INT 2' INT
-trap 'on_signal TERM 1' HUP  # a closed terminal: the stage cleans up as after SIGTERM
-run_qerl() {  # qerl ARGS..., as a child this script waits for; after a signal, exit with its status
-  local rc seen
+# The running stage gets the signal this script gets, and the script ends once the stage has (qerl_run_forwarding).
+run_qerl() {  # qerl ARGS...
   # QERL_STOP_WITH_PARENT: the stage gets SIGTERM if this script dies (a SIGKILL of its group reaches
   # nothing in the stage's own group otherwise; qerl_cli.cli._stop_with_parent).
-  set -m; QERL_STOP_WITH_PARENT=1 "${QERL_WORDS[@]}" "$@" < /dev/null & child=$!; set +m
-  while :; do
-    seen=$signals; rc=0; wait "$child" || rc=$?
-    if [ "$signals" = "$seen" ]; then break; fi  # a signal ended this wait early: wait for the stage's status
-  done
-  child=""
-  if [ -n "$signalled" ]; then exit $(( rc != 0 ? rc : 128 + signalled )); fi
-  return "$rc"
+  QERL_STOP_WITH_PARENT=1 qerl_run_forwarding "${QERL_WORDS[@]}" "$@"
 }
 
 # A stage that refuses because its output was made from other inputs exits 4. With FORCE=1 that

@@ -200,26 +200,56 @@ qerl_merge_cmd() {  # the last step's adapter merged into RUN_DIR/merged
 
 qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"); }
 
-# `qerl_run_forwarding CMD...`: CMD in a process group of its own, passing TERM, INT and HUP on to that group;
-# returns CMD's status. bash passes no signal to a foreground child, so `kill <script pid>` stopped a script
-# alone and left what it ran going, orphaned: quickstart.sh's loop, compare_aqn.sh's xargs starting the rest
-# of its runs (a review). The group is CMD's own (a background job of a script without job control ignores
-# SIGINT), and a signal to the script's group reaches it once, through here.
-_qerl_group=""
-_qerl_forward() {  # SIGNAL NUMBER
-  if [ -n "$_qerl_group" ]; then kill -s "$1" -- "-$_qerl_group" 2>/dev/null || true; else exit $((128 + $2)); fi
+# `qerl_run_forwarding CMD...`: CMD, reading /dev/null, in a process group of its own, passing TERM, INT and HUP
+# on to that group (HUP as TERM: a closed terminal; a qerl stage cleans up as after TERM); returns CMD's status.
+# bash passes no signal to a foreground child, so `kill <script pid>` stopped a script alone and left what it ran
+# going, orphaned: grpo.sh's stage, quickstart.sh's loop, compare_aqn.sh's xargs starting the rest of its runs
+# (reviews). The group is CMD's own (a background job of a script without job control ignores SIGINT), so a signal
+# to the script's group reaches CMD once, through here; and the whole group, as Ctrl-C and Slurm signal it: a
+# wrapper that passes no signal on (QERL="/usr/bin/time qerl" ignores SIGINT) left the stage running.
+# After a signal the script ends once CMD has, and ends as killed by that signal (its caller's $?: 128 + its number,
+# as before), or with CMD's status when CMD failed some other way. It returned CMD's status, which a caller's `||`
+# read as a failure (compare_aqn.sh's "FAILED: the shared base"), and grpo.sh exited 130 after Ctrl-C: bash, seeing
+# a normal exit, took the signal as handled and went on with a loop around it (a review). Between two calls the
+# signals act as by default: the script dies of them.
+_qerl_group=""      # CMD's group while it runs; "starting" until bash has started it
+_qerl_pending=""    # the signal to pass on that came while starting
+_qerl_signal=""     # the last signal that came
+_qerl_signals=0     # how many came (each ends a `wait` early)
+_qerl_forward() {  # SIGNAL: one that came
+  local pass=$1
+  if [ "$1" = HUP ]; then pass=TERM; fi
+  _qerl_signal=$1; _qerl_signals=$((_qerl_signals + 1))
+  case "$_qerl_group" in
+    "") _qerl_die_of "$1" ;;
+    # bash runs a trap as soon as it has forked CMD, before `$!` gives its id: passed on once it does (the script
+    # exited, CMD ran on orphaned).
+    starting) _qerl_pending=$pass ;;
+    *) kill -s "$pass" -- "-$_qerl_group" 2>/dev/null || true ;;
+  esac
+}
+_qerl_die_of() {  # SIGNAL: end the script as killed by it
+  trap - TERM INT HUP
+  kill -s "$1" "$$"
+  exit $((128 + $(kill -l "$1")))  # not reached unless the signal is blocked
 }
 qerl_run_forwarding() {
-  local rc=0
-  trap '_qerl_forward TERM 15' TERM
-  trap '_qerl_forward INT 2' INT
-  trap '_qerl_forward HUP 1' HUP
-  set -m; "$@" & _qerl_group=$!; set +m
-  while :; do  # a signal ends a wait early: wait until CMD itself has exited (a zombie still answers kill -0)
-    rc=0; wait "$_qerl_group" || rc=$?
-    kill -0 "$_qerl_group" 2>/dev/null || break
+  local rc seen
+  _qerl_signal="" _qerl_pending="" _qerl_group=starting
+  trap '_qerl_forward TERM' TERM
+  trap '_qerl_forward INT' INT
+  trap '_qerl_forward HUP' HUP
+  set -m; "$@" < /dev/null & _qerl_group=$!; set +m
+  if [ -n "$_qerl_pending" ]; then kill -s "$_qerl_pending" -- "-$_qerl_group" 2>/dev/null || true; fi
+  while :; do  # a signal ends a wait early: wait again, for CMD's own status
+    seen=$_qerl_signals; rc=0; wait "$_qerl_group" || rc=$?
+    if [ "$_qerl_signals" = "$seen" ]; then break; fi
   done
   _qerl_group=""
   trap - TERM INT HUP
+  if [ -n "$_qerl_signal" ]; then
+    if [ "$rc" != 0 ] && [ "$rc" != $((128 + $(kill -l "$_qerl_signal"))) ]; then exit "$rc"; fi
+    _qerl_die_of "$_qerl_signal"
+  fi
   return "$rc"
 }
