@@ -26,7 +26,7 @@ if ! (cd / && python -c "import matplotlib") 2>/dev/null \
   python -m pip install -q -e ".[plot]"
 fi
 if [ -z "${QERL:-}" ]; then  # the qerl command runs whatever tree is installed: say so when it is another one
-  installed=$(cd / && python -c "import os, qerl_cli; print(os.path.dirname(os.path.dirname(os.path.realpath(qerl_cli.__file__))))" 2>/dev/null || true)
+  installed=$(cd / && python -c "import os, qerl_cli; print(os.path.dirname(os.path.dirname(os.path.realpath(qerl_cli.__file__))))" 2>/dev/null) || installed=""
   if [ -n "$installed" ] && [ "$installed" != "$(pwd -P)" ]; then
     echo "note: the qerl command runs the checkout installed at $installed, not this one ($(pwd -P)); 'pip install -e .' here, or QERL='python -m qerl_cli', runs this one" >&2
   fi
