@@ -331,14 +331,21 @@ def load_template(template: str | None) -> str | None:
     """A template string, or the text of a file of that name; must contain ``{prompt}``."""
     if template is None:
         return None
-    if "{prompt}" not in template and _is_file(os.path.expanduser(template)):  # ~ after =: the shell left it
-        template = Path(os.path.expanduser(template)).read_text(encoding="utf-8-sig")
+    if (path := template_file(template)) is not None:
+        template = path.read_text(encoding="utf-8-sig")
         # the final newline an editor (or `echo`) ends a file with is no part of the prompt, as Jinja drops it from a
         # template file: "Q: {prompt}\nA:\n" prompted "A:\n", not the "A:" the same string as the flag gives
         template = template.removesuffix("\n")
     if "{prompt}" not in template:
         raise BadInputError("--prompt-template must contain {prompt} (or name a file that does)")
     return template
+
+
+def template_file(template: str | None) -> Path | None:
+    """The file ``--prompt-template`` names, or None where it is the template itself."""
+    if template is None or "{prompt}" in template or not _is_file(os.path.expanduser(template)):
+        return None
+    return Path(os.path.expanduser(template))  # ~ after =: the shell left it
 
 
 def _is_file(name: str) -> bool:

@@ -143,9 +143,12 @@ class EvalConfig:
         if self.engine == "native" and self.samples > self.max_num_seqs:
             raise BadInputError(f"--num-samples {self.samples} exceeds --max-num-seqs {self.max_num_seqs}: a problem's "
                                 "samples decode together", hint=f"pass --max-num-seqs {self.samples} or more")
+        from qerl_cli.data import template_file
         from qerl_cli.outputs import check_out_apart
 
-        check_out_apart(self.out, model=self.model, adapter=self.adapter, dataset=self.dataset)
+        # --force deletes the old output: never one holding a template this eval reads (a rerun could not be made)
+        check_out_apart(self.out, model=self.model, adapter=self.adapter, dataset=self.dataset,
+                        chat_template_file=self.chat_template_file, prompt_template=template_file(self.prompt_template))
 
 
 # ---- scoring -----------------------------------------------------------------------------------

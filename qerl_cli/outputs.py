@@ -62,7 +62,7 @@ def forget_completed(out: Path | None = None) -> None:
 MANIFEST = "manifest.json"
 # The file system refusing a write: a one-line error (exit 7), not a traceback. Other OSErrors stay bugs.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.ENOTDIR,
-                 errno.EEXIST}
+                 errno.EEXIST, errno.EBUSY}
 _UNSEEN = object()
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "localhost"
 KILL_ENV = "QERL_TEST_KILL_AT"
@@ -222,6 +222,11 @@ class StageOutput:
 
     def __post_init__(self):
         self.out = Path(self.out)
+        if self.out.is_symlink() and self.out.is_dir():
+            # Followed, as cp and rsync follow it: a --force replace swapped the link itself, so the new output
+            # landed beside the link (another file system, maybe), the link was gone and the old output stayed
+            # at the target; a link to an empty directory (scratch space made ready) was refused as foreign.
+            self.out = self.out.resolve()
         if self.out.name in ("", ".", ".."):  # the temp dir beside it landed inside it: a false "written by another run"
             raise BadInputError(f"--out {str(self.out)!r} names no directory of its own (the output is written beside "
                                 "it, then renamed into place)", hint="name the directory to create, e.g. --out runs/x")
@@ -276,11 +281,15 @@ class StageOutput:
             )
         self._seen = m["fingerprint"] if m is not None else None
         damage = damaged_output(self.out, m) if m is not None else None
+        if m is not None and self._same_run_as(m) and not self.force and damage is None:
+            self.manifest = m
+            _COMPLETE.append(self.out)
+            return True
+        if os.path.ismount(self.out):  # found at the final rename, after all the work: EBUSY, a traceback
+            raise BadInputError(f"--out {self.out} is a mount point, which qerl cannot replace (it writes the output "
+                                "beside --out, then renames it into place)",
+                                hint=f"name a directory inside it, e.g. --out {self.out / 'run'}")
         if m is not None and self._same_run_as(m) and not self.force:
-            if damage is None:
-                self.manifest = m
-                _COMPLETE.append(self.out)
-                return True
             raise OutputExistsError(
                 f"{self.out} holds this {self.stage} output but it was damaged after it was written ({damage})",
                 hint="pass --force to redo it",
@@ -426,6 +435,10 @@ class StageOutput:
         if blocker is not None:  # was "File exists", with a hint about space and permissions
             return OutputWriteError(f"cannot write {self.out}: {blocker} is a file, not a directory; nothing was "
                                     f"left at --out{kept}", hint="choose another --out, or move that file away")
+        if getattr(e, "errno", None) == errno.EBUSY:  # the rename into a mount point already_done could not tell
+            # (a bind mount of the same file system): a traceback after all the work
+            return OutputWriteError(f"cannot replace {self.out}: it is busy, a mount point (or in use); nothing was "
+                                    f"written there{kept}", hint="name a directory inside it as --out")
         return OutputWriteError(f"cannot write {self.out}: {getattr(e, 'strerror', None) or e} ({where}); nothing was "
                                 f"left at --out{kept}", hint="free space or fix the permissions, then rerun")
 

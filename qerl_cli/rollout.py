@@ -56,6 +56,7 @@ from qerl_cli.data import (
     parse_chat_template_kwargs,
     read_chat_template,
     set_chat_template,
+    template_file,
 )
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import (
@@ -221,8 +222,10 @@ def _check_flags(cfg: RolloutConfig) -> None:
         bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)")
     if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
         bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)")
-    # --force replaces --out: never let that be the model, the adapter or the prompt file's directory.
-    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, prompts=cfg.prompts)
+    # --force replaces --out: never let that be the model, the adapter or the prompt file's directory, nor hold a
+    # template this run reads (deleted with the old output, after the run read it: the rerun could not be made).
+    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, prompts=cfg.prompts,
+                    chat_template_file=cfg.chat_template_file, prompt_template=template_file(cfg.prompt_template))
 
 
 def _warn_of_skipped_aqn_stages(cfg: RolloutConfig) -> None:
@@ -511,6 +514,8 @@ def rollout(cfg: RolloutConfig) -> dict:
     _check_flags(cfg)
     _warn_of_skipped_aqn_stages(cfg)
     reward_set = RewardSet.from_specs(cfg.rewards)
+    for spec in reward_set.specs:  # a user reward's file, as the templates (_check_flags)
+        check_out_apart(cfg.out, reward=spec.reward.source and Path(spec.reward.source))
     template = load_template(cfg.prompt_template)
     bad_rows: list[str] = []
     rows = load_prompts(cfg.prompts, skip_bad_lines=cfg.skip_bad_lines, bad_lines=bad_rows,

@@ -643,7 +643,8 @@ def _train_step(cfg: TrainStepConfig) -> dict:
     if cfg.adapter is not None and Path(cfg.out).resolve() == Path(cfg.adapter).resolve():
         # Overwriting the input adapter would make the step impossible to rerun or resume.
         raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
-    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter)
+    # --metrics-file is the whole run's record: inside --out, a --force redo of the step deleted it
+    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, metrics_file=cfg.metrics_file)
     if cfg.metrics_file is not None and (Path(cfg.metrics_file).is_dir()
                                          or file_in_the_way(Path(cfg.metrics_file).parent) is not None):
         # found only after the step's output was in place, the traceback stopped a `set -e` recipe there

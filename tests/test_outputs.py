@@ -240,3 +240,59 @@ def test_an_out_that_goes_up_out_of_a_missing_directory_is_refused(tmp_path, mon
     with _stage(Path("real/../q"), {"k": 1}) as work:
         (work / "a.txt").write_text("x")
     assert (tmp_path / "q" / "a.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("where", ["beside", "elsewhere"])
+def test_a_symlinked_out_is_written_and_replaced_at_its_target_and_stays_a_link(tmp_path, where):
+    # A review (2026-11-27): --force over `--out link` swapped the link itself: the new output landed beside the
+    # link (on the link's file system, not the target's), the link was gone and the old output stayed at the
+    # target; a link to an empty directory (scratch space made ready for the output) was refused, even with
+    # --force, as "not a finished qerl output".
+    import os
+    root = tmp_path / "elsewhere" if where == "elsewhere" else tmp_path
+    root.mkdir(exist_ok=True)
+    (tmp_path / "runs").mkdir()
+    link, target = tmp_path / "runs" / "o", root / "target"
+    target.mkdir()
+    os.symlink(target, link)
+    with pytest.raises(OutputExistsError, match="it is empty"):  # as an empty directory itself
+        _run(link, {"k": 1})
+    _run(link, {"k": 1}, force=True)
+    assert link.is_symlink() and read_manifest(target)["config"] == {"k": 1}
+    assert _run(link, {"k": 1}) == "done"
+    _run(link, {"k": 2}, force=True)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert read_manifest(target)["config"] == {"k": 2} and (target / "a.txt").read_text() == "hello"
+    assert sorted(os.listdir(tmp_path / "runs")) == ["o"] and sorted(os.listdir(root))[-1] == "target"
+    assert not [p for p in os.listdir(root) if p.startswith(".target.")]  # no temp or old dir left
+
+
+def test_an_out_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monkeypatch):
+    # A review (2026-11-27): `--out /out`, a container's bind mount (or a scratch mount), needed --force being
+    # empty; the stage then ran, wrote its output on the parent's file system and failed at the final rename with
+    # EBUSY: exit 1 and a traceback. The check is made once nothing is done there: an output already at the mount
+    # point (made on the host) still reads as done.
+    import os
+
+    from qerl_cli.errors import BadInputError, OutputWriteError
+    out = tmp_path / "mnt"
+    _run(out, {"k": 1})
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real_ismount(p))
+    assert _run(out, {"k": 1}) == "done"
+    with pytest.raises(BadInputError, match="mnt is a mount point, which qerl cannot replace") as e:
+        _stage(out, {"k": 2}, force=True).already_done()
+    assert e.value.exit_code == 2
+    # a bind mount of the same file system is no mount point to os.path.ismount: the rename's EBUSY is one line
+    import errno
+
+    from qerl_cli import outputs
+    monkeypatch.setattr(os.path, "ismount", real_ismount)
+
+    def busy(a, b):
+        raise OSError(errno.EBUSY, "Device or resource busy", str(b))
+    monkeypatch.setattr(outputs, "_exchange", busy)
+    with pytest.raises(OutputWriteError, match="cannot replace .*mnt: it is busy, a mount point") as e:
+        _run(out, {"k": 2}, force=True)
+    assert e.value.exit_code == 7
+    assert read_manifest(out)["config"] == {"k": 1} and sorted(os.listdir(tmp_path)) == ["mnt"]

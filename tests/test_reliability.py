@@ -284,6 +284,28 @@ def test_rerun_is_already_done_and_changes_need_force(p, tmp_path, stage):
     assert leftovers(tmp_path, "out") == ["out"]
 
 
+# A file this run reads (or the run's metrics file) inside --out: the --force redo read it, then deleted it with
+# the old output (a review, 2026-11-27: exit 0, the file gone, so the same command could not be run again).
+SIDE_FILES = {"--chat-template-file": ("t.jinja", "{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+              "--prompt-template": ("t.txt", "Q: {prompt}\nA:"),
+              "--reward": ("r.py", "def f(completion, answer):\n    return 1.0\n"),
+              "--metrics-file": ("run-metrics.jsonl", '{"step": 0}\n{"step": 1}\n')}
+
+
+@pytest.mark.parametrize("stage,flag", [("rollout", "--chat-template-file"), ("rollout", "--prompt-template"),
+                                        ("rollout", "--reward"), ("eval", "--chat-template-file"),
+                                        ("eval", "--prompt-template"), ("train-step", "--metrics-file")])
+def test_force_never_deletes_a_file_of_the_run_that_lies_inside_its_out(p, tmp_path, stage, flag):
+    out = tmp_path / "out"
+    assert invoke(stage_args(stage, p, out)).exit_code == 0
+    name, text = SIDE_FILES[flag]
+    (out / name).write_text(text)
+    value = f"{out / name}:f" if flag == "--reward" else out / name
+    r = invoke(stage_args(stage, p, out) + [flag, value, "--force"])
+    assert_one_line_error(r, 2, f"overlaps {flag} ")
+    assert (out / name).read_text() == text
+
+
 def test_changed_input_content_is_a_changed_input(p, tmp_path):
     """Same flags, but the prompt file's bytes changed: not 'already done'."""
     prompts = write_jsonl(tmp_path / "prompts.jsonl", ANSWERED_ROWS)
