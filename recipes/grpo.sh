@@ -122,3 +122,9 @@ if [ -n "$EVAL_DATASET" ]; then
   qerl_eval_cmd final; stage "${QERL_CMD[@]}"
   qerl_compare_cmd; run_qerl "${QERL_CMD[@]}"
 fi
+# A FORCE=1 rerun with fewer STEPS redid steps 0..STEPS-1 and left the earlier run's later steps: say so, delete nothing.
+mapfile -t later < <(qerl_steps_past_the_end)
+if [ "${#later[@]}" -gt 0 ]; then
+  echo "note: $RUN_DIR keeps ${later[0]}${later[1]:+ .. ${later[-1]}} (at or past STEPS=$STEPS) from an earlier," \
+    "longer run: not this run's steps (recipes/plot_run.py leaves them out); delete or move them to free their space" >&2
+fi

@@ -117,6 +117,17 @@ qerl_resume_point() {
   echo "$first"
 }
 
+# The step directories at or past STEPS, one a line: an earlier run's, when FORCE=1 reran a run dir with fewer STEPS
+# (their adapters descend from that run's, not this one's). The loop never touches them: grpo.sh names them at its
+# end and recipes/plot_run.py leaves them out; they are the user's to delete or move.
+qerl_steps_past_the_end() {
+  local d n
+  for d in "$RUN_DIR"/step-*; do
+    n=${d##*/step-}
+    if [[ $n =~ ^[0-9]+$ ]] && (( 10#$n >= STEPS )); then echo "${d##*/}"; fi
+  done
+}
+
 # The frozen base every stage loads: RUN_DIR/base (NVFP4, QeRL) or the bf16 checkpoint itself.
 qerl_set_base() {  # RUN_DIR
   RUN_DIR=$1

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_run import read_steps  # noqa: E402  (a sibling script, not a package)
+from plot_run import final_step, read_steps, this_run, this_runs_rows  # noqa: E402  (a sibling script, not a package)
 
 VARIANTS = ("bf16-lora", "nvfp4-lora", "nvfp4-aqn")
 
@@ -31,7 +31,10 @@ def load(out: Path) -> dict[str, list[dict]]:
         if why:  # its loop has not finished (interrupted, failed, running)
             print(f"note: {d.name} is left out: its loop has not finished ({why})", file=sys.stderr)
             continue
-        train = read_steps(d / "metrics.jsonl")
+        # Only this run's steps (plot_run.this_run): a FORCE=1 rerun with fewer STEPS kept the earlier run's later
+        # steps, whose reward was this table's "last-step reward" and whose curves were averaged in.
+        cut, _ = this_run(d)
+        train = this_runs_rows(d, read_steps(d / "metrics.jsonl"), cut)
         score = lambda p: json.loads((p / "metrics.json").read_text())["score"] if (p / "metrics.json").exists() else None  # noqa: E731
         runs[m.group(1)].append({"seed": int(m.group(2)), "train": train,
                                  "base": score(d / "eval-base"), "final": score(d / "eval-final")})
@@ -49,6 +52,8 @@ def _unfinished(run: Path) -> str | None:
     for a in run.glob("step-*/adapter/manifest.json"):
         if json.loads(a.read_text()).get("created", "") > created:
             return f"{a.parent.parent.name} is newer than merged/"
+    if final_step(run, this_run(run)[1]) is False:
+        return "merged/ holds none of this run's adapters"
     return None
 
 

@@ -1294,3 +1294,124 @@ def test_a_job_rerun_alone_names_a_force_of_the_environment_it_does_not_use(tmp_
     err = subprocess.run(cmd, env={**os.environ, "QERL": str(qerl), "FORCE": "1"}, check=True, capture_output=True,
                          text=True).stderr
     assert "FORCE differ" in err, err
+
+
+def _forced_rerun_with_fewer_steps(run: Path, rerun_steps: int = 2, rerun_made: int = 2) -> None:
+    """A run dir as `STEPS=3 grpo.sh` then `FORCE=1 STEPS=2 LR=... grpo.sh` leave it (EVAL_EVERY=1), its manifests
+    hashed by qerl's own functions: steps 0-1 and step 0's eval redone, the first run's step 2, step 1's eval (the
+    rerun does not score step 1: the merged policy is its last) and metrics lines left behind. ``rerun_steps`` and
+    ``rerun_made``: the rerun's STEPS and the steps it made before it stopped (no merge then)."""
+    import json
+
+    from qerl_cli.adapters import adapter_hash
+    from qerl_cli.hashing import sha256_file
+    from qerl_cli.train_step import _adapter_inputs_hash
+
+    def adapter(s, total, tag):
+        d = run / f"step-{s:06d}" / "adapter"
+        before = run / f"step-{s - 1:06d}" / "adapter"
+        inputs = {"model": "b", "shards": tag, **({"adapter": _adapter_inputs_hash(before)} if s else {})}
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json"):
+            (d / name).write_text(f"{name} {tag} {s}")
+        outputs = {p.name: sha256_file(p) for p in d.iterdir()}
+        (d / "manifest.json").write_text(json.dumps({"stage": "train-step", "config": {"total_steps": total},
+                                                     "inputs": inputs, "outputs": outputs}))
+
+    def evaluate(out, score, **inputs):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps({"score": score}))
+        (out / "manifest.json").write_text(json.dumps({"stage": "eval", "inputs": inputs, "outputs": {}}))
+
+    rows = []
+    for total, made, tag, reward in ((3, 3, "first", 0.9), (rerun_steps, rerun_made, "rerun", 0.2)):
+        for s in range(made):
+            adapter(s, total, tag)
+            rows.append({"step": s, "reward_mean": reward + s / 100, "entropy": 1.0})
+            if s + 1 < total:
+                evaluate(run / f"step-{s:06d}" / "eval", reward, adapter=adapter_hash(run / f"step-{s:06d}" / "adapter"))
+        if made < total:
+            break
+        (run / "merged").mkdir(exist_ok=True)
+        (run / "merged" / "manifest.json").write_text(json.dumps({
+            "stage": "merge", "created": "2026-11-27T12:00:00Z", "outputs": {},
+            "inputs": {"model": "b", "adapter": adapter_hash(run / f"step-{total - 1:06d}" / "adapter")}}))
+        evaluate(run / "eval-final", reward + 0.05, model=tag)
+    evaluate(run / "eval-base", 0.1, model="b")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_run_shows_only_the_steps_of_the_run_that_made_them(tmp_path):
+    # FORCE=1 STEPS=2 over a finished STEPS=3 run: its table showed the first run's step 2 (reward 0.92) as this
+    # run's, its step-1 eval of the first run's adapter as "after step 1", and put eval-final after step 2.
+    run = tmp_path / "run"
+    _forced_rerun_with_fewer_steps(run)
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_run.py"), str(run)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [["0", "0.200", "1.000"], ["1", "0.210", "1.000"]], r.stdout
+    evals = [line for line in r.stdout.splitlines() if line.startswith("pass@1")]
+    assert evals == ["pass@1 of the base policy: 10.0%", "pass@1 after step   0: 20.0%", "pass@1 after step   1: 25.0%"]
+    assert "left out step-000002: not made by the run of steps 0-1" in r.stderr
+    assert "step-000001/eval is left out: it scored an earlier run's adapter" in r.stderr
+    assert (run / "step-000002" / "adapter" / "manifest.json").exists()  # left where it was: not deleted
+
+
+def test_plot_run_leaves_out_a_merge_of_an_earlier_run_and_keeps_a_run_without_manifests(tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    _forced_rerun_with_fewer_steps(run)
+    # A rerun stopped before its merge: merged/ and eval-final/ are still the first run's (of its step 2).
+    merged = json.loads((run / "merged" / "manifest.json").read_text())
+    merged["inputs"]["adapter"] = "0" * 64
+    (run / "merged" / "manifest.json").write_text(json.dumps(merged))
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_run.py"), str(run)], capture_output=True, text=True)
+    assert r.returncode == 0 and "after step   1" not in r.stdout, r.stdout
+    assert "eval-final is left out: merged/ was not made from this run's steps" in r.stderr
+    # Where no manifest tells (a hand-made dir, step directories deleted to free space), every line counts, as before.
+    for d in run.glob("**/manifest.json"):
+        d.unlink()
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_run.py"), str(run)], capture_output=True, text=True)
+    assert r.returncode == 0 and "    2    0.920" in r.stdout and "after step   2: 25.0%" in r.stdout, r.stdout
+
+
+def test_plot_run_shows_a_forced_rerun_stopped_midway_up_to_where_it_got(tmp_path):
+    # FORCE=1 (LR changed, the same STEPS=3) stopped after step 1: step 2, its merge and eval-final are the first
+    # run's, and they descend from its step 1, not this run's.
+    run = tmp_path / "run"
+    _forced_rerun_with_fewer_steps(run, rerun_steps=3, rerun_made=2)
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_run.py"), str(run)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split()[:2] for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [["0", "0.200"], ["1", "0.210"]], r.stdout
+    assert [line for line in r.stdout.splitlines() if line.startswith("pass@1 after")] == [
+        "pass@1 after step   0: 20.0%", "pass@1 after step   1: 20.0%"]
+    assert "eval-final is left out" in r.stderr
+
+
+def test_plot_compare_counts_only_the_steps_of_the_run_that_made_them(tmp_path):
+    # compare_aqn.sh rerun with FORCE=1 and fewer STEPS: "last-step reward" was the first run's step 2 (0.920).
+    _forced_rerun_with_fewer_steps(tmp_path / "nvfp4-lora-s0")
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_compare.py"), str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| nvfp4-lora"))
+    assert "| 0.210 |" in row and "25.0" in row, row
+
+
+def test_grpo_sh_names_the_steps_an_earlier_longer_run_left_and_keeps_them(tmp_path):
+    # FORCE=1 with fewer STEPS redoes steps 0..STEPS-1 and never touches the later ones: the loop says so at its end.
+    qerl = _recorder(tmp_path, "qerl", "true\n")
+    run = tmp_path / "run"
+    for s in (2, 3):
+        (run / f"step-{s:06d}" / "adapter").mkdir(parents=True)
+    env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "FORCE": "1"}
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(RECIPES / "configs" / "tiny.env"), str(run)], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"note: {run} keeps step-000002 .. step-000003 (at or past STEPS=2) from an earlier, longer run" in r.stderr
+    assert (run / "step-000003" / "adapter").is_dir()
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(RECIPES / "configs" / "tiny.env"), str(run)],
+                       env={**env, "STEPS": "4"}, capture_output=True, text=True)
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
