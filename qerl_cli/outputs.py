@@ -302,8 +302,10 @@ class StageOutput:
         fp = f"fingerprint {m['fingerprint'][:12]} != {self.fingerprint[:12]}"
         changed = _differences(m, self.stage, self.config, self.inputs)
         what = f"{changed}; {fp}" if changed else fp
+        stage = m["stage"]
+        article = "an" if stage[:1] in tuple("aeiou") else "a"  # "holds a eval output" read as a typo (a review)
         raise OutputExistsError(
-            f"{self.out} holds a {m['stage']} output made from different inputs or arguments ({what})",
+            f"{self.out} holds {article} {stage} output made from different inputs or arguments ({what})",
             hint="pass --force to replace it, or choose another --out",
         )
 

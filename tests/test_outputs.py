@@ -66,6 +66,15 @@ def test_changed_inputs_need_force(tmp_path):
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["config"] == {"k": 2}
 
 
+@pytest.mark.parametrize("stage, said", [("eval", "holds an eval output"), ("merge", "holds a merge output")])
+def test_the_refusal_names_the_stage_with_its_article(tmp_path, stage, said):
+    # `qerl eval` into an --out of other flags said "holds a eval output" (a review).
+    with StageOutput(tmp_path / "o", stage, config={"k": 1}, inputs={}):
+        pass
+    with pytest.raises(OutputExistsError, match=said):
+        StageOutput(tmp_path / "o", stage, config={"k": 2}, inputs={}).already_done()
+
+
 def test_failure_leaves_nothing_and_keeps_old_output(tmp_path):
     _run(tmp_path / "o", {"k": 1})
     with pytest.raises(RuntimeError):

@@ -80,7 +80,8 @@ def command(
                                       "Example: --max-model-len 4096",
                                       show_default=False),
     compare: bool = typer.Option(False, "--compare", help="Print a side-by-side table of finished eval dirs "
-                                 "given as arguments (no --model needed). Example: qerl eval --compare runs/e1 runs/e2"),
+                                 "given as arguments; runs no eval (flags that would run one, --model, --k, ..., are refused). "
+                                 "Example: qerl eval --compare runs/e1 runs/e2"),
     allow_base_mismatch: bool = typer.Option(False, "--allow-base-mismatch", help="Apply an adapter whose "
                                              "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
                                              "applied to the bf16 original); the manifest records it."),
