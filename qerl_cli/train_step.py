@@ -32,6 +32,7 @@ same model with LoRA switched off (one more no-grad forward per micro-batch, no 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import hashlib
 import json
@@ -188,6 +189,10 @@ class StepData:
     cuts: list[tuple[float, int, float]] | None = None  # (top_p, top_k, min_p) per record; None: no record was cut
     files_as_named: tuple[Path, ...] = ()  # ``files`` in --shards' order (older qerl read and hashed them so)
 
+    def __post_init__(self):  # kept when ``_keep_owned`` drops the token arrays of other ranks' micro-batches
+        self.prompt_lengths = [len(p) for p in self.prompts]
+        self.completion_lengths = [len(c) for c in self.completions]
+
 
 # ---- inputs --------------------------------------------------------------------------------------
 
@@ -196,23 +201,31 @@ class StepData:
 
 def read_step(cfg: TrainStepConfig) -> StepData:
     """Read the shards and check that they form one consistent step."""
-    from qerl_cli.shards import ReadReport, check_groups_whole, read_records, resolve_shard_files
+    from qerl_cli.shards import ReadReport, check_groups_whole, iter_records, resolve_shard_files
 
     report = ReadReport()
     named = resolve_shard_files(cfg.shards)
     # In path order, whatever order --shards named them in: the order changes float sums, so `--shards b a`
     # was another step than `--shards a b` (exit 4 over the finished one)
-    recs = read_records(_in_path_order(named), skip_bad_lines=cfg.skip_bad_lines, report=report)
+    recs, prompts, completions, sampling_lps = [], [], [], []
+    for r in iter_records(_in_path_order(named), skip_bad_lines=cfg.skip_bad_lines, report=report):
+        # Streamed, each record's token arrays packed as it comes: the parsed JSON lists of a whole step were
+        # the bulk of every rank's memory (~800 MiB for 512 x 16 completions of 1024 tokens; docs/train-step.md)
+        p, c, lp = _compact(r)
+        prompts.append(p)
+        completions.append(c)
+        sampling_lps.append(lp)
+        recs.append(r)
     where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
     if not recs:
         skipped = (f" (--skip-bad-lines skipped all {len(report.bad_lines)} lines; first: {report.bad_lines[0]})"
                    if report.bad_lines else "")
         raise BadInputError(f"{where}: no rollout records to train on{skipped}")
     check_groups_whole(recs, report.origins)
-    for r, (f, line) in zip(recs, report.origins):
+    for r, p, (f, line) in zip(recs, prompts, report.origins):
         # Caught here, before a process group starts: found later by the one rank that collates it, the
         # other ranks died in gloo (or would wait in NCCL) and torchrun could blame them.
-        if not r["prompt_token_ids"]:
+        if not p:
             raise BadInputError(f"{f}:{line}: record of group {r['group_id']!r} has no prompt tokens")
     first = recs[0]
     f0, l0 = report.origins[0]
@@ -255,9 +268,9 @@ def read_step(cfg: TrainStepConfig) -> StepData:
     return StepData(
         records=recs,
         files=report.files,
-        prompts=[r["prompt_token_ids"] for r in recs],
-        completions=[r["completion_token_ids"] for r in recs],
-        sampling_logprobs=[r["logprobs"] for r in recs],
+        prompts=prompts,
+        completions=completions,
+        sampling_logprobs=sampling_lps,
         temperatures=temps,
         truncated=[r["finish_reason"] == "length" for r in recs],
         rewards=[float(r["reward"]) for r in recs],
@@ -270,6 +283,32 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         cuts=cuts if any(c != (1.0, 0, 0.0) for c in cuts) else None,
         files_as_named=tuple(named),
     )
+
+
+def _compact(rec: dict) -> tuple:
+    """Take ``rec``'s prompt and completion token ids and sampling log-probs out of it as compact arrays (4 or 8
+    bytes an entry instead of a Python object each): the same values, so the step computes the same bits. The
+    texts go too (the step never reads them). Ids past int64 stay lists, for ``_check_fits_model`` to name."""
+    ids = rec.pop("prompt_token_ids"), rec.pop("completion_token_ids")
+    rec.pop("prompt", None), rec.pop("completion", None)
+    for code in ("i", "q"):  # one type for both, so that prompt + completion concatenates
+        try:
+            ids = tuple(array.array(code, x) for x in ids)
+            break
+        except OverflowError:
+            continue
+    return (*ids, array.array("d", rec.pop("logprobs")))
+
+
+def _keep_owned(data: StepData, groups: list[list[int]], dist) -> None:
+    """Under torchrun, drop the token arrays of the sequences in micro-batches other ranks own (None): every
+    rank reads and checks the whole step, and the lengths, advantages and metrics are computed beforehand."""
+    if not dist.enabled:
+        return
+    for j, g in enumerate(groups):
+        if not dist.owns(j):
+            for s in g:
+                data.prompts[s] = data.completions[s] = data.sampling_logprobs[s] = None
 
 
 def _policy_name(policy: dict) -> str:
@@ -754,6 +793,7 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
 
     # Paths may differ between nodes; what they hold is in the fingerprint's input hashes.
     dist.agree({"fingerprint": out.fingerprint, "micro_batches": len(groups)})
+    _keep_owned(data, groups, dist)
     if dist.enabled and device.startswith("cuda"):
         device = f"cuda:{dist.local_rank}"
     out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, shards, hashes, advantages
@@ -1129,8 +1169,8 @@ def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metr
 
 def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_norms, lrs, step_time, peak, step) -> dict:
     rewards = torch.tensor(data.rewards, dtype=torch.float64)
-    clen = torch.tensor([len(c) for c in data.completions], dtype=torch.float64)
-    total_tokens = sum(len(p) + len(c) for p, c in zip(data.prompts, data.completions)) * cfg.epochs
+    clen = torch.tensor(data.completion_lengths, dtype=torch.float64)  # every record's: the others' arrays are gone
+    total_tokens = (sum(data.prompt_lengths) + int(clen.sum())) * cfg.epochs
     n = acc.sums.get("tokens", 0.0)
     mean = (lambda k: acc.sums.get(k, 0.0) / n if n else None)  # noqa: E731
     rec = {

@@ -227,3 +227,158 @@ def test_a_rank_whose_node_local_out_is_done_is_named(tmp_path):
     assert res.returncode != 0 and not (tmp_path / "o0").exists(), res.stderr[-3000:]
     assert res.stderr.count("error: torchrun ranks disagree: already_done: rank 0 False, rank 1 True") == 2, \
         res.stderr[-3000:]
+
+
+# ---- every loss, uneven splits, failures on one rank, memory (a review, session 53) -------------------------------
+_CASES = [  # 7, 7, 5, 7 and 1 micro-batches over 2 ranks: odd counts, and in the last rank 1 owns none
+    dict(loss="grpo", micro_batch_tokens=40, epochs=2),
+    dict(loss="dapo", micro_batch_tokens=40, mask_truncated=True, beta=0.04),
+    dict(loss="dr_grpo", micro_batch_tokens=60, lora_dropout=0.1, epochs=2),
+    dict(loss="bnpo", micro_batch_tokens=40, scale_rewards="batch"),
+    dict(loss="dapo", micro_batch_tokens=100000),
+]
+
+
+def _uneven_shards(out, base: str, vocab: int = 384):
+    """Groups of 2, 3, 5 and 4 completions with prompts and completions of many lengths, in two files."""
+    import random
+
+    from qerl_cli.shards import make_record, shard_name, write_records
+
+    rnd = random.Random(7)
+    files: list[list[dict]] = [[], []]
+    for g, size in enumerate((2, 3, 5, 4)):
+        prompt = [rnd.randrange(3, vocab) for _ in range(rnd.randint(2, 12))]
+        for i in range(size):
+            comp = [rnd.randrange(3, vocab) for _ in range(rnd.randint(1, 17))]
+            reward = float(rnd.choice([0.0, 0.5, 1.0]))
+            files[g % 2].append(make_record(
+                prompt_id=f"p{g}", group_id=f"g{g}", prompt="x", prompt_token_ids=prompt, completion_token_ids=comp,
+                completion="y", logprobs=[-5.9 + rnd.uniform(-1.5, 1.5) for _ in comp],
+                finish_reason="length" if i == 0 else "stop", rewards={"r": reward}, reward=reward, answer=None,
+                step=0, policy={"base": base, "adapter": None},
+                sampling={"temperature": 0.8, "top_p": 1.0, "top_k": 0, "seed": 0, "max_new_tokens": 17},
+                noise={"sigma": 0.0, "seed": 0, "step": 0, "norms": []}, engine="test"))
+    out.mkdir(parents=True, exist_ok=True)
+    for i, recs in enumerate(files):
+        write_records(out / shard_name(i, 2), recs)
+    return out
+
+
+@pytest.mark.slow  # ~90 s on 2 shared cores: one torchrun launch runs the five steps in one process group
+def test_two_ranks_equal_one_process_for_every_loss_and_uneven_split(tmp_path):
+    _, q = quantized_tiny(tmp_path)
+    sh = _uneven_shards(tmp_path / "sh", base_hash_of(q))
+    common = dict(device="cpu", lr=1e-3, lora_rank=4, progress=False)
+    for i, case in enumerate(_CASES):
+        train_step(TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "one" / f"c{i}", **common, **case))
+    prog = tmp_path / "ranks.py"  # train_step joins the process group it finds, so one launch runs every case
+    prog.write_text("import sys\nfrom pathlib import Path\nimport torch.distributed as dist\n"
+                    "from qerl_cli.train_step import TrainStepConfig, train_step\n"
+                    "from tests.test_train_distributed import _CASES\n"
+                    "dist.init_process_group('gloo')\n"
+                    "for i, case in enumerate(_CASES):\n"
+                    f"    train_step(TrainStepConfig(model=Path({str(q)!r}), shards=[{str(sh)!r}], "
+                    f"out=Path({str(tmp_path / 'two')!r}) / f'c{{i}}', **{common!r}, **case))\n"
+                    "dist.destroy_process_group()\n")
+    res = subprocess.run(_torchrun(str(prog)), env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for i, case in enumerate(_CASES):
+        one, two = tmp_path / "one" / f"c{i}", tmp_path / "two" / f"c{i}"
+        for f in ("adapter_model.safetensors", "optimizer.safetensors"):  # LoRA tensors, AdamW moments
+            a, b = load_file(str(one / f)), load_file(str(two / f))
+            assert a.keys() == b.keys()
+            for k in a:  # float summation order only; a single micro-batch (rank 1 idle) is bit for bit
+                if case["micro_batch_tokens"] == 100000:
+                    assert torch.equal(a[k], b[k]), (case, k)
+                torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=f"{case} {k}")
+        s1, s2 = (json.loads((d / "trainer_state.json").read_text()) for d in (one, two))
+        assert s1 == s2, case
+        m1, m2 = (json.loads((d / "metrics.jsonl").read_text()) for d in (one, two))
+        assert m1.keys() == m2.keys(), case
+        for k, v in m1.items():  # over ALL records: rank 0's part would differ in counts, rewards and lengths
+            if k.endswith(("time_s", "per_s")):
+                continue
+            assert m2[k] == (pytest.approx(v, rel=1e-4) if v is not None else None), (case, k)
+
+
+@pytest.mark.slow  # ~90 s on 2 shared cores: two torchrun launches
+def test_a_bad_shard_or_a_nan_on_one_rank_stops_every_rank_with_its_code(tmp_path):
+    import shutil
+
+    _, q = quantized_tiny(tmp_path)
+    sh = make_shard(tmp_path / "sh", base_hash_of(q), groups=4, seed=5)
+    bad = tmp_path / "bad"  # rank 1's node-local copy of the shards, torn at its end
+    shutil.copytree(sh, bad)
+    f = next(bad.glob("*.jsonl"))
+    f.write_text(f.read_text() + "{torn")
+    prog = tmp_path / "nan.py"
+    prog.write_text("import os, sys\nimport qerl_cli.train_step as ts\nfrom qerl_cli.cli import main\n"
+                    "if os.environ['RANK'] == '1':\n    real = ts.policy_loss\n"
+                    "    def nan(*a, **k):\n        loss, x, st = real(*a, **k)\n        return loss * float('nan'), x, st\n"
+                    "    ts.policy_loss = nan\nsys.argv = ['qerl'] + sys.argv[1:]\nmain()\n")
+    flags = f'--model "{q}" --out "{tmp_path / "o"}" --device cpu --quiet --micro-batch-tokens 40'
+    for body, code, says in (
+            (f'if [ "$RANK" = 1 ]; then s="{bad}"; else s="{sh}"; fi\n'
+             f'exec "{sys.executable}" -m qerl_cli train-step --shards "$s" {flags}\n', 2, f"error: {f}:"),
+            (f'exec "{sys.executable}" "{prog}" train-step --shards "{sh}" {flags}\n', 5, "error: non-finite loss")):
+        res = _ranks_run(tmp_path, body, timeout=300)
+        assert res.returncode != 0 and not (tmp_path / "o").exists(), res.stderr[-3000:]
+        assert says in res.stderr and "]: Traceback" not in res.stderr, res.stderr[-3000:]
+        root = res.stderr.split("Root Cause", 1)[-1]
+        assert f"exitcode  : {code}" in root, res.stderr[-3000:]
+        codes = {ln.split(":")[1].split()[0] for ln in res.stderr.splitlines() if ln.strip().startswith("exitcode")}
+        assert codes <= {str(code), "143", "-15"}, res.stderr[-3000:]  # the other rank: its code, or torchrun's stop
+
+
+def test_read_step_holds_the_token_arrays_compactly(tmp_path):
+    # Every rank parses the whole step: as JSON lists (a Python object per token and per log-prob) 512 x 16
+    # completions of 1024 tokens held ~800 MiB per rank; packed as they stream in, ~136 MiB (a review).
+    import random
+    import tracemalloc
+
+    from qerl_cli.shards import make_record, shard_name, write_records
+    from qerl_cli.train_step import read_step
+
+    rnd, recs = random.Random(0), []
+    for g in range(8):
+        prompt = [rnd.randrange(3, 150000) for _ in range(64)]
+        for _ in range(4):
+            comp = [rnd.randrange(3, 150000) for _ in range(1024)]
+            recs.append(make_record(
+                prompt_id=f"p{g}", group_id=f"g{g}", prompt="x", prompt_token_ids=prompt, completion_token_ids=comp,
+                completion="y", logprobs=[-rnd.random() for _ in comp], finish_reason="stop", rewards={"r": 1.0},
+                reward=float(rnd.random()), answer=None, step=0, policy={"base": "0" * 64, "adapter": None},
+                sampling={"temperature": 1.0}, noise={"sigma": 0.0, "seed": 0}, engine="test"))
+    (tmp_path / "sh").mkdir()
+    write_records(tmp_path / "sh" / shard_name(0, 1), recs)
+    tokens = sum(len(r["prompt_token_ids"]) + 2 * len(r["completion_token_ids"]) for r in recs)
+    cfg = TrainStepConfig(model=tmp_path, shards=[str(tmp_path / "sh")], out=tmp_path / "o", progress=False)
+    tracemalloc.start()
+    try:
+        data = read_step(cfg)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * tokens and held < 16 * tokens, (held, peak, tokens)  # lists: ~36 bytes an entry, arrays ~8
+    assert data.completions[3].tolist() == recs[3]["completion_token_ids"]
+    assert list(data.sampling_logprobs[5]) == recs[5]["logprobs"]  # the same float64 values
+    assert data.prompt_lengths[0] == 64 and data.completion_lengths == [1024] * len(recs)
+
+
+def test_a_rank_keeps_only_the_token_arrays_of_its_own_micro_batches(tmp_path):
+    from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train.distributed import Dist
+    from qerl_cli.train_step import _keep_owned, read_step
+
+    sh = _uneven_shards(tmp_path / "sh", "0" * 64)
+    data = read_step(TrainStepConfig(model=tmp_path, shards=[str(sh)], out=tmp_path / "o", progress=False))
+    full = [list(c) for c in data.completions]
+    groups = pack_microbatches([p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)], 40)
+    assert len(groups) % 2  # uneven
+    _keep_owned(data, groups, Dist(rank=1, world_size=2))
+    for j, g in enumerate(groups):
+        for s in g:
+            kept = (data.prompts[s], data.completions[s], data.sampling_logprobs[s])
+            assert all(x is None for x in kept) if j % 2 == 0 else list(kept[1]) == full[s]
+    assert data.completion_lengths == [len(c) for c in full]  # the metrics' lengths stay whole
