@@ -95,6 +95,10 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("numbered+hash", f"#### 1. Understand the problem\n{reason}\n#### {r}", r),
         ("numbered+final", f"#### 1. Understand\n{reason}\n#### 2. Final Answer\n{r}", r),
         ("numbered+final-colon", f"#### 1. Understand\n{reason}\n#### 2. Answer: {r}", r),
+        # ---- a review of session 53's rule: a bullet under the heading, a restated number, a bold label
+        ("heading-below-bullet+box", f"{reason}\n#### Final Answer\n- {r}\n\n\\boxed{{{r}}}", r),
+        ("hedge-restated", f"{reason}\n#### {r} (or {r}.0)", r),
+        ("hash-bold-label", f"{reason}\n#### **Final Answer:** {r}", r),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

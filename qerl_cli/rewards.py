@@ -7,8 +7,9 @@ regenerating. Built-ins:
 
 - ``gsm8k``: 1 if the final number equals the reference. The number is the one of the first
   ``####`` line that starts with its number or names the answer before it ("#### 72", "#### The answer is 72",
-  "#### Final Answer: 72", or a heading "#### Final Answer" with the number on the next line; a base model that runs
-  on past its answer and starts another "Q: ... ####" is still judged on the answer it gave), else the last
+  "#### Final Answer: 72", or a heading "#### Final Answer" with the number on the next line, "- 72" there a list
+  item, not -72; a base model that runs on past its answer and starts another "Q: ... ####" is still judged on the
+  answer it gave), else the last
   ``\\boxed{}``, else the last ``<answer>...</answer>``, else a ``####`` line's number after other words (the first
   such line that is no heading label "#### Step 1:", "#### Part 2": "#### Add the 3 eggs" does not outrank the box),
   else a numbered heading's number ("#### 1. Understand the problem" is 1 only where nothing else gives an answer;
@@ -18,8 +19,8 @@ regenerating. Built-ins:
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
   exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
   line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
-  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) and a hedge (``72 or 73``, ``72 or so``) are no
-  answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) and a hedge (``72 or 73``, ``72 or so``; not
+  the number restated, ``72 (or 72.0)``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
   read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
@@ -187,6 +188,18 @@ _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thou
 # A hedge right after the number: "#### 72 or 73" (or "72 or so", "72 and/or 73") offers more than one answer, and an
 # answer that hedges must not be rewarded for the alternative that happens to be right.
 _HEDGE = re.compile(r"[\s,;(*]*(?:and/)?or\b", re.IGNORECASE)
+# The alternative after a hedge's "or": a restatement of the same number ("#### 18 (or 18.0)", "#### 0.5 (or 1/2)",
+# "#### $18 (or 18 dollars)") offers one answer, not two. The span is cleaned already ($, \frac, commas).
+_ALTERNATIVE = re.compile(r"[\s(*]*(" + _NUMBER.pattern + ")")
+
+
+def _restates(rest: str, start: int, number: str) -> bool:
+    """Whether the alternative at ``rest[start:]`` (after a hedge's "or") is ``number`` again: "18 (or 18.0)" is
+    18, as it read before hedges were refused (a review)."""
+    alt = _ALTERNATIVE.match(rest, start)
+    if alt is None or _HEDGE.match(rest[alt.end():].lstrip(")")):  # "18 or 18 or 19": a hedge still
+        return False
+    return _to_fraction(alt.group(1)) == _to_fraction(number) is not None
 
 
 def _words_only(text: str) -> bool:
@@ -324,7 +337,8 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
             return None  # "x = 5, y = 18" (in a box or on a #### line): several answers, none of them the answer
         s = s.rsplit("=", 1)[1]
     m = _NUMBER.search(s)
-    if m is None or not _words_only(s[: m.start()].rstrip().rstrip("*")):  # "The answer is **72**"
+    # bold anywhere in the words: "The answer is **72**", "**Final Answer:** 72" (its leading ** made it no answer)
+    if m is None or not _words_only(s[: m.start()].replace("*", " ")):
         return None
     rest = s[m.end():]
     if rest and rest[0] not in _GLUE_OK:  # "2x", "2^{10}", "2\\sqrt{2}", "5!": not the number 2 or 5
@@ -338,7 +352,8 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
     if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
-    if _HEDGE.match(rest):
+    hedge = _HEDGE.match(rest)
+    if hedge is not None and not _restates(rest, hedge.end(), m.group(0)):
         return None  # "72 or 73", "72, or so", "72 (or 73)": a hedge, not an answer (it read as 72)
     if whole:
         rest = rest.lstrip().lstrip("*").lstrip().removeprefix("%").lstrip("*").strip().removesuffix(".")
@@ -374,6 +389,8 @@ _HEADING_LABEL = re.compile(r"\s*\**\s*(?:step|part|case|method|stage|phase|sect
 # "3. Final Answer", "The final answer is"). Its line has no number, so the answer under it was never read.
 _ANSWER_HEADING = re.compile(r"[\s*]*(?:\d+\.\s+)?(?:the\s+)?(?:final\s+)?(?:answer|result)s?(?:\s+is)?[\s*:.]*",
                              re.IGNORECASE)
+# A Markdown list marker before the answer under a heading ("#### Final Answer\n- 18"): no minus sign ("-18" is one).
+_BULLET = re.compile(r"[ \t]*[-*+][ \t]+(?=\S)")
 # A numbered Markdown heading "#### 1. Understand the problem": the number of a list item, not an answer (no letter
 # may follow it: "#### 18." and "#### 1.5" stay numbers).
 _NUMBERED_HEADING = re.compile(r"(\d+)\.\s+(?=[A-Za-z*])")
@@ -444,6 +461,8 @@ def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
         span = text[pos + 4 : stop]
         if _ANSWER_HEADING.fullmatch(span):  # the answer is on the line below: read it as if after a ####
             below = _line_after(text, stop, bound)
+            if below is not None:  # "- 18" read as -18, above the final \boxed{18}
+                below = _BULLET.sub("", below, count=1)
             num = None if below is None else span_number(below)  # all of it a number: "72", "$72$", "72 apples."
             if num is None:
                 continue

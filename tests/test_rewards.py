@@ -676,6 +676,39 @@ def test_a_bare_boxed_in_prose_does_not_hide_the_answer(completion):
 
 
 @pytest.mark.parametrize("completion", [
+    "#### Final Answer\n- 72\n\n\\boxed{72}", "#### Final Answer\n- $72$", "#### **Answer:**\n  * 72 apples",
+    "#### Final Answer\n+ 72",
+])
+def test_a_bullet_under_an_answer_heading_is_no_minus_sign(completion):
+    """A Markdown list item under "#### Final Answer" ("- 72") read as -72 and, as the line under the heading, outranked
+    the final \\boxed{72} (a review of session 53's rule; before it the box gave 72)."""
+    assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    assert extract_answer("#### Final Answer\n-72") == "-72"  # glued to the number: a minus sign
+
+
+@pytest.mark.parametrize("completion", [
+    "#### 72 (or 72.0)", "#### 72, or $72", "#### 0.5 (or 1/2)", "#### The answer is 72 (or 72 apples)",
+    "#### $72 or \\frac{144}{2}",
+])
+def test_a_hedge_that_restates_its_number_is_the_answer(completion):
+    """"#### 72 (or 72.0)" offers one answer, said twice: the hedge rule made it no answer (it read as 72 before)."""
+    want = "0.5" if "0.5" in completion else "72"
+    assert extract_answer(completion) == want and is_correct(completion, want, "gsm8k")
+    for hedge in ("#### 72 or 72 or 73", "#### 72 (or 72.0), or 73", "#### 72 or -72"):  # more than one answer
+        assert extract_answer(hedge) is None
+
+
+@pytest.mark.parametrize("completion", [
+    "#### **Final Answer:** 72", "#### **Answer**: 72", "#### **The answer is** 72", "<answer>**Answer:** 72</answer>",
+])
+def test_bold_words_before_the_number_name_the_answer(completion):
+    """"#### **Final Answer:** 72" (Markdown bold around the label) gave no answer: only bold right before the number
+    ("The answer is **72**") was taken for words."""
+    assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    assert extract_answer("#### **Step 1:** add 3\n\\boxed{72}") == "72"  # a bold heading label stays a label
+
+
+@pytest.mark.parametrize("completion", [
     # a words-first answer line, then a base model's run-on "#### 7"
     "48 + 24 = 72\n#### The answer is 72\n\nQuestion: Tom has 9 marbles and loses 2.\nAnswer: 9 - 2 = 7\n#### 7",
     "#### Final Answer: **72**\n\nQuestion: ...\n\\boxed{7}",
