@@ -161,6 +161,9 @@ def _root(
     pass
 
 
+# The resumable stages, and what their partial directory keeps for a rerun.
+RESUMED = {"rollout": "prompt groups", "eval": "problems"}
+
 # Out of memory anywhere in a stage: the flag that lowers its peak memory.
 OOM_HINTS = {
     "quantize": "pass --device cpu (host memory stays near three layers), or free the GPU",
@@ -322,9 +325,10 @@ def guarded(fn, stage: str | None = None):
                 if not _is_oom(e):
                     raise
                 what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-                # A rollout appends finished prompt groups to its partial directory as it goes: they stay.
-                kept = ("--out was not written; prompt groups finished before it are kept for a rerun"
-                        if stage == "rollout" else "nothing was written")
+                # A rollout (eval) appends finished prompt groups (problems) to its partial directory as it goes:
+                # they stay.
+                kept = (f"--out was not written; {RESUMED[stage]} finished before it are kept for a rerun"
+                        if stage in RESUMED else "nothing was written")
                 raise OutOfMemoryError(f"out of memory in {stage or 'qerl'}: {what}; {kept}",
                                        hint=OOM_HINTS.get(stage or "", None)) from None
         except QerlError as e:
@@ -333,7 +337,7 @@ def guarded(fn, stage: str | None = None):
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:
-            resume = " (a rerun resumes its saved groups)" if stage == "rollout" else ""
+            resume = f" (a rerun resumes its saved {RESUMED[stage].split()[-1]})" if stage in RESUMED else ""
             word, code = interrupt_outcome(e)
             done = outputs.completed_outputs()
             if done:  # after the rename: the output is whole, only the summary lines were cut short

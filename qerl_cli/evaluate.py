@@ -19,6 +19,12 @@ Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--n
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
 adapter hashes, dataset hash, template, sampling, seed) goes into the manifest fingerprint, so
 rerunning the same eval is "already done" and two runs can be compared with ``--compare``.
+
+The output is a resumable ``StageOutput``, as rollout's: samples.jsonl grows in a partial directory
+named by the fingerprint, a problem's samples appended together and flushed. A rerun after an
+interrupt keeps the problems whose samples are all there (a prefix in dataset order), regenerates
+from the chunk of the first missing one (each problem seeded by its own index, so the same samples)
+and writes the samples.jsonl and metrics.json of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
-from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
+from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
-from qerl_cli.outputs import StageOutput
+from qerl_cli.outputs import StageOutput, WriterLock, crash_point, sweep_leftover_partial
 from qerl_cli.runtime import as_many, check_field_types
 
 STAGE = "eval"
@@ -378,33 +384,53 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     chat_text = None
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
-    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, started=t_start,
+    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
+        sweep_leftover_partial(so)
         metrics = json.loads((cfg.out / METRICS).read_text())
         return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
     so.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
-    if generate is None:
-        if cfg.engine == "vllm":
-            generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
-        else:
-            generate, info = native_generator(cfg, tokenizer, device, torch_dtype, max_model_len)
-
-    with so as work:
-        records, t_gen = _generate_and_score(cfg, prompts, generate, work, console)
-        metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, device, dtype_name)
-        metrics["time"] = {
-            "total_s": round(time.time() - t_start, 3),
-            "generate_s": round(t_gen, 3),
-            "tokens_per_s": round(sum(r["num_tokens"] for r in records) / t_gen, 1) if t_gen > 0 else None,
-        }
-        (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
-        so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
-        so.timings.update(info.pop("timings", {}), generate_s=round(t_gen, 3))
+    # The writer lock before the model loads: a second run of this eval (a requeued Slurm job) is refused
+    # at once (exit 8), not after loading a 32B model.
+    with WriterLock(so):
+        try:
+            with so as work:
+                if generate is None:
+                    if cfg.engine == "vllm":
+                        generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
+                    else:
+                        generate, info = native_generator(cfg, tokenizer, device, torch_dtype, max_model_len)
+                records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, generate, work, console)
+                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, device, dtype_name)
+                metrics["time"] = {
+                    "total_s": round(time.time() - t_start, 3),
+                    "generate_s": round(t_gen, 3),
+                    # this run's tokens only: the resumed problems' were generated (and timed) by another run
+                    "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else None,
+                }
+                (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+                so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
+                so.extra["resumed"] = resumed
+                so.timings.update(info.pop("timings", {}), generate_s=round(t_gen, 3))
+        except OutputExistsError:
+            raise  # another run's output at --out (the final swap's check): the finished problems stay for a rerun
+        except BaseException:
+            _drop_if_nothing_kept(so)
+            raise
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
+
+
+def _drop_if_nothing_kept(so: StageOutput) -> None:
+    """A run stopped (an error, Ctrl-C) before it finished any problem leaves nothing behind, as before eval
+    resumed; with problems finished, its partial directory stays for the rerun that resumes it."""
+    if so.work is not None and so.work.is_dir() and not any(p.stat().st_size for p in so.work.glob(SAMPLES)):
+        import shutil
+
+        shutil.rmtree(so.work, ignore_errors=True)
 
 
 def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
@@ -439,7 +465,69 @@ def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):
     return tokenizer, prompts, max_model_len
 
 
-def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path, console) -> tuple[list[dict], float]:
+RECORD_KEYS = ("id", "sample", "prompt", "completion", "extracted", "reference", "correct", "scorer", "finish_reason",
+               "num_tokens")
+
+
+def _kept_samples(path: Path, prompts, n: int, scorer: str) -> tuple[list[dict], int]:
+    """The records of the problems a stopped run of these arguments finished, and how many lines after them
+    were dropped. Kept: a prefix in dataset order, problem i's ``n`` samples in order; a torn last line, a
+    problem with fewer than ``n`` samples, or a line that is not this run's next sample ends it. The file
+    is cut to the kept lines, so appending continues on a whole line. Kept samples are scored again: a
+    stopped run of an older qerl (another answer rule, which the fingerprint does not count) would
+    otherwise mix two rules' verdicts in one score."""
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    kept: list[dict] = []
+    group: list[dict] = []
+    end = pos = 0
+    for line in data.split(b"\n")[:-1]:  # the piece after the last newline is torn (or empty)
+        i = len(kept) // n
+        rec = _sample_of(line, prompts[i], len(group)) if i < len(prompts) else None
+        if rec is None:
+            break
+        group.append(rec)
+        pos += len(line) + 1
+        if len(group) == n:
+            kept += group
+            group, end = [], pos
+    tail = data[end:]
+    rescored = [_rescored(r, prompts[i // n], scorer) for i, r in enumerate(kept)]
+    if rescored != kept:  # every kept line written again, with today's verdicts
+        with open(path, "wb") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rescored).encode("utf-8"))
+            os.fsync(f.fileno())
+    elif tail:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    return rescored, tail.count(b"\n") + (not tail.endswith(b"\n") if tail else 0)
+
+
+def _rescored(rec: dict, p, scorer: str) -> dict:
+    sc = score_completion(rec["completion"], p.row.answer, scorer, p.opens_think)
+    return {**rec, "extracted": sc.extracted, "correct": sc.correct, "scorer": sc.kind}
+
+
+def _sample_of(line: bytes, p, j: int) -> dict | None:
+    """``line`` as sample ``j`` of problem ``p``, or None where it is not that (torn, foreign, another problem's)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    if not isinstance(rec, dict) or tuple(rec) != RECORD_KEYS:
+        return None
+    if rec["id"] != p.row.id or rec["sample"] != j or rec["prompt"] != p.text or rec["reference"] != p.row.answer:
+        return None
+    return rec
+
+
+def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path,
+                        console) -> tuple[list[dict], float, int, dict]:
+    """Generate and score every problem not already in ``work``'s samples.jsonl, appending each problem's
+    samples as it is scored; returns (every record in dataset order, generation seconds, tokens this run
+    generated, {"problems": resumed, "dropped_lines": cut from the partial file})."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -448,9 +536,14 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
     # within a chunk (only the chunk's tail runs partly empty), while samples.jsonl and the
     # progress line still advance chunk by chunk on engines that report no per-prompt progress.
     chunk = max(1, 4 * cfg.max_num_seqs // n)
-    records: list[dict] = []
+    records, dropped = _kept_samples(work / SAMPLES, prompts, n, cfg.scorer)
+    kept = len(records) // n
+    # A resume starts at the chunk of the first missing problem and generates that chunk whole: the same
+    # prompts batched together as in an uninterrupted run, so the same bits (batched matmuls round alike).
+    first = kept - kept % chunk if kept < len(prompts) else len(prompts)
     t_gen = 0.0
-    solved = tokens = 0
+    solved = sum(any(r["correct"] for r in records[i * n : (i + 1) * n]) for i in range(kept))
+    tokens = 0  # generated by this run (a resumed chunk's kept problems included: they were generated again)
     t_start = time.time()
     progress = Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("problems"),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console or Console(stderr=True),
@@ -460,46 +553,49 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
         rate = (tokens + extra_tokens) / max(time.time() - t_start, 1e-9)
         return f"{rate:,.0f} tok/s" + (f" · solved {solved}" if records else "")
 
-    with progress, open(work / SAMPLES, "w", encoding="utf-8") as out:
-        task = progress.add_task("eval", total=len(prompts), info="")
-        for start in range(0, len(prompts), chunk):
-            batch = prompts[start : start + chunk]
+    try:
+        with progress, open(work / SAMPLES, "a", encoding="utf-8") as out:
+            task = progress.add_task("eval", total=len(prompts), completed=kept, info="")
+            for start in range(first, len(prompts), chunk):
+                batch = prompts[start : start + chunk]
 
-            def on_progress(done: int, generated: int, start=start) -> None:
-                progress.update(task, completed=start + done, info=info(generated))
+                def on_progress(done: int, generated: int, start=start) -> None:
+                    progress.update(task, completed=max(kept, start + done), info=info(generated))
 
-            t0 = time.time()
-            seeds = [_problem_seed(cfg.seed, start + i) for i in range(len(batch))]
-            groups = generate([p.token_ids for p in batch], n, seeds, on_progress)
-            t_gen += time.time() - t0
-            if len(groups) != len(batch) or any(len(g) != n for g in groups):
-                raise RuntimeError(f"engine returned {[len(g) for g in groups]} samples for {len(batch)} prompts x {n}")
-            for p, group in zip(batch, groups):
-                any_ok = False
-                for j, s in enumerate(group):
-                    if not s.finite:  # a score of NaN-logit samples would look like a real, bad model
-                        raise NumericalError(f"{p.row.where}: sample {j} was drawn from NaN/Inf logits; nothing "
-                                             "was written", hint=NONFINITE_LOGITS_HINT)
-                    sc = score_completion(s.text, p.row.answer, cfg.scorer, p.opens_think)
-                    any_ok |= sc.correct
-                    rec = {
-                        "id": p.row.id,
-                        "sample": j,
-                        "prompt": p.text,
-                        "completion": s.text,
-                        "extracted": sc.extracted,
-                        "reference": p.row.answer,
-                        "correct": sc.correct,
-                        "scorer": sc.kind,
-                        "finish_reason": s.finish_reason,
-                        "num_tokens": len(s.token_ids),
-                    }
-                    records.append(rec)
-                    tokens += rec["num_tokens"]
-                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                solved += any_ok
-            progress.update(task, completed=start + len(batch), info=info())
-    return records, t_gen
+                t0 = time.time()
+                seeds = [_problem_seed(cfg.seed, start + i) for i in range(len(batch))]
+                groups = generate([p.token_ids for p in batch], n, seeds, on_progress)
+                t_gen += time.time() - t0
+                if len(groups) != len(batch) or any(len(g) != n for g in groups):
+                    raise RuntimeError(f"engine returned {[len(g) for g in groups]} samples for {len(batch)} prompts x {n}")
+                for index, (p, group) in enumerate(zip(batch, groups), start):
+                    tokens += sum(len(s.token_ids) for s in group)
+                    if index < kept:
+                        continue  # kept from the stopped run; generated again only because its chunk had a missing problem
+                    recs = [_scored(cfg, p, j, s) for j, s in enumerate(group)]
+                    # A problem's samples in one write, flushed: a stop keeps whole problems (a kill may still
+                    # tear the write, which the resume cuts off).
+                    out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+                    out.flush()
+                    records += recs
+                    solved += any(r["correct"] for r in recs)
+                    crash_point("eval-problem")
+                os.fsync(out.fileno())  # once a chunk: what a machine crash may lose
+                progress.update(task, completed=start + len(batch), info=info())
+    except KeyboardInterrupt as e:
+        e.kept_problems = (len(records) // n, len(prompts), work)  # for the stop line: what a rerun resumes
+        raise
+    return records, t_gen, tokens, {"problems": kept, "dropped_lines": dropped}
+
+
+def _scored(cfg: EvalConfig, p, j: int, s: Sample) -> dict:
+    """Sample ``j`` of problem ``p`` as its samples.jsonl record (keys: RECORD_KEYS)."""
+    if not s.finite:  # a score of NaN-logit samples would look like a real, bad model
+        raise NumericalError(f"{p.row.where}: sample {j} was drawn from NaN/Inf logits; --out was not written (the "
+                             "problems finished before it are kept for a rerun)", hint=NONFINITE_LOGITS_HINT)
+    sc = score_completion(s.text, p.row.answer, cfg.scorer, p.opens_think)
+    return dict(zip(RECORD_KEYS, (p.row.id, j, p.text, s.text, sc.extracted, p.row.answer, sc.correct, sc.kind,
+                                  s.finish_reason, len(s.token_ids))))
 
 
 def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage, info, device, dtype_name) -> dict:

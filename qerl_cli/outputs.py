@@ -7,8 +7,9 @@ directory without a valid manifest is never treated as done.
 
 A *fingerprint* (hash of the stage name, its result-affecting arguments and its input
 hashes) decides reruns: same fingerprint -> "already done"; different -> error unless
-``force``. Resumable stages (rollout) keep their work directory under a name derived from
-the fingerprint, so a rerun after a crash continues where the last one stopped.
+``force``. Resumable stages (rollout, eval) keep their work directory under a name derived from
+the fingerprint, so a rerun after a crash continues where the last one stopped; a ``WriterLock``
+beside it refuses a second writer.
 
 Replacing an existing output (``force``) swaps the two directories in one atomic
 ``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it; elsewhere it takes
@@ -60,6 +61,7 @@ def forget_completed(out: Path | None = None) -> None:
 
 
 MANIFEST = "manifest.json"
+_KEPT = {"rollout": "groups", "eval": "problems"}  # what a resumable stage keeps for its rerun
 # The file system refusing a write: a one-line error (exit 7), not a traceback. Other OSErrors stay bugs.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.ENOTDIR,
                  errno.EEXIST, errno.EBUSY}
@@ -90,7 +92,8 @@ def crash_point(name: str) -> None:
     does. Named points: ``stage-start`` (temp dir just created), ``before-manifest`` (every
     output file written), ``before-rename`` (manifest written, not yet renamed), ``mid-swap``
     (replacing an output: between the swap and the removal of the old one), ``shard-group``
-    (a rollout group appended and flushed), ``tensor`` (a safetensors tensor written). Unset, as
+    (a rollout group appended and flushed), ``eval-problem`` (an eval problem's samples appended and
+    flushed), ``tensor`` (a safetensors tensor written). Unset, as
     always outside the tests, it costs one environment lookup.
     """
     spec = os.environ.get(KILL_ENV)
@@ -432,7 +435,7 @@ class StageOutput:
 
     def write_error(self, e: BaseException) -> OutputWriteError:
         where = getattr(e, "filename", None) or self.out
-        kept = " (its finished groups are kept for a rerun)" if self.resumable else ""
+        kept = f" (its finished {_KEPT.get(self.stage, 'groups')} are kept for a rerun)" if self.resumable else ""
         blocker = file_in_the_way(Path(where)) if getattr(e, "errno", None) in (errno.EEXIST, errno.ENOTDIR) else None
         if blocker is not None:  # was "File exists", with a hint about space and permissions
             return OutputWriteError(f"cannot write {self.out}: {blocker} is a file, not a directory; nothing was "
@@ -496,7 +499,7 @@ class StageOutput:
         raise OutputBusyError(
             f"{self.out} was written by another run while this one ran ({m['stage'] if m else 'no manifest'}, "
             f"fingerprint {str(now)[:12]}); this run's output was not put in its place",
-            hint="give each run its own --out" + (f"; this run's finished groups stay in {work}, which only a run into "
+            hint="give each run its own --out" + (f"; this run's finished {_KEPT.get(self.stage, 'groups')} stay in {work}, which only a run into "
                                                   f"{self.out} resumes (one with --force, replacing what is there): "
                                                   "delete it otherwise" if self.resumable else ""))
 
@@ -626,3 +629,90 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class WriterLock:
+    """An exclusive lock a resumable run (rollout, eval) holds from before its partial directory is
+    opened until after it is renamed into ``--out``, so a second writer (a Slurm job requeued while the
+    old one still runs, the same command started twice) is refused (exit 8) instead of interleaving
+    its records.
+
+    The lock file sits beside the partial directory. Inside it, it had to be deleted before the
+    manifest was hashed, and from then to the rename (seconds for a large shard) a second run
+    opened a new lock file, was admitted, and wrote into the same directory (audit, 2026-11-26).
+    ``flock`` is released by the kernel however the holder dies, so a crashed run never blocks its
+    resume. A run admitted after another finished this very output stops with exit 8, too.
+    """
+
+    def __init__(self, out: StageOutput):
+        self.out, self.path, self.f = out, out.writer_lock_path(), None
+        self.held = False  # an exclusive flock taken (not on a file system without flock, nor without fcntl)
+
+    def __enter__(self):
+        try:
+            import fcntl  # POSIX only: elsewhere the final swap's own check is what remains
+        except ImportError:
+            return self
+        busy = OutputBusyError(f"another qerl {self.out.stage} is writing {self.out.out} right now",
+                               hint="wait for it, or stop it; this run resumes where it stops")
+        for _ in range(8):
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.f = open(self.path, "a+")
+            except OSError as e:
+                raise self.out.write_error(e) from None
+            try:
+                fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # no flock on this file system
+                    return self
+                self.f.close()
+                self.f = None
+                raise busy from None
+            if self._still_the_file():
+                self.held = True
+                break
+            self.f.close()  # locked a file its holder deleted on the way out: take the one at the path now
+            self.f = None
+        else:
+            raise busy
+        if self.out.finished_meanwhile():  # finished by a run that held the lock before this one took it
+            self._release()
+            raise OutputBusyError(f"{self.out.out} was finished by another qerl {self.out.stage} while this one "
+                                  "started", hint="nothing to do: a rerun reports it done")
+        return self
+
+    def _still_the_file(self) -> bool:
+        """Whether the locked descriptor is still the file at the path (not one deleted since it was opened)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self.f.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _release(self) -> None:
+        if self.f is None:
+            return
+        # Deleted while held: a run that had opened it finds it gone once it gets the lock and retries
+        # (``_still_the_file``); one that opens a new file then finds --out done, or resumes.
+        self.path.unlink(missing_ok=True)
+        self.f.close()
+        self.f = None
+
+    def __exit__(self, *exc) -> bool:
+        self._release()
+        return False
+
+
+def sweep_leftover_partial(out: StageOutput) -> None:
+    """Remove this run's partial directory beside an ``--out`` that already holds the run: an interrupted
+    ``--force`` redo left it there, and no later run without --force would ever resume or remove it (a
+    review). Only under the writer lock: a redo still running keeps its directory."""
+    part = out.partial_dir()
+    if not part.exists():
+        return
+    try:
+        with WriterLock(out) as lock:
+            if lock.held:  # without flock (NFS without lockd) a live redo's directory cannot be told apart
+                shutil.rmtree(part, ignore_errors=True)
+    except OutputExistsError:
+        pass  # another run of this stage holds it: leave it alone

@@ -63,14 +63,13 @@ from qerl_cli.errors import (
     NONFINITE_LOGITS_HINT,
     BadInputError,
     NumericalError,
-    OutputBusyError,
     OutputExistsError,
     QerlError,
     QerlWarning,
 )
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
-from qerl_cli.outputs import StageOutput, check_out_apart
+from qerl_cli.outputs import StageOutput, WriterLock, check_out_apart, sweep_leftover_partial
 from qerl_cli.rewards import RewardSet, judged_completion
 from qerl_cli.runtime import (
     as_many,
@@ -567,7 +566,7 @@ def rollout(cfg: RolloutConfig) -> dict:
                       legacy_configs=_legacy_fingerprint_configs(config, cfg), legacy_inputs=(legacy_inputs,))
     _refuse_another_shards_out(cfg)
     if out.already_done(check_first=lambda: _encode(cfg, selected, template, chat_text, notes=False)):
-        _sweep_leftover_partial(out)
+        sweep_leftover_partial(out)
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
     name = shard_name(cfg.shard_index, cfg.num_shards)
@@ -665,97 +664,9 @@ class _Plan:
 OLD_LOCK = ".lock"  # where qerl before 2026-11-26 kept the lock: inside the partial directory
 
 
-class _WriterLock:
-    """An exclusive lock held from before the partial directory is opened until after it is renamed
-    into ``--out``, so a second writer (a Slurm job requeued while the old one still runs, the same
-    command started twice) is refused instead of interleaving its groups.
-
-    The lock file sits beside the partial directory. Inside it, it had to be deleted before the
-    manifest was hashed, and from then to the rename (seconds for a large shard) a second run
-    opened a new lock file, was admitted, and wrote into the same directory (audit, 2026-11-26).
-    ``flock`` is released by the kernel however the holder dies, so a crashed run never blocks its
-    resume. A run admitted after another finished this very output stops with exit 4, too.
-    """
-
-    def __init__(self, out: StageOutput):
-        self.out, self.path, self.f = out, out.writer_lock_path(), None
-        self.held = False  # an exclusive flock taken (not on a file system without flock, nor without fcntl)
-
-    def __enter__(self):
-        import errno
-
-        try:
-            import fcntl  # POSIX only: elsewhere the final swap's own check is what remains
-        except ImportError:
-            return self
-        busy = OutputBusyError(f"another qerl rollout is writing {self.out.out} right now",
-                                 hint="wait for it, or stop it; this run resumes where it stops")
-        for _ in range(8):
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.f = open(self.path, "a+")
-            except OSError as e:
-                raise self.out.write_error(e) from None
-            try:
-                fcntl.flock(self.f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):  # no flock on this file system
-                    return self
-                self.f.close()
-                self.f = None
-                raise busy from None
-            if self._still_the_file():
-                self.held = True
-                break
-            self.f.close()  # locked a file its holder deleted on the way out: take the one at the path now
-            self.f = None
-        else:
-            raise busy
-        if self.out.finished_meanwhile():  # finished by a run that held the lock before this one took it
-            self._release()
-            raise OutputBusyError(f"{self.out.out} was finished by another qerl rollout while this one started",
-                                    hint="nothing to do: a rerun reports it done")
-        return self
-
-    def _still_the_file(self) -> bool:
-        """Whether the locked descriptor is still the file at the path (not one deleted since it was opened)."""
-        try:
-            return os.stat(self.path).st_ino == os.fstat(self.f.fileno()).st_ino
-        except FileNotFoundError:
-            return False
-
-    def _release(self) -> None:
-        if self.f is None:
-            return
-        # Deleted while held: a run that had opened it finds it gone once it gets the lock and retries
-        # (``_still_the_file``); one that opens a new file then finds --out done, or resumes.
-        self.path.unlink(missing_ok=True)
-        self.f.close()
-        self.f = None
-
-    def __exit__(self, *exc) -> bool:
-        self._release()
-        return False
-
-
-def _sweep_leftover_partial(out: StageOutput) -> None:
-    """Remove this run's partial directory beside an ``--out`` that already holds the run: an interrupted
-    ``--force`` redo left it there, and no later run without --force would ever resume or remove it (a
-    review). Only under the writer lock: a redo still running keeps its directory."""
-    part = out.partial_dir()
-    if not part.exists():
-        return
-    try:
-        with _WriterLock(out) as lock:
-            if lock.held:  # without flock (NFS without lockd) a live redo's directory cannot be told apart
-                shutil.rmtree(part, ignore_errors=True)
-    except OutputExistsError:
-        pass  # another rollout holds it: leave it alone
-
-
 def _run(plan: _Plan) -> dict:
     cfg, out = plan.cfg, plan.out
-    with _WriterLock(out), out as work:
+    with WriterLock(out), out as work:
         (work / OLD_LOCK).unlink(missing_ok=True)  # an older qerl's lock: not part of the output
         shard_path = work / plan.shard
         done, dropped = load_complete_groups(shard_path, cfg.num_generations)

@@ -158,6 +158,7 @@ def test_a_cpu_allocation_failure_is_out_of_memory_naming_the_flag_to_lower(caps
     assert _exit_code(_raising(oom), "eval") == 6
     err = capsys.readouterr().err
     assert err.startswith("error: out of memory in eval: DefaultCPUAllocator") and "lower --max-num-seqs" in err, err
+    assert "--out was not written; problems finished before it are kept for a rerun" in err, err  # eval resumes
 
 
 def test_qerl_debug_keeps_the_traceback_of_a_stage_error(monkeypatch):
@@ -190,8 +191,9 @@ def test_the_sigterm_handler_is_restored_after_a_stage():
         signal.signal(signal.SIGTERM, old)
 
 
-@pytest.mark.parametrize("stage, note", [("rollout", " (a rerun resumes its saved groups)"), ("eval", "")])
-def test_only_an_interrupted_rollout_says_a_rerun_resumes(capsys, stage, note):
+@pytest.mark.parametrize("stage, note", [("rollout", " (a rerun resumes its saved groups)"),
+                                         ("eval", " (a rerun resumes its saved problems)"), ("merge", "")])
+def test_only_an_interrupted_resumable_stage_says_a_rerun_resumes(capsys, stage, note):
     assert _exit_code(_raising(KeyboardInterrupt()), stage) == 130
     assert capsys.readouterr().err == f"interrupted: --out was not written{note}\n"
 

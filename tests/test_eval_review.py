@@ -1,9 +1,10 @@
 """`qerl eval` checked against implementations written here, independently of qerl_cli.eval_metrics:
 pass@k from exact binomial coefficients, per-problem aggregation recomputed from samples.jsonl, the
-paired sign-flip p-value by enumerating every sign pattern, and an interrupted eval's rerun."""
+paired sign-flip p-value by enumerating every sign pattern, and an interrupted eval's resume."""
 
 import itertools
 import json
+from dataclasses import replace
 from fractions import Fraction
 from math import comb
 
@@ -150,14 +151,125 @@ def test_duplicate_ids_and_missing_answers_are_refused_before_any_generation(mod
     assert gen.calls == 0 and not (tmp_path / "e").exists()
 
 
-def test_an_interrupted_eval_leaves_nothing_and_its_rerun_scores_every_problem(model_dir, tmp_path):
+class BySeed:
+    """Problem i's samples (seed i at --seed 0) whatever the chunk it comes in; records the seeds asked for."""
+
+    def __init__(self, fail_at_call=None, sleep=0.0):
+        self.asked, self.fail_at_call, self.sleep = [], fail_at_call, sleep
+
+    def __call__(self, prompt_ids, n, seeds, progress=None):
+        import time
+
+        self.asked.append(list(seeds))
+        if len(self.asked) == self.fail_at_call:
+            raise KeyboardInterrupt  # Ctrl-C, or SIGTERM (a Slurm pre-emption), mid-eval
+        time.sleep(self.sleep)
+        return [[Sample([1] * (j + 1), t, "stop") for j, t in enumerate(ANSWERS[i])] for i in seeds]
+
+
+def _without_time(out):
+    m = json.loads((out / "metrics.json").read_text())
+    m.pop("time")
+    return m
+
+
+@pytest.fixture
+def two_chunks(model_dir, tmp_path):
+    """(cfg, its uninterrupted output): 5 problems of 3 samples, 4 * 3 // 3 = 4 problems a chunk."""
     data = _jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = _cfg(model_dir, tmp_path, data, max_num_seqs=3)  # 4 * 3 // 3 = 4 problems a chunk: two chunks
-    with pytest.raises(KeyboardInterrupt):
-        evaluate(cfg, generate=Scripted(ANSWERS, fail_at_call=2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jinja", "d.jsonl"]  # no --out, no temp dir
-    gen = Scripted(ANSWERS)
+    evaluate(_cfg(model_dir, tmp_path, data, "ref", max_num_seqs=3), generate=BySeed())
+    return _cfg(model_dir, tmp_path, data, max_num_seqs=3), tmp_path / "ref"
+
+
+def test_an_interrupted_eval_keeps_its_finished_problems_and_the_rerun_equals_an_uninterrupted_one(two_chunks, tmp_path):
+    # It kept nothing: its rerun generated every problem again (a 32B --k 16 MATH-500 eval lost hours to a pre-emption).
+    cfg, ref = two_chunks
+    with pytest.raises(KeyboardInterrupt) as e:
+        evaluate(cfg, generate=BySeed(fail_at_call=2))
+    partial = e.value.kept_problems[2]
+    assert e.value.kept_problems[:2] == (4, 5) and partial.name.startswith(".e.partial-") and not cfg.out.exists()
+    assert len((partial / "samples.jsonl").read_text().splitlines()) == 12
+    gen = BySeed(sleep=0.05)
     res = evaluate(cfg, generate=gen)
-    assert gen.calls == 2 and not res["already_done"]  # eval keeps no finished problems: it starts over
-    lines, want = _recomputed(tmp_path / "e")
-    assert len(lines) == 15 and {k: v["value"] for k, v in res["metrics"]["scores"].items()} == pytest.approx(want, abs=1e-6)
+    assert gen.asked == [[4]] and not res["already_done"]  # only the problem left
+    assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
+    assert _without_time(cfg.out) == _without_time(ref)
+    assert res["manifest"]["resumed"] == {"problems": 4, "dropped_lines": 0} and not partial.exists()
+    t = res["metrics"]["time"]  # this run's 1 + 2 + 3 tokens, not the 30 of every sample over its 0.05 s
+    assert t["tokens_per_s"] * t["generate_s"] == pytest.approx(6, rel=0.1)
+
+
+@pytest.mark.parametrize("cut", ["nothing", "mid-line", "mid-problem", "one-problem", "four-problems", "no-last-newline",
+                                 "all", "foreign-first"])
+def test_a_resume_keeps_the_whole_problems_before_a_torn_or_foreign_tail(two_chunks, tmp_path, cut):
+    cfg, ref = two_chunks
+    with pytest.raises(KeyboardInterrupt) as e:
+        evaluate(cfg, generate=BySeed(fail_at_call=2))
+    samples = e.value.kept_problems[2] / "samples.jsonl"
+    whole = (ref / "samples.jsonl").read_bytes()
+    lines = whole.splitlines(keepends=True)
+    at = {"nothing": 0, "mid-line": len(lines[0]) // 2, "mid-problem": len(b"".join(lines[:5])),
+          "one-problem": len(b"".join(lines[:3])), "four-problems": len(b"".join(lines[:12])) + 7,
+          "no-last-newline": len(whole) - 1, "all": len(whole), "foreign-first": None}[cut]
+    samples.write_bytes(b"".join(lines[3:6] + lines[:3]) if at is None else whole[:at])
+    kept = {"nothing": 0, "mid-line": 0, "mid-problem": 1, "one-problem": 1, "four-problems": 4,
+            "no-last-newline": 4, "all": 5, "foreign-first": 0}[cut]
+    gen = BySeed()
+    res = evaluate(cfg, generate=gen)
+    start = kept - kept % 4  # the chunk of the first missing problem, generated whole
+    assert gen.asked == ([] if kept == 5 else [list(range(start, 4)), [4]] if start == 0 else [[4]])
+    assert res["manifest"]["resumed"]["problems"] == kept
+    assert (cfg.out / "samples.jsonl").read_bytes() == whole and _without_time(cfg.out) == _without_time(ref)
+    assert res["metrics"]["time"]["tokens_per_s"] is None or kept < 5
+
+
+def test_an_eval_stopped_before_its_first_problem_leaves_nothing(model_dir, tmp_path):
+    cfg = _cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3)
+    with pytest.raises(KeyboardInterrupt) as e:
+        evaluate(cfg, generate=BySeed(fail_at_call=1))
+    assert e.value.kept_problems[:2] == (0, 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jinja", "d.jsonl"]  # no --out, no partial, no lock
+
+
+def test_a_second_eval_into_the_same_out_is_refused_while_the_first_runs(model_dir, tmp_path):
+    from qerl_cli.errors import OutputBusyError
+
+    cfg = _cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3)
+    inner = []
+
+    def generate(prompt_ids, n, seeds, progress=None):
+        if not inner:  # the same command started again (a requeued Slurm job) while this one generates
+            with pytest.raises(OutputBusyError, match=f"another qerl eval is writing {cfg.out} right now") as e:
+                evaluate(cfg, generate=BySeed())
+            inner.append(e.value.exit_code)
+        return BySeed()(prompt_ids, n, seeds)
+
+    res = evaluate(cfg, generate=generate)
+    assert inner == [8] and res["metrics"]["counts"]["samples"] == 15
+
+
+def test_an_already_done_rerun_removes_the_partial_an_interrupted_force_redo_left(two_chunks, tmp_path):
+    cfg, ref = two_chunks
+    evaluate(cfg, generate=BySeed())
+    with pytest.raises(KeyboardInterrupt) as e:
+        evaluate(replace(cfg, force=True), generate=BySeed(fail_at_call=2))
+    assert e.value.kept_problems[2].is_dir()
+    assert evaluate(cfg, generate=BySeed())["already_done"]
+    assert not e.value.kept_problems[2].exists() and not list(tmp_path.glob(".e.*"))
+
+
+def test_a_resume_scores_the_kept_samples_with_todays_rule(two_chunks, tmp_path):
+    # The fingerprint does not count qerl's answer rule: a partial file from an older qerl kept its verdicts, and
+    # the score mixed two rules. Its lines are scored again, and the file holds today's verdicts.
+    cfg, ref = two_chunks
+    with pytest.raises(KeyboardInterrupt) as e:
+        evaluate(cfg, generate=BySeed(fail_at_call=2))
+    samples = e.value.kept_problems[2] / "samples.jsonl"
+    stale = [json.loads(x) for x in samples.read_text().splitlines()]
+    for r in stale:
+        r.update(correct=not r["correct"], extracted="stale")
+    samples.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in stale))
+    res = evaluate(cfg, generate=BySeed())
+    assert res["manifest"]["resumed"]["problems"] == 4
+    assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
+    assert _without_time(cfg.out) == _without_time(ref)

@@ -50,8 +50,10 @@ POINTS = {
     "rollout": ["shard-group:2", "stage-start", "before-manifest", "before-rename"],
     "train-step": ["before-manifest", "stage-start", "before-rename"],
     "merge": ["tensor:5", "stage-start", "before-rename"],
-    "eval": ["before-rename", "stage-start", "before-manifest"],
+    "eval": ["eval-problem:2", "stage-start", "before-manifest", "before-rename"],
 }
+# Resumable stages: a kill keeps their partial directory, and the rerun continues it.
+RESUMABLE = {"rollout", "eval"}
 # Default suite: the stages whose case stays ~10 s (rollout, train-step and eval import and run a
 # model in the subprocess: 25-35 s on 2 busy cores, so they are -m slow with the rest).
 DEFAULT = {"quantize", "merge"}
@@ -60,6 +62,7 @@ CASES = [pytest.param(stage, point, id=f"{stage}-{point}",
          for stage, points in POINTS.items() for i, point in enumerate(points)]
 
 _reference: dict[str, dict] = {}
+_reference_metrics: dict[str, dict] = {}
 
 
 def reference(stage: str, tmp_root) -> dict:
@@ -69,8 +72,19 @@ def reference(stage: str, tmp_root) -> dict:
         r = invoke(_args(stage, pipeline(), out), cli_threads=True)
         assert r.exit_code == 0, (r.stderr, r.exception)
         _reference[stage] = output_hashes(out, _COMPARED.get(stage))
+        if stage == "eval":
+            _reference_metrics[stage] = _eval_metrics(out)
         shutil.rmtree(out)
     return _reference[stage]
+
+
+def _eval_metrics(out) -> dict:
+    """An eval's metrics.json without its timings, which alone may differ from an uninterrupted run's."""
+    import json
+
+    m = json.loads((out / "metrics.json").read_text())
+    m.pop("time")
+    return m
 
 
 @pytest.mark.parametrize("stage,point", CASES)
@@ -84,7 +98,7 @@ def test_kill_then_rerun_equals_uninterrupted(stage, point, tmp_path):
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-2000:])
     assert not out.exists(), f"{point}: a killed {stage} left {out} in place"
     left = leftovers(tmp_path, "out")
-    if stage == "rollout" and point != "stage-start":
+    if stage in RESUMABLE and point != "stage-start":
         assert any(n.startswith(".out.partial-") for n in left), left  # resumable work is kept
     assert read_manifest(out) is None
 
@@ -95,6 +109,9 @@ def test_kill_then_rerun_equals_uninterrupted(stage, point, tmp_path):
     m = read_manifest(out)
     assert m is not None and m["stage"] == stage
     assert output_hashes(out, _COMPARED.get(stage)) == ref
+    if stage == "eval":  # the kept problems resumed, not generated again; metrics as an uninterrupted run's
+        assert m["resumed"]["problems"] == {"eval-problem:2": 2, "stage-start": 0}.get(point, 4), m["resumed"]
+        assert _eval_metrics(out) == _reference_metrics["eval"]
     # The manifest's hashes are those of the files on disk.
     assert {k: v for k, v in m["outputs"].items()} == output_hashes(out)
     assert leftovers(tmp_path, "out") == ["out"], "temp/partial dirs of the killed run were not cleaned up"
@@ -203,7 +220,7 @@ def test_ctrl_c_while_torch_imports_still_stops_the_stage():
     r = subprocess.run([sys.executable, "-c", IMPORT_INT], env=cli_env(), cwd=str(REPO), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 130 and "the stage ran" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
-    assert "swallowed" not in r.stderr and r.stderr.strip().endswith("interrupted: --out was not written")
+    assert "swallowed" not in r.stderr and r.stderr.strip().endswith("interrupted: --out was not written (a rerun resumes its saved problems)")
 
 
 @pytest.mark.slow
@@ -220,6 +237,34 @@ def test_a_rollout_stopped_by_a_signal_keeps_its_groups_and_resumes(sig, tmp_pat
     rerun = invoke(_args("rollout", p, out), cli_threads=True)
     assert rerun.exit_code == 0, rerun.stderr
     assert output_hashes(out) == ref and leftovers(tmp_path, "out") == ["out"]
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_an_eval_stopped_by_a_signal_keeps_its_problems_and_resumes(sig, tmp_path, monkeypatch):
+    """Ctrl-C and SIGTERM (a Slurm pre-emption) mid-eval: exit 130 / 143, one line naming the problems kept and
+    where; the rerun resumes them and equals an uninterrupted run. An eval kept nothing, and its rerun generated
+    every problem again (until 2026-11-27). In-process: the signal reaches this interpreter's main thread."""
+    import qerl_cli.outputs as outputs
+
+    p = pipeline()
+    ref = reference("eval", tmp_path)
+    out = tmp_path / "out"
+    monkeypatch.setattr(outputs, "_kill_hits", {})
+    monkeypatch.setenv("QERL_TEST_KILL_AT", "eval-problem:3")
+    monkeypatch.setenv("QERL_TEST_KILL_SIGNAL", sig)
+    r = invoke(_args("eval", p, out), cli_threads=True)
+    code, word = (143, "terminated (SIGTERM)") if sig == "TERM" else (130, "interrupted")
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == code and len(lines) == 1, (r.exit_code, r.stderr)
+    assert lines[0].startswith(f"{word}: 3 of 4 problems are saved in {tmp_path}/.out.partial-") and \
+        lines[0].endswith("; rerun the same command to resume"), lines
+    assert not out.exists() and [x for x in leftovers(tmp_path, "out") if ".partial-" in x]
+    monkeypatch.delenv("QERL_TEST_KILL_AT")
+    rerun = invoke(_args("eval", p, out), cli_threads=True)
+    assert rerun.exit_code == 0, rerun.stderr
+    assert read_manifest(out)["resumed"]["problems"] == 3
+    assert output_hashes(out, _COMPARED["eval"]) == ref and _eval_metrics(out) == _reference_metrics["eval"]
+    assert leftovers(tmp_path, "out") == ["out"]
 
 
 @pytest.mark.parametrize("at, said", [(1, "no prompt group was saved yet (0 of 3;"), (2, "1 of 3 prompt groups are saved in ")])

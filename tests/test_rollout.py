@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 from typer.testing import CliRunner
 
+import qerl_cli.outputs as outputs
 import qerl_cli.rollout as ro
 from qerl_cli.cli import app
 from qerl_cli.errors import BadInputError, LineageError, OutputBusyError, OutputExistsError
@@ -501,7 +502,7 @@ def test_second_writer_is_refused_while_the_first_hashes_and_renames(model_dir, 
     # A run that found no output, then took the lock after another run finished it, stops (exit 8).
     monkeypatch.undo()
     cfg2 = cfg_for(model_dir, tmp_path, max_prompts=2, out=tmp_path / "out2")
-    real_enter, first = ro._WriterLock.__enter__, []
+    real_enter, first = outputs.WriterLock.__enter__, []
 
     def finish_another_first(self):
         if not first:
@@ -509,7 +510,7 @@ def test_second_writer_is_refused_while_the_first_hashes_and_renames(model_dir, 
             first[0] = rollout(cfg2)  # the other run, from plan to rename
         return real_enter(self)
 
-    monkeypatch.setattr(ro._WriterLock, "__enter__", finish_another_first)
+    monkeypatch.setattr(outputs.WriterLock, "__enter__", finish_another_first)
     with pytest.raises(OutputBusyError, match="was finished by another qerl rollout while this one started"):
         rollout(cfg2)
     assert read_manifest(tmp_path / "out2") == first[0]["manifest"] and not list(tmp_path.glob(".out2*"))
@@ -707,12 +708,12 @@ def test_a_lock_file_deleted_by_its_holder_is_not_taken(model_dir, tmp_path):
 
     out = StageOutput(tmp_path / "o", "rollout", config={}, inputs={}, resumable=True)
     out.already_done()
-    with ro._WriterLock(out) as lock:
+    with outputs.WriterLock(out) as lock:
         assert lock._still_the_file() and lock.path.exists()
         lock.path.unlink()
         assert not lock._still_the_file()
     assert not lock.path.exists()
-    with ro._WriterLock(out) as again:  # a new file at the path: taken
+    with outputs.WriterLock(out) as again:  # a new file at the path: taken
         assert again._still_the_file()
 
 

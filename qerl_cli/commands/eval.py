@@ -33,7 +33,8 @@ def command(
                                  "trained on another base). Example: --adapter runs/step-0100", show_default=False),
     dataset: Path = typer.Option(None, "--dataset", help="JSONL/JSON/Parquet benchmark file with reference answers. "
                                  "Example: --dataset data/gsm8k_test.jsonl", show_default=False),
-    out: Path = typer.Option(None, "--out", help="Output dir for metrics.json + samples.jsonl (atomic). "
+    out: Path = typer.Option(None, "--out", help="Output dir for metrics.json + samples.jsonl (atomic; an "
+                             "interrupted run's finished problems are kept, and the same command resumes them). "
                              "Example: --out runs/eval-100", show_default=False),
     k: int = typer.Option(1, "--k", help="Report pass@1..pass@K; K > 1 samples at --temperature. Example: --k 8"),
     num_samples: int = typer.Option(None, "--num-samples", help="Samples per problem (>= K; more samples give a "
@@ -123,7 +124,22 @@ def command(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, allow_base_mismatch=allow_base_mismatch,
         force=force, progress=not quiet,
     )
-    res = evaluate(cfg, console=Console(stderr=True, highlight=False))  # the progress, on stderr as every stage's
+    try:
+        res = evaluate(cfg, console=Console(stderr=True, highlight=False))  # the progress, on stderr as every stage's
+    except KeyboardInterrupt as e:
+        # As a rollout's, an eval's finished problems stay in its partial directory: say so, and where.
+        from qerl_cli.cli import interrupt_outcome
+
+        word, code = interrupt_outcome(e)
+        kept = getattr(e, "kept_problems", None)  # (saved, problems, partial dir) once generation had started
+        if kept is None:
+            what = "stopped before generating; rerun the same command to start or resume"
+        elif kept[0] == 0:
+            what = f"no problem was finished yet (0 of {kept[1]}); rerun the same command"
+        else:
+            what = f"{kept[0]} of {kept[1]} problems are saved in {kept[2]}; rerun the same command to resume"
+        Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True)  # one line, also in a piped log
+        raise typer.Exit(code) from None
     if res["already_done"]:
         console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
     if not quiet:
