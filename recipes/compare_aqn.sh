@@ -63,5 +63,9 @@ run_one() {  # NAME SEED BASE_FORMAT SIGMA_START [SIGMA_END]
 }
 export -f run_one link_shared; export OUT CONFIG
 printf '%s\n' "${jobs[@]}" > "$OUT/.jobs"
-qerl_run_forwarding xargs -a "$OUT/.jobs" -P "$PARALLEL" -I{} bash -c 'run_one {}'  # a signal stops every run
+# xargs through a relay: a bash running it as qerl_run_forwarding does, which passes a signal on to xargs and every
+# run, and so the SIGTERM it gets when this script dies (xargs itself would die of it alone, its runs going on).
+# shellcheck disable=SC2016  # the relay's own "$@"
+qerl_run_forwarding bash -c 'source recipes/lib.sh; qerl_run_forwarding "$@"' relay \
+  xargs -a "$OUT/.jobs" -P "$PARALLEL" -I{} bash -c 'run_one {}'  # a signal, or this script's death, stops every run
 python recipes/plot_compare.py "$OUT"

@@ -9,9 +9,10 @@
 # so rerunning this script after a crash resumes after the last completed stage; a changed
 # config makes the first changed stage refuse (pass FORCE=1 to redo the stages that refuse).
 # The stages' command lines come from recipes/lib.sh, shared with the Slurm chain (recipes/slurm/).
-# SIGTERM, SIGINT or SIGHUP to this script reach the running stage, which cleans up (a rollout keeps
+# SIGTERM, SIGINT, SIGHUP or SIGQUIT to this script reach the running stage, which cleans up (a rollout keeps
 # its finished groups); the script then exits with the stage's status (as killed by the signal when the
-# stage stopped with the signal's status), and a rerun resumes.
+# stage stopped with the signal's status), and a rerun resumes. If the script dies (kill -9), the stage gets
+# SIGTERM; Ctrl-Z stops the stage with it.
 #
 # Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
 #          RUN_DIR/step-000012/{shards,adapter,eval}
@@ -34,8 +35,10 @@ read -r -a QERL_WORDS <<< "$QERL"
 
 # The running stage gets the signal this script gets, and the script ends once the stage has (qerl_run_forwarding).
 run_qerl() {  # qerl ARGS...
-  # QERL_STOP_WITH_PARENT: the stage gets SIGTERM if this script dies (a SIGKILL of its group reaches
-  # nothing in the stage's own group otherwise; qerl_cli.cli._stop_with_parent).
+  # QERL_STOP_WITH_PARENT: the stage gets SIGTERM if its parent dies (a SIGKILL of this script's group reaches
+  # nothing in the stage's own group otherwise; qerl_cli.cli._stop_with_parent). qerl_run_forwarding sets that
+  # for the command it starts too, where setpriv or python3 is there; the stage's own covers a QERL wrapper
+  # (its parent) and a host with neither.
   QERL_STOP_WITH_PARENT=1 qerl_run_forwarding "${QERL_WORDS[@]}" "$@"
 }
 

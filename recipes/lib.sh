@@ -211,8 +211,9 @@ qerl_merge_cmd() {  # the last step's adapter merged into RUN_DIR/merged
 
 qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"); }
 
-# `qerl_run_forwarding CMD...`: CMD, reading /dev/null, in a process group of its own, passing TERM, INT and HUP
-# on to that group (HUP as TERM: a closed terminal; a qerl stage cleans up as after TERM); returns CMD's status.
+# `qerl_run_forwarding CMD...`: CMD, reading /dev/null, in a process group of its own, passing TERM, INT, HUP and
+# QUIT on to that group (HUP and QUIT as TERM: a closed terminal, Ctrl-\; a qerl stage cleans up as after TERM);
+# returns CMD's status. bash ignores SIGQUIT: Ctrl-\ reached nothing of a stage in its own group.
 # bash passes no signal to a foreground child, so `kill <script pid>` stopped a script alone and left what it ran
 # going, orphaned: grpo.sh's stage, quickstart.sh's loop, compare_aqn.sh's xargs starting the rest of its runs
 # (reviews). The group is CMD's own (a background job of a script without job control ignores SIGINT), so a signal
@@ -223,13 +224,20 @@ qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eva
 # read as a failure (compare_aqn.sh's "FAILED: the shared base"), and grpo.sh exited 130 after Ctrl-C: bash, seeing
 # a normal exit, took the signal as handled and went on with a loop around it (a review). Between two calls the
 # signals act as by default: the script dies of them.
+# The script's death passes SIGTERM on too, whatever killed it (`kill -9`, `timeout -k`, the OOM killer): CMD is
+# started set to get it from the kernel (_qerl_exec_stopping_with). A `kill -9 <quickstart.sh pid>` left grpo.sh's
+# loop running orphaned, starting its next stages, and compare_aqn.sh's xargs the rest of its runs (a review). CMD
+# then stops as after a `kill`: a bash script running its own command through here (grpo.sh, compare_aqn.sh's
+# relay) passes the TERM on to that command's group; a qerl stage cleans up.
+# Ctrl-Z (SIGTSTP) is passed on to CMD's group before the script stops itself, and SIGCONT (`fg`, `bg`) after it
+# resumes: the terminal stops the script's group alone, and CMD ran on while the script was stopped.
 _qerl_group=""      # CMD's group while it runs; "starting" until bash has started it
 _qerl_pending=""    # the signal to pass on that came while starting
 _qerl_signal=""     # the last signal that came
 _qerl_signals=0     # how many came (each ends a `wait` early)
 _qerl_forward() {  # SIGNAL: one that came
   local pass=$1
-  if [ "$1" = HUP ]; then pass=TERM; fi
+  case "$1" in HUP | QUIT) pass=TERM ;; esac
   _qerl_signal=$1; _qerl_signals=$((_qerl_signals + 1))
   case "$_qerl_group" in
     "") _qerl_die_of "$1" ;;
@@ -239,28 +247,68 @@ _qerl_forward() {  # SIGNAL: one that came
     *) kill -s "$pass" -- "-$_qerl_group" 2>/dev/null || true ;;
   esac
 }
+_qerl_pass_stop() {  # TSTP | CONT: Ctrl-Z, `fg` or `bg`; not a stop, so the script goes on waiting
+  _qerl_signals=$((_qerl_signals + 1))
+  case "$_qerl_group" in "" | starting) ;; *) kill -s "$1" -- "-$_qerl_group" 2>/dev/null || true ;; esac
+  if [ "$1" = TSTP ]; then kill -s STOP "$BASHPID"; fi  # as TSTP's default would (resumed by SIGCONT)
+}
 _qerl_die_of() {  # SIGNAL: end the script as killed by it
-  trap - TERM INT HUP
+  trap - TERM INT HUP QUIT TSTP CONT
   kill -s "$1" "$$"
-  exit $((128 + $(kill -l "$1")))  # not reached unless the signal is blocked
+  exit $((128 + $(kill -l "$1")))  # not reached unless the signal is blocked, or QUIT (bash ignores it)
 }
 qerl_run_forwarding() {
-  local rc seen
+  local rc seen parent=$BASHPID
+  _qerl_find_death_tool
   _qerl_signal="" _qerl_pending="" _qerl_group=starting
   trap '_qerl_forward TERM' TERM
   trap '_qerl_forward INT' INT
   trap '_qerl_forward HUP' HUP
-  set -m; "$@" < /dev/null & _qerl_group=$!; set +m
+  trap '_qerl_forward QUIT' QUIT
+  trap '_qerl_pass_stop TSTP' TSTP
+  trap '_qerl_pass_stop CONT' CONT
+  set -m; _qerl_exec_stopping_with "$parent" "$@" < /dev/null & _qerl_group=$!; set +m
   if [ -n "$_qerl_pending" ]; then kill -s "$_qerl_pending" -- "-$_qerl_group" 2>/dev/null || true; fi
   while :; do  # a signal ends a wait early: wait again, for CMD's own status
     seen=$_qerl_signals; rc=0; wait "$_qerl_group" || rc=$?
     if [ "$_qerl_signals" = "$seen" ]; then break; fi
   done
   _qerl_group=""
-  trap - TERM INT HUP
+  trap - TERM INT HUP QUIT TSTP CONT
   if [ -n "$_qerl_signal" ]; then
     if [ "$rc" != 0 ] && [ "$rc" != $((128 + $(kill -l "$_qerl_signal"))) ]; then exit "$rc"; fi
     _qerl_die_of "$_qerl_signal"
   fi
   return "$rc"
+}
+
+# How CMD gets SIGTERM when the script dies: Linux's PR_SET_PDEATHSIG, which outlives exec. util-linux's
+# `setpriv --pdeathsig` (2.33, 2018: Debian 10, Ubuntu 20.04, RHEL 9 and later), else python3's prctl (RHEL 8's
+# util-linux is 2.32), else none (not Linux: the script's death passes nothing on). Found once per script.
+_qerl_death_tool=""
+_qerl_find_death_tool() {
+  if [ -n "$_qerl_death_tool" ]; then return; fi
+  _qerl_death_tool=none
+  if [ "$(uname -s)" != Linux ]; then return; fi
+  if [[ $(setpriv --help 2>/dev/null) == *--pdeathsig* ]]; then _qerl_death_tool=setpriv
+  elif command -v python3 > /dev/null; then _qerl_death_tool=python3; fi
+}
+# `_qerl_exec_stopping_with PARENT CMD...` in a child of PARENT (a pid): become CMD, set to get SIGTERM when PARENT
+# dies. A PARENT that died before that (the child re-parented, no signal will come) ends the child at once (143).
+_qerl_exec_stopping_with() {
+  local parent=$1
+  shift
+  # shellcheck disable=SC2016  # bash -c's own $PPID and arguments
+  case "$_qerl_death_tool" in
+    setpriv) exec setpriv --pdeathsig TERM -- "$BASH" -c '[ "$PPID" = "$0" ] || exit 143; exec "$@"' "$parent" "$@" ;;
+    python3) exec python3 -I -S -c 'import ctypes, os, sys
+if ctypes.CDLL(None).prctl(1, 15, 0, 0, 0) == 0 and os.getppid() != int(sys.argv[1]):  # PR_SET_PDEATHSIG, SIGTERM
+    sys.exit(143)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:  # as bash says it
+    print(f"{sys.argv[2]}: {e.strerror}", file=sys.stderr)
+    sys.exit(127 if e.errno == 2 else 126)' "$parent" "$@" ;;
+    *) exec "$@" ;;
+  esac
 }

@@ -991,9 +991,11 @@ def test_compare_aqn_rerun_keeps_the_first_runs_logs(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_a_signal_to_compare_aqn_sh_stops_every_run(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_a_signal_to_compare_aqn_sh_stops_every_run(tmp_path, sig):
     # `kill <compare_aqn.sh pid>` stopped the script alone: xargs went on starting the remaining runs, and no
-    # results were written (a review). The signal now reaches xargs and each running loop's stage.
+    # results were written (a review). The signal now reaches xargs and each running loop's stage. So does the
+    # script's death by SIGKILL, as SIGTERM (xargs, and the runs it started, went on orphaned: a review).
     log = tmp_path / "calls.log"
     qerl = _recorder(tmp_path, "qerl", f"""echo "$1 $*" >> {log}
 [ "$1" = rollout ] || exit 0
@@ -1007,7 +1009,7 @@ for _ in $(seq 200); do sleep 0.05; done; echo "rollout not signalled" >> {log}
         if log.exists() and "rollout" in log.read_text():
             break
         time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)  # to the script alone, not its process group
+    p.send_signal(sig)  # to the script alone, not its process group
     assert p.wait(timeout=20) != 0
     time.sleep(1.5)  # an orphaned xargs would start the next run here
     rollouts = [x for x in log.read_text().splitlines() if x.startswith("rollout")]
@@ -1272,17 +1274,92 @@ def test_a_run_dir_with_a_leading_dash_is_not_read_as_an_option(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
-def test_a_signal_to_quickstart_sh_stops_the_loop(tmp_path, sig):
+@pytest.mark.parametrize("sig, stage_gets, rc", [
+    (signal.SIGTERM, "TERM", -signal.SIGTERM), (signal.SIGINT, "INT", -signal.SIGINT),
+    (signal.SIGKILL, "TERM", -signal.SIGKILL), (signal.SIGQUIT, "TERM", 143)], ids=["TERM", "INT", "KILL", "QUIT"])
+def test_a_signal_to_quickstart_sh_stops_the_loop(tmp_path, sig, stage_gets, rc):
     # `kill <quickstart.sh pid>` stopped quickstart.sh alone: bash passes no signal to a foreground child, so
     # grpo.sh ran the rest of the loop orphaned, still writing (a review). The signal now reaches the loop,
     # whose running stage (a stand-in that records it) stops; quickstart.sh ends as the loop did: killed by it.
+    # SIGKILL, which no script can pass on, left the loop running too, on to its next stages (a review): the loop
+    # gets SIGTERM when the script dies, and its stage with it. Ctrl-\ (SIGQUIT, which bash ignores) reached no
+    # stage at all: passed on as SIGTERM, the script then exits as the loop did (143).
     qerl, log = _signal_recorder(tmp_path, 200)
     env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    assert _signal_once_started(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env, log, sig) == -sig
+    assert _signal_once_started(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env, log, sig) == rc
     time.sleep(1)  # an orphaned loop would start its next stage here
     lines = log.read_text().splitlines()
-    assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
+    assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {stage_gets}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("tool", ["setpriv", "python3"])
+def test_a_command_run_forwarding_gets_sigterm_when_the_script_dies(tmp_path, tool):
+    # Each way lib.sh sets the death signal (util-linux's setpriv; python3 where setpriv has no --pdeathsig, as on
+    # RHEL 8): the script SIGKILLed, its command gets SIGTERM; a command whose script died before the death signal
+    # was set (re-parented: no signal would come) does not run.
+    if tool == "setpriv" and "--pdeathsig" not in subprocess.run(["setpriv", "--help"], capture_output=True,
+                                                                   text=True).stdout:
+        pytest.skip("no setpriv --pdeathsig here")
+    mark, ready = tmp_path / "mark", tmp_path / "ready"
+    cmd = (f"trap 'echo got TERM >> {mark}; exit 143' TERM; echo $$ > {ready}; "
+           f"for _ in $(seq 100); do sleep 0.05; done; echo ran on >> {mark}")
+    script = f'source {RECIPES / "lib.sh"}; _qerl_death_tool={tool}; qerl_run_forwarding bash -c "$1"'
+    p = subprocess.Popen(["bash", "-c", script, "script", cmd])
+    for _ in range(200):
+        if ready.exists() and ready.read_text().strip():
+            break
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    for _ in range(40):
+        if mark.exists():
+            break
+        time.sleep(0.05)
+    try:
+        assert mark.read_text() == "got TERM\n"
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(ready.read_text()), signal.SIGKILL)
+    r = subprocess.run(["bash", "-c", f'source {RECIPES / "lib.sh"}; _qerl_death_tool={tool}; '
+                        f'(_qerl_exec_stopping_with 1 echo ran)'], capture_output=True, text=True)  # 1: not its parent
+    assert (r.returncode, r.stdout) == (143, "")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_ctrl_z_stops_the_running_stage_too_and_fg_resumes_it(tmp_path):
+    # Ctrl-Z stopped quickstart.sh (the terminal's foreground group) and not the loop in a group of its own: the
+    # stage ran on while the script sat stopped. SIGTSTP now goes down the chain (quickstart.sh -> grpo.sh ->
+    # stage), and SIGCONT (`fg`) after it.
+    qerl, log = _signal_recorder(tmp_path, 200)
+    env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)  # a foreground job
+
+    def state(pid):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    try:
+        for _ in range(400):
+            if log.exists() and log.read_text().strip():
+                break
+            time.sleep(0.05)
+        stage = int(log.read_text().split()[1])
+        os.killpg(p.pid, signal.SIGTSTP)  # Ctrl-Z
+        for _ in range(40):
+            if state(stage) == "T":
+                break
+            time.sleep(0.05)
+        assert (state(p.pid), state(stage)) == ("T", "T")
+        os.killpg(p.pid, signal.SIGCONT)  # fg
+        time.sleep(0.3)
+        assert "T" not in (state(p.pid), state(stage))
+        p.terminate()
+        assert p.wait(timeout=10) == -signal.SIGTERM
+        assert log.read_text().splitlines()[1:] == ["quantize got TERM"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def test_a_job_rerun_alone_names_a_force_of_the_environment_it_does_not_use(tmp_path):
