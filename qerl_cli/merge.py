@@ -214,9 +214,44 @@ def open_base(model_dir: Path, flag: str = "--model"):
         # quantize refuse it: merging it picked the embedding without a word (mutation round 4).
         check_tied_head(bool(src.config.get("tie_word_embeddings", False)),
                         {n: t.file for n, t in src.tensors.items()}, Path(model_dir) / "config.json")
+        check_base_format(src)
         return src
     except BadInputError as e:
         raise BadInputError(f"{flag}: {e}") from None
+
+
+# Tensors that only quantized checkpoints hold: GPTQ/AWQ (qweight, qzeros, scales, g_idx), bitsandbytes (absmax,
+# quant_map), FP8 (weight_scale_inv), compressed-tensors' int/fp8 formats (weight_zero_point, weight_shape, ...).
+_QUANTIZED_LEAVES = ("qweight", "qzeros", "scales", "g_idx", "weight_zero_point", "weight_shape", "weight_scale_inv",
+                     "absmax", "quant_map", "weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2",
+                     "input_scale")
+_NVFP4_CONFIGS = (("compressed-tensors", "nvfp4-pack-quantized"), ("compressed-tensors", "mixed-precision"),
+                  ("compressed-tensors", None), ("modelopt", None))
+
+
+def check_base_format(src) -> None:
+    """Refuse a base quantized in a format merge cannot dequantize (only NVFP4 in either layout, or plain
+    weights): an FP8 base's weights were cast to bf16 without their scales and written as a plain checkpoint,
+    silently; GPTQ/AWQ/bitsandbytes/int4 bases failed as "module ... is not in --model" or a wrong shape (audit)."""
+    hint = "merge into the bf16/fp16/fp32 checkpoint that one was quantized from"
+    for key in ("quantization_config", "compression_config"):
+        q = src.config.get(key)
+        if q is None:
+            continue
+        method, fmt = (q.get("quant_method"), q.get("format")) if isinstance(q, dict) else (None, None)
+        if (method, fmt) not in _NVFP4_CONFIGS:
+            raise BadInputError(f"{src.path / 'config.json'}: {key} quant_method={method!r} format={fmt!r}: merge reads "
+                                "NVFP4 (compressed-tensors nvfp4-pack-quantized or ModelOpt) or unquantized checkpoints",
+                                hint=hint)
+    packed = packed_weights(src)
+    parts = {n for pw in packed.values() for n in (pw.packed, *pw.side_tensors())}
+    for name, info in src.tensors.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if name not in parts and (leaf in _QUANTIZED_LEAVES or info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                                  or (leaf == "weight" and not info.dtype.is_floating_point)):
+            raise BadInputError(f"{info.file}: tensor {name} ({str(info.dtype).removeprefix('torch.')}) is not part of an "
+                                "NVFP4 weight: the checkpoint is quantized in a format merge cannot dequantize (it reads "
+                                "NVFP4 or unquantized checkpoints)", hint=hint)
 
 
 @dataclass(frozen=True)
@@ -230,14 +265,16 @@ class PackedWeight:
     multiplier: bool  # ModelOpt's weight_scale_2 multiplies; compressed-tensors' global divides
 
     def side_tensors(self) -> tuple[str, ...]:
-        return (self.scale, self.global_scale, f"{self.module}.input_scale")
+        # then the activation scales of a W4A4 checkpoint (ModelOpt's, llm-compressor's NVFP4 preset): merge's
+        # outputs are unquantized or weight-only, and a bf16 merge that kept them was refused by qerl's loader
+        return (self.scale, self.global_scale, f"{self.module}.input_scale", f"{self.module}.input_global_scale")
 
 
 def packed_weights(base) -> dict[str, PackedWeight]:
     """Every NVFP4 Linear of the base, keyed by its packed tensor's name."""
     out = {}
     for name, info in base.tensors.items():
-        if name.endswith(".weight_packed"):  # compressed-tensors
+        if name.endswith(".weight_packed") and info.dtype == torch.uint8:  # compressed-tensors (int4 formats: int32)
             m = name.removesuffix(".weight_packed")
             out[name] = PackedWeight(m, name, f"{m}.weight_scale", f"{m}.weight_global_scale", False)
         elif name.endswith(".weight") and info.dtype == torch.uint8 and \
@@ -503,6 +540,14 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
     lineage = check_lineage(adapter.path, cfg.model, base_hash, recorded=adapter.base_hash, hint=hint,
                             allow_mismatch=cfg.allow_base_mismatch)
     validate_pair(adapter, base)
+    if cfg.dtype == "nvfp4":  # refused by the final quantize only after the whole bf16 merge, naming a temp dir
+        from qerl_cli.quantize import check_supported_config
+
+        try:
+            check_supported_config(base.config, cfg.model / "config.json")
+        except BadInputError as e:
+            raise BadInputError(f"--model {e}", hint="--dtype nvfp4 re-quantizes with `qerl quantize`, which supports "
+                                "only these; --dtype bf16 merges any architecture") from None
     from qerl_cli.adapters import norms_input
 
     inputs = {"model": base_hash, "adapter": adapter.hash, **norms_input(adapter.path)}

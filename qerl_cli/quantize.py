@@ -134,22 +134,29 @@ def _check_source(source: SourceModel) -> None:
             raise BadInputError(
                 f"source {source.path} is already quantized (tensor {name} in {info.file.name})"
             )
+    _check_shapes_and_dtypes(source, check_supported_config(cfg, source.path / "config.json"))
+
+
+def check_supported_config(cfg: dict, config_path: Path):
+    """A model_type quantize supports, with a config qerl's decoder parses (rope, heads, ...): also what
+    `merge --dtype nvfp4` checks before it merges, since it quantizes the merged checkpoint last. Returns the
+    parsed ``ModelConfig``."""
+    from qerl_cli.models.config import ModelConfig
+
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise BadInputError(
-            f"{source.path / 'config.json'}: model_type {model_type!r} is not supported "
+            f"{config_path}: model_type {model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    _check_shapes_and_dtypes(source)
+    return ModelConfig.from_hf(cfg, str(config_path))
 
 
-def _check_shapes_and_dtypes(source: SourceModel) -> None:
+def _check_shapes_and_dtypes(source: SourceModel, c) -> None:
     """Weights must be float tensors, and decoder Linears must have the shapes config.json implies:
-    otherwise quantize would write a checkpoint that no loader accepts."""
-    from qerl_cli.models.config import ModelConfig
+    otherwise quantize would write a checkpoint that no loader accepts. ``c``: its parsed config."""
     from qerl_cli.models.loader import source_tensor_check
 
-    c = ModelConfig.from_hf(source.config, str(source.path / "config.json"))
     where = {n: t.file for n, t in source.tensors.items()}
     check_tied_head(c.tie_word_embeddings, where, source.path / "config.json")
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

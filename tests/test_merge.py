@@ -325,3 +325,86 @@ def test_the_cli_default_shard_size_is_the_library_default():
 
     opt = next(p for p in get_command(app).commands["merge"].params if p.name == "max_shard_size")
     assert parse_size(opt.default) == MergeConfig.max_shard_size
+
+
+def _fp8(t: dict) -> dict:  # llm-compressor's FP8 layout: e4m3 weights, an fp32 scale per row
+    out = {}
+    for k, v in t.items():
+        if k.endswith("_proj.weight"):
+            out[k] = v.to(torch.float8_e4m3fn)
+            out[k.removesuffix(".weight") + ".weight_scale"] = torch.ones(v.shape[0], 1)
+        else:
+            out[k] = v
+    return out
+
+
+def _gptq(t: dict) -> dict:  # GPTQ/AWQ: int32 qweight/qzeros, fp16 scales, g_idx
+    out = {k: v for k, v in t.items() if not k.endswith("_proj.weight")}
+    for k, v in t.items():
+        if k.endswith("_proj.weight"):
+            m, (n, k_in) = k.removesuffix(".weight"), v.shape
+            out |= {f"{m}.qweight": torch.zeros(k_in // 8, n, dtype=torch.int32), f"{m}.scales": torch.ones(1, n).half(),
+                    f"{m}.qzeros": torch.zeros(1, n // 8, dtype=torch.int32), f"{m}.g_idx": torch.zeros(k_in, dtype=torch.int32)}
+    return out
+
+
+def _int4(t: dict) -> dict:  # compressed-tensors W4A16 (pack-quantized): int32 weight_packed, weight_shape
+    out = {k: v for k, v in t.items() if not k.endswith("_proj.weight")}
+    for k, v in t.items():
+        if k.endswith("_proj.weight"):
+            m, (n, k_in) = k.removesuffix(".weight"), v.shape
+            out |= {f"{m}.weight_packed": torch.zeros(n, k_in // 8, dtype=torch.int32),
+                    f"{m}.weight_scale": torch.ones(n, 1).bfloat16(), f"{m}.weight_shape": torch.tensor([n, k_in])}
+    return out
+
+
+@pytest.mark.parametrize("kind, qcfg, match", [
+    ("fp8", {"quant_method": "compressed-tensors", "format": "float-quantized"}, "format='float-quantized'"),
+    ("fp8", None, r"weight_scale \(float32\) is not part of an NVFP4 weight"),
+    ("gptq", {"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+    ("gptq", None, r"\(int32\) is not part of an NVFP4 weight"),
+    ("int4", {"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format='pack-quantized'"),
+    ("int4", None, r"weight_shape \(int64\) is not part of an NVFP4 weight"),
+])
+def test_a_base_quantized_in_another_format_is_refused_by_name(pair, tmp_path, kind, qcfg, match):
+    """merge dequantizes NVFP4 only: an FP8 base's e4m3 weights were cast to bf16 without their scales and
+    written as a plain checkpoint (exit 0); GPTQ/int4 bases failed as "module ... is not in --model" or on a
+    missing NVFP4 global scale, which named neither the format nor the fix."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, adapter = pair
+    q = tmp_path / kind
+    shutil.copytree(base, q)
+    save_file({"fp8": _fp8, "gptq": _gptq, "int4": _int4}[kind](load_file(q / "model.safetensors")),
+              q / "model.safetensors", metadata={"format": "pt"})
+    if qcfg is not None:
+        (q / "config.json").write_text(json.dumps(dict(json.loads((q / "config.json").read_text()),
+                                                       quantization_config=qcfg)))
+    with pytest.raises(BadInputError, match=match):
+        merge(MergeConfig(q, adapter, tmp_path / "m", allow_base_mismatch=True), progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+def test_nvfp4_merge_of_an_architecture_quantize_refuses_is_refused_before_merging(pair, tmp_path, monkeypatch):
+    """--dtype nvfp4 quantizes the merged checkpoint last: a Gemma base was merged in full first, then refused
+    naming the stage's temporary directory (`.../.merged-bf16/config.json`) instead of --model."""
+    import shutil
+
+    import qerl_cli.merge as merge_mod
+
+    base, adapter = pair
+    gemma = tmp_path / "gemma"
+    shutil.copytree(base, gemma)
+    (gemma / "config.json").write_text(json.dumps(dict(json.loads((base / "config.json").read_text()),
+                                                       model_type="gemma", architectures=["GemmaForCausalLM"])))
+
+    def no_merge(*a, **k):
+        raise AssertionError("merged before refusing")
+
+    monkeypatch.setattr(merge_mod, "write_checkpoint", no_merge)
+    with pytest.raises(BadInputError, match=r"--model \S*/gemma/config.json: model_type 'gemma' is not supported "
+                                             r"\(supported: llama, qwen2, qwen3, mistral\).*--dtype bf16 merges"):
+        merge(MergeConfig(gemma, adapter, tmp_path / "m", dtype="nvfp4", allow_base_mismatch=True), progress=False)
+    assert not (tmp_path / "m").exists()

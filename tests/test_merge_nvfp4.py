@@ -231,3 +231,26 @@ def test_retained_percent_truncates_the_share_not_its_float_error():
     from qerl_cli.merge import retained_percent
 
     assert [retained_percent(x) for x in (0.57, 0.29, 0.58, 0.4999, 0.1779, -0.003, 1.2)] == [57, 29, 58, 49, 17, 0, 120]
+
+
+def test_a_w4a4_base_merges_without_its_activation_scales(qpair, tmp_path):
+    """llm-compressor's NVFP4 preset (W4A4) stores an ``input_global_scale`` per Linear: merge copied them into
+    the bf16 checkpoint, which qerl's loader then refused ("unexpected tensor ...input_global_scale")."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from qerl_cli.models import load_model
+
+    _, qdir, adapter = qpair
+    w4a4 = tmp_path / "w4a4"
+    shutil.copytree(qdir, w4a4)
+    t = load_file(w4a4 / "model.safetensors")
+    t |= {k.replace(".weight_packed", ".input_global_scale"): torch.tensor([448.0 * 6 / 3])
+          for k in list(t) if k.endswith(".weight_packed")}
+    save_file(t, w4a4 / "model.safetensors", metadata={"format": "pt"})
+    merge(MergeConfig(qdir, adapter, tmp_path / "a"), progress=False)
+    merge(MergeConfig(w4a4, adapter, tmp_path / "b", allow_base_mismatch=True), progress=False)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    load_model(tmp_path / "b")
