@@ -394,6 +394,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
     so.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
+    records = None  # every record, once generated
     # The writer lock before the model loads: a second run of this eval (a requeued Slurm job) is refused
     # at once (exit 8), not after loading a 32B model.
     with WriterLock(so):
@@ -418,7 +419,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                 so.timings.update(info.pop("timings", {}), generate_s=round(t_gen, 3))
         except OutputExistsError:
             raise  # another run's output at --out (the final swap's check): the finished problems stay for a rerun
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt) and records is not None:  # stopped after the last problem was saved
+                e.kept_problems = (len(prompts), len(prompts), so.work)  # (its stop line said "before generating")
             _drop_if_nothing_kept(so)
             raise
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
@@ -476,6 +479,8 @@ def _kept_samples(path: Path, prompts, n: int, scorer: str) -> tuple[list[dict],
     is cut to the kept lines, so appending continues on a whole line. Kept samples are scored again: a
     stopped run of an older qerl (another answer rule, which the fingerprint does not count) would
     otherwise mix two rules' verdicts in one score."""
+    tmp = path.with_name(path.name + ".rescored")
+    tmp.unlink(missing_ok=True)  # a run stopped while rewriting left it: not part of the output
     if not path.exists():
         return [], 0
     data = path.read_bytes()
@@ -495,9 +500,11 @@ def _kept_samples(path: Path, prompts, n: int, scorer: str) -> tuple[list[dict],
     tail = data[end:]
     rescored = [_rescored(r, prompts[i // n], scorer) for i, r in enumerate(kept)]
     if rescored != kept:  # every kept line written again, with today's verdicts
-        with open(path, "wb") as f:
+        # beside it, then renamed over it: written in place, a kill or a full disk mid-write lost every kept problem
+        with open(tmp, "wb") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rescored).encode("utf-8"))
             os.fsync(f.fileno())
+        os.replace(tmp, path)
     elif tail:
         with open(path, "r+b") as f:
             f.truncate(end)

@@ -536,6 +536,9 @@ class StageOutput:
                 os.replace(old, self.out)  # the old output back where it was (a crash here: the next run does it)
                 raise
         _fsync_dir(self.out.parent)
+        # The new output is in place: a stop while the old one is deleted (seconds for a large checkpoint) says
+        # --out is complete, not "--out was not written" (nor a resumable stage's partial directory, now gone)
+        _COMPLETE.append(self.out)
         crash_point("mid-swap")
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)

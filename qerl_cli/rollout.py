@@ -656,6 +656,7 @@ class _Plan:
     enc_report: EncodeReport
     bad_rows: list[str]
     lineage: str | None
+    generated: bool = False  # every selected group saved: a stop after it (manifest, rename) keeps them all
 
     def gid(self, p: EncodedPrompt) -> str:
         return group_id(self.cfg.step, p.row.id)
@@ -665,6 +666,16 @@ OLD_LOCK = ".lock"  # where qerl before 2026-11-26 kept the lock: inside the par
 
 
 def _run(plan: _Plan) -> dict:
+    try:
+        return _run_locked(plan)
+    except KeyboardInterrupt as e:
+        if not hasattr(e, "kept_groups") and plan.generated:  # stopped after the last group was saved (the summary,
+            n = len(plan.prompts)                                # the manifest, the rename): the line said "before
+            e.kept_groups = (n, n, plan.out.work)                # generating"
+        raise
+
+
+def _run_locked(plan: _Plan) -> dict:
     cfg, out = plan.cfg, plan.out
     with WriterLock(out), out as work:
         (work / OLD_LOCK).unlink(missing_ok=True)  # an older qerl's lock: not part of the output
@@ -686,6 +697,7 @@ def _run(plan: _Plan) -> dict:
                 raise
         elif not shard_path.exists():
             shard_path.touch()  # zero prompts selected (e.g. more shards than prompts): an empty shard
+        plan.generated = True
         groups = [done[g] for g in map(plan.gid, plan.prompts) if g in done]
         summary = summarize(groups, [s.name for s in plan.reward_set.specs])
         summary.update(

@@ -273,3 +273,51 @@ def test_a_resume_scores_the_kept_samples_with_todays_rule(two_chunks, tmp_path)
     assert res["manifest"]["resumed"]["problems"] == 4
     assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
     assert _without_time(cfg.out) == _without_time(ref)
+
+
+def test_a_rescoring_rewrite_stopped_midway_keeps_the_finished_problems(two_chunks, tmp_path, monkeypatch):
+    # The kept lines were written again in place: a full disk (or a kill) mid-write left samples.jsonl empty, and
+    # the stop then deleted the partial directory as one that had kept nothing: every finished problem was lost.
+    import builtins
+    import errno
+
+    import qerl_cli.evaluate as ev
+    from qerl_cli.errors import OutputWriteError
+
+    cfg, ref = two_chunks
+    with pytest.raises(KeyboardInterrupt) as e:
+        evaluate(cfg, generate=BySeed(fail_at_call=2))
+    samples = e.value.kept_problems[2] / "samples.jsonl"
+    stale = [json.loads(x) for x in samples.read_text().splitlines()]
+    for r in stale:
+        r.update(correct=not r["correct"], extracted="stale")  # an older rule's verdicts: the resume rewrites them
+    samples.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in stale))
+    before = samples.read_bytes()
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(file, mode="r", *a, **kw):  # a file written from its start fails; appending does not
+        f = builtins.open(file, mode, *a, **kw)
+        return Full(f) if "w" in mode else f
+
+    monkeypatch.setattr(ev, "open", full_open, raising=False)
+    with pytest.raises(OutputWriteError):
+        evaluate(cfg, generate=BySeed())
+    monkeypatch.undo()
+    assert samples.read_bytes() == before
+    gen = BySeed()
+    res = evaluate(cfg, generate=gen)
+    assert res["manifest"]["resumed"]["problems"] == 4 and gen.asked == [[4]]
+    assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
+    assert sorted(p.name for p in cfg.out.iterdir()) == ["manifest.json", "metrics.json", "samples.jsonl"]  # no leftover

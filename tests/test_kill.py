@@ -267,6 +267,36 @@ def test_an_eval_stopped_by_a_signal_keeps_its_problems_and_resumes(sig, tmp_pat
     assert leftovers(tmp_path, "out") == ["out"]
 
 
+@pytest.mark.parametrize("stage, kept", [("eval", "4 of 4 problems are saved in "),
+                                         ("rollout", "4 of 4 prompt groups are saved in ")])
+@pytest.mark.parametrize("point", ["before-rename", "after-rename", "mid-swap"])
+def test_a_stop_after_the_last_problem_says_what_is_saved_or_that_out_is_whole(stage, kept, point, tmp_path,
+                                                                              monkeypatch):
+    # Ctrl-C while the manifest was hashed or the output renamed: the resumable stages' own stop line said
+    # "stopped before generating" with every problem (group) saved, and also once --out was whole; while a --force
+    # replace deleted the old output (mid-swap), the new one in place, every stage said "--out was not written".
+    import qerl_cli.outputs as outputs
+
+    p, out = pipeline(), tmp_path / "out"  # (made before the kill point is set: it runs a train-step)
+    args = _args(stage, p, out)
+    if point == "mid-swap":  # another output of the stage there, which --force replaces
+        assert invoke(args + ["--max-new-tokens", 3], cli_threads=True).exit_code == 0
+        args.append("--force")
+    monkeypatch.setattr(outputs, "_kill_hits", {})
+    monkeypatch.setenv("QERL_TEST_KILL_AT", point)
+    monkeypatch.setenv("QERL_TEST_KILL_SIGNAL", "INT")
+    r = invoke(args, cli_threads=True)
+    assert r.exit_code == 130 and "before generating" not in r.stderr, r.stderr
+    if point != "before-rename":
+        assert r.stderr == f"interrupted after --out was written: {out} is complete (a rerun says already done)\n"
+        monkeypatch.delenv("QERL_TEST_KILL_AT")
+        again = invoke(_args(stage, p, out), cli_threads=True)
+        assert again.exit_code == 0 and "already done" in again.stdout + again.stderr, again.stderr
+    else:
+        assert r.stderr.startswith(f"interrupted: {kept}{tmp_path}/.out.partial-"), r.stderr
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("at, said", [(1, "no prompt group was saved yet (0 of 3;"), (2, "1 of 3 prompt groups are saved in ")])
 def test_a_stopped_rollouts_message_is_one_line_in_a_piped_log(at, said, tmp_path):
     # Rich wrapped the rollout's stop line at 80 columns when stderr was a file (a Slurm log), against the one-line

@@ -128,8 +128,11 @@ def command(
         res = evaluate(cfg, console=Console(stderr=True, highlight=False))  # the progress, on stderr as every stage's
     except KeyboardInterrupt as e:
         # As a rollout's, an eval's finished problems stay in its partial directory: say so, and where.
+        from qerl_cli import outputs
         from qerl_cli.cli import interrupt_outcome
 
+        if outputs.completed_outputs():  # after the rename: --out is whole, which the stage's guard says
+            raise
         word, code = interrupt_outcome(e)
         kept = getattr(e, "kept_problems", None)  # (saved, problems, partial dir) once generation had started
         if kept is None:

@@ -103,8 +103,11 @@ def command(
         res = rollout(cfg)
     except KeyboardInterrupt as e:
         # Unlike other stages, rollout keeps its complete groups: say so instead of the generic message.
+        from qerl_cli import outputs
         from qerl_cli.cli import interrupt_outcome
 
+        if outputs.completed_outputs():  # after the rename: --out is whole, which the stage's guard says
+            raise
         word, code = interrupt_outcome(e)
         kept = getattr(e, "kept_groups", None)  # (saved, selected, partial dir) once generation had started
         if kept is None:
