@@ -462,6 +462,9 @@ def load_complete_groups(path: Path, group_size: int) -> tuple[dict[str, list[di
     to hold exactly the kept groups in their original order, so appending can continue.
     """
     path = Path(path)
+    tmp = path.with_name(path.name + ".repair")
+    # A run killed while repairing left it: removed, or the next run that needed no repair published it in --out
+    tmp.unlink(missing_ok=True)
     if not path.exists():
         return {}, 0
     report = ReadReport()
@@ -477,7 +480,6 @@ def load_complete_groups(path: Path, group_size: int) -> tuple[dict[str, list[di
     # glue the next record onto it. Rewriting ends the file on a whole line.
     torn = path.stat().st_size > 0 and not _ends_with_newline(path)
     if dropped or torn:
-        tmp = path.with_name(path.name + ".repair")
         with open(tmp, "wb") as f:
             for g in groups.values():
                 f.write(b"".join(_line(r) for r in g))

@@ -196,6 +196,10 @@ def test_resume_keeps_complete_groups_and_repairs_file(tmp_path):
     groups, dropped = load_complete_groups(p, group_size=3)
     assert dropped == 0 and len(groups) == 3 and p.stat().st_mtime_ns == before
     assert load_complete_groups(tmp_path / "absent.jsonl", 3) == ({}, 0)
+    # a run killed mid-repair left its half-written copy: the next resume, needing no repair, must not leave it in
+    # the partial directory, whose every file the manifest lists and --out publishes
+    p.with_name(p.name + ".repair").write_text(json.dumps(a[0])[:10])
+    assert load_complete_groups(p, group_size=3)[1] == 0 and sorted(x.name for x in tmp_path.iterdir()) == [p.name]
 
 
 def test_resume_after_a_crash_that_tore_off_only_the_last_newline(tmp_path):
