@@ -350,6 +350,28 @@ def guarded(fn, stage: str | None = None):
     return wrapper
 
 
+def exit_on_resumable_stop(e: KeyboardInterrupt, kept, one: str, many: str, note: str | None = None) -> None:
+    """The stop line of a stage that keeps its finished work (rollout's groups, eval's problems) in its partial
+    directory: how many of how many are saved, and where; ``kept`` is (saved, total, partial dir), or None when
+    the stop came before generating. Re-raises when --out is already whole, which ``guarded`` says."""
+    from rich.console import Console
+
+    from qerl_cli import outputs
+
+    if outputs.completed_outputs():
+        raise e
+    word, code = interrupt_outcome(e)
+    if kept is None:
+        what = "stopped before generating; rerun the same command to start or resume"
+    elif kept[0] == 0:
+        what = f"no {one} was saved yet (0 of {kept[1]}{f'; {note}' if note else ''}); rerun the same command"
+    else:
+        what = (f"{kept[0]} of {kept[1]} {many} are saved in {kept[2]}{f' ({note})' if note else ''}; "
+                "rerun the same command to resume")
+    Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True)  # one line, also in a piped log
+    raise typer.Exit(code) from None
+
+
 # Below this many columns Rich squeezes the option table until flag names are cut short
 # ("--prompts-per-s…"); an 80-column terminal, or help piped to a file (Rich then assumes 80),
 # gets click's plain layout instead, which wraps the text and never truncates a name.

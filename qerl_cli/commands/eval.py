@@ -126,23 +126,10 @@ def command(
     )
     try:
         res = evaluate(cfg, console=Console(stderr=True, highlight=False))  # the progress, on stderr as every stage's
-    except KeyboardInterrupt as e:
-        # As a rollout's, an eval's finished problems stay in its partial directory: say so, and where.
-        from qerl_cli import outputs
-        from qerl_cli.cli import interrupt_outcome
+    except KeyboardInterrupt as e:  # as a rollout's, an eval's finished problems stay: say so, and where
+        from qerl_cli.cli import exit_on_resumable_stop
 
-        if outputs.completed_outputs():  # after the rename: --out is whole, which the stage's guard says
-            raise
-        word, code = interrupt_outcome(e)
-        kept = getattr(e, "kept_problems", None)  # (saved, problems, partial dir) once generation had started
-        if kept is None:
-            what = "stopped before generating; rerun the same command to start or resume"
-        elif kept[0] == 0:
-            what = f"no problem was finished yet (0 of {kept[1]}); rerun the same command"
-        else:
-            what = f"{kept[0]} of {kept[1]} problems are saved in {kept[2]}; rerun the same command to resume"
-        Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True)  # one line, also in a piped log
-        raise typer.Exit(code) from None
+        exit_on_resumable_stop(e, getattr(e, "kept_problems", None), "problem", "problems")
     if res["already_done"]:
         console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
     if not quiet:

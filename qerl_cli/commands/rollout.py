@@ -101,24 +101,11 @@ def command(
     )
     try:
         res = rollout(cfg)
-    except KeyboardInterrupt as e:
-        # Unlike other stages, rollout keeps its complete groups: say so instead of the generic message.
-        from qerl_cli import outputs
-        from qerl_cli.cli import interrupt_outcome
+    except KeyboardInterrupt as e:  # unlike most stages, rollout keeps its complete groups: say so, and where
+        from qerl_cli.cli import exit_on_resumable_stop
 
-        if outputs.completed_outputs():  # after the rename: --out is whole, which the stage's guard says
-            raise
-        word, code = interrupt_outcome(e)
-        kept = getattr(e, "kept_groups", None)  # (saved, selected, partial dir) once generation had started
-        if kept is None:
-            what = "stopped before generating; rerun the same command to start or resume"
-        elif kept[0] == 0:
-            what = f"no prompt group was saved yet (0 of {kept[1]}; a batch is saved when it ends); rerun the same command"
-        else:
-            what = (f"{kept[0]} of {kept[1]} prompt groups are saved in {kept[2]} (a batch is saved when it ends); "
-                    "rerun the same command to resume")
-        Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True)  # one line, also in a piped log
-        raise typer.Exit(code) from None
+        exit_on_resumable_stop(e, getattr(e, "kept_groups", None), "prompt group", "prompt groups",
+                               note="a batch is saved when it ends")
     console = Console(highlight=False)
     if res["already_done"]:
         console.print(f"already done: {out} holds this rollout (pass --force to redo)", soft_wrap=True)
