@@ -258,10 +258,9 @@ def test_an_already_done_rerun_removes_the_partial_an_interrupted_force_redo_lef
     assert not e.value.kept_problems[2].exists() and not list(tmp_path.glob(".e.*"))
 
 
-def test_a_resume_scores_the_kept_samples_with_todays_rule(two_chunks, tmp_path):
-    # The fingerprint does not count qerl's answer rule: a partial file from an older qerl kept its verdicts, and
-    # the score mixed two rules. Its lines are scored again, and the file holds today's verdicts.
-    cfg, ref = two_chunks
+def _stopped_with_stale_verdicts(cfg):
+    """An eval of ``cfg`` stopped after its first chunk, its kept samples' verdicts flipped (an older rule's):
+    the partial samples.jsonl."""
     with pytest.raises(KeyboardInterrupt) as e:
         evaluate(cfg, generate=BySeed(fail_at_call=2))
     samples = e.value.kept_problems[2] / "samples.jsonl"
@@ -269,6 +268,14 @@ def test_a_resume_scores_the_kept_samples_with_todays_rule(two_chunks, tmp_path)
     for r in stale:
         r.update(correct=not r["correct"], extracted="stale")
     samples.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in stale))
+    return samples
+
+
+def test_a_resume_scores_the_kept_samples_with_todays_rule(two_chunks, tmp_path):
+    # The fingerprint does not count qerl's answer rule: a partial file from an older qerl kept its verdicts, and
+    # the score mixed two rules. Its lines are scored again, and the file holds today's verdicts.
+    cfg, ref = two_chunks
+    _stopped_with_stale_verdicts(cfg)
     res = evaluate(cfg, generate=BySeed())
     assert res["manifest"]["resumed"]["problems"] == 4
     assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
@@ -285,13 +292,7 @@ def test_a_rescoring_rewrite_stopped_midway_keeps_the_finished_problems(two_chun
     from qerl_cli.errors import OutputWriteError
 
     cfg, ref = two_chunks
-    with pytest.raises(KeyboardInterrupt) as e:
-        evaluate(cfg, generate=BySeed(fail_at_call=2))
-    samples = e.value.kept_problems[2] / "samples.jsonl"
-    stale = [json.loads(x) for x in samples.read_text().splitlines()]
-    for r in stale:
-        r.update(correct=not r["correct"], extracted="stale")  # an older rule's verdicts: the resume rewrites them
-    samples.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in stale))
+    samples = _stopped_with_stale_verdicts(cfg)  # an older rule's verdicts: the resume rewrites them
     before = samples.read_bytes()
 
     class Full:
