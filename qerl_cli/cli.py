@@ -161,9 +161,6 @@ def _root(
     pass
 
 
-# The resumable stages, and what their partial directory keeps for a rerun.
-RESUMED = {"rollout": "prompt groups", "eval": "problems"}
-
 # Out of memory anywhere in a stage: the flag that lowers its peak memory.
 OOM_HINTS = {
     "quantize": "pass --device cpu (host memory stays near three layers), or free the GPU",
@@ -327,8 +324,8 @@ def guarded(fn, stage: str | None = None):
                 what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
                 # A rollout (eval) appends finished prompt groups (problems) to its partial directory as it goes:
                 # they stay.
-                kept = (f"--out was not written; {RESUMED[stage]} finished before it are kept for a rerun"
-                        if stage in RESUMED else "nothing was written")
+                kept = (f"--out was not written; {outputs.KEPT_FOR_RERUN[stage]} finished before it are kept for a "
+                        "rerun" if stage in outputs.KEPT_FOR_RERUN else "nothing was written")
                 raise OutOfMemoryError(f"out of memory in {stage or 'qerl'}: {what}; {kept}",
                                        hint=OOM_HINTS.get(stage or "", None)) from None
         except QerlError as e:
@@ -337,7 +334,8 @@ def guarded(fn, stage: str | None = None):
             print(f"error: {e}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:
-            resume = f" (a rerun resumes its saved {RESUMED[stage].split()[-1]})" if stage in RESUMED else ""
+            saved = outputs.KEPT_FOR_RERUN.get(stage)
+            resume = f" (a rerun resumes its saved {saved.split()[-1]})" if saved else ""
             word, code = interrupt_outcome(e)
             done = outputs.completed_outputs()
             if done:  # after the rename: the output is whole, only the summary lines were cut short

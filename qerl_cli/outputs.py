@@ -61,7 +61,7 @@ def forget_completed(out: Path | None = None) -> None:
 
 
 MANIFEST = "manifest.json"
-_KEPT = {"rollout": "groups", "eval": "problems"}  # what a resumable stage keeps for its rerun
+KEPT_FOR_RERUN = {"rollout": "prompt groups", "eval": "problems"}  # what a resumable stage keeps for its rerun
 # The file system refusing a write: a one-line error (exit 7), not a traceback. Other OSErrors stay bugs.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG, errno.ENOTDIR,
                  errno.EEXIST, errno.EBUSY}
@@ -435,7 +435,7 @@ class StageOutput:
 
     def write_error(self, e: BaseException) -> OutputWriteError:
         where = getattr(e, "filename", None) or self.out
-        kept = f" (its finished {_KEPT.get(self.stage, 'groups')} are kept for a rerun)" if self.resumable else ""
+        kept = f" (its finished {KEPT_FOR_RERUN.get(self.stage, 'groups')} are kept for a rerun)" if self.resumable else ""
         blocker = file_in_the_way(Path(where)) if getattr(e, "errno", None) in (errno.EEXIST, errno.ENOTDIR) else None
         if blocker is not None:  # was "File exists", with a hint about space and permissions
             return OutputWriteError(f"cannot write {self.out}: {blocker} is a file, not a directory; nothing was "
@@ -499,7 +499,7 @@ class StageOutput:
         raise OutputBusyError(
             f"{self.out} was written by another run while this one ran ({m['stage'] if m else 'no manifest'}, "
             f"fingerprint {str(now)[:12]}); this run's output was not put in its place",
-            hint="give each run its own --out" + (f"; this run's finished {_KEPT.get(self.stage, 'groups')} stay in {work}, which only a run into "
+            hint="give each run its own --out" + (f"; this run's finished {KEPT_FOR_RERUN.get(self.stage, 'groups')} stay in {work}, which only a run into "
                                                   f"{self.out} resumes (one with --force, replacing what is there): "
                                                   "delete it otherwise" if self.resumable else ""))
 
