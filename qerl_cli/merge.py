@@ -221,10 +221,16 @@ def open_base(model_dir: Path, flag: str = "--model"):
 
 
 # Tensors that only quantized checkpoints hold: GPTQ/AWQ (qweight, qzeros, scales, g_idx), bitsandbytes (absmax,
-# quant_map), FP8 (weight_scale_inv), compressed-tensors' int/fp8 formats (weight_zero_point, weight_shape, ...).
+# quant_map), FP8 (weight_scale_inv), compressed-tensors' int/fp8 formats (weight_zero_point, weight_shape, ...),
+# ModelOpt's AWQ smoothing (pre_quant_scale: NVFP4_AWQ, W4A8_AWQ multiply the input by it, so the weight merge reads
+# is not the one the model computes with; they have a weight_scale_2 and were merged as plain ModelOpt NVFP4).
 _QUANTIZED_LEAVES = ("qweight", "qzeros", "scales", "g_idx", "weight_zero_point", "weight_shape", "weight_scale_inv",
                      "absmax", "quant_map", "weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2",
-                     "input_scale")
+                     "input_scale", "pre_quant_scale")
+# An FP8 KV cache's scales (ModelOpt's k_proj.k_scale/v_proj.v_scale, llm-compressor's self_attn.k_scale/v_scale),
+# which NVFP4 checkpoints calibrated for one hold: dropped, as the activation scales are (merge's outputs quantize no
+# cache, and qerl's loader refused the merge that kept them).
+_KV_CACHE_SCALES = ("k_scale", "v_scale")
 _NVFP4_CONFIGS = (("compressed-tensors", "nvfp4-pack-quantized"), ("compressed-tensors", "mixed-precision"),
                   ("compressed-tensors", None), ("modelopt", None))
 
@@ -301,6 +307,11 @@ def dequantize_packed(reader, pw: PackedWeight, device="cpu") -> torch.Tensor:
 
 def _side_names(packed: dict[str, PackedWeight]) -> set[str]:
     return {n for pw in packed.values() for n in pw.side_tensors()}
+
+
+def _dropped_names(base, packed: dict[str, PackedWeight]) -> set[str]:
+    """The base's tensors the merged checkpoint leaves out: the NVFP4 weights' scales and the KV cache's."""
+    return _side_names(packed) | {n for n in base.tensors if n.rsplit(".", 1)[-1] in _KV_CACHE_SCALES}
 
 
 def module_shapes(base) -> dict[str, tuple[int, int]]:
@@ -402,7 +413,7 @@ def merged_plan(base, dtype: torch.dtype = torch.bfloat16, untie: bool = False) 
     from qerl_cli.checkpoint import PlannedTensor
 
     packed = packed_weights(base)
-    side = _side_names(packed)
+    side = _dropped_names(base, packed)
     plan = []
     for name, info in base.tensors.items():
         if name in side:
@@ -450,7 +461,7 @@ def merged_tensors(base, reader, adapter: Adapter, stats: MergeStats, dtype: tor
     """
 
     packed = packed_weights(base)
-    side = _side_names(packed)
+    side = _dropped_names(base, packed)
     for name in base.tensors:
         if name in side:
             continue  # consumed with its packed weight

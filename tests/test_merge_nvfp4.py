@@ -254,3 +254,58 @@ def test_a_w4a4_base_merges_without_its_activation_scales(qpair, tmp_path):
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     load_model(tmp_path / "b")
+
+
+@pytest.mark.parametrize("fmt, names", [
+    ("compressed-tensors", ("self_attn.k_scale", "self_attn.v_scale")),  # llm-compressor's kv_cache_scheme
+    ("modelopt", ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")),  # kv_cache_quant_algo FP8
+])
+def test_an_nvfp4_base_with_fp8_kv_cache_scales_merges_without_them(qpair, tmp_path, fmt, names):
+    """NVFP4 checkpoints calibrated for an FP8 KV cache (ModelOpt's kv_cache_quant_algo FP8, llm-compressor's
+    kv_cache_scheme) store k_scale/v_scale per layer: merge copied them into the bf16 checkpoint, which qerl's
+    loader then refused ("unexpected tensor ...k_scale"), and --dtype nvfp4 was refused only after the whole
+    merge, naming its temporary .merged-bf16 directory."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from qerl_cli.models import load_model
+
+    src, qdir, adapter = qpair
+    base = qdir
+    if fmt == "modelopt":
+        base = tmp_path / "mo"
+        quantize(QuantizeConfig(src=src, out=base, format="modelopt", device="cpu", progress=False))
+    kv = tmp_path / "kv"
+    shutil.copytree(base, kv)
+    t = load_file(kv / "model.safetensors")
+    t |= {f"model.layers.{i}.{n}": torch.tensor(0.05) for i in range(2) for n in names}
+    save_file(t, kv / "model.safetensors", metadata={"format": "pt"})
+    merge(MergeConfig(base, adapter, tmp_path / "a", allow_base_mismatch=True), progress=False)
+    merge(MergeConfig(kv, adapter, tmp_path / "b", allow_base_mismatch=True), progress=False)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    load_model(tmp_path / "b")
+    merge(MergeConfig(kv, adapter, tmp_path / "c", dtype="nvfp4", allow_base_mismatch=True), progress=False)
+    load_model(tmp_path / "c")
+
+
+def test_an_awq_smoothed_modelopt_base_is_refused(qpair, tmp_path):
+    """ModelOpt's NVFP4_AWQ (and W4A8_AWQ) store a pre_quant_scale per Linear, which the engine multiplies the input
+    by: the effective weight is the dequantized one times that scale per input channel. merge took it for plain
+    ModelOpt NVFP4 (it has weight_scale_2), merged the unscaled weights and copied pre_quant_scale beside them:
+    exit 0, wrong weights, an output qerl's loader refused."""
+    from safetensors.torch import save_file
+
+    from qerl_cli.errors import BadInputError
+
+    src, _, adapter = qpair
+    mo = tmp_path / "mo"
+    quantize(QuantizeConfig(src=src, out=mo, format="modelopt", device="cpu", progress=False))
+    t = load_file(mo / "model.safetensors")
+    t |= {k.replace(".weight_scale_2", ".pre_quant_scale"): torch.full((t[k.replace("_scale_2", "")].shape[1] * 2,), 2.0)
+          for k in list(t) if k.endswith(".weight_scale_2")}
+    save_file(t, mo / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(BadInputError, match=r"pre_quant_scale \(float32\) is not part of an NVFP4 weight"):
+        merge(MergeConfig(mo, adapter, tmp_path / "m", allow_base_mismatch=True), progress=False)
+    assert not (tmp_path / "m").exists()
