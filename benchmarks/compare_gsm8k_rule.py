@@ -99,6 +99,7 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("heading-below-bullet+box", f"{reason}\n#### Final Answer\n- {r}\n\n\\boxed{{{r}}}", r),
         ("hedge-restated", f"{reason}\n#### {r} (or {r}.0)", r),
         ("hash-bold-label", f"{reason}\n#### **Final Answer:** {r}", r),
+        ("check-line+box", f"#### Double-check the answer: {k} eggs * $2 = ${2 * k}\n{reason}\n\\boxed{{{r}}}", r),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

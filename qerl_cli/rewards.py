@@ -397,13 +397,20 @@ _NUMBERED_HEADING = re.compile(r"(\d+)\.\s+(?=[A-Za-z*])")
 _A_WORD = re.compile(r"[A-Za-z]+")
 
 
+# The words an answer line may say before "answer": "Therefore, the final answer is 72". Any other ("#### Double-check
+# the answer: 18 eggs * $2 = $36") makes the line a note that mentions the answer, not one that gives it: it outranked
+# the final \boxed{36} (a review).
+_ANSWER_LEAD_WORDS = frozenset("so thus therefore hence then the final my our correct answer answers is was".split())
+
+
 def _names_the_answer(words: str) -> bool:
-    """Whether the words before a #### line's number end on "answer" ("#### The answer is 72", "#### **Final
-    Answer:** 72", "#### Answer = 72"), as a heading that happens to hold a number ("#### Add the 3 eggs") does not."""
-    last = [w.lower() for w in _A_WORD.findall(words)[-2:]]
-    if last[-1:] == ["is"] or last[-1:] == ["was"]:
-        last = last[:-1]
-    return last[-1:] in (["answer"], ["answers"])
+    """Whether the words before a #### line's number name the answer ("#### The answer is 72", "#### **Final
+    Answer:** 72", "#### Answer = 72", "#### So the final answer is 72"): they end on "answer" (then "is"), and say
+    nothing else; a heading that happens to hold a number ("#### Add the 3 eggs") or a note ("#### Check the
+    answer: 18 eggs ...") does not."""
+    found = [w.lower() for w in _A_WORD.findall(words)]
+    last = found[:-1] if found[-1:] in (["is"], ["was"]) else found
+    return last[-1:] in (["answer"], ["answers"]) and _ANSWER_LEAD_WORDS.issuperset(found)
 
 
 def _read_hash_span(span: str, need_words: bool = True) -> tuple[str, str | None]:

@@ -708,6 +708,18 @@ def test_bold_words_before_the_number_name_the_answer(completion):
     assert extract_answer("#### **Step 1:** add 3\n\\boxed{72}") == "72"  # a bold heading label stays a label
 
 
+@pytest.mark.parametrize("completion, want", [
+    ("#### Double-check the answer: 18 eggs * $2 = $36\n\\boxed{36}", "36"),  # a note that mentions the answer
+    ("#### Verify the answer: 3 + 4\nSo \\boxed{7}", "7"),
+    ("#### Therefore, the final answer is 72\n\\boxed{73}", "72"),  # only answer words: it names the answer
+    ("#### So our answer is 72\n\\boxed{73}", "72"),
+])
+def test_only_a_line_that_just_names_the_answer_outranks_the_box(completion, want):
+    """A #### line whose words merely ended on "answer" ranked with "#### 72": a check line's first number (18)
+    outranked the final box (36)."""
+    assert extract_answer(completion) == want
+
+
 @pytest.mark.parametrize("completion", [
     # a words-first answer line, then a base model's run-on "#### 7"
     "48 + 24 = 72\n#### The answer is 72\n\nQuestion: Tom has 9 marbles and loses 2.\nAnswer: 9 - 2 = 7\n#### 7",
