@@ -229,8 +229,10 @@ qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eva
 # loop running orphaned, starting its next stages, and compare_aqn.sh's xargs the rest of its runs (a review). CMD
 # then stops as after a `kill`: a bash script running its own command through here (grpo.sh, compare_aqn.sh's
 # relay) passes the TERM on to that command's group; a qerl stage cleans up.
-# Ctrl-Z (SIGTSTP) is passed on to CMD's group before the script stops itself, and SIGCONT (`fg`, `bg`) after it
-# resumes: the terminal stops the script's group alone, and CMD ran on while the script was stopped.
+# Ctrl-Z (SIGTSTP) is passed on to CMD's group before the script stops itself, and SIGCONT after it resumes (`fg`,
+# `bg`): the terminal stops the script's group alone, and CMD ran on while the script was stopped. SIGCONT itself is
+# not trapped: `timeout` and systemd send SIGTERM and SIGCONT at once, and bash then ran the CONT trap alone, the TERM
+# lost (a review). The caller's own traps for these signals are back after CMD has ended, and run if it dies of one.
 _qerl_group=""      # CMD's group while it runs; "starting" until bash has started it
 _qerl_pending=""    # the signal to pass on that came while starting
 _qerl_signal=""     # the last signal that came
@@ -247,26 +249,32 @@ _qerl_forward() {  # SIGNAL: one that came
     *) kill -s "$pass" -- "-$_qerl_group" 2>/dev/null || true ;;
   esac
 }
-_qerl_pass_stop() {  # TSTP | CONT: Ctrl-Z, `fg` or `bg`; not a stop, so the script goes on waiting
+_qerl_pass_stop() {  # Ctrl-Z; not a stop, so the script goes on waiting
   _qerl_signals=$((_qerl_signals + 1))
-  case "$_qerl_group" in "" | starting) ;; *) kill -s "$1" -- "-$_qerl_group" 2>/dev/null || true ;; esac
-  if [ "$1" = TSTP ]; then kill -s STOP "$BASHPID"; fi  # as TSTP's default would (resumed by SIGCONT)
+  case "$_qerl_group" in "" | starting) kill -s STOP "$BASHPID"; return ;; esac
+  kill -s TSTP -- "-$_qerl_group" 2>/dev/null || true
+  kill -s STOP "$BASHPID"  # as TSTP's default would; on from here once resumed (`fg`, `bg`)
+  kill -s CONT -- "-$_qerl_group" 2>/dev/null || true
 }
-_qerl_die_of() {  # SIGNAL: end the script as killed by it
-  trap - TERM INT HUP QUIT TSTP CONT
-  kill -s "$1" "$$"
+_qerl_traps=""  # the caller's traps for the signals passed on (trap -p), put back after CMD
+_qerl_restore_traps() {
+  trap - TERM INT HUP QUIT TSTP
+  eval "$_qerl_traps"
+}
+_qerl_die_of() {  # SIGNAL: end the script (this subshell, in one) as killed by it, or as the caller's trap for it does
+  _qerl_restore_traps
+  kill -s "$1" "$BASHPID"  # $$ was the script itself, from a subshell (`qerl_run_forwarding CMD &`)
   exit $((128 + $(kill -l "$1")))  # not reached unless the signal is blocked, or QUIT (bash ignores it)
 }
 qerl_run_forwarding() {
   local rc seen parent=$BASHPID
   _qerl_find_death_tool
-  _qerl_signal="" _qerl_pending="" _qerl_group=starting
+  _qerl_signal="" _qerl_pending="" _qerl_group=starting _qerl_traps=$(trap -p TERM INT HUP QUIT TSTP)
   trap '_qerl_forward TERM' TERM
   trap '_qerl_forward INT' INT
   trap '_qerl_forward HUP' HUP
   trap '_qerl_forward QUIT' QUIT
-  trap '_qerl_pass_stop TSTP' TSTP
-  trap '_qerl_pass_stop CONT' CONT
+  trap _qerl_pass_stop TSTP
   set -m; _qerl_exec_stopping_with "$parent" "$@" < /dev/null & _qerl_group=$!; set +m
   if [ -n "$_qerl_pending" ]; then kill -s "$_qerl_pending" -- "-$_qerl_group" 2>/dev/null || true; fi
   while :; do  # a signal ends a wait early: wait again, for CMD's own status
@@ -274,7 +282,7 @@ qerl_run_forwarding() {
     if [ "$_qerl_signals" = "$seen" ]; then break; fi
   done
   _qerl_group=""
-  trap - TERM INT HUP QUIT TSTP CONT
+  _qerl_restore_traps
   if [ -n "$_qerl_signal" ]; then
     if [ "$rc" != 0 ] && [ "$rc" != $((128 + $(kill -l "$_qerl_signal"))) ]; then exit "$rc"; fi
     _qerl_die_of "$_qerl_signal"
@@ -298,6 +306,9 @@ _qerl_find_death_tool() {
 _qerl_exec_stopping_with() {
   local parent=$1
   shift
+  # A shell function (a sourcing script's, or an exported one QERL names) is no file to exec ("exec: not found", or
+  # the file of that name on PATH ran instead): it runs in this child, as before, without the death signal.
+  if [ "$(type -t -- "$1")" = function ]; then "$@"; exit; fi
   # shellcheck disable=SC2016  # bash -c's own $PPID and arguments
   case "$_qerl_death_tool" in
     setpriv) exec setpriv --pdeathsig TERM -- "$BASH" -c '[ "$PPID" = "$0" ] || exit 143; exec "$@"' "$parent" "$@" ;;
