@@ -269,7 +269,10 @@ _qerl_die_of() {  # SIGNAL: end the script (this subshell, in one) as killed by 
 qerl_run_forwarding() {
   local rc seen parent=$BASHPID
   _qerl_find_death_tool
-  _qerl_signal="" _qerl_pending="" _qerl_group=starting _qerl_traps=$(trap -p TERM INT HUP QUIT TSTP)
+  _qerl_signal="" _qerl_pending="" _qerl_group=starting _qerl_traps=""
+  # A subshell's `trap -p` shows its parent's traps, which do not run there: put back, they ran in it after a signal
+  # (a script's "clean-up; exit 9" trap ended `(qerl_run_forwarding CMD) &` as 9, the clean-up run twice).
+  if [ "$BASHPID" = "$$" ]; then _qerl_traps=$(trap -p TERM INT HUP QUIT TSTP); fi
   trap '_qerl_forward TERM' TERM
   trap '_qerl_forward INT' INT
   trap '_qerl_forward HUP' HUP

@@ -1545,3 +1545,12 @@ def test_qerl_run_forwarding_keeps_the_callers_traps(tmp_path):
     time.sleep(0.5)
     p.terminate()
     assert p.wait(timeout=10) == 9 and p.stdout.read() == "clean-up\n"
+
+
+def test_qerl_run_forwarding_in_a_subshell_does_not_take_up_the_scripts_traps(tmp_path):
+    # `trap -p` in a subshell shows the parent's traps, which do not run there: put back after CMD, the script's
+    # trap ran in `(qerl_run_forwarding CMD) &` after a signal (its clean-up twice, the subshell's status its 9).
+    script = (f'source {RECIPES / "lib.sh"}; trap "echo clean-up; exit 9" TERM; (qerl_run_forwarding sleep 5) & p=$!; '
+              'sleep 0.5; kill -TERM $p; wait $p; echo "the subshell: $?"')
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
+    assert (r.returncode, r.stdout) == (0, "the subshell: 143\n"), r.stderr
