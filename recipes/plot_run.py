@@ -185,7 +185,8 @@ def main() -> None:
     axes[1].set(title="policy entropy (nats/token)", xlabel="step")
     if evals:
         axes[2].plot([s + 1 for s, _ in evals], [100 * v for _, v in evals], marker="s", color="tab:green")
-    axes[2].set(title="test pass@1 (%)", xlabel="adapter after step (0 = base)")
+    # x: steps taken, so the table's "after step 4" (steps 0-4) is at 5; "adapter after step" read as step 5's.
+    axes[2].set(title="test pass@1 (%)", xlabel="RL steps taken (0 = the base policy)")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"qerl run: {args.run}")

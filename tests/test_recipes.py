@@ -1554,3 +1554,19 @@ def test_qerl_run_forwarding_in_a_subshell_does_not_take_up_the_scripts_traps(tm
               'sleep 0.5; kill -TERM $p; wait $p; echo "the subshell: $?"')
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
     assert (r.returncode, r.stdout) == (0, "the subshell: 143\n"), r.stderr
+
+
+def test_plot_run_labels_the_pass1_axis_as_steps_taken(tmp_path):
+    # The table says "pass@1 after step 4" (steps count from 0) and the plot put that point at 5 under the label
+    # "adapter after step", which named step 5 (a review, 2026-11-27): the axis counts the steps taken.
+    run = tmp_path / "run"
+    _forced_rerun_with_fewer_steps(run, rerun_steps=3, rerun_made=3)
+    code = ("import runpy, sys, matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.figure as f\n"
+            "f.Figure.savefig = lambda self, *a, **k: print('XLABEL', self.axes[2].get_xlabel(), "
+            "[round(x) for x in self.axes[2].lines[0].get_xdata()])\n"
+            f"sys.argv = ['plot_run.py', {str(run)!r}]\n"
+            f"runpy.run_path({str(RECIPES / 'plot_run.py')!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "pass@1 after step   0: 20.0%" in r.stdout
+    assert "XLABEL RL steps taken (0 = the base policy) [0, 1, 2, 3]" in r.stdout, r.stdout
