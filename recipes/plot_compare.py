@@ -72,13 +72,16 @@ def main() -> None:
     runs = load(out)
     if not runs:
         raise SystemExit(f"error: no finished runs under {out}")
-    lines = ["| variant | seeds | base pass@1 (%) | final pass@1 (%) mean ± sd (per seed) | last-step reward | mean entropy, first 3 steps |",
+    # the entropy of the first steps (3, or fewer where a run has fewer: "first 3 steps" over a 2-step run misled)
+    first = min([3] + [len(r["train"]) for rs in runs.values() for r in rs if r["train"]])
+    steps = f"first {first} steps" if first > 1 else "first step"
+    lines = [f"| variant | seeds | base pass@1 (%) | final pass@1 (%) mean ± sd (per seed) | last-step reward | mean entropy, {steps} |",
              "| --- | --- | --- | --- | --- | --- |"]
     for v in [v for v in VARIANTS if v in runs] + [v for v in runs if v not in VARIANTS]:
         rs = runs[v]
         trained = [r for r in rs if r["train"]]
         last_reward = f"{statistics.mean(r['train'][-1]['reward_mean'] for r in trained):.3f}" if trained else "n/a"
-        ent = (f"{statistics.mean(statistics.mean(t['entropy'] for t in r['train'][:3]) for r in trained):.3f}"
+        ent = (f"{statistics.mean(statistics.mean(t['entropy'] for t in r['train'][:first]) for r in trained):.3f}"
                if trained else "n/a")
         lines.append(f"| {v} | {len(rs)} | {_fmt([r['base'] for r in rs])} | {_fmt([r['final'] for r in rs])} "
                      f"| {last_reward} | {ent} |")

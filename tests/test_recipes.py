@@ -1570,3 +1570,19 @@ def test_plot_run_labels_the_pass1_axis_as_steps_taken(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "pass@1 after step   0: 20.0%" in r.stdout
     assert "XLABEL RL steps taken (0 = the base policy) [0, 1, 2, 3]" in r.stdout, r.stdout
+
+
+def test_plot_compare_names_as_many_first_steps_as_the_runs_have(tmp_path):
+    # results.md said "mean entropy, first 3 steps" over a STEPS=2 comparison (a review)
+    import json
+
+    for v in ("nvfp4-lora", "nvfp4-aqn"):
+        d = tmp_path / f"{v}-s0"
+        (d / "merged").mkdir(parents=True)
+        (d / "merged" / "manifest.json").write_text("{}")
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "entropy": e, "reward_mean": 0.5}) + "\n"
+                                                 for s, e in ((0, 1.0), (1, 2.0))))
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_compare.py"), str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    table = (tmp_path / "results.md").read_text()
+    assert "mean entropy, first 2 steps |" in table and "| 1.500 |" in table, table
