@@ -12,14 +12,13 @@ later steps in RUN_DIR, and they are left out with a note.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from resume_point import adapter_inputs_hash  # noqa: E402  (a sibling script, not a package)
+from resume_point import adapter_inputs_hash, files_hash  # noqa: E402  (a sibling script, not a package)
 
 # qerl_cli.adapters.adapter_hash: the files of an adapter that rollout, eval and merge record as inputs["adapter"].
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -28,12 +27,7 @@ PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def peft_hash(outputs: dict) -> str:
     """qerl_cli.adapters.adapter_hash (hashing.dir_hash over PEFT_FILES), rebuilt from an adapter manifest's file
     hashes: what an eval or merge of that adapter records as its inputs["adapter"]."""
-    h = hashlib.sha256()
-    for name in sorted(PEFT_FILES):
-        if name in outputs:
-            h.update(name.encode())
-            h.update(outputs[name].encode())
-    return h.hexdigest()
+    return files_hash(outputs, sorted(PEFT_FILES))
 
 
 def read_manifest(d: Path, stage: str) -> dict | None:

@@ -23,13 +23,19 @@ ADAPTER_INPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "opti
                        "trainer_state.json", "norms.safetensors")
 
 
-def adapter_inputs_hash(outputs: dict) -> str:
+def files_hash(outputs: dict, names) -> str:
+    """The hash qerl_cli.hashing.dir_hash gives the files ``names`` (in this order, where present) of an output whose
+    manifest lists their sha256 in ``outputs``."""
     h = hashlib.sha256()
-    for name in ADAPTER_INPUT_FILES:
+    for name in names:
         if name in outputs:
             h.update(name.encode())
             h.update(outputs[name].encode())
     return h.hexdigest()
+
+
+def adapter_inputs_hash(outputs: dict) -> str:
+    return files_hash(outputs, ADAPTER_INPUT_FILES)
 
 
 def manifest(run_dir: Path, step: int) -> dict | None:

@@ -1524,11 +1524,13 @@ def test_a_shell_function_runs_through_qerl_run_forwarding(tmp_path, tool):
     assert log.read_text().splitlines() == ["fn quantize", "fn rollout", "fn train-step", "fn merge"]
 
 
-def test_qerl_run_forwarding_in_a_subshell_ends_that_subshell_alone(tmp_path):
+@pytest.mark.parametrize("scripts_trap", ["", 'trap "echo clean-up; exit 9" TERM; '])
+def test_qerl_run_forwarding_in_a_subshell_ends_that_subshell_alone(tmp_path, scripts_trap):
     # `qerl_run_forwarding CMD &` (or `| tee`) in a user script: after a signal it killed $$, the script itself,
-    # not the subshell that ran it.
-    script = (f'source {RECIPES / "lib.sh"}; (qerl_run_forwarding sleep 5) & p=$!; sleep 0.5; kill -TERM $p; '
-              'wait $p; echo "the script goes on: $?"')
+    # not the subshell that ran it. And `trap -p` in a subshell shows the parent's traps, which do not run there:
+    # put back after CMD, the script's trap ran in the subshell (its clean-up twice, the subshell's status its 9).
+    script = (f'source {RECIPES / "lib.sh"}; {scripts_trap}(qerl_run_forwarding sleep 5) & p=$!; sleep 0.5; '
+              'kill -TERM $p; wait $p; echo "the script goes on: $?"')
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
     assert (r.returncode, r.stdout) == (0, "the script goes on: 143\n"), r.stderr
 
@@ -1545,15 +1547,6 @@ def test_qerl_run_forwarding_keeps_the_callers_traps(tmp_path):
     time.sleep(0.5)
     p.terminate()
     assert p.wait(timeout=10) == 9 and p.stdout.read() == "clean-up\n"
-
-
-def test_qerl_run_forwarding_in_a_subshell_does_not_take_up_the_scripts_traps(tmp_path):
-    # `trap -p` in a subshell shows the parent's traps, which do not run there: put back after CMD, the script's
-    # trap ran in `(qerl_run_forwarding CMD) &` after a signal (its clean-up twice, the subshell's status its 9).
-    script = (f'source {RECIPES / "lib.sh"}; trap "echo clean-up; exit 9" TERM; (qerl_run_forwarding sleep 5) & p=$!; '
-              'sleep 0.5; kill -TERM $p; wait $p; echo "the subshell: $?"')
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
-    assert (r.returncode, r.stdout) == (0, "the subshell: 143\n"), r.stderr
 
 
 def test_plot_run_labels_the_pass1_axis_as_steps_taken(tmp_path):
