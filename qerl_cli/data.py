@@ -31,6 +31,7 @@ are MBs, and knowing the row count up front is what lets ``--prompts-per-step`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -70,7 +71,7 @@ class EncodedPrompt:
     text: str
     token_ids: list[int]
 
-    @property
+    @functools.cached_property  # asked once per completion scored: the prompt's rstrip copied it each time
     def opens_think(self) -> bool:
         """Whether the prompt ends inside a ``<think>`` it opened: its completions start mid-thought."""
         return prompt_opens_think(self.text)

@@ -422,18 +422,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt) and records is not None:  # stopped after the last problem was saved
                 e.kept_problems = (len(prompts), len(prompts), so.work)  # (its stop line said "before generating")
-            _drop_if_nothing_kept(so)
+            so.drop_work_if_nothing_kept(SAMPLES)  # stopped before its first problem: nothing left, as before eval resumed
             raise
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
-
-
-def _drop_if_nothing_kept(so: StageOutput) -> None:
-    """A run stopped (an error, Ctrl-C) before it finished any problem leaves nothing behind, as before eval
-    resumed; with problems finished, its partial directory stays for the rerun that resumes it."""
-    if so.work is not None and so.work.is_dir() and not any(p.stat().st_size for p in so.work.glob(SAMPLES)):
-        import shutil
-
-        shutil.rmtree(so.work, ignore_errors=True)
 
 
 def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):

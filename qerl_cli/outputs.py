@@ -433,6 +433,13 @@ class StageOutput:
             raise exc
         return False
 
+    def drop_work_if_nothing_kept(self, pattern: str) -> None:
+        """A resumable run stopped (an error, Ctrl-C) before it saved anything its rerun could resume (no file
+        matching ``pattern`` with bytes in its partial directory) leaves nothing behind; otherwise the directory
+        stays for that rerun."""
+        if self.work is not None and self.work.is_dir() and not any(p.stat().st_size for p in self.work.glob(pattern)):
+            shutil.rmtree(self.work, ignore_errors=True)
+
     def write_error(self, e: BaseException) -> OutputWriteError:
         where = getattr(e, "filename", None) or self.out
         kept = f" (its finished {KEPT_FOR_RERUN.get(self.stage, 'groups')} are kept for a rerun)" if self.resumable else ""

@@ -36,7 +36,6 @@ import math
 import os
 import random
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -587,9 +586,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     except QerlError:
         # A bad input found late (an adapter that does not fit, a reward that returns junk) before any
         # group was saved: leave nothing behind. With groups saved, keep them for the resume.
-        if out.work is not None and out.work.exists() and not any(
-                p.stat().st_size for p in out.work.glob("shard-*.jsonl")):
-            shutil.rmtree(out.work, ignore_errors=True)
+        out.drop_work_if_nothing_kept("shard-*.jsonl")
         raise
 
 
