@@ -100,6 +100,16 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("hedge-restated", f"{reason}\n#### {r} (or {r}.0)", r),
         ("hash-bold-label", f"{reason}\n#### **Final Answer:** {r}", r),
         ("check-line+box", f"#### Double-check the answer: {k} eggs * $2 = ${2 * k}\n{reason}\n\\boxed{{{r}}}", r),
+        # ---- session 53's leftovers (a review in session 54): a hedge across two boxes, a range, a hedge after a unit,
+        # the same quantity in other units, a quantity in two units, an inequality, a box under the heading's line
+        ("hedge-two-boxes", f"{reason}\nSo \\boxed{{{r}}} or \\boxed{{{w}}}.", None),
+        ("box-or-rather", f"{reason}\nSo \\boxed{{{w}}}, or rather \\boxed{{{r}}}.", r),
+        ("range-hash", f"{reason}\n#### {r} to {w}", None),
+        ("hedge-after-unit", f"{reason}\n#### {r} apples or {w} apples", None),
+        ("restated-in-units", f"{reason}\n#### {r} (or {r * 60} minutes)", r),
+        ("two-units", f"{reason}\n#### {r} hours {k} minutes", None),
+        ("inequality", f"{reason}\n#### at least {r}", None),
+        ("heading-below-unit+box", f"{reason}\n#### Final Answer\n{r * 100} cents\n\\boxed{{{r}}}", r),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

@@ -19,8 +19,10 @@ regenerating. Built-ins:
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
   exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
   line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
-  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``) and a hedge (``72 or 73``, ``72 or so``; not
-  the number restated, ``72 (or 72.0)``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``), a hedge (``72 or 73``, ``72 or
+  so``, ``72 apples or 73 apples``; not the number restated, ``72 (or 72.0)``, nor the same quantity in another unit,
+  ``90 (or 1.5 hours)``), a range or a second number (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``) and a hedge
+  across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
   read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
@@ -58,7 +60,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -97,14 +99,39 @@ _PROSE_TOKEN = re.compile(r"[A-Za-z]{2,}[^\w\\]*|[^\w\\]+")
 
 
 def _closing_braces(text: str) -> dict[int, int]:
-    """Index of each ``{`` -> index of its matching ``}`` (unclosed ones absent), in one pass."""
+    """Index of each ``{`` -> index of its matching ``}`` (unclosed ones absent), in one pass. An escaped brace
+    ``\\{`` is a literal one, no group: ``\\boxed{\\left\\{ ... \\right.}`` (a piecewise answer) closed on its
+    ``\\{`` and was no box; ``\\\\{`` (a TeX line break, then a group) still opens one."""
     stack, pairs = [], {}
+    escaped = False
     for j, ch in enumerate(text):
-        if ch == "{":
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "{":
             stack.append(j)
         elif ch == "}" and stack:
             pairs[stack.pop()] = j
     return pairs
+
+
+def _boxes_from_last(text: str) -> Iterator[tuple[str, int, int]]:
+    """(content, start, end) of each closed ``\\boxed{...}`` (or ``\\fbox{...}``, or a bare ``\\boxed 5``) with content,
+    the last first, braces matched (see last_boxed)."""
+    pairs = None
+    for m in reversed(list(_BOX.finditer(text))):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            if pairs is None:
+                pairs = _closing_braces(text)
+            j = pairs.get(i)
+            if j is not None and text[i + 1 : j].strip():  # an empty box is the prompt's "within \boxed{}" echoed
+                yield text[i + 1 : j].strip(), m.start(), j + 1
+        else:  # "\\boxed 5": TeX allows a single token without braces
+            tok = _BARE_TOKEN.match(text, i)
+            if tok and _PROSE_TOKEN.fullmatch(tok.group(0)) is None:
+                yield tok.group(0).strip(), m.start(), tok.end()
 
 
 def last_boxed(text: str) -> str | None:
@@ -115,23 +142,25 @@ def last_boxed(text: str) -> str | None:
     off) is not an answer, nor is an empty one (a base model running on echoes the prompt's "put your final
     answer within \\boxed{}"); the last closed one with content counts.
     """
-    matches = list(_BOX.finditer(text))
-    if not matches:
+    return next((box for box, _, _ in _boxes_from_last(text)), None)
+
+
+# What between two boxes offers the second as an alternative to the first: "\boxed{72} or \boxed{73}", "$\boxed{72}$,
+# or maybe $\boxed{73}$" (a hedge on one line). The last box alone read as the answer: 73 was rewarded.
+# A new line, or "or rather", is a correction ("\boxed{72}.\nOr rather, rechecking: \boxed{73}"), not a hedge.
+_BOX_HEDGE = re.compile(r"[ \t$.,;:)\]*]*(?:and/)?or\b(?!\s+rather\b)[^\n]{0,40}", re.IGNORECASE)
+
+
+def final_box(text: str, same: Callable[[str, str], bool]) -> str | None:
+    """last_boxed, unless the box before it was offered as the other answer of a hedge ("\\boxed{72} or
+    \\boxed{73}") and is not ``same`` as it ("\\boxed{72} or \\boxed{72.0}" still answers 72): then None."""
+    boxes = _boxes_from_last(text)
+    last, before = next(boxes, None), next(boxes, None)
+    if last is None:
         return None
-    pairs = None
-    for m in reversed(matches):
-        i = m.end()
-        if i < len(text) and text[i] == "{":
-            if pairs is None:
-                pairs = _closing_braces(text)
-            j = pairs.get(i)
-            if j is not None and text[i + 1 : j].strip():  # an empty box is the prompt's "within \boxed{}" echoed
-                return text[i + 1 : j].strip()
-        else:  # "\\boxed 5": TeX allows a single token without braces
-            tok = _BARE_TOKEN.match(text, i)
-            if tok and _PROSE_TOKEN.fullmatch(tok.group(0)) is None:
-                return tok.group(0).strip()
-    return None
+    if before is not None and _BOX_HEDGE.fullmatch(text, before[2], last[1]) and not same(before[0], last[0]):
+        return None
+    return last[0]
 
 
 _DIGIT = re.compile(r"\d")
@@ -181,25 +210,87 @@ def _next_operand(rest: str) -> bool:
 
 # Words that make the number another one ("minus 5" is -5, "2 dozen" is 24) or deny it ("not 5"), right before or
 # after it: the span is no answer. A denial counts before the number only: "#### 72 not counting tax" still answers 72.
-_CHANGES_BEFORE = frozenset("negative minus not no half".split())
+_CHANGES_BEFORE = frozenset("negative minus not no half than least most".split())  # "more than 72", "at least 72"
 _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
     trillion trillions squared cubed""".split())
 
-# A hedge right after the number: "#### 72 or 73" (or "72 or so", "72 and/or 73") offers more than one answer, and an
-# answer that hedges must not be rewarded for the alternative that happens to be right.
+# A hedge right after the number (or its unit word): "#### 72 or 73" (or "72 or so", "72 and/or 73", "72 apples or 73
+# apples", "72 dollars, or 73") offers more than one answer, and an answer that hedges must not be rewarded for the
+# alternative that happens to be right.
 _HEDGE = re.compile(r"[\s,;(*]*(?:and/)?or\b", re.IGNORECASE)
+# A range or a second number after the number (or its unit word): "#### 72 to 73", "between 72 and 73", "72 and 3/4",
+# "3 hours and 30 minutes", "2 and a half": the first number is not the answer (each read as it).
+_RANGE = re.compile(r"[\s,;*]*(?:(?:to|through|and)\s+(?=\(?[-$]?\.?\d)|and\s+a\s+(?:half|third|quarter)\b)",
+                    re.IGNORECASE)
+# The word after a span's number, a unit maybe ("72 apples or 73"); "or", "and", "to" are the connectors above, no unit.
+_UNIT_WORD = re.compile(r"[\s*]*(?!(?:or|and|to|through)\b)([A-Za-z][A-Za-z.]*)", re.IGNORECASE)
 # The alternative after a hedge's "or": a restatement of the same number ("#### 18 (or 18.0)", "#### 0.5 (or 1/2)",
 # "#### $18 (or 18 dollars)") offers one answer, not two. The span is cleaned already ($, \frac, commas).
 _ALTERNATIVE = re.compile(r"[\s(*]*(" + _NUMBER.pattern + ")")
+# Units a quantity is restated in ("#### 90 (or 1.5 hours)", "#### 1.5 hours (or 90 minutes)") or written in two of
+# ("3 hours 30 minutes", which is neither 3 nor 30): each its size in the smallest unit of its kind.
+_UNITS = {w: (kind, size) for kind, sizes in {
+    "time": {1: "s sec secs second seconds", 60: "min mins minute minutes", 3600: "h hr hrs hour hours",
+             86400: "day days", 604800: "week weeks"},
+    "money": {1: "cent cents", 100: "dollar dollars"},
+    "length": {1: "inch inches", 12: "ft foot feet", 36: "yd yds yard yards", 63360: "mile miles"},
+    "metric length": {1: "mm millimeter millimeters", 10: "cm centimeter centimeters", 1000: "m meter meters metre metres",
+                      1000000: "km kilometer kilometers"},
+    "mass": {1: "g gram grams", 1000: "kg kilogram kilograms"},
+    "weight": {1: "oz ounce ounces", 16: "lb lbs pound pounds"},
+    "volume": {1: "ml milliliter milliliters", 1000: "l liter liters litre litres"},
+}.items() for size, words in sizes.items() for w in words.split()}
 
 
-def _restates(rest: str, start: int, number: str) -> bool:
-    """Whether the alternative at ``rest[start:]`` (after a hedge's "or") is ``number`` again: "18 (or 18.0)" is
-    18, as it read before hedges were refused (a review)."""
-    alt = _ALTERNATIVE.match(rest, start)
-    if alt is None or _HEDGE.match(rest[alt.end():].lstrip(")")):  # "18 or 18 or 19": a hedge still
+def _unit(word: str | None) -> tuple[str, int] | None:
+    return None if word is None else _UNITS.get(word.lower().rstrip("."))
+
+
+def _same_quantity(number: str, unit: str | None, alt: str, alt_unit: str | None) -> bool:
+    """Whether ``alt alt_unit`` is ``number unit`` again: the same number, or the same quantity in another unit of its
+    kind ("90 minutes" = "1.5 hours"; a bare "90" = "1.5 hours" where 90 of some unit of that kind is 1.5 hours)."""
+    a, b = _to_fraction(number), _to_fraction(alt)
+    if a is None or b is None:
         return False
-    return _to_fraction(alt.group(1)) == _to_fraction(number) is not None
+    if a == b:
+        return True
+    u, v = _unit(unit), _unit(alt_unit)
+    if v is None or (unit is not None and (u is None or u[0] != v[0])):
+        return False
+    sizes = [u[1]] if u is not None else [s for w, (k, s) in _UNITS.items() if k == v[0] and s != v[1]]
+    return any(a * s == b * v[1] for s in sizes)
+
+
+def _restates(rest: str, start: int, number: str, unit: str | None = None) -> bool:
+    """Whether the alternative at ``rest[start:]`` (after a hedge's "or") is ``number`` (of ``unit``) again: "18 (or
+    18.0)" is 18, as it read before hedges were refused (a review); "90 (or 1.5 hours)" is 90."""
+    alt = _ALTERNATIVE.match(rest, start)
+    if alt is None:
+        return False
+    alt_unit = _UNIT_WORD.match(rest, alt.end())
+    after = rest[alt_unit.end() if alt_unit else alt.end():]
+    if _HEDGE.match(after.lstrip(")")):  # "18 or 18 or 19": a hedge still
+        return False
+    return _same_quantity(number, unit, alt.group(1), alt_unit and alt_unit.group(1))
+
+
+def _second_answer(rest: str, number: str) -> bool:
+    """Whether what follows a span's number offers another answer beside it: a hedge ("72 or 73", "72 apples, or 73",
+    "72 or so"; not the same quantity restated, "72 (or 72.0)", "90 minutes (or 1.5 hours)"), a range ("72 to 73")
+    or a second number ("72 and 73", "72 and 3/4", "3 hours and 30 minutes", "5 feet 6 inches")."""
+    unit = _UNIT_WORD.match(rest)
+    for tail, word in [(rest, None)] + ([(rest[unit.end():], unit.group(1))] if unit else []):
+        hedge = _HEDGE.match(tail)
+        if hedge is not None:
+            return not _restates(tail, hedge.end(), number, word)
+        if _RANGE.match(tail):
+            return True
+    kind = _unit(unit.group(1)) if unit else None
+    if kind is None:
+        return False
+    second = _ALTERNATIVE.match(rest.replace(",", " "), unit.end())  # "3 hours 30 minutes", "1 hour, 30 minutes"
+    second_unit = _unit(second and (w := _UNIT_WORD.match(rest, second.end())) and w.group(1))
+    return second_unit is not None and second_unit[0] == kind[0]
 
 
 def _words_only(text: str) -> bool:
@@ -352,9 +443,8 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
     if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
-    hedge = _HEDGE.match(rest)
-    if hedge is not None and not _restates(rest, hedge.end(), m.group(0)):
-        return None  # "72 or 73", "72, or so", "72 (or 73)": a hedge, not an answer (it read as 72)
+    if _second_answer(rest, m.group(0)):
+        return None  # "72 or 73", "72, or so", "72 (or 73)", "72 to 73", "3 hours 30 minutes": no answer (read as 72, 3)
     if whole:
         rest = rest.lstrip().lstrip("*").lstrip().removeprefix("%").lstrip("*").strip().removesuffix(".")
         if not _words_only(rest):  # "72 apples" yes; "2 \\cdot 3", "3 and 4" no
@@ -442,12 +532,25 @@ def _read_hash_span(span: str, need_words: bool = True) -> tuple[str, str | None
     return kind, (_cleaned_span_number(s, span, whole=False) if kind == "lead" or need_words else None)
 
 
-def _line_after(text: str, start: int, bound: int) -> str | None:
-    """The first line with content in text[start:bound] (the answer under a heading), or None."""
-    for line in text[start:bound].split("\n", 8)[:8]:  # a few blank lines at most: the answer right below
-        if line.strip():
-            return line
+def _line_after(text: str, start: int, bound: int) -> tuple[str, int] | None:
+    """The first line with content in text[start:bound] (the answer under a heading) and where it ends, or None."""
+    for _ in range(8):  # a few blank lines at most: the answer right below
+        end = text.find("\n", start, bound)
+        end = bound if end < 0 else end
+        if text[start:end].strip():
+            return text[start:end], end
+        if end == bound:
+            return None
+        start = end + 1
     return None
+
+
+def _box_below(text: str, start: int, bound: int) -> str | None:
+    """The number of a box on the next line with content after ``start`` ("#### Final Answer\n2 hours\n\\boxed{120}":
+    the answer in the form the question asked for, 120 minutes; the line above it read as 2), or None."""
+    line = _line_after(text, start, bound)
+    box = None if line is None else last_boxed(line[0])
+    return None if box is None else span_number(box)
 
 
 HashAnswer = tuple[str, str] | None  # (the span, its number)
@@ -467,9 +570,8 @@ def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
         stop = bound if stop < 0 else stop
         span = text[pos + 4 : stop]
         if _ANSWER_HEADING.fullmatch(span):  # the answer is on the line below: read it as if after a ####
-            below = _line_after(text, stop, bound)
-            if below is not None:  # "- 18" read as -18, above the final \boxed{18}
-                below = _BULLET.sub("", below, count=1)
+            line = _line_after(text, stop, bound)
+            below = None if line is None else _BULLET.sub("", line[0], count=1)  # "- 18" read as -18, above \boxed{18}
             num = None if below is None else span_number(below)  # all of it a number: "72", "$72$", "72 apples."
             if num is None:
                 continue
@@ -477,6 +579,9 @@ def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
             # only words-first: prose under "#### Answer" must not outrank the final box
             kind = _read_hash_span(below)[0]
             span = below
+            boxed = _box_below(text, line[1], bound)
+            if boxed is not None:  # the box right under it is the answer it gives
+                kind, num = "lead", boxed
         elif _DIGIT.search(span) is None or _HEADING_LABEL.match(span):
             continue  # no number (a degenerate "####" run: not worth the cleaning below), or a heading's label
         else:
@@ -532,7 +637,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
         lead, words, numbered = _hash_spans(text)
         if lead is not None:
             return lead[1]
-        for find in (last_boxed, _answer_tag):
+        for find in (lambda t: final_box(t, lambda a, b: span_number(a) == span_number(b)), _answer_tag):
             span = find(text)
             if span is not None:
                 num = span_number(span, whole=True)
@@ -540,7 +645,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
                     return num
         return next((f[1] for f in (words, numbered) if f is not None), None)
     if kind == "math":
-        return last_boxed(text)
+        return final_box(text, _math_verify_equal)  # "\boxed{\frac12} or \boxed{0.5}" is one answer
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
 
 

@@ -49,7 +49,7 @@ def test_each_word_that_changes_the_number_after_it_makes_no_answer(word):
 
 def test_the_value_words_are_the_documented_ones():
     """Guards the sets themselves against a silently dropped word (a mutant of the literal)."""
-    assert _CHANGES_BEFORE == {"negative", "minus", "not", "no", "half"}
+    assert _CHANGES_BEFORE == {"negative", "minus", "not", "no", "half", "than", "least", "most"}
     assert {"halves", "dozen", "dozens", "hundred", "hundreds", "thousand", "thousands", "million", "millions",
             "billion", "billions", "trillion", "trillions", "squared", "cubed"} == _CHANGES_AFTER
 

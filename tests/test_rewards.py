@@ -759,3 +759,60 @@ def test_a_hash_span_is_cleaned_once(completion):
     with mock.patch.object(rewards, "_clean_number_text", wraps=rewards._clean_number_text) as clean:
         assert extract_answer(completion) == "72"
     assert clean.call_count == completion.count("####")
+
+
+def test_an_escaped_brace_does_not_close_the_box():
+    """``\\{`` is a literal brace in TeX, no group: ``\\boxed{\\left\\{ ... \\right.}`` (a piecewise answer) closed on
+    its ``\\{``, so the box was unclosed and no answer."""
+    piecewise = "so \\boxed{\\left\\{ \\begin{array}{ll} x & x > 0 \\\\ 0 & x \\le 0 \\end{array} \\right.}"
+    assert last_boxed(piecewise) == piecewise[len("so \\boxed{"):-1].strip()
+    assert last_boxed("\\boxed{x \\in \\{1, 2\\}}") == "x \\in \\{1, 2\\}"
+    assert last_boxed("\\boxed{a \\\\{b}}") == "a \\\\{b}"  # "\\\\" is a line break: the brace after it is a group
+
+
+@pytest.mark.parametrize("completion", [
+    "So \\boxed{73} or \\boxed{72}.", "$\\boxed{73}$, or maybe $\\boxed{72}$", "\\boxed{73}. Or is it \\boxed{72}?",
+    "\\boxed 73 or \\boxed 72",
+])
+def test_a_hedge_across_two_boxes_is_no_answer(completion):
+    """"\\boxed{73} or \\boxed{72}" read as its last box, 72: a hedge across boxes was rewarded for the alternative that
+    happened to be right (session 53's leftover), by gsm8k and by math."""
+    assert extract_answer(completion) is None and not is_correct(completion, "72", "gsm8k")
+    assert extract_answer(completion, "math") is None and REWARDS["math"](completion, "72") == 0.0
+    # the same answer restated, or a correction, is one answer
+    for one in ("\\boxed{72} or \\boxed{72.0}", "\\boxed{73}, or rather \\boxed{72}", "\\boxed{73}.\nOr, rechecking: \\boxed{72}"):
+        assert extract_answer(one) == "72"
+    assert REWARDS["math"]("\\boxed{\\frac{1}{2}} or \\boxed{0.5}", "0.5") == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "#### 72 to 73", "#### from 72 to 73", "#### between 72 and 73", "#### 72 through 73", "#### 72 and 73",
+    "#### 72 and 3/4", "#### 72 and a half", "#### 72 apples or 73 apples", "#### 72 dollars, or 73",
+    "#### 72 hours 30 minutes", "#### 72 hours, 30 minutes", "#### 72 hours and 30 minutes", "#### 72 feet 6 inches",
+    "#### at least 72", "#### more than 72", "#### less than 72", "\\boxed{72 \\text{ to } 73}",
+])
+def test_a_range_or_a_second_number_is_no_answer(completion):
+    """A range ("#### 72 to 73", session 53's leftover), a second number ("72 and 3/4", "72 hours 30 minutes"), a hedge
+    after a unit word ("72 apples or 73 apples") and an inequality ("at least 72") each read as 72."""
+    assert extract_answer(completion) is None and not is_correct(completion, "72", "gsm8k")
+    for still in ("#### 72 to go", "#### 72 apples in 3 boxes", "#### 72 not counting tax or tip", "#### 72 hours"):
+        assert extract_answer(still) == "72"
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("#### 90 (or 1.5 hours)", "90"), ("#### 90 minutes (or 1.5 hours)", "90"), ("#### 1.5 hours (or 90 minutes)", "1.5"),
+    ("#### $2 (or 200 cents)", "2"), ("#### 3 feet, or 36 inches", "3"),
+])
+def test_the_same_quantity_in_other_units_is_no_hedge(completion, want):
+    """"#### 90 (or 1.5 hours)" was a hedge, no answer (session 53's leftover): it offers one quantity, said twice."""
+    assert extract_answer(completion) == want
+    for hedge in ("#### 90 (or 1.6 hours)", "#### 90 (or 1.5 apples)", "#### 90 apples (or 1.5 hours)"):
+        assert extract_answer(hedge) is None
+
+
+def test_a_box_right_under_the_answer_headings_line_is_the_answer():
+    """"#### Final Answer\\n2 hours\\n\\boxed{120}" read as 2 (session 53's leftover): the box under the line gives the
+    answer in the form asked for."""
+    for completion in ("#### Final Answer\n2 hours\n\\boxed{120}", "#### Final Answer\n2 hours\n\n$\\boxed{120}$"):
+        assert extract_answer(completion) == "120" and is_correct(completion, "120", "gsm8k")
+    assert extract_answer("#### Final Answer\n120\n\nQuestion: Tom has 9 apples.\n\\boxed{5}") == "120"  # not a run-on's
