@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -821,6 +822,27 @@ def _known() -> str:
     return ", ".join(sorted(REWARDS)) + "; or module:function / file.py:function for your own"
 
 
+def _load_reward_file(path: Path):
+    """The module of a reward file, run once per file and content: ``--reward r.py:f --reward r.py:g`` runs r.py's top
+    level (a verifier it loads, say) once; ``a/r.py`` and ``b/r.py`` are two modules, where one name for both had the
+    second replace the first in sys.modules, which dataclasses and pickle look a module up in; and an edited file is
+    run again by a process that loaded it before (a notebook calling rollout twice)."""
+    resolved = path.resolve()
+    key = hashlib.sha256(str(resolved).encode() + b"\0" + resolved.read_bytes()).hexdigest()[:16]
+    name = f"qerl_user_reward_{path.stem}_{key}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # registered first, as importlib's recipe does
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
 def _load_user_function(name: str) -> Reward:
     target, _, attr = name.rpartition(":")
     if not target or not attr:
@@ -830,15 +852,7 @@ def _load_user_function(name: str) -> Reward:
             path = Path(os.path.expanduser(target))  # --reward=~/r.py:f: the shell expands no ~ after =
             if not path.is_file():
                 raise BadInputError(f"reward {name!r}: file {path} does not exist")
-            spec = importlib.util.spec_from_file_location(f"qerl_user_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            # registered first, as importlib's recipe does: dataclasses (and pickle) look their module up
-            sys.modules[spec.name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(spec.name, None)
-                raise
+            module = _load_reward_file(path)
         else:
             try:
                 module = importlib.import_module(target)

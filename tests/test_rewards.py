@@ -816,3 +816,28 @@ def test_a_box_right_under_the_answer_headings_line_is_the_answer():
     for completion in ("#### Final Answer\n2 hours\n\\boxed{120}", "#### Final Answer\n2 hours\n\n$\\boxed{120}$"):
         assert extract_answer(completion) == "120" and is_correct(completion, "120", "gsm8k")
     assert extract_answer("#### Final Answer\n120\n\nQuestion: Tom has 9 apples.\n\\boxed{5}") == "120"  # not a run-on's
+
+
+def test_reward_files_are_one_module_per_file_and_content(tmp_path):
+    # a/r.py and b/r.py shared the module name qerl_user_reward_r: the second replaced the first in sys.modules
+    # (where dataclasses and pickle look a module up); one file named twice ran its top level twice
+    import sys
+
+    for sub, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "r.py").write_text(textwrap.dedent(f"""
+            import sys
+            with open({str(tmp_path / (sub + '.runs'))!r}, "a") as log:
+                log.write("x")
+            def f(c, a):
+                return {value} if sys.modules[__name__].__file__ == __file__ else -1.0
+            def g(c, a):
+                return 0.5
+        """))
+    a, b = tmp_path / "a" / "r.py", tmp_path / "b" / "r.py"
+    rs = RewardSet.from_specs([f"{a}:f", f"{a}:g", f"{b}:f"])
+    assert rs.score("x", None)[0] == {f"{a}:f": 1.0, f"{a}:g": 0.5, f"{b}:f": 2.0}
+    assert (tmp_path / "a.runs").read_text() == "x"  # a/r.py ran once for both of its functions
+    b.write_text(b.read_text().replace("2.0 if", "3.0 if"))  # edited: the same process runs the new code
+    assert RewardSet.from_specs([f"{b}:f"]).score("x", None)[1] == 3.0
+    assert sum(name.startswith("qerl_user_reward_r_") for name in sys.modules) >= 3
