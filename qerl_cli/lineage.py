@@ -23,9 +23,14 @@ def recorded_base_hash(adapter_dir: Path) -> str | None:
     if not state_path.exists():
         return None
     try:
-        return json.loads(state_path.read_text()).get("base_model_hash")
+        recorded = json.loads(state_path.read_text()).get("base_model_hash")
     except (ValueError, AttributeError) as e:
         raise BadInputError(f"{state_path}: unreadable trainer state ({e})") from None
+    # a hand-edited number here ended rollout, merge and eval in a TypeError traceback (exit 1) while naming it
+    if recorded is not None and not isinstance(recorded, str):
+        raise BadInputError(f"{state_path}: base_model_hash should be a string or null, got {json.dumps(recorded)[:40]}",
+                            hint="restore the file from the step that wrote it")
+    return recorded
 
 
 def check_lineage(adapter_dir: Path, model_dir: Path, base_hash: str | None = None, *,

@@ -21,6 +21,22 @@ def test_negative_step_counts_are_refused(tmp_path, key):
         TrainerState.load(tmp_path / "trainer_state.json")
 
 
+def test_a_boolean_global_step_is_refused(tmp_path):
+    # bool is an int to isinstance: "global_step": true was read as step 1 and the metrics line said "step": true
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": True, "optimizer_steps": 1}))
+    with pytest.raises(BadInputError, match="no integer global_step"):
+        TrainerState.load(tmp_path / "trainer_state.json")
+
+
+def test_a_base_hash_that_is_no_string_is_named_by_rollout_merge_and_eval(tmp_path):
+    # their lineage check sliced it for the message: a TypeError traceback (exit 1) instead of one line (exit 2)
+    from qerl_cli.lineage import check_lineage
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 1, "base_model_hash": 12345}))
+    with pytest.raises(BadInputError, match="base_model_hash should be a string or null, got 12345"):
+        check_lineage(tmp_path, tmp_path, base_hash="ab" * 32)
+
+
 def test_trainer_state_does_not_depend_on_how_shards_are_spelled(tmp_path, monkeypatch):
     # The next step's input hash holds trainer_state.json: a redo of a step named --shards another way
     # (relative, from another cwd) made the next step "input adapter changed" (exit 4) over the same weights.

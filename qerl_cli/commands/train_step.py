@@ -35,7 +35,7 @@ def command(
     shards: Annotated[list[str], typer.Option("--shards", metavar="DIR|FILE|GLOB", help="Rollout shard dir, file or glob; repeat for several. Example: --shards rollouts/step-3")],
     out: Annotated[Path, typer.Option("--out", help="Output adapter dir (written atomically). Example: --out adapters/step-4")],
     adapter: Annotated[Path | None, typer.Option("--adapter", help="Adapter dir to continue (the one the rollout used); omit at step 0 for a fresh adapter (seeded init, B = 0). Example: --adapter runs/x/step-000003/adapter")] = None,
-    loss: Annotated[str, typer.Option("--loss", rich_help_panel="Algorithm", help="grpo (per-sequence mean) | dapo (token mean over the step) | dr_grpo (divide by max completion length) | bnpo (token mean per micro-batch). Example: --loss grpo")] = "dapo",
+    loss: Annotated[str, typer.Option("--loss", rich_help_panel="Algorithm", help="grpo (per-sequence mean) | dapo (token mean over the step) | dr_grpo (divide by max completion length; Dr. GRPO also wants --scale-rewards none) | bnpo (token mean per micro-batch). Example: --loss grpo")] = "dapo",
     scale_rewards: Annotated[str, typer.Option("--scale-rewards", rich_help_panel="Algorithm", help="Divide reward - group mean by the group's std (group), the step's std (batch) or nothing (none). Example: --scale-rewards batch")] = "group",
     clip_eps: Annotated[float, typer.Option("--clip-eps", rich_help_panel="Algorithm", help="PPO clip range below 1: ratio >= 1 - eps. Example: --clip-eps 0.2")] = 0.2,
     clip_eps_high: Annotated[float, typer.Option("--clip-eps-high", rich_help_panel="Algorithm", help="PPO clip range above 1 (DAPO clip-higher): ratio <= 1 + eps_high. Example: --clip-eps-high 0.28")] = 0.28,

@@ -52,7 +52,8 @@ class TrainerState:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise BadInputError(f"{path}: unreadable trainer state ({e})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
+        # bool is an int to isinstance: "global_step": true was read as step 1 (metrics said "step": true)
+        if not isinstance(data, dict) or type(data.get("global_step")) is not int:
             raise BadInputError(f"{path}: not a qerl trainer state (no integer global_step)")
         # A negative step is no position on the schedule: under warmup, lr_at gave a negative LR there (gradient
         # ascent, written as a finished step)
