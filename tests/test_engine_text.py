@@ -128,6 +128,18 @@ def test_special_tokens_inside_a_stop_do_not_push_it_out_of_the_window(qwen_styl
     assert c.finish_reason == "stop" and c.text == "A: 29" and c.token_ids == comp[: len(_ids(tok, "A: 29\n")) + 4]
 
 
+def test_ids_past_the_vocabulary_inside_a_stop_do_not_push_it_out_of_the_window(qwen_style):
+    # A model's embedding may have rows past the tokenizer's ids (Qwen2.5: 151936 for 151665 tokens); sampled,
+    # they decode to nothing, yet each counted as a byte of the window: "Q" pad pad pad ":" ran on past the stop
+    # "Q:" to the length limit, its recorded text holding the stop.
+    tok = qwen_style
+    pad = len(tok) + 5
+    head = _ids(tok, "A: 29. ")
+    comp = head + _ids(tok, "Q") + [pad] * 3 + _ids(tok, ":") + _ids(tok, " next one and more")
+    c = _run(tok, _ids(tok, "hi"), comp, stop=["Q:"])
+    assert c.finish_reason == "stop" and c.text == "A: 29. " and c.token_ids == comp[: len(head) + 5]
+
+
 def _reference_stop_hit(engine, s, stops):
     """The stop check before its shortcuts (session 41): walk the window back token by token, always decode."""
     need = max(len(x.encode("utf-8")) for x in stops) + 2

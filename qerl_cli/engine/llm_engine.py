@@ -14,6 +14,7 @@ whatever the caller set on it, so the rollout policy is exactly the training pol
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -217,9 +218,9 @@ class LLMEngine:
         s.logprobs.append(logprob)
         if token in stop_ids:
             s.finish_reason, s.stop_reason = "stop", token
-        # A special token shows no text, so it cannot complete a stop (the text is the one checked a token
-        # ago); checked anyway, a run of them walked the window back over the whole run: O(n^2) a sequence.
-        elif (sp.stop and self.tokenizer is not None and token not in self._special_ids()
+        # A token that shows no text cannot complete a stop (the text is the one checked a token ago);
+        # checked anyway, a run of them walked the window back over the whole run: O(n^2) a sequence.
+        elif (sp.stop and self.tokenizer is not None and not self._silent(token)
               and (hit := self._stop_string_hit(s, sp.stop))):
             s.finish_reason, s.stop_reason = "stop", hit
         elif len(s) >= s.max_len:
@@ -229,17 +230,18 @@ class LLMEngine:
     def _stop_string_hit(self, s: Sequence, stops: tuple[str, ...]) -> str | None:
         # Decode only a tail long enough to hold any stop string: O(1) per step instead of O(length).
         # Sized in UTF-8 bytes, not characters: byte-level BPE spends up to 4 tokens on one character
-        # ("你好" is 6 tokens in Qwen's vocabulary), and a token is never less than one byte. Matched
+        # ("你好" is 6 tokens in Qwen's vocabulary), and a token that shows text is never less than one byte. Matched
         # on the text as recorded (special tokens not shown, as vLLM matches): on the raw decode,
         # text joined across a special token was cut where generation had not stopped.
         need, enders = self._stop_plan(stops)
         ids, n, special = s.token_ids, len(s), self._special_ids()
         start = n - need
-        if not (start > s.num_prompt and (not special or special.isdisjoint(ids[start:]))):
-            start = n  # special tokens show no text: they do not count
+        if not (start > s.num_prompt and (not special or special.isdisjoint(ids[start:]))
+                and max(ids[start:]) < self._vocab_end()):
+            start = n  # tokens that show no text (special, past the vocabulary) do not count
             while start > s.num_prompt and need:
                 start -= 1
-                need -= ids[start] not in special
+                need -= not self._silent(ids[start])
         if start == s.num_prompt:  # the completion's first tokens: read after the prompt's (a leading space)
             tail = self._text(s, start, n)
         else:  # a stop completed by the last token lies >= 2 tokens past the window's first
@@ -316,6 +318,17 @@ class LLMEngine:
                 pass
             self._fast_decode = fast
         return fast
+
+    def _vocab_end(self) -> int | float:
+        """One past the tokenizer's last id (inf where the vocabulary is unknown). A model's embedding may have
+        rows past it (Qwen2.5: 151936 for 151665 tokens), which a model can sample and decoders drop."""
+        texts = self._token_texts()
+        return math.inf if texts is None else len(texts)
+
+    def _silent(self, token: int) -> bool:
+        """Whether a token shows no text in any decode: a special token, or an id past the vocabulary (counted
+        as a byte of the stop window, three of them between "Q" and ":" hid the stop "Q:")."""
+        return token in self._special_ids() or token >= self._vocab_end()
 
     def _special_ids(self) -> frozenset[int]:
         ids = getattr(self, "_special", None)
