@@ -207,6 +207,13 @@ def save_adapter(model, out_dir, *, base_model_path, extra_config: dict | None =
 _KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 
 
+def adapter_module_count(adapter_dir) -> int:
+    """How many LoRA modules ``load_adapter`` fills from this adapter, from its tensor names alone (no model): it
+    requires an A and a B for every module it wraps, and a wrapped module for every tensor."""
+    with _open_weights(_weights_path(Path(adapter_dir))) as fh:
+        return len({m["mod"] for k in fh.keys() if (m := _KEY.match(k.removeprefix(PREFIX)))})
+
+
 def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
     """Copy a PEFT adapter into the model's LoRALinears (they must exist: ``load_model(lora=...)``)."""
     adapter_dir = Path(adapter_dir)

@@ -18,13 +18,15 @@ Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--n
 (default K) completions per problem at ``--temperature`` and reports pass@1..pass@K with the
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
 adapter hashes, dataset hash, template, sampling, seed) goes into the manifest fingerprint, so
-rerunning the same eval is "already done" and two runs can be compared with ``--compare``.
+rerunning the same eval is "already done" and two runs can be compared with ``--compare``. The answer
+rules' versions (``rewards.RULE_VERSION``) are not in it but in metrics.json: a rerun under other rules
+scores the finished samples.jsonl again, generating nothing, rather than report the old rules' score.
 
 The output is a resumable ``StageOutput``, as rollout's: samples.jsonl grows in a partial directory
 named by the fingerprint, a problem's samples appended together and flushed. A rerun after an
 interrupt keeps the problems whose samples are all there (a prefix in dataset order), regenerates
 from the chunk of the first missing one (each problem seeded by its own index, so the same samples)
-and writes the samples.jsonl and metrics.json of an uninterrupted run.
+and writes the samples.jsonl and metrics.json of an uninterrupted run; one that kept every problem loads no model.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +46,7 @@ from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput, WriterLock, crash_point, sweep_leftover_partial
+from qerl_cli.rewards import RULE_VERSION
 from qerl_cli.runtime import as_many, check_field_types
 
 STAGE = "eval"
@@ -317,6 +321,24 @@ def default_max_new_tokens(context: int) -> int:
     return max(1, min(DEFAULT_MAX_NEW_TOKENS, (context + 1) // 2))  # 2047 (2048 positions less one): 1024
 
 
+def _rescores(cfg: EvalConfig, manifest: dict, metrics: dict) -> bool:
+    """Whether a finished run of these arguments is scored again: its answer rules' versions (``scorer_version``,
+    none before 2026-11-27) are not today's, so "already done" would print the old rule's score. Its samples.jsonl
+    holds every completion, so it is resumed as a run that kept every problem: no model, no generation, and its
+    output is replaced whole, as any finished run's (a stop midway leaves the old one)."""
+    if metrics.get("scorer_version") == RULE_VERSION:
+        return False
+    if manifest["config"].get("max_new_tokens") != cfg.max_new_tokens:  # older qerl's default (``default_was``)
+        if cfg.progress:  # its samples scored again, the new manifest would say they were generated with today's
+            print(f"note: {cfg.out} was scored by older answer rules and generated with an older default "
+                  "--max-new-tokens: its score is the old rules'; pass --force to redo it", file=sys.stderr)
+        return False
+    if cfg.progress:
+        print(f"note: {cfg.out} was scored by older answer rules: scoring its samples again with today's, without "
+              "generating", file=sys.stderr)
+    return True
+
+
 def _problem_seed(seed: int, index: int) -> int:
     """The sampling seed of problem ``index`` (its row in the dataset): reproducible, whatever the batch."""
     return (seed * 1_000_003 + index) % (2**31 - 1)
@@ -386,13 +408,27 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                      legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
+    done = None  # the metrics of a finished run of these arguments that today's answer rules score again
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
         sweep_leftover_partial(so)
-        metrics = json.loads((cfg.out / METRICS).read_text())
-        return {"out": str(cfg.out), "already_done": True, "metrics": metrics, "manifest": so.manifest}
+        done = json.loads((cfg.out / METRICS).read_text())
+        if not _rescores(cfg, so.manifest, done):
+            return {"out": str(cfg.out), "already_done": True, "metrics": done, "manifest": so.manifest}
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
+
+    def engine() -> GenerateFn:
+        """The generate function, its model loaded only here: a resume (or a rescoring) that kept every problem
+        has nothing to generate, and loading a 32B model for it took minutes."""
+        nonlocal generate, info
+        if generate is None:
+            if cfg.engine == "vllm":
+                generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
+            else:
+                generate, info = native_generator(cfg, tokenizer, device, torch_dtype, max_model_len)
+        return generate
+
     so.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
     records = None  # every record, once generated
     # The writer lock before the model loads: a second run of this eval (a requeued Slurm job) is refused
@@ -400,12 +436,13 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     with WriterLock(so):
         try:
             with so as work:
-                if generate is None:
-                    if cfg.engine == "vllm":
-                        generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
-                    else:
-                        generate, info = native_generator(cfg, tokenizer, device, torch_dtype, max_model_len)
-                records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, generate, work, console)
+                if done is not None:  # the finished run's samples, kept as a stopped run's are: scored, none generated
+                    shutil.copyfile(cfg.out / SAMPLES, work / SAMPLES)
+                records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, engine, work, console)
+                if generate is None and cfg.engine == "native":  # no model loaded: what native_generator counts
+                    from qerl_cli.adapters import adapter_module_count
+
+                    info["lora_modules"] = adapter_module_count(cfg.adapter) if cfg.adapter is not None else 0
                 metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, device, dtype_name)
                 metrics["time"] = {
                     "total_s": round(time.time() - t_start, 3),
@@ -413,6 +450,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                     # this run's tokens only: the resumed problems' were generated (and timed) by another run
                     "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else None,
                 }
+                if done is not None:  # the time of the run that generated the samples, not this rescoring's
+                    metrics["time"] = done.get("time", metrics["time"])
+                    so.extra["rescored_from"] = {"scorer_version": done.get("scorer_version")}
                 (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
                 so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
                 so.extra["resumed"] = resumed
@@ -521,11 +561,12 @@ def _sample_of(line: bytes, p, j: int) -> dict | None:
     return rec
 
 
-def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Path,
+def _generate_and_score(cfg: EvalConfig, prompts, engine: Callable[[], GenerateFn], work: Path,
                         console) -> tuple[list[dict], float, int, dict]:
     """Generate and score every problem not already in ``work``'s samples.jsonl, appending each problem's
     samples as it is scored; returns (every record in dataset order, generation seconds, tokens this run
-    generated, {"problems": resumed, "dropped_lines": cut from the partial file})."""
+    generated, {"problems": resumed, "dropped_lines": cut from the partial file}). ``engine()`` gives the
+    generate function, asked for only where a problem is left to generate."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -539,6 +580,7 @@ def _generate_and_score(cfg: EvalConfig, prompts, generate: GenerateFn, work: Pa
     # A resume starts at the chunk of the first missing problem and generates that chunk whole: the same
     # prompts batched together as in an uninterrupted run, so the same bits (batched matmuls round alike).
     first = kept - kept % chunk if kept < len(prompts) else len(prompts)
+    generate = engine() if first < len(prompts) else None
     t_gen = 0.0
     solved = sum(any(r["correct"] for r in records[i * n : (i + 1) * n]) for i in range(kept))
     tokens = 0  # generated by this run (a resumed chunk's kept problems included: they were generated again)
@@ -624,6 +666,7 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
         "scores": scores,
         "scorer": cfg.scorer,
         "scored_with": kinds,
+        "scorer_version": dict(RULE_VERSION),  # a rerun under other rules scores the samples again (_rescores)
         "counts": {
             "problems": len(per_problem),
             "samples_per_problem": n,

@@ -73,6 +73,11 @@ from qerl_cli.shards import REWARD_LIMIT
 REWARD_LIMIT_HINT = "rewards (and their weighted total) must lie within +-1e15"
 
 ANSWER_KINDS = ("gsm8k", "math")
+# The version of each answer rule's verdicts. Bump a kind's number with any change that can turn a verdict (an
+# answer read that was missed, or one refused that was taken; not a speed-up or a refactor): a finished `qerl eval`
+# records these in metrics.json, and a rerun of it under other numbers scores its samples again with today's rule
+# (no generation) rather than print the old rule's score as "already done".
+RULE_VERSION = {"gsm8k": 1, "math": 1}
 
 
 # ---- a prompt that opens <think> ----------------------------------------------------------------

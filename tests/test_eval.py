@@ -217,7 +217,7 @@ def test_default_max_new_tokens_fits_a_small_context(model_dir, tmp_path):
     assert default_max_new_tokens(1) == 1
 
 
-def test_an_eval_older_qerl_made_with_its_default_still_reads_as_done(model_dir, tmp_path, monkeypatch):
+def test_an_eval_older_qerl_made_with_its_default_still_reads_as_done(model_dir, tmp_path, monkeypatch, capsys):
     # Older qerl's default was a fixed number (1024); where this run takes the default and that number
     # fits the context, an output made with it is this run (a review: 1024 -> 1023 on 2048 positions made
     # every finished eval a new one). Scaled down: the fixture's context is 511 tokens.
@@ -233,6 +233,14 @@ def test_an_eval_older_qerl_made_with_its_default_still_reads_as_done(model_dir,
     manifest.write_text(json.dumps(dict(m, created="2026-11-25T10:00:00Z")))  # older qerl's, before the change
     res, _ = run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=300)
     assert res["already_done"]
+    # Scored by older answer rules, too: not scored again, as its manifest would then say the samples were
+    # generated with today's default (150 tokens); a note says its score is the old rules'.
+    metrics = tmp_path / "e" / "metrics.json"
+    metrics.write_text(json.dumps({k: v for k, v in json.loads(metrics.read_text()).items() if k != "scorer_version"}))
+    sizes = dict(m["output_bytes"], **{"metrics.json": metrics.stat().st_size})
+    manifest.write_text(json.dumps(dict(m, created="2026-11-25T10:00:00Z", output_bytes=sizes)))
+    res, _ = run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=300, progress=True)
+    assert res["already_done"] and "older default --max-new-tokens" in capsys.readouterr().err
     with pytest.raises(OutputExistsError, match="max_new_tokens: 200 -> 100"):  # where the old one did not fit: a new eval
         run(model_dir, tmp_path, GSM8K_ROWS, [], max_new_tokens=None, max_model_len=200)
 

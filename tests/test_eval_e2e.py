@@ -61,6 +61,27 @@ def test_eval_end_to_end_and_adapter_changes_outputs(setup):
     assert a != b, "the adapter did not change any completion: it was not applied"
 
 
+@pytest.mark.parametrize("with_adapter", [True, False])
+def test_a_resume_with_every_problem_kept_loads_no_model(setup, monkeypatch, with_adapter):
+    # A resume whose every problem was saved (a stop after the last one) loaded the model (minutes for a 32B model)
+    # to generate nothing. It loads none now, and metrics.json still records the LoRA modules the model would carry.
+    import shutil
+
+    import qerl_cli.evaluate as ev
+
+    tmp, base, adapter, data = setup
+    name = f"kept-{with_adapter}"
+    kw = {"adapter": adapter} if with_adapter else {}
+    full = _eval(base, data, tmp / f"{name}-ref", **kw)
+    partial = tmp / f".{name}.partial-{full['manifest']['fingerprint'][:16]}"  # the fingerprint does not count --out
+    partial.mkdir()
+    shutil.copy(tmp / f"{name}-ref" / "samples.jsonl", partial)
+    monkeypatch.setattr(ev, "native_generator", lambda *a: pytest.fail("the model was loaded"))
+    res = _eval(base, data, tmp / name, **kw)
+    assert res["manifest"]["resumed"]["problems"] == 3 and not partial.exists()
+    assert res["metrics"]["lora_modules"] == (14 if with_adapter else 0)
+    assert {**res["metrics"], "time": None} == {**full["metrics"], "time": None}
+
 
 def test_merged_checkpoint_generates_the_adapters_completions(tmp_path):
     """Bundled pretrained model (confident argmaxes, unlike a random one) + a random adapter: the

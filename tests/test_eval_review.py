@@ -322,3 +322,39 @@ def test_a_rescoring_rewrite_stopped_midway_keeps_the_finished_problems(two_chun
     assert res["manifest"]["resumed"]["problems"] == 4 and gen.asked == [[4]]
     assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
     assert sorted(p.name for p in cfg.out.iterdir()) == ["manifest.json", "metrics.json", "samples.jsonl"]  # no leftover
+
+
+@pytest.mark.parametrize("older", ["version", "none"])
+def test_a_finished_eval_of_older_answer_rules_is_scored_again_without_generating(two_chunks, tmp_path, monkeypatch,
+                                                                                 capsys, older):
+    # A finished eval recorded no version of the rules that scored it: after an upgrade that changed a rule, the same
+    # command said "already done" and printed the old rule's score. Now it scores the kept completions again.
+    import qerl_cli.evaluate as ev
+
+    cfg, ref = two_chunks
+    today, metrics = ev.score_completion, ev._metrics
+    with monkeypatch.context() as m:  # an older qerl: other verdicts, and another rule version (or none recorded)
+        m.setattr(ev, "score_completion", lambda *a: replace(today(*a), correct=not today(*a).correct))
+        if older == "version":
+            m.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})
+        else:
+            m.setattr(ev, "_metrics", lambda *a: {k: v for k, v in metrics(*a).items() if k != "scorer_version"})
+        old = evaluate(cfg, generate=BySeed())["metrics"]
+    assert old["scores"] != json.loads((ref / "metrics.json").read_text())["scores"]
+    finished = {p.name: p.read_bytes() for p in cfg.out.iterdir()}
+
+    def stop(*a):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:  # stopped before its rename: the old output stays whole, for the next rerun
+        m.setattr(ev, "_metrics", stop)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(cfg, generate=BySeed())
+    assert {p.name: p.read_bytes() for p in cfg.out.iterdir()} == finished
+    gen = BySeed()
+    res = evaluate(replace(cfg, progress=True), generate=gen)
+    assert not res["already_done"] and gen.asked == []  # scored, not generated
+    assert "scored by older answer rules" in capsys.readouterr().err
+    assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
+    assert _without_time(cfg.out) == _without_time(ref) and res["metrics"]["time"] == old["time"]
+    assert res["manifest"]["rescored_from"] == {"scorer_version": old.get("scorer_version")}
+    assert evaluate(cfg, generate=gen)["already_done"] and not list(tmp_path.glob(".e.*"))
