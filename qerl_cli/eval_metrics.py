@@ -181,6 +181,9 @@ def compare_table(eval_dirs: Sequence[Path]):
                      "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
     if len({m.get("scorer") for _, m in runs}) > 1:
         notes.append("warning: the runs were scored by different rules (--scorer)")
+    elif len({json.dumps(m.get("scorer_version"), sort_keys=True) for _, m in runs}) > 1:
+        notes.append("warning: the runs were scored by different versions of the answer rules (a qerl upgrade); "
+                     "rerun each eval command to score its samples again with today's")
     settings = [_generation_settings(d, m) for d, m in runs]
     differ = [flag for flag in settings[0] if len({json.dumps(s[flag], sort_keys=True) for s in settings}) > 1]
     if differ:

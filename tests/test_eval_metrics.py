@@ -248,3 +248,24 @@ def test_compare_says_which_generation_settings_differ(tmp_path):
     console = Console(record=True, width=250)
     console.print(compare_table([a, c]))
     assert "generated with different" not in console.export_text()
+
+
+def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_path):
+    from rich.console import Console
+
+    from qerl_cli.rewards import RULE_VERSION
+
+    a = _fake_run(tmp_path / "old", "base", 0.6)  # no scorer_version: an eval from before 2026-11-27
+    b = _fake_run(tmp_path / "new", "tuned", 0.66)
+    m = json.loads((b / "metrics.json").read_text())
+    m["scorer_version"] = RULE_VERSION
+    (b / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=300)
+    console.print(compare_table([a, b]))
+    assert "different versions of the answer rules" in " ".join(console.export_text().split())  # the caption wraps
+    m = json.loads((a / "metrics.json").read_text())
+    m["scorer_version"] = dict(RULE_VERSION)
+    (a / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=300)
+    console.print(compare_table([a, b]))
+    assert "answer rules" not in console.export_text()
