@@ -45,7 +45,7 @@ from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
-from qerl_cli.outputs import StageOutput, WriterLock, crash_point, sweep_leftover_partial
+from qerl_cli.outputs import StageOutput, WriterLock, crash_point, forget_completed, sweep_leftover_partial
 from qerl_cli.rewards import RULE_VERSION
 from qerl_cli.runtime import as_many, check_field_types
 
@@ -414,6 +414,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         done = json.loads((cfg.out / METRICS).read_text())
         if not _rescores(cfg, so.manifest, done):
             return {"out": str(cfg.out), "already_done": True, "metrics": done, "manifest": so.manifest}
+        forget_completed(cfg.out)  # found done, now redone: a stop midway must not say "a rerun says already done"
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}

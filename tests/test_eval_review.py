@@ -350,6 +350,9 @@ def test_a_finished_eval_of_older_answer_rules_is_scored_again_without_generatin
         with pytest.raises(KeyboardInterrupt):
             evaluate(cfg, generate=BySeed())
     assert {p.name: p.read_bytes() for p in cfg.out.iterdir()} == finished
+    from qerl_cli.outputs import completed_outputs
+
+    assert cfg.out not in completed_outputs()  # the stop line said "complete (a rerun says already done)"
     gen = BySeed()
     res = evaluate(replace(cfg, progress=True), generate=gen)
     assert not res["already_done"] and gen.asked == []  # scored, not generated
