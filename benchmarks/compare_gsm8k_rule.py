@@ -110,6 +110,12 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("two-units", f"{reason}\n#### {r} hours {k} minutes", None),
         ("inequality", f"{reason}\n#### at least {r}", None),
         ("heading-below-unit+box", f"{reason}\n#### Final Answer\n{r * 100} cents\n\\boxed{{{r}}}", r),
+        # ---- a review of session 54's rule (s54r07): right answers it read as none, a bound in bold it read as one
+        ("restated-in-parens", f"{reason}\n#### {r} hours ({r * 60} minutes)", r),
+        ("restated-in-two-units", f"{reason}\n#### {r * 60 + 30} minutes (or {r} hours and 30 minutes)", r * 60 + 30),
+        ("rounding-note", f"{reason}\n#### {r}.00, to 2 decimal places", r),
+        ("bound-word-label", f"{reason}\n#### She spent the most: ${r}", r),
+        ("inequality-bold", f"{reason}\n#### at least **{r}**", None),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

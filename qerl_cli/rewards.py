@@ -21,7 +21,8 @@ regenerating. Built-ins:
   line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
   word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``), a hedge (``72 or 73``, ``72 or
   so``, ``72 apples or 73 apples``; not the number restated, ``72 (or 72.0)``, nor the same quantity in another unit,
-  ``90 (or 1.5 hours)``), a range or a second number (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``) and a hedge
+  ``90 (or 1.5 hours)``, ``3 hours (180 minutes)``, ``90 minutes (1 hour 30 minutes)``), a range or a second number
+  (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``) and a hedge
   across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
@@ -216,7 +217,10 @@ def _next_operand(rest: str) -> bool:
 
 # Words that make the number another one ("minus 5" is -5, "2 dozen" is 24) or deny it ("not 5"), right before or
 # after it: the span is no answer. A denial counts before the number only: "#### 72 not counting tax" still answers 72.
-_CHANGES_BEFORE = frozenset("negative minus not no half than least most".split())  # "more than 72", "at least 72"
+_CHANGES_BEFORE = frozenset("negative minus not no half".split())
+# Bounds right before the number: "more than 72", "at least 72" are no answer. Not before a label's colon: "#### She
+# spent the most: $72" is 72 (a review: it read as a bound, no answer).
+_BOUNDS_BEFORE = frozenset("than least most".split())
 _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
     trillion trillions squared cubed""".split())
 
@@ -225,8 +229,10 @@ _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thou
 # alternative that happens to be right.
 _HEDGE = re.compile(r"[\s,;(*]*(?:and/)?or\b", re.IGNORECASE)
 # A range or a second number after the number (or its unit word): "#### 72 to 73", "between 72 and 73", "72 and 3/4",
-# "3 hours and 30 minutes", "2 and a half": the first number is not the answer (each read as it).
-_RANGE = re.compile(r"[\s,;*]*(?:(?:to|through|and)\s+(?=\(?[-$]?\.?\d)|and\s+a\s+(?:half|third|quarter)\b)",
+# "3 hours and 30 minutes", "2 and a half": the first number is not the answer (each read as it). A rounding note is
+# no second number: "#### 72.5, to 1 decimal place", "#### 3.75 rounded to 2 significant figures" (a review: no answer).
+_RANGE = re.compile(r"[\s,;*]*(?:(?:to|through|and)\s+(?=\(?[-$]?\.?\d)"
+                    r"(?!\d+\s*(?:decimal|significant|sig\b|d\.?p\b|s\.?f\b))|and\s+a\s+(?:half|third|quarter)\b)",
                     re.IGNORECASE)
 # The word after a span's number, a unit maybe ("72 apples or 73"); "or", "and", "to" are the connectors above, no unit.
 _UNIT_WORD = re.compile(r"[\s*]*(?!(?:or|and|to|through)\b)([A-Za-z][A-Za-z.]*)", re.IGNORECASE)
@@ -252,32 +258,56 @@ def _unit(word: str | None) -> tuple[str, int] | None:
     return None if word is None else _UNITS.get(word.lower().rstrip("."))
 
 
-def _same_quantity(number: str, unit: str | None, alt: str, alt_unit: str | None) -> bool:
+def _same_quantity(number: str, unit: str | None, alt: Fraction, alt_unit: str | None) -> bool:
     """Whether ``alt alt_unit`` is ``number unit`` again: the same number, or the same quantity in another unit of its
     kind ("90 minutes" = "1.5 hours"; a bare "90" = "1.5 hours" where 90 of some unit of that kind is 1.5 hours)."""
-    a, b = _to_fraction(number), _to_fraction(alt)
-    if a is None or b is None:
+    a, b = _to_fraction(number), alt
+    if a is None:
         return False
+    u, v = _unit(unit), _unit(alt_unit)
+    if u is not None and v is not None:  # "3 hours (180 minutes)" is one quantity, "3 hours 3 minutes" two
+        return u[0] == v[0] and a * u[1] == b * v[1]
     if a == b:
         return True
-    u, v = _unit(unit), _unit(alt_unit)
     if v is None or (unit is not None and (u is None or u[0] != v[0])):
         return False
     sizes = [u[1]] if u is not None else [s for w, (k, s) in _UNITS.items() if k == v[0] and s != v[1]]
     return any(a * s == b * v[1] for s in sizes)
 
 
+# A further part of a quantity in two units: "1 hour 30 minutes", "1 hour and 30 minutes", "2 hours, 30 minutes".
+_MORE_OF_UNIT = re.compile(r"[\s,]*(?:and\s+)?(" + _NUMBER.pattern + r")\s*([A-Za-z][A-Za-z.]*)", re.IGNORECASE)
+
+
+def _quantity_at(rest: str, start: int) -> tuple[Fraction, str | None, int] | None:
+    """The number at ``rest[start:]``, the word after it (a unit maybe) and where they end; a quantity in two units of
+    one kind is one quantity, in the first one's unit ("1 hour 30 minutes" is 1.5 hour): "90 minutes (1 hour 30
+    minutes)" restates 90 minutes (it read as a second answer, no answer; a review)."""
+    alt = _ALTERNATIVE.match(rest, start)
+    value = None if alt is None else _to_fraction(alt.group(1))
+    if value is None:
+        return None
+    word = _UNIT_WORD.match(rest, alt.end())
+    unit = _unit(word and word.group(1))
+    end = word.end() if word else alt.end()
+    for _ in range(3) if unit is not None else ():  # "1 day 2 hours 30 minutes" at most
+        part = _MORE_OF_UNIT.match(rest, end)
+        more, more_unit = (None, None) if part is None else (_to_fraction(part.group(1)), _unit(part.group(2)))
+        if more is None or more_unit is None or more_unit[0] != unit[0]:
+            break
+        value, end = value + more * more_unit[1] / unit[1], part.end()
+    return value, word and word.group(1), end
+
+
 def _restates(rest: str, start: int, number: str, unit: str | None = None) -> bool:
     """Whether the alternative at ``rest[start:]`` (after a hedge's "or") is ``number`` (of ``unit``) again: "18 (or
     18.0)" is 18, as it read before hedges were refused (a review); "90 (or 1.5 hours)" is 90."""
-    alt = _ALTERNATIVE.match(rest, start)
+    alt = _quantity_at(rest, start)
     if alt is None:
         return False
-    alt_unit = _UNIT_WORD.match(rest, alt.end())
-    after = rest[alt_unit.end() if alt_unit else alt.end():]
-    if _HEDGE.match(after.lstrip(")")):  # "18 or 18 or 19": a hedge still
+    if _HEDGE.match(rest[alt[2]:].lstrip(")")):  # "18 or 18 or 19": a hedge still
         return False
-    return _same_quantity(number, unit, alt.group(1), alt_unit and alt_unit.group(1))
+    return _same_quantity(number, unit, alt[0], alt[1])
 
 
 def _second_answer(rest: str, number: str) -> bool:
@@ -294,9 +324,11 @@ def _second_answer(rest: str, number: str) -> bool:
     kind = _unit(unit.group(1)) if unit else None
     if kind is None:
         return False
-    second = _ALTERNATIVE.match(rest.replace(",", " "), unit.end())  # "3 hours 30 minutes", "1 hour, 30 minutes"
-    second_unit = _unit(second and (w := _UNIT_WORD.match(rest, second.end())) and w.group(1))
-    return second_unit is not None and second_unit[0] == kind[0]
+    second = _quantity_at(rest.replace(",", " "), unit.end())  # "3 hours 30 minutes", "1 hour, 30 minutes"
+    second_unit = _unit(second and second[1])
+    # the same quantity again is no second answer: "3 hours (180 minutes)", "18 dollars (1800 cents)" (it read as one)
+    return (second_unit is not None and second_unit[0] == kind[0]
+            and not _same_quantity(number, unit.group(1), second[0], second[1]))
 
 
 def _words_only(text: str) -> bool:
@@ -444,11 +476,14 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
         return None
     # the word right before the number and the one right after it: a word further away belongs to the sentence
     # ("After giving away half, she has 36 marbles", "There are no cookies left, so 0", "24 eggs, two dozen")
-    before = [w for w in _WORD_GAP.split(s[: m.start()]) if w][-1:]
-    after = _WORD_GAP.split(rest.strip(), maxsplit=1)[:1]
+    # ("**" is no word: "at least **72**", "**72** dozen" read as 72)
+    before = [w for w in _WORD_GAP.split(s[: m.start()].replace("*", " ")) if w][-1:]
+    after = _WORD_GAP.split(rest.replace("*", " ").strip(), maxsplit=1)[:1]
     if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
+    if _BOUNDS_BEFORE.intersection(w.lower() for w in before) and not s[: m.start()].rstrip(" \t*").endswith(":"):
+        return None  # "more than 72", "at least 72": a bound, not the answer ("the most: 72" is a label)
     if _second_answer(rest, m.group(0)):
         return None  # "72 or 73", "72, or so", "72 (or 73)", "72 to 73", "3 hours 30 minutes": no answer (read as 72, 3)
     if whole:
@@ -555,8 +590,13 @@ def _box_below(text: str, start: int, bound: int) -> str | None:
     """The number of a box on the next line with content after ``start`` ("#### Final Answer\n2 hours\n\\boxed{120}":
     the answer in the form the question asked for, 120 minutes; the line above it read as 2), or None."""
     line = _line_after(text, start, bound)
-    box = None if line is None else last_boxed(line[0])
+    box = None if line is None else final_box(line[0], _same_number)  # "\boxed{72} or \boxed{73}" gives none (read 73)
     return None if box is None else span_number(box)
+
+
+def _same_number(a: str, b: str) -> bool:
+    """Whether two boxes give one number (a hedge between them is none: final_box)."""
+    return span_number(a) == span_number(b)
 
 
 HashAnswer = tuple[str, str] | None  # (the span, its number)
@@ -643,7 +683,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
         lead, words, numbered = _hash_spans(text)
         if lead is not None:
             return lead[1]
-        for find in (lambda t: final_box(t, lambda a, b: span_number(a) == span_number(b)), _answer_tag):
+        for find in (lambda t: final_box(t, _same_number), _answer_tag):
             span = find(text)
             if span is not None:
                 num = span_number(span, whole=True)
@@ -831,13 +871,15 @@ def _load_reward_file(path: Path):
     """The module of a reward file, run once per file and content: ``--reward r.py:f --reward r.py:g`` runs r.py's top
     level (a verifier it loads, say) once; ``a/r.py`` and ``b/r.py`` are two modules, where one name for both had the
     second replace the first in sys.modules, which dataclasses and pickle look a module up in; and an edited file is
-    run again by a process that loaded it before (a notebook calling rollout twice)."""
-    resolved = path.resolve()
-    key = hashlib.sha256(str(resolved).encode() + b"\0" + resolved.read_bytes()).hexdigest()[:16]
+    run again by a process that loaded it before (a notebook calling rollout twice). The path is made absolute, not
+    resolved: a symlinked file's ``__file__`` is the link, as Python's own import keeps it (a reward reading a file
+    beside it, ``Path(__file__).parent / "answers.json"``, looked beside the link's target; a review)."""
+    path = Path(os.path.abspath(path))  # r.py and /abs/r.py: one module
+    key = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
     name = f"qerl_user_reward_{path.stem}_{key}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # registered first, as importlib's recipe does
     try:

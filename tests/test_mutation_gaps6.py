@@ -7,7 +7,7 @@ Each pins a verdict a user would see (a reward of 1 or 0); each docstring names 
 
 import pytest
 
-from qerl_cli.rewards import _CHANGES_AFTER, _CHANGES_BEFORE, extract_answer, is_correct
+from qerl_cli.rewards import _BOUNDS_BEFORE, _CHANGES_AFTER, _CHANGES_BEFORE, extract_answer, is_correct
 
 
 # ---- _next_operand: an operator and an operand after a #### line's number ----------------------
@@ -28,7 +28,7 @@ def test_a_second_number_after_a_space_that_starts_with_a_point_is_no_answer():
 
 
 # ---- value-changing words -----------------------------------------------------------------------
-@pytest.mark.parametrize("word", sorted(_CHANGES_BEFORE))
+@pytest.mark.parametrize("word", sorted(_CHANGES_BEFORE | _BOUNDS_BEFORE))
 def test_each_word_that_changes_or_denies_the_number_before_it_makes_no_answer(word):
     """Mutants: any one word dropped from _CHANGES_BEFORE ("negative", "no", "half", ...), or the check made
     case-sensitive (`w` for `w.lower()`): "#### negative 5" / "\\boxed{\\text{No } 5}" then scored 5 right."""
@@ -49,7 +49,8 @@ def test_each_word_that_changes_the_number_after_it_makes_no_answer(word):
 
 def test_the_value_words_are_the_documented_ones():
     """Guards the sets themselves against a silently dropped word (a mutant of the literal)."""
-    assert _CHANGES_BEFORE == {"negative", "minus", "not", "no", "half", "than", "least", "most"}
+    assert _CHANGES_BEFORE == {"negative", "minus", "not", "no", "half"}
+    assert _BOUNDS_BEFORE == {"than", "least", "most"}
     assert {"halves", "dozen", "dozens", "hundred", "hundreds", "thousand", "thousands", "million", "millions",
             "billion", "billions", "trillion", "trillions", "squared", "cubed"} == _CHANGES_AFTER
 

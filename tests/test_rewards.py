@@ -841,3 +841,87 @@ def test_reward_files_are_one_module_per_file_and_content(tmp_path):
     b.write_text(b.read_text().replace("2.0 if", "3.0 if"))  # edited: the same process runs the new code
     assert RewardSet.from_specs([f"{b}:f"]).score("x", None)[1] == 3.0
     assert sum(name.startswith("qerl_user_reward_r_") for name in sys.modules) >= 3
+
+
+# ---- a review of the two commits above (s54r07): correct answers the new rule read as none, a hedge it rewarded ----
+@pytest.mark.parametrize("completion, want", [
+    ("#### 3 hours (180 minutes)", "3"), ("#### 72 hours (3 days)", "72"), ("#### 18 dollars (1800 cents)", "18"),
+    ("#### 6 feet (72 inches)", "6"), ("#### 2 weeks, 14 days", "2"),
+])
+def test_the_same_quantity_in_another_unit_without_or_is_one_answer(completion, want):
+    """"#### 3 hours (180 minutes)" read as two quantities in units of one kind ("3 hours 30 minutes"): no answer, a
+    right answer scored 0 (until 1d5624a it was 3). Two different quantities still are none."""
+    assert extract_answer(completion) == want and is_correct(completion, want, "gsm8k")
+    for two in ("#### 3 hours 30 minutes", "#### 3 hours (3 minutes)", "#### 3 hours 3 minutes",
+                "#### 18 dollars (18 cents)"):
+        assert extract_answer(two) is None
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("#### 90 minutes (or 1 hour 30 minutes)", "90"), ("#### 150 minutes (2 hours and 30 minutes)", "150"),
+    ("#### 1.5 hours, or 1 hour and 30 minutes", "1.5"), ("#### 150 minutes, or 2 hours, 30 minutes", "150"),
+    ("#### 90 (or 1 hour and 30 minutes)", "90"),
+])
+def test_a_quantity_restated_in_two_units_is_one_answer(completion, want):
+    """"#### 90 minutes (or 1 hour 30 minutes)" compared 90 minutes with 1 hour alone: a hedge, no answer (until 1d5624a
+    it was 90). The parts of one kind add up; a different total, or a hedge after them, is still none."""
+    assert extract_answer(completion) == want and is_correct(completion, want, "gsm8k")
+    for hedge in ("#### 100 minutes (1 hour 30 minutes)", "#### 90 minutes (or 1 hour 30 minutes, or 2 hours)",
+                  "#### 90 minutes (1 hour 30 minutes 10 seconds)", "#### 90 (or 1 hour and 20 minutes)"):
+        assert extract_answer(hedge) is None
+
+
+@pytest.mark.parametrize("completion, want", [
+    ("#### 72.50, to 2 decimal places", "72.5"), ("#### 3.75 rounded to 2 significant figures", "3.75"),
+    ("#### 72 to 2 sig figs", "72"), ("#### 0.33 (rounded to 2 d.p.)", "0.33"),
+])
+def test_a_rounding_note_is_no_second_number(completion, want):
+    """"to 2 decimal places" read as a range "72 to 2": no answer (until 1d5624a it was the number)."""
+    assert extract_answer(completion) == want
+    assert extract_answer("#### 72 to 73") is None and extract_answer("#### 3.75 to 4 hours") is None
+
+
+def test_a_bound_word_before_a_labels_colon_is_no_bound():
+    """"#### She spent the most: $72" read as the bound "most 72": no answer (until 1d5624a it was 72)."""
+    for completion in ("#### She spent the most: $72", "#### The most she can buy: **72**", "#### Least: 72"):
+        assert extract_answer(completion) == "72" and is_correct(completion, "72", "gsm8k")
+    assert extract_answer("#### at least 72") is None and extract_answer("#### no more than 72") is None
+
+
+@pytest.mark.parametrize("completion", ["#### at least **72**", "#### more than **72** apples", "#### not **5**",
+                                        "#### minus **5**", "#### **5** dozen"])
+def test_bold_hides_no_word_that_changes_the_number(completion):
+    """"**" was the word next to the number: "#### at least **72**" read as 72, a bound rewarded as the answer."""
+    assert extract_answer(completion) is None
+    assert not is_correct(completion, "72" if "72" in completion else "5", "gsm8k")
+
+
+def test_a_hedge_across_two_boxes_under_the_answer_heading_gives_no_box():
+    """The box under an answer heading's line was read as last_boxed: "\\boxed{72} or \\boxed{73}" there gave 73, a
+    hedge rewarded. Now it gives no box, and the heading's own line (72) stands, as before 1d5624a."""
+    completion = "#### Answer\n72\n\\boxed{72} or \\boxed{73}"
+    assert extract_answer(completion) == "72" and not is_correct(completion, "73", "gsm8k")
+    assert extract_answer("#### Answer\n2 hours\n\\boxed{120} or \\boxed{120.0}") == "120"
+
+
+def test_a_symlinked_reward_file_is_loaded_as_the_link(tmp_path, monkeypatch):
+    """The file was loaded from its resolved path: ``__file__`` was the link's target, so a reward reading a file beside
+    it looked in the target's folder (FileNotFoundError; until dc38ad5 it read beside the link). The same file named
+    relative and absolute is still one module, run once; its source is the link, hashed as the target's text."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "lib" / "impl.py").write_text(textwrap.dedent(f"""
+        from pathlib import Path
+        with open({str(tmp_path / 'runs')!r}, "a") as log:
+            log.write("x")
+        def f(c, a):
+            return float((Path(__file__).parent / "scale.txt").read_text())
+    """))
+    (tmp_path / "run" / "scale.txt").write_text("2")
+    link = tmp_path / "run" / "r.py"
+    link.symlink_to(tmp_path / "lib" / "impl.py")
+    monkeypatch.chdir(tmp_path / "run")
+    rs = RewardSet.from_specs([f"{link}:f", "r.py:f", "./r.py:f"])
+    assert rs.score("x", None)[1] == 6.0
+    assert (tmp_path / "runs").read_text() == "x"
+    assert {s.reward.source for s in rs.specs} == {str(link)}
