@@ -212,6 +212,7 @@ class VLLMEngine:
                  max_model_len: int | None, seed: int, gpu_memory_utilization: float = 0.85,
                  ship_functions: bool = True):
         from qerl_cli.adapters import NORMS, trained_norms
+        from qerl_cli.models.loader import check_quant_config
 
         if adapter_dir is not None and trained_norms(adapter_dir):
             # vLLM's LoRA requests carry only LoRA tensors: sampling would silently use the base's norms.
@@ -219,6 +220,11 @@ class VLLMEngine:
                                 "cannot apply", hint="use --engine native, or serve a qerl merge of the adapter")
         if ship_functions:  # only set_noise (rollout) ships a function; eval needs no pickle serialization
             allow_function_shipping()
+        # The checkpoints the native engine takes, no others: vLLM finds a ModelOpt dir by its
+        # hf_quant_config.json and serves it as ModelOpt NVFP4 (W4A4 in the vLLM builds that want an input_scale,
+        # which qerl's weight-only ModelOpt files lack), so `--format modelopt` reached vLLM while the docs
+        # (and the native engine) refused it.
+        check_quant_config(Path(model_dir))
         use_spawn()
         vllm = _vllm()
         kw = dict(model=str(model_dir), dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, "auto"),

@@ -238,24 +238,19 @@ def test_what_vllm_refuses_after_loading_is_refused_before_it(tmp_path, monkeypa
 
 
 def _fake_vllm(monkeypatch, seen: dict):
-    """A stand-in ``vllm`` module (no vLLM here): records the environment ``LLM(...)`` starts under."""
-    import os
-    import sys
-    import types
+    """The stand-in ``vllm`` (tests/vllm_standin.py; no vLLM here), recording the environment ``LLM(...)`` starts under."""
+    from tests import vllm_standin
 
-    mod = types.ModuleType("vllm")
+    vllm = vllm_standin.install(monkeypatch)
 
-    class LLM:
-        def __init__(self, **kw):
-            seen.update(kw=kw, method=os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
-                        pickle=os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION"))
+    class LLM(vllm.LLM):
+        def __init__(self, model, **kw):
+            super().__init__(model, **kw)
+            seen.update(kw=kw, method=self.environ["VLLM_WORKER_MULTIPROC_METHOD"],
+                        pickle=self.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"])
 
-    mod.LLM = LLM
-    mod.__spec__ = __import__("importlib.machinery").machinery.ModuleSpec("vllm", None)
-    monkeypatch.setitem(sys.modules, "vllm", mod)
-    for name in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
-        monkeypatch.setenv(name, "")  # recorded, so that what the engine sets is undone after the test
-        monkeypatch.delenv(name)
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    return vllm
 
 
 def test_vllm_engine_core_is_spawned_not_forked(monkeypatch):
@@ -331,3 +326,58 @@ def test_a_device_vllm_would_ignore_is_refused(tmp_path):
                               device="cuda:1", progress=False))
     with pytest.raises(BadInputError, match="--device cpu with --engine vllm"):
         EvalConfig(model=tmp_path, dataset=tmp_path / "d.jsonl", out=tmp_path / "e", engine="vllm", device="cpu")
+
+
+def _vllm_rollout(tmp_path, monkeypatch, model, **kw):
+    """rollout --engine vllm on the stand-in, as on a GPU machine (the stage's device probe says cuda)."""
+    import qerl_cli.rollout as rollout_mod
+    from qerl_cli.assets import tiny_task_file
+
+    monkeypatch.setattr(rollout_mod, "resolve_device", lambda device: "cuda")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(x + "\n" for x in tiny_task_file("test").read_text().splitlines()[:3]))
+    return rollout_mod.rollout(rollout_mod.RolloutConfig(model=model, prompts=prompts, out=tmp_path / "o", engine="vllm",
+                                                         num_generations=4, max_new_tokens=6, progress=False, **kw))
+
+
+def test_vllm_rollout_runs_against_the_stand_ins_api(tmp_path, monkeypatch):
+    # The whole --engine vllm path (LLM(...), apply_model, SamplingParams, generate, the outputs) against a stand-in
+    # that has vLLM's shapes and refusals (tests/vllm_standin.py): until now only the GPU test above ran it.
+    from qerl_cli.assets import tiny_model_dir
+    from qerl_cli.shards import read_records
+
+    seen: dict = {}
+    vllm = _fake_vllm(monkeypatch, seen)
+    res = _vllm_rollout(tmp_path, monkeypatch, tiny_model_dir(), aqn_sigma_start=1e-2, aqn_sigma_end=1e-2,
+                        total_steps=20, step=5)
+    recs = read_records(tmp_path / "o")
+    assert len(recs) == 12 and all(len(r["logprobs"]) == len(r["completion_token_ids"]) for r in recs)
+    assert seen["kw"]["logprobs_mode"] == "processed_logprobs" and seen["pickle"] == "1"
+    call = vllm.LLM.instances[-1].generate_calls[0]
+    assert [sp.n for sp in call["params"]] == [4] * 3 and all(sp.logprobs == 0 for sp in call["params"])
+    assert len({sp.seed for sp in call["params"]}) == 3 and call["lora_request"] is None
+    assert recs[0]["noise"]["rounded_to"] == "bfloat16" and res["summary"]["sigma"] > 0
+    norms = vllm.LLM.instances[-1].workers[0].model.layers[0].input_layernorm
+    assert not torch.equal(norms.weight, norms._qerl_clean_weight)  # the noise reached vLLM's own norms
+
+
+def test_a_modelopt_checkpoint_is_refused_by_the_vllm_engine_too(tmp_path, monkeypatch):
+    # docs/quantize.md: of qerl's stages only merge reads `--format modelopt`. The native engine refused it (its loader),
+    # but --engine vllm handed it to vLLM, which finds a ModelOpt checkpoint by its hf_quant_config.json
+    # (vLLM's docs/features/quantization/modelopt.md) and serves NVFP4 as ModelOpt's W4A4 (qerl's is weight-only).
+    import shutil
+
+    from qerl_cli.assets import tiny_model_dir
+    from qerl_cli.evaluate import EvalConfig, vllm_generator
+
+    seen: dict = {}
+    _fake_vllm(monkeypatch, seen)
+    mo = tmp_path / "mo"
+    shutil.copytree(tiny_model_dir(), mo)
+    (mo / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4", "group_size": 16}}')
+    with pytest.raises(BadInputError, match="a ModelOpt checkpoint"):
+        _vllm_rollout(tmp_path, monkeypatch, mo)
+    cfg = EvalConfig(model=mo, dataset=tmp_path / "d.jsonl", out=tmp_path / "e", engine="vllm")
+    with pytest.raises(BadInputError, match="a ModelOpt checkpoint"):
+        vllm_generator(cfg, None, "bf16", 64)
+    assert "kw" not in seen  # refused before vLLM started

@@ -49,7 +49,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _check_quant_config(model_dir: Path) -> dict | None:
+def check_quant_config(model_dir: Path) -> dict | None:
     if (model_dir / "hf_quant_config.json").exists():
         raise BadInputError(f"{model_dir}: a ModelOpt checkpoint (hf_quant_config.json); qerl loads compressed-tensors "
                             "NVFP4 or unquantized checkpoints", hint="re-quantize the bf16 model with `qerl quantize` and its default --format compressed-tensors")
@@ -143,7 +143,7 @@ def load_model(model_dir, device="cpu", dtype: torch.dtype = torch.bfloat16, lor
 
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    _check_quant_config(model_dir)
+    check_quant_config(model_dir)
     files = _shard_files(model_dir)
     where = _index_tensors(files)
     quantized = _quantized_linears(where)
