@@ -15,7 +15,7 @@
 # SIGTERM; Ctrl-Z stops the stage with it.
 #
 # Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
-#          RUN_DIR/step-000012/{shards,adapter,eval}
+#          RUN_DIR/step-000012/{shards,adapter,eval}   (a Slurm chain's one-task step: shards-0, kept)
 #          RUN_DIR/metrics.jsonl               one line per train-step
 #          RUN_DIR/merged/, RUN_DIR/eval-final/
 set -euo pipefail
@@ -59,6 +59,8 @@ stage() {
 }
 
 mkdir -p "$RUN_DIR"
+# A run dir a Slurm chain of several rollout tasks began is refused before any stage (qerl_shard_dirs).
+for ((s = 0; s < STEPS; s++)); do qerl_shard_dirs "$s" 1 shards; done
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 # 1. The frozen base: NVFP4 (QeRL) or the bf16 checkpoint itself (16-bit LoRA baseline).
@@ -86,10 +88,10 @@ fi
 # whose inputs changed is the one that says so (and FORCE=1, which takes no shortcut, redoes from there).
 first=$(qerl_resume_point)
 if [ "$first" -gt 0 ]; then
-  d=$(qerl_step_dir "$first")
+  qerl_shard_dirs "$first" 1 shards; d=${QERL_SHARD_DIRS[0]}
   say "step $first / $STEPS: the last finished step, checked against this config"
-  qerl_rollout_cmd "$first" "$d/shards"
-  if ! run_qerl "${QERL_CMD[@]}" || { qerl_train_cmd "$first" --shards "$d/shards"; ! run_qerl "${QERL_CMD[@]}"; }; then
+  qerl_rollout_cmd "$first" "$d"
+  if ! run_qerl "${QERL_CMD[@]}" || { qerl_train_cmd "$first" --shards "$d"; ! run_qerl "${QERL_CMD[@]}"; }; then
     say "step $first refused (above): going through every step from step 0"
     first=0
   else
@@ -106,11 +108,11 @@ if [ "$first" -gt 0 ]; then
   done
 fi
 for ((s = first; s < STEPS; s++)); do
-  d=$(qerl_step_dir "$s")
+  qerl_shard_dirs "$s" 1 shards; d=${QERL_SHARD_DIRS[0]}  # step-<s>/shards, or a chain's step-<s>/shards-0
   say "step $s / $STEPS: rollout"
-  qerl_rollout_cmd "$s" "$d/shards"; stage "${QERL_CMD[@]}"
+  qerl_rollout_cmd "$s" "$d"; stage "${QERL_CMD[@]}"
   say "step $s / $STEPS: train-step"
-  qerl_train_cmd "$s" --shards "$d/shards"; stage "${QERL_CMD[@]}"
+  qerl_train_cmd "$s" --shards "$d"; stage "${QERL_CMD[@]}"
   if qerl_eval_due "$s"; then
     say "step $s: eval"
     qerl_eval_cmd "$s"; stage "${QERL_CMD[@]}"

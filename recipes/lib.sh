@@ -106,6 +106,37 @@ QERL_ZERO='^[0.]*([eE][-+]?[0-9]+)?$'  # a QERL_FLOAT that is 0
 
 qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
 
+# The rollout directories of step S: grpo.sh writes one, step-S/shards; a Slurm chain one a rollout task,
+# step-S/shards-<i>. One task's shard is the same rollout as grpo.sh's (shard 0 of 1: the same fingerprint), so a
+# step of one shard keeps the name it has on disk (a rollout under way: its .NAME.partial-* directory). A run dir
+# moved between the two redid each begun step's rollout under the other name (hours of GPU for a large model), and
+# grpo.sh on a chain's step of several shards then refused with "input shards changed" after that rollout, where
+# FORCE=1 would have redone the run from step 0 (a review, 2026-11-27). A layout the caller cannot continue
+# (grpo.sh: several shards; a chain of several tasks: grpo.sh's one) is refused, naming the script that can.
+qerl_shard_dirs() {  # STEP N OWN (shards | shards-: the caller's name) -> QERL_SHARD_DIRS (N directories), or exit 2
+  local d i n=$2 own=${3/%-/-0} other=shards-0 step
+  printf -v d '%s/step-%06d' "$RUN_DIR" "$1"; step=${d##*/}  # qerl_step_dir without a subshell: every step is checked
+  [ "$own" = shards ] || other=shards
+  if [ "$n" -gt 1 ] && _qerl_has "$d" shards; then
+    _qerl_die "$step holds grpo.sh's rollout (one shard, $step/shards): continue this run with grpo.sh, or with ROLLOUT_SHARDS=1"
+  fi
+  if [ "$n" = 1 ] && [ "$own" = shards ] && _qerl_has "$d" 'shards-[1-9]*'; then
+    _qerl_die "$step holds a Slurm chain's rollout in several shards ($step/shards-<i>): continue this run with" \
+      "recipes/slurm/submit.sh (ROLLOUT_SHARDS as in $RUN_DIR/submit.env)"
+  fi
+  QERL_SHARD_DIRS=()
+  if [ "$n" -gt 1 ]; then
+    for ((i = 0; i < n; i++)); do QERL_SHARD_DIRS+=("$d/shards-$i"); done
+  elif ! _qerl_has "$d" "$own" && _qerl_has "$d" "$other"; then
+    QERL_SHARD_DIRS=("$d/$other")
+  else
+    QERL_SHARD_DIRS=("$d/$own")
+  fi
+}
+_qerl_has() {  # DIR NAME (a glob): DIR/NAME, finished or under way (a stage's .NAME.partial-<fingerprint>)
+  compgen -G "$1/$2" > /dev/null || compgen -G "$1/.$2.partial-*" > /dev/null
+}
+
 # The step a rerun starts qerl from: the last with a finished adapter when every adapter before it is of the same
 # run (recipes/resume_point.py), else 0; 0 too without python3 on the host, and with FORCE=1.
 QERL_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -374,6 +374,138 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     assert sum("--run-seed 5 " in c for c in local) == 2 and all("--dtype bf16 " in c for c in local[1:-3])
 
 
+def _shard_args(log, run):
+    """Each rollout's --out and each train-step's --shards in the recorder's log, relative to ``run``."""
+    import shlex
+
+    got = []
+    for line in log.read_text().splitlines():
+        argv = shlex.split(line)
+        flag = {"rollout": "--out", "train-step": "--shards"}.get(argv[0])
+        got += [(argv[0], argv[i + 1].removeprefix(f"{run}/")) for i, a in enumerate(argv) if a == flag]
+    return got
+
+
+@pytest.mark.parametrize("begun_by", ["grpo.sh", "chain"])
+def test_a_run_dir_moves_between_grpo_sh_and_a_one_task_chain(tmp_path, begun_by):
+    # grpo.sh writes step-<s>/shards, a chain step-<s>/shards-<i>: a run dir moved between them redid each begun
+    # step's rollout under the other name (hours of GPU on a large model; a review, 2026-11-27). One task's shard is
+    # the same rollout (shard 0 of 1), so the step goes on in the directory it has, finished or under way.
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    run = tmp_path / "run dir"
+    own, other = ("shards", "shards-0") if begun_by == "grpo.sh" else ("shards-0", "shards")
+    (run / "step-000000" / own).mkdir(parents=True)  # step 0 finished, step 1's rollout under way
+    (run / "step-000001" / f".{own}.partial-0123456789abcdef").mkdir(parents=True)
+    env = {**os.environ, "QERL": str(qerl)}
+    if begun_by == "grpo.sh":
+        for stage, step in [("rollout", 0), ("train", 0), ("rollout", 1), ("train", 1)]:
+            subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), str(step)],
+                           env=env, check=True, capture_output=True)
+    else:
+        subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    assert _shard_args(log, run) == [("rollout", f"step-00000{s}/{own}") if i == 0 else ("train-step", f"step-00000{s}/{own}")
+                                     for s in range(2) for i in range(2)]
+    assert not list(run.glob(f"step-*/{other}"))
+
+
+def _queueing_sbatch(tmp_path):
+    """A stand-in sbatch that queues each job (its options, script and arguments, environment and --chdir) as
+    JSON, for _run_queue."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    body = (f'n=$(( $(ls {queue} | wc -l) + 100 )); python3 -c \'import json, os, sys; json.dump({{"argv": sys.argv[2:], '
+            f'"env": dict(os.environ)}}, open(sys.argv[1], "w"))\' {queue}/$n.json "$@"; echo "$n;cluster"\n')
+    return _recorder(tmp_path, "sbatch", body), queue
+
+
+def _run_queue(queue):
+    """Run the queued jobs in id order as Slurm would on one node: afterok (a failed dependency cancels), --array
+    tasks with SLURM_ARRAY_TASK_ID, in --chdir, each script run from a copy (Slurm's spool). {job name: status}."""
+    import json as _json
+
+    done, status = {}, {}
+    for f in sorted(queue.glob("*.json"), key=lambda p: int(p.stem)):
+        job = _json.loads(f.read_text())
+        argv, opts = job["argv"], {}
+        while argv[0].startswith("--"):
+            key, _, value = argv[0].partition("=")
+            if value or key in ("--parsable", "--kill-on-invalid-dep"):
+                opts[key], argv = value, argv[1:]
+            else:
+                opts[key], argv = argv[1], argv[2:]
+        deps = opts["--dependency"].split(":")[1:] if "--dependency" in opts else []
+        spool = queue / f"{f.stem}.sbatch"
+        shutil.copy(argv[0], spool)
+        ok = all(done.get(d) for d in deps)
+        lo, _, hi = opts.get("--array", "").partition("-")
+        for task in range(int(lo), int(hi) + 1) if lo else [None]:
+            if not ok:
+                break
+            env = {**job["env"], "SLURM_JOB_ID": f.stem,
+                   **({} if task is None else {"SLURM_ARRAY_JOB_ID": f.stem, "SLURM_ARRAY_TASK_ID": str(task)})}
+            r = subprocess.run(["bash", str(spool), *argv[1:]], cwd=opts["--chdir"], env=env, capture_output=True,
+                               text=True)
+            ok = r.returncode == 0
+            status[opts["--job-name"] + ("" if task is None else f"_{task}")] = r.stdout + r.stderr
+        done[f.stem] = ok
+        if not ok:
+            status[opts["--job-name"]] = status.get(opts["--job-name"], "") + "FAILED or CANCELLED"
+    return done, status
+
+
+@pytest.mark.slow
+def test_a_chain_runs_on_the_tiny_model_and_grpo_sh_continues_it(tmp_path):
+    # The whole Slurm path on the bundled tiny model on CPU, through a stand-in sbatch whose jobs run here in
+    # dependency order (a path with a space included): a resubmission says "already done", and grpo.sh on the
+    # chain's run dir goes on in its shards-0 directories: it rolled the last step out again (a review, 2026-11-27).
+    sbatch, queue = _queueing_sbatch(tmp_path)
+    run = tmp_path / "run dir"
+    env = {**os.environ, "SBATCH": str(sbatch), "GPU_GRES": "", "QERL": f"{sys.executable} -m qerl_cli", "STEPS": "2",
+           "PROMPTS_PER_STEP": "4", "NUM_GENERATIONS": "4", "MAX_NEW_TOKENS": "16", "EVAL_MAX_PROBLEMS": "4",
+           "EVAL_EVERY": "1", "OMP_NUM_THREADS": "1"}
+    cmd = ["bash", str(RECIPES / "slurm" / "submit.sh"), str(RECIPES / "configs" / "tiny.env"), str(run)]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=tmp_path)
+    done, logs = _run_queue(queue)
+    assert all(done.values()), logs
+    assert sorted(p.relative_to(run).as_posix() for p in run.glob("step-*/*")) == [
+        "step-000000/adapter", "step-000000/eval", "step-000000/shards-0", "step-000001/adapter", "step-000001/shards-0"]
+    assert (run / "eval-final" / "manifest.json").exists()
+    for f in queue.glob("*"):
+        f.unlink()
+    subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=tmp_path)  # resubmitted
+    done, logs = _run_queue(queue)
+    assert all(done.values()) and all("already done" in log for log in logs.values()), logs
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(RECIPES / "configs" / "tiny.env"), str(run)], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "wrote" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not list(run.glob("step-*/shards"))
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "submit.sh"])
+def test_a_run_dir_the_other_script_began_with_another_shard_count_is_refused_first(tmp_path, script):
+    # grpo.sh on a chain's step of 2 shards rolled the step out again as one shard, then refused at its train-step
+    # with "input shards changed ... pass --force", and again at step 0 after a second rollout; FORCE=1 redid the run
+    # (a review, 2026-11-27). A chain of 2 tasks on grpo.sh's steps failed at its first train job the same way.
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\n")
+    run = tmp_path / "run"
+    for d in (["shards-0", "shards-1"] if script == "grpo.sh" else ["shards"]):
+        (run / "step-000000" / d).mkdir(parents=True)
+    argv = [RECIPES / "grpo.sh"] if script == "grpo.sh" else [RECIPES / "slurm" / "submit.sh"]
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"}
+    r = subprocess.run(["bash", *map(str, argv), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and not log.exists() and not sbatch_log.exists(), r.stderr
+    want = {"grpo.sh": "error: step-000000 holds a Slurm chain's rollout in several shards (step-000000/shards-<i>): "
+                       "continue this run with recipes/slurm/submit.sh",
+            "submit.sh": "error: step-000000 holds grpo.sh's rollout (one shard, step-000000/shards): continue this run "
+                         "with grpo.sh, or with ROLLOUT_SHARDS=1"}[script]
+    assert want in r.stderr, r.stderr
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     log = tmp_path / "qerl.log"

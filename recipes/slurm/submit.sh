@@ -38,6 +38,9 @@ fi
 RUN_DIR=${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}
 CONFIG=$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")
 mkdir -p -- "$RUN_DIR"; RUN_DIR=$(cd -- "$RUN_DIR" && pwd)
+# A run dir grpo.sh began is refused with ROLLOUT_SHARDS > 1 before a job is queued (qerl_shard_dirs): its first
+# rollout task would fail. With one task the chain continues grpo.sh's steps in step-<s>/shards.
+for ((s = 0; s < STEPS; s++)); do qerl_shard_dirs "$s" "$ROLLOUT_SHARDS" shards-; done
 SBATCH=${SBATCH:-sbatch}
 SCRIPT=$HERE/stage.sbatch
 # Every value the stages read, resolved now (the config's ${VAR:-default} and what only the environment
