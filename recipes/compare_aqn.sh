@@ -17,6 +17,7 @@ here=$PWD
 cd "$(dirname "$0")/.."
 # shellcheck source=recipes/lib.sh
 source recipes/lib.sh  # qerl_run_forwarding: a signal to this script stops what it runs
+qerl_help_if_asked recipes/compare_aqn.sh "${1:-}"
 # Paths you pass are read where you ran the command; the defaults live in the repository.
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$here" "$1" ;; esac; }
 OUT=${1:+$(abs "$1")}; OUT=${OUT:-runs/compare}

@@ -20,10 +20,11 @@
 #          RUN_DIR/merged/, RUN_DIR/eval-final/
 set -euo pipefail
 
-CONFIG=${1:?usage: bash recipes/grpo.sh CONFIG.env [RUN_DIR]}
-[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 # shellcheck source=recipes/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+qerl_help_if_asked "${BASH_SOURCE[0]}" "${1:-}"
+CONFIG=${1:?usage: bash recipes/grpo.sh CONFIG.env [RUN_DIR]}
+[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 qerl_check_env_numbers
 # shellcheck disable=SC1090
 source "$CONFIG"

@@ -104,6 +104,14 @@ qerl_check_stage_values() {  # CONFIG (for the messages)
 QERL_ZERO='^[0.]*([eE][-+]?[0-9]+)?$'  # a QERL_FLOAT that is 0
 
 
+# -h or --help as a script's first argument prints the script's header comment and exits 0: grpo.sh and submit.sh
+# said "error: config --help not found", quickstart.sh and compare_aqn.sh started a run in a directory "--help".
+qerl_help_if_asked() {  # SCRIPT FIRST_ARG
+  case ${2:-} in
+    -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "$1"; exit 0 ;;
+  esac
+}
+
 qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
 
 # The rollout directories of step S: grpo.sh writes one, step-S/shards; a Slurm chain one a rollout task,

@@ -10,6 +10,9 @@
 set -euo pipefail
 here=$PWD
 cd "$(dirname "$0")/.."
+# shellcheck source=recipes/lib.sh
+source recipes/lib.sh  # before any install: --help only prints
+qerl_help_if_asked recipes/quickstart.sh "${1:-}"
 # A RUN_DIR you pass is read where you ran the command; the default lives in the repository.
 case "${1:-}" in "") RUN_DIR=runs/quickstart ;; /*) RUN_DIR=$1 ;; *) RUN_DIR=$here/$1 ;; esac
 
@@ -34,8 +37,6 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} TOKENIZERS_PARALLELISM=false
 
 start=$(date +%s)
-# shellcheck source=recipes/lib.sh
-source recipes/lib.sh
 rc=0; qerl_run_forwarding bash recipes/grpo.sh recipes/configs/tiny.env "$RUN_DIR" || rc=$?  # a signal reaches the loop
 [ "$rc" = 0 ] || exit "$rc"
 if [ -f "$RUN_DIR/metrics.jsonl" ]; then

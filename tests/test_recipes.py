@@ -1711,3 +1711,17 @@ def test_plot_compare_names_as_many_first_steps_as_the_runs_have(tmp_path):
     assert r.returncode == 0, r.stderr
     table = (tmp_path / "results.md").read_text()
     assert "mean entropy, first 2 steps |" in table and "| 1.500 |" in table, table
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "slurm/submit.sh", "quickstart.sh", "compare_aqn.sh"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_scripts_usage_and_starts_nothing(tmp_path, script, flag):
+    # grpo.sh and submit.sh said "error: config --help not found" (exit 2); quickstart.sh and compare_aqn.sh
+    # started a run in a directory named --help
+    env = {**os.environ, "QERL": "false", "SBATCH": "false"}
+    r = subprocess.run(["bash", str(RECIPES / script), flag], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"bash recipes/{script}" in r.stdout and not r.stdout.lstrip().startswith(("#", "!"))
+    assert "set -euo" not in r.stdout and "shellcheck" not in r.stdout
+    assert list(tmp_path.iterdir()) == [] and not (RECIPES.parent / "runs" / flag).exists()

@@ -16,12 +16,13 @@
 # JOB_MEM (--mem) for every job, EXTRA_SBATCH_ARGS.
 # SBATCH=echo-like command replaces sbatch for a dry run (it must print a job id).
 set -euo pipefail
-CONFIG=${1:?usage: bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]}
-[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 RECIPES=$(cd "$HERE/.." && pwd)
 # shellcheck source=recipes/lib.sh
 source "$RECIPES/lib.sh"
+qerl_help_if_asked "$HERE/submit.sh" "${1:-}"
+CONFIG=${1:?usage: bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]}
+[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 qerl_check_env_numbers
 # shellcheck disable=SC1090
 source "$CONFIG"
