@@ -1,6 +1,6 @@
 """Compare the gsm8k answer rule of two revisions over generated completions with a known intended answer.
 
-    python benchmarks/compare_gsm8k_rule.py                # this tree against HEAD's qerl_cli/rewards.py
+    python benchmarks/compare_gsm8k_rule.py                # this tree against HEAD's rule (qerl_cli/answers.py)
     python benchmarks/compare_gsm8k_rule.py --baseline f6bba91 --show-changed --math-verify
 
 Each case is a completion written in one of the answer styles models produce (GSM8K's "#### 72", a final
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qerl_cli.rewards import extract_answer  # noqa: E402
+from qerl_cli.answers import extract_answer  # noqa: E402
 
 # (problem, reasoning line); a and b drawn per case
 PROBLEMS = [
@@ -141,9 +141,16 @@ def cases(n_per_problem: int, seed: int) -> list[tuple[str, str, str | None]]:
 
 
 def load_rule(rev: str):
-    """extract_answer of qerl_cli/rewards.py at a git revision (imported as its own module)."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:qerl_cli/rewards.py"], check=True,
-                         capture_output=True, text=True).stdout
+    """extract_answer at a git revision, imported as its own module: qerl_cli/answers.py's, or before that module
+    existed (2026-11-27) qerl_cli/rewards.py's (whose later version imports the tree's answers.py: not the baseline)."""
+    for name in ("answers", "rewards"):
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:qerl_cli/{name}.py"], capture_output=True,
+                               text=True)
+        if shown.returncode == 0:
+            src = shown.stdout
+            break
+    else:
+        raise SystemExit(f"{rev}: neither qerl_cli/answers.py nor qerl_cli/rewards.py")
     path = Path(tempfile.mkdtemp()) / "rewards_baseline.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("rewards_baseline", path)

@@ -8,7 +8,7 @@ by ``qerl_cli.models.load_model``, whose loader refuses an adapter that does not
 logits on a probe, and the number of wrapped LoRA modules is written into metrics.json: the
 reference code's eval silently dropped the adapter and reported the base model's score.
 
-Scoring reuses ``qerl_cli.rewards.is_correct`` (the training reward's own rule), so "correct"
+Scoring reuses ``qerl_cli.answers.is_correct`` (the training reward's own rule), so "correct"
 in eval and in training can never disagree. ``--scorer auto`` picks per problem: a numeric
 reference (GSM8K) uses the final-number rule (``####``, ``\\boxed{}`` or ``<answer>``, numbers
 compared as exact fractions), anything else (MATH: ``\\frac{\\sqrt3}{2}``, intervals) uses
@@ -41,12 +41,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from qerl_cli.answers import RULE_VERSION
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput, WriterLock, crash_point, forget_completed, sweep_leftover_partial
-from qerl_cli.rewards import RULE_VERSION
 from qerl_cli.runtime import as_many, check_field_types
 
 STAGE = "eval"
@@ -168,7 +168,7 @@ def scorer_for(reference: str, scorer: str = "auto") -> str:
     in LaTeX or not a number -> math (math-verify)."""
     if scorer != "auto":
         return scorer
-    from qerl_cli.rewards import reference_answer
+    from qerl_cli.answers import reference_answer
 
     ref = str(reference)
     return "gsm8k" if "\\" not in ref and reference_answer(ref, "gsm8k") is not None else "math"
@@ -184,7 +184,7 @@ class Scored:
 def score_completion(completion: str, reference: str, scorer: str = "auto", opens_think: bool = False) -> Scored:
     """Extract the completion's answer and judge it against ``reference`` with the rollout rewards' rule;
     ``opens_think``: its prompt ended inside a ``<think>`` it opened (judged as rollout judges it)."""
-    from qerl_cli.rewards import extract_answer, is_correct, judged_completion
+    from qerl_cli.answers import extract_answer, is_correct, judged_completion
 
     completion = judged_completion(completion, opens_think)
     kind = scorer_for(reference, scorer)

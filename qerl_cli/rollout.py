@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qerl_cli.answers import judged_completion
 from qerl_cli.data import (
     LONG_PROMPT_POLICIES,
     EncodedPrompt,
@@ -69,7 +70,7 @@ from qerl_cli.errors import (
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
 from qerl_cli.outputs import StageOutput, WriterLock, check_out_apart, sweep_leftover_partial
-from qerl_cli.rewards import RewardSet, judged_completion
+from qerl_cli.rewards import RewardSet
 from qerl_cli.runtime import (
     as_many,
     check_field_types,

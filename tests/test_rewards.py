@@ -427,7 +427,7 @@ def test_a_reward_that_mutates_the_chat_prompt_changes_nothing_else():
 def test_math_verify_log_lines_do_not_carry_a_whole_completion(caplog):
     import logging
 
-    from qerl_cli.rewards import _math_verify_equal
+    from qerl_cli.answers import _math_verify_equal
 
     _math_verify_equal("1", "1")  # installs the filter
     # what math-verify logs when parsing a degenerate completion's box times out (after 5 s)
@@ -455,14 +455,13 @@ def test_the_math_reward_off_the_main_thread_runs_without_a_timeout_and_says_so(
     import math_verify.grader
     import math_verify.parser
 
-    from qerl_cli import rewards
+    from qerl_cli import answers
     from qerl_cli.errors import QerlWarning
 
     for mod in (math_verify.parser, math_verify.grader):  # math-verify logs its note once a process
         monkeypatch.setattr(mod, "TIMEOUT_WARNING_SHOWN", False, raising=False)
-    rewards._math_verify_equal.cache_clear()
-    if hasattr(rewards, "_warn_no_timeout"):
-        rewards._warn_no_timeout.cache_clear()
+    answers._math_verify_equal.cache_clear()
+    answers._warn_no_timeout.cache_clear()
     timeouts = []
     parse, verify = math_verify.parse, math_verify.verify
     monkeypatch.setattr(math_verify, "parse", lambda *a, **kw: timeouts.append(kw["parsing_timeout"]) or parse(*a, **kw))
@@ -496,7 +495,7 @@ _PLAIN_SPANS = ["72", " 72", "72 ", " 72\n", "\t-72\r", "-0", "0", "000", "007",
 def test_plain_integer_fast_path_equals_the_full_parse(text):
     """span_number skips the parse for spans that are only an ASCII integer (a million GSM8K rows spent 72 s of their
     load in it); over every span made of digits, signs, dots, commas and whitespace, both paths give the same."""
-    from qerl_cli.rewards import _parsed_span_number, span_number
+    from qerl_cli.answers import _parsed_span_number, span_number
 
     for span in (text, *_PLAIN_SPANS):
         for whole in (True, False):
@@ -507,9 +506,9 @@ def test_plain_integer_fast_path_is_taken_for_gsm8k_references():
     """The point of the fast path: a GSM8K worked solution's reference never reaches the full parse."""
     from unittest import mock
 
-    import qerl_cli.rewards as rewards
+    import qerl_cli.answers as answers
 
-    with mock.patch.object(rewards, "_parsed_span_number", side_effect=AssertionError("parsed")):
+    with mock.patch.object(answers, "_parsed_span_number", side_effect=AssertionError("parsed")):
         assert reference_answer("She sold 48 + 24 = 72 clips.\n#### 72") == "72"
         assert reference_answer("so -5 degrees.\n####  -005 \n") == "-5"
 
@@ -754,9 +753,9 @@ def test_a_hash_span_is_cleaned_once(completion):
     _hash_spans, span_number again in extract_answer): wasted work per completion."""
     from unittest import mock
 
-    from qerl_cli import rewards
+    from qerl_cli import answers
 
-    with mock.patch.object(rewards, "_clean_number_text", wraps=rewards._clean_number_text) as clean:
+    with mock.patch.object(answers, "_clean_number_text", wraps=answers._clean_number_text) as clean:
         assert extract_answer(completion) == "72"
     assert clean.call_count == completion.count("####")
 

@@ -1,0 +1,769 @@
+"""Reading a completion's final answer, and judging it against a reference: the rules the ``gsm8k`` and ``math``
+rewards score with and ``qerl eval`` counts as right (``extract_answer(text, kind)``, ``is_correct(completion,
+reference, kind)``), one logic for both, so a training reward and an eval accuracy never disagree on what is right.
+
+Why by hand: math-verify reads LaTeX answers and does the ``math`` kind's comparison, but a GSM8K-style final number
+("#### 72", "The answer is $72.", a hedge, a range, a unit) is a convention of the dataset, not of LaTeX; a reward
+that takes "the last number in the text" rewards rambling that ends on the right number. The kinds:
+
+- ``gsm8k``: 1 if the final number equals the reference. The number is the one of the first
+  ``####`` line that starts with its number or names the answer before it ("#### 72", "#### The answer is 72",
+  "#### Final Answer: 72", or a heading "#### Final Answer" with the number on the next line, "- 72" there a list
+  item, not -72; a base model that runs on past its answer and starts another "Q: ... ####" is still judged on the
+  answer it gave), else the last
+  ``\\boxed{}``, else the last ``<answer>...</answer>``, else a ``####`` line's number after other words (the first
+  such line that is no heading label "#### Step 1:", "#### Part 2": "#### Add the 3 eggs" does not outrank the box),
+  else a numbered heading's number ("#### 1. Understand the problem" is 1 only where nothing else gives an answer;
+  "#### 18. She makes $18" says its number twice and is 18), which must each *be* a number (words allowed):
+  ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
+  door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
+  ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
+  exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
+  line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``), a hedge (``72 or 73``, ``72 or
+  so``, ``72 apples or 73 apples``; not the number restated, ``72 (or 72.0)``, nor the same quantity in another unit,
+  ``90 (or 1.5 hours)``, ``3 hours (180 minutes)``, ``90 minutes (1 hour 30 minutes)``), a range or a second number
+  (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``) and a hedge
+  across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
+  Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
+  on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
+  read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
+  ``<think>`` never closed (a completion cut short mid-thought) is no answer.
+- ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
+  ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy, ~10 ms a verdict), so verdicts are
+  cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each parse and
+  comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored
+  from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
+
+A prompt that ends inside a ``<think>`` it opened (QwQ's and DeepSeek-R1's chat templates end the generation prompt
+with ``<think>\n``) gets completions without the opening tag: rollout and eval score ``"<think>" + completion``
+(``judged_completion``), so every reward judges the turn the model wrote (a draft answer before a ``</think>`` that
+never came is no answer; ``format`` finds its opening tag). The stored completion is never changed.
+Each kind's verdicts have a version (``RULE_VERSION``): a finished eval scored under another is scored again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
+from qerl_cli.errors import BadInputError, QerlWarning
+
+ANSWER_KINDS = ("gsm8k", "math")
+# The version of each answer rule's verdicts. Bump a kind's number with any change that can turn a verdict (an
+# answer read that was missed, or one refused that was taken; not a speed-up or a refactor): a finished `qerl eval`
+# records these in metrics.json, and a rerun of it under other numbers scores its samples again with today's rule
+# (no generation) rather than print the old rule's score as "already done".
+RULE_VERSION = {"gsm8k": 1, "math": 1}
+
+
+# ---- a prompt that opens <think> ----------------------------------------------------------------
+THINK_OPEN = "<think>"
+
+
+def prompt_opens_think(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends (whitespace aside) with an opening ``<think>``: its completion starts inside
+    that block and holds no opening tag of its own. The end only: a ``<think>`` a user message mentions is not one."""
+    return prompt_text.rstrip().endswith(THINK_OPEN)
+
+
+def judged_completion(completion: str, opens_think: bool) -> str:
+    """The text rewards judge: the completion, after the ``<think>`` its prompt opened (``prompt_opens_think``)."""
+    return THINK_OPEN + completion if opens_think else completion
+
+
+# ---- extraction ------------------------------------------------------------------------------
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+_BARE_TOKEN = re.compile(r"[^\s$]+")
+# What follows a bare \boxed in prose, not an argument: a word ("I put it in \boxed as asked") or punctuation ("in
+# \boxed."). Read as the last box, it hid the answer boxed before it. A letter ("\boxed x"), a number or a command
+# ("\boxed\pi") stays an argument.
+_PROSE_TOKEN = re.compile(r"[A-Za-z]{2,}[^\w\\]*|[^\w\\]+")
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each ``{`` -> index of its matching ``}`` (unclosed ones absent), in one pass. An escaped brace
+    ``\\{`` is a literal one, no group: ``\\boxed{\\left\\{ ... \\right.}`` (a piecewise answer) closed on its
+    ``\\{`` and was no box; ``\\\\{`` (a TeX line break, then a group) still opens one."""
+    stack, pairs = [], {}
+    escaped = False
+    for j, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "{":
+            stack.append(j)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = j
+    return pairs
+
+
+def _boxes_from_last(text: str) -> Iterator[tuple[str, int, int]]:
+    """(content, start, end) of each closed ``\\boxed{...}`` (or ``\\fbox{...}``, or a bare ``\\boxed 5``) with content,
+    the last first, braces matched (see last_boxed)."""
+    pairs = None
+    for m in reversed(list(_BOX.finditer(text))):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            if pairs is None:
+                pairs = _closing_braces(text)
+            j = pairs.get(i)
+            if j is not None and text[i + 1 : j].strip():  # an empty box is the prompt's "within \boxed{}" echoed
+                yield text[i + 1 : j].strip(), m.start(), j + 1
+        else:  # "\\boxed 5": TeX allows a single token without braces
+            tok = _BARE_TOKEN.match(text, i)
+            if tok and _PROSE_TOKEN.fullmatch(tok.group(0)) is None:
+                yield tok.group(0).strip(), m.start(), tok.end()
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces matched; None if absent.
+
+    Linear time: a degenerate completion repeating ``\\boxed{`` thousands of times must not cost
+    seconds per reward (a naive scan per match is quadratic). An unclosed box (generation cut
+    off) is not an answer, nor is an empty one (a base model running on echoes the prompt's "put your final
+    answer within \\boxed{}"); the last closed one with content counts.
+    """
+    return next((box for box, _, _ in _boxes_from_last(text)), None)
+
+
+# What between two boxes offers the second as an alternative to the first: "\boxed{72} or \boxed{73}", "$\boxed{72}$,
+# or maybe $\boxed{73}$" (a hedge on one line). The last box alone read as the answer: 73 was rewarded.
+# A new line, or "or rather", is a correction ("\boxed{72}.\nOr rather, rechecking: \boxed{73}"), not a hedge.
+_BOX_HEDGE = re.compile(r"[ \t$.,;:)\]*]*(?:and/)?or\b(?!\s+rather\b)[^\n]{0,40}", re.IGNORECASE)
+
+
+def final_box(text: str, same: Callable[[str, str], bool]) -> str | None:
+    """last_boxed, unless the box before it was offered as the other answer of a hedge ("\\boxed{72} or
+    \\boxed{73}") and is not ``same`` as it ("\\boxed{72} or \\boxed{72.0}" still answers 72): then None."""
+    boxes = _boxes_from_last(text)
+    last, before = next(boxes, None), next(boxes, None)
+    if last is None:
+        return None
+    if before is not None and _BOX_HEDGE.fullmatch(text, before[2], last[1]) and not same(before[0], last[0]):
+        return None
+    return last[0]
+
+
+_DIGIT = re.compile(r"\d")
+# A number longer than this is degenerate output, not an answer (and int() refuses 4300+ digits).
+MAX_NUMBER_DIGITS = 100
+# \frac arguments that are numbers: {1}, {-2.5}, {1/2} (an inner \frac already evaluated), or one
+# digit without braces (\frac12, \frac{1}2: TeX takes a single token).
+_FRAC_ARG = r"(?:\{\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?)\s*\}|(\d))"
+# A whole number glued before it makes a mixed number (1\frac{1}{2}, 3\frac12 = 3.5), matched in the same left-to-right
+# scan: a separate pass for mixed numbers took the digits of a braceless \frac12 before it for a whole part.
+_LATEX_FRAC = re.compile(rf"(?:(?<![\d.])(-?)(\d+)\s*)?\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+# "(?:\{\s*)?", not "\{?\s*": two \s* around an optional brace split one run of spaces every way, O(n^2) on a
+# "^" followed by n spaces (80,000 on a #### line held one reward for 18 s)
+_DEGREES = re.compile(r"\^\s*(?:\{\s*)?\\circ\s*\}?|\u00b0|\\degree")
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*-?\d+(?:\.\d+)?)?")  # not glued: "x1", "a.1"
+# Words around a number in an answer span: "The answer is 72 apples." Checked token by token, not by
+# one regex: nested optional whitespace backtracked for seconds on a reference of 1,500 spaces.
+# Units count as words: "km/h", "ft^2", "cm^{3}" (a power only on a word: "10 ^{2}" is no 10).
+_WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?")
+# Names an equation assigns: "x = 5, y = 18" (two answers) against "n^2 = 25, n = 5" (one).
+_ASSIGNED = re.compile(r"(?:^|[,;]|(?<=[\d}])\s|\band\b)\s*([A-Za-z]\w*)(?:\^\{?\d+\}?)?\s*=")  # "x=5 \quad y=18" too
+# TeX spacing between a number and its unit: "18\ \text{dollars}", "18\;", "18\quad", "18~km".
+_TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
+_TEX_MATH_DELIM = re.compile(r"\\[()\[\]]")
+_TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
+_BRACED_NUMBER = re.compile(r"\{\s*(-?[\d.,]+)\s*\}")
+_WORD_GAP = re.compile(r"[\s,;:]+")
+_GLUE_OK = frozenset(" \t\r\n,;:.%)<*")  # what may follow a #### line's number ("2x", "2^10", "5!" may not)
+# After a span's number: an operator and an operand, or (after a space or a colon) another number. Spaced, such a
+# line passed the glue check above and read as its first number ("#### 10 - 2" as 10, "#### 1 000 000" as 1).
+# Whitespace stripped in code, not by "\s*...\s*" in the pattern: adjacent optional runs backtrack in O(n^2).
+_AN_OPERATOR = re.compile(r"[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div|[xX](?=\s)")
+_AN_OPERAND = re.compile(r"\(?-?\.?\d")
+_A_NUMBER_START = re.compile(r"\.?\d")
+
+
+def _next_operand(rest: str) -> bool:
+    if rest[:1] == ":":  # "3:30", "3:2": a time or a ratio
+        return rest[1:2].isdigit()
+    r = rest.lstrip()
+    op = _AN_OPERATOR.match(r)
+    if op is None:  # another number after a space ("1 000", "1 1/2"); a note in brackets ("72 (48 + 24)") is none
+        return len(r) < len(rest) and _A_NUMBER_START.match(r) is not None
+    return _AN_OPERAND.match(r[op.end():].lstrip()) is not None
+
+
+# Words that make the number another one ("minus 5" is -5, "2 dozen" is 24) or deny it ("not 5"), right before or
+# after it: the span is no answer. A denial counts before the number only: "#### 72 not counting tax" still answers 72.
+_CHANGES_BEFORE = frozenset("negative minus not no half".split())
+# Bounds right before the number: "more than 72", "at least 72" are no answer. Not before a label's colon: "#### She
+# spent the most: $72" is 72 (a review: it read as a bound, no answer).
+_BOUNDS_BEFORE = frozenset("than least most".split())
+_CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
+    trillion trillions squared cubed""".split())
+
+# A hedge right after the number (or its unit word): "#### 72 or 73" (or "72 or so", "72 and/or 73", "72 apples or 73
+# apples", "72 dollars, or 73") offers more than one answer, and an answer that hedges must not be rewarded for the
+# alternative that happens to be right.
+_HEDGE = re.compile(r"[\s,;(*]*(?:and/)?or\b", re.IGNORECASE)
+# A range or a second number after the number (or its unit word): "#### 72 to 73", "between 72 and 73", "72 and 3/4",
+# "3 hours and 30 minutes", "2 and a half": the first number is not the answer (each read as it). A rounding note is
+# no second number: "#### 72.5, to 1 decimal place", "#### 3.75 rounded to 2 significant figures" (a review: no answer).
+_RANGE = re.compile(r"[\s,;*]*(?:(?:to|through|and)\s+(?=\(?[-$]?\.?\d)"
+                    r"(?!\d+\s*(?:decimal|significant|sig\b|d\.?p\b|s\.?f\b))|and\s+a\s+(?:half|third|quarter)\b)",
+                    re.IGNORECASE)
+# The word after a span's number, a unit maybe ("72 apples or 73"); "or", "and", "to" are the connectors above, no unit.
+_UNIT_WORD = re.compile(r"[\s*]*(?!(?:or|and|to|through)\b)([A-Za-z][A-Za-z.]*)", re.IGNORECASE)
+# The alternative after a hedge's "or": a restatement of the same number ("#### 18 (or 18.0)", "#### 0.5 (or 1/2)",
+# "#### $18 (or 18 dollars)") offers one answer, not two. The span is cleaned already ($, \frac, commas).
+_ALTERNATIVE = re.compile(r"[\s(*]*(" + _NUMBER.pattern + ")")
+# Units a quantity is restated in ("#### 90 (or 1.5 hours)", "#### 1.5 hours (or 90 minutes)") or written in two of
+# ("3 hours 30 minutes", which is neither 3 nor 30): each its size in the smallest unit of its kind.
+_UNITS = {w: (kind, size) for kind, sizes in {
+    "time": {1: "s sec secs second seconds", 60: "min mins minute minutes", 3600: "h hr hrs hour hours",
+             86400: "day days", 604800: "week weeks"},
+    "money": {1: "cent cents", 100: "dollar dollars"},
+    "length": {1: "inch inches", 12: "ft foot feet", 36: "yd yds yard yards", 63360: "mile miles"},
+    "metric length": {1: "mm millimeter millimeters", 10: "cm centimeter centimeters", 1000: "m meter meters metre metres",
+                      1000000: "km kilometer kilometers"},
+    "mass": {1: "g gram grams", 1000: "kg kilogram kilograms"},
+    "weight": {1: "oz ounce ounces", 16: "lb lbs pound pounds"},
+    "volume": {1: "ml milliliter milliliters", 1000: "l liter liters litre litres"},
+}.items() for size, words in sizes.items() for w in words.split()}
+
+
+def _unit(word: str | None) -> tuple[str, int] | None:
+    return None if word is None else _UNITS.get(word.lower().rstrip("."))
+
+
+def _same_quantity(number: str, unit: str | None, alt: Fraction, alt_unit: str | None) -> bool:
+    """Whether ``alt alt_unit`` is ``number unit`` again: the same number, or the same quantity in another unit of its
+    kind ("90 minutes" = "1.5 hours"; a bare "90" = "1.5 hours" where 90 of some unit of that kind is 1.5 hours)."""
+    a, b = _to_fraction(number), alt
+    if a is None:
+        return False
+    u, v = _unit(unit), _unit(alt_unit)
+    if u is not None and v is not None:  # "3 hours (180 minutes)" is one quantity, "3 hours 3 minutes" two
+        return u[0] == v[0] and a * u[1] == b * v[1]
+    if a == b:
+        return True
+    if v is None or (unit is not None and (u is None or u[0] != v[0])):
+        return False
+    sizes = [u[1]] if u is not None else [s for w, (k, s) in _UNITS.items() if k == v[0] and s != v[1]]
+    return any(a * s == b * v[1] for s in sizes)
+
+
+# A further part of a quantity in two units: "1 hour 30 minutes", "1 hour and 30 minutes", "2 hours, 30 minutes".
+_MORE_OF_UNIT = re.compile(r"[\s,]*(?:and\s+)?(" + _NUMBER.pattern + r")\s*([A-Za-z][A-Za-z.]*)", re.IGNORECASE)
+
+
+def _quantity_at(rest: str, start: int) -> tuple[Fraction, str | None, int] | None:
+    """The number at ``rest[start:]``, the word after it (a unit maybe) and where they end; a quantity in two units of
+    one kind is one quantity, in the first one's unit ("1 hour 30 minutes" is 1.5 hour): "90 minutes (1 hour 30
+    minutes)" restates 90 minutes (it read as a second answer, no answer; a review)."""
+    alt = _ALTERNATIVE.match(rest, start)
+    value = None if alt is None else _to_fraction(alt.group(1))
+    if value is None:
+        return None
+    word = _UNIT_WORD.match(rest, alt.end())
+    unit = _unit(word and word.group(1))
+    end = word.end() if word else alt.end()
+    for _ in range(3) if unit is not None else ():  # "1 day 2 hours 30 minutes" at most
+        part = _MORE_OF_UNIT.match(rest, end)
+        more, more_unit = (None, None) if part is None else (_to_fraction(part.group(1)), _unit(part.group(2)))
+        if more is None or more_unit is None or more_unit[0] != unit[0]:
+            break
+        value, end = value + more * more_unit[1] / unit[1], part.end()
+    return value, word and word.group(1), end
+
+
+def _restates(rest: str, start: int, number: str, unit: str | None = None) -> bool:
+    """Whether the alternative at ``rest[start:]`` (after a hedge's "or") is ``number`` (of ``unit``) again: "18 (or
+    18.0)" is 18, as it read before hedges were refused (a review); "90 (or 1.5 hours)" is 90."""
+    alt = _quantity_at(rest, start)
+    if alt is None:
+        return False
+    if _HEDGE.match(rest[alt[2]:].lstrip(")")):  # "18 or 18 or 19": a hedge still
+        return False
+    return _same_quantity(number, unit, alt[0], alt[1])
+
+
+def _second_answer(rest: str, number: str) -> bool:
+    """Whether what follows a span's number offers another answer beside it: a hedge ("72 or 73", "72 apples, or 73",
+    "72 or so"; not the same quantity restated, "72 (or 72.0)", "90 minutes (or 1.5 hours)"), a range ("72 to 73")
+    or a second number ("72 and 73", "72 and 3/4", "3 hours and 30 minutes", "5 feet 6 inches")."""
+    unit = _UNIT_WORD.match(rest)
+    for tail, word in [(rest, None)] + ([(rest[unit.end():], unit.group(1))] if unit else []):
+        hedge = _HEDGE.match(tail)
+        if hedge is not None:
+            return not _restates(tail, hedge.end(), number, word)
+        if _RANGE.match(tail):
+            return True
+    kind = _unit(unit.group(1)) if unit else None
+    if kind is None:
+        return False
+    second = _quantity_at(rest.replace(",", " "), unit.end())  # "3 hours 30 minutes", "1 hour, 30 minutes"
+    second_unit = _unit(second and second[1])
+    # the same quantity again is no second answer: "3 hours (180 minutes)", "18 dollars (1800 cents)" (it read as one)
+    return (second_unit is not None and second_unit[0] == kind[0]
+            and not _same_quantity(number, unit.group(1), second[0], second[1]))
+
+
+def _words_only(text: str) -> bool:
+    return all(_WORD.fullmatch(w) for w in _WORD_GAP.split(text) if w)
+
+
+# What may not touch a \frac's value: it would merge with it into another number ("(2)\frac12" read as 20.5,
+# "\frac12\frac13" as 0.51/3 = 0.17, "\frac{1}{2}3" as 0.53). Such a \frac stays as written: no number.
+_GLUED_BEFORE_FRAC = frozenset("0123456789.)}")
+_GLUED_AFTER_FRAC = re.compile(r"\.?\d|\\[dt]?frac(?![A-Za-z])")
+
+
+def _frac_value(m: re.Match) -> str:
+    a, b = (_to_fraction(m.group(i) or m.group(i + 1)) for i in (3, 5))
+    if a is None or b is None or b == 0:
+        return m.group(0)
+    s, start = m.string, m.start()
+    if (m.group(2) is None and start and s[start - 1] in _GLUED_BEFORE_FRAC) or _GLUED_AFTER_FRAC.match(s, m.end()):
+        return m.group(0)
+    if m.group(2) is None:
+        return _exact_str(a / b)
+    # a mixed number: _to_fraction, not int(), so a whole part of 4300+ digits is no answer rather than a ValueError
+    whole = _to_fraction(m.group(2))
+    if whole is None or a < 0 or b < 0:  # "3\frac{-1}{2}" is no mixed number
+        return m.group(0)
+    return _exact_str((-1 if m.group(1) else 1) * (whole + a / b))
+
+
+def _clean_number_text(s: str, strip_plus: bool = True) -> str:
+    # {,} and a thin space \, between digits separate thousands ("1{,}000", "1\,000"): a comma, so the groups-of-three
+    # check applies ("0{,}5" is a European 0.5 and "2\,3" two numbers, not 5 and 23)
+    s = s.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "")
+    s = re.sub(r"(?<=\d)\\,(?=\d)", ",", s).replace("\\,", "")
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
+    s = _TEX_MATH_DELIM.sub(" ", s)  # inline/display math \(72\), \[72\]: as $72$
+    s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
+    s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
+    s = re.sub(r"([A-Za-z])\s+(?=\^)", r"\1", s)  # \text{ ft}^2 -> "ft^2"
+    s = _DEGREES.sub(" ", s)  # 18^\circ F: a space, not "18F"
+    for _ in range(4):  # innermost first: \frac{\frac{1}{2}}{3} = 1/6; 1\frac{1}{2} = 1.5, not 11/2
+        s, n = _LATEX_FRAC.subn(_frac_value, s)
+        if not n:
+            break
+    s = _BRACED_NUMBER.sub(r"\1", s)  # {18} -> 18 (fractions are values by now)
+    # (3) -> 3, but 2(3) is a product, not 23, and (1,500) a point (or an accountant's -1500), not 1500
+    s = re.sub(r"(?<![\d)])\((-?[\d.]+)\)", r"\1", s)
+    s = s.replace("$", "")
+    if strip_plus:
+        s = re.sub(r"(^|[\s(=])\+\s*(?=[\d.])", r"\1", s)  # "+5" -> "5"
+    # "- 5" -> "-5" only when the minus is not between two numbers
+    s = re.sub(r"(^|[^\d\s])\s*-\s+(?=\d)", r"\1-", s)
+    return s
+
+
+def _decimal_value(s: str) -> Fraction | None:
+    """``-1,234.5`` -> Fraction. Commas only as thousands separators (groups of 3; Indian 2s inside):
+    ``3,5``, ``12,50`` or ``1,2,3`` are not one number, so they are none."""
+    neg = s.startswith("-")
+    whole, _, frac = s.lstrip("-").partition(".")
+    if "," in whole:
+        groups = whole.split(",")
+        if not (1 <= len(groups[0]) <= 3 and len(groups[-1]) == 3 and all(len(g) in (2, 3) for g in groups[1:-1])):
+            return None
+        whole = "".join(groups)
+    if sum(map(len, (whole, frac))) > MAX_NUMBER_DIGITS:
+        return None
+    try:
+        f = Fraction(Decimal(f"{whole or '0'}.{frac or '0'}"))
+    except (InvalidOperation, ValueError):
+        return None
+    return -f if neg else f
+
+
+def _to_fraction(num: str) -> Fraction | None:
+    num = num.replace(" ", "").rstrip(",")
+    if "/" in num:
+        a, b = (_decimal_value(x) for x in num.split("/", 1))
+        return None if a is None or b is None or b == 0 else a / b
+    return _decimal_value(num)
+
+
+def _exact_str(f: Fraction) -> str:
+    """Canonical text of a value: an integer, a terminating decimal written out exactly (0.5, never
+    rounded), else p/q."""
+    if f.denominator == 1:
+        return str(f.numerator)
+    d = f.denominator
+    twos = (d & -d).bit_length() - 1
+    d >>= twos
+    fives = 0
+    while d % 5 == 0:
+        d //= 5
+        fives += 1
+    if d != 1:
+        return f"{f.numerator}/{f.denominator}"
+    places = max(twos, fives)
+    scaled = abs(f.numerator) * 10**places // f.denominator  # exact: the denominator divides 10**places
+    digits = str(scaled).rjust(places + 1, "0")
+    text = f"{digits[:-places]}.{digits[-places:]}".rstrip("0").rstrip(".")
+    return ("-" if f < 0 else "") + text
+
+
+# A span that is only an ASCII integer, as nearly every GSM8K "#### 72" line is: its value without the parse below
+# (which cost ~70 us a row: a million-row dataset spent 72 s of its load there). Same result by construction, and
+# tests/test_rewards.py holds the two paths equal. Only the whitespace _GLUE_OK lets follow a number.
+_PLAIN_INT = re.compile(rf"[ \t\r\n]*(-?)([0-9]{{1,{MAX_NUMBER_DIGITS}}})[ \t\r\n]*", re.ASCII)
+
+
+def span_number(text: str, whole: bool = True) -> str | None:
+    """The number an answer span gives, normalised (``'$1,234.50 dollars'`` -> ``'1234.5'``), or None.
+
+    ``whole``: the span must be a number (words around it allowed: "The answer is 72 apples."), as
+    a ``\\boxed{}`` or ``<answer>`` must; else it only has to start with one, as a ``####`` line. An
+    equation gives its right-hand side (``x = 5``, ``48 + 24 = 72``).
+    """
+    plain = _PLAIN_INT.fullmatch(text)
+    if plain is not None:
+        digits = plain.group(2).lstrip("0") or "0"
+        return digits if digits == "0" else plain.group(1) + digits
+    return _parsed_span_number(text, whole)
+
+
+def _parsed_span_number(text: str, whole: bool) -> str | None:
+    """span_number for any span: TeX, units, thousands commas, fractions, equations."""
+    if _DIGIT.search(text) is None:  # fast path: most spans a degenerate completion offers hold none
+        return None
+    return _cleaned_span_number(_clean_number_text(text), text, whole)
+
+
+def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
+    """_parsed_span_number on ``s``, the span ``text`` already through _clean_number_text (a #### line is cleaned
+    once, for its number and for the kind of line it is)."""
+    if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
+        if s.count("=") > 1 and len(set(_ASSIGNED.findall(s))) > 1:
+            return None  # "x = 5, y = 18" (in a box or on a #### line): several answers, none of them the answer
+        s = s.rsplit("=", 1)[1]
+    m = _NUMBER.search(s)
+    # bold anywhere in the words: "The answer is **72**", "**Final Answer:** 72" (its leading ** made it no answer)
+    if m is None or not _words_only(s[: m.start()].replace("*", " ")):
+        return None
+    rest = s[m.end():]
+    if rest and rest[0] not in _GLUE_OK:  # "2x", "2^{10}", "2\\sqrt{2}", "5!": not the number 2 or 5
+        return None
+    if _next_operand(rest):  # "10 - 2", "2 x 3", "2 ^ 3", "1 000 000", "1 1/2", "3:30": not the number 10, 2, 1 or 3
+        return None
+    # the word right before the number and the one right after it: a word further away belongs to the sentence
+    # ("After giving away half, she has 36 marbles", "There are no cookies left, so 0", "24 eggs, two dozen")
+    # ("**" is no word: "at least **72**", "**72** dozen" read as 72)
+    before = [w for w in _WORD_GAP.split(s[: m.start()].replace("*", " ")) if w][-1:]
+    after = _WORD_GAP.split(rest.replace("*", " ").strip(), maxsplit=1)[:1]
+    if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
+            or _CHANGES_AFTER.intersection(w.lower() for w in after)):
+        return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
+    if _BOUNDS_BEFORE.intersection(w.lower() for w in before) and not s[: m.start()].rstrip(" \t*").endswith(":"):
+        return None  # "more than 72", "at least 72": a bound, not the answer ("the most: 72" is a label)
+    if _second_answer(rest, m.group(0)):
+        return None  # "72 or 73", "72, or so", "72 (or 73)", "72 to 73", "3 hours 30 minutes": no answer (read as 72, 3)
+    if whole:
+        rest = rest.lstrip().lstrip("*").lstrip().removeprefix("%").lstrip("*").strip().removesuffix(".")
+        if not _words_only(rest):  # "72 apples" yes; "2 \\cdot 3", "3 and 4" no
+            return None
+    f = _to_fraction(m.group(0))
+    return None if f is None else _exact_str(f)
+
+
+# What makes a #### line's first number an operand: an operator after it, a bracket glued to it ("5(2) = 10";
+# "3 (t = 180 min)" is an answer and a note), or a spaced letter x between numbers ("2 x 3 = 6").
+_OPERATOR = re.compile(r"\s*(?:[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div)|\((?=[-\d.])|\s+[xX]\s+(?=[\d(.])")
+
+
+def _starts_an_expression(s: str) -> bool:
+    """Whether a ``####`` line's leading number is the first operand of an expression ("48 + 24 = 72":
+    its value is the right side) rather than the answer itself ("72 = 48 + 24", "3 hours (t = 180
+    minutes)": the number the line starts with)."""
+    m = _NUMBER.search(s)
+    return m is None or not _words_only(s[: m.start()].rstrip().rstrip("*")) or _OPERATOR.match(s, m.end()) is not None
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical form of a number written as text (``'-3.50'`` -> ``'-3.5'``, ``'\\frac{6}{8}'`` -> ``'0.75'``)."""
+    return span_number(text)
+
+
+# A Markdown heading's label ("#### Step 1: Add", "#### **Part 2**"): its number is no answer. Skipped rather than
+# taking the *last* words-first line, which read a note or check after the answer ("#### Note: 7 eggs were broken")
+# and a base model's run-on ("#### The answer is 72\n\nQuestion: ... #### The answer is 5") instead of the answer.
+_HEADING_LABEL = re.compile(r"\s*\**\s*(?:step|part|case|method|stage|phase|section)\s*\d", re.IGNORECASE)
+# A heading that only names the answer, which follows on the next line: "#### Final Answer\n72" (also "**Answer:**",
+# "3. Final Answer", "The final answer is"). Its line has no number, so the answer under it was never read.
+_ANSWER_HEADING = re.compile(r"[\s*]*(?:\d+\.\s+)?(?:the\s+)?(?:final\s+)?(?:answer|result)s?(?:\s+is)?[\s*:.]*",
+                             re.IGNORECASE)
+# A Markdown list marker before the answer under a heading ("#### Final Answer\n- 18"): no minus sign ("-18" is one).
+_BULLET = re.compile(r"[ \t]*[-*+][ \t]+(?=\S)")
+# A numbered Markdown heading "#### 1. Understand the problem": the number of a list item, not an answer (no letter
+# may follow it: "#### 18." and "#### 1.5" stay numbers).
+_NUMBERED_HEADING = re.compile(r"(\d+)\.\s+(?=[A-Za-z*])")
+_A_WORD = re.compile(r"[A-Za-z]+")
+
+
+# The words an answer line may say before "answer": "Therefore, the final answer is 72". Any other ("#### Double-check
+# the answer: 18 eggs * $2 = $36") makes the line a note that mentions the answer, not one that gives it: it outranked
+# the final \boxed{36} (a review).
+_ANSWER_LEAD_WORDS = frozenset("so thus therefore hence then the final my our correct answer answers is was".split())
+
+
+def _names_the_answer(words: str) -> bool:
+    """Whether the words before a #### line's number name the answer ("#### The answer is 72", "#### **Final
+    Answer:** 72", "#### Answer = 72", "#### So the final answer is 72"): they end on "answer" (then "is"), and say
+    nothing else; a heading that happens to hold a number ("#### Add the 3 eggs") or a note ("#### Check the
+    answer: 18 eggs ...") does not."""
+    found = [w.lower() for w in _A_WORD.findall(words)]
+    last = found[:-1] if found[-1:] in (["is"], ["was"]) else found
+    return last[-1:] in (["answer"], ["answers"]) and _ANSWER_LEAD_WORDS.issuperset(found)
+
+
+def _read_hash_span(span: str, need_words: bool = True) -> tuple[str, str | None]:
+    """(kind, number) of a #### span with a digit, cleaned once. Kinds: "lead" (the line starts with its number,
+    "#### 72", "#### $72", "#### **72**"; or names the answer before it, "#### The answer is 72"), "words" (words
+    come first, "#### Add the 3 eggs", "#### She has 72 left"), "numbered" (a numbered heading "#### 1. Understand
+    the problem": its number is the last resort). ``need_words`` False: a "words" line's number is not parsed (one
+    was found before; a degenerate run of such lines stays at one clean each)."""
+    if _PLAIN_INT.fullmatch(span):  # "#### 72", nearly every GSM8K line
+        return "lead", span_number(span)
+    s = _clean_number_text(span)
+    head = s.lstrip().lstrip("*").lstrip()
+    item = _NUMBERED_HEADING.match(head)
+    if item is not None:
+        rest = head[item.end():]
+        num = _cleaned_span_number(rest, rest, whole=False) if _DIGIT.search(rest) else None
+        if num is None:  # "#### 1. Understand the problem"
+            return "numbered", span_number(item.group(1))
+        if num == span_number(item.group(1)):  # "#### 18. She makes $18": the number, said twice
+            return "lead", num
+        # "#### 3. Answer: 18", "#### 2. Add the 3 eggs": the item's own words
+        return ("lead" if _names_the_answer(rest[: _DIGIT.search(rest).start()]) else "words"), num
+    if head.removeprefix("-").lstrip().removeprefix(".")[:1].isdigit():
+        return "lead", _cleaned_span_number(s, span, whole=False)
+    first = _DIGIT.search(s)
+    if first is None:  # cleaning left no digit (none seen so far; a guard, not a case)
+        return "words", None
+    kind = "lead" if _names_the_answer(s[: first.start()]) else "words"
+    return kind, (_cleaned_span_number(s, span, whole=False) if kind == "lead" or need_words else None)
+
+
+def _line_after(text: str, start: int, bound: int) -> tuple[str, int] | None:
+    """The first line with content in text[start:bound] (the answer under a heading) and where it ends, or None."""
+    for _ in range(8):  # a few blank lines at most: the answer right below
+        end = text.find("\n", start, bound)
+        end = bound if end < 0 else end
+        if text[start:end].strip():
+            return text[start:end], end
+        if end == bound:
+            return None
+        start = end + 1
+    return None
+
+
+def _box_below(text: str, start: int, bound: int) -> str | None:
+    """The number of a box on the next line with content after ``start`` ("#### Final Answer\n2 hours\n\\boxed{120}":
+    the answer in the form the question asked for, 120 minutes; the line above it read as 2), or None."""
+    line = _line_after(text, start, bound)
+    box = None if line is None else final_box(line[0], _same_number)  # "\boxed{72} or \boxed{73}" gives none (read 73)
+    return None if box is None else span_number(box)
+
+
+def _same_number(a: str, b: str) -> bool:
+    """Whether two boxes give one number (a hedge between them is none: final_box)."""
+    return span_number(a) == span_number(b)
+
+
+HashAnswer = tuple[str, str] | None  # (the span, its number)
+
+
+def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
+    """What follows a ``####``, up to the line end (or the next ``####``: each span is then read once, so the cost
+    stays linear in the text), with its number: (the first line that starts with its number or names the answer
+    before it, "#### 72", "#### The answer is 72", or the line under a heading "#### Final Answer"; the first line
+    with its number after other words that is no heading label "#### Step 1: ..."; the first numbered heading
+    "#### 1. Understand the problem"), each None where there is none: a heading label alone gives no answer."""
+    starts = [m.start() for m in re.finditer("####", text)]
+    words = numbered = None
+    for k, pos in enumerate(starts):
+        bound = starts[k + 1] if k + 1 < len(starts) else len(text)
+        stop = text.find("\n", pos + 4, bound)  # bounded: a search to the text's end per #### was O(n^2)
+        stop = bound if stop < 0 else stop
+        span = text[pos + 4 : stop]
+        if _ANSWER_HEADING.fullmatch(span):  # the answer is on the line below: read it as if after a ####
+            line = _line_after(text, stop, bound)
+            below = None if line is None else _BULLET.sub("", line[0], count=1)  # "- 18" read as -18, above \boxed{18}
+            num = None if below is None else span_number(below)  # all of it a number: "72", "$72$", "72 apples."
+            if num is None:
+                continue
+            # a line that starts with its number ("72", "$72$") leads; a sentence ("She needs 5 more boxes.") is
+            # only words-first: prose under "#### Answer" must not outrank the final box
+            kind = _read_hash_span(below)[0]
+            span = below
+            boxed = _box_below(text, line[1], bound)
+            if boxed is not None:  # the box right under it is the answer it gives
+                kind, num = "lead", boxed
+        elif _DIGIT.search(span) is None or _HEADING_LABEL.match(span):
+            continue  # no number (a degenerate "####" run: not worth the cleaning below), or a heading's label
+        else:
+            kind, num = _read_hash_span(span, need_words=words is None)
+        if num is None:
+            continue
+        if kind == "lead":
+            return (span, num), words, numbered
+        if kind == "words" and words is None:
+            words = span, num
+        elif kind == "numbered" and numbered is None:
+            numbered = span, num
+    return None, words, numbered
+
+
+def _after_hashes(text: str) -> str | None:
+    """What follows the first ``####`` that starts with a number (or names the answer before it), else the first one
+    with a number after words (no heading label), else the first numbered heading, up to the line end (a GSM8K
+    reference: "... #### 72")."""
+    found = next((f for f in _hash_spans(text) if f is not None), None)
+    return None if found is None else found[0]
+
+
+def _answer_tag(text: str) -> str | None:
+    """Content of the last closed ``<answer>...</answer>`` (rfind: linear even for unclosed tags)."""
+    end = text.rfind("</answer>")
+    if end < 0:
+        return None
+    start = text.rfind("<answer>", 0, end)
+    return None if start < 0 else text[start + len("<answer>") : end]
+
+
+def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
+    """The answer a completion gives, or None when it gives none.
+
+    ``gsm8k``: normalised number of the first ``####`` line that starts with it or names the answer before it ("####
+    The answer is 72", or the line under "#### Final Answer"), else in the last ``\\boxed{}``, else in the last
+    ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:"), else of
+    the first numbered heading ("#### 1. Understand the problem").
+    ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts, and
+    nothing after a ``<think>`` left open.
+    """
+    think_end = text.rfind("</think>")
+    if think_end >= 0:  # the format reward's layout: a draft "\boxed{70}" or "#### 70" inside <think> is no answer
+        text = text[think_end + len("</think>"):]
+    think_open = text.find("<think>")
+    if think_open >= 0:  # a <think> never closed (cut short mid-thought): a draft inside it is no answer either
+        text = text[:think_open]
+    if kind == "gsm8k":
+        # a #### line that starts with its number (or names the answer), else the box, else the tag, else a #### line
+        # with other words before its number, else a numbered heading: a Markdown heading "#### Step 1: ..." or "####
+        # 1. Understand the problem" must not outrank the final \boxed{72}
+        lead, words, numbered = _hash_spans(text)
+        if lead is not None:
+            return lead[1]
+        for find in (lambda t: final_box(t, _same_number), _answer_tag):
+            span = find(text)
+            if span is not None:
+                num = span_number(span, whole=True)
+                if num is not None:
+                    return num
+        return next((f[1] for f in (words, numbered) if f is not None), None)
+    if kind == "math":
+        return final_box(text, _math_verify_equal)  # "\boxed{\frac12} or \boxed{0.5}" is one answer
+    raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
+
+
+def reference_answer(reference: str, kind: str = "gsm8k") -> str | None:
+    """Normalise a dataset's reference: a GSM8K solution (``... #### 72``) gives ``72``.
+
+    For ``gsm8k`` a bare reference must *be* a number (units after a space allowed: ``18 dollars``);
+    ``x^2`` or ``2x`` give None, so they are compared as text instead of as the number 2.
+    """
+    if reference is None:
+        return None
+    reference = str(reference)
+    if kind == "gsm8k":
+        span = _after_hashes(reference)
+        if span is None:
+            span = last_boxed(reference) or reference
+        return span_number(span)
+    if kind == "math":
+        return last_boxed(reference) or reference.strip()
+    raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
+
+
+class _ShortLogLines(logging.Filter):
+    """math-verify logs a parse timeout with the whole text it parsed: a degenerate completion's 40 KB box (or
+    1 MB) went to stderr, through the progress display, once per completion."""
+
+    LIMIT = 300
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if len(msg) > self.LIMIT:
+            record.msg, record.args = f"{msg[: self.LIMIT]}... ({len(msg):,} characters)", None
+        return True
+
+
+def _not_timeout_disabled(record: logging.LogRecord) -> bool:
+    # math-verify's "Timeout is disabled ..., you must provide the logic for timeout interuption yourself": qerl's
+    # own warning (_warn_no_timeout) says what that means for a reward scored off the main thread
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+@functools.cache
+def _quiet_math_verify() -> None:
+    for name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+        logger = logging.getLogger(name)  # a parent logger's filter misses its children's records
+        logger.addFilter(_ShortLogLines())
+        logger.addFilter(_not_timeout_disabled)
+
+
+@functools.cache
+def _warn_no_timeout() -> None:
+    warnings.warn("the math reward is scored off the main thread: math-verify's 5 s timeout needs SIGALRM, which "
+                  "only the main thread gets, so its verdicts run without a time limit there (a degenerate answer "
+                  "such as 10^{10^{10^{10}}} can hold the process for good); score from the main thread to keep it",
+                  QerlWarning, stacklevel=2)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _math_verify_equal(gold: str, pred: str) -> bool:
+    # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    _quiet_math_verify()
+
+    # math-verify's timeouts use SIGALRM, which only works on the main thread (signal.signal raises elsewhere):
+    # off it, no timeout (0 is math-verify's own switch for that), and one warning that says so.
+    main = threading.current_thread() is threading.main_thread()
+    timeout = 5 if main else 0
+    if not main:
+        _warn_no_timeout()
+    cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
+    p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
+    if not g or not p:
+        return gold.strip() == pred.strip()
+    return bool(verify(g, p, timeout_seconds=timeout))
+
+
+def is_correct(completion: str, reference: str | None, kind: str = "gsm8k") -> bool:
+    """Whether ``completion``'s extracted answer equals ``reference`` (see ``extract_answer``)."""
+    if reference is None:
+        return False
+    pred = extract_answer(completion, kind)
+    if pred is None:
+        return False
+    if kind == "gsm8k":
+        gold = reference_answer(reference, "gsm8k")
+        if gold is None:  # a non-numeric reference: compare text
+            return pred.strip() == str(reference).strip()
+        a, b = _to_fraction(pred), _to_fraction(gold)
+        return a is not None and a == b
+    gold = reference_answer(reference, "math")
+    return _math_verify_equal(gold, pred)
