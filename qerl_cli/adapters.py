@@ -102,12 +102,22 @@ def check_config_types(cfg, path) -> None:
                 raise BadInputError(f"{path}: {key}[{k!r}] must be a {'positive integer' if key == 'rank_pattern' else 'number'}, got {v!r}")
 
 
+def model_not_adapter_hint(adapter_dir) -> str | None:
+    """The hint for an --adapter without adapter_config.json that is a model directory (a merged or quantized
+    model given where its adapter goes), else None."""
+    if (Path(adapter_dir) / "config.json").is_file():
+        return (f"{adapter_dir} holds config.json: it is a model, not a LoRA adapter; "
+                "pass a merged model as --model, without --adapter")
+    return None
+
+
 def _read_config(adapter_dir: Path) -> dict:
     path = Path(adapter_dir) / CONFIG
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise BadInputError(f"{path}: not found (is {adapter_dir} a PEFT adapter directory?)") from None
+        raise BadInputError(f"{path}: not found (is {adapter_dir} a PEFT adapter directory?)",
+                            hint=model_not_adapter_hint(adapter_dir)) from None
     except ValueError as e:
         raise BadInputError(f"{path}: not valid JSON ({e})") from None
     check_config_types(cfg, path)

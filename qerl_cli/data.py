@@ -128,6 +128,8 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
         try:
             out.append((f"{path}:{i}", json.loads(line)))
         except ValueError as e:  # a JSONDecodeError, or int() refusing a number of 4300+ digits
+            if not out:
+                _refuse_one_json_value(path, text)
             detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else _json_value_error(e)
             msg = f"{path}:{i}: not valid JSON ({detail})"
             if bad_lines is None:
@@ -135,6 +137,21 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             bad_lines.append(msg)
             out.append((f"{path}:{i}", _UNREADABLE))  # keeps its row index, as a readable bad row does
     return out
+
+
+def _refuse_one_json_value(path: Path, text: str) -> None:
+    """A file that is one JSON value written over several lines (``json.dump(rows, f, indent=2)``) is valid JSON, yet
+    each of its lines is not: "line 1: not valid JSON", with --skip-bad-lines offered, misled. Say what it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return  # not JSON as a whole either: a bad line of JSON Lines
+    if isinstance(value, list):
+        raise BadInputError(f"{path}: is one JSON array over several lines, not JSON Lines (one row object a line)",
+                            hint="name it .json to read it as an array, or write one object a line: "
+                                 "jq -c '.[]' F > F.jsonl")
+    raise BadInputError(f"{path}: is one JSON object over several lines, not JSON Lines (one row object a line)",
+                        hint="write each row as one line: jq -c . F > F.jsonl")
 
 
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"))
@@ -248,8 +265,11 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
                 answer = _answer(last_boxed(raw["solution"]), where)  # an empty \boxed{} is no reference
             return PromptRow(str(rid), prompt=raw[key], answer=answer, where=where)
     keys = ", ".join(sorted(map(str, raw))) or "none"
+    # A Parquet column (or a JSON key) that is there but null: "keys: answer, prompt" said the row had a prompt.
+    nulls = [f"`{k}`" for k in ("prompt", "messages", "question", "problem") if k in raw and raw[k] is None]
     raise BadInputError(
-        f"{where}: row has neither `prompt` nor `messages` (keys: {keys})",
+        f"{where}: row has neither `prompt` nor `messages` ("
+        + (f"{' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null; " if nulls else "") + f"keys: {keys})",
         hint="each row needs `prompt` (text) or `messages` (chat list); GSM8K `question` and MATH `problem` also work",
     )
 
@@ -311,14 +331,15 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
             continue
         try:
             row = parse_row(remap_row(raw, where, prompt_key, answer_key), where, i)
+            explicit = isinstance(raw, dict) and any(raw.get(k) is not None for k in ID_FIELDS)
             if row.id in seen:
-                raise BadInputError(f"{where}: id {row.id!r} already used at {seen[row.id]}", hint="ids must be unique")
+                mine = "" if explicit else " (this row has no id and takes its row index)"
+                raise BadInputError(f"{where}: id {row.id!r}{mine} already used at {seen[row.id]}", hint="ids must be unique")
         except BadInputError as e:
             if not skip_bad_lines:
                 raise
             bad_lines.append(str(e))
             continue
-        explicit = isinstance(raw, dict) and any(raw.get(k) is not None for k in ID_FIELDS)
         # A row without an id takes its index, which can be another row's explicit id: say so.
         seen[row.id] = where if explicit else f"{where} (a row without an id, which takes its row index)"
         rows.append(row)

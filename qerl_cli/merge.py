@@ -39,7 +39,12 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import PEFT_DEFAULT_ALPHA, check_config_types, unsupported_lora_variant
+from qerl_cli.adapters import (
+    PEFT_DEFAULT_ALPHA,
+    check_config_types,
+    model_not_adapter_hint,
+    unsupported_lora_variant,
+)
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWarning
 from qerl_cli.hashing import model_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
@@ -130,7 +135,8 @@ def read_adapter(adapter_dir: Path) -> Adapter:
     cfg_path, w_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
     for p in (cfg_path, w_path):
         if not p.exists():
-            raise BadInputError(f"--adapter {adapter_dir}: {p.name} not found (expected a PEFT adapter directory)")
+            raise BadInputError(f"--adapter {adapter_dir}: {p.name} not found (expected a PEFT adapter directory)",
+                                hint=model_not_adapter_hint(adapter_dir))
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:

@@ -220,7 +220,10 @@ def _check_flags(cfg: RolloutConfig) -> None:
     if not (Path(cfg.model) / "config.json").is_file():
         bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)")
     if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
-        bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)")
+        from qerl_cli.adapters import model_not_adapter_hint
+
+        bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)",
+            hint=model_not_adapter_hint(cfg.adapter))
     # --force replaces --out: never let that be the model, the adapter or the prompt file's directory, nor hold a
     # template this run reads (deleted with the old output, after the run read it: the rerun could not be made).
     check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, prompts=cfg.prompts,

@@ -95,13 +95,43 @@ def resolve_dtype(dtype: str, device: str):
     return _SHORT[full], getattr(torch, full)
 
 
+# The JSON files a tokenizer loads from: one that is not JSON is named, not transformers' bare JSONDecodeError.
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
+    model_dir = Path(model_dir)
+    if (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
+        raise BadInputError(f"--model {model_dir} is a PEFT adapter directory (adapter_config.json, no config.json)",
+                            hint="pass it as --adapter, and the model it was trained on as --model")
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
-        raise BadInputError(f"--model {model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise BadInputError(_unreadable_json(model_dir) or f"--model {model_dir}: cannot load its tokenizer "
+                            f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    # transformers 5 builds an empty tokenizer (of the class config.json's model_type names) from a directory
+    # without tokenizer files: every prompt encoded to its chat template's special tokens alone, or to nothing.
+    if not tokenizer("a 1", add_special_tokens=False)["input_ids"]:
+        raise BadInputError(f"--model {model_dir}: its tokenizer has no vocabulary (text encodes to no tokens): no "
+                            "tokenizer.json, nor tokenizer.model or vocab.json + merges.txt",
+                            hint="copy the tokenizer files of the model it was made from into it")
+    return tokenizer
+
+
+def _unreadable_json(model_dir: Path) -> str | None:
+    """'file: not valid JSON (why)' for the first of the tokenizer's JSON files that is not JSON, else None."""
+    import json
+
+    for name in TOKENIZER_JSON:
+        try:
+            json.loads((model_dir / name).read_bytes())
+        except OSError:  # absent (most are optional), or unreadable: transformers' own error stands
+            continue
+        except ValueError as e:
+            return f"{model_dir / name}: not valid JSON ({e})"
+    return None
 
 
 def special_tokens(tokenizer) -> dict[str, int]:

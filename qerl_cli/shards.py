@@ -155,6 +155,8 @@ def validate_record(rec: Any) -> str | None:
         return f"schema_version {rec['schema_version']} is newer than this qerl reads ({SCHEMA_VERSION}); upgrade qerl"
     if rec["schema_version"] < 1:
         return f"schema_version {rec['schema_version']} is not a version (they start at 1)"
+    if rec["step"] < 0:  # train-step wrote its adapter as the step after it: a trainer_state of step 0 from "step -1"
+        return f"step {rec['step']} is not a rollout step (they start at 0)"
     why = _noise_problem(rec["noise"]) or _sampling_problem(rec["sampling"])
     if why:
         return why

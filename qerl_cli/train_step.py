@@ -188,6 +188,7 @@ class StepData:
     bad_lines: tuple[str, ...] = ()  # "file:line: why" of shard lines skipped by --skip-bad-lines
     cuts: list[tuple[float, int, float]] | None = None  # (top_p, top_k, min_p) per record; None: no record was cut
     files_as_named: tuple[Path, ...] = ()  # ``files`` in --shards' order (older qerl read and hashed them so)
+    origins: tuple[tuple[Path, int], ...] = ()  # (file, line) of each record, for messages that name one
 
     def __post_init__(self):  # kept when ``_keep_owned`` drops the token arrays of other ranks' micro-batches
         self.prompt_lengths = [len(p) for p in self.prompts]
@@ -282,6 +283,7 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         bad_lines=tuple(report.bad_lines),
         cuts=cuts if any(c != (1.0, 0, 0.0) for c in cuts) else None,
         files_as_named=tuple(named),
+        origins=tuple(report.origins),
     )
 
 
@@ -354,13 +356,15 @@ def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
         limit, what = mcfg.sliding_window, "tokens of the sliding window"  # forward refused it after loading
     for i, (p, c) in enumerate(zip(data.prompts, data.completions)):
         rec = data.records[i]
-        who = f"record {i} (group {rec['group_id']!r}, prompt {rec['prompt_id']!r})"
+        # by file:line: "first file: record i" counted i over every file given, and named the first file whatever held it
+        where = "{}:{}".format(*data.origins[i]) if data.origins else f"{data.files[0]}: record {i}"
+        who = f"{where}: record of group {rec['group_id']!r} (prompt {rec['prompt_id']!r})"
         if len(p) + len(c) > limit:
-            raise BadInputError(f"{data.files[0]}: {who} has {len(p) + len(c)} tokens, more than the {limit} "
+            raise BadInputError(f"{who} has {len(p) + len(c)} tokens, more than the {limit} "
                                 f"{what} of --model {cfg.model}")
         bad = next((t for t in p + c if not 0 <= t < mcfg.vocab_size), None)
         if bad is not None:
-            raise BadInputError(f"{data.files[0]}: {who} has token id {bad}, outside --model {cfg.model}'s vocabulary "
+            raise BadInputError(f"{who} has token id {bad}, outside --model {cfg.model}'s vocabulary "
                                 f"of {mcfg.vocab_size}", hint="were the shards made with another model's tokenizer?")
 
 

@@ -605,3 +605,94 @@ def test_every_stage_draws_its_progress_on_stderr(p, tmp_path, monkeypatch):
         r = invoke(args)
         assert r.exit_code == 0, (args[0], r.stderr)
     assert len(seen) >= 4 and all(seen), seen
+
+
+# ---- model dirs and adapters given where they do not fit (s54) ------------------------------------------------------
+def _no_tokenizer_json(d):
+    (d / "tokenizer.json").unlink()
+
+
+def _no_tokenizer_files(d):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).unlink()
+
+
+def _bad_tokenizer_config(d):
+    (d / "tokenizer_config.json").write_text("{bad")
+
+
+@pytest.mark.parametrize("stage", ["rollout", "eval"])
+@pytest.mark.parametrize("breaker, needles", [
+    # transformers 5 built an empty tokenizer from config.json's model_type: with tokenizer_config.json left the
+    # rollout ran on the chat template's special tokens alone (exit 0); without it, "prompt encodes to zero tokens"
+    (_no_tokenizer_json, ["its tokenizer has no vocabulary", "tokenizer.json"]),
+    (_no_tokenizer_files, ["its tokenizer has no vocabulary"]),
+    (_bad_tokenizer_config, ["tokenizer_config.json: not valid JSON"]),  # was transformers' bare JSONDecodeError
+], ids=["no-tokenizer-json", "no-tokenizer-files", "bad-tokenizer-config"])
+def test_a_model_dir_without_a_usable_tokenizer_is_named(p, tmp_path, stage, breaker, needles):
+    m = copy_tree(p["q"], tmp_path / "m")
+    (m / "manifest.json").unlink(missing_ok=True)
+    breaker(m)
+    out = tmp_path / "out"
+    args = rollout_args(m, p["prompts"], out) if stage == "rollout" else eval_args(m, p["prompts"], out)
+    assert_one_line_error(invoke(args), 2, *needles)
+    nothing_written(tmp_path)
+
+
+def test_an_adapter_dir_given_as_the_model_is_named_so(p, tmp_path):
+    # eval loaded its tokenizer first: "cannot load its tokenizer (ValueError: Couldn't instantiate the backend ...)"
+    r = invoke(eval_args(p["a1"], p["prompts"], tmp_path / "out"))
+    assert_one_line_error(r, 2, f"--model {p['a1']} is a PEFT adapter directory", "pass it as --adapter")
+    nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("stage", ["rollout", "merge", "train-step"])
+def test_a_model_dir_given_as_the_adapter_is_named_so(p, tmp_path, stage):
+    out = tmp_path / "out"
+    args = {"rollout": rollout_args(p["q"], p["prompts"], out) + ["--adapter", p["q_other"]],
+            "merge": merge_args(p["q"], p["q_other"], out),
+            "train-step": train_args(p["q"], p["sh0"], out, "--adapter", p["q_other"])}[stage]
+    assert_one_line_error(invoke(args), 2, "adapter_config.json", "it is a model, not a LoRA adapter")
+    nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('{"eos_token_id": "abc"}', "eos_token_id must be a token id or a list of them, got 'abc'"),  # was int()'s traceback
+    ("[1, 2]", "not a JSON object"),  # was AttributeError: 'list' object has no attribute 'get'
+    ("{bad", "not valid JSON"),  # was skipped without a word: generation ran past the model's end-of-turn token
+], ids=["string-eos", "array", "not-json"])
+def test_a_bad_generation_config_is_named_not_a_traceback(p, tmp_path, content, needle):
+    m = copy_tree(p["q"], tmp_path / "m")
+    (m / "manifest.json").unlink(missing_ok=True)
+    (m / "generation_config.json").write_text(content)
+    assert_one_line_error(invoke(rollout_args(m, p["prompts"], tmp_path / "out")), 2, "generation_config.json", needle)
+    nothing_written(tmp_path)
+
+
+def test_lora_targets_matching_nothing_name_where_they_came_from(p, tmp_path):
+    # was "LoRA targets ['foo_proj'] match no Linear in the model", naming neither the flag nor the adapter's file
+    r = invoke(train_args(p["q"], p["sh0"], tmp_path / "out", "--lora-targets", "foo_proj"))
+    assert_one_line_error(r, 2, "--lora-targets: LoRA targets ['foo_proj'] match no Linear", "q_proj, up_proj, v_proj")
+    a = copy_tree(p["a1"], tmp_path / "a")
+    cfg = json.loads((a / "adapter_config.json").read_text())
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "foo_proj"]}))
+    r = invoke(rollout_args(p["q"], p["prompts"], tmp_path / "out") + ["--adapter", a])
+    assert_one_line_error(r, 2, f"{a / 'adapter_config.json'} target_modules: LoRA targets ['foo_proj']")
+    nothing_written(tmp_path)
+
+
+def test_a_token_outside_the_vocabulary_is_named_by_the_file_and_line_that_hold_it(p, tmp_path):
+    # was "<first file>: record 13 (...)": the index counted over every file, and the first file was named whatever
+    # file held the record
+    from qerl_cli.shards import shard_name
+
+    lines = (p["sh0"] / shard_name(0, 1)).read_text().splitlines()
+    sh = tmp_path / "sh"
+    sh.mkdir()
+    (sh / shard_name(0, 2)).write_text("\n".join(lines[:4]) + "\n")  # groups whole: 4 completions a group
+    rec = json.loads(lines[5])
+    rec["completion_token_ids"][0] = 999  # the model's vocabulary is 384
+    (sh / shard_name(1, 2)).write_text("\n".join([lines[4], json.dumps(rec), *lines[6:]]) + "\n")
+    r = invoke(train_args(p["q"], sh, tmp_path / "out"))
+    assert_one_line_error(r, 2, f"{sh / shard_name(1, 2)}:2: record of group", "has token id 999")
+    nothing_written(tmp_path)

@@ -383,3 +383,34 @@ def test_a_chat_template_kwarg_the_template_never_reads_is_an_error(thinking_tok
         encode_prompts([row], plain_tok, chat_template_kwargs={"enable_thinking": False})
     with pytest.raises(BadInputError, match=r"none in use \(--no-chat-template\)"):
         encode_prompts([row], thinking_tok, chat_template=False, chat_template_kwargs={"enable_thinking": False})
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("d.jsonl", [{"prompt": "a"}, {"prompt": "b"}], "is one JSON array over several lines, not JSON Lines"),
+    ("d.json", {"prompt": "a"}, "is one JSON object over several lines, not JSON Lines"),
+])
+def test_a_file_of_one_json_value_over_several_lines_is_named_so_not_invalid_json(tmp_path, name, value, says):
+    # s54: json.dump(rows, f, indent=2) is valid JSON, yet read as JSON Lines each line was "not valid JSON", with
+    # --skip-bad-lines offered (which then skipped every line).
+    path = tmp_path / name
+    path.write_text(json.dumps(value, indent=2))
+    for skip in (False, True):
+        with pytest.raises(BadInputError, match=f"{name}: {says}"):
+            load_prompts(path, skip_bad_lines=skip, bad_lines=[])
+
+
+def test_a_null_prompt_or_messages_is_named_null_not_listed_as_present(tmp_path):
+    # s54: a Parquet row with a null in its `prompt` column said "row has neither `prompt` nor `messages` (keys:
+    # answer, prompt)", naming the column it claimed was missing as present.
+    for key in ("prompt", "messages"):
+        path = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {key: None, "answer": "1"}])
+        with pytest.raises(BadInputError, match=rf"d.jsonl:2: row has neither `prompt` nor `messages` \(`{key}` is null;"):
+            load_prompts(path)
+
+
+def test_a_row_without_an_id_taking_an_explicit_ids_index_says_it_has_none(tmp_path):
+    # s54: the other order of test_an_implicit_id_colliding_with_an_explicit_one_is_explained: row 2, without an id,
+    # was told its id '1' was already used, naming nothing of where it got that id.
+    p = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b"}])
+    with pytest.raises(BadInputError, match=r"d.jsonl:2: id '1' \(this row has no id and takes its row index\) already"):
+        load_prompts(p)

@@ -123,9 +123,11 @@ def _write_lines(path, lines):
         (json.dumps(rec(schema_version=0)), "not a version"),
         (json.dumps(rec(logprobs=[-0.1, 0.5])), "logprob 0.5 is above 0"),  # trained on with exit 0 (a review)
         (json.dumps(rec(reward=-1e20)), "reward -1e\\+20 is beyond"),  # group statistics square rewards
+        (json.dumps(rec(step=-1)), "step -1 is not a rollout step"),  # trained on as "step -1" with exit 0 (s54)
     ],
     ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future", "nan",
-         "noise-empty", "noise-seed", "noise-step", "sampling-empty", "version-0", "logprob-above-0", "huge-reward"],
+         "noise-empty", "noise-seed", "noise-step", "sampling-empty", "version-0", "logprob-above-0", "huge-reward",
+         "negative-step"],
 )
 def test_bad_line_names_file_and_line(tmp_path, bad, why):
     p = tmp_path / shard_name(0, 1)

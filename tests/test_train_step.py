@@ -497,7 +497,7 @@ def test_kl_to_base_and_resumed_policy_match_peft_reference(models, tmp_path, tr
 
 def test_tokens_outside_vocab_or_positions_are_named(models, tmp_path):
     sh = make_shard(tmp_path / "sh", models["qhash"], vocab=600)  # the model's vocabulary is 384
-    with pytest.raises(BadInputError, match=r"record \d+ \(group 's0-g\d', prompt 'p\d'\) has token id \d+, outside"):
+    with pytest.raises(BadInputError, match=r"shard-00000-of-00001.jsonl:\d+: record of group 's0-g\d' \(prompt 'p\d'\) has token id \d+, outside"):
         train_step(_cfg(models["q"], [sh], tmp_path / "out"))
     sh2 = make_shard(tmp_path / "sh2", models["qhash"])
     path = sh2 / shard_name(0, 1)
@@ -506,7 +506,7 @@ def test_tokens_outside_vocab_or_positions_are_named(models, tmp_path):
     rec["prompt_token_ids"] = rec["prompt_token_ids"] * 200  # > 512 positions
     lines[0] = json.dumps(rec)
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(BadInputError, match=r"record 0 .* tokens, more than the 512 positions"):
+    with pytest.raises(BadInputError, match=r"shard-00000-of-00001.jsonl:1: record .* tokens, more than the 512 positions"):
         train_step(_cfg(models["q"], [sh2], tmp_path / "out"))
     _assert_nothing_written(tmp_path / "out")
 

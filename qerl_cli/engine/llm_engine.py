@@ -91,11 +91,7 @@ class LLMEngine:
             ids.add(int(tok_eos))
         gen = Path(self.model.model_dir or "/nonexistent") / "generation_config.json"
         if gen.exists():
-            try:
-                e = json.loads(gen.read_text()).get("eos_token_id")
-                ids.update(e if isinstance(e, list) else [] if e is None else [e])
-            except ValueError:
-                pass
+            ids.update(generation_eos_ids(gen))
         return {int(i) for i in ids}
 
     def _sync_lora(self) -> None:
@@ -397,3 +393,20 @@ def _wait(pending):
     if ev is not None:
         ev.synchronize()
     return seqs, tok.tolist(), lp.tolist()
+
+
+def generation_eos_ids(path: Path) -> list[int]:
+    """``eos_token_id`` of a generation_config.json (an id, a list of them, or none), checked as config.json's is:
+    a file that was not JSON was skipped without a word (generation then ran past the model's end-of-turn token),
+    and a string or object there was a traceback."""
+    try:
+        gen = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise BadInputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise BadInputError(f"{path}: not a JSON object")
+    e = gen.get("eos_token_id")
+    eos = e if isinstance(e, list) else [] if e is None else [e]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+        raise BadInputError(f"{path}: eos_token_id must be a token id or a list of them, got {e!r}")
+    return eos

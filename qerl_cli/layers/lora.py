@@ -395,9 +395,11 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     """
     from qerl_cli.layers.linear import QLinear
 
-    wrapped = []
+    wrapped, linears = [], set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, QLinear) and ".layers." in f".{name}":
+            linears.add(leaf)
         if leaf in spec.targets and isinstance(module, QLinear) and ".layers." in f".{name}":
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             g = torch.Generator().manual_seed(_module_seed(spec.seed, name))
@@ -405,7 +407,8 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
             wrapped.append(name)
     missing = set(spec.targets) - {n.rsplit(".", 1)[-1] for n in wrapped}
     if missing:
-        raise ValueError(f"LoRA targets {sorted(missing)} match no Linear in the model")
+        raise ValueError(f"LoRA targets {sorted(missing)} match no Linear in the model (its decoder layers' Linears: "
+                         f"{', '.join(sorted(linears))})")
     return wrapped
 
 

@@ -208,8 +208,9 @@ def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
     if lora is not None:
         try:
             apply_lora(model, lora)
-        except ValueError as e:
-            raise BadInputError(str(e)) from None
+        except ValueError as e:  # named by where the targets came from: the adapter's config, or train-step's flag
+            where = f"{Path(adapter_dir) / 'adapter_config.json'} target_modules" if adapter_dir is not None else "--lora-targets"
+            raise BadInputError(f"{where}: {e}") from None
     if adapter_dir is not None:
         load_adapter(model, adapter_dir)
         if norms := trained_norms(adapter_dir):  # --train-norms: the policy is the adapter and these norms
