@@ -75,6 +75,17 @@ def test_the_refusal_names_the_stage_with_its_article(tmp_path, stage, said):
         StageOutput(tmp_path / "o", stage, config={"k": 2}, inputs={}).already_done()
 
 
+def test_another_stages_output_is_named_so_without_offering_force(tmp_path):
+    # `qerl quantize --out` a rollout's directory said "holds a rollout output made from different inputs or
+    # arguments", hint "pass --force to replace it": which deleted the rollout
+    with StageOutput(tmp_path / "o", "rollout", config={"k": 1}, inputs={}):
+        pass
+    with pytest.raises(OutputExistsError, match="holds a rollout output, not a quantize one") as e:
+        StageOutput(tmp_path / "o", "quantize", config={"k": 1}, inputs={}).already_done()
+    assert "--force would delete that rollout output" in e.value.hint
+    assert not StageOutput(tmp_path / "o", "quantize", config={"k": 1}, inputs={}, force=True).already_done()
+
+
 def test_failure_leaves_nothing_and_keeps_old_output(tmp_path):
     _run(tmp_path / "o", {"k": 1})
     with pytest.raises(RuntimeError):
