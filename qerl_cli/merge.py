@@ -172,6 +172,7 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         name = name.replace(".base_layer.", ".")
         replacements[name] = t
 
+    _check_targeted(halves, cfg.get("target_modules"), w_path)
     use_rslora = bool(cfg.get("use_rslora", False))
     deltas: dict[str, LoraDelta] = {}
     for module, parts in sorted(halves.items()):
@@ -206,6 +207,19 @@ def read_adapter(adapter_dir: Path) -> Adapter:
     from qerl_cli.adapters import adapter_hash
 
     return Adapter(adapter_dir, cfg, deltas, replacements, base_hash, hash=adapter_hash(adapter_dir))
+
+
+def _check_targeted(halves: dict, targets, w_path: Path) -> None:
+    """Every LoRA pair's module is one ``target_modules`` names, where it is a list of names (PEFT's suffix match; a
+    regex or "all-linear" is not checked): PEFT's merge_and_unload wraps only those and drops other tensors, and the
+    other stages refuse them, but merge merged whatever the file held (a hand-edited config, a review)."""
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        return
+    for module in sorted(halves):
+        name = module.removeprefix("base_model.model.")
+        if not any(name == t or name.endswith("." + t) for t in targets):
+            raise BadInputError(f"{w_path}: LoRA tensors of {name!r}, which target_modules {targets} does not name",
+                                hint=f"add it to target_modules in {ADAPTER_CONFIG}, or remove its tensors")
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------

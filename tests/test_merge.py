@@ -207,6 +207,27 @@ def test_malformed_adapter_config_is_one_line_error(pair, tmp_path, edit, match)
             read_adapter_spec(bad)
 
 
+def test_lora_tensors_of_a_module_target_modules_does_not_name_are_refused(pair, tmp_path):
+    # merge merged every LoRA pair in the file, where PEFT's merge_and_unload wraps only target_modules (and the
+    # loader refuses the tensor): a hand-edited config that dropped v_proj still had v_proj merged
+    import shutil
+
+    base, adapter = pair
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert isinstance(cfg["target_modules"], list) and len(cfg["target_modules"]) > 1
+    dropped = sorted(cfg["target_modules"])[-1]
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter, bad)
+    (bad / "adapter_config.json").write_text(json.dumps(dict(cfg, target_modules=[t for t in cfg["target_modules"]
+                                                                                  if t != dropped])))
+    with pytest.raises(BadInputError, match=rf"LoRA tensors of '.*\.{dropped}', which target_modules .* does not name"):
+        read_adapter(bad)
+    regex = tmp_path / "regex"  # a regex is PEFT's to match: not checked here
+    shutil.copytree(adapter, regex)
+    (regex / "adapter_config.json").write_text(json.dumps(dict(cfg, target_modules=".*")))
+    assert read_adapter(regex).deltas.keys() == read_adapter(adapter).deltas.keys()
+
+
 def test_read_adapter_scaling_and_rslora(pair, tmp_path):
     _, adapter = pair
     a = read_adapter(adapter)
