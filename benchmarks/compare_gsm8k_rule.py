@@ -116,6 +116,16 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("rounding-note", f"{reason}\n#### {r}.00, to 2 decimal places", r),
         ("bound-word-label", f"{reason}\n#### She spent the most: ${r}", r),
         ("inequality-bold", f"{reason}\n#### at least **{r}**", None),
+        # ---- a review of HEAD's rule on instruct-model styles (s54r11): a clause counting another thing after "and"
+        # (read as a second number, no answer), Llama-3's step headings, display boxes, units in a box, money, commas
+        ("and-another-thing", f"{reason}\n#### {r} dollars and {k} eggs sold", r),
+        ("clause-after-unit", f"{reason}\n#### {r} apples, and {k} are left over", r),
+        ("llama-steps-box", f"## Step 1: Compute\n{reason}\n\nThe final answer is: $\\boxed{{{r}}}$", r),
+        ("bold-heading-display-box", f"{reason}\n\n**Final Answer:**\n\\[\n\\boxed{{{r}}}\n\\]", r),
+        ("box-text-unit", f"{reason}\nSo \\(\\boxed{{{r} \\text{{ dollars}}}}\\).", r),
+        ("hash-money-cents", f"{reason}\n#### ${r}.00", r),
+        ("hash-thousands", f"{reason}\nIn grams: {r} * 1000 = {r * 1000:,}\n#### {r * 1000:,}", r * 1000),
+        ("time-of-day-reasoning", f"She starts at 3:30 PM.\n{reason}\n#### {r}", r),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

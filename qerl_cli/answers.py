@@ -23,7 +23,8 @@ that takes "the last number in the text" rewards rambling that ends on the right
   word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``), a hedge (``72 or 73``, ``72 or
   so``, ``72 apples or 73 apples``; not the number restated, ``72 (or 72.0)``, nor the same quantity in another unit,
   ``90 (or 1.5 hours)``, ``3 hours (180 minutes)``, ``90 minutes (1 hour 30 minutes)``), a range or a second number
-  (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``) and a hedge
+  (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``, nor a
+  number of another thing after "and", ``18 dollars and 9 eggs sold``) and a hedge
   across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
@@ -60,7 +61,7 @@ ANSWER_KINDS = ("gsm8k", "math")
 # answer read that was missed, or one refused that was taken; not a speed-up or a refactor): a finished `qerl eval`
 # records these in metrics.json, and a rerun of it under other numbers scores its samples again with today's rule
 # (no generation) rather than print the old rule's score as "already done".
-RULE_VERSION = {"gsm8k": 1, "math": 1}
+RULE_VERSION = {"gsm8k": 2, "math": 1}  # gsm8k 2: "18 dollars and 9 eggs sold" is 18
 
 
 # ---- a prompt that opens <think> ----------------------------------------------------------------
@@ -292,6 +293,26 @@ def _restates(rest: str, start: int, number: str, unit: str | None = None) -> bo
     return _same_quantity(number, unit, alt[0], alt[1])
 
 
+# "and" then a number of another thing, after the answer's own word: "#### 18 dollars and 9 eggs sold", "#### 72 apples,
+# and 8 are left over" answer 18 and 72 (read as a second number, no answer, until this review: 18 and 72 before 1d5624a).
+# Not a part of the same quantity ("3 hours and 30 minutes", "72 apples and 8 apples"), nor one that adds to it ("and 9
+# more"), nor after a bare number ("72 and 8 apples" may be the range "between 72 and 8 apples").
+_AND = re.compile(r"[\s,;*]*and\s+", re.IGNORECASE)
+_ADDS_TO = frozenset("more less fewer extra additional".split())
+
+
+def _counts_another_thing(tail: str, word: str) -> bool:
+    """Whether ``tail``, after the answer's number and its ``word``, is "and" then a number of something else."""
+    conj = _AND.match(tail)
+    other = None if conj is None else _quantity_at(tail, conj.end())
+    if other is None or other[1] is None:
+        return False
+    a, b = word.lower().rstrip("."), other[1].lower().rstrip(".")
+    if b in _ADDS_TO or a.rstrip("s") == b.rstrip("s"):
+        return False
+    return _unit(a) is None or _unit(b) is None or _unit(a)[0] != _unit(b)[0]
+
+
 def _second_answer(rest: str, number: str) -> bool:
     """Whether what follows a span's number offers another answer beside it: a hedge ("72 or 73", "72 apples, or 73",
     "72 or so"; not the same quantity restated, "72 (or 72.0)", "90 minutes (or 1.5 hours)"), a range ("72 to 73")
@@ -302,7 +323,7 @@ def _second_answer(rest: str, number: str) -> bool:
         if hedge is not None:
             return not _restates(tail, hedge.end(), number, word)
         if _RANGE.match(tail):
-            return True
+            return word is None or not _counts_another_thing(tail, word)
     kind = _unit(unit.group(1)) if unit else None
     if kind is None:
         return False

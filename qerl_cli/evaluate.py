@@ -19,7 +19,7 @@ Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--n
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
 adapter hashes, dataset hash, template, sampling, seed) goes into the manifest fingerprint, so
 rerunning the same eval is "already done" and two runs can be compared with ``--compare``. The answer
-rules' versions (``rewards.RULE_VERSION``) are not in it but in metrics.json: a rerun under other rules
+rules' versions (``answers.RULE_VERSION``) are not in it but in metrics.json: a rerun under other rules
 scores the finished samples.jsonl again, generating nothing, rather than report the old rules' score.
 
 The output is a resumable ``StageOutput``, as rollout's: samples.jsonl grows in a partial directory

@@ -880,6 +880,21 @@ def test_a_rounding_note_is_no_second_number(completion, want):
     assert extract_answer("#### 72 to 73") is None and extract_answer("#### 3.75 to 4 hours") is None
 
 
+@pytest.mark.parametrize("completion, want", [
+    ("#### 18 dollars and 9 eggs sold", "18"), ("#### 72 apples, and 8 are left over", "72"),
+    ("#### 10 cookies and 5 brownies", "10"), ("#### The answer is 150 miles and 3 hours", "150"),
+])
+def test_a_number_of_another_thing_after_and_is_no_second_number(completion, want):
+    """"and" then a number of something else read as a second number of the answer: no answer, 0 for a right answer
+    (until 1d5624a it was the number). A second part of the same quantity, one that adds to it, or one after a bare
+    number is still none."""
+    assert extract_answer(completion) == want and is_correct(completion, want, "gsm8k")
+    for second in ("#### 3 hours and 30 minutes", "#### 18 dollars and 50 cents", "#### 72 apples and 8 apples",
+                   "#### 72 apples and 8", "#### 18 dollars and 9 more", "#### 72 and 5 of them are red",
+                   "#### 3 hours and a half"):
+        assert extract_answer(second) is None
+
+
 def test_a_bound_word_before_a_labels_colon_is_no_bound():
     """"#### She spent the most: $72" read as the bound "most 72": no answer (until 1d5624a it was 72)."""
     for completion in ("#### She spent the most: $72", "#### The most she can buy: **72**", "#### Least: 72"):
