@@ -24,6 +24,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 qerl_help_if_asked "${BASH_SOURCE[0]}" "${1:-}"
 CONFIG=${1:?usage: bash recipes/grpo.sh CONFIG.env [RUN_DIR]}
+case "$CONFIG" in -*) CONFIG=./$CONFIG ;; esac  # a CONFIG "-x.env" (not -h): source and basename read an option
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 qerl_check_env_numbers
 # shellcheck disable=SC1090

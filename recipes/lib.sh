@@ -120,15 +120,20 @@ qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
 # moved between the two redid each begun step's rollout under the other name (hours of GPU for a large model), and
 # grpo.sh on a chain's step of several shards then refused with "input shards changed" after that rollout, where
 # FORCE=1 would have redone the run from step 0 (a review, 2026-11-27). A layout the caller cannot continue
-# (grpo.sh: several shards; a chain of several tasks: grpo.sh's one) is refused, naming the script that can.
+# (grpo.sh: several shards; a chain of several tasks: grpo.sh's one) is refused, naming the script that can, where
+# the step has none of the caller's own: a step both scripts rolled out (each did so before 2026-11-27) was refused
+# by each, naming the other; the caller goes on with its own, and its train-step says if the adapter is the other's.
 qerl_shard_dirs() {  # STEP N OWN (shards | shards-: the caller's name) -> QERL_SHARD_DIRS (N directories), or exit 2
   local d i n=$2 own=${3/%-/-0} other=shards-0 step
   printf -v d '%s/step-%06d' "$RUN_DIR" "$1"; step=${d##*/}  # qerl_step_dir without a subshell: every step is checked
   [ "$own" = shards ] || other=shards
-  if [ "$n" -gt 1 ] && _qerl_has "$d" shards; then
+  if [ "$n" -gt 1 ] && _qerl_has "$d" shards && ! _qerl_has "$d" 'shards-[0-9]*'; then
     _qerl_die "$step holds grpo.sh's rollout (one shard, $step/shards): continue this run with grpo.sh, or with ROLLOUT_SHARDS=1"
   fi
-  if [ "$n" = 1 ] && [ "$own" = shards ] && _qerl_has "$d" 'shards-[1-9]*'; then
+  # A chain's shard 0 of several alone (its other tasks failed, or were cancelled before they wrote) is no one-shard
+  # rollout either: grpo.sh's rollout into it refused (exit 4), and with FORCE=1 deleted it.
+  if [ "$n" = 1 ] && [ "$own" = shards ] && ! _qerl_has "$d" shards \
+     && { _qerl_has "$d" 'shards-[1-9]*' || _qerl_holds_a_split "$d" shards-0; }; then
     _qerl_die "$step holds a Slurm chain's rollout in several shards ($step/shards-<i>): continue this run with" \
       "recipes/slurm/submit.sh (ROLLOUT_SHARDS as in $RUN_DIR/submit.env)"
   fi
@@ -142,7 +147,21 @@ qerl_shard_dirs() {  # STEP N OWN (shards | shards-: the caller's name) -> QERL_
   fi
 }
 _qerl_has() {  # DIR NAME (a glob): DIR/NAME, finished or under way (a stage's .NAME.partial-<fingerprint>)
-  compgen -G "$1/$2" > /dev/null || compgen -G "$1/.$2.partial-*" > /dev/null
+  # DIR quoted, NAME a pattern: `compgen -G "$1/$2"` read a RUN_DIR "run[1]" or "run?" as a pattern too, missing
+  # its steps' directories and finding a sibling run dir's (run1, runA): a fresh run dir was refused.
+  local f
+  # shellcheck disable=SC2231  # NAME unquoted: the pattern
+  for f in "$1"/$2 "$1"/.$2.partial-*; do
+    if [ -e "$f" ]; then return 0; fi
+  done
+  return 1
+}
+_qerl_holds_a_split() {  # DIR NAME: DIR/NAME, finished or under way, holds shard I of N > 1 (shard-0000I-of-0000N.jsonl)
+  local f
+  for f in "$1/$2"/shard-*-of-*.jsonl "$1/.$2".partial-*/shard-*-of-*.jsonl; do
+    case $f in *-of-00001.jsonl) ;; *) if [ -e "$f" ]; then return 0; fi ;; esac
+  done
+  return 1
 }
 
 # The step a rerun starts qerl from: the last with a finished adapter when every adapter before it is of the same

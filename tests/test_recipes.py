@@ -506,6 +506,64 @@ def test_a_run_dir_the_other_script_began_with_another_shard_count_is_refused_fi
     assert want in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("script", ["grpo.sh", "submit.sh"])
+def test_a_step_both_scripts_rolled_out_goes_on_with_the_callers_own(tmp_path, script):
+    # Before 2026-11-27 each script rolled a step the other began out again under its own name: such a step holds
+    # both layouts, and each script refused it naming the other (grpo.sh: "continue with submit.sh"; a chain of 2
+    # tasks: "continue with grpo.sh"), where each had read its own.
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    for d in ["shards", "shards-0", "shards-1"]:
+        (run / "step-000000" / d).mkdir(parents=True)
+    argv = [RECIPES / "grpo.sh"] if script == "grpo.sh" else [RECIPES / "slurm" / "submit.sh"]
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"}
+    r = subprocess.run(["bash", *map(str, argv), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    if script == "grpo.sh":
+        assert _shard_args(log, run)[:2] == [("rollout", "step-000000/shards"), ("train-step", "step-000000/shards")]
+    else:
+        assert "qerl-train-1" in sbatch_log.read_text()
+
+
+@pytest.mark.parametrize("where", ["shards-0", ".shards-0.partial-0123456789abcdef"])
+def test_grpo_sh_refuses_a_chains_shard_0_of_several_alone(tmp_path, where):
+    # A chain of 2 tasks whose task 1 failed or was cancelled before it wrote leaves shard 0 of 2 alone: grpo.sh took
+    # it for a one-task chain's shard, and its rollout into it refused (exit 4: "holds shard 0 of 2"); FORCE=1 deleted it.
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
+    run = tmp_path / "run"
+    (run / "step-000000" / where).mkdir(parents=True)
+    (run / "step-000000" / where / "shard-00000-of-00002.jsonl").write_text("{}\n")
+    env = {**os.environ, "QERL": str(qerl), "FORCE": "1"}
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and not log.exists(), r.stderr
+    assert "error: step-000000 holds a Slurm chain's rollout in several shards" in r.stderr
+    # shard 0 of 1 (a one-task chain's) is continued as before
+    (run / "step-000000" / where / "shard-00000-of-00002.jsonl").rename(run / "step-000000" / where / "shard-00000-of-00001.jsonl")
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert _shard_args(log, run)[0] == ("rollout", "step-000000/shards-0")
+
+
+def test_a_run_dir_named_with_glob_characters_is_read_as_it_is(tmp_path):
+    # The step directories were looked up with `compgen -G "$RUN_DIR/..."`: "run[1]" read as a pattern matched the
+    # sibling run1 (a chain's several shards: refused) and missed its own one-task chain's shards-0 (rolled out again).
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    (tmp_path / "run1" / "step-000000" / "shards-1").mkdir(parents=True)
+    run = tmp_path / "run[1]"
+    (run / "step-000000" / "shards-0").mkdir(parents=True)
+    env = {**os.environ, "QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert _shard_args(log, run)[:2] == [("rollout", "step-000000/shards-0"), ("train-step", "step-000000/shards-0")]
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     log = tmp_path / "qerl.log"
@@ -1725,3 +1783,16 @@ def test_help_prints_the_scripts_usage_and_starts_nothing(tmp_path, script, flag
     assert f"bash recipes/{script}" in r.stdout and not r.stdout.lstrip().startswith(("#", "!"))
     assert "set -euo" not in r.stdout and "shellcheck" not in r.stdout
     assert list(tmp_path.iterdir()) == [] and not (RECIPES.parent / "runs" / flag).exists()
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "slurm/submit.sh"])
+def test_a_config_path_starting_with_a_dash_is_a_config(tmp_path, script):
+    # Only -h and --help ask for the usage; a config "-c.env" ended in "source: -c: invalid option" (exit 2).
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    (tmp_path / "-c.env").write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text()
+                                     + "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\n")
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch)}
+    r = subprocess.run(["bash", str(RECIPES / script), "-c.env"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (log if script == "grpo.sh" else sbatch_log).exists() and (tmp_path / "runs" / "-c").is_dir()

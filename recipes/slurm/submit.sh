@@ -22,6 +22,7 @@ RECIPES=$(cd "$HERE/.." && pwd)
 source "$RECIPES/lib.sh"
 qerl_help_if_asked "$HERE/submit.sh" "${1:-}"
 CONFIG=${1:?usage: bash recipes/slurm/submit.sh CONFIG.env [RUN_DIR]}
+case "$CONFIG" in -*) CONFIG=./$CONFIG ;; esac  # a CONFIG "-x.env" (not -h): source and basename read an option
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found" >&2; exit 2; }
 qerl_check_env_numbers
 # shellcheck disable=SC1090
