@@ -334,8 +334,8 @@ def _rescores(cfg: EvalConfig, manifest: dict, metrics: dict) -> bool:
                   "--max-new-tokens: its score is the old rules'; pass --force to redo it", file=sys.stderr)
         return False
     if cfg.progress:
-        print(f"note: {cfg.out} was scored by older answer rules: scoring its samples again with today's, without "
-              "generating", file=sys.stderr)
+        print(f"note: {cfg.out} was scored by older answer rules: scoring its samples again with today's "
+              "(generating only those whose prompts qerl now renders otherwise)", file=sys.stderr)
     return True
 
 
@@ -414,7 +414,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         done = json.loads((cfg.out / METRICS).read_text())
         if not _rescores(cfg, so.manifest, done):
             return {"out": str(cfg.out), "already_done": True, "metrics": done, "manifest": so.manifest}
-        forget_completed(cfg.out)  # found done, now redone: a stop midway must not say "a rerun says already done"
+        # found done, now redone: a stop midway must not say "a rerun says already done"; so.out, as found done (a
+        # symlinked --out is its target there)
+        forget_completed(so.out)
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
@@ -451,8 +453,10 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                     # this run's tokens only: the resumed problems' were generated (and timed) by another run
                     "tokens_per_s": round(n_tokens / t_gen, 1) if t_gen > 0 else None,
                 }
-                if done is not None:  # the time of the run that generated the samples, not this rescoring's
-                    metrics["time"] = done.get("time", metrics["time"])
+                if done is not None:
+                    if resumed["problems"] == len(prompts):  # the time of the run that generated them, not this scoring's
+                        # (a samples.jsonl whose prompts today's qerl renders otherwise is generated again: this run's)
+                        metrics["time"] = done.get("time", metrics["time"])
                     so.extra["rescored_from"] = {"scorer_version": done.get("scorer_version")}
                 (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
                 so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}

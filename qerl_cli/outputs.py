@@ -308,7 +308,8 @@ class StageOutput:
         stage = m["stage"]
         article = "an" if stage[:1] in tuple("aeiou") else "a"  # "holds a eval output" read as a typo (a review)
         if stage != self.stage:  # a slip of the path ("quantize --out" a rollout's dir): "pass --force" deleted that
-            raise OutputExistsError(f"{self.out} holds {article} {stage} output, not a {self.stage} one",
+            mine = "an" if self.stage[:1] in tuple("aeiou") else "a"  # "not a eval one"
+            raise OutputExistsError(f"{self.out} holds {article} {stage} output, not {mine} {self.stage} one",
                                     hint=f"choose another --out (--force would delete that {stage} output)")
         raise OutputExistsError(
             f"{self.out} holds {article} {stage} output made from different inputs or arguments ({what})",

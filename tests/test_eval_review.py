@@ -361,3 +361,47 @@ def test_a_finished_eval_of_older_answer_rules_is_scored_again_without_generatin
     assert _without_time(cfg.out) == _without_time(ref) and res["metrics"]["time"] == old["time"]
     assert res["manifest"]["rescored_from"] == {"scorer_version": old.get("scorer_version")}
     assert evaluate(cfg, generate=gen)["already_done"] and not list(tmp_path.glob(".e.*"))
+
+
+def test_a_stopped_rescoring_through_a_symlinked_out_is_not_called_complete(two_chunks, tmp_path, monkeypatch):
+    # A finished eval found "already done" is recorded complete by its resolved path (StageOutput follows a symlinked
+    # --out); the rescoring forgot it by --out as given, the link: stopped midway, the stop line still said "TARGET is
+    # complete (a rerun says already done)", yet the rerun scores it again.
+    import qerl_cli.evaluate as ev
+    from qerl_cli.outputs import completed_outputs, forget_completed
+
+    cfg, _ = two_chunks
+    real, link = tmp_path / "real", tmp_path / "link"
+    with monkeypatch.context() as m:  # an older qerl's rules
+        m.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})
+        evaluate(replace(cfg, out=real), generate=BySeed())
+    link.symlink_to(real)
+    forget_completed()  # a new CLI invocation
+
+    def stop(*a):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(ev, "_metrics", stop)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(replace(cfg, out=link), generate=BySeed())
+    assert completed_outputs() == []
+    assert not evaluate(replace(cfg, out=link), generate=BySeed())["already_done"]  # the rerun rescores
+
+
+def test_a_rescoring_that_had_to_generate_reports_its_own_time(two_chunks, monkeypatch):
+    # A finished eval under older rules whose samples.jsonl does not hold today's prompts (an older qerl rendered them
+    # otherwise; the fingerprint counts the template, not the text) is generated again from the first such problem.
+    # Its metrics.json kept the old run's time: 0.0 s of generation for the 5 problems generated here.
+    import qerl_cli.evaluate as ev
+
+    cfg, ref = two_chunks
+    with monkeypatch.context() as m:
+        m.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})
+        old = evaluate(cfg, generate=BySeed())["metrics"]
+    samples = cfg.out / "samples.jsonl"
+    samples.write_text(samples.read_text().replace('"prompt": "q1"', '"prompt": "Q1"'))  # same size: not "damaged"
+    gen = BySeed(sleep=0.05)
+    res = evaluate(cfg, generate=gen)
+    assert gen.asked == [[0, 1, 2, 3], [4]] and res["manifest"]["resumed"]["problems"] == 0
+    assert res["metrics"]["time"] != old["time"] and res["metrics"]["time"]["generate_s"] >= 0.1
+    assert samples.read_bytes() == (ref / "samples.jsonl").read_bytes()

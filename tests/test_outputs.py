@@ -84,6 +84,8 @@ def test_another_stages_output_is_named_so_without_offering_force(tmp_path):
         StageOutput(tmp_path / "o", "quantize", config={"k": 1}, inputs={}).already_done()
     assert "--force would delete that rollout output" in e.value.hint
     assert not StageOutput(tmp_path / "o", "quantize", config={"k": 1}, inputs={}, force=True).already_done()
+    with pytest.raises(OutputExistsError, match="holds a rollout output, not an eval one"):  # it said "not a eval one"
+        StageOutput(tmp_path / "o", "eval", config={"k": 1}, inputs={}).already_done()
 
 
 def test_failure_leaves_nothing_and_keeps_old_output(tmp_path):

@@ -939,3 +939,24 @@ def test_a_symlinked_reward_file_is_loaded_as_the_link(tmp_path, monkeypatch):
     assert rs.score("x", None)[1] == 6.0
     assert (tmp_path / "runs").read_text() == "x"
     assert {s.reward.source for s in rs.specs} == {str(link)}
+
+
+# ---- RULE_VERSION: a finished eval is scored again only where the version changed ----------------------------------
+RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minutes)", "#### 72.50, to 2 decimal places",
+             "#### She spent the most: $72", "#### at least **72**", "#### Answer\n72\n\\boxed{72} or \\boxed{73}",
+             "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$."]
+RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
+    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None],
+    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None],
+    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1"],
+}
+
+
+@pytest.mark.parametrize("kind", ["gsm8k", "math"])
+def test_a_rule_that_reads_otherwise_has_another_version(kind):
+    """4c76a7a changed the gsm8k rule's readings (the first five above) under RULE_VERSION 1, which 6557ca2 had just
+    recorded in metrics.json: an eval finished between them stayed "already done" with the old verdicts. A change of
+    reading fails here until the kind's version is bumped and its readings added."""
+    from qerl_cli.answers import RULE_VERSION
+
+    assert [extract_answer(c, kind) for c in RULE_PINS] == RULE_READINGS[kind, RULE_VERSION[kind]]
