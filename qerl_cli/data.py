@@ -150,8 +150,13 @@ def _refuse_one_json_value(path: Path, text: str) -> None:
         raise BadInputError(f"{path}: is one JSON array over several lines, not JSON Lines (one row object a line)",
                             hint="name it .json to read it as an array, or write one object a line: "
                                  "jq -c '.[]' F > F.jsonl")
+    lists = [k for k, v in value.items() if isinstance(v, list)] if isinstance(value, dict) else []
+    if lists and not any(k in value for k in ("prompt", "messages", "question", "problem")):  # rows under a key
+        hint = f"its rows are a list under a key: write one a line, jq -c '.{lists[0]}[]' F > F.jsonl"
+    else:  # one row, pretty-printed
+        hint = "write each row as one line: jq -c . F > F.jsonl"
     raise BadInputError(f"{path}: is one JSON object over several lines, not JSON Lines (one row object a line)",
-                        hint="write each row as one line: jq -c . F > F.jsonl")
+                        hint=hint)
 
 
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"))
