@@ -366,7 +366,7 @@ def exit_on_resumable_stop(e: KeyboardInterrupt, kept, one: str, many: str, note
     else:
         what = (f"{kept[0]} of {kept[1]} {many} are saved in {kept[2]}{f' ({note})' if note else ''}; "
                 "rerun the same command to resume")
-    Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True)  # one line, also in a piped log
+    Console(stderr=True, highlight=False).print(f"{word}: {what}", soft_wrap=True, markup=False)  # one line, also in a piped log
     raise typer.Exit(code) from None
 
 

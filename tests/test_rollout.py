@@ -403,6 +403,18 @@ def test_quiet_cli_still_warns_of_skipped_prompts(model_dir, tmp_path, fake_engi
     assert "wrote 2 completions for 1 prompts" in r.output
 
 
+def test_a_path_with_brackets_is_printed_as_it_is(model_dir, tmp_path, fake_engine):
+    # Rich read "[x]" in a path as markup and dropped it: "already done: .../run /o", a path that is not there
+    prompts = write_prompts(tmp_path / "p.jsonl", n=1)
+    out = tmp_path / "run [x]" / "o"
+    args = ["rollout", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "-G", "2",
+            "--device", "cpu", "-q"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and f"to {out / 'shard-00000-of-00001.jsonl'}" in " ".join(r.output.split()), r.output
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and f"already done: {out} holds" in r.output, r.output
+
+
 def test_cli(model_dir, tmp_path, fake_engine):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
     args = ["rollout", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),

@@ -131,12 +131,12 @@ def command(
 
         exit_on_resumable_stop(e, getattr(e, "kept_problems", None), "problem", "problems")
     if res["already_done"]:
-        console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True)
+        console.print(f"already done: {out} holds this eval (pass --force to redo)", soft_wrap=True, markup=False)
     if not quiet:
         render_metrics(res["metrics"], console)
     # One line for grep, after the table too: as every other stage's last line, it names --out, so a log holding
     # several evals (grpo.sh's EVAL_EVERY) ties each score to its run (a review).
-    console.print(result_line(res["metrics"], out, res["already_done"]), soft_wrap=True)
+    console.print(result_line(res["metrics"], out, res["already_done"]), soft_wrap=True, markup=False)
 
 
 def _refuse_run_flags_with_compare() -> None:

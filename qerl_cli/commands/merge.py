@@ -53,7 +53,7 @@ def command(
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})
     if m.get("already_done"):
-        console.print(f"already done: {out} holds this merge (pass --force to redo)", soft_wrap=True)
+        console.print(f"already done: {out} holds this merge (pass --force to redo)", soft_wrap=True, markup=False)
         return
     line = (f"merged {s.get('merged_modules', 0)} LoRA modules"
             f" (+{s.get('replaced_tensors', 0)} trained tensors) into {out} as {s.get('dtype')} "
@@ -63,4 +63,4 @@ def command(
         line += f"; re-quantization rel. error mean {rq['rel_err_mean']:.4f}, max {rq['rel_err_max']:.4f}"
         if rq.get("update_retained") is not None:
             line += f"; LoRA update retained {retained_percent(rq['update_retained'])}%"
-    console.print(line, soft_wrap=True)  # one line for grep, also when piped (80 columns)
+    console.print(line, soft_wrap=True, markup=False)  # one line for grep, also when piped (80 columns)

@@ -106,9 +106,9 @@ def command(
 
         exit_on_resumable_stop(e, getattr(e, "kept_groups", None), "prompt group", "prompt groups",
                                note="a batch is saved when it ends")
-    console = Console(highlight=False)
+    console = Console(highlight=False)  # its lines print with markup=False: a path "run [x]" lost "[x]" as Rich markup
     if res["already_done"]:
-        console.print(f"already done: {out} holds this rollout (pass --force to redo)", soft_wrap=True)
+        console.print(f"already done: {out} holds this rollout (pass --force to redo)", soft_wrap=True, markup=False)
         return
     s = res["summary"]
     if not quiet:
@@ -117,7 +117,7 @@ def command(
         skipped = [f"{s[k]} {what}" for k, what in (("skipped_long_prompts", "prompts too long for the context"),
                                                     ("skipped_bad_rows", "bad prompt rows")) if s.get(k)]
         if skipped:
-            Console(stderr=True, highlight=False).print(f"warning: skipped {', '.join(skipped)}", soft_wrap=True)
+            Console(stderr=True, highlight=False).print(f"warning: skipped {', '.join(skipped)}", soft_wrap=True, markup=False)
     mean = s["reward"]["mean"]
     console.print(f"wrote {s['completions']} completions for {s['groups']} prompts to {out / s['shard']}"
-                  + (f"; mean reward {mean:.3f}" if mean is not None else ""), soft_wrap=True)  # one line for grep
+                  + (f"; mean reward {mean:.3f}" if mean is not None else ""), soft_wrap=True, markup=False)  # one line for grep
