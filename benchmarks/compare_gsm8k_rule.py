@@ -126,6 +126,29 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("hash-money-cents", f"{reason}\n#### ${r}.00", r),
         ("hash-thousands", f"{reason}\nIn grams: {r} * 1000 = {r * 1000:,}\n#### {r * 1000:,}", r * 1000),
         ("time-of-day-reasoning", f"She starts at 3:30 PM.\n{reason}\n#### {r}", r),
+        # ---- an instruct model's plain-prose final statement, without "####" or a box (s54r12: 30 of 223 realistic
+        # Qwen2.5/Llama-3 completions, read as none): the last statement that starts with the answer phrase and gives
+        # the number right after it; a denial, hedge, range, bound or question stays none
+        ("statement", f"{reason}\nThe answer is {r}.", r),
+        ("statement-bold-label", f"{reason}\n\n**Final Answer:** {r}", r),
+        ("statement-llama", f"## Step 1: Compute\n{reason}\n\nThe final answer is {r}", r),
+        ("statement-therefore-dollar", f"{reason}\nTherefore, the final answer is: ${r}", r),
+        ("statement-tex-unit", f"{reason}\nSo the answer is \\({r}\\) dollars. I hope it is correct.", r),
+        ("statement-corrected", f"The answer is {w}.\nWait, I added wrong: {reason}\nNo, the answer is {r}.", r),
+        ("statement-another-thing", f"{reason}\nThe answer is {r} apples and {k} pears.", r),  # as on a #### line
+        ("statement-run-on", f"{reason}\nThe answer is {r}.{run_on}", r),  # its "Answer: x - y = z" is not read
+        ("statement-think", f"<think>the answer is {w}</think>\n{reason}\nThe answer is {r}.", r),
+        ("statement-not", f"{reason}\nThe answer is not {r}.", None),
+        ("statement-hedge", f"{reason}\nThe answer is {r} or {w}.", None),
+        ("statement-range", f"{reason}\nThe answer is between {r} and {w}.", None),
+        ("statement-bound", f"{reason}\nThe answer is at least {r}.", None),
+        ("statement-question", f"What is the answer? {reason}", None),
+        ("statement-asks", f"{reason}\nIs the answer {r}?", None),
+        ("statement-conditional", f"If the answer is {r}, then {reason}", None),
+        ("statement-mid-sentence", f"{reason}\nI think the answer is {r}.", None),
+        ("statement-denied-later", f"{reason}\nThe answer is {r}.\nNo, the answer is not {r}.", None),
+        ("statement-then-hedged-box", f"{reason}\nThe answer is {r}.\nSo \\boxed{{{r}}} or \\boxed{{{w}}}.", None),
+        ("statement-inside-think", f"<think>{reason}\nThe answer is {r}.</think>\nLet me see.", None),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

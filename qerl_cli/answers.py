@@ -26,6 +26,12 @@ that takes "the last number in the text" rewards rambling that ends on the right
   (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``, nor a
   number of another thing after "and", ``18 dollars and 9 eggs sold``) and a hedge
   across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
+  Last of all, a plain-prose answer statement, an instruct model's default without a "####"/box instruction:
+  the last sentence that starts with the answer phrase ("The answer is 72.", "**Final Answer:** 72", "Therefore, the
+  final answer is: $72", a "So"/"No," lead allowed) and gives the number right after it, read as a ``####`` line's
+  (the same cleaning and refusals); one that denies, bounds or hedges ("The answer is not 72", "between 72 and 73",
+  "72 or 73"), asks ("Is the answer 72?", "What is the answer? 72"), or comes before a later box, ``<answer>`` tag,
+  ``####`` line or a run-on's next "Question:" is no answer.
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
   read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
@@ -62,8 +68,8 @@ ANSWER_KINDS = ("gsm8k", "math")
 # records these in metrics.json, and a rerun of it under other numbers scores its samples again with today's rule
 # (no generation) rather than print the old rule's score as "already done". tests/test_rewards.py pins each version's
 # readings of a few completions. gsm8k 2 (2026-11-27): a quantity restated in another unit is one answer, a rounding
-# note no range (4c76a7a), "18 dollars and 9 eggs sold" is 18.
-RULE_VERSION = {"gsm8k": 2, "math": 1}
+# note no range (4c76a7a), "18 dollars and 9 eggs sold" is 18; gsm8k 3: "The answer is 18." is 18.
+RULE_VERSION = {"gsm8k": 3, "math": 1}
 
 
 # ---- a prompt that opens <think> ----------------------------------------------------------------
@@ -665,13 +671,90 @@ def _answer_tag(text: str) -> str | None:
     return None if start < 0 else text[start + len("<answer>") : end]
 
 
+# An instruct model's plain-prose final statement, without "####" or a box: "The answer is 18.", "**Final Answer:** 18",
+# Llama-3's "The final answer is 18", "Therefore, the final answer is: $18" (30 of 223 realistic Qwen2.5/Llama-3
+# completions a review collected: an eval without a "####"/box instruction scored near 0). Read narrowly, never as
+# "the last number": a sentence that *starts* with the answer phrase (a "So"/"Therefore," lead, Markdown aside) and
+# gives the number right after it. A sentence ends at a stop and a space ("18.5" goes on); one that asks ("Is the
+# answer 18?") states nothing.
+_ANSWER_WORD = re.compile(r"\banswers?\b", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"[.!?]\s+")  # one stop: "[.!?]+" backtracked in O(n^2) on a run of dots
+# What a statement may say before "answer": an answer line's lead words ("So", "Therefore,", "the final"), not "is" ("Is
+# the answer 18" asks), and a correction's ("No, the answer is 19"; so "No, the answer is not 18" denies the one before)
+_STATEMENT_LEAD_WORDS = (_ANSWER_LEAD_WORDS - {"is", "was", "answer", "answers"}) | {"no", "wait", "actually"}
+_LEAD_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")  # not a TeX command's name: "\textbf{Final Answer:} 18"
+
+
+def _states_the_answer(sentence: str) -> bool:
+    """Whether a sentence is an answer statement: it starts with the answer phrase ("The answer is", "So the final
+    answer is", "**Final Answer:**"), holds a number after it, and asks nothing ("What is the answer? 18" does not
+    start with it, "Is the answer 18?" asks)."""
+    phrase = _ANSWER_WORD.search(sentence)
+    if phrase is None or _DIGIT.search(sentence, phrase.end()) is None or sentence.rstrip().endswith("?"):
+        return False
+    lead = sentence[: phrase.start()]
+    return _DIGIT.search(lead) is None and _STATEMENT_LEAD_WORDS.issuperset(
+        w.lower() for w in _LEAD_WORD.findall(lead))
+
+
+def _answer_statement(text: str) -> str | None:
+    """The number of the last answer statement (_states_the_answer) in ``text``, read to its line's end as a ####
+    line's is (the same cleaning and refusals: "The answer is 18 or 19" is no answer), or None. Only the last one
+    counts, a model correcting itself; one that gives no number right after its phrase ("The answer is not 18", "The
+    answer is between 18 and 20", "The answer is that she has 18") is no answer, not a way back to an earlier one."""
+    for line in reversed(text.splitlines()):
+        if _DIGIT.search(line) is None or _ANSWER_WORD.search(line) is None:
+            continue
+        starts = [0] + [m.end() for m in _SENTENCE_END.finditer(line)]
+        for k in reversed(range(len(starts))):
+            end = starts[k + 1] if k + 1 < len(starts) else len(line)
+            if not _states_the_answer(line[starts[k]:end]):
+                continue
+            span = line[starts[k]:]
+            s = _clean_number_text(span)
+            phrase = _ANSWER_WORD.search(s)  # read from "answer" on: its lead ("No,", "So") is checked
+            s = "" if phrase is None else s[phrase.start():]  # (None: a guard, cleaning keeps the words)
+            first = _DIGIT.search(s)
+            if first is None or not _names_the_answer(s[: first.start()]):  # words between phrase and number
+                return None
+            return _cleaned_span_number(s, span, whole=False)
+    return None
+
+
+# A base model's run-on into the next question ("... The answer is 18.\n\nQuestion: Tom has 40 marbles ...\nAnswer: 40 -
+# 5 = 35"): the statements after it answer that question (the last one read 35). Not on the first line: a completion
+# may restate the question it answers.
+_RUN_ON_QUESTION = re.compile(r"\n[ \t]*(?:Question|Q)[ \t]*:", re.IGNORECASE)
+
+
+def _before_a_run_on(text: str) -> str:
+    """``text`` up to a line that starts another question (after its first line), else all of it."""
+    first = text.lstrip()
+    run_on = _RUN_ON_QUESTION.search(first)
+    return first if run_on is None else first[: run_on.start()]
+
+
+def _after_answer_markers(text: str) -> str:
+    """The text after the last closed box, ``</answer>`` and ``####`` line: an answer statement before one of them (a
+    box refused as a hedge, "\\boxed{18} or \\boxed{19}", or as no number) is not the final answer."""
+    box = next(_boxes_from_last(text), None)
+    tag = text.rfind("</answer>")
+    start = max(box[2] if box else 0, tag + len("</answer>") if tag >= 0 else 0)
+    hashes = text.rfind("####")
+    if hashes >= 0:
+        line_end = text.find("\n", hashes)
+        start = max(start, len(text) if line_end < 0 else line_end)
+    return text[start:]
+
+
 def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     """The answer a completion gives, or None when it gives none.
 
     ``gsm8k``: normalised number of the first ``####`` line that starts with it or names the answer before it ("####
     The answer is 72", or the line under "#### Final Answer"), else in the last ``\\boxed{}``, else in the last
     ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:"), else of
-    the first numbered heading ("#### 1. Understand the problem").
+    the first numbered heading ("#### 1. Understand the problem"), else of the last plain answer statement ("The
+    answer is 72.", "**Final Answer:** 72") after them.
     ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts, and
     nothing after a ``<think>`` left open.
     """
@@ -694,7 +777,9 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
                 num = span_number(span, whole=True)
                 if num is not None:
                     return num
-        return next((f[1] for f in (words, numbered) if f is not None), None)
+        found = next((f[1] for f in (words, numbered) if f is not None), None)
+        # last, a plain-prose statement "The answer is 18." (no ####, box or tag): instruct models' default
+        return found if found is not None else _answer_statement(_after_answer_markers(_before_a_run_on(text)))
     if kind == "math":
         return final_box(text, _math_verify_equal)  # "\boxed{\frac12} or \boxed{0.5}" is one answer
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")

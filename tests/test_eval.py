@@ -29,7 +29,8 @@ from tests.helpers import make_tiny_hf_model
         ("so the total is \\boxed{72}.", "72", "72", True),
         ("She pays 3*24 = 72.\n#### 72", "72", "72", True),
         ("#### 72\nthen more text #### 5", "72", "72", True),  # the first #### with a number (task rule)
-        ("The answer is 72", "72", None, False),  # no final-answer marker: not credited
+        ("So the total is 72", "72", None, False),  # no final-answer marker, no statement: not credited
+        ("The answer is 72", "72", "72", True),  # an answer statement, the lowest fallback (RULE_VERSION gsm8k 3)
         ("\\boxed{\\frac{1}{2}}", "0.5", "0.5", True),  # fraction vs decimal
         ("\\boxed{0.5}", "\\frac{1}{2}", "0.5", True),  # math-verify, the other way round
         ("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", "\\dfrac{\\sqrt{3}}{2}", True),

@@ -48,7 +48,7 @@ from qerl_cli.rewards import (
         ("#### 5 \\boxed{6}", "5"),  # #### takes precedence
         ("17+5=22. #### 22\nQ: Tom has 3 pens.\nA: 3+1=4. #### 4", "22"),  # ran on past its answer
         ("#### \n#### 9", "9"),  # a bare #### does not hide the next one
-        ("The answer is 42", None),  # no "last number" fallback
+        ("She has 42 left", None),  # no "last number" fallback (an answer statement: test_a_plain_answer_statement_*)
         ("\\boxed{3", None),  # box cut off by max tokens
         ("#### unknown", None),
         ("", None),
@@ -918,6 +918,50 @@ def test_a_hedge_across_two_boxes_under_the_answer_heading_gives_no_box():
     assert extract_answer("#### Answer\n2 hours\n\\boxed{120} or \\boxed{120.0}") == "120"
 
 
+@pytest.mark.parametrize("completion", [
+    "She sold 6 + 12 = 18.\nThe answer is 18.", "6 + 12 = 18\n\n**Final Answer:** 18",
+    "## Step 1: Add\n6 + 12 = 18\n\nThe final answer is 18", "6 + 12 = 18.\nTherefore, the final answer is: $18",
+    "So the answer is $18.00. I hope it is correct.", "The answer is \\(18\\) dollars.", "Answer: 18 eggs",
+    "**The final answer is 18.**", "\\textbf{Final Answer:} 18", "The answer is 17.\nWait, 6 + 12 = 18.\nSo the answer is 18.",
+    "<think>the answer is 17</think>\nThe answer is 18.", "The answer is 17.\nNo, the answer is 18.",
+    "Final Answer: The answer is 18", "The answer is 18.\n\n(Note: the answer assumes 3 eggs a day.)",
+    "She sold 6. Then 12 more. The answer is 18.", "The answer is 17. No, the answer is 18. Done.",
+    "It checks out! The answer is 18.",
+])
+def test_a_plain_answer_statement_is_the_answer(completion):
+    """An instruct model's plain-prose final statement ("The answer is 18.", "**Final Answer:** 18", Llama-3's "The
+    final answer is 18") gave no answer: 30 of 223 realistic Qwen2.5/Llama-3 completions a review collected, so an
+    eval without a "####"/box instruction scored near 0. The last such statement now counts, as the lowest fallback."""
+    assert extract_answer(completion) == "18" and is_correct(completion, "18", "gsm8k")
+
+
+@pytest.mark.parametrize("completion", [
+    "The answer is not 18", "The answer is 18 or 19", "The answer is between 18 and 20", "The answer is at least 18",
+    "The answer is approximately 18", "The answer is 18 or so", "The answer is that she has 18 left",
+    "What is the answer? 18 eggs, I think.", "Is the answer 18?", "So the answer is 18 eggs?", "If the answer is 18, she has 3 left.",
+    "I think the answer is 18.", "So the total is 18.", "The answer is 18.\nNo, the answer is not 18.",
+    "The answer is 18.\nSo \\boxed{18} or \\boxed{19}.", "The answer is 18.\n#### 18 or 19",
+    "The answer is \\boxed{18\\sqrt{2}}", "The answers are 18 and 19", "The answer is 2 dozen",
+    "<think>The answer is 18.</think> Let me see.", "<think>The answer is 18.",
+])
+def test_a_plain_answer_statement_that_hedges_denies_or_asks_is_no_answer(completion):
+    """The statement fallback reads no "last number": one that denies, hedges, bounds or asks, one that is not the
+    last (a later "not 18", a later hedged box or #### line), or a number after other words is no answer."""
+    assert extract_answer(completion) is None and not is_correct(completion, "18", "gsm8k")
+
+
+def test_a_plain_answer_statement_ranks_below_every_other_answer():
+    """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
+    for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
+                       "#### She has 18 left\nThe answer is 17.", "\\boxed{18}\nThe answer is 17."):
+        assert extract_answer(completion) == "18"
+    # a base model's run-on into the next question: its statements answer that question
+    run_on = "6 + 12 = 18. The answer is 18.\n\nQuestion: Tom has 40 marbles and loses 5.\nAnswer: 40 - 5 = 35\n"
+    assert extract_answer(run_on) == "18" and extract_answer("Question: 6 + 12?\nThe answer is 18.") == "18"
+    # a number of another thing after "and" is no second number, as on a #### line ("#### 18 apples and 3 pears" is 18)
+    assert extract_answer("The answer is 18 apples and 3 pears.") == extract_answer("#### 18 apples and 3 pears") == "18"
+
+
 def test_a_symlinked_reward_file_is_loaded_as_the_link(tmp_path, monkeypatch):
     """The file was loaded from its resolved path: ``__file__`` was the link's target, so a reward reading a file beside
     it looked in the target's folder (FileNotFoundError; until dc38ad5 it read beside the link). The same file named
@@ -944,11 +988,13 @@ def test_a_symlinked_reward_file_is_loaded_as_the_link(tmp_path, monkeypatch):
 # ---- RULE_VERSION: a finished eval is scored again only where the version changed ----------------------------------
 RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minutes)", "#### 72.50, to 2 decimal places",
              "#### She spent the most: $72", "#### at least **72**", "#### Answer\n72\n\\boxed{72} or \\boxed{73}",
-             "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$."]
+             "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$.",
+             "#### 18 dollars and 9 eggs sold", "So the final answer is 18."]
 RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
-    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None],
-    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None],
-    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1"],
+    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None],
+    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None],
+    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18"],
+    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None],
 }
 
 
