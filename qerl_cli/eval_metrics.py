@@ -135,21 +135,22 @@ def compare_table(eval_dirs: Sequence[Path]):
     Runs on different datasets are still shown side by side, but the dataset row makes the
     mismatch visible (their scores are not comparable).
     """
+    from rich.markup import escape
     from rich.table import Table
 
     runs = [(Path(d), read_metrics(d)) for d in eval_dirs]
     ks = sorted({int(k.split("@")[1]) for _, m in runs for k in m["scores"]})
     table = Table(title="qerl eval: side by side (scores in %, 95% CI)", show_lines=False)
     table.add_column("", style="bold")
-    for name in _column_names([d for d, _ in runs]):
-        table.add_column(name, justify="right")
+    for name in _column_names([d for d, _ in runs]):  # escaped, as the names below: Rich markup, "run [x]" lost "[x]"
+        table.add_column(escape(name), justify="right")
 
     def row(label, fn):
         table.add_row(label, *[fn(m) for _, m in runs])
 
-    row("model", lambda m: Path(m.get("model", "?")).name)
-    row("adapter", lambda m: Path(m["adapter"]).name if m.get("adapter") else "-")
-    row("dataset", lambda m: f"{Path(m.get('dataset', '?')).name} ({m.get('dataset_hash', '')[:8]})")
+    row("model", lambda m: escape(Path(m.get("model", "?")).name))
+    row("adapter", lambda m: escape(Path(m["adapter"]).name) if m.get("adapter") else "-")
+    row("dataset", lambda m: escape(f"{Path(m.get('dataset', '?')).name} ({m.get('dataset_hash', '')[:8]})"))
     row("problems", lambda m: str(m["counts"]["problems"]))
     row("samples/problem", lambda m: str(m["counts"]["samples_per_problem"]))
     row("temperature", lambda m: str(m.get("sampling", {}).get("temperature", "-")))

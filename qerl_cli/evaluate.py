@@ -701,13 +701,15 @@ def result_line(metrics: dict, out, already_done: bool = False) -> str:
 
 def render_metrics(metrics: dict, console) -> None:
     """The end-of-run table: scores with CI, counts, lengths, time."""
+    from rich.markup import escape
     from rich.table import Table
 
     c = metrics["counts"]
     t = Table(title=f"qerl eval: {Path(metrics['dataset']).name}", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right", overflow="fold")  # a long adapter path whole, not cut with "…"
-    t.add_row("model", metrics["model"] + (f" + {metrics['adapter']}" if metrics.get("adapter") else ""))
+    # escaped: a cell is Rich markup, where a path's "[x]" was dropped and "a[/b]" a MarkupError after the eval was written
+    t.add_row("model", escape(metrics["model"] + (f" + {metrics['adapter']}" if metrics.get("adapter") else "")))
     for name, s in metrics["scores"].items():
         lo, hi = s["ci95"]
         t.add_row(name, f"{100 * s['value']:.2f}%  (95% CI {100 * lo:.1f}-{100 * hi:.1f})")

@@ -753,13 +753,15 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
     import contextlib
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
     cfg = plan.cfg
     # Loading a large checkpoint takes minutes: say what is happening before the bar appears.
-    status = (Console(stderr=True).status(f"loading {cfg.model}" + (f" + {cfg.adapter}" if cfg.adapter else "")
-                                          + f" on {plan.device} ({cfg.engine} engine)")
+    # escape: Rich reads a path's "[x]" as markup (dropped), and "a[/b]" as a closing tag (MarkupError: no rollout)
+    status = (Console(stderr=True).status(escape(f"loading {cfg.model}" + (f" + {cfg.adapter}" if cfg.adapter else "")
+                                                 + f" on {plan.device} ({cfg.engine} engine)"))
               if cfg.progress else contextlib.nullcontext())
     t0 = time.time()
     with status:

@@ -121,6 +121,27 @@ def test_compare_table_renders_runs_side_by_side(tmp_path):
     assert "different datasets" in text
 
 
+def test_paths_in_the_tables_are_printed_as_they_are(tmp_path):
+    # Table cells are Rich markup: "run [x]" was printed "run ", and "a[/b]" (a directory "a[" holding "b]") was a
+    # closing tag without an opening one, a MarkupError after the eval had been written
+    from rich.console import Console
+
+    from qerl_cli.evaluate import render_metrics
+
+    (tmp_path / "x" / "a[").mkdir(parents=True)
+    (tmp_path / "y" / "a[").mkdir(parents=True)
+    a = _fake_run(tmp_path / "x" / "a[" / "b]", "run [bf16]", 0.4)
+    b = _fake_run(tmp_path / "y" / "a[" / "b]", "run [bf16]", 0.7)
+    console = Console(record=True, width=300)
+    console.print(compare_table([a, b]))
+    text = console.export_text()
+    assert "x/a[/b]" in text and "y/a[/b]" in text and "run [bf16]" in text, text
+    m = json.loads((a / "metrics.json").read_text())
+    m.update(model=str(a / "m"), counts={**m["counts"], "problems_solved": 4}, lengths={"mean": 1, "p90": 1, "max": 1})
+    render_metrics(m, console)
+    assert str(a / "m") in " ".join(console.export_text().split()), console.export_text()
+
+
 def test_compare_names_runs_apart_and_flags_other_problem_counts(tmp_path):
     from rich.console import Console
 

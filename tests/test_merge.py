@@ -15,13 +15,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def make_peft_adapter(base_dir: Path, out: Path, *, r=4, alpha=8, seed=1, scale=0.05,
-                      modules_to_save=None, trainer_state=True, targets=TARGETS, base_hash=None) -> Path:
-    """A PEFT adapter for ``base_dir`` with random (non-zero) A and B, as training would leave it."""
+                      modules_to_save=None, trainer_state=True, targets=TARGETS, base_hash=None, **lora) -> Path:
+    """A PEFT adapter for ``base_dir`` with random (non-zero) A and B, as training would leave it (``lora``: more
+    ``peft.LoraConfig`` fields)."""
     import peft
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), modules_to_save=modules_to_save)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), modules_to_save=modules_to_save,
+                          **lora)
     pm = peft.get_peft_model(model, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -316,6 +318,25 @@ def test_lora_on_a_tied_lm_head_unties_it_as_peft_does(tmp_path, targets):
     m = merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
     assert m["summary"]["untied_lm_head"] is True and m["summary"]["merged_modules"] == 2
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    ref, plain = peft_logits(base, adapter, IDS % 300), peft_logits(base, None, IDS % 300)
+    err = (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
+
+
+@pytest.mark.parametrize("how", ["ensure_weight_tying", "target_parameters"])
+def test_lora_pairs_peft_wraps_beyond_the_saved_target_modules_are_merged(tmp_path, how):
+    # The target_modules check refused adapters PEFT writes itself: with ensure_weight_tying on a tied base PEFT
+    # saves the head's LoRA (the embedding's, transposed) but moves lm_head out of target_modules; a
+    # target_parameters entry wraps its module without naming it there. Merged, they equal PEFT's unmerged policy
+    # (its own merge_and_unload adds a tied pair's update to the shared weight twice).
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, tie_word_embeddings=how == "ensure_weight_tying")
+    kw = (dict(targets=["embed_tokens", "v_proj"], ensure_weight_tying=True) if how == "ensure_weight_tying"
+          else dict(targets=["v_proj"], target_parameters=["self_attn.q_proj.weight"]))
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, scale=0.2, trainer_state=False, **kw)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    extra = "lm_head" if how == "ensure_weight_tying" else "model.layers.0.self_attn.q_proj"
+    assert extra in read_adapter(adapter).deltas and extra.rsplit(".", 1)[-1] not in cfg["target_modules"]
+    merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
     ref, plain = peft_logits(base, adapter, IDS % 300), peft_logits(base, None, IDS % 300)
     err = (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err

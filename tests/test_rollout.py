@@ -415,6 +415,19 @@ def test_a_path_with_brackets_is_printed_as_it_is(model_dir, tmp_path, fake_engi
     assert r.exit_code == 0 and f"already done: {out} holds" in r.output, r.output
 
 
+def test_a_model_path_with_brackets_does_not_stop_the_rollout(model_dir, tmp_path, fake_engine):
+    # The "loading MODEL" status line is Rich markup: a model dir "a[" / "b]" read as a closing tag "[/b]" stopped
+    # the rollout with a MarkupError before it began (without -q)
+    import shutil
+
+    model = tmp_path / "a[" / "b]"
+    shutil.copytree(model_dir, model)
+    prompts = write_prompts(tmp_path / "p.jsonl", n=1)
+    r = CliRunner().invoke(app, ["rollout", "--model", str(model), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                                 "-G", "2", "--device", "cpu"])
+    assert r.exit_code == 0 and "wrote 2 completions" in r.output, (r.output, r.exception)
+
+
 def test_cli(model_dir, tmp_path, fake_engine):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
     args = ["rollout", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
