@@ -483,21 +483,29 @@ def test_a_chain_runs_on_the_tiny_model_and_grpo_sh_continues_it(tmp_path):
     assert not list(run.glob("step-*/shards"))
 
 
+def _on_step_0_holding(tmp_path, script, dirs, settings):
+    """grpo.sh or a 2-task submit.sh (recorded qerl and sbatch) on a run dir whose step 0 holds ``dirs``:
+    (the run, qerl's argv log, sbatch's log, the run dir)."""
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + f"\nWARMUP_STEPS=0\n{settings}\n")
+    run = tmp_path / "run"
+    for d in dirs:
+        (run / "step-000000" / d).mkdir(parents=True)
+    argv = [RECIPES / "grpo.sh"] if script == "grpo.sh" else [RECIPES / "slurm" / "submit.sh"]
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"}
+    r = subprocess.run(["bash", *map(str, argv), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    return r, log, sbatch_log, run
+
+
 @pytest.mark.parametrize("script", ["grpo.sh", "submit.sh"])
 def test_a_run_dir_the_other_script_began_with_another_shard_count_is_refused_first(tmp_path, script):
     # grpo.sh on a chain's step of 2 shards rolled the step out again as one shard, then refused at its train-step
     # with "input shards changed ... pass --force", and again at step 0 after a second rollout; FORCE=1 redid the run
     # (a review, 2026-11-27). A chain of 2 tasks on grpo.sh's steps failed at its first train job the same way.
-    qerl, log = _argv_recorder(tmp_path)
-    sbatch, sbatch_log = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\n")
-    run = tmp_path / "run"
-    for d in (["shards-0", "shards-1"] if script == "grpo.sh" else ["shards"]):
-        (run / "step-000000" / d).mkdir(parents=True)
-    argv = [RECIPES / "grpo.sh"] if script == "grpo.sh" else [RECIPES / "slurm" / "submit.sh"]
-    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"}
-    r = subprocess.run(["bash", *map(str, argv), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    r, log, sbatch_log, _ = _on_step_0_holding(tmp_path, script, ["shards-0", "shards-1"] if script == "grpo.sh"
+                                               else ["shards"], "STEPS=3")
     assert r.returncode == 2 and not log.exists() and not sbatch_log.exists(), r.stderr
     want = {"grpo.sh": "error: step-000000 holds a Slurm chain's rollout in several shards (step-000000/shards-<i>): "
                        "continue this run with recipes/slurm/submit.sh",
@@ -511,16 +519,8 @@ def test_a_step_both_scripts_rolled_out_goes_on_with_the_callers_own(tmp_path, s
     # Before 2026-11-27 each script rolled a step the other began out again under its own name: such a step holds
     # both layouts, and each script refused it naming the other (grpo.sh: "continue with submit.sh"; a chain of 2
     # tasks: "continue with grpo.sh"), where each had read its own.
-    qerl, log = _argv_recorder(tmp_path)
-    sbatch, sbatch_log = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
-    run = tmp_path / "run"
-    for d in ["shards", "shards-0", "shards-1"]:
-        (run / "step-000000" / d).mkdir(parents=True)
-    argv = [RECIPES / "grpo.sh"] if script == "grpo.sh" else [RECIPES / "slurm" / "submit.sh"]
-    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "ROLLOUT_SHARDS": "2"}
-    r = subprocess.run(["bash", *map(str, argv), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    r, log, sbatch_log, run = _on_step_0_holding(tmp_path, script, ["shards", "shards-0", "shards-1"],
+                                                 "STEPS=2\nEVAL_DATASET=")
     assert r.returncode == 0, r.stderr
     if script == "grpo.sh":
         assert _shard_args(log, run)[:2] == [("rollout", "step-000000/shards"), ("train-step", "step-000000/shards")]
