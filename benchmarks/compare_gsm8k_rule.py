@@ -149,6 +149,18 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("statement-denied-later", f"{reason}\nThe answer is {r}.\nNo, the answer is not {r}.", None),
         ("statement-then-hedged-box", f"{reason}\nThe answer is {r}.\nSo \\boxed{{{r}}} or \\boxed{{{w}}}.", None),
         ("statement-inside-think", f"<think>{reason}\nThe answer is {r}.</think>\nLet me see.", None),
+        # ---- s54r14: a statement read to its sentence's end, not past another few-shot label; an operator in words,
+        # an inequality or "~" before the number is no answer (each read as a number: 15, the run-on's, 18, 18)
+        ("statement-expr-then-more", f"The answer is {reason}. Then {r} x 2 = {2 * r}.", r),
+        ("statement-run-on-minerva", f"{reason}\nFinal Answer: The final answer is ${r}$. I hope it is correct.\n\n"
+         f"Problem:\nTom has {x} marbles and loses {y}.\n\nSolution:\n{x} - {y} = {z}\n"
+         f"Final Answer: The final answer is ${z}$. I hope it is correct.", r),
+        ("statement-run-on-bold", f"{reason}\nThe answer is {r}.\n\n**Question:** Tom has {x} marbles and loses {y}.\n"
+         f"The answer is {z}.", r),
+        ("statement-in-conclusion", f"{reason}\nIn conclusion, the answer is {r}.", r),
+        ("statement-times", f"{reason}\nThe answer is {r} times {k}.", None),
+        ("statement-at-least-symbol", f"{reason}\nThe answer is >= {r}.", None),
+        ("statement-tilde", f"{reason}\nThe answer is ~{r}.", None),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

@@ -20,7 +20,8 @@ that takes "the last number in the text" rewards rambling that ends on the right
   ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
   exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
   line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
-  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``), a hedge (``72 or 73``, ``72 or
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``, ``>= 5``, ``~5``), an operator
+  in words (``5 times 2``, ``5 plus 2``), a hedge (``72 or 73``, ``72 or
   so``, ``72 apples or 73 apples``; not the number restated, ``72 (or 72.0)``, nor the same quantity in another unit,
   ``90 (or 1.5 hours)``, ``3 hours (180 minutes)``, ``90 minutes (1 hour 30 minutes)``), a range or a second number
   (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``, nor a
@@ -31,7 +32,8 @@ that takes "the last number in the text" rewards rambling that ends on the right
   final answer is: $72", a "So"/"No," lead allowed) and gives the number right after it, read as a ``####`` line's
   (the same cleaning and refusals); one that denies, bounds or hedges ("The answer is not 72", "between 72 and 73",
   "72 or 73"), asks ("Is the answer 72?", "What is the answer? 72"), or comes before a later box, ``<answer>`` tag,
-  ``####`` line or a run-on's next "Question:" is no answer.
+  ``####`` line or a run-on's next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer; it is
+  read to its sentence's end ("The answer is 6 + 12 = 18. So 18 - 3 = 15." is 18).
   Deliberately *no* "last number in the text" fallback: it rewards rambling that happens to end
   on the right number and teaches nothing about answering. After a closed ``</think>`` only what follows it is
   read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
@@ -68,8 +70,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # records these in metrics.json, and a rerun of it under other numbers scores its samples again with today's rule
 # (no generation) rather than print the old rule's score as "already done". tests/test_rewards.py pins each version's
 # readings of a few completions. gsm8k 2 (2026-11-27): a quantity restated in another unit is one answer, a rounding
-# note no range (4c76a7a), "18 dollars and 9 eggs sold" is 18; gsm8k 3: "The answer is 18." is 18.
-RULE_VERSION = {"gsm8k": 3, "math": 1}
+# note no range (4c76a7a), "18 dollars and 9 eggs sold" is 18; gsm8k 3: "The answer is 18." is 18; gsm8k 4: ">= 18",
+# "~18", "18 times 2" are no answer, a statement is read to its sentence's end and not after a run-on's "Problem:".
+RULE_VERSION = {"gsm8k": 4, "math": 1}
 
 
 # ---- a prompt that opens <think> ----------------------------------------------------------------
@@ -183,6 +186,9 @@ _WORD = re.compile(r"[A-Za-z][A-Za-z'./-]*(?:\^\{?\d\}?)?")
 _ASSIGNED = re.compile(r"(?:^|[,;]|(?<=[\d}])\s|\band\b)\s*([A-Za-z]\w*)(?:\^\{?\d+\}?)?\s*=")  # "x=5 \quad y=18" too
 # TeX spacing between a number and its unit: "18\ \text{dollars}", "18\;", "18\quad", "18~km".
 _TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
+# A "~" with a space or nothing before it and a number after it is "approximately": "The answer is ~18" read as 18, where
+# "about 18", "\approx 18" and "\sim 18" are no answer (a review). Made a "\u2248", which no rule reads as a word.
+_APPROX_TILDE = re.compile(r"(?:^|(?<=\s))~(?=[ \t]*[-$.\d])")
 _TEX_MATH_DELIM = re.compile(r"\\[()\[\]]")
 _TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
 _BRACED_NUMBER = re.compile(r"\{\s*(-?[\d.,]+)\s*\}")
@@ -191,7 +197,10 @@ _GLUE_OK = frozenset(" \t\r\n,;:.%)<*")  # what may follow a #### line's number 
 # After a span's number: an operator and an operand, or (after a space or a colon) another number. Spaced, such a
 # line passed the glue check above and read as its first number ("#### 10 - 2" as 10, "#### 1 000 000" as 1).
 # Whitespace stripped in code, not by "\s*...\s*" in the pattern: adjacent optional runs backtrack in O(n^2).
-_AN_OPERATOR = re.compile(r"[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div|[xX](?=\s)")
+# An operator in words, an en dash or a "~" too: "18 times 2", "18 plus 2", "18 – 20", "18 ~ 20" read as 18 (a review of
+# the statement fallback, "The answer is 18 times 2"; a careful reader takes 36, or no single number).
+_WORD_OPERATOR = r"[\u2013\u2248]|(?i:times|plus|minus|(?:multiplied|divided)\s+by)\b"
+_AN_OPERATOR = re.compile(r"[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div|[xX](?=\s)|" + _WORD_OPERATOR)
 _AN_OPERAND = re.compile(r"\(?-?\.?\d")
 _A_NUMBER_START = re.compile(r"\.?\d")
 
@@ -375,6 +384,7 @@ def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = re.sub(r"(?<=\d)\\,(?=\d)", ",", s).replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
     s = _TEX_MATH_DELIM.sub(" ", s)  # inline/display math \(72\), \[72\]: as $72$
+    s = _APPROX_TILDE.sub("\u2248", s)  # "is ~18": "about 18", no TeX tie (a tie is glued: "18~km", "is~18")
     s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
     s = _LATEX_TEXT.sub(r" \1 ", s)  # \text{72}, units: \text{ dollars}
     s = re.sub(r"([A-Za-z])\s+(?=\^)", r"\1", s)  # \text{ ft}^2 -> "ft^2"
@@ -475,7 +485,9 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
     if "=" in s and (whole or _starts_an_expression(_clean_number_text(text, strip_plus=False))):
         if s.count("=") > 1 and len(set(_ASSIGNED.findall(s))) > 1:
             return None  # "x = 5, y = 18" (in a box or on a #### line): several answers, none of them the answer
-        s = s.rsplit("=", 1)[1]
+        left, s = s.rsplit("=", 1)
+        if left[-1:] in ("<", ">", "!"):
+            return None  # "x >= 18", "x <= 18", "x != 18": a bound or a denial, as "\geq 18" is (each read as 18)
     m = _NUMBER.search(s)
     # bold anywhere in the words: "The answer is **72**", "**Final Answer:** 72" (its leading ** made it no answer)
     if m is None or not _words_only(s[: m.start()].replace("*", " ")):
@@ -507,7 +519,8 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
 
 # What makes a #### line's first number an operand: an operator after it, a bracket glued to it ("5(2) = 10";
 # "3 (t = 180 min)" is an answer and a note), or a spaced letter x between numbers ("2 x 3 = 6").
-_OPERATOR = re.compile(r"\s*(?:[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div)|\((?=[-\d.])|\s+[xX]\s+(?=[\d(.])")
+_OPERATOR = re.compile(r"\s*(?:[-+*/^\u00d7\u00b7]|\\times|\\cdot|\\div)|\((?=[-\d.])|\s+[xX]\s+(?=[\d(.])"
+                       rf"|\s*(?:{_WORD_OPERATOR})\s*(?=[\d(.])")  # "18 times 2 = 36" is 36, not 18
 
 
 def _starts_an_expression(s: str) -> bool:
@@ -680,9 +693,13 @@ def _answer_tag(text: str) -> str | None:
 _ANSWER_WORD = re.compile(r"\banswers?\b", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?]\s+")  # one stop: "[.!?]+" backtracked in O(n^2) on a run of dots
 # What a statement may say before "answer": an answer line's lead words ("So", "Therefore,", "the final"), not "is" ("Is
-# the answer 18" asks), and a correction's ("No, the answer is 19"; so "No, the answer is not 18" denies the one before)
-_STATEMENT_LEAD_WORDS = (_ANSWER_LEAD_WORDS - {"is", "was", "answer", "answers"}) | {"no", "wait", "actually"}
+# the answer 18" asks), and a correction's ("No, the answer is 19"; so "No, the answer is not 18" denies the one before),
+# and a summary's ("In conclusion,", "In summary,", "Finally,", "Overall,": no answer until a review; "In the example,
+# the answer is 5" still says another word)
+_STATEMENT_LEAD_WORDS = ((_ANSWER_LEAD_WORDS - {"is", "was", "answer", "answers"})
+                         | {"no", "wait", "actually", "in", "conclusion", "summary", "finally", "overall"})
 _LEAD_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")  # not a TeX command's name: "\textbf{Final Answer:} 18"
+_MAX_STATEMENT = 4000  # characters in a statement's sentence; a longer one is a policy's degenerate repeat
 
 
 def _states_the_answer(sentence: str) -> bool:
@@ -698,7 +715,7 @@ def _states_the_answer(sentence: str) -> bool:
 
 
 def _answer_statement(text: str) -> str | None:
-    """The number of the last answer statement (_states_the_answer) in ``text``, read to its line's end as a ####
+    """The number of the last answer statement (_states_the_answer) in ``text``, read to its sentence's end as a ####
     line's is (the same cleaning and refusals: "The answer is 18 or 19" is no answer), or None. Only the last one
     counts, a model correcting itself; one that gives no number right after its phrase ("The answer is not 18", "The
     answer is between 18 and 20", "The answer is that she has 18") is no answer, not a way back to an earlier one."""
@@ -710,7 +727,9 @@ def _answer_statement(text: str) -> str | None:
             end = starts[k + 1] if k + 1 < len(starts) else len(line)
             if not _states_the_answer(line[starts[k]:end]):
                 continue
-            span = line[starts[k]:]
+            if end - starts[k] > _MAX_STATEMENT:
+                return None  # a degenerate run ("the answer is 1 " x 6,000), no answer: not cleaned whole (~40 ms)
+            span = line[starts[k]:end]  # its sentence: "The answer is 6 + 12 = 18. So 18 - 3 = 15." is 18, not 15
             s = _clean_number_text(span)
             phrase = _ANSWER_WORD.search(s)  # read from "answer" on: its lead ("No,", "So") is checked
             s = "" if phrase is None else s[phrase.start():]  # (None: a guard, cleaning keeps the words)
@@ -723,8 +742,12 @@ def _answer_statement(text: str) -> str | None:
 
 # A base model's run-on into the next question ("... The answer is 18.\n\nQuestion: Tom has 40 marbles ...\nAnswer: 40 -
 # 5 = 35"): the statements after it answer that question (the last one read 35). Not on the first line: a completion
-# may restate the question it answers.
-_RUN_ON_QUESTION = re.compile(r"\n[ \t]*(?:Question|Q)[ \t]*:", re.IGNORECASE)
+# may restate the question it answers. Also a few-shot prompt's other labels: Minerva's "Problem:" (its run-on's "Final
+# Answer: The final answer is 35" read as 35), "Question 2:", "**Question:**", "### Question:", "Q.", a chat turn's
+# "User:"/"Human:" (each read the run-on's answer: a review).
+# (No two optional runs of spaces side by side: "[ \t]*\**[ \t]*" split a run of spaces every way, O(n^2).)
+_RUN_ON_QUESTION = re.compile(r"\n[ \t]*(?:[#>*][ \t]*){0,4}(?:(?:Question|Problem|Human|User)|(Q))[ \t]*(?:\d+[ \t]*)?"
+                              r"(?:\*{1,2}[ \t]*)?(?(1)[:.]|:)", re.IGNORECASE)
 
 
 def _before_a_run_on(text: str) -> str:

@@ -962,6 +962,73 @@ def test_a_plain_answer_statement_ranks_below_every_other_answer():
     assert extract_answer("The answer is 18 apples and 3 pears.") == extract_answer("#### 18 apples and 3 pears") == "18"
 
 
+def test_an_answer_statement_is_read_to_its_sentence_end():
+    """The statement's span ran to its line's end, so a later sentence's equation gave the number ("The answer is 6 + 12 =
+    18. She ate 3, so 18 - 3 = 15." read as 15: the right side of the line's last "="; a review)."""
+    assert extract_answer("The answer is 6 + 12 = 18. She ate 3, so 18 - 3 = 15.") == "18"
+    assert extract_answer("The answer is 6 x 3 = 18 eggs. At $2 each, 18 x 2 = 36 dollars.") == "18"
+    assert extract_answer("The answer is 18 - 3 = 15. Check: 12 + 3 = 15.") == "15"  # its own expression still counts
+
+
+@pytest.mark.parametrize("label", ["Problem:", "Question 2:", "**Question:**", "### Question:", "Q.", "Q2:", "User:",
+                                   "Human:", "> Question:"])
+def test_a_run_on_under_another_few_shot_label_gives_no_statement(label):
+    """Only "Question:"/"Q:" ended a base model's run-on: after Minerva's "Problem:", a numbered or bold question or a
+    chat turn, the last statement was the run-on's answer (35 here, for a question the model was not asked; a review)."""
+    completion = f"6 + 12 = 18. The answer is 18.\n\n{label} Tom has 40 marbles and loses 5.\nThe answer is 35."
+    assert extract_answer(completion) == "18"
+    minerva = ("6 + 12 = 18\nFinal Answer: The final answer is $18$. I hope it is correct.\n\nProblem:\nTom has 40 "
+               "marbles and loses 5.\n\nSolution:\n40 - 5 = 35\nFinal Answer: The final answer is $35$. I hope it is correct.")
+    assert extract_answer(minerva) == "18"
+    assert extract_answer("6 + 12 = 18.\nQuick check: done. The answer is 18.") == "18"  # a word that starts with Q
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("The answer is 18 times 2.", None), ("The answer is 18 plus 2.", None), ("The answer is 18 minus 3.", None),
+    ("The answer is 18 divided by 2.", None), ("#### 18 multiplied by 2", None), ("The answer is 18 – 20.", None),
+    ("The answer is 18 times 2 = 36.", "36"), ("#### 18 times 2 = 36", "36"), ("#### 18 – 3 = 15", "15"),
+    ("The answer is 18 times.", "18"), ("#### 18 plus tax", "18"), ("#### 18 ~ 20", None),
+])
+def test_an_operator_in_words_makes_the_number_an_operand(completion, answer):
+    """"18 times 2", "18 plus 2", "18 – 20" (an en dash) read as 18, and "18 times 2 = 36" as its left side 18: only
+    symbols were operators (a review of the statement fallback). A word with no number after it is no operator."""
+    assert extract_answer(completion) == answer
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("The answer is >= 18.", None), ("The answer is <= 18", None), ("The answer != 18", None),
+    ("#### The answer is >= 18", None), ("\\boxed{x \\le 18} \\boxed{x <= 18}", None), ("<answer>>= 18</answer>", None),
+    ("The answer is ~18.", None), ("The answer: ~ 18", None), ("#### ~18", None),
+    ("#### 18 (since 18 >= 10)", "18"), ("#### 18~km", "18"), ("The answer is~18.", "18"), ("\\boxed{x = 18}", "18"),
+])
+def test_an_inequality_or_a_tilde_before_the_number_is_no_answer(completion, answer):
+    """">= 18", "<= 18", "!= 18" read as 18 (the right side of an "="), where "\\geq 18" and "at least 18" are no answer;
+    "~18" (approximately) read as 18, the "~" taken for a TeX tie, where "about 18" and "\\approx 18" are none (a
+    review). A tie glued to its left ("18~km", "is~18") is still a space."""
+    assert extract_answer(completion) == answer
+
+
+@pytest.mark.parametrize("text", ["the answer is 1 " * 6250, "So " * 30000 + "the answer is 1",
+                                  "The answer is " + "\\frac{1}{2}" * 9000, "**Answer:** " * 8000 + "1"],
+                         ids=["repeat", "leads", "fracs", "labels"])
+def test_a_degenerate_statement_is_no_answer_and_cheap(text):
+    """A policy's degenerate repeat that starts with the answer phrase was one 100 KB sentence, cleaned whole as a
+    #### line is: ~40 ms a completion ("\\frac{1}{2}" x 9,000: ~0.4 s) and read as 1. A statement's sentence over
+    4,000 characters is no answer, and costs a scan (the bound only separates the two on a loaded box)."""
+    import time
+
+    t0 = time.perf_counter()
+    assert extract_answer(text) is None
+    assert time.perf_counter() - t0 < 0.25
+
+
+@pytest.mark.parametrize("lead", ["In conclusion,", "In summary,", "Finally,", "Overall,"])
+def test_a_summary_lead_states_the_answer(lead):
+    """A summary's lead made the statement say another word, no answer ("In conclusion, the answer is 18."; a review)."""
+    assert extract_answer(f"6 + 12 = 18.\n{lead} the answer is 18.") == "18"
+    assert extract_answer("In the example, the answer is 5.") is None
+
+
 def test_a_symlinked_reward_file_is_loaded_as_the_link(tmp_path, monkeypatch):
     """The file was loaded from its resolved path: ``__file__`` was the link's target, so a reward reading a file beside
     it looked in the target's folder (FileNotFoundError; until dc38ad5 it read beside the link). The same file named
@@ -989,12 +1056,14 @@ def test_a_symlinked_reward_file_is_loaded_as_the_link(tmp_path, monkeypatch):
 RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minutes)", "#### 72.50, to 2 decimal places",
              "#### She spent the most: $72", "#### at least **72**", "#### Answer\n72\n\\boxed{72} or \\boxed{73}",
              "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$.",
-             "#### 18 dollars and 9 eggs sold", "So the final answer is 18."]
+             "#### 18 dollars and 9 eggs sold", "So the final answer is 18.", "#### The answer is >= 72",
+             "The answer is 6 + 12 = 18. So 18 - 3 = 15."]
 RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
-    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None],
-    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None],
-    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18"],
-    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None],
+    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None],
+    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None],
+    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15"],
+    ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18"],
+    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None],
 }
 
 
