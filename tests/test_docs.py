@@ -5,6 +5,7 @@ it. docs/benchmarks.md is left out: it keeps the commands of removed probes and 
 (its header says so).
 """
 
+import importlib
 import re
 import subprocess
 from pathlib import Path
@@ -130,3 +131,90 @@ def test_every_test_a_page_names_exists(page):
     missing = sorted(n for n in named if not n.startswith("test_mutation_gaps") and (
         not any(t.startswith(n[:-1]) for t in names) if n.endswith("*") else n not in names))
     assert not missing, f"{page.name} names tests that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_page_holds_control_characters(page):
+    # A page edited through a Python string without the raw prefix turned "\\b" of "\\boxed" into a backspace and
+    # "\\n" into a line break inside a code span: merge-eval.md's "Scoring" showed "So oxed{72} or oxed{73}".
+    bad = [f"line {n}: {line!r}" for n, line in enumerate(page.read_text().split("\n"), 1)
+           if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", line)]
+    assert not bad, "\n".join(bad)
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether DOTTED is an importable module, or an attribute path under the longest importable prefix."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def python_names(text: str):
+    """Each qerl name a page's code imports or names: `from qerl_cli.x import a, b`, `qerl_cli.x.y`, `qerl_kernels.x`,
+    and a bare `module.name` of a qerl_cli / kernels module where the name reads as code (an underscore or a capital:
+    `answers.span_number`, `shards.ShardWriter`; not `data.jsonl`, nor `engine.generate`, a method of an object)."""
+    modules = {p.stem: f"qerl_cli.{p.stem}" for p in (ROOT / "qerl_cli").iterdir() if p.suffix == ".py" or p.is_dir()}
+    modules.update({p.stem: f"qerl_kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py")})
+    for line in code_lines(text):
+        for m in re.finditer(r"\bfrom\s+((?:qerl_cli|qerl_kernels)[\w.]*)\s+import\s+([\w ,]+)", line):
+            yield from (f"{m.group(1)}.{n.strip()}" for n in m.group(2).split(",") if n.strip())
+        yield from re.findall(r"(?<![\w/.])((?:qerl_cli|qerl_kernels)(?:\.\w+)+)", line)
+        for mod, name in re.findall(r"(?<![\w/.])([a-z_]+)\.(\w+)(?![\w/.])", line):
+            if mod in modules and ("_" in name or name[0].isupper()):
+                yield f"{modules[mod]}.{name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_qerl_module_and_name_a_page_cites_exists(page):
+    # The answer rules moved from qerl_cli.rewards to qerl_cli.answers (2026-11-27): a page still importing
+    # `rewards.span_number` or `qerl_cli.rewards.RULE_VERSION` from the old place fails only when a user pastes it.
+    missing = sorted({name for name in python_names(page.read_text()) if not _resolves(name)})
+    assert not missing, f"{page.name} names what does not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_a_test_cited_with_its_file_is_in_that_file(page):
+    # `test_x.py::test_y` sends a reader to one file; the test moved to another file left the row pointing at nothing.
+    wrong = [f"{file}::{name}" for span in code_lines(page.read_text())
+             for file, name in re.findall(r"(?<!\w)(test_\w+\.py)::(test_\w+)", span)
+             if not (ROOT / "tests" / file).is_file()
+             or not re.search(rf"^def {name}\b", (ROOT / "tests" / file).read_text(), re.M)]
+    assert not wrong, f"{page.name} cites tests not in the file named: {wrong}"
+
+
+def test_the_readme_gsm8k_rule_counts_are_the_benchmarks():
+    # README cites benchmarks/compare_gsm8k_rule.py's totals at its defaults (seeded, CPU, deterministic): a new style
+    # or a rule change moves them, and the README kept the old figures.
+    import runpy
+
+    from qerl_cli.answers import extract_answer
+
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "compare_gsm8k_rule.py"), run_name="compare_gsm8k_rule")
+    rows = bench["cases"](2, 0)  # --per-problem 2 --seed 0, its defaults
+    right = sum(extract_answer(text) == want for _, text, want in rows)
+    answered = sum(want is not None for *_, want in rows)
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"right on (\d+) of the (\d+) that have an answer, the hand-written rule on (\d+) of all (\d+)", text)
+    assert m, "README no longer cites compare_gsm8k_rule's totals in the form this test reads"
+    assert (int(m[2]), int(m[3]), int(m[4])) == (answered, right, len(rows))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_a_metrics_example_records_todays_answer_rule_versions(page):
+    # The metrics.json example shows the scorer_version a new eval writes; a rule bumped since left an example that
+    # a user's fresh eval contradicts.
+    import json
+
+    from qerl_cli.answers import RULE_VERSION
+
+    shown = [json.loads(m) for m in re.findall(r'"scorer_version": (\{[^}]*\})', page.read_text())]
+    assert all(v == RULE_VERSION for v in shown), f"{page.name}: {shown} != {RULE_VERSION}"

@@ -58,8 +58,8 @@ def command(
     chat_template_file: Path = typer.Option(None, "--chat-template-file", help="A Jinja chat template to use instead of the tokenizer's (a base model often has none, and `messages` rows need one); its text is part of the eval's inputs. Example: --chat-template-file chatml.jinja"),
     chat_template_kwargs: str = typer.Option(None, "--chat-template-kwargs", metavar="JSON", help="Extra variables for the chat template, a JSON object passed to it as vLLM's chat_template_kwargs are; each must be a variable the template reads (a misspelt one is an error, not ignored), and they are part of the eval's fingerprint. Example: --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3 without thinking)", show_default=False),
     scorer: str = typer.Option("auto", "--scorer", help="auto: gsm8k rule for numeric references, math-verify "
-                               "otherwise; gsm8k: final number (####, \\boxed{}, <answer>); math: math-verify on the "
-                               "last \\boxed{}. Example: --scorer math"),
+                               "otherwise; gsm8k: final number (####, \\boxed{}, <answer>, else 'The answer is N.'); "
+                               "math: math-verify on the last \\boxed{}. Example: --scorer math"),
     prompt_key: str = typer.Option(None, "--prompt-key", help="Column holding the problem (text or chat list) when it "
                                    "is not `prompt`, `messages`, `question` or `problem`; dotted for nested fields, as "
                                    "`qerl rollout --prompt-key`. Example: --prompt-key input", show_default=False),
