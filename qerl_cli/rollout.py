@@ -218,7 +218,10 @@ def _check_flags(cfg: RolloutConfig) -> None:
     if not Path(cfg.model).is_dir():
         bad(f"--model {cfg.model} is not a directory")
     if not (Path(cfg.model) / "config.json").is_file():
-        bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)")
+        from qerl_cli.models.config import adapter_as_model_hint
+
+        bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)",
+            hint=adapter_as_model_hint(cfg.model))
     if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
         from qerl_cli.adapters import model_not_adapter_hint
 

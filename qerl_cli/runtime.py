@@ -102,10 +102,12 @@ TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
+    from qerl_cli.models.config import adapter_as_model_hint
+
     model_dir = Path(model_dir)
-    if (model_dir / "adapter_config.json").is_file() and not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").is_file() and (hint := adapter_as_model_hint(model_dir)):
         raise BadInputError(f"--model {model_dir} is a PEFT adapter directory (adapter_config.json, no config.json)",
-                            hint="pass it as --adapter, and the model it was trained on as --model")
+                            hint=hint)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a missing tokenizer

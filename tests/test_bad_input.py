@@ -644,6 +644,11 @@ def test_an_adapter_dir_given_as_the_model_is_named_so(p, tmp_path):
     r = invoke(eval_args(p["a1"], p["prompts"], tmp_path / "out"))
     assert_one_line_error(r, 2, f"--model {p['a1']} is a PEFT adapter directory", "pass it as --adapter")
     nothing_written(tmp_path)
+    # without --max-new-tokens eval reads config.json first, as the other stages do: that said only "not found"
+    for args in ([a for a in eval_args(p["a1"], p["prompts"], tmp_path / "out") if a not in ("--max-new-tokens", 3)],
+                 rollout_args(p["a1"], p["prompts"], tmp_path / "out"), train_args(p["a1"], p["sh0"], tmp_path / "out")):
+        assert_one_line_error(invoke(args), 2, "adapter_config.json", "pass it as --adapter")
+        nothing_written(tmp_path)
 
 
 @pytest.mark.parametrize("stage", ["rollout", "merge", "train-step"])

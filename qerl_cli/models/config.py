@@ -155,10 +155,19 @@ class ModelConfig:
         try:
             cfg = json.loads(path.read_text())
         except FileNotFoundError:
-            raise BadInputError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)") from None
+            raise BadInputError(f"{path}: not found (is {model_dir} a Hugging Face model directory?)",
+                                hint=adapter_as_model_hint(model_dir)) from None
         except ValueError as e:
             raise BadInputError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf(cfg, str(path))
+
+
+def adapter_as_model_hint(model_dir) -> str | None:
+    """The hint for a --model without config.json that is a PEFT adapter directory (every stage reads config.json
+    first, and said only "not found"), else None."""
+    if (Path(model_dir) / "adapter_config.json").is_file():
+        return "it holds adapter_config.json: pass it as --adapter, and the model it was trained on as --model"
+    return None
 
 
 # Shapes of public checkpoints, for benchmarks that build random weights on the GPU.
