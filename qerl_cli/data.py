@@ -150,13 +150,16 @@ def _refuse_one_json_value(path: Path, text: str) -> None:
         raise BadInputError(f"{path}: is one JSON array over several lines, not JSON Lines (one row object a line)",
                             hint="name it .json to read it as an array, or write one object a line: "
                                  "jq -c '.[]' F > F.jsonl")
-    lists = [k for k, v in value.items() if isinstance(v, list)] if isinstance(value, dict) else []
-    if lists and not any(k in value for k in ("prompt", "messages", "question", "problem")):  # rows under a key
-        hint = f"its rows are a list under a key: write one a line, jq -c '.{lists[0]}[]' F > F.jsonl"
-    else:  # one row, pretty-printed
-        hint = "write each row as one line: jq -c . F > F.jsonl"
     raise BadInputError(f"{path}: is one JSON object over several lines, not JSON Lines (one row object a line)",
-                        hint=hint)
+                        hint=_rows_under_a_key(value) or "write each row as one line: jq -c . F > F.jsonl")
+
+
+def _rows_under_a_key(value) -> str | None:
+    """The hint for an object that is no row but holds the rows as a list under a key ({"rows": [...]}), else None."""
+    if not isinstance(value, dict) or any(k in value for k in ("prompt", "messages", "question", "problem")):
+        return None
+    lists = [k for k, v in value.items() if isinstance(v, list)]
+    return f"its rows are a list under a key: write one a line, jq -c '.{lists[0]}[]' F > F.jsonl" if lists else None
 
 
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"))
@@ -275,7 +278,8 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     raise BadInputError(
         f"{where}: row has neither `prompt` nor `messages` ("
         + (f"{' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null; " if nulls else "") + f"keys: {keys})",
-        hint="each row needs `prompt` (text) or `messages` (chat list); GSM8K `question` and MATH `problem` also work",
+        hint=_rows_under_a_key(raw)
+        or "each row needs `prompt` (text) or `messages` (chat list); GSM8K `question` and MATH `problem` also work",
     )
 
 

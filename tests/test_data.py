@@ -401,6 +401,10 @@ def test_a_file_of_one_json_value_over_several_lines_is_named_so_not_invalid_jso
     with pytest.raises(BadInputError) as e:  # the hint was jq -c ., a one-line file of no row
         load_prompts(path)
     assert "jq -c '.rows[]' F > F.jsonl" in e.value.hint
+    path.write_text(json.dumps({"rows": [value] if isinstance(value, dict) else value}))  # on one line: "keys: rows"
+    with pytest.raises(BadInputError, match="neither `prompt` nor `messages`") as e:
+        load_prompts(path)
+    assert "jq -c '.rows[]' F > F.jsonl" in e.value.hint
 
 
 def test_a_null_prompt_or_messages_is_named_null_not_listed_as_present(tmp_path):
