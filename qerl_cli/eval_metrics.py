@@ -180,9 +180,11 @@ def compare_table(eval_dirs: Sequence[Path]):
             for d, m in runs[1:]])
         notes.append("paired: the difference in points over the same problems, and a two-sided p-value: "
                      "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
+    scored = sorted({k for _, m in runs for k in m.get("scored_with") or ("gsm8k", "math")})
     if len({m.get("scorer") for _, m in runs}) > 1:
         notes.append("warning: the runs were scored by different rules (--scorer)")
-    elif len({json.dumps(m.get("scorer_version"), sort_keys=True) for _, m in runs}) > 1:
+    elif len({json.dumps({k: (m.get("scorer_version") or {}).get(k) for k in scored}, sort_keys=True)
+              for _, m in runs}) > 1:  # the rules the runs scored with ("scored_with"): another one's version is moot
         notes.append("warning: the runs were scored by different versions of the answer rules (a qerl upgrade); "
                      "rerun each eval command to score its samples again with today's")
     settings = [_generation_settings(d, m) for d, m in runs]

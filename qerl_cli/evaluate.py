@@ -326,7 +326,9 @@ def _rescores(cfg: EvalConfig, manifest: dict, metrics: dict) -> bool:
     none before 2026-11-27) are not today's, so "already done" would print the old rule's score. Its samples.jsonl
     holds every completion, so it is resumed as a run that kept every problem: no model, no generation, and its
     output is replaced whole, as any finished run's (a stop midway leaves the old one)."""
-    if metrics.get("scorer_version") == RULE_VERSION:
+    old = metrics.get("scorer_version") or {}
+    # the rules it scored with only ("scored_with": {"gsm8k": 200}): a new math rule leaves a gsm8k eval as it is
+    if all(old.get(kind) == RULE_VERSION.get(kind) for kind in metrics.get("scored_with") or RULE_VERSION):
         return False
     if manifest["config"].get("max_new_tokens") != cfg.max_new_tokens:  # older qerl's default (``default_was``)
         if cfg.progress:  # its samples scored again, the new manifest would say they were generated with today's

@@ -363,6 +363,22 @@ def test_a_finished_eval_of_older_answer_rules_is_scored_again_without_generatin
     assert evaluate(cfg, generate=gen)["already_done"] and not list(tmp_path.glob(".e.*"))
 
 
+def test_only_the_rules_an_eval_scored_with_decide_its_rescoring(model_dir, tmp_path, monkeypatch):
+    # RULE_VERSION was compared whole: a new math rule scored every gsm8k-only eval again
+    import qerl_cli.evaluate as ev
+
+    cfg = _cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", [r for r in ROWS if r["id"] != "half"]))
+    evaluate(cfg, generate=BySeed())
+    assert set(json.loads((cfg.out / "metrics.json").read_text())["scored_with"]) == {"gsm8k"}
+    gen = BySeed()
+    monkeypatch.setattr(ev, "RULE_VERSION", dict(ev.RULE_VERSION, math=ev.RULE_VERSION["math"] + 1))
+    assert evaluate(cfg, generate=gen)["already_done"]
+    monkeypatch.setattr(ev, "RULE_VERSION", dict(ev.RULE_VERSION, gsm8k=ev.RULE_VERSION["gsm8k"] + 1))
+    res = evaluate(cfg, generate=gen)
+    assert not res["already_done"] and gen.asked == []  # scored again, nothing generated
+    assert res["metrics"]["scorer_version"] == ev.RULE_VERSION
+
+
 def test_a_stopped_rescoring_through_a_symlinked_out_is_not_called_complete(two_chunks, tmp_path, monkeypatch):
     # A finished eval found "already done" is recorded complete by its resolved path (StageOutput follows a symlinked
     # --out); the rescoring forgot it by --out as given, the link: stopped midway, the stop line still said "TARGET is
