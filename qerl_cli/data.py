@@ -154,11 +154,17 @@ def _refuse_one_json_value(path: Path, text: str) -> None:
                         hint=_rows_under_a_key(value) or "write each row as one line: jq -c . F > F.jsonl")
 
 
+_ROW_KEYS = ("prompt", "messages", "question", "problem")
+
+
 def _rows_under_a_key(value) -> str | None:
-    """The hint for an object that is no row but holds the rows as a list under a key ({"rows": [...]}), else None."""
-    if not isinstance(value, dict) or any(k in value for k in ("prompt", "messages", "question", "problem")):
+    """The hint for an object that is no row but holds the rows as a list under a key ({"rows": [...]}), else None.
+    Rows are objects with a row key: any list was taken, and a ShareGPT row's `conversations` (turns), a `tags`
+    column or a list of strings was called the rows (parse_row asks this of every row that has no prompt)."""
+    if not isinstance(value, dict) or any(k in value for k in _ROW_KEYS):
         return None
-    lists = [k for k, v in value.items() if isinstance(v, list)]
+    lists = [k for k, v in value.items()
+             if isinstance(v, list) and any(isinstance(r, dict) and any(f in r for f in _ROW_KEYS) for r in v)]
     return f"its rows are a list under a key: write one a line, jq -c '.{lists[0]}[]' F > F.jsonl" if lists else None
 
 
@@ -274,7 +280,7 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
             return PromptRow(str(rid), prompt=raw[key], answer=answer, where=where)
     keys = ", ".join(sorted(map(str, raw))) or "none"
     # A Parquet column (or a JSON key) that is there but null: "keys: answer, prompt" said the row had a prompt.
-    nulls = [f"`{k}`" for k in ("prompt", "messages", "question", "problem") if k in raw and raw[k] is None]
+    nulls = [f"`{k}`" for k in _ROW_KEYS if k in raw and raw[k] is None]
     raise BadInputError(
         f"{where}: row has neither `prompt` nor `messages` ("
         + (f"{' and '.join(nulls)} {'is' if len(nulls) == 1 else 'are'} null; " if nulls else "") + f"keys: {keys})",

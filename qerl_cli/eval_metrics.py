@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from qerl_cli.answers import ANSWER_KINDS
 from qerl_cli.errors import BadInputError
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -129,6 +130,14 @@ def _fmt_score(entry: dict | None) -> str:
     return f"{100 * entry['value']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def rules_used(metrics: dict) -> set[str]:
+    """The answer rules whose versions decide a finished eval's verdicts: those it scored with (``scored_with``), and
+    under ``--scorer auto`` gsm8k too, which reads each reference to choose its problem's rule (gsm8k 4 moved "~18"
+    to math: an eval that scored with math alone may score otherwise under a new gsm8k rule); none recorded: all."""
+    used = set(metrics.get("scored_with") or ANSWER_KINDS)
+    return used | {"gsm8k"} if metrics.get("scorer", "auto") == "auto" else used
+
+
 def compare_table(eval_dirs: Sequence[Path]):
     """A rich Table with one column per run: scores with 95% CI, counts, lengths, time.
 
@@ -180,7 +189,7 @@ def compare_table(eval_dirs: Sequence[Path]):
             for d, m in runs[1:]])
         notes.append("paired: the difference in points over the same problems, and a two-sided p-value: "
                      "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
-    scored = sorted({k for _, m in runs for k in m.get("scored_with") or ("gsm8k", "math")})
+    scored = sorted({k for _, m in runs for k in rules_used(m)})
     if len({m.get("scorer") for _, m in runs}) > 1:
         notes.append("warning: the runs were scored by different rules (--scorer)")
     elif len({json.dumps({k: (m.get("scorer_version") or {}).get(k) for k in scored}, sort_keys=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 from qerl_cli.answers import RULE_VERSION
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
-from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, score_block
+from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput, WriterLock, crash_point, forget_completed, sweep_leftover_partial
 from qerl_cli.runtime import as_many, check_field_types
@@ -327,8 +327,9 @@ def _rescores(cfg: EvalConfig, manifest: dict, metrics: dict) -> bool:
     holds every completion, so it is resumed as a run that kept every problem: no model, no generation, and its
     output is replaced whole, as any finished run's (a stop midway leaves the old one)."""
     old = metrics.get("scorer_version") or {}
-    # the rules it scored with only ("scored_with": {"gsm8k": 200}): a new math rule leaves a gsm8k eval as it is
-    if all(old.get(kind) == RULE_VERSION.get(kind) for kind in metrics.get("scored_with") or RULE_VERSION):
+    # the rules it scored with only ("scored_with": {"gsm8k": 200}), and under --scorer auto the gsm8k rule that chose
+    # them (rules_used): a new math rule leaves a gsm8k eval as it is
+    if all(old.get(kind) == RULE_VERSION.get(kind) for kind in rules_used(metrics)):
         return False
     if manifest["config"].get("max_new_tokens") != cfg.max_new_tokens:  # older qerl's default (``default_was``)
         if cfg.progress:  # its samples scored again, the new manifest would say they were generated with today's

@@ -646,7 +646,9 @@ def test_an_adapter_dir_given_as_the_model_is_named_so(p, tmp_path):
     nothing_written(tmp_path)
     # without --max-new-tokens eval reads config.json first, as the other stages do: that said only "not found"
     for args in ([a for a in eval_args(p["a1"], p["prompts"], tmp_path / "out") if a not in ("--max-new-tokens", 3)],
-                 rollout_args(p["a1"], p["prompts"], tmp_path / "out"), train_args(p["a1"], p["sh0"], tmp_path / "out")):
+                 rollout_args(p["a1"], p["prompts"], tmp_path / "out"), train_args(p["a1"], p["sh0"], tmp_path / "out"),
+                 quantize_args(p["a1"], tmp_path / "out"), merge_args(p["a1"], p["a1"], tmp_path / "out")):
+        # quantize and merge read the model as a source (open_source): that said only "no config.json"
         assert_one_line_error(invoke(args), 2, "adapter_config.json", "pass it as --adapter")
         nothing_written(tmp_path)
 

@@ -407,6 +407,22 @@ def test_a_file_of_one_json_value_over_several_lines_is_named_so_not_invalid_jso
     assert "jq -c '.rows[]' F > F.jsonl" in e.value.hint
 
 
+@pytest.mark.parametrize("row", [
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},  # ShareGPT
+    {"text": "2+2?", "tags": ["easy"]},
+    {"rows": ["2+2?", "3+3?"]},
+])
+def test_a_row_with_a_list_column_is_not_called_rows_under_a_key(tmp_path, row):
+    # the jq hint took any list-valued key for the rows: a ShareGPT row was told jq -c '.conversations[]' (its turns)
+    path = tmp_path / "d.jsonl"
+    path.write_text(f"{json.dumps(row)}\n{json.dumps(row)}\n")
+    for text in (path.read_text(), json.dumps(row, indent=2)):  # a row a line, and one row pretty-printed
+        path.write_text(text)
+        with pytest.raises(BadInputError) as e:
+            load_prompts(path)
+        assert "under a key" not in e.value.hint
+
+
 def test_a_null_prompt_or_messages_is_named_null_not_listed_as_present(tmp_path):
     # s54: a Parquet row with a null in its `prompt` column said "row has neither `prompt` nor `messages` (keys:
     # answer, prompt)", naming the column it claimed was missing as present.

@@ -298,3 +298,18 @@ def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_pat
     console = Console(record=True, width=300)
     console.print(compare_table([a, b]))
     assert "answer rules" not in " ".join(console.export_text().split())
+    for run in (a, b):  # both scored with math alone under --scorer auto: the gsm8k rule chose math for each problem
+        m = json.loads((run / "metrics.json").read_text())
+        m["scorer"], m["scored_with"] = "auto", {"math": 10}
+        m["scorer_version"] = dict(RULE_VERSION, gsm8k=RULE_VERSION["gsm8k"] + (run == a))
+        (run / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=300)
+    console.print(compare_table([a, b]))
+    assert "different versions of the answer rules" in " ".join(console.export_text().split())
+    for run in (a, b):  # --scorer math reads no reference with the gsm8k rule
+        m = json.loads((run / "metrics.json").read_text())
+        m["scorer"] = "math"
+        (run / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=300)
+    console.print(compare_table([a, b]))
+    assert "answer rules" not in " ".join(console.export_text().split())

@@ -379,6 +379,22 @@ def test_only_the_rules_an_eval_scored_with_decide_its_rescoring(model_dir, tmp_
     assert res["metrics"]["scorer_version"] == ev.RULE_VERSION
 
 
+def test_the_gsm8k_rule_decides_every_auto_evals_rescoring(model_dir, tmp_path, monkeypatch):
+    # --scorer auto reads each reference with the gsm8k rule to choose its problem's rule (gsm8k 4 moved "~18" to
+    # math): a new gsm8k rule left an eval that scored with math alone "already done" with the old verdicts
+    import qerl_cli.evaluate as ev
+
+    data = _jsonl(tmp_path / "d.jsonl", [r for r in ROWS if r["id"] == "half"])
+    auto, forced = _cfg(model_dir, tmp_path, data), _cfg(model_dir, tmp_path, data, name="m", scorer="math")
+    for cfg in (auto, forced):
+        evaluate(cfg, generate=BySeed())
+        assert json.loads((cfg.out / "metrics.json").read_text())["scored_with"] == {"math": 1}
+    monkeypatch.setattr(ev, "RULE_VERSION", dict(ev.RULE_VERSION, gsm8k=ev.RULE_VERSION["gsm8k"] + 1))
+    gen = BySeed()
+    assert not evaluate(auto, generate=gen)["already_done"] and gen.asked == []  # scored again, nothing generated
+    assert evaluate(forced, generate=gen)["already_done"]  # --scorer math reads no reference with gsm8k
+
+
 def test_a_stopped_rescoring_through_a_symlinked_out_is_not_called_complete(two_chunks, tmp_path, monkeypatch):
     # A finished eval found "already done" is recorded complete by its resolved path (StageOutput follows a symlinked
     # --out); the rescoring forgot it by --out as given, the link: stopped midway, the stop line still said "TARGET is

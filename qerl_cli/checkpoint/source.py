@@ -62,8 +62,10 @@ def open_source(src: Path) -> SourceModel:
     if not src.is_dir():
         raise BadInputError(f"source {src} is not a directory (expected a Hugging Face model directory)")
     cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise BadInputError(f"source {src} is not a model directory: no config.json")
+    if not cfg_path.is_file():  # quantize's source, merge's --model: an adapter there is named so, as in every stage
+        from qerl_cli.models.config import adapter_as_model_hint
+
+        raise BadInputError(f"source {src} is not a model directory: no config.json", hint=adapter_as_model_hint(src))
     config = read_json(cfg_path, "config.json")
 
     index_path = src / INDEX_NAME
