@@ -22,6 +22,13 @@ RECIPES = ROOT / "recipes"
 CONFIGS = sorted((RECIPES / "configs").glob("*.env"))
 
 
+def _qwen_cfg(tmp_path: Path, settings: str) -> Path:
+    """tmp_path/c.env: the Qwen2.5-7B config with ``settings`` appended."""
+    cfg = tmp_path / "c.env"
+    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + settings)
+    return cfg
+
+
 def _recorder(tmp_path: Path, name: str, body: str) -> Path:
     p = tmp_path / name
     p.write_text("#!/usr/bin/env bash\n" + body)
@@ -67,8 +74,7 @@ def _jobs(log):
 
 def test_slurm_submit_chains_jobs_by_dependency(tmp_path):
     sbatch, log = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\nROLLOUT_SHARDS=4\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=3\nROLLOUT_SHARDS=4\n")
     env = {**os.environ, "SBATCH": str(sbatch), "PARTITION": "gpu"}
     out = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
                          capture_output=True, text=True, env=env, check=True).stdout
@@ -123,8 +129,7 @@ def test_a_refused_sbatch_cancels_the_jobs_the_chain_submitted_before_it(tmp_pat
                                   f'exit 1; }}; exec {real} "$@"\n')
     cancelled = tmp_path / "scancel.log"
     scancel = _recorder(tmp_path, "scancel", f'echo "$*" >> {cancelled}\n' + ("" if scancel_works else "exit 1\n"))
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=3\n")
     env = {**os.environ, "SBATCH": str(sbatch), "SCANCEL": str(scancel)}
     r = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
                        capture_output=True, text=True, env=env)
@@ -136,8 +141,7 @@ def test_a_refused_sbatch_cancels_the_jobs_the_chain_submitted_before_it(tmp_pat
 def test_slurm_jobs_take_cores_and_memory_from_the_settings(tmp_path):
     # clusters default to one core and little memory a job; only EXTRA_SBATCH_ARGS could raise them
     sbatch, log = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=1\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\n")
     env = {**os.environ, "SBATCH": str(sbatch), "JOB_CPUS": "8", "JOB_MEM": "64G"}
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")], env=env,
                    check=True, capture_output=True)
@@ -153,8 +157,7 @@ def test_slurm_jobs_take_cores_and_memory_from_the_settings(tmp_path):
 def test_slurm_evals_run_beside_the_chain(tmp_path):
     # EVAL_EVERY was ignored under Slurm and the base eval ran in the final job, on the critical path.
     sbatch, log = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_EVERY=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_EVERY=2\n")
     run = tmp_path / "run"
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True,
                    capture_output=True, env={**os.environ, "SBATCH": str(sbatch)})
@@ -183,8 +186,7 @@ def test_slurm_evals_run_beside_the_chain(tmp_path):
 def _stage(tmp_path, stage, step, extra=""):
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$*" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + f"\nWARMUP_STEPS=0\nSTEPS=5\nROLLOUT_SHARDS=2\n{extra}\n")
+    cfg = _qwen_cfg(tmp_path, f"\nWARMUP_STEPS=0\nSTEPS=5\nROLLOUT_SHARDS=2\n{extra}\n")
     env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "1"}
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(tmp_path / "run"), str(step)],
                    env=env, check=True)
@@ -200,8 +202,7 @@ def test_slurm_stages_share_compiled_kernels_through_the_run_dir(tmp_path, prese
         monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     log = tmp_path / "env.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$TRITON_CACHE_DIR" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\n")
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "1"],
                    env={**os.environ, "QERL": str(qerl)}, check=True)
     assert log.read_text().strip() == (preset or f"{tmp_path / 'run'}/.triton-cache")
@@ -229,8 +230,7 @@ def test_multi_gpu_training_with_qerl_as_a_python_module_runs_a_bare_torchrun(tm
     # dropped for the wrapper
     log = tmp_path / "torchrun.log"
     _recorder(tmp_path, "torchrun", f'echo "$*" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=2\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
     env.update(QERL="python -m qerl_cli", PATH=f"{tmp_path}:{os.environ['PATH']}")
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
@@ -243,8 +243,7 @@ def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torc
     # TRAIN_GPUS > 1 ran a bare `torchrun -m qerl_cli`, outside QERL's container (docs audit, session 44)
     log = tmp_path / "wrapper.log"
     wrapper = _recorder(tmp_path, "wrap", f'echo "$*" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=4\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=4\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
     env["QERL"] = f"{wrapper} exec --nv img.sif qerl"
     if torchrun:
@@ -268,8 +267,7 @@ def test_multi_gpu_training_takes_the_torchrun_beside_an_absolute_qerl(tmp_path,
     if beside:
         (venv / "torchrun").write_text(f'#!/bin/sh\necho "VENV $*" >> {log}\n')
         (venv / "torchrun").chmod(0o755)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=2\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
     env.update(QERL=str(venv / "qerl"), PATH=f"{tmp_path}:{os.environ['PATH']}")
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
@@ -352,8 +350,7 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     # but for where the shards go.
     extra = ("WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_MAX_PROBLEMS=9\nCHAT_TEMPLATE_FILE=/t/chat.jinja\nMERGE_DTYPE=nvfp4\n"
              "DTYPE=bf16\nRUN_SEED=5\nEVAL_DATASET=t.jsonl\nCHAT_TEMPLATE_KWARGS='{\"enable_thinking\": false}'\n")
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + extra)
+    cfg = _qwen_cfg(tmp_path, extra)
     run = tmp_path / "run"
     qerl, log = _argv_recorder(tmp_path)
     env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
@@ -392,8 +389,7 @@ def test_a_run_dir_moves_between_grpo_sh_and_a_one_task_chain(tmp_path, begun_by
     # step's rollout under the other name (hours of GPU on a large model; a review, 2026-11-27). One task's shard is
     # the same rollout (shard 0 of 1), so the step goes on in the directory it has, finished or under way.
     qerl, log = _argv_recorder(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
     run = tmp_path / "run dir"
     own, other = ("shards", "shards-0") if begun_by == "grpo.sh" else ("shards-0", "shards")
     (run / "step-000000" / own).mkdir(parents=True)  # step 0 finished, step 1's rollout under way
@@ -488,8 +484,7 @@ def _on_step_0_holding(tmp_path, script, dirs, settings):
     (the run, qerl's argv log, sbatch's log, the run dir)."""
     qerl, log = _argv_recorder(tmp_path)
     sbatch, sbatch_log = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + f"\nWARMUP_STEPS=0\n{settings}\n")
+    cfg = _qwen_cfg(tmp_path, f"\nWARMUP_STEPS=0\n{settings}\n")
     run = tmp_path / "run"
     for d in dirs:
         (run / "step-000000" / d).mkdir(parents=True)
@@ -533,8 +528,7 @@ def test_grpo_sh_refuses_a_chains_shard_0_of_several_alone(tmp_path, where):
     # A chain of 2 tasks whose task 1 failed or was cancelled before it wrote leaves shard 0 of 2 alone: grpo.sh took
     # it for a one-task chain's shard, and its rollout into it refused (exit 4: "holds shard 0 of 2"); FORCE=1 deleted it.
     qerl, log = _argv_recorder(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\n")
     run = tmp_path / "run"
     (run / "step-000000" / where).mkdir(parents=True)
     (run / "step-000000" / where / "shard-00000-of-00002.jsonl").write_text("{}\n")
@@ -553,8 +547,7 @@ def test_a_run_dir_named_with_glob_characters_is_read_as_it_is(tmp_path):
     # The step directories were looked up with `compgen -G "$RUN_DIR/..."`: "run[1]" read as a pattern matched the
     # sibling run1 (a chain's several shards: refused) and missed its own one-task chain's shards-0 (rolled out again).
     qerl, log = _argv_recorder(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
     (tmp_path / "run1" / "step-000000" / "shards-1").mkdir(parents=True)
     run = tmp_path / "run[1]"
     (run / "step-000000" / "shards-0").mkdir(parents=True)
@@ -568,8 +561,7 @@ def test_a_run_dir_named_with_glob_characters_is_read_as_it_is(tmp_path):
 def test_grpo_loop_runs_the_stages_in_order_and_reruns_them(tmp_path):
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$1" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=t.jsonl\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=t.jsonl\n")
     env = {**os.environ, "QERL": str(qerl)}
     subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
                    capture_output=True)
@@ -722,8 +714,7 @@ def test_live_slurm_runs_the_chain_in_dependency_order(tmp_path, live_slurm):
     log = tmp_path / "qerl.log"
     # Each fake stage records itself and sleeps a little, so a missing dependency shows as disorder.
     qerl = _recorder(tmp_path, "qerl", f'sleep 0.3; echo "$1 $SLURM_ARRAY_TASK_ID" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\nROLLOUT_SHARDS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nROLLOUT_SHARDS=2\n")
     env = {**live_slurm, "QERL": str(qerl), "GPU_GRES": ""}
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "run")],
                    env=env, check=True, capture_output=True, cwd=tmp_path)
@@ -751,8 +742,7 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
     body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
             'if [ "$1" = merge ] && [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
     qerl = _recorder(tmp_path, "qerl", body)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\n")
     env = {**os.environ, "QERL": str(qerl)}
     run = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
                          capture_output=True, text=True)
@@ -769,8 +759,7 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
 def _submit_7b_chain(tmp_path, **env):
     """submit.sh on the 7B config (3 steps) through a fake sbatch, with ``env`` in its environment."""
     sbatch, _ = _fake_sbatch(tmp_path)
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=3\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=3\n")
     run = tmp_path / "run"
     subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], check=True, capture_output=True,
                    env={**os.environ, "SBATCH": str(sbatch), **env})
@@ -1000,8 +989,7 @@ def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig):
     # A stand-in stage records the signal it gets and exits as qerl does (143 / 130); the script waits for
     # it, ends as killed by the signal (a shell's $?: 143 / 130, the stage's status) and starts no other stage.
     qerl, log = _signal_recorder(tmp_path, 100, ' ${QERL_STOP_WITH_PARENT:-unset}')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\n")
     rc = _signal_once_started(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")],
                               {**os.environ, "QERL": str(qerl)}, log, sig, polls=100, timeout=10)
     assert rc == -sig
@@ -1013,8 +1001,7 @@ def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig):
 
 
 def _grpo_cfg(tmp_path):
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=2\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\n")
     return cfg
 
 
@@ -1372,8 +1359,7 @@ def test_qerl_may_be_a_wrapper_command(tmp_path):
     # QERL="apptainer exec img.sif qerl" (a container on a cluster) ran as one file name, not found.
     log = tmp_path / "qerl.log"
     qerl = _recorder(tmp_path, "qerl", f'echo "$WRAPPED $1" >> {log}\n')
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\n")
     env = {**os.environ, "QERL": f"env WRAPPED=yes {qerl}"}
     subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
                    capture_output=True)
@@ -1706,8 +1692,7 @@ def test_a_shell_function_runs_through_qerl_run_forwarding(tmp_path, tool):
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
     assert r.stdout == "f ran: a b c\nrc=3\n", r.stderr
     log = tmp_path / "qerl.log"
-    cfg = tmp_path / "c.env"
-    cfg.write_text((RECIPES / "configs" / "qwen2.5-7b-instruct.env").read_text() + "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\n")
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\n")
     subprocess.run(["bash", "-c", f'myqerl() {{ echo "fn $1" >> {log}; }}; export -f myqerl; '
                     f'bash {RECIPES / "grpo.sh"} {cfg} {tmp_path / "run"}'], env={**os.environ, "QERL": "myqerl"},
                    check=True, capture_output=True)
