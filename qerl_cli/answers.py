@@ -16,17 +16,19 @@ that takes "the last number in the text" rewards rambling that ends on the right
   else a numbered heading's number ("#### 1. Understand the problem" is 1 only where nothing else gives an answer;
   "#### 18. She makes $18" says its number twice and is 18), which must each *be* a number (words allowed):
   ``\\boxed{2\\sqrt{2}}``, ``\\boxed{2^{10}}`` and ``2x`` do not pass for 2, a reward-hacking
-  door otherwise. Numbers are normalised (``$``, thousands commas in groups of three, units,
-  ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus) and compared as
-  exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
+  door otherwise. Numbers are normalised (``$`` and other currency signs as it, ``€18``, ``18€``, ``£18``, thousands
+  commas in groups of three, units, ``%``, degrees, trailing ``.0``, ``\\frac`` incl. mixed and nested, unicode minus)
+  and compared as exact fractions, so ``0.5 == 1/2`` and ``1,000 == 1000.00``; over 100 digits is no answer. A ``####``
   line's number that an operand or another number follows (``10 - 2``, ``1 000 000``, ``3:30``), a number with a
-  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``, ``>= 5``, ``~5``), an operator
-  in words (``5 times 2``, ``5 plus 2``), a hedge (``72 or 73``, ``72 or
+  word that changes or denies it (``2 dozen``, ``minus 5``, ``not 5``, ``at least 5``, ``>= 5``, ``~5``), an
+  approximation or a bound on either side of it (``about 5``, ``over 5``, ``5 at most``, ``5 (approximately)``), an
+  operator in words (``5 times 2``, ``5 plus 2``), a hedge (``72 or 73``, ``72 or
   so``, ``72 apples or 73 apples``; not the number restated, ``72 (or 72.0)``, nor the same quantity in another unit,
   ``90 (or 1.5 hours)``, ``3 hours (180 minutes)``, ``90 minutes (1 hour 30 minutes)``), a range or a second number
   (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``, nor a
-  number of another thing after "and", ``18 dollars and 9 eggs sold``) and a hedge
-  across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
+  number of another thing after "and", ``18 dollars and 9 eggs sold``), a hedge
+  across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) and two different boxes listed by "and" or a
+  comma (``\\boxed{72} and \\boxed{73}``, ``\\boxed{72}, \\boxed{73}``: gsm8k's reference is one number) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Last of all, a plain-prose answer statement, an instruct model's default without a "####"/box instruction:
   the last sentence that starts with the answer phrase ("The answer is 72.", "**Final Answer:** 72", "Therefore, the
   final answer is: $72", a "So"/"No," lead allowed) and gives the number right after it, read as a ``####`` line's
@@ -71,8 +73,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # (no generation) rather than print the old rule's score as "already done". tests/test_rewards.py pins each version's
 # readings of a few completions. gsm8k 2 (2026-11-27): a quantity restated in another unit is one answer, a rounding
 # note no range (4c76a7a), "18 dollars and 9 eggs sold" is 18; gsm8k 3: "The answer is 18." is 18; gsm8k 4: ">= 18",
-# "~18", "18 times 2" are no answer, a statement is read to its sentence's end and not after a run-on's "Problem:".
-RULE_VERSION = {"gsm8k": 4, "math": 1}
+# "~18", "18 times 2" are no answer, a statement is read to its sentence's end and not after a run-on's "Problem:";
+# gsm8k 5: "about 18", "18 at most", "18 (approximately)" and "\boxed{5} and \boxed{7}" are no answer, "€18" is 18.
+RULE_VERSION = {"gsm8k": 5, "math": 1}
 
 
 # ---- a prompt that opens <think> ----------------------------------------------------------------
@@ -152,14 +155,26 @@ def last_boxed(text: str) -> str | None:
 _BOX_HEDGE = re.compile(r"[ \t$.,;:)\]*]*(?:and/)?or\b(?!\s+rather\b)[^\n]{0,40}", re.IGNORECASE)
 
 
-def final_box(text: str, same: Callable[[str, str], bool]) -> str | None:
+# What between two boxes lists them as two answers: "\boxed{5} and \boxed{7}", "$\boxed{5}$, $\boxed{7}$",
+# "\[\boxed{5}\]\nand\n\[\boxed{7}\]". A gsm8k reference is one number: the last of two answers read as the answer
+# rewarded whichever the model listed second (7 here). Words around the "and", as around a hedge's "or", leave the last
+# box the answer: an intermediate boxed on the way ("\boxed{5} left, and the total is \boxed{7}"), or one quantity in
+# two units ("\boxed{90} minutes and \boxed{1.5} hours"); a new line alone is a correction.
+_BOX_LIST = re.compile(r"[\s$)\]*\\]*(?:,(?:\s*and\b)?|and\b|\\text\{\s*and\s*\})[\s$(\[*\\]*", re.IGNORECASE)
+
+
+def final_box(text: str, same: Callable[[str, str], bool], lists: bool = False) -> str | None:
     """last_boxed, unless the box before it was offered as the other answer of a hedge ("\\boxed{72} or
-    \\boxed{73}") and is not ``same`` as it ("\\boxed{72} or \\boxed{72.0}" still answers 72): then None."""
+    \\boxed{73}"), or with ``lists`` listed beside it ("\\boxed{5} and \\boxed{7}": gsm8k's one-number answers), and
+    is not ``same`` as it ("\\boxed{72} or \\boxed{72.0}" still answers 72): then None."""
     boxes = _boxes_from_last(text)
     last, before = next(boxes, None), next(boxes, None)
     if last is None:
         return None
-    if before is not None and _BOX_HEDGE.fullmatch(text, before[2], last[1]) and not same(before[0], last[0]):
+    if before is None:
+        return last[0]
+    hedged = _BOX_HEDGE.fullmatch(text, before[2], last[1]) or (lists and _BOX_LIST.fullmatch(text, before[2], last[1]))
+    if hedged and not same(before[0], last[0]):
         return None
     return last[0]
 
@@ -190,6 +205,10 @@ _TEX_SPACE = re.compile(r"\\(?:[ ;:>]|q?quad\b)|~")
 # "about 18", "\approx 18" and "\sim 18" are no answer (a review). Made a "\u2248", which no rule reads as a word.
 _APPROX_TILDE = re.compile(r"(?:^|(?<=\s))~(?=[ \t]*[-$.\d])")
 _TEX_MATH_DELIM = re.compile(r"\\[()\[\]]")
+# Currency signs other than "$", read as "$" is: "#### €18", "£18", "18€", "\boxed{¥18}" were no answer (a
+# word-less sign before the number, a glued one after it), where "$18" was 18 (a review). "¢" is "cents", as the word.
+_CURRENCY = re.compile(r"[\u00a2\u00a3\u00a5\u20a9\u20ac\u20b1\u20b9\u20bd]|\\(?:euro|pounds|textsterling|yen)(?![A-Za-z])"
+                       r"|(?<![A-Za-z])Rs\.?(?=[ \t]*\d)")  # "Rs.150": the "." glued to the number hid it
 _TEX_STYLE = re.compile(r"\\(?:display|text|script)style\b")
 _BRACED_NUMBER = re.compile(r"\{\s*(-?[\d.,]+)\s*\}")
 _WORD_GAP = re.compile(r"[\s,;:]+")
@@ -221,6 +240,16 @@ _CHANGES_BEFORE = frozenset("negative minus not no half".split())
 # Bounds right before the number: "more than 72", "at least 72" are no answer. Not before a label's colon: "#### She
 # spent the most: $72" is 72 (a review: it read as a bound, no answer).
 _BOUNDS_BEFORE = frozenset("than least most".split())
+# An approximation or a bound right before the number: "#### about 18", "approximately 18", "over 18", "up to 18" read
+# as 18, where "~18", "\approx 18" and "at least 18" were no answer (a review). Checked as the bounds above are.
+_APPROX_BEFORE = frozenset("about approximately approx around roughly nearly almost circa over under above below".split())
+_BOUNDED_BEFORE = _BOUNDS_BEFORE | _APPROX_BEFORE
+# ... and right after it (or after its unit word): "#### 18 at most", "#### 18 (approximately)", "#### 18 dollars
+# maximum" read as 18, where "at most 18" was no answer. Not one that a number follows: "#### 18 (approximately 17.6
+# unrounded)" notes another value, as "18 (or 18.0)" restates one.
+# ("max" in lower case only: "#### 18 Max's toys" names Max; no "tops": "#### 18 tops" may count spinning tops.)
+_BOUND_AFTER = re.compile(r"[\s,;(*]*(?:at\s+(?:the\s+)?(?:most|least)|approx(?:imately)?|roughly|(?-i:max)|maximum"
+                          r"|minimum|give\s+or\s+take)\b(?!\.?[\s(*]*[-.]?\d)", re.IGNORECASE)
 _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
     trillion trillions squared cubed""".split())
 
@@ -341,6 +370,8 @@ def _second_answer(rest: str, number: str) -> bool:
             return not _restates(tail, hedge.end(), number, word)
         if _RANGE.match(tail):
             return word is None or not _counts_another_thing(tail, word)
+        if _BOUND_AFTER.match(tail):  # "18 at most", "18 (approximately)", "18 dollars maximum": a bound, no answer
+            return True
     kind = _unit(unit.group(1)) if unit else None
     if kind is None:
         return False
@@ -383,6 +414,7 @@ def _clean_number_text(s: str, strip_plus: bool = True) -> str:
     s = s.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "")
     s = re.sub(r"(?<=\d)\\,(?=\d)", ",", s).replace("\\,", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "$").replace("\\%", "%")
+    s = _CURRENCY.sub("$", s)  # before the "~": "~€18" is "about 18" as "~$18" is
     s = _TEX_MATH_DELIM.sub(" ", s)  # inline/display math \(72\), \[72\]: as $72$
     s = _APPROX_TILDE.sub("\u2248", s)  # "is ~18": "about 18", no TeX tie (a tie is glued: "18~km", "is~18")
     s = _TEX_SPACE.sub(" ", _TEX_STYLE.sub(" ", s))
@@ -500,13 +532,15 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
     # the word right before the number and the one right after it: a word further away belongs to the sentence
     # ("After giving away half, she has 36 marbles", "There are no cookies left, so 0", "24 eggs, two dozen")
     # ("**" is no word: "at least **72**", "**72** dozen" read as 72)
-    before = [w for w in _WORD_GAP.split(s[: m.start()].replace("*", " ")) if w][-1:]
+    before_two = [w.lower() for w in _WORD_GAP.split(s[: m.start()].replace("*", " ")) if w][-2:]  # "up to 18"
+    before = before_two[-1:]
     after = _WORD_GAP.split(rest.replace("*", " ").strip(), maxsplit=1)[:1]
-    if (_CHANGES_BEFORE.intersection(w.lower() for w in before)
+    if (_CHANGES_BEFORE.intersection(before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
-    if _BOUNDS_BEFORE.intersection(w.lower() for w in before) and not s[: m.start()].rstrip(" \t*").endswith(":"):
-        return None  # "more than 72", "at least 72": a bound, not the answer ("the most: 72" is a label)
+    bounded = _BOUNDED_BEFORE.intersection(before) or before_two == ["up", "to"]
+    if bounded and not s[: m.start()].rstrip(" \t*").endswith(":"):
+        return None  # "more than 72", "at least 72", "about 72": a bound, not the answer ("the most: 72" is a label)
     if _second_answer(rest, m.group(0)):
         return None  # "72 or 73", "72, or so", "72 (or 73)", "72 to 73", "3 hours 30 minutes": no answer (read as 72, 3)
     if whole:
@@ -614,7 +648,7 @@ def _box_below(text: str, start: int, bound: int) -> str | None:
     """The number of a box on the next line with content after ``start`` ("#### Final Answer\n2 hours\n\\boxed{120}":
     the answer in the form the question asked for, 120 minutes; the line above it read as 2), or None."""
     line = _line_after(text, start, bound)
-    box = None if line is None else final_box(line[0], _same_number)  # "\boxed{72} or \boxed{73}" gives none (read 73)
+    box = None if line is None else final_box(line[0], _same_number, lists=True)  # "\boxed{72} or \boxed{73}": none
     return None if box is None else span_number(box)
 
 
@@ -691,7 +725,8 @@ def _answer_tag(text: str) -> str | None:
 # gives the number right after it. A sentence ends at a stop and a space ("18.5" goes on); one that asks ("Is the
 # answer 18?") states nothing.
 _ANSWER_WORD = re.compile(r"\banswers?\b", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"[.!?]\s+")  # one stop: "[.!?]+" backtracked in O(n^2) on a run of dots
+# one stop: "[.!?]+" backtracked in O(n^2) on a run of dots; "Rs. 1,000" is rupees ("The answer is Rs. 1,000." gave none)
+_SENTENCE_END = re.compile(r"(?<!\bRs)[.!?]\s+")
 # What a statement may say before "answer": an answer line's lead words ("So", "Therefore,", "the final"), not "is" ("Is
 # the answer 18" asks), and a correction's ("No, the answer is 19"; so "No, the answer is not 18" denies the one before),
 # and a summary's ("In conclusion,", "In summary,", "Finally,", "Overall,": no answer until a review; "In the example,
@@ -794,7 +829,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
         lead, words, numbered = _hash_spans(text)
         if lead is not None:
             return lead[1]
-        for find in (lambda t: final_box(t, _same_number), _answer_tag):
+        for find in (lambda t: final_box(t, _same_number, lists=True), _answer_tag):
             span = find(text)
             if span is not None:
                 num = span_number(span, whole=True)

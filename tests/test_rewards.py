@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qerl_cli.answers import _APPROX_BEFORE
 from qerl_cli.errors import BadInputError
 from qerl_cli.rewards import (
     REWARDS,
@@ -1008,6 +1009,66 @@ def test_an_inequality_or_a_tilde_before_the_number_is_no_answer(completion, ans
     assert extract_answer(completion) == answer
 
 
+# ---- session 54's leftovers (s55r03, RULE_VERSION gsm8k 5) ------------------------------------------------------------
+@pytest.mark.parametrize("completion, answer", [
+    ("#### 18 at most", None), ("#### 18 at least", None), ("#### 18 (approximately)", None), ("#### 18 approx.", None),
+    ("#### 18 dollars at the most", None), ("#### 18 maximum", None), ("#### 18 hours max", None), ("#### 18 tops", "18"),
+    ("#### 18 roughly", None), ("#### 18, give or take", None), ("The answer is 18 (approximately).", None),
+    ("\\boxed{18 \\text{ at most}}", None), ("<answer>18 at least</answer>", None),
+    ("#### 18 (approximately 17.6 before rounding)", "18"), ("#### 18 (at most 20 fit)", "18"), ("#### 18 min", "18"),
+    ("#### 18 laps around the track", "18"), ("#### 18 Max's marbles", "18"), ("#### 18 (rounded)", "18"), ("#### 18\nAt most 18 fit, as found.", "18"),
+])
+def test_a_bound_after_the_number_is_no_answer(completion, answer):
+    """"#### 18 at most" and "#### 18 (approximately)" read as 18, where "#### at least 18" and "~18" were no answer:
+    a bounded or hedged answer is none on either side of its number (session 54's leftover). A number after the word
+    ("(approximately 17.6 before rounding)") notes another value; a word further on ("laps around") is no bound."""
+    assert extract_answer(completion) == answer
+
+
+@pytest.mark.parametrize("word", sorted(_APPROX_BEFORE) + ["up to"])
+def test_an_approximation_before_the_number_is_no_answer(word):
+    """"#### about 18" read as 18 (and "\\boxed{\\text{about } 18}", "**Final Answer:** about 18"), where "#### ~18"
+    and "The answer is about 18" were no answer since gsm8k 4 (session 54's leftover). Case aside, each word."""
+    for completion in (f"#### {word} 18", f"#### {word.capitalize()} **18**", f"\\boxed{{\\text{{{word} }} 18}}",
+                       f"**Final Answer:** {word} 18", f"<answer>{word} $18</answer>"):
+        assert extract_answer(completion) is None, completion
+    # the word in the reasoning is none of the answer's business
+    assert extract_answer(f"She walks {word} 3 blocks a day for 6 days: 3 * 6 = 18.\n#### 18") == "18"
+
+
+@pytest.mark.parametrize("completion", [
+    "So \\boxed{5} and \\boxed{7}.", "$\\boxed{5}$, $\\boxed{7}$", "$\\boxed{5}$, and $\\boxed{7}$",
+    "\\[\\boxed{5}\\]\nand\n\\[\\boxed{7}\\]",
+    "\\boxed{5} \\text{ and } \\boxed{7}", "\\(\\boxed{5}\\) AND \\(\\boxed{7}\\)",
+])
+def test_two_boxes_listed_with_and_are_no_gsm8k_answer(completion):
+    """"\\boxed{5} and \\boxed{7}" read as its last box, 7: only "or" between boxes was a hedge. A gsm8k reference is
+    one number, so two listed answers are none, rewarded for whichever came second (session 54's leftover). math keeps
+    the last box (its version unchanged; an answer of two parts is its reference's to hold, "5, 7")."""
+    assert extract_answer(completion) is None and not is_correct(completion, "7")
+    assert extract_answer(completion, "math") == "7"
+    assert extract_answer(f"#### Answer\n5\n{completion}") == "5"  # no box below the heading: its own line stands
+    # the same number twice, a correction on a new line, an intermediate the words after "and" set apart, and (words
+    # before it, as before a hedge's "or") one quantity in two units, the last the unit asked for maybe
+    for one in ("\\boxed{7} and \\boxed{7.0}", "\\boxed{5}\n\\boxed{7}", "\\boxed{5}, \\boxed{7}.\nRechecking: \\boxed{7}",
+                "She keeps \\boxed{5}, and the total is \\boxed{7}.", "$\\boxed{420}$ minutes and $\\boxed{7}$ hours"):
+        assert extract_answer(one) == "7", one
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("#### \u20ac18", "18"), ("#### 18\u20ac", "18"), ("#### \u00a318", "18"), ("#### \u00a518", "18"),
+    ("#### \u20b9 1,500", "1500"), ("#### Rs.150", "150"), ("#### Rs 150", "150"), ("#### \u20ac18.50", "18.5"),
+    ("\\boxed{\\pounds 18}", "18"), ("\\boxed{\\text{\u20ac}18}", "18"), ("\\boxed{\u20ac18}", "18"),
+    ("The answer is \u20ac18.", "18"), ("The answer is Rs. 1,000.", "1000"), ("Therefore, the final answer is: \u00a360", "60"), ("#### 5\u00a2", "5"),
+    ("#### ~\u20ac18", None), ("#### 18,50 \u20ac", None), ("#### \u20ac18 or \u20ac19", None),
+    ("Each costs \u20ac3, about \u20ac4 with tax.\n6 * 3 = 18\n#### 18", "18"),
+])
+def test_a_currency_sign_is_read_as_a_dollar_sign(completion, answer):
+    """"#### €18", "£18", "18€", "\\boxed{¥18}" were no answer (the sign no word before the number, glued after it),
+    where "$18" was 18 (session 54's leftover): each is cleaned off as "$" is, and a "~" before it still hedges."""
+    assert extract_answer(completion) == answer
+
+
 @pytest.mark.parametrize("text", ["the answer is 1 " * 6250, "So " * 30000 + "the answer is 1",
                                   "The answer is " + "\\frac{1}{2}" * 9000, "**Answer:** " * 8000 + "1"],
                          ids=["repeat", "leads", "fracs", "labels"])
@@ -1057,13 +1118,16 @@ RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minute
              "#### She spent the most: $72", "#### at least **72**", "#### Answer\n72\n\\boxed{72} or \\boxed{73}",
              "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$.",
              "#### 18 dollars and 9 eggs sold", "So the final answer is 18.", "#### The answer is >= 72",
-             "The answer is 6 + 12 = 18. So 18 - 3 = 15."]
+             "The answer is 6 + 12 = 18. So 18 - 3 = 15.", "#### 18 at most", "#### about 18", "\\boxed{5} and \\boxed{7}",
+             "#### \u20ac18"]
 RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
-    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None],
-    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None],
-    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15"],
-    ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18"],
-    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None],
+    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None, "18", "18", "7", None],
+    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None, "18", "18", "7", None],
+    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15", "18", "18", "7", None],
+    ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", "18", "18", "7", None],
+    ("gsm8k", 5): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18"],
+    ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None, None, None, "7",
+                  None],
 }
 
 
