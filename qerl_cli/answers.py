@@ -50,7 +50,8 @@ A prompt that ends inside a ``<think>`` it opened (QwQ's and DeepSeek-R1's chat 
 with ``<think>\n``) gets completions without the opening tag: rollout and eval score ``"<think>" + completion``
 (``judged_completion``), so every reward judges the turn the model wrote (a draft answer before a ``</think>`` that
 never came is no answer; ``format`` finds its opening tag). The stored completion is never changed.
-Each kind's verdicts have a version (``RULE_VERSION``): a finished eval scored under another is scored again.
+Each kind's verdicts have a version (``RULE_VERSION``): a finished eval scored under another is scored again, as one
+scored by ``math`` under other versions of the packages its verdicts come from (``rule_packages``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "~18", "18 times 2" are no answer, a statement is read to its sentence's end and not after a run-on's "Problem:";
 # gsm8k 5: "about 18", "18 at most", "18 (approximately)" and "\boxed{5} and \boxed{7}" are no answer, "€18" is 18.
 RULE_VERSION = {"gsm8k": 5, "math": 1}
+# The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
+# release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
+# changes, does not count. Their versions are recorded beside it (metrics.json's ``scorer_packages``).
+MATH_RULE_PACKAGES = ("math-verify", "latex2sympy2_extended", "sympy")
+
+
+def rule_packages() -> dict[str, str | None]:
+    """The installed version of each package the math rule's verdicts come from (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in MATH_RULE_PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 # ---- a prompt that opens <think> ----------------------------------------------------------------

@@ -138,6 +138,16 @@ def rules_used(metrics: dict) -> set[str]:
     return used | {"gsm8k"} if metrics.get("scorer", "auto") == "auto" else used
 
 
+def _rule_versions(m: dict, kinds: Sequence[str]) -> str:
+    """The versions of the answer rules ``kinds`` a run was scored by, as JSON: qerl's (``scorer_version``; another
+    rule's is moot) and, with the math rule among them, the packages its verdicts come from (``scorer_packages``,
+    none recorded before they were: unknown, as a missing ``scorer_version``)."""
+    versions = {k: (m.get("scorer_version") or {}).get(k) for k in kinds}
+    if "math" in kinds:
+        versions["packages"] = m.get("scorer_packages")
+    return json.dumps(versions, sort_keys=True)
+
+
 def compare_table(eval_dirs: Sequence[Path]):
     """A rich Table with one column per run: scores with 95% CI, counts, lengths, time.
 
@@ -192,10 +202,9 @@ def compare_table(eval_dirs: Sequence[Path]):
     scored = sorted({k for _, m in runs for k in rules_used(m)})
     if len({m.get("scorer") for _, m in runs}) > 1:
         notes.append("warning: the runs were scored by different rules (--scorer)")
-    elif len({json.dumps({k: (m.get("scorer_version") or {}).get(k) for k in scored}, sort_keys=True)
-              for _, m in runs}) > 1:  # the rules the runs scored with ("scored_with"): another one's version is moot
-        notes.append("warning: the runs were scored by different versions of the answer rules (a qerl upgrade); "
-                     "rerun each eval command to score its samples again with today's")
+    elif len({_rule_versions(m, scored) for _, m in runs}) > 1:  # the rules the runs scored with ("scored_with")
+        notes.append("warning: the runs were scored by different versions of the answer rules (a qerl, math-verify or "
+                     "sympy upgrade); rerun each eval command to score its samples again with today's")
     settings = [_generation_settings(d, m) for d, m in runs]
     differ = [flag for flag in settings[0] if len({json.dumps(s[flag], sort_keys=True) for s in settings}) > 1]
     if differ:

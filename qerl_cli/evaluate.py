@@ -17,10 +17,12 @@ math-verify's symbolic equivalence on the last ``\\boxed{}``.
 Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--num-samples N``
 (default K) completions per problem at ``--temperature`` and reports pass@1..pass@K with the
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
-adapter hashes, dataset hash, template, sampling, seed) goes into the manifest fingerprint, so
-rerunning the same eval is "already done" and two runs can be compared with ``--compare``. The answer
-rules' versions (``answers.RULE_VERSION``) are not in it but in metrics.json: a rerun under other rules
-scores the finished samples.jsonl again, generating nothing, rather than report the old rules' score.
+adapter hashes, dataset hash, template, sampling, seed, device and dtype) goes into the manifest fingerprint, so
+rerunning the same eval is "already done" and two runs can be compared with ``--compare``; a finished eval made on
+another device is this eval's too (``_made_elsewhere``), a stopped one resumes on its own device only. The answer
+rules' versions (``answers.RULE_VERSION``, and for the math rule math-verify's and sympy's: ``rule_packages``) are
+not in it but in metrics.json: a rerun under other rules scores the finished samples.jsonl again, generating
+nothing, rather than report the old rules' score.
 
 The output is a resumable ``StageOutput``, as rollout's: samples.jsonl grows in a partial directory
 named by the fingerprint, a problem's samples appended together and flushed. A rerun after an
@@ -41,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from qerl_cli.answers import RULE_VERSION
+from qerl_cli.answers import RULE_VERSION, rule_packages
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
@@ -321,25 +323,65 @@ def default_max_new_tokens(context: int) -> int:
     return max(1, min(DEFAULT_MAX_NEW_TOKENS, (context + 1) // 2))  # 2047 (2048 positions less one): 1024
 
 
+def _rescored_because(metrics: dict) -> str | None:
+    """Why a finished eval's verdicts may not be today's, or None. The rules it scored with only ("scored_with":
+    {"gsm8k": 200}), and under --scorer auto the gsm8k rule that chose them (rules_used): a new math rule leaves a
+    gsm8k eval as it is. An eval the math rule scored is scored again under other versions of math-verify,
+    latex2sympy2_extended or sympy too (``scorer_packages``): the verdicts are theirs, and "already done" is to print
+    the score today's qerl gives these samples, the one a new eval beside it in --compare is scored by; scoring again
+    generates nothing (milliseconds a verdict), where keeping the old verdicts left --force, which generates all again.
+    None recorded (an eval made before the field): unknown versions, scored again once, as one without
+    ``scorer_version``."""
+    used = rules_used(metrics)
+    old = metrics.get("scorer_version") or {}
+    if any(old.get(kind) != RULE_VERSION.get(kind) for kind in used):
+        return "older answer rules"
+    if "math" in used and metrics.get("scorer_packages") != rule_packages():
+        return "other versions of math-verify, latex2sympy2_extended or sympy"
+    return None
+
+
 def _rescores(cfg: EvalConfig, manifest: dict, metrics: dict) -> bool:
-    """Whether a finished run of these arguments is scored again: its answer rules' versions (``scorer_version``,
-    none before 2026-11-27) are not today's, so "already done" would print the old rule's score. Its samples.jsonl
+    """Whether a finished run of these arguments is scored again: its verdicts may not be today's
+    (``_rescored_because``), so "already done" would print the old rule's score. Its samples.jsonl
     holds every completion, so it is resumed as a run that kept every problem: no model, no generation, and its
     output is replaced whole, as any finished run's (a stop midway leaves the old one)."""
-    old = metrics.get("scorer_version") or {}
-    # the rules it scored with only ("scored_with": {"gsm8k": 200}), and under --scorer auto the gsm8k rule that chose
-    # them (rules_used): a new math rule leaves a gsm8k eval as it is
-    if all(old.get(kind) == RULE_VERSION.get(kind) for kind in rules_used(metrics)):
+    why = _rescored_because(metrics)
+    if why is None:
         return False
     if manifest["config"].get("max_new_tokens") != cfg.max_new_tokens:  # older qerl's default (``default_was``)
         if cfg.progress:  # its samples scored again, the new manifest would say they were generated with today's
-            print(f"note: {cfg.out} was scored by older answer rules and generated with an older default "
+            print(f"note: {cfg.out} was scored by {why} and generated with an older default "
                   "--max-new-tokens: its score is the old rules'; pass --force to redo it", file=sys.stderr)
         return False
     if cfg.progress:
-        print(f"note: {cfg.out} was scored by older answer rules: scoring its samples again with today's "
+        print(f"note: {cfg.out} was scored by {why}: scoring its samples again with today's "
               "(generating only those whose prompts qerl now renders otherwise)", file=sys.stderr)
     return True
+
+
+def _made_elsewhere(cfg: EvalConfig, config: dict) -> tuple[str, str] | None:
+    """(device, dtype) of the finished eval at --out where they are not this run's and it is still this run's eval
+    (the other flags and inputs are StageOutput's to compare): the device never decides (the samples a GPU node
+    generated are the eval's on a CPU node too, where a rerun prints or scores them again: it exited 4 as "made from
+    different arguments"), the dtype where it is this run's or, under --dtype auto, the one auto gives on that device
+    (bf16 on a GPU). Not with --force (the eval generated here), nor for a stopped eval's partial directory, which is
+    named by the device: resumed on another, its new samples would carry that device's numerics beside the kept ones."""
+    if cfg.force:
+        return None
+    from qerl_cli.outputs import read_manifest
+    from qerl_cli.runtime import resolve_dtype
+
+    m = read_manifest(cfg.out) or {}
+    old = m.get("config") if m.get("stage") == STAGE else None
+    if not isinstance(old, dict) or not isinstance(old.get("device"), str) or not isinstance(old.get("dtype"), str):
+        return None
+    device, dtype = old["device"], old["dtype"]
+    if (device, dtype) == (config["device"], config["dtype"]):
+        return None
+    if dtype == config["dtype"] or (cfg.dtype == "auto" and dtype == resolve_dtype("auto", device)[0]):
+        return device, dtype
+    return None
 
 
 def _problem_seed(seed: int, index: int) -> int:
@@ -402,6 +444,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                                 allow_mismatch=cfg.allow_base_mismatch)
         inputs.update(adapter_inputs(cfg.adapter))
     config = _fingerprint_config(cfg, device, dtype_name, template, every_row)
+    elsewhere = _made_elsewhere(cfg, config)
+    if elsewhere is not None:  # found done (or scored again) as made there; nothing is generated here (engine())
+        config.update(device=elsewhere[0], dtype=elsewhere[1])
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     # the prompts' tokens (chat template) and where sampling stops; not the named chat templates
     # (additional_chat_templates/), which eval never renders
@@ -428,6 +473,12 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         """The generate function, its model loaded only here: a resume (or a rescoring) that kept every problem
         has nothing to generate, and loading a 32B model for it took minutes."""
         nonlocal generate, info
+        if elsewhere is not None:  # scored again, an older rendering of its prompts must be generated anew
+            shutil.rmtree(so.work, ignore_errors=True)  # a copy of the finished samples, which stay whole at --out
+            raise OutputExistsError(f"{cfg.out} was generated on {elsewhere[0]} ({elsewhere[1]}): scoring it again, some "
+                                    "of its problems must be generated again (qerl now renders their prompts "
+                                    f"otherwise), which {device} ({dtype_name}) would do with other numerics",
+                                    hint=f"rerun this eval on {elsewhere[0]}, or pass --force to generate it all here")
         if generate is None:
             if cfg.engine == "vllm":
                 generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
@@ -449,7 +500,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                     from qerl_cli.adapters import adapter_module_count
 
                     info["lora_modules"] = adapter_module_count(cfg.adapter) if cfg.adapter is not None else 0
-                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, device, dtype_name)
+                # where its samples were generated: here, or the finished eval's device that this one scored again
+                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, config["device"],
+                                   config["dtype"])
                 metrics["time"] = {
                     "total_s": round(time.time() - t_start, 3),
                     "generate_s": round(t_gen, 3),
@@ -460,7 +513,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                     if resumed["problems"] == len(prompts):  # the time of the run that generated them, not this scoring's
                         # (a samples.jsonl whose prompts today's qerl renders otherwise is generated again: this run's)
                         metrics["time"] = done.get("time", metrics["time"])
-                    so.extra["rescored_from"] = {"scorer_version": done.get("scorer_version")}
+                    so.extra["rescored_from"] = {k: done.get(k) for k in ("scorer_version", "scorer_packages")}
                 (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
                 so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
                 so.extra["resumed"] = resumed
@@ -675,6 +728,7 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
         "scorer": cfg.scorer,
         "scored_with": kinds,
         "scorer_version": dict(RULE_VERSION),  # a rerun under other rules scores the samples again (_rescores)
+        "scorer_packages": rule_packages(),  # the math rule's verdicts are theirs: a rerun under others, too
         "counts": {
             "problems": len(per_problem),
             "samples_per_problem": n,

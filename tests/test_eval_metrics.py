@@ -313,3 +313,30 @@ def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_pat
     console = Console(record=True, width=300)
     console.print(compare_table([a, b]))
     assert "answer rules" not in " ".join(console.export_text().split())
+
+
+def test_compare_flags_math_runs_scored_under_other_math_verify_or_sympy_versions(tmp_path):
+    # The math rule's verdicts are math-verify's and sympy's: two MATH runs scored under other versions of them
+    # compared without a word, while a rerun of either now scores it again (scorer_packages)
+    from rich.console import Console
+
+    from qerl_cli.answers import rule_packages
+    from qerl_cli.rewards import RULE_VERSION
+
+    def caption(runs, scored_with, packages):
+        for run, p in zip(runs, packages):
+            m = json.loads((run / "metrics.json").read_text())
+            m.update(scorer="auto", scored_with=scored_with, scorer_version=dict(RULE_VERSION))
+            m.pop("scorer_packages", None)
+            m.update({} if p is None else {"scorer_packages": p})
+            (run / "metrics.json").write_text(json.dumps(m))
+        console = Console(record=True, width=300)
+        console.print(compare_table(runs))
+        return " ".join(console.export_text().split())
+
+    runs = [_fake_run(tmp_path / "a", "base", 0.6), _fake_run(tmp_path / "b", "tuned", 0.66)]
+    older = dict(rule_packages(), sympy="1.12")
+    assert "different versions of the answer rules" in caption(runs, {"math": 10}, [older, rule_packages()])
+    assert "different versions of the answer rules" in caption(runs, {"math": 10}, [None, rule_packages()])
+    assert "answer rules" not in caption(runs, {"math": 10}, [rule_packages(), rule_packages()])
+    assert "answer rules" not in caption(runs, {"gsm8k": 10}, [older, rule_packages()])  # no math verdict: moot

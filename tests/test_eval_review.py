@@ -359,7 +359,7 @@ def test_a_finished_eval_of_older_answer_rules_is_scored_again_without_generatin
     assert "scored by older answer rules" in capsys.readouterr().err
     assert (cfg.out / "samples.jsonl").read_bytes() == (ref / "samples.jsonl").read_bytes()
     assert _without_time(cfg.out) == _without_time(ref) and res["metrics"]["time"] == old["time"]
-    assert res["manifest"]["rescored_from"] == {"scorer_version": old.get("scorer_version")}
+    assert res["manifest"]["rescored_from"] == {k: old.get(k) for k in ("scorer_version", "scorer_packages")}
     assert evaluate(cfg, generate=gen)["already_done"] and not list(tmp_path.glob(".e.*"))
 
 
@@ -437,3 +437,97 @@ def test_a_rescoring_that_had_to_generate_reports_its_own_time(two_chunks, monke
     assert gen.asked == [[0, 1, 2, 3], [4]] and res["manifest"]["resumed"]["problems"] == 0
     assert res["metrics"]["time"] != old["time"] and res["metrics"]["time"]["generate_s"] >= 0.1
     assert samples.read_bytes() == (ref / "samples.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("older", ["versions", "none"])
+def test_an_eval_the_math_rule_scored_is_scored_again_under_other_math_verify_or_sympy(model_dir, tmp_path, monkeypatch,
+                                                                                      capsys, older):
+    # The math rule's verdicts are math-verify's (and sympy's), whose versions metrics.json did not record: after an
+    # upgrade of them a finished MATH eval said "already done" with the old verdicts. Now they are recorded and count,
+    # for an eval the math rule scored only; one made before they were recorded (none) is scored again once.
+    import qerl_cli.evaluate as ev
+
+    rows = _jsonl(tmp_path / "d.jsonl", ROWS)
+    maths, gsm8k = _cfg(model_dir, tmp_path, rows), _cfg(model_dir, tmp_path, _jsonl(tmp_path / "g.jsonl", ROWS[:3]), "g")
+    today, metrics = ev.rule_packages(), ev._metrics
+    with monkeypatch.context() as m:
+        if older == "versions":
+            m.setattr(ev, "rule_packages", lambda: dict(today, **{"math-verify": "0.5.0", "sympy": "1.12"}))
+        else:  # written before the field was
+            m.setattr(ev, "_metrics", lambda *a: {k: v for k, v in metrics(*a).items() if k != "scorer_packages"})
+        old = [evaluate(cfg, generate=BySeed())["metrics"] for cfg in (maths, gsm8k)]
+    assert [set(x["scored_with"]) for x in old] == [{"gsm8k", "math"}, {"gsm8k"}]
+    gen = BySeed()
+    res = evaluate(replace(maths, progress=True), generate=gen)
+    assert not res["already_done"] and gen.asked == []  # scored again, nothing generated
+    assert "scored by other versions of math-verify" in capsys.readouterr().err
+    assert res["metrics"]["scorer_packages"] == today and res["metrics"]["scores"] == old[0]["scores"]
+    assert res["manifest"]["rescored_from"]["scorer_packages"] == old[0].get("scorer_packages")
+    assert evaluate(maths, generate=gen)["already_done"]
+    assert evaluate(gsm8k, generate=gen)["already_done"]  # no math verdict in it: math-verify's version is moot
+
+
+def _on_a_gpu(monkeypatch):
+    """What --device auto resolves to on a GPU node (and so --dtype auto: bf16), for evals whose engine is scripted."""
+    import qerl_cli.runtime
+
+    monkeypatch.setattr(qerl_cli.runtime, "resolve_device", lambda device: "cuda" if device == "auto" else device)
+
+
+def test_a_finished_gpu_eval_is_done_and_scored_again_on_a_cpu_node(model_dir, tmp_path, monkeypatch):
+    # The fingerprint holds the device and dtype --device auto / --dtype auto resolve to: the same command on a CPU node
+    # (to print the score, or to score it again after an upgrade) exited 4, "device: cuda -> cpu; dtype: bf16 -> fp32".
+    import qerl_cli.evaluate as ev
+    from qerl_cli.errors import OutputExistsError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS)), device="auto")
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        m.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})  # an older qerl's rules
+        made = evaluate(cfg, generate=BySeed())
+    assert made["manifest"]["config"]["device"] == "cuda" and made["metrics"]["dtype"] == "bf16"
+    gen = BySeed()
+    res = evaluate(cfg, generate=gen)  # on this CPU: scored again with today's rules, where the samples were made
+    assert not res["already_done"] and gen.asked == []
+    assert (res["metrics"]["device"], res["metrics"]["dtype"]) == ("cuda", "bf16")
+    assert res["manifest"]["fingerprint"] == made["manifest"]["fingerprint"]
+    assert evaluate(cfg, generate=gen)["already_done"] and evaluate(replace(cfg, dtype="bf16"), generate=gen)["already_done"]
+    with pytest.raises(OutputExistsError, match="dtype: \"bf16\" -> \"fp16\""):  # other numbers asked for: another eval
+        evaluate(replace(cfg, dtype="fp16"), generate=gen)
+    redo = evaluate(replace(cfg, force=True), generate=gen)  # --force generates it here
+    assert gen.asked == [[0, 1, 2, 3, 4]] and redo["metrics"]["device"] == "cpu"
+
+
+def test_a_gpu_eval_is_not_completed_on_a_cpu_node(model_dir, tmp_path, monkeypatch):
+    # Samples a CPU generates beside a GPU's would be another device's numbers in one eval: a stopped GPU eval is not
+    # resumed on a CPU node (it starts afresh, beside the GPU's partial directory), nor is a finished one whose rescoring
+    # must generate some problems again (their prompts render otherwise today) completed there.
+    import qerl_cli.evaluate as ev
+    from qerl_cli.errors import OutputExistsError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        with pytest.raises(KeyboardInterrupt) as e:
+            evaluate(cfg, generate=BySeed(fail_at_call=2))
+    gpu_partial = e.value.kept_problems[2]
+    gen = BySeed()
+    with pytest.warns(Warning, match="unfinished run made with other arguments"):
+        assert evaluate(cfg, generate=gen)["metrics"]["device"] == "cpu"
+    assert gen.asked == [[0, 1, 2, 3], [4]] and gpu_partial.is_dir()
+
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        m.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})
+        evaluate(replace(cfg, force=True), generate=BySeed())
+    samples = cfg.out / "samples.jsonl"
+    samples.write_text(samples.read_text().replace('"prompt": "q1"', '"prompt": "Q1"'))  # same size: not "damaged"
+    finished = samples.read_bytes()
+    gen = BySeed()
+    with pytest.raises(OutputExistsError, match="generated on cuda \\(bf16\\).*rerun this eval on cuda"):
+        evaluate(cfg, generate=gen)
+    assert gen.asked == [] and samples.read_bytes() == finished and not list(tmp_path.glob(".e.partial-*"))
+    with monkeypatch.context() as m:  # there, it is scored again and the problems generated again
+        _on_a_gpu(m)
+        res = evaluate(cfg, generate=gen)
+    assert gen.asked == [[0, 1, 2, 3], [4]] and res["metrics"]["device"] == "cuda"
