@@ -61,8 +61,11 @@ def _safetensors_fingerprint(path: Path, h) -> None:
         if len(head) < 8:
             h.update(b"<truncated>")
             return
-        (n,) = struct.unpack("<Q", head)
-        h.update(f.read(min(n, size)))
+        # A header length past the end (not a safetensors file: a Git LFS pointer, say) is clamped: seeking
+        # to 8 + 2e18 raised EINVAL, a traceback from rollout/eval/train-step before the loader could name
+        # the file. A valid file's header length never exceeds its size, so its fingerprint is unchanged.
+        n = min(struct.unpack("<Q", head)[0], size - 8)
+        h.update(f.read(n))
         data_start = 8 + n
         data_len = max(size - data_start, 0)
         for off in sorted({0, max(data_len // 2 - _SAMPLE // 2, 0), max(data_len - _SAMPLE, 0)}):

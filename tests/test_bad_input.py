@@ -121,6 +121,9 @@ def _model_cases(base_key):
     def empty_file(d):
         (d / "model.safetensors").write_bytes(b"")
 
+    def lfs_pointer(d):  # a repo cloned without git-lfs: the error said only "header length 2e18 > file size"
+        (d / "model.safetensors").write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize 9\n")
+
     def no_weights(d):
         (d / "model.safetensors").unlink()
 
@@ -143,6 +146,7 @@ def _model_cases(base_key):
         ("truncated", trunc, 2, ["model.safetensors"]),
         ("corrupt-header", header, 2, ["model.safetensors"]),
         ("empty-file", empty_file, 2, ["model.safetensors"]),
+        ("lfs-pointer", lfs_pointer, 2, ["model.safetensors", "git lfs pull"]),
         ("no-weights", no_weights, 2, ["safetensors"]),
         ("unknown-arch", arch, 2, ["gpt_neox"]),
         ("wrong-shape", rewrite(lambda t: {**t, shape_key: t[shape_key][:, : t[shape_key].shape[1] // 2].contiguous()}),
@@ -203,9 +207,10 @@ def test_train_step_bad_model(p, tmp_path, case, breaker, code, needles):
     nothing_written(tmp_path)
 
 
-@pytest.mark.parametrize("case,breaker,code,needles", [c for c in Q_CASES if c[0] in ("truncated", "corrupt-header",
-                                                       "wrong-shape", "nan-weight")], ids=["truncated", "corrupt-header",
-                                                                                           "wrong-shape", "nan-weight"])
+MERGE_CASES = [c for c in Q_CASES if c[0] in ("truncated", "corrupt-header", "lfs-pointer", "wrong-shape", "nan-weight")]
+
+
+@pytest.mark.parametrize("case,breaker,code,needles", MERGE_CASES, ids=_ids(MERGE_CASES))
 def test_merge_bad_base(p, tmp_path, case, breaker, code, needles):
     q = copy_tree(p["q"], tmp_path / "q")
     breaker(q)

@@ -67,6 +67,22 @@ def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def lfs_pointer_hint(path: Path) -> str | None:
+    """The hint for a Git LFS pointer file in place of the weights (a model repo cloned without git-lfs): its
+    first 8 bytes read as a safetensors header length of ~2e18, and "header length > file size" alone did not
+    say what was wrong. None for any other file."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(LFS_POINTER)) != LFS_POINTER:
+                return None
+    except OSError:
+        return None
+    return "it is a Git LFS pointer, not the weights: run `git lfs pull` in the model directory"
+
+
 def read_header(path: Path) -> list[TensorInfo]:
     """Parse one safetensors header; BadInputError naming the file if it is not one."""
     path = Path(path)
@@ -78,7 +94,8 @@ def read_header(path: Path) -> list[TensorInfo]:
                 raise BadInputError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", head)
             if n > min(_MAX_HEADER, size - 8):
-                raise BadInputError(f"{path}: not a safetensors file (header length {n} > file size)")
+                raise BadInputError(f"{path}: not a safetensors file (header length {n} > file size)",
+                                    hint=lfs_pointer_hint(path))
             header = json.loads(f.read(n))
     except OSError as e:
         raise BadInputError(f"{path}: cannot read ({e.strerror})") from None

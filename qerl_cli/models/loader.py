@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qerl_cli.checkpoint.safetensors_io import lfs_pointer_hint
 from qerl_cli.checkpoint.source import check_tied_head, unindexed_shards
 from qerl_cli.errors import BadInputError, NumericalError
 from qerl_cli.layers.linear import keep_dense_weights, twiddle_codes_
@@ -75,7 +76,7 @@ def _index_tensors(files: list[Path]) -> dict[str, Path]:
                 for k in fh.keys():
                     where[k] = f
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise BadInputError(f"{f}: cannot read safetensors header ({e})") from None
+            raise BadInputError(f"{f}: cannot read safetensors header ({e})", hint=lfs_pointer_hint(f)) from None
     return where
 
 
