@@ -106,9 +106,10 @@ QERL_ZERO='^[0.]*([eE][-+]?[0-9]+)?$'  # a QERL_FLOAT that is 0
 
 # -h or --help as a script's first argument prints the script's header comment and exits 0: grpo.sh and submit.sh
 # said "error: config --help not found", quickstart.sh and compare_aqn.sh started a run in a directory "--help".
+# Not stage.sbatch's #SBATCH lines: options for sbatch, not words for the reader.
 qerl_help_if_asked() {  # SCRIPT FIRST_ARG
   case ${2:-} in
-    -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "$1"; exit 0 ;;
+    -h | --help) sed -n '2,/^[^#]/{/^#SBATCH/d;/^#/s/^# \{0,1\}//p;}' "$1"; exit 0 ;;
   esac
 }
 
@@ -119,32 +120,61 @@ qerl_step_dir() { printf '%s/step-%06d' "$RUN_DIR" "$1"; }
 # step of one shard keeps the name it has on disk (a rollout under way: its .NAME.partial-* directory). A run dir
 # moved between the two redid each begun step's rollout under the other name (hours of GPU for a large model), and
 # grpo.sh on a chain's step of several shards then refused with "input shards changed" after that rollout, where
-# FORCE=1 would have redone the run from step 0 (a review, 2026-11-27). A layout the caller cannot continue
-# (grpo.sh: several shards; a chain of several tasks: grpo.sh's one) is refused, naming the script that can, where
-# the step has none of the caller's own: a step both scripts rolled out (each did so before 2026-11-27) was refused
-# by each, naming the other; the caller goes on with its own, and its train-step says if the adapter is the other's.
+# FORCE=1 would have redone the run from step 0 (a review, 2026-11-27). A step split into another number of shards
+# than the caller's (grpo.sh and a one-task chain: 1; a chain: ROLLOUT_SHARDS) is refused, naming what continues it,
+# where the step has no rollout of the caller's count: a step both scripts rolled out (each did so before
+# 2026-11-27) was refused by each, naming the other; the caller goes on with its own, and its train-step says if the
+# adapter is the other's. A chain of another count than the step's once got as far as its first rollout task (exit 4,
+# "holds shard 0 of 2"; with FORCE=1 it deleted that shard), or its train job (a review, session 55).
 qerl_shard_dirs() {  # STEP N OWN (shards | shards-: the caller's name) -> QERL_SHARD_DIRS (N directories), or exit 2
-  local d i n=$2 own=${3/%-/-0} other=shards-0 step
+  local d i n=$2 own=${3/%-/-0} other=shards-0 step k
   printf -v d '%s/step-%06d' "$RUN_DIR" "$1"; step=${d##*/}  # qerl_step_dir without a subshell: every step is checked
   [ "$own" = shards ] || other=shards
-  if [ "$n" -gt 1 ] && _qerl_has "$d" shards && ! _qerl_has "$d" 'shards-[0-9]*'; then
+  _qerl_split_of "$d" "$n"; k=$QERL_SPLIT
+  if [ "$n" -gt 1 ] && [ "$k" = 0 ] && _qerl_has "$d" shards && ! _qerl_has "$d" shards-0; then
     _qerl_die "$step holds grpo.sh's rollout (one shard, $step/shards): continue this run with grpo.sh, or with ROLLOUT_SHARDS=1"
   fi
-  # A chain's shard 0 of several alone (its other tasks failed, or were cancelled before they wrote) is no one-shard
-  # rollout either: grpo.sh's rollout into it refused (exit 4), and with FORCE=1 deleted it.
-  if [ "$n" = 1 ] && [ "$own" = shards ] && ! _qerl_has "$d" shards \
-     && { _qerl_has "$d" 'shards-[1-9]*' || _qerl_holds_a_split "$d" shards-0; }; then
-    _qerl_die "$step holds a Slurm chain's rollout in several shards ($step/shards-<i>): continue this run with" \
-      "recipes/slurm/submit.sh (ROLLOUT_SHARDS as in $RUN_DIR/submit.env)"
+  if [ "$n" -gt 1 ] && [ "$k" = 1 ]; then  # a one-task chain's shard 0 of 1 (and maybe grpo.sh's beside it)
+    _qerl_die "$step holds a one-shard rollout ($step/shards-0, a one-task chain's$(_qerl_has "$d" shards &&
+      echo ", and $step/shards, grpo.sh's")), not $n shards: continue this run with ROLLOUT_SHARDS=1, or with grpo.sh"
+  fi
+  if [ "$k" -gt 1 ] && { [ "$n" -gt 1 ] || ! _qerl_has "$d" shards; }; then
+    if [ "$own" = shards ]; then
+      _qerl_die "$step holds a Slurm chain's rollout in $k shards ($step/shards-<i>): continue this run with" \
+        "recipes/slurm/submit.sh and ROLLOUT_SHARDS=$k"
+    fi
+    _qerl_die "$step holds a Slurm chain's rollout in $k shards ($step/shards-<i>), not ROLLOUT_SHARDS=$n: continue" \
+      "this run with ROLLOUT_SHARDS=$k"
   fi
   QERL_SHARD_DIRS=()
   if [ "$n" -gt 1 ]; then
     for ((i = 0; i < n; i++)); do QERL_SHARD_DIRS+=("$d/shards-$i"); done
+  elif [ "$k" -gt 1 ]; then  # beside a chain's split: grpo.sh's one shard, the one rollout of one shard there
+    QERL_SHARD_DIRS=("$d/shards")
   elif ! _qerl_has "$d" "$own" && _qerl_has "$d" "$other"; then
     QERL_SHARD_DIRS=("$d/$other")
   else
     QERL_SHARD_DIRS=("$d/$own")
   fi
+}
+# Whether DIR's shards-<i> directories (finished or under way) fit a rollout in N shards: QERL_SPLIT is 0 where they do
+# (or tell nothing: none, or shards-0 with no file yet), else the number of shards they show: the N of a file's name
+# (shard-I-of-N.jsonl) that is not N, or one more than a highest i >= N. Fewer directories than N fit: a chain's task
+# that failed before it wrote (or never started) leaves none, and its resubmission must go on.
+_qerl_split_of() {  # DIR N -> QERL_SPLIT
+  local f g
+  QERL_SPLIT=0
+  for f in "$1"/shards-[0-9]* "$1"/.shards-[0-9]*.partial-*; do
+    if ! [[ ${f##*/} =~ ^\.?shards-([0-9]+)($|\.partial-) ]] || ! [ -e "$f" ]; then continue; fi
+    if (( 10#${BASH_REMATCH[1]} >= $2 && 10#${BASH_REMATCH[1]} >= QERL_SPLIT )); then
+      QERL_SPLIT=$((10#${BASH_REMATCH[1]} + 1))
+    fi
+    for g in "$f"/shard-*-of-*.jsonl; do
+      if [[ $g =~ -of-([0-9]+)\.jsonl$ ]] && [ -e "$g" ] && (( 10#${BASH_REMATCH[1]} != $2 )); then
+        QERL_SPLIT=$((10#${BASH_REMATCH[1]})); return
+      fi
+    done
+  done
 }
 _qerl_has() {  # DIR NAME (a glob): DIR/NAME, finished or under way (a stage's .NAME.partial-<fingerprint>)
   # DIR quoted, NAME a pattern: `compgen -G "$1/$2"` read a RUN_DIR "run[1]" or "run?" as a pattern too, missing
@@ -153,13 +183,6 @@ _qerl_has() {  # DIR NAME (a glob): DIR/NAME, finished or under way (a stage's .
   # shellcheck disable=SC2231  # NAME unquoted: the pattern
   for f in "$1"/$2 "$1"/.$2.partial-*; do
     if [ -e "$f" ]; then return 0; fi
-  done
-  return 1
-}
-_qerl_holds_a_split() {  # DIR NAME: DIR/NAME, finished or under way, holds shard I of N > 1 (shard-0000I-of-0000N.jsonl)
-  local f
-  for f in "$1/$2"/shard-*-of-*.jsonl "$1/.$2".partial-*/shard-*-of-*.jsonl; do
-    case $f in *-of-00001.jsonl) ;; *) if [ -e "$f" ]; then return 0; fi ;; esac
   done
   return 1
 }

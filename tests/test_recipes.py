@@ -502,8 +502,8 @@ def test_a_run_dir_the_other_script_began_with_another_shard_count_is_refused_fi
     r, log, sbatch_log, _ = _on_step_0_holding(tmp_path, script, ["shards-0", "shards-1"] if script == "grpo.sh"
                                                else ["shards"], "STEPS=3")
     assert r.returncode == 2 and not log.exists() and not sbatch_log.exists(), r.stderr
-    want = {"grpo.sh": "error: step-000000 holds a Slurm chain's rollout in several shards (step-000000/shards-<i>): "
-                       "continue this run with recipes/slurm/submit.sh",
+    want = {"grpo.sh": "error: step-000000 holds a Slurm chain's rollout in 2 shards (step-000000/shards-<i>): "
+                       "continue this run with recipes/slurm/submit.sh and ROLLOUT_SHARDS=2",
             "submit.sh": "error: step-000000 holds grpo.sh's rollout (one shard, step-000000/shards): continue this run "
                          "with grpo.sh, or with ROLLOUT_SHARDS=1"}[script]
     assert want in r.stderr, r.stderr
@@ -535,12 +535,88 @@ def test_grpo_sh_refuses_a_chains_shard_0_of_several_alone(tmp_path, where):
     env = {**os.environ, "QERL": str(qerl), "FORCE": "1"}
     r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and not log.exists(), r.stderr
-    assert "error: step-000000 holds a Slurm chain's rollout in several shards" in r.stderr
+    assert "error: step-000000 holds a Slurm chain's rollout in 2 shards" in r.stderr
     # shard 0 of 1 (a one-task chain's) is continued as before
     (run / "step-000000" / where / "shard-00000-of-00002.jsonl").rename(run / "step-000000" / where / "shard-00000-of-00001.jsonl")
     r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert _shard_args(log, run)[0] == ("rollout", "step-000000/shards-0")
+
+
+def _submit_on_step_0_holding(tmp_path, files, shards, force="0"):
+    """submit.sh with ROLLOUT_SHARDS=``shards`` (a fake sbatch) on a run dir whose step 0 holds ``files`` (a name
+    ending in / a directory): (the result, whether any job was queued)."""
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=3\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    for f in files:
+        (run / "step-000000" / f).parent.mkdir(parents=True, exist_ok=True)
+        if f.endswith("/"):
+            (run / "step-000000" / f).mkdir(exist_ok=True)
+        else:
+            (run / "step-000000" / f).write_text("{}\n")
+    env = {**os.environ, "SBATCH": str(sbatch), "ROLLOUT_SHARDS": str(shards), "FORCE": force}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(run)], env=env, capture_output=True,
+                       text=True)
+    return r, sbatch_log.exists()
+
+
+@pytest.mark.parametrize("files, shards, want", [
+    # a one-task chain on a two-task chain's step: its rollout task refused (exit 4, "holds shard 0 of 2"), and with
+    # FORCE=1 deleted that shard
+    (["shards-0/shard-00000-of-00002.jsonl", "shards-1/shard-00001-of-00002.jsonl"], 1,
+     "step-000000 holds a Slurm chain's rollout in 2 shards (step-000000/shards-<i>), not ROLLOUT_SHARDS=1: continue "
+     "this run with ROLLOUT_SHARDS=2"),
+    (["shards-0/", "shards-1/"], 1, "in 2 shards (step-000000/shards-<i>), not ROLLOUT_SHARDS=1"),
+    (["shards-0/shard-00000-of-00002.jsonl"], 1, "in 2 shards"),  # its other task wrote nothing
+    # a two-task chain on a step grpo.sh and a one-task chain both rolled out, or the one-task chain alone
+    (["shards/shard-00000-of-00001.jsonl", "shards-0/shard-00000-of-00001.jsonl"], 2,
+     "step-000000 holds a one-shard rollout (step-000000/shards-0, a one-task chain's, and step-000000/shards, "
+     "grpo.sh's), not 2 shards: continue this run with ROLLOUT_SHARDS=1, or with grpo.sh"),
+    ([".shards-0.partial-0123456789abcdef/shard-00000-of-00001.jsonl"], 2, "a one-task chain's), not 2 shards"),
+    # a chain of another count: its first tasks refused, the others rolled out shards of the new count beside them
+    (["shards-0/shard-00000-of-00002.jsonl", "shards-1/"], 4, "in 2 shards (step-000000/shards-<i>), not ROLLOUT_SHARDS=4"),
+    (["shards-0/", "shards-1/", "shards-2/"], 2, "in 3 shards (step-000000/shards-<i>), not ROLLOUT_SHARDS=2"),
+])
+@pytest.mark.parametrize("force", ["0", "1"])
+def test_a_chain_on_a_step_of_another_shard_count_is_refused_before_any_job(tmp_path, files, shards, want, force):
+    r, queued = _submit_on_step_0_holding(tmp_path, files, shards, force)
+    assert r.returncode == 2 and not queued, r.stderr
+    assert r.stderr.startswith("error: step-000000 holds ") and want in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("files, shards", [
+    # the same chain resubmitted on its half-done step: tasks that wrote nothing yet (or never ran) leave no directory
+    (["shards-0/shard-00000-of-00002.jsonl", "shards-1/shard-00001-of-00002.jsonl"], 2),
+    ([".shards-1.partial-0123456789abcdef/shard-00001-of-00004.jsonl"], 4),
+    (["shards-0/", "shards-1/"], 4),
+    (["shards-0/"], 2),
+    (["shards-0/shard-00000-of-00001.jsonl"], 1),
+    (["shards/shard-00000-of-00001.jsonl"], 1),  # grpo.sh's: the same rollout as one task's
+    # a step both scripts rolled out: each goes on with the rollout of its own count
+    (["shards/shard-00000-of-00001.jsonl", "shards-0/shard-00000-of-00002.jsonl", "shards-1/"], 1),
+    (["shards/shard-00000-of-00001.jsonl", "shards-0/shard-00000-of-00002.jsonl", "shards-1/"], 2),
+])
+def test_a_chain_resubmitted_on_its_own_half_done_step_is_queued(tmp_path, files, shards):
+    r, queued = _submit_on_step_0_holding(tmp_path, files, shards)
+    assert r.returncode == 0 and queued, r.stderr
+
+
+def test_a_one_task_job_on_a_step_both_scripts_rolled_out_reads_grpo_shs_one_shard(tmp_path):
+    # beside a two-task chain's shards, grpo.sh's step-<s>/shards is the step's rollout of one shard (a one-task
+    # chain's shards-0 there is the other chain's shard 0 of 2)
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    for d, f in [("shards", "shard-00000-of-00001.jsonl"), ("shards-0", "shard-00000-of-00002.jsonl"),
+                 ("shards-1", "shard-00001-of-00002.jsonl")]:
+        (run / "step-000000" / d).mkdir(parents=True)
+        (run / "step-000000" / d / f).write_text("{}\n")
+    env = {**os.environ, "QERL": str(qerl), "ROLLOUT_SHARDS": "1"}
+    for stage in ("rollout", "train"):
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), "0"], env=env,
+                       check=True, capture_output=True)
+    assert _shard_args(log, run) == [("rollout", "step-000000/shards"), ("train-step", "step-000000/shards")]
 
 
 def test_a_run_dir_named_with_glob_characters_is_read_as_it_is(tmp_path):
@@ -854,6 +930,45 @@ def test_a_slurm_rollout_rerun_alone_samples_with_the_chains_settings(tmp_path):
     assert args[args.index("--prompts-per-step") + 1] == "4", args
     assert args[args.index("--num-generations") + 1] == "4", args  # every config key takes the environment's
     assert args[args.index("--seed") + 1] == "7", args
+
+
+@pytest.mark.parametrize("stage, step", [
+    ("train", "000002"),  # step-000002's name: bash read 000012 as octal 10, and wrote step-000010's adapter
+    ("rollout", "000010"),  # octal 8: step-000008's shards, rolled out with qerl's --step 10 from adapter 7
+    ("eval", "08"),  # no octal number: "invalid octal number", then step 0
+    ("train", None), ("rollout", None), ("eval", None),  # step 0, not the step meant
+    ("train", "3"), ("rollout", "-1"), ("eval", "-2"), ("train", "x"),  # past the run's 3 steps, not a step
+])
+def test_a_job_run_by_hand_takes_only_a_step_of_the_run(tmp_path, stage, step):
+    cfg, run = _submit_7b_chain(tmp_path)
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run),
+                        *([step] if step else [])], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and not log.exists(), (r.stderr, log.exists() and log.read_text())
+    assert f"error: STEP={step or '(none)'}: {stage} takes a step of the run, {-1 if stage == 'eval' else 0} to 2 " \
+           "(STEPS=3), without leading zeros (step-000012 is 12)" in r.stderr, r.stderr
+    # and the step, as a number, runs that step (eval: -1 too)
+    for ok in ["2", "0"] + (["-1"] if stage == "eval" else []):
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), ok], env=env,
+                       check=True, capture_output=True)
+    outs = [line.split("--out ", 1)[1].split(" ", 1)[0] for line in log.read_text().splitlines()]
+    want = {"rollout": "shards-0", "train": "adapter", "eval": "eval"}[stage]
+    assert outs[:2] == [f"{run}/step-000002/{want}", f"{run}/step-000000/{want}"], outs
+
+
+def test_a_rollout_job_of_several_tasks_outside_an_array_is_refused(tmp_path):
+    # sbatch stage.sbatch rollout ... without --array rolled out task 0 of the chain's 2 alone, said "already done" and
+    # exited 0: the task meant (a failed one) stayed missing, and the train job then failed on it
+    cfg, run = _submit_7b_chain(tmp_path, ROLLOUT_SHARDS="2")
+    qerl, log = _argv_recorder(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_ARRAY_TASK_ID"} | {"QERL": str(qerl)}
+    cmd = ["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(run), "1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and not log.exists(), r.stderr
+    assert "error: ROLLOUT_SHARDS=2: a rollout job is a task of an array: sbatch --array=0-1 (or --array=i" in r.stderr
+    subprocess.run(cmd, env={**env, "SLURM_ARRAY_TASK_ID": "1"}, check=True, capture_output=True)
+    assert f"--out {run}/step-000001/shards-1 --shard-index 1 --num-shards 2 " in log.read_text()
 
 
 def test_submit_env_keeps_what_only_the_environment_set(tmp_path):
@@ -1756,17 +1871,18 @@ def test_plot_compare_names_as_many_first_steps_as_the_runs_have(tmp_path):
     assert "mean entropy, first 2 steps |" in table and "| 1.500 |" in table, table
 
 
-@pytest.mark.parametrize("script", ["grpo.sh", "slurm/submit.sh", "quickstart.sh", "compare_aqn.sh"])
+@pytest.mark.parametrize("script", ["grpo.sh", "slurm/submit.sh", "quickstart.sh", "compare_aqn.sh", "slurm/stage.sbatch"])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_the_scripts_usage_and_starts_nothing(tmp_path, script, flag):
     # grpo.sh and submit.sh said "error: config --help not found" (exit 2); quickstart.sh and compare_aqn.sh
-    # started a run in a directory named --help
+    # started a run in a directory named --help; stage.sbatch said "line 12: 2: config" (exit 1)
     env = {**os.environ, "QERL": "false", "SBATCH": "false"}
     r = subprocess.run(["bash", str(RECIPES / script), flag], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert f"bash recipes/{script}" in r.stdout and not r.stdout.lstrip().startswith(("#", "!"))
-    assert "set -euo" not in r.stdout and "shellcheck" not in r.stdout
+    usage = "sbatch [opts] recipes/slurm/stage.sbatch STAGE" if script.endswith(".sbatch") else f"bash recipes/{script}"
+    assert usage in r.stdout and not r.stdout.lstrip().startswith(("#", "!"))
+    assert "set -euo" not in r.stdout and "shellcheck" not in r.stdout and "SBATCH --" not in r.stdout
     assert list(tmp_path.iterdir()) == [] and not (RECIPES.parent / "runs" / flag).exists()
 
 

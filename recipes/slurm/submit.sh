@@ -40,8 +40,9 @@ fi
 RUN_DIR=${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}
 CONFIG=$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")
 mkdir -p -- "$RUN_DIR"; RUN_DIR=$(cd -- "$RUN_DIR" && pwd)
-# A run dir grpo.sh began is refused with ROLLOUT_SHARDS > 1 before a job is queued (qerl_shard_dirs): its first
-# rollout task would fail. With one task the chain continues grpo.sh's steps in step-<s>/shards.
+# A step of another shard count (grpo.sh's one with ROLLOUT_SHARDS > 1, a chain's of another ROLLOUT_SHARDS) is
+# refused before a job is queued (qerl_shard_dirs): its first rollout task would fail (with FORCE=1, delete a shard).
+# With one task the chain continues grpo.sh's steps in step-<s>/shards.
 for ((s = 0; s < STEPS; s++)); do qerl_shard_dirs "$s" "$ROLLOUT_SHARDS" shards-; done
 SBATCH=${SBATCH:-sbatch}
 SCRIPT=$HERE/stage.sbatch
