@@ -183,6 +183,20 @@ def _styles(r: int, reason: str, rng: random.Random) -> list[tuple[str, str, int
         ("bound-in-reasoning", f"She can carry at most {k} bags.\n{reason}\n#### {r}", r),
         ("unit-then-around", f"{reason}\n#### {r} laps around the track", r),
         ("approx-note-of-number", f"{reason}\n#### {r} (approximately {r}.0 before rounding)", r),
+        # ---- a review of gsm8k 5 (s55r09): a bound word that a word follows bounds that word, not the answer; "up to"
+        # after a verb it completes, a bound word before a comma, "Rs." before a new sentence (each none under gsm8k 5);
+        # hedges that stay none, and "approx." with its dot (read as 18)
+        ("bound-of-another-thing", f"{reason}\n#### {r} (at most one per day)", r),
+        ("approx-in-words", f"{reason}\nThe answer is {r} minutes, approximately a third of an hour.", r),
+        ("max-names-the-answer", f"{reason}\n#### {r} (maximum number of boxes)", r),
+        ("the-maximum", f"{reason}\n#### {r}, the maximum", r),
+        ("adds-up-to", f"{reason}\n#### It all adds up to {r}", r),
+        ("rounded-up-to", f"{reason}\n#### Rounded up to {r} buses", r),
+        ("above-comma", f"{reason}\n#### As computed above, {r}", r),
+        ("rupees-then-statement", f"{reason}\nHe pays {r} Rs. The answer is {r}.", r),
+        ("roughly-speaking", f"{reason}\n#### {r} roughly speaking", None),
+        ("give-or-take-a-few", f"{reason}\n#### {r}, give or take a few", None),
+        ("approx-dot-before", f"{reason}\n#### approx. {r}", None),
         # ---- known prices of the change (a numbered-looking answer then a run-on; prose under a heading)
         ("numbered-sentence-run-on", f"{reason}\n#### {r}. That is the total.{run_on}#### {z}", r),
         ("heading-prose+box", f"#### Answer\nFirst, {k} apples are left.\n{reason}\n\\boxed{{{r}}}", r),

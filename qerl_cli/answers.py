@@ -260,14 +260,24 @@ _CHANGES_BEFORE = frozenset("negative minus not no half".split())
 _BOUNDS_BEFORE = frozenset("than least most".split())
 # An approximation or a bound right before the number: "#### about 18", "approximately 18", "over 18", "up to 18" read
 # as 18, where "~18", "\approx 18" and "at least 18" were no answer (a review). Checked as the bounds above are.
-_APPROX_BEFORE = frozenset("about approximately approx around roughly nearly almost circa over under above below".split())
-_BOUNDED_BEFORE = _BOUNDS_BEFORE | _APPROX_BEFORE
+# Not after a comma, which ends the word's clause: "#### As computed above, 18" (no answer until a review).
+_APPROX_BEFORE = frozenset("about approximately approx approx. around roughly nearly almost circa over under above below"
+                           .split())
+# "up to" is no bound after a verb it completes: "#### It all adds up to 18", "#### Rounded up to 5 buses", "the price
+# went up to $18" (each no answer until a review); "She can invite up to 18" is one.
+_UP_TO_VERBS = frozenset("add adds added adding sum sums summed come comes came round rounds rounded rounding went rose"
+                         .split())
 # ... and right after it (or after its unit word): "#### 18 at most", "#### 18 (approximately)", "#### 18 dollars
 # maximum" read as 18, where "at most 18" was no answer. Not one that a number follows: "#### 18 (approximately 17.6
-# unrounded)" notes another value, as "18 (or 18.0)" restates one.
+# unrounded)" notes another value, as "18 (or 18.0)" restates one. Nor one that a word follows: it bounds that word,
+# another quantity or the answer's name ("#### 18 (at most one per day)", "0.3 hours (approximately a third of an
+# hour)", "#### 18 (maximum number of cookies)", "#### 18 minimum-wage hours"; each no answer until a review), nor after
+# "the", which makes it a name: "#### 18, the maximum". "Roughly speaking" is still one; "give or take" bounds the answer
+# whatever follows it: its tolerance ("give or take 2", "give or take a few").
 # ("max" in lower case only: "#### 18 Max's toys" names Max; no "tops": "#### 18 tops" may count spinning tops.)
-_BOUND_AFTER = re.compile(r"[\s,;(*]*(?:at\s+(?:the\s+)?(?:most|least)|approx(?:imately)?|roughly|(?-i:max)|maximum"
-                          r"|minimum|give\s+or\s+take)\b(?!\.?[\s(*]*[-.]?\d)", re.IGNORECASE)
+_BOUND_AFTER = re.compile(r"[\s,;(*]*(?:(?:at\s+(?:the\s+)?(?:most|least)|approx(?:imately)?|roughly|(?-i:max)|maximum"
+                          r"|minimum)\b(?!\.?[\s(*]*[-.]?\d|[ \t]+(?!speaking\b)[A-Za-z]|-[A-Za-z])|give\s+or\s+take\b)",
+                          re.IGNORECASE)
 _CHANGES_AFTER = frozenset("""halves dozen dozens hundred hundreds thousand thousands million millions billion billions
     trillion trillions squared cubed""".split())
 
@@ -388,7 +398,7 @@ def _second_answer(rest: str, number: str) -> bool:
             return not _restates(tail, hedge.end(), number, word)
         if _RANGE.match(tail):
             return word is None or not _counts_another_thing(tail, word)
-        if _BOUND_AFTER.match(tail):  # "18 at most", "18 (approximately)", "18 dollars maximum": a bound, no answer
+        if _BOUND_AFTER.match(tail) and (word or "").lower() != "the":  # "18 at most", "18 dollars maximum": a bound
             return True
     kind = _unit(unit.group(1)) if unit else None
     if kind is None:
@@ -550,15 +560,18 @@ def _cleaned_span_number(s: str, text: str, whole: bool) -> str | None:
     # the word right before the number and the one right after it: a word further away belongs to the sentence
     # ("After giving away half, she has 36 marbles", "There are no cookies left, so 0", "24 eggs, two dozen")
     # ("**" is no word: "at least **72**", "**72** dozen" read as 72)
-    before_two = [w.lower() for w in _WORD_GAP.split(s[: m.start()].replace("*", " ")) if w][-2:]  # "up to 18"
-    before = before_two[-1:]
+    before_three = [w.lower() for w in _WORD_GAP.split(s[: m.start()].replace("*", " ")) if w][-3:]  # "adds up to 18"
+    before = before_three[-1:]
     after = _WORD_GAP.split(rest.replace("*", " ").strip(), maxsplit=1)[:1]
     if (_CHANGES_BEFORE.intersection(before)
             or _CHANGES_AFTER.intersection(w.lower() for w in after)):
         return None  # "minus 5", "not 5", "2 dozen", "5 million": another number than the one written
-    bounded = _BOUNDED_BEFORE.intersection(before) or before_two == ["up", "to"]
-    if bounded and not s[: m.start()].rstrip(" \t*").endswith(":"):
-        return None  # "more than 72", "at least 72", "about 72": a bound, not the answer ("the most: 72" is a label)
+    gap = s[: m.start()].rstrip(" \t*")
+    if _BOUNDS_BEFORE.intersection(before) and not gap.endswith(":"):
+        return None  # "more than 72", "at least 72": a bound, not the answer ("the most: 72" is a label)
+    up_to = before_three[-2:] == ["up", "to"] and not _UP_TO_VERBS.intersection(before_three[:-2])
+    if (_APPROX_BEFORE.intersection(before) or up_to) and not gap.endswith((":", ",")):
+        return None  # "about 72", "up to 72": an approximation or a bound ("above, 72" ends a clause)
     if _second_answer(rest, m.group(0)):
         return None  # "72 or 73", "72, or so", "72 (or 73)", "72 to 73", "3 hours 30 minutes": no answer (read as 72, 3)
     if whole:
@@ -743,8 +756,9 @@ def _answer_tag(text: str) -> str | None:
 # gives the number right after it. A sentence ends at a stop and a space ("18.5" goes on); one that asks ("Is the
 # answer 18?") states nothing.
 _ANSWER_WORD = re.compile(r"\banswers?\b", re.IGNORECASE)
-# one stop: "[.!?]+" backtracked in O(n^2) on a run of dots; "Rs. 1,000" is rupees ("The answer is Rs. 1,000." gave none)
-_SENTENCE_END = re.compile(r"(?<!\bRs)[.!?]\s+")
+# one stop: "[.!?]+" backtracked in O(n^2) on a run of dots; "Rs. 1,000" is rupees ("The answer is Rs. 1,000." gave none),
+# but "Rs." before a word ends a sentence ("He pays 500 Rs. The answer is 500." gave none until a review)
+_SENTENCE_END = re.compile(r"(?:[!?]|(?<!\bRs)\.|\.(?![ \t]*\d))\s+")
 # What a statement may say before "answer": an answer line's lead words ("So", "Therefore,", "the final"), not "is" ("Is
 # the answer 18" asks), and a correction's ("No, the answer is 19"; so "No, the answer is not 18" denies the one before),
 # and a summary's ("In conclusion,", "In summary,", "Finally,", "Overall,": no answer until a review; "In the example,

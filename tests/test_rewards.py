@@ -1069,6 +1069,45 @@ def test_a_currency_sign_is_read_as_a_dollar_sign(completion, answer):
     assert extract_answer(completion) == answer
 
 
+# ---- a review of gsm8k 5 (s55r09): right answers its bound and approximation words refused ------------------------------
+@pytest.mark.parametrize("completion, answer", [
+    ("#### 18 (at most one per day)", "18"), ("#### 18 at least once", "18"), ("#### 1760 yards, roughly a mile", "1760"),
+    ("The answer is 18 minutes, approximately a third of an hour.", "18"), ("#### 0.3 hours (approximately a third of an hour)", "0.3"),
+    ("#### 18 (maximum number of cookies)", "18"), ("#### 4 (minimum number of buses)", "4"), ("#### 60 mph maximum speed", "60"),
+    ("#### 18 maximum-size boxes", "18"), ("#### 18, the maximum", "18"), ("#### 18 dollars. At least that is what she earns.", "18"),
+    # still bounds: nothing, punctuation or a bracket after the word, "roughly speaking", "give or take" and its tolerance
+    ("#### 18 at most", None), ("#### 18 (approximately)", None), ("#### 18 hours max", None), ("#### 18 maximum", None),
+    ("The answer is 18 at least.", None), ("#### 18 at most, probably fewer", None), ("#### 18 roughly speaking", None),
+    ("#### 18 give or take a few", None), ("#### 18 give or take 2", None),
+])
+def test_a_bound_word_that_a_word_follows_bounds_that_word(completion, answer):
+    """gsm8k 5 made a bound or approximation after the number no answer unless a number followed it: "#### 18 (at most one
+    per day)", "(approximately a third of an hour)", "(maximum number of cookies)", "#### 18, the maximum" gave none (a
+    review). A word after it is what it bounds or names; "give or take" bounds the answer whatever follows it."""
+    assert extract_answer(completion) == answer
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("3 + 5 + 10 = 18\n#### It all adds up to 18", "18"), ("#### Rounded up to 5 buses", "5"),
+    ("<answer>The price went up to $18</answer>", "18"), ("#### As computed above, 18", "18"), ("#### From the above, 18", "18"),
+    ("#### She can invite up to 18 guests", None), ("#### above 18", None), ("#### approx. 18", None),
+    ("The answer is approx. 18.", None), ("#### at least, 18", None),
+])
+def test_up_to_after_its_verb_or_a_bound_word_before_a_comma_is_no_bound(completion, answer):
+    """gsm8k 5's "up to 18" and "above 18" refused "It all adds up to 18", "Rounded up to 5 buses" and "As computed
+    above, 18" (a review): "up to" after a verb it completes, and an approximation word before a comma (which ends its
+    clause), bound nothing. "approx." with its dot is "approx" (it read as 18); "at least" keeps gsm8k 4's reading."""
+    assert extract_answer(completion) == answer
+
+
+def test_rupees_before_a_new_sentence_end_it():
+    """gsm8k 5 stopped splitting sentences at "Rs. " (for "The answer is Rs. 1,000."): "He pays 500 Rs. The answer is 500."
+    became one sentence that does not start with the answer phrase, no answer (a review)."""
+    for completion in ("He pays 10 * 50 = 500 Rs. The answer is 500.", "It costs 500 Rs. So the answer is Rs. 500.",
+                       "The answer is Rs. 500.", "He pays 500 Rs. Therefore, the final answer is: 500"):
+        assert extract_answer(completion) == "500", completion
+
+
 @pytest.mark.parametrize("text", ["the answer is 1 " * 6250, "So " * 30000 + "the answer is 1",
                                   "The answer is " + "\\frac{1}{2}" * 9000, "**Answer:** " * 8000 + "1"],
                          ids=["repeat", "leads", "fracs", "labels"])
