@@ -100,6 +100,111 @@ def check_config_types(cfg, path) -> None:
                 raise BadInputError(f"{path}: {key} key {k!r} is not a valid regex ({e})") from None
             if not number(v) or (key == "rank_pattern" and not (isinstance(v, int) and v > 0)):
                 raise BadInputError(f"{path}: {key}[{k!r}] must be a {'positive integer' if key == 'rank_pattern' else 'number'}, got {v!r}")
+    _check_module_matchers(cfg, path)
+
+
+def _check_module_matchers(cfg: dict, path) -> None:
+    """The fields ``peft_leaves_out`` matches module names with, of the types PEFT writes (a string among them is a
+    regex): a TypeError or re.error traceback otherwise."""
+    def regex(key, v):
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise BadInputError(f"{path}: {key} {v!r} is not a valid regex ({e})") from None
+
+    def strings(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    for key in ("target_modules", "exclude_modules", "layers_pattern", "modules_to_save"):
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if key != "modules_to_save" and isinstance(v, str):
+            regex(key, v)
+        elif not strings(v):
+            raise BadInputError(f"{path}: {key} must be a list of module names"
+                                + (" or a regex" if key != "modules_to_save" else "") + f", got {v!r}")
+        elif key in ("layers_pattern", "modules_to_save"):  # PEFT puts each list entry into a regex too
+            for x in v:
+                regex(key, x)
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool)) and not (
+            isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+        raise BadInputError(f"{path}: layers_to_transform must be a layer index or a list of them, got {layers!r}")
+
+
+def _uses_layer_indexes(cfg: dict) -> bool:
+    """PEFT's test for ``layers_to_transform`` being in force: any int (0 too: it was read as unset) or a non-empty list."""
+    layers = cfg.get("layers_to_transform")
+    return layers is not None and layers != []
+
+
+def _layer_index(cfg: dict, module: str) -> int | None:
+    """The layer index PEFT reads from a module name: the first numbered path part (after a ``layers_pattern`` part)."""
+    patterns = cfg.get("layers_pattern")
+    if not patterns:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            if m := re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module):
+                break
+    return int(m["idx"]) if m else None
+
+
+def _names_suffix(names, module: str) -> bool:
+    return module in names or any(module.endswith("." + n) for n in names)
+
+
+TIED_HEAD = "lm_head"
+
+
+def peft_leaves_out(cfg: dict, module: str) -> str | None:
+    """Why PEFT puts no LoRA layer on ``module`` (a base module name, "model.layers.0.self_attn.q_proj"): the
+    adapter_config.json field that says so, or None where PEFT wraps it (or only the model could tell: "all-linear",
+    no target_modules). PEFT loads an adapter file's tensors only into the LoRA layers it created and drops the rest
+    without a word, so a reader that applies every pair in the file runs another policy than PEFT's. Mirrors
+    peft.tuners.tuners_utils.check_target_module_exists (peft 0.17-0.21) and what PEFT wraps besides it."""
+    # wrapped whatever exclude_modules and the layers say: the modules of target_parameters ("self_attn.q_proj.weight"
+    # -> q_proj; PEFT saves their pairs under the module's name), and with ensure_weight_tying on a tied base the head,
+    # which PEFT moves out of the saved target_modules (into the unsaved target_modules_to_tie) and saves its LoRA
+    params = cfg.get("target_parameters")
+    if isinstance(params, list) and _names_suffix([p.rpartition(".")[0] for p in params if isinstance(p, str)], module):
+        return None
+    if cfg.get("ensure_weight_tying") and module == TIED_HEAD:
+        return None
+    excluded = cfg.get("exclude_modules")
+    if excluded and (re.fullmatch(excluded, module) if isinstance(excluded, str) else _names_suffix(excluded, module)):
+        return f"exclude_modules {excluded!r} excludes"
+    saved = cfg.get("modules_to_save")
+    if saved and any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in saved):
+        return f"modules_to_save {saved} trains in full (PEFT puts no LoRA on those)"
+    targets = cfg.get("target_modules")
+    if targets is None and params:
+        return "target_modules (null: only target_parameters are adapted) does not name"
+    if isinstance(targets, str):
+        return None if targets == "all-linear" or re.fullmatch(targets, module) else f"target_modules {targets!r} does not match"
+    if not isinstance(targets, list):
+        return None
+    if module in targets:  # a full name: PEFT takes it in any layer
+        return None
+    if not _names_suffix(targets, module):
+        return f"target_modules {targets} does not name"
+    if not _uses_layer_indexes(cfg):
+        return None
+    layers, idx = cfg["layers_to_transform"], _layer_index(cfg, module)
+    if idx is not None and (idx == layers if isinstance(layers, int) else idx in layers):
+        return None
+    pattern = f" (layers_pattern {cfg['layers_pattern']!r})" if cfg.get("layers_pattern") else ""
+    return f"layers_to_transform {layers!r}{pattern} leaves out"
+
+
+def check_peft_wraps(cfg: dict, modules, path) -> None:
+    """Refuse LoRA tensors of a module PEFT would not wrap (``peft_leaves_out``): every reader applies exactly the
+    pairs PEFT applies (merge merged them, the loader and vLLM applied them: a hand-edited config, a review)."""
+    for module in sorted(modules):
+        if why := peft_leaves_out(cfg, module):
+            raise BadInputError(f"{path}: LoRA tensors of {module!r}, which {why}: PEFT would not load them",
+                                hint=f"correct {CONFIG}, or remove the module's tensors")
 
 
 def model_not_adapter_hint(adapter_dir) -> str | None:
@@ -129,9 +234,10 @@ def _read_config(adapter_dir: Path) -> dict:
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise BadInputError(f"{path}: per-module {key} is not supported")
-    for key in ("modules_to_save", "layers_to_transform"):
-        if cfg.get(key):
-            raise BadInputError(f"{path}: {key} is not supported")
+    if cfg.get("modules_to_save"):
+        raise BadInputError(f"{path}: modules_to_save is not supported")
+    if _uses_layer_indexes(cfg):  # `layers_to_transform: 0` too (it was read as unset, and every layer's pairs applied)
+        raise BadInputError(f"{path}: layers_to_transform is not supported")
     why = unsupported_lora_variant(cfg)
     if why:
         raise BadInputError(f"{path}: {why}")
@@ -143,10 +249,16 @@ def _read_config(adapter_dir: Path) -> dict:
 def read_adapter_spec(adapter_dir) -> LoraSpec:
     """The LoraSpec an adapter directory was trained with (targets as module-name suffixes)."""
     cfg = _read_config(adapter_dir)
+    # rollout's vLLM engine hands the file to vLLM, which applies every pair in it, and train-step resumes it
+    # (a missing file is the reader's to report: the layout needs only the config)
+    if (wpath := _weights_path(Path(adapter_dir))).exists():
+        check_peft_wraps(cfg, _weight_modules(Path(adapter_dir)), wpath)
     targets = cfg.get("target_modules")
     # PEFT allows a regex, and names matched as dotted suffixes ("self_attn.q_proj"): resolve both from
-    # the saved keys (module names, which the loader then requires in every layer)
-    if isinstance(targets, str) or (isinstance(targets, list) and any(isinstance(t, str) and "." in t for t in targets)):
+    # the saved keys (module names, which the loader then requires in every layer); so too a target that
+    # exclude_modules takes out of every layer (PEFT saves no pair of it; the loader wanted one)
+    if isinstance(targets, str) or cfg.get("exclude_modules") or (
+            isinstance(targets, list) and any(isinstance(t, str) and "." in t for t in targets)):
         targets = _targets_from_weights(Path(adapter_dir))
     if not targets or not all(isinstance(t, str) for t in targets):
         raise BadInputError(f"{Path(adapter_dir) / CONFIG}: target_modules must name the adapted modules, got {targets!r}")
@@ -174,9 +286,14 @@ def _weights_path(adapter_dir: Path) -> Path:
     return path
 
 
-def _targets_from_weights(adapter_dir: Path) -> set[str]:
+def _weight_modules(adapter_dir: Path) -> set[str]:
+    """The base module names the adapter file holds LoRA tensors of."""
     with _open_weights(_weights_path(adapter_dir)) as fh:
-        return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in fh.keys() if ".lora_" in k}
+        return {k.removeprefix(PREFIX).split(".lora_")[0] for k in fh.keys() if ".lora_" in k}
+
+
+def _targets_from_weights(adapter_dir: Path) -> set[str]:
+    return {m.rsplit(".", 1)[-1] for m in _weight_modules(adapter_dir)}
 
 
 def lora_config(*, r: int, alpha: float, dropout: float, targets: list[str], rslora: bool,
@@ -237,6 +354,7 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
     seen: dict[str, set] = {n: set() for n in mods}
     values = {}
     with _open_weights(wpath) as fh:
+        check_peft_wraps(cfg, {m["mod"] for k in fh.keys() if (m := _KEY.match(k.removeprefix(PREFIX)))}, wpath)
         for key in fh.keys():
             m = _KEY.match(key[len(PREFIX):] if key.startswith(PREFIX) else key)
             if m is None:

@@ -42,6 +42,7 @@ import torch
 from qerl_cli.adapters import (
     PEFT_DEFAULT_ALPHA,
     check_config_types,
+    check_peft_wraps,
     model_not_adapter_hint,
     unsupported_lora_variant,
 )
@@ -172,7 +173,9 @@ def read_adapter(adapter_dir: Path) -> Adapter:
         name = name.replace(".base_layer.", ".")
         replacements[name] = t
 
-    _check_targeted(halves, cfg, w_path)
+    # only the pairs PEFT's merge_and_unload merges: PEFT wraps only what target_modules, layers_to_transform,
+    # exclude_modules and modules_to_save leave it and drops other tensors; merge merged whatever the file held
+    check_peft_wraps(cfg, halves, w_path)
     use_rslora = bool(cfg.get("use_rslora", False))
     deltas: dict[str, LoraDelta] = {}
     for module, parts in sorted(halves.items()):
@@ -207,29 +210,6 @@ def read_adapter(adapter_dir: Path) -> Adapter:
     from qerl_cli.adapters import adapter_hash
 
     return Adapter(adapter_dir, cfg, deltas, replacements, base_hash, hash=adapter_hash(adapter_dir))
-
-
-def _check_targeted(halves: dict, cfg: dict, w_path: Path) -> None:
-    """Every LoRA pair's module is one ``target_modules`` names, where it is a list of names (PEFT's suffix match; a
-    regex or "all-linear" is not checked): PEFT's merge_and_unload wraps only those and drops other tensors, and the
-    other stages refuse them, but merge merged whatever the file held (a hand-edited config, a review)."""
-    targets = cfg.get("target_modules")
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        return
-    named = list(targets)
-    # PEFT also wraps the modules of target_parameters ("self_attn.q_proj.weight" -> q_proj) and saves their pairs
-    # under the module's name; they are not in target_modules
-    if isinstance(params := cfg.get("target_parameters"), list):
-        named += [p.rpartition(".")[0] for p in params if isinstance(p, str)]
-    # ensure_weight_tying on a tied base: PEFT moves the head out of the saved target_modules (into the unsaved
-    # target_modules_to_tie) and saves its LoRA, the embedding's transposed
-    if cfg.get("ensure_weight_tying"):
-        named.append(LM_HEAD)
-    for module in sorted(halves):
-        name = module.removeprefix("base_model.model.")
-        if not any(name == t or name.endswith("." + t) for t in named):
-            raise BadInputError(f"{w_path}: LoRA tensors of {name!r}, which target_modules {targets} does not name",
-                                hint=f"add it to target_modules in {ADAPTER_CONFIG}, or remove its tensors")
 
 
 # ---- the base checkpoint ---------------------------------------------------------------------

@@ -371,3 +371,81 @@ def test_an_adapter_covering_only_some_layers_or_saved_as_bin_names_why(tmp_path
     with pytest.raises(BadInputError, match="adapter_model.bin, a pickle") as e:
         load_model(str(q), device="cpu", dtype=torch.float32, adapter_dir=str(tmp_path / "bin"))
     assert "safe_serialization=True" in str(e.value)
+
+
+# Configs whose adapters PEFT wraps on only some modules: per-layer fields, exclusions, a full name beside a layer
+# filter (PEFT takes it in any layer), a regex, modules_to_save taking a target, target_parameters beside exclusions
+PEFT_WRAPPING = {
+    "layers_to_transform_int": dict(layers_to_transform=1),
+    "layers_to_transform_0": dict(layers_to_transform=0),
+    "layers_to_transform_list": dict(layers_to_transform=[0, 2]),
+    "layers_pattern_str": dict(layers_to_transform=[1], layers_pattern="layers"),
+    "layers_pattern_list": dict(layers_to_transform=[2], layers_pattern=["h", "layers"]),
+    "exclude_modules_list": dict(exclude_modules=["v_proj", "model.layers.1.mlp.down_proj"]),
+    "exclude_modules_regex": dict(exclude_modules=r".*\.1\.self_attn\..*"),
+    "full_name_and_layers": dict(target_modules=["model.layers.0.self_attn.q_proj", "v_proj"], layers_to_transform=[1]),
+    "regex_and_exclude": dict(target_modules=r".*\.(q|v)_proj", exclude_modules=["model.layers.2.self_attn.q_proj"]),
+    "modules_to_save": dict(target_modules=["q_proj", "v_proj", "o_proj"], modules_to_save=["o_proj"]),
+    "target_parameters": dict(target_modules=["v_proj"], target_parameters=["self_attn.q_proj.weight"],
+                              exclude_modules=["model.layers.0.self_attn.v_proj"]),
+}
+
+
+@pytest.mark.parametrize("fields", list(PEFT_WRAPPING.values()), ids=list(PEFT_WRAPPING))
+def test_peft_leaves_out_exactly_the_modules_peft_does_not_wrap(tmp_path, fields):
+    # The readers' check against the real PEFT: the modules get_peft_model wraps, by the adapter_config.json it saves
+    from qerl_cli.adapters import peft_leaves_out
+
+    hf = make_tiny_hf_model(tmp_path, arch="qwen2", layers=3, tokenizer=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    names = [n for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, **{"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                               "gate_proj", "up_proj", "down_proj"],
+                                                            **fields}))
+    wraps = {n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A")}
+    pm.save_pretrained(tmp_path / "ad")
+    cfg = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    mine = {n for n in names if peft_leaves_out(cfg, n) is None}
+    assert wraps and mine == wraps, (sorted(mine - wraps), sorted(wraps - mine))
+
+
+def _edited(src: Path, dst: Path, **fields) -> Path:
+    """A copy of the adapter ``src`` whose adapter_config.json also says ``fields`` (its tensors unchanged)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps(dict(cfg, **fields)))
+    return dst
+
+
+@pytest.mark.parametrize("fields", [dict(exclude_modules=["v_proj"]), dict(exclude_modules=r".*\.1\..*"),
+                                    dict(layers_to_transform=0)], ids=["exclude_list", "exclude_regex", "layers_0"])
+def test_pairs_peft_would_not_load_are_refused_by_every_stage(tmp_path, nvfp4_dirs, fields):
+    # rollout, train-step and eval applied every pair in the file: exclude_modules was not read, and
+    # layers_to_transform=0 passed as unset (`if cfg.get(key)`), so these adapters ran another policy than PEFT's
+    # (max logit difference 0.86 and 0.61 on this model)
+    from qerl_cli.adapters import load_adapter
+
+    qdir, deq = nvfp4_dirs
+    _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    bad = _edited(tmp_path / "peft", tmp_path / "bad", **fields)
+    why = "layers_to_transform is not supported" if "layers_to_transform" in fields else \
+        r"LoRA tensors of 'model\.layers\.\d\.self_attn\.._proj', which exclude_modules .* PEFT would not load them"
+    with pytest.raises(BadInputError, match=why):  # the native engine: rollout, eval, train-step's model
+        load_model(qdir, dtype=torch.float32, adapter_dir=bad)
+    with pytest.raises(BadInputError, match=why):  # rollout's vLLM engine and train-step resuming read this first
+        read_adapter_spec(bad)
+    with pytest.raises(BadInputError, match=why):  # and the loader itself, given the layout (train-step)
+        load_adapter(load_model(qdir, dtype=torch.float32, lora=LoraSpec(r=4, alpha=8, targets=("q_proj", "v_proj"))),
+                     bad)
+
+
+def test_a_peft_adapter_excluding_a_target_from_every_layer_loads(tmp_path, nvfp4_dirs):
+    # PEFT saves no pair of a target exclude_modules takes out of every layer; the loader put LoRA on it anyway (from
+    # target_modules) and refused the adapter as "no lora_A/lora_B for ...v_proj". It is plain LoRA on the others.
+    qdir, deq = nvfp4_dirs
+    ref = _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=4, lora_alpha=8,
+                                   target_modules=["q_proj", "v_proj", "down_proj"], exclude_modules=["v_proj"])
+    assert set(read_adapter_spec(tmp_path / "peft").targets) == {"q_proj", "down_proj"}
+    _assert_loads_as_peft(qdir, tmp_path / "peft", ref)

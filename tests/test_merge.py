@@ -186,6 +186,11 @@ def test_refuses_missing_files(pair, tmp_path):
     (lambda c: dict(c, r=0), "'r' must be a positive integer, got 0"),
     (lambda c: dict(c, rank_pattern={"q_proj(": 2}), "rank_pattern key 'q_proj\\(' is not a valid regex"),
     (lambda c: dict(c, alpha_pattern="v_proj"), "alpha_pattern must map module-name patterns"),
+    # the fields the PEFT target check matches with (it was blind to them): a TypeError / re.error otherwise
+    (lambda c: dict(c, layers_to_transform="1"), "layers_to_transform must be a layer index or a list of them, got '1'"),
+    (lambda c: dict(c, layers_to_transform=[0, True]), "layers_to_transform must be a layer index"),
+    (lambda c: dict(c, exclude_modules="v_proj("), "exclude_modules 'v_proj\\(' is not a valid regex"),
+    (lambda c: dict(c, exclude_modules={"v_proj": 1}), "exclude_modules must be a list of module names or a regex"),
 ])
 def test_malformed_adapter_config_is_one_line_error(pair, tmp_path, edit, match):
     """A hand-edited adapter_config.json: merge and the adapter loader name the key (they raised
@@ -224,10 +229,77 @@ def test_lora_tensors_of_a_module_target_modules_does_not_name_are_refused(pair,
                                                                                   if t != dropped])))
     with pytest.raises(BadInputError, match=rf"LoRA tensors of '.*\.{dropped}', which target_modules .* does not name"):
         read_adapter(bad)
-    regex = tmp_path / "regex"  # a regex is PEFT's to match: not checked here
+    regex = tmp_path / "regex"  # a regex is matched as PEFT matches it (re.fullmatch): ".*" takes every pair
     shutil.copytree(adapter, regex)
     (regex / "adapter_config.json").write_text(json.dumps(dict(cfg, target_modules=".*")))
     assert read_adapter(regex).deltas.keys() == read_adapter(adapter).deltas.keys()
+
+
+# PEFT's fields that leave a target out of some layers, as PEFT writes them (int and list, string and list, list and regex)
+PEFT_LAYER_FIELDS = {
+    "layers_to_transform_int": dict(layers_to_transform=1),
+    "layers_to_transform_0": dict(layers_to_transform=0),
+    "layers_to_transform_list": dict(layers_to_transform=[0, 2]),
+    "layers_pattern_str": dict(layers_to_transform=[1], layers_pattern="layers"),
+    "layers_pattern_list": dict(layers_to_transform=[2], layers_pattern=["h", "layers"]),
+    "exclude_modules_list": dict(exclude_modules=["v_proj", "model.layers.1.mlp.down_proj"]),
+    "exclude_modules_regex": dict(exclude_modules=r".*\.1\.self_attn\..*"),
+}
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """An fp32 3-layer base and a PEFT adapter on every target of every layer."""
+    tmp = tmp_path_factory.mktemp("layers")
+    base = make_tiny_hf_model(tmp, arch="llama", hidden=32, layers=3, dtype=torch.float32, tokenizer=False)
+    return base, make_peft_adapter(base, tmp / "all", r=2, alpha=4, trainer_state=False)
+
+
+@pytest.mark.parametrize("fields", list(PEFT_LAYER_FIELDS.values()), ids=list(PEFT_LAYER_FIELDS))
+def test_lora_pairs_of_layers_or_modules_peft_leaves_out_are_refused(three_layers, tmp_path, fields):
+    # The check read target_modules only: an adapter whose config says layers_to_transform / exclude_modules but
+    # whose file holds pairs of the other layers (a hand-edited config, a review) had them all merged, where PEFT
+    # wraps only the modules those fields leave it and drops the other tensors without a word.
+    import shutil
+
+    import peft
+    import transformers
+
+    base, full = three_layers
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS, **fields))
+    wraps = {n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A")}
+    edited = tmp_path / "edited"
+    shutil.copytree(full, edited)
+    cfg = json.loads((full / "adapter_config.json").read_text())
+    (edited / "adapter_config.json").write_text(json.dumps(dict(cfg, **fields)))
+    left_out = sorted(read_adapter(full).deltas.keys() - wraps)
+    assert left_out and wraps < read_adapter(full).deltas.keys()
+    field = next(iter(fields)) if "layers_pattern" not in fields else "layers_to_transform"
+    with pytest.raises(BadInputError, match=rf"LoRA tensors of '{left_out[0]}', which {field} .*PEFT would not load"):
+        merge(MergeConfig(base, edited, tmp_path / "m"), progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("fields", list(PEFT_LAYER_FIELDS.values()), ids=list(PEFT_LAYER_FIELDS))
+def test_peft_adapters_with_layer_fields_merge_to_peft_merge_and_unload(three_layers, tmp_path, fields):
+    # The other side of the check above: the adapters PEFT itself writes with these fields are not refused, and
+    # every merged tensor is PEFT's own merge_and_unload (fp32 base) rounded to bf16, untouched layers included.
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    base, _ = three_layers
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, trainer_state=False, **fields)
+    m = merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(model, adapter)
+    assert m["summary"]["merged_modules"] == sum(hasattr(x, "lora_A") for x in pm.modules()) > 0
+    want = pm.merge_and_unload().state_dict()
+    got = load_file(tmp_path / "m" / "model.safetensors")
+    assert got.keys() == load_file(base / "model.safetensors").keys()
+    for name, t in got.items():
+        assert torch.equal(t, want[name].to(torch.bfloat16)), name
 
 
 def test_read_adapter_scaling_and_rslora(pair, tmp_path):
