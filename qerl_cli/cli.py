@@ -524,5 +524,19 @@ def _alloc_conf_variable() -> str:
 
 
 def main() -> None:
-    use_expandable_segments()
-    app()
+    try:
+        use_expandable_segments()
+        app()  # a stage's own stop (guarded) exits inside; before the stage, Typer builds the command table
+    except KeyboardInterrupt:
+        _stopped_while_starting()
+    except SystemExit as e:
+        # Typer turns a Ctrl-C while it parses the flags into a silent exit 130 (the stop line then missing)
+        if e.code == 130 and isinstance(getattr(e.__context__, "__cause__", None), KeyboardInterrupt):
+            _stopped_while_starting()
+        raise
+
+
+def _stopped_while_starting() -> None:
+    from qerl_cli.__main__ import stopped_while_starting
+
+    stopped_while_starting()

@@ -337,3 +337,50 @@ def test_a_signal_after_merge_nvfp4s_inner_quantize_does_not_call_a_temp_dir_com
     assert r.returncode == 143, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == "terminated (SIGTERM): --out was not written", r.stderr[-500:]
     assert not out.exists()
+
+
+START_INT = """
+import importlib.abc, os, runpy, signal, sys, time
+
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)  # the KeyboardInterrupt is raised here, in the frame that was running
+
+class At(importlib.abc.MetaPathFinder):  # Ctrl-C while the CLI module imports (typer is among its imports)
+    def find_spec(self, name, path, target=None):
+        if name == "typer":
+            sys.meta_path.remove(self)
+            ctrl_c()
+        return None
+
+where = sys.argv[1]
+if where == "import":
+    sys.meta_path.insert(0, At())
+else:
+    import typer.main
+    import qerl_cli.cli as cli
+    if where == "commands":  # Typer building the command table
+        build = typer.main.get_command
+        typer.main.get_command = lambda app: (ctrl_c(), build(app))[1]
+    else:  # "flags": Typer parsing the flags
+        parse = cli._Group.make_context
+        cli._Group.make_context = lambda *a, **k: (ctrl_c(), parse(*a, **k))[1]
+sys.argv = ["qerl", "quantize", "no-such-dir", "--out", "never-written"]
+runpy.run_module("qerl_cli", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["import", "commands", "flags"])
+def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(where, tmp_path):
+    """Ctrl-C in the first second of a run, before the stage begins: a KeyboardInterrupt traceback of importlib or
+    Typer frames (the process killed by SIGINT), or while Typer parsed the flags an exit 130 that said nothing."""
+    import subprocess
+    import sys
+
+    from qerl_cli.__main__ import STARTING_STOP
+    from tests.reliability_fixtures import REPO, cli_env
+
+    r = subprocess.run([sys.executable, "-c", START_INT, where], env=cli_env(), cwd=str(tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (130, STARTING_STOP + "\n"), (r.returncode, r.stderr[-2000:])
+    assert not (tmp_path / "never-written").exists() and REPO.is_dir()
