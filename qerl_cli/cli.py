@@ -341,11 +341,25 @@ def guarded(fn, stage: str | None = None):
             if done:  # after the rename: the output is whole, only the summary lines were cut short
                 print(f"{word} after --out was written: {done[-1]} is complete (a rerun says already done)",
                       file=sys.stderr)
+            elif (rank := _writer_elsewhere()) is not None:
+                print(f"{word}: torchrun rank {rank} stopped (rank 0 alone writes --out: its line, or a rerun's "
+                      "\"already done\", says whether it was written)", file=sys.stderr)
             else:
                 print(f"{word}: --out was not written{resume}", file=sys.stderr)
             raise typer.Exit(code) from None
 
     return wrapper
+
+
+def _writer_elsewhere() -> str | None:
+    """This process's RANK when it is a torchrun rank other than 0, which never writes --out: its "--out was not
+    written" contradicted rank 0's "after --out was written: ... is complete" when both were stopped after rank 0's
+    rename (a review, session 55). None otherwise, or when the variables are not numbers."""
+    try:
+        multi, rank = int(os.environ.get("WORLD_SIZE", "1")) > 1, int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return None
+    return str(rank) if multi and rank != 0 else None
 
 
 def exit_on_resumable_stop(e: KeyboardInterrupt, kept, one: str, many: str, note: str | None = None) -> None:

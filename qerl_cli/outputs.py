@@ -382,8 +382,14 @@ class StageOutput:
             return
         olds = [p for p in self.out.parent.glob(self._sibling_glob("old")) if read_manifest(p) is not None]
         if olds:
-            newest = max(olds, key=lambda p: p.stat().st_mtime)
-            os.replace(newest, self.out)
+            try:
+                newest = max(olds, key=lambda p: p.stat().st_mtime)
+                os.replace(newest, self.out)
+            except OSError:
+                # torchrun's ranks check one --out together: another rank put it back first (this one died in
+                # os.replace, a traceback, and torchrun stopped the rest; a review)
+                if not self.out.exists():
+                    raise
 
     def _clean_stale(self) -> None:
         for p in self.out.parent.glob(self._sibling_glob("old")):

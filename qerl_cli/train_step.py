@@ -914,7 +914,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                         if saved is None:
                             raise
                     # outside the except: the failed graph's tensors are freed with the traceback
-                    _say(cfg, who + auto.retry_with_fewer(saved))
+                    _say(cfg, who + auto.retry_with_fewer(saved), every_rank=True)
                 if res is None:  # non-finite loss
                     bad_mb = j
                     break
@@ -925,7 +925,7 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
                     acc.min(is_ratio=raw[1])
                     acc.max(is_ratio=raw[2], lp_abs_diff=diff_abs[1])
                 if auto is not None and auto.note and not auto.said:
-                    _say(cfg, who + auto.note)
+                    _say(cfg, who + auto.note, every_rank=True)
                     auto.said = True
                 epoch_loss += loss_value
                 # Clipping can only happen from epoch 2 on (epoch 1 is on-policy: ratio 1), so clip
@@ -1253,10 +1253,14 @@ def _progress(cfg, dist, total):
 
 
 def _warn(msg: str) -> None:
-    warnings.warn(QerlWarning(msg), stacklevel=3)
+    """A warning of the step, the same on every torchrun rank: rank 0 alone gives it (each rank did, so 8 GPUs
+    printed each line 8 times; a review)."""
+    if distributed.main_by_environment():
+        warnings.warn(QerlWarning(msg), stacklevel=3)
 
 
-def _say(cfg, msg: str, result: bool = False) -> None:
-    """Notes and warnings to stderr; the result line (and "already done") to stdout, as the other stages."""
-    if cfg.progress:
+def _say(cfg, msg: str, result: bool = False, every_rank: bool = False) -> None:
+    """Notes and warnings to stderr; the result line (and "already done") to stdout, as the other stages.
+    Under torchrun only rank 0 speaks, unless the note is the rank's own (``every_rank``: it names the rank)."""
+    if cfg.progress and (every_rank or distributed.main_by_environment()):
         print(msg, file=sys.stdout if result else sys.stderr)

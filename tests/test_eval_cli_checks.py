@@ -207,3 +207,16 @@ def test_torch_2_10_gets_expandable_segments_under_the_new_name(monkeypatch, tor
     monkeypatch.setattr("importlib.metadata.version", lambda name: torch_version)
     use_expandable_segments()
     assert {k: v for k, v in os.environ.items() if k.endswith("ALLOC_CONF")} == {var: "expandable_segments:True"}
+
+
+def test_a_torchrun_rank_that_does_not_write_out_does_not_say_it_was_not_written(capsys, monkeypatch):
+    # Stopped together after rank 0 put --out in place, rank 0 said "after --out was written: ... is complete" and
+    # rank 1 "--out was not written" (a review, session 55): only rank 0 knows.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert _exit_code(_raising(KeyboardInterrupt()), "train-step") == 130
+    assert capsys.readouterr().err == ("interrupted: torchrun rank 1 stopped (rank 0 alone writes --out: its line, "
+                                       "or a rerun's \"already done\", says whether it was written)\n")
+    monkeypatch.setenv("RANK", "0")
+    assert _exit_code(_raising(KeyboardInterrupt()), "train-step") == 130
+    assert capsys.readouterr().err == "interrupted: --out was not written\n"

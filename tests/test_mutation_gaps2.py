@@ -438,6 +438,33 @@ def test_an_old_output_left_beside_a_finished_one_is_swept_not_put_back(tmp_path
     assert read_manifest(out)["fingerprint"] == fp and not (tmp_path / ".o.old-aaaaaaaa").exists()
 
 
+def test_ranks_that_put_the_old_output_back_at_once_all_find_it(tmp_path, monkeypatch):
+    # torchrun's ranks check one --out together: after a replace killed between its renames, each found the old
+    # output beside it and put it back; the one that came second died in os.replace (FileNotFoundError, a traceback)
+    # and torchrun stopped the others (a review, session 55). Here the other rank puts it back while this one reads.
+    import os
+    from pathlib import Path
+
+    import qerl_cli.outputs as outputs
+
+    out, old = tmp_path / "o", tmp_path / ".o.old-aaaaaaaa"
+    so = _stage(tmp_path / "x", {"k": 1})
+    assert not so.already_done()
+    fp = _finish(so)["fingerprint"]
+    (tmp_path / "x").rename(old)
+    real = outputs.read_manifest
+
+    def read_then_other_rank_recovers(d):
+        m = real(d)
+        if Path(d) == old and old.exists():
+            os.replace(old, out)  # the other rank, a moment earlier
+        return m
+
+    monkeypatch.setattr(outputs, "read_manifest", read_then_other_rank_recovers)
+    assert _stage(out, {"k": 1}).already_done()
+    assert real(out)["fingerprint"] == fp and not old.exists()
+
+
 def test_an_old_output_without_a_manifest_is_not_put_back(tmp_path):
     half = tmp_path / ".o.old-aaaaaaaa"  # half deleted: its manifest already gone
     half.mkdir()

@@ -382,3 +382,26 @@ def test_a_rank_keeps_only_the_token_arrays_of_its_own_micro_batches(tmp_path):
             kept = (data.prompts[s], data.completions[s], data.sampling_logprobs[s])
             assert all(x is None for x in kept) if j % 2 == 0 else list(kept[1]) == full[s]
     assert data.completion_lengths == [len(c) for c in full]  # the metrics' lengths stay whole
+
+
+def test_notes_and_warnings_the_ranks_share_are_said_once(monkeypatch, capsys):
+    # Each rank printed the step's notes and warnings (--embeddings-on-cpu "no effect on cpu", "shards are from
+    # rollout step 3 but the adapter is at step 1"): 8 GPUs, each line 8 times (a review, session 55). A rank's own
+    # note (--keep-activations auto names the rank) still comes from every rank.
+    import warnings
+
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.train_step import _say, _warn
+
+    cfg = TrainStepConfig(model="m", shards=["s"], out="o")
+    for rank, says in (("0", True), ("1", False)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _warn("shared warning")
+        _say(cfg, "shared note")
+        _say(cfg, f"rank {rank}: own note", every_rank=True)
+        err = capsys.readouterr().err
+        assert [issubclass(w.category, QerlWarning) for w in caught] == ([True] if says else [])
+        assert ("shared note" in err) == says and f"rank {rank}: own note" in err
