@@ -52,6 +52,31 @@ def test_paired_sign_flip_p_value_against_every_sign_pattern():
     assert r["diff"] == pytest.approx(100 * float(sum(d)) / len(d))
 
 
+def _every_sign_pattern_p(d: list[Fraction]) -> Fraction:
+    nz = [x for x in d if x]
+    obs = abs(sum(nz))
+    return Fraction(sum(abs(sum(s * x for s, x in zip(signs, nz))) >= obs
+                        for signs in itertools.product((1, -1), repeat=len(nz))), 2 ** len(nz))
+
+
+@pytest.mark.parametrize("na, nb, ca, cb", [
+    # 256 and 257 samples: the float differences c'/257 - c/256 have no fraction of denominator <= 2^16 near them;
+    # their approximations' common denominator sent 6 problems onto the normal approximation, p = 0.042 < 0.05
+    (256, 257, [11, 51, 101, 151, 201, 31], [40, 90, 150, 180, 250, 20]),
+    # the first three differences sum to 0 exactly: sign patterns tie with the observed sum, which approximated
+    # differences broke (p = 0.625 for an exact 0.75, with the table counted however large)
+    (256, 257, [193, 7, 56, 159], [64, 68, 125, 50]),
+    # 255 and 256 (denominator 65,280): 12 differences of thousands each, 2^12 sign patterns, were approximated
+    (255, 256, [1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 101, 111], [201, 151, 161, 101, 201, 1, 221, 251, 31, 241, 181, 251]),
+])
+def test_paired_sign_flip_is_exact_for_runs_of_other_sample_counts(na, nb, ca, cb):
+    a = {str(i): c / na for i, c in enumerate(ca)}
+    b = {str(i): c / nb for i, c in enumerate(cb)}
+    want = _every_sign_pattern_p([Fraction(y, nb) - Fraction(x, na) for x, y in zip(ca, cb)])
+    r = paired_difference(a, b)
+    assert r["test"] == "sign-flip" and r["p"] == pytest.approx(float(want), rel=1e-9)
+
+
 # ---- the stage, with a scripted engine ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
