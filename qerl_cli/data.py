@@ -4,7 +4,9 @@ Accepted row shapes (first match wins), each with an optional ``id`` (or ``uniqu
 ``prompt_id``; default: the row's index, which is stable as long as the file is):
 
 - ``{"prompt": "...", "answer": "..."}``: plain text prompt;
-- ``{"messages": [{"role": "user", "content": "..."}, ...], "answer": ...}``: a chat;
+- ``{"messages": [{"role": "user", "content": "..."}, ...], "answer": ...}``: a chat, ending with the turn the model
+  answers (one ending with an assistant turn, an SFT row's reply, is refused: the prompt would show it); a ``content``
+  may be a list of text parts (``[{"type": "text", "text": ...}]``), joined by newlines as vLLM joins them;
 - GSM8K rows ``{"question": ..., "answer": "...#### 72"}``: the reference becomes ``72``;
 - MATH / MATH-500 rows ``{"problem": ..., "answer": ...}`` (or only ``solution``: its last ``\\boxed{}``);
 - TRL / verl conversational rows: ``prompt`` as a chat list, the reference in ``answer`` or
@@ -203,11 +205,13 @@ def _float32_as_text(schema):
     """The schema with float32 columns (nested too) as text: pyarrow's cast writes their shortest
     decimal ("0.1"), while to_pylist widens them to 0.10000000149011612, which no answer equals. float16:
     top-level columns are text already (``_float16_columns_as_text``); a nested one reads as the widened
-    value ("0.0999755859375")."""
+    value ("0.0999755859375"). Null-typed fields (a field that is null in every row: ``name`` or ``tool_calls`` of
+    a ``messages`` column) become string too, all null still: pyarrow (26) fails to cast a list of structs holding
+    one to its own type, which refused such a file as "not a readable Parquet file"."""
     import pyarrow as pa
 
     def conv(t):
-        if pa.types.is_float32(t) or pa.types.is_float16(t):
+        if pa.types.is_float32(t) or pa.types.is_float16(t) or pa.types.is_null(t):
             return pa.string()
         if pa.types.is_struct(t):
             return pa.struct([pa.field(f.name, conv(f.type), f.nullable) for f in t])
@@ -223,10 +227,33 @@ def _float32_as_text(schema):
 def _check_messages(msgs: Any, where: str) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
+    out = []
     for j, m in enumerate(msgs):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": _text_parts(m["content"], f"{where}: messages[{j}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadInputError(f"{where}: messages[{j}] needs string `role` and `content`")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] == "assistant":  # an SFT row's reference reply: rendered whole, then a new assistant turn
+        raise BadInputError(f"{where}: `messages` end with an assistant turn, which the prompt would show the model "
+                            "(its reply, the answer), before a new assistant turn to generate",
+                            hint="a prompt ends with the turn the model answers: drop the final assistant message; "
+                                 "a reference belongs in `answer`")
+    return out
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """A content given as parts (``[{"type": "text", "text": ...}]``, OpenAI's and newer datasets' form) as the one
+    string a text model's chat template reads, the text parts joined by newlines as vLLM joins them: passed as a list,
+    Qwen3's template renders it as nothing and Qwen2.5's as the list's repr."""
+    texts = []
+    for k, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind != "text" or not isinstance(p.get("text"), str):
+            what = f"a `{kind}` part" if isinstance(kind, str) else "no {type: text, text} part"
+            raise BadInputError(f"{where}.content[{k}] is {what}: prompts are text only")
+        texts.append(p["text"])
+    return "\n".join(texts)
 
 
 def _answer(raw: Any, where: str) -> str | None:

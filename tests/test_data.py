@@ -438,3 +438,63 @@ def test_a_row_without_an_id_taking_an_explicit_ids_index_says_it_has_none(tmp_p
     p = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b"}])
     with pytest.raises(BadInputError, match=r"d.jsonl:2: id '1' \(this row has no id and takes its row index\) already"):
         load_prompts(p)
+
+
+def test_messages_ending_with_an_assistant_turn_are_refused(tmp_path, chat_tok):
+    # An SFT-style row whose last turn is the reference reply: it was rendered whole, then a new assistant turn,
+    # so every rollout and eval prompt showed the model the answer it was to find.
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "user", "content": "48+24?"}, {"role": "assistant", "content": "#### 72"}], "answer": "72"},
+        {"prompt": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}], "answer": "2"},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": "c"}], "answer": "1"},  # a few-shot chat ending with the question
+    ])
+    with pytest.raises(BadInputError, match=r"d.jsonl:1: `messages` end with an assistant turn") as e:
+        load_prompts(p)
+    assert "drop the final assistant message" in e.value.hint
+    bad = []
+    rows = load_prompts(p, skip_bad_lines=True, bad_lines=bad)
+    assert [r.where.rsplit(":", 1)[1] for r in rows] == ["3"] and len(bad) == 2
+    assert "#### 72" not in encode_prompts(rows, chat_tok)[0].text
+
+
+def test_message_content_as_text_parts(tmp_path, chat_tok):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    parts = [{"type": "text", "text": "What is 2+3?", "image": None}, {"type": "text", "text": "Be brief.", "image": None}]
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": parts}]], "answer": ["5"]}), tmp_path / "d.parquet")
+    [row] = load_prompts(tmp_path / "d.parquet")
+    assert row.messages == [{"role": "user", "content": "What is 2+3?\nBe brief."}]  # joined as vLLM joins them
+    # a text model's template reads a string: Qwen3's renders a list as nothing, so the prompt held no question
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content if m.content is string else '' }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    [enc] = encode_prompts([row], tok)
+    assert "What is 2+3?\nBe brief." in enc.text
+    want = tok.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True)
+    assert enc.token_ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+        {"messages": [{"role": "user", "content": ["plain string"]}]},
+    ])
+    with pytest.raises(BadInputError, match=r"d.jsonl:1: messages\[0\].content\[0\] is a `image_url` part: prompts are text"):
+        load_prompts(p)
+    bad = []
+    with pytest.raises(BadInputError, match="holds no valid rows"):
+        load_prompts(p, skip_bad_lines=True, bad_lines=bad)
+    assert "messages[0].content[0] is no {type: text, text} part" in bad[1]
+
+
+def test_parquet_messages_with_a_field_null_in_every_row(tmp_path):
+    # `datasets` / pandas write a field that is None in every message (`name`, `tool_calls`) as Arrow's null type;
+    # pyarrow cannot cast a list of such structs to its own type, and the valid file was "not a readable Parquet file"
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    chat = [{"role": "system", "content": "Reason step by step.", "name": None},
+            {"role": "user", "content": "What is 2+3?", "name": None}]
+    pq.write_table(pa.table({"messages": [chat], "answer": ["5"], "extra": pa.array([None], pa.null())}),
+                   tmp_path / "d.parquet")
+    [row] = load_prompts(tmp_path / "d.parquet")
+    assert row.messages == [{"role": m["role"], "content": m["content"]} for m in chat] and row.answer == "5"
