@@ -139,14 +139,22 @@ def rules_used(metrics: dict) -> set[str]:
     return used | {"gsm8k"} if metrics.get("scorer", "auto") == "auto" else used
 
 
-def _rule_versions(m: dict, kinds: Sequence[str]) -> str:
-    """The versions of the answer rules ``kinds`` a run was scored by, as JSON: qerl's (``scorer_version``; another
-    rule's is moot) and, with the math rule among them, the packages its verdicts come from (``scorer_packages``,
-    none recorded before they were: unknown, as a missing ``scorer_version``)."""
-    versions = {k: (m.get("scorer_version") or {}).get(k) for k in kinds}
-    if "math" in kinds:
-        versions["packages"] = m.get("scorer_packages")
-    return json.dumps(versions, sort_keys=True)
+def _rule_version(m: dict, kind: str) -> str:
+    """The version of the answer rule ``kind`` a run was scored by, as JSON: qerl's (``scorer_version``) and, for the
+    math rule, the packages its verdicts come from (``scorer_packages``, none recorded before they were: unknown, as a
+    missing ``scorer_version``)."""
+    version = [(m.get("scorer_version") or {}).get(kind)]
+    if kind == "math":
+        version.append(m.get("scorer_packages"))
+    return json.dumps(version, sort_keys=True)
+
+
+def _scored_by_other_versions(metrics: Sequence[dict]) -> bool:
+    """Whether two runs scored with a rule (``rules_used``) under other versions of it. Only among the runs it scored:
+    a gsm8k-only run's math versions (another node's sympy, none before they were recorded) are moot, and its rerun,
+    already done, keeps them, so the warning's advice could not clear them."""
+    kinds = {k for m in metrics for k in rules_used(m)}
+    return any(len({_rule_version(m, k) for m in metrics if k in rules_used(m)}) > 1 for k in kinds)
 
 
 def compare_table(eval_dirs: Sequence[Path]):
@@ -200,10 +208,9 @@ def compare_table(eval_dirs: Sequence[Path]):
             for d, m in runs[1:]])
         notes.append("paired: the difference in points over the same problems, and a two-sided p-value: "
                      "exact McNemar where both runs took one sample a problem, else a paired sign-flip test")
-    scored = sorted({k for _, m in runs for k in rules_used(m)})
     if len({m.get("scorer") for _, m in runs}) > 1:
         notes.append("warning: the runs were scored by different rules (--scorer)")
-    elif len({_rule_versions(m, scored) for _, m in runs}) > 1:  # the rules the runs scored with ("scored_with")
+    elif _scored_by_other_versions([m for _, m in runs]):  # the rules the runs scored with ("scored_with")
         notes.append("warning: the runs were scored by different versions of the answer rules (a qerl, math-verify or "
                      "sympy upgrade); rerun each eval command to score its samples again with today's")
     settings = [_generation_settings(d, m) for d, m in runs]

@@ -340,3 +340,36 @@ def test_compare_flags_math_runs_scored_under_other_math_verify_or_sympy_version
     assert "different versions of the answer rules" in caption(runs, {"math": 10}, [None, rule_packages()])
     assert "answer rules" not in caption(runs, {"math": 10}, [rule_packages(), rule_packages()])
     assert "answer rules" not in caption(runs, {"gsm8k": 10}, [older, rule_packages()])  # no math verdict: moot
+
+
+def test_compare_weighs_math_verify_versions_only_among_the_runs_the_math_rule_scored(tmp_path):
+    # A gsm8k-only run's scorer_packages (another node's sympy, or none: made before they were recorded) beside a run
+    # the math rule scored warned "different versions of the answer rules ... rerun each eval command", and did so
+    # after the rerun too: the gsm8k-only eval is already done (no math verdict in it), its packages stay as they are.
+    from rich.console import Console
+
+    from qerl_cli.answers import rule_packages
+    from qerl_cli.rewards import RULE_VERSION
+
+    def caption(runs, scored_with, packages, versions=(RULE_VERSION, RULE_VERSION)):
+        for run, used, p, v in zip(runs, scored_with, packages, versions):
+            m = json.loads((run / "metrics.json").read_text())
+            m.update(scorer="auto", scored_with=used, scorer_version=dict(v))
+            m.pop("scorer_packages", None)
+            m.update({} if p is None else {"scorer_packages": p})
+            (run / "metrics.json").write_text(json.dumps(m))
+        console = Console(record=True, width=300)
+        console.print(compare_table(runs))
+        return " ".join(console.export_text().split())
+
+    runs = [_fake_run(tmp_path / "a", "base", 0.6), _fake_run(tmp_path / "b", "tuned", 0.66)]
+    older = dict(rule_packages(), sympy="1.12")
+    mixed = [{"gsm8k": 10}, {"gsm8k": 6, "math": 4}]
+    assert "answer rules" not in caption(runs, mixed, [None, rule_packages()])
+    assert "answer rules" not in caption(runs, mixed, [older, rule_packages()])
+    assert "answer rules" not in caption(runs, mixed, [older, rule_packages()],  # math's version: moot for the first
+                                         [dict(RULE_VERSION, math=0), RULE_VERSION])
+    assert "different versions of the answer rules" in caption(runs, mixed, [older, rule_packages()],
+                                                               [dict(RULE_VERSION, gsm8k=4), RULE_VERSION])
+    assert "different versions of the answer rules" in caption(runs, [{"math": 3, "gsm8k": 7}, mixed[1]],
+                                                               [older, rule_packages()])
