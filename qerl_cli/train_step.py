@@ -54,6 +54,7 @@ from qerl_cli.errors import (
     NumericalError,
     OutOfMemoryError,
     OutputWriteError,
+    QerlError,
     QerlWarning,
 )
 from qerl_cli.hashing import model_hash, sha256_file
@@ -720,11 +721,14 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     from qerl_cli.shards import missing_shards
 
     # Warnings are QerlWarnings: shown with -q (one `warning:` line from the CLI), catchable by a library caller.
+    # What a rank other than 0 read of its own --shards (node-local copies) is held: said only if the ranks then
+    # disagree, where it tells why (rank 0 alone speaking, "fingerprint: rank 0 ..., rank 1 ..." came without it).
+    held: list[str] = []
     if missing := missing_shards(data.files):
         _warn(f"the shards name {len(missing)} more shard file(s) of this step that --shards does not "
-              f"reach (first: {missing[0]}); training on the {len(data.files)} given")
+              f"reach (first: {missing[0]}); training on the {len(data.files)} given", held)
     if data.bad_lines:
-        _warn(f"skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}")
+        _warn(f"skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}", held)
     base_hash = model_hash(Path(cfg.model))
     _check_fits_model(cfg, data)
     if cfg.embeddings_on_cpu or cfg.keep_activations:
@@ -766,7 +770,12 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     done = out.already_done()
     # compared before a rank returns alone: with a node-local --out done on one node only, the others read its
     # exit as "another torchrun rank stopped mid-step (its error is in the log)", with no error in the log
-    dist.agree({"already_done": done, "fingerprint": out.fingerprint})
+    try:
+        dist.agree({"already_done": done, "fingerprint": out.fingerprint})
+    except QerlError:
+        for msg in held:
+            warnings.warn(QerlWarning(msg), stacklevel=2)
+        raise
     if done:
         if dist.is_main:  # one result line (each rank printed it) and one writer of the run's metrics file
             _say(cfg, result_line(cfg.out, out.manifest, already_done=True), result=True)
@@ -1252,11 +1261,13 @@ def _progress(cfg, dist, total):
     return _NoProgress()
 
 
-def _warn(msg: str) -> None:
+def _warn(msg: str, held: list[str] | None = None) -> None:
     """A warning of the step, the same on every torchrun rank: rank 0 alone gives it (each rank did, so 8 GPUs
-    printed each line 8 times; a review)."""
+    printed each line 8 times; a review). Another rank's goes to ``held``, where given, for the caller to say."""
     if distributed.main_by_environment():
         warnings.warn(QerlWarning(msg), stacklevel=3)
+    elif held is not None:
+        held.append(msg)
 
 
 def _say(cfg, msg: str, result: bool = False, every_rank: bool = False) -> None:

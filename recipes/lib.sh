@@ -131,7 +131,8 @@ qerl_shard_dirs() {  # STEP N OWN (shards | shards-: the caller's name) -> QERL_
   printf -v d '%s/step-%06d' "$RUN_DIR" "$1"; step=${d##*/}  # qerl_step_dir without a subshell: every step is checked
   [ "$own" = shards ] || other=shards
   _qerl_split_of "$d" "$n"; k=$QERL_SPLIT
-  if [ "$n" -gt 1 ] && [ "$k" = 0 ] && _qerl_has "$d" shards && ! _qerl_has "$d" shards-0; then
+  # Any shards-<i> of the chain's count is its own rollout: its task 0 may have failed before it wrote.
+  if [ "$n" -gt 1 ] && [ "$k" = 0 ] && _qerl_has "$d" shards && ! _qerl_has "$d" 'shards-[0-9]*'; then
     _qerl_die "$step holds grpo.sh's rollout (one shard, $step/shards): continue this run with grpo.sh, or with ROLLOUT_SHARDS=1"
   fi
   if [ "$n" -gt 1 ] && [ "$k" = 1 ]; then  # a one-task chain's shard 0 of 1 (and maybe grpo.sh's beside it)

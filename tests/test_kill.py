@@ -384,3 +384,37 @@ def test_ctrl_c_while_the_cli_starts_is_one_line_and_exit_130(where, tmp_path):
                        text=True, timeout=120)
     assert (r.returncode, r.stderr) == (130, STARTING_STOP + "\n"), (r.returncode, r.stderr[-2000:])
     assert not (tmp_path / "never-written").exists() and REPO.is_dir()
+
+
+EXEC_INT = """
+import importlib.abc, os, signal, sys
+
+class At(importlib.abc.MetaPathFinder):  # a Ctrl-C while a class body built by exec runs, as dataclasses' do
+    def find_spec(self, name, path, target=None):
+        if name == "typer":
+            sys.meta_path.remove(self)
+            exec("import time; os.kill(os.getpid(), signal.SIGINT); time.sleep(1)")
+        return None
+
+sys.meta_path.insert(0, At())
+"""
+
+
+def test_ctrl_c_through_exec_code_while_the_cli_starts_under_python_m_exits_130(tmp_path):
+    """Under ``python -m qerl_cli`` a Ctrl-C that passed through exec'd code (the random SIGINTs that land in a
+    dataclass or namedtuple being built at import) printed the stop line, then the process killed itself by SIGINT
+    (returncode -2, not 130): CPython's flag for an unhandled KeyboardInterrupt stayed set after it was caught."""
+    import os
+    import subprocess
+    import sys
+
+    from qerl_cli.__main__ import STARTING_STOP
+    from tests.reliability_fixtures import cli_env
+
+    (tmp_path / "sitecustomize.py").write_text(EXEC_INT)  # runs before `-m`: the signal comes where a real one would
+    env = cli_env()
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
+    r = subprocess.run([sys.executable, "-m", "qerl_cli", "quantize", "no-such-dir", "--out", "never-written"], env=env,
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (130, STARTING_STOP + "\n"), (r.returncode, r.stderr[-2000:])
+    assert not (tmp_path / "never-written").exists()

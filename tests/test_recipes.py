@@ -596,6 +596,7 @@ def test_a_chain_on_a_step_of_another_shard_count_is_refused_before_any_job(tmp_
     # a step both scripts rolled out: each goes on with the rollout of its own count
     (["shards/shard-00000-of-00001.jsonl", "shards-0/shard-00000-of-00002.jsonl", "shards-1/"], 1),
     (["shards/shard-00000-of-00001.jsonl", "shards-0/shard-00000-of-00002.jsonl", "shards-1/"], 2),
+    (["shards/shard-00000-of-00001.jsonl", "shards-1/shard-00001-of-00002.jsonl"], 2),  # its task 0 wrote nothing yet
 ])
 def test_a_chain_resubmitted_on_its_own_half_done_step_is_queued(tmp_path, files, shards):
     r, queued = _submit_on_step_0_holding(tmp_path, files, shards)

@@ -405,3 +405,35 @@ def test_notes_and_warnings_the_ranks_share_are_said_once(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert [issubclass(w.category, QerlWarning) for w in caught] == ([True] if says else [])
         assert ("shared note" in err) == says and f"rank {rank}: own note" in err
+
+
+def test_a_rank_whose_own_shards_read_otherwise_says_why_when_the_ranks_disagree(tmp_path, monkeypatch):
+    # Node-local --shards: rank 1's copy had a bad line (--skip-bad-lines skipped it), so its fingerprint was not rank
+    # 0's. Once only rank 0 gave the step's warnings, rank 1's "skipped 1 bad shard line(s)" was lost and the ranks
+    # said only "torchrun ranks disagree: fingerprint: rank 0 '...', rank 1 '...'" (review s55r12).
+    import time
+    import warnings
+
+    from qerl_cli.errors import BadInputError, QerlWarning
+    from qerl_cli.train_step import _joined_step
+
+    _, q = quantized_tiny(tmp_path)
+    shard = make_shard(tmp_path / "sh", base_hash_of(q))
+    f = next(shard.glob("shard-*.jsonl"))
+    f.write_text(f.read_text() + "garbage line\n")
+
+    class Rank1:  # the step's first comparison of the ranks fails, as it does for two different shard copies
+        is_main, enabled = False, True
+
+        def agree(self, settings):
+            raise BadInputError("torchrun ranks disagree: fingerprint: rank 0 'a', rank 1 'b'")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    cfg = TrainStepConfig(model=str(q), shards=[str(shard)], out=str(tmp_path / "out"), skip_bad_lines=True,
+                          device="cpu", progress=False)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(BadInputError, match="ranks disagree"):
+        warnings.simplefilter("always")
+        _joined_step(cfg, Rank1(), "cpu", torch.float32, time.time())
+    said = [str(w.message) for w in caught if issubclass(w.category, QerlWarning)]
+    assert len(said) == 1 and said[0].startswith("skipped 1 bad shard line(s) (--skip-bad-lines)"), said
