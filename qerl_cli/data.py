@@ -5,8 +5,9 @@ Accepted row shapes (first match wins), each with an optional ``id`` (or ``uniqu
 
 - ``{"prompt": "...", "answer": "..."}``: plain text prompt;
 - ``{"messages": [{"role": "user", "content": "..."}, ...], "answer": ...}``: a chat, ending with the turn the model
-  answers (one ending with an assistant turn, an SFT row's reply, is refused: the prompt would show it); a ``content``
-  may be a list of text parts (``[{"type": "text", "text": ...}]``), joined by newlines as vLLM joins them;
+  answers (one ending with an assistant turn, an SFT row's reply, is refused: the prompt would show it; also under
+  Gemma's ``model`` or ShareGPT's ``gpt``); a ``content`` may be a list of text parts (``[{"type": "text", "text":
+  ...}]``, ``input_text`` / ``output_text`` parts or plain strings), joined by newlines as vLLM joins them;
 - GSM8K rows ``{"question": ..., "answer": "...#### 72"}``: the reference becomes ``72``;
 - MATH / MATH-500 rows ``{"problem": ..., "answer": ...}`` (or only ``solution``: its last ``\\boxed{}``);
 - TRL / verl conversational rows: ``prompt`` as a chat list, the reference in ``answer`` or
@@ -224,7 +225,13 @@ def _float32_as_text(schema):
     return pa.schema([pa.field(f.name, conv(f.type), f.nullable) for f in schema])
 
 
-def _check_messages(msgs: Any, where: str) -> list[dict]:
+# The names a chat gives the model's own turn: transformers' and OpenAI's, Gemma's (its template writes the assistant as
+# `model`, and its datasets often do), ShareGPT's `gpt` (written as role/content by converters that keep the names),
+# Cohere's `chatbot`. A chat ending with one shows the model that reply; "Assistant" on a ChatML template too.
+ASSISTANT_ROLES = frozenset(("assistant", "model", "gpt", "chatbot"))
+
+
+def _check_messages(msgs: Any, where: str, column: str = "messages") -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise BadInputError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
     out = []
@@ -234,22 +241,37 @@ def _check_messages(msgs: Any, where: str) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadInputError(f"{where}: messages[{j}] needs string `role` and `content`")
         out.append({"role": m["role"], "content": m["content"]})
-    if out[-1]["role"] == "assistant":  # an SFT row's reference reply: rendered whole, then a new assistant turn
-        raise BadInputError(f"{where}: `messages` end with an assistant turn, which the prompt would show the model "
-                            "(its reply, the answer), before a new assistant turn to generate",
+    if out[-1]["role"].lower() in ASSISTANT_ROLES:  # an SFT row's reference reply: rendered whole, then a new turn
+        # TRL's GRPOTrainer continues a `prompt` ending so (continue_final_message) as a prefill of the reply; verl
+        # renders it whole before a new turn, as qerl did. A continued reference reply leaks the answer all the same.
+        raise BadInputError(f"{where}: `{column}` end with an assistant turn (role `{out[-1]['role']}`), which the "
+                            "prompt would show the model (its reply, the answer), before a new assistant turn to generate",
                             hint="a prompt ends with the turn the model answers: drop the final assistant message; "
-                                 "a reference belongs in `answer`")
+                                 "a reference belongs in `answer`, and a start of the reply every prompt shares "
+                                 "(a prefill such as '<think>\\n') at the end of the generation prompt of a "
+                                 "--chat-template-file")
     return out
+
+
+# Text part types (vLLM reads these three as text): Chat Completions' `text`, the Responses API's `input_text` (a
+# user's) and `output_text` (an assistant's).
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
 def _text_parts(parts: list, where: str) -> str:
     """A content given as parts (``[{"type": "text", "text": ...}]``, OpenAI's and newer datasets' form) as the one
     string a text model's chat template reads, the text parts joined by newlines as vLLM joins them: passed as a list,
-    Qwen3's template renders it as nothing and Qwen2.5's as the list's repr."""
+    Qwen3's template renders it as nothing and Qwen2.5's as the list's repr. A plain string part is text too, as vLLM
+    reads it."""
     texts = []
     for k, p in enumerate(parts):
+        if isinstance(p, str):
+            texts.append(p)
+            continue
         kind = p.get("type") if isinstance(p, dict) else None
-        if kind != "text" or not isinstance(p.get("text"), str):
+        if kind in TEXT_PART_TYPES and not isinstance(p.get("text"), str):  # not "is a `text` part: text only"
+            raise BadInputError(f"{where}.content[{k}] is a `{kind}` part without a string `text`")
+        if kind not in TEXT_PART_TYPES:
             what = f"a `{kind}` part" if isinstance(kind, str) else "no {type: text, text} part"
             raise BadInputError(f"{where}.content[{k}] is {what}: prompts are text only")
         texts.append(p["text"])
@@ -293,7 +315,8 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     if answer is None and isinstance(raw.get("reward_model"), dict):  # verl-format rows
         answer = _answer(raw["reward_model"].get("ground_truth"), where)
     if isinstance(raw.get("prompt"), list):  # TRL / verl conversational rows: `prompt` is the chat
-        return PromptRow(str(rid), messages=_check_messages(raw["prompt"], where), answer=answer, where=where)
+        return PromptRow(str(rid), messages=_check_messages(raw["prompt"], where, "prompt"), answer=answer,
+                         where=where)
     if raw.get("prompt") is not None:
         if not isinstance(raw["prompt"], str) or not raw["prompt"].strip():
             raise BadInputError(f"{where}: `prompt` must be a non-empty string")

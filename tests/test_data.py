@@ -451,11 +451,38 @@ def test_messages_ending_with_an_assistant_turn_are_refused(tmp_path, chat_tok):
     ])
     with pytest.raises(BadInputError, match=r"d.jsonl:1: `messages` end with an assistant turn") as e:
         load_prompts(p)
-    assert "drop the final assistant message" in e.value.hint
+    assert "drop the final assistant message" in e.value.hint and "--chat-template-file" in e.value.hint  # a prefill
     bad = []
     rows = load_prompts(p, skip_bad_lines=True, bad_lines=bad)
     assert [r.where.rsplit(":", 1)[1] for r in rows] == ["3"] and len(bad) == 2
+    assert "d.jsonl:2: `prompt` end with an assistant turn" in bad[1]  # the column the chat was in
     assert "#### 72" not in encode_prompts(rows, chat_tok)[0].text
+
+
+@pytest.mark.parametrize("chat", [
+    [{"role": "human", "content": "48+24?"}, {"role": "gpt", "content": "#### 72"}],  # ShareGPT's names
+    [{"role": "user", "content": "48+24?"}, {"role": "model", "content": "#### 72"}],  # Gemma's
+    [{"role": "user", "content": "48+24?"}, {"role": "Assistant", "content": "#### 72"}],
+])
+def test_a_chat_ending_with_the_assistant_turn_under_another_name_is_refused(tmp_path, chat):
+    # only `assistant` was caught: a template renders `gpt` / `model` as that turn too (Gemma's writes the assistant
+    # as `model`), so the reply, the answer, was in the prompt before the new turn
+    p = write_jsonl(tmp_path / "d.jsonl", [{"messages": chat, "answer": "72"},
+                                           {"messages": [*chat, {"role": "tool", "content": "72"}], "answer": "72"}])
+    bad = []
+    rows = load_prompts(p, skip_bad_lines=True, bad_lines=bad)
+    assert [r.where for r in rows] == [f"{p}:2"]  # a tool's result is a turn the model answers
+    assert bad == [f"{p}:1: `messages` end with an assistant turn (role `{chat[-1]['role']}`), which the prompt would "
+                   "show the model (its reply, the answer), before a new assistant turn to generate"
+                   + f" ({_hint_of(p)})"]
+
+
+def _hint_of(p):
+    try:
+        load_prompts(p)
+    except BadInputError as e:
+        return e.hint
+    raise AssertionError("not refused")
 
 
 def test_message_content_as_text_parts(tmp_path, chat_tok):
@@ -476,7 +503,8 @@ def test_message_content_as_text_parts(tmp_path, chat_tok):
     assert enc.token_ids == list(want["input_ids"] if hasattr(want, "keys") else want)
     p = write_jsonl(tmp_path / "d.jsonl", [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
-        {"messages": [{"role": "user", "content": ["plain string"]}]},
+        {"messages": [{"role": "user", "content": [{"text": "no type"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
     ])
     with pytest.raises(BadInputError, match=r"d.jsonl:1: messages\[0\].content\[0\] is a `image_url` part: prompts are text"):
         load_prompts(p)
@@ -484,6 +512,21 @@ def test_message_content_as_text_parts(tmp_path, chat_tok):
     with pytest.raises(BadInputError, match="holds no valid rows"):
         load_prompts(p, skip_bad_lines=True, bad_lines=bad)
     assert "messages[0].content[0] is no {type: text, text} part" in bad[1]
+    # a text part without text is no "`text` part: prompts are text only", which said text was refused
+    assert bad[2].endswith("d.jsonl:3: messages[0].content[0] is a `text` part without a string `text`")
+
+
+def test_message_content_parts_vllm_reads_as_text(tmp_path):
+    # the Responses API's `input_text` / `output_text` parts and plain strings are text to vLLM, whose joining qerl
+    # follows: they were refused, `input_text` as "is a `input_text` part: prompts are text only"
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "What is 2+3?"}, "Be brief."]},
+                      {"role": "assistant", "content": [{"type": "output_text", "text": "5"}]},
+                      {"role": "user", "content": ["And 2+4?"]}], "answer": "6"},
+    ])
+    [row] = load_prompts(p)
+    assert row.messages == [{"role": "user", "content": "What is 2+3?\nBe brief."}, {"role": "assistant", "content": "5"},
+                            {"role": "user", "content": "And 2+4?"}]
 
 
 def test_parquet_messages_with_a_field_null_in_every_row(tmp_path):
