@@ -9,6 +9,7 @@ prints the table. Run directories are OUT_DIR/<variant>-s<seed> as written by co
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import sys
@@ -16,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_run import final_step, read_steps, this_run, this_runs_rows  # noqa: E402  (a sibling script, not a package)
+from plot_run import final_step, read_steps, this_run, this_runs_rows, value  # noqa: E402  (a sibling script, not a package)
 
 VARIANTS = ("bf16-lora", "nvfp4-lora", "nvfp4-aqn")
 
@@ -57,6 +58,20 @@ def _unfinished(run: Path) -> str | None:
     return None
 
 
+def _mean(xs) -> float:
+    """Mean of the numbers in ``xs`` (``plot_run.value``: NaN where a line held null); NaN where there are none.
+    statistics.mean over a null ended the table in a traceback (a review)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.mean(xs) if xs else math.nan
+
+
+def _at_steps(rs: list[dict], key: str) -> tuple[list[int], list[list[float]]]:
+    """(the steps every run of ``rs`` has a line for, each run's ``key`` at them). By step number, not by line: a
+    run missing a step's line had its later steps averaged with the other seeds' earlier ones (a review)."""
+    steps = sorted(set.intersection(*({t["step"] for t in r["train"]} for r in rs)))
+    return steps, [[value(by[s], key) for s in steps] for by in ({t["step"]: t for t in r["train"]} for r in rs)]
+
+
 def _fmt(xs):
     missing = sum(x is None for x in xs)
     xs = [100 * x for x in xs if x is not None]
@@ -72,17 +87,18 @@ def main() -> None:
     runs = load(out)
     if not runs:
         raise SystemExit(f"error: no finished runs under {out}")
-    # the entropy of the first steps (3, or fewer where a run has fewer: "first 3 steps" over a 2-step run misled)
-    first = min([3] + [len(r["train"]) for rs in runs.values() for r in rs if r["train"]])
+    # the entropy of the first steps (3, or fewer where a run has fewer: "first 3 steps" over a 2-step run misled),
+    # steps 0 .. first-1 by number (a run missing a step's line has fewer of them, not a later step instead)
+    first = min([3] + [r["train"][-1]["step"] + 1 for rs in runs.values() for r in rs if r["train"]])
     steps = f"first {first} steps" if first > 1 else "first step"
     lines = [f"| variant | seeds | base pass@1 (%) | final pass@1 (%) mean ± sd (per seed) | last-step reward | mean entropy, {steps} |",
              "| --- | --- | --- | --- | --- | --- |"]
     for v in [v for v in VARIANTS if v in runs] + [v for v in runs if v not in VARIANTS]:
         rs = runs[v]
         trained = [r for r in rs if r["train"]]
-        last_reward = f"{statistics.mean(r['train'][-1]['reward_mean'] for r in trained):.3f}" if trained else "n/a"
-        ent = (f"{statistics.mean(statistics.mean(t['entropy'] for t in r['train'][:first]) for r in trained):.3f}"
-               if trained else "n/a")
+        last_reward = _mean([value(r["train"][-1], "reward_mean") for r in trained])
+        ent = _mean([_mean([value(t, "entropy") for t in r["train"] if t["step"] < first]) for r in trained])
+        last_reward, ent = ("n/a" if math.isnan(x) else f"{x:.3f}" for x in (last_reward, ent))
         lines.append(f"| {v} | {len(rs)} | {_fmt([r['base'] for r in rs])} | {_fmt([r['final'] for r in rs])} "
                      f"| {last_reward} | {ent} |")
     table = "\n".join(lines)
@@ -99,12 +115,11 @@ def main() -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for v, rs in runs.items():
-        n = min(len(r["train"]) for r in rs)
         for ax, key in zip(axes, ("reward_mean", "entropy")):
-            mean = [statistics.mean(r["train"][i][key] for r in rs) for i in range(n)]
-            ax.plot(range(n), mean, label=f"{v} (n={len(rs)})")
-            for r in rs:
-                ax.plot(range(n), [r["train"][i][key] for i in range(n)], alpha=0.15, color=ax.lines[-1].get_color())
+            steps, per_run = _at_steps(rs, key)
+            ax.plot(steps, [_mean(at) for at in zip(*per_run)] if steps else [], label=f"{v} (n={len(rs)})")
+            for ys in per_run:
+                ax.plot(steps, ys, alpha=0.15, color=ax.lines[-1].get_color())
     axes[0].set(title="mean rollout reward", xlabel="step")
     axes[1].set(title="policy entropy (nats/token)", xlabel="step")
     for ax in axes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -107,6 +108,20 @@ def read_steps(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def value(row: dict, key: str) -> float:
+    """``row[key]`` as a float; NaN (a gap in the curve) where the line holds no number: train-step writes a
+    non-finite value as null (JSON has no NaN; an older qerl's reward mean of 1e308s overflowed to one), and the
+    table's format of that None ended the plot in a traceback (a review)."""
+    v = row.get(key)
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def cell(row: dict, key: str) -> str:
+    """``row[key]`` for the table: three decimals, or n/a where the line holds no number (``value``)."""
+    v = value(row, key)
+    return "n/a" if math.isnan(v) else f"{v:.3f}"
+
+
 def load_evals(run: Path, last: int, cut: int | None = None, chain: dict[int, dict] | None = None
                ) -> list[tuple[int, float]]:
     """(policy step, pass@1): the base policy counts as step -1, the final one as the step merged/ was made from
@@ -159,7 +174,7 @@ def main() -> None:
 
     print(f"{'step':>5} {'reward':>8} {'entropy':>8}")
     for r in train:
-        print(f"{r['step']:>5} {r['reward_mean']:>8.3f} {r['entropy']:>8.3f}")
+        print(f"{r['step']:>5} {cell(r, 'reward_mean'):>8} {cell(r, 'entropy'):>8}")
     for s, score in evals:
         print(f"pass@1 {'of the base policy' if s < 0 else f'after step {s:>3}'}: {100 * score:.1f}%")
 
@@ -173,9 +188,9 @@ def main() -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     steps = [r["step"] for r in train]
-    axes[0].plot(steps, [r["reward_mean"] for r in train], marker="o", ms=3)
+    axes[0].plot(steps, [value(r, "reward_mean") for r in train], marker="o", ms=3)
     axes[0].set(title="mean reward (rollouts)", xlabel="step")
-    axes[1].plot(steps, [r["entropy"] for r in train], marker="o", ms=3, color="tab:orange")
+    axes[1].plot(steps, [value(r, "entropy") for r in train], marker="o", ms=3, color="tab:orange")
     axes[1].set(title="policy entropy (nats/token)", xlabel="step")
     if evals:
         axes[2].plot([s + 1 for s, _ in evals], [100 * v for _, v in evals], marker="s", color="tab:green")

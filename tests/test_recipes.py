@@ -1872,6 +1872,55 @@ def test_plot_compare_names_as_many_first_steps_as_the_runs_have(tmp_path):
     assert "mean entropy, first 2 steps |" in table and "| 1.500 |" in table, table
 
 
+def _finished_compare_run(d, rows):
+    import json
+
+    (d / "merged").mkdir(parents=True)
+    (d / "merged" / "manifest.json").write_text("{}")
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plots_show_a_value_that_is_not_a_number_as_missing(tmp_path):
+    # train-step writes a non-finite metric as null (an older qerl's reward mean of 1e308s overflowed to one):
+    # plot_run's table and plot_compare's means over seeds formatted / summed the None, a traceback (a review).
+    rows = [{"step": 0, "reward_mean": 0.5, "entropy": 1.2}, {"step": 1, "reward_mean": None, "entropy": 1.1},
+            {"step": 2, "reward_mean": 0.7, "entropy": float("nan")}]
+    _finished_compare_run(tmp_path / "nvfp4-lora-s0", rows)
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_run.py"), str(tmp_path / "nvfp4-lora-s0")], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()] == [
+        ["0", "0.500", "1.200"], ["1", "n/a", "1.100"], ["2", "0.700", "n/a"]], r.stdout
+    assert (tmp_path / "nvfp4-lora-s0" / "curves.png").stat().st_size > 1000
+    _finished_compare_run(tmp_path / "nvfp4-lora-s1", [dict(x, reward_mean=None) for x in rows])
+    r = subprocess.run([sys.executable, str(RECIPES / "plot_compare.py"), str(tmp_path)], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| nvfp4-lora"))
+    assert row.endswith("| 0.700 | 1.150 |"), row  # the numbers there are, over seeds and steps
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_plot_compare_averages_the_seeds_step_by_step(tmp_path):
+    # A seed whose metrics.jsonl lacks step 1's line: the curve's point "step 1" was the mean of seed 0's step 1
+    # and seed 1's step 2 (lines taken by position), and "first 3 steps" read seed 1's step 3 (a review).
+    _finished_compare_run(tmp_path / "nvfp4-lora-s0", [{"step": s, "reward_mean": s / 10, "entropy": 1.0}
+                                                       for s in range(4)])
+    _finished_compare_run(tmp_path / "nvfp4-lora-s1", [{"step": s, "reward_mean": 0.5 + s / 10, "entropy": e}
+                                                       for s, e in ((0, 1.0), (2, 1.0), (3, 9.0))])
+    code = ("import runpy, sys, matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.figure as f\n"
+            "f.Figure.savefig = lambda self, *a, **k: print('MEAN', [float(x) for x in self.axes[0].lines[0].get_xdata()], "
+            "[round(float(y), 3) for y in self.axes[0].lines[0].get_ydata()])\n"
+            f"sys.argv = ['plot_compare.py', {str(tmp_path)!r}]\n"
+            f"runpy.run_path({str(RECIPES / 'plot_compare.py')!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "MEAN [0.0, 2.0, 3.0] [0.25, 0.45, 0.55]" in r.stdout, r.stdout
+    table = (tmp_path / "results.md").read_text()
+    assert "mean entropy, first 3 steps |" in table and table.rstrip().endswith("| 0.550 | 1.000 |"), table
+
+
 @pytest.mark.parametrize("script", ["grpo.sh", "slurm/submit.sh", "quickstart.sh", "compare_aqn.sh", "slurm/stage.sbatch"])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_prints_the_scripts_usage_and_starts_nothing(tmp_path, script, flag):

@@ -686,6 +686,26 @@ def test_noise_records_in_both_forms_for_one_step_are_one_noise(models, tmp_path
         read_step(_cfg(models["q"], [sh], tmp_path / "o"))
 
 
+def test_the_metrics_line_holds_the_names_the_docs_list(models, tmp_path):
+    # docs/train-step.md's "Metrics" paragraph is the metrics file's schema: plots and users read these names.
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "train-step.md").read_text()
+    para = text.split("### Metrics (one JSON line per step)")[1].split("\n## ")[0]
+    documented, full = set(), ""
+    for tok in re.findall(r"`([a-z_][a-z0-9_/]*)`", para):  # `is_ratio_mean` / `_min`, `completion_length_mean/min/max`
+        first, *more = tok.split("/")
+        full = full.rsplit("_", 1)[0] + first if first.startswith("_") else first
+        documented |= {full} | {full.rsplit("_", 1)[0] + "_" + m for m in more}
+    sh = make_shard(tmp_path / "sh", models["qhash"], seed=3)
+    got = train_step(_cfg(models["q"], [sh], tmp_path / "a", epochs=2, beta=0.1))["metrics"]
+    documented.discard("global_step")  # "`step` (the input adapter's `global_step`)": trainer_state.json's field
+    assert set(got) == documented, (set(got) - documented, documented - set(got))
+    plain = train_step(_cfg(models["q"], [sh], tmp_path / "b", tis_cap=0))["metrics"]
+    assert set(got) - set(plain) == {"grad_norm_per_epoch", "lr_per_epoch", "is_capped_fraction"}
+    assert plain["kl"] is None and plain["peak_gpu_memory_gib"] is None  # null on CPU without --beta, as documented
+
+
 def test_result_line_survives_metrics_that_are_not_numbers():
     # a reward of 1.7e308 overflowed the mean to inf, stored as None; formatting it failed after --out was
     # written (traceback, exit 1; audit)

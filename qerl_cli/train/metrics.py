@@ -2,8 +2,10 @@
 
 ``Accumulator`` keeps named sums, minima and maxima; ``reduce`` all-reduces each kind in one
 collective (three in all), so multi-GPU metrics cost nothing per micro-batch. ``append_jsonl``
-writes one line per step with ``O_APPEND`` in a single write, so concurrent writers (several
-runs logging to one ``--metrics-file``) never interleave inside a line.
+writes one line per step with ``O_APPEND`` in a single write, so another writer's line never lands
+inside it. ``--metrics-file`` is one run's file all the same: train-step replaces a step's earlier
+line (``train_step._append_metrics``), so a second run logging there replaces the first's lines of
+the same step numbers.
 """
 
 from __future__ import annotations
