@@ -47,7 +47,7 @@ from qerl_cli.adapters import (
     unsupported_lora_variant,
 )
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWarning
-from qerl_cli.hashing import model_hash
+from qerl_cli.hashing import model_hash, text_files_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
 from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.runtime import check_field_types
@@ -582,12 +582,19 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
                                 f"that --model was quantized from")
         validate_pair(adapter, target)
 
+    legacy_inputs = dict(inputs)  # qerl before 2026-11-28 did not count the text files merge copies
+    inputs["base_text"] = text_files_hash(cfg.model)
+    # The tokenizer, chat template and generation config are copied verbatim: a base whose copies were fixed
+    # since (an eos, a template) made the rerun "already done" with the stale ones, and eval of the merge then
+    # stopped or prompted otherwise than eval of base + adapter. An older output is done while its copies match.
+    current = text_files_hash(cfg.out) == inputs["base_text"] if cfg.out.is_dir() else False
     so = StageOutput(
         cfg.out, "merge",
         config={"dtype": cfg.dtype, "max_shard_size": cfg.max_shard_size},
         inputs=inputs,
         force=cfg.force,
         started=t0,
+        legacy_inputs=(legacy_inputs,) if current else (),
     )
     if so.already_done():
         so.manifest["already_done"] = True

@@ -124,6 +124,51 @@ def test_rerun_is_idempotent_and_force_redoes(pair, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temp dirs left behind
 
 
+@pytest.mark.parametrize("edit", ["generation_config.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_a_rerun_after_the_bases_text_files_changed_is_not_already_done(pair, tmp_path, edit):
+    """The merge copies the base's tokenizer, chat template and generation config verbatim, but its fingerprint
+    counted only config.json and the weights: after the base's eos or template was fixed, the rerun was "already
+    done" with the stale copies, and eval of the merge stopped and prompted otherwise than eval of base + adapter."""
+    import shutil
+
+    base0, adapter = pair
+    base = tmp_path / "base"
+    shutil.copytree(base0, base)
+    out = tmp_path / "m"
+    merge(MergeConfig(base, adapter, out), progress=False)
+    assert merge(MergeConfig(base, adapter, out), progress=False)["already_done"]
+    p = base / edit
+    p.write_text(p.read_text().replace("<|im_end|>", "<|endoftext|>") if edit != "generation_config.json" else
+                 json.dumps({**json.loads(p.read_text()), "eos_token_id": [2, 3]}))
+    with pytest.raises(OutputExistsError, match="input base_text changed"):
+        merge(MergeConfig(base, adapter, out), progress=False)
+    merge(MergeConfig(base, adapter, out, force=True), progress=False)
+    assert (out / edit).read_bytes() == p.read_bytes()
+
+
+def test_a_merge_older_qerl_made_is_done_while_its_text_copies_match_the_base(pair, tmp_path, monkeypatch):
+    import shutil
+
+    import qerl_cli.merge as mg
+    from qerl_cli.outputs import StageOutput
+
+    base0, adapter = pair
+    base = tmp_path / "base"
+    shutil.copytree(base0, base)
+    out = tmp_path / "m"
+
+    def older(*args, inputs, legacy_inputs=(), **kw):  # qerl before 2026-11-28: no base_text among the inputs
+        return StageOutput(*args, inputs={k: v for k, v in inputs.items() if k != "base_text"}, **kw)
+
+    monkeypatch.setattr(mg, "StageOutput", older)
+    merge(MergeConfig(base, adapter, out), progress=False)
+    monkeypatch.undo()
+    assert merge(MergeConfig(base, adapter, out), progress=False)["already_done"]
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    with pytest.raises(OutputExistsError, match="--force"):
+        merge(MergeConfig(base, adapter, out), progress=False)
+
+
 def test_sharded_fp32_base_and_plain_peft_adapter(tmp_path):
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32,
                               max_shard_size="20KB")
