@@ -193,11 +193,31 @@ def _load_user_function(name: str) -> Reward:
         except TypeError as e:
             raise BadInputError(f"reward {name!r}: {target}.{attr}{sig} cannot be called as "
                                 f"f(completion, answer[, prompt=...]) ({e})") from None
+    return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt,
+                  source=_source_file(fn, module))
+
+
+def _source_file(fn, module) -> str | None:
+    """The file hashed into the run's inputs for a user reward: its own source file, else the file its module
+    was loaded from. A functools.partial or a callable instance has none of its own; nor has a function made by
+    exec or eval in the reward file (a table of generated rewards), which names ``"<string>"`` (hashed as a
+    path: a FileNotFoundError traceback) or nothing (the file went unhashed: edited, the rollout stayed "already
+    done" with the old rewards; a review)."""
     try:
         source = inspect.getsourcefile(fn)
-    except TypeError:  # a functools.partial or a callable instance: the file it was loaded from
+    except TypeError:
+        source = None
+    if source is None or not os.path.isfile(source):
         source = getattr(module, "__file__", None)
-    return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt, source=source)
+    return source if source and os.path.isfile(source) else None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def get_reward(name: str) -> Reward:
@@ -205,6 +225,10 @@ def get_reward(name: str) -> Reward:
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
+        target, _, attr = name.rpartition(":")
+        if _is_number(attr):  # no function is named "1.0": a weight in NAME:WEIGHT form (it read "cannot import gsm8k")
+            raise BadInputError(f"reward {name!r}: a weight follows '=', not ':'",
+                                hint=f"pass --reward {target}={attr}")
         return _load_user_function(name)
     raise BadInputError(f"unknown reward {name!r} (known: {_known()})")
 

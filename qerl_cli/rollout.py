@@ -241,6 +241,29 @@ def _warn_of_skipped_aqn_stages(cfg: RolloutConfig) -> None:
             "(the noise may never reach --aqn-sigma-start or end at --aqn-sigma-end)"), stacklevel=3)
 
 
+# The tags a completion passing the `format` reward holds (an opening <think> aside: the prompt may open it).
+FORMAT_CLOSED_TAGS = ("</think>", "<answer>", "</answer>")
+
+
+def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: RewardSet) -> None:
+    """A stop string is cut from the text the rewards judge (as vLLM cuts it). One inside a tag the `format`
+    reward needs (`--stop '</answer>'`, how R1-style recipes end a completion at its answer) scored every
+    completion 0 there, silently: refused. One inside `</answer>` leaves gsm8k no closed `<answer>` tag to read
+    (its `####` lines and boxes still count): warned of."""
+    names = {s.name for s in reward_set.specs}
+    for x in cfg.stop:
+        tag = next((t for t in FORMAT_CLOSED_TAGS if x in t), None)
+        if "format" in names and tag:
+            raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so it never holds "
+                                f"{tag} and the format reward scores every completion 0",
+                                hint="drop that --stop (EOS and --max-new-tokens still end completions), or score "
+                                     "the format with your own reward")
+        if "gsm8k" in names and x in "</answer>":
+            warnings.warn(QerlWarning(
+                f"--stop {x!r} is cut from the completion text the rewards judge: gsm8k reads no <answer> tag's number "
+                "without its </answer> (#### lines and \\boxed{} still score)"), stacklevel=3)
+
+
 def aqn_sigma(cfg: RolloutConfig) -> float:
     """sigma for ``cfg.step`` under the AQN schedule (0 when AQN is off)."""
     if cfg.aqn_sigma_start <= 0:
@@ -519,6 +542,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     _check_flags(cfg)
     _warn_of_skipped_aqn_stages(cfg)
     reward_set = RewardSet.from_specs(cfg.rewards)
+    _check_stops_leave_the_rewards_their_tags(cfg, reward_set)
     for spec in reward_set.specs:  # a user reward's file, as the templates (_check_flags)
         check_out_apart(cfg.out, reward=spec.reward.source and Path(spec.reward.source))
     template = load_template(cfg.prompt_template)

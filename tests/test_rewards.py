@@ -182,6 +182,7 @@ def test_specs_weights_and_scoring():
         (["json:no_such_fn"], "json has no attribute 'no_such_fn'"),
         (["json:__doc__"], "not callable"),
         (["missing_file.py:f"], "does not exist"),
+        (["gsm8k:1.0", "format:0.2"], r"'gsm8k:1.0': a weight follows '=', not ':' \(pass --reward gsm8k=1.0\)"),
     ],
 )
 def test_bad_specs(specs, msg):
@@ -381,6 +382,19 @@ def test_user_rewards_the_2026_11_26_audit_found(tmp_path):
     with pytest.raises(BadInputError, match=r"cannot import .*\(SystemExit: 2\)"):
         RewardSet.from_specs([f"{g}:r"])
 
+
+
+def test_a_reward_made_by_exec_or_eval_hashes_the_file_it_was_loaded_from(tmp_path):
+    # Such a function has no source file of its own: eval's lambda named "<string>", which the rollout hashed as
+    # a path (FileNotFoundError traceback), and exec's into a dict named none, so the reward file went unhashed
+    # and an edited one left the rollout "already done" with the old rewards.
+    f = tmp_path / "made.py"
+    f.write_text('ns = {}\nexec("def made(completion, answer):\\n    return 1.0\\n", ns)\nmade = ns["made"]\n'
+                 'short = eval("lambda completion, answer: float(len(completion) < 5)")\n')
+    for fn in ("made", "short"):
+        rs = RewardSet.from_specs([f"{f}:{fn}"])
+        assert rs.specs[0].reward.source == str(f)
+        assert rs.score("abc", None)[1] == 1.0
 
 def test_braceless_mixed_numbers_and_huge_whole_parts():
     # 3\frac12 is the mixed number 3.5 (as 3\frac{1}{2} is), not "3" glued to "0.5" = 30.5

@@ -647,6 +647,24 @@ def test_a_run_shorter_than_the_aqn_stages_is_warned_of(model_dir, tmp_path, fak
                         out=tmp_path / "c"))
 
 
+
+def test_a_stop_inside_a_tag_the_format_reward_needs_is_refused(model_dir, tmp_path, fake_engine):
+    # The stop is cut from the text the rewards judge: with --stop '</answer>' every completion, a well-formed one
+    # "<think>a</think><answer>3" (cut there) included, scored format 0, silently.
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.rewards import format_reward
+
+    assert format_reward("<think>a</think><answer>3") == 0.0
+    for stop in ("</answer>", "<answer>", "think>"):
+        with pytest.raises(BadInputError, match=r"format reward scores every completion 0"):
+            rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format=0"), stop=(stop,)))
+    assert fake_engine.calls == []
+    with pytest.warns(QerlWarning, match=r"gsm8k reads no <answer> tag's number without its </answer>"):
+        rollout(cfg_for(model_dir, tmp_path, stop=("</answer>",), max_prompts=2, out=tmp_path / "g"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # a stop outside the tags: nothing to say
+        rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format"), stop=("\nQ:",), max_prompts=2))
+
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "a", batch_prompts=3, step=2, seed=5))
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "b", batch_prompts=4, step=2, seed=5))
