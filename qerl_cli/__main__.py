@@ -37,7 +37,7 @@ def exit_now(code) -> None:
 
     if code is not None and not isinstance(code, int):
         return
-    if os.environ.get(FULL_EXIT_ENV) == "1" or sys.gettrace() is not None or sys.getprofile() is not None:
+    if os.environ.get(FULL_EXIT_ENV) == "1" or _observed():
         return
     if threading.current_thread() is not threading.main_thread():
         return
@@ -47,9 +47,35 @@ def exit_now(code) -> None:
     if not _flushed():
         return
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: os._exit(code))
+        # one its starter ignores stays ignored (a script's `qerl ... &` ignores Ctrl-C): it cut the handlers short
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, lambda *_: os._exit(code))
     atexit._run_exitfuncs()  # logging's flush, weakref.finalize (temporary directories), multiprocessing's joins
-    os._exit(code if _flushed() else 120)
+    code = code if _flushed() else 120
+    _flush_c_stdio()
+    os._exit(code)
+
+
+def _observed() -> bool:
+    """A tracer or profiler that writes its results when the program returns: one set by ``sys.settrace`` or
+    ``sys.setprofile`` (coverage, cProfile on Python 3.10-3.11), or, from Python 3.12, a ``sys.monitoring`` tool,
+    which neither shows: cProfile itself is one there (``python -m cProfile -o x.prof -m qerl_cli ...`` wrote
+    no file at all; a review)."""
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return True
+    monitoring = getattr(sys, "monitoring", None)
+    return monitoring is not None and any(monitoring.get_tool(i) is not None for i in range(6))
+
+
+def _flush_c_stdio() -> None:
+    """C's stdio buffers, which ``exit()`` flushes and ``os._exit`` does not: what a C library wrote with
+    printf (NCCL_DEBUG's lines go to C's stdout, block-buffered into a Slurm log) lost its last block (a review)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to reach (CDLL(None) is POSIX only)
+        pass
 
 
 def _flushed() -> bool:

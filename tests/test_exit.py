@@ -7,6 +7,7 @@ No timing is asserted: whether the teardown ran is seen by an object whose ``__d
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -47,21 +48,42 @@ def signal_while_exiting():
 def unflushable_stdout():
     print("a result line that cannot be written")  # stdout is /dev/full: block-buffered until the exit
 
+def ignored_signal_while_exiting():
+    atexit.register(os.kill, os.getpid(), signal.SIGINT)  # the first handler to run: a Ctrl-C meanwhile
+    sys.exit(0)
+
+def c_stdio_line():
+    import ctypes
+    ctypes.CDLL(None).puts(b"a line a C library wrote")  # C's stdout on a pipe: block-buffered until exit()
+    sys.exit(0)
+
+def monitoring_profiler():
+    class Monitoring:  # Python 3.12+'s cProfile is a sys.monitoring tool, which sys.getprofile() does not show
+        @staticmethod
+        def get_tool(tool_id):
+            return "cProfile" if tool_id == 2 else None
+    sys.monitoring = Monitoring
+    sys.exit(0)
+
 how = sys.argv.pop(1)
 if how != "real":
     import qerl_cli.cli
     qerl_cli.cli.main = globals()[how]
 sys.argv = ["qerl", *sys.argv[1:]]
-runpy.run_module("qerl_cli", run_name="__main__", alter_sys=True)
+try:
+    runpy.run_module("qerl_cli", run_name="__main__", alter_sys=True)
+finally:
+    os.write(2, b"<returned>\n")  # what a profiler or tracer running the CLI does next (cProfile writes its file)
 """
 
 
-def _run(how: str, *args, stdout=subprocess.PIPE, timeout=300, buffered=False, **env) -> subprocess.CompletedProcess:
+def _run(how: str, *args, stdout=subprocess.PIPE, timeout=300, buffered=False, preexec_fn=None,
+         **env) -> subprocess.CompletedProcess:
     env = cli_env(**env)
     if buffered:  # stdout block-buffered, as Python has it on a file or pipe unless PYTHONUNBUFFERED is set
         env.pop("PYTHONUNBUFFERED", None)
     return subprocess.run([sys.executable, "-c", RUN, how, *map(str, args)], env=env, cwd=str(REPO),
-                          stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=timeout)
+                          stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=timeout, preexec_fn=preexec_fn)
 
 
 def _stage_args(stage: str, p: dict, out) -> list:
@@ -121,3 +143,36 @@ def test_an_output_that_cannot_be_flushed_still_exits_120():
 def test_qerl_full_exit_keeps_pythons_own_exit(tmp_path):
     r = _run("real", "quantize", tmp_path / "no-such-dir", "--out", tmp_path / "out", QERL_FULL_EXIT=1)
     assert r.returncode == 2 and "<atexit ran>" in r.stderr and "<teardown ran>" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_signal_its_starter_ignores_stays_ignored_while_exiting():
+    """Started with SIGINT ignored (a shell script's `qerl ... &`), a Ctrl-C during the atexit handlers ended the
+    process there (the rest of them, temporary directories' removal among them, never ran)."""
+    r = _run("ignored_signal_while_exiting", timeout=120,
+             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert r.returncode == 0 and "<atexit ran>" in r.stderr, r.stderr[-2000:]
+
+
+def test_what_a_c_library_wrote_to_stdout_is_kept():
+    """C's stdio buffers are flushed by exit(), not by os._exit: the last block of what a C library printed
+    (NCCL_DEBUG's lines go to C's stdout) was lost from a piped log."""
+    r = _run("c_stdio_line", timeout=120, buffered=True)  # PYTHONUNBUFFERED=1 unbuffers C's stdio too
+    assert r.returncode == 0 and "a line a C library wrote" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "<teardown ran>" not in r.stderr
+
+
+def test_a_profiler_on_sys_monitoring_keeps_pythons_own_exit():
+    """From Python 3.12 cProfile (and coverage's sysmon core) is a sys.monitoring tool, not sys.getprofile():
+    the fast exit ended `python -m cProfile -o x.prof -m qerl_cli ...` before cProfile wrote its file."""
+    r = _run("monitoring_profiler", timeout=120)
+    assert r.returncode == 0 and "<returned>" in r.stderr and "<teardown ran>" in r.stderr, r.stderr[-2000:]
+
+
+def test_cprofile_writes_its_profile(tmp_path):
+    """The real case of the test above (it fails without the check on Python 3.12+ only): cProfile swallows the
+    SystemExit, so its file, not the exit code, is what tells."""
+    prof = tmp_path / "stage.prof"
+    r = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "qerl_cli", "quantize",
+                        str(tmp_path / "no-such-dir"), "--out", str(tmp_path / "out")], env=cli_env(), cwd=str(REPO),
+                       capture_output=True, text=True, timeout=300)
+    assert "error: " in r.stderr and prof.is_file() and prof.stat().st_size > 0, r.stderr[-2000:]
