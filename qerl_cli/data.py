@@ -244,7 +244,7 @@ def _check_messages(msgs: Any, where: str, column: str = "messages") -> list[dic
     if out[-1]["role"].lower() in ASSISTANT_ROLES:  # an SFT row's reference reply: rendered whole, then a new turn
         # TRL's GRPOTrainer continues a `prompt` ending so (continue_final_message) as a prefill of the reply; verl
         # renders it whole before a new turn, as qerl did. A continued reference reply leaks the answer all the same.
-        raise BadInputError(f"{where}: `{column}` end with an assistant turn (role `{out[-1]['role']}`), which the "
+        raise BadInputError(f"{where}: `{column}` ends with an assistant turn (role `{out[-1]['role']}`), which the "
                             "prompt would show the model (its reply, the answer), before a new assistant turn to generate",
                             hint="a prompt ends with the turn the model answers: drop the final assistant message; "
                                  "a reference belongs in `answer`, and a start of the reply every prompt shares "

@@ -449,13 +449,13 @@ def test_messages_ending_with_an_assistant_turn_are_refused(tmp_path, chat_tok):
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                       {"role": "user", "content": "c"}], "answer": "1"},  # a few-shot chat ending with the question
     ])
-    with pytest.raises(BadInputError, match=r"d.jsonl:1: `messages` end with an assistant turn") as e:
+    with pytest.raises(BadInputError, match=r"d.jsonl:1: `messages` ends with an assistant turn") as e:
         load_prompts(p)
     assert "drop the final assistant message" in e.value.hint and "--chat-template-file" in e.value.hint  # a prefill
     bad = []
     rows = load_prompts(p, skip_bad_lines=True, bad_lines=bad)
     assert [r.where.rsplit(":", 1)[1] for r in rows] == ["3"] and len(bad) == 2
-    assert "d.jsonl:2: `prompt` end with an assistant turn" in bad[1]  # the column the chat was in
+    assert "d.jsonl:2: `prompt` ends with an assistant turn" in bad[1]  # the column the chat was in
     assert "#### 72" not in encode_prompts(rows, chat_tok)[0].text
 
 
@@ -472,7 +472,7 @@ def test_a_chat_ending_with_the_assistant_turn_under_another_name_is_refused(tmp
     bad = []
     rows = load_prompts(p, skip_bad_lines=True, bad_lines=bad)
     assert [r.where for r in rows] == [f"{p}:2"]  # a tool's result is a turn the model answers
-    assert bad == [f"{p}:1: `messages` end with an assistant turn (role `{chat[-1]['role']}`), which the prompt would "
+    assert bad == [f"{p}:1: `messages` ends with an assistant turn (role `{chat[-1]['role']}`), which the prompt would "
                    "show the model (its reply, the answer), before a new assistant turn to generate"
                    + f" ({_hint_of(p)})"]
 

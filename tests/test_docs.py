@@ -218,3 +218,19 @@ def test_a_metrics_example_records_todays_answer_rule_versions(page):
 
     shown = [json.loads(m) for m in re.findall(r'"scorer_version": (\{[^}]*\})', page.read_text())]
     assert all(v == RULE_VERSION for v in shown), f"{page.name}: {shown} != {RULE_VERSION}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_a_metrics_example_records_the_math_rules_packages(page):
+    # metrics.json's scorer_packages holds the versions of the packages the math rule's verdicts come from
+    # (answers.MATH_RULE_PACKAGES, written as rule_packages() writes them): an example with another set, or a
+    # misspelt name, sends a user reading their metrics.json after a package that is never there.
+    import json
+
+    from qerl_cli.answers import MATH_RULE_PACKAGES, rule_packages
+
+    shown = [json.loads(m) for m in re.findall(r'"scorer_packages": (\{[^}]*\})', page.read_text())]
+    assert all(sorted(v) == sorted(MATH_RULE_PACKAGES) == sorted(rule_packages()) for v in shown), \
+        f"{page.name}: {shown} != {MATH_RULE_PACKAGES}"
+    if page.name == "merge-eval.md":
+        assert shown, "merge-eval.md's metrics.json example no longer shows scorer_packages"
