@@ -294,3 +294,16 @@ def run_in_interpreter(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])
+
+
+# PEFT's fields that leave a target out of some layers, as PEFT writes them (int and list, string and list, list and
+# regex): tests/test_merge.py merges adapters saved with each, tests/test_adapters.py checks which pairs PEFT wraps
+PEFT_LAYER_FIELDS = {
+    "layers_to_transform_int": dict(layers_to_transform=1),
+    "layers_to_transform_0": dict(layers_to_transform=0),
+    "layers_to_transform_list": dict(layers_to_transform=[0, 2]),
+    "layers_pattern_str": dict(layers_to_transform=[1], layers_pattern="layers"),
+    "layers_pattern_list": dict(layers_to_transform=[2], layers_pattern=["h", "layers"]),
+    "exclude_modules_list": dict(exclude_modules=["v_proj", "model.layers.1.mlp.down_proj"]),
+    "exclude_modules_regex": dict(exclude_modules=r".*\.1\.self_attn\..*"),
+}

@@ -17,7 +17,7 @@ from qerl_cli.adapters import read_adapter_spec, save_adapter
 from qerl_cli.errors import BadInputError
 from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_parameters
 from qerl_cli.models import load_model
-from tests.helpers import make_tiny_hf_model
+from tests.helpers import PEFT_LAYER_FIELDS, make_tiny_hf_model
 from tests.test_models import nvfp4_checkpoint, right_padded
 
 
@@ -376,13 +376,7 @@ def test_an_adapter_covering_only_some_layers_or_saved_as_bin_names_why(tmp_path
 # Configs whose adapters PEFT wraps on only some modules: per-layer fields, exclusions, a full name beside a layer
 # filter (PEFT takes it in any layer), a regex, modules_to_save taking a target, target_parameters beside exclusions
 PEFT_WRAPPING = {
-    "layers_to_transform_int": dict(layers_to_transform=1),
-    "layers_to_transform_0": dict(layers_to_transform=0),
-    "layers_to_transform_list": dict(layers_to_transform=[0, 2]),
-    "layers_pattern_str": dict(layers_to_transform=[1], layers_pattern="layers"),
-    "layers_pattern_list": dict(layers_to_transform=[2], layers_pattern=["h", "layers"]),
-    "exclude_modules_list": dict(exclude_modules=["v_proj", "model.layers.1.mlp.down_proj"]),
-    "exclude_modules_regex": dict(exclude_modules=r".*\.1\.self_attn\..*"),
+    **PEFT_LAYER_FIELDS,
     "full_name_and_layers": dict(target_modules=["model.layers.0.self_attn.q_proj", "v_proj"], layers_to_transform=[1]),
     "regex_and_exclude": dict(target_modules=r".*\.(q|v)_proj", exclude_modules=["model.layers.2.self_attn.q_proj"]),
     "modules_to_save": dict(target_modules=["q_proj", "v_proj", "o_proj"], modules_to_save=["o_proj"]),

@@ -315,24 +315,31 @@ def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_pat
     assert "answer rules" not in " ".join(console.export_text().split())
 
 
+def _rules_caption(runs, scored_with, packages, versions=None):
+    """--compare's caption, unwrapped, over ``runs`` whose metrics.json say they scored with ``scored_with`` (one
+    per run) under qerl's rule ``versions`` (today's where None) and the math rule's ``packages`` (None: unrecorded)."""
+    from rich.console import Console
+
+    from qerl_cli.rewards import RULE_VERSION
+
+    for run, used, p, v in zip(runs, scored_with, packages, versions or [RULE_VERSION] * len(runs)):
+        m = json.loads((run / "metrics.json").read_text())
+        m.update(scorer="auto", scored_with=used, scorer_version=dict(v))
+        m.pop("scorer_packages", None)
+        m.update({} if p is None else {"scorer_packages": p})
+        (run / "metrics.json").write_text(json.dumps(m))
+    console = Console(record=True, width=300)
+    console.print(compare_table(runs))
+    return " ".join(console.export_text().split())
+
+
 def test_compare_flags_math_runs_scored_under_other_math_verify_or_sympy_versions(tmp_path):
     # The math rule's verdicts are math-verify's and sympy's: two MATH runs scored under other versions of them
     # compared without a word, while a rerun of either now scores it again (scorer_packages)
-    from rich.console import Console
-
     from qerl_cli.answers import rule_packages
-    from qerl_cli.rewards import RULE_VERSION
 
     def caption(runs, scored_with, packages):
-        for run, p in zip(runs, packages):
-            m = json.loads((run / "metrics.json").read_text())
-            m.update(scorer="auto", scored_with=scored_with, scorer_version=dict(RULE_VERSION))
-            m.pop("scorer_packages", None)
-            m.update({} if p is None else {"scorer_packages": p})
-            (run / "metrics.json").write_text(json.dumps(m))
-        console = Console(record=True, width=300)
-        console.print(compare_table(runs))
-        return " ".join(console.export_text().split())
+        return _rules_caption(runs, [scored_with] * len(runs), packages)
 
     runs = [_fake_run(tmp_path / "a", "base", 0.6), _fake_run(tmp_path / "b", "tuned", 0.66)]
     older = dict(rule_packages(), sympy="1.12")
@@ -346,21 +353,10 @@ def test_compare_weighs_math_verify_versions_only_among_the_runs_the_math_rule_s
     # A gsm8k-only run's scorer_packages (another node's sympy, or none: made before they were recorded) beside a run
     # the math rule scored warned "different versions of the answer rules ... rerun each eval command", and did so
     # after the rerun too: the gsm8k-only eval is already done (no math verdict in it), its packages stay as they are.
-    from rich.console import Console
-
     from qerl_cli.answers import rule_packages
     from qerl_cli.rewards import RULE_VERSION
 
-    def caption(runs, scored_with, packages, versions=(RULE_VERSION, RULE_VERSION)):
-        for run, used, p, v in zip(runs, scored_with, packages, versions):
-            m = json.loads((run / "metrics.json").read_text())
-            m.update(scorer="auto", scored_with=used, scorer_version=dict(v))
-            m.pop("scorer_packages", None)
-            m.update({} if p is None else {"scorer_packages": p})
-            (run / "metrics.json").write_text(json.dumps(m))
-        console = Console(record=True, width=300)
-        console.print(compare_table(runs))
-        return " ".join(console.export_text().split())
+    caption = _rules_caption
 
     runs = [_fake_run(tmp_path / "a", "base", 0.6), _fake_run(tmp_path / "b", "tuned", 0.66)]
     older = dict(rule_packages(), sympy="1.12")

@@ -9,7 +9,7 @@ import torch
 from qerl_cli.errors import BadInputError, LineageError, OutputExistsError
 from qerl_cli.hashing import model_hash
 from qerl_cli.merge import MergeConfig, merge, read_adapter
-from tests.helpers import make_tiny_hf_model
+from tests.helpers import PEFT_LAYER_FIELDS, make_tiny_hf_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -278,18 +278,6 @@ def test_lora_tensors_of_a_module_target_modules_does_not_name_are_refused(pair,
     shutil.copytree(adapter, regex)
     (regex / "adapter_config.json").write_text(json.dumps(dict(cfg, target_modules=".*")))
     assert read_adapter(regex).deltas.keys() == read_adapter(adapter).deltas.keys()
-
-
-# PEFT's fields that leave a target out of some layers, as PEFT writes them (int and list, string and list, list and regex)
-PEFT_LAYER_FIELDS = {
-    "layers_to_transform_int": dict(layers_to_transform=1),
-    "layers_to_transform_0": dict(layers_to_transform=0),
-    "layers_to_transform_list": dict(layers_to_transform=[0, 2]),
-    "layers_pattern_str": dict(layers_to_transform=[1], layers_pattern="layers"),
-    "layers_pattern_list": dict(layers_to_transform=[2], layers_pattern=["h", "layers"]),
-    "exclude_modules_list": dict(exclude_modules=["v_proj", "model.layers.1.mlp.down_proj"]),
-    "exclude_modules_regex": dict(exclude_modules=r".*\.1\.self_attn\..*"),
-}
 
 
 @pytest.fixture(scope="module")
