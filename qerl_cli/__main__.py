@@ -1,3 +1,13 @@
+"""The CLI's entry point (``python -m qerl_cli`` and the ``qerl`` script): how a qerl process starts and ends.
+
+Starting: the CLI module is imported inside ``run`` so a Ctrl-C during the first second (imports, Typer's command
+table) is one line and exit 130. Ending: a finished command leaves through ``exit_now``, which flushes, runs the
+atexit handlers and calls ``os._exit`` with the status: the trade is skipping the interpreter's teardown (about a
+second a stage with torch loaded, and a window where a SIGTERM killed a finished stage) against work a normal exit
+would do, so it falls back to Python's own exit wherever something could still be pending (threads, tracers, a
+failed flush, ``QERL_FULL_EXIT=1``). Library calls never reach this module.
+"""
+
 import os
 import sys
 
