@@ -111,6 +111,16 @@ def judged_completion(completion: str, opens_think: bool) -> str:
     return THINK_OPEN + completion if opens_think else completion
 
 
+THINK_CLOSE = "</think>"
+
+
+def stop_takes_tag(stop: str, tag: str) -> bool:
+    """Whether a stop string takes ``tag`` out of the text it cuts (the text ends before the stop): one inside the tag
+    fires at it, if not earlier ("answer" at the word in prose), and one holding it (``"</answer>\n"``) cuts it
+    wherever it fires."""
+    return stop in tag or tag in stop
+
+
 # ---- extraction ------------------------------------------------------------------------------
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 _BARE_TOKEN = re.compile(r"[^\s$]+")

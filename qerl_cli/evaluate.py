@@ -39,13 +39,20 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from qerl_cli.answers import RULE_VERSION, rule_packages
+from qerl_cli.answers import RULE_VERSION, THINK_CLOSE, rule_packages, stop_takes_tag
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
-from qerl_cli.errors import NONFINITE_LOGITS_HINT, BadInputError, NumericalError, OutputExistsError
+from qerl_cli.errors import (
+    NONFINITE_LOGITS_HINT,
+    BadInputError,
+    NumericalError,
+    OutputExistsError,
+    QerlWarning,
+)
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import StageOutput, WriterLock, crash_point, forget_completed, sweep_leftover_partial
@@ -466,6 +473,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         # symlinked --out is its target there)
         forget_completed(so.out)
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
+    if done is None:  # samples to generate (a finished eval scored again keeps the ones it has)
+        _check_stops_leave_the_scorers_their_tags(cfg, prompts)
 
     info: dict = {"engine": cfg.engine, "lora_modules": None}
 
@@ -526,6 +535,24 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
             so.drop_work_if_nothing_kept(SAMPLES)  # stopped before its first problem: nothing left, as before eval resumed
             raise
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
+
+
+def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
+    """A stop string is cut from the text scored, as in rollout (`_check_stops_leave_the_think_closed`). Every scorer
+    reads nothing after a `<think>` left open, so one that takes `</think>` out of it (`--stop '</think>'`) scored 0
+    every problem whose prompt opens one (R1's and QwQ's chat templates), silently: refused. One that takes an
+    `<answer>` tag's end leaves the gsm8k rule no closed tag to read: warned of."""
+    for x in cfg.stop:
+        what = f"--stop {x!r} is cut from the completion text scored"
+        opened = next((p for p in prompts if p.opens_think), None) if stop_takes_tag(x, THINK_CLOSE) else None
+        if opened is not None:
+            every = "every sample" if x in THINK_CLOSE else "every sample it stops"
+            raise BadInputError(f"{what}, so that text never holds {THINK_CLOSE}, and the prompt opens a <think> "
+                                f"({opened.row.where}): the answer rules read nothing after one left open, so {every} "
+                                "scores 0", hint="drop that --stop (EOS and --max-new-tokens still end samples)")
+        if cfg.scorer != "math" and (stop_takes_tag(x, "<answer>") or stop_takes_tag(x, "</answer>")):
+            warnings.warn(QerlWarning(f"{what}: the gsm8k rule reads no <answer> tag's number from a sample it stops "
+                                      "(#### lines and \\boxed{} still score)"), stacklevel=3)
 
 
 def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):

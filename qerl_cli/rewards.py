@@ -209,6 +209,8 @@ def _source_file(fn, module) -> str | None:
         source = None
     if source is None or not os.path.isfile(source):
         source = getattr(module, "__file__", None)
+    if source and not os.path.isfile(source):  # a module zipimport loaded ("r.zip/mod.py"): its archive (it went
+        source = getattr(getattr(module, "__loader__", None), "archive", None)  # unhashed, as exec's; a review)
     return source if source and os.path.isfile(source) else None
 
 
@@ -226,7 +228,9 @@ def get_reward(name: str) -> Reward:
         return REWARDS[name]
     if ":" in name:
         target, _, attr = name.rpartition(":")
-        if _is_number(attr):  # no function is named "1.0": a weight in NAME:WEIGHT form (it read "cannot import gsm8k")
+        # no function is named "1.0": a weight in NAME:WEIGHT form (it read "cannot import gsm8k"); "nan", "inf" and
+        # "infinity", which float() reads too, may be (refused as weights, a review)
+        if _is_number(attr) and not attr.isidentifier():
             raise BadInputError(f"reward {name!r}: a weight follows '=', not ':'",
                                 hint=f"pass --reward {target}={attr}")
         return _load_user_function(name)

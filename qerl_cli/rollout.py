@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qerl_cli.answers import judged_completion
+from qerl_cli.answers import THINK_CLOSE, judged_completion, stop_takes_tag
 from qerl_cli.data import (
     LONG_PROMPT_POLICIES,
     EncodedPrompt,
@@ -246,22 +246,43 @@ FORMAT_CLOSED_TAGS = ("</think>", "<answer>", "</answer>")
 
 
 def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: RewardSet) -> None:
-    """A stop string is cut from the text the rewards judge (as vLLM cuts it). One inside a tag the `format`
-    reward needs (`--stop '</answer>'`, how R1-style recipes end a completion at its answer) scored every
-    completion 0 there, silently: refused. One inside `</answer>` leaves gsm8k no closed `<answer>` tag to read
-    (its `####` lines and boxes still count): warned of."""
+    """A stop string is cut from the text the rewards judge (as vLLM cuts it). One that takes a tag the `format`
+    reward needs out of that text (`--stop '</answer>'`, how R1-style recipes end a completion at its answer, or
+    `'</answer>\\n'`, which holds it) scored every completion it stops 0 there, silently: refused. One that takes
+    an `<answer>` tag's either end leaves gsm8k no closed tag to read (its `####` lines and boxes still count): warned
+    of (until a review, only a stop inside `</answer>`)."""
     names = {s.name for s in reward_set.specs}
     for x in cfg.stop:
-        tag = next((t for t in FORMAT_CLOSED_TAGS if x in t), None)
+        tag = next((t for t in FORMAT_CLOSED_TAGS if stop_takes_tag(x, t)), None)
         if "format" in names and tag:
-            raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so it never holds "
-                                f"{tag} and the format reward scores every completion 0",
+            every = "every completion" if x in tag else "every completion it stops"
+            raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so that text never "
+                                f"holds {tag} and the format reward scores {every} 0",
                                 hint="drop that --stop (EOS and --max-new-tokens still end completions), or score "
                                      "the format with your own reward")
-        if "gsm8k" in names and x in "</answer>":
+        if "gsm8k" in names and (stop_takes_tag(x, "<answer>") or stop_takes_tag(x, "</answer>")):
             warnings.warn(QerlWarning(
                 f"--stop {x!r} is cut from the completion text the rewards judge: gsm8k reads no <answer> tag's number "
-                "without its </answer> (#### lines and \\boxed{} still score)"), stacklevel=3)
+                "from a completion it stops (#### lines and \\boxed{} still score)"), stacklevel=3)
+
+
+def _check_stops_leave_the_think_closed(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:
+    """gsm8k and math read nothing after a `<think>` left open (a completion cut short mid-thought). A stop that
+    takes `</think>` out of the judged text (`--stop '</think>'`) leaves it open in each completion it stops, one
+    inside a `<think>` its prompt opened (R1's and QwQ's chat templates) or its own: that completion scores 0. Where
+    a prompt opens one, every completion of it did (silently, until a review): refused; else warned of."""
+    kinds = sorted({s.name for s in reward_set.specs} & {"gsm8k", "math"})
+    x = next((x for x in cfg.stop if stop_takes_tag(x, THINK_CLOSE)), None)
+    if not kinds or x is None:
+        return
+    what = (f"--stop {x!r} is cut from the completion text the rewards judge, so that text never holds {THINK_CLOSE}, "
+            f"and {' and '.join(kinds)} {'read' if len(kinds) > 1 else 'reads'} nothing after a <think> left open")
+    opened = next((p for p in prompts if p.opens_think), None)
+    if opened is not None:
+        every = "every completion" if x in THINK_CLOSE else "every completion it stops"
+        raise BadInputError(f"{what}: the prompt opens one ({opened.row.where}), so {every} scores 0",
+                            hint="drop that --stop (EOS and --max-new-tokens still end completions)")
+    warnings.warn(QerlWarning(f"{what}: a completion it stops that opened its own <think> scores 0"), stacklevel=3)
 
 
 def aqn_sigma(cfg: RolloutConfig) -> float:
@@ -599,6 +620,7 @@ def rollout(cfg: RolloutConfig) -> dict:
         sweep_leftover_partial(out)
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
+    _check_stops_leave_the_think_closed(cfg, reward_set, prompts)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
     policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}

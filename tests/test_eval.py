@@ -566,6 +566,27 @@ def test_the_datasets_own_column_names_are_read_as_rollout_reads_them(model_dir,
     assert "--prompt-key" in r.output and "--answer-key" in r.output
 
 
+def test_a_stop_that_takes_think_s_end_out_of_a_think_prompt_s_samples_is_refused(model_dir, tmp_path):
+    # The stop is cut from the text scored: with --stop '</think>' and a template that opens <think>, every sample
+    # was judged "<think>" + "... #### 7" with no </think>, where every rule reads nothing: a 0 score, silently.
+    from qerl_cli.errors import QerlWarning
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}]
+    assert not score_completion("3 + 4 = 7, #### 7\n", "7", opens_think=True).correct  # what "... </think>" leaves
+    for stop in ("</think>", "think>", "</think>\n"):
+        with pytest.raises(BadInputError, match=r"never holds </think>, and the prompt opens a <think> "
+                                                r"\(.*e.jsonl:1\).* so every sample"):
+            run(model_dir, tmp_path, rows, [["3 + 4 = 7, #### 7\n"]], stop=(stop,), chat_template_file=tpl)
+    assert not (tmp_path / "e").exists()
+    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the gsm8k rule reads no <answer> tag's number"):
+        res, _ = run(model_dir, tmp_path, rows, [["<answer>7"]], stop=("</answer>",))
+    assert res["metrics"]["score"] == 0.0
+    assert run(model_dir, tmp_path, rows, [["#### 7"]], name="m", stop=("</think>",))[0]["metrics"]["score"] == 1.0
+
+
 def test_a_template_that_opens_think_scores_completions_from_inside_it(model_dir, tmp_path):
     # A reasoning template's prompt ends in "<think>\n": a completion cut short mid-thought ("#### 7 ..." and no
     # </think>) was credited with its draft; eval now judges it as rollout's rewards do, "<think>" + completion.

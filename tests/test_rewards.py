@@ -396,6 +396,25 @@ def test_a_reward_made_by_exec_or_eval_hashes_the_file_it_was_loaded_from(tmp_pa
         assert rs.specs[0].reward.source == str(f)
         assert rs.score("abc", None)[1] == 1.0
 
+
+def test_a_reward_named_nan_or_inf_loads_and_one_from_a_zip_hashes_the_archive(tmp_path, monkeypatch):
+    # A review of the two checks above. float() reads "nan", "inf" and "infinity", which are names a function may
+    # have: 'r.py:nan' was refused as a weight typo. A module zipimport loaded has no file of its own nor a __file__
+    # that is one ("r.zip/zipped.py"): its reward went unhashed, so an edited archive left a rollout "already done".
+    import zipfile
+
+    f = tmp_path / "r.py"
+    f.write_text("def nan(completion, answer):\n    return 1.0\n\ninf = infinity = nan\n")
+    for fn in ("nan", "inf", "infinity"):
+        assert RewardSet.from_specs([f"{f}:{fn}"]).score("a", None) == ({f"{f}:{fn}": 1.0}, 1.0)
+    with pytest.raises(BadInputError, match=r"a weight follows '=', not ':' \(pass --reward r.py:inf=1e-3\)"):
+        RewardSet.from_specs(["r.py:inf:1e-3"])
+    z = tmp_path / "r.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("zipped_reward_review.py", "def r(completion, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(z))
+    assert RewardSet.from_specs(["zipped_reward_review:r"]).specs[0].reward.source == str(z)
+
 def test_braceless_mixed_numbers_and_huge_whole_parts():
     # 3\frac12 is the mixed number 3.5 (as 3\frac{1}{2} is), not "3" glued to "0.5" = 30.5
     assert extract_answer("\\boxed{3\\frac12}", "gsm8k") == "3.5"

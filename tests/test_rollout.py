@@ -659,11 +659,42 @@ def test_a_stop_inside_a_tag_the_format_reward_needs_is_refused(model_dir, tmp_p
         with pytest.raises(BadInputError, match=r"format reward scores every completion 0"):
             rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format=0"), stop=(stop,)))
     assert fake_engine.calls == []
-    with pytest.warns(QerlWarning, match=r"gsm8k reads no <answer> tag's number without its </answer>"):
+    with pytest.warns(QerlWarning, match=r"gsm8k reads no <answer> tag's number from a completion it stops"):
         rollout(cfg_for(model_dir, tmp_path, stop=("</answer>",), max_prompts=2, out=tmp_path / "g"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", QerlWarning)  # a stop outside the tags: nothing to say
         rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format"), stop=("\nQ:",), max_prompts=2))
+
+def test_a_stop_that_takes_a_tag_out_of_the_judged_text_is_refused_or_warned_of(model_dir, tmp_path, fake_engine):
+    # A review of the check above: a stop holding a tag ("</answer>\n") cuts it wherever it fires, so format scored
+    # every completion it stopped 0; one inside <answer> left gsm8k no tag to read, unwarned; and one inside </think>
+    # left a think-opening prompt's completions inside an open <think>, where gsm8k and math read nothing: all 0.
+    from qerl_cli.answers import judged_completion
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.rewards import REWARDS, format_reward
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    assert format_reward("<think>a</think><answer>3") == 0.0  # "<think>a</think><answer>3</answer>\n" cut
+    with pytest.raises(BadInputError, match=r"never holds </answer> and the format reward scores every completion "
+                                            r"it stops 0"):
+        rollout(cfg_for(model_dir, tmp_path, rewards=("format",), stop=("</answer>\n",)))
+    with pytest.warns(QerlWarning, match=r"--stop '<answer>' .* gsm8k reads no <answer> tag's number"):
+        rollout(cfg_for(model_dir, tmp_path, stop=("<answer>",), max_prompts=2, out=tmp_path / "g"))
+    # "<think>\n" + "1 mod 4 is 1, so #### 1\n" cut before "</think>": nothing is read after the open <think>
+    for kind in ("gsm8k", "math"):
+        assert REWARDS[kind].fn(judged_completion("1 mod 4 is 1, so #### 1 \\boxed{1}\n", True), "1") == 0.0
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    fake_engine.calls.clear()
+    for stop, rewards in (("</think>", ("gsm8k",)), ("think>", ("math",)), ("</think>\n", ("gsm8k", "math"))):
+        with pytest.raises(BadInputError, match=r"never holds </think>, .* reads? nothing after a <think> left open: "
+                                                r"the prompt opens one \(.*prompts.jsonl:1\), so every completion"):
+            rollout(cfg_for(model_dir, tmp_path, chat_template_file=tpl, rewards=rewards, stop=(stop,),
+                            out=tmp_path / "t"))
+    assert fake_engine.calls == [] and not (tmp_path / "t").exists()
+    with pytest.warns(QerlWarning, match=r"a completion it stops that opened its own <think> scores 0"):
+        rollout(cfg_for(model_dir, tmp_path, stop=("</think>",), max_prompts=2, out=tmp_path / "w"))
+
 
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "a", batch_prompts=3, step=2, seed=5))
