@@ -467,6 +467,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
         sweep_leftover_partial(so)
         done = json.loads((cfg.out / METRICS).read_text())
+        if elsewhere is not None:  # said even with --quiet: `--device cpu` printed a GPU's bf16 score unsaid (a review)
+            print(f"note: {cfg.out} was generated on {elsewhere[0]} ({elsewhere[1]}), not {device} ({dtype_name}): "
+                  "its score is that device's (pass --force to generate it here)", file=sys.stderr)
         if not _rescores(cfg, so.manifest, done):
             return {"out": str(cfg.out), "already_done": True, "metrics": done, "manifest": so.manifest}
         # found done, now redone: a stop midway must not say "a rerun says already done"; so.out, as found done (a

@@ -244,6 +244,17 @@ class RewardSpec:
     reward: Reward
 
 
+def _split_weight(spec: str) -> tuple[str, str | None]:
+    """``NAME=WEIGHT`` -> (NAME, WEIGHT), a spec without one -> (spec, None). The last '=' splits, unless the text
+    after it holds a ':', which no weight does: then that '=' is inside a user function's module or path (a
+    Hydra-style run dir, ``outputs/lr=1e-5/r.py:fn``), which was read as the weight "1e-5/r.py:fn" (a review). A
+    function's name holds no '=', so ``outputs/lr=1e-5/r.py:fn=0.5`` is still that function weighted 0.5."""
+    name, eq, w = spec.rpartition("=")
+    if not eq or ":" in w:
+        return spec, None
+    return name.strip(), w
+
+
 def parse_reward_specs(specs: Iterable[str]) -> list[RewardSpec]:
     """``["gsm8k", "format=0.1"]`` (or ``["gsm8k,format=0.1"]``) -> weighted rewards; default weight 1."""
     out: list[RewardSpec] = []
@@ -252,10 +263,9 @@ def parse_reward_specs(specs: Iterable[str]) -> list[RewardSpec]:
             spec = spec.strip()
             if not spec:
                 continue
-            name, weight = spec, 1.0
-            if "=" in spec:
-                name, w = spec.rsplit("=", 1)
-                name = name.strip()
+            weight = 1.0
+            name, w = _split_weight(spec)
+            if w is not None:
                 try:
                     weight = float(w)
                 except ValueError:

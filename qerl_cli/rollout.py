@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qerl_cli.answers import THINK_CLOSE, judged_completion, stop_takes_tag
+from qerl_cli.answers import THINK_CLOSE, THINK_OPEN, judged_completion, stop_takes_tag
 from qerl_cli.data import (
     LONG_PROMPT_POLICIES,
     EncodedPrompt,
@@ -241,7 +241,8 @@ def _warn_of_skipped_aqn_stages(cfg: RolloutConfig) -> None:
             "(the noise may never reach --aqn-sigma-start or end at --aqn-sigma-end)"), stacklevel=3)
 
 
-# The tags a completion passing the `format` reward holds (an opening <think> aside: the prompt may open it).
+# The tags a completion passing the `format` reward holds (an opening <think> aside: the prompt may open it, so
+# `_check_stops_leave_the_format_its_think` judges a stop that takes it once the prompts are rendered).
 FORMAT_CLOSED_TAGS = ("</think>", "<answer>", "</answer>")
 
 
@@ -283,6 +284,26 @@ def _check_stops_leave_the_think_closed(cfg: RolloutConfig, reward_set: RewardSe
         raise BadInputError(f"{what}: the prompt opens one ({opened.row.where}), so {every} scores 0",
                             hint="drop that --stop (EOS and --max-new-tokens still end completions)")
     warnings.warn(QerlWarning(f"{what}: a completion it stops that opened its own <think> scores 0"), stacklevel=3)
+
+
+def _check_stops_leave_the_format_its_think(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:
+    """The `format` reward needs the judged text to open with `<think>`: a completion opens it where its prompt does
+    not (a prompt that does, R1's and QwQ's templates, has it put back: `judged_completion`). A stop that takes
+    `<think>` out of that text (`--stop '<think>'`, `'<think'`) cuts such a completion at its first tag, so format
+    scored every completion of a prompt that opens no `<think>` 0, silently (a review): refused. Where every prompt
+    opens one, the completions hold no opening tag of their own to cut: harmless."""
+    if "format" not in {s.name for s in reward_set.specs}:
+        return
+    x = next((x for x in cfg.stop if stop_takes_tag(x, THINK_OPEN)), None)
+    unopened = next((p for p in prompts if not p.opens_think), None)
+    if x is None or unopened is None:
+        return
+    every = "every completion" if x in THINK_OPEN else "every completion it stops"
+    raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so that text never holds "
+                        f"{THINK_OPEN}, which a completion opens where its prompt does not ({unopened.row.where}): the "
+                        f"format reward scores {every} of such a prompt 0",
+                        hint="drop that --stop (EOS and --max-new-tokens still end completions), or score the format "
+                             "with your own reward")
 
 
 def aqn_sigma(cfg: RolloutConfig) -> float:
@@ -621,6 +642,7 @@ def rollout(cfg: RolloutConfig) -> dict:
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
     _check_stops_leave_the_think_closed(cfg, reward_set, prompts)
+    _check_stops_leave_the_format_its_think(cfg, reward_set, prompts)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
     policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}

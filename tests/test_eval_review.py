@@ -499,7 +499,7 @@ def _on_a_gpu(monkeypatch):
     monkeypatch.setattr(qerl_cli.runtime, "resolve_device", lambda device: "cuda" if device == "auto" else device)
 
 
-def test_a_finished_gpu_eval_is_done_and_scored_again_on_a_cpu_node(model_dir, tmp_path, monkeypatch):
+def test_a_finished_gpu_eval_is_done_and_scored_again_on_a_cpu_node(model_dir, tmp_path, monkeypatch, capsys):
     # The fingerprint holds the device and dtype --device auto / --dtype auto resolve to: the same command on a CPU node
     # (to print the score, or to score it again after an upgrade) exited 4, "device: cuda -> cpu; dtype: bf16 -> fp32".
     import qerl_cli.evaluate as ev
@@ -512,11 +512,21 @@ def test_a_finished_gpu_eval_is_done_and_scored_again_on_a_cpu_node(model_dir, t
         made = evaluate(cfg, generate=BySeed())
     assert made["manifest"]["config"]["device"] == "cuda" and made["metrics"]["dtype"] == "bf16"
     gen = BySeed()
+    capsys.readouterr()
     res = evaluate(cfg, generate=gen)  # on this CPU: scored again with today's rules, where the samples were made
     assert not res["already_done"] and gen.asked == []
     assert (res["metrics"]["device"], res["metrics"]["dtype"]) == ("cuda", "bf16")
     assert res["manifest"]["fingerprint"] == made["manifest"]["fingerprint"]
+    # said, --quiet or not: a user who asked for this CPU sees the GPU's bf16 score (unsaid until a review)
+    made_there = f"note: {cfg.out} was generated on cuda (bf16), not cpu (fp32): its score is that device's"
+    assert made_there in capsys.readouterr().err
     assert evaluate(cfg, generate=gen)["already_done"] and evaluate(replace(cfg, dtype="bf16"), generate=gen)["already_done"]
+    err = capsys.readouterr().err
+    assert made_there in err and "generated on cuda (bf16), not cpu (bf16): its score is that device's" in err
+    with monkeypatch.context() as m:  # made where it runs: nothing to say
+        _on_a_gpu(m)
+        assert evaluate(cfg, generate=gen)["already_done"]
+    assert "was generated on" not in capsys.readouterr().err
     with pytest.raises(OutputExistsError, match="dtype: \"bf16\" -> \"fp16\""):  # other numbers asked for: another eval
         evaluate(replace(cfg, dtype="fp16"), generate=gen)
     redo = evaluate(replace(cfg, force=True), generate=gen)  # --force generates it here

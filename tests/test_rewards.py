@@ -415,6 +415,27 @@ def test_a_reward_named_nan_or_inf_loads_and_one_from_a_zip_hashes_the_archive(t
     monkeypatch.syspath_prepend(str(z))
     assert RewardSet.from_specs(["zipped_reward_review:r"]).specs[0].reward.source == str(z)
 
+
+def test_a_reward_file_under_a_folder_whose_name_holds_an_equals_sign_loads(tmp_path, monkeypatch):
+    # Hydra-style run dirs (outputs/lr=1e-5/): the spec's last '=' was read as NAME=WEIGHT, "weight '1e-5/r.py:fn' is
+    # not a number". A weight holds no ':': one after the '=' is the path's. Weights and their typos read as before.
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "outputs" / "lr=1e-5"
+    run.mkdir(parents=True)
+    (run / "r.py").write_text("def fn(completion, answer):\n    return 1.0\n")
+    (tmp_path / "r.py").write_text((run / "r.py").read_text())
+    for spec, name, weight in (("outputs/lr=1e-5/r.py:fn", "outputs/lr=1e-5/r.py:fn", 1.0),
+                               ("outputs/lr=1e-5/r.py:fn=0.5", "outputs/lr=1e-5/r.py:fn", 0.5),
+                               (f"{run}/r.py:fn=-2", f"{run}/r.py:fn", -2.0), ("r.py:fn=0.5", "r.py:fn", 0.5),
+                               ("gsm8k=1.0", "gsm8k", 1.0)):
+        (s,) = parse_reward_specs([spec])
+        assert (s.name, s.weight) == (name, weight)
+    assert parse_reward_specs(["outputs/lr=1e-5/r.py:fn"])[0].reward.source == str(run / "r.py")
+    with pytest.raises(BadInputError, match=r"reward 'outputs/lr=2e-5/r.py:fn': file outputs/lr=2e-5/r.py does not"):
+        parse_reward_specs(["outputs/lr=2e-5/r.py:fn"])
+    with pytest.raises(BadInputError, match=r"weight 'x0.5' is not a number"):
+        parse_reward_specs(["outputs/lr=1e-5/r.py:fn=x0.5"])
+
 def test_braceless_mixed_numbers_and_huge_whole_parts():
     # 3\frac12 is the mixed number 3.5 (as 3\frac{1}{2} is), not "3" glued to "0.5" = 30.5
     assert extract_answer("\\boxed{3\\frac12}", "gsm8k") == "3.5"

@@ -696,6 +696,36 @@ def test_a_stop_that_takes_a_tag_out_of_the_judged_text_is_refused_or_warned_of(
         rollout(cfg_for(model_dir, tmp_path, stop=("</think>",), max_prompts=2, out=tmp_path / "w"))
 
 
+def test_a_stop_that_takes_the_opening_think_is_refused_with_format_unless_the_prompt_opens_it(model_dir, tmp_path,
+                                                                                                 monkeypatch):
+    # format needs the judged text to open with <think>: where the prompt does not open it, the completion does, and
+    # --stop '<think>' cut it there (to "", "<think" to "", "<t" likewise): format scored every completion 0. Where
+    # the prompt opens it, the completion holds no opening tag and "<think>" + completion is judged: harmless.
+    from qerl_cli.rewards import format_reward
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    texts = ["So it is 1.</think><answer>1</answer>"] * 2
+    monkeypatch.setattr(ro, "_native_generator", lambda cfg, tok, *a, **k: (
+        ro._Generator(_ScriptedEngine(tok, texts), "sp", "fake"), None))
+    assert format_reward("") == format_reward("<") == 0.0  # "<think>a</think><answer>1</answer>" cut at each stop
+    p = tmp_path / "one.jsonl"
+    p.write_text(json.dumps({"prompt": "What is 1 mod 4?", "answer": "1", "id": "a"}) + "\n")
+    for stop, every in (("<think>", "every completion"), ("<think", "every completion"),
+                        ("<think>\n", "every completion it stops")):
+        with pytest.raises(BadInputError, match=rf"never holds <think>, .*\(.*one.jsonl:1\): the format reward "
+                                                rf"scores {every} of such a prompt 0"):
+            rollout(cfg_for(model_dir, tmp_path, prompts=p, num_generations=2, rewards=("gsm8k", "format=0.1"),
+                            stop=(stop,)))
+    assert not (tmp_path / "out").exists()
+    rollout(cfg_for(model_dir, tmp_path, prompts=p, num_generations=2, rewards=("gsm8k",), stop=("<think>",),
+                    out=tmp_path / "g"))  # no format: nothing needs the tag
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    rollout(cfg_for(model_dir, tmp_path, prompts=p, chat_template_file=tpl, num_generations=2, rewards=("format",),
+                    stop=("<think>",), out=tmp_path / "t"))
+    assert [r["rewards"] for r in read_records(tmp_path / "t")] == [{"format": 1.0}] * 2
+
+
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "a", batch_prompts=3, step=2, seed=5))
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "b", batch_prompts=4, step=2, seed=5))
