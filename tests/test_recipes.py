@@ -1840,17 +1840,23 @@ def test_qerl_run_forwarding_keeps_the_callers_traps(tmp_path):
     assert p.wait(timeout=10) == 9 and p.stdout.read() == "clean-up\n"
 
 
+def _plot_printing(script: str, arg, printed: str) -> subprocess.CompletedProcess:
+    """Run recipes/SCRIPT ARG headless, each figure's savefig replaced by ``print(PRINTED)`` (an expression of
+    ``self``, the figure): what the plot would draw, as text."""
+    code = ("import runpy, sys, matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.figure as f\n"
+            f"f.Figure.savefig = lambda self, *a, **k: print({printed})\n"
+            f"sys.argv = [{script!r}, {str(arg)!r}]\n"
+            f"runpy.run_path({str(RECIPES / script)!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
 def test_plot_run_labels_the_pass1_axis_as_steps_taken(tmp_path):
     # The table says "pass@1 after step 4" (steps count from 0) and the plot put that point at 5 under the label
     # "adapter after step", which named step 5 (a review, 2026-11-27): the axis counts the steps taken.
     run = tmp_path / "run"
     _forced_rerun_with_fewer_steps(run, rerun_steps=3, rerun_made=3)
-    code = ("import runpy, sys, matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.figure as f\n"
-            "f.Figure.savefig = lambda self, *a, **k: print('XLABEL', self.axes[2].get_xlabel(), "
-            "[round(x) for x in self.axes[2].lines[0].get_xdata()])\n"
-            f"sys.argv = ['plot_run.py', {str(run)!r}]\n"
-            f"runpy.run_path({str(RECIPES / 'plot_run.py')!r}, run_name='__main__')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = _plot_printing("plot_run.py", run, "'XLABEL', self.axes[2].get_xlabel(), "
+                                           "[round(x) for x in self.axes[2].lines[0].get_xdata()]")
     assert r.returncode == 0, r.stderr
     assert "pass@1 after step   0: 20.0%" in r.stdout
     assert "XLABEL RL steps taken (0 = the base policy) [0, 1, 2, 3]" in r.stdout, r.stdout
@@ -1909,12 +1915,8 @@ def test_plot_compare_averages_the_seeds_step_by_step(tmp_path):
                                                        for s in range(4)])
     _finished_compare_run(tmp_path / "nvfp4-lora-s1", [{"step": s, "reward_mean": 0.5 + s / 10, "entropy": e}
                                                        for s, e in ((0, 1.0), (2, 1.0), (3, 9.0))])
-    code = ("import runpy, sys, matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.figure as f\n"
-            "f.Figure.savefig = lambda self, *a, **k: print('MEAN', [float(x) for x in self.axes[0].lines[0].get_xdata()], "
-            "[round(float(y), 3) for y in self.axes[0].lines[0].get_ydata()])\n"
-            f"sys.argv = ['plot_compare.py', {str(tmp_path)!r}]\n"
-            f"runpy.run_path({str(RECIPES / 'plot_compare.py')!r}, run_name='__main__')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = _plot_printing("plot_compare.py", tmp_path, "'MEAN', [float(x) for x in self.axes[0].lines[0].get_xdata()], "
+                                                    "[round(float(y), 3) for y in self.axes[0].lines[0].get_ydata()]")
     assert r.returncode == 0, r.stderr
     assert "MEAN [0.0, 2.0, 3.0] [0.25, 0.45, 0.55]" in r.stdout, r.stdout
     table = (tmp_path / "results.md").read_text()
