@@ -112,13 +112,50 @@ def judged_completion(completion: str, opens_think: bool) -> str:
 
 
 THINK_CLOSE = "</think>"
+ANSWER_TAGS = ("<answer>", "</answer>")
 
 
 def stop_takes_tag(stop: str, tag: str) -> bool:
-    """Whether a stop string takes ``tag`` out of the text it cuts (the text ends before the stop): one inside the tag
-    fires at it, if not earlier ("answer" at the word in prose), and one holding it (``"</answer>\n"``) cuts it
-    wherever it fires."""
-    return stop in tag or tag in stop
+    """Whether a stop string takes ``tag`` out of the text it cuts (the text ends where the stop first appears): one
+    inside the tag fires at it, if not earlier ("answer" at the word in prose), one holding it (``"</answer>\n"``) cuts
+    it wherever it fires, and one that overlaps the tag's start or end with only whitespace beyond it (``"\n<answer"``,
+    ``">\n"``) fires at it wherever a completion spaces its tags so (``"</think>\n<answer>"``, R1-style), cutting it
+    (missed until 2026-11-28). An overlap with other text beyond (``">>>"``) fires at a tag only where a completion
+    writes that text beside it, so it is left alone."""
+    if stop in tag or tag in stop:
+        return True
+    return any((stop.endswith(tag[:k]) and not stop[:-k].strip()) or (stop.startswith(tag[-k:]) and not stop[k:].strip())
+               for k in range(1, len(tag)))
+
+
+def stop_taking(stops, tags) -> tuple[str, str] | None:
+    """(the first of ``stops`` that takes one of ``tags`` out of the text it cuts, that tag), or None."""
+    return next(((x, t) for x in stops for t in tags if stop_takes_tag(x, t)), None)
+
+
+def every_stopped(stop: str, tag: str, noun: str = "completion") -> str:
+    """Which completions a stop that takes ``tag`` costs it: every one where the stop lies inside the tag (it fires
+    there if not earlier), else every one it stops (one holding or overlapping the tag may fire elsewhere only)."""
+    return f"every {noun}" if stop in tag else f"every {noun} it stops"
+
+
+def think_stop(stops, prompts) -> tuple[str, str, object | None] | None:
+    """A stop that leaves the answer rules (gsm8k and math read nothing after a ``<think>`` left open) nothing to read
+    in the text it cuts, as (stop, tag, prompt), the prompts rendered (``EncodedPrompt.opens_think``):
+
+    - (stop, ``</think>``, a prompt that opens ``<think>``): every completion of it is judged inside it, all 0;
+    - (stop, ``</think>``, None): no prompt opens one, so only a completion that opens its own is left inside it;
+    - (stop, ``<think>``, a prompt that does not open it): a completion of it that opens its own ``<think>`` is cut
+      there, before its answer (a prompt that opens it has completions without the tag: harmless).
+
+    None: no such stop. One stop that takes both tags (``"think>"``) is judged by ``</think>`` (one finding, the
+    graver)."""
+    closing = stop_taking(stops, (THINK_CLOSE,))
+    if closing is not None:
+        return (*closing, next((p for p in prompts if p.opens_think), None))
+    opening = stop_taking(stops, (THINK_OPEN,))
+    unopened = next((p for p in prompts if not p.opens_think), None)
+    return (*opening, unopened) if opening is not None and unopened is not None else None
 
 
 # ---- extraction ------------------------------------------------------------------------------

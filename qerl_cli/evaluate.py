@@ -44,7 +44,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from qerl_cli.answers import RULE_VERSION, THINK_CLOSE, rule_packages, stop_takes_tag
+from qerl_cli.answers import (
+    ANSWER_TAGS,
+    RULE_VERSION,
+    THINK_CLOSE,
+    THINK_OPEN,
+    every_stopped,
+    rule_packages,
+    stop_taking,
+    think_stop,
+)
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import (
     NONFINITE_LOGITS_HINT,
@@ -541,21 +550,33 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
 
 def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
-    """A stop string is cut from the text scored, as in rollout (`_check_stops_leave_the_think_closed`). Every scorer
-    reads nothing after a `<think>` left open, so one that takes `</think>` out of it (`--stop '</think>'`) scored 0
-    every problem whose prompt opens one (R1's and QwQ's chat templates), silently: refused. One that takes an
-    `<answer>` tag's end leaves the gsm8k rule no closed tag to read: warned of."""
-    for x in cfg.stop:
+    """A stop string is cut from the text scored, as in rollout (`_check_stops_leave_the_think_closed`, the same
+    `think_stop`). Every scorer reads nothing after a `<think>` left open, so one that takes `</think>` out of it
+    (`--stop '</think>'`) scored 0 every problem whose prompt opens one (R1's and QwQ's chat templates), silently:
+    refused; where none does, a sample that opens its own is left inside it: warned of, as one that takes the opening
+    `<think>` (`--stop '<think>'`), which cuts such a sample before its answer (both missed until 2026-11-28). One
+    that takes an `<answer>` tag's end leaves the gsm8k rule no closed tag to read: warned of."""
+    found = think_stop(cfg.stop, prompts)
+    if found is not None:
+        x, tag, prompt = found
         what = f"--stop {x!r} is cut from the completion text scored"
-        opened = next((p for p in prompts if p.opens_think), None) if stop_takes_tag(x, THINK_CLOSE) else None
-        if opened is not None:
-            every = "every sample" if x in THINK_CLOSE else "every sample it stops"
+        if tag == THINK_OPEN:
+            warnings.warn(QerlWarning(f"{what}, so a sample that opens its own {THINK_OPEN} (its prompt opens none: "
+                                      f"{prompt.row.where}) is cut there, before its answer: it scores 0"), stacklevel=3)
+        elif prompt is not None:
             raise BadInputError(f"{what}, so that text never holds {THINK_CLOSE}, and the prompt opens a <think> "
-                                f"({opened.row.where}): the answer rules read nothing after one left open, so {every} "
-                                "scores 0", hint="drop that --stop (EOS and --max-new-tokens still end samples)")
-        if cfg.scorer != "math" and (stop_takes_tag(x, "<answer>") or stop_takes_tag(x, "</answer>")):
-            warnings.warn(QerlWarning(f"{what}: the gsm8k rule reads no <answer> tag's number from a sample it stops "
-                                      "(#### lines and \\boxed{} still score)"), stacklevel=3)
+                                f"({prompt.row.where}): the answer rules read nothing after one left open, so "
+                                f"{every_stopped(x, tag, 'sample')} scores 0",
+                                hint="drop that --stop (EOS and --max-new-tokens still end samples)")
+        else:
+            warnings.warn(QerlWarning(f"{what}, so that text never holds {THINK_CLOSE}, and the answer rules read "
+                                      "nothing after a <think> left open: a sample it stops that opened its own <think> "
+                                      "scores 0"), stacklevel=3)
+    for x in cfg.stop:
+        if cfg.scorer != "math" and stop_taking((x,), ANSWER_TAGS):
+            warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored: the gsm8k rule reads "
+                                      "no <answer> tag's number from a sample it stops (#### lines and \\boxed{} "
+                                      "still score)"), stacklevel=3)
 
 
 def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):

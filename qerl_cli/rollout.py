@@ -44,7 +44,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qerl_cli.answers import THINK_CLOSE, THINK_OPEN, judged_completion, stop_takes_tag
+from qerl_cli.answers import (
+    ANSWER_TAGS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    every_stopped,
+    judged_completion,
+    stop_taking,
+    think_stop,
+)
 from qerl_cli.data import (
     LONG_PROMPT_POLICIES,
     EncodedPrompt,
@@ -248,20 +256,19 @@ FORMAT_CLOSED_TAGS = ("</think>", "<answer>", "</answer>")
 
 def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: RewardSet) -> None:
     """A stop string is cut from the text the rewards judge (as vLLM cuts it). One that takes a tag the `format`
-    reward needs out of that text (`--stop '</answer>'`, how R1-style recipes end a completion at its answer, or
-    `'</answer>\\n'`, which holds it) scored every completion it stops 0 there, silently: refused. One that takes
-    an `<answer>` tag's either end leaves gsm8k no closed tag to read (its `####` lines and boxes still count): warned
-    of (until a review, only a stop inside `</answer>`)."""
+    reward needs out of that text (`--stop '</answer>'`, how R1-style recipes end a completion at its answer,
+    `'</answer>\\n'`, which holds it, or `'\\n<answer'`, which fires at it: `stop_takes_tag`) scored every completion
+    it stops 0 there, silently: refused. One that takes an `<answer>` tag's either end leaves gsm8k no closed tag to
+    read (its `####` lines and boxes still count): warned of (until a review, only a stop inside `</answer>`)."""
     names = {s.name for s in reward_set.specs}
     for x in cfg.stop:
-        tag = next((t for t in FORMAT_CLOSED_TAGS if stop_takes_tag(x, t)), None)
-        if "format" in names and tag:
-            every = "every completion" if x in tag else "every completion it stops"
+        cut = stop_taking((x,), FORMAT_CLOSED_TAGS)
+        if "format" in names and cut:
             raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so that text never "
-                                f"holds {tag} and the format reward scores {every} 0",
+                                f"holds {cut[1]} and the format reward scores {every_stopped(*cut)} 0",
                                 hint="drop that --stop (EOS and --max-new-tokens still end completions), or score "
                                      "the format with your own reward")
-        if "gsm8k" in names and (stop_takes_tag(x, "<answer>") or stop_takes_tag(x, "</answer>")):
+        if "gsm8k" in names and stop_taking((x,), ANSWER_TAGS):
             warnings.warn(QerlWarning(
                 f"--stop {x!r} is cut from the completion text the rewards judge: gsm8k reads no <answer> tag's number "
                 "from a completion it stops (#### lines and \\boxed{} still score)"), stacklevel=3)
@@ -271,17 +278,25 @@ def _check_stops_leave_the_think_closed(cfg: RolloutConfig, reward_set: RewardSe
     """gsm8k and math read nothing after a `<think>` left open (a completion cut short mid-thought). A stop that
     takes `</think>` out of the judged text (`--stop '</think>'`) leaves it open in each completion it stops, one
     inside a `<think>` its prompt opened (R1's and QwQ's chat templates) or its own: that completion scores 0. Where
-    a prompt opens one, every completion of it did (silently, until a review): refused; else warned of."""
+    a prompt opens one, every completion of it did (silently, until a review): refused; else warned of. One that
+    takes the opening `<think>` (`--stop '<think>'`) cuts a completion that opens its own to the text before it, its
+    answer gone: warned of where a prompt opens none (missed until 2026-11-28). `think_stop` judges, as in eval."""
     kinds = sorted({s.name for s in reward_set.specs} & {"gsm8k", "math"})
-    x = next((x for x in cfg.stop if stop_takes_tag(x, THINK_CLOSE)), None)
-    if not kinds or x is None:
+    found = think_stop(cfg.stop, prompts) if kinds else None
+    if found is None:
+        return
+    x, tag, prompt = found
+    score = f"{' and '.join(kinds)} {'score' if len(kinds) > 1 else 'scores'}"
+    if tag == THINK_OPEN:
+        warnings.warn(QerlWarning(
+            f"--stop {x!r} is cut from the completion text the rewards judge, so a completion that opens its own "
+            f"{THINK_OPEN} (its prompt opens none: {prompt.row.where}) is cut there, before its answer: {score} it 0"),
+            stacklevel=3)
         return
     what = (f"--stop {x!r} is cut from the completion text the rewards judge, so that text never holds {THINK_CLOSE}, "
             f"and {' and '.join(kinds)} {'read' if len(kinds) > 1 else 'reads'} nothing after a <think> left open")
-    opened = next((p for p in prompts if p.opens_think), None)
-    if opened is not None:
-        every = "every completion" if x in THINK_CLOSE else "every completion it stops"
-        raise BadInputError(f"{what}: the prompt opens one ({opened.row.where}), so {every} scores 0",
+    if prompt is not None:
+        raise BadInputError(f"{what}: the prompt opens one ({prompt.row.where}), so {every_stopped(x, tag)} scores 0",
                             hint="drop that --stop (EOS and --max-new-tokens still end completions)")
     warnings.warn(QerlWarning(f"{what}: a completion it stops that opened its own <think> scores 0"), stacklevel=3)
 
@@ -294,14 +309,13 @@ def _check_stops_leave_the_format_its_think(cfg: RolloutConfig, reward_set: Rewa
     opens one, the completions hold no opening tag of their own to cut: harmless."""
     if "format" not in {s.name for s in reward_set.specs}:
         return
-    x = next((x for x in cfg.stop if stop_takes_tag(x, THINK_OPEN)), None)
+    cut = stop_taking(cfg.stop, (THINK_OPEN,))
     unopened = next((p for p in prompts if not p.opens_think), None)
-    if x is None or unopened is None:
+    if cut is None or unopened is None:
         return
-    every = "every completion" if x in THINK_OPEN else "every completion it stops"
-    raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so that text never holds "
-                        f"{THINK_OPEN}, which a completion opens where its prompt does not ({unopened.row.where}): the "
-                        f"format reward scores {every} of such a prompt 0",
+    raise BadInputError(f"--stop {cut[0]!r} is cut from the completion text the rewards judge, so that text never "
+                        f"holds {THINK_OPEN}, which a completion opens where its prompt does not ({unopened.row.where}): "
+                        f"the format reward scores {every_stopped(*cut)} of such a prompt 0",
                         hint="drop that --stop (EOS and --max-new-tokens still end completions), or score the format "
                              "with your own reward")
 
@@ -641,8 +655,8 @@ def rollout(cfg: RolloutConfig) -> dict:
         sweep_leftover_partial(out)
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
+    _check_stops_leave_the_format_its_think(cfg, reward_set, prompts)  # its refusal before the other's warning
     _check_stops_leave_the_think_closed(cfg, reward_set, prompts)
-    _check_stops_leave_the_format_its_think(cfg, reward_set, prompts)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
     policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}

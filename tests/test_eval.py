@@ -5,6 +5,7 @@ tests/test_eval_e2e.py runs the real engine on a tiny model.
 """
 
 import json
+import warnings
 
 import pytest
 
@@ -584,7 +585,33 @@ def test_a_stop_that_takes_think_s_end_out_of_a_think_prompt_s_samples_is_refuse
     with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the gsm8k rule reads no <answer> tag's number"):
         res, _ = run(model_dir, tmp_path, rows, [["<answer>7"]], stop=("</answer>",))
     assert res["metrics"]["score"] == 0.0
-    assert run(model_dir, tmp_path, rows, [["#### 7"]], name="m", stop=("</think>",))[0]["metrics"]["score"] == 1.0
+    with pytest.warns(QerlWarning, match=r"a sample it stops that opened its own <think> scores 0"):  # as rollout
+        assert run(model_dir, tmp_path, rows, [["#### 7"]], name="m", stop=("</think>",))[0]["metrics"]["score"] == 1.0
+
+
+def test_a_stop_that_overlaps_a_tag_or_takes_the_opening_think_is_refused_or_warned_of(model_dir, tmp_path):
+    # A review of the check above: eval said nothing of a stop that takes </think> where no prompt opens <think>
+    # (rollout warned of it), nor of --stop '<think>', which cuts a sample that opens its own <think> to "" before
+    # its answer, nor of a stop that overlaps a tag's edge with whitespace ("\n<answer", ">\n"), which cuts the tag.
+    from qerl_cli.errors import QerlWarning
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}]
+    sample = "<think>3 + 4 = 7</think>\n#### 7"
+    assert score_completion(sample, "7").correct and not score_completion(sample[:sample.find("<think>")], "7").correct
+    with pytest.warns(QerlWarning, match=r"--stop '<think>' .* a sample that opens its own <think> \(its prompt opens "
+                                         r"none: .*a.jsonl:1\) is cut there, before its answer: it scores 0"):
+        run(model_dir, tmp_path, rows, [["#### 7"]], name="a", stop=("<think>",))
+    with pytest.warns(QerlWarning, match=r"--stop '\\n<answer' .* the gsm8k rule reads no <answer> tag's number"):
+        run(model_dir, tmp_path, rows, [["#### 7"]], name="b", stop=("\n<answer",))
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    with pytest.raises(BadInputError, match=r"--stop '>\\n' .* never holds </think>, and the prompt opens a <think> "
+                                            r"\(.*c.jsonl:1\).* so every sample it stops scores 0"):
+        run(model_dir, tmp_path, rows, [["7</think>\n#### 7"]], name="c", stop=(">\n",), chat_template_file=tpl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # the prompt opens <think>: its samples hold none to cut
+        run(model_dir, tmp_path, rows, [["7</think>\n#### 7"]], name="d", stop=("<think>",), chat_template_file=tpl)
 
 
 def test_a_template_that_opens_think_scores_completions_from_inside_it(model_dir, tmp_path):

@@ -158,6 +158,28 @@ def test_a_prompt_that_opens_think_is_judged_from_inside_it():
     assert format_reward(judged_completion("<think>a</think><answer>72</answer>", True)) == 0.0  # a second <think>
 
 
+def test_a_stop_that_overlaps_a_tag_with_whitespace_beyond_takes_it():
+    # A stop ends the text where it first appears, so one that starts a tag after a newline ("\n<answer") or ends one
+    # before it (">\n") cuts every tag an R1-style completion spaces so ("</think>\n<answer>"): the rewards scored
+    # the cut text 0 and stop_takes_tag said the stop left the tag alone (only one inside or holding a tag counted).
+    from qerl_cli.answers import THINK_CLOSE, stop_takes_tag
+    from qerl_cli.engine.llm_engine import _stop_cut
+
+    rs = RewardSet.from_specs(["gsm8k", "format"])
+    done = "<think>1 mod 4 is 1.</think>\n<answer>1</answer>"
+    spaced = "<think>\n1 mod 4 is 1.\n</think>\n\n<answer>\n1\n</answer>\n"
+    for text, stop, tag in ((done, "\n<answer", "<answer>"), (spaced, "\n\n<ans", "<answer>"),
+                            (done, ">\n", THINK_CLOSE), (spaced, "\n</", THINK_CLOSE), (spaced, "r>\n", "</answer>")):
+        assert rs.score(text, "1")[0] == {"gsm8k": 1.0, "format": 1.0}
+        cut = text[:_stop_cut(text, text, (stop,))]  # as the engine cuts it
+        assert tag not in cut and rs.score(cut, "1")[0]["format"] == 0.0, (stop, cut)
+        assert stop_takes_tag(stop, tag), stop
+    assert rs.score(done[:_stop_cut(done, done, ("\n<answer",))], "1")[0] == {"gsm8k": 0.0, "format": 0.0}
+    # a stop that holds other text beyond the tag's edge fires at it only where a completion writes that text there
+    for stop in (">>>", "x<", "</s>", "<|im_end|>", "\nQ:", "\n\n", "Answer:"):
+        assert not any(stop_takes_tag(stop, t) for t in ("<think>", "</think>", "<answer>", "</answer>")), stop
+
+
 def test_specs_weights_and_scoring():
     rs = RewardSet.from_specs(["gsm8k", "format=0.1"])
     assert rs.weights == {"gsm8k": 1.0, "format": 0.1}

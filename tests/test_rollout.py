@@ -701,6 +701,7 @@ def test_a_stop_that_takes_the_opening_think_is_refused_with_format_unless_the_p
     # format needs the judged text to open with <think>: where the prompt does not open it, the completion does, and
     # --stop '<think>' cut it there (to "", "<think" to "", "<t" likewise): format scored every completion 0. Where
     # the prompt opens it, the completion holds no opening tag and "<think>" + completion is judged: harmless.
+    from qerl_cli.errors import QerlWarning
     from qerl_cli.rewards import format_reward
     from tests.helpers import THINKING_CHAT_TEMPLATE
 
@@ -717,13 +718,51 @@ def test_a_stop_that_takes_the_opening_think_is_refused_with_format_unless_the_p
             rollout(cfg_for(model_dir, tmp_path, prompts=p, num_generations=2, rewards=("gsm8k", "format=0.1"),
                             stop=(stop,)))
     assert not (tmp_path / "out").exists()
-    rollout(cfg_for(model_dir, tmp_path, prompts=p, num_generations=2, rewards=("gsm8k",), stop=("<think>",),
-                    out=tmp_path / "g"))  # no format: nothing needs the tag
+    with pytest.warns(QerlWarning, match=r"opens its own <think> \(its prompt opens none"):  # gsm8k loses its answer
+        rollout(cfg_for(model_dir, tmp_path, prompts=p, num_generations=2, rewards=("gsm8k",), stop=("<think>",),
+                        out=tmp_path / "g"))  # no format: only a completion that opens <think> needs the tag
     tpl = tmp_path / "think.jinja"
     tpl.write_text(THINKING_CHAT_TEMPLATE)
     rollout(cfg_for(model_dir, tmp_path, prompts=p, chat_template_file=tpl, num_generations=2, rewards=("format",),
                     stop=("<think>",), out=tmp_path / "t"))
     assert [r["rewards"] for r in read_records(tmp_path / "t")] == [{"format": 1.0}] * 2
+
+
+def test_a_stop_that_overlaps_a_tag_or_takes_the_opening_think_is_refused_or_warned_of(model_dir, tmp_path,
+                                                                                        fake_engine):
+    # A review of the checks above: a stop that overlaps a tag's edge with whitespace ("\n<answer", ">\n") cuts
+    # every tag a completion spaces so ("</think>\n<answer>"), and --stop '<think>' cuts a completion that opens its
+    # own <think> to "" before its answer, where gsm8k and math score 0: all four passed unsaid.
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.rewards import REWARDS
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    opened = "<think>1 mod 4 is 1.</think>\nSo #### 1 \\boxed{1}"
+    assert [REWARDS[k].fn(opened, "1") for k in ("gsm8k", "math")] == [1.0, 1.0]
+    assert [REWARDS[k].fn(opened[:opened.find("<think>")], "1") for k in ("gsm8k", "math")] == [0.0, 0.0]
+    with pytest.raises(BadInputError, match=r"--stop '\\n<answer' .* never holds <answer> and the format reward "
+                                            r"scores every completion it stops 0"):
+        rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format=0.1"), stop=("\n<answer",)))
+    with pytest.raises(BadInputError, match=r"--stop '>\\n' .* never holds </think> and the format reward"):
+        rollout(cfg_for(model_dir, tmp_path, rewards=("format",), stop=(">\n",)))
+    assert fake_engine.calls == []
+    with pytest.warns(QerlWarning, match=r"--stop '\\n<answer' .* gsm8k reads no <answer> tag's number"):
+        rollout(cfg_for(model_dir, tmp_path, stop=("\n<answer",), max_prompts=2, out=tmp_path / "a"))
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    with pytest.raises(BadInputError, match=r"--stop '>\\n' .* never holds </think>, .* the prompt opens one"):
+        rollout(cfg_for(model_dir, tmp_path, chat_template_file=tpl, rewards=("math",), stop=(">\n",),
+                        out=tmp_path / "t"))
+    for rewards, scores in ((("gsm8k",), "gsm8k scores"), (("gsm8k", "math"), "gsm8k and math score")):
+        with pytest.warns(QerlWarning, match=rf"--stop '<think>' .* a completion that opens its own <think> \(its "
+                                             rf"prompt opens none: .*prompts.jsonl:1\) is cut there, before its "
+                                             rf"answer: {scores} it 0"):
+            rollout(cfg_for(model_dir, tmp_path, rewards=rewards, stop=("<think>",), max_prompts=2, force=True,
+                            out=tmp_path / "w"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # every prompt opens <think>: its completions hold none to cut
+        rollout(cfg_for(model_dir, tmp_path, chat_template_file=tpl, stop=("<think>",), max_prompts=2,
+                        out=tmp_path / "o"))
 
 
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
