@@ -218,17 +218,57 @@ def compare_table(eval_dirs: Sequence[Path]):
     if differ:
         notes.append(f"warning: the runs were generated with different {', '.join(differ)}; a difference in "
                      "score may come from them, not from the model")
+    made = _made_on_note([d for d, _ in runs], [_made_on(d, m) for d, m in runs])
+    if made:
+        notes.append(made)
     table.caption = "\n".join(notes) or None
     return table
+
+
+def _manifest(eval_dir: Path) -> dict:
+    """manifest.json of an eval directory, or {} where it is missing or unreadable."""
+    try:
+        manifest = json.loads((Path(eval_dir) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _made_on(eval_dir: Path, m: dict) -> tuple[str, str] | None:
+    """(device, dtype) a run's samples were generated on, from metrics.json or, where it holds neither (not written
+    by qerl eval), its manifest's config; None where neither says. The device's kind only: ``cuda:1`` and ``cuda``
+    are a node's GPUs, alike in numerics."""
+    config = _manifest(eval_dir).get("config") or {}
+    device, dtype = m.get("device", config.get("device")), m.get("dtype", config.get("dtype"))
+    if not isinstance(device, str) or not isinstance(dtype, str):
+        return None
+    from qerl_cli.runtime import device_kind
+
+    return device_kind(device), dtype
+
+
+def _made_on_note(dirs: Sequence[Path], made: Sequence[tuple[str, str] | None]) -> str | None:
+    """A note where runs were generated on other devices or dtypes: their samples differ by those numerics too
+    (greedy decoding takes another token at a near tie), not by the policy alone. Runs that record neither say
+    nothing (unknown, not different)."""
+    where: dict[tuple[str, str], list[str]] = {}
+    for name, m in zip(_column_names(dirs), made):
+        if m is not None:
+            where.setdefault(m, []).append(name)
+    if len(where) < 2:
+        return None
+    from rich.markup import escape
+
+    # escaped: the caption is Rich markup, as the column names (a directory "a[/b]" was a MarkupError)
+    listed = "; ".join(f"{d} ({t}): {escape(', '.join(names))}" for (d, t), names in where.items())
+    return (f"note: the runs were generated on different devices or dtypes ({listed}); their samples differ by those "
+            "numerics too, not by the model alone")
 
 
 def _generation_settings(eval_dir: Path, m: dict) -> dict:
     """The flags besides the model that change what a run generates from the same problems (its prompts,
     where it stops), from metrics.json and, for those only the fingerprint holds, manifest.json."""
-    try:
-        manifest = json.loads((Path(eval_dir) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        manifest = {}
+    manifest = _manifest(eval_dir)
     config = manifest.get("config") or {}
     sampling = m.get("sampling") or {}
     return {

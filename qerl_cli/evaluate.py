@@ -19,7 +19,8 @@ Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--n
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
 adapter hashes, dataset hash, template, sampling, seed, device and dtype) goes into the manifest fingerprint, so
 rerunning the same eval is "already done" and two runs can be compared with ``--compare``; a finished eval made on
-another device is this eval's too (``_made_elsewhere``), a stopped one resumes on its own device only. The answer
+another device is this eval's too (``_made_elsewhere``), a stopped one resumes on its own device only (and its partial
+directory there is removed once --out holds the eval finished: ``_sweep_other_devices_partials``). The answer
 rules' versions (``answers.RULE_VERSION``, and for the math rule math-verify's and sympy's: ``rule_packages``) are
 not in it but in metrics.json: a rerun under other rules scores the finished samples.jsonl again, generating
 nothing, rather than report the old rules' score.
@@ -64,8 +65,15 @@ from qerl_cli.errors import (
 )
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
-from qerl_cli.outputs import StageOutput, WriterLock, crash_point, forget_completed, sweep_leftover_partial
-from qerl_cli.runtime import as_many, check_field_types
+from qerl_cli.outputs import (
+    StageOutput,
+    WriterLock,
+    crash_point,
+    forget_completed,
+    sweep_leftover_partial,
+    sweep_partial_of,
+)
+from qerl_cli.runtime import as_many, check_field_types, device_kind
 
 STAGE = "eval"
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -386,7 +394,6 @@ def _made_elsewhere(cfg: EvalConfig, config: dict) -> tuple[str, str] | None:
     if cfg.force:
         return None
     from qerl_cli.outputs import read_manifest
-    from qerl_cli.runtime import resolve_dtype
 
     m = read_manifest(cfg.out) or {}
     old = m.get("config") if m.get("stage") == STAGE else None
@@ -395,9 +402,38 @@ def _made_elsewhere(cfg: EvalConfig, config: dict) -> tuple[str, str] | None:
     device, dtype = old["device"], old["dtype"]
     if (device, dtype) == (config["device"], config["dtype"]):
         return None
-    if dtype == config["dtype"] or (cfg.dtype == "auto" and dtype == resolve_dtype("auto", device)[0]):
-        return device, dtype
-    return None
+    return (device, dtype) if _counts_as_made(cfg.dtype, config["dtype"], device, dtype) else None
+
+
+def _counts_as_made(dtype_flag: str, dtype: str, made_device: str, made_dtype: str) -> bool:
+    """Whether an eval finished on ``made_device`` in ``made_dtype`` is the eval of a command of ``--dtype dtype_flag``
+    (resolved to ``dtype`` where it runs): the same dtype, or under --dtype auto the one auto gives on that device."""
+    from qerl_cli.runtime import resolve_dtype
+
+    return made_dtype == dtype or (dtype_flag == "auto" and made_dtype == resolve_dtype("auto", made_device)[0])
+
+
+# What --device may resolve to (runtime.resolve_device). A partial directory is named by its run's fingerprint alone,
+# so another device's partial directory of this eval is found by trying each.
+DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(64)))
+
+
+def _sweep_other_devices_partials(cfg: EvalConfig, so: StageOutput) -> None:
+    """Remove the partial directories of this eval stopped on other devices, once --out holds it finished: this command
+    run there would find --out done (``_made_elsewhere``) and never resume them, so they stayed for good beside it
+    (disk, and a warning of an "unfinished run" on every new eval there). Judged by this command's --dtype (a partial
+    directory does not say whether auto or a dtype named made it); never one a live run is writing (its writer lock)."""
+    from qerl_cli.runtime import resolve_dtype
+
+    made = so.config["device"], so.config["dtype"]  # where the finished eval at --out was generated
+    for device in DEVICES:
+        dtype = resolve_dtype(cfg.dtype, device)[0]
+        if not _counts_as_made(cfg.dtype, dtype, *made):
+            continue  # there, --out is another eval (exit 4): the stopped one may still be resumed with --force
+        part = sweep_partial_of(so, dict(so.config, device=device, dtype=dtype))
+        if part is not None:  # said, --quiet or not: a directory the user may have meant to resume is gone
+            print(f"note: removed {part}, this eval stopped on {device} ({dtype}): {cfg.out} holds it finished",
+                  file=sys.stderr)
 
 
 def _problem_seed(seed: int, index: int) -> int:
@@ -475,8 +511,11 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     done = None  # the metrics of a finished run of these arguments that today's answer rules score again
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
         sweep_leftover_partial(so)
+        _sweep_other_devices_partials(cfg, so)
         done = json.loads((cfg.out / METRICS).read_text())
-        if elsewhere is not None:  # said even with --quiet: `--device cpu` printed a GPU's bf16 score unsaid (a review)
+        # said even with --quiet: `--device cpu` printed a GPU's bf16 score unsaid (a review); not between a node's GPUs
+        # (made with --device cuda:1, rerun with auto: "not cuda (bf16)" advised --force, all generated again for nothing)
+        if elsewhere is not None and (device_kind(elsewhere[0]), elsewhere[1]) != (device_kind(device), dtype_name):
             print(f"note: {cfg.out} was generated on {elsewhere[0]} ({elsewhere[1]}), not {device} ({dtype_name}): "
                   "its score is that device's (pass --force to generate it here)", file=sys.stderr)
         if not _rescores(cfg, so.manifest, done):
@@ -546,6 +585,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                 e.kept_problems = (len(prompts), len(prompts), so.work)  # (its stop line said "before generating")
             so.drop_work_if_nothing_kept(SAMPLES)  # stopped before its first problem: nothing left, as before eval resumed
             raise
+    _sweep_other_devices_partials(cfg, so)
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
 
 

@@ -723,16 +723,29 @@ class WriterLock:
         return False
 
 
-def sweep_leftover_partial(out: StageOutput) -> None:
+def sweep_leftover_partial(out: StageOutput) -> bool:
     """Remove this run's partial directory beside an ``--out`` that already holds the run: an interrupted
     ``--force`` redo left it there, and no later run without --force would ever resume or remove it (a
-    review). Only under the writer lock: a redo still running keeps its directory."""
+    review). Only under the writer lock: a redo still running keeps its directory. Returns whether it removed one."""
     part = out.partial_dir()
     if not part.exists():
-        return
+        return False
     try:
         with WriterLock(out) as lock:
             if lock.held:  # without flock (NFS without lockd) a live redo's directory cannot be told apart
                 shutil.rmtree(part, ignore_errors=True)
+                return True
     except OutputExistsError:
         pass  # another run of this stage holds it: leave it alone
+    return False
+
+
+def sweep_partial_of(out: StageOutput, config: dict[str, Any]) -> Path | None:
+    """Remove the partial directory beside ``out`` of a run of ``config`` (same stage and inputs) that the finished
+    ``out`` made obsolete (eval: the same eval stopped on another device, whose partial directory is named by that
+    device), as ``sweep_leftover_partial`` does: under that run's writer lock, never while a live run writes it.
+    Returns the directory removed, or None."""
+    other = StageOutput(out.out, out.stage, config=config, inputs=out.inputs, resumable=True)
+    if other.fingerprint == out.fingerprint or not other.partial_dir().is_dir():
+        return None
+    return other.partial_dir() if sweep_leftover_partial(other) else None

@@ -83,6 +83,11 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def device_kind(device: str) -> str:
+    """``cuda:1`` -> ``cuda``: the GPUs of one node, alike in numerics (the index says which one ran, not how)."""
+    return device.split(":", 1)[0]
+
+
 def resolve_dtype(dtype: str, device: str):
     """(short name, torch dtype) for `--dtype auto|bf16|fp16|fp32` on ``device``."""
     import torch

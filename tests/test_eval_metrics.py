@@ -271,6 +271,35 @@ def test_compare_says_which_generation_settings_differ(tmp_path):
     assert "generated with different" not in console.export_text()
 
 
+def test_compare_notes_runs_generated_on_other_devices_or_dtypes(tmp_path):
+    # A GPU's bf16 samples against a CPU's fp32 ones were paired with no word that they differ by numerics too
+    from rich.console import Console
+
+    def caption(*runs):
+        console = Console(record=True, width=400)
+        console.print(compare_table(list(runs)))
+        return " ".join(console.export_text().split())
+
+    def made_on(run, device, dtype, where="metrics"):
+        if where == "metrics":
+            m = json.loads((run / "metrics.json").read_text())
+            m.update(device=device, dtype=dtype)
+            (run / "metrics.json").write_text(json.dumps(m))
+        else:  # metrics.json without the fields (not written by qerl eval): the manifest says
+            (run / "manifest.json").write_text(json.dumps({"stage": "eval", "config": {"device": device, "dtype": dtype}}))
+        return run
+
+    gpu = made_on(_fake_run(tmp_path / "gpu", "base", 0.6), "cuda", "bf16")
+    gpu1 = made_on(_fake_run(tmp_path / "gpu1", "tuned", 0.7), "cuda:1", "bf16")
+    cpu = made_on(_fake_run(tmp_path / "cpu [x]", "tuned", 0.7), "cpu", "fp32", where="manifest")
+    unknown = _fake_run(tmp_path / "old", "tuned", 0.7)  # records neither: unknown, not different
+    assert "devices or dtypes" not in caption(gpu, gpu1)  # one node's GPUs
+    assert "devices or dtypes" not in caption(gpu, unknown)
+    note = caption(gpu, gpu1, cpu, unknown)
+    assert ("note: the runs were generated on different devices or dtypes (cuda (bf16): gpu, gpu1; cpu (fp32): cpu [x]); "
+            "their samples differ by those numerics too, not by the model alone") in note
+    assert "different devices or dtypes (cuda (fp16)" in caption(made_on(gpu, "cuda", "fp16"), gpu1)
+
 def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_path):
     from rich.console import Console
 

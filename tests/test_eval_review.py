@@ -4,6 +4,7 @@ paired sign-flip p-value by enumerating every sign pattern, and an interrupted e
 
 import itertools
 import json
+import warnings
 from dataclasses import replace
 from fractions import Fraction
 from math import comb
@@ -533,6 +534,19 @@ def test_a_finished_gpu_eval_is_done_and_scored_again_on_a_cpu_node(model_dir, t
     assert gen.asked == [[0, 1, 2, 3, 4]] and redo["metrics"]["device"] == "cpu"
 
 
+def test_an_eval_made_on_another_gpu_of_the_node_is_done_without_a_note(model_dir, tmp_path, monkeypatch, capsys):
+    # Made with --device cuda:1, rerun with auto (cuda): "generated on cuda:1 (bf16), not cuda (bf16): its score is that
+    # device's (pass --force to generate it here)", which sent a user to generate it all again on the same GPUs.
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS)), device="auto")
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        evaluate(replace(cfg, device="cuda:1"), generate=BySeed())
+        capsys.readouterr()
+        assert evaluate(cfg, generate=BySeed())["already_done"]
+        assert "was generated on" not in capsys.readouterr().err
+    assert evaluate(cfg, generate=BySeed())["already_done"]  # a CPU node: another kind of device, said
+    assert f"{cfg.out} was generated on cuda:1 (bf16), not cpu (fp32)" in capsys.readouterr().err
+
 def test_a_gpu_eval_is_not_completed_on_a_cpu_node(model_dir, tmp_path, monkeypatch):
     # Samples a CPU generates beside a GPU's would be another device's numbers in one eval: a stopped GPU eval is not
     # resumed on a CPU node (it starts afresh, beside the GPU's partial directory), nor is a finished one whose rescoring
@@ -549,7 +563,7 @@ def test_a_gpu_eval_is_not_completed_on_a_cpu_node(model_dir, tmp_path, monkeypa
     gen = BySeed()
     with pytest.warns(Warning, match="unfinished run made with other arguments"):
         assert evaluate(cfg, generate=gen)["metrics"]["device"] == "cpu"
-    assert gen.asked == [[0, 1, 2, 3], [4]] and gpu_partial.is_dir()
+    assert gen.asked == [[0, 1, 2, 3], [4]] and not gpu_partial.exists()  # obsolete once --out holds this eval
 
     with monkeypatch.context() as m:
         _on_a_gpu(m)
@@ -566,3 +580,44 @@ def test_a_gpu_eval_is_not_completed_on_a_cpu_node(model_dir, tmp_path, monkeypa
         _on_a_gpu(m)
         res = evaluate(cfg, generate=gen)
     assert gen.asked == [[0, 1, 2, 3], [4]] and res["metrics"]["device"] == "cuda"
+
+
+def _stopped(cfg, monkeypatch, on_gpu=True):
+    """The partial directory an eval of ``cfg`` stopped on its second chunk leaves (on a GPU node, or here)."""
+    with monkeypatch.context() as m, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "an unfinished run made with other arguments": the other partial directories
+        if on_gpu:
+            _on_a_gpu(m)
+        with pytest.raises(KeyboardInterrupt) as e:
+            evaluate(cfg, generate=BySeed(fail_at_call=2))
+    return e.value.kept_problems[2]
+
+
+def test_an_eval_finished_on_one_device_removes_its_partial_dirs_of_other_devices(model_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    # A stopped eval resumes on its own device only; finished on another, its partial directory stayed for good beside
+    # --out: the same command on the GPU node found --out done (made elsewhere) and never resumed or removed it.
+    import fcntl
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    gpu = _stopped(cfg, monkeypatch)  # cuda (bf16)
+    gpu1 = _stopped(replace(cfg, device="cuda:1"), monkeypatch)  # another GPU of the node, bf16 too
+    fp16 = _stopped(replace(cfg, dtype="fp16"), monkeypatch)  # another eval: --out (fp32) is not a --dtype fp16 one's
+    longer = _stopped(replace(cfg, max_new_tokens=40), monkeypatch, on_gpu=False)  # another eval, on this device
+    assert len({gpu, gpu1, fp16, longer}) == 4
+    capsys.readouterr()
+    with open(gpu1.with_name(gpu1.name + ".lock"), "a+") as live:  # a run on cuda:1 writing it right now
+        fcntl.flock(live.fileno(), fcntl.LOCK_EX)
+        with pytest.warns(Warning, match="unfinished run made with other arguments"):
+            assert evaluate(cfg, generate=BySeed())["metrics"]["device"] == "cpu"
+    assert not gpu.exists() and gpu1.is_dir() and fp16.is_dir() and longer.is_dir()
+    err = capsys.readouterr().err
+    assert f"note: removed {gpu}, this eval stopped on cuda (bf16): {cfg.out} holds it finished" in err
+    assert err.count("note: removed") == 1
+    with monkeypatch.context() as m:  # on the GPU node, already done (made elsewhere): cuda:1's writer stopped since
+        _on_a_gpu(m)
+        assert evaluate(replace(cfg, device="cuda:1"), generate=BySeed())["already_done"]
+    assert not gpu1.exists() and fp16.is_dir() and longer.is_dir()
+    assert f"note: removed {gpu1}, this eval stopped on cuda:1 (bf16)" in capsys.readouterr().err
+    # --dtype fp32 finds the same --out done, but asks for fp32 on the GPU too: the fp16 one is still another eval
+    assert evaluate(replace(cfg, dtype="fp32"), generate=BySeed())["already_done"] and fp16.is_dir()
