@@ -24,6 +24,7 @@ import inspect
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +182,14 @@ def _load_user_function(name: str) -> Reward:
         raise BadInputError(f"reward {name!r}: {target} has no attribute {attr!r}")
     if not callable(fn):
         raise BadInputError(f"reward {name!r}: {target}.{attr} is not callable")
+    calls = (fn, type(fn).__call__)  # a callable instance's async __call__ too
+    if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in calls):
+        # (TRL takes async rewards) its coroutine was refused as "not a number" at the first completion scored, after
+        # the first batch's generation (a review)
+        raise BadInputError(f"reward {name!r}: {target}.{attr} is async; a reward returns its number",
+                            hint="wrap it: def f(completion, answer): return asyncio.run(g(completion, answer))")
+    if any(inspect.isgeneratorfunction(f) for f in calls):
+        raise BadInputError(f"reward {name!r}: {target}.{attr} is a generator (it yields); a reward returns its number")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
@@ -212,6 +221,16 @@ def _source_file(fn, module) -> str | None:
     if source and not os.path.isfile(source):  # a module zipimport loaded ("r.zip/mod.py"): its archive (it went
         source = getattr(getattr(module, "__loader__", None), "archive", None)  # unhashed, as exec's; a review)
     return source if source and os.path.isfile(source) else None
+
+
+def _raised_at(e: BaseException, source: str | None) -> str:
+    """Where in the user's code a reward raised: the one line was all a user got, "raised KeyError: 'x'", with no
+    traceback to find which of the function's lookups it was (a review). The deepest line of the reward's own file,
+    else the deepest line of the call."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]  # not score's, __call__'s
+    own = [f for f in frames if source and os.path.abspath(f.filename) == os.path.abspath(source)]
+    frame = (own or frames or [None])[-1]
+    return f" (at {frame.filename}:{frame.lineno}, in {frame.name})" if frame is not None else ""
 
 
 def _is_number(text: str) -> bool:
@@ -255,11 +274,47 @@ def _split_weight(spec: str) -> tuple[str, str | None]:
     return name.strip(), w
 
 
+def _file_spec_parts(spec: str) -> tuple[str, str, str | None] | None:
+    """(file, function, weight) of a ``file.py:function[=WEIGHT]`` spec, else None."""
+    name, w = _split_weight(spec.strip())
+    target, colon, attr = name.rpartition(":")
+    return (target, attr, w) if colon and target.endswith(".py") else None
+
+
+def _specs_in(raw: str) -> list[str]:
+    """The specs one ``--reward`` value holds: its comma-separated parts, unless the value is one
+    ``file.py:function[=WEIGHT]`` whose file exists with the commas in its path (``runs/a,b/r.py:score=0.5``, a Hydra
+    multirun's ``lr=1e-5,seed=1/`` dir), which was split into the unknown reward 'runs/a' and could not be named. The
+    commas must all be in the path: ``r.py:f,gsm8k`` is still two rewards."""
+    parts = _file_spec_parts(raw)
+    if parts is not None and "," in parts[0] and "," not in parts[1] + (parts[2] or ""):
+        if os.path.isfile(os.path.expanduser(parts[0])):
+            return [raw]
+    return raw.split(",")
+
+
+def _comma_hint(raw: str, spec: str) -> str | None:
+    """Why ``spec``, a part of the comma-split ``raw``, names no reward, where ``raw`` reads otherwise: a weight with a
+    decimal comma (``format=0,1`` was "unknown reward '1'"), or a reward file's path with a comma in it."""
+    if _is_number(spec):
+        return "',' separates rewards; a weight's decimal mark is '.', as in format=0.1"
+    parts = _file_spec_parts(raw)
+    if ":" in spec or parts is None or "," not in parts[0]:
+        return None
+    pieces = parts[0].split(",")
+    for path in (",".join(pieces[k:]).strip() for k in range(len(pieces) - 1)):  # "gsm8k,runs/a,b/r.py:fn": the file
+        if os.path.isfile(os.path.expanduser(path)):
+            return f"a value is taken whole as a reward file only when it is one file.py:function: give {path} its own --reward"
+    return f"',' separates rewards; a value is taken whole as one file.py:function only where its file exists: {parts[0]} does not"
+
+
 def parse_reward_specs(specs: Iterable[str]) -> list[RewardSpec]:
-    """``["gsm8k", "format=0.1"]`` (or ``["gsm8k,format=0.1"]``) -> weighted rewards; default weight 1."""
+    """``["gsm8k", "format=0.1"]`` (or ``["gsm8k,format=0.1"]``) -> weighted rewards; default weight 1. A value naming
+    an existing reward file whose path holds a ',' is that one reward (``_specs_in``)."""
     out: list[RewardSpec] = []
     for raw in specs:
-        for spec in str(raw).split(","):
+        raw = str(raw)
+        for spec in _specs_in(raw):
             spec = spec.strip()
             if not spec:
                 continue
@@ -272,9 +327,17 @@ def parse_reward_specs(specs: Iterable[str]) -> list[RewardSpec]:
                     raise BadInputError(f"--reward {spec!r}: weight {w!r} is not a number", hint="use NAME=WEIGHT, e.g. format=0.1") from None
                 if not math.isfinite(weight):
                     raise BadInputError(f"--reward {spec!r}: weight must be finite")
+                if abs(weight) > REWARD_LIMIT:  # a reward of 1 puts the total past it: found after generating (a review)
+                    raise BadInputError(f"--reward {spec!r}: weight {weight:g} is beyond the limit", hint=REWARD_LIMIT_HINT)
             if any(s.name == name for s in out):
                 raise BadInputError(f"--reward {name!r} named twice")
-            out.append(RewardSpec(name, weight, get_reward(name)))
+            try:
+                reward = get_reward(name)
+            except BadInputError as e:
+                if e.hint is None and spec != raw.strip():
+                    e.hint = _comma_hint(raw, spec)
+                raise
+            out.append(RewardSpec(name, weight, reward))
     if not out:
         raise BadInputError("no reward named", hint=f"pass --reward NAME (known: {_known()})")
     return out
@@ -309,7 +372,9 @@ class RewardSet:
             except (Exception, SystemExit) as e:  # noqa: BLE001 - a user function's failure is the user's to fix
                 if s.reward.source is None and ":" not in s.name:
                     raise  # a built-in reward failing is qerl's bug: keep the traceback
-                raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}: {e}{where}") from None
+                what = " ".join(str(e).split())  # one line: an assert's message of several came out as several
+                raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}{': ' * bool(what)}{what}{where}"
+                                    f"{_raised_at(e, s.reward.source)}") from None
             try:
                 if isinstance(v, (str, bytes)):  # float("1") would parse it
                     raise TypeError
@@ -320,6 +385,11 @@ class RewardSet:
             except (TypeError, ValueError):
                 raise BadInputError(f"reward {s.name!r} returned {type(v).__name__} {str(v)[:80]!r}{where}, "
                                     "not a number (a float)") from None
+            except Exception as e:  # noqa: BLE001 - the returned object's own __float__ failing (a meta tensor's, one
+                # whose CUDA kernel failed) is the user's: it was a traceback, exit 1, as a bug of qerl's (a review)
+                what = " ".join(str(e).split())[:200]
+                raise BadInputError(f"reward {s.name!r} returned {type(v).__name__}{where}, which float() refused "
+                                    f"({type(e).__name__}: {what})") from None
             if not math.isfinite(v):
                 raise BadInputError(f"reward {s.name!r} returned {v}{where}", hint="rewards must be finite")
             if abs(v) > REWARD_LIMIT:

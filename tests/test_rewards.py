@@ -458,6 +458,81 @@ def test_a_reward_file_under_a_folder_whose_name_holds_an_equals_sign_loads(tmp_
     with pytest.raises(BadInputError, match=r"weight 'x0.5' is not a number"):
         parse_reward_specs(["outputs/lr=1e-5/r.py:fn=x0.5"])
 
+
+def test_a_reward_file_whose_path_holds_a_comma_is_one_spec_where_it_exists(tmp_path, monkeypatch):
+    # Commas separated specs everywhere, so runs/a,b/r.py (a Hydra multirun's lr=1e-5,seed=1/ dir) could not be named:
+    # "unknown reward 'runs/a'". A value that is one file.py:function[=WEIGHT] whose file exists is taken whole.
+    monkeypatch.chdir(tmp_path)
+    for d in ("runs/a,b", "outputs/lr=1e-5,seed=1"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "r.py").write_text("def fn(completion, answer):\n    return 1.0\n")
+    (tmp_path / "r.py").write_text("def fn(completion, answer):\n    return 1.0\n")
+    for specs, want in ((["runs/a,b/r.py:fn=0.5"], [("runs/a,b/r.py:fn", 0.5)]),
+                        (["outputs/lr=1e-5,seed=1/r.py:fn"], [("outputs/lr=1e-5,seed=1/r.py:fn", 1.0)]),
+                        ([f"{tmp_path}/runs/a,b/r.py:fn=-2", "gsm8k,format=0.1"],
+                         [(f"{tmp_path}/runs/a,b/r.py:fn", -2.0), ("gsm8k", 1.0), ("format", 0.1)]),
+                        (["r.py:fn,gsm8k"], [("r.py:fn", 1.0), ("gsm8k", 1.0)]),  # the comma after the path separates
+                        (["gsm8k,r.py:fn=2"], [("gsm8k", 1.0), ("r.py:fn", 2.0)])):
+        assert [(s.name, s.weight) for s in parse_reward_specs(specs)] == want
+    assert parse_reward_specs(["runs/a,b/r.py:fn"])[0].reward.source == str(tmp_path / "runs/a,b/r.py")
+    for spec, hint in (("runs/a,c/r.py:fn", "only where its file exists: runs/a,c/r.py does not"),
+                       ("gsm8k,runs/a,b/r.py:fn", "give runs/a,b/r.py its own --reward"),
+                       ("format=0,1", "a weight's decimal mark is '.'")):
+        with pytest.raises(BadInputError, match="unknown reward") as e:
+            parse_reward_specs([spec])
+        assert hint in e.value.hint, e.value
+
+
+def test_a_weight_past_the_reward_limit_is_refused_before_any_generation():
+    # 'format=1e20' was accepted, and the first completion it scored 1 failed the rollout: "the weighted reward
+    # total is 1e+20", after that batch's generation.
+    with pytest.raises(BadInputError, match=r"weight 1e\+20 is beyond the limit \(rewards .* within \+-1e15\)"):
+        parse_reward_specs(["gsm8k", "format=1e20"])
+    assert parse_reward_specs(["format=-1e15"])[0].weight == -1e15
+
+
+def test_an_async_or_generator_reward_is_refused_when_loaded(tmp_path):
+    # (TRL takes async rewards) its coroutine passed the signature check and was refused as "returned coroutine ...,
+    # not a number" at the first completion scored, after the first batch's generation.
+    f = tmp_path / "ar.py"
+    f.write_text("async def judge(completion, answer):\n    return 1.0\n\n"
+                 "def gen(completion, answer):\n    yield 1.0\n\n"
+                 "class Judge:\n    async def __call__(self, completion, answer):\n        return 1.0\n\njudge_obj = Judge()\n")
+    for fn, why in (("judge", "is async"), ("judge_obj", "is async"), ("gen", "is a generator")):
+        with pytest.raises(BadInputError, match=why):
+            RewardSet.from_specs([f"{f}:{fn}"])
+
+
+def test_a_reward_value_whose_float_conversion_raises_is_a_one_line_error(tmp_path):
+    # float() of what the function returned raising anything but TypeError/ValueError (a meta tensor's .item(), a
+    # CUDA tensor whose kernel failed: RuntimeError) escaped as a traceback, exit 1, as if qerl had a bug.
+    f = tmp_path / "fr.py"
+    f.write_text("import torch\n\nclass Score:\n    def __float__(self):\n        raise RuntimeError('device-side assert')\n\n"
+                 "def obj(completion, answer):\n    return Score()\n\n"
+                 "def meta(completion, answer):\n    return torch.empty((), device='meta')\n")
+    for fn, msg in (("obj", "returned Score for p.jsonl:3, which float() refused (RuntimeError: device-side assert)"),
+                    ("meta", "returned Tensor for p.jsonl:3, which float() refused (RuntimeError: ")):
+        with pytest.raises(BadInputError) as e:
+            RewardSet.from_specs([f"{f}:{fn}"]).score("x", "y", where=" for p.jsonl:3")
+        assert msg in str(e.value), e.value
+
+
+def test_a_reward_that_raises_names_the_line_of_its_file_on_one_line(tmp_path):
+    # "raised KeyError: 'x' for p.jsonl:3" was all: no line of the user's function (the traceback is dropped), and an
+    # exception message of several lines (an assert's) made the one-line error several.
+    f = tmp_path / "rr.py"
+    f.write_text("import json\n\ndef lookup(completion, answer):\n    table = {}\n    return table[completion]\n\n"
+                 "def parse(completion, answer):\n    return json.loads(completion)\n\n"
+                 "def checks(completion, answer):\n    assert False, 'bad\\ncompletion'\n\n"
+                 "def bare(completion, answer):\n    raise ValueError\n")
+    for fn, msg in (("lookup", f"raised KeyError: 'x' for p.jsonl:3 (at {f}:5, in lookup)"),
+                    ("parse", f"for p.jsonl:3 (at {f}:8, in parse)"),  # the user's line, not json's
+                    ("checks", f"raised AssertionError: bad completion for p.jsonl:3 (at {f}:11, in checks)"),
+                    ("bare", "raised ValueError for p.jsonl:3")):
+        with pytest.raises(BadInputError) as e:
+            RewardSet.from_specs([f"{f}:{fn}"]).score("x", "y", where=" for p.jsonl:3")
+        assert msg in str(e.value) and "\n" not in str(e.value), e.value
+
 def test_braceless_mixed_numbers_and_huge_whole_parts():
     # 3\frac12 is the mixed number 3.5 (as 3\frac{1}{2} is), not "3" glued to "0.5" = 30.5
     assert extract_answer("\\boxed{3\\frac12}", "gsm8k") == "3.5"

@@ -296,6 +296,20 @@ def test_rewards_beyond_the_limit_are_refused_naming_the_row(model_dir, tmp_path
          "--reward", f"{tmp_path / 'myr.py'}:big")
 
 
+def test_a_reward_file_under_a_dir_with_a_comma_is_named_by_one_flag(model_dir, tmp_path, fake_engine, monkeypatch):
+    # A Hydra multirun dir (lr=1e-5,seed=1/): --reward split its path at the comma, "unknown reward 'outputs/lr'".
+    monkeypatch.chdir(tmp_path)
+    prompts = write_prompts(tmp_path / "p.jsonl", n=2)
+    (tmp_path / "outputs" / "lr=1e-5,seed=1").mkdir(parents=True)
+    (tmp_path / "outputs" / "lr=1e-5,seed=1" / "r.py").write_text("def fn(completion, answer):\n    return 2.0\n")
+    _cli("--model", model_dir, "--prompts", prompts, "--out", tmp_path / "o", "-G", 2, "-q",
+         "--reward", "outputs/lr=1e-5,seed=1/r.py:fn=0.5", "--reward", "gsm8k,format=0")
+    rec = read_records(tmp_path / "o" / "shard-00000-of-00001.jsonl")[0]
+    assert rec["rewards"]["outputs/lr=1e-5,seed=1/r.py:fn"] == 2.0 and set(rec["rewards"]) == {
+        "outputs/lr=1e-5,seed=1/r.py:fn", "gsm8k", "format"}
+    assert rec["reward"] == 1.0 + rec["rewards"]["gsm8k"]
+
+
 def test_an_already_done_rerun_removes_the_partial_dir_an_interrupted_force_redo_left(model_dir, tmp_path, fake_engine):
     # A --force redo stopped by SIGTERM left .o.partial-<fp> beside the finished --out for good: every later run
     # answered "already done" and none resumed or removed it (a review, 2026-11-27). A writer still running keeps it.

@@ -42,9 +42,10 @@ def command(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens; 0 = off. Example: --top-k 50"),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off. Example: --min-p 0.05"),
     stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable); EOS always stops. A newline in it needs the shell's $'...' quoting. Example: --stop $'\\nQ:'"),
-    reward: list[str] = typer.Option(["gsm8k"], "--reward", metavar="NAME[=WEIGHT]", help="Reward NAME[=WEIGHT], repeatable; reward = weighted sum. "
+    reward: list[str] = typer.Option(["gsm8k"], "--reward", metavar="NAME[=WEIGHT]", help="Reward NAME[=WEIGHT], repeatable or comma separated; reward = weighted sum. "
                                      "Built-in: gsm8k, math, format; your own: module:function or file.py:function. "
-                                     "Example: --reward gsm8k --reward format=0.1"),
+                                     "A value that is one file.py:function[=WEIGHT] whose file exists is taken whole, "
+                                     "commas in its path and all. Example: --reward gsm8k --reward format=0.1"),
     step: int = typer.Option(0, "--step", help="RL step k: selects the AQN sigma and, with --prompts-per-step, the prompt slice. Example: --step 12"),
     prompts_per_step: int | None = typer.Option(None, "--prompts-per-step", help="Prompts per step: step k uses rows "
                                                    "[k*P, (k+1)*P), wrapping around the dataset (default: all). Example: --prompts-per-step 64"),
