@@ -7,7 +7,8 @@ an adapter trained with PEFT loads here. The config is written without importing
 (peft, transformers and what they pull in) took 5.5 s of a train step on a CPU and ~7 s on an H100
 machine, only to write one JSON file (docs/benchmarks.md, "RL loop"); tests load it with peft and
 compare it with the ``LoraConfig`` peft itself builds from the same settings. Loading is strict:
-every tensor must land on a wrapped Linear with the right shape, and an adapter with nonzero B that
+every tensor must land on a wrapped Linear with the right shape, every Linear PEFT wraps must get its
+pair (one PEFT leaves out, e.g. by ``layers_to_transform``, keeps B = 0), and an adapter with nonzero B that
 nevertheless leaves the logits unchanged on a probe input is an error (the failure mode of silently
 applying nothing).
 """
@@ -207,6 +208,13 @@ def check_peft_wraps(cfg: dict, modules, path) -> None:
                                 hint=f"correct {CONFIG}, or remove the module's tensors")
 
 
+def adapter_leaves_out(adapter_dir, modules) -> list[tuple[str, str]]:
+    """(module, why) for each of ``modules`` (base module names) PEFT puts no LoRA on by the adapter's config
+    (``peft_leaves_out``): the loader keeps their LoRA at B = 0."""
+    cfg = _read_config(Path(adapter_dir))
+    return [(m, why) for m in sorted(modules) if (why := peft_leaves_out(cfg, m))]
+
+
 def model_not_adapter_hint(adapter_dir) -> str | None:
     """The hint for an --adapter without adapter_config.json that is a model directory (a merged or quantized
     model given where its adapter goes), else None."""
@@ -236,8 +244,6 @@ def _read_config(adapter_dir: Path) -> dict:
             raise BadInputError(f"{path}: per-module {key} is not supported")
     if cfg.get("modules_to_save"):
         raise BadInputError(f"{path}: modules_to_save is not supported")
-    if _uses_layer_indexes(cfg):  # `layers_to_transform: 0` too (it was read as unset, and every layer's pairs applied)
-        raise BadInputError(f"{path}: layers_to_transform is not supported")
     why = unsupported_lora_variant(cfg)
     if why:
         raise BadInputError(f"{path}: {why}")
@@ -255,8 +261,8 @@ def read_adapter_spec(adapter_dir) -> LoraSpec:
         check_peft_wraps(cfg, _weight_modules(Path(adapter_dir)), wpath)
     targets = cfg.get("target_modules")
     # PEFT allows a regex, and names matched as dotted suffixes ("self_attn.q_proj"): resolve both from
-    # the saved keys (module names, which the loader then requires in every layer); so too a target that
-    # exclude_modules takes out of every layer (PEFT saves no pair of it; the loader wanted one)
+    # the saved keys (module names, which the loader wraps in every layer, at B = 0 where PEFT leaves one out); so
+    # too a target that exclude_modules takes out of every layer (PEFT saves no pair of it: no LoRA on it at all)
     if isinstance(targets, str) or cfg.get("exclude_modules") or (
             isinstance(targets, list) and any(isinstance(t, str) and "." in t for t in targets)):
         targets = _targets_from_weights(Path(adapter_dir))
@@ -373,23 +379,26 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
                 raise BadInputError(f"{wpath}: tensor {key!r} contains NaN or Inf")
             values[(name, ab)] = t
             seen[name].add(ab)
-    incomplete = [n for n, s in seen.items() if s != {"A", "B"}]
+    # PEFT puts no LoRA layer on a module its config leaves out (layers_to_transform, exclude_modules, a target_modules
+    # regex: peft_leaves_out) and saves no pair of it; here a target the adapter adapts is wrapped in every layer, so
+    # such a module keeps B = 0 and its term adds exactly 0. A module PEFT wraps must have its pair (else the file is
+    # damaged), and so must a target the adapter has no pair of at all (the layout given is not the adapter's).
     present = {n.rsplit(".", 1)[-1] for n, s in seen.items() if s}
-    absent = [n for n in incomplete if not seen[n] and n.rsplit(".", 1)[-1] in present]
-    if absent:  # a target the adapter has in other layers: left out of some, not a damaged pair
-        raise BadInputError(
-            f"{wpath}: no lora_A/lora_B for {absent[0]!r}" + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
-            + f", though the adapter adapts {absent[0].rsplit('.', 1)[-1]!r} elsewhere: it covers only some layers "
-            "(PEFT exclude_modules or a target_modules regex); qerl applies LoRA to a target module in every layer",
-            hint="qerl merge applies such an adapter: merge it and use the merged model as --model")
+    left_out = {n for n, s in seen.items() if not s and n.rsplit(".", 1)[-1] in present and peft_leaves_out(cfg, n)}
+    incomplete = sorted((n for n, s in seen.items() if s != {"A", "B"} and n not in left_out),
+                        key=lambda n: peft_leaves_out(cfg, n) is not None)  # one PEFT wraps named first
     if incomplete:
-        raise BadInputError(f"{wpath}: no lora_A/lora_B for {incomplete[0]!r}" + (f" (and {len(incomplete) - 1} more)" if len(incomplete) > 1 else ""))
+        raise BadInputError(f"{wpath}: no lora_A/lora_B for {incomplete[0]!r}"
+                            + (f", a module {CONFIG} has PEFT wrap" if peft_leaves_out(cfg, incomplete[0]) is None else "")
+                            + (f" (and {len(incomplete) - 1} more)" if len(incomplete) > 1 else ""))
     alpha = float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     scaling = alpha / (cfg["r"] ** 0.5) if cfg.get("use_rslora") else alpha / cfg["r"]
     with torch.no_grad():
         for (name, ab), t in values.items():
-            lin = mods[name]
-            (lin.lora_A if ab == "A" else lin.lora_B).copy_(t)
+            (mods[name].lora_A if ab == "A" else mods[name].lora_B).copy_(t)
+        for name in left_out:  # a model whose LoRA was trained or randomised before this load
+            mods[name].lora_B.zero_()
+        for lin in mods.values():
             lin.alpha, lin.scaling = alpha, scaling
     if probe and any(bool(mods[n].lora_B.abs().sum() > 0) for n in mods):
         _probe_changes_output(model, adapter_dir)

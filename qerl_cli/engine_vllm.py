@@ -234,6 +234,9 @@ class VLLMEngine:
         if adapter_dir is not None:
             from qerl_cli.adapters import read_adapter_spec
 
+            # (one on only some layers, layers_to_transform, too: vLLM applies each pair in the file and resets the LoRA
+            # of a module without one, LoRAModelManager.activate_adapter, as PEFT runs it; pairs PEFT would not load
+            # are refused here)
             spec = read_adapter_spec(adapter_dir)
             kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(spec.r), max_loras=1)
             from vllm.lora.request import LoRARequest

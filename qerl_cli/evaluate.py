@@ -257,6 +257,10 @@ def native_generator(cfg: EvalConfig, tokenizer, device: str, torch_dtype, max_m
     n_lora = len(list(lora_modules(model)))
     if cfg.adapter is not None and n_lora == 0:
         raise BadInputError(f"--adapter {cfg.adapter}: no LoRA module was attached to the model")
+    if cfg.adapter is not None:  # the Linears the adapter fills, as a resume counts them: not those PEFT leaves out
+        from qerl_cli.adapters import adapter_module_count  # (layers_to_transform), whose LoRA stays at zero
+
+        n_lora = adapter_module_count(cfg.adapter)
     t1 = time.time()
     engine = LLMEngine(model, tokenizer, max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len)
     timings = {"load_s": round(t1 - t0, 3), "engine_s": round(time.time() - t1, 3)}

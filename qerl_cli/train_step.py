@@ -443,6 +443,7 @@ def _lora_spec(cfg: TrainStepConfig):
 
     if cfg.adapter is not None:
         spec = read_adapter_spec(cfg.adapter)
+        _check_covers_every_layer(cfg, spec)
         for flag, mine, theirs in (("--lora-rank", cfg.lora_rank, spec.r), ("--lora-alpha", cfg.lora_alpha, spec.alpha),
                                    ("--lora-targets", tuple(sorted(cfg.lora_targets)) if cfg.lora_targets else None,
                                     tuple(sorted(spec.targets)))):
@@ -458,6 +459,24 @@ def _lora_spec(cfg: TrainStepConfig):
                         dropout=cfg.lora_dropout or 0.0, targets=tuple(cfg.lora_targets or DEFAULT_TARGETS),
                         seed=cfg.seed)
     return spec
+
+
+def _check_covers_every_layer(cfg: TrainStepConfig, spec) -> None:
+    """Refuse to continue an adapter PEFT applies to only some layers (``layers_to_transform``, ``exclude_modules``, a
+    ``target_modules`` regex). Rollout and eval apply it as PEFT does (LoRA kept at zero where PEFT puts none), but a
+    step trains LoRA on every layer of its targets and writes an adapter_config.json without those fields: the next
+    adapter would adapt the layers this one leaves out, another layout, without a word."""
+    from qerl_cli.adapters import CONFIG, adapter_leaves_out
+    from qerl_cli.models.loader import lora_module_names
+
+    left = adapter_leaves_out(cfg.adapter, lora_module_names(cfg.model, spec.targets))
+    if left:
+        module, why = left[0]
+        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+        raise BadInputError(f"--adapter {cfg.adapter}: its {CONFIG} {why} {module!r}{more}, and train-step trains LoRA "
+                            "on every layer and saves no such field, so training on would change the adapter's layout",
+                            hint="rollout and eval apply it as it is; to train on it, `qerl merge` it into the base "
+                                 "(--dtype nvfp4) and start a fresh adapter on the merged model")
 
 
 def _load(cfg: TrainStepConfig, spec, device: str, dtype: torch.dtype):

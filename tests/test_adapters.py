@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,8 +60,8 @@ def test_saved_adapter_loads_in_peft_on_dequantized_base(tmp_path, nvfp4_dirs):
     assert (ours - ref).abs().masked_select(m).max() < 1e-4  # ...and peft agrees with us
 
 
-def _peft_adapter_and_logits(deq, out, seed, **lora):
-    """A PEFT adapter with random lora_B saved to ``out`` from the dequantized base, and PEFT's logits."""
+def _peft_adapter(deq, out, seed, **lora):
+    """A PEFT adapter with random lora_B saved to ``out`` from the dequantized base; returns the PeftModel."""
     base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
     pm = peft.get_peft_model(base, peft.LoraConfig(**lora))
     g = torch.Generator().manual_seed(seed)
@@ -69,6 +70,12 @@ def _peft_adapter_and_logits(deq, out, seed, **lora):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     pm.save_pretrained(out)
+    return pm
+
+
+def _peft_adapter_and_logits(deq, out, seed, **lora):
+    """``_peft_adapter``, and PEFT's logits."""
+    pm = _peft_adapter(deq, out, seed, **lora)
     ids, mask = right_padded()
     with torch.no_grad():
         return pm.eval()(input_ids=ids, attention_mask=mask).logits
@@ -353,24 +360,76 @@ def test_saved_adapter_loads_over_the_nvfp4_dir_as_the_docs_say(tmp_path, nvfp4_
     assert (ours - ref).abs().masked_select(m).max() < 0.02  # ...and bf16 PEFT agrees with fp32 qerl (0.007)
 
 
-def test_an_adapter_covering_only_some_layers_or_saved_as_bin_names_why(tmp_path, nvfp4_dirs):
-    """A PEFT adapter with exclude_modules (or a regex over some layers) was refused as "no lora_A/lora_B for
-    ...", which reads as a damaged file; one saved with safe_serialization=False as a bare "not found"."""
+def test_an_adapter_saved_as_bin_names_why(tmp_path, nvfp4_dirs):
+    """A PEFT adapter saved with safe_serialization=False was refused as a bare "not found"."""
     q, _ = nvfp4_dirs
-    torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(nvfp4_dirs[1]), dtype=torch.float32)
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                          exclude_modules=["model.layers.0.self_attn.q_proj"])
-    pm = peft.get_peft_model(hf, cfg)
-    pm.save_pretrained(str(tmp_path / "ex"))
-    with pytest.raises(BadInputError, match="covers only some layers.*exclude_modules") as e:
-        load_model(str(q), device="cpu", dtype=torch.float32, adapter_dir=str(tmp_path / "ex"))
-    assert "qerl merge" in str(e.value)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     pm.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
     assert not (tmp_path / "bin" / "adapter_model.safetensors").exists()
     with pytest.raises(BadInputError, match="adapter_model.bin, a pickle") as e:
         load_model(str(q), device="cpu", dtype=torch.float32, adapter_dir=str(tmp_path / "bin"))
     assert "safe_serialization=True" in str(e.value)
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture
+def three_layer_dirs(tmp_path):
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", layers=3, tokenizer=False)
+    return nvfp4_checkpoint(src, tmp_path / "q3")
+
+
+# PEFT_LAYER_FIELDS (per-layer fields as PEFT writes them), exclude_modules taking a target out of one layer, and a
+# regex target_modules over one layer
+SOME_LAYERS = {**PEFT_LAYER_FIELDS, "exclude_one_layer": dict(exclude_modules=["model.layers.0.self_attn.q_proj"]),
+               "regex_one_layer": dict(target_modules=r".*\.1\.(self_attn|mlp)\.(q|v|down)_proj")}
+
+
+@pytest.mark.parametrize("fields", list(SOME_LAYERS.values()), ids=list(SOME_LAYERS))
+def test_an_adapter_on_some_layers_loads_as_peft_applies_it(tmp_path, three_layer_dirs, fields):
+    # Refused by rollout, eval and rollout's vLLM engine ("layers_to_transform is not supported", "it covers only some
+    # layers"): an SFT adapter trained on the top layers could only be merged. Loaded now as PEFT applies it: LoRA on
+    # every layer of each target, with B = 0 where PEFT puts none.
+    from qerl_cli.adapters import peft_leaves_out
+    from qerl_cli.layers.lora import lora_modules
+
+    qdir, deq = three_layer_dirs
+    ref = _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=4, lora_alpha=8,
+                                   **{"target_modules": ALL_TARGETS, **fields})
+    ids, mask = right_padded()
+    model = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
+    ours = _logits(model, ids, mask)
+    with lora_disabled(model):
+        base = _logits(model, ids, mask)
+    m = mask[..., None].bool()
+    assert (ours - ref).abs().masked_select(m).max() < 1e-4 < (ours - base).abs().masked_select(m).max()
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    left = {n for n, lin in lora_modules(model) if peft_leaves_out(cfg, n)}
+    assert left and all(not lin.lora_B.any() for n, lin in lora_modules(model) if n in left)
+    assert all(lin.lora_B.any() for n, lin in lora_modules(model) if n not in left)
+
+
+def test_layers_to_transform_naming_every_layer_is_the_plain_adapter(tmp_path, nvfp4_dirs):
+    qdir, deq = nvfp4_dirs
+    _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    every = _edited(tmp_path / "peft", tmp_path / "every", layers_to_transform=[0, 1])
+    ids, mask = right_padded()
+    plain = _logits(load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft"), ids, mask)
+    assert torch.equal(_logits(load_model(qdir, dtype=torch.float32, adapter_dir=every), ids, mask), plain)
+
+
+def test_a_pair_peft_wraps_missing_from_an_adapter_on_some_layers_is_refused(tmp_path, nvfp4_dirs):
+    # Layer 0 is left out (B = 0), but layer 1's q_proj is one PEFT wraps: a file without its pair is damaged.
+    qdir, deq = nvfp4_dirs
+    _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             layers_to_transform=[1])
+    path = tmp_path / "peft" / "adapter_model.safetensors"
+    save_file({k: v for k, v in load_file(str(path)).items() if "layers.1.self_attn.q_proj" not in k}, str(path))
+    with pytest.raises(BadInputError, match=r"no lora_A/lora_B for 'model\.layers\.1\.self_attn\.q_proj', a module "
+                                            "adapter_config.json has PEFT wrap"):
+        load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
 
 
 # Configs whose adapters PEFT wraps on only some modules: per-layer fields, exclusions, a full name beside a layer
@@ -424,8 +483,8 @@ def test_pairs_peft_would_not_load_are_refused_by_every_stage(tmp_path, nvfp4_di
     qdir, deq = nvfp4_dirs
     _peft_adapter_and_logits(deq, tmp_path / "peft", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     bad = _edited(tmp_path / "peft", tmp_path / "bad", **fields)
-    why = "layers_to_transform is not supported" if "layers_to_transform" in fields else \
-        r"LoRA tensors of 'model\.layers\.\d\.self_attn\.._proj', which exclude_modules .* PEFT would not load them"
+    why = r"LoRA tensors of 'model\.layers\.\d\.self_attn\.._proj', which (exclude_modules .*|layers_to_transform 0 leaves " \
+          r"out): PEFT would not load them"
     with pytest.raises(BadInputError, match=why):  # the native engine: rollout, eval, train-step's model
         load_model(qdir, dtype=torch.float32, adapter_dir=bad)
     with pytest.raises(BadInputError, match=why):  # rollout's vLLM engine and train-step resuming read this first
@@ -443,3 +502,56 @@ def test_a_peft_adapter_excluding_a_target_from_every_layer_loads(tmp_path, nvfp
                                    target_modules=["q_proj", "v_proj", "down_proj"], exclude_modules=["v_proj"])
     assert set(read_adapter_spec(tmp_path / "peft").targets) == {"q_proj", "down_proj"}
     _assert_loads_as_peft(qdir, tmp_path / "peft", ref)
+
+
+@pytest.fixture(scope="module")
+def twin(qmodel, tmp_path_factory):
+    """(QDIR of the tiny quantized model with its tokenizer, base hash, its fp32 dequantized twin for PEFT)."""
+    from tests.train_fixtures import dequantized_twin
+
+    q, qhash = qmodel
+    return q, qhash, dequantized_twin(q, tmp_path_factory.mktemp("twin") / "deq")
+
+
+def test_an_adapter_on_some_layers_rolls_out_and_evals_through_the_cli(twin, tmp_path):
+    # an SFT adapter trained with LoRA on the top layer only: both stages refused it ("layers_to_transform is not
+    # supported"); eval's lora_modules counts the Linears it adapts, not the zero LoRA of the layer left out
+    from qerl_cli.shards import read_records
+    from tests.reliability_fixtures import ANSWERED_ROWS, invoke, write_jsonl
+
+    q, _, deq = twin
+    _peft_adapter(deq, tmp_path / "top", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             layers_to_transform=[1])
+    rows = write_jsonl(tmp_path / "rows.jsonl", ANSWERED_ROWS)
+    common = ["--model", q, "--adapter", tmp_path / "top", "--max-new-tokens", 3, "--device", "cpu", "-q"]
+    r = invoke(["rollout", "--prompts", rows, "--out", tmp_path / "ro", "-G", 2, *common])
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert len(read_records(tmp_path / "ro")) == 8
+    r = invoke(["eval", "--dataset", rows, "--out", tmp_path / "ev", *common])
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["lora_modules"] == 2
+
+
+@pytest.mark.parametrize("fields,field", [(dict(layers_to_transform=[1]), "layers_to_transform [1] leaves out"),
+                                          (dict(exclude_modules=["model.layers.0.self_attn.q_proj"]),
+                                           "exclude_modules ['model.layers.0.self_attn.q_proj'] excludes"),
+                                          (dict(layers_to_transform=[0, 1]), None)],
+                         ids=["layers_to_transform", "exclude_modules", "every_layer"])
+def test_train_step_refuses_to_continue_an_adapter_on_some_layers(twin, tmp_path, fields, field):
+    # A step trains LoRA on every layer of its targets and writes an adapter_config.json without these fields: it
+    # continued such an adapter (once the loader took it) into one adapting the layers it left out, without a word.
+    # Refused before the model loads, naming the field; one that names every layer is the plain adapter and trains.
+    from qerl_cli.adapters import adapter_hash
+    from tests.train_fixtures import make_shard, quick_step
+
+    q, qhash, deq = twin
+    _peft_adapter(deq, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **fields)
+    shard = make_shard(tmp_path / "sh", qhash, adapter_hash=adapter_hash(tmp_path / "a"), step=1)
+    if field is None:
+        quick_step(q, shard, tmp_path / "out", adapter=tmp_path / "a")
+        assert "layers_to_transform" not in json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+        return
+    with pytest.raises(BadInputError, match=rf"adapter_config.json {re.escape(field)} 'model.layers.0.self_attn.q_proj'"
+                                            ".*train-step trains LoRA on every layer.*change the adapter's layout") as e:
+        quick_step(q, shard, tmp_path / "out", adapter=tmp_path / "a")
+    assert "qerl merge" in e.value.hint and not (tmp_path / "out").exists()

@@ -381,3 +381,22 @@ def test_a_modelopt_checkpoint_is_refused_by_the_vllm_engine_too(tmp_path, monke
     with pytest.raises(BadInputError, match="a ModelOpt checkpoint"):
         vllm_generator(cfg, None, "bf16", 64)
     assert "kw" not in seen  # refused before vLLM started
+
+
+def test_vllm_rollout_takes_an_adapter_on_some_layers(tmp_path, monkeypatch):
+    # read_adapter_spec refused an adapter with layers_to_transform before vLLM started. vLLM applies each pair in the
+    # file and resets the LoRA of a module without one (LoRAModelManager.activate_adapter), as PEFT runs it; the pairs
+    # are the ones PEFT wraps (read_adapter_spec refuses others), so the file is handed over as it is.
+    import peft
+    import transformers
+
+    from qerl_cli.assets import tiny_model_dir
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
+    peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              layers_to_transform=[1])).save_pretrained(tmp_path / "top")
+    seen: dict = {}
+    vllm = _fake_vllm(monkeypatch, seen)
+    _vllm_rollout(tmp_path, monkeypatch, tiny_model_dir(), adapter=tmp_path / "top")
+    assert seen["kw"]["enable_lora"] and seen["kw"]["max_lora_rank"] == 8
+    assert vllm.LLM.instances[-1].generate_calls[0]["lora_request"].lora_path == str(tmp_path / "top")

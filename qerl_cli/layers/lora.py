@@ -393,14 +393,12 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     Only decoder-layer projections are candidates (never ``lm_head``), matching PEFT's target
     matching on module-name suffixes. Raises ValueError if a target matches nothing.
     """
-    from qerl_cli.layers.linear import QLinear
-
     wrapped, linears = [], set()
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, QLinear) and ".layers." in f".{name}":
+        if _layer_linear(name, module):
             linears.add(leaf)
-        if leaf in spec.targets and isinstance(module, QLinear) and ".layers." in f".{name}":
+        if leaf in spec.targets and _layer_linear(name, module):
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             g = torch.Generator().manual_seed(_module_seed(spec.seed, name))
             setattr(parent, leaf, LoRALinear(module, spec.r, spec.alpha, spec.dropout, scaling=spec.scaling, generator=g))
@@ -410,6 +408,18 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
         raise ValueError(f"LoRA targets {sorted(missing)} match no Linear in the model (its decoder layers' Linears: "
                          f"{', '.join(sorted(linears))})")
     return wrapped
+
+
+def _layer_linear(name: str, module: nn.Module) -> bool:
+    """A decoder layer's Linear: what ``apply_lora`` wraps when its last name component is a target."""
+    from qerl_cli.layers.linear import QLinear
+
+    return isinstance(module, QLinear) and ".layers." in f".{name}"
+
+
+def lora_target_names(model: nn.Module, targets) -> list[str]:
+    """The names of the Linears ``apply_lora`` wraps for ``targets`` (on a meta-device model too: nothing is built)."""
+    return [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets and _layer_linear(n, m)]
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

@@ -218,6 +218,16 @@ def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
             model.base_norms = load_norms(model, norms)
 
 
+def lora_module_names(model_dir, targets) -> list[str]:
+    """The Linears ``load_model(model_dir, lora=...)`` wraps for ``targets``, named from the decoder built on the meta
+    device (no weights read): a stage checks an adapter's layout against them before loading anything."""
+    from qerl_cli.layers.lora import lora_target_names
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_dir(Path(model_dir)), set(), dtype=torch.bfloat16)
+    return lora_target_names(model, targets)
+
+
 def build_random_model(config: ModelConfig, device="cuda", dtype: torch.dtype = torch.bfloat16, quantized: bool = True,
                        lora: LoraSpec | None = None, seed: int = 0, std: float = 0.02,
                        max_positions: int | None = None) -> CausalLM:
