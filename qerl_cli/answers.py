@@ -112,7 +112,9 @@ def judged_completion(completion: str, opens_think: bool) -> str:
 
 
 THINK_CLOSE = "</think>"
-ANSWER_TAGS = ("<answer>", "</answer>")
+# A stop that takes the opening tag cuts a completion's answer inside it away (every rule loses it); one that takes
+# only the closing tag leaves the content, where the gsm8k rule reads a tag's number only when closed.
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
 
 def stop_takes_tag(stop: str, tag: str) -> bool:

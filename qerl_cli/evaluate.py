@@ -46,13 +46,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qerl_cli.answers import (
-    ANSWER_TAGS,
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
     RULE_VERSION,
     THINK_CLOSE,
     THINK_OPEN,
     every_stopped,
     rule_packages,
-    stop_taking,
+    stop_takes_tag,
     think_stop,
 )
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
@@ -599,7 +600,9 @@ def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
     (`--stop '</think>'`) scored 0 every problem whose prompt opens one (R1's and QwQ's chat templates), silently:
     refused; where none does, a sample that opens its own is left inside it: warned of, as one that takes the opening
     `<think>` (`--stop '<think>'`), which cuts such a sample before its answer (both missed until 2026-11-28). One
-    that takes an `<answer>` tag's end leaves the gsm8k rule no closed tag to read: warned of."""
+    that takes the opening `<answer>` (`'\\n<answer'`) cuts a sample that answers inside the tag before its answer,
+    box and `####` line too: warned of whatever the scorer (`--scorer math` was told nothing until a review); one that
+    takes only `</answer>` leaves the gsm8k rule no closed tag to read: warned of unless `--scorer math`."""
     found = think_stop(cfg.stop, prompts)
     if found is not None:
         x, tag, prompt = found
@@ -617,7 +620,11 @@ def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
                                       "nothing after a <think> left open: a sample it stops that opened its own <think> "
                                       "scores 0"), stacklevel=3)
     for x in cfg.stop:
-        if cfg.scorer != "math" and stop_taking((x,), ANSWER_TAGS):
+        if stop_takes_tag(x, ANSWER_OPEN):
+            warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored, so a sample that answers "
+                                      "inside an <answer> tag is cut before its answer: it scores 0 (an answer outside "
+                                      "the tag still scores)"), stacklevel=3)
+        elif cfg.scorer != "math" and stop_takes_tag(x, ANSWER_CLOSE):
             warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored: the gsm8k rule reads "
                                       "no <answer> tag's number from a sample it stops (#### lines and \\boxed{} "
                                       "still score)"), stacklevel=3)

@@ -45,11 +45,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.answers import (
-    ANSWER_TAGS,
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
     THINK_CLOSE,
     THINK_OPEN,
     every_stopped,
     judged_completion,
+    stop_takes_tag,
     stop_taking,
     think_stop,
 )
@@ -258,9 +260,12 @@ def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: Re
     """A stop string is cut from the text the rewards judge (as vLLM cuts it). One that takes a tag the `format`
     reward needs out of that text (`--stop '</answer>'`, how R1-style recipes end a completion at its answer,
     `'</answer>\\n'`, which holds it, or `'\\n<answer'`, which fires at it: `stop_takes_tag`) scored every completion
-    it stops 0 there, silently: refused. One that takes an `<answer>` tag's either end leaves gsm8k no closed tag to
-    read (its `####` lines and boxes still count): warned of (until a review, only a stop inside `</answer>`)."""
+    it stops 0 there, silently: refused. One that takes the opening `<answer>` (`'<answer>'`, `'\\n<answer'`) cuts a
+    completion that answers inside the tag before its answer, its `####` line or box too: gsm8k and math score it 0,
+    warned of (math was told nothing, and gsm8k that its `####` lines and boxes still count, until a review). One that
+    takes only `</answer>` leaves gsm8k no closed tag to read (its `####` lines and boxes still count): warned of."""
     names = {s.name for s in reward_set.specs}
+    kinds = sorted(names & {"gsm8k", "math"})
     for x in cfg.stop:
         cut = stop_taking((x,), FORMAT_CLOSED_TAGS)
         if "format" in names and cut:
@@ -268,7 +273,12 @@ def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: Re
                                 f"holds {cut[1]} and the format reward scores {every_stopped(*cut)} 0",
                                 hint="drop that --stop (EOS and --max-new-tokens still end completions), or score "
                                      "the format with your own reward")
-        if "gsm8k" in names and stop_taking((x,), ANSWER_TAGS):
+        if kinds and stop_takes_tag(x, ANSWER_OPEN):
+            warnings.warn(QerlWarning(
+                f"--stop {x!r} is cut from the completion text the rewards judge, so a completion that answers inside "
+                f"an <answer> tag is cut before its answer: {' and '.join(kinds)} "
+                f"{'score' if len(kinds) > 1 else 'scores'} it 0 (an answer outside the tag still scores)"), stacklevel=3)
+        elif "gsm8k" in names and stop_takes_tag(x, ANSWER_CLOSE):
             warnings.warn(QerlWarning(
                 f"--stop {x!r} is cut from the completion text the rewards judge: gsm8k reads no <answer> tag's number "
                 "from a completion it stops (#### lines and \\boxed{} still score)"), stacklevel=3)

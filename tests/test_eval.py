@@ -602,7 +602,8 @@ def test_a_stop_that_overlaps_a_tag_or_takes_the_opening_think_is_refused_or_war
     with pytest.warns(QerlWarning, match=r"--stop '<think>' .* a sample that opens its own <think> \(its prompt opens "
                                          r"none: .*a.jsonl:1\) is cut there, before its answer: it scores 0"):
         run(model_dir, tmp_path, rows, [["#### 7"]], name="a", stop=("<think>",))
-    with pytest.warns(QerlWarning, match=r"--stop '\\n<answer' .* the gsm8k rule reads no <answer> tag's number"):
+    with pytest.warns(QerlWarning, match=r"--stop '\\n<answer' .* a sample that answers inside an <answer> tag is "
+                                         r"cut before its answer"):
         run(model_dir, tmp_path, rows, [["#### 7"]], name="b", stop=("\n<answer",))
     tpl = tmp_path / "think.jinja"
     tpl.write_text(THINKING_CHAT_TEMPLATE)
@@ -612,6 +613,24 @@ def test_a_stop_that_overlaps_a_tag_or_takes_the_opening_think_is_refused_or_war
     with warnings.catch_warnings():
         warnings.simplefilter("error", QerlWarning)  # the prompt opens <think>: its samples hold none to cut
         run(model_dir, tmp_path, rows, [["7</think>\n#### 7"]], name="d", stop=("<think>",), chat_template_file=tpl)
+
+
+def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_under_scorer_math(model_dir, tmp_path):
+    # A review: '--stop <answer>' cuts a sample that boxes its answer inside the tag (R1-Zero's layout) before it:
+    # scored 0 with --scorer math, which was told nothing (the warning was the gsm8k rule's only).
+    from qerl_cli.errors import QerlWarning
+
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}]
+    assert score_completion("<think>3 + 4</think>\n<answer>\\boxed{7}</answer>", "7", "math").correct
+    with pytest.warns(QerlWarning, match=r"--stop '<answer>' .* a sample that answers inside an <answer> tag is cut "
+                                         r"before its answer: it scores 0"):
+        res, _ = run(model_dir, tmp_path, rows, [["<think>3 + 4</think>\n"]], scorer="math", stop=("<answer>",))
+    assert res["metrics"]["score"] == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # the closing tag's stop leaves the box: math reads it
+        res, _ = run(model_dir, tmp_path, rows, [["<think>3 + 4</think>\n<answer>\\boxed{7}"]], name="c",
+                     scorer="math", stop=("</answer>",))
+    assert res["metrics"]["score"] == 1.0
 
 
 def test_a_template_that_opens_think_scores_completions_from_inside_it(model_dir, tmp_path):

@@ -678,7 +678,8 @@ def test_a_stop_that_takes_a_tag_out_of_the_judged_text_is_refused_or_warned_of(
     with pytest.raises(BadInputError, match=r"never holds </answer> and the format reward scores every completion "
                                             r"it stops 0"):
         rollout(cfg_for(model_dir, tmp_path, rewards=("format",), stop=("</answer>\n",)))
-    with pytest.warns(QerlWarning, match=r"--stop '<answer>' .* gsm8k reads no <answer> tag's number"):
+    with pytest.warns(QerlWarning, match=r"--stop '<answer>' .* a completion that answers inside an <answer> tag is "
+                                         r"cut before its answer: gsm8k scores it 0"):
         rollout(cfg_for(model_dir, tmp_path, stop=("<answer>",), max_prompts=2, out=tmp_path / "g"))
     # "<think>\n" + "1 mod 4 is 1, so #### 1\n" cut before "</think>": nothing is read after the open <think>
     for kind in ("gsm8k", "math"):
@@ -746,11 +747,12 @@ def test_a_stop_that_overlaps_a_tag_or_takes_the_opening_think_is_refused_or_war
     with pytest.raises(BadInputError, match=r"--stop '>\\n' .* never holds </think> and the format reward"):
         rollout(cfg_for(model_dir, tmp_path, rewards=("format",), stop=(">\n",)))
     assert fake_engine.calls == []
-    with pytest.warns(QerlWarning, match=r"--stop '\\n<answer' .* gsm8k reads no <answer> tag's number"):
+    with pytest.warns(QerlWarning, match=r"--stop '\\n<answer' .* answers inside an <answer> tag .* gsm8k scores it 0"):
         rollout(cfg_for(model_dir, tmp_path, stop=("\n<answer",), max_prompts=2, out=tmp_path / "a"))
     tpl = tmp_path / "think.jinja"
     tpl.write_text(THINKING_CHAT_TEMPLATE)
-    with pytest.raises(BadInputError, match=r"--stop '>\\n' .* never holds </think>, .* the prompt opens one"):
+    with (pytest.raises(BadInputError, match=r"--stop '>\\n' .* never holds </think>, .* the prompt opens one"),
+          pytest.warns(QerlWarning, match=r"answers inside an <answer> tag")):  # (">\n" ends "<answer>\n" too)
         rollout(cfg_for(model_dir, tmp_path, chat_template_file=tpl, rewards=("math",), stop=(">\n",),
                         out=tmp_path / "t"))
     for rewards, scores in ((("gsm8k",), "gsm8k scores"), (("gsm8k", "math"), "gsm8k and math score")):
@@ -763,6 +765,27 @@ def test_a_stop_that_overlaps_a_tag_or_takes_the_opening_think_is_refused_or_war
         warnings.simplefilter("error", QerlWarning)  # every prompt opens <think>: its completions hold none to cut
         rollout(cfg_for(model_dir, tmp_path, chat_template_file=tpl, stop=("<think>",), max_prompts=2,
                         out=tmp_path / "o"))
+
+
+def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_with_math_too(model_dir, tmp_path, fake_engine):
+    # A review: a stop that takes the opening <answer> ('\n<answer', '<answer>') cuts a completion that answers
+    # inside the tag (R1-Zero's layout, its box inside) before its answer: math scored it 0 and nothing was said, and
+    # gsm8k's warning said its boxes and #### lines still score, which those inside the tag do not.
+    from qerl_cli.engine.llm_engine import _stop_cut
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.rewards import REWARDS
+
+    done = "<think>1 mod 4 is 1.</think>\n<answer>#### 1 \\boxed{1}</answer>"
+    for stop in ("\n<answer", "<answer>", "</answer>"):
+        cut = done[:_stop_cut(done, done, (stop,))]
+        assert [REWARDS[k].fn(cut, "1") for k in ("gsm8k", "math")] == ([1.0, 1.0] if stop == "</answer>" else [0, 0])
+    for rewards, scores in ((("math",), "math scores"), (("gsm8k", "math"), "gsm8k and math score")):
+        with pytest.warns(QerlWarning, match=rf"--stop '\\n<answer' .* a completion that answers inside an <answer> "
+                                             rf"tag is cut before its answer: {scores} it 0"):
+            rollout(cfg_for(model_dir, tmp_path, rewards=rewards, stop=("\n<answer",), max_prompts=2, force=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # math reads the box the closing tag's stop leaves
+        rollout(cfg_for(model_dir, tmp_path, rewards=("math",), stop=("</answer>",), max_prompts=2, force=True))
 
 
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
