@@ -71,6 +71,7 @@ from qerl_cli.outputs import (
     WriterLock,
     crash_point,
     forget_completed,
+    partial_dir_of,
     sweep_leftover_partial,
     sweep_partial_of,
 )
@@ -418,25 +419,61 @@ def _counts_as_made(dtype_flag: str, dtype: str, made_device: str, made_dtype: s
     return made_dtype == dtype or (dtype_flag == "auto" and made_dtype == resolve_dtype("auto", made_device)[0])
 
 
-# What --device may resolve to (runtime.resolve_device). A partial directory is named by its run's fingerprint alone,
-# so another device's partial directory of this eval is found by trying each.
+# What --device may resolve to (runtime.resolve_device): the devices a partial directory that records none (qerl before
+# 2026-11-28) may have been made on, found by trying each (it is named by its run's fingerprint alone).
 DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(64)))
+# In a partial directory only (removed before the manifest): the device, dtype and --dtype flag of the run writing it.
+# The fingerprint holds the dtype --dtype resolved to, not the flag: a GPU's bf16 eval of --dtype auto is obsolete
+# once a CPU's fp32 one is finished at --out (that command finds it done there), one of --dtype bf16 is not.
+MADE_ON = ".made_on.json"
+
+
+def _record_made_on(work: Path, cfg: EvalConfig, config: dict) -> None:
+    """Record in the partial directory where and by which --dtype its samples are generated (``MADE_ON``)."""
+    (work / MADE_ON).write_text(json.dumps({"device": config["device"], "dtype": config["dtype"],
+                                            "dtype_flag": cfg.dtype}) + "\n")
+
+
+def _recorded_made_on(part: Path) -> tuple[str, str, str] | None:
+    """(device, dtype, --dtype flag) a partial directory records, or None (made by qerl before 2026-11-28, or
+    unreadable)."""
+    from qerl_cli.runtime import resolve_dtype
+
+    try:
+        made = json.loads((part / MADE_ON).read_text())
+        device, dtype, flag = made["device"], made["dtype"], made["dtype_flag"]
+        if not all(isinstance(v, str) for v in (device, dtype, flag)) or resolve_dtype(flag, device)[0] != dtype:
+            return None
+    except (OSError, ValueError, TypeError, KeyError, BadInputError):
+        return None
+    return device, dtype, flag
 
 
 def _sweep_other_devices_partials(cfg: EvalConfig, so: StageOutput) -> None:
-    """Remove the partial directories of this eval stopped on other devices, once --out holds it finished: this command
-    run there would find --out done (``_made_elsewhere``) and never resume them, so they stayed for good beside it
-    (disk, and a warning of an "unfinished run" on every new eval there). Judged by this command's --dtype (a partial
-    directory does not say whether auto or a dtype named made it); never one a live run is writing (its writer lock)."""
-    from qerl_cli.runtime import resolve_dtype
-
+    """Remove the partial directories of this eval stopped on other devices, once --out holds it finished: the command
+    that made one, run there, would find --out done (``_made_elsewhere``) and never resume it, so it stayed for good
+    beside it (disk, and a warning of an "unfinished run" on every new eval there). Judged by the --dtype that run was
+    given, which its directory records (``MADE_ON``): this command's --dtype guessed it, and a CPU's --dtype auto
+    eval removed a GPU's stopped --dtype bf16 one, which --force there still resumes. A directory that records none
+    (an older qerl's) only where its dtype is --out's, obsolete whatever --dtype made it; never one a live run is
+    writing (its writer lock)."""
     made = so.config["device"], so.config["dtype"]  # where the finished eval at --out was generated
-    for device in DEVICES:
-        dtype = resolve_dtype(cfg.dtype, device)[0]
-        if not _counts_as_made(cfg.dtype, dtype, *made):
+    unrecorded = None  # partial directory name -> device, for this eval in --out's dtype on each device
+    for part in so.partial_dirs():
+        where = _recorded_made_on(part)
+        if where is None:
+            if unrecorded is None:
+                unrecorded = {partial_dir_of(so, dict(so.config, device=d)).name: d for d in DEVICES}
+            if part.name not in unrecorded:
+                continue  # another eval's, or this one's in another dtype (made by auto, or by that dtype named?)
+            where = unrecorded[part.name], made[1], made[1]  # as if named: --out's dtype is its eval whatever made it
+        device, dtype, flag = where
+        if not _counts_as_made(flag, dtype, *made):
             continue  # there, --out is another eval (exit 4): the stopped one may still be resumed with --force
-        part = sweep_partial_of(so, dict(so.config, device=device, dtype=dtype))
-        if part is not None:  # said, --quiet or not: a directory the user may have meant to resume is gone
+        config = dict(so.config, device=device, dtype=dtype)
+        if partial_dir_of(so, config) != part:
+            continue  # another eval's (other flags or inputs)
+        if sweep_partial_of(so, config) is not None:  # said, --quiet or not: one the user may have meant to resume
             print(f"note: removed {part}, this eval stopped on {device} ({dtype}): {cfg.out} holds it finished",
                   file=sys.stderr)
 
@@ -558,6 +595,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     with WriterLock(so):
         try:
             with so as work:
+                _record_made_on(work, cfg, config)
                 if done is not None:  # the finished run's samples, kept as a stopped run's are: scored, none generated
                     shutil.copyfile(cfg.out / SAMPLES, work / SAMPLES)
                 records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, engine, work, console)
@@ -580,6 +618,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                         metrics["time"] = done.get("time", metrics["time"])
                     so.extra["rescored_from"] = {k: done.get(k) for k in ("scorer_version", "scorer_packages")}
                 (work / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+                (work / MADE_ON).unlink(missing_ok=True)  # the partial directory's, not the output's
                 so.extra["summary"] = {k: metrics[k] for k in ("score_name", "score", "ci95", "counts")}
                 so.extra["resumed"] = resumed
                 so.timings.update(info.pop("timings", {}), generate_s=round(t_gen, 3))

@@ -358,11 +358,14 @@ class StageOutput:
         # file system another node's live run must not be swept away.
         return self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_HOST}"
 
+    def partial_dirs(self) -> list[Path]:
+        """The partial directories beside ``out`` of resumable runs into it, whatever their arguments."""
+        return sorted(p for p in self.out.parent.glob(self._sibling_glob("partial")) if p.is_dir())
+
     def _warn_of_other_partials(self) -> None:
         """A resumable run that starts afresh beside partial directories of other arguments says so: a
         user who changed a flag after an interrupt took the start-over for a resume (trial, session 42)."""
-        others = sorted(p.name for p in self.out.parent.glob(self._sibling_glob("partial"))
-                        if p.is_dir() and p != self.work)
+        others = [p.name for p in self.partial_dirs() if p != self.work]
         if others:
             warnings.warn(QerlWarning(
                 f"{', '.join(others)} beside {self.out} hold{'s' if len(others) == 1 else ''} an unfinished run "
@@ -738,6 +741,11 @@ def sweep_leftover_partial(out: StageOutput) -> bool:
     except OutputExistsError:
         pass  # another run of this stage holds it: leave it alone
     return False
+
+
+def partial_dir_of(out: StageOutput, config: dict[str, Any]) -> Path:
+    """The partial directory beside ``out`` of a resumable run of ``config`` (same stage and inputs)."""
+    return StageOutput(out.out, out.stage, config=config, inputs=out.inputs, resumable=True).partial_dir()
 
 
 def sweep_partial_of(out: StageOutput, config: dict[str, Any]) -> Path | None:

@@ -621,3 +621,49 @@ def test_an_eval_finished_on_one_device_removes_its_partial_dirs_of_other_device
     assert f"note: removed {gpu1}, this eval stopped on cuda:1 (bf16)" in capsys.readouterr().err
     # --dtype fp32 finds the same --out done, but asks for fp32 on the GPU too: the fp16 one is still another eval
     assert evaluate(replace(cfg, dtype="fp32"), generate=BySeed())["already_done"] and fp16.is_dir()
+
+
+def test_the_sweep_keeps_a_partial_dir_of_a_dtype_named_where_auto_gives_the_same(model_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    # A partial directory is named by the dtype --dtype resolved to, not the flag: judged by this command's flag, a CPU's
+    # --dtype auto eval removed a GPU's stopped --dtype bf16 one (bf16 too, as auto there), which that command, finding
+    # --out's fp32 eval another one, still resumes with --force; the GPU's auto eval removed a CPU's --dtype fp32 one.
+    from qerl_cli.errors import OutputExistsError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    named = _stopped(replace(cfg, dtype="bf16"), monkeypatch)  # cuda (bf16), --dtype bf16
+    auto = _stopped(replace(cfg, device="cuda:1"), monkeypatch)  # cuda:1 (bf16), --dtype auto
+    with pytest.warns(Warning, match="unfinished run made with other arguments"):
+        evaluate(cfg, generate=BySeed())  # on this CPU node: fp32
+    assert named.is_dir() and not auto.exists()
+    assert "note: removed" in capsys.readouterr().err and not list(cfg.out.glob(".made_on*"))
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        with pytest.raises(OutputExistsError):  # fp32 at --out is not this command's eval
+            evaluate(replace(cfg, dtype="bf16"), generate=BySeed())
+        gen = BySeed()
+        evaluate(replace(cfg, dtype="bf16", force=True), generate=gen)
+    assert gen.asked == [[4]] and not named.exists()  # resumed, as it could not be once removed
+
+    fp32 = _stopped(replace(cfg, dtype="fp32", out=tmp_path / "f"), monkeypatch, on_gpu=False)  # cpu (fp32), named
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            evaluate(replace(cfg, out=tmp_path / "f"), generate=BySeed())  # the GPU's auto eval: bf16
+    assert fp32.is_dir()
+
+
+def test_the_sweep_judges_a_partial_dir_of_an_older_qerl_by_its_dtype_alone(model_dir, tmp_path, monkeypatch, capsys):
+    # One that records no --dtype (qerl before 2026-11-28) is obsolete whatever --dtype made it only in --out's dtype
+    import qerl_cli.evaluate as ev
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    bf16 = _stopped(cfg, monkeypatch)  # cuda (bf16): auto, or --dtype bf16?
+    fp32 = _stopped(replace(cfg, dtype="fp32"), monkeypatch)  # cuda (fp32): --dtype fp32 alone gives it
+    for part in (bf16, fp32):
+        (part / ev.MADE_ON).unlink()
+    with pytest.warns(Warning, match="unfinished run made with other arguments"):
+        evaluate(cfg, generate=BySeed())  # on this CPU node: fp32
+    assert bf16.is_dir() and not fp32.exists()
+    assert f"note: removed {fp32}, this eval stopped on cuda (fp32)" in capsys.readouterr().err
