@@ -226,11 +226,19 @@ def _source_file(fn, module) -> str | None:
 def _raised_at(e: BaseException, source: str | None) -> str:
     """Where in the user's code a reward raised: the one line was all a user got, "raised KeyError: 'x'", with no
     traceback to find which of the function's lookups it was (a review). The deepest line of the reward's own file,
-    else the deepest line of the call."""
+    else the deepest line of the call. A module zipimport loaded has its archive for ``source``, and ``r.zip/mod.py``
+    for its frames' file: a line in the archive is the reward's own (json's decoder line was named instead; a review)."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]  # not score's, __call__'s
-    own = [f for f in frames if source and os.path.abspath(f.filename) == os.path.abspath(source)]
+    own = [f for f in frames if source and (os.path.abspath(f.filename) + os.sep).startswith(os.path.abspath(source) + os.sep)]
     frame = (own or frames or [None])[-1]
     return f" (at {frame.filename}:{frame.lineno}, in {frame.name})" if frame is not None else ""
+
+
+def _is_complex(v) -> bool:
+    """A complex number, or a numpy scalar, array or tensor of a complex dtype: ``float()`` of numpy's kept the real
+    part with only a warning (``np.emath.sqrt(-1)`` scored 0.0; a review)."""
+    dtype = getattr(v, "dtype", None)
+    return isinstance(v, complex) or getattr(dtype, "kind", None) == "c" or getattr(dtype, "is_complex", False) is True
 
 
 def _is_number(text: str) -> bool:
@@ -281,31 +289,35 @@ def _file_spec_parts(spec: str) -> tuple[str, str, str | None] | None:
     return (target, attr, w) if colon and target.endswith(".py") else None
 
 
+_AROUND = ", \t\n\r"  # what may surround a --reward value's specs
+
+
 def _specs_in(raw: str) -> list[str]:
     """The specs one ``--reward`` value holds: its comma-separated parts, unless the value is one
     ``file.py:function[=WEIGHT]`` whose file exists with the commas in its path (``runs/a,b/r.py:score=0.5``, a Hydra
     multirun's ``lr=1e-5,seed=1/`` dir), which was split into the unknown reward 'runs/a' and could not be named. The
-    commas must all be in the path: ``r.py:f,gsm8k`` is still two rewards."""
-    parts = _file_spec_parts(raw)
+    commas must all be in the path: ``r.py:f,gsm8k`` is still two rewards. Commas around the value separate nothing
+    (``gsm8k,`` is gsm8k), so ``runs/a,b/r.py:score,`` (a list joined with a trailing comma) is that file's reward
+    too: it was split, "unknown reward 'runs/a'", hinting to give the file the --reward it had (a review)."""
+    core = raw.strip(_AROUND)
+    parts = _file_spec_parts(core)
     if parts is not None and "," in parts[0] and "," not in parts[1] + (parts[2] or ""):
         if os.path.isfile(os.path.expanduser(parts[0])):
-            return [raw]
+            return [core]
     return raw.split(",")
 
 
 def _comma_hint(raw: str, spec: str) -> str | None:
     """Why ``spec``, a part of the comma-split ``raw``, names no reward, where ``raw`` reads otherwise: a weight with a
     decimal comma (``format=0,1`` was "unknown reward '1'"), or a reward file's path with a comma in it."""
-    if _is_number(spec):
-        return "',' separates rewards; a weight's decimal mark is '.', as in format=0.1"
     parts = _file_spec_parts(raw)
-    if ":" in spec or parts is None or "," not in parts[0]:
-        return None
-    pieces = parts[0].split(",")
-    for path in (",".join(pieces[k:]).strip() for k in range(len(pieces) - 1)):  # "gsm8k,runs/a,b/r.py:fn": the file
-        if os.path.isfile(os.path.expanduser(path)):
-            return f"a value is taken whole as a reward file only when it is one file.py:function: give {path} its own --reward"
-    return f"',' separates rewards; a value is taken whole as one file.py:function only where its file exists: {parts[0]} does not"
+    # runs/a,b/r.py:fn=0,5: its first part, 'runs/a', fails first
+    if _is_number(spec) or (parts is not None and "," in (parts[2] or "") and _is_number(parts[2].replace(",", "."))):
+        return "',' separates rewards; a weight's decimal mark is '.', as in format=0.1"
+    if ".py:" in raw and ":" not in spec:
+        return ("',' separates rewards; a reward file whose path holds ',' is read whole only from a --reward of its "
+                "own, PATH.py:FUNCTION[=WEIGHT], naming an existing file")
+    return None
 
 
 def parse_reward_specs(specs: Iterable[str]) -> list[RewardSpec]:
@@ -376,11 +388,12 @@ class RewardSet:
                 raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}{': ' * bool(what)}{what}{where}"
                                     f"{_raised_at(e, s.reward.source)}") from None
             try:
-                if isinstance(v, (str, bytes)):  # float("1") would parse it
-                    raise TypeError
+                if isinstance(v, (str, bytes)) or _is_complex(v):  # float("1") would parse it; float() of a numpy
+                    raise TypeError  # complex kept its real part, with a warning (complex's own float() refuses)
                 v = float(v)
-            except OverflowError:  # an int past float's range (10**400): a number, over the limit
-                raise BadInputError(f"reward {s.name!r} returned an integer beyond float's range{where}",
+            except OverflowError:  # an int past float's range (10**400), a Fraction's: a number, over the limit
+                what = "an integer" if isinstance(v, int) else type(v).__name__  # not "an integer" for a Fraction
+                raise BadInputError(f"reward {s.name!r} returned {what} beyond float's range{where}",
                                     hint=REWARD_LIMIT_HINT) from None
             except (TypeError, ValueError):
                 raise BadInputError(f"reward {s.name!r} returned {type(v).__name__} {str(v)[:80]!r}{where}, "

@@ -459,6 +459,9 @@ def test_a_reward_file_under_a_folder_whose_name_holds_an_equals_sign_loads(tmp_
         parse_reward_specs(["outputs/lr=1e-5/r.py:fn=x0.5"])
 
 
+HINT_COMMA_PATH = "a reward file whose path holds ',' is read whole only from a --reward of its own"
+
+
 def test_a_reward_file_whose_path_holds_a_comma_is_one_spec_where_it_exists(tmp_path, monkeypatch):
     # Commas separated specs everywhere, so runs/a,b/r.py (a Hydra multirun's lr=1e-5,seed=1/ dir) could not be named:
     # "unknown reward 'runs/a'". A value that is one file.py:function[=WEIGHT] whose file exists is taken whole.
@@ -475,8 +478,8 @@ def test_a_reward_file_whose_path_holds_a_comma_is_one_spec_where_it_exists(tmp_
                         (["gsm8k,r.py:fn=2"], [("gsm8k", 1.0), ("r.py:fn", 2.0)])):
         assert [(s.name, s.weight) for s in parse_reward_specs(specs)] == want
     assert parse_reward_specs(["runs/a,b/r.py:fn"])[0].reward.source == str(tmp_path / "runs/a,b/r.py")
-    for spec, hint in (("runs/a,c/r.py:fn", "only where its file exists: runs/a,c/r.py does not"),
-                       ("gsm8k,runs/a,b/r.py:fn", "give runs/a,b/r.py its own --reward"),
+    for spec, hint in (("runs/a,c/r.py:fn", HINT_COMMA_PATH),
+                       ("gsm8k,runs/a,b/r.py:fn", HINT_COMMA_PATH),
                        ("format=0,1", "a weight's decimal mark is '.'")):
         with pytest.raises(BadInputError, match="unknown reward") as e:
             parse_reward_specs([spec])
@@ -532,6 +535,56 @@ def test_a_reward_that_raises_names_the_line_of_its_file_on_one_line(tmp_path):
         with pytest.raises(BadInputError) as e:
             RewardSet.from_specs([f"{f}:{fn}"]).score("x", "y", where=" for p.jsonl:3")
         assert msg in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_a_reward_file_value_with_commas_around_it_or_several_in_it_reads_right(tmp_path, monkeypatch):
+    # A review of the comma rule. 'runs/a,b/r.py:fn,' (a list joined with a trailing comma; 'gsm8k,' is gsm8k) was
+    # split, "unknown reward 'runs/a'", hinting to give the file the --reward it had; a decimal comma in its weight was
+    # hinted as a path. Every other value with a comma path that names no reward gets the one rule as its hint.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/a,b").mkdir(parents=True)
+    (tmp_path / "runs/a,b/r.py").write_text("def fn(completion, answer):\n    return 1.0\n\ng = fn\n")
+    (tmp_path / "runs/d,e/r.py").mkdir(parents=True)
+    for raw in ("runs/a,b/r.py:fn,", ",runs/a,b/r.py:fn=2, ", "runs/a,b/r.py:fn=2,\n"):
+        assert [(s.name, s.weight) for s in parse_reward_specs([raw])] == [("runs/a,b/r.py:fn", 1.0 if "=" not in raw else 2.0)]
+    for spec, hint in (("runs/a,b/r.py:fn=0,5", "a weight's decimal mark is '.'"),
+                       ("runs/a,b/r.py:fn,runs/a,b/r.py:g", HINT_COMMA_PATH),
+                       ("runs/d,e/r.py:fn", HINT_COMMA_PATH)):
+        with pytest.raises(BadInputError, match="unknown reward 'runs/") as e:
+            parse_reward_specs([spec])
+        assert hint in e.value.hint, e.value
+
+
+def test_a_reward_from_a_zip_that_raises_names_its_line_in_the_archive(tmp_path, monkeypatch):
+    # A module zipimport loaded has its archive as its source, and "r.zip/mod.py" as its frames' file: none matched,
+    # so the error named the deepest line of the call, json's decoder, not the reward's.
+    import zipfile
+
+    z = tmp_path / "r.zip"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("zipped_raising_review.py", "import json\n\ndef r(completion, answer):\n    return json.loads(completion)\n")
+    monkeypatch.syspath_prepend(str(z))
+    with pytest.raises(BadInputError) as e:
+        RewardSet.from_specs(["zipped_raising_review:r"]).score("x", "y")
+    assert f"(at {z / 'zipped_raising_review.py'}:4, in r)" in str(e.value), e.value
+
+
+def test_a_complex_or_a_fraction_past_floats_range_is_refused_by_its_type(tmp_path):
+    # float() of a numpy complex kept its real part with only a ComplexWarning (np.emath.sqrt(-1) scored 0.0, a Python
+    # complex is refused); a Fraction past float's range was "returned an integer beyond float's range".
+    f = tmp_path / "cr.py"
+    f.write_text("import fractions\nimport numpy as np\nimport torch\n\n"
+                 "def root(completion, answer):\n    return np.emath.sqrt(-1.0)\n\n"
+                 "def arr(completion, answer):\n    return np.array(1 + 0j)\n\n"
+                 "def ten(completion, answer):\n    return torch.tensor(1 + 0j)\n\n"
+                 "def frac(completion, answer):\n    return fractions.Fraction(10 ** 400, 3)\n")
+    for fn, msg in (("root", "returned complex128 '1j', not a number"), ("arr", "returned ndarray '(1+0j)', not a number"),
+                    ("ten", "returned Tensor 'tensor(1.+0.j)', not a number"),
+                    ("frac", "returned Fraction beyond float's range")):
+        with pytest.raises(BadInputError) as e:
+            RewardSet.from_specs([f"{f}:{fn}"]).score("x", "y")
+        assert msg in str(e.value), e.value
+
 
 def test_braceless_mixed_numbers_and_huge_whole_parts():
     # 3\frac12 is the mixed number 3.5 (as 3\frac{1}{2} is), not "3" glued to "0.5" = 30.5
