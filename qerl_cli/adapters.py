@@ -132,6 +132,14 @@ def _check_module_matchers(cfg: dict, path) -> None:
     if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool)) and not (
             isinstance(layers, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
         raise BadInputError(f"{path}: layers_to_transform must be a layer index or a list of them, got {layers!r}")
+    # PEFT's LoraConfig refuses this pair (its regex alone picks the modules: check_target_module_exists never reads
+    # the layers then), so the adapter loads nowhere in PEFT; peft_leaves_out would apply every pair the regex
+    # matches, the layers dropped without a word (rollout, eval and vLLM refused any layers_to_transform until
+    # 2026-11-28; train-step then continued it into an adapter on every layer)
+    if isinstance(cfg.get("target_modules"), str) and _uses_layer_indexes(cfg):
+        raise BadInputError(f"{path}: layers_to_transform {layers!r} with a regex target_modules "
+                            f"{cfg['target_modules']!r}: PEFT refuses this config (the regex alone picks the modules)",
+                            hint="name the layers in the regex, or list the target names in target_modules")
 
 
 def _uses_layer_indexes(cfg: dict) -> bool:

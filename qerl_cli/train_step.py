@@ -476,7 +476,13 @@ def _check_covers_every_layer(cfg: TrainStepConfig, spec) -> None:
         raise BadInputError(f"--adapter {cfg.adapter}: its {CONFIG} {why} {module!r}{more}, and train-step trains LoRA "
                             "on every layer and saves no such field, so training on would change the adapter's layout",
                             hint="rollout and eval apply it as it is; to train on it, `qerl merge` it into the base "
-                                 "(--dtype nvfp4) and start a fresh adapter on the merged model")
+                                 f"(--dtype {_merge_dtype(cfg.model)}) and start a fresh adapter on the merged model")
+
+
+def _merge_dtype(model_dir) -> str:
+    """The ``qerl merge --dtype`` that keeps --model's format: nvfp4 for a QDIR, bf16 for a plain HF dir (the 16-bit
+    baseline: an NVFP4 merge of it is another experiment, and --baseline bf16 refuses it)."""
+    return "nvfp4" if json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") else "bf16"
 
 
 def _load(cfg: TrainStepConfig, spec, device: str, dtype: torch.dtype):

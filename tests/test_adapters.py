@@ -494,6 +494,19 @@ def test_pairs_peft_would_not_load_are_refused_by_every_stage(tmp_path, nvfp4_di
                      bad)
 
 
+def test_layers_to_transform_beside_a_regex_target_modules_is_refused_as_peft_refuses_it(tmp_path, nvfp4_dirs):
+    # PEFT's LoraConfig refuses the pair (its regex alone picks the modules); once rollout and eval took
+    # layers_to_transform, they applied every pair the regex matched, layer 0's too, the field dropped without a word
+    qdir, deq = nvfp4_dirs
+    _peft_adapter(deq, tmp_path / "peft", 3, r=4, lora_alpha=8, target_modules=r".*\.(q|v)_proj")
+    bad = _edited(tmp_path / "peft", tmp_path / "bad", layers_to_transform=[1])
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    with pytest.raises(ValueError, match="`layers_to_transform` cannot be used when `target_modules` is a str"):
+        peft.PeftModel.from_pretrained(base, bad)
+    with pytest.raises(BadInputError, match=r"layers_to_transform \[1\] with a regex target_modules .* PEFT refuses"):
+        load_model(qdir, dtype=torch.float32, adapter_dir=bad)
+
+
 def test_a_peft_adapter_excluding_a_target_from_every_layer_loads(tmp_path, nvfp4_dirs):
     # PEFT saves no pair of a target exclude_modules takes out of every layer; the loader put LoRA on it anyway (from
     # target_modules) and refused the adapter as "no lora_A/lora_B for ...v_proj". It is plain LoRA on the others.
@@ -555,3 +568,18 @@ def test_train_step_refuses_to_continue_an_adapter_on_some_layers(twin, tmp_path
                                             ".*train-step trains LoRA on every layer.*change the adapter's layout") as e:
         quick_step(q, shard, tmp_path / "out", adapter=tmp_path / "a")
     assert "qerl merge" in e.value.hint and not (tmp_path / "out").exists()
+
+
+def test_train_step_refusing_an_adapter_on_some_layers_hints_the_merge_dtype_of_the_base(twin, tmp_path):
+    # The hint said `--dtype nvfp4` whatever --model was: on a plain HF base (the 16-bit baseline) that merge is an
+    # NVFP4 model, another experiment, which --baseline bf16 then refuses. It names the dtype that keeps the base's.
+    from qerl_cli.adapters import adapter_hash
+    from tests.train_fixtures import base_hash_of, make_shard, quick_step
+
+    q, qhash, deq = twin
+    _peft_adapter(deq, tmp_path / "a", 3, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
+    for model, base_hash, dtype in ((q, qhash, "nvfp4"), (deq, base_hash_of(deq), "bf16")):
+        shard = make_shard(tmp_path / f"sh-{dtype}", base_hash, adapter_hash=adapter_hash(tmp_path / "a"), step=1)
+        with pytest.raises(BadInputError, match="train-step trains LoRA on every layer") as e:
+            quick_step(model, shard, tmp_path / f"out-{dtype}", adapter=tmp_path / "a")
+        assert f"(--dtype {dtype})" in e.value.hint

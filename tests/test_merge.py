@@ -236,6 +236,10 @@ def test_refuses_missing_files(pair, tmp_path):
     (lambda c: dict(c, layers_to_transform=[0, True]), "layers_to_transform must be a layer index"),
     (lambda c: dict(c, exclude_modules="v_proj("), "exclude_modules 'v_proj\\(' is not a valid regex"),
     (lambda c: dict(c, exclude_modules={"v_proj": 1}), "exclude_modules must be a list of module names or a regex"),
+    # a pair PEFT's LoraConfig refuses: every reader applied each pair the regex matched, layers_to_transform ignored
+    (lambda c: dict(c, target_modules=".*", layers_to_transform=[1]),
+     r"layers_to_transform \[1\] with a regex target_modules '\.\*': PEFT refuses this config"),
+    (lambda c: dict(c, target_modules="all-linear", layers_to_transform=0), "layers_to_transform 0 with a regex"),
 ])
 def test_malformed_adapter_config_is_one_line_error(pair, tmp_path, edit, match):
     """A hand-edited adapter_config.json: merge and the adapter loader name the key (they raised
