@@ -19,8 +19,8 @@ Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--n
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
 adapter hashes, dataset hash, template, sampling, seed, device and dtype) goes into the manifest fingerprint, so
 rerunning the same eval is "already done" and two runs can be compared with ``--compare``; a finished eval made on
-another device is this eval's too (``_made_elsewhere``), a stopped one resumes on its own device only (and its partial
-directory there is removed once --out holds the eval finished: ``_sweep_other_devices_partials``). The answer
+another device is this eval's too (``eval_devices.made_elsewhere``), a stopped one resumes on its own device only (and its partial
+directory there is removed once --out holds the eval finished: ``eval_devices``). The answer
 rules' versions (``answers.RULE_VERSION``, and for the math rule math-verify's and sympy's: ``rule_packages``) are
 not in it but in metrics.json: a rerun under other rules scores the finished samples.jsonl again, generating
 nothing, rather than report the old rules' score.
@@ -64,6 +64,7 @@ from qerl_cli.errors import (
     OutputExistsError,
     QerlWarning,
 )
+from qerl_cli.eval_devices import MADE_ON, made_elsewhere, record_made_on, sweep_other_devices_partials
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import (
@@ -71,9 +72,7 @@ from qerl_cli.outputs import (
     WriterLock,
     crash_point,
     forget_completed,
-    partial_dir_of,
     sweep_leftover_partial,
-    sweep_partial_of,
 )
 from qerl_cli.runtime import as_many, check_field_types, device_kind
 
@@ -390,94 +389,6 @@ def _rescores(cfg: EvalConfig, manifest: dict, metrics: dict) -> bool:
     return True
 
 
-def _made_elsewhere(cfg: EvalConfig, config: dict) -> tuple[str, str] | None:
-    """(device, dtype) of the finished eval at --out where they are not this run's and it is still this run's eval
-    (the other flags and inputs are StageOutput's to compare): the device never decides (the samples a GPU node
-    generated are the eval's on a CPU node too, where a rerun prints or scores them again: it exited 4 as "made from
-    different arguments"), the dtype where it is this run's or, under --dtype auto, the one auto gives on that device
-    (bf16 on a GPU). Not with --force (the eval generated here), nor for a stopped eval's partial directory, which is
-    named by the device: resumed on another, its new samples would carry that device's numerics beside the kept ones."""
-    if cfg.force:
-        return None
-    from qerl_cli.outputs import read_manifest
-
-    m = read_manifest(cfg.out) or {}
-    old = m.get("config") if m.get("stage") == STAGE else None
-    if not isinstance(old, dict) or not isinstance(old.get("device"), str) or not isinstance(old.get("dtype"), str):
-        return None
-    device, dtype = old["device"], old["dtype"]
-    if (device, dtype) == (config["device"], config["dtype"]):
-        return None
-    return (device, dtype) if _counts_as_made(cfg.dtype, config["dtype"], device, dtype) else None
-
-
-def _counts_as_made(dtype_flag: str, dtype: str, made_device: str, made_dtype: str) -> bool:
-    """Whether an eval finished on ``made_device`` in ``made_dtype`` is the eval of a command of ``--dtype dtype_flag``
-    (resolved to ``dtype`` where it runs): the same dtype, or under --dtype auto the one auto gives on that device."""
-    from qerl_cli.runtime import resolve_dtype
-
-    return made_dtype == dtype or (dtype_flag == "auto" and made_dtype == resolve_dtype("auto", made_device)[0])
-
-
-# What --device may resolve to (runtime.resolve_device): the devices a partial directory that records none (qerl before
-# 2026-11-28) may have been made on, found by trying each (it is named by its run's fingerprint alone).
-DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(64)))
-# In a partial directory only (removed before the manifest): the device, dtype and --dtype flag of the run writing it.
-# The fingerprint holds the dtype --dtype resolved to, not the flag: a GPU's bf16 eval of --dtype auto is obsolete
-# once a CPU's fp32 one is finished at --out (that command finds it done there), one of --dtype bf16 is not.
-MADE_ON = ".made_on.json"
-
-
-def _record_made_on(work: Path, cfg: EvalConfig, config: dict) -> None:
-    """Record in the partial directory where and by which --dtype its samples are generated (``MADE_ON``)."""
-    (work / MADE_ON).write_text(json.dumps({"device": config["device"], "dtype": config["dtype"],
-                                            "dtype_flag": cfg.dtype}) + "\n")
-
-
-def _recorded_made_on(part: Path) -> tuple[str, str, str] | None:
-    """(device, dtype, --dtype flag) a partial directory records, or None (made by qerl before 2026-11-28, or
-    unreadable)."""
-    from qerl_cli.runtime import resolve_dtype
-
-    try:
-        made = json.loads((part / MADE_ON).read_text())
-        device, dtype, flag = made["device"], made["dtype"], made["dtype_flag"]
-        if not all(isinstance(v, str) for v in (device, dtype, flag)) or resolve_dtype(flag, device)[0] != dtype:
-            return None
-    except (OSError, ValueError, TypeError, KeyError, BadInputError):
-        return None
-    return device, dtype, flag
-
-
-def _sweep_other_devices_partials(cfg: EvalConfig, so: StageOutput) -> None:
-    """Remove the partial directories of this eval stopped on other devices, once --out holds it finished: the command
-    that made one, run there, would find --out done (``_made_elsewhere``) and never resume it, so it stayed for good
-    beside it (disk, and a warning of an "unfinished run" on every new eval there). Judged by the --dtype that run was
-    given, which its directory records (``MADE_ON``): this command's --dtype guessed it, and a CPU's --dtype auto
-    eval removed a GPU's stopped --dtype bf16 one, which --force there still resumes. A directory that records none
-    (an older qerl's) only where its dtype is --out's, obsolete whatever --dtype made it; never one a live run is
-    writing (its writer lock)."""
-    made = so.config["device"], so.config["dtype"]  # where the finished eval at --out was generated
-    unrecorded = None  # partial directory name -> device, for this eval in --out's dtype on each device
-    for part in so.partial_dirs():
-        where = _recorded_made_on(part)
-        if where is None:
-            if unrecorded is None:
-                unrecorded = {partial_dir_of(so, dict(so.config, device=d)).name: d for d in DEVICES}
-            if part.name not in unrecorded:
-                continue  # another eval's, or this one's in another dtype (made by auto, or by that dtype named?)
-            where = unrecorded[part.name], made[1], made[1]  # as if named: --out's dtype is its eval whatever made it
-        device, dtype, flag = where
-        if not _counts_as_made(flag, dtype, *made):
-            continue  # there, --out is another eval (exit 4): the stopped one may still be resumed with --force
-        config = dict(so.config, device=device, dtype=dtype)
-        if partial_dir_of(so, config) != part:
-            continue  # another eval's (other flags or inputs)
-        if sweep_partial_of(so, config) is not None:  # said, --quiet or not: one the user may have meant to resume
-            print(f"note: removed {part}, this eval stopped on {device} ({dtype}): {cfg.out} holds it finished",
-                  file=sys.stderr)
-
-
 def _problem_seed(seed: int, index: int) -> int:
     """The sampling seed of problem ``index`` (its row in the dataset): reproducible, whatever the batch."""
     return (seed * 1_000_003 + index) % (2**31 - 1)
@@ -538,7 +449,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                                 allow_mismatch=cfg.allow_base_mismatch)
         inputs.update(adapter_inputs(cfg.adapter))
     config = _fingerprint_config(cfg, device, dtype_name, template, every_row)
-    elsewhere = _made_elsewhere(cfg, config)
+    elsewhere = made_elsewhere(cfg, config, STAGE)
     if elsewhere is not None:  # found done (or scored again) as made there; nothing is generated here (engine())
         config.update(device=elsewhere[0], dtype=elsewhere[1])
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
@@ -553,7 +464,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     done = None  # the metrics of a finished run of these arguments that today's answer rules score again
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
         sweep_leftover_partial(so)
-        _sweep_other_devices_partials(cfg, so)
+        sweep_other_devices_partials(so)
         done = json.loads((cfg.out / METRICS).read_text())
         # said even with --quiet: `--device cpu` printed a GPU's bf16 score unsaid (a review); not between a node's GPUs
         # (made with --device cuda:1, rerun with auto: "not cuda (bf16)" advised --force, all generated again for nothing)
@@ -595,7 +506,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     with WriterLock(so):
         try:
             with so as work:
-                _record_made_on(work, cfg, config)
+                record_made_on(work, cfg.dtype, config)
                 if done is not None:  # the finished run's samples, kept as a stopped run's are: scored, none generated
                     shutil.copyfile(cfg.out / SAMPLES, work / SAMPLES)
                 records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, engine, work, console)
@@ -629,7 +540,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                 e.kept_problems = (len(prompts), len(prompts), so.work)  # (its stop line said "before generating")
             so.drop_work_if_nothing_kept(SAMPLES)  # stopped before its first problem: nothing left, as before eval resumed
             raise
-    _sweep_other_devices_partials(cfg, so)
+    sweep_other_devices_partials(so)
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
 
 

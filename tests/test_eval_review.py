@@ -12,6 +12,7 @@ from math import comb
 import pytest
 
 from qerl_cli.errors import BadInputError
+from qerl_cli.eval_devices import MADE_ON
 from qerl_cli.eval_metrics import paired_difference, pass_at_k, per_problem_pass1, score_block
 from qerl_cli.evaluate import EvalConfig, Sample, evaluate
 from tests.helpers import make_tiny_hf_model
@@ -656,13 +657,12 @@ def test_the_sweep_keeps_a_partial_dir_of_a_dtype_named_where_auto_gives_the_sam
 
 def test_the_sweep_judges_a_partial_dir_of_an_older_qerl_by_its_dtype_alone(model_dir, tmp_path, monkeypatch, capsys):
     # One that records no --dtype (qerl before 2026-11-28) is obsolete whatever --dtype made it only in --out's dtype
-    import qerl_cli.evaluate as ev
 
     cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
     bf16 = _stopped(cfg, monkeypatch)  # cuda (bf16): auto, or --dtype bf16?
     fp32 = _stopped(replace(cfg, dtype="fp32"), monkeypatch)  # cuda (fp32): --dtype fp32 alone gives it
     for part in (bf16, fp32):
-        (part / ev.MADE_ON).unlink()
+        (part / MADE_ON).unlink()
     with pytest.warns(Warning, match="unfinished run made with other arguments"):
         evaluate(cfg, generate=BySeed())  # on this CPU node: fp32
     assert bf16.is_dir() and not fp32.exists()

@@ -1,0 +1,105 @@
+"""Where an eval was generated, and what that makes of other devices' runs of it.
+
+A finished eval's samples are the eval's on any device: the device is in the fingerprint (a stopped eval resumes only
+on its own device, or its new samples would carry another device's numerics beside the kept ones), but a rerun on a CPU
+node of an eval a GPU node finished prints or rescores it rather than exit 4 (``made_elsewhere``). The dtype decides:
+the same dtype, or under --dtype auto the one auto gives on the device that made it (``counts_as_made``). Once --out
+holds the eval finished, the partial directories of the same eval stopped on other devices are obsolete: each records
+the device, dtype and --dtype flag that made it (``MADE_ON``), and ``sweep_other_devices_partials`` removes those the
+finished eval stands for, under their writer locks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from qerl_cli.errors import BadInputError
+from qerl_cli.outputs import StageOutput, partial_dir_of, read_manifest, sweep_partial_of
+
+
+def made_elsewhere(cfg, config: dict, stage: str) -> tuple[str, str] | None:
+    """(device, dtype) of the finished eval at --out where they are not this run's and it is still this run's eval
+    (the other flags and inputs are StageOutput's to compare): the device never decides (the samples a GPU node
+    generated are the eval's on a CPU node too, where a rerun prints or scores them again: it exited 4 as "made from
+    different arguments"), the dtype where it is this run's or, under --dtype auto, the one auto gives on that device
+    (bf16 on a GPU). Not with --force (the eval generated here), nor for a stopped eval's partial directory, which is
+    named by the device: resumed on another, its new samples would carry that device's numerics beside the kept ones."""
+    if cfg.force:
+        return None
+    m = read_manifest(cfg.out) or {}
+    old = m.get("config") if m.get("stage") == stage else None
+    if not isinstance(old, dict) or not isinstance(old.get("device"), str) or not isinstance(old.get("dtype"), str):
+        return None
+    device, dtype = old["device"], old["dtype"]
+    if (device, dtype) == (config["device"], config["dtype"]):
+        return None
+    return (device, dtype) if counts_as_made(cfg.dtype, config["dtype"], device, dtype) else None
+
+
+def counts_as_made(dtype_flag: str, dtype: str, made_device: str, made_dtype: str) -> bool:
+    """Whether an eval finished on ``made_device`` in ``made_dtype`` is the eval of a command of ``--dtype dtype_flag``
+    (resolved to ``dtype`` where it runs): the same dtype, or under --dtype auto the one auto gives on that device."""
+    from qerl_cli.runtime import resolve_dtype
+
+    return made_dtype == dtype or (dtype_flag == "auto" and made_dtype == resolve_dtype("auto", made_device)[0])
+
+
+# What --device may resolve to (runtime.resolve_device): the devices a partial directory that records none (qerl before
+# 2026-11-28) may have been made on, found by trying each (it is named by its run's fingerprint alone).
+DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(64)))
+# In a partial directory only (removed before the manifest): the device, dtype and --dtype flag of the run writing it.
+# The fingerprint holds the dtype --dtype resolved to, not the flag: a GPU's bf16 eval of --dtype auto is obsolete
+# once a CPU's fp32 one is finished at --out (that command finds it done there), one of --dtype bf16 is not.
+MADE_ON = ".made_on.json"
+
+
+def record_made_on(work: Path, dtype_flag: str, config: dict) -> None:
+    """Record in the partial directory where and by which --dtype its samples are generated (``MADE_ON``)."""
+    (work / MADE_ON).write_text(json.dumps({"device": config["device"], "dtype": config["dtype"],
+                                            "dtype_flag": dtype_flag}) + "\n")
+
+
+def _recorded_made_on(part: Path) -> tuple[str, str, str] | None:
+    """(device, dtype, --dtype flag) a partial directory records, or None (made by qerl before 2026-11-28, or
+    unreadable)."""
+    from qerl_cli.runtime import resolve_dtype
+
+    try:
+        made = json.loads((part / MADE_ON).read_text())
+        device, dtype, flag = made["device"], made["dtype"], made["dtype_flag"]
+        if not all(isinstance(v, str) for v in (device, dtype, flag)) or resolve_dtype(flag, device)[0] != dtype:
+            return None
+    except (OSError, ValueError, TypeError, KeyError, BadInputError):
+        return None
+    return device, dtype, flag
+
+
+def sweep_other_devices_partials(so: StageOutput) -> None:
+    """Remove the partial directories of this eval stopped on other devices, once --out holds it finished: the command
+    that made one, run there, would find --out done (``made_elsewhere``) and never resume it, so it stayed for good
+    beside it (disk, and a warning of an "unfinished run" on every new eval there). Judged by the --dtype that run was
+    given, which its directory records (``MADE_ON``): this command's --dtype guessed it, and a CPU's --dtype auto
+    eval removed a GPU's stopped --dtype bf16 one, which --force there still resumes. A directory that records none
+    (an older qerl's) only where its dtype is --out's, obsolete whatever --dtype made it; never one a live run is
+    writing (its writer lock)."""
+    made = so.config["device"], so.config["dtype"]  # where the finished eval at --out was generated
+    unrecorded = None  # partial directory name -> device, for this eval in --out's dtype on each device
+    for part in so.partial_dirs():
+        where = _recorded_made_on(part)
+        if where is None:
+            if unrecorded is None:
+                unrecorded = {partial_dir_of(so, dict(so.config, device=d)).name: d for d in DEVICES}
+            if part.name not in unrecorded:
+                continue  # another eval's, or this one's in another dtype (made by auto, or by that dtype named?)
+            where = unrecorded[part.name], made[1], made[1]  # as if named: --out's dtype is its eval whatever made it
+        device, dtype, flag = where
+        if not counts_as_made(flag, dtype, *made):
+            continue  # there, --out is another eval (exit 4): the stopped one may still be resumed with --force
+        config = dict(so.config, device=device, dtype=dtype)
+        if partial_dir_of(so, config) != part:
+            continue  # another eval's (other flags or inputs)
+        if sweep_partial_of(so, config) is not None:  # said, --quiet or not: one the user may have meant to resume
+            print(f"note: removed {part}, this eval stopped on {device} ({dtype}): {so.out} holds it finished",
+                  file=sys.stderr)
