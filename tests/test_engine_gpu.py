@@ -386,3 +386,35 @@ def test_gumbel_sampler_draws_rare_tokens_at_their_probability_on_gpu(gap):
     mass = (v - 1) * math.exp(-gap)
     exact, n = mass / (1 + mass), rows * calls
     assert abs(tail / n - exact) < 5 * (exact * (1 - exact) / n) ** 0.5, (tail / n, exact)
+
+
+def test_an_adapter_on_some_layers_runs_in_the_gpu_engine_as_peft_applies_it(tmp_path):
+    # LoRA at B = 0 on the layers PEFT leaves out (layers_to_transform): the CUDA-graph engine's grouped LoRA path must
+    # add nothing there and the adapter's term on the others. Teacher-forced on the engine's own greedy tokens, the fp32
+    # CPU model with the adapter (compared with peft.PeftModel in tests/test_adapters.py) gives the engine's log-probs.
+    from qerl_cli.adapters import peft_leaves_out
+    from qerl_cli.layers.lora import lora_disabled, lora_modules
+    from tests.test_adapters import ALL_TARGETS, _peft_adapter
+
+    src = make_tiny_hf_model(tmp_path, arch="qwen2", layers=3, tokenizer=False)
+    qdir, deq = nvfp4_checkpoint(src, tmp_path / "q3")
+    _peft_adapter(deq, tmp_path / "peft", 3, r=4, lora_alpha=8, target_modules=ALL_TARGETS, layers_to_transform=[1])
+    gpu = load_model(qdir, device="cuda", dtype=torch.bfloat16, adapter_dir=tmp_path / "peft")
+    cfg = {"target_modules": ALL_TARGETS, "layers_to_transform": [1]}
+    assert all(bool(lin.lora_B.any()) == (peft_leaves_out(cfg, n) is None) for n, lin in lora_modules(gpu))
+    out = LLMEngine(gpu, None, max_num_seqs=5).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12,
+                                                                                 ignore_eos=True))
+    cpu = load_model(qdir, dtype=torch.float32, adapter_dir=tmp_path / "peft")
+
+    def teacher_forced(prompt, c):
+        ids = torch.tensor([prompt + c.token_ids[:-1]])
+        with torch.no_grad():
+            lp = torch.log_softmax(cpu.compute_logits(cpu.forward_train(ids, torch.ones_like(ids))).float(), -1)[0]
+        return lp[len(prompt) - 1:].gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+
+    got = torch.cat([torch.tensor(g[0].logprobs) for g in out])
+    want = torch.cat([teacher_forced(p, g[0]) for p, g in zip(PROMPTS, out)])
+    with lora_disabled(cpu):
+        base = torch.cat([teacher_forced(p, g[0]) for p, g in zip(PROMPTS, out)])
+    err, effect = (got - want).abs().max().item(), (want - base).abs().max().item()
+    assert err < 0.1 and effect > 3 * err, (err, effect)
