@@ -98,7 +98,19 @@ class _OneLineUsageErrors:
                          _repeat_hint(self, given, e.format_message()))
 
 
-class _Group(_OneLineUsageErrors, TyperGroup):
+class _SwitchesShowNoType:
+    """get_params for the group and the stages: no type beside a switch. Typer's Rich help showed `<bool>` beside
+    --force, --quiet, --help and every other switch, as if each took a value; `--force true` is an error."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""  # what Rich's type column shows; a switch's plain help and errors use none
+        return params
+
+
+class _Group(_SwitchesShowNoType, _OneLineUsageErrors, TyperGroup):
     """The top level: an unknown command or top-level flag is one error line too."""
 
     standalone = True
@@ -400,16 +412,26 @@ _Context = TyperCommand.context_class  # the click Typer runs on (typer 0.29 ven
 
 
 _QUOTED = re.compile(r"\$?'[^']*'|\"[^\"]*\"")
+_FLAG_VALUE = re.compile(r"(?<!\S)(--?[A-Za-z][\w-]*) (?=([^\s-][^ ]*))")  # `--out DIR`: a flag and the word after it
 _GLUE = "\u00a0"  # a space textwrap does not break at
 
 
-def _wrap(text: str, width: int, indent: str = "", hang: str = "") -> list[str]:
+def _glue_example(text: str, room: int) -> str:
+    """``text`` (an example) with the spaces inside its quoted values glued, and a flag glued to its value where the
+    pair fits in ``room`` columns: wrapped, `--out \\` / `adapters/step-1` read as a flag without a value."""
+    text = _QUOTED.sub(lambda m: m[0].replace(" ", _GLUE), text)
+    return _FLAG_VALUE.sub(lambda m: m[1] + _GLUE if len(m[1]) + 1 + len(m[2]) <= room else m[0], text)
+
+
+def _wrap(text: str, width: int, indent: str = "", hang: str = "", command: bool = False) -> list[str]:
     """Lines of ``text``; a flag in it is never split at its hyphens (--max-|new-tokens), nor a quoted value
-    of its example (`--system-prompt 'You are a careful` / `mathematician.'` pasted a newline into it)."""
-    at = text.find("Example")
+    of its example (`--system-prompt 'You are a careful` / `mathematician.'` pasted a newline into it), nor
+    (where they fit on a line) a flag and its value. ``command``: all of ``text`` is an example command."""
+    width = max(width, 20)
+    at = 0 if command else text.find("Example")
     if at >= 0:
-        text = text[:at] + _QUOTED.sub(lambda m: m[0].replace(" ", _GLUE), text[at:])
-    lines = textwrap.wrap(text, width=max(width, 20), initial_indent=indent, subsequent_indent=indent + hang,
+        text = text[:at] + _glue_example(text[at:], width - len(indent) - len(hang))
+    lines = textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + hang,
                           break_on_hyphens=False, break_long_words=False) or [indent]
     return [line.replace(_GLUE, " ") for line in lines]
 
@@ -424,7 +446,7 @@ def _wrap_command(line: str, width: int, indent: str) -> list[str]:
         return _wrap(text.lstrip("#").strip(), width - len(indent), lead + "# ")
     continued = text.endswith("\\")
     text = text.removesuffix("\\").rstrip()
-    pieces = _wrap(text, width - len(indent) - 2, lead, "    ")
+    pieces = _wrap(text, width - len(indent) - 2, lead, "    ", command=True)
     return [p + " \\" if i < len(pieces) - 1 or continued else p for i, p in enumerate(pieces)]
 
 
@@ -455,7 +477,7 @@ class _PlainContext(_Context):
     formatter_class = _PlainFormatter
 
 
-class StageCommand(_OneLineUsageErrors, TyperCommand):
+class StageCommand(_SwitchesShowNoType, _OneLineUsageErrors, TyperCommand):
     """A stage's command: Rich help where the option table fits, plain help where it would not."""
 
     context_class = _PlainContext

@@ -1,4 +1,5 @@
-"""The docs against the code: every flag, script flag, config key and environment variable a page names exists.
+"""The docs against the code: every flag, script flag, config key and environment variable a page names exists,
+and every stage command a page or a stage's --help shows parses and passes the stage's checks of its flags.
 
 A new user copies commands from README.md and docs/*.md; a renamed flag left there fails only when someone runs
 it. docs/benchmarks.md is left out: it keeps the commands of removed probes and reverted experiments on purpose
@@ -7,7 +8,9 @@ it. docs/benchmarks.md is left out: it keeps the commands of removed probes and 
 
 import importlib
 import re
+import shlex
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")
 STAGES = ("quantize", "rollout", "train-step", "merge", "eval")
+STAGE = r"\b(?:qerl|qerl_cli)\s+(" + "|".join(STAGES) + r")\b"
 FLAG = r"(?<![\w-])--[a-z][a-z0-9-]*"
 
 
@@ -25,12 +29,18 @@ def code_lines(text: str):
     yield from re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
 
 
-def commands(page: Path, start: str):
-    """(name, its flags) for each command a code line of PAGE runs: START's group names it, up to the next command."""
+def command_texts(page: Path, start: str):
+    """(name, the text after it, the line) for each command a code line of PAGE runs: START's group names it, up to
+    the next command (or the ` -> ` of a chain of stages: `qerl quantize -> (rollout -> train-step)*`)."""
     for line in code_lines(page.read_text()):
         for m in re.finditer(start + r"(.*)", line):
-            rest = re.split(start + r"|[;|#]|&&", m.group(2))[0]
-            yield m.group(1), re.findall(FLAG, rest), line.strip()
+            yield m.group(1), re.split(start + r"|[;|#]|&&|\s->\s", m.group(2))[0], line.strip()
+
+
+def commands(page: Path, start: str):
+    """(name, its flags, the line) for each command a code line of PAGE runs."""
+    for name, rest, line in command_texts(page, start):
+        yield name, re.findall(FLAG, rest), line
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -41,10 +51,136 @@ def test_every_stage_flag_a_page_names_exists(page):
 
     flags = {name: {o for p in cmd.params for o in p.opts + p.secondary_opts} | {"--help"}
              for name, cmd in get_command(app).commands.items()}
-    wrong = [f"qerl {stage} {flag}: {line}" for stage, found, line in
-             commands(page, r"\b(?:qerl|qerl_cli)\s+(" + "|".join(STAGES) + r")\b") for flag in found
+    wrong = [f"qerl {stage} {flag}: {line}" for stage, found, line in commands(page, STAGE) for flag in found
              if flag not in flags[stage]]
     assert not wrong, "\n".join(wrong)
+
+
+def shell_words(text: str) -> list[str]:
+    """TEXT split into words as bash splits it, `$'...'` (a newline written \\n) included; nothing is expanded."""
+    text = re.sub(r"\$'((?:[^'\\]|\\.)*)'", lambda m: shlex.quote(m[1].encode().decode("unicode_escape")), text)
+    return [w for w in shlex.split(re.sub(r"\\\s*$", "", text)) if w != "\\"]  # a continuation's backslash
+
+
+def synopsis_words(text: str) -> list[str]:
+    """The words of a page's command, its synopsis notation dropped: `[--adapter A]` given, `[--shards ...]` and
+    `[options]` left out, a bare `...` (the rest of the command) too."""
+    text = re.sub(r"\[[^\]]*(?:\.\.\.|options)[^\]]*\]", " ", text)
+    text = re.sub(r"\[(?=-)|(?<=\S)\](?!\S)", " ", text)
+    return shell_words(re.sub(r"(?<!\S)\.\.\.(?!\S)", " ", text))
+
+
+# Flags naming what a stage reads, and what it writes: the check below points them at a directory that is not there.
+INPUT_FLAGS = {"--model", "--adapter", "--prompts", "--dataset", "--shards", "--requantize-from", "--chat-template-file"}
+OUTPUT_FLAGS = {"--out", "-o", "--metrics-file"}
+REQUIRED = {"quantize": ["--out"], "rollout": ["--model", "--prompts", "--out"],
+            "train-step": ["--model", "--shards", "--out"], "merge": ["--model", "--adapter", "--out"],
+            "eval": ["--model", "--dataset", "--out"]}
+# What a flag's own example is refused without (`--aqn-sigma-start needs --total-steps`).
+NEEDS = {"--aqn-sigma-start": ["--aqn-sigma-end", "1e-4", "--total-steps", "100"], "--shard-index": ["--num-shards", "8"],
+         "--requantize-from": ["--dtype", "nvfp4"]}
+
+
+def _placeholder(param, value: str) -> bool:
+    """`--step k`, `--num-shards N`: a page's stand-in for a number (the check gives the flag its default)."""
+    default = param.default
+    return (isinstance(default, (int, float)) and not isinstance(default, bool)
+            and re.fullmatch(r"[A-Za-z]|[A-Z][A-Z0-9_]*", value) is not None)
+
+
+def on_missing_inputs(stage: str, words: list[str], missing: Path, out: Path) -> list[str] | None:
+    """`qerl STAGE WORDS` with every path it reads under MISSING (not there), every path it writes under OUT, each
+    required flag the words leave out added, and a number's stand-in replaced by the flag's default; None where the
+    words only name flags (`qerl eval --compare`, `qerl train-step --help`): no command to run."""
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    params = {o: p for p in get_command(app).commands[stage].params for o in p.opts + p.secondary_opts}
+    words = [part for w in words for part in (w.split("=", 1) if w.startswith("--") and "=" in w else [w])]
+    if "--help" in words or all(w.startswith("-") for w in words):
+        return None
+    args, i = [], 0
+    while i < len(words):
+        p = params.get(words[i])
+        if p is None or p.is_flag or i + 1 == len(words):  # a switch, a positional (quantize's source, eval's dirs)
+            args.append(words[i] if words[i].startswith("-") else str(missing / words[i].lstrip("/")))
+            i += 1
+            continue
+        flag, value = words[i], words[i + 1]
+        if flag in INPUT_FLAGS or flag in OUTPUT_FLAGS:
+            value = str((missing if flag in INPUT_FLAGS else out) / value.lstrip("/"))
+        elif _placeholder(p, value):
+            value = str(p.default)
+        args += [flag, value]
+        i += 2
+    if "--compare" not in args:
+        for flag in REQUIRED[stage]:
+            if not set(params[flag].opts) & set(args):
+                args += [flag, str((out if flag in OUTPUT_FLAGS else missing) / "x")]
+        if stage == "quantize" and not any(a.startswith(str(missing)) for a in args):
+            args.insert(0, str(missing / "src"))
+    return [stage, *args]
+
+
+def assert_reaches_the_input_check(args: list[str], missing: Path, where: str) -> None:
+    """The stage stops at the first path that is not there (exit 2, naming it): every flag's value parsed and passed
+    the stage's own checks of flags, which come before its inputs are read."""
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200", "TERMINAL_WIDTH": ""})
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert r.exit_code == 2 and lines and str(missing) in lines[-1], \
+        f"{where}: qerl {shlex.join(args)}\n -> exit {r.exit_code}: {r.stderr.strip() or r.stdout[-500:]}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_stage_command_a_page_shows_parses_and_passes_the_flag_checks(page, tmp_path):
+    # A renamed choice (`--scale-rewards batch`), a flag that became a switch or a value that stopped parsing was
+    # found only by a user pasting the page. Each command, its inputs pointed at a directory that is not there,
+    # must stop at that directory: its flags' checks come first. (A check that needs the model, e.g.
+    # --max-new-tokens against its context, is not reached.)
+    missing, out = tmp_path / "not-there", tmp_path / "out"
+    for stage, rest, line in command_texts(page, STAGE):
+        args = on_missing_inputs(stage, synopsis_words(rest), missing, out)
+        if args is not None:
+            assert_reaches_the_input_check(args, missing, f"{page.name}: {line}")
+
+
+def help_examples(stage: str):
+    """(where, words) for every example in `qerl STAGE --help`: each flag's `Example:` (the words after it, a closing
+    remark in parentheses left out) and each example command of the stage's own text."""
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    cmd = get_command(app).commands[stage]
+    for p in cmd.params:
+        text = p.help or ""
+        if "Example" in text:
+            example = re.sub(r"\s*\([^()]*\)\s*$", "", text[text.index("Example"):].split(":", 1)[1])
+            words = shell_words(example.replace("\\[", "["))  # Rich's markup escape
+            words = words[2:] if words[:2] == ["qerl", stage] else words  # --compare's example is a whole command
+            yield f"{p.opts[0]}'s example", words + [w for w in NEEDS.get(words[0], []) if w not in words]
+    for para in textwrap.dedent(cmd.help or "").split("\n\n"):
+        for line in para.replace("\\\n", " ").splitlines() if para.startswith("  ") else ():
+            for name, rest in re.findall(STAGE + r"(.*)", line):
+                if name == stage:
+                    yield line.strip(), shell_words(rest)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_help_example_parses_and_passes_the_flag_checks(stage, tmp_path):
+    # The help's examples are what a user copies first; the same check as the pages' commands above.
+    missing, out = tmp_path / "not-there", tmp_path / "out"
+    examples = list(help_examples(stage))
+    assert len(examples) >= 5
+    for where, words in examples:
+        args = on_missing_inputs(stage, words, missing, out)
+        assert args is not None, where
+        assert_reaches_the_input_check(args, missing, f"qerl {stage} --help, {where}")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -149,6 +149,41 @@ def test_wrapped_help_examples_still_paste_into_a_shell(columns):
                 assert shlex.split(g_cmd) == shlex.split(w_cmd), (name, got)
 
 
+@pytest.mark.parametrize("columns", [80, 140])
+def test_a_switch_shows_no_value_type_in_the_help(columns):
+    # Typer's Rich table put `<bool>` beside --force, --quiet, --help and every other switch, as if each took a
+    # value (`--force true` is an error); the plain layout shows none.
+    from qerl_cli.cli import app
+
+    for args in (["--help"], *([name, "--help"] for name in ("quantize", "rollout", "train-step", "merge", "eval"))):
+        text = CliRunner().invoke(app, args, env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""}).output
+        assert "--help" in text and "<bool>" not in text, (args, text)
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100])
+def test_a_wrapped_help_example_keeps_each_flag_with_its_value(columns):
+    # Wrapped at the space after a flag, an example read `... --out \` / `runs/merged-bf16` (merge, 80 columns) and
+    # `Example: --adapter` / `runs/step-0100`: a flag without its value on the line. Each pair that fits on a line is
+    # on one, in the example commands and (plain layout) in each flag's example.
+    import textwrap
+
+    from typer.main import get_command
+
+    from qerl_cli.cli import RICH_HELP_MIN_COLUMNS, app
+
+    pair = re.compile(r"(?<!\S)(--?[A-Za-z][\w-]*) ([^\s'\"$-]\S*)")
+    for name, cmd in get_command(app).commands.items():
+        sources = [p for p in textwrap.dedent(cmd.help or "").split("\n\n") if p.startswith("  ")]
+        if columns < RICH_HELP_MIN_COLUMNS:  # Rich wraps the flags' own help itself
+            sources += [h[h.index("Example"):] for h in (p.help or "" for p in cmd.params) if "Example" in h]
+        pairs = {f"{flag} {value}" for src in sources for line in src.splitlines() if not line.lstrip().startswith("#")
+                 for flag, value in pair.findall(line)}
+        text = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": str(columns), "TERMINAL_WIDTH": ""}).output
+        lines = text.splitlines()
+        split = sorted(p for p in pairs if len(p) <= columns - 40 and not any(p in line for line in lines))
+        assert not split, (name, split)
+
+
 @pytest.mark.parametrize("columns", [60, 80])
 def test_a_quoted_example_value_is_never_wrapped_inside(columns):
     # `--system-prompt 'You are a careful` / `mathematician.'`: pasted, the value held a newline and spaces.

@@ -344,6 +344,30 @@ def _argv_recorder(tmp_path):
     return _recorder(tmp_path, "qerl", f'printf "%q " "$@" >> {log}; echo >> {log}\n'), log
 
 
+@pytest.mark.parametrize("config, settings", [(c, {}) for c in CONFIGS] + [
+    (RECIPES / "configs" / "tiny.env", {"BASE_FORMAT": "bf16", "TRAIN_EXTRA": "--keep-activations 2 --deterministic"}),
+], ids=lambda x: x.name if isinstance(x, Path) else ",".join(x) or "-")
+def test_every_command_a_config_makes_the_recipes_run_parses_and_passes_the_flag_checks(tmp_path, config, settings):
+    # The recorded commands were compared with one another (above, below), never with the stages' flags: a
+    # config's TRAIN_EXTRA, or a flag lib.sh writes, that a stage renamed failed only on the cluster. Each command
+    # grpo.sh runs (stage.sbatch runs the same ones) must reach its first input, as the pages' commands must.
+    from tests.test_docs import assert_reaches_the_input_check, on_missing_inputs, shell_words
+
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "WARMUP_STEPS": "0", "EVAL_EVERY": "1", "MERGE_DTYPE": "nvfp4",
+           "CHAT_TEMPLATE_FILE": "/t/chat.jinja", "CHAT_TEMPLATE_KWARGS": '{"enable_thinking": false}',
+           "DEVICE": "cpu", **settings}  # quantize asks for the GPU a Qwen config names before it looks for the model
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(config), str(tmp_path / "run")], env=env, check=True,
+                   capture_output=True)
+    ran = [shell_words(line) for line in log.read_text().splitlines()]
+    assert {"rollout", "train-step", "merge", "eval"} <= {words[0] for words in ran}  # quantize too, on an nvfp4 base
+    missing, out = tmp_path / "not-there", tmp_path / "out"
+    for words in ran:
+        args = on_missing_inputs(words[0], words[1:], missing, out)
+        assert args is not None, words
+        assert_reaches_the_input_check(args, missing, f"{config.name} {settings}")
+
+
 def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     # The two scripts kept a copy each of every stage's flags, and stage.sbatch lost --chat-template-file
     # (rollout and eval). Both now build them in recipes/lib.sh: the same config gives the same commands,
