@@ -27,7 +27,7 @@ that takes "the last number in the text" rewards rambling that ends on the right
   ``90 (or 1.5 hours)``, ``3 hours (180 minutes)``, ``90 minutes (1 hour 30 minutes)``), a range or a second number
   (``72 to 73``, ``72 and 3/4``, ``3 hours 30 minutes``; not a rounding note, ``72.5, to 1 decimal place``, nor a
   number of another thing after "and", ``18 dollars and 9 eggs sold``), a hedge
-  across two boxes (``\\boxed{72} or \\boxed{73}``, here and in ``math``) and two different boxes listed by "and" or a
+  across two boxes (``\\boxed{72} or \\boxed{73}``) and two different boxes listed by "and" or a
   comma (``\\boxed{72} and \\boxed{73}``, ``\\boxed{72}, \\boxed{73}``: gsm8k's reference is one number) are no answer. A bare ``\\boxed`` before a word or punctuation is prose ("I put it in \\boxed as asked"), not a box.
   Last of all, a plain-prose answer statement, an instruct model's default without a "####"/box instruction:
   the last sentence that starts with the answer phrase ("The answer is 72.", "**Final Answer:** 72", "Therefore, the
@@ -41,7 +41,11 @@ that takes "the last number in the text" rewards rambling that ends on the right
   read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and one inside a
   ``<think>`` never closed (a completion cut short mid-thought) is no answer.
 - ``math``: 1 if math-verify judges the last ``\\boxed{}`` equivalent to the reference (symbolic:
-  ``\\frac{1}{2}`` vs ``0.5``, intervals, sets). Slower (sympy, ~10 ms a verdict), so verdicts are
+  ``\\frac{1}{2}`` vs ``0.5``, intervals, sets), with the boxes listed or offered beside it as one answer
+  (``\\boxed{-2} and \\boxed{1}``, ``$x = \\boxed{-2}$, $x = \\boxed{1}$``, ``\\boxed{72} or \\boxed{73}``
+  read as ``-2, 1``, a set: right for a reference of two solutions, wrong for one of either); TeX math-verify misreads
+  is put in the form it reads: a thin space or space between digit groups (``10\\,000``, read as 10 * 000 = 0),
+  ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``). Slower (sympy, ~10 ms a verdict), so verdicts are
   cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each parse and
   comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored
   from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
@@ -76,7 +80,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # note no range (4c76a7a), "18 dollars and 9 eggs sold" is 18; gsm8k 3: "The answer is 18." is 18; gsm8k 4: ">= 18",
 # "~18", "18 times 2" are no answer, a statement is read to its sentence's end and not after a run-on's "Problem:";
 # gsm8k 5: "about 18", "18 at most", "18 (approximately)" and "\boxed{5} and \boxed{7}" are no answer, "€18" is 18.
-RULE_VERSION = {"gsm8k": 5, "math": 1}
+# math 2: boxes listed or offered together ("\boxed{-2} and \boxed{1}", "\boxed{72} or \boxed{73}") are one answer,
+# "-2, 1" (was the last box, or none); "10\,000" is 10000 (was 0), "30°" and "\boxed{5.}" are read.
+RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
 # changes, does not count. Their versions are recorded beside it (metrics.json's ``scorer_packages``).
@@ -244,6 +250,38 @@ def final_box(text: str, same: Callable[[str, str], bool], lists: bool = False) 
     if hedged and not same(before[0], last[0]):
         return None
     return last[0]
+
+
+# More boxes listed than any answer holds ("\boxed{1}, \boxed{2}, ..." repeated): no answer.
+MAX_LISTED_BOXES = 16
+# A name for the box after it, between two listed boxes: "$x = \boxed{-2}$ and $x = \boxed{1}$".
+_NAMES_NEXT_BOX = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?\s*=\s*[$(\[\\]*$")
+
+
+def math_boxes(text: str) -> str | None:
+    """The math rule's answer: the last box, with the boxes listed or offered beside it ("\\boxed{-2} and \\boxed{1}",
+    "$x = \\boxed{-2}$, $x = \\boxed{1}$", "\\boxed{72} or \\boxed{73}") joined into one ("-2, 1"), as math-verify joins
+    them: a reference of two solutions, "1, -2", was scored against the last box alone (0), and a one-value
+    reference, "1", rewarded the second of two answers listed. A list of one answer restated ("\\boxed{\\frac12} or
+    \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list."""
+    boxes = _boxes_from_last(text)
+    last = next(boxes, None)
+    if last is None:
+        return None
+    listed, start = [last[0]], last[1]
+    for box, box_start, end in boxes:
+        if len(listed) > MAX_LISTED_BOXES:  # a degenerate run of boxes: one verdict each below would cost seconds
+            return None
+        between = text[end:start]
+        named = _NAMES_NEXT_BOX.search(between, max(0, len(between) - 40))  # a name is short: searched near the box
+        between = between if named is None else between[: named.start()]
+        if not (_BOX_HEDGE.fullmatch(between) or _BOX_LIST.fullmatch(between)):
+            break
+        listed.append(box)
+        start = box_start
+    if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}):
+        return last[0]
+    return ", ".join(reversed(listed))
 
 
 _DIGIT = re.compile(r"\d")
@@ -894,7 +932,8 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     ``<answer>`` tag, else after words on the first ``####`` line that is no heading label ("#### Step 1:"), else of
     the first numbered heading ("#### 1. Understand the problem"), else of the last plain answer statement ("The
     answer is 72.", "**Final Answer:** 72") after them.
-    ``math``: the raw content of the last ``\\boxed{}``. After a closed ``</think>`` only what follows it counts, and
+    ``math``: the raw content of the last ``\\boxed{}``, joined by ", " with the boxes listed or offered beside it
+    (math_boxes). After a closed ``</think>`` only what follows it counts, and
     nothing after a ``<think>`` left open.
     """
     think_end = text.rfind("</think>")
@@ -920,7 +959,7 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
         # last, a plain-prose statement "The answer is 18." (no ####, box or tag): instruct models' default
         return found if found is not None else _answer_statement(_after_answer_markers(_before_a_run_on(text)))
     if kind == "math":
-        return final_box(text, _math_verify_equal)  # "\boxed{\frac12} or \boxed{0.5}" is one answer
+        return math_boxes(text)  # "\boxed{-2} and \boxed{1}" is "-2, 1"; "\boxed{\frac12} or \boxed{0.5}" is one answer
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
 
 
@@ -978,6 +1017,24 @@ def _warn_no_timeout() -> None:
                   QerlWarning, stacklevel=2)
 
 
+# TeX spacing between digit groups, "10\,000", "1\ 000\ 000", "10~000", "10 000" (TeX's math mode drops the plain
+# space): latex2sympy reads each as a product, 10 * 000 = 0, so the right answer scored 0 and 0 was taken for it.
+# Three at most between two groups ("10 \, 000").
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~|\s){1,3}(?=\d{3}(?!\d))")
+# A degree sign latex2sympy does not read ("30°", "30\degree": no answer), as the "^\circ" it does. Its leading spaces
+# are matched from a run's start only: tried from each space, a box of 100,000 spaces took minutes.
+_DEGREE_SIGN = re.compile(r"(?<!\s)\s*(?:\^\s*)?(?:\{\s*(?:°|\\degree|\\textdegree)\s*\}|°|\\degree\b|\\textdegree\b)")
+# A sentence's full stop inside the box, "\boxed{5.}", "\boxed{\frac{1}{2}.}": no answer.
+_BOX_FULL_STOP = re.compile(r"(?<=[\d}])\.\s*$")
+
+
+def _for_math_verify(tex: str) -> str:
+    """An answer's TeX in the forms math-verify reads (see each pattern)."""
+    tex = _DIGIT_GROUP_SPACE.sub("", tex.strip())
+    tex = _DEGREE_SIGN.sub(r"^\\circ", tex)
+    return _BOX_FULL_STOP.sub("", tex)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
     # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
@@ -992,6 +1049,7 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
     if not main:
         _warn_no_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    gold, pred = _for_math_verify(gold), _for_math_verify(pred)
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
     if not g or not p:

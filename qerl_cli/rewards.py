@@ -6,7 +6,7 @@ unweighted value is kept in the record's ``rewards`` so training can re-weight w
 regenerating. Built-ins:
 
 - ``gsm8k``: 1 if the completion's final number equals the reference's; ``math``: 1 if math-verify judges the
-  last ``\\boxed{}`` equivalent to it. How an answer is read (``####`` lines, boxes, hedges, ranges, units, a
+  last ``\\boxed{}`` (with the boxes listed beside it, ``\\boxed{-2} and \\boxed{1}``) equivalent to it. How an answer is read (``####`` lines, boxes, hedges, ranges, units, a
   ``<think>`` block) is ``qerl_cli.answers``, which ``qerl eval`` scores with too (``extract_answer`` and
   ``is_correct``, also importable from here).
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and

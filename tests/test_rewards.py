@@ -980,9 +980,10 @@ def test_an_escaped_brace_does_not_close_the_box():
 ])
 def test_a_hedge_across_two_boxes_is_no_answer(completion):
     """"\\boxed{73} or \\boxed{72}" read as its last box, 72: a hedge across boxes was rewarded for the alternative that
-    happened to be right (session 53's leftover), by gsm8k and by math."""
+    happened to be right (session 53's leftover), by gsm8k and by math (which since math 2 reads both boxes as one
+    answer, "73, 72", a set that a one-value reference does not equal)."""
     assert extract_answer(completion) is None and not is_correct(completion, "72", "gsm8k")
-    assert extract_answer(completion, "math") is None and REWARDS["math"](completion, "72") == 0.0
+    assert extract_answer(completion, "math") == "73, 72" and REWARDS["math"](completion, "72") == 0.0
     # the same answer restated, or a correction, is one answer
     for one in ("\\boxed{72} or \\boxed{72.0}", "\\boxed{73}, or rather \\boxed{72}", "\\boxed{73}.\nOr, rechecking: \\boxed{72}"):
         assert extract_answer(one) == "72"
@@ -1247,10 +1248,10 @@ def test_an_approximation_before_the_number_is_no_answer(word):
 ])
 def test_two_boxes_listed_with_and_are_no_gsm8k_answer(completion):
     """"\\boxed{5} and \\boxed{7}" read as its last box, 7: only "or" between boxes was a hedge. A gsm8k reference is
-    one number, so two listed answers are none, rewarded for whichever came second (session 54's leftover). math keeps
-    the last box (its version unchanged; an answer of two parts is its reference's to hold, "5, 7")."""
+    one number, so two listed answers are none, rewarded for whichever came second (session 54's leftover). math reads
+    the two as one answer (since math 2; until then the last box): right for a reference of two parts, "5, 7"."""
     assert extract_answer(completion) is None and not is_correct(completion, "7")
-    assert extract_answer(completion, "math") == "7"
+    assert extract_answer(completion, "math") == "5, 7"
     assert extract_answer(f"#### Answer\n5\n{completion}") == "5"  # no box below the heading: its own line stands
     # the same number twice, a correction on a new line, an intermediate the words after "and" set apart, and (words
     # before it, as before a hedge's "or") one quantity in two units, the last the unit asked for maybe
@@ -1371,6 +1372,8 @@ RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under 
     ("gsm8k", 5): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18"],
     ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None, None, None, "7",
                   None],
+    ("math", 2): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
+                  None, "5, 7", None],
 }
 
 
