@@ -11,7 +11,9 @@ regenerating. Built-ins:
   ``is_correct``, also importable from here).
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and
   nothing else.
-- ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named.
+- ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named. One written for
+  TRL's GRPOTrainer, ``fn(completions, **kwargs) -> list[float | None]`` (it has a parameter named ``completions``),
+  is called once per prompt group instead (``Reward.score_batch``).
 """
 
 from __future__ import annotations
@@ -60,11 +62,25 @@ class Reward:
     needs_answer: bool = False
     takes_prompt: bool = True
     source: str | None = None  # a user function's file: hashed into the rollout's inputs
+    batched: tuple[str, ...] | None = None  # a TRL-style reward: the keywords of TRL_KWARGS it is passed
 
     def __call__(self, completion: str, answer: str | None, prompt=None) -> float:
         if self.takes_prompt:
             return self.fn(completion, answer, prompt=prompt)
         return self.fn(completion, answer)
+
+    def score_batch(self, completions: Sequence[str], answer: str | None, prompt=None, completion_ids=None):
+        """A TRL-style reward on one prompt's completions, as GRPOTrainer calls it: keywords only, one list each.
+        A chat prompt (``messages``) gets TRL's conversational form, each completion a one-message list
+        ``[{"role": "assistant", "content": text}]``: the form a function written for that dataset indexes."""
+        n = len(completions)
+        chat = isinstance(prompt, list)
+        given = {"completions": [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions),
+                 "prompts": [copy.deepcopy(prompt) for _ in range(n)],  # copies: one it appends to changes nothing
+                 "answer": [answer] * n}
+        if completion_ids is not None:
+            given["completion_ids"] = [list(ids) for ids in completion_ids]
+        return self.fn(**{k: given[k] for k in self.batched if k in given})
 
 
 REWARDS: dict[str, Reward] = {}
@@ -194,6 +210,11 @@ def _load_user_function(name: str) -> Reward:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
         sig = None
+    if sig is not None and "completions" in sig.parameters:  # written for TRL: it was refused as "too many
+        # positional arguments", or, naming a second parameter, loaded and was refused after the first batch's
+        # generation ("returned list")
+        return Reward(name, fn, f"user function {target}:{attr} (TRL-style)", takes_prompt=False,
+                      source=_source_file(fn, module), batched=_trl_keywords(name, sig, f"{target}.{attr}"))
     takes_prompt = sig is not None and ("prompt" in sig.parameters
                                          or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()))
     if sig is not None:
@@ -204,6 +225,30 @@ def _load_user_function(name: str) -> Reward:
                                 f"f(completion, answer[, prompt=...]) ({e})") from None
     return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt,
                   source=_source_file(fn, module))
+
+
+# What TRL's GRPOTrainer passes a reward function that qerl passes too: the prompts, the completions, their token ids
+# and the reference (TRL passes each dataset column under its name; qerl's rows hold one, `answer`). No trainer_state.
+TRL_KWARGS = ("prompts", "completions", "completion_ids", "answer")
+
+
+def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ...]:
+    """The keywords a TRL-style reward is passed: all of TRL_KWARGS where it takes ``**kwargs`` (as TRL's must), else
+    those it names. One it requires beyond them (a column ``solution``, ``trainer_state``) is refused here, before
+    any generation."""
+    params = sig.parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        keys = TRL_KWARGS
+    else:
+        keys = tuple(k for k in TRL_KWARGS if k in params)
+    try:
+        sig.bind(**dict.fromkeys(keys))
+    except TypeError as e:
+        raise BadInputError(f"reward {name!r}: {what}{sig} takes `completions`, so it is read as a TRL reward, but "
+                            f"cannot be called with qerl's keywords {', '.join(TRL_KWARGS)} ({e})",
+                            hint="qerl passes the row's reference (--answer-key's column) as `answer` and no "
+                                 "trainer_state: rename the parameter `answer`, or give it a default") from None
+    return keys
 
 
 def _source_file(fn, module) -> str | None:
@@ -374,41 +419,90 @@ class RewardSet:
         return {s.name: s.weight for s in self.specs}
 
     def score(self, completion: str, answer: str | None, prompt=None, *, where: str = "") -> tuple[dict[str, float], float]:
-        values: dict[str, float] = {}
-        total = 0.0
+        return self.score_group([completion], answer, prompt, where=where)[0]
+
+    def score_group(self, completions: Sequence[str], answer: str | None, prompt=None, *, completion_ids=None,
+                    where: str = "") -> list[tuple[dict[str, float], float]]:
+        """``(rewards by name, weighted total)`` of each of one prompt's completions. A TRL-style reward is called
+        once for them all; a None it returns for a completion is TRL's "does not apply": that reward is left out of
+        the completion's ``rewards`` and adds nothing to its total (TRL's nansum), and a completion no reward
+        applies to is refused."""
+        n = len(completions)
+        values: list[dict[str, float]] = [{} for _ in range(n)]
         for s in self.specs:
-            try:
+            if s.reward.batched is not None:
+                got = _as_list(s.name, _called(s, lambda s=s: s.reward.score_batch(completions, answer, prompt, completion_ids),
+                                               where), n, where)
+            else:
                 # a copy of a chat prompt: a function that appends to the list it gets (to build a judge's
                 # conversation) must not change the record's `prompt` or what the next completion is scored on
-                v = s.reward(completion, answer, copy.deepcopy(prompt) if isinstance(prompt, (list, dict)) else prompt)
-            except (Exception, SystemExit) as e:  # noqa: BLE001 - a user function's failure is the user's to fix
-                if s.reward.source is None and ":" not in s.name:
-                    raise  # a built-in reward failing is qerl's bug: keep the traceback
-                what = " ".join(str(e).split())  # one line: an assert's message of several came out as several
-                raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}{': ' * bool(what)}{what}{where}"
-                                    f"{_raised_at(e, s.reward.source)}") from None
-            try:
-                if isinstance(v, (str, bytes)) or _is_complex(v):  # float("1") would parse it; float() of a numpy
-                    raise TypeError  # complex kept its real part, with a warning (complex's own float() refuses)
-                v = float(v)
-            except OverflowError:  # an int past float's range (10**400), a Fraction's: a number, over the limit
-                what = "an integer" if isinstance(v, int) else type(v).__name__  # not "an integer" for a Fraction
-                raise BadInputError(f"reward {s.name!r} returned {what} beyond float's range{where}",
-                                    hint=REWARD_LIMIT_HINT) from None
-            except (TypeError, ValueError):
-                raise BadInputError(f"reward {s.name!r} returned {type(v).__name__} {str(v)[:80]!r}{where}, "
-                                    "not a number (a float)") from None
-            except Exception as e:  # noqa: BLE001 - the returned object's own __float__ failing (a meta tensor's, one
-                # whose CUDA kernel failed) is the user's: it was a traceback, exit 1, as a bug of qerl's (a review)
-                what = " ".join(str(e).split())[:200]
-                raise BadInputError(f"reward {s.name!r} returned {type(v).__name__}{where}, which float() refused "
-                                    f"({type(e).__name__}: {what})") from None
-            if not math.isfinite(v):
-                raise BadInputError(f"reward {s.name!r} returned {v}{where}", hint="rewards must be finite")
-            if abs(v) > REWARD_LIMIT:
-                raise BadInputError(f"reward {s.name!r} returned {v}{where}", hint=REWARD_LIMIT_HINT)
-            values[s.name] = v
-            total += s.weight * v
-        if abs(total) > REWARD_LIMIT:  # weights can push finite values past it (or to inf)
-            raise BadInputError(f"the weighted reward total is {total}{where}", hint=REWARD_LIMIT_HINT)
-        return values, total
+                got = [_called(s, lambda s=s, c=c: s.reward(c, answer, copy.deepcopy(prompt) if isinstance(prompt, (list, dict))
+                                                            else prompt), where) for c in completions]
+            for i, v in enumerate(got):
+                if v is None and s.reward.batched is not None:
+                    continue
+                values[i][s.name] = _checked(s.name, v, f"{where} (completion {i + 1} of {n})"
+                                             if s.reward.batched is not None else where)
+        out, weights = [], self.weights
+        for i, vals in enumerate(values):
+            if not vals:
+                raise BadInputError(f"no reward applies to completion {i + 1} of {n}{where}: every reward returned None",
+                                    hint="a TRL-style reward's None means 'does not apply'; add a reward that scores it")
+            total = sum(weights[name] * v for name, v in vals.items())
+            if abs(total) > REWARD_LIMIT:  # weights can push finite values past it (or to inf)
+                raise BadInputError(f"the weighted reward total is {total}{where}", hint=REWARD_LIMIT_HINT)
+            out.append((vals, total))
+        return out
+
+
+def _called(s: RewardSpec, call: Callable, where: str):
+    """``call()``, a user reward's failure one line naming where it raised."""
+    try:
+        return call()
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a user function's failure is the user's to fix
+        if s.reward.source is None and ":" not in s.name:
+            raise  # a built-in reward failing is qerl's bug: keep the traceback
+        what = " ".join(str(e).split())  # one line: an assert's message of several came out as several
+        raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}{': ' * bool(what)}{what}{where}"
+                            f"{_raised_at(e, s.reward.source)}") from None
+
+
+def _as_list(name: str, got, n: int, where: str) -> list:
+    """A TRL-style reward's returned rewards, one per completion: a list, tuple, array or 1-d tensor."""
+    try:
+        if isinstance(got, (str, bytes, dict)):
+            raise TypeError
+        got = list(got)
+    except TypeError:  # a float, a 0-d tensor: not one per completion
+        raise BadInputError(f"reward {name!r} returned {type(got).__name__} {str(got)[:80]!r}{where}, not a list of "
+                            f"{n} rewards", hint="a TRL-style reward (it takes `completions`) returns one value "
+                                                 "(or None) per completion") from None
+    if len(got) != n:
+        raise BadInputError(f"reward {name!r} returned {len(got)} rewards for the {n} completions{where}",
+                            hint="a TRL-style reward (it takes `completions`) returns one value (or None) per completion")
+    return got
+
+
+def _checked(name: str, v, where: str) -> float:
+    """A reward's value as a finite float within the limit, else a one-line error."""
+    try:
+        if isinstance(v, (str, bytes)) or _is_complex(v):  # float("1") would parse it; float() of a numpy
+            raise TypeError  # complex kept its real part, with a warning (complex's own float() refuses)
+        v = float(v)
+    except OverflowError:  # an int past float's range (10**400), a Fraction's: a number, over the limit
+        what = "an integer" if isinstance(v, int) else type(v).__name__  # not "an integer" for a Fraction
+        raise BadInputError(f"reward {name!r} returned {what} beyond float's range{where}",
+                            hint=REWARD_LIMIT_HINT) from None
+    except (TypeError, ValueError):
+        raise BadInputError(f"reward {name!r} returned {type(v).__name__} {str(v)[:80]!r}{where}, "
+                            "not a number (a float)") from None
+    except Exception as e:  # noqa: BLE001 - the returned object's own __float__ failing (a meta tensor's, one
+        # whose CUDA kernel failed) is the user's: it was a traceback, exit 1, as a bug of qerl's (a review)
+        what = " ".join(str(e).split())[:200]
+        raise BadInputError(f"reward {name!r} returned {type(v).__name__}{where}, which float() refused "
+                            f"({type(e).__name__}: {what})") from None
+    if not math.isfinite(v):
+        raise BadInputError(f"reward {name!r} returned {v}{where}", hint="rewards must be finite")
+    if abs(v) > REWARD_LIMIT:
+        raise BadInputError(f"reward {name!r} returned {v}{where}", hint=REWARD_LIMIT_HINT)
+    return v

@@ -912,14 +912,17 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
                     continue  # regenerated only because its batch had a missing group
                 if len(comps) != G:
                     raise RuntimeError(f"engine returned {len(comps)} completions for {p.row.where}, expected {G}")
+                if not all(math.isfinite(x) for c in comps for x in c.logprobs):  # NaN/Inf logits: no record
+                    raise NumericalError(f"{p.row.where}: a completion was sampled from NaN/Inf logits (groups "
+                                         "finished before it are kept for a rerun)", hint=NONFINITE_LOGITS_HINT)
+                # scored as a group (a TRL-style reward is called once for it), each judged after the <think> a
+                # prompt opened (the record keeps the completion as generated)
+                scores = plan.reward_set.score_group([judged_completion(c.text, p.opens_think) for c in comps],
+                                                     p.row.answer, p.row.prompt_field,
+                                                     completion_ids=[c.token_ids for c in comps],
+                                                     where=f" for {p.row.where}")
                 records = []
-                for c in comps:
-                    if not all(map(math.isfinite, c.logprobs)):  # NaN/Inf logits: no record, no traceback
-                        raise NumericalError(f"{p.row.where}: a completion was sampled from NaN/Inf logits (groups "
-                                             "finished before it are kept for a rerun)", hint=NONFINITE_LOGITS_HINT)
-                    # judged after the <think> a prompt opened (the record keeps the completion as generated)
-                    vals, total = plan.reward_set.score(judged_completion(c.text, p.opens_think), p.row.answer,
-                                                        p.row.prompt_field, where=f" for {p.row.where}")
+                for c, (vals, total) in zip(comps, scores):
                     records.append(make_record(
                         prompt_id=p.row.id, group_id=gid, prompt=p.row.prompt_field, prompt_token_ids=p.token_ids,
                         completion_token_ids=c.token_ids, completion=c.text, logprobs=c.logprobs,

@@ -1385,3 +1385,144 @@ def test_a_rule_that_reads_otherwise_has_another_version(kind):
     from qerl_cli.answers import RULE_VERSION
 
     assert [extract_answer(c, kind) for c in RULE_PINS] == RULE_READINGS[kind, RULE_VERSION[kind]]
+
+
+TRL_REWARDS = '''\
+calls = []
+
+
+def length(completions, **kwargs):
+    calls.append({"completions": completions, **kwargs})
+    return [float(len(c)) for c in completions]
+
+
+def chat_length(completions, prompts, **kwargs):
+    prompts[0].append({"role": "assistant", "content": "mutated"})  # a copy: the record's prompt stays
+    return [float(len(c[0]["content"])) if c[0]["role"] == "assistant" else -1.0 for c in completions]
+
+
+def exact(completions, answer):  # no **kwargs: passed only what it names
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def short(completions, **kwargs):
+    return [1.0]
+
+
+def scalar(completions, **kwargs):
+    return 1.0
+
+
+def some_none(completions, **kwargs):
+    return [None if c == "skip" else 2.0 for c in completions]
+
+
+def nan_second(completions, **kwargs):
+    return [0.0, float("nan")]
+
+
+def boom(completions, **kwargs):
+    return {}["missing"]
+
+
+def solution(completions, solution, **kwargs):
+    return [0.0] * len(completions)
+
+
+def state(completions, *, trainer_state, **kwargs):
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_trl_reward_is_called_once_per_group_with_trls_keywords(tmp_path):
+    # A reward written for TRL's GRPOTrainer, fn(completions, **kwargs) -> list: refused when loaded ("too many
+    # positional arguments"), or, naming a second parameter (answer, prompts), loaded and refused after the first
+    # batch's generation ("returned list")
+    f = tmp_path / "trl_r.py"
+    f.write_text(TRL_REWARDS)
+    rs = RewardSet.from_specs([f"{f}:length", "gsm8k=0.5"])
+    got = rs.score_group(["#### 4", "no"], "4", "2+2?", completion_ids=[[1, 2], [3]], where=" for p.jsonl:1")
+    assert got == [({f"{f}:length": 6.0, "gsm8k": 1.0}, 6.5), ({f"{f}:length": 2.0, "gsm8k": 0.0}, 2.0)]
+    calls = rs.specs[0].reward.fn.__globals__["calls"]
+    assert calls == [{"completions": ["#### 4", "no"], "prompts": ["2+2?", "2+2?"], "answer": ["4", "4"],
+                      "completion_ids": [[1, 2], [3]]}]  # no trainer_state
+    assert rs.score("#### 4", "4", "2+2?") == ({f"{f}:length": 6.0, "gsm8k": 1.0}, 6.5)  # one completion, no ids
+    assert RewardSet.from_specs([f"{f}:exact"]).score_group(["4", "5"], "4", "q") == [({f"{f}:exact": 1.0}, 1.0),
+                                                                                      ({f"{f}:exact": 0.0}, 0.0)]
+
+
+def test_a_trl_reward_of_a_chat_prompt_gets_trls_conversational_form(tmp_path):
+    f = tmp_path / "trl_r.py"
+    f.write_text(TRL_REWARDS)
+    prompt = [{"role": "user", "content": "2+2?"}]
+    got = RewardSet.from_specs([f"{f}:chat_length"]).score_group(["4", "four"], "4", prompt)
+    assert got == [({f"{f}:chat_length": 1.0}, 1.0), ({f"{f}:chat_length": 4.0}, 4.0)]
+    assert prompt == [{"role": "user", "content": "2+2?"}]
+    rs = RewardSet.from_specs([f"{f}:length"])
+    rs.score_group(["4"], "4", prompt)
+    assert rs.specs[0].reward.fn.__globals__["calls"][-1]["completions"] == [[{"role": "assistant", "content": "4"}]]
+
+
+def test_a_trl_reward_returning_none_does_not_apply_and_a_wrong_list_is_refused(tmp_path):
+    f = tmp_path / "trl_r.py"
+    f.write_text(TRL_REWARDS)
+    rs = RewardSet.from_specs([f"{f}:some_none", "format=0.5"])
+    assert rs.score_group(["skip", "x"], None, "q") == [({"format": 0.0}, 0.0), ({f"{f}:some_none": 2.0, "format": 0.0}, 2.0)]
+    with pytest.raises(BadInputError, match="no reward applies to completion 1 of 2 for p.jsonl:1: every reward returned None"):
+        RewardSet.from_specs([f"{f}:some_none"]).score_group(["skip", "x"], None, "q", where=" for p.jsonl:1")
+    for fn, n, msg in (("short", 2, "returned 1 rewards for the 2 completions for p.jsonl:1"),
+                       ("scalar", 2, "returned float '1.0' for p.jsonl:1, not a list of 2 rewards"),
+                       ("nan_second", 2, "returned nan for p.jsonl:1 (completion 2 of 2)"),
+                       ("boom", 1, f"raised KeyError: 'missing' for p.jsonl:1 (at {f}:35, in boom)")):
+        with pytest.raises(BadInputError) as e:
+            RewardSet.from_specs([f"{f}:{fn}"]).score_group(["a"] * n, "4", "q", where=" for p.jsonl:1")
+        assert msg in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_a_trl_reward_needing_what_qerl_does_not_pass_is_refused_when_loaded(tmp_path):
+    f = tmp_path / "trl_r.py"
+    f.write_text(TRL_REWARDS)
+    for fn, missing in (("solution", "solution"), ("state", "trainer_state")):
+        with pytest.raises(BadInputError, match=f"read as a TRL reward, but cannot be called with qerl's keywords .*"
+                                                f"missing a required argument: '{missing}'") as e:
+            RewardSet.from_specs([f"{f}:{fn}"])
+        assert "as `answer`" in e.value.hint
+
+
+def test_trl_rewards_score_a_real_rollout_once_per_group(tmp_path):
+    # `python -m qerl_cli rollout` of the bundled tiny model: a TRL reward on text prompts gets strings and the
+    # completions' token ids; on `messages` rows (a chat template given) TRL's conversational form
+    import json
+    import subprocess
+    import sys
+
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+    from qerl_cli.shards import read_records
+    from tests.reliability_fixtures import cli_env
+
+    f = tmp_path / "trl_r.py"
+    f.write_text("from pathlib import Path\n\n\n"
+                 "def ids(completions, completion_ids, prompts, answer, **kwargs):\n"
+                 "    assert 'trainer_state' not in kwargs and len(set(prompts)) == len(set(answer)) == 1\n"
+                 "    with open(Path(__file__).with_name('calls.txt'), 'a') as log:\n"
+                 "        log.write(f'{len(completions)}\\n')\n"
+                 "    return [float(len(i)) for i in completion_ids]\n\n\n"
+                 "def chat(completions, prompts, **kwargs):\n"
+                 "    assert prompts[0] == [{'role': 'user', 'content': '2+2?'}]\n"
+                 "    return [float(len(c[0]['content'])) for c in completions]\n")
+    chat_rows = tmp_path / "chat.jsonl"
+    chat_rows.write_text(json.dumps({"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}A:")
+    base = [sys.executable, "-m", "qerl_cli", "rollout", "--model", str(tiny_model_dir()), "-G", "3",
+            "--max-new-tokens", "6", "--device", "cpu", "-q"]
+    for prompts, reward, extra in ((tiny_task_file("train"), "ids", ["--max-prompts", "2"]),
+                                   (chat_rows, "chat", ["--chat-template-file", str(template)])):
+        out = tmp_path / reward
+        r = subprocess.run([*base, "--prompts", str(prompts), "--out", str(out), "--reward", f"{f}:{reward}", *extra],
+                           env=cli_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        for rec in read_records(out):
+            want = len(rec["completion_token_ids"]) if reward == "ids" else len(rec["completion"])
+            assert rec["rewards"] == {f"{f}:{reward}": float(want)} and rec["reward"] == want
+    assert (tmp_path / "calls.txt").read_text() == "3\n3\n"  # once per prompt group of G

@@ -1024,3 +1024,19 @@ def test_a_template_that_opens_think_has_its_completions_judged_inside_it(model_
                         chat_template_kwargs={"enable_thinking": True}))
     with pytest.raises(BadInputError, match="reads no variable `enable_thinkng`"):
         rollout(cfg_for(model_dir, tmp_path, **kw, out=tmp_path / "o4", chat_template_kwargs={"enable_thinkng": False}))
+
+
+def test_a_trl_reward_is_scored_per_group_and_a_short_list_stops_naming_the_row(model_dir, tmp_path, fake_engine):
+    # TRL's fn(completions, **kwargs) -> list was refused when loaded; scored per group now, groups before a bad one kept
+    r = tmp_path / "trl_r.py"
+    r.write_text("def groups(completions, completion_ids, **kwargs):\n"
+                 "    return [float(len(ids)) for ids in completion_ids]\n\n\n"
+                 "def short(completions, prompts, **kwargs):\n"
+                 "    return [1.0] * (len(completions) - ('Q2' in prompts[0]))\n")
+    res = rollout(cfg_for(model_dir, tmp_path, max_prompts=2, rewards=(f"{r}:groups", "gsm8k")))
+    recs = read_records(tmp_path / "out")
+    assert len(recs) == 6 and all(x["rewards"][f"{r}:groups"] == len(x["completion_token_ids"]) for x in recs)
+    assert res["summary"]["rewards"][f"{r}:groups"]["mean"] > 0
+    with pytest.raises(BadInputError, match=r"reward '.*:short' returned 2 rewards for the 3 completions for "
+                                            r".*prompts.jsonl:3"):
+        rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "o2", max_prompts=3, rewards=(f"{r}:short",)))
