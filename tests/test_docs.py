@@ -34,7 +34,8 @@ def command_texts(page: Path, start: str):
     the next command (or the ` -> ` of a chain of stages: `qerl quantize -> (rollout -> train-step)*`)."""
     for line in code_lines(page.read_text()):
         for m in re.finditer(start + r"(.*)", line):
-            yield m.group(1), re.split(start + r"|[;|#]|&&|\s->\s", m.group(2))[0], line.strip()
+            # a `|` inside brackets is a synopsis's choice (`[--format compressed-tensors|modelopt]`), not a pipe
+            yield m.group(1), re.split(start + r"|[;#]|\|(?![^\[\]]*\])|&&|\s->\s", m.group(2))[0], line.strip()
 
 
 def commands(page: Path, start: str):
@@ -64,8 +65,9 @@ def shell_words(text: str) -> list[str]:
 
 def synopsis_words(text: str) -> list[str]:
     """The words of a page's command, its synopsis notation dropped: `[--adapter A]` given, `[--shards ...]` and
-    `[options]` left out, a bare `...` (the rest of the command) too."""
+    `[options]` left out, a bare `...` (the rest of the command) too; of `[--device auto|cpu]`'s choices the first."""
     text = re.sub(r"\[[^\]]*(?:\.\.\.|options)[^\]]*\]", " ", text)
+    text = re.sub(r"(?<=\S)\|[^\s\]]*(?=\])", "", text)
     text = re.sub(r"\[(?=-)|(?<=\S)\](?!\S)", " ", text)
     return shell_words(re.sub(r"(?<!\S)\.\.\.(?!\S)", " ", text))
 
@@ -96,15 +98,23 @@ def on_missing_inputs(stage: str, words: list[str], missing: Path, out: Path) ->
 
     from qerl_cli.cli import app
 
-    params = {o: p for p in get_command(app).commands[stage].params for o in p.opts + p.secondary_opts}
+    params = {o: p for p in get_command(app).commands[stage].params for o in p.opts + p.secondary_opts
+              if o.startswith("-")}  # not quantize's `src`, eval's `runs`: a positional is a word like any other
     words = [part for w in words for part in (w.split("=", 1) if w.startswith("--") and "=" in w else [w])]
     if "--help" in words or all(w.startswith("-") for w in words):
         return None
+    # The positionals the stage takes go under MISSING: quantize's source, eval's dirs (with --compare only). Any
+    # other word stays as it is: `--force true` put `true` there too, and click's "unexpected extra argument
+    # (.../not-there/true)" (eval's "unexpected argument ...") named MISSING as the input check does, and passed.
+    positionals = 1 if stage == "quantize" else len(words) if stage == "eval" and "--compare" in words else 0
     args, i = [], 0
     while i < len(words):
         p = params.get(words[i])
-        if p is None or p.is_flag or i + 1 == len(words):  # a switch, a positional (quantize's source, eval's dirs)
-            args.append(words[i] if words[i].startswith("-") else str(missing / words[i].lstrip("/")))
+        if p is None or p.is_flag or i + 1 == len(words):  # a switch, a positional, a stray word
+            word = words[i]
+            if not word.startswith("-") and positionals:
+                word, positionals = str(missing / word.lstrip("/")), positionals - 1
+            args.append(word)
             i += 1
             continue
         flag, value = words[i], words[i + 1]
@@ -147,6 +157,38 @@ def test_every_stage_command_a_page_shows_parses_and_passes_the_flag_checks(page
         args = on_missing_inputs(stage, synopsis_words(rest), missing, out)
         if args is not None:
             assert_reaches_the_input_check(args, missing, f"{page.name}: {line}")
+
+
+@pytest.mark.parametrize("stage, command", [
+    ("merge", "--model Q --adapter A --out M --force true"),  # a switch given a value
+    ("train-step", "--model Q --shards S --out A --deterministic yes"),  # a config's TRAIN_EXTRA
+    ("eval", "--model M --dataset D --out E -q 1"),
+    ("rollout", "--model Q --prompts P --out S --num-generation 8"),  # a renamed flag
+    ("merge", "--model Q --adapter A --out M --dtype bf17"),  # a choice that is not one
+])
+def test_a_stale_command_fails_the_input_check(stage, command, tmp_path):
+    # The checks above must fail such a command: `--force true` put `true` under the missing dir as a positional,
+    # and click's "unexpected extra argument (.../not-there/true)" named that dir, as the input check does: passed.
+    missing, out = tmp_path / "not-there", tmp_path / "out"
+    with pytest.raises(AssertionError, match="exit 2"):
+        assert_reaches_the_input_check(on_missing_inputs(stage, shell_words(command), missing, out), missing, command)
+
+
+@pytest.mark.parametrize("stage, command", [("quantize", "src --out q"), ("eval", "--compare runs other")])
+def test_a_word_named_as_a_stages_positional_is_a_path(stage, command, tmp_path):
+    # `qerl quantize src --out q`: `src` (the source argument's name) was looked up as a flag, and the check died on
+    # an AttributeError ('TyperArgument' object has no attribute 'is_flag') instead of running the command.
+    missing, out = tmp_path / "not-there", tmp_path / "out"
+    assert_reaches_the_input_check(on_missing_inputs(stage, shell_words(command), missing, out), missing, command)
+
+
+def test_a_synopsis_choice_does_not_end_the_command(tmp_path):
+    # docs/quantize.md's synopsis: its `|` was taken for a pipe, so `[--format compressed-tensors` ended the command
+    # and neither check saw `--device` (renamed, it stayed on the page).
+    page = tmp_path / "page.md"
+    page.write_text("```\nqerl quantize SRC --out Q [--format compressed-tensors|modelopt] [--devise auto|cpu]\n```\n")
+    [(_, rest, _)] = command_texts(page, STAGE)
+    assert synopsis_words(rest) == ["SRC", "--out", "Q", "--format", "compressed-tensors", "--devise", "auto"]
 
 
 def help_examples(stage: str):
