@@ -45,8 +45,13 @@ that takes "the last number in the text" rewards rambling that ends on the right
   (``\\boxed{-2} and \\boxed{1}``, ``$x = \\boxed{-2}$, $x = \\boxed{1}$``, ``\\boxed{72} or \\boxed{73}``
   read as ``-2, 1``, a set: right for a reference of two solutions, wrong for one of either); TeX math-verify misreads
   is put in the form it reads: a thin space or space between digit groups (``10\\,000``, read as 10 * 000 = 0),
-  ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``). Slower (sympy, ~10 ms a verdict), so verdicts are
-  cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each parse and
+  ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``, ``\\boxed{(1, 2).}``). Boxes
+  naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``) are no list:
+  the last box. Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its
+  content as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``),
+  what math-verify's LaTeX extraction reads from it; words alone (``The answer is 5``) are no answer. Slower (sympy,
+  ~10 ms a verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly repeat a
+  few answers. Each parse and
   comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored
   from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
 
@@ -81,7 +86,8 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "~18", "18 times 2" are no answer, a statement is read to its sentence's end and not after a run-on's "Problem:";
 # gsm8k 5: "about 18", "18 at most", "18 (approximately)" and "\boxed{5} and \boxed{7}" are no answer, "€18" is 18.
 # math 2: boxes listed or offered together ("\boxed{-2} and \boxed{1}", "\boxed{72} or \boxed{73}") are one answer,
-# "-2, 1" (was the last box, or none); "10\,000" is 10000 (was 0), "30°" and "\boxed{5.}" are read.
+# "-2, 1" (was the last box, or none), unless they name two unknowns ("$x = \boxed{2}$ and $y = \boxed{3}$": the last
+# box); "10\,000" is 10000 (was 0), "30°" and "\boxed{5.}" are read; without a box, the last <answer> tag (was none).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
@@ -254,8 +260,21 @@ def final_box(text: str, same: Callable[[str, str], bool], lists: bool = False) 
 
 # More boxes listed than any answer holds ("\boxed{1}, \boxed{2}, ..." repeated): no answer.
 MAX_LISTED_BOXES = 16
-# A name for the box after it, between two listed boxes: "$x = \boxed{-2}$ and $x = \boxed{1}$".
-_NAMES_NEXT_BOX = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?\s*=\s*[$(\[\\]*$")
+# What names a box, before its "=": "$x = \boxed{-2}$", "\(x_1=\boxed{1}\)", "$3x = \boxed{12}$", "$f(2) = \boxed{5}$".
+_BOX_NAME = re.compile(r"([^\s$=,;:(\[]+)\s*=\s*[$(\[\\]*$")
+# The unknown a name gives a value of: one letter, with its subscript ("x_1" and "x_2" are two solutions for x).
+_UNKNOWN = re.compile(r"(?<![\w\\])[A-Za-z](?=(?:_\{?\w+\}?)?$)")
+
+
+def _box_name(text: str, box_start: int) -> tuple[int, str] | None:
+    """(where it starts, its unknown) of the name given to the box at ``box_start``: the unknown is the letter of a
+    variable's name ("x", "**x", "x_2"), else the whole name ("3x", "2)" of "f(2)"). A name is short: searched near
+    the box."""
+    m = _BOX_NAME.search(text, max(0, box_start - 40), box_start)
+    if m is None:
+        return None
+    unknown = _UNKNOWN.search(m.group(1))
+    return (m.start(1), m.group(1)) if unknown is None else (m.start(1) + unknown.start(), unknown.group(0))
 
 
 def math_boxes(text: str) -> str | None:
@@ -263,22 +282,27 @@ def math_boxes(text: str) -> str | None:
     "$x = \\boxed{-2}$, $x = \\boxed{1}$", "\\boxed{72} or \\boxed{73}") joined into one ("-2, 1"), as math-verify joins
     them: a reference of two solutions, "1, -2", was scored against the last box alone (0), and a one-value
     reference, "1", rewarded the second of two answers listed. A list of one answer restated ("\\boxed{\\frac12} or
-    \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list."""
+    \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list, nor are boxes named
+    as values of two unknowns ("$x = \\boxed{2}$ and $y = \\boxed{3}$": one of them may be what the question asks,
+    "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer)."""
     boxes = _boxes_from_last(text)
     last = next(boxes, None)
     if last is None:
         return None
     listed, start = [last[0]], last[1]
+    name = _box_name(text, start)
     for box, box_start, end in boxes:
         if len(listed) > MAX_LISTED_BOXES:  # a degenerate run of boxes: one verdict each below would cost seconds
             return None
-        between = text[end:start]
-        named = _NAMES_NEXT_BOX.search(between, max(0, len(between) - 40))  # a name is short: searched near the box
-        between = between if named is None else between[: named.start()]
+        named = name is not None and name[0] >= end and len(name[1]) == 1  # a variable's name between the two
+        between = text[end : name[0] if named else start]
         if not (_BOX_HEDGE.fullmatch(between) or _BOX_LIST.fullmatch(between)):
             break
+        earlier = _box_name(text, box_start)
+        if named and earlier is not None and earlier[1] != name[1]:
+            break  # "$x = \boxed{2}$ and $y = \boxed{3}$", "$3x = \boxed{12}$, $x = \boxed{4}$": values of two unknowns
         listed.append(box)
-        start = box_start
+        start, name = box_start, earlier
     if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}):
         return last[0]
     return ", ".join(reversed(listed))
@@ -933,7 +957,8 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
     the first numbered heading ("#### 1. Understand the problem"), else of the last plain answer statement ("The
     answer is 72.", "**Final Answer:** 72") after them.
     ``math``: the raw content of the last ``\\boxed{}``, joined by ", " with the boxes listed or offered beside it
-    (math_boxes). After a closed ``</think>`` only what follows it counts, and
+    (math_boxes); without a box, the last closed ``<answer>`` tag's (_math_tag). After a closed ``</think>`` only what
+    follows it counts, and
     nothing after a ``<think>`` left open.
     """
     think_end = text.rfind("</think>")
@@ -959,7 +984,9 @@ def extract_answer(text: str, kind: str = "gsm8k") -> str | None:
         # last, a plain-prose statement "The answer is 18." (no ####, box or tag): instruct models' default
         return found if found is not None else _answer_statement(_after_answer_markers(_before_a_run_on(text)))
     if kind == "math":
-        return math_boxes(text)  # "\boxed{-2} and \boxed{1}" is "-2, 1"; "\boxed{\frac12} or \boxed{0.5}" is one answer
+        # "\boxed{-2} and \boxed{1}" is "-2, 1"; "\boxed{\frac12} or \boxed{0.5}" is one answer; else the <answer> tag
+        found = math_boxes(text)
+        return found if found is not None else _math_tag(text)
     raise BadInputError(f"unknown answer kind {kind!r} (known: {', '.join(ANSWER_KINDS)})")
 
 
@@ -1024,8 +1051,9 @@ _DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~|\s){1,3}(?=\d{3}(?!\d))")
 # A degree sign latex2sympy does not read ("30°", "30\degree": no answer), as the "^\circ" it does. Its leading spaces
 # are matched from a run's start only: tried from each space, a box of 100,000 spaces took minutes.
 _DEGREE_SIGN = re.compile(r"(?<!\s)\s*(?:\^\s*)?(?:\{\s*(?:°|\\degree|\\textdegree)\s*\}|°|\\degree\b|\\textdegree\b)")
-# A sentence's full stop inside the box, "\boxed{5.}", "\boxed{\frac{1}{2}.}": no answer.
-_BOX_FULL_STOP = re.compile(r"(?<=[\d}])\.\s*$")
+# A sentence's full stop inside the box, "\boxed{5.}", "\boxed{\frac{1}{2}.}", "\boxed{(1, 2).}", "\boxed{\pi.}",
+# "\boxed{x = 1 .}": no answer. Not a dot after a dot ("1..."), nor TeX's "\." (an accent).
+_BOX_FULL_STOP = re.compile(r"(?<=[\w})\]|])\s*\.\s*$")
 
 
 def _for_math_verify(tex: str) -> str:
@@ -1035,19 +1063,56 @@ def _for_math_verify(tex: str) -> str:
     return _BOX_FULL_STOP.sub("", tex)
 
 
+def _math_verify_timeout() -> int:
+    """math-verify's timeouts use SIGALRM, which only works on the main thread (signal.signal raises elsewhere):
+    off it, no timeout (0 is math-verify's own switch for that), and one warning that says so."""
+    _quiet_math_verify()
+    if threading.current_thread() is threading.main_thread():
+        return 5
+    _warn_no_timeout()
+    return 0
+
+
+# The whole of an <answer> tag's content in one math span: "$\frac12$", "$$x = 5$$", "\(5\)", "\[5\]".
+_ONE_MATH_SPAN = re.compile(r"\$\$([^$]*)\$\$|\$([^$]*)\$|\\\(((?:(?!\\[()]).)*)\\\)|\\\[((?:(?!\\[\[\]]).)*)\\\]", re.DOTALL)
+_MATH_SPAN_OPEN = re.compile(r"(?<!\\)\$|\\[(\[]")  # not an escaped dollar, "\$18"
+
+
+def _math_tag(text: str) -> str | None:
+    """The math rule's answer where no box holds one: the last closed ``<answer>`` tag's (R1-Zero's prompt asks for
+    "<answer> ... </answer>"; it scored 0 under ``math`` however right, beside gsm8k, which reads the tag). Its
+    content is the answer's TeX, as a box's ("5", "\\frac{1}{2}", "x = 5", "-2, 1"), or in one math span ("$\\frac12$");
+    where words stand around math ("The answer is $\\frac12$.", "$x = -2$ or $x = 1$"), math-verify's own extraction
+    reads it (as it reads a completion: an "answer is" statement first, spans joined by "and"/"or"). Words without
+    math ("The answer is 5") are read as TeX, so no answer in effect: no "last number" is taken."""
+    tag = _answer_tag(text)
+    tex = None if tag is None else tag.strip()
+    if not tex:
+        return None
+    if _MATH_SPAN_OPEN.search(tex) is None:
+        return tex
+    one = _ONE_MATH_SPAN.fullmatch(tex)
+    if one is not None:
+        return next(g for g in one.groups() if g is not None).strip() or None
+    return _math_verify_extraction(tex)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _math_verify_extraction(text: str) -> str | None:
+    """The TeX math-verify's LaTeX extraction reads from prose, or None (cached as the verdicts are: ~10 ms)."""
+    from math_verify import LatexExtractionConfig, parse
+
+    found = parse(text, extraction_config=[LatexExtractionConfig()], parsing_timeout=_math_verify_timeout())
+    tex = found[-1].strip() if found and isinstance(found[-1], str) else ""  # [sympy value, its TeX], or []
+    return tex or None
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
     # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
     from math_verify import LatexExtractionConfig, parse, verify
 
-    _quiet_math_verify()
-
-    # math-verify's timeouts use SIGALRM, which only works on the main thread (signal.signal raises elsewhere):
-    # off it, no timeout (0 is math-verify's own switch for that), and one warning that says so.
-    main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if main else 0
-    if not main:
-        _warn_no_timeout()
+    timeout = _math_verify_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]
     gold, pred = _for_math_verify(gold), _for_math_verify(pred)
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)

@@ -12,7 +12,7 @@ Scoring reuses ``qerl_cli.answers.is_correct`` (the training reward's own rule),
 in eval and in training can never disagree. ``--scorer auto`` picks per problem: a numeric
 reference (GSM8K) uses the final-number rule (``####``, ``\\boxed{}`` or ``<answer>``, numbers
 compared as exact fractions), anything else (MATH: ``\\frac{\\sqrt3}{2}``, intervals) uses
-math-verify's symbolic equivalence on the last ``\\boxed{}``.
+math-verify's symbolic equivalence on the last ``\\boxed{}`` (else the last ``<answer>`` tag).
 
 Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--num-samples N``
 (default K) completions per problem at ``--temperature`` and reports pass@1..pass@K with the
@@ -552,7 +552,8 @@ def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
     `<think>` (`--stop '<think>'`), which cuts such a sample before its answer (both missed until 2026-11-28). One
     that takes the opening `<answer>` (`'\\n<answer'`) cuts a sample that answers inside the tag before its answer,
     box and `####` line too: warned of whatever the scorer (`--scorer math` was told nothing until a review); one that
-    takes only `</answer>` leaves the gsm8k rule no closed tag to read: warned of unless `--scorer math`."""
+    takes only `</answer>` leaves the rules no closed tag to read: warned of whatever the scorer (the math rule reads
+    the tag where no box answers since math 2; until then `--scorer math` was not warned)."""
     found = think_stop(cfg.stop, prompts)
     if found is not None:
         x, tag, prompt = found
@@ -574,10 +575,10 @@ def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
             warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored, so a sample that answers "
                                       "inside an <answer> tag is cut before its answer: it scores 0 (an answer outside "
                                       "the tag still scores)"), stacklevel=3)
-        elif cfg.scorer != "math" and stop_takes_tag(x, ANSWER_CLOSE):
-            warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored: the gsm8k rule reads "
-                                      "no <answer> tag's number from a sample it stops (#### lines and \\boxed{} "
-                                      "still score)"), stacklevel=3)
+        elif stop_takes_tag(x, ANSWER_CLOSE):
+            warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored: the answer rules read "
+                                      "no <answer> tag's answer from a sample it stops (\\boxed{} and the gsm8k "
+                                      "rule's #### lines still score)"), stacklevel=3)
 
 
 def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):

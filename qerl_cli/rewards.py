@@ -6,7 +6,8 @@ unweighted value is kept in the record's ``rewards`` so training can re-weight w
 regenerating. Built-ins:
 
 - ``gsm8k``: 1 if the completion's final number equals the reference's; ``math``: 1 if math-verify judges the
-  last ``\\boxed{}`` (with the boxes listed beside it, ``\\boxed{-2} and \\boxed{1}``) equivalent to it. How an answer is read (``####`` lines, boxes, hedges, ranges, units, a
+  last ``\\boxed{}`` (with the boxes listed beside it, ``\\boxed{-2} and \\boxed{1}``; without a box, the last
+  ``<answer>`` tag) equivalent to it. How an answer is read (``####`` lines, boxes, hedges, ranges, units, a
   ``<think>`` block) is ``qerl_cli.answers``, which ``qerl eval`` scores with too (``extract_answer`` and
   ``is_correct``, also importable from here).
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and
@@ -101,7 +102,8 @@ def gsm8k_reward(completion: str, answer: str | None, *, prompt=None) -> float:
     return 1.0 if is_correct(completion, answer, "gsm8k") else 0.0
 
 
-@register_reward("math", "1 if math-verify finds the last \\boxed{} equivalent to the reference", needs_answer=True)
+@register_reward("math", "1 if math-verify finds the last \\boxed{} (else <answer>) equivalent to the reference",
+                 needs_answer=True)
 def math_reward(completion: str, answer: str | None, *, prompt=None) -> float:
     return 1.0 if is_correct(completion, answer, "math") else 0.0
 

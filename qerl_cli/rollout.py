@@ -263,7 +263,8 @@ def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: Re
     it stops 0 there, silently: refused. One that takes the opening `<answer>` (`'<answer>'`, `'\\n<answer'`) cuts a
     completion that answers inside the tag before its answer, its `####` line or box too: gsm8k and math score it 0,
     warned of (math was told nothing, and gsm8k that its `####` lines and boxes still count, until a review). One that
-    takes only `</answer>` leaves gsm8k no closed tag to read (its `####` lines and boxes still count): warned of."""
+    takes only `</answer>` leaves gsm8k and math no closed tag to read (boxes, and gsm8k's `####` lines, still count):
+    warned of (for math since math 2, which reads the tag where no box answers)."""
     names = {s.name for s in reward_set.specs}
     kinds = sorted(names & {"gsm8k", "math"})
     for x in cfg.stop:
@@ -278,10 +279,11 @@ def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: Re
                 f"--stop {x!r} is cut from the completion text the rewards judge, so a completion that answers inside "
                 f"an <answer> tag is cut before its answer: {' and '.join(kinds)} "
                 f"{'score' if len(kinds) > 1 else 'scores'} it 0 (an answer outside the tag still scores)"), stacklevel=3)
-        elif "gsm8k" in names and stop_takes_tag(x, ANSWER_CLOSE):
+        elif kinds and stop_takes_tag(x, ANSWER_CLOSE):
             warnings.warn(QerlWarning(
-                f"--stop {x!r} is cut from the completion text the rewards judge: gsm8k reads no <answer> tag's number "
-                "from a completion it stops (#### lines and \\boxed{} still score)"), stacklevel=3)
+                f"--stop {x!r} is cut from the completion text the rewards judge: {' and '.join(kinds)} "
+                f"{'read' if len(kinds) > 1 else 'reads'} no <answer> tag's answer from a completion it stops "
+                f"({'#### lines and ' if 'gsm8k' in kinds else ''}\\boxed{{}} still score)"), stacklevel=3)
 
 
 def _check_stops_leave_the_think_closed(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:

@@ -582,7 +582,7 @@ def test_a_stop_that_takes_think_s_end_out_of_a_think_prompt_s_samples_is_refuse
                                                 r"\(.*e.jsonl:1\).* so every sample"):
             run(model_dir, tmp_path, rows, [["3 + 4 = 7, #### 7\n"]], stop=(stop,), chat_template_file=tpl)
     assert not (tmp_path / "e").exists()
-    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the gsm8k rule reads no <answer> tag's number"):
+    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the answer rules read no <answer> tag's answer"):
         res, _ = run(model_dir, tmp_path, rows, [["<answer>7"]], stop=("</answer>",))
     assert res["metrics"]["score"] == 0.0
     with pytest.warns(QerlWarning, match=r"a sample it stops that opened its own <think> scores 0"):  # as rollout
@@ -626,8 +626,11 @@ def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_under_scorer_math
                                          r"before its answer: it scores 0"):
         res, _ = run(model_dir, tmp_path, rows, [["<think>3 + 4</think>\n"]], scorer="math", stop=("<answer>",))
     assert res["metrics"]["score"] == 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", QerlWarning)  # the closing tag's stop leaves the box: math reads it
+    # the closing tag's stop leaves the box, which math reads; since math 2 it also reads a tag without a box, which
+    # that stop leaves unclosed: warned of under --scorer math too (it was not, the rule reading no tag)
+    assert score_completion("<think>3 + 4</think>\n<answer>7</answer>", "7", "math").correct
+    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the answer rules read no <answer> tag's answer from "
+                                         r"a sample it stops \(\\boxed\{\} and the gsm8k rule's #### lines still score\)"):
         res, _ = run(model_dir, tmp_path, rows, [["<think>3 + 4</think>\n<answer>\\boxed{7}"]], name="c",
                      scorer="math", stop=("</answer>",))
     assert res["metrics"]["score"] == 1.0

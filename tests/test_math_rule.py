@@ -68,3 +68,46 @@ def test_a_degenerate_math_answer_is_read_in_linear_time(completion):
     t = time.perf_counter()
     _for_math_verify(math_boxes(completion))
     assert time.perf_counter() - t < 1.0
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("So $x = \\boxed{2}$ and $y = \\boxed{3}$.", "3", True), ("$A = \\boxed{12}$, $P = \\boxed{14}$", "14", True),
+    ("$a = \\boxed{3}$, $b = \\boxed{4}$, $c = \\boxed{5}$", "5", True),
+    ("Dividing, $3x = \\boxed{12}$ and $x = \\boxed{4}$.", "4", True),
+    ("So $x_1 = \\boxed{2}$ and $x_2 = \\boxed{3}$.", "2, 3", True), ("**x = \\boxed{2}** and **x = \\boxed{3}**", "2, 3", True),
+])
+def test_boxes_naming_two_unknowns_are_no_list(completion, reference, ok):
+    """Math 2 joined any boxes listed, whatever named them: "$x = \\boxed{2}$ and $y = \\boxed{3}$" was "2, 3", wrong
+    for a question that asks for y (math 1 read the last box, right), and a step boxed before its answer, "$3x =
+    \\boxed{12}$, $x = \\boxed{4}$", was "12, 4". Values of two unknowns are no solution set: the last box; the
+    solutions of one unknown ("x_1", "x_2") still are."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference", [
+    ("\\boxed{(1,2).}", "(1,2)"), ("\\boxed{\\pi.}", "\\pi"), ("\\boxed{\\infty.}", "\\infty"), ("\\boxed{5 .}", "5"),
+    ("\\boxed{\\{1,2\\}.}", "\\{1, 2\\}"),
+])
+def test_a_full_stop_after_any_answer_in_the_box_is_read(completion, reference):
+    """Math 2 read a full stop inside the box after a digit or a brace only: "\\boxed{5.}" was 5, "\\boxed{(1,2).}"
+    and "\\boxed{\\pi.}" no answer."""
+    assert is_correct(completion, reference, "math")
+    assert not is_correct("\\boxed{1.5.}", "15", "math") and not is_correct("\\boxed{1...}", "1", "math")
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<think>hmm</think>\n<answer>5</answer>", "5", True), ("<answer>\\frac{1}{2}</answer>", "0.5", True),
+    ("<think>hmm</think> <answer> The answer is $\\frac12$. </answer>", "\\frac{1}{2}", True),
+    ("<answer>\n\\[\n\\frac12\n\\]\n</answer>", "0.5", True), ("<answer>$x = -2$ or $x = 1$</answer>", "1, -2", True),
+    ("<answer>$x = -2$ or $x = 1$</answer>", "1", False), ("<answer>10\\,000</answer>", "10000", True),
+    ("<answer>2\\sqrt{2}</answer>", "2", False), ("<answer>The answer is $5$, since $2+1=3$.</answer>", "3", False),
+    ("\\boxed{7} <answer>5</answer>", "5", False), ("<think><answer>5</answer></think>", "5", False),
+    ("<answer>5", "5", False), ("<answer>The answer is 5</answer>", "5", False), ("<answer>\\$18</answer>", "18", True),
+])
+def test_an_answer_tag_without_a_box_is_the_math_answer(completion, reference, ok):
+    """R1-Zero's prompt asks for "<answer> ... </answer>", and gsm8k reads the tag, but math read boxes only: a right
+    answer in the tag scored 0, so `--reward math,format` taught nothing but the format. Without a box the last closed
+    tag is read: its content as a box's, or math-verify's LaTeX extraction where words stand around math; a box still
+    outranks it, and words without math ("The answer is 5") are no answer (no "last number" is taken)."""
+    assert is_correct(completion, reference, "math") is ok
+

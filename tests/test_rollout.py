@@ -659,8 +659,12 @@ def test_a_stop_inside_a_tag_the_format_reward_needs_is_refused(model_dir, tmp_p
         with pytest.raises(BadInputError, match=r"format reward scores every completion 0"):
             rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format=0"), stop=(stop,)))
     assert fake_engine.calls == []
-    with pytest.warns(QerlWarning, match=r"gsm8k reads no <answer> tag's number from a completion it stops"):
+    with pytest.warns(QerlWarning, match=r"gsm8k reads no <answer> tag's answer from a completion it stops"):
         rollout(cfg_for(model_dir, tmp_path, stop=("</answer>",), max_prompts=2, out=tmp_path / "g"))
+    # math reads the tag too where no box answers (since math 2): warned of beside gsm8k too
+    with pytest.warns(QerlWarning, match=r"gsm8k and math read no <answer> tag's answer .*\(#### lines and \\boxed"):
+        rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "math"), stop=("</answer>",), max_prompts=2,
+                        out=tmp_path / "gm"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", QerlWarning)  # a stop outside the tags: nothing to say
         rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format"), stop=("\nQ:",), max_prompts=2))
@@ -783,8 +787,11 @@ def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_with_math_too(mod
         with pytest.warns(QerlWarning, match=rf"--stop '\\n<answer' .* a completion that answers inside an <answer> "
                                              rf"tag is cut before its answer: {scores} it 0"):
             rollout(cfg_for(model_dir, tmp_path, rewards=rewards, stop=("\n<answer",), max_prompts=2, force=True))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", QerlWarning)  # math reads the box the closing tag's stop leaves
+    # math reads the box the closing tag's stop leaves, but since math 2 also a closed tag without a box, which that
+    # stop leaves unclosed ("<answer>1" scores 0, "<answer>1</answer>" 1): warned of (it was not, math reading no tag)
+    assert REWARDS["math"].fn("<answer>1</answer>", "1") == 1.0 and REWARDS["math"].fn("<answer>1", "1") == 0.0
+    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* math reads no <answer> tag's answer from a completion "
+                                         r"it stops \(\\boxed\{\} still score\)"):
         rollout(cfg_for(model_dir, tmp_path, rewards=("math",), stop=("</answer>",), max_prompts=2, force=True))
 
 
