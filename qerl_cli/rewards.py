@@ -13,12 +13,14 @@ regenerating. Built-ins:
 - ``format``: 1 if the completion is ``<think>...</think>`` then ``<answer>...</answer>`` and
   nothing else.
 - ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named. One written for
-  TRL's GRPOTrainer, ``fn(completions, **kwargs) -> list[float | None]`` (it has a parameter named ``completions``),
-  is called once per prompt group instead (``Reward.score_batch``).
+  TRL's GRPOTrainer, ``fn(completions, **kwargs) -> list[float | None]`` (it has a parameter named ``completions``,
+  or ``completion_ids`` and no ``completion``), is called once per prompt group instead (``Reward.score_batch``),
+  and awaited if async.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import importlib
@@ -28,7 +30,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +83,24 @@ class Reward:
                  "answer": [answer] * n}
         if completion_ids is not None:
             given["completion_ids"] = [list(ids) for ids in completion_ids]
-        return self.fn(**{k: given[k] for k in self.batched if k in given})
+        got = self.fn(**{k: given[k] for k in self.batched if k in given})
+        if inspect.isawaitable(got):  # an async reward, awaited as TRL awaits it
+            got = _event_loop().run_until_complete(got)
+        # a map or generator is run here, within the call: what it raises is the user's, one line naming where (it
+        # was a traceback, or for a TypeError "returned generator, not a list")
+        return list(got) if isinstance(got, Iterator) else got
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop async rewards run on, as TRL keeps one: a client (an HTTP session) an async reward made at
+    its first call is bound to the loop it was made on."""
+    global _LOOP
+    if _LOOP is None or _LOOP.is_closed():
+        _LOOP = asyncio.new_event_loop()
+    return _LOOP
 
 
 REWARDS: dict[str, Reward] = {}
@@ -200,21 +219,21 @@ def _load_user_function(name: str) -> Reward:
         raise BadInputError(f"reward {name!r}: {target} has no attribute {attr!r}")
     if not callable(fn):
         raise BadInputError(f"reward {name!r}: {target}.{attr} is not callable")
-    calls = (fn, type(fn).__call__)  # a callable instance's async __call__ too
-    if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in calls):
-        # (TRL takes async rewards) its coroutine was refused as "not a number" at the first completion scored, after
-        # the first batch's generation (a review)
-        raise BadInputError(f"reward {name!r}: {target}.{attr} is async; a reward returns its number",
-                            hint="wrap it: def f(completion, answer): return asyncio.run(g(completion, answer))")
-    if any(inspect.isgeneratorfunction(f) for f in calls):
-        raise BadInputError(f"reward {name!r}: {target}.{attr} is a generator (it yields); a reward returns its number")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
         sig = None
-    if sig is not None and "completions" in sig.parameters:  # written for TRL: it was refused as "too many
-        # positional arguments", or, naming a second parameter, loaded and was refused after the first batch's
-        # generation ("returned list")
+    trl = sig is not None and _written_for_trl(sig)
+    calls = (fn, type(fn).__call__)  # a callable instance's async __call__ too
+    if any(inspect.isasyncgenfunction(f) or (inspect.iscoroutinefunction(f) and not trl) for f in calls):
+        # (TRL awaits its async rewards: score_batch does too) a per-completion one's coroutine was refused as "not
+        # a number" at the first completion scored, after the first batch's generation (a review)
+        raise BadInputError(f"reward {name!r}: {target}.{attr} is async; a reward returns its number",
+                            hint="wrap it: def f(completion, answer): return asyncio.run(g(completion, answer))")
+    if any(inspect.isgeneratorfunction(f) for f in calls):
+        raise BadInputError(f"reward {name!r}: {target}.{attr} is a generator (it yields); a reward returns its number")
+    if trl:  # written for TRL: it was refused as "too many positional arguments", or, naming a second parameter,
+        # loaded and was refused after the first batch's generation ("returned list")
         return Reward(name, fn, f"user function {target}:{attr} (TRL-style)", takes_prompt=False,
                       source=_source_file(fn, module), batched=_trl_keywords(name, sig, f"{target}.{attr}"))
     takes_prompt = sig is not None and ("prompt" in sig.parameters
@@ -234,6 +253,13 @@ def _load_user_function(name: str) -> Reward:
 TRL_KWARGS = ("prompts", "completions", "completion_ids", "answer")
 
 
+def _written_for_trl(sig: inspect.Signature) -> bool:
+    """A reward written for TRL: it takes ``completions``, or ``completion_ids`` and no ``completion`` (TRL's own
+    get_repetition_penalty_reward and get_soft_overlong_punishment take the ids alone, and were refused when loaded as
+    "cannot be called as f(completion, answer)")."""
+    return "completions" in sig.parameters or ("completion_ids" in sig.parameters and "completion" not in sig.parameters)
+
+
 def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ...]:
     """The keywords a TRL-style reward is passed: all of TRL_KWARGS where it takes ``**kwargs`` (as TRL's must), else
     those it names. One it requires beyond them (a column ``solution``, ``trainer_state``) is refused here, before
@@ -246,11 +272,27 @@ def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ..
     try:
         sig.bind(**dict.fromkeys(keys))
     except TypeError as e:
-        raise BadInputError(f"reward {name!r}: {what}{sig} takes `completions`, so it is read as a TRL reward, but "
+        takes = "completions" if "completions" in sig.parameters else "completion_ids"
+        raise BadInputError(f"reward {name!r}: {what}{sig} takes `{takes}`, so it is read as a TRL reward, but "
                             f"cannot be called with qerl's keywords {', '.join(TRL_KWARGS)} ({e})",
-                            hint="qerl passes the row's reference (--answer-key's column) as `answer` and no "
-                                 "trainer_state: rename the parameter `answer`, or give it a default") from None
+                            hint=_trl_refusal_hint(sig, keys, what.rpartition(".")[2])) from None
     return keys
+
+
+def _trl_refusal_hint(sig: inspect.Signature, keys: tuple[str, ...], fn: str) -> str:
+    """What to change in a TRL reward qerl cannot call. It told every one to rename a parameter `answer`: one whose
+    ``completions`` is positional-only, and a library's (trl.rewards.accuracy_reward's ``solution``) that cannot be
+    renamed, were not helped (a review)."""
+    params = sig.parameters.values()
+    if any(p.kind is p.POSITIONAL_ONLY for p in params):
+        return "TRL, and qerl, pass a reward's arguments as keywords: drop the `/` from its parameters"
+    missing = [p.name for p in params if p.default is p.empty and p.name not in keys
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not missing:  # (unreachable for a signature that binds keys alone; kept as the general advice)
+        return "qerl passes the row's reference (--answer-key's column) as `answer` and no trainer_state"
+    return (f"qerl passes the row's reference (--answer-key's column) as `answer`, no trainer_state and no other "
+            f"column: rename `{missing[0]}` to `answer`, give it a default, or wrap the function: "
+            f"def f(completions, answer, **kwargs): return {fn}(completions, {missing[0]}=answer, **kwargs)")
 
 
 def _source_file(fn, module) -> str | None:

@@ -1526,3 +1526,101 @@ def test_trl_rewards_score_a_real_rollout_once_per_group(tmp_path):
             want = len(rec["completion_token_ids"]) if reward == "ids" else len(rec["completion"])
             assert rec["rewards"] == {f"{f}:{reward}": float(want)} and rec["reward"] == want
     assert (tmp_path / "calls.txt").read_text() == "3\n3\n"  # once per prompt group of G
+
+
+TRL_MORE = '''\
+import asyncio
+
+loops = []
+
+
+def repetition(completion_ids, **kwargs):  # TRL's get_repetition_penalty_reward's form: no `completions`
+    return [-float(len(ids) - len(set(ids))) for ids in completion_ids]
+
+
+async def judged(completions, answer, **kwargs):  # TRL awaits an async reward
+    await asyncio.sleep(0)
+    loops.append(asyncio.get_running_loop())
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+class Judge:
+    async def __call__(self, completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+
+judge = Judge()
+
+
+def one(c):
+    return {"a": 1.0}[c]
+
+
+def mapped(completions, **kwargs):
+    return map(one, completions)
+
+
+def lazy_type_error(completions, **kwargs):
+    return (len(c) + "x" for c in completions)
+
+
+def positional(completions, /, **kwargs):
+    return [0.0] * len(completions)
+
+
+def solution(completions, solution, **kwargs):
+    return [0.0] * len(completions)
+
+
+def per_completion(completion, answer, completion_ids=None):  # not TRL's: it names `completion`
+    return 1.0
+'''
+
+
+def test_a_trl_reward_of_token_ids_alone_is_trls(tmp_path):
+    # TRL's own get_repetition_penalty_reward and get_soft_overlong_punishment take (completion_ids, **kwargs): they
+    # were refused when loaded as "cannot be called as f(completion, answer...)", the refusal TRL rewards had before
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    rs = RewardSet.from_specs([f"{f}:repetition", f"{f}:per_completion"])
+    assert rs.score_group(["a", "b"], None, "q", completion_ids=[[1, 1, 2], [3]]) == [
+        ({f"{f}:repetition": -1.0, f"{f}:per_completion": 1.0}, 0.0), ({f"{f}:repetition": 0.0, f"{f}:per_completion": 1.0}, 1.0)]
+    assert rs.specs[1].reward.batched is None
+
+
+def test_an_async_trl_reward_is_awaited_on_one_loop(tmp_path):
+    # TRL awaits an async reward (a function or a callable instance's __call__); it was refused when loaded, with a
+    # hint to wrap it as f(completion, answer)
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    rs = RewardSet.from_specs([f"{f}:judged", f"{f}:judge"])
+    for _ in range(2):
+        assert rs.score_group(["4", "five"], "4", "q") == [({f"{f}:judged": 1.0, f"{f}:judge": 1.0}, 2.0),
+                                                          ({f"{f}:judged": 0.0, f"{f}:judge": 4.0}, 4.0)]
+    loops = rs.specs[0].reward.fn.__globals__["loops"]
+    assert len(loops) == 2 and loops[0] is loops[1]  # one loop: a client made at the first call stays usable
+
+
+def test_a_lazy_trl_return_that_raises_is_the_users_error(tmp_path):
+    # a map or generator returned is iterated by qerl: its KeyError was a traceback (a bug of qerl's, exit 1), its
+    # TypeError read as "returned generator ..., not a list"
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    for fn, msg in (("mapped", f"raised KeyError: 'b' for p.jsonl:1 (at {f}:25, in one)"),
+                    ("lazy_type_error", "raised TypeError: unsupported operand type(s) for +: 'int' and 'str' for p.jsonl:1")):
+        with pytest.raises(BadInputError) as e:
+            RewardSet.from_specs([f"{f}:{fn}"]).score_group(["a", "b"], None, "q", where=" for p.jsonl:1")
+        assert msg in str(e.value), e.value
+
+
+def test_a_trl_reward_refused_when_loaded_is_told_what_to_change(tmp_path):
+    # the hint said to rename a parameter `answer` whatever the cause: for a positional-only `completions` (TRL too
+    # passes keywords only), and for a library function (trl.rewards.accuracy_reward's `solution`) that cannot be renamed
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    with pytest.raises(BadInputError) as e:
+        RewardSet.from_specs([f"{f}:positional"])
+    assert "keywords" in e.value.hint and "`/`" in e.value.hint and "answer" not in e.value.hint
+    with pytest.raises(BadInputError) as e:
+        RewardSet.from_specs([f"{f}:solution"])
+    assert "def f(completions, answer, **kwargs): return solution(completions, solution=answer, **kwargs)" in e.value.hint
