@@ -491,7 +491,10 @@ class RewardSet:
         for i, vals in enumerate(values):
             if not vals:
                 raise BadInputError(f"no reward applies to completion {i + 1} of {n}{where}: every reward returned None",
-                                    hint="a TRL-style reward's None means 'does not apply'; add a reward that scores it")
+                                    # not scored 0: that biases its group's baseline (TRL 1.16 leaves such a
+                                    # completion out of it, with no advantage; a shard has no such record)
+                                    hint="a TRL-style reward's None means 'does not apply': fix or drop a row whose "
+                                         "reference it cannot read, or add a reward that scores every completion")
             total = sum(weights[name] * v for name, v in vals.items())
             if abs(total) > REWARD_LIMIT:  # weights can push finite values past it (or to inf)
                 raise BadInputError(f"the weighted reward total is {total}{where}", hint=REWARD_LIMIT_HINT)
