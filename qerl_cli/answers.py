@@ -172,6 +172,18 @@ def think_stop(stops, prompts) -> tuple[str, str, object | None] | None:
     return (*opening, unopened) if opening is not None and unopened is not None else None
 
 
+def blank_stop(stops, prompts) -> tuple[str, object] | None:
+    """A stop made only of whitespace (``$'\\n\\n'``, ``$'\\n'``: a base model's few-shot stop) and a prompt that
+    opens ``<think>`` (``EncodedPrompt.opens_think``), as (stop, prompt), or None. Such a stop fires at the first
+    line break or blank line of a completion of that prompt, which lies in its thought, so the text judged is left
+    inside the ``<think>``, where the answer rules read nothing and the format reward finds no ``</think>``: a score
+    of 0 (unsaid until 2026-11-28). A thought without such a break escapes it, so the score can be nonzero: a
+    warning, not a refusal. Where no prompt opens ``<think>``, a completion that writes none is not cut in one."""
+    x = next((x for x in stops if not x.strip()), None)
+    prompt = next((p for p in prompts if p.opens_think), None) if x is not None else None
+    return (x, prompt) if prompt is not None else None
+
+
 # ---- extraction ------------------------------------------------------------------------------
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 _BARE_TOKEN = re.compile(r"[^\s$]+")

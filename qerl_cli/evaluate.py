@@ -51,6 +51,7 @@ from qerl_cli.answers import (
     RULE_VERSION,
     THINK_CLOSE,
     THINK_OPEN,
+    blank_stop,
     every_stopped,
     rule_packages,
     stop_takes_tag,
@@ -553,7 +554,10 @@ def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
     that takes the opening `<answer>` (`'\\n<answer'`) cuts a sample that answers inside the tag before its answer,
     box and `####` line too: warned of whatever the scorer (`--scorer math` was told nothing until a review); one that
     takes only `</answer>` leaves the rules no closed tag to read: warned of whatever the scorer (the math rule reads
-    the tag where no box answers since math 2; until then `--scorer math` was not warned)."""
+    the tag where no box answers since math 2; until then `--scorer math` was not warned), naming the rules that
+    score some problem (the gsm8k rule's `####` lines were said to score where every reference is LaTeX, until
+    2026-11-28). A stop made only of whitespace (`$'\\n\\n'`) where a prompt opens `<think>` cuts a sample inside
+    its thought: warned of (`blank_stop`, as in rollout)."""
     found = think_stop(cfg.stop, prompts)
     if found is not None:
         x, tag, prompt = found
@@ -570,15 +574,23 @@ def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
             warnings.warn(QerlWarning(f"{what}, so that text never holds {THINK_CLOSE}, and the answer rules read "
                                       "nothing after a <think> left open: a sample it stops that opened its own <think> "
                                       "scores 0"), stacklevel=3)
+    blank = blank_stop(cfg.stop, prompts)
+    if blank is not None:
+        warnings.warn(QerlWarning(f"--stop {blank[0]!r} is only whitespace and the prompt opens a <think> "
+                                  f"({blank[1].row.where}): a sample is cut at the first {blank[0]!r} of its "
+                                  "thought, the <think> left open, where the answer rules read nothing: it scores 0"),
+                      stacklevel=3)
     for x in cfg.stop:
         if stop_takes_tag(x, ANSWER_OPEN):
             warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored, so a sample that answers "
                                       "inside an <answer> tag is cut before its answer: it scores 0 (an answer outside "
                                       "the tag still scores)"), stacklevel=3)
-        elif stop_takes_tag(x, ANSWER_CLOSE):
-            warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored: the answer rules read "
-                                      "no <answer> tag's answer from a sample it stops (\\boxed{} and the gsm8k "
-                                      "rule's #### lines still score)"), stacklevel=3)
+        elif stop_takes_tag(x, ANSWER_CLOSE):  # named: the rules that score some problem (`scorer_for`)
+            kinds = sorted({scorer_for(p.row.answer, cfg.scorer) for p in prompts})
+            rules = f"the {' and '.join(kinds)} {'rules read' if len(kinds) > 1 else 'rule reads'}"
+            kept = "#### lines and \\boxed{} still score" if "gsm8k" in kinds else "\\boxed{} still scores"
+            warnings.warn(QerlWarning(f"--stop {x!r} is cut from the completion text scored: {rules} no <answer> "
+                                      f"tag's answer from a sample it stops ({kept})"), stacklevel=3)
 
 
 def _encode(cfg: EvalConfig, rows, template, chat_text, notes: bool = True):

@@ -49,6 +49,7 @@ from qerl_cli.answers import (
     ANSWER_OPEN,
     THINK_CLOSE,
     THINK_OPEN,
+    blank_stop,
     every_stopped,
     judged_completion,
     stop_takes_tag,
@@ -330,6 +331,20 @@ def _check_stops_leave_the_format_its_think(cfg: RolloutConfig, reward_set: Rewa
                         f"the format reward scores {every_stopped(*cut)} of such a prompt 0",
                         hint="drop that --stop (EOS and --max-new-tokens still end completions), or score the format "
                              "with your own reward")
+
+
+def _check_stops_leave_the_thought_whole(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:
+    """A stop made only of whitespace (`--stop $'\\n\\n'`, a base model's few-shot stop) cuts a completion of a
+    prompt that opens `<think>` at its thought's first line break or blank line, the `<think>` left open: gsm8k, math
+    and format score it 0 (nearly every completion, unsaid until 2026-11-28). Warned of, not refused: a thought
+    without such a break escapes it (`blank_stop`, as in eval)."""
+    kinds = sorted({s.name for s in reward_set.specs} & {"gsm8k", "math", "format"})
+    found = blank_stop(cfg.stop, prompts) if kinds else None
+    if found is not None:
+        warnings.warn(QerlWarning(
+            f"--stop {found[0]!r} is only whitespace and the prompt opens a <think> ({found[1].row.where}): a "
+            f"completion is cut at the first {found[0]!r} of its thought, the <think> left open, where "
+            f"{' and '.join(kinds)} {'score' if len(kinds) > 1 else 'scores'} it 0"), stacklevel=3)
 
 
 def aqn_sigma(cfg: RolloutConfig) -> float:
@@ -669,6 +684,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
     _check_stops_leave_the_format_its_think(cfg, reward_set, prompts)  # its refusal before the other's warning
     _check_stops_leave_the_think_closed(cfg, reward_set, prompts)
+    _check_stops_leave_the_thought_whole(cfg, reward_set, prompts)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
     policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}

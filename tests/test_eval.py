@@ -5,6 +5,7 @@ tests/test_eval_e2e.py runs the real engine on a tiny model.
 """
 
 import json
+import re
 import warnings
 
 import pytest
@@ -582,7 +583,7 @@ def test_a_stop_that_takes_think_s_end_out_of_a_think_prompt_s_samples_is_refuse
                                                 r"\(.*e.jsonl:1\).* so every sample"):
             run(model_dir, tmp_path, rows, [["3 + 4 = 7, #### 7\n"]], stop=(stop,), chat_template_file=tpl)
     assert not (tmp_path / "e").exists()
-    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the answer rules read no <answer> tag's answer"):
+    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the gsm8k rule reads no <answer> tag's answer"):
         res, _ = run(model_dir, tmp_path, rows, [["<answer>7"]], stop=("</answer>",))
     assert res["metrics"]["score"] == 0.0
     with pytest.warns(QerlWarning, match=r"a sample it stops that opened its own <think> scores 0"):  # as rollout
@@ -629,11 +630,53 @@ def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_under_scorer_math
     # the closing tag's stop leaves the box, which math reads; since math 2 it also reads a tag without a box, which
     # that stop leaves unclosed: warned of under --scorer math too (it was not, the rule reading no tag)
     assert score_completion("<think>3 + 4</think>\n<answer>7</answer>", "7", "math").correct
-    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the answer rules read no <answer> tag's answer from "
-                                         r"a sample it stops \(\\boxed\{\} and the gsm8k rule's #### lines still score\)"):
+    with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* the math rule reads no <answer> tag's answer from "
+                                         r"a sample it stops \(\\boxed\{\} still scores\)"):
         res, _ = run(model_dir, tmp_path, rows, [["<think>3 + 4</think>\n<answer>\\boxed{7}"]], name="c",
                      scorer="math", stop=("</answer>",))
     assert res["metrics"]["score"] == 1.0
+
+
+def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, tmp_path):
+    # A base model's few-shot stop ($'\n\n', $'\n') with a template that opens <think> cut every sample at its
+    # thought's first blank line or line break, the <think> left open, where no rule reads: 0 nearly always, unsaid.
+    from qerl_cli.engine.llm_engine import _stop_cut
+    from qerl_cli.errors import QerlWarning
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    done = "3 + 4.\n\nIt is 7.\n</think>\n#### 7"
+    assert score_completion(done, "7", opens_think=True).correct
+    for stop in ("\n\n", "\n"):
+        assert not score_completion(done[:_stop_cut(done, done, (stop,))], "7", opens_think=True).correct
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}]
+    for name, stop in (("a", "\n\n"), ("b", "\n")):
+        x = re.escape(repr(stop))
+        with pytest.warns(QerlWarning, match=rf"--stop {x} is only whitespace and the prompt opens a <think> "
+                                             rf"\(.*{name}.jsonl:1\): a sample is cut at the first {x} of its "
+                                             r"thought, the <think> left open, .* it scores 0"):
+            run(model_dir, tmp_path, rows, [["3 + 4."]], name=name, stop=(stop,), chat_template_file=tpl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # no prompt opens <think>: a sample holds no thought to cut
+        run(model_dir, tmp_path, rows, [["#### 7"]], name="c", stop=("\n\n",))
+
+
+def test_a_stop_that_takes_the_closing_answer_tag_names_only_the_rules_that_score(model_dir, tmp_path):
+    # --scorer auto: where every reference is LaTeX the math rule scores every problem, yet the warning said the gsm8k
+    # rule's #### lines still score (a sample's "#### 1/2" scores 0 there).
+    from qerl_cli.errors import QerlWarning
+
+    assert not score_completion("#### 1/2", "\\frac{1}{2}").correct
+    latex = [{"prompt": "Half of one?", "answer": "\\frac{1}{2}"}, {"prompt": "Root of 4?", "answer": "\\sqrt{4}"}]
+    with pytest.warns(QerlWarning, match=r"the math rule reads no <answer> tag's answer from a sample it stops "
+                                         r"\(\\boxed\{\} still scores\)") as got:
+        run(model_dir, tmp_path, latex, [["\\boxed{\\frac{1}{2}}"], ["\\boxed{2}"]], name="a", stop=("</answer>",))
+    assert not any("gsm8k" in str(w.message) for w in got)
+    with pytest.warns(QerlWarning, match=r"the gsm8k and math rules read no <answer> tag's answer from a sample it "
+                                         r"stops \(#### lines and \\boxed\{\} still score\)"):
+        run(model_dir, tmp_path, latex[:1] + [{"prompt": "3 + 4?", "answer": "7"}], [["#### 1/2"], ["#### 7"]],
+            name="b", stop=("</answer>",))
 
 
 def test_a_template_that_opens_think_scores_completions_from_inside_it(model_dir, tmp_path):

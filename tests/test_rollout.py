@@ -8,6 +8,7 @@ End-to-end runs on the real engine are in tests/test_rollout_engine.py.
 
 import json
 import random
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -793,6 +794,36 @@ def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_with_math_too(mod
     with pytest.warns(QerlWarning, match=r"--stop '</answer>' .* math reads no <answer> tag's answer from a completion "
                                          r"it stops \(\\boxed\{\} still score\)"):
         rollout(cfg_for(model_dir, tmp_path, rewards=("math",), stop=("</answer>",), max_prompts=2, force=True))
+
+
+def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, tmp_path, fake_engine):
+    # A base model's few-shot stop ($'\n\n', $'\n') with a template that opens <think> cut every completion at its
+    # thought's first blank line or line break, the <think> left open: gsm8k, math and format scored it 0, unsaid.
+    from qerl_cli.answers import judged_completion
+    from qerl_cli.engine.llm_engine import _stop_cut
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.rewards import REWARDS
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+
+    done = "1 mod 4.\n\nIt is 1.\n</think>\n<answer>#### 1 \\boxed{1}</answer>"
+    assert [REWARDS[k].fn(judged_completion(done, True), "1") for k in ("gsm8k", "math", "format")] == [1.0] * 3
+    for stop in ("\n\n", "\n"):
+        cut = judged_completion(done[:_stop_cut(done, done, (stop,))], True)
+        assert [REWARDS[k].fn(cut, "1") for k in ("gsm8k", "math", "format")] == [0.0] * 3
+    tpl = tmp_path / "think.jinja"
+    tpl.write_text(THINKING_CHAT_TEMPLATE)
+    for stop, rewards, scores in (("\n\n", ("gsm8k", "format=0.1"), "format and gsm8k score"),
+                                  ("\n", ("math",), "math scores")):
+        x = re.escape(repr(stop))
+        with pytest.warns(QerlWarning, match=rf"--stop {x} is only whitespace and the prompt opens a <think> "
+                                             rf"\(.*prompts.jsonl:1\): a completion is cut at the first {x} of its "
+                                             rf"thought, the <think> left open, where {scores} it 0"):
+            rollout(cfg_for(model_dir, tmp_path, chat_template_file=tpl, rewards=rewards, stop=(stop,), max_prompts=2,
+                            force=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # no prompt opens <think>: a completion holds no thought to cut
+        rollout(cfg_for(model_dir, tmp_path, rewards=("gsm8k", "format=0.1"), stop=("\n\n",), max_prompts=2,
+                        out=tmp_path / "plain"))
 
 
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
