@@ -47,9 +47,10 @@ that takes "the last number in the text" rewards rambling that ends on the right
   is put in the form it reads: a thin space or space between digit groups (``10\\,000``, read as 10 * 000 = 0),
   ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``, ``\\boxed{(1, 2).}``). Boxes
   naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``) are no list:
-  the last box. Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its
+  the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its
   content as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``),
-  what math-verify's LaTeX extraction reads from it; words alone (``The answer is 5``) are no answer. Slower (sympy,
+  what math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two
+  boxes: ``3, 4``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer. Slower (sympy,
   ~10 ms a verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly repeat a
   few answers. Each parse and
   comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored
@@ -274,8 +275,11 @@ def final_box(text: str, same: Callable[[str, str], bool], lists: bool = False) 
 MAX_LISTED_BOXES = 16
 # What names a box, before its "=": "$x = \boxed{-2}$", "\(x_1=\boxed{1}\)", "$3x = \boxed{12}$", "$f(2) = \boxed{5}$".
 _BOX_NAME = re.compile(r"([^\s$=,;:(\[]+)\s*=\s*[$(\[\\]*$")
-# The unknown a name gives a value of: one letter, with its subscript ("x_1" and "x_2" are two solutions for x).
-_UNKNOWN = re.compile(r"(?<![\w\\])[A-Za-z](?=(?:_\{?\w+\}?)?$)")
+# The unknown a name gives a value of: one letter or a Greek letter's command, with its subscript ("x_1" and "x_2" are two
+# solutions for x; "$\theta = \boxed{30^\circ}$, $\theta = \boxed{150^\circ}$" two for theta, read as the last alone).
+_UNKNOWN = re.compile(r"(?<![\w\\])(?:[A-Za-z]|\\(?:var)?(?:alpha|beta|gamma|delta|epsilon|zeta|eta|theta|iota|kappa|lambda|mu|nu|"
+                      r"xi|rho|sigma|tau|upsilon|phi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Sigma|Phi|Psi|Omega))"
+                      r"(?=(?:_\{?\w+\}?)?$)")
 
 
 def _box_name(text: str, box_start: int) -> tuple[int, str] | None:
@@ -287,6 +291,11 @@ def _box_name(text: str, box_start: int) -> tuple[int, str] | None:
         return None
     unknown = _UNKNOWN.search(m.group(1))
     return (m.start(1), m.group(1)) if unknown is None else (m.start(1) + unknown.start(), unknown.group(0))
+
+
+def _is_unknown(name: str) -> bool:
+    """Whether a box's name (_box_name's) is a variable's, not a whole expression's ("3x", "2)", "4")."""
+    return _UNKNOWN.fullmatch(name) is not None
 
 
 def math_boxes(text: str) -> str | None:
@@ -306,13 +315,17 @@ def math_boxes(text: str) -> str | None:
     for box, box_start, end in boxes:
         if len(listed) > MAX_LISTED_BOXES:  # a degenerate run of boxes: one verdict each below would cost seconds
             return None
-        named = name is not None and name[0] >= end and len(name[1]) == 1  # a variable's name between the two
+        named = name is not None and name[0] >= end and _is_unknown(name[1])  # a variable's name between the two
         between = text[end : name[0] if named else start]
-        if not (_BOX_HEDGE.fullmatch(between) or _BOX_LIST.fullmatch(between)):
+        hedged = _BOX_HEDGE.fullmatch(between)
+        if not (hedged or _BOX_LIST.fullmatch(between)):
             break
         earlier = _box_name(text, box_start)
-        if named and earlier is not None and earlier[1] != name[1]:
-            break  # "$x = \boxed{2}$ and $y = \boxed{3}$", "$3x = \boxed{12}$, $x = \boxed{4}$": values of two unknowns
+        if named and not hedged and earlier is not None and earlier[1] != name[1]:
+            # "$x = \boxed{2}$ and $y = \boxed{3}$", "$3x = \boxed{12}$, $x = \boxed{4}$": values of two unknowns. A
+            # list only: "$x = \boxed{3}$ or $y = \boxed{4}$" is a hedge (read as 4 until a review, though math 1
+            # refused it), one answer "3, 4", wrong for either
+            break
         listed.append(box)
         start, name = box_start, earlier
     if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}):
@@ -1088,6 +1101,13 @@ def _math_verify_timeout() -> int:
 # The whole of an <answer> tag's content in one math span: "$\frac12$", "$$x = 5$$", "\(5\)", "\[5\]".
 _ONE_MATH_SPAN = re.compile(r"\$\$([^$]*)\$\$|\$([^$]*)\$|\\\(((?:(?!\\[()]).)*)\\\)|\\\[((?:(?!\\[\[\]]).)*)\\\]", re.DOTALL)
 _MATH_SPAN_OPEN = re.compile(r"(?<!\\)\$|\\[(\[]")  # not an escaped dollar, "\$18"
+# A dollar sign before an amount, the only one in the tag ("$18", "$18.50", "She pays $18."): a currency sign, as "\$18",
+# not a math span left open (no answer to math-verify, so a right answer scored 0).
+_CURRENCY_DOLLAR = re.compile(r"^([^$]*?)(?<!\\)\$(?=\s*\d)([^$]*)$")
+# A tag's bare content (no math span) is read as TeX: one longer than any answer is prose or a policy's degenerate repeat,
+# words with no answer in them, but latex2sympy's parse of it cost seconds a verdict (3 s at 2 KB, cut at 5 s on the main
+# thread, over a minute at 30 KB off it; R1-Zero-style policies write their whole solution in the tag).
+_MAX_BARE_TAG = 500
 
 
 def _math_tag(text: str) -> str | None:
@@ -1101,12 +1121,27 @@ def _math_tag(text: str) -> str | None:
     tex = None if tag is None else tag.strip()
     if not tex:
         return None
+    tex = _CURRENCY_DOLLAR.sub(r"\1\\$\2", tex)
     if _MATH_SPAN_OPEN.search(tex) is None:
-        return tex
+        return tex if len(tex) <= _MAX_BARE_TAG else None
     one = _ONE_MATH_SPAN.fullmatch(tex)
     if one is not None:
         return next(g for g in one.groups() if g is not None).strip() or None
-    return _math_verify_extraction(tex)
+    return _tag_hedge(tex, _math_verify_extraction(tex))
+
+
+def _tag_hedge(tex: str, found: str | None) -> str | None:
+    """``found``, math-verify's reading of a tag's prose, unless it is the last of two math spans offered as a hedge,
+    as two boxes are (_BOX_HEDGE): then the two as one answer, as math_boxes reads "\\boxed{3} or maybe \\boxed{4}".
+    math-verify joins spans by a bare "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right."""
+    spans = list(_ONE_MATH_SPAN.finditer(tex))
+    if found is None or len(spans) < 2:
+        return found
+    before, last = ([g for g in m.groups() if g is not None][0].strip() for m in spans[-2:])
+    if (found == last and _BOX_HEDGE.fullmatch(tex, spans[-2].end(), spans[-1].start())
+            and not _math_verify_equal(before, last)):
+        return f"{before}, {last}"
+    return found
 
 
 @functools.lru_cache(maxsize=1 << 12)

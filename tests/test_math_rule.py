@@ -111,3 +111,43 @@ def test_an_answer_tag_without_a_box_is_the_math_answer(completion, reference, o
     outranks it, and words without math ("The answer is 5") are no answer (no "last number" is taken)."""
     assert is_correct(completion, reference, "math") is ok
 
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("$x = \\boxed{3}$ or $y = \\boxed{4}$", "4", False), ("$y = \\boxed{3}$ or $x = \\boxed{4}$", "4", False),
+    ("**Answer:** $x = \\boxed{3}$ or **Answer:** $y = \\boxed{4}$", "4", False),
+    ("$\\theta = \\boxed{\\frac{\\pi}{6}}$, $\\theta = \\boxed{\\frac{5\\pi}{6}}$", "\\frac{\\pi}{6}, \\frac{5\\pi}{6}", True),
+    ("$\\theta = \\boxed{30}$, $\\theta = \\boxed{150}$", "150", False), ("$\\alpha = \\boxed{2}$, $\\beta = \\boxed{3}$", "3", True),
+])
+def test_names_stop_a_list_of_boxes_not_a_hedge(completion, reference, ok):
+    """Boxes naming two unknowns stopped any join, a hedge's too: "$x = \\boxed{3}$ or $y = \\boxed{4}$" read as 4 (math
+    1 refused it), a hedge scored right. And a Greek letter was no unknown: "$\\theta = \\boxed{30}$, $\\theta =
+    \\boxed{150}$" read as its last box alone, 0 for the reference of both solutions, 1 for one of them."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>$18</answer>", "18", True), ("<answer>$18.50</answer>", "18.5", True), ("<answer>$ 18</answer>", "18", True),
+    ("<answer>$18.50</answer>", "18", False), ("<answer>$3 or $4</answer>", "4", False),
+    ("<answer>$3$ or maybe $4$</answer>", "4", False), ("<answer>$3$, or perhaps $4$</answer>", "3", False),
+    ("<answer>$\\frac12$ or maybe $0.5$</answer>", "0.5", True), ("<answer>$x = -2$ or $x = 1$</answer>", "1, -2", True),
+])
+def test_an_answer_tag_reads_a_currency_dollar_and_refuses_a_hedge(completion, reference, ok):
+    """A tag's lone "$18" opened a math span math-verify found unclosed: no answer, a right one scored 0. And
+    math-verify's extraction joins spans by a bare "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right that
+    two boxes so offered ("\\boxed{3} or maybe \\boxed{4}") are not."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+def test_a_long_answer_tag_of_words_is_no_answer_read_fast():
+    """A tag's bare content is read as TeX: an R1-Zero-style policy's whole solution in the tag (no math span) went to
+    latex2sympy, ~3 s a verdict at 2 KB (cut at 5 s on the main thread, over a minute at 30 KB off it)."""
+    import time
+
+    from qerl_cli.answers import extract_answer
+
+    completion = "<answer>" + "so we add the two numbers and get five " * 60 + "</answer>"
+    t = time.perf_counter()
+    assert extract_answer(completion, "math") is None and not is_correct(completion, "5", "math")
+    assert time.perf_counter() - t < 1.0
+    assert extract_answer("<answer>\\text{Monday}</answer>", "math") == "\\text{Monday}"
