@@ -89,6 +89,7 @@ ANSWER_KINDS = ("gsm8k", "math")
 # math 2: boxes listed or offered together ("\boxed{-2} and \boxed{1}", "\boxed{72} or \boxed{73}") are one answer,
 # "-2, 1" (was the last box, or none), unless they name two unknowns ("$x = \boxed{2}$ and $y = \boxed{3}$": the last
 # box); "10\,000" is 10000 (was 0), "30°" and "\boxed{5.}" are read; without a box, the last <answer> tag (was none).
+# An answer or reference over 1,000 characters is no answer (MAX_MATH_ANSWER_CHARS).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
@@ -1154,10 +1155,18 @@ def _math_verify_extraction(text: str) -> str | None:
     return tex or None
 
 
+# A box (or tag) longer than any answer is a degenerate repeat: latex2sympy's parse of one took ~0.5 s at 1,000
+# characters and ~3 s at 3,000 (cut at 5 s on the main thread only), a verdict per distinct one: no answer.
+MAX_MATH_ANSWER_CHARS = 1000
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
     # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
     from math_verify import LatexExtractionConfig, parse, verify
+
+    if max(len(gold), len(pred)) > MAX_MATH_ANSWER_CHARS:
+        return False
 
     timeout = _math_verify_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]

@@ -151,3 +151,17 @@ def test_a_long_answer_tag_of_words_is_no_answer_read_fast():
     assert extract_answer(completion, "math") is None and not is_correct(completion, "5", "math")
     assert time.perf_counter() - t < 1.0
     assert extract_answer("<answer>\\text{Monday}</answer>", "math") == "\\text{Monday}"
+
+
+def test_a_degenerate_box_is_no_answer_read_fast():
+    """A box longer than any answer (a policy's degenerate repeat) went to latex2sympy: ~3 s a distinct verdict at 3,000
+    characters, a group of such completions a minute of scoring."""
+    import time
+
+    from qerl_cli.answers import MAX_MATH_ANSWER_CHARS
+
+    box = "1 " * 1500
+    t = time.perf_counter()
+    assert not is_correct(f"\\boxed{{{box}}}", "1", "math")
+    assert time.perf_counter() - t < 0.5
+    assert is_correct("\\boxed{" + "1" + " " * (MAX_MATH_ANSWER_CHARS - 2) + "}", "1", "math")  # at the cap: read
