@@ -112,7 +112,6 @@ def test_an_answer_tag_without_a_box_is_the_math_answer(completion, reference, o
     assert is_correct(completion, reference, "math") is ok
 
 
-
 @pytest.mark.parametrize("completion, reference, ok", [
     ("$x = \\boxed{3}$ or $y = \\boxed{4}$", "4", False), ("$y = \\boxed{3}$ or $x = \\boxed{4}$", "4", False),
     ("**Answer:** $x = \\boxed{3}$ or **Answer:** $y = \\boxed{4}$", "4", False),
