@@ -29,6 +29,7 @@ import inspect
 import math
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -85,22 +86,42 @@ class Reward:
             given["completion_ids"] = [list(ids) for ids in completion_ids]
         got = self.fn(**{k: given[k] for k in self.batched if k in given})
         if inspect.isawaitable(got):  # an async reward, awaited as TRL awaits it
-            got = _event_loop().run_until_complete(got)
+            got = _awaited(got)
         # a map or generator is run here, within the call: what it raises is the user's, one line naming where (it
         # was a traceback, or for a TypeError "returned generator, not a list")
         return list(got) if isinstance(got, Iterator) else got
 
 
-_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
+
+
+def _awaited(awaitable):
+    """What an async reward's ``awaitable`` gives, awaited on ``_event_loop()``'s thread, as TRL awaits its rewards on
+    a loop of its own thread. Run on the caller's thread it failed wherever a loop already runs there (the library's
+    ``rollout(cfg)`` from a Jupyter notebook, or any async caller: "Cannot run the event loop while another loop is
+    running", blamed on the reward; a review)."""
+    async def wait():
+        return await awaitable
+
+    done = asyncio.run_coroutine_threadsafe(wait(), _event_loop())
+    try:
+        return done.result()
+    except BaseException:  # a Ctrl-C while it waits: the reward is not left running on
+        done.cancel()
+        raise
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """The one event loop async rewards run on, as TRL keeps one: a client (an HTTP session) an async reward made at
-    its first call is bound to the loop it was made on."""
+    """The one event loop async rewards run on, in a daemon thread, as TRL keeps one: a client (an HTTP session) an
+    async reward made at its first call is bound to the loop it was made on. A new one where its thread is gone (a
+    forked child has none)."""
     global _LOOP
-    if _LOOP is None or _LOOP.is_closed():
-        _LOOP = asyncio.new_event_loop()
-    return _LOOP
+    if _LOOP is None or not _LOOP[1].is_alive():
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="qerl-async-rewards", daemon=True)
+        thread.start()
+        _LOOP = (loop, thread)
+    return _LOOP[0]
 
 
 REWARDS: dict[str, Reward] = {}
@@ -256,8 +277,22 @@ TRL_KWARGS = ("prompts", "completions", "completion_ids", "answer")
 def _written_for_trl(sig: inspect.Signature) -> bool:
     """A reward written for TRL: it takes ``completions``, or ``completion_ids`` and no ``completion`` (TRL's own
     get_repetition_penalty_reward and get_soft_overlong_punishment take the ids alone, and were refused when loaded as
-    "cannot be called as f(completion, answer)")."""
-    return "completions" in sig.parameters or ("completion_ids" in sig.parameters and "completion" not in sig.parameters)
+    "cannot be called as f(completion, answer)"). Not one whose ``completion_ids`` has a default and that takes
+    (completion, answer): a per-completion reward, ``f(text, answer, completion_ids=None)``, was refused as a TRL
+    reward missing `text` (a review)."""
+    params = sig.parameters
+    if "completions" in params:
+        return True
+    ids = params.get("completion_ids")
+    if ids is None or "completion" in params:
+        return False
+    if ids.default is ids.empty:
+        return True
+    try:
+        sig.bind("", None)
+    except TypeError:
+        return True
+    return False
 
 
 def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ...]:
@@ -286,10 +321,10 @@ def _trl_refusal_hint(sig: inspect.Signature, keys: tuple[str, ...], fn: str) ->
     params = sig.parameters.values()
     if any(p.kind is p.POSITIONAL_ONLY for p in params):
         return "TRL, and qerl, pass a reward's arguments as keywords: drop the `/` from its parameters"
+    # one at least: with no positional-only parameter (above), keys alone fail to bind only where one none of them
+    # names is required
     missing = [p.name for p in params if p.default is p.empty and p.name not in keys
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if not missing:  # (unreachable for a signature that binds keys alone; kept as the general advice)
-        return "qerl passes the row's reference (--answer-key's column) as `answer` and no trainer_state"
     return (f"qerl passes the row's reference (--answer-key's column) as `answer`, no trainer_state and no other "
             f"column: rename `{missing[0]}` to `answer`, give it a default, or wrap the function: "
             f"def f(completions, answer, **kwargs): return {fn}(completions, {missing[0]}=answer, **kwargs)")

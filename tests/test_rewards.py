@@ -1574,6 +1574,19 @@ def solution(completions, solution, **kwargs):
 
 def per_completion(completion, answer, completion_ids=None):  # not TRL's: it names `completion`
     return 1.0
+
+
+def shared(text, answer, completion_ids=None):  # not TRL's: it takes (completion, answer), its ids by default
+    return float(len(text))
+
+
+def ids_by_default(completion_ids=None, **kwargs):  # TRL's: it cannot take (completion, answer)
+    return [float(len(ids)) for ids in completion_ids]
+
+
+async def raises(completions, **kwargs):
+    await asyncio.sleep(0)
+    raise KeyError("gone")
 '''
 
 
@@ -1624,3 +1637,40 @@ def test_a_trl_reward_refused_when_loaded_is_told_what_to_change(tmp_path):
     with pytest.raises(BadInputError) as e:
         RewardSet.from_specs([f"{f}:solution"])
     assert "def f(completions, answer, **kwargs): return solution(completions, solution=answer, **kwargs)" in e.value.hint
+
+
+def test_a_per_completion_reward_whose_completion_ids_has_a_default_is_not_trls(tmp_path):
+    # f(text, answer, completion_ids=None) loaded as a per-completion reward until completion_ids alone made a reward
+    # TRL-style: it was refused as a TRL reward missing `text`, told to "rename `text` to `answer`"
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    rs = RewardSet.from_specs([f"{f}:shared", f"{f}:ids_by_default"])
+    assert rs.specs[0].reward.batched is None and rs.specs[1].reward.batched is not None
+    assert rs.score_group(["ab", "c"], None, "q", completion_ids=[[1, 2, 3], [4]]) == [
+        ({f"{f}:shared": 2.0, f"{f}:ids_by_default": 3.0}, 5.0), ({f"{f}:shared": 1.0, f"{f}:ids_by_default": 1.0}, 2.0)]
+
+
+def test_an_async_trl_reward_is_awaited_where_a_loop_already_runs(tmp_path):
+    # rollout(cfg) from a Jupyter notebook (or any async caller): the reward's coroutine was run on the caller's thread,
+    # where a loop already runs: "reward ... raised RuntimeError: Cannot run the event loop while another loop is running"
+    import asyncio
+
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    rs = RewardSet.from_specs([f"{f}:judged"])
+
+    async def caller():
+        return [rs.score_group(["4", "five"], "4", "q") for _ in range(2)]
+
+    assert asyncio.run(caller()) == [[({f"{f}:judged": 1.0}, 1.0), ({f"{f}:judged": 0.0}, 0.0)]] * 2
+    assert rs.score_group(["4"], "4", "q") == [({f"{f}:judged": 1.0}, 1.0)]
+    loops = rs.specs[0].reward.fn.__globals__["loops"]
+    assert len(loops) == 3 and loops[0] is loops[1] is loops[2]  # still one loop
+    bad = RewardSet.from_specs([f"{f}:raises"])
+
+    async def bad_caller():
+        return bad.score_group(["a"], None, "q", where=" for p.jsonl:1")
+
+    with pytest.raises(BadInputError) as e:  # what it raises is the user's, named where it raised
+        asyncio.run(bad_caller())
+    assert f"raised KeyError: 'gone' for p.jsonl:1 (at {f}:" in str(e.value) and ", in raises)" in str(e.value)
