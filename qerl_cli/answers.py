@@ -281,16 +281,27 @@ _BOX_NAME = re.compile(r"([^\s$=,;:(\[]+)\s*=\s*[$(\[\\]*$")
 _UNKNOWN = re.compile(r"(?<![\w\\])(?:[A-Za-z]|\\(?:var)?(?:alpha|beta|gamma|delta|epsilon|zeta|eta|theta|iota|kappa|lambda|mu|nu|"
                       r"xi|rho|sigma|tau|upsilon|phi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Sigma|Phi|Psi|Omega))"
                       r"(?=(?:_\{?\w+\}?)?$)")
+# A name is a variable's only when it is the whole left side, bold aside ("**x"): "a+b" is no "b", nor, across a space
+# (which ends _BOX_NAME's name), "\tan \theta" a "\theta", "\sin x", "2 x" or "x + y" an "x" or "y". Read as the unknown,
+# "$\tan \theta = \boxed{1}$, $\theta = \boxed{\frac{\pi}{4}}$" was one unknown's two values, "1, \frac{\pi}{4}",
+# and a right answer scored 0 (a review). What glues: a function or a product's command, a number (a subscript's too,
+# "\log_2 x", "\log_{10} x") or an operator; not words, a spacing or a relation ("\quad x_2", "\implies x", "so x").
+_NAME_LEAD = re.compile(r"\**")
+_NAME_GLUED = re.compile(r"(?:\\(?:(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|lg|exp|det|cdot|times|div|pm|mp|pi)"
+                         r"|_\{\w+\}|[\d+\-/^])[ \t]+$")
 
 
 def _box_name(text: str, box_start: int) -> tuple[int, str] | None:
     """(where it starts, its unknown) of the name given to the box at ``box_start``: the unknown is the letter of a
-    variable's name ("x", "**x", "x_2"), else the whole name ("3x", "2)" of "f(2)"). A name is short: searched near
-    the box."""
+    variable's name ("x", "**x", "x_2"), else the whole name ("3x", "2)" of "f(2)", "a+b"), with what it is glued to
+    across a space ("\\tan \\theta", "2 x": _NAME_GLUED). A name is short: searched near the box."""
     m = _BOX_NAME.search(text, max(0, box_start - 40), box_start)
     if m is None:
         return None
-    unknown = _UNKNOWN.search(m.group(1))
+    glued = _NAME_GLUED.search(text, max(0, m.start(1) - 40), m.start(1))
+    if glued is not None:  # "\tan \theta": the whole left side is the name
+        return glued.start(), text[glued.start() : m.end(1)]
+    unknown = _UNKNOWN.match(m.group(1), _NAME_LEAD.match(m.group(1)).end())
     return (m.start(1), m.group(1)) if unknown is None else (m.start(1) + unknown.start(), unknown.group(0))
 
 
@@ -1160,13 +1171,25 @@ def _math_verify_extraction(text: str) -> str | None:
 MAX_MATH_ANSWER_CHARS = 1000
 
 
+def long_math_reference(rows, noun: str = "completion") -> str | None:
+    """A warning for the rows (``.answer``, ``.where``) whose reference the math rule reads as no answer, being over
+    MAX_MATH_ANSWER_CHARS once its box is taken, or None. Every completion of such a problem scores 0, however right:
+    silent until a review (a dataset's answer column holding a whole solution without a box is one)."""
+    long = [r for r in rows if r.answer is not None and len(reference_answer(r.answer, "math")) > MAX_MATH_ANSWER_CHARS]
+    if not long:
+        return None
+    more = f" (and {len(long) - 1} more row{'s' if len(long) > 2 else ''})" if len(long) > 1 else ""
+    return (f"{long[0].where}: the reference is over {MAX_MATH_ANSWER_CHARS:,} characters{more}, which the math rule "
+            f"reads as no answer: every {noun} of its problem scores 0 (an answer column holding a whole "
+            f"solution? give the final answer, or box it: its last \\boxed{{}} is the reference)")
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
     # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    if max(len(gold), len(pred)) > MAX_MATH_ANSWER_CHARS:
+    if max(len(gold), len(pred)) > MAX_MATH_ANSWER_CHARS:  # before the import: math-verify's (sympy's) costs ~1 s
         return False
+    from math_verify import LatexExtractionConfig, parse, verify
 
     timeout = _math_verify_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]

@@ -53,6 +53,7 @@ from qerl_cli.answers import (
     THINK_OPEN,
     blank_stop,
     every_stopped,
+    long_math_reference,
     rule_packages,
     stop_takes_tag,
     think_stop,
@@ -430,6 +431,9 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     missing = next((r for r in rows if r.answer is None), None)
     if missing is not None:
         raise BadInputError(f"{missing.where}: row has no reference `answer`; eval needs one per problem")
+    long = long_math_reference([r for r in rows if scorer_for(r.answer, cfg.scorer) == "math"], "sample")
+    if long is not None:  # a reference the math rule cannot read: said before generating
+        warnings.warn(QerlWarning(long), stacklevel=2)
 
     default_was = None  # older qerl's fixed default, where this run takes the default and that one fit
     if cfg.max_new_tokens is None:  # resolved before the fingerprint, which records the number generated with

@@ -52,6 +52,7 @@ from qerl_cli.answers import (
     blank_stop,
     every_stopped,
     judged_completion,
+    long_math_reference,
     stop_takes_tag,
     stop_taking,
     think_stop,
@@ -644,6 +645,10 @@ def rollout(cfg: RolloutConfig) -> dict:
                 f"{missing.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one",
                 hint="add answers, or use rewards that need none (format, module:function)",
             )
+    if "math" in {s.name for s in reward_set.specs}:  # a reference the math rule cannot read: said before generating
+        long = long_math_reference(selected)
+        if long is not None:
+            warnings.warn(QerlWarning(long), stacklevel=2)
     sigma = aqn_sigma(cfg)
     device = resolve_device(cfg.device)
     dtype_name, torch_dtype = resolve_dtype(cfg.dtype, device)

@@ -662,6 +662,23 @@ def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, 
         run(model_dir, tmp_path, rows, [["#### 7"]], name="c", stop=("\n\n",))
 
 
+def test_a_math_reference_the_rule_cannot_read_is_warned_of(model_dir, tmp_path):
+    # The math rule reads a reference over MAX_MATH_ANSWER_CHARS as no answer: every sample of that problem scored 0,
+    # however right, unsaid.
+    from qerl_cli.answers import MAX_MATH_ANSWER_CHARS
+    from qerl_cli.errors import QerlWarning
+
+    long = "x^{2} + " * (MAX_MATH_ANSWER_CHARS // 8) + "1"
+    rows = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "Expand it.", "answer": long}]
+    with pytest.warns(QerlWarning, match=r"a.jsonl:2: the reference is over 1,000 characters, which the math rule "
+                                         r"reads as no answer: every sample of its problem scores 0"):
+        res, _ = run(model_dir, tmp_path, rows, [["#### 7"], [f"\\boxed{{{long}}}"]], name="a")
+    assert res["metrics"]["counts"]["correct_samples"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # --scorer gsm8k: the math rule scores nothing
+        run(model_dir, tmp_path, rows, [["#### 7"], ["no"]], name="b", scorer="gsm8k")
+
+
 def test_a_stop_that_takes_the_closing_answer_tag_names_only_the_rules_that_score(model_dir, tmp_path):
     # --scorer auto: where every reference is LaTeX the math rule scores every problem, yet the warning said the gsm8k
     # rule's #### lines still score (a sample's "#### 1/2" scores 0 there).

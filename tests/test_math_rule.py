@@ -126,6 +126,21 @@ def test_names_stop_a_list_of_boxes_not_a_hedge(completion, reference, ok):
 
 
 @pytest.mark.parametrize("completion, reference, ok", [
+    ("$\\tan \\theta = \\boxed{1}$, $\\theta = \\boxed{\\frac{\\pi}{4}}$", "\\frac{\\pi}{4}", True),
+    ("$\\cos \\alpha = \\boxed{\\frac12}$ and $\\alpha = \\boxed{\\frac{\\pi}{3}}$", "\\frac{\\pi}{3}", True),
+    ("$\\sin x = \\boxed{\\frac12}$, $x = \\boxed{\\frac{\\pi}{6}}$", "\\frac{\\pi}{6}", True),
+    ("$x + y = \\boxed{10}$, $y = \\boxed{4}$", "4", True), ("$a+b = \\boxed{7}$, $b = \\boxed{3}$", "3", True),
+    ("$2 x = \\boxed{6}$, $x = \\boxed{3}$", "3", True),
+    ("$x_1 = \\boxed{-2}$, $x_2 = \\boxed{1}$", "1, -2", True), ("**x = \\boxed{2}** and **x = \\boxed{3}**", "2, 3", True),
+])
+def test_a_name_is_the_whole_left_side_of_its_box(completion, reference, ok):
+    """The unknown a box names was found anywhere in the name's last word: "a+b" named "b", and the word after a space
+    ("\\tan \\theta", "\\sin x", "2 x") was all of it. So a step and its answer read as two values of one unknown,
+    "1, \\frac{\\pi}{4}", and a right answer scored 0 (for "\\theta = " since Greek letters became unknowns)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
     ("<answer>$18</answer>", "18", True), ("<answer>$18.50</answer>", "18.5", True), ("<answer>$ 18</answer>", "18", True),
     ("<answer>$18.50</answer>", "18", False), ("<answer>$3 or $4</answer>", "4", False),
     ("<answer>$3$ or maybe $4$</answer>", "4", False), ("<answer>$3$, or perhaps $4$</answer>", "3", False),

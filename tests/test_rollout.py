@@ -826,6 +826,28 @@ def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, 
                         out=tmp_path / "plain"))
 
 
+def test_a_math_reference_the_rule_cannot_read_is_warned_of(model_dir, tmp_path, fake_engine):
+    # The math rule reads a reference over MAX_MATH_ANSWER_CHARS as no answer (its parse took seconds a verdict): every
+    # completion of that problem scored 0, however right, unsaid (a whole solution without a box as the `answer`).
+    from qerl_cli.answers import MAX_MATH_ANSWER_CHARS
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.rewards import REWARDS
+
+    long = "x^{2} + " * (MAX_MATH_ANSWER_CHARS // 8) + "1"
+    assert REWARDS["math"].fn(f"\\boxed{{{long}}}", long) == 0.0
+    rows = [{"prompt": "Q0", "answer": "1"}, {"prompt": "Q1", "answer": long}, {"prompt": "Q2", "answer": long + " "},
+            {"prompt": "Q3", "answer": f"So $y = \\boxed{{1}}$. {long}"}]  # its box is the reference: read
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(QerlWarning, match=r"long.jsonl:2: the reference is over 1,000 characters \(and 1 more row\), "
+                                         r"which the math rule reads as no answer: every completion of its problem "
+                                         r"scores 0"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=("math",), max_prompts=4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # no math reward: not its reference
+        rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=("format",), max_prompts=4, out=tmp_path / "f"))
+
+
 def test_each_prompt_gets_its_own_seed_whatever_the_batch(model_dir, tmp_path, fake_engine):
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "a", batch_prompts=3, step=2, seed=5))
     rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "b", batch_prompts=4, step=2, seed=5))
