@@ -286,7 +286,10 @@ _UNKNOWN = re.compile(r"(?<![\w\\])(?:[A-Za-z]|\\(?:var)?(?:alpha|beta|gamma|del
 # "$\tan \theta = \boxed{1}$, $\theta = \boxed{\frac{\pi}{4}}$" was one unknown's two values, "1, \frac{\pi}{4}",
 # and a right answer scored 0 (a review). What glues: a function or a product's command, a number (a subscript's too,
 # "\log_2 x", "\log_{10} x") or an operator; not words, a spacing or a relation ("\quad x_2", "\implies x", "so x").
-_NAME_LEAD = re.compile(r"\**")
+# Nor are they when nothing spaces them off, so they lead the name, not start it: "**x", "\text{so}~x", "}x" (of
+# "\text{so }x": the space splits the group), "答：x". Only "**" led until a review: "\text{so }x = \boxed{2} and
+# x = \boxed{3}" named "}x" and "x", two unknowns, and the list of one unknown's two values read as the last alone.
+_NAME_LEAD = re.compile(r"(?:\*|~|\}|\\(?:text|textrm|textbf|textit|mbox)\s*\{[^{}]*\}|[^\x00-\x7f])*")
 _NAME_GLUED = re.compile(r"(?:\\(?:(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|lg|exp|det|cdot|times|div|pm|mp|pi)"
                          r"|_\{\w+\}|[\d+\-/^])[ \t]+$")
 

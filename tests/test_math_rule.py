@@ -141,6 +141,20 @@ def test_a_name_is_the_whole_left_side_of_its_box(completion, reference, ok):
 
 
 @pytest.mark.parametrize("completion, reference, ok", [
+    ("\\text{so }x = \\boxed{2} and x = \\boxed{3}", "2, 3", True),
+    ("\\[ x = \\boxed{2}\\text{ and }x = \\boxed{3} \\]", "2, 3", True),
+    ("$\\text{so}~x = \\boxed{2}$, $x = \\boxed{3}$", "2, 3", True),
+    ("答：x = \\boxed{2}, x = \\boxed{3}", "2, 3", True),
+    ("\\text{so }x = \\boxed{2} and y = \\boxed{3}", "3", True), ("$\\text{so}~a+b = \\boxed{7}$, $b = \\boxed{3}$", "3", True),
+])
+def test_words_glued_before_a_name_lead_it(completion, reference, ok):
+    """A name's left side starts after words or a spacing glued to it, as after "**": "\\text{so }x" (whose space
+    splits the group, leaving "}x"), "\\text{so}~x", "答：x". Read whole, "}x" and "x" were two unknowns, and one
+    unknown's two values listed scored 0 against both (1 before the whole left side was the name)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
     ("<answer>$18</answer>", "18", True), ("<answer>$18.50</answer>", "18.5", True), ("<answer>$ 18</answer>", "18", True),
     ("<answer>$18.50</answer>", "18", False), ("<answer>$3 or $4</answer>", "4", False),
     ("<answer>$3$ or maybe $4$</answer>", "4", False), ("<answer>$3$, or perhaps $4$</answer>", "3", False),
