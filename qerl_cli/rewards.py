@@ -101,14 +101,20 @@ def _awaited(awaitable):
     ``rollout(cfg)`` from a Jupyter notebook, or any async caller: "Cannot run the event loop while another loop is
     running", blamed on the reward; a review)."""
     async def wait():
-        return await awaitable
+        try:
+            return await awaitable, None
+        except (KeyboardInterrupt, SystemExit) as e:  # asyncio lets these out of run_forever: the loop's thread
+            return None, e  # ended with the result unset, and a reward's sys.exit() hung the run (a review)
 
     done = asyncio.run_coroutine_threadsafe(wait(), _event_loop())
     try:
-        return done.result()
+        got, stopped = done.result()
     except BaseException:  # a Ctrl-C while it waits: the reward is not left running on
         done.cancel()
         raise
+    if stopped is not None:
+        raise stopped  # the reward's own: its traceback still names the reward's line
+    return got
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
@@ -278,8 +284,8 @@ def _written_for_trl(sig: inspect.Signature) -> bool:
     """A reward written for TRL: it takes ``completions``, or ``completion_ids`` and no ``completion`` (TRL's own
     get_repetition_penalty_reward and get_soft_overlong_punishment take the ids alone, and were refused when loaded as
     "cannot be called as f(completion, answer)"). Not one whose ``completion_ids`` has a default and that takes
-    (completion, answer): a per-completion reward, ``f(text, answer, completion_ids=None)``, was refused as a TRL
-    reward missing `text` (a review)."""
+    (completion, answer) in other parameters: a per-completion reward, ``f(text, answer, completion_ids=None)``, was
+    refused as a TRL reward missing `text` (a review); ``f(completion_ids=None, answer=None, **kwargs)`` is TRL's."""
     params = sig.parameters
     if "completions" in params:
         return True
@@ -288,11 +294,10 @@ def _written_for_trl(sig: inspect.Signature) -> bool:
         return False
     if ids.default is ids.empty:
         return True
-    try:
-        sig.bind("", None)
+    try:  # (completion, answer) into other parameters: f(completion_ids=None, answer=None, **kwargs) is TRL's
+        return "completion_ids" in sig.bind("", None).arguments
     except TypeError:
         return True
-    return False
 
 
 def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ...]:

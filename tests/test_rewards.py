@@ -1587,6 +1587,15 @@ def ids_by_default(completion_ids=None, **kwargs):  # TRL's: it cannot take (com
 async def raises(completions, **kwargs):
     await asyncio.sleep(0)
     raise KeyError("gone")
+
+
+async def exits(completions, **kwargs):
+    await asyncio.sleep(0)
+    raise SystemExit("no judge")  # sys.exit()
+
+
+def ids_and_answer(completion_ids=None, answer=None, **kwargs):  # TRL's: (completion, answer) would fill its ids
+    return [float(len(ids)) for ids in completion_ids]
 '''
 
 
@@ -1674,3 +1683,38 @@ def test_an_async_trl_reward_is_awaited_where_a_loop_already_runs(tmp_path):
     with pytest.raises(BadInputError) as e:  # what it raises is the user's, named where it raised
         asyncio.run(bad_caller())
     assert f"raised KeyError: 'gone' for p.jsonl:1 (at {f}:" in str(e.value) and ", in raises)" in str(e.value)
+
+
+def test_a_trl_reward_whose_completion_ids_would_take_the_completion_is_trls(tmp_path):
+    # f(completion_ids=None, answer=None, **kwargs) binds (completion, answer) with the text as its ids: it was loaded
+    # as a per-completion reward and failed with "returned list '[...]', not a number"
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    rs = RewardSet.from_specs([f"{f}:ids_and_answer"])
+    assert rs.score_group(["ab", "c"], "4", "q", completion_ids=[[1, 2, 3], [4]]) == [
+        ({f"{f}:ids_and_answer": 3.0}, 3.0), ({f"{f}:ids_and_answer": 1.0}, 1.0)]
+
+
+def test_an_async_reward_that_exits_is_its_error_not_a_hang(tmp_path):
+    # asyncio lets SystemExit out of the loop's run_forever: the loop's thread ended and the run waited forever
+    import threading
+
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    rs = RewardSet.from_specs([f"{f}:exits"])
+    done = []
+    t = threading.Thread(target=lambda: done.append(_outcome(lambda: rs.score_group(["a"], None, "q"))), daemon=True)
+    t.start()
+    t.join(10)
+    assert done, "the reward's sys.exit() hung the call"
+    assert isinstance(done[0], BadInputError) and "raised SystemExit: no judge" in str(done[0])
+    assert f"(at {f}:" in str(done[0]) and ", in exits)" in str(done[0])
+    judged = RewardSet.from_specs([f"{f}:judged"])  # the loop still serves the next reward
+    assert judged.score_group(["4"], "4", "q") == [({f"{f}:judged": 1.0}, 1.0)]
+
+
+def _outcome(call):
+    try:
+        return call()
+    except BaseException as e:  # noqa: BLE001 - the test looks at it
+        return e
