@@ -90,6 +90,7 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "-2, 1" (was the last box, or none), unless they name two unknowns ("$x = \boxed{2}$ and $y = \boxed{3}$": the last
 # box); "10\,000" is 10000 (was 0), "30°" and "\boxed{5.}" are read; without a box, the last <answer> tag (was none).
 # An answer or reference over 1,000 characters is no answer (MAX_MATH_ANSWER_CHARS).
+# TeX spacing around the "or"/"and" between two boxes is a space ("\(x = \boxed{2}\) or \(x = \boxed{3}\)" was 3).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
@@ -313,6 +314,19 @@ def _is_unknown(name: str) -> bool:
     return _UNKNOWN.fullmatch(name) is not None
 
 
+# TeX that only spaces or delimits the words between two boxes: "\(x = \boxed{2}\) or \(x = \boxed{3}\)",
+# "x = \boxed{2} \quad\text{or}\quad x = \boxed{3}", "\boxed{2}~\text{and}~\boxed{3}". Left in, the "or"/"and" read
+# as words around the boxes, no hedge or list: the last box alone, a hedge rewarded for its second value (a review).
+_SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\[,;:! ()\[\]]|~")
+_SEPARATOR_TEX_TEXT = re.compile(r"\\(?:text|textrm|textnormal|mbox)\s*\{([^{}]*)\}")
+
+
+def _plain_separator(between: str) -> str:
+    """The words between two boxes with their TeX spacing and ``\\text{}`` groups taken off (the math rule's only:
+    the gsm8k rule's verdicts are released as they stand)."""
+    return _SEPARATOR_TEX_SPACE.sub(" ", _SEPARATOR_TEX_TEXT.sub(r" \1 ", between))  # "\quad\text{or}": not "\quador"
+
+
 def math_boxes(text: str) -> str | None:
     """The math rule's answer: the last box, with the boxes listed or offered beside it ("\\boxed{-2} and \\boxed{1}",
     "$x = \\boxed{-2}$, $x = \\boxed{1}$", "\\boxed{72} or \\boxed{73}") joined into one ("-2, 1"), as math-verify joins
@@ -331,7 +345,7 @@ def math_boxes(text: str) -> str | None:
         if len(listed) > MAX_LISTED_BOXES:  # a degenerate run of boxes: one verdict each below would cost seconds
             return None
         named = name is not None and name[0] >= end and _is_unknown(name[1])  # a variable's name between the two
-        between = text[end : name[0] if named else start]
+        between = _plain_separator(text[end : name[0] if named else start])
         hedged = _BOX_HEDGE.fullmatch(between)
         if not (hedged or _BOX_LIST.fullmatch(between)):
             break

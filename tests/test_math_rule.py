@@ -193,3 +193,16 @@ def test_a_degenerate_box_is_no_answer_read_fast():
     assert not is_correct(f"\\boxed{{{box}}}", "1", "math")
     assert time.perf_counter() - t < 0.5
     assert is_correct("\\boxed{" + "1" + " " * (MAX_MATH_ANSWER_CHARS - 2) + "}", "1", "math")  # at the cap: read
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    (r"\(x = \boxed{2}\) or \(x = \boxed{3}\)", "3", False), (r"\(x = \boxed{2}\) or \(x = \boxed{3}\)", "2, 3", True),
+    (r"\[ x = \boxed{2} \quad\text{or}\quad x = \boxed{3} \]", "3", False),
+    (r"\[ x = \boxed{2} \quad\text{or}\quad x = \boxed{3} \]", "2, 3", True),
+    (r"\boxed{2}~\text{and}~\boxed{3}", "2, 3", True), (r"\boxed{2}\ \text{or}\ \boxed{3}", "3", False),
+    (r"$\boxed{4}$\quad so the area is $\boxed{16}$", "16", True),
+])
+def test_tex_spacing_between_boxes_leaves_their_hedge_or_list(completion, reference, ok):
+    """An "or" or "and" between two boxes inside TeX spacing or delimiters ("\\) or \\(", "\\quad\\text{or}\\quad") read
+    as words around them: the last box alone, a hedge rewarded for its second value and two solutions scored 0."""
+    assert is_correct(completion, reference, "math") is ok
