@@ -222,8 +222,13 @@ def cases(n_per_problem: int, seed: int) -> list[tuple[str, str, str | None]]:
 
 
 def load_rule(rev: str):
-    """extract_answer at a git revision, imported as its own module: qerl_cli/answers.py's, or before that module
-    existed (2026-11-27) qerl_cli/rewards.py's (whose later version imports the tree's answers.py: not the baseline)."""
+    """extract_answer at a git revision (``load_answers``)."""
+    return load_answers(rev).extract_answer
+
+
+def load_answers(rev: str):
+    """The answer rules at a git revision, imported as their own module: qerl_cli/answers.py, or before that module
+    existed (2026-11-27) qerl_cli/rewards.py (whose later version imports the tree's answers.py: not the baseline)."""
     for name in ("answers", "rewards"):
         shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:qerl_cli/{name}.py"], capture_output=True,
                                text=True)
@@ -238,7 +243,7 @@ def load_rule(rev: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.extract_answer
+    return module
 
 
 def math_verify_right(text: str, want: str) -> bool:

@@ -2,6 +2,7 @@
 
     python benchmarks/compare_math_rule.py             # counts
     python benchmarks/compare_math_rule.py --show      # and each case either judge gets wrong
+    python benchmarks/compare_math_rule.py --baseline 52f146d   # and the rule at that revision (math 1 there)
 
 The set (tests/data/math_rule_cases.jsonl, which tests/test_math_rule.py also runs) holds MATH-500-style references
 (fractions, roots, intervals, sets, tuples, matrices, choices, text, units, degrees, percents, equations, big
@@ -40,11 +41,18 @@ def _qerl(reference: str, completion: str) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--show", action="store_true", help="print each case a judge gets wrong")
+    ap.add_argument("--baseline", help="also judge with the rule at this git revision (e.g. 52f146d: math 1)")
     args = ap.parse_args()
     logging.disable(logging.CRITICAL)  # math-verify's parse failures
     cases = [json.loads(line) for line in CASES.read_text().splitlines()]
     print(f"{len(cases)} cases, {sum(c['correct'] for c in cases)} right answers")
-    for name, judge in (("qerl math rule", _qerl), ("math-verify defaults", _math_verify)):
+    judges = [("qerl math rule", _qerl), ("math-verify defaults", _math_verify)]
+    if args.baseline:
+        from compare_gsm8k_rule import load_answers
+
+        old = load_answers(args.baseline)
+        judges.insert(1, (f"rule at {args.baseline[:10]}", lambda ref, text: old.is_correct(text, ref, "math")))
+    for name, judge in judges:
         tp = fp = fn = 0
         for c in cases:
             got = judge(c["reference"], c["completion"])
