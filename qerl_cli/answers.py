@@ -318,7 +318,9 @@ def _is_unknown(name: str) -> bool:
 # "x = \boxed{2} \quad\text{or}\quad x = \boxed{3}", "\boxed{2}~\text{and}~\boxed{3}". Left in, the "or"/"and" read
 # as words around the boxes, no hedge or list: the last box alone, a hedge rewarded for its second value (a review).
 _SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\[,;:! ()\[\]]|~")
-_SEPARATOR_TEX_TEXT = re.compile(r"\\(?:text|textrm|textnormal|mbox)\s*\{([^{}]*)\}")
+# Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
+# their hedge was the last box alone, rewarded for its second value).
+_SEPARATOR_TEX_TEXT = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mbox)\s*\{([^{}]*)\}")
 
 
 def _plain_separator(between: str) -> str:

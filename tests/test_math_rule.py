@@ -201,6 +201,8 @@ def test_a_degenerate_box_is_no_answer_read_fast():
     (r"\[ x = \boxed{2} \quad\text{or}\quad x = \boxed{3} \]", "2, 3", True),
     (r"\boxed{2}~\text{and}~\boxed{3}", "2, 3", True), (r"\boxed{2}\ \text{or}\ \boxed{3}", "3", False),
     (r"$\boxed{4}$\quad so the area is $\boxed{16}$", "16", True),
+    (r"\[ x = \boxed{2} \quad\mathrm{or}\quad x = \boxed{3} \]", "3", False),
+    (r"\boxed{2}\ \textbf{or}\ \boxed{3}", "2, 3", True),
 ])
 def test_tex_spacing_between_boxes_leaves_their_hedge_or_list(completion, reference, ok):
     """An "or" or "and" between two boxes inside TeX spacing or delimiters ("\\) or \\(", "\\quad\\text{or}\\quad") read
