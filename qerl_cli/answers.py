@@ -320,7 +320,9 @@ def _is_unknown(name: str) -> bool:
 _SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\[,;:! ()\[\]]|~")
 # Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
 # their hedge was the last box alone, rewarded for its second value).
-_SEPARATOR_TEX_TEXT = re.compile(r"\\(?:text|textrm|textnormal|textbf|textit|mathrm|mbox)\s*\{([^{}]*)\}")
+# A TeX text group of one of these commands, its content captured (the gsm8k rule's `_LATEX_TEXT` too).
+_TEXT_GROUP = r"\\(?:{})\s*\{{([^{{}}]*)\}}"
+_SEPARATOR_TEX_TEXT = re.compile(_TEXT_GROUP.format("text|textrm|textnormal|textbf|textit|mathrm|mbox"))
 
 
 def _plain_separator(between: str) -> str:
@@ -373,7 +375,7 @@ _FRAC_ARG = r"(?:\{\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?)\s*\}|(\d))"
 # A whole number glued before it makes a mixed number (1\frac{1}{2}, 3\frac12 = 3.5), matched in the same left-to-right
 # scan: a separate pass for mixed numbers took the digits of a braceless \frac12 before it for a whole part.
 _LATEX_FRAC = re.compile(rf"(?:(?<![\d.])(-?)(\d+)\s*)?\\[dt]?frac\s*{_FRAC_ARG}\s*{_FRAC_ARG}")
-_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_LATEX_TEXT = re.compile(_TEXT_GROUP.format("text|textbf|textrm|textnormal|mathrm|mathbf|mbox"))
 # "(?:\{\s*)?", not "\{?\s*": two \s* around an optional brace split one run of spaces every way, O(n^2) on a
 # "^" followed by n spaces (80,000 on a #### line held one reward for 18 s)
 _DEGREES = re.compile(r"\^\s*(?:\{\s*)?\\circ\s*\}?|\u00b0|\\degree")
