@@ -1,12 +1,13 @@
 """Where an eval was generated, and what that makes of other devices' runs of it.
 
 A finished eval's samples are the eval's on any device: the device is in the fingerprint (a stopped eval resumes only
-on its own device, or its new samples would carry another device's numerics beside the kept ones), but a rerun on a CPU
+on its own device, or its new samples would carry another device's numerics beside the kept ones; or on another of the
+node's GPUs of the same model, ``stopped_on_a_like_gpu``), but a rerun on a CPU
 node of an eval a GPU node finished prints or rescores it rather than exit 4 (``made_elsewhere``). The dtype decides:
 the same dtype, or under --dtype auto the one auto gives on the device that made it (``counts_as_made``). Once --out
 holds the eval finished, the partial directories of the same eval stopped on other devices are obsolete: each records
 the device, dtype and --dtype flag that made it (``MADE_ON``), and ``sweep_other_devices_partials`` removes those the
-finished eval stands for, under their writer locks.
+finished eval stands for, judged again under their writer locks.
 """
 
 from __future__ import annotations
@@ -55,10 +56,52 @@ DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(64)))
 MADE_ON = ".made_on.json"
 
 
-def record_made_on(work: Path, dtype_flag: str, config: dict) -> None:
-    """Record in the partial directory where and by which --dtype its samples are generated (``MADE_ON``)."""
+def record_made_on(work: Path, dtype_flag: str, config: dict, gpu: str | None = None) -> None:
+    """Record in the partial directory where and by which --dtype its samples are generated (``MADE_ON``), and the
+    model of the GPU generating them (``runtime.gpu_model``; None on a CPU): what a resume on another of the node's
+    GPUs must match (``stopped_on_a_like_gpu``)."""
     (work / MADE_ON).write_text(json.dumps({"device": config["device"], "dtype": config["dtype"],
-                                            "dtype_flag": dtype_flag}) + "\n")
+                                            "dtype_flag": dtype_flag, "gpu": gpu}) + "\n")
+
+
+def stopped_on_a_like_gpu(so: StageOutput, device: str) -> str | None:
+    """The device (``cuda:1``) of this eval stopped on another index of this run's GPU model, whose partial directory
+    this run on ``device`` (``cuda``) resumes, or None. The index never decided the numerics (``device_kind``), the
+    GPU's model and the dtype do: the same command with --device cuda after a stop under --device cuda:1 started
+    afresh, and once finished removed the stopped one, every kept problem generated twice. Only a directory that
+    records its GPU's model (not an older qerl's), where it is this one's: a node's GPUs may be of two models. Of
+    several, the one that kept the most; its device stays the eval's (the fingerprint, its partial directory's name,
+    and the writer lock a run still writing it holds: this one is then refused, exit 8)."""
+    from qerl_cli.runtime import device_kind, gpu_model
+
+    model = gpu_model(device)
+    if model is None:
+        return None
+    found = []
+    for part in so.partial_dirs():
+        where = _recorded_made_on(part)
+        if where is None or where[0] == device or device_kind(where[0]) != device_kind(device) or _recorded_gpu(part) != model:
+            continue
+        if partial_dir_of(so, dict(so.config, device=where[0])) == part:  # this eval's, not another's (flags, inputs)
+            found.append((_kept_bytes(part), where[0]))
+    return max(found)[1] if found else None
+
+
+def _recorded_gpu(part: Path) -> str | None:
+    """The GPU model a partial directory records (``record_made_on``), or None (a CPU's, an older qerl's)."""
+    try:
+        gpu = json.loads((part / MADE_ON).read_text()).get("gpu")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return gpu if isinstance(gpu, str) else None
+
+
+def _kept_bytes(part: Path) -> int:
+    """How much a partial directory has saved (its files' bytes): which of several stopped runs to resume."""
+    try:
+        return sum(p.stat().st_size for p in part.iterdir() if p.is_file())
+    except OSError:  # removed meanwhile (swept, or renamed into --out by the run that finished it)
+        return -1
 
 
 def _recorded_made_on(part: Path) -> tuple[str, str, str] | None:
@@ -83,23 +126,32 @@ def sweep_other_devices_partials(so: StageOutput) -> None:
     given, which its directory records (``MADE_ON``): this command's --dtype guessed it, and a CPU's --dtype auto
     eval removed a GPU's stopped --dtype bf16 one, which --force there still resumes. A directory that records none
     (an older qerl's) only where its dtype is --out's, obsolete whatever --dtype made it; never one a live run is
-    writing (its writer lock)."""
+    writing (its writer lock), under which each is judged again before it is removed."""
     made = so.config["device"], so.config["dtype"]  # where the finished eval at --out was generated
-    unrecorded = None  # partial directory name -> device, for this eval in --out's dtype on each device
-    for part in so.partial_dirs():
+    unrecorded: dict[str, str] = {}  # partial directory name -> device, for this eval in --out's dtype on each device
+
+    def obsolete(part: Path) -> dict | None:
+        """The config of the stopped run of this eval that ``part`` holds, where --out stands for it, or None."""
         where = _recorded_made_on(part)
         if where is None:
-            if unrecorded is None:
-                unrecorded = {partial_dir_of(so, dict(so.config, device=d)).name: d for d in DEVICES}
+            if not unrecorded:
+                unrecorded.update({partial_dir_of(so, dict(so.config, device=d)).name: d for d in DEVICES})
             if part.name not in unrecorded:
-                continue  # another eval's, or this one's in another dtype (made by auto, or by that dtype named?)
+                return None  # another eval's, or this one's in another dtype (made by auto, or by that dtype named?)
             where = unrecorded[part.name], made[1], made[1]  # as if named: --out's dtype is its eval whatever made it
         device, dtype, flag = where
         if not counts_as_made(flag, dtype, *made):
-            continue  # there, --out is another eval (exit 4): the stopped one may still be resumed with --force
+            return None  # there, --out is another eval (exit 4): the stopped one may still be resumed with --force
         config = dict(so.config, device=device, dtype=dtype)
-        if partial_dir_of(so, config) != part:
-            continue  # another eval's (other flags or inputs)
-        if sweep_partial_of(so, config) is not None:  # said, --quiet or not: one the user may have meant to resume
-            print(f"note: removed {part}, this eval stopped on {device} ({dtype}): {so.out} holds it finished",
-                  file=sys.stderr)
+        return config if partial_dir_of(so, config) == part else None  # else another eval's (other flags or inputs)
+
+    for part in so.partial_dirs():
+        config = obsolete(part)
+        if config is None:
+            continue
+        # Judged again under its writer lock: a run that took it since (--dtype bf16 --force resuming a --dtype auto
+        # one) rewrote its record, and a stale verdict removed the problems it saved before it stopped.
+        if sweep_partial_of(so, config, still=lambda part=part, config=config: obsolete(part) == config) is not None:
+            # said, --quiet or not: one the user may have meant to resume
+            print(f"note: removed {part}, this eval stopped on {config['device']} ({config['dtype']}): {so.out} holds "
+                  "it finished", file=sys.stderr)

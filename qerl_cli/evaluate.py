@@ -19,8 +19,9 @@ Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--n
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
 adapter hashes, dataset hash, template, sampling, seed, device and dtype) goes into the manifest fingerprint, so
 rerunning the same eval is "already done" and two runs can be compared with ``--compare``; a finished eval made on
-another device is this eval's too (``eval_devices.made_elsewhere``), a stopped one resumes on its own device only (and its partial
-directory there is removed once --out holds the eval finished: ``eval_devices``). The answer
+another device is this eval's too (``eval_devices.made_elsewhere``), a stopped one resumes only on its own device or
+another GPU of the same model (``eval_devices.stopped_on_a_like_gpu``), and its partial directory elsewhere is removed
+once --out holds the eval finished (``eval_devices``). The answer
 rules' versions (``answers.RULE_VERSION``, and for the math rule math-verify's and sympy's: ``rule_packages``) are
 not in it but in metrics.json: a rerun under other rules scores the finished samples.jsonl again, generating
 nothing, rather than report the old rules' score.
@@ -66,7 +67,13 @@ from qerl_cli.errors import (
     OutputExistsError,
     QerlWarning,
 )
-from qerl_cli.eval_devices import MADE_ON, made_elsewhere, record_made_on, sweep_other_devices_partials
+from qerl_cli.eval_devices import (
+    MADE_ON,
+    made_elsewhere,
+    record_made_on,
+    stopped_on_a_like_gpu,
+    sweep_other_devices_partials,
+)
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
 from qerl_cli.outputs import (
@@ -407,7 +414,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         read_chat_template,
     )
     from qerl_cli.lineage import check_lineage
-    from qerl_cli.runtime import context_limit, resolve_device, resolve_dtype
+    from qerl_cli.runtime import context_limit, gpu_model, resolve_device, resolve_dtype
 
     t_start = time.time()
     if not cfg.model.is_dir():
@@ -464,8 +471,13 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     chat_text = None
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
-    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
-                     legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
+
+    def stage_output(config: dict) -> StageOutput:
+        return StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True,
+                           started=t_start, legacy_configs=_legacy_fingerprint_config(config, cfg, default_was),
+                           legacy_inputs=(legacy_inputs,))
+
+    so = stage_output(config)
     done = None  # the metrics of a finished run of these arguments that today's answer rules score again
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
         sweep_leftover_partial(so)
@@ -481,6 +493,14 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         # found done, now redone: a stop midway must not say "a rerun says already done"; so.out, as found done (a
         # symlinked --out is its target there)
         forget_completed(so.out)
+    like = stopped_on_a_like_gpu(so, device) if done is None and elsewhere is None else None
+    if like is not None:  # this eval stopped on another of the node's GPUs of this model: resumed as made there
+        config.update(device=like)
+        so = stage_output(config)
+        so.already_done()  # what --out holds now (nothing of this eval, as found above), for the final swap's check
+        if cfg.progress:
+            print(f"note: resuming this eval stopped on {like} (the same GPU model and dtype as {device}); its output "
+                  f"records {like}", file=sys.stderr)
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
     if done is None:  # samples to generate (a finished eval scored again keeps the ones it has)
         _check_stops_leave_the_scorers_their_tags(cfg, prompts)
@@ -511,7 +531,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     with WriterLock(so):
         try:
             with so as work:
-                record_made_on(work, cfg.dtype, config)
+                record_made_on(work, cfg.dtype, config, gpu_model(device))
                 if done is not None:  # the finished run's samples, kept as a stopped run's are: scored, none generated
                     shutil.copyfile(cfg.out / SAMPLES, work / SAMPLES)
                 records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, engine, work, console)

@@ -726,16 +726,19 @@ class WriterLock:
         return False
 
 
-def sweep_leftover_partial(out: StageOutput) -> bool:
+def sweep_leftover_partial(out: StageOutput, still=None) -> bool:
     """Remove this run's partial directory beside an ``--out`` that already holds the run: an interrupted
     ``--force`` redo left it there, and no later run without --force would ever resume or remove it (a
-    review). Only under the writer lock: a redo still running keeps its directory. Returns whether it removed one."""
+    review). Only under the writer lock: a redo still running keeps its directory. ``still()``, where given, judges
+    it again under the lock (what it holds may have changed since the caller looked). Returns whether it removed one."""
     part = out.partial_dir()
     if not part.exists():
         return False
     try:
         with WriterLock(out) as lock:
-            if lock.held:  # without flock (NFS without lockd) a live redo's directory cannot be told apart
+            # without flock (NFS without lockd) a live redo's directory cannot be told apart; gone meanwhile (a run
+            # that held the lock finished it): nothing removed
+            if lock.held and part.is_dir() and (still is None or still()):
                 shutil.rmtree(part, ignore_errors=True)
                 return True
     except OutputExistsError:
@@ -748,12 +751,12 @@ def partial_dir_of(out: StageOutput, config: dict[str, Any]) -> Path:
     return StageOutput(out.out, out.stage, config=config, inputs=out.inputs, resumable=True).partial_dir()
 
 
-def sweep_partial_of(out: StageOutput, config: dict[str, Any]) -> Path | None:
+def sweep_partial_of(out: StageOutput, config: dict[str, Any], still=None) -> Path | None:
     """Remove the partial directory beside ``out`` of a run of ``config`` (same stage and inputs) that the finished
     ``out`` made obsolete (eval: the same eval stopped on another device, whose partial directory is named by that
-    device), as ``sweep_leftover_partial`` does: under that run's writer lock, never while a live run writes it.
-    Returns the directory removed, or None."""
+    device), as ``sweep_leftover_partial`` does: under that run's writer lock, never while a live run writes it, and
+    only where ``still()`` (if given) says so under that lock. Returns the directory removed, or None."""
     other = StageOutput(out.out, out.stage, config=config, inputs=out.inputs, resumable=True)
     if other.fingerprint == out.fingerprint or not other.partial_dir().is_dir():
         return None
-    return other.partial_dir() if sweep_leftover_partial(other) else None
+    return other.partial_dir() if sweep_leftover_partial(other, still) else None

@@ -88,6 +88,20 @@ def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 
 
+def gpu_model(device: str) -> str | None:
+    """The model of the GPU ``device`` names (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3"), or None for the CPU
+    or where CUDA cannot say. With the dtype, what decides a GPU's numerics: the index does not (``device_kind``), but
+    one node may hold two models (an A100 beside an H100), whose kernels round otherwise."""
+    if device_kind(device) != "cuda":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    except Exception:  # noqa: BLE001 - no CUDA build or driver (torch raises several types): unknown
+        return None
+
+
 def resolve_dtype(dtype: str, device: str):
     """(short name, torch dtype) for `--dtype auto|bf16|fp16|fp32` on ``device``."""
     import torch

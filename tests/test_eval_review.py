@@ -667,3 +667,72 @@ def test_the_sweep_judges_a_partial_dir_of_an_older_qerl_by_its_dtype_alone(mode
         evaluate(cfg, generate=BySeed())  # on this CPU node: fp32
     assert bf16.is_dir() and not fp32.exists()
     assert f"note: removed {fp32}, this eval stopped on cuda (fp32)" in capsys.readouterr().err
+
+
+def _gpus(monkeypatch, names):
+    """A GPU node whose devices are ``names`` (cuda:i -> its model, as torch.cuda.get_device_name says)."""
+    import qerl_cli.runtime
+
+    _on_a_gpu(monkeypatch)
+    monkeypatch.setattr(qerl_cli.runtime, "gpu_model",
+                        lambda device: names[int(device.split(":")[1]) if ":" in device else 0])
+
+
+def test_a_stopped_eval_resumes_on_another_gpu_of_the_same_model(model_dir, tmp_path, monkeypatch):
+    # Stopped with --device cuda:1, the same command with --device cuda (or auto) started over (its partial directory is
+    # named by the device) and, once finished, removed cuda:1's: the problems kept there were generated twice.
+    import fcntl
+
+    from qerl_cli.errors import OutputBusyError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "H100"])
+        stopped = _stopped(replace(cfg, device="cuda:1"), m)
+        gen = BySeed()
+        with open(stopped.with_name(stopped.name + ".lock"), "a+") as live:  # a run on cuda:1 writing it right now
+            fcntl.flock(live.fileno(), fcntl.LOCK_EX)
+            with pytest.raises(OutputBusyError):  # the same eval is being written: exit 8, not a second one beside it
+                evaluate(cfg, generate=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not "an unfinished run made with other arguments": it is resumed
+            res = evaluate(cfg, generate=gen)
+        ref = evaluate(replace(cfg, device="cuda:1", out=tmp_path / "ref"), generate=BySeed())  # uninterrupted there
+    assert gen.asked == [[4]] and not stopped.exists() and res["manifest"]["resumed"]["problems"] == 4
+    assert _without_time(cfg.out) == _without_time(tmp_path / "ref")  # recorded as made where it started: cuda:1
+    assert (cfg.out / "samples.jsonl").read_bytes() == (tmp_path / "ref" / "samples.jsonl").read_bytes()
+    assert res["manifest"]["fingerprint"] == ref["manifest"]["fingerprint"]
+
+
+def test_a_stopped_eval_is_not_resumed_on_another_gpu_model(model_dir, tmp_path, monkeypatch):
+    # cuda:0 and cuda:1 of one node may be different GPUs (an A100 beside an H100): other numerics, so no resume.
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["A100", "H100"])
+        stopped = _stopped(replace(cfg, device="cuda:1"), m)
+        gen = BySeed()
+        with pytest.warns(Warning, match="unfinished run made with other arguments"):
+            evaluate(cfg, generate=gen)
+    assert gen.asked == [[0, 1, 2, 3], [4]] and not stopped.exists()  # started afresh; the stopped one is obsolete
+
+
+def test_the_sweep_judges_a_partial_dir_under_its_writer_lock(model_dir, tmp_path, monkeypatch):
+    # The sweep read a partial directory's record, then took its writer lock and removed it: a run that took the lock
+    # between the two (here a GPU's --dtype bf16 --force, resuming the stopped --dtype auto eval: `.made_on.json` now
+    # says bf16, an eval --out's fp32 one does not stand for) and stopped again lost its problems to a stale verdict.
+    import qerl_cli.outputs as outputs
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    gpu = _stopped(cfg, monkeypatch)  # cuda (bf16), --dtype auto: obsolete once this CPU node finishes fp32
+    real_enter = outputs.WriterLock.__enter__
+
+    def a_forced_resume_first(lock):
+        if lock.path == gpu.with_name(gpu.name + ".lock"):  # the sweep's, after its verdict: the --force run got there
+            made = json.loads((gpu / MADE_ON).read_text())
+            (gpu / MADE_ON).write_text(json.dumps(dict(made, dtype_flag="bf16")) + "\n")
+        return real_enter(lock)
+
+    monkeypatch.setattr(outputs.WriterLock, "__enter__", a_forced_resume_first)
+    with pytest.warns(Warning, match="unfinished run made with other arguments"):
+        evaluate(cfg, generate=BySeed())  # on this CPU node: fp32
+    assert gpu.is_dir()  # kept: there, --out is another eval, and `--dtype bf16 --force` resumes it
