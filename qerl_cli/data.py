@@ -16,6 +16,9 @@ Accepted row shapes (first match wins), each with an optional ``id`` (or ``uniqu
 An ``answer`` holding ``####`` anywhere is treated as a worked solution and reduced to the number
 after it, so a reward never compares against a whole paragraph.
 
+A row's other columns (``solution``, ``task``, ``id``, ...) are kept as read, in ``PromptRow.columns``: a TRL-style
+reward is passed them by name, as TRL's GRPOTrainer passes its dataset's columns. The shard does not hold them.
+
 Rendering: an optional ``--prompt-template`` (must contain ``{prompt}``; substituted by plain
 replacement, so braces in LaTeX prompts are safe; a file's final newline is dropped, as Jinja does)
 wraps the prompt text; then, when the tokenizer has a chat template (and it is not turned off), the
@@ -61,6 +64,8 @@ class PromptRow:
     messages: list[dict] | None = None
     answer: str | None = None
     where: str = ""  # "file:line", for error messages
+    # the row's other columns as read (``row_columns``), which a TRL-style reward is passed by name; not in the shard
+    columns: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_field(self) -> str | list[dict]:
@@ -339,6 +344,24 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
     )
 
 
+# What a PromptRow holds itself: the prompt (``prompt`` or ``messages``) and the reference (``answer``).
+ROW_FIELDS = frozenset(("prompt", "messages", "answer"))
+
+
+def row_columns(raw: Any) -> dict[str, Any]:
+    """A row's columns other than ``ROW_FIELDS``, as read (before ``--prompt-key`` / ``--answer-key`` rename any):
+    TRL's GRPOTrainer passes a reward every column but the prompt (open-r1's accuracy reward reads ``solution``), and a
+    reward written for it failed here, "missing a required argument", or had to be rewritten. Values as the file holds
+    them: JSON lists and objects pass through; Parquet columns as ``_read_rows`` reads them."""
+    return {k: v for k, v in raw.items() if k not in ROW_FIELDS} if isinstance(raw, dict) else {}
+
+
+def column_names(rows: Sequence[PromptRow]) -> list[str]:
+    """Every column any row has, in the order first seen: the dataset's columns, as ``datasets`` makes one schema of a
+    JSON file's rows (a row without a column reads None there)."""
+    return list(dict.fromkeys(k for r in rows for k in r.columns))
+
+
 def _dotted(raw: dict, key: str, where: str, flag: str):
     """``raw["a"]["b"]`` for key ``a.b``; a missing key is an error naming the row and the flag."""
     v: Any = raw
@@ -396,6 +419,7 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
             continue
         try:
             row = parse_row(remap_row(raw, where, prompt_key, answer_key), where, i)
+            row.columns = row_columns(raw)
             explicit = isinstance(raw, dict) and any(raw.get(k) is not None for k in ID_FIELDS)
             if row.id in seen:
                 mine = "" if explicit else " (this row has no id and takes its row index)"

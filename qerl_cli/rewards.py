@@ -15,7 +15,7 @@ regenerating. Built-ins:
 - ``module:function`` or ``path/to/file.py:function``: a user function, imported only when named. One written for
   TRL's GRPOTrainer, ``fn(completions, **kwargs) -> list[float | None]`` (it has a parameter named ``completions``,
   or ``completion_ids`` and no ``completion``), is called once per prompt group instead (``Reward.score_batch``),
-  and awaited if async.
+  and awaited if async; it is passed the row's other dataset columns too, by name (``solution``), as TRL passes them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from qerl_cli.answers import (  # noqa: F401
     prompt_opens_think,
     reference_answer,
 )
+from qerl_cli.data import ROW_FIELDS
 from qerl_cli.errors import BadInputError
 from qerl_cli.shards import REWARD_LIMIT
 
@@ -67,16 +68,20 @@ class Reward:
     takes_prompt: bool = True
     source: str | None = None  # a user function's file: hashed into the rollout's inputs
     batched: tuple[str, ...] | None = None  # a TRL-style reward: the keywords of TRL_KWARGS it is passed
+    columns: tuple[str, ...] | None = ()  # the dataset columns a TRL-style reward is passed; None: every one (**kwargs)
+    needs_columns: tuple[str, ...] = ()  # of those, the ones it names without a default: a row must have them
 
     def __call__(self, completion: str, answer: str | None, prompt=None) -> float:
         if self.takes_prompt:
             return self.fn(completion, answer, prompt=prompt)
         return self.fn(completion, answer)
 
-    def score_batch(self, completions: Sequence[str], answer: str | None, prompt=None, completion_ids=None):
+    def score_batch(self, completions: Sequence[str], answer: str | None, prompt=None, completion_ids=None,
+                    columns: dict | None = None):
         """A TRL-style reward on one prompt's completions, as GRPOTrainer calls it: keywords only, one list each.
         A chat prompt (``messages``) gets TRL's conversational form, each completion a one-message list
-        ``[{"role": "assistant", "content": text}]``: the form a function written for that dataset indexes."""
+        ``[{"role": "assistant", "content": text}]``: the form a function written for that dataset indexes.
+        ``columns``: the row's other dataset columns, each passed under its name where the function takes it."""
         n = len(completions)
         chat = isinstance(prompt, list)
         given = {"completions": [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions),
@@ -84,7 +89,11 @@ class Reward:
                  "answer": [answer] * n}
         if completion_ids is not None:
             given["completion_ids"] = [list(ids) for ids in completion_ids]
-        got = self.fn(**{k: given[k] for k in self.batched if k in given})
+        kwargs = {k: given[k] for k in self.batched if k in given}
+        for k, v in (columns or {}).items():  # copies: a list one completion's call changes is not the next one's
+            if k not in RESERVED_COLUMNS and (self.columns is None or k in self.columns):
+                kwargs[k] = [copy.deepcopy(v) for _ in range(n)]
+        got = self.fn(**kwargs)
         if inspect.isawaitable(got):  # an async reward, awaited as TRL awaits it
             got = _awaited(got)
         # a map or generator is run here, within the call: what it raises is the user's, one line naming where (it
@@ -261,8 +270,10 @@ def _load_user_function(name: str) -> Reward:
         raise BadInputError(f"reward {name!r}: {target}.{attr} is a generator (it yields); a reward returns its number")
     if trl:  # written for TRL: it was refused as "too many positional arguments", or, naming a second parameter,
         # loaded and was refused after the first batch's generation ("returned list")
+        columns, needs = _trl_columns(sig)
         return Reward(name, fn, f"user function {target}:{attr} (TRL-style)", takes_prompt=False,
-                      source=_source_file(fn, module), batched=_trl_keywords(name, sig, f"{target}.{attr}"))
+                      source=_source_file(fn, module), batched=_trl_keywords(name, sig, f"{target}.{attr}"),
+                      columns=columns, needs_columns=needs)
     takes_prompt = sig is not None and ("prompt" in sig.parameters
                                          or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()))
     if sig is not None:
@@ -276,8 +287,13 @@ def _load_user_function(name: str) -> Reward:
 
 
 # What TRL's GRPOTrainer passes a reward function that qerl passes too: the prompts, the completions, their token ids
-# and the reference (TRL passes each dataset column under its name; qerl's rows hold one, `answer`). No trainer_state.
+# and the reference (`answer`, as read: GSM8K's number after ####). No trainer_state. The row's other dataset columns
+# are passed as well, each under its name (TRL passes every column but the prompt).
 TRL_KWARGS = ("prompts", "completions", "completion_ids", "answer")
+# Names no dataset column is passed under: the row's prompt and reference (`ROW_FIELDS`), what qerl passes itself, and
+# TRL's `completion` and `trainer_state` (TRL too leaves its dataset's `prompt`, `completion` and `completion_ids`
+# columns out, and sets `trainer_state` itself). A column so named is not passed.
+RESERVED_COLUMNS = frozenset((*ROW_FIELDS, *TRL_KWARGS, "completion", "trainer_state"))
 
 
 def _written_for_trl(sig: inspect.Signature) -> bool:
@@ -301,38 +317,54 @@ def _written_for_trl(sig: inspect.Signature) -> bool:
 
 
 def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ...]:
-    """The keywords a TRL-style reward is passed: all of TRL_KWARGS where it takes ``**kwargs`` (as TRL's must), else
-    those it names. One it requires beyond them (a column ``solution``, ``trainer_state``) is refused here, before
-    any generation."""
+    """The keywords of TRL_KWARGS a TRL-style reward is passed: all where it takes ``**kwargs`` (as TRL's must), else
+    those it names. Any other name it takes is a dataset column (``_trl_columns``); one it requires that is neither
+    (``trainer_state``) is refused here, before any generation."""
     params = sig.parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         keys = TRL_KWARGS
     else:
         keys = tuple(k for k in TRL_KWARGS if k in params)
     try:
-        sig.bind(**dict.fromkeys(keys))
+        sig.bind(**dict.fromkeys((*keys, *_named_columns(sig))))
     except TypeError as e:
         takes = "completions" if "completions" in sig.parameters else "completion_ids"
         raise BadInputError(f"reward {name!r}: {what}{sig} takes `{takes}`, so it is read as a TRL reward, but "
-                            f"cannot be called with qerl's keywords {', '.join(TRL_KWARGS)} ({e})",
-                            hint=_trl_refusal_hint(sig, keys, what.rpartition(".")[2])) from None
+                            f"cannot be called with qerl's keywords ({', '.join(TRL_KWARGS)} and the row's other "
+                            f"dataset columns) ({e})", hint=_trl_refusal_hint(sig, keys)) from None
     return keys
 
 
-def _trl_refusal_hint(sig: inspect.Signature, keys: tuple[str, ...], fn: str) -> str:
+def _named_columns(sig: inspect.Signature) -> tuple[str, ...]:
+    """The parameters of a TRL-style reward that name dataset columns: any it may be passed by keyword, but the
+    reserved names."""
+    return tuple(p.name for p in sig.parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RESERVED_COLUMNS)
+
+
+def _trl_columns(sig: inspect.Signature) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """(The dataset columns a TRL-style reward is passed: every one where it takes ``**kwargs``, None, as TRL passes
+    them all; else those it names), and those it names without a default, which every row it scores must have."""
+    params = sig.parameters
+    named = _named_columns(sig)
+    needs = tuple(k for k in named if params[k].default is params[k].empty)
+    return (None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else named), needs
+
+
+def _trl_refusal_hint(sig: inspect.Signature, keys: tuple[str, ...]) -> str:
     """What to change in a TRL reward qerl cannot call. It told every one to rename a parameter `answer`: one whose
-    ``completions`` is positional-only, and a library's (trl.rewards.accuracy_reward's ``solution``) that cannot be
-    renamed, were not helped (a review)."""
+    ``completions`` is positional-only was not helped (a review)."""
     params = sig.parameters.values()
     if any(p.kind is p.POSITIONAL_ONLY for p in params):
         return "TRL, and qerl, pass a reward's arguments as keywords: drop the `/` from its parameters"
-    # one at least: with no positional-only parameter (above), keys alone fail to bind only where one none of them
-    # names is required
+    # one at least: with no positional-only parameter (above), only a required reserved name (no column is passed
+    # under it) fails to bind
     missing = [p.name for p in params if p.default is p.empty and p.name not in keys
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return (f"qerl passes the row's reference (--answer-key's column) as `answer`, no trainer_state and no other "
-            f"column: rename `{missing[0]}` to `answer`, give it a default, or wrap the function: "
-            f"def f(completions, answer, **kwargs): return {fn}(completions, {missing[0]}=answer, **kwargs)")
+    if missing[0] == "trainer_state":
+        return "qerl has no TRL trainer to pass as `trainer_state`: give the parameter a default (None)"
+    return (f"`{missing[0]}` is a name qerl passes nothing under (TRL's are `prompts` and `completions`, the reference "
+            f"is `answer`, any other dataset column its own name): rename it, or give it a default")
 
 
 def _source_file(fn, module) -> str | None:
@@ -505,17 +537,38 @@ class RewardSet:
     def score(self, completion: str, answer: str | None, prompt=None, *, where: str = "") -> tuple[dict[str, float], float]:
         return self.score_group([completion], answer, prompt, where=where)[0]
 
+    def check_columns(self, columns: dict, where: str, dataset: Sequence[str] | None = None) -> None:
+        """A row's ``columns`` lacking one a TRL-style reward requires (a parameter without a default), one line naming
+        both: the reward would fail on "missing a required argument" (TRL's on a KeyError). ``dataset``: the columns of
+        all rows (``column_names``), for the hint. A column a row lacks that no reward requires is passed as None, as
+        ``datasets`` reads a JSON file's row without it."""
+        for s in self.specs:
+            missing = [k for k in s.reward.needs_columns if k not in columns]
+            if not missing:
+                continue
+            if dataset is not None and missing[0] not in dataset:
+                others = ", ".join(f"`{k}`" for k in dataset) or "none"
+                hint = (f"no row has it (other columns: {others}); the reference is passed as `answer`, read from "
+                        "--answer-key's column")
+            else:
+                hint = "add it to the row, or give the parameter a default: a row without the column then passes None"
+            raise BadInputError(f"reward {s.name!r} takes the dataset column `{missing[0]}` (a parameter without a "
+                                f"default), which the row{where} has not", hint=hint)
+
     def score_group(self, completions: Sequence[str], answer: str | None, prompt=None, *, completion_ids=None,
-                    where: str = "") -> list[tuple[dict[str, float], float]]:
+                    columns: dict | None = None, where: str = "") -> list[tuple[dict[str, float], float]]:
         """``(rewards by name, weighted total)`` of each of one prompt's completions. A TRL-style reward is called
-        once for them all; a None it returns for a completion is TRL's "does not apply": that reward is left out of
-        the completion's ``rewards`` and adds nothing to its total (TRL's nansum), and a completion no reward
-        applies to is refused."""
+        once for them all, with the row's other dataset ``columns`` it takes; a None it returns for a completion is
+        TRL's "does not apply": that reward is left out of the completion's ``rewards`` and adds nothing to its total
+        (TRL's nansum), and a completion no reward applies to is refused."""
         n = len(completions)
+        columns = columns if columns is not None else {}
+        self.check_columns(columns, where)
         values: list[dict[str, float]] = [{} for _ in range(n)]
         for s in self.specs:
             if s.reward.batched is not None:
-                got = _as_list(s.name, _called(s, lambda s=s: s.reward.score_batch(completions, answer, prompt, completion_ids),
+                got = _as_list(s.name, _called(s, lambda s=s: s.reward.score_batch(completions, answer, prompt,
+                                                                                   completion_ids, columns),
                                                where), n, where)
             else:
                 # a copy of a chat prompt: a function that appends to the list it gets (to build a judge's

@@ -62,6 +62,7 @@ from qerl_cli.data import (
     EncodedPrompt,
     EncodeReport,
     PromptRow,
+    column_names,
     encode_prompts,
     load_prompts,
     load_template,
@@ -645,6 +646,9 @@ def rollout(cfg: RolloutConfig) -> dict:
                 f"{missing.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one",
                 hint="add answers, or use rewards that need none (format, module:function)",
             )
+    columns = column_names(rows)  # the dataset's, of all rows: a reward taking **kwargs gets the same on every shard
+    for row in selected:  # a row without a column a TRL-style reward requires: said before generating
+        reward_set.check_columns(row.columns, f" at {row.where}", columns)
     if "math" in {s.name for s in reward_set.specs}:  # a reference the math rule cannot read: said before generating
         long = long_math_reference(selected)
         if long is not None:
@@ -699,7 +703,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     noise = {"sigma": sigma, "seed": cfg.run_seed, "step": cfg.step, "norms": list(NOISED_NORMS) if sigma > 0 else []}
 
     plan = _Plan(cfg, out, prompts, name, policy, noise, sigma, tokenizer, device, torch_dtype, dtype_name,
-                 max_model_len, reward_set, enc_report, bad_rows, lineage)
+                 max_model_len, reward_set, enc_report, bad_rows, lineage, columns=tuple(columns))
     out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, input hashes, tokenizer, encoding
     try:
         return _run(plan)
@@ -775,6 +779,7 @@ class _Plan:
     enc_report: EncodeReport
     bad_rows: list[str]
     lineage: str | None
+    columns: tuple[str, ...] = ()  # the dataset's columns (``column_names``), passed to TRL-style rewards
     generated: bool = False  # every selected group saved: a stop after it (manifest, rename) keeps them all
 
     def gid(self, p: EncodedPrompt) -> str:
@@ -943,6 +948,7 @@ def _generate_all(plan: _Plan, batches: list[list[EncodedPrompt]], done: dict[st
                 scores = plan.reward_set.score_group([judged_completion(c.text, p.opens_think) for c in comps],
                                                      p.row.answer, p.row.prompt_field,
                                                      completion_ids=[c.token_ids for c in comps],
+                                                     columns={k: p.row.columns.get(k) for k in plan.columns},
                                                      where=f" for {p.row.where}")
                 records = []
                 for c, (vals, total) in zip(comps, scores):

@@ -1431,6 +1431,16 @@ def solution(completions, solution, **kwargs):
 
 def state(completions, *, trainer_state, **kwargs):
     return [0.0] * len(completions)
+
+
+def accuracy(completions, solution, **kwargs):  # open-r1's accuracy_reward's form: the dataset's `solution` column
+    calls.append({"completions": completions, "solution": solution, **kwargs})
+    return [1.0 if c == s else 0.0 for c, s in zip(completions, solution)]
+
+
+def named(completions, answer, tests, level=None):  # no **kwargs: passed the columns it names
+    tests[0].append("mutated")  # a copy: the next completion's and the row's tests stay
+    return [float(len(t) + (level is None)) for t in tests]  # no `level` column: its default
 '''
 
 
@@ -1482,11 +1492,43 @@ def test_a_trl_reward_returning_none_does_not_apply_and_a_wrong_list_is_refused(
 def test_a_trl_reward_needing_what_qerl_does_not_pass_is_refused_when_loaded(tmp_path):
     f = tmp_path / "trl_r.py"
     f.write_text(TRL_REWARDS)
-    for fn, missing in (("solution", "solution"), ("state", "trainer_state")):
-        with pytest.raises(BadInputError, match=f"read as a TRL reward, but cannot be called with qerl's keywords .*"
-                                                f"missing a required argument: '{missing}'") as e:
-            RewardSet.from_specs([f"{f}:{fn}"])
-        assert "as `answer`" in e.value.hint
+    with pytest.raises(BadInputError, match="read as a TRL reward, but cannot be called with qerl's keywords .*"
+                                            "missing a required argument: 'trainer_state'") as e:
+        RewardSet.from_specs([f"{f}:state"])
+    assert "give the parameter a default" in e.value.hint
+    assert RewardSet.from_specs([f"{f}:solution"]).specs[0].reward.needs_columns == ("solution",)  # a column now
+
+
+def test_a_trl_reward_is_passed_the_rows_other_columns(tmp_path):
+    # TRL's GRPOTrainer passes a reward every dataset column but the prompt, one value per completion: a reward taking
+    # `solution` (open-r1's accuracy_reward) was refused when loaded ("no other column"), one reading it from **kwargs
+    # failed on a KeyError after the first batch's generation
+    f = tmp_path / "trl_r.py"
+    f.write_text(TRL_REWARDS)
+    rs = RewardSet.from_specs([f"{f}:accuracy", f"{f}:named", f"{f}:exact", "format"])
+    columns = {"solution": "4", "tests": [1, 2], "id": 7, "completions": "a column of a reserved name"}
+    got = rs.score_group(["4", "5"], "4", "q", columns=columns, where=" for p.jsonl:1")
+    assert [vals for vals, _ in got] == [{f"{f}:accuracy": 1.0, f"{f}:named": 4.0, f"{f}:exact": 1.0, "format": 0.0},
+                                         {f"{f}:accuracy": 0.0, f"{f}:named": 3.0, f"{f}:exact": 0.0, "format": 0.0}]
+    calls = rs.specs[0].reward.fn.__globals__["calls"]
+    assert calls == [{"completions": ["4", "5"], "solution": ["4", "4"], "prompts": ["q", "q"], "answer": ["4", "4"],
+                      "tests": [[1, 2], [1, 2]], "id": [7, 7]}]  # every other column, each G times; no `completions` column
+    assert columns["tests"] == [1, 2]  # `named` appended to its copy
+    assert rs.specs[1].reward.columns == ("tests", "level") and rs.specs[2].reward.columns == ()
+
+
+def test_a_row_without_a_column_a_trl_reward_requires_is_one_line_naming_it(tmp_path):
+    f = tmp_path / "trl_r.py"
+    f.write_text(TRL_REWARDS)
+    rs = RewardSet.from_specs([f"{f}:accuracy"])
+    with pytest.raises(BadInputError) as e:
+        rs.score_group(["4"], "4", "q", columns={"task": "x"}, where=" for p.jsonl:3")
+    assert str(e.value).startswith(f"reward '{f}:accuracy' takes the dataset column `solution` (a parameter without "
+                                   "a default), which the row for p.jsonl:3 has not") and "\n" not in str(e.value)
+    assert "give the parameter a default" in e.value.hint
+    with pytest.raises(BadInputError) as e:
+        rs.check_columns({}, " at p.jsonl:1", ["task", "id"])
+    assert "no row has it (other columns: `task`, `id`)" in e.value.hint and "`answer`" in e.value.hint
 
 
 def test_trl_rewards_score_a_real_rollout_once_per_group(tmp_path):
@@ -1526,6 +1568,45 @@ def test_trl_rewards_score_a_real_rollout_once_per_group(tmp_path):
             want = len(rec["completion_token_ids"]) if reward == "ids" else len(rec["completion"])
             assert rec["rewards"] == {f"{f}:{reward}": float(want)} and rec["reward"] == want
     assert (tmp_path / "calls.txt").read_text() == "3\n3\n"  # once per prompt group of G
+
+
+def test_a_trl_reward_taking_a_dataset_column_scores_a_real_rollout(tmp_path):
+    # `python -m qerl_cli rollout` of the bundled tiny model with open-r1's accuracy_reward's form, f(completions,
+    # solution, **kwargs): refused when loaded ("qerl passes ... no other column"); now passed the row's `solution`,
+    # its JSON list column `tests` as read, and None for a column another row has; a dataset without `solution` is
+    # one line naming the row, before generating
+    import json
+    import subprocess
+    import sys
+
+    from qerl_cli.assets import tiny_model_dir, tiny_task_file
+    from qerl_cli.shards import read_records
+    from tests.reliability_fixtures import cli_env
+
+    f = tmp_path / "acc.py"
+    f.write_text("def accuracy(completions, solution, **kwargs):\n"
+                 "    assert len(set(solution)) == 1 and 'trainer_state' not in kwargs\n"
+                 "    tests = kwargs['tests'][0]\n"
+                 "    return [float(len(tests) if tests is not None else -1) + (s in c) for c, s in zip(completions, solution)]\n")
+    rows = [json.loads(line) for line in tiny_task_file("train").read_text().splitlines()[:2]]
+    data = tmp_path / "solution.jsonl"
+    data.write_text(json.dumps({"prompt": rows[0]["prompt"], "solution": rows[0]["answer"], "tests": [1, [2, 3]]}) + "\n"
+                    + json.dumps({"prompt": rows[1]["prompt"], "solution": rows[1]["answer"]}) + "\n")
+    base = [sys.executable, "-m", "qerl_cli", "rollout", "--model", str(tiny_model_dir()), "-G", "2",
+            "--max-new-tokens", "6", "--device", "cpu", "-q", "--reward", f"{f}:accuracy"]
+    r = subprocess.run([*base, "--prompts", str(data), "--out", str(tmp_path / "out")], env=cli_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    recs = read_records(tmp_path / "out")
+    assert len(recs) == 4 and all("solution" not in rec for rec in recs)  # the shard's record is as it was
+    for rec in recs:
+        tests, sol = (2, rows[0]["answer"]) if rec["prompt"] == rows[0]["prompt"] else (-1, rows[1]["answer"])
+        assert rec["reward"] == tests + (sol in rec["completion"]), rec
+    r = subprocess.run([*base, "--prompts", str(tiny_task_file("train")), "--out", str(tmp_path / "o2")],
+                       env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"reward '{f}:accuracy' takes the dataset column `solution`" in r.stderr, r.stderr
+    assert "train.jsonl:1 has not" in r.stderr and "no row has it" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "o2").exists()
 
 
 TRL_MORE = '''\
@@ -1643,9 +1724,7 @@ def test_a_trl_reward_refused_when_loaded_is_told_what_to_change(tmp_path):
     with pytest.raises(BadInputError) as e:
         RewardSet.from_specs([f"{f}:positional"])
     assert "keywords" in e.value.hint and "`/`" in e.value.hint and "answer" not in e.value.hint
-    with pytest.raises(BadInputError) as e:
-        RewardSet.from_specs([f"{f}:solution"])
-    assert "def f(completions, answer, **kwargs): return solution(completions, solution=answer, **kwargs)" in e.value.hint
+    RewardSet.from_specs([f"{f}:solution"])  # trl.rewards.accuracy_reward's `solution`: a dataset column now
 
 
 def test_a_per_completion_reward_whose_completion_ids_has_a_default_is_not_trls(tmp_path):

@@ -224,6 +224,35 @@ def test_resume_after_crash_equals_uninterrupted(model_dir, tmp_path, fake_engin
     assert not list(tmp_path.glob(".out.partial-*"))
 
 
+def test_a_trl_reward_taking_dataset_columns_scores_a_resumed_rollout_as_an_uninterrupted_one(model_dir, tmp_path,
+                                                                                          fake_engine, monkeypatch):
+    # the columns are the prompt file's, read again by the resumed run (the shard holds none of them)
+    prompts = tmp_path / "cols.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Q{i}?", "id": f"p{i}", "solution": str(i), "meta": {"k": [i]}})
+                               + "\n" for i in range(7)))
+    r = tmp_path / "acc.py"
+    r.write_text("def acc(completions, solution, meta, **kwargs):\n"
+                 "    return [float(s) + m['k'][0] / 10 for s, m in zip(solution, meta)]\n")
+    kw = dict(prompts=prompts, rewards=(f"{r}:acc",))
+    rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "full", **kw))
+    want = read_records(tmp_path / "full")
+    assert [x["reward"] for x in want] == [i + i / 10 for i in range(7) for _ in range(3)]
+    real_write, count = ro.ShardWriter.write_group, {"n": 0}
+
+    def dying_write(self, records):
+        if count["n"] == 4:
+            raise KeyboardInterrupt
+        count["n"] += 1
+        return real_write(self, records)
+
+    monkeypatch.setattr(ro.ShardWriter, "write_group", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        rollout(cfg_for(model_dir, tmp_path, **kw))
+    monkeypatch.setattr(ro.ShardWriter, "write_group", real_write)
+    res = rollout(cfg_for(model_dir, tmp_path, **kw))
+    assert res["summary"]["resumed_groups"] == 4 and read_records(tmp_path / "out") == want
+
+
 def test_prompts_per_step_walks_the_dataset(model_dir, tmp_path):
     rows = [type("R", (), {"id": str(i)})() for i in range(10)]
 

@@ -44,7 +44,8 @@ def command(
     stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable); EOS always stops. A newline in it needs the shell's $'...' quoting. Example: --stop $'\\nQ:'"),
     reward: list[str] = typer.Option(["gsm8k"], "--reward", metavar="NAME[=WEIGHT]", help="Reward NAME[=WEIGHT], repeatable or comma separated; reward = weighted sum. "
                                      "Built-in: gsm8k, math, format; your own: module:function or file.py:function, "
-                                     "f(completion, answer) -> float or TRL's f(completions, **kwargs) -> list (per prompt group). "
+                                     "f(completion, answer) -> float or TRL's f(completions, **kwargs) -> list (per prompt group; "
+                                     "passed the row's other columns, e.g. solution, by name). "
                                      "A value that is one file.py:function[=WEIGHT] whose file exists is taken whole, "
                                      "commas in its path and all. Example: --reward gsm8k --reward format=0.1"),
     step: int = typer.Option(0, "--step", help="RL step k: selects the AQN sigma and, with --prompts-per-step, the prompt slice. Example: --step 12"),
