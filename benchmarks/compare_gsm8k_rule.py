@@ -17,8 +17,10 @@ unless the style is a known price (``PRICES``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -227,23 +229,51 @@ def load_rule(rev: str):
 
 
 def load_answers(rev: str):
-    """The answer rules at a git revision, imported as their own module: qerl_cli/answers.py, or before that module
-    existed (2026-11-27) qerl_cli/rewards.py (whose later version imports the tree's answers.py: not the baseline)."""
-    for name in ("answers", "rewards"):
-        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:qerl_cli/{name}.py"], capture_output=True,
-                               text=True)
-        if shown.returncode == 0:
-            src = shown.stdout
-            break
-    else:
-        raise SystemExit(f"{rev}: neither qerl_cli/answers.py nor qerl_cli/rewards.py")
-    path = Path(tempfile.mkdtemp()) / "rewards_baseline.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("rewards_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """The answer rules at a git revision, imported apart from the tree's: qerl_cli/answers.py with the qerl_cli
+    modules it imports there (since session 57 its rules are in gsm8k_rule.py, math_rule.py, ...: imported from the
+    tree, the baseline was the tree's rule behind that revision's dispatch), as a package of their own; or
+    before answers.py existed (2026-11-27) qerl_cli/rewards.py alone (whose later version imports the tree's
+    answers.py: not the baseline)."""
+    src = _shown(rev, "answers")
+    if src is None:
+        src = _shown(rev, "rewards")
+        if src is None:
+            raise SystemExit(f"{rev}: neither qerl_cli/answers.py nor qerl_cli/rewards.py")
+        path = Path(tempfile.mkdtemp()) / "rewards_baseline.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("rewards_baseline", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+        return module
+    package = "rules_at_" + re.sub(r"\W", "_", rev)
+    where = Path(tempfile.mkdtemp()) / package
+    where.mkdir()
+    (where / "__init__.py").write_text("")
+    todo, seen = ["answers"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        text = src if name == "answers" else _shown(rev, name)
+        if text is None:
+            raise SystemExit(f"{rev}: its answer rules import qerl_cli/{name}.py, which it has not")
+        todo += _QERL_IMPORT.findall(text)
+        (where / f"{name}.py").write_text(_QERL_IMPORT.sub(rf"from {package}.\1 import", text))
+    sys.path.insert(0, str(where.parent))
+    return importlib.import_module(f"{package}.answers")
+
+
+# A qerl_cli module a rule module imports ("from qerl_cli.gsm8k_rule import ...", at the top or in a function).
+_QERL_IMPORT = re.compile(r"\bfrom\s+qerl_cli\.(\w+)\s+import\b")
+
+
+def _shown(rev: str, name: str) -> str | None:
+    """qerl_cli/<name>.py at ``rev``, or None where it has none."""
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:qerl_cli/{name}.py"], capture_output=True,
+                           text=True)
+    return shown.stdout if shown.returncode == 0 else None
 
 
 def math_verify_right(text: str, want: str) -> bool:

@@ -47,9 +47,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.answers import last_boxed, prompt_opens_think, reference_answer
+from qerl_cli.answers import reference_answer
+from qerl_cli.boxes import last_boxed
 from qerl_cli.errors import BadInputError
 from qerl_cli.hashing import sha256_bytes
+from qerl_cli.stops import prompt_opens_think
 
 ID_FIELDS = ("id", "prompt_id", "unique_id")
 LONG_PROMPT_POLICIES = ("skip", "error")

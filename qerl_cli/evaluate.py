@@ -46,19 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from qerl_cli.answers import (
-    ANSWER_CLOSE,
-    ANSWER_OPEN,
-    RULE_VERSION,
-    THINK_CLOSE,
-    THINK_OPEN,
-    blank_stop,
-    every_stopped,
-    long_math_reference,
-    rule_packages,
-    stop_takes_tag,
-    think_stop,
-)
+from qerl_cli.answers import RULE_VERSION, rule_packages
 from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import (
     NONFINITE_LOGITS_HINT,
@@ -76,6 +64,7 @@ from qerl_cli.eval_devices import (
 )
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
 from qerl_cli.hashing import model_hash, sha256_file, text_files_hash
+from qerl_cli.math_rule import long_math_reference
 from qerl_cli.outputs import (
     StageOutput,
     WriterLock,
@@ -84,6 +73,16 @@ from qerl_cli.outputs import (
     sweep_leftover_partial,
 )
 from qerl_cli.runtime import as_many, check_field_types, device_kind
+from qerl_cli.stops import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    THINK_CLOSE,
+    THINK_OPEN,
+    blank_stop,
+    every_stopped,
+    stop_takes_tag,
+    think_stop,
+)
 
 STAGE = "eval"
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -220,7 +219,8 @@ class Scored:
 def score_completion(completion: str, reference: str, scorer: str = "auto", opens_think: bool = False) -> Scored:
     """Extract the completion's answer and judge it against ``reference`` with the rollout rewards' rule;
     ``opens_think``: its prompt ended inside a ``<think>`` it opened (judged as rollout judges it)."""
-    from qerl_cli.answers import extract_answer, is_correct, judged_completion
+    from qerl_cli.answers import extract_answer, is_correct
+    from qerl_cli.stops import judged_completion
 
     completion = judged_completion(completion, opens_think)
     kind = scorer_for(reference, scorer)

@@ -36,20 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # extract_answer, is_correct and the rest: the rules the built-ins score with, importable from here as they were
-from qerl_cli.answers import (  # noqa: F401
-    ANSWER_KINDS,
-    RULE_VERSION,
-    extract_answer,
-    is_correct,
-    judged_completion,
-    last_boxed,
-    normalize_number,
-    prompt_opens_think,
-    reference_answer,
-)
+from qerl_cli.answers import ANSWER_KINDS, RULE_VERSION, extract_answer, is_correct, reference_answer  # noqa: F401
+from qerl_cli.boxes import last_boxed  # noqa: F401
 from qerl_cli.data import ROW_FIELDS
 from qerl_cli.errors import BadInputError
+from qerl_cli.gsm8k_numbers import normalize_number  # noqa: F401
 from qerl_cli.shards import REWARD_LIMIT
+from qerl_cli.stops import judged_completion, prompt_opens_think  # noqa: F401
 
 REWARD_LIMIT_HINT = "rewards (and their weighted total) must lie within +-1e15"
 

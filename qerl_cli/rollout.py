@@ -44,19 +44,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qerl_cli.answers import (
-    ANSWER_CLOSE,
-    ANSWER_OPEN,
-    THINK_CLOSE,
-    THINK_OPEN,
-    blank_stop,
-    every_stopped,
-    judged_completion,
-    long_math_reference,
-    stop_takes_tag,
-    stop_taking,
-    think_stop,
-)
 from qerl_cli.data import (
     LONG_PROMPT_POLICIES,
     EncodedPrompt,
@@ -82,6 +69,7 @@ from qerl_cli.errors import (
 )
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
 from qerl_cli.lineage import check_lineage
+from qerl_cli.math_rule import long_math_reference
 from qerl_cli.outputs import StageOutput, WriterLock, check_out_apart, sweep_leftover_partial
 from qerl_cli.rewards import RewardSet
 from qerl_cli.runtime import (
@@ -94,6 +82,18 @@ from qerl_cli.runtime import (
     split_stops,
 )
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
+from qerl_cli.stops import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    THINK_CLOSE,
+    THINK_OPEN,
+    blank_stop,
+    every_stopped,
+    judged_completion,
+    stop_takes_tag,
+    stop_taking,
+    think_stop,
+)
 
 STAGE = "rollout"
 ENGINES = ("native", "vllm")

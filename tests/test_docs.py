@@ -339,7 +339,7 @@ def _resolves(dotted: str) -> bool:
 def python_names(text: str):
     """Each qerl name a page's code imports or names: `from qerl_cli.x import a, b`, `qerl_cli.x.y`, `qerl_kernels.x`,
     and a bare `module.name` of a qerl_cli / kernels module where the name reads as code (an underscore or a capital:
-    `answers.span_number`, `shards.ShardWriter`; not `data.jsonl`, nor `engine.generate`, a method of an object)."""
+    `gsm8k_numbers.span_number`, `shards.ShardWriter`; not `data.jsonl`, nor `engine.generate`, a method of an object)."""
     modules = {p.stem: f"qerl_cli.{p.stem}" for p in (ROOT / "qerl_cli").iterdir() if p.suffix == ".py" or p.is_dir()}
     modules.update({p.stem: f"qerl_kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py")})
     for line in code_lines(text):

@@ -665,8 +665,8 @@ def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, 
 def test_a_math_reference_the_rule_cannot_read_is_warned_of(model_dir, tmp_path):
     # The math rule reads a reference over MAX_MATH_ANSWER_CHARS as no answer: every sample of that problem scored 0,
     # however right, unsaid.
-    from qerl_cli.answers import MAX_MATH_ANSWER_CHARS
     from qerl_cli.errors import QerlWarning
+    from qerl_cli.math_rule import MAX_MATH_ANSWER_CHARS
 
     long = "x^{2} + " * (MAX_MATH_ANSWER_CHARS // 8) + "1"
     rows = [{"prompt": "What is 3 + 4?", "answer": "7"}, {"prompt": "Expand it.", "answer": long}]

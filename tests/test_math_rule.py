@@ -63,7 +63,7 @@ def test_a_degenerate_math_answer_is_read_in_linear_time(completion):
     characters; one reward holds a whole rollout step)."""
     import time
 
-    from qerl_cli.answers import _for_math_verify, math_boxes
+    from qerl_cli.math_rule import _for_math_verify, math_boxes
 
     t = time.perf_counter()
     _for_math_verify(math_boxes(completion))
@@ -186,7 +186,7 @@ def test_a_degenerate_box_is_no_answer_read_fast():
     characters, a group of such completions a minute of scoring."""
     import time
 
-    from qerl_cli.answers import MAX_MATH_ANSWER_CHARS
+    from qerl_cli.math_rule import MAX_MATH_ANSWER_CHARS
 
     box = "1 " * 1500
     t = time.perf_counter()

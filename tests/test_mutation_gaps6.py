@@ -7,7 +7,8 @@ Each pins a verdict a user would see (a reward of 1 or 0); each docstring names 
 
 import pytest
 
-from qerl_cli.answers import _BOUNDS_BEFORE, _CHANGES_AFTER, _CHANGES_BEFORE, extract_answer, is_correct
+from qerl_cli.answers import extract_answer, is_correct
+from qerl_cli.gsm8k_numbers import _BOUNDS_BEFORE, _CHANGES_AFTER, _CHANGES_BEFORE
 
 
 # ---- _next_operand: an operator and an operand after a #### line's number ----------------------

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qerl_cli.answers import _APPROX_BEFORE
 from qerl_cli.errors import BadInputError
+from qerl_cli.gsm8k_numbers import _APPROX_BEFORE
 from qerl_cli.rewards import (
     REWARDS,
     RewardSet,
@@ -162,8 +162,8 @@ def test_a_stop_that_overlaps_a_tag_with_whitespace_beyond_takes_it():
     # A stop ends the text where it first appears, so one that starts a tag after a newline ("\n<answer") or ends one
     # before it (">\n") cuts every tag an R1-style completion spaces so ("</think>\n<answer>"): the rewards scored
     # the cut text 0 and stop_takes_tag said the stop left the tag alone (only one inside or holding a tag counted).
-    from qerl_cli.answers import THINK_CLOSE, stop_takes_tag
     from qerl_cli.engine.llm_engine import _stop_cut
+    from qerl_cli.stops import THINK_CLOSE, stop_takes_tag
 
     rs = RewardSet.from_specs(["gsm8k", "format"])
     done = "<think>1 mod 4 is 1.</think>\n<answer>1</answer>"
@@ -632,7 +632,7 @@ def test_a_reward_that_mutates_the_chat_prompt_changes_nothing_else():
 def test_math_verify_log_lines_do_not_carry_a_whole_completion(caplog):
     import logging
 
-    from qerl_cli.answers import _math_verify_equal
+    from qerl_cli.math_rule import _math_verify_equal
 
     _math_verify_equal("1", "1")  # installs the filter
     # what math-verify logs when parsing a degenerate completion's box times out (after 5 s)
@@ -660,13 +660,13 @@ def test_the_math_reward_off_the_main_thread_runs_without_a_timeout_and_says_so(
     import math_verify.grader
     import math_verify.parser
 
-    from qerl_cli import answers
+    from qerl_cli import math_rule
     from qerl_cli.errors import QerlWarning
 
     for mod in (math_verify.parser, math_verify.grader):  # math-verify logs its note once a process
         monkeypatch.setattr(mod, "TIMEOUT_WARNING_SHOWN", False, raising=False)
-    answers._math_verify_equal.cache_clear()
-    answers._warn_no_timeout.cache_clear()
+    math_rule._math_verify_equal.cache_clear()
+    math_rule._warn_no_timeout.cache_clear()
     timeouts = []
     parse, verify = math_verify.parse, math_verify.verify
     monkeypatch.setattr(math_verify, "parse", lambda *a, **kw: timeouts.append(kw["parsing_timeout"]) or parse(*a, **kw))
@@ -700,7 +700,7 @@ _PLAIN_SPANS = ["72", " 72", "72 ", " 72\n", "\t-72\r", "-0", "0", "000", "007",
 def test_plain_integer_fast_path_equals_the_full_parse(text):
     """span_number skips the parse for spans that are only an ASCII integer (a million GSM8K rows spent 72 s of their
     load in it); over every span made of digits, signs, dots, commas and whitespace, both paths give the same."""
-    from qerl_cli.answers import _parsed_span_number, span_number
+    from qerl_cli.gsm8k_numbers import _parsed_span_number, span_number
 
     for span in (text, *_PLAIN_SPANS):
         for whole in (True, False):
@@ -711,9 +711,9 @@ def test_plain_integer_fast_path_is_taken_for_gsm8k_references():
     """The point of the fast path: a GSM8K worked solution's reference never reaches the full parse."""
     from unittest import mock
 
-    import qerl_cli.answers as answers
+    import qerl_cli.gsm8k_numbers as gsm8k_numbers
 
-    with mock.patch.object(answers, "_parsed_span_number", side_effect=AssertionError("parsed")):
+    with mock.patch.object(gsm8k_numbers, "_parsed_span_number", side_effect=AssertionError("parsed")):
         assert reference_answer("She sold 48 + 24 = 72 clips.\n#### 72") == "72"
         assert reference_answer("so -5 degrees.\n####  -005 \n") == "-5"
 
@@ -958,9 +958,11 @@ def test_a_hash_span_is_cleaned_once(completion):
     _hash_spans, span_number again in extract_answer): wasted work per completion."""
     from unittest import mock
 
-    from qerl_cli import answers
+    from qerl_cli import gsm8k_numbers, gsm8k_rule
 
-    with mock.patch.object(answers, "_clean_number_text", wraps=answers._clean_number_text) as clean:
+    clean = mock.Mock(wraps=gsm8k_numbers._clean_number_text)  # called from both modules: one count
+    with mock.patch.object(gsm8k_numbers, "_clean_number_text", clean), \
+            mock.patch.object(gsm8k_rule, "_clean_number_text", clean):
         assert extract_answer(completion) == "72"
     assert clean.call_count == completion.count("####")
 

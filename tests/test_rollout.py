@@ -703,9 +703,9 @@ def test_a_stop_that_takes_a_tag_out_of_the_judged_text_is_refused_or_warned_of(
     # A review of the check above: a stop holding a tag ("</answer>\n") cuts it wherever it fires, so format scored
     # every completion it stopped 0; one inside <answer> left gsm8k no tag to read, unwarned; and one inside </think>
     # left a think-opening prompt's completions inside an open <think>, where gsm8k and math read nothing: all 0.
-    from qerl_cli.answers import judged_completion
     from qerl_cli.errors import QerlWarning
     from qerl_cli.rewards import REWARDS, format_reward
+    from qerl_cli.stops import judged_completion
     from tests.helpers import THINKING_CHAT_TEMPLATE
 
     assert format_reward("<think>a</think><answer>3") == 0.0  # "<think>a</think><answer>3</answer>\n" cut
@@ -828,10 +828,10 @@ def test_a_stop_that_takes_the_opening_answer_tag_is_warned_of_with_math_too(mod
 def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, tmp_path, fake_engine):
     # A base model's few-shot stop ($'\n\n', $'\n') with a template that opens <think> cut every completion at its
     # thought's first blank line or line break, the <think> left open: gsm8k, math and format scored it 0, unsaid.
-    from qerl_cli.answers import judged_completion
     from qerl_cli.engine.llm_engine import _stop_cut
     from qerl_cli.errors import QerlWarning
     from qerl_cli.rewards import REWARDS
+    from qerl_cli.stops import judged_completion
     from tests.helpers import THINKING_CHAT_TEMPLATE
 
     done = "1 mod 4.\n\nIt is 1.\n</think>\n<answer>#### 1 \\boxed{1}</answer>"
@@ -858,8 +858,8 @@ def test_a_whitespace_stop_where_the_prompt_opens_think_is_warned_of(model_dir, 
 def test_a_math_reference_the_rule_cannot_read_is_warned_of(model_dir, tmp_path, fake_engine):
     # The math rule reads a reference over MAX_MATH_ANSWER_CHARS as no answer (its parse took seconds a verdict): every
     # completion of that problem scored 0, however right, unsaid (a whole solution without a box as the `answer`).
-    from qerl_cli.answers import MAX_MATH_ANSWER_CHARS
     from qerl_cli.errors import QerlWarning
+    from qerl_cli.math_rule import MAX_MATH_ANSWER_CHARS
     from qerl_cli.rewards import REWARDS
 
     long = "x^{2} + " * (MAX_MATH_ANSWER_CHARS // 8) + "1"

@@ -1,0 +1,284 @@
+"""The ``math`` answer rule (qerl_cli/answers.py dispatches to it): 1 if math-verify judges the last ``\\boxed{}``
+equivalent to the reference (symbolic: ``\\frac{1}{2}`` vs ``0.5``, intervals, sets), with the boxes listed or offered
+beside it as one answer (``\\boxed{-2} and \\boxed{1}``, ``$x = \\boxed{-2}$, $x = \\boxed{1}$``,
+``\\boxed{72} or \\boxed{73}`` read as ``-2, 1``, a set: right for a reference of two solutions, wrong for one of
+either); TeX math-verify misreads is put in the form it reads: a thin space or space between digit groups (``10\\,000``,
+read as 10 * 000 = 0), ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``,
+``\\boxed{(1, 2).}``). Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``,
+``$3x = \\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``,
+still is one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its
+content as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``),
+what math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two boxes:
+``3, 4``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer. Slower (sympy, ~10 ms a
+verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each
+parse and comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored from
+another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+import warnings
+
+from qerl_cli.boxes import _BOX_HEDGE, _BOX_LIST, _TEXT_GROUP, _answer_tag, _boxes_from_last, last_boxed
+from qerl_cli.errors import QerlWarning
+
+# More boxes listed than any answer holds ("\boxed{1}, \boxed{2}, ..." repeated): no answer.
+MAX_LISTED_BOXES = 16
+# What names a box, before its "=": "$x = \boxed{-2}$", "\(x_1=\boxed{1}\)", "$3x = \boxed{12}$", "$f(2) = \boxed{5}$".
+_BOX_NAME = re.compile(r"([^\s$=,;:(\[]+)\s*=\s*[$(\[\\]*$")
+# The unknown a name gives a value of: one letter or a Greek letter's command, with its subscript ("x_1" and "x_2" are two
+# solutions for x; "$\theta = \boxed{30^\circ}$, $\theta = \boxed{150^\circ}$" two for theta, read as the last alone).
+_UNKNOWN = re.compile(r"(?<![\w\\])(?:[A-Za-z]|\\(?:var)?(?:alpha|beta|gamma|delta|epsilon|zeta|eta|theta|iota|kappa|lambda|mu|nu|"
+                      r"xi|rho|sigma|tau|upsilon|phi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Sigma|Phi|Psi|Omega))"
+                      r"(?=(?:_\{?\w+\}?)?$)")
+# A name is a variable's only when it is the whole left side, bold aside ("**x"): "a+b" is no "b", nor, across a space
+# (which ends _BOX_NAME's name), "\tan \theta" a "\theta", "\sin x", "2 x" or "x + y" an "x" or "y". Read as the unknown,
+# "$\tan \theta = \boxed{1}$, $\theta = \boxed{\frac{\pi}{4}}$" was one unknown's two values, "1, \frac{\pi}{4}",
+# and a right answer scored 0 (a review). What glues: a function or a product's command, a number (a subscript's too,
+# "\log_2 x", "\log_{10} x") or an operator; not words, a spacing or a relation ("\quad x_2", "\implies x", "so x").
+# Nor are they when nothing spaces them off, so they lead the name, not start it: "**x", "\text{so}~x", "}x" (of
+# "\text{so }x": the space splits the group), "答：x". Only "**" led until a review: "\text{so }x = \boxed{2} and
+# x = \boxed{3}" named "}x" and "x", two unknowns, and the list of one unknown's two values read as the last alone.
+_NAME_LEAD = re.compile(r"(?:\*|~|\}|\\(?:text|textrm|textbf|textit|mbox)\s*\{[^{}]*\}|[^\x00-\x7f])*")
+_NAME_GLUED = re.compile(r"(?:\\(?:(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|lg|exp|det|cdot|times|div|pm|mp|pi)"
+                         r"|_\{\w+\}|[\d+\-/^])[ \t]+$")
+
+
+def _box_name(text: str, box_start: int) -> tuple[int, str] | None:
+    """(where it starts, its unknown) of the name given to the box at ``box_start``: the unknown is the letter of a
+    variable's name ("x", "**x", "x_2"), else the whole name ("3x", "2)" of "f(2)", "a+b"), with what it is glued to
+    across a space ("\\tan \\theta", "2 x": _NAME_GLUED). A name is short: searched near the box."""
+    m = _BOX_NAME.search(text, max(0, box_start - 40), box_start)
+    if m is None:
+        return None
+    glued = _NAME_GLUED.search(text, max(0, m.start(1) - 40), m.start(1))
+    if glued is not None:  # "\tan \theta": the whole left side is the name
+        return glued.start(), text[glued.start() : m.end(1)]
+    unknown = _UNKNOWN.match(m.group(1), _NAME_LEAD.match(m.group(1)).end())
+    return (m.start(1), m.group(1)) if unknown is None else (m.start(1) + unknown.start(), unknown.group(0))
+
+
+def _is_unknown(name: str) -> bool:
+    """Whether a box's name (_box_name's) is a variable's, not a whole expression's ("3x", "2)", "4")."""
+    return _UNKNOWN.fullmatch(name) is not None
+
+
+# TeX that only spaces or delimits the words between two boxes: "\(x = \boxed{2}\) or \(x = \boxed{3}\)",
+# "x = \boxed{2} \quad\text{or}\quad x = \boxed{3}", "\boxed{2}~\text{and}~\boxed{3}". Left in, the "or"/"and" read
+# as words around the boxes, no hedge or list: the last box alone, a hedge rewarded for its second value (a review).
+_SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\[,;:! ()\[\]]|~")
+# Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
+# their hedge was the last box alone, rewarded for its second value).
+_SEPARATOR_TEX_TEXT = re.compile(_TEXT_GROUP.format("text|textrm|textnormal|textbf|textit|mathrm|mbox"))
+
+
+def _plain_separator(between: str) -> str:
+    """The words between two boxes with their TeX spacing and ``\\text{}`` groups taken off (the math rule's only:
+    the gsm8k rule's verdicts are released as they stand)."""
+    return _SEPARATOR_TEX_SPACE.sub(" ", _SEPARATOR_TEX_TEXT.sub(r" \1 ", between))  # "\quad\text{or}": not "\quador"
+
+
+def math_boxes(text: str) -> str | None:
+    """The math rule's answer: the last box, with the boxes listed or offered beside it ("\\boxed{-2} and \\boxed{1}",
+    "$x = \\boxed{-2}$, $x = \\boxed{1}$", "\\boxed{72} or \\boxed{73}") joined into one ("-2, 1"), as math-verify joins
+    them: a reference of two solutions, "1, -2", was scored against the last box alone (0), and a one-value
+    reference, "1", rewarded the second of two answers listed. A list of one answer restated ("\\boxed{\\frac12} or
+    \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list, nor are boxes named
+    as values of two unknowns ("$x = \\boxed{2}$ and $y = \\boxed{3}$": one of them may be what the question asks,
+    "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer)."""
+    boxes = _boxes_from_last(text)
+    last = next(boxes, None)
+    if last is None:
+        return None
+    listed, start = [last[0]], last[1]
+    name = _box_name(text, start)
+    for box, box_start, end in boxes:
+        if len(listed) > MAX_LISTED_BOXES:  # a degenerate run of boxes: one verdict each below would cost seconds
+            return None
+        named = name is not None and name[0] >= end and _is_unknown(name[1])  # a variable's name between the two
+        between = _plain_separator(text[end : name[0] if named else start])
+        hedged = _BOX_HEDGE.fullmatch(between)
+        if not (hedged or _BOX_LIST.fullmatch(between)):
+            break
+        earlier = _box_name(text, box_start)
+        if named and not hedged and earlier is not None and earlier[1] != name[1]:
+            # "$x = \boxed{2}$ and $y = \boxed{3}$", "$3x = \boxed{12}$, $x = \boxed{4}$": values of two unknowns. A
+            # list only: "$x = \boxed{3}$ or $y = \boxed{4}$" is a hedge (read as 4 until a review, though math 1
+            # refused it), one answer "3, 4", wrong for either
+            break
+        listed.append(box)
+        start, name = box_start, earlier
+    if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}):
+        return last[0]
+    return ", ".join(reversed(listed))
+
+
+def math_answer(text: str) -> str | None:
+    """The math rule's answer in ``text`` (a completion past its thought: extract_answer), raw TeX, or None."""
+    # "\boxed{-2} and \boxed{1}" is "-2, 1"; "\boxed{\frac12} or \boxed{0.5}" is one answer; else the <answer> tag
+    found = math_boxes(text)
+    return found if found is not None else _math_tag(text)
+
+
+def math_reference(reference: str) -> str:
+    """A dataset's reference as the math rule reads it (reference_answer): its last box, else all of it."""
+    return last_boxed(reference) or reference.strip()
+
+
+class _ShortLogLines(logging.Filter):
+    """math-verify logs a parse timeout with the whole text it parsed: a degenerate completion's 40 KB box (or
+    1 MB) went to stderr, through the progress display, once per completion."""
+
+    LIMIT = 300
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if len(msg) > self.LIMIT:
+            record.msg, record.args = f"{msg[: self.LIMIT]}... ({len(msg):,} characters)", None
+        return True
+
+
+def _not_timeout_disabled(record: logging.LogRecord) -> bool:
+    # math-verify's "Timeout is disabled ..., you must provide the logic for timeout interuption yourself": qerl's
+    # own warning (_warn_no_timeout) says what that means for a reward scored off the main thread
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+@functools.cache
+def _quiet_math_verify() -> None:
+    for name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+        logger = logging.getLogger(name)  # a parent logger's filter misses its children's records
+        logger.addFilter(_ShortLogLines())
+        logger.addFilter(_not_timeout_disabled)
+
+
+@functools.cache
+def _warn_no_timeout() -> None:
+    warnings.warn("the math reward is scored off the main thread: math-verify's 5 s timeout needs SIGALRM, which "
+                  "only the main thread gets, so its verdicts run without a time limit there (a degenerate answer "
+                  "such as 10^{10^{10^{10}}} can hold the process for good); score from the main thread to keep it",
+                  QerlWarning, stacklevel=2)
+
+
+# TeX spacing between digit groups, "10\,000", "1\ 000\ 000", "10~000", "10 000" (TeX's math mode drops the plain
+# space): latex2sympy reads each as a product, 10 * 000 = 0, so the right answer scored 0 and 0 was taken for it.
+# Three at most between two groups ("10 \, 000").
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~|\s){1,3}(?=\d{3}(?!\d))")
+# A degree sign latex2sympy does not read ("30°", "30\degree": no answer), as the "^\circ" it does. Its leading spaces
+# are matched from a run's start only: tried from each space, a box of 100,000 spaces took minutes.
+_DEGREE_SIGN = re.compile(r"(?<!\s)\s*(?:\^\s*)?(?:\{\s*(?:°|\\degree|\\textdegree)\s*\}|°|\\degree\b|\\textdegree\b)")
+# A sentence's full stop inside the box, "\boxed{5.}", "\boxed{\frac{1}{2}.}", "\boxed{(1, 2).}", "\boxed{\pi.}",
+# "\boxed{x = 1 .}": no answer. Not a dot after a dot ("1..."), nor TeX's "\." (an accent).
+_BOX_FULL_STOP = re.compile(r"(?<=[\w})\]|])\s*\.\s*$")
+
+
+def _for_math_verify(tex: str) -> str:
+    """An answer's TeX in the forms math-verify reads (see each pattern)."""
+    tex = _DIGIT_GROUP_SPACE.sub("", tex.strip())
+    tex = _DEGREE_SIGN.sub(r"^\\circ", tex)
+    return _BOX_FULL_STOP.sub("", tex)
+
+
+def _math_verify_timeout() -> int:
+    """math-verify's timeouts use SIGALRM, which only works on the main thread (signal.signal raises elsewhere):
+    off it, no timeout (0 is math-verify's own switch for that), and one warning that says so."""
+    _quiet_math_verify()
+    if threading.current_thread() is threading.main_thread():
+        return 5
+    _warn_no_timeout()
+    return 0
+
+
+# The whole of an <answer> tag's content in one math span: "$\frac12$", "$$x = 5$$", "\(5\)", "\[5\]".
+_ONE_MATH_SPAN = re.compile(r"\$\$([^$]*)\$\$|\$([^$]*)\$|\\\(((?:(?!\\[()]).)*)\\\)|\\\[((?:(?!\\[\[\]]).)*)\\\]", re.DOTALL)
+_MATH_SPAN_OPEN = re.compile(r"(?<!\\)\$|\\[(\[]")  # not an escaped dollar, "\$18"
+# A dollar sign before an amount, the only one in the tag ("$18", "$18.50", "She pays $18."): a currency sign, as "\$18",
+# not a math span left open (no answer to math-verify, so a right answer scored 0).
+_CURRENCY_DOLLAR = re.compile(r"^([^$]*?)(?<!\\)\$(?=\s*\d)([^$]*)$")
+# A tag's bare content (no math span) is read as TeX: one longer than any answer is prose or a policy's degenerate repeat,
+# words with no answer in them, but latex2sympy's parse of it cost seconds a verdict (3 s at 2 KB, cut at 5 s on the main
+# thread, over a minute at 30 KB off it; R1-Zero-style policies write their whole solution in the tag).
+_MAX_BARE_TAG = 500
+
+
+def _math_tag(text: str) -> str | None:
+    """The math rule's answer where no box holds one: the last closed ``<answer>`` tag's (R1-Zero's prompt asks for
+    "<answer> ... </answer>"; it scored 0 under ``math`` however right, beside gsm8k, which reads the tag). Its
+    content is the answer's TeX, as a box's ("5", "\\frac{1}{2}", "x = 5", "-2, 1"), or in one math span ("$\\frac12$");
+    where words stand around math ("The answer is $\\frac12$.", "$x = -2$ or $x = 1$"), math-verify's own extraction
+    reads it (as it reads a completion: an "answer is" statement first, spans joined by "and"/"or"). Words without
+    math ("The answer is 5") are read as TeX, so no answer in effect: no "last number" is taken."""
+    tag = _answer_tag(text)
+    tex = None if tag is None else tag.strip()
+    if not tex:
+        return None
+    tex = _CURRENCY_DOLLAR.sub(r"\1\\$\2", tex)
+    if _MATH_SPAN_OPEN.search(tex) is None:
+        return tex if len(tex) <= _MAX_BARE_TAG else None
+    one = _ONE_MATH_SPAN.fullmatch(tex)
+    if one is not None:
+        return next(g for g in one.groups() if g is not None).strip() or None
+    return _tag_hedge(tex, _math_verify_extraction(tex))
+
+
+def _tag_hedge(tex: str, found: str | None) -> str | None:
+    """``found``, math-verify's reading of a tag's prose, unless it is the last of two math spans offered as a hedge,
+    as two boxes are (_BOX_HEDGE): then the two as one answer, as math_boxes reads "\\boxed{3} or maybe \\boxed{4}".
+    math-verify joins spans by a bare "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right."""
+    spans = list(_ONE_MATH_SPAN.finditer(tex))
+    if found is None or len(spans) < 2:
+        return found
+    before, last = ([g for g in m.groups() if g is not None][0].strip() for m in spans[-2:])
+    if (found == last and _BOX_HEDGE.fullmatch(tex, spans[-2].end(), spans[-1].start())
+            and not _math_verify_equal(before, last)):
+        return f"{before}, {last}"
+    return found
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _math_verify_extraction(text: str) -> str | None:
+    """The TeX math-verify's LaTeX extraction reads from prose, or None (cached as the verdicts are: ~10 ms)."""
+    from math_verify import LatexExtractionConfig, parse
+
+    found = parse(text, extraction_config=[LatexExtractionConfig()], parsing_timeout=_math_verify_timeout())
+    tex = found[-1].strip() if found and isinstance(found[-1], str) else ""  # [sympy value, its TeX], or []
+    return tex or None
+
+
+# A box (or tag) longer than any answer is a degenerate repeat: latex2sympy's parse of one took ~0.5 s at 1,000
+# characters and ~3 s at 3,000 (cut at 5 s on the main thread only), a verdict per distinct one: no answer.
+MAX_MATH_ANSWER_CHARS = 1000
+
+
+def long_math_reference(rows, noun: str = "completion") -> str | None:
+    """A warning for the rows (``.answer``, ``.where``) whose reference the math rule reads as no answer, being over
+    MAX_MATH_ANSWER_CHARS once its box is taken, or None. Every completion of such a problem scores 0, however right:
+    silent until a review (a dataset's answer column holding a whole solution without a box is one)."""
+    long = [r for r in rows if r.answer is not None and len(math_reference(r.answer)) > MAX_MATH_ANSWER_CHARS]
+    if not long:
+        return None
+    more = f" (and {len(long) - 1} more row{'s' if len(long) > 2 else ''})" if len(long) > 1 else ""
+    return (f"{long[0].where}: the reference is over {MAX_MATH_ANSWER_CHARS:,} characters{more}, which the math rule "
+            f"reads as no answer: every {noun} of its problem scores 0 (an answer column holding a whole "
+            f"solution? give the final answer, or box it: its last \\boxed{{}} is the reference)")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _math_verify_equal(gold: str, pred: str) -> bool:
+    # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
+    if max(len(gold), len(pred)) > MAX_MATH_ANSWER_CHARS:  # before the import: math-verify's (sympy's) costs ~1 s
+        return False
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    timeout = _math_verify_timeout()
+    cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    gold, pred = _for_math_verify(gold), _for_math_verify(pred)
+    g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
+    p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
+    if not g or not p:
+        return gold.strip() == pred.strip()
+    return bool(verify(g, p, timeout_seconds=timeout))
