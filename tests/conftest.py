@@ -50,3 +50,11 @@ def qmodel(tmp_path_factory):
     from tests.train_fixtures import quantized_tiny_with_hash
 
     return quantized_tiny_with_hash(tmp_path_factory.mktemp("qmodel"))
+
+
+@pytest.fixture(scope="session")
+def doc_stand_ins(tmp_path_factory):
+    """Stand-ins of what the documented commands read, by input flag (tests/test_docs.py's build_stand_ins)."""
+    from tests.test_docs import build_stand_ins
+
+    return build_stand_ins(tmp_path_factory.mktemp("doc-stand-ins"))

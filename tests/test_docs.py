@@ -7,6 +7,7 @@ it. docs/benchmarks.md is left out: it keeps the commands of removed probes and 
 """
 
 import importlib
+import json
 import re
 import shlex
 import subprocess
@@ -146,17 +147,126 @@ def assert_reaches_the_input_check(args: list[str], missing: Path, where: str) -
         f"{where}: qerl {shlex.join(args)}\n -> exit {r.exit_code}: {r.stderr.strip() or r.stdout[-500:]}"
 
 
+class Reached(Exception):
+    """Raised where a stage's work begins: every check of its flags, those against its inputs too, passed."""
+
+
+# Where each stage's work begins (generation, the training loop, the tensors written), after every check of its flags
+# against its inputs: replaced by a raise of Reached. (quantize checks nothing there but its source.)
+WORK = {"quantize": "qerl_cli.quantize._run_pipeline", "rollout": "qerl_cli.rollout._run",
+        "train-step": "qerl_cli.train_step._run", "merge": "qerl_cli.merge.merged_plan",
+        "eval": "qerl_cli.evaluate.WriterLock"}
+
+
+class StandIns(dict):
+    """build_stand_ins's paths by input flag; and an adapter with the shards sampled with it for each LoRA layout
+    a command names, trained when first asked for: a step continuing an adapter names the flags that trained it
+    (recipes/lib.sh passes --lora-rank and --lora-alpha at every step, and the adapter must fit them)."""
+
+    def __init__(self, paths: dict[str, str], root: Path):
+        super().__init__(paths)
+        self.root, self.adapters = root, {}
+
+    def adapter(self, lora: dict[str, str]) -> tuple[str, str]:
+        """(adapter dir, shards sampled with it) trained with LORA's --lora-rank, --lora-alpha, --lora-targets."""
+        from qerl_cli.adapters import adapter_hash
+        from tests.train_fixtures import base_hash_of, make_shard, quick_step
+
+        key = tuple(sorted(lora.items()))
+        if key not in self.adapters:
+            d = self.root / f"adapter-{len(self.adapters)}"
+            quick_step(Path(self["--model"]), Path(self["--shards"]), d / "adapter",
+                       lora_rank=int(lora.get("--lora-rank", 16)), lora_alpha=float(lora.get("--lora-alpha", 16)),
+                       lora_targets=tuple(lora["--lora-targets"].split(",")) if "--lora-targets" in lora else None)
+            shards = make_shard(d / "shards", base_hash_of(Path(self["--model"])), adapter_hash=adapter_hash(d / "adapter"),
+                                step=1)
+            self.adapters[key] = (str(d / "adapter"), str(shards))
+        return self.adapters[key]
+
+
+def build_stand_ins(root: Path) -> StandIns:
+    """What a page's command reads, built from the bundled tiny model under ROOT, by the input flag that names it
+    (`src`: quantize's source): the model and its NVFP4 QDIR, shards sampled from it, prompts, a chat template
+    (and, on demand, adapters: StandIns). The model is given a 7B's context (the pages' --max-new-tokens
+    2048 fit) and a chat template that reads `enable_thinking`, as Qwen3's does (the pages' --chat-template-kwargs)."""
+    import shutil
+
+    from qerl_cli.quantize import QuantizeConfig, quantize
+    from tests.helpers import THINKING_CHAT_TEMPLATE
+    from tests.train_fixtures import base_hash_of, make_shard
+
+    src = Path(shutil.copytree(ROOT / "qerl_cli" / "assets" / "tiny_model", root / "src"))
+    for name, more in (("config.json", {"max_position_embeddings": 32768}),
+                       ("tokenizer_config.json", {"model_max_length": 32768, "chat_template": THINKING_CHAT_TEMPLATE})):
+        (src / name).write_text(json.dumps(dict(json.loads((src / name).read_text()), **more)))
+    q = root / "q"
+    quantize(QuantizeConfig(src=src, out=q, device="cpu", progress=False))
+    rows = [{"prompt": f"Q: {a} + 1?\nA:", "input": f"Q: {a} + 1?\nA:", "answer": str(a + 1),
+             "reward_model": {"ground_truth": str(a + 1)}} for a in range(64)]  # --prompts-per-step 64
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "chat.jinja").write_text(THINKING_CHAT_TEMPLATE)
+    return StandIns({"src": str(src), "--model": str(q), "--prompts": str(root / "prompts.jsonl"),
+                     "--dataset": str(root / "prompts.jsonl"), "--shards": str(make_shard(root / "shards", base_hash_of(q))),
+                     "--requantize-from": str(src), "--chat-template-file": str(root / "chat.jinja")}, root=root)
+
+
+def on_stand_ins(args: list[str], missing: Path, stand_ins: StandIns) -> list[str]:
+    """ARGS (on_missing_inputs's) with each path under MISSING a stand-in of what its flag names (the repository's
+    file where the page names one), and a GPU's --device cpu: the input check took its value, and CI has no GPU."""
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg.startswith(str(missing)) and (ROOT / arg[len(str(missing)) + 1:]).exists():
+            args[i] = str(ROOT / arg[len(str(missing)) + 1:])  # the repository's own: qerl_cli/assets/tiny_model
+        elif arg.startswith(str(missing)):
+            flag = args[i - 1] if args[i - 1] in INPUT_FLAGS else "src"
+            if flag == "--adapter" or flag == "--shards" and "--adapter" in args:  # the adapter's, of its layout
+                lora = {f: args[j + 1] for j, f in enumerate(args[:-1]) if f.startswith("--lora-")}
+                args[i] = stand_ins.adapter(lora)[flag == "--shards"]
+            else:
+                args[i] = stand_ins[flag]
+        elif args[i - 1] == "--device" and arg.startswith("cuda"):
+            args[i] = "cpu"
+    return args
+
+
+def assert_reaches_the_work(args: list[str], missing: Path, stand_ins: StandIns, where: str) -> None:
+    """The stage, given stand-ins of its inputs, passes every check of its flags, those that need its inputs too
+    (--max-new-tokens against the model's context, --reward's names, --keep-activations against its layers), and
+    reaches its work: a stale flag the input check stops before is found here."""
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    def reached(*_, **__):
+        raise Reached
+
+    if "--compare" in args:  # tabulates finished evals: no work, nor a check beyond the input check's
+        return
+    args = on_stand_ins(args, missing, stand_ins)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WORK[args[0]], reached)
+        if "vllm" in args:  # `--engine vllm`: rollout asks for the package before its work
+            from tests import vllm_standin
+
+            vllm_standin.install(mp)
+        r = CliRunner().invoke(app, args, env={"COLUMNS": "200", "TERMINAL_WIDTH": ""})
+    assert isinstance(r.exception, Reached), \
+        f"{where}: qerl {shlex.join(args)}\n -> exit {r.exit_code}: {r.stderr.strip() or r.stdout[-500:]}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_stage_command_a_page_shows_parses_and_passes_the_flag_checks(page, tmp_path):
+def test_every_stage_command_a_page_shows_parses_and_passes_the_flag_checks(page, tmp_path, doc_stand_ins):
     # A renamed choice (`--scale-rewards batch`), a flag that became a switch or a value that stopped parsing was
     # found only by a user pasting the page. Each command, its inputs pointed at a directory that is not there,
-    # must stop at that directory: its flags' checks come first. (A check that needs the model, e.g.
-    # --max-new-tokens against its context, is not reached.)
+    # must stop at that directory: its flags' checks come first. Then, its inputs stand-ins built from a tiny
+    # model, it must reach its work: the checks that need the inputs (--reward's names, --max-new-tokens against
+    # the model's context) were not reached by the first, and a stale flag beyond them passed.
     missing, out = tmp_path / "not-there", tmp_path / "out"
     for stage, rest, line in command_texts(page, STAGE):
         args = on_missing_inputs(stage, synopsis_words(rest), missing, out)
         if args is not None:
             assert_reaches_the_input_check(args, missing, f"{page.name}: {line}")
+            assert_reaches_the_work(args, missing, doc_stand_ins, f"{page.name}: {line}")
 
 
 @pytest.mark.parametrize("stage, command", [
@@ -172,6 +282,21 @@ def test_a_stale_command_fails_the_input_check(stage, command, tmp_path):
     missing, out = tmp_path / "not-there", tmp_path / "out"
     with pytest.raises(AssertionError, match="exit 2"):
         assert_reaches_the_input_check(on_missing_inputs(stage, shell_words(command), missing, out), missing, command)
+
+
+@pytest.mark.parametrize("stage, command", [
+    ("rollout", "--model Q --prompts P --out S --reward gsm8k --reward formatt=0.1"),  # a misspelt reward
+    ("train-step", "--model Q --shards S --out A --keep-activations 3"),  # more layers than the model has
+    ("eval", "--model M --dataset D --out E --max-new-tokens 40000"),  # more than the model's context
+])
+def test_a_command_stale_beyond_the_input_check_fails_the_work_check(stage, command, tmp_path, doc_stand_ins):
+    # Each passes the input check, which stops before the checks that need the model: `--reward formatt=0.1` planted
+    # in docs/rollout.md passed it. Given stand-ins of its inputs, it must fail.
+    missing, out = tmp_path / "not-there", tmp_path / "out"
+    args = on_missing_inputs(stage, shell_words(command), missing, out)
+    assert_reaches_the_input_check(args, missing, command)
+    with pytest.raises(AssertionError, match="exit 2"):
+        assert_reaches_the_work(args, missing, doc_stand_ins, command)
 
 
 @pytest.mark.parametrize("stage, command", [("quantize", "src --out q"), ("eval", "--compare runs other")])
@@ -214,8 +339,8 @@ def help_examples(stage: str):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_every_help_example_parses_and_passes_the_flag_checks(stage, tmp_path):
-    # The help's examples are what a user copies first; the same check as the pages' commands above.
+def test_every_help_example_parses_and_passes_the_flag_checks(stage, tmp_path, doc_stand_ins):
+    # The help's examples are what a user copies first; the same checks as the pages' commands above.
     missing, out = tmp_path / "not-there", tmp_path / "out"
     examples = list(help_examples(stage))
     assert len(examples) >= 5
@@ -223,6 +348,7 @@ def test_every_help_example_parses_and_passes_the_flag_checks(stage, tmp_path):
         args = on_missing_inputs(stage, words, missing, out)
         assert args is not None, where
         assert_reaches_the_input_check(args, missing, f"qerl {stage} --help, {where}")
+        assert_reaches_the_work(args, missing, doc_stand_ins, f"qerl {stage} --help, {where}")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

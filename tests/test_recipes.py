@@ -347,11 +347,18 @@ def _argv_recorder(tmp_path):
 @pytest.mark.parametrize("config, settings", [(c, {}) for c in CONFIGS] + [
     (RECIPES / "configs" / "tiny.env", {"BASE_FORMAT": "bf16", "TRAIN_EXTRA": "--keep-activations 2 --deterministic"}),
 ], ids=lambda x: x.name if isinstance(x, Path) else ",".join(x) or "-")
-def test_every_command_a_config_makes_the_recipes_run_parses_and_passes_the_flag_checks(tmp_path, config, settings):
+def test_every_command_a_config_makes_the_recipes_run_parses_and_passes_the_flag_checks(tmp_path, config, settings,
+                                                                                        doc_stand_ins):
     # The recorded commands were compared with one another (above, below), never with the stages' flags: a
     # config's TRAIN_EXTRA, or a flag lib.sh writes, that a stage renamed failed only on the cluster. Each command
-    # grpo.sh runs (stage.sbatch runs the same ones) must reach its first input, as the pages' commands must.
-    from tests.test_docs import assert_reaches_the_input_check, on_missing_inputs, shell_words
+    # grpo.sh runs (stage.sbatch runs the same ones) must reach its first input, as the pages' commands must, and
+    # then, given stand-ins of its inputs, its work (the checks against the inputs passed too).
+    from tests.test_docs import (
+        assert_reaches_the_input_check,
+        assert_reaches_the_work,
+        on_missing_inputs,
+        shell_words,
+    )
 
     qerl, log = _argv_recorder(tmp_path)
     env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "WARMUP_STEPS": "0", "EVAL_EVERY": "1", "MERGE_DTYPE": "nvfp4",
@@ -366,6 +373,7 @@ def test_every_command_a_config_makes_the_recipes_run_parses_and_passes_the_flag
         args = on_missing_inputs(words[0], words[1:], missing, out)
         assert args is not None, words
         assert_reaches_the_input_check(args, missing, f"{config.name} {settings}")
+        assert_reaches_the_work(args, missing, doc_stand_ins, f"{config.name} {settings}")
 
 
 def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
