@@ -165,21 +165,50 @@ def _names_suffix(names, module: str) -> bool:
 
 
 TIED_HEAD = "lm_head"
+ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand, matched in any case
+_EMBEDDING_LAYER_NAMES = ("embed_tokens", TIED_HEAD)  # peft.utils.constants.EMBEDDING_LAYER_NAMES
+
+
+def _all_linear_leaves_out(module: str) -> str | None:
+    """Why PEFT's ``target_modules="all-linear"`` puts no LoRA on ``module``: it wraps every Linear but the model's
+    output layer (peft _maybe_include_all_linear_layers). By name, as the decoders qerl reads name them: the output
+    layer is lm_head, and embed_tokens is an Embedding, no Linear. Merge merged hand-added pairs of either, which PEFT
+    drops without a word."""
+    if module == TIED_HEAD:
+        return f"target_modules {ALL_LINEAR!r} leaves out (PEFT's all-linear takes no output layer)"
+    if module.rsplit(".", 1)[-1] == "embed_tokens":
+        return f"target_modules {ALL_LINEAR!r} leaves out (an Embedding: PEFT's all-linear takes only Linears)"
+    return None
+
+
+def _ties_head(cfg: dict) -> bool:
+    """PEFT's ensure_weight_tying puts LoRA on the head only where target_modules names an embedding layer (peft
+    _check_tied_modules, EMBEDDING_LAYER_NAMES); beside "all-linear" or other targets it only warns, and a head pair in
+    the file is dropped (merge merged it)."""
+    if not cfg.get("ensure_weight_tying"):
+        return False
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        return any(re.fullmatch(targets, n) for n in _EMBEDDING_LAYER_NAMES)
+    return isinstance(targets, list) and any(isinstance(t, str) and t.rsplit(".", 1)[-1] in _EMBEDDING_LAYER_NAMES
+                                             for t in targets)
 
 
 def peft_leaves_out(cfg: dict, module: str) -> str | None:
     """Why PEFT puts no LoRA layer on ``module`` (a base module name, "model.layers.0.self_attn.q_proj"): the
-    adapter_config.json field that says so, or None where PEFT wraps it (or only the model could tell: "all-linear",
-    no target_modules). PEFT loads an adapter file's tensors only into the LoRA layers it created and drops the rest
-    without a word, so a reader that applies every pair in the file runs another policy than PEFT's. Mirrors
+    adapter_config.json field that says so, or None where PEFT wraps it (or only the model could tell: no
+    target_modules; "all-linear" is read by the names of qerl's decoders, ``_all_linear_leaves_out``). PEFT loads an
+    adapter file's tensors only into the LoRA layers it created and drops the rest without a word, so a reader that
+    applies every pair in the file runs another policy than PEFT's. Mirrors
     peft.tuners.tuners_utils.check_target_module_exists (peft 0.17-0.21) and what PEFT wraps besides it."""
     # wrapped whatever exclude_modules and the layers say: the modules of target_parameters ("self_attn.q_proj.weight"
     # -> q_proj; PEFT saves their pairs under the module's name), and with ensure_weight_tying on a tied base the head,
     # which PEFT moves out of the saved target_modules (into the unsaved target_modules_to_tie) and saves its LoRA
+    # (where target_modules names the embedding: _ties_head)
     params = cfg.get("target_parameters")
     if isinstance(params, list) and _names_suffix([p.rpartition(".")[0] for p in params if isinstance(p, str)], module):
         return None
-    if cfg.get("ensure_weight_tying") and module == TIED_HEAD:
+    if module == TIED_HEAD and _ties_head(cfg):
         return None
     excluded = cfg.get("exclude_modules")
     if excluded and (re.fullmatch(excluded, module) if isinstance(excluded, str) else _names_suffix(excluded, module)):
@@ -190,8 +219,10 @@ def peft_leaves_out(cfg: dict, module: str) -> str | None:
     targets = cfg.get("target_modules")
     if targets is None and params:
         return "target_modules (null: only target_parameters are adapted) does not name"
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        return _all_linear_leaves_out(module)
     if isinstance(targets, str):
-        return None if targets == "all-linear" or re.fullmatch(targets, module) else f"target_modules {targets!r} does not match"
+        return None if re.fullmatch(targets, module) else f"target_modules {targets!r} does not match"
     if not isinstance(targets, list):
         return None
     if module in targets:  # a full name: PEFT takes it in any layer
@@ -216,10 +247,9 @@ def check_peft_wraps(cfg: dict, modules, path) -> None:
                                 hint=f"correct {CONFIG}, or remove the module's tensors")
 
 
-def adapter_leaves_out(adapter_dir, modules) -> list[tuple[str, str]]:
+def adapter_leaves_out(cfg: dict, modules) -> list[tuple[str, str]]:
     """(module, why) for each of ``modules`` (base module names) PEFT puts no LoRA on by the adapter's config
-    (``peft_leaves_out``): the loader keeps their LoRA at B = 0."""
-    cfg = _read_config(Path(adapter_dir))
+    (``read_adapter_config``; ``peft_leaves_out``): the loader keeps their LoRA at B = 0."""
     return [(m, why) for m in sorted(modules) if (why := peft_leaves_out(cfg, m))]
 
 
@@ -260,9 +290,16 @@ def _read_config(adapter_dir: Path) -> dict:
     return cfg
 
 
-def read_adapter_spec(adapter_dir) -> LoraSpec:
-    """The LoraSpec an adapter directory was trained with (targets as module-name suffixes)."""
-    cfg = _read_config(adapter_dir)
+def read_adapter_config(adapter_dir) -> dict:
+    """The adapter's ``adapter_config.json``, checked as every reader checks it: a caller that needs it for more than
+    ``read_adapter_spec`` reads it once and passes it on (both then see the same file)."""
+    return _read_config(Path(adapter_dir))
+
+
+def read_adapter_spec(adapter_dir, cfg: dict | None = None) -> LoraSpec:
+    """The LoraSpec an adapter directory was trained with (targets as module-name suffixes); ``cfg``: its
+    ``read_adapter_config``, where the caller has it already."""
+    cfg = _read_config(Path(adapter_dir)) if cfg is None else cfg
     # rollout's vLLM engine hands the file to vLLM, which applies every pair in it, and train-step resumes it
     # (a missing file is the reader's to report: the layout needs only the config)
     if (wpath := _weights_path(Path(adapter_dir))).exists():

@@ -438,12 +438,13 @@ def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter
 # ---- model ---------------------------------------------------------------------------------------
 def _lora_spec(cfg: TrainStepConfig):
     """The LoRA layout: the adapter's own when resuming (flags must agree), else from the flags."""
-    from qerl_cli.adapters import read_adapter_spec
+    from qerl_cli.adapters import read_adapter_config, read_adapter_spec
     from qerl_cli.layers.lora import LoraSpec
 
     if cfg.adapter is not None:
-        spec = read_adapter_spec(cfg.adapter)
-        _check_covers_every_layer(cfg, spec)
+        adapter_cfg = read_adapter_config(cfg.adapter)  # read once: the layout and the layers check see one file
+        spec = read_adapter_spec(cfg.adapter, adapter_cfg)
+        _check_covers_every_layer(cfg, spec, adapter_cfg)
         for flag, mine, theirs in (("--lora-rank", cfg.lora_rank, spec.r), ("--lora-alpha", cfg.lora_alpha, spec.alpha),
                                    ("--lora-targets", tuple(sorted(cfg.lora_targets)) if cfg.lora_targets else None,
                                     tuple(sorted(spec.targets)))):
@@ -461,7 +462,7 @@ def _lora_spec(cfg: TrainStepConfig):
     return spec
 
 
-def _check_covers_every_layer(cfg: TrainStepConfig, spec) -> None:
+def _check_covers_every_layer(cfg: TrainStepConfig, spec, adapter_cfg: dict) -> None:
     """Refuse to continue an adapter PEFT applies to only some layers (``layers_to_transform``, ``exclude_modules``, a
     ``target_modules`` regex). Rollout and eval apply it as PEFT does (LoRA kept at zero where PEFT puts none), but a
     step trains LoRA on every layer of its targets and writes an adapter_config.json without those fields: the next
@@ -469,7 +470,7 @@ def _check_covers_every_layer(cfg: TrainStepConfig, spec) -> None:
     from qerl_cli.adapters import CONFIG, adapter_leaves_out
     from qerl_cli.models.loader import lora_module_names
 
-    left = adapter_leaves_out(cfg.adapter, lora_module_names(cfg.model, spec.targets))
+    left = adapter_leaves_out(adapter_cfg, lora_module_names(cfg.model, spec.targets))
     if left:
         module, why = left[0]
         more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""

@@ -1,6 +1,7 @@
 """`qerl merge`: merged logits equal base + adapter, lineage and shape checks, atomic reruns."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ def make_peft_adapter(base_dir: Path, out: Path, *, r=4, alpha=8, seed=1, scale=
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), modules_to_save=modules_to_save,
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets if isinstance(targets, str) else list(targets),
+                          modules_to_save=modules_to_save,
                           **lora)
     pm = peft.get_peft_model(model, cfg)
     g = torch.Generator().manual_seed(seed)
@@ -449,6 +451,65 @@ def test_lora_pairs_peft_wraps_beyond_the_saved_target_modules_are_merged(tmp_pa
     ref, plain = peft_logits(base, adapter, IDS % 300), peft_logits(base, None, IDS % 300)
     err = (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
+
+
+@pytest.mark.parametrize("spelling", ["all-linear", "All-Linear"])
+def test_all_linear_adapters_merge_to_the_policy_peft_loads(tmp_path, spelling):
+    # PEFT reads target_modules "all-linear" in any case (merge refused "All-Linear" as a regex matching nothing), and
+    # its all-linear wraps every Linear but the output layer: a hand-added pair of lm_head, or of the embedding (no
+    # Linear), is dropped by PeftModel.from_pretrained without a word; merge merged it (logits ~100 off PEFT's), and
+    # rollout/eval's loader failed on it as "LoRA targets ['lm_head'] match no Linear".
+    from safetensors.torch import load_file, save_file
+
+    from qerl_cli.adapters import read_adapter_spec
+
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32, tokenizer=False)
+    adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, scale=0.2, targets="all-linear", trainer_state=False)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(dict(cfg, target_modules=spelling)))
+    m = merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)
+    assert m["summary"]["merged_modules"] == len(TARGETS)
+    ref, plain = peft_logits(base, adapter, IDS % 300), peft_logits(base, None, IDS % 300)
+    err = (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
+    g = torch.Generator().manual_seed(5)
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    for module, pair in (("lm_head", {"lora_A": (2, 32), "lora_B": (vocab, 2)}),
+                         ("model.embed_tokens", {"lora_embedding_A": (2, vocab), "lora_embedding_B": (32, 2)})):
+        extra = tmp_path / module
+        shutil.copytree(adapter, extra)
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        tensors.update({f"base_model.model.{module}.{k}.weight": torch.randn(shape, generator=g) for k, shape in pair.items()})
+        save_file(tensors, extra / "adapter_model.safetensors")
+        assert torch.equal(peft_logits(base, extra, IDS % 300), ref)  # PEFT drops the pair
+        for read in (lambda d: merge(MergeConfig(base, d, tmp_path / "m"), progress=False), read_adapter_spec):
+            with pytest.raises(BadInputError, match=rf"LoRA tensors of '{module}', which target_modules 'all-linear' "
+                                                    "leaves out .*PEFT would not load them"):
+                read(extra)
+        assert not (tmp_path / "m").exists()
+
+
+def test_a_head_pair_beside_ensure_weight_tying_without_an_embedding_target_is_refused(tmp_path):
+    # ensure_weight_tying puts LoRA on a tied head only where target_modules names an embedding layer; beside
+    # all-linear (PEFT saves the Linears it found) it only warns, and PEFT drops a hand-added lm_head pair. Merge took
+    # any head pair beside ensure_weight_tying for one PEFT wraps and merged it (logits ~100 off PEFT's).
+    from safetensors.torch import load_file, save_file
+
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32, tokenizer=False,
+                              tie_word_embeddings=True)
+    with pytest.warns(UserWarning, match="ensure_weight_tying"):
+        adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets="all-linear", ensure_weight_tying=True,
+                                    trainer_state=False)
+    ref = peft_logits(base, adapter, IDS % 300)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(5)
+    tensors.update({"base_model.model.lm_head.lora_A.weight": torch.randn(2, 32, generator=g),
+                    "base_model.model.lm_head.lora_B.weight": torch.randn(vocab, 2, generator=g)})
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    assert torch.equal(peft_logits(base, adapter, IDS % 300), ref)  # PEFT drops the pair
+    with pytest.raises(BadInputError, match=r"LoRA tensors of 'lm_head', which target_modules .* does not name"):
+        merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
 
 
 def test_embedding_and_lm_head_lora(tmp_path):
