@@ -353,6 +353,10 @@ def guarded(fn, stage: str | None = None):
             if done:  # after the rename: the output is whole, only the summary lines were cut short
                 print(f"{word} after --out was written: {done[-1]} is complete (a rerun says already done)",
                       file=sys.stderr)
+            elif "out" in kwargs and kwargs["out"] is None:  # eval --compare: it reads finished evals, writes nothing
+                # (it said "--out was not written (a rerun resumes its saved problems)": grpo.sh's log after a Ctrl-C
+                # in its last line, `qerl eval --compare`, offered a resume that does not exist; a review, session 57)
+                print(f"{word}: nothing was written", file=sys.stderr)
             elif (rank := _writer_elsewhere()) is not None:
                 print(f"{word}: torchrun rank {rank} stopped (rank 0 alone writes --out: its line, or a rerun's "
                       "\"already done\", says whether it was written)", file=sys.stderr)

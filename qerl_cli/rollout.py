@@ -64,7 +64,6 @@ from qerl_cli.errors import (
     BadInputError,
     NumericalError,
     OutputExistsError,
-    QerlError,
     QerlWarning,
 )
 from qerl_cli.hashing import dir_hash, model_hash, sha256_file, text_files_hash
@@ -709,9 +708,11 @@ def rollout(cfg: RolloutConfig) -> dict:
         return _run(plan)
     except OutputExistsError:
         raise  # another process owns the partial directory: never touch it
-    except QerlError:
-        # A bad input found late (an adapter that does not fit, a reward that returns junk) before any
-        # group was saved: leave nothing behind. With groups saved, keep them for the resume.
+    except BaseException:  # noqa: BLE001 - cleaned up, then re-raised
+        # A bad input found late (an adapter that does not fit, a reward that returns junk), or a stop (Ctrl-C,
+        # SIGTERM: Slurm's pre-emption while a large model loads), before any group was saved: leave nothing behind,
+        # as eval does. With groups saved, keep them for the resume. (A stop left the partial directory with its
+        # empty shard for good, and a later run of other flags warned of "an unfinished run" there to resume.)
         out.drop_work_if_nothing_kept("shard-*.jsonl")
         raise
 

@@ -56,6 +56,11 @@ stage() {
     echo "FORCE=1: qerl $1 refused above (exit 4, made from other inputs); redoing it with --force" >&2
     run_qerl "$@" --force
   else
+    # The stage's own hint says "pass --force", a flag this script takes as FORCE=1 (a user looked for a way to pass it).
+    if [ "$rc" = 4 ]; then
+      echo "note: qerl $1 refused (exit 4): FORCE=1 reruns this script redoing each stage that refuses; a changed STEPS" \
+        "cannot extend a run (start a new RUN_DIR)" >&2
+    fi
     return "$rc"
   fi
 }

@@ -280,6 +280,24 @@ def test_compare_cli_prints_runs_side_by_side(model_dir, tmp_path):
     assert r.exit_code == 0 and "pass@1" in r.output  # --quiet runs nothing: a script's habit is no error
 
 
+def test_a_stopped_compare_says_nothing_was_written(model_dir, tmp_path, monkeypatch):
+    """--compare has no --out and saves no problems: stopped (grpo.sh's last command, Ctrl-C), it said "--out was not
+    written (a rerun resumes its saved problems)" (a review, session 57)."""
+    from typer.testing import CliRunner
+
+    import qerl_cli.eval_metrics as em
+    from qerl_cli.cli import app
+
+    run(model_dir, tmp_path, GSM8K_ROWS, [["#### 7"], ["#### 1"], ["#### 3"], ["#### 0"]], name="base")
+
+    def stop(runs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(em, "compare_table", stop)
+    r = CliRunner().invoke(app, ["eval", "--compare", str(tmp_path / "base")])
+    assert r.exit_code == 130 and r.output.strip() == "interrupted: nothing was written", r.output
+
+
 def test_vllm_engine_missing_is_a_clear_error(model_dir, tmp_path):
     import importlib.util
 

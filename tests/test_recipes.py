@@ -856,6 +856,9 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
     run = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
                          capture_output=True, text=True)
     assert run.returncode == 4  # without FORCE the refusal stops the loop
+    # and names the variable that redoes it: the stage's own "pass --force" is no flag of grpo.sh (a review, session 57)
+    assert run.stderr.endswith("error: exists\nnote: qerl merge refused (exit 4): FORCE=1 reruns this script redoing each "
+                               "stage that refuses; a changed STEPS cannot extend a run (start a new RUN_DIR)\n"), run.stderr
     log.write_text("")
     err = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env={**env, "FORCE": "1"},
                          check=True, capture_output=True, text=True).stderr
@@ -1020,6 +1023,18 @@ def test_submit_env_keeps_what_only_the_environment_set(tmp_path):
     assert "--run-seed 5 " in rollout and "--dtype bf16" in rollout and "--chat-template-file /t/chat.jinja" in rollout
     assert "--max-problems 7 " in evaluation and "--chat-template-file /t/chat.jinja" in evaluation
     assert "--dtype nvfp4 --requantize-from " in merge
+
+
+def test_a_jobs_first_line_names_a_step_only_for_the_stages_that_take_one(tmp_path):
+    # quantize and final take no STEP, and their logs began "stage.sbatch final (step 0): settings from ...", the final
+    # job merging step STEPS-1's adapter (a review, session 57).
+    cfg, run = _submit_7b_chain(tmp_path)
+    qerl, _ = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl)}
+    for stage, step, said in (("quantize", [], "quantize: "), ("final", [], "final: "), ("train", ["2"], "train (step 2): ")):
+        err = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(run), *step], env=env,
+                             check=True, capture_output=True, text=True).stderr
+        assert err.startswith(f"stage.sbatch {said}settings from {run}/submit.env"), err
 
 
 def test_a_rerun_takes_its_settings_from_submit_env_and_says_so(tmp_path):

@@ -483,6 +483,9 @@ def test_cli_interrupt_says_groups_are_kept(model_dir, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["rollout", "--model", str(model_dir), "--prompts", str(prompts),
                                  "--out", str(tmp_path / "o"), "--device", "cpu", "-q"])
     assert r.exit_code == 130 and "no prompt group was saved yet (0 of 4; " in r.output and "rerun the same" in r.output
+    # Nothing saved, nothing left: the partial directory with its empty shard stayed for good, and a later run with
+    # other flags warned of "an unfinished run ... rerun that run's command to resume it" (a review, session 57).
+    assert not list(tmp_path.glob(".o.*")), list(tmp_path.iterdir())
 
 
 def test_chat_rows_and_gsm8k_rows(model_dir, tmp_path, fake_engine):
