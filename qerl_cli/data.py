@@ -17,7 +17,8 @@ An ``answer`` holding ``####`` anywhere is treated as a worked solution and redu
 after it, so a reward never compares against a whole paragraph.
 
 A row's other columns (``solution``, ``task``, ``id``, ...) are kept as read, in ``PromptRow.columns``: a TRL-style
-reward is passed them by name, as TRL's GRPOTrainer passes its dataset's columns. The shard does not hold them.
+reward is passed them by name, as TRL's GRPOTrainer passes its dataset's columns (kept only where one takes them:
+``load_prompts(columns=)``). The shard does not hold them.
 
 Rendering: an optional ``--prompt-template`` (must contain ``{prompt}``; substituted by plain
 replacement, so braces in LaTeX prompts are safe; a file's final newline is dropped, as Jinja does)
@@ -95,8 +96,11 @@ class EncodeReport:
 
 
 # ---- loading -------------------------------------------------------------------------------
-def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str, Any]]:
-    """(location, parsed row) pairs; JSON syntax errors name file:line (collected in ``bad_lines`` if given)."""
+def _read_rows(path: Path, bad_lines: list[str] | None = None,
+               stored: list[dict] | None = None) -> list[tuple[str, Any]]:
+    """(location, parsed row) pairs; JSON syntax errors name file:line (collected in ``bad_lines`` if given).
+    ``stored``: where given, a Parquet file's columns that are read as text here (``_float32_as_text``) are appended
+    to it as the file holds them, one dict a row (none for a file without such columns): a reward is passed those."""
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".pq"):
         try:
@@ -105,6 +109,8 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None) -> list[tuple[str
             raise BadInputError(f"{path}: reading Parquet needs pyarrow", hint="pip install 'qerl[parquet]'") from None
         try:
             table = pq.read_table(path)
+            if stored is not None:
+                stored.extend(_float_columns(table))
             table = _float16_columns_as_text(table)
             rows = table.cast(_float32_as_text(table.schema)).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
@@ -207,6 +213,27 @@ def _float16_columns_as_text(table):
             col = pa.array([text(v) for v in table.column(i).to_pylist()], pa.string())
             table = table.set_column(i, pa.field(f.name, pa.string(), f.nullable), col)
     return table
+
+
+def _float_columns(table) -> list[dict]:
+    """Each row's values of the columns holding float32 or float16 (nested too), as pyarrow's to_pylist (and so
+    ``datasets``, and TRL's rewards) reads them: floats. qerl reads those columns as text to read a reference from
+    them (``_float32_as_text``), and a reward was passed a Parquet `weight` column's 0.5 as "0.5" (a review)."""
+    columns = [i for i, f in enumerate(table.schema) if _holds_float32(f.type)]
+    return table.select(columns).to_pylist() if columns else []
+
+
+def _holds_float32(t) -> bool:
+    """Whether a column of Arrow type ``t`` holds float32 or float16 values (in a struct or list too)."""
+    import pyarrow as pa
+
+    if pa.types.is_float32(t) or pa.types.is_float16(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_holds_float32(f.type) for f in t)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _holds_float32(t.value_type)
+    return False
 
 
 def _float32_as_text(schema):
@@ -350,12 +377,15 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
 ROW_FIELDS = frozenset(("prompt", "messages", "answer"))
 
 
-def row_columns(raw: Any) -> dict[str, Any]:
+def row_columns(raw: Any, stored: dict | None = None) -> dict[str, Any]:
     """A row's columns other than ``ROW_FIELDS``, as read (before ``--prompt-key`` / ``--answer-key`` rename any):
     TRL's GRPOTrainer passes a reward every column but the prompt (open-r1's accuracy reward reads ``solution``), and a
     reward written for it failed here, "missing a required argument", or had to be rewritten. Values as the file holds
-    them: JSON lists and objects pass through; Parquet columns as ``_read_rows`` reads them."""
-    return {k: v for k, v in raw.items() if k not in ROW_FIELDS} if isinstance(raw, dict) else {}
+    them: JSON lists and objects pass through; Parquet columns as pyarrow reads them, ``stored`` (``_read_rows``)
+    holding those qerl reads as text."""
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in {**raw, **(stored or {})}.items() if k not in ROW_FIELDS}
 
 
 def column_names(rows: Sequence[PromptRow]) -> list[str]:
@@ -394,13 +424,17 @@ def remap_row(raw: Any, where: str, prompt_key: str | None, answer_key: str | No
 
 
 def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: list[str] | None = None,
-                 prompt_key: str | None = None, answer_key: str | None = None, flag: str = "--prompts") -> list[PromptRow]:
+                 prompt_key: str | None = None, answer_key: str | None = None, flag: str = "--prompts",
+                 columns: bool = True) -> list[PromptRow]:
     """All rows of a JSONL / JSON / Parquet prompt file, validated; ids unique.
 
     ``skip_bad_lines``: a row that is not JSON or not a valid prompt row is skipped and its error
     appended to ``bad_lines`` instead of raised (a missing or empty file still raises).
     ``prompt_key`` / ``answer_key``: the dataset's own column names (dotted for nested fields,
     e.g. ``reward_model.ground_truth``); the prompt column may hold text or a chat list.
+    ``columns``: keep each row's other columns (``PromptRow.columns``); without, none are kept (eval, and a rollout
+    whose rewards take none): a dataset's test cases were held through the run for nothing, and a Parquet file's
+    float columns read twice.
     """
     path = Path(path)
     if not path.exists():
@@ -411,7 +445,8 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
         raise BadInputError(f"{flag} {path} is not a regular file (a pipe or device can be read only once, and the "
                             "output's fingerprint needs its content again)", hint="write it to a file first")
     bad_lines = bad_lines if bad_lines is not None else []
-    raw_rows = _read_rows(path, bad_lines if skip_bad_lines else None)
+    stored: list[dict] = []  # a Parquet file's float columns as it holds them (``_read_rows``), for row_columns
+    raw_rows = _read_rows(path, bad_lines if skip_bad_lines else None, stored if columns else None)
     if not raw_rows:
         raise BadInputError(f"prompt file {path} holds no rows")
     rows: list[PromptRow] = []
@@ -421,7 +456,8 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
             continue
         try:
             row = parse_row(remap_row(raw, where, prompt_key, answer_key), where, i)
-            row.columns = row_columns(raw)
+            if columns:
+                row.columns = row_columns(raw, stored[i] if stored else None)
             explicit = isinstance(raw, dict) and any(raw.get(k) is not None for k in ID_FIELDS)
             if row.id in seen:
                 mine = "" if explicit else " (this row has no id and takes its row index)"

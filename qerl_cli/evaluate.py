@@ -425,7 +425,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         raise BadInputError(f"--dataset {cfg.dataset} does not exist")
     template = load_template(cfg.prompt_template)
     try:
-        rows = load_prompts(cfg.dataset, flag="--dataset", prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+        rows = load_prompts(cfg.dataset, flag="--dataset", prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                            columns=False)  # its scorers read the reference only
     except BadInputError as e:
         # Not a hint offering --skip-bad-lines, which eval does not have (every problem counts); any
         # other hint (pip install 'qerl[parquet]') stays.

@@ -524,6 +524,11 @@ class RewardSet:
         return [s.name for s in self.specs if s.reward.needs_answer]
 
     @property
+    def takes_columns(self) -> bool:
+        """Whether a reward is passed dataset columns: a TRL-style one taking ``**kwargs`` or naming one."""
+        return any(s.reward.batched is not None and s.reward.columns != () for s in self.specs)
+
+    @property
     def weights(self) -> dict[str, float]:
         return {s.name: s.weight for s in self.specs}
 

@@ -632,7 +632,7 @@ def rollout(cfg: RolloutConfig) -> dict:
     template = load_template(cfg.prompt_template)
     bad_rows: list[str] = []
     rows = load_prompts(cfg.prompts, skip_bad_lines=cfg.skip_bad_lines, bad_lines=bad_rows,
-                        prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+                        prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, columns=reward_set.takes_columns)
     selected = select_prompts(rows, cfg)
     if not selected and cfg.num_shards > 1:  # harmless for train-step, but a Slurm task (a GPU) spent on nothing
         warnings.warn(QerlWarning(

@@ -284,6 +284,36 @@ def test_parquet_float32_and_decimal_answers_read_as_written(tmp_path):
     assert load_prompts(tmp_path / "h.parquet")[0].answer == "12.50"
 
 
+def test_parquet_float_columns_reach_a_trl_reward_as_floats_as_trl_passes_them(tmp_path):
+    # qerl reads float32 / float16 columns as text, to read a reference "0.1"; the other columns a TRL-style reward is
+    # passed were that text too: a `weight` column's 0.5 came as "0.5", and a reward computing with it raised after
+    # the first batch's generation. datasets (TRL's) reads them as pyarrow's to_pylist does: floats.
+    import numpy as np
+
+    from qerl_cli.rewards import RewardSet
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    f32 = pa.float32()
+    table = pa.table({"prompt": ["a", "b"], "answer": pa.array([0.1, 2.5], f32),
+                      "weight": pa.array([0.5, None], f32), "half": pa.array(np.array([0.25, 1], np.float16)),
+                      "scores": pa.array([[0.1, 2.0], []], pa.list_(f32)),
+                      "meta": pa.array([{"k": 0.1, "s": "x"}, None], pa.struct([("k", f32), ("s", pa.string())])),
+                      "n": [1, 2]})
+    pq.write_table(table, tmp_path / "f.parquet")
+    rows = load_prompts(tmp_path / "f.parquet")
+    assert [r.answer for r in rows] == ["0.1", "2.5"]  # the reference is read from the text, as before
+    tenth = float(np.float32(0.1))  # 0.10000000149011612, as datasets passes it
+    assert rows[0].columns == {"weight": 0.5, "half": 0.25, "scores": [tenth, 2.0], "meta": {"k": tenth, "s": "x"},
+                               "n": 1}
+    assert rows[1].columns == {"weight": None, "half": 1.0, "scores": [], "meta": None, "n": 2}
+    (tmp_path / "r.py").write_text("def weighted(completions, weight, scores, **kwargs):\n"
+                                   "    return [w * sum(s) for w, s in zip(weight, scores)]\n")
+    rs = RewardSet.from_specs([f"{tmp_path / 'r.py'}:weighted"])
+    got = rs.score_group(["x", "y"], rows[0].answer, rows[0].prompt, columns=rows[0].columns)
+    assert [total for _, total in got] == [0.5 * (tenth + 2.0)] * 2
+
+
 def test_long_template_without_prompt_is_the_usual_error_and_bad_utf8_names_the_line(tmp_path):
     with pytest.raises(BadInputError, match="must contain \\{prompt\\}"):
         load_template("Solve carefully. " * 20 + "{question}")  # 340 characters: no file name (ENAMETOOLONG)

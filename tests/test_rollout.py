@@ -253,6 +253,30 @@ def test_a_trl_reward_taking_dataset_columns_scores_a_resumed_rollout_as_an_unin
     assert res["summary"]["resumed_groups"] == 4 and read_records(tmp_path / "out") == want
 
 
+def test_a_rollout_keeps_the_dataset_columns_only_where_a_reward_takes_them(model_dir, tmp_path, fake_engine,
+                                                                            monkeypatch):
+    # every row's other columns (a code dataset's test cases: 670 MB of objects for 100k rows of a 150 MB file) were
+    # held through the whole run for the built-in rewards too, which read none of them
+    prompts = tmp_path / "cols.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Q{i}?", "answer": str(i), "tests": [[i, i + 1]] * 50})
+                               + "\n" for i in range(4)))
+    loaded = []
+
+    def spy(*args, **kwargs):
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
+
+    real = ro.load_prompts
+    monkeypatch.setattr(ro, "load_prompts", spy)
+    r = tmp_path / "r.py"
+    r.write_text("def one(completions, **kwargs):\n    return [float(len(t)) for t in kwargs['tests']]\n"
+                 "def none(completions, answer):\n    return [0.0] * len(completions)\n")
+    for rewards, kept in ((("gsm8k", "format"), False), ((f"{r}:none",), False), ((f"{r}:one",), True)):
+        rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=rewards, out=tmp_path / f"o{len(loaded)}"))
+        assert [bool(row.columns) for row in loaded[-1]] == [kept] * 4, rewards
+    assert {x["reward"] for x in read_records(tmp_path / "o2")} == {50.0}
+
+
 def test_prompts_per_step_walks_the_dataset(model_dir, tmp_path):
     rows = [type("R", (), {"id": str(i)})() for i in range(10)]
 
