@@ -512,6 +512,32 @@ def test_a_head_pair_beside_ensure_weight_tying_without_an_embedding_target_is_r
         merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
 
 
+def test_a_head_pair_beside_ensure_weight_tying_on_an_untied_base_is_refused(tmp_path):
+    # ensure_weight_tying ties the head to a LoRA'd embedding only where the base ties them; on an untied base PEFT
+    # warns "no tied modules were found", puts no LoRA on lm_head (target_modules does not name it) and drops a
+    # hand-added head pair. Merge took it for the tied head's pair and merged it (logits ~50 off PEFT's, at ~0.4).
+    from safetensors.torch import load_file, save_file
+
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32, tokenizer=False)
+    with pytest.warns(UserWarning, match="no tied modules were found"):
+        adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, scale=0.2, targets=["q_proj", "embed_tokens"],
+                                    ensure_weight_tying=True, trainer_state=False)
+    ref = peft_logits(base, adapter, IDS % 300)
+    merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)  # as PEFT saved it: merged
+    assert (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(5)
+    tensors.update({"base_model.model.lm_head.lora_A.weight": torch.randn(2, 32, generator=g),
+                    "base_model.model.lm_head.lora_B.weight": torch.randn(vocab, 2, generator=g)})
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    assert torch.equal(peft_logits(base, adapter, IDS % 300), ref)  # PEFT drops the pair
+    with pytest.raises(BadInputError, match=r"LoRA tensors of 'lm_head', which target_modules .* does not name.*"
+                                            r"ties nothing"):
+        merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
+    assert not (tmp_path / "m").exists()
+
+
 def test_embedding_and_lm_head_lora(tmp_path):
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1)
     adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets=["embed_tokens", "lm_head", "v_proj"],
