@@ -2,9 +2,9 @@
 rewards score with and ``qerl eval`` counts as right (``extract_answer(text, kind)``, ``is_correct(completion,
 reference, kind)``), one logic for both, so a training reward and an eval accuracy never disagree on what is right.
 
-Why by hand: math-verify reads LaTeX answers and does the ``math`` kind's comparison, but a GSM8K-style final number
-("#### 72", "The answer is $72.", a hedge, a range, a unit) is a convention of the dataset, not of LaTeX; a reward
-that takes "the last number in the text" rewards rambling that ends on the right number.
+Why by hand: math-verify reads LaTeX answers and does the ``math`` kind's comparison, but GSM8K's final number is a
+convention of the dataset, not of LaTeX (gsm8k_rule.py says why), and math-verify misreads some of what a policy writes
+around a box (math_rule.py lists what is put in the form it reads).
 
 This module is the rules' public face: the kinds, their versions, and the dispatch. Each kind's reading is its own
 module's, whose docstring says what it reads and refuses:

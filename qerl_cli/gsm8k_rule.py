@@ -30,9 +30,8 @@ and refusals); one that denies, bounds or hedges ("The answer is not 72", "betwe
 the answer 72?", "What is the answer? 72"), or comes before a later box, ``<answer>`` tag, ``####`` line or a run-on's
 next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer; it is read to its sentence's end ("The
 answer is 6 + 12 = 18. So 18 - 3 = 15." is 18). Deliberately *no* "last number in the text" fallback: it rewards
-rambling that happens to end on the right number and teaches nothing about answering. After a closed ``</think>`` only
-what follows it is read (here and in ``math``): a draft answer inside ``<think>`` does not outrank the final one, and
-one inside a ``<think>`` never closed (a completion cut short mid-thought) is no answer.
+rambling that happens to end on the right number and teaches nothing about answering. What a completion holds after
+its closed ``</think>`` is what this rule reads (``answers.extract_answer`` cuts it, for both rules).
 
 The number reading (normalising, exact fractions, the refusals) is qerl_cli/gsm8k_numbers.py's.
 """
