@@ -44,7 +44,10 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "-2, 1" (was the last box, or none), unless they name two unknowns ("$x = \boxed{2}$ and $y = \boxed{3}$": the last
 # box); "10\,000" is 10000 (was 0), "30°" and "\boxed{5.}" are read; without a box, the last <answer> tag (was none).
 # An answer or reference over 1,000 characters is no answer (math_rule.MAX_MATH_ANSWER_CHARS).
-# TeX spacing around the "or"/"and" between two boxes is a space ("\(x = \boxed{2}\) or \(x = \boxed{3}\)" was 3).
+# TeX spacing around the "or"/"and" between two boxes is a space ("\(x = \boxed{2}\) or \(x = \boxed{3}\)" was 3), and
+# "\hspace{}" is (s57r08); boxes or tag spans side by side ("\boxed{3} \boxed{4}", "<answer>$3$ $4$</answer>") are
+# "3, 4" (was 4); "\boxed{3 = 4}" is no answer (was 4); "\text{5 cm}", "0.\overline{3}", "1.5e3", "\textbf{(C)}\ 12"
+# (the letter or the value, as the reference gives) and "x > 2" against "(2, \infty)" are read (were 0).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

@@ -1,18 +1,23 @@
 """The ``math`` answer rule (qerl_cli/answers.py dispatches to it): 1 if math-verify judges the last ``\\boxed{}``
 equivalent to the reference (symbolic: ``\\frac{1}{2}`` vs ``0.5``, intervals, sets), with the boxes listed or offered
-beside it as one answer (``\\boxed{-2} and \\boxed{1}``, ``$x = \\boxed{-2}$, $x = \\boxed{1}$``,
-``\\boxed{72} or \\boxed{73}`` read as ``-2, 1``, a set: right for a reference of two solutions, wrong for one of
-either); TeX math-verify misreads is put in the form it reads: a thin space or space between digit groups (``10\\,000``,
-read as 10 * 000 = 0), ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``,
-``\\boxed{(1, 2).}``). Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``,
-``$3x = \\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``,
-still is one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its
-content as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``),
-what math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two boxes:
-``3, 4``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer. Slower (sympy, ~10 ms a
-verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly repeat a few answers. Each
-parse and comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout is SIGALRM, so scored from
-another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
+beside it as one answer (``\\boxed{-2} and \\boxed{1}``, ``$x = \\boxed{-2}$, $x = \\boxed{1}$``, ``\\boxed{72} or
+\\boxed{73}`` read as ``-2, 1``, a set: right for a reference of two solutions, wrong for one of either); TeX
+math-verify misreads is put in the form it reads: a thin space or space between digit groups (``10\\,000``, read as 10 *
+000 = 0), ``30°`` and ``30\\degree`` (no answer), a full stop inside the box (``\\boxed{5.}``, ``\\boxed{(1, 2).}``), a
+number and its unit in one text group (``\\text{5 cm}``), a repeating decimal (``0.\\overline{3}``, read as 0) and
+e-notation (``1.5e3``, read as 1.5 * e * 3); a choice with its value (``\\textbf{(C)}\\ 12``) is its letter against a
+letter reference, else its value; an inequality (``x > 2``) is compared with an interval reference (``(2, \\infty)``) as
+math-verify compares it the other way round; an equation of two numbers that differ (``\\boxed{3 = 4}``, read as its
+right side) is no answer. Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``,
+``\\hspace{1em}``) are listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x =
+\\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
+one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
+as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
+math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two boxes: ``3,
+4``, as are two side by side, ``$3$ $4$``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer.
+Slower (sympy, ~10 ms a verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly
+repeat a few answers. Each parse and comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout
+is SIGALRM, so scored from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import re
 import threading
 import warnings
+from collections.abc import Iterator
 
 from qerl_cli.boxes import _BOX_HEDGE, _BOX_LIST, _TEXT_GROUP, _answer_tag, _boxes_from_last, last_boxed
 from qerl_cli.errors import QerlWarning
@@ -43,16 +49,18 @@ _UNKNOWN = re.compile(r"(?<![\w\\])(?:[A-Za-z]|\\(?:var)?(?:alpha|beta|gamma|del
 # Nor are they when nothing spaces them off, so they lead the name, not start it: "**x", "\text{so}~x", "}x" (of
 # "\text{so }x": the space splits the group), "答：x". Only "**" led until a review: "\text{so }x = \boxed{2} and
 # x = \boxed{3}" named "}x" and "x", two unknowns, and the list of one unknown's two values read as the last alone.
-_NAME_LEAD = re.compile(r"(?:\*|~|\}|\\(?:text|textrm|textbf|textit|mbox)\s*\{[^{}]*\}|[^\x00-\x7f])*")
+# A "\hspace{1em}" leads as a "~" does.
+_NAME_LEAD = re.compile(r"(?:\*|~|\}|\\(?:text|textrm|textbf|textit|mbox|hspace\*?)\s*\{[^{}]*\}|[^\x00-\x7f])*")
 _NAME_GLUED = re.compile(r"(?:\\(?:(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?|log|ln|lg|exp|det|cdot|times|div|pm|mp|pi)"
                          r"|_\{\w+\}|[\d+\-/^])[ \t]+$")
 
 
-def _box_name(text: str, box_start: int) -> tuple[int, str] | None:
+def _box_name(text: str, box_start: int, after: int = 0) -> tuple[int, str] | None:
     """(where it starts, its unknown) of the name given to the box at ``box_start``: the unknown is the letter of a
     variable's name ("x", "**x", "x_2"), else the whole name ("3x", "2)" of "f(2)", "a+b"), with what it is glued to
-    across a space ("\\tan \\theta", "2 x": _NAME_GLUED). A name is short: searched near the box."""
-    m = _BOX_NAME.search(text, max(0, box_start - 40), box_start)
+    across a space ("\\tan \\theta", "2 x": _NAME_GLUED). A name is short: searched near the box, from ``after``
+    (the end of the box before it: "x = \\boxed{2}~\\text{and}~x = " named "\\boxed{2}~\\text{and}~x", no unknown)."""
+    m = _BOX_NAME.search(text, max(after, box_start - 40), box_start)
     if m is None:
         return None
     glued = _NAME_GLUED.search(text, max(0, m.start(1) - 40), m.start(1))
@@ -70,7 +78,8 @@ def _is_unknown(name: str) -> bool:
 # TeX that only spaces or delimits the words between two boxes: "\(x = \boxed{2}\) or \(x = \boxed{3}\)",
 # "x = \boxed{2} \quad\text{or}\quad x = \boxed{3}", "\boxed{2}~\text{and}~\boxed{3}". Left in, the "or"/"and" read
 # as words around the boxes, no hedge or list: the last box alone, a hedge rewarded for its second value (a review).
-_SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\[,;:! ()\[\]]|~")
+# "\hspace{1em}" too: "\boxed{2}\hspace{1em}\text{or}\hspace{1em}\boxed{3}" read as 3 until s57r08.
+_SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\hspace\*?\s*\{[^{}]*\}|\\[,;:! ()\[\]]|~")
 # Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
 # their hedge was the last box alone, rewarded for its second value).
 _SEPARATOR_TEX_TEXT = re.compile(_TEXT_GROUP.format("text|textrm|textnormal|textbf|textit|mathrm|mbox"))
@@ -82,6 +91,23 @@ def _plain_separator(between: str) -> str:
     return _SEPARATOR_TEX_SPACE.sub(" ", _SEPARATOR_TEX_TEXT.sub(r" \1 ", between))  # "\quad\text{or}": not "\quador"
 
 
+# Nothing but spacing between two boxes on a line: "\boxed{3} \boxed{4}", "$\boxed{3}$ $\boxed{4}$",
+# "\boxed{3}\hspace{1em}\boxed{4}" offer two answers, as a list does (read as the last, 4, until s57r08: a human
+# grader marks two answers wrong for either).
+_SIDE_BY_SIDE = re.compile(r"[ \t$]*")
+
+
+def _with_end_before(boxes: Iterator[tuple[str, int, int]]) -> Iterator[tuple[str, int, int, int]]:
+    """_boxes_from_last's boxes, each with the end of the box before it in the text (0: none), which its name may not
+    reach back past (a box nested in another: past its own start, so no name)."""
+    box = next(boxes, None)
+    for before in boxes:
+        yield (*box, before[2])
+        box = before
+    if box is not None:
+        yield (*box, 0)
+
+
 def math_boxes(text: str) -> str | None:
     """The math rule's answer: the last box, with the boxes listed or offered beside it ("\\boxed{-2} and \\boxed{1}",
     "$x = \\boxed{-2}$, $x = \\boxed{1}$", "\\boxed{72} or \\boxed{73}") joined into one ("-2, 1"), as math-verify joins
@@ -90,21 +116,21 @@ def math_boxes(text: str) -> str | None:
     \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list, nor are boxes named
     as values of two unknowns ("$x = \\boxed{2}$ and $y = \\boxed{3}$": one of them may be what the question asks,
     "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer)."""
-    boxes = _boxes_from_last(text)
+    boxes = _with_end_before(_boxes_from_last(text))
     last = next(boxes, None)
     if last is None:
         return None
     listed, start = [last[0]], last[1]
-    name = _box_name(text, start)
-    for box, box_start, end in boxes:
+    name = _box_name(text, start, last[3])
+    for box, box_start, end, end_before in boxes:
         if len(listed) > MAX_LISTED_BOXES:  # a degenerate run of boxes: one verdict each below would cost seconds
             return None
         named = name is not None and name[0] >= end and _is_unknown(name[1])  # a variable's name between the two
         between = _plain_separator(text[end : name[0] if named else start])
         hedged = _BOX_HEDGE.fullmatch(between)
-        if not (hedged or _BOX_LIST.fullmatch(between)):
+        if not (hedged or _BOX_LIST.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between)):
             break
-        earlier = _box_name(text, box_start)
+        earlier = _box_name(text, box_start, end_before)
         if named and not hedged and earlier is not None and earlier[1] != name[1]:
             # "$x = \boxed{2}$ and $y = \boxed{3}$", "$3x = \boxed{12}$, $x = \boxed{4}$": values of two unknowns. A
             # list only: "$x = \boxed{3}$ or $y = \boxed{4}$" is a hedge (read as 4 until a review, though math 1
@@ -174,12 +200,37 @@ _DEGREE_SIGN = re.compile(r"(?<!\s)\s*(?:\^\s*)?(?:\{\s*(?:°|\\degree|\\textdeg
 # A sentence's full stop inside the box, "\boxed{5.}", "\boxed{\frac{1}{2}.}", "\boxed{(1, 2).}", "\boxed{\pi.}",
 # "\boxed{x = 1 .}": no answer. Not a dot after a dot ("1..."), nor TeX's "\." (an accent).
 _BOX_FULL_STOP = re.compile(r"(?<=[\w})\]|])\s*\.\s*$")
+# A number with its unit inside one text group, "\text{5 cm}", "\text{4 square units}", "\text{5.}": latex2sympy read
+# the group as one symbol (0 however right), where "5\text{ cm}" is 5. The unit is words, a power at most ("cm^2"):
+# no other number ("\text{3 apples and 4 pears}"), nor a hedge or bound ("\text{5 or more}", "\text{5 to 6}").
+_TEXT_NUMBER = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*(-?\d+(?:\.\d+)?)"
+                          r"(?:\s{1,3}(?![^{}]*\b(?:or|and|to|than|more|less|least|most|about|approximately)\b)"
+                          r"([A-Za-z][A-Za-z /.]{0,40}(?:\^\d)?))?\s{0,3}\.?\s{0,3}\}")  # bounded: linear on a run of spaces
+# A repeating decimal, "0.\overline{3}", "0.1\overline{6}", "1.\bar{3}": latex2sympy read the bar as a product with a
+# symbol, 0.\overline{3} as 0 (a reference of 1/3 was right for "\boxed{0}"). Its exact fraction (3/9, 15/90).
+_REPEATING_DECIMAL = re.compile(r"(?<![\d.])(\d{0,50})\.(\d{0,50})\\(?:overline|bar)\s*(?:\{(\d{1,50})\}|(\d))")
+# A number in e-notation, "1.5e3", "2E6": latex2sympy read it as 1.5 * e * 3. Unsigned exponents only: "2e-1" and
+# "2e+1" may be 2e - 1 and 2e + 1.
+_E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE](\d{1,3})(?![\w.])")
+
+
+def _text_number(m: re.Match) -> str:
+    return m.group(1) if m.group(2) is None else f"{m.group(1)}\\text{{ {m.group(2).strip()}}}"
+
+
+def _repeating_decimal(m: re.Match) -> str:
+    whole, fixed, repeat = m.group(1), m.group(2), m.group(3) or m.group(4)
+    den = 10 ** len(fixed) * (10 ** len(repeat) - 1)
+    return f"\\frac{{{int(whole or 0) * den + int(fixed + repeat) - int(fixed or 0)}}}{{{den}}}"
 
 
 def _for_math_verify(tex: str) -> str:
     """An answer's TeX in the forms math-verify reads (see each pattern)."""
-    tex = _DIGIT_GROUP_SPACE.sub("", tex.strip())
+    tex = _TEXT_NUMBER.sub(_text_number, tex.strip())
+    tex = _DIGIT_GROUP_SPACE.sub("", tex)
     tex = _DEGREE_SIGN.sub(r"^\\circ", tex)
+    tex = _REPEATING_DECIMAL.sub(_repeating_decimal, tex)
+    tex = _E_NOTATION.sub(r"\1 \\times 10^{\2}", tex)
     return _BOX_FULL_STOP.sub("", tex)
 
 
@@ -227,14 +278,16 @@ def _math_tag(text: str) -> str | None:
 
 def _tag_hedge(tex: str, found: str | None) -> str | None:
     """``found``, math-verify's reading of a tag's prose, unless it is the last of two math spans offered as a hedge,
-    as two boxes are (_BOX_HEDGE): then the two as one answer, as math_boxes reads "\\boxed{3} or maybe \\boxed{4}".
-    math-verify joins spans by a bare "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right."""
+    as two boxes are (_BOX_HEDGE), or either of two side by side (_SIDE_BY_SIDE): then the two as one answer, as
+    math_boxes reads "\\boxed{3} or maybe \\boxed{4}" and "\\boxed{3} \\boxed{4}". math-verify joins spans by a bare
+    "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right, and "$3$ $4$" as 4 ("The answer is $3$ $4$" as 3)."""
     spans = list(_ONE_MATH_SPAN.finditer(tex))
     if found is None or len(spans) < 2:
         return found
     before, last = ([g for g in m.groups() if g is not None][0].strip() for m in spans[-2:])
-    if (found == last and _BOX_HEDGE.fullmatch(tex, spans[-2].end(), spans[-1].start())
-            and not _math_verify_equal(before, last)):
+    hedged = found == last and _BOX_HEDGE.fullmatch(tex, spans[-2].end(), spans[-1].start())
+    side_by_side = found in (before, last) and _SIDE_BY_SIDE.fullmatch(tex, spans[-2].end(), spans[-1].start())
+    if (hedged or side_by_side) and not _math_verify_equal(before, last):
         return f"{before}, {last}"
     return found
 
@@ -267,6 +320,44 @@ def long_math_reference(rows, noun: str = "completion") -> str | None:
             f"solution? give the final answer, or box it: its last \\boxed{{}} is the reference)")
 
 
+# A choice's letter given with its value, "\textbf{(C)}\ 12", "\text{(C) } 12", "(C) 12": latex2sympy read the product
+# C * 12, wrong against the letter and the value alike. No second choice nor an "and"/"or" after it ("\text{(C)} and
+# (D)" is two choices, a hedge). Its spacing is bounded: the lookahead, tried after each, made a run of it quadratic.
+_CHOICE_WITH_VALUE = re.compile(r"(?:\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{\s*\(([A-E])\)\s*\}|\(([A-E])\))"
+                                r"(?:\\[ ,;:!]|\\q?quad|~|\s){0,4}(?!.*\([A-E]\)|.*\b(?:and|or)\b)(\S.*)", re.DOTALL)
+# A reference that is a choice's letter: "\text{(C)}", "(C)", "C".
+_CHOICE_LETTER = re.compile(r"(?:\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{\s*)?\(?([A-E])\)?(?:\s*\})?")
+
+
+def _choice_part(gold: str, pred: str) -> str:
+    """``pred``, or of a choice given with its value the part ``gold`` names: the letter against a reference that is a
+    letter (MATH's "\\text{(C)}"), else the value (a reference that gives the choice's value, "12")."""
+    m = _CHOICE_WITH_VALUE.fullmatch(pred.strip())
+    if m is None:
+        return pred
+    return f"\\text{{({m.group(1) or m.group(2)})}}" if _CHOICE_LETTER.fullmatch(gold.strip()) else m.group(3)
+
+
+def _false_equation(parsed) -> bool:
+    """Whether an answer is an equation of two numbers that differ, "\\boxed{3 = 4}": math-verify reads an equation as
+    its right side ("x = 4", "48 + 24 = 72"), so it was right against 4. A false statement, two values offered: none."""
+    from sympy import Eq
+
+    return (isinstance(parsed, Eq) and parsed.lhs.is_Number and parsed.rhs.is_Number
+            and (parsed.lhs - parsed.rhs).is_zero is False)
+
+
+def _inequality_against_interval(gold, pred) -> bool:
+    """Whether an answer is an inequality and its reference an interval ("x > 2", "-2 \\le x \\le 7", "x \\neq -2"
+    against "(2, \\infty)", "[-2, 7]", a union): math-verify compares the two only with the inequality as the
+    reference, so a right "x > 2" scored 0 against "(2, \\infty)" (and 1 the other way round). Compared that way."""
+    from sympy import And, FiniteSet, Or, Set
+    from sympy.core.relational import Equality, Relational
+
+    inequality = isinstance(pred, (Relational, And, Or)) and not isinstance(pred, Equality)
+    return inequality and isinstance(gold, Set) and not isinstance(gold, FiniteSet)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _math_verify_equal(gold: str, pred: str) -> bool:
     # Cached: sympy parsing costs ~10 ms, and the G completions of a group mostly repeat a few answers.
@@ -276,9 +367,13 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
 
     timeout = _math_verify_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]
-    gold, pred = _for_math_verify(gold), _for_math_verify(pred)
+    gold, pred = _for_math_verify(gold), _for_math_verify(_choice_part(gold, pred))
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
     if not g or not p:
         return gold.strip() == pred.strip()
+    if _false_equation(p[0]):
+        return False
+    if _inequality_against_interval(g[0], p[0]):
+        return bool(verify(p, g, timeout_seconds=timeout))
     return bool(verify(g, p, timeout_seconds=timeout))

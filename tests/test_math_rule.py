@@ -57,16 +57,17 @@ def test_a_degree_sign_and_a_full_stop_in_the_box_are_read(completion, reference
 @pytest.mark.parametrize("completion", [
     "\\boxed{1" + " " * 20_000 + "x}",  # a run of spaces: the degree sign's leading spaces were tried from each
     "\\boxed{1}" + "x_" * 6_000 + " \\boxed{2}",  # the text between two boxes searched for a name of the next
-], ids=["spaces", "between-boxes"])
+    "\\boxed{\\text{5 " + " " * 20_000 + "1}}",  # a number's unit in its text group, after a run of spaces
+], ids=["spaces", "between-boxes", "text-number"])
 def test_a_degenerate_math_answer_is_read_in_linear_time(completion):
     """The readings math 2 added first scanned a policy's degenerate output in quadratic time (minutes at 100,000
     characters; one reward holds a whole rollout step)."""
     import time
 
-    from qerl_cli.math_rule import _for_math_verify, math_boxes
+    from qerl_cli.math_rule import _choice_part, _for_math_verify, math_boxes
 
     t = time.perf_counter()
-    _for_math_verify(math_boxes(completion))
+    _for_math_verify(_choice_part("12", math_boxes(completion)))
     assert time.perf_counter() - t < 1.0
 
 
@@ -207,4 +208,86 @@ def test_a_degenerate_box_is_no_answer_read_fast():
 def test_tex_spacing_between_boxes_leaves_their_hedge_or_list(completion, reference, ok):
     """An "or" or "and" between two boxes inside TeX spacing or delimiters ("\\) or \\(", "\\quad\\text{or}\\quad") read
     as words around them: the last box alone, a hedge rewarded for its second value and two solutions scored 0."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>$3$ $4$</answer>", "4", False), ("<answer>$3$ $4$</answer>", "3, 4", True),
+    ("<answer>The answer is $3$ $4$</answer>", "3", False), ("\\boxed{3} \\boxed{4}", "4", False),
+    ("$\\boxed{3}$ $\\boxed{4}$", "3, 4", True), ("\\boxed{4} \\boxed{4.0}", "4", True),
+    ("\\boxed{2}\\hspace{1em}\\boxed{3}", "3", False), ("\\boxed{2}\\hspace{1em}\\text{or}\\hspace{1em}\\boxed{3}", "3", False),
+])
+def test_two_answers_side_by_side_are_one_math_answer(completion, reference, ok):
+    """Two spans or boxes with nothing but spacing between offer two answers, as a list does: "<answer>$3$ $4$</answer>"
+    and "\\boxed{3} \\boxed{4}" read as 4 ("The answer is $3$ $4$" as 3, math-verify's "answer is" span), and an
+    "or" between "\\hspace{1em}"s was words around the boxes, no hedge: each scored right for one of its values."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("$x = \\boxed{2}~\\text{and}~x = \\boxed{3}$", "2, 3", True), ("$x = \\boxed{2}~\\text{and}~x = \\boxed{3}$", "3", False),
+    ("x = \\boxed{2}\\hspace{1em}\\text{and}\\hspace{1em}x = \\boxed{3}", "2, 3", True),
+    ("x = \\boxed{1}~\\text{and}~x = \\boxed{2}~\\text{and}~x = \\boxed{3}", "1, 2, 3", True),
+    ("$x = \\boxed{2}~\\text{and}~y = \\boxed{3}$", "3", True),
+])
+def test_a_boxs_name_does_not_reach_back_into_the_box_before_it(completion, reference, ok):
+    """With nothing but TeX between two named boxes, the second's name ran back over the first box
+    ("\\boxed{2}~\\text{and}~x"), no unknown: one unknown's two solutions read as the last box, right for 3 alone."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{3 = 4}", "4", False), ("\\boxed{3 = 4}", "3", False), ("\\boxed{3 = 3.0}", "3", True),
+    ("\\boxed{48 + 24 = 72}", "72", True), ("\\boxed{x = 4}", "4", True),
+])
+def test_an_equation_of_two_numbers_that_differ_is_no_answer(completion, reference, ok):
+    """math-verify reads an equation as its right side: "\\boxed{3 = 4}", a false statement offering two values, was
+    right against 4."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\textbf{(C)}\\ 12}", "\\text{(C)}", True), ("\\boxed{\\textbf{(C)}\\ 12}", "12", True),
+    ("\\boxed{\\text{(C) } 12}", "C", True), ("\\boxed{(C)\\ 12}", "\\text{(C)}", True),
+    ("\\boxed{\\textbf{(C)}\\ 12}", "\\text{(D)}", False), ("\\boxed{\\textbf{(C)}\\ 12}", "13", False),
+    ("\\boxed{\\text{(C)} and (D)}", "\\text{(C)}", False), ("\\boxed{(C)\\ 12 \\text{ or } 13}", "12", False),
+])
+def test_a_choice_given_with_its_value_is_read_as_the_reference_names_it(completion, reference, ok):
+    """"\\textbf{(C)}\\ 12" was the product C * 12: wrong against the letter and the value alike. Against a letter the
+    letter is read, else the value; a second choice or an "or" is still no answer."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\text{5 cm}}", "5", True), ("\\boxed{\\text{4 square units}}", "4", True), ("\\boxed{\\text{5.}}", "5", True),
+    ("\\boxed{\\text{5 cm}}", "6", False), ("\\boxed{\\text{5 or more}}", "5", False),
+    ("\\boxed{\\text{3 apples and 4 pears}}", "3", False),
+])
+def test_a_number_and_its_unit_in_one_text_group_are_read(completion, reference, ok):
+    """latex2sympy read "\\text{5 cm}" as one symbol, 0 however right (where "5\\text{ cm}" is 5)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{x > 2}", "(2, \\infty)", True), ("\\boxed{x \\geq 1}", "[1, \\infty)", True),
+    ("\\boxed{-2 \\le x \\le 7}", "[-2,7]", True), ("\\boxed{x \\neq -2}", "(-\\infty,-2)\\cup(-2,\\infty)", True),
+    ("\\boxed{x > 2}", "[2, \\infty)", False), ("\\boxed{x \\geq 1}", "(1, \\infty)", False), ("\\boxed{x > 2}", "2", False),
+    ("\\boxed{x > 2}", "\\{3\\}", False),
+])
+def test_an_inequality_is_compared_with_an_interval_reference(completion, reference, ok):
+    """math-verify compares an inequality with an interval only where the inequality is the reference: "x > 2" scored
+    0 against "(2, \\infty)" (1 the other way round)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{0.\\overline{3}}", "\\frac{1}{3}", True), ("\\boxed{\\frac13}", "0.\\overline{3}", True),
+    ("\\boxed{0.1\\overline{6}}", "\\frac{1}{6}", True), ("\\boxed{1.\\bar{3}}", "\\frac{4}{3}", True),
+    ("\\boxed{0}", "0.\\overline{3}", False), ("\\boxed{0.\\overline{5}}", "0.5", False),
+    ("\\boxed{1.5e3}", "1500", True), ("\\boxed{2E6}", "2000000", True), ("\\boxed{1.5e3}", "15", False),
+    ("\\boxed{2e}", "2e", True),
+])
+def test_a_repeating_decimal_and_e_notation_are_numbers(completion, reference, ok):
+    """latex2sympy read "0.\\overline{3}" as 0 (a reference of it was right for "\\boxed{0}", wrong for 1/3) and
+    "1.5e3" as 1.5 * e * 3."""
     assert is_correct(completion, reference, "math") is ok
