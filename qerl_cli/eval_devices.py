@@ -1,10 +1,11 @@
 """Where an eval was generated, and what that makes of other devices' runs of it.
 
-A finished eval's samples are the eval's on any device: the device is in the fingerprint (a stopped eval resumes only
-on its own device, or its new samples would carry another device's numerics beside the kept ones; or on another of the
-node's GPUs of the same model, ``stopped_on_a_like_gpu``), but a rerun on a CPU
-node of an eval a GPU node finished prints or rescores it rather than exit 4 (``made_elsewhere``). The dtype decides:
-the same dtype, or under --dtype auto the one auto gives on the device that made it (``counts_as_made``). Once --out
+A finished eval's samples are the eval's on any device: the device's kind is in the fingerprint (``cuda``, not
+``cuda:1``: a node's GPUs alike, as rollout's; a stopped eval resumes only on that kind, or its new samples would carry
+another device's numerics beside the kept ones, and only on the GPU model its partial directory records:
+``check_made_on_this_gpu``), but a rerun on a CPU node of an eval a GPU node finished prints or rescores it rather
+than exit 4 (``made_elsewhere``; also how an output older qerl made, whose fingerprint named the GPU's index, is done).
+The dtype decides: the same dtype, or under --dtype auto the one auto gives on the device that made it (``counts_as_made``). Once --out
 holds the eval finished, the partial directories of the same eval stopped on other devices are obsolete: each records
 the device, dtype and --dtype flag that made it (``MADE_ON``), and ``sweep_other_devices_partials`` removes those the
 finished eval stands for, judged again under their writer locks.
@@ -13,11 +14,13 @@ finished eval stands for, judged again under their writer locks.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
-from qerl_cli.errors import BadInputError
-from qerl_cli.outputs import StageOutput, partial_dir_of, read_manifest, sweep_partial_of
+from qerl_cli.errors import BadInputError, OutputExistsError, QerlWarning
+from qerl_cli.outputs import StageOutput, WriterLock, partial_dir_of, read_manifest, sweep_partial_of
 
 
 def made_elsewhere(cfg, config: dict, stage: str) -> tuple[str, str] | None:
@@ -26,7 +29,8 @@ def made_elsewhere(cfg, config: dict, stage: str) -> tuple[str, str] | None:
     generated are the eval's on a CPU node too, where a rerun prints or scores them again: it exited 4 as "made from
     different arguments"), the dtype where it is this run's or, under --dtype auto, the one auto gives on that device
     (bf16 on a GPU). Not with --force (the eval generated here), nor for a stopped eval's partial directory, which is
-    named by the device: resumed on another, its new samples would carry that device's numerics beside the kept ones."""
+    named by the device's kind: resumed on another, its new samples would carry that device's numerics beside the kept
+    ones. Also an older qerl's output of this eval on ``cuda:1`` (its fingerprint named the index until 2026-11-28)."""
     if cfg.force:
         return None
     m = read_manifest(cfg.out) or {}
@@ -47,8 +51,8 @@ def counts_as_made(dtype_flag: str, dtype: str, made_device: str, made_dtype: st
     return made_dtype == dtype or (dtype_flag == "auto" and made_dtype == resolve_dtype("auto", made_device)[0])
 
 
-# What --device may resolve to (runtime.resolve_device): the devices a partial directory that records none (qerl before
-# 2026-11-28) may have been made on, found by trying each (it is named by its run's fingerprint alone).
+# What --device may resolve to (runtime.resolve_device), which qerl before 2026-11-28 named its partial directories by:
+# the devices one that records none may have been made on, found by trying each (named by its run's fingerprint alone).
 DEVICES = ("cpu", "cuda", *(f"cuda:{i}" for i in range(64)))
 # In a partial directory only (removed before the manifest): the device, dtype and --dtype flag of the run writing it.
 # The fingerprint holds the dtype --dtype resolved to, not the flag: a GPU's bf16 eval of --dtype auto is obsolete
@@ -58,50 +62,42 @@ MADE_ON = ".made_on.json"
 
 def record_made_on(work: Path, dtype_flag: str, config: dict, gpu: str | None = None) -> None:
     """Record in the partial directory where and by which --dtype its samples are generated (``MADE_ON``), and the
-    model of the GPU generating them (``runtime.gpu_model``; None on a CPU): what a resume on another of the node's
-    GPUs must match (``stopped_on_a_like_gpu``)."""
+    model of the GPU generating them (``runtime.gpu_model``; None on a CPU): what a resume must match
+    (``check_made_on_this_gpu``)."""
     (work / MADE_ON).write_text(json.dumps({"device": config["device"], "dtype": config["dtype"],
                                             "dtype_flag": dtype_flag, "gpu": gpu}) + "\n")
 
 
-def stopped_on_a_like_gpu(so: StageOutput, device: str) -> str | None:
-    """The device (``cuda:1``) of this eval stopped on another index of this run's GPU model, whose partial directory
-    this run on ``device`` (``cuda``) resumes, or None. The index never decided the numerics (``device_kind``), the
-    GPU's model and the dtype do: the same command with --device cuda after a stop under --device cuda:1 started
-    afresh, and once finished removed the stopped one, every kept problem generated twice. Only a directory that
-    records its GPU's model (not an older qerl's), where it is this one's: a node's GPUs may be of two models. Of
-    several, the one that kept the most; its device stays the eval's (the fingerprint, its partial directory's name,
-    and the writer lock a run still writing it holds: this one is then refused, exit 8)."""
-    from qerl_cli.runtime import device_kind, gpu_model
-
-    model = gpu_model(device)
-    if model is None:
-        return None
-    found = []
-    for part in so.partial_dirs():
-        where = _recorded_made_on(part)
-        if where is None or where[0] == device or device_kind(where[0]) != device_kind(device) or _recorded_gpu(part) != model:
-            continue
-        if partial_dir_of(so, dict(so.config, device=where[0])) == part:  # this eval's, not another's (flags, inputs)
-            found.append((_kept_bytes(part), where[0]))
-    return max(found)[1] if found else None
-
-
-def _recorded_gpu(part: Path) -> str | None:
-    """The GPU model a partial directory records (``record_made_on``), or None (a CPU's, an older qerl's)."""
+def check_made_on_this_gpu(so: StageOutput, model: str | None) -> None:
+    """Refuse to resume this eval's partial directory where it records another GPU model than this run's ``model``
+    (an A100 node resuming an H100's over a shared file system: two kernels' roundings in one eval); with --force it
+    starts afresh, said. One that records none (a CPU's, an older qerl's), or a GPU CUDA cannot name, resumes."""
+    part = so.partial_dir()
     try:
-        gpu = json.loads((part / MADE_ON).read_text()).get("gpu")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return gpu if isinstance(gpu, str) else None
+        made = json.loads((part / MADE_ON).read_text()).get("gpu") if model is not None else None
+    except (OSError, ValueError, AttributeError):  # none there, or not one qerl wrote
+        return
+    if not isinstance(made, str) or made == model:
+        return
+    if not so.force:
+        raise OutputExistsError(f"{part} holds this eval stopped on {made!r}, another GPU model than this {model!r} "
+                                "(other numerics): its kept problems are not resumed here",
+                                hint="rerun it on a GPU of that model to resume it, or pass --force to start it afresh here")
+    warnings.warn(QerlWarning(f"{part} held this eval stopped on {made!r}: started afresh on this {model!r} (--force)"),
+                  stacklevel=3)
+    shutil.rmtree(part)
 
 
-def _kept_bytes(part: Path) -> int:
-    """How much a partial directory has saved (its files' bytes): which of several stopped runs to resume."""
-    try:
-        return sum(p.stat().st_size for p in part.iterdir() if p.is_file())
-    except OSError:  # removed meanwhile (swept, or renamed into --out by the run that finished it)
-        return -1
+def adopt_indexed_partial(so: StageOutput, device: str) -> None:
+    """Take over this eval's partial directory that qerl before 2026-11-28 left on ``device`` (``cuda:1``), named by
+    the GPU's index then, by renaming it to this eval's (named by ``cuda``), under both writer locks: it resumes on
+    its own device, as it did (a run of that qerl still writing it refuses this one, exit 8)."""
+    old = StageOutput(so.out, so.stage, config=dict(so.config, device=device), inputs=so.inputs, resumable=True)
+    if old.fingerprint == so.fingerprint or not old.partial_dir().is_dir() or so.partial_dir().exists():
+        return
+    with WriterLock(old):
+        if old.partial_dir().is_dir():  # not renamed into --out meanwhile by the run that held it
+            old.partial_dir().rename(so.partial_dir())
 
 
 def _recorded_made_on(part: Path) -> tuple[str, str, str] | None:

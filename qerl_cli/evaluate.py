@@ -17,11 +17,11 @@ math-verify's symbolic equivalence on the last ``\\boxed{}`` (else the last ``<a
 Greedy decoding (temperature 0) gives pass@1 by default. ``--k K`` samples ``--num-samples N``
 (default K) completions per problem at ``--temperature`` and reports pass@1..pass@K with the
 unbiased estimator (``qerl_cli.eval_metrics``). Everything the score depends on (model and
-adapter hashes, dataset hash, template, sampling, seed, device and dtype) goes into the manifest fingerprint, so
-rerunning the same eval is "already done" and two runs can be compared with ``--compare``; a finished eval made on
-another device is this eval's too (``eval_devices.made_elsewhere``), a stopped one resumes only on its own device or
-another GPU of the same model (``eval_devices.stopped_on_a_like_gpu``), and its partial directory elsewhere is removed
-once --out holds the eval finished (``eval_devices``). The answer
+adapter hashes, dataset hash, template, sampling, seed, the device's kind and dtype) goes into the manifest
+fingerprint, so rerunning the same eval is "already done" and two runs can be compared with ``--compare``; a finished
+eval made on another device is this eval's too (``eval_devices.made_elsewhere``), a stopped one resumes only on its
+kind of device (``cuda`` or ``cuda:1``, alike) and GPU model (``eval_devices.check_made_on_this_gpu``), and its partial
+directory elsewhere is removed once --out holds the eval finished (``eval_devices``). The answer
 rules' versions (``answers.RULE_VERSION``, and for the math rule math-verify's and sympy's: ``rule_packages``) are
 not in it but in metrics.json: a rerun under other rules scores the finished samples.jsonl again, generating
 nothing, rather than report the old rules' score.
@@ -57,9 +57,10 @@ from qerl_cli.errors import (
 )
 from qerl_cli.eval_devices import (
     MADE_ON,
+    adopt_indexed_partial,
+    check_made_on_this_gpu,
     made_elsewhere,
     record_made_on,
-    stopped_on_a_like_gpu,
     sweep_other_devices_partials,
 )
 from qerl_cli.eval_metrics import METRICS, SAMPLES, k_values, length_stats, rules_used, score_block
@@ -461,10 +462,15 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         lineage = check_lineage(cfg.adapter, cfg.model, base_hash, hint="evaluate it on the model it was trained on",
                                 allow_mismatch=cfg.allow_base_mismatch)
         inputs.update(adapter_inputs(cfg.adapter))
-    config = _fingerprint_config(cfg, device, dtype_name, template, every_row)
+    # The device's kind, as rollout's: which GPU of the node runs it changes no number, and a stop on cuda:1 keeps one
+    # partial directory and writer lock that --device cuda resumes (its GPU model checked there: check_made_on_this_gpu)
+    config = _fingerprint_config(cfg, device_kind(device), dtype_name, template, every_row)
     elsewhere = made_elsewhere(cfg, config, STAGE)
     if elsewhere is not None:  # found done (or scored again) as made there; nothing is generated here (engine())
+        here = config["device"], config["dtype"]
         config.update(device=elsewhere[0], dtype=elsewhere[1])
+        if (device_kind(elsewhere[0]), elsewhere[1]) == here:  # an older qerl's on cuda:1 (its fingerprint named the
+            elsewhere = None  # GPU's index until 2026-11-28): these numerics, its fingerprint kept
     legacy_inputs = dict(inputs)  # qerl before 2026-11-26 did not count the tokenizer files
     # the prompts' tokens (chat template) and where sampling stops; not the named chat templates
     # (additional_chat_templates/), which eval never renders
@@ -472,13 +478,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     chat_text = None
     if cfg.chat_template_file is not None:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
-
-    def stage_output(config: dict) -> StageOutput:
-        return StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True,
-                           started=t_start, legacy_configs=_legacy_fingerprint_config(config, cfg, default_was),
-                           legacy_inputs=(legacy_inputs,))
-
-    so = stage_output(config)
+    so = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
+                     legacy_configs=_legacy_fingerprint_config(config, cfg, default_was), legacy_inputs=(legacy_inputs,))
     done = None  # the metrics of a finished run of these arguments that today's answer rules score again
     if so.already_done(check_first=lambda: _encode(cfg, rows, template, chat_text, notes=False)):
         sweep_leftover_partial(so)
@@ -486,22 +487,14 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         done = json.loads((cfg.out / METRICS).read_text())
         # said even with --quiet: `--device cpu` printed a GPU's bf16 score unsaid (a review); not between a node's GPUs
         # (made with --device cuda:1, rerun with auto: "not cuda (bf16)" advised --force, all generated again for nothing)
-        if elsewhere is not None and (device_kind(elsewhere[0]), elsewhere[1]) != (device_kind(device), dtype_name):
-            print(f"note: {cfg.out} was generated on {elsewhere[0]} ({elsewhere[1]}), not {device} ({dtype_name}): "
-                  "its score is that device's (pass --force to generate it here)", file=sys.stderr)
+        if elsewhere is not None:  # the device as given there (cuda:1), which metrics.json records
+            print(f"note: {cfg.out} was generated on {done.get('device', elsewhere[0])} ({elsewhere[1]}), not {device} "
+                  f"({dtype_name}): its score is that device's (pass --force to generate it here)", file=sys.stderr)
         if not _rescores(cfg, so.manifest, done):
             return {"out": str(cfg.out), "already_done": True, "metrics": done, "manifest": so.manifest}
         # found done, now redone: a stop midway must not say "a rerun says already done"; so.out, as found done (a
         # symlinked --out is its target there)
         forget_completed(so.out)
-    like = stopped_on_a_like_gpu(so, device) if done is None and elsewhere is None else None
-    if like is not None:  # this eval stopped on another of the node's GPUs of this model: resumed as made there
-        config.update(device=like)
-        so = stage_output(config)
-        so.already_done()  # what --out holds now (nothing of this eval, as found above), for the final swap's check
-        if cfg.progress:
-            print(f"note: resuming this eval stopped on {like} (the same GPU model and dtype as {device}); its output "
-                  f"records {like}", file=sys.stderr)
     tokenizer, prompts, max_model_len = _encode(cfg, rows, template, chat_text)
     if done is None:  # samples to generate (a finished eval scored again keeps the ones it has)
         _check_stops_leave_the_scorers_their_tags(cfg, prompts)
@@ -530,9 +523,13 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     # The writer lock before the model loads: a second run of this eval (a requeued Slurm job) is refused
     # at once (exit 8), not after loading a 32B model.
     with WriterLock(so):
+        gpu = gpu_model(device)  # None on a CPU, asked of CUDA only here: a run writing a partial directory on a GPU
+        if done is None:  # a stopped run's problems to resume (a rescoring copies the finished ones over them)
+            adopt_indexed_partial(so, device)
+            check_made_on_this_gpu(so, gpu)
         try:
             with so as work:
-                record_made_on(work, cfg.dtype, config, gpu_model(device))
+                record_made_on(work, cfg.dtype, config, gpu)
                 if done is not None:  # the finished run's samples, kept as a stopped run's are: scored, none generated
                     shutil.copyfile(cfg.out / SAMPLES, work / SAMPLES)
                 records, t_gen, n_tokens, resumed = _generate_and_score(cfg, prompts, engine, work, console)
@@ -540,9 +537,10 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                     from qerl_cli.adapters import adapter_module_count
 
                     info["lora_modules"] = adapter_module_count(cfg.adapter) if cfg.adapter is not None else 0
-                # where its samples were generated: here, or the finished eval's device that this one scored again
-                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, config["device"],
-                                   config["dtype"])
+                # where its samples were generated: here (cuda:1 as given; the fingerprint holds its kind), or the
+                # finished eval's device that this one scored again
+                made = device if done is None else done.get("device", config["device"])
+                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, made, config["dtype"])
                 metrics["time"] = {
                     "total_s": round(time.time() - t_start, 3),
                     "generate_s": round(t_gen, 3),

@@ -583,6 +583,14 @@ def test_a_gpu_eval_is_not_completed_on_a_cpu_node(model_dir, tmp_path, monkeypa
     assert gen.asked == [[0, 1, 2, 3], [4]] and res["metrics"]["device"] == "cuda"
 
 
+def _indexed(monkeypatch):
+    """qerl before 2026-11-28 (from 30c049c, which recorded .made_on.json): its eval fingerprint named the GPU's index
+    (cuda:1), where today's names the device's kind."""
+    import qerl_cli.evaluate as ev
+
+    monkeypatch.setattr(ev, "device_kind", lambda device: device)
+
+
 def _stopped(cfg, monkeypatch, on_gpu=True):
     """The partial directory an eval of ``cfg`` stopped on its second chunk leaves (on a GPU node, or here)."""
     with monkeypatch.context() as m, warnings.catch_warnings():
@@ -602,7 +610,9 @@ def test_an_eval_finished_on_one_device_removes_its_partial_dirs_of_other_device
 
     cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
     gpu = _stopped(cfg, monkeypatch)  # cuda (bf16)
-    gpu1 = _stopped(replace(cfg, device="cuda:1"), monkeypatch)  # another GPU of the node, bf16 too
+    with monkeypatch.context() as m:  # another GPU of the node, bf16 too, named by its index (an older qerl's)
+        _indexed(m)
+        gpu1 = _stopped(replace(cfg, device="cuda:1"), m)
     fp16 = _stopped(replace(cfg, dtype="fp16"), monkeypatch)  # another eval: --out (fp32) is not a --dtype fp16 one's
     longer = _stopped(replace(cfg, max_new_tokens=40), monkeypatch, on_gpu=False)  # another eval, on this device
     assert len({gpu, gpu1, fp16, longer}) == 4
@@ -633,7 +643,9 @@ def test_the_sweep_keeps_a_partial_dir_of_a_dtype_named_where_auto_gives_the_sam
 
     cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
     named = _stopped(replace(cfg, dtype="bf16"), monkeypatch)  # cuda (bf16), --dtype bf16
-    auto = _stopped(replace(cfg, device="cuda:1"), monkeypatch)  # cuda:1 (bf16), --dtype auto
+    with monkeypatch.context() as m:  # cuda:1 (bf16), --dtype auto: an older qerl's, named by the index (else the
+        _indexed(m)  # same directory as the bf16 one's)
+        auto = _stopped(replace(cfg, device="cuda:1"), m)
     with pytest.warns(Warning, match="unfinished run made with other arguments"):
         evaluate(cfg, generate=BySeed())  # on this CPU node: fp32
     assert named.is_dir() and not auto.exists()
@@ -679,8 +691,9 @@ def _gpus(monkeypatch, names):
 
 
 def test_a_stopped_eval_resumes_on_another_gpu_of_the_same_model(model_dir, tmp_path, monkeypatch):
-    # Stopped with --device cuda:1, the same command with --device cuda (or auto) started over (its partial directory is
-    # named by the device) and, once finished, removed cuda:1's: the problems kept there were generated twice.
+    # Stopped with --device cuda:1, the same command with --device cuda (or auto) started over (its partial directory was
+    # named by the index) and, once finished, removed cuda:1's: the problems kept there were generated twice. The
+    # fingerprint names the device's kind: one partial directory and one writer lock whichever GPU of the node resumes.
     import fcntl
 
     from qerl_cli.errors import OutputBusyError
@@ -697,23 +710,154 @@ def test_a_stopped_eval_resumes_on_another_gpu_of_the_same_model(model_dir, tmp_
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # not "an unfinished run made with other arguments": it is resumed
             res = evaluate(cfg, generate=gen)
-        ref = evaluate(replace(cfg, device="cuda:1", out=tmp_path / "ref"), generate=BySeed())  # uninterrupted there
+        ref = evaluate(replace(cfg, out=tmp_path / "ref"), generate=BySeed())  # uninterrupted, on cuda
+        ref1 = evaluate(replace(cfg, device="cuda:1", out=tmp_path / "ref1"), generate=BySeed())  # and on cuda:1
     assert gen.asked == [[4]] and not stopped.exists() and res["manifest"]["resumed"]["problems"] == 4
-    assert _without_time(cfg.out) == _without_time(tmp_path / "ref")  # recorded as made where it started: cuda:1
+    assert _without_time(cfg.out) == _without_time(tmp_path / "ref")
     assert (cfg.out / "samples.jsonl").read_bytes() == (tmp_path / "ref" / "samples.jsonl").read_bytes()
-    assert res["manifest"]["fingerprint"] == ref["manifest"]["fingerprint"]
+    assert res["manifest"]["fingerprint"] == ref["manifest"]["fingerprint"] == ref1["manifest"]["fingerprint"]
+    # the fingerprint holds the kind, metrics.json the device given (what --compare and the CPU node's note show)
+    assert ref1["manifest"]["config"]["device"] == "cuda" and ref1["metrics"]["device"] == "cuda:1"
+    assert res["metrics"]["device"] == "cuda"
 
 
 def test_a_stopped_eval_is_not_resumed_on_another_gpu_model(model_dir, tmp_path, monkeypatch):
-    # cuda:0 and cuda:1 of one node may be different GPUs (an A100 beside an H100): other numerics, so no resume.
+    # cuda:0 and cuda:1 of one node (or an A100 node and an H100 node over a shared file system) may be different
+    # GPUs: other numerics, so no resume; refused (exit 4), its kept problems left for a GPU of its model.
+    from qerl_cli.errors import OutputExistsError
+
     cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
     with monkeypatch.context() as m:
         _gpus(m, ["A100", "H100"])
         stopped = _stopped(replace(cfg, device="cuda:1"), m)
+        kept = (stopped / "samples.jsonl").read_bytes()
         gen = BySeed()
-        with pytest.warns(Warning, match="unfinished run made with other arguments"):
+        with pytest.raises(OutputExistsError, match="stopped on 'H100', another GPU model than this 'A100'"):
             evaluate(cfg, generate=gen)
-    assert gen.asked == [[0, 1, 2, 3], [4]] and not stopped.exists()  # started afresh; the stopped one is obsolete
+        assert gen.asked == [] and (stopped / "samples.jsonl").read_bytes() == kept
+        assert json.loads((stopped / MADE_ON).read_text())["gpu"] == "H100"  # its record left as it was
+        with pytest.warns(Warning, match="stopped on 'H100': started afresh on this 'A100'"):
+            evaluate(replace(cfg, force=True), generate=gen)  # --force: generated here, all of it
+        assert gen.asked == [[0, 1, 2, 3], [4]] and not stopped.exists()
+        _stopped(replace(cfg, device="cuda:1", out=tmp_path / "h"), m)
+        gen = BySeed()
+        evaluate(replace(cfg, device="cuda:1", out=tmp_path / "h"), generate=gen)  # on its model: resumed
+    assert gen.asked == [[4]]
+
+
+def test_a_stop_on_one_gpu_and_then_another_keeps_one_partial_dir(model_dir, tmp_path, monkeypatch, capsys):
+    # Stopped under --device cuda and under cuda:1, the eval kept two partial directories, and --device cuda resumed
+    # the one that kept less (review s57r10): now the second run resumes the first's, and the third the second's.
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "H100"])
+        first = _stopped(cfg, m)  # problems 0-3
+        with pytest.raises(KeyboardInterrupt) as e:
+            evaluate(replace(cfg, device="cuda:1"), generate=BySeed(fail_at_call=1))  # stopped again at once
+        assert e.value.kept_problems == (4, 5, first) and list(tmp_path.glob(".e.partial-*")) == [first]
+        gen = BySeed()
+        evaluate(cfg, generate=gen)
+    assert gen.asked == [[4]] and not first.exists() and "note: removed" not in capsys.readouterr().err
+
+
+def test_an_own_partial_dir_is_resumed_beside_an_older_qerls_on_the_same_gpu(model_dir, tmp_path, monkeypatch, capsys):
+    # Beside this eval's partial directory (4 problems), one an older qerl left on cuda:1, named by the index (1 kept):
+    # the run on cuda:1 resumes its own, the one that kept the most (review s57r10: the other was resumed and this one
+    # removed), and removes the older one once finished.
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "H100"])
+        own = _stopped(cfg, m)
+        with monkeypatch.context() as old:
+            _indexed(old)
+            other = _stopped(replace(cfg, device="cuda:1"), old)
+        lines = (other / "samples.jsonl").read_text().splitlines(keepends=True)
+        (other / "samples.jsonl").write_text("".join(lines[:3]))  # stopped sooner there: problem 0 only
+        gen = BySeed()
+        res = evaluate(replace(cfg, device="cuda:1"), generate=gen)
+    assert gen.asked == [[4]] and res["manifest"]["config"]["device"] == "cuda"
+    assert not own.exists() and not other.exists()
+    assert f"note: removed {other}, this eval stopped on cuda:1" in capsys.readouterr().err
+
+
+def test_an_eval_finished_on_another_gpu_while_this_one_started_is_not_generated_again(model_dir, tmp_path,
+                                                                                       monkeypatch):
+    # The run on cuda:1 finished the stopped eval between this run's check of --out and its writer lock (review s57r10:
+    # the run went on, generating every problem again and replacing the finished output with the same eval). One lock
+    # for both: exit 8, nothing generated.
+    import qerl_cli.evaluate as ev
+    from qerl_cli.errors import OutputBusyError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "H100"])
+        _stopped(replace(cfg, device="cuda:1"), m)
+        real = ev._encode
+
+        def finished_there_meanwhile(*args, **kw):
+            m.setattr(ev, "_encode", real)
+            evaluate(replace(cfg, device="cuda:1"), generate=BySeed())  # that run, resumed and finished
+            return real(*args, **kw)
+
+        m.setattr(ev, "_encode", finished_there_meanwhile)
+        gen = BySeed()
+        with pytest.raises(OutputBusyError, match="finished by another qerl eval"):  # exit 8: nothing to do
+            evaluate(cfg, generate=gen)
+    assert gen.asked == [] and evaluate(cfg, generate=gen)["already_done"]
+
+
+def test_an_eval_an_older_qerl_finished_on_cuda1_is_still_done(model_dir, tmp_path, monkeypatch, capsys):
+    # Its fingerprint names cuda:1: done on any GPU of the node without a note, on a CPU node with one; scored again
+    # under today's rules on cuda, the problems whose prompts render otherwise are generated again there (the same
+    # numerics), not refused with "rerun this eval on cuda:1".
+    import qerl_cli.evaluate as ev
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "H100"])
+        with monkeypatch.context() as old:
+            _indexed(old)
+            old.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})
+            made = evaluate(replace(cfg, device="cuda:1"), generate=BySeed())
+        assert made["manifest"]["config"]["device"] == "cuda:1"
+        capsys.readouterr()
+        samples = cfg.out / "samples.jsonl"
+        samples.write_text(samples.read_text().replace('"prompt": "q1"', '"prompt": "Q1"'))  # same size: not damaged
+        gen = BySeed()
+        res = evaluate(cfg, generate=gen)  # scored again with today's rules
+        assert gen.asked == [[0, 1, 2, 3], [4]] and res["metrics"]["device"] == "cuda:1"
+        assert res["manifest"]["fingerprint"] == made["manifest"]["fingerprint"]
+        for device in ("cuda:1", "cuda", "auto"):
+            assert evaluate(replace(cfg, device=device), generate=gen)["already_done"]
+        assert "was generated on" not in capsys.readouterr().err
+    assert evaluate(cfg, generate=gen)["already_done"]  # a CPU node: another kind of device, said
+    assert f"{cfg.out} was generated on cuda:1 (bf16), not cpu (fp32)" in capsys.readouterr().err
+
+
+def test_a_partial_dir_an_older_qerl_left_on_cuda1_resumes_there(model_dir, tmp_path, monkeypatch):
+    # qerl before 2026-11-28 named it by the GPU's index: taken over under its writer lock (exit 8 while that qerl
+    # still writes it), renamed to today's name and resumed, not started afresh beside it.
+    import fcntl
+
+    from qerl_cli.errors import OutputBusyError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="cuda:1")
+    with monkeypatch.context() as m:
+        _on_a_gpu(m)
+        with monkeypatch.context() as old:
+            _indexed(old)
+            stopped = _stopped(cfg, old)
+        gen = BySeed()
+        with open(stopped.with_name(stopped.name + ".lock"), "a+") as live:  # that qerl writing it right now
+            fcntl.flock(live.fileno(), fcntl.LOCK_EX)
+            with pytest.raises(OutputBusyError):
+                evaluate(cfg, generate=gen)
+        assert stopped.is_dir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not "an unfinished run made with other arguments"
+            res = evaluate(cfg, generate=gen)
+    assert gen.asked == [[4]] and res["manifest"]["resumed"]["problems"] == 4 and not stopped.exists()
+    assert res["manifest"]["config"]["device"] == "cuda" and not list(tmp_path.glob(".e.partial-*"))
 
 
 def test_the_sweep_judges_a_partial_dir_under_its_writer_lock(model_dir, tmp_path, monkeypatch):

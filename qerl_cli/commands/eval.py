@@ -71,7 +71,8 @@ def command(
     engine: str = typer.Option("native", "--engine", help="native (qerl's engine) or vllm (needs `qerl\\[vllm]`). "
                                "Example: --engine vllm"),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (an eval another device finished "
-                               "is already done here; a stopped one resumes only on the device it began on). "
+                               "is already done here; a stopped one resumes only on its kind of device: cpu, or any "
+                               "GPU of the model it began on). "
                                "Example: --device cpu"),
     dtype: str = typer.Option("auto", "--dtype", help="Activation dtype: auto (bf16 on GPU, fp32 on CPU), bf16, "
                               "fp16, fp32. Example: --dtype bf16"),
