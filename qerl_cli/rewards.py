@@ -16,11 +16,11 @@ regenerating. Built-ins:
   TRL's GRPOTrainer, ``fn(completions, **kwargs) -> list[float | None]`` (it has a parameter named ``completions``,
   or ``completion_ids`` and no ``completion``), is called once per prompt group instead (``Reward.score_batch``),
   and awaited if async; it is passed the row's other dataset columns too, by name (``solution``), as TRL passes them.
+  How TRL calls it, and qerl the same way, is ``qerl_cli.trl_rewards``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 import importlib
@@ -29,20 +29,21 @@ import inspect
 import math
 import os
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from qerl_cli import trl_rewards
 
 # extract_answer, is_correct and the rest: the rules the built-ins score with, importable from here as they were
 from qerl_cli.answers import ANSWER_KINDS, RULE_VERSION, extract_answer, is_correct, reference_answer  # noqa: F401
 from qerl_cli.boxes import last_boxed  # noqa: F401
-from qerl_cli.data import ROW_FIELDS
 from qerl_cli.errors import BadInputError
 from qerl_cli.gsm8k_numbers import normalize_number  # noqa: F401
 from qerl_cli.shards import REWARD_LIMIT
 from qerl_cli.stops import judged_completion, prompt_opens_think  # noqa: F401
+from qerl_cli.trl_rewards import as_list, call_trl, trl_columns, trl_keywords, trl_kwargs, written_for_trl
 
 REWARD_LIMIT_HINT = "rewards (and their weighted total) must lie within +-1e15"
 
@@ -60,9 +61,9 @@ class Reward:
     needs_answer: bool = False
     takes_prompt: bool = True
     source: str | None = None  # a user function's file: hashed into the rollout's inputs
-    batched: tuple[str, ...] | None = None  # a TRL-style reward: the keywords of TRL_KWARGS it is passed
+    batched: tuple[str, ...] | None = None  # a TRL-style reward: the keywords of trl_rewards.TRL_KWARGS it is passed
     columns: tuple[str, ...] | None = ()  # the dataset columns a TRL-style reward is passed; None: every one (**kwargs)
-    needs_columns: tuple[str, ...] = ()  # of those, the ones it names without a default: a row must have them
+    needs_columns: tuple[str, ...] = ()  # of those, the ones it names without a default: the file must have them
 
     def __call__(self, completion: str, answer: str | None, prompt=None) -> float:
         if self.takes_prompt:
@@ -71,65 +72,9 @@ class Reward:
 
     def score_batch(self, completions: Sequence[str], answer: str | None, prompt=None, completion_ids=None,
                     columns: dict | None = None):
-        """A TRL-style reward on one prompt's completions, as GRPOTrainer calls it: keywords only, one list each.
-        A chat prompt (``messages``) gets TRL's conversational form, each completion a one-message list
-        ``[{"role": "assistant", "content": text}]``: the form a function written for that dataset indexes.
-        ``columns``: the row's other dataset columns, each passed under its name where the function takes it."""
-        n = len(completions)
-        chat = isinstance(prompt, list)
-        given = {"completions": [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions),
-                 "prompts": [copy.deepcopy(prompt) for _ in range(n)],  # copies: one it appends to changes nothing
-                 "answer": [answer] * n}
-        if completion_ids is not None:
-            given["completion_ids"] = [list(ids) for ids in completion_ids]
-        kwargs = {k: given[k] for k in self.batched if k in given}
-        for k, v in (columns or {}).items():  # copies: a list one completion's call changes is not the next one's
-            if k not in RESERVED_COLUMNS and (self.columns is None or k in self.columns):
-                kwargs[k] = [copy.deepcopy(v) for _ in range(n)]
-        got = self.fn(**kwargs)
-        if inspect.isawaitable(got):  # an async reward, awaited as TRL awaits it
-            got = _awaited(got)
-        # a map or generator is run here, within the call: what it raises is the user's, one line naming where (it
-        # was a traceback, or for a TypeError "returned generator, not a list")
-        return list(got) if isinstance(got, Iterator) else got
-
-
-_LOOP: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
-
-
-def _awaited(awaitable):
-    """What an async reward's ``awaitable`` gives, awaited on ``_event_loop()``'s thread, as TRL awaits its rewards on
-    a loop of its own thread. Run on the caller's thread it failed wherever a loop already runs there (the library's
-    ``rollout(cfg)`` from a Jupyter notebook, or any async caller: "Cannot run the event loop while another loop is
-    running", blamed on the reward; a review)."""
-    async def wait():
-        try:
-            return await awaitable, None
-        except (KeyboardInterrupt, SystemExit) as e:  # asyncio lets these out of run_forever: the loop's thread
-            return None, e  # ended with the result unset, and a reward's sys.exit() hung the run (a review)
-
-    done = asyncio.run_coroutine_threadsafe(wait(), _event_loop())
-    try:
-        got, stopped = done.result()
-    except BaseException:  # a Ctrl-C while it waits: the reward is not left running on
-        done.cancel()
-        raise
-    if stopped is not None:
-        raise stopped  # the reward's own: its traceback still names the reward's line
-    return got
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The one event loop async rewards run on, in a daemon thread, as TRL keeps one: a client (an HTTP session) an
-    async reward made at its first call is bound to the loop it was made on. A new one where its thread is gone (a
-    forked child has none)."""
-    global _LOOP
-    if _LOOP is None or not _LOOP[1].is_alive():
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="qerl-async-rewards", daemon=True)
-        thread.start()
-        _LOOP = (loop, thread)
-    return _LOOP[0]
+        """A TRL-style reward on one prompt's completions, as GRPOTrainer calls it (``qerl_cli.trl_rewards``)."""
+        return call_trl(self.fn, trl_kwargs(self.batched, self.columns, completions, answer, prompt, completion_ids,
+                                            columns))
 
 
 REWARDS: dict[str, Reward] = {}
@@ -252,7 +197,7 @@ def _load_user_function(name: str) -> Reward:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
         sig = None
-    trl = sig is not None and _written_for_trl(sig)
+    trl = sig is not None and written_for_trl(sig)
     calls = (fn, type(fn).__call__)  # a callable instance's async __call__ too
     if any(inspect.isasyncgenfunction(f) or (inspect.iscoroutinefunction(f) and not trl) for f in calls):
         # (TRL awaits its async rewards: score_batch does too) a per-completion one's coroutine was refused as "not
@@ -263,9 +208,9 @@ def _load_user_function(name: str) -> Reward:
         raise BadInputError(f"reward {name!r}: {target}.{attr} is a generator (it yields); a reward returns its number")
     if trl:  # written for TRL: it was refused as "too many positional arguments", or, naming a second parameter,
         # loaded and was refused after the first batch's generation ("returned list")
-        columns, needs = _trl_columns(sig)
+        columns, needs = trl_columns(sig)
         return Reward(name, fn, f"user function {target}:{attr} (TRL-style)", takes_prompt=False,
-                      source=_source_file(fn, module), batched=_trl_keywords(name, sig, f"{target}.{attr}"),
+                      source=_source_file(fn, module), batched=trl_keywords(name, sig, f"{target}.{attr}"),
                       columns=columns, needs_columns=needs)
     takes_prompt = sig is not None and ("prompt" in sig.parameters
                                          or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()))
@@ -277,87 +222,6 @@ def _load_user_function(name: str) -> Reward:
                                 f"f(completion, answer[, prompt=...]) ({e})") from None
     return Reward(name, fn, f"user function {target}:{attr}", takes_prompt=takes_prompt,
                   source=_source_file(fn, module))
-
-
-# What TRL's GRPOTrainer passes a reward function that qerl passes too: the prompts, the completions, their token ids
-# and the reference (`answer`, as read: GSM8K's number after ####). No trainer_state. The row's other dataset columns
-# are passed as well, each under its name (TRL passes every column but the prompt).
-TRL_KWARGS = ("prompts", "completions", "completion_ids", "answer")
-# Names no dataset column is passed under: the row's prompt and reference (`ROW_FIELDS`), what qerl passes itself, and
-# TRL's `completion` and `trainer_state` (TRL too leaves its dataset's `prompt`, `completion` and `completion_ids`
-# columns out, and sets `trainer_state` itself). A column so named is not passed.
-RESERVED_COLUMNS = frozenset((*ROW_FIELDS, *TRL_KWARGS, "completion", "trainer_state"))
-
-
-def _written_for_trl(sig: inspect.Signature) -> bool:
-    """A reward written for TRL: it takes ``completions``, or ``completion_ids`` and no ``completion`` (TRL's own
-    get_repetition_penalty_reward and get_soft_overlong_punishment take the ids alone, and were refused when loaded as
-    "cannot be called as f(completion, answer)"). Not one whose ``completion_ids`` has a default and that takes
-    (completion, answer) in other parameters: a per-completion reward, ``f(text, answer, completion_ids=None)``, was
-    refused as a TRL reward missing `text` (a review); ``f(completion_ids=None, answer=None, **kwargs)`` is TRL's."""
-    params = sig.parameters
-    if "completions" in params:
-        return True
-    ids = params.get("completion_ids")
-    if ids is None or "completion" in params:
-        return False
-    if ids.default is ids.empty:
-        return True
-    try:  # (completion, answer) into other parameters: f(completion_ids=None, answer=None, **kwargs) is TRL's
-        return "completion_ids" in sig.bind("", None).arguments
-    except TypeError:
-        return True
-
-
-def _trl_keywords(name: str, sig: inspect.Signature, what: str) -> tuple[str, ...]:
-    """The keywords of TRL_KWARGS a TRL-style reward is passed: all where it takes ``**kwargs`` (as TRL's must), else
-    those it names. Any other name it takes is a dataset column (``_trl_columns``); one it requires that is neither
-    (``trainer_state``) is refused here, before any generation."""
-    params = sig.parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        keys = TRL_KWARGS
-    else:
-        keys = tuple(k for k in TRL_KWARGS if k in params)
-    try:
-        sig.bind(**dict.fromkeys((*keys, *_named_columns(sig))))
-    except TypeError as e:
-        takes = "completions" if "completions" in sig.parameters else "completion_ids"
-        raise BadInputError(f"reward {name!r}: {what}{sig} takes `{takes}`, so it is read as a TRL reward, but "
-                            f"cannot be called with qerl's keywords ({', '.join(TRL_KWARGS)} and the row's other "
-                            f"dataset columns) ({e})", hint=_trl_refusal_hint(sig, keys)) from None
-    return keys
-
-
-def _named_columns(sig: inspect.Signature) -> tuple[str, ...]:
-    """The parameters of a TRL-style reward that name dataset columns: any it may be passed by keyword, but the
-    reserved names."""
-    return tuple(p.name for p in sig.parameters.values()
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RESERVED_COLUMNS)
-
-
-def _trl_columns(sig: inspect.Signature) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
-    """(The dataset columns a TRL-style reward is passed: every one where it takes ``**kwargs``, None, as TRL passes
-    them all; else those it names), and those it names without a default, which every row it scores must have."""
-    params = sig.parameters
-    named = _named_columns(sig)
-    needs = tuple(k for k in named if params[k].default is params[k].empty)
-    return (None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else named), needs
-
-
-def _trl_refusal_hint(sig: inspect.Signature, keys: tuple[str, ...]) -> str:
-    """What to change in a TRL reward qerl cannot call. It told every one to rename a parameter `answer`: one whose
-    ``completions`` is positional-only was not helped (a review)."""
-    params = sig.parameters.values()
-    if any(p.kind is p.POSITIONAL_ONLY for p in params):
-        return "TRL, and qerl, pass a reward's arguments as keywords: drop the `/` from its parameters"
-    # one at least: with no positional-only parameter (above), only a required reserved name (no column is passed
-    # under it) fails to bind
-    missing = [p.name for p in params if p.default is p.empty and p.name not in keys
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if missing[0] == "trainer_state":
-        return "qerl has no TRL trainer to pass as `trainer_state`: give the parameter a default (None)"
-    return (f"`{missing[0]}` is a name qerl passes nothing under (TRL's are `prompts` and `completions`, the reference "
-            f"is `answer`, any other dataset column its own name): rename it, or give it a default")
 
 
 def _source_file(fn, module) -> str | None:
@@ -382,7 +246,8 @@ def _raised_at(e: BaseException, source: str | None) -> str:
     traceback to find which of the function's lookups it was (a review). The deepest line of the reward's own file,
     else the deepest line of the call. A module zipimport loaded has its archive for ``source``, and ``r.zip/mod.py``
     for its frames' file: a line in the archive is the reward's own (json's decoder line was named instead; a review)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]  # not score's, __call__'s
+    qerls = (__file__, trl_rewards.__file__)  # not score's, __call__'s, call_trl's (a map it runs: float's ValueError)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename not in qerls]
     own = [f for f in frames if source and (os.path.abspath(f.filename) + os.sep).startswith(os.path.abspath(source) + os.sep)]
     frame = (own or frames or [None])[-1]
     return f" (at {frame.filename}:{frame.lineno}, in {frame.name})" if frame is not None else ""
@@ -535,23 +400,21 @@ class RewardSet:
     def score(self, completion: str, answer: str | None, prompt=None, *, where: str = "") -> tuple[dict[str, float], float]:
         return self.score_group([completion], answer, prompt, where=where)[0]
 
-    def check_columns(self, columns: dict, where: str, dataset: Sequence[str] | None = None) -> None:
-        """A row's ``columns`` lacking one a TRL-style reward requires (a parameter without a default), one line naming
-        both: the reward would fail on "missing a required argument" (TRL's on a KeyError). ``dataset``: the columns of
-        all rows (``column_names``), for the hint. A column a row lacks that no reward requires is passed as None, as
-        ``datasets`` reads a JSON file's row without it."""
+    def check_columns(self, columns: Iterable[str], where: str) -> None:
+        """``columns`` lacking one a TRL-style reward requires (a parameter without a default), one line naming both:
+        the reward would fail on "missing a required argument", as TRL's does (it passes the columns its dataset has).
+        ``where``: whose they are, " of p.jsonl" for a dataset's (``column_names``: of all its rows). A row without a
+        column that another row has passes None for it, as a null does: ``datasets`` reads both as None, TRL passes
+        that, and so does qerl (a row lacking it was refused, its null passed)."""
+        columns = list(columns)
         for s in self.specs:
-            missing = [k for k in s.reward.needs_columns if k not in columns]
-            if not missing:
-                continue
-            if dataset is not None and missing[0] not in dataset:
-                others = ", ".join(f"`{k}`" for k in dataset) or "none"
-                hint = (f"no row has it (other columns: {others}); the reference is passed as `answer`, read from "
-                        "--answer-key's column")
-            else:
-                hint = "add it to the row, or give the parameter a default: a row without the column then passes None"
-            raise BadInputError(f"reward {s.name!r} takes the dataset column `{missing[0]}` (a parameter without a "
-                                f"default), which the row{where} has not", hint=hint)
+            missing = next((k for k in s.reward.needs_columns if k not in columns), None)
+            if missing is not None:
+                others = ", ".join(f"`{k}`" for k in columns) or "none"
+                raise BadInputError(f"reward {s.name!r} takes the dataset column `{missing}` (a parameter without a "
+                                    f"default), which is not among the columns{where}",
+                                    hint=f"they are {others}; the reference is passed as `answer`, read from "
+                                         "--answer-key's column")
 
     def score_group(self, completions: Sequence[str], answer: str | None, prompt=None, *, completion_ids=None,
                     columns: dict | None = None, where: str = "") -> list[tuple[dict[str, float], float]]:
@@ -565,7 +428,7 @@ class RewardSet:
         values: list[dict[str, float]] = [{} for _ in range(n)]
         for s in self.specs:
             if s.reward.batched is not None:
-                got = _as_list(s.name, _called(s, lambda s=s: s.reward.score_batch(completions, answer, prompt,
+                got = as_list(s.name, _called(s, lambda s=s: s.reward.score_batch(completions, answer, prompt,
                                                                                    completion_ids, columns),
                                                where), n, where)
             else:
@@ -603,22 +466,6 @@ def _called(s: RewardSpec, call: Callable, where: str):
         what = " ".join(str(e).split())  # one line: an assert's message of several came out as several
         raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}{': ' * bool(what)}{what}{where}"
                             f"{_raised_at(e, s.reward.source)}") from None
-
-
-def _as_list(name: str, got, n: int, where: str) -> list:
-    """A TRL-style reward's returned rewards, one per completion: a list, tuple, array or 1-d tensor."""
-    try:
-        if isinstance(got, (str, bytes, dict)):
-            raise TypeError
-        got = list(got)
-    except TypeError:  # a float, a 0-d tensor: not one per completion
-        raise BadInputError(f"reward {name!r} returned {type(got).__name__} {str(got)[:80]!r}{where}, not a list of "
-                            f"{n} rewards", hint="a TRL-style reward (it takes `completions`) returns one value "
-                                                 "(or None) per completion") from None
-    if len(got) != n:
-        raise BadInputError(f"reward {name!r} returned {len(got)} rewards for the {n} completions{where}",
-                            hint="a TRL-style reward (it takes `completions`) returns one value (or None) per completion")
-    return got
 
 
 def _checked(name: str, v, where: str) -> float:

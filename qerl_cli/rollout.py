@@ -575,6 +575,21 @@ def _refuse_another_shards_out(cfg: RolloutConfig) -> None:
                  "that shard")
 
 
+def _warn_of_unset_columns(reward_set: RewardSet, rows: Sequence[PromptRow]) -> None:
+    """Rows passing None for a column a TRL-style reward requires (a parameter without a default): a JSON row without
+    it, or its null (a Parquet row's too). Said before generating, of every row, but not refused: ``datasets``, and so
+    TRL, pass None for both, as qerl does. A row lacking it was refused, and only where this step's slice held it: a
+    run stopped at a later step, or for a row --long-prompts skip never generates (a review)."""
+    for s in reward_set.specs:
+        for k in s.reward.needs_columns:
+            unset = [r.where for r in rows if r.columns.get(k) is None]
+            if unset:
+                warnings.warn(QerlWarning(
+                    f"reward {s.name!r} takes the dataset column `{k}` (a parameter without a default), which "
+                    f"{len(unset)} of the {len(rows)} rows hold no value for (first: {unset[0]}): it is passed None "
+                    "for them, as TRL passes it; a default (None) in the signature says that is expected"), stacklevel=3)
+
+
 def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPrompt]]:
     return [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
 
@@ -646,8 +661,8 @@ def rollout(cfg: RolloutConfig) -> dict:
                 hint="add answers, or use rewards that need none (format, module:function)",
             )
     columns = column_names(rows)  # the dataset's, of all rows: a reward taking **kwargs gets the same on every shard
-    for row in selected:  # a row without a column a TRL-style reward requires: said before generating
-        reward_set.check_columns(row.columns, f" at {row.where}", columns)
+    reward_set.check_columns(columns, f" of {cfg.prompts}")  # a column a TRL-style reward requires: before generating
+    _warn_of_unset_columns(reward_set, rows)
     if "math" in {s.name for s in reward_set.specs}:  # a reference the math rule cannot read: said before generating
         long = long_math_reference(selected)
         if long is not None:

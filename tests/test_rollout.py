@@ -253,6 +253,28 @@ def test_a_trl_reward_taking_dataset_columns_scores_a_resumed_rollout_as_an_unin
     assert res["summary"]["resumed_groups"] == 4 and read_records(tmp_path / "out") == want
 
 
+def test_a_row_without_a_column_a_trl_reward_requires_passes_none_as_its_null_does(model_dir, tmp_path, fake_engine):
+    # a JSON row lacking `solution` was refused before generating, where its null passed None (`datasets`, and so TRL,
+    # read both as None); and only where this step's --prompts-per-step slice held it, so a long run stopped at that
+    # step, or for a row --long-prompts skip drops (row 4). Both pass None now, said by a warning at every step
+    from qerl_cli.errors import QerlWarning
+
+    prompts = tmp_path / "cols.jsonl"
+    rows = [{"prompt": "Q0?", "solution": "0"}, {"prompt": "Q1?", "solution": None}, {"prompt": "Q2?", "solution": "2"},
+            {"prompt": "Q " * 200}, {"prompt": "Q4?"}, {"prompt": "Q5?", "solution": "5"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = tmp_path / "acc.py"
+    r.write_text("def acc(completions, solution, **kwargs):\n    return [-1.0 if s is None else float(s) for s in solution]\n")
+    got = []
+    for step in range(3):
+        with pytest.warns(QerlWarning, match=r"`solution` \(a parameter without a default\), which 3 of the 6 rows hold "
+                                             r"no value for \(first: .*cols.jsonl:2\): it is passed None"):
+            res = rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=(f"{r}:acc",), prompts_per_step=2,
+                                  step=step, max_model_len=60, out=tmp_path / f"o{step}"))
+        got += [rec["reward"] for rec in read_records(tmp_path / f"o{step}")]
+    assert res["summary"]["groups"] == 2 and got == [x for x in (0.0, -1.0, 2.0, -1.0, 5.0) for _ in range(3)]
+
+
 def test_a_rollout_keeps_the_dataset_columns_only_where_a_reward_takes_them(model_dir, tmp_path, fake_engine,
                                                                             monkeypatch):
     # every row's other columns (a code dataset's test cases: 670 MB of objects for 100k rows of a 150 MB file) were
