@@ -453,13 +453,31 @@ def test_lora_pairs_peft_wraps_beyond_the_saved_target_modules_are_merged(tmp_pa
     assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
 
 
+def add_pairs(adapter: Path, base: Path, modules=("lm_head",), into: Path | None = None) -> Path:
+    """Write ADAPTER's tensors plus a hand-added random LoRA pair for each of MODULES (lm_head, model.embed_tokens),
+    into INTO (a copy of the adapter) or the adapter itself: pairs PEFT's loader drops where it wraps no such layer."""
+    from safetensors.torch import load_file, save_file
+
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    shapes = {"lm_head": {"lora_A": (2, 32), "lora_B": (vocab, 2)},
+              "model.embed_tokens": {"lora_embedding_A": (2, vocab), "lora_embedding_B": (32, 2)}}
+    if into is not None:
+        shutil.copytree(adapter, into)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for module in modules:
+        tensors.update({f"base_model.model.{module}.{k}.weight": torch.randn(shape, generator=g)
+                        for k, shape in shapes[module].items()})
+    save_file(tensors, (into or adapter) / "adapter_model.safetensors")
+    return into or adapter
+
+
 @pytest.mark.parametrize("spelling", ["all-linear", "All-Linear"])
 def test_all_linear_adapters_merge_to_the_policy_peft_loads(tmp_path, spelling):
     # PEFT reads target_modules "all-linear" in any case (merge refused "All-Linear" as a regex matching nothing), and
     # its all-linear wraps every Linear but the output layer: a hand-added pair of lm_head, or of the embedding (no
     # Linear), is dropped by PeftModel.from_pretrained without a word; merge merged it (logits ~100 off PEFT's), and
     # rollout/eval's loader failed on it as "LoRA targets ['lm_head'] match no Linear".
-    from safetensors.torch import load_file, save_file
 
     from qerl_cli.adapters import read_adapter_spec
 
@@ -472,15 +490,8 @@ def test_all_linear_adapters_merge_to_the_policy_peft_loads(tmp_path, spelling):
     ref, plain = peft_logits(base, adapter, IDS % 300), peft_logits(base, None, IDS % 300)
     err = (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item()
     assert err < 2e-2 * ref.abs().max().item() and (plain - ref).abs().max().item() > 20 * err
-    g = torch.Generator().manual_seed(5)
-    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
-    for module, pair in (("lm_head", {"lora_A": (2, 32), "lora_B": (vocab, 2)}),
-                         ("model.embed_tokens", {"lora_embedding_A": (2, vocab), "lora_embedding_B": (32, 2)})):
-        extra = tmp_path / module
-        shutil.copytree(adapter, extra)
-        tensors = load_file(adapter / "adapter_model.safetensors")
-        tensors.update({f"base_model.model.{module}.{k}.weight": torch.randn(shape, generator=g) for k, shape in pair.items()})
-        save_file(tensors, extra / "adapter_model.safetensors")
+    for module in ("lm_head", "model.embed_tokens"):
+        extra = add_pairs(adapter, base, (module,), into=tmp_path / module)
         assert torch.equal(peft_logits(base, extra, IDS % 300), ref)  # PEFT drops the pair
         for read in (lambda d: merge(MergeConfig(base, d, tmp_path / "m"), progress=False), read_adapter_spec):
             with pytest.raises(BadInputError, match=rf"LoRA tensors of '{module}', which target_modules 'all-linear' "
@@ -493,7 +504,6 @@ def test_a_head_pair_beside_ensure_weight_tying_without_an_embedding_target_is_r
     # ensure_weight_tying puts LoRA on a tied head only where target_modules names an embedding layer; beside
     # all-linear (PEFT saves the Linears it found) it only warns, and PEFT drops a hand-added lm_head pair. Merge took
     # any head pair beside ensure_weight_tying for one PEFT wraps and merged it (logits ~100 off PEFT's).
-    from safetensors.torch import load_file, save_file
 
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32, tokenizer=False,
                               tie_word_embeddings=True)
@@ -501,12 +511,7 @@ def test_a_head_pair_beside_ensure_weight_tying_without_an_embedding_target_is_r
         adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, targets="all-linear", ensure_weight_tying=True,
                                     trainer_state=False)
     ref = peft_logits(base, adapter, IDS % 300)
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(5)
-    tensors.update({"base_model.model.lm_head.lora_A.weight": torch.randn(2, 32, generator=g),
-                    "base_model.model.lm_head.lora_B.weight": torch.randn(vocab, 2, generator=g)})
-    save_file(tensors, adapter / "adapter_model.safetensors")
+    add_pairs(adapter, base)
     assert torch.equal(peft_logits(base, adapter, IDS % 300), ref)  # PEFT drops the pair
     with pytest.raises(BadInputError, match=r"LoRA tensors of 'lm_head', which target_modules .* does not name"):
         merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
@@ -516,7 +521,6 @@ def test_a_head_pair_beside_ensure_weight_tying_on_an_untied_base_is_refused(tmp
     # ensure_weight_tying ties the head to a LoRA'd embedding only where the base ties them; on an untied base PEFT
     # warns "no tied modules were found", puts no LoRA on lm_head (target_modules does not name it) and drops a
     # hand-added head pair. Merge took it for the tied head's pair and merged it (logits ~50 off PEFT's, at ~0.4).
-    from safetensors.torch import load_file, save_file
 
     base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32, tokenizer=False)
     with pytest.warns(UserWarning, match="no tied modules were found"):
@@ -525,12 +529,7 @@ def test_a_head_pair_beside_ensure_weight_tying_on_an_untied_base_is_refused(tmp
     ref = peft_logits(base, adapter, IDS % 300)
     merge(MergeConfig(base, adapter, tmp_path / "out"), progress=False)  # as PEFT saved it: merged
     assert (hf_logits(tmp_path / "out", IDS % 300) - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(5)
-    tensors.update({"base_model.model.lm_head.lora_A.weight": torch.randn(2, 32, generator=g),
-                    "base_model.model.lm_head.lora_B.weight": torch.randn(vocab, 2, generator=g)})
-    save_file(tensors, adapter / "adapter_model.safetensors")
+    add_pairs(adapter, base)
     assert torch.equal(peft_logits(base, adapter, IDS % 300), ref)  # PEFT drops the pair
     with pytest.raises(BadInputError, match=r"LoRA tensors of 'lm_head', which target_modules .* does not name.*"
                                             r"ties nothing"):
