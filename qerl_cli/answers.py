@@ -48,6 +48,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "\hspace{}" is (s57r08); boxes or tag spans side by side ("\boxed{3} \boxed{4}", "<answer>$3$ $4$</answer>") are
 # "3, 4" (was 4); "\boxed{3 = 4}" is no answer (was 4); "\text{5 cm}", "0.\overline{3}", "1.5e3", "\textbf{(C)}\ 12"
 # (the letter or the value, as the reference gives) and "x > 2" against "(2, \infty)" are read (were 0).
+# s57r14: an answer math-verify would cut as its unit past a second value or a hedge ("5\text{ cm}, 6\text{ cm}",
+# "5\text{ or 6}", was 5) is none, as is a false equation of arithmetic or in a chain ("2 + 1 = 4", "x = 3 = 4", was 4);
+# TeX spacing and text groups between two tag spans read as between two boxes ("$3$ \quad $4$" is "3, 4", was 4).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

@@ -8,13 +8,15 @@ number and its unit in one text group (``\\text{5 cm}``), a repeating decimal (`
 e-notation (``1.5e3``, read as 1.5 * e * 3); a choice with its value (``\\textbf{(C)}\\ 12``) is its letter against a
 letter reference, else its value; an inequality (``x > 2``) is compared with an interval reference (``(2, \\infty)``) as
 math-verify compares it the other way round; an equation of two numbers that differ (``\\boxed{3 = 4}``, read as its
-right side) is no answer. Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``,
+right side) is no answer, as are one of arithmetic (``2 + 1 = 4``) or a chain holding one (``x = 3 = 4``), and an
+answer math-verify would cut as its unit past a second value or a hedge (``5\\text{ cm}, 6\\text{ cm}``,
+``5\\text{ or 6}``: it drops all from the first text group, so read as 5). Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``,
 ``\\hspace{1em}``) are listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x =
 \\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
 one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
 as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
 math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two boxes: ``3,
-4``, as are two side by side, ``$3$ $4$``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer.
+4``, as are two side by side, ``$3$ $4$``, ``$3$ \\quad $4$``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer.
 Slower (sympy, ~10 ms a verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly
 repeat a few answers. Each parse and comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout
 is SIGALRM, so scored from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
@@ -203,8 +205,10 @@ _BOX_FULL_STOP = re.compile(r"(?<=[\w})\]|])\s*\.\s*$")
 # A number with its unit inside one text group, "\text{5 cm}", "\text{4 square units}", "\text{5.}": latex2sympy read
 # the group as one symbol (0 however right), where "5\text{ cm}" is 5. The unit is words, a power at most ("cm^2"):
 # no other number ("\text{3 apples and 4 pears}"), nor a hedge or bound ("\text{5 or more}", "\text{5 to 6}").
+# A hedge or bound word in any case ("\text{5 OR SIX}" was read as 5 until s57r14).
+_HEDGE_WORD = r"(?i:\b(?:or|and|to|than|more|less|least|most|about|approximately)\b)"
 _TEXT_NUMBER = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*(-?\d+(?:\.\d+)?)"
-                          r"(?:\s{1,3}(?![^{}]*\b(?:or|and|to|than|more|less|least|most|about|approximately)\b)"
+                          rf"(?:\s{{1,3}}(?![^{{}}]*{_HEDGE_WORD})"
                           r"([A-Za-z][A-Za-z /.]{0,40}(?:\^\d)?))?\s{0,3}\.?\s{0,3}\}")  # bounded: linear on a run of spaces
 # A repeating decimal, "0.\overline{3}", "0.1\overline{6}", "1.\bar{3}": latex2sympy read the bar as a product with a
 # symbol, 0.\overline{3} as 0 (a reference of 1/3 was right for "\boxed{0}"). Its exact fraction (3/9, 15/90).
@@ -222,6 +226,27 @@ def _repeating_decimal(m: re.Match) -> str:
     whole, fixed, repeat = m.group(1), m.group(2), m.group(3) or m.group(4)
     den = 10 ** len(fixed) * (10 ** len(repeat) - 1)
     return f"\\frac{{{int(whole or 0) * den + int(fixed + repeat) - int(fixed or 0)}}}{{{den}}}"
+
+
+# math-verify drops a unit as all from an answer's first text group to its end, where that ends in a group
+# (latex2sympy2_extended's "(\\(?:text|mbox){.*?})(\^\d|\{\^\d\})?$", after \mathrm and \textbf become \text and
+# "\text{ or }" a comma): "5\text{ cm}, 6\text{ cm}", "\boxed{5\text{ cm}} or \boxed{6\text{ cm}}" and "5\text{ or 6}" read
+# as 5, a list or hedge right for its first value (s57r14).
+_TEXT_OR = re.compile(r",?\s*\\(?:text(?:normal|bf|it|rm)?|math(?:rm|it|bf))\{\s*(?:and|or)\s*\}")
+_FIRST_TEXT = re.compile(r"\\(?:text(?:normal|bf|it|rm)?|math(?:rm|it|bf)|mbox)\{")
+_UNIT_POWER = re.compile(r"\}(?:\^\{?-?\d\}?|\{\^\d\})?\s*$")
+
+
+def _unit_cut_drops_answer(tex: str) -> bool:
+    """Whether what math-verify would drop from ``tex`` as its unit holds more than a unit: a number past the unit's
+    own power, or a hedge or bound word ("\\text{ or more}"). Such an answer is none."""
+    tex = _TEXT_OR.sub(",", tex)
+    first = _FIRST_TEXT.search(tex)
+    power = _UNIT_POWER.search(tex)
+    if first is None or power is None or not tex[: first.start()].strip():
+        return False
+    dropped = tex[first.start() : power.start()]
+    return re.search(rf"\d|{_HEDGE_WORD}", dropped) is not None
 
 
 def _for_math_verify(tex: str) -> str:
@@ -285,11 +310,19 @@ def _tag_hedge(tex: str, found: str | None) -> str | None:
     if found is None or len(spans) < 2:
         return found
     before, last = ([g for g in m.groups() if g is not None][0].strip() for m in spans[-2:])
-    hedged = found == last and _BOX_HEDGE.fullmatch(tex, spans[-2].end(), spans[-1].start())
-    side_by_side = found in (before, last) and _SIDE_BY_SIDE.fullmatch(tex, spans[-2].end(), spans[-1].start())
+    # Spacing and text groups between the spans as between two boxes: "$3$ \quad $4$", "$3$ \text{or} $4$" read as 4
+    # until s57r14. And math-verify's reading is its normal form: "6" of "$6\text{ cm}$" (a hedge read as it, s57r14).
+    between = _plain_separator(tex[spans[-2].end() : spans[-1].start()])
+    hedged = _read_as(found, last) and _BOX_HEDGE.fullmatch(between)
+    side_by_side = (_read_as(found, before) or _read_as(found, last)) and _SIDE_BY_SIDE.fullmatch(between)
     if (hedged or side_by_side) and not _math_verify_equal(before, last):
         return f"{before}, {last}"
     return found
+
+
+def _read_as(found: str, span: str) -> bool:
+    """Whether math-verify's reading of a tag's prose, ``found``, is the math ``span`` (which it may write otherwise)."""
+    return found == span or _math_verify_equal(span, found)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -338,13 +371,22 @@ def _choice_part(gold: str, pred: str) -> str:
     return f"\\text{{({m.group(1) or m.group(2)})}}" if _CHOICE_LETTER.fullmatch(gold.strip()) else m.group(3)
 
 
-def _false_equation(parsed) -> bool:
-    """Whether an answer is an equation of two numbers that differ, "\\boxed{3 = 4}": math-verify reads an equation as
-    its right side ("x = 4", "48 + 24 = 72"), so it was right against 4. A false statement, two values offered: none."""
-    from sympy import Eq
+def _false_equation(parsed, timeout: int) -> bool:
+    """Whether an answer is an equation of two numbers that differ, "\\boxed{3 = 4}", "\\boxed{2 + 1 = 4}", or holds
+    one in a chain, "\\boxed{x = 3 = 4}": math-verify reads an equation as its right side ("x = 4", "48 + 24 = 72"), so
+    each was right against 4 ("2 + 1 = 4" and "x = 3 = 4" until s57r14, and "3 = 1e3" against 1000 once 1e3 was a
+    number). A false statement, two values offered: none. A side is a rational number, arithmetic of such included
+    ("\\pi = 3.14", "\\sqrt{2} = 1.414" are left alone: approximations); the two are compared by math-verify, within its
+    timeout (2^{9e9} is not worked out)."""
+    from math_verify import verify
+    from sympy import And, Eq
 
-    return (isinstance(parsed, Eq) and parsed.lhs.is_Number and parsed.rhs.is_Number
-            and (parsed.lhs - parsed.rhs).is_zero is False)
+    def number(side) -> bool:
+        return bool(side.is_Number or (not side.free_symbols and side.is_rational))
+
+    equations = parsed.args if isinstance(parsed, And) else (parsed,)
+    return any(isinstance(eq, Eq) and number(eq.lhs) and number(eq.rhs)
+               and not verify([eq.lhs], [eq.rhs], timeout_seconds=timeout) for eq in equations)
 
 
 def _inequality_against_interval(gold, pred) -> bool:
@@ -368,11 +410,13 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
     timeout = _math_verify_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]
     gold, pred = _for_math_verify(gold), _for_math_verify(_choice_part(gold, pred))
+    if _unit_cut_drops_answer(pred):
+        return False
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
     if not g or not p:
         return gold.strip() == pred.strip()
-    if _false_equation(p[0]):
+    if _false_equation(p[0], timeout):
         return False
     if _inequality_against_interval(g[0], p[0]):
         return bool(verify(p, g, timeout_seconds=timeout))

@@ -291,3 +291,43 @@ def test_a_repeating_decimal_and_e_notation_are_numbers(completion, reference, o
     """latex2sympy read "0.\\overline{3}" as 0 (a reference of it was right for "\\boxed{0}", wrong for 1/3) and
     "1.5e3" as 1.5 * e * 3."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{5\\text{ cm}} or \\boxed{6\\text{ cm}}", "5", False), ("\\boxed{5\\text{ cm}} and \\boxed{6\\text{ cm}}", "5", False),
+    ("\\boxed{\\text{5 cm}} \\boxed{\\text{6 cm}}", "5", False), ("\\boxed{\\text{5 cm} \\text{6 cm}}", "5", False),
+    ("\\boxed{5\\text{ or 6}}", "5", False), ("\\boxed{5\\text{ or more}}", "5", False),
+    ("\\boxed{\\text{5 OR SIX}}", "5", False), ("\\boxed{2\\mathrm{~m}, 3\\mathrm{~m}}", "2", False),
+    ("\\boxed{5\\text{ cm}^{2}}", "5", True), ("\\boxed{5\\text{ m}\\cdot\\text{s}^{-1}}", "5", True),
+    ("\\boxed{2\\text{ and }3\\text{ cm}}", "2, 3", True), ("\\boxed{\\text{5 cm}}", "5", True),
+])
+def test_what_math_verify_drops_as_a_unit_holds_no_second_answer(completion, reference, ok):
+    """math-verify drops a unit as all from the first text group to the end: two values with units, listed or offered
+    as a hedge ("5\\text{ cm}, 6\\text{ cm}"), or a hedge in the unit's group ("5\\text{ or 6}"), read as the first."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{x = 3 = 4}", "4", False), ("\\boxed{2 + 1 = 4}", "4", False), ("\\boxed{\\sqrt{9} = 4}", "4", False),
+    ("\\boxed{3 = 1e3}", "1000", False), ("\\boxed{2^{9e9} = 3}", "3", False),
+    ("\\boxed{x = 3 = 3}", "3", True), ("\\boxed{2 + 1 = 3}", "3", True), ("\\boxed{\\sqrt{2} = 1.414}", "1.414", True),
+    ("\\boxed{\\pi = 3.14}", "3.14", True),
+])
+def test_a_false_equation_of_arithmetic_or_in_a_chain_is_no_answer(completion, reference, ok):
+    """Only an equation of two literal numbers that differ was no answer: "x = 3 = 4" and "2 + 1 = 4" were read as
+    their right side, and "3 = 1e3" once 1e3 was a number (right against 1000)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>$3$ \\quad $4$</answer>", "4", False), ("<answer>$3$\\hspace{1em}$4$</answer>", "4", False),
+    ("<answer>$3$ \\text{or} $4$</answer>", "4", False), ("<answer>$3$ \\quad $4$</answer>", "3, 4", True),
+    ("<answer>$x = -2$ \\quad\\text{or}\\quad $x = 1$</answer>", "1, -2", True),
+    ("<answer>$5\\text{ cm}$ $6\\text{ cm}$</answer>", "6", False),
+    ("<answer>$5\\text{ cm}$ or maybe $6\\text{ cm}$</answer>", "6", False),
+    ("<answer>The area is $6\\text{ cm}$.</answer>", "6", True),
+])
+def test_spans_in_a_tag_are_side_by_side_or_hedged_as_boxes_are(completion, reference, ok):
+    """Between two spans in a tag, TeX spacing and text groups were read as they stand ("$3$ \\quad $4$" as 4), and
+    math-verify's reading of the last ("6" of "$6\\text{ cm}$") was not the span: each hedge scored for a value."""
+    assert is_correct(completion, reference, "math") is ok
