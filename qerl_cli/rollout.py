@@ -4,7 +4,8 @@ How it works
 ------------
 1. Everything that can be wrong with the inputs is checked before any model is loaded: flags,
    reward names (user ``module:function`` rewards are imported here), the prompt file (file:line
-   errors), whether rewards that need a reference have one, and adapter lineage (an adapter whose
+   errors), whether rewards that need a reference have one (in every row the run takes, not only this
+   step's), and adapter lineage (an adapter whose
    ``trainer_state.json`` names another base hash is refused, naming both).
 2. Prompt selection is a pure function of the flags, so every shard of a Slurm array and every
    step of an RL loop agree on it without talking to each other: ``--max-prompts`` caps the
@@ -361,10 +362,15 @@ def aqn_sigma(cfg: RolloutConfig) -> float:
 
 
 # ---- prompt selection -------------------------------------------------------------------------
+def run_rows(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[PromptRow]:
+    """The rows the run's steps take theirs from: the file's, capped by --max-prompts."""
+    return list(rows[: cfg.max_prompts] if cfg.max_prompts else rows)
+
+
 def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[PromptRow]:
     """The rows this step and shard use (see the module docstring); deterministic in the flags."""
     capped = bool(cfg.max_prompts) and cfg.max_prompts < len(rows)
-    rows = list(rows[: cfg.max_prompts] if cfg.max_prompts else rows)
+    rows = run_rows(rows, cfg)
     n = len(rows)
     if cfg.prompts_per_step:
         p = cfg.prompts_per_step
@@ -575,11 +581,44 @@ def _refuse_another_shards_out(cfg: RolloutConfig) -> None:
                  "that shard")
 
 
+def _check_answers(cfg: RolloutConfig, reward_set: RewardSet, rows: Sequence[PromptRow], template) -> None:
+    """A row without the reference a reward needs (gsm8k, math), refused before generating, of every row the run takes
+    (``run_rows``), at every step, as the columns are (``check_columns``): only this step's --prompts-per-step slice
+    was checked, so a long run stopped at the step whose slice held such a row. A row --long-prompts skip drops is
+    never scored: not refused (it was, where the slice held it)."""
+    if not reward_set.needs_answer:
+        return
+    lacking = [r for r in rows if r.answer is None]
+    first = _first_kept(cfg, lacking, template) if cfg.long_prompts == "skip" else next(iter(lacking), None)
+    if first is not None:
+        raise BadInputError(
+            f"{first.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one"
+            + (f" ({len(lacking)} rows of {cfg.prompts} have none)" if len(lacking) > 1 else ""),
+            hint="add answers, or use rewards that need none (format, module:function)",
+        )
+
+
+def _first_kept(cfg: RolloutConfig, rows: Sequence[PromptRow], template) -> PromptRow | None:
+    """The first of ``rows`` whose prompt fits the context, which --long-prompts skip keeps; None where it drops them
+    all. Encoded one at a time, and only these rows (those without an answer): a file whose rows all have one costs
+    nothing here."""
+    if not rows:
+        return None
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.chat_template_file is not None:
+        set_chat_template(tokenizer, read_chat_template(cfg.chat_template_file)[0], cfg.chat_template_file)
+    limit = context_limit(cfg.model, cfg.max_model_len)[0] - 1
+    return next((r for r in rows if encode_prompts(
+        [r], tokenizer, template=template, system_prompt=cfg.system_prompt, chat_template=cfg.chat_template,
+        chat_template_kwargs=cfg.chat_template_kwargs, max_prompt_tokens=limit, on_long="skip")), None)
+
+
 def _warn_of_unset_columns(reward_set: RewardSet, rows: Sequence[PromptRow]) -> None:
     """Rows passing None for a column a TRL-style reward requires (a parameter without a default): a JSON row without
     it, or its null (a Parquet row's too). Said before generating, of every row, but not refused: ``datasets``, and so
     TRL, pass None for both, as qerl does. A row lacking it was refused, and only where this step's slice held it: a
-    run stopped at a later step, or for a row --long-prompts skip never generates (a review)."""
+    run stopped at a later step, or for a row --long-prompts skip never generates (a review). ``rows``: those the run
+    takes (``run_rows``): rows past --max-prompts were counted too, a warning where no row it takes lacked one."""
     for s in reward_set.specs:
         for k in s.reward.needs_columns:
             unset = [r.where for r in rows if r.columns.get(k) is None]
@@ -653,16 +692,10 @@ def rollout(cfg: RolloutConfig) -> dict:
         warnings.warn(QerlWarning(
             f"shard {cfg.shard_index} of {cfg.num_shards} gets no prompts (fewer prompts this step than shards): "
             "it writes an empty shard; fewer --num-shards would do"), stacklevel=2)
-    if reward_set.needs_answer:
-        missing = next((r for r in selected if r.answer is None), None)
-        if missing is not None:
-            raise BadInputError(
-                f"{missing.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one",
-                hint="add answers, or use rewards that need none (format, module:function)",
-            )
+    _check_answers(cfg, reward_set, run_rows(rows, cfg), template)
     columns = column_names(rows)  # the dataset's, of all rows: a reward taking **kwargs gets the same on every shard
     reward_set.check_columns(columns, f" of {cfg.prompts}")  # a column a TRL-style reward requires: before generating
-    _warn_of_unset_columns(reward_set, rows)
+    _warn_of_unset_columns(reward_set, run_rows(rows, cfg))
     if "math" in {s.name for s in reward_set.specs}:  # a reference the math rule cannot read: said before generating
         long = long_math_reference(selected)
         if long is not None:

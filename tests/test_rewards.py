@@ -1785,6 +1785,22 @@ def test_a_column_is_serialized_once_per_group_not_once_per_completion(tmp_path)
     assert Serialized.count == 2  # once per group for each of the two rewards
 
 
+def test_a_long_text_inside_a_column_is_shared_by_the_copies_as_deepcopy_shares_it():
+    # pickled once a group, each completion's copy held its own copy of every text in the column's list or object,
+    # where deepcopy shared them (immutable): a list of ten 100 KB documents took 29 ms a group against 0.1 (15 s of
+    # CPU a step at 512 groups), a 10 MB text in a dict 2 minutes a step. The containers are still each completion's
+    from qerl_cli.trl_rewards import trl_kwargs
+
+    doc, blob = "x" * 100_000, b"y" * 100_000
+    columns = {"docs": [doc, "short"], "meta": {"text": doc, "raw": blob}}
+    kw = trl_kwargs(("completions",), None, ["a", "b", "c"], None, columns=columns)
+    assert all(d[0] is doc and m["text"] is doc and m["raw"] is blob for d, m in zip(kw["docs"], kw["meta"]))
+    assert len({id(d) for d in kw["docs"]}) == len({id(m) for m in kw["meta"]}) == 3  # one list and dict a completion
+    kw["docs"][0].append("mine")
+    kw["meta"][0]["text"] = "mine"
+    assert kw["docs"][1] == ["x" * 100_000, "short"] and kw["meta"][1]["text"] == doc and columns["docs"] == [doc, "short"]
+
+
 def test_a_trl_reward_refused_when_loaded_is_told_what_to_change(tmp_path):
     # the hint said to rename a parameter `answer` whatever the cause: for a positional-only `completions` (TRL too
     # passes keywords only), and for a library function (trl.rewards.accuracy_reward's `solution`) that cannot be renamed

@@ -275,6 +275,47 @@ def test_a_row_without_a_column_a_trl_reward_requires_passes_none_as_its_null_do
     assert res["summary"]["groups"] == 2 and got == [x for x in (0.0, -1.0, 2.0, -1.0, 5.0) for _ in range(3)]
 
 
+def test_rows_past_max_prompts_are_not_counted_as_passing_none_for_a_column(model_dir, tmp_path, fake_engine):
+    # the warning counted every row of the file: with --max-prompts 2 it said "2 of the 4 rows hold no value" of rows
+    # the run never takes, where none it takes lacked the column
+    from qerl_cli.errors import QerlWarning
+
+    prompts = tmp_path / "cols.jsonl"
+    rows = [{"prompt": "Q0?", "solution": "0"}, {"prompt": "Q1?", "solution": "1"}, {"prompt": "Q2?"}, {"prompt": "Q3?"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = tmp_path / "acc.py"
+    r.write_text("def acc(completions, solution, **kwargs):\n    return [float(s) for s in solution]\n")
+    kw = dict(prompts=prompts, rewards=(f"{r}:acc",))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rollout(cfg_for(model_dir, tmp_path, max_prompts=2, **kw))
+    assert not [w for w in seen if "hold no value" in str(w.message)]
+    with pytest.warns(QerlWarning, match=r"which 1 of the 3 rows hold no value for \(first: .*cols.jsonl:3\)"):
+        with pytest.raises(BadInputError, match=r"reward '.*acc' raised TypeError"):  # float(None)
+            rollout(cfg_for(model_dir, tmp_path, max_prompts=3, out=tmp_path / "o3", **kw))
+
+
+def test_a_row_without_the_answer_a_reward_needs_is_refused_before_the_first_step(model_dir, tmp_path, fake_engine):
+    # the check covered only this step's --prompts-per-step slice: steps 0 and 1 ran and step 2 stopped on row 5, and
+    # step 1 stopped on row 3, which --long-prompts skip drops (never generated). Every row the run takes is checked
+    # now, at every step, as the columns are (`check_columns`), but a row skip drops and one past --max-prompts
+    prompts = tmp_path / "ans.jsonl"
+    rows = [{"prompt": "Q0?", "answer": "0"}, {"prompt": "Q1?", "answer": "1"}, {"prompt": "Q2?", "answer": "2"},
+            {"prompt": "Q " * 200}, {"prompt": "Q4?", "answer": "4"}, {"prompt": "Q5?"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = dict(prompts=prompts, rewards=("gsm8k",), prompts_per_step=2, max_model_len=60)
+    for step in (0, 1):
+        with pytest.raises(BadInputError, match=r"ans.jsonl:6: row has no `answer`, but reward 'gsm8k' needs one "
+                                                r"\(2 rows of .*ans.jsonl have none\)"):
+            rollout(cfg_for(model_dir, tmp_path, step=step, out=tmp_path / f"o{step}", **kw))
+    assert not fake_engine.calls  # refused before generating
+    for step in (0, 1):  # row 6 past --max-prompts; row 4, too long, is skipped
+        res = rollout(cfg_for(model_dir, tmp_path, step=step, out=tmp_path / f"o{step}", max_prompts=5, **kw))
+    assert res["summary"]["groups"] == 1 and res["summary"]["skipped_long_prompts"] == 1
+    with pytest.raises(BadInputError, match=r"ans.jsonl:4: row has no `answer`"):  # --long-prompts error keeps it
+        rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "o9", max_prompts=5, long_prompts="error", **kw))
+
+
 def test_a_rollout_keeps_the_dataset_columns_only_where_a_reward_takes_them(model_dir, tmp_path, fake_engine,
                                                                             monkeypatch):
     # every row's other columns (a code dataset's test cases: 670 MB of objects for 100k rows of a 150 MB file) were
