@@ -73,11 +73,8 @@ def check_made_on_this_gpu(so: StageOutput, model: str | None) -> None:
     (an A100 node resuming an H100's over a shared file system: two kernels' roundings in one eval); with --force it
     starts afresh, said. One that records none (a CPU's, an older qerl's), or a GPU CUDA cannot name, resumes."""
     part = so.partial_dir()
-    try:
-        made = json.loads((part / MADE_ON).read_text()).get("gpu") if model is not None else None
-    except (OSError, ValueError, AttributeError):  # none there, or not one qerl wrote
-        return
-    if not isinstance(made, str) or made == model:
+    made = _recorded_gpu(part) if model is not None else None
+    if made is None or made == model:
         return
     if not so.force:
         raise OutputExistsError(f"{part} holds this eval stopped on {made!r}, another GPU model than this {model!r} "
@@ -88,16 +85,35 @@ def check_made_on_this_gpu(so: StageOutput, model: str | None) -> None:
     shutil.rmtree(part)
 
 
-def adopt_indexed_partial(so: StageOutput, device: str) -> None:
-    """Take over this eval's partial directory that qerl before 2026-11-28 left on ``device`` (``cuda:1``), named by
-    the GPU's index then, by renaming it to this eval's (named by ``cuda``), under both writer locks: it resumes on
-    its own device, as it did (a run of that qerl still writing it refuses this one, exit 8)."""
-    old = StageOutput(so.out, so.stage, config=dict(so.config, device=device), inputs=so.inputs, resumable=True)
-    if old.fingerprint == so.fingerprint or not old.partial_dir().is_dir() or so.partial_dir().exists():
+def adopt_indexed_partial(so: StageOutput, device: str, model: str | None) -> None:
+    """Take over this eval's partial directory that qerl before 2026-11-28 left named by the GPU's index (``cuda:1``),
+    by renaming it to this eval's (named by ``cuda``), under both writer locks: the one left on ``device``, as it
+    resumed there; else one of another index that records this run's GPU ``model``, which that qerl resumed under
+    --device cuda or auto too (from cc4cca7: started afresh here, it was removed once finished, its problems generated
+    twice). Not beside this eval's own (resumed instead), nor one that records no model (a node's GPUs may be of two
+    models). A run of that qerl still writing it refuses this one, exit 8."""
+    if so.partial_dir().exists() or not so.partial_dirs():
         return
-    with WriterLock(old):
-        if old.partial_dir().is_dir():  # not renamed into --out meanwhile by the run that held it
-            old.partial_dir().rename(so.partial_dir())
+    for d in dict.fromkeys((device, *DEVICES)):
+        old = StageOutput(so.out, so.stage, config=dict(so.config, device=d), inputs=so.inputs, resumable=True)
+        part = old.partial_dir()
+        if old.fingerprint == so.fingerprint or not part.is_dir():
+            continue
+        if d != device and (model is None or _recorded_gpu(part) != model):
+            continue
+        with WriterLock(old):
+            if part.is_dir():  # not renamed into --out meanwhile by the run that held it
+                part.rename(so.partial_dir())
+                return
+
+
+def _recorded_gpu(part: Path) -> str | None:
+    """The GPU model a partial directory records (``record_made_on``), or None (a CPU's, an older qerl's)."""
+    try:
+        gpu = json.loads((part / MADE_ON).read_text()).get("gpu")
+    except (OSError, ValueError, AttributeError):  # none there, or not one qerl wrote
+        return None
+    return gpu if isinstance(gpu, str) else None
 
 
 def _recorded_made_on(part: Path) -> tuple[str, str, str] | None:

@@ -525,7 +525,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     with WriterLock(so):
         gpu = gpu_model(device)  # None on a CPU, asked of CUDA only here: a run writing a partial directory on a GPU
         if done is None:  # a stopped run's problems to resume (a rescoring copies the finished ones over them)
-            adopt_indexed_partial(so, device)
+            adopt_indexed_partial(so, device, gpu)
             check_made_on_this_gpu(so, gpu)
         try:
             with so as work:
