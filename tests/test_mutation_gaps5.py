@@ -1,4 +1,4 @@
-"""Tests that kill mutants which survived the rest of the suite (manual mutation testing, round 7: eval
+"""Tests that kill mutants which survived the rest of the suite (manual mutation testing, round 8: eval
 metrics and the --compare table, rollout shards, atomic outputs, advantages, batching, the engine's
 scheduler and block manager, lineage; 2026-11-27).
 

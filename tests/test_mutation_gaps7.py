@@ -1,5 +1,5 @@
 """Tests that kill mutants of what session 57 added or changed which survived the suite (manual mutation testing,
-round 7: TRL's calling convention in qerl_cli/trl_rewards.py, the dataset columns a reward is passed (data.py,
+round 9: TRL's calling convention in qerl_cli/trl_rewards.py, the dataset columns a reward is passed (data.py,
 rewards.py, rollout.py), PEFT's all-linear and ensure_weight_tying in adapters.py and merge.py, and the GPU checks of
 eval_devices.py). docs/reliability.md has the counts; each docstring names the mutant it kills."""
 
