@@ -377,15 +377,25 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
 ROW_FIELDS = frozenset(("prompt", "messages", "answer"))
 
 
-def row_columns(raw: Any, stored: dict | None = None) -> dict[str, Any]:
-    """A row's columns other than ``ROW_FIELDS``, as read (before ``--prompt-key`` / ``--answer-key`` rename any):
-    TRL's GRPOTrainer passes a reward every column but the prompt (open-r1's accuracy reward reads ``solution``), and a
-    reward written for it failed here, "missing a required argument", or had to be rewritten. Values as the file holds
-    them: JSON lists and objects pass through; Parquet columns as pyarrow reads them, ``stored`` (``_read_rows``)
-    holding those qerl reads as text."""
+def row_columns(raw: Any, stored: dict | None = None, prompt_key: str | None = None) -> dict[str, Any]:
+    """A row's columns other than ``ROW_FIELDS`` (``messages`` only where it is the prompt: ``_messages_is_prompt``),
+    as read (before ``--prompt-key`` / ``--answer-key`` rename any): TRL's GRPOTrainer passes a reward every column but
+    the prompt (open-r1's accuracy reward reads ``solution``), and a reward written for it failed here, "missing a
+    required argument", or had to be rewritten. Values as the file holds them: JSON lists and objects pass through;
+    Parquet columns as pyarrow reads them, ``stored`` (``_read_rows``) holding those qerl reads as text."""
     if not isinstance(raw, dict):
         return {}
-    return {k: v for k, v in {**raw, **(stored or {})}.items() if k not in ROW_FIELDS}
+    own = ROW_FIELDS if _messages_is_prompt(raw, prompt_key) else ROW_FIELDS - {"messages"}
+    return {k: v for k, v in {**raw, **(stored or {})}.items() if k not in own}
+
+
+def _messages_is_prompt(raw: dict, prompt_key: str | None) -> bool:
+    """Whether a row's ``messages`` column is its prompt (``parse_row``): it is, without a ``prompt``, or named by
+    ``--prompt-key``. Beside a text ``prompt`` (a dataset's reference conversation, an SFT set's ``messages``) it is
+    another column, which TRL passes a reward: it was left out, as if it were the prompt (a review)."""
+    if prompt_key is not None:
+        return prompt_key == "messages"
+    return raw.get("prompt") is None
 
 
 def column_names(rows: Sequence[PromptRow]) -> list[str]:
@@ -457,7 +467,7 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
         try:
             row = parse_row(remap_row(raw, where, prompt_key, answer_key), where, i)
             if columns:
-                row.columns = row_columns(raw, stored[i] if stored else None)
+                row.columns = row_columns(raw, stored[i] if stored else None, prompt_key)
             explicit = isinstance(raw, dict) and any(raw.get(k) is not None for k in ID_FIELDS)
             if row.id in seen:
                 mine = "" if explicit else " (this row has no id and takes its row index)"

@@ -440,7 +440,8 @@ class RewardSet:
                 if v is None and s.reward.batched is not None:
                     continue
                 values[i][s.name] = _checked(s.name, v, f"{where} (completion {i + 1} of {n})"
-                                             if s.reward.batched is not None else where)
+                                             if s.reward.batched is not None else where,
+                                             trl=s.reward.batched is not None)
         out, weights = [], self.weights
         for i, vals in enumerate(values):
             if not vals:
@@ -468,8 +469,16 @@ def _called(s: RewardSpec, call: Callable, where: str):
                             f"{_raised_at(e, s.reward.source)}") from None
 
 
-def _checked(name: str, v, where: str) -> float:
-    """A reward's value as a finite float within the limit, else a one-line error."""
+# TRL reads a reward's NaN as its None (both are NaN in its tensor, left out by nansum and nanmean): a TRL reward
+# returning NaN for "does not apply" was refused with "rewards must be finite" alone, naming no way out. Still refused:
+# a NaN is as often a bug (0/0) as a choice, and None says which.
+_TRL_NAN_HINT = ("rewards must be finite; a TRL-style reward returns None for a completion it does not apply to (TRL "
+                 "reads a NaN so too, qerl refuses it)")
+
+
+def _checked(name: str, v, where: str, trl: bool = False) -> float:
+    """A reward's value as a finite float within the limit, else a one-line error. ``trl``: a TRL-style reward's,
+    whose NaN's hint names None (``_TRL_NAN_HINT``)."""
     try:
         if isinstance(v, (str, bytes)) or _is_complex(v):  # float("1") would parse it; float() of a numpy
             raise TypeError  # complex kept its real part, with a warning (complex's own float() refuses)
@@ -487,7 +496,8 @@ def _checked(name: str, v, where: str) -> float:
         raise BadInputError(f"reward {name!r} returned {type(v).__name__}{where}, which float() refused "
                             f"({type(e).__name__}: {what})") from None
     if not math.isfinite(v):
-        raise BadInputError(f"reward {name!r} returned {v}{where}", hint="rewards must be finite")
+        raise BadInputError(f"reward {name!r} returned {v}{where}",
+                            hint=_TRL_NAN_HINT if trl and math.isnan(v) else "rewards must be finite")
     if abs(v) > REWARD_LIMIT:
         raise BadInputError(f"reward {name!r} returned {v}{where}", hint=REWARD_LIMIT_HINT)
     return v

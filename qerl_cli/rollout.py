@@ -626,7 +626,8 @@ def _warn_of_unset_columns(reward_set: RewardSet, rows: Sequence[PromptRow]) -> 
                 warnings.warn(QerlWarning(
                     f"reward {s.name!r} takes the dataset column `{k}` (a parameter without a default), which "
                     f"{len(unset)} of the {len(rows)} rows hold no value for (first: {unset[0]}): it is passed None "
-                    "for them, as TRL passes it; a default (None) in the signature says that is expected"), stacklevel=3)
+                    "for them, as TRL passes it; a default (None) in the signature says that is expected (said at "
+                    "--step 0 only, of every step's rows)"), stacklevel=3)
 
 
 def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPrompt]]:
@@ -695,7 +696,8 @@ def rollout(cfg: RolloutConfig) -> dict:
     _check_answers(cfg, reward_set, run_rows(rows, cfg), template)
     columns = column_names(rows)  # the dataset's, of all rows: a reward taking **kwargs gets the same on every shard
     reward_set.check_columns(columns, f" of {cfg.prompts}")  # a column a TRL-style reward requires: before generating
-    _warn_of_unset_columns(reward_set, run_rows(rows, cfg))
+    if cfg.step == 0:  # of every row the run takes: the same at every step, a line per step of a 500-step run
+        _warn_of_unset_columns(reward_set, run_rows(rows, cfg))
     if "math" in {s.name for s in reward_set.specs}:  # a reference the math rule cannot read: said before generating
         long = long_math_reference(selected)
         if long is not None:

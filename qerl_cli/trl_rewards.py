@@ -3,8 +3,9 @@
 TRL's ``GRPOTrainer`` (``_calculate_rewards``) calls each reward function once per batch, with keywords only:
 ``prompts``, ``completions`` and ``completion_ids``, one per completion; every other dataset column of the row
 (all but ``prompt``, ``completion`` and ``completion_ids``) under its own name, repeated for each completion; and
-what the trainer itself holds (``trainer_state``, ``log_extra``, ``log_metric``). An async reward is awaited on an
-event loop in a thread of its own, and a ``None`` returned for a completion means "this reward does not apply".
+what the trainer itself holds (``trainer_state``, ``log_extra``, ``log_metric``; ``environments`` where its
+``environment_factory`` made some). An async reward is awaited on an event loop in a thread of its own, and a ``None``
+returned for a completion means "this reward does not apply".
 
 qerl calls a reward written for TRL (``fn(completions, **kwargs) -> list[float | None]``: open-r1's,
 ``trl.rewards``') the same way, once per prompt group, so that it runs unchanged in a rollout; the reference is passed
@@ -30,13 +31,16 @@ from qerl_cli.errors import BadInputError
 # each under its name (TRL passes every column but the prompt).
 TRL_KWARGS = ("prompts", "completions", "completion_ids", "answer")
 # What TRL's trainer passes of its own (TRL 1.x: `log_extra(column, values)` adds a column to its completions table,
-# `log_metric(name, value)` a scalar to its logs), which qerl, with no trainer, has not: a reward that requires one
-# is refused when loaded (`log_metric` was read as a dataset column, and refused as "no row has it").
-TRAINER_KWARGS = ("trainer_state", "log_extra", "log_metric")
-# Names no dataset column is passed under: the row's prompt and reference (`ROW_FIELDS`), what qerl passes itself, and
-# TRL's `completion` and TRAINER_KWARGS (TRL too leaves its dataset's `prompt`, `completion` and `completion_ids`
-# columns out, and sets TRAINER_KWARGS itself). A column so named is not passed.
-RESERVED_COLUMNS = frozenset((*ROW_FIELDS, *TRL_KWARGS, "completion", *TRAINER_KWARGS))
+# `log_metric(name, value)` a scalar to its logs; `environments`, the objects its `environment_factory` made, one per
+# completion, where it was given one), which qerl, with no trainer, has not: a reward that requires one is refused when
+# loaded (`log_metric` was read as a dataset column, and refused as "no row has it"; `environments` was, until a
+# review, and a column of that name passed to a function reading `env.reward` from it).
+TRAINER_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
+# Names no dataset column is passed under: the row's prompt and reference (`ROW_FIELDS` but `messages`, which is a
+# column where a text `prompt` is the prompt, as TRL passes it; `row_columns` leaves it out where it is the prompt),
+# what qerl passes itself, and TRL's `completion` and TRAINER_KWARGS (TRL too leaves its dataset's `prompt`,
+# `completion` and `completion_ids` columns out, and sets TRAINER_KWARGS itself). A column so named is not passed.
+RESERVED_COLUMNS = frozenset((*(ROW_FIELDS - {"messages"}), *TRL_KWARGS, "completion", *TRAINER_KWARGS))
 
 
 def written_for_trl(sig: inspect.Signature) -> bool:
@@ -104,6 +108,9 @@ def _trl_refusal_hint(sig: inspect.Signature, keys: tuple[str, ...]) -> str:
     # under it) fails to bind
     missing = [p.name for p in params if p.default is p.empty and p.name not in keys
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing[0] == "environments":  # a reward of TRL's tool-calling runs: it reads what its environments hold
+        return ("qerl has no TRL environments (GRPOTrainer's environment_factory) to pass as `environments`: score "
+                "the completions themselves, or give the parameter a default (None)")
     if missing[0] in TRAINER_KWARGS:
         return f"qerl has no TRL trainer to pass as `{missing[0]}`: give the parameter a default (None)"
     return (f"`{missing[0]}` is a name qerl passes nothing under (TRL's are `prompts` and `completions`, the reference "

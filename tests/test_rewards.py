@@ -1698,6 +1698,10 @@ def keys(completions, **kwargs):
 
 def same_text(completions, text, **kwargs):
     return [float(t is text[0]) for t in text]
+
+
+def env_reward(completions, environments, **kwargs):  # TRL's tool-calling runs: its environment_factory's objects
+    return [e.reward for e in environments]
 '''
 
 
@@ -1758,6 +1762,59 @@ def test_a_trl_reward_requiring_trls_loggers_is_refused_when_loaded_naming_them(
     assert e.value.hint == "qerl has no TRL trainer to pass as `log_metric`: give the parameter a default (None)"
     rs = RewardSet.from_specs([f"{f}:keys"])
     assert rs.score_group(["a"], None, "q", columns={"log_extra": 1, "log_metric": 2, "id": 3}) == [({f"{f}:keys": 3.0}, 3.0)]  # prompts, answer, id
+
+
+def test_a_trl_reward_requiring_trls_environments_is_refused_when_loaded_and_no_column_is_passed_as_them(tmp_path):
+    # TRL passes `environments` (its environment_factory's objects, one per completion) as it passes `log_metric`: a
+    # reward requiring it was read as taking a dataset column of that name, refused as "not among the columns" (or,
+    # where the file had one, passed its values to read `env.reward` from), and a **kwargs reward got that column
+    f = tmp_path / "trl_m.py"
+    f.write_text(TRL_MORE)
+    with pytest.raises(BadInputError, match="missing a required argument: 'environments'") as e:
+        RewardSet.from_specs([f"{f}:env_reward"])
+    assert e.value.hint.startswith("qerl has no TRL environments (GRPOTrainer's environment_factory)")
+    rs = RewardSet.from_specs([f"{f}:keys"])
+    assert rs.score_group(["a"], None, "q", columns={"environments": ["x"], "id": 3}) == [({f"{f}:keys": 3.0}, 3.0)]
+
+
+def test_a_messages_column_beside_a_text_prompt_is_passed_as_trl_passes_it(tmp_path):
+    # TRL passes every column but `prompt`: a `messages` column beside the text `prompt` (an SFT set's conversation,
+    # a reference reply) was left out as if it were the prompt, and a reward requiring it refused when loaded ("a name
+    # qerl passes nothing under"); where `messages` is the prompt (no `prompt`, or --prompt-key messages) it is not
+    import json
+
+    from qerl_cli.data import load_prompts
+
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "2+2?", "messages": chat, "answer": "4", "level": 1}) + "\n"
+                 + json.dumps({"question": "3+3?", "messages": chat[:1], "answer": "6"}) + "\n")
+    rows = load_prompts(p)
+    assert rows[0].prompt_field == "2+2?" and rows[0].columns == {"messages": chat, "level": 1}
+    assert rows[1].prompt_field == chat[:1] and rows[1].columns == {"question": "3+3?"}  # `messages` is its prompt
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question": "3+3?", "messages": chat[:1]}) + "\n")
+    assert load_prompts(q, prompt_key="question")[0].columns == {"question": "3+3?", "messages": chat[:1]}
+    assert load_prompts(q, prompt_key="messages")[0].columns == {"question": "3+3?"}
+    f = tmp_path / "turns.py"
+    f.write_text("def turns(completions, messages, **kwargs):\n    return [float(len(m)) for m in messages]\n")
+    rs = RewardSet.from_specs([f"{f}:turns"])
+    assert rs.specs[0].reward.needs_columns == ("messages",)
+    assert rs.score_group(["4"], "4", rows[0].prompt_field, columns=rows[0].columns) == [({f"{f}:turns": 2.0}, 2.0)]
+
+
+def test_a_trl_rewards_nan_is_refused_with_a_hint_naming_none(tmp_path):
+    # TRL reads a NaN as it reads None ("does not apply": nansum, nanmean); qerl refuses it, as a bug (0/0) returns one
+    # too, but the refusal said only "rewards must be finite", naming no way to say "does not apply"
+    f = tmp_path / "nan_r.py"
+    f.write_text("def nan_trl(completions, **kwargs):\n    return [float('nan')] * len(completions)\n\n\n"
+                 "def nan_one(completion, answer):\n    return float('nan')\n")
+    with pytest.raises(BadInputError, match=r"returned nan for p.jsonl:1 \(completion 1 of 2\)") as e:
+        RewardSet.from_specs([f"{f}:nan_trl"]).score_group(["a", "b"], None, "q", where=" for p.jsonl:1")
+    assert e.value.hint.startswith("rewards must be finite; a TRL-style reward returns None for a completion")
+    with pytest.raises(BadInputError, match="returned nan") as e:
+        RewardSet.from_specs([f"{f}:nan_one"]).score_group(["a"], None, "q")
+    assert e.value.hint == "rewards must be finite"  # qerl's own form has no None to return
 
 
 class Serialized:

@@ -256,7 +256,9 @@ def test_a_trl_reward_taking_dataset_columns_scores_a_resumed_rollout_as_an_unin
 def test_a_row_without_a_column_a_trl_reward_requires_passes_none_as_its_null_does(model_dir, tmp_path, fake_engine):
     # a JSON row lacking `solution` was refused before generating, where its null passed None (`datasets`, and so TRL,
     # read both as None); and only where this step's --prompts-per-step slice held it, so a long run stopped at that
-    # step, or for a row --long-prompts skip drops (row 4). Both pass None now, said by a warning at every step
+    # step, or for a row --long-prompts skip drops (row 4). Both pass None now, said by a warning at step 0, of every
+    # row the run takes; at every step it was said again, the same line, each step a process of its own in grpo.sh (a
+    # 500-step run's log held it 500 times)
     from qerl_cli.errors import QerlWarning
 
     prompts = tmp_path / "cols.jsonl"
@@ -267,10 +269,15 @@ def test_a_row_without_a_column_a_trl_reward_requires_passes_none_as_its_null_do
     r.write_text("def acc(completions, solution, **kwargs):\n    return [-1.0 if s is None else float(s) for s in solution]\n")
     got = []
     for step in range(3):
-        with pytest.warns(QerlWarning, match=r"`solution` \(a parameter without a default\), which 3 of the 6 rows hold "
-                                             r"no value for \(first: .*cols.jsonl:2\): it is passed None"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             res = rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=(f"{r}:acc",), prompts_per_step=2,
                                   step=step, max_model_len=60, out=tmp_path / f"o{step}"))
+        said = [str(w.message) for w in seen if issubclass(w.category, QerlWarning) and "hold no value" in str(w.message)]
+        assert len(said) == (step == 0), said
+        if step == 0:
+            assert re.search(r"`solution` \(a parameter without a default\), which 3 of the 6 rows hold no value for "
+                             r"\(first: .*cols.jsonl:2\): it is passed None.*said at --step 0 only", said[0]), said
         got += [rec["reward"] for rec in read_records(tmp_path / f"o{step}")]
     assert res["summary"]["groups"] == 2 and got == [x for x in (0.0, -1.0, 2.0, -1.0, 5.0) for _ in range(3)]
 
