@@ -238,13 +238,34 @@ def peft_leaves_out(cfg: dict, module: str) -> str | None:
     return f"layers_to_transform {layers!r}{pattern} leaves out"
 
 
-def check_peft_wraps(cfg: dict, modules, path) -> None:
+def check_peft_wraps(cfg: dict, modules, path, base_dir=None) -> None:
     """Refuse LoRA tensors of a module PEFT would not wrap (``peft_leaves_out``): every reader applies exactly the
-    pairs PEFT applies (merge merged them, the loader and vLLM applied them: a hand-edited config, a review)."""
+    pairs PEFT applies (merge merged them, the loader and vLLM applied them: a hand-edited config, a review).
+    ``base_dir``: the model the adapter is applied to, where the reader knows it, whose untied head takes no pair
+    ensure_weight_tying lets through (``check_untied_head_pair``)."""
     for module in sorted(modules):
         if why := peft_leaves_out(cfg, module):
             raise BadInputError(f"{path}: LoRA tensors of {module!r}, which {why}: PEFT would not load them",
                                 hint=f"correct {CONFIG}, or remove the module's tensors")
+    if base_dir is not None:
+        from qerl_cli.models.config import ModelConfig
+
+        check_untied_head_pair(cfg, modules, path, ModelConfig.from_dir(Path(base_dir)).tie_word_embeddings, base_dir)
+
+
+def check_untied_head_pair(cfg: dict, modules, path, tied: bool, base) -> None:
+    """Refuse an lm_head pair that only ensure_weight_tying let through (``peft_leaves_out``: the head tied to a LoRA'd
+    embedding) where the base ``base`` (``tied``: its tie_word_embeddings) has an untied head: PEFT then ties nothing
+    (it warns "no tied modules were found"), puts no LoRA on a head target_modules does not name, and drops the pair.
+    The one check of every reader that knows the base: merge merged such a pair (review s57r11), and rollout's and
+    eval's vLLM engine handed it to vLLM, which applies the pairs in the file (the native engine refused it as "LoRA
+    targets ['embed_tokens'] match no Linear")."""
+    if tied or TIED_HEAD not in modules or not _ties_head(cfg):
+        return
+    if why := peft_leaves_out(dict(cfg, ensure_weight_tying=False), TIED_HEAD):
+        raise BadInputError(f"{path}: LoRA tensors of {TIED_HEAD!r}, which {why}, and ensure_weight_tying ties nothing "
+                            f"in --model {base} (its head is untied): PEFT would not load them",
+                            hint=f"correct {CONFIG}, or remove the module's tensors")
 
 
 def adapter_leaves_out(cfg: dict, modules) -> list[tuple[str, str]]:
@@ -296,14 +317,15 @@ def read_adapter_config(adapter_dir) -> dict:
     return _read_config(Path(adapter_dir))
 
 
-def read_adapter_spec(adapter_dir, cfg: dict | None = None) -> LoraSpec:
+def read_adapter_spec(adapter_dir, cfg: dict | None = None, base_dir=None) -> LoraSpec:
     """The LoraSpec an adapter directory was trained with (targets as module-name suffixes); ``cfg``: its
-    ``read_adapter_config``, where the caller has it already."""
+    ``read_adapter_config``, where the caller has it already; ``base_dir``: the model it is applied to
+    (``check_peft_wraps``)."""
     cfg = _read_config(Path(adapter_dir)) if cfg is None else cfg
     # rollout's vLLM engine hands the file to vLLM, which applies every pair in it, and train-step resumes it
     # (a missing file is the reader's to report: the layout needs only the config)
     if (wpath := _weights_path(Path(adapter_dir))).exists():
-        check_peft_wraps(cfg, _weight_modules(Path(adapter_dir)), wpath)
+        check_peft_wraps(cfg, _weight_modules(Path(adapter_dir)), wpath, base_dir)
     targets = cfg.get("target_modules")
     # PEFT allows a regex, and names matched as dotted suffixes ("self_attn.q_proj"): resolve both from
     # the saved keys (module names, which the loader wraps in every layer, at B = 0 where PEFT leaves one out); so
@@ -405,7 +427,8 @@ def load_adapter(model, adapter_dir, *, probe: bool = True) -> AdapterInfo:
     seen: dict[str, set] = {n: set() for n in mods}
     values = {}
     with _open_weights(wpath) as fh:
-        check_peft_wraps(cfg, {m["mod"] for k in fh.keys() if (m := _KEY.match(k.removeprefix(PREFIX)))}, wpath)
+        check_peft_wraps(cfg, {m["mod"] for k in fh.keys() if (m := _KEY.match(k.removeprefix(PREFIX)))}, wpath,
+                         getattr(model, "model_dir", None))  # (a model built in memory has none)
         for key in fh.keys():
             m = _KEY.match(key[len(PREFIX):] if key.startswith(PREFIX) else key)
             if m is None:

@@ -237,7 +237,7 @@ class VLLMEngine:
             # (one on only some layers, layers_to_transform, too: vLLM applies each pair in the file and resets the LoRA
             # of a module without one, LoRAModelManager.activate_adapter, as PEFT runs it; pairs PEFT would not load
             # are refused here)
-            spec = read_adapter_spec(adapter_dir)
+            spec = read_adapter_spec(adapter_dir, base_dir=model_dir)  # vLLM applies a head pair PEFT drops
             kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(spec.r), max_loras=1)
             from vllm.lora.request import LoRARequest
 

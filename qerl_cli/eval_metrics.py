@@ -234,34 +234,39 @@ def _manifest(eval_dir: Path) -> dict:
     return manifest if isinstance(manifest, dict) else {}
 
 
-def _made_on(eval_dir: Path, m: dict) -> tuple[str, str] | None:
-    """(device, dtype) a run's samples were generated on, from metrics.json or, where it holds neither (not written
-    by qerl eval), its manifest's config; None where neither says. The device's kind only: ``cuda:1`` and ``cuda``
-    are a node's GPUs, alike in numerics."""
+def _made_on(eval_dir: Path, m: dict) -> tuple[str, str, str | None] | None:
+    """(device, dtype, GPU model) a run's samples were generated on, from metrics.json or, where it holds neither (not
+    written by qerl eval), its manifest's config; None where neither says. The device's kind only: ``cuda:1`` and
+    ``cuda`` are a node's GPUs, alike in numerics; the GPU model where metrics.json records one (``gpu``: none on a CPU,
+    nor before 2026-11-28), as two models' kernels round otherwise."""
     config = _manifest(eval_dir).get("config") or {}
     device, dtype = m.get("device", config.get("device")), m.get("dtype", config.get("dtype"))
     if not isinstance(device, str) or not isinstance(dtype, str):
         return None
     from qerl_cli.runtime import device_kind
 
-    return device_kind(device), dtype
+    gpu = m.get("gpu")
+    return device_kind(device), dtype, gpu if isinstance(gpu, str) else None
 
 
-def _made_on_note(dirs: Sequence[Path], made: Sequence[tuple[str, str] | None]) -> str | None:
-    """A note where runs were generated on other devices or dtypes: their samples differ by those numerics too
-    (greedy decoding takes another token at a near tie), not by the policy alone. Runs that record neither say
-    nothing (unknown, not different)."""
-    where: dict[tuple[str, str], list[str]] = {}
+def _made_on_note(dirs: Sequence[Path], made: Sequence[tuple[str, str, str | None] | None]) -> str | None:
+    """A note where runs were generated on other devices, dtypes or GPU models: their samples differ by those numerics
+    too (greedy decoding takes another token at a near tie), not by the policy alone. Runs that record none say
+    nothing (unknown, not different), and a GPU model is compared only among the runs that record one (an A100's
+    eval and an H100's both read "cuda (bf16)" until 2026-11-28)."""
+    where: dict[tuple[str, str, str | None], list[str]] = {}
     for name, m in zip(_column_names(dirs), made):
         if m is not None:
             where.setdefault(m, []).append(name)
-    if len(where) < 2:
+    kinds, gpus = {m[:2] for m in where}, {m[2] for m in where if m[2] is not None}
+    if len(kinds) < 2 and len(gpus) < 2:
         return None
     from rich.markup import escape
 
     # escaped: the caption is Rich markup, as the column names (a directory "a[/b]" was a MarkupError)
-    listed = "; ".join(f"{d} ({t}): {escape(', '.join(names))}" for (d, t), names in where.items())
-    return (f"note: the runs were generated on different devices or dtypes ({listed}); their samples differ by those "
+    listed = "; ".join(escape(f"{d} ({f'{g}, ' if g else ''}{t}): {', '.join(names)}") for (d, t, g), names in where.items())
+    what = "devices or dtypes" if len(kinds) > 1 else "GPU models"
+    return (f"note: the runs were generated on different {what} ({listed}); their samples differ by those "
             "numerics too, not by the model alone")
 
 

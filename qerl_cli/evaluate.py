@@ -511,6 +511,13 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                                     "of its problems must be generated again (qerl now renders their prompts "
                                     f"otherwise), which {device} ({dtype_name}) would do with other numerics",
                                     hint=f"rerun this eval on {elsewhere[0]}, or pass --force to generate it all here")
+        made_gpu = done.get("gpu") if done is not None else None  # a resume's is checked: check_made_on_this_gpu
+        if isinstance(made_gpu, str) and gpu is not None and made_gpu != gpu:  # so too a rescoring's, where recorded
+            shutil.rmtree(so.work, ignore_errors=True)
+            raise OutputExistsError(f"{cfg.out} was generated on {made_gpu!r}: scoring it again, some of its problems "
+                                    "must be generated again (qerl now renders their prompts otherwise), which this "
+                                    f"{gpu!r} would do with other numerics",
+                                    hint="rerun this eval on a GPU of that model, or pass --force to generate it all here")
         if generate is None:
             if cfg.engine == "vllm":
                 generate, info = vllm_generator(cfg, tokenizer, dtype_name, max_model_len)
@@ -540,7 +547,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
                 # where its samples were generated: here (cuda:1 as given; the fingerprint holds its kind), or the
                 # finished eval's device that this one scored again
                 made = device if done is None else done.get("device", config["device"])
-                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, made, config["dtype"])
+                metrics = _metrics(cfg, records, template, base_hash, inputs, lineage, info, made, config["dtype"],
+                                   gpu if done is None else done.get("gpu"))
                 metrics["time"] = {
                     "total_s": round(time.time() - t_start, 3),
                     "generate_s": round(t_gen, 3),
@@ -787,7 +795,9 @@ def _scored(cfg: EvalConfig, p, j: int, s: Sample) -> dict:
                                   s.finish_reason, len(s.token_ids))))
 
 
-def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage, info, device, dtype_name) -> dict:
+def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage, info, device, dtype_name,
+             gpu: str | None = None) -> dict:
+    """metrics.json; ``gpu``: the model of the GPU that generated the samples (``runtime.gpu_model``; None on a CPU)."""
     n = cfg.samples
     per_problem: dict[str, list[dict]] = {}
     for r in records:
@@ -833,6 +843,9 @@ def _metrics(cfg, records: Sequence[dict], template, base_hash, inputs, lineage,
         "engine": info.get("engine", cfg.engine),
         "device": device,
         "dtype": dtype_name,
+        # not in the fingerprint (a finished eval is the eval's on any GPU), but what --compare names: two GPU models'
+        # kernels round otherwise, and "cuda" alone did not tell an A100's eval from an H100's
+        "gpu": gpu,
     }
 
 

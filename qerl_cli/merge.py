@@ -40,13 +40,12 @@ from pathlib import Path
 import torch
 
 from qerl_cli.adapters import (
-    CONFIG,
     PEFT_DEFAULT_ALPHA,
     WEIGHTS,
     check_config_types,
     check_peft_wraps,
+    check_untied_head_pair,
     model_not_adapter_hint,
-    peft_leaves_out,
     unsupported_lora_variant,
 )
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWarning
@@ -341,7 +340,8 @@ def module_shapes(base) -> dict[str, tuple[int, int]]:
 
 def validate_pair(adapter: Adapter, base) -> None:
     """Every LoRA module and replaced tensor exists in the base with fitting shapes."""
-    _check_untied_head_pair(adapter, base)
+    # the base's head, which read_adapter did not know (the readers' one check: adapters.check_peft_wraps)
+    check_untied_head_pair(adapter.config, adapter.deltas, adapter.path / WEIGHTS, _tied(base), base.path)
     shapes = module_shapes(base)
     for module, d in adapter.deltas.items():
         if module == "lm_head" and module not in shapes and _tied(base):
@@ -376,18 +376,6 @@ def validate_pair(adapter: Adapter, base) -> None:
 
 EMBED_WEIGHT, LM_HEAD_WEIGHT = "model.embed_tokens.weight", "lm_head.weight"
 LM_HEAD = LM_HEAD_WEIGHT.removesuffix(".weight")
-
-
-def _check_untied_head_pair(adapter: Adapter, base) -> None:
-    """Refuse an lm_head pair that only ``ensure_weight_tying`` let through (read_adapter: the head tied to a LoRA'd
-    embedding) where the base's head is untied: PEFT then ties nothing (it warns "no tied modules were found"), puts
-    no LoRA on a head target_modules does not name, and drops the pair; merge merged it."""
-    if _tied(base) or LM_HEAD not in adapter.deltas or not adapter.config.get("ensure_weight_tying"):
-        return
-    if why := peft_leaves_out(dict(adapter.config, ensure_weight_tying=False), LM_HEAD):
-        raise BadInputError(f"{adapter.path / WEIGHTS}: LoRA tensors of {LM_HEAD!r}, which {why}, and ensure_weight_tying "
-                            f"ties nothing in --model {base.path} (its head is untied): PEFT would not load them",
-                            hint=f"correct {CONFIG}, or remove the module's tensors")
 
 
 def unties_lm_head(base, adapter: Adapter) -> bool:

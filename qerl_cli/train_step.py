@@ -443,7 +443,7 @@ def _lora_spec(cfg: TrainStepConfig):
 
     if cfg.adapter is not None:
         adapter_cfg = read_adapter_config(cfg.adapter)  # read once: the layout and the layers check see one file
-        spec = read_adapter_spec(cfg.adapter, adapter_cfg)
+        spec = read_adapter_spec(cfg.adapter, adapter_cfg, base_dir=cfg.model)
         _check_covers_every_layer(cfg, spec, adapter_cfg)
         for flag, mine, theirs in (("--lora-rank", cfg.lora_rank, spec.r), ("--lora-alpha", cfg.lora_alpha, spec.alpha),
                                    ("--lora-targets", tuple(sorted(cfg.lora_targets)) if cfg.lora_targets else None,

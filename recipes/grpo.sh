@@ -44,7 +44,8 @@ run_qerl() {  # qerl ARGS...
   QERL_STOP_WITH_PARENT=1 qerl_run_forwarding "${QERL_WORDS[@]}" "$@"
 }
 
-# A stage that refuses because its output was made from other inputs exits 4. With FORCE=1 that
+# A stage that refuses its output exits 4: made from other inputs, damaged, or (eval) a stopped run of it on another
+# GPU model, which this one would finish with other numerics. With FORCE=1 that
 # stage alone is redone with --force; a later stage whose inputs it changed refuses and is redone in
 # turn, and one whose inputs did not change stays "already done" (so changing MERGE_DTYPE redoes
 # merge and eval, not the RL loop). Exit 8 (another qerl run is writing that output, or wrote it meanwhile: two
@@ -53,13 +54,18 @@ stage() {
   local rc=0
   run_qerl "$@" || rc=$?
   if [ "$rc" = 4 ] && [ "${FORCE:-0}" = 1 ]; then
-    echo "FORCE=1: qerl $1 refused above (exit 4, made from other inputs); redoing it with --force" >&2
+    # the reason is the stage's line above ("made from other inputs" named every refusal, a GPU model's too)
+    echo "FORCE=1: qerl $1 refused above (exit 4); redoing it with --force" >&2
     run_qerl "$@" --force
   else
     # The stage's own hint says "pass --force", a flag this script takes as FORCE=1 (a user looked for a way to pass it).
     if [ "$rc" = 4 ]; then
       echo "note: qerl $1 refused (exit 4): FORCE=1 reruns this script redoing each stage that refuses; a changed STEPS" \
         "cannot extend a run (start a new RUN_DIR)" >&2
+      if [ "$1" = eval ]; then  # its other way out, which FORCE=1 would throw away: the stopped eval's problems
+        echo "note: an eval stopped on another GPU model resumes only on a GPU of that model; FORCE=1 starts it" \
+          "afresh here" >&2
+      fi
     fi
     return "$rc"
   fi

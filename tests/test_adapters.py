@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from qerl_cli.adapters import read_adapter_spec, save_adapter
+from qerl_cli.adapters import adapter_hash, read_adapter_spec, save_adapter
 from qerl_cli.errors import BadInputError
 from qerl_cli.layers.lora import LoraSpec, lora_disabled, lora_parameters
 from qerl_cli.models import load_model
@@ -583,3 +583,38 @@ def test_train_step_refusing_an_adapter_on_some_layers_hints_the_merge_dtype_of_
         with pytest.raises(BadInputError, match="train-step trains LoRA on every layer") as e:
             quick_step(model, shard, tmp_path / f"out-{dtype}", adapter=tmp_path / "a")
         assert f"(--dtype {dtype})" in e.value.hint
+
+
+def test_a_head_pair_peft_drops_on_an_untied_base_is_refused_by_every_reader(tmp_path, monkeypatch):
+    # ensure_weight_tying lets an lm_head pair through only where the base ties its head to the LoRA'd embedding; on an
+    # untied base PEFT ties nothing and drops a hand-added head pair. Merge refused it (review s57r11), but only merge
+    # knew the base: rollout's and eval's vLLM engine handed the file to vLLM, which applies the pairs in it (another
+    # policy than PEFT's), and the native engine and train-step refused it for another reason ("LoRA targets
+    # ['embed_tokens'] match no Linear"). One check, given the base (adapters.check_peft_wraps), serves every reader.
+    from qerl_cli.engine_vllm import VLLMEngine
+    from qerl_cli.merge import MergeConfig, merge
+    from tests.test_merge import IDS, add_pairs, make_peft_adapter, peft_logits
+    from tests.test_rollout_vllm import _fake_vllm
+    from tests.train_fixtures import base_hash_of, make_shard, quick_step
+
+    base = make_tiny_hf_model(tmp_path, arch="llama", hidden=32, layers=1, dtype=torch.float32, tokenizer=False)
+    with pytest.warns(UserWarning, match="no tied modules were found"):
+        adapter = make_peft_adapter(base, tmp_path / "ad", r=2, alpha=4, scale=0.2, targets=["q_proj", "embed_tokens"],
+                                    ensure_weight_tying=True, trainer_state=False)
+    ref = peft_logits(base, adapter, IDS % 300)
+    add_pairs(adapter, base)
+    assert torch.equal(peft_logits(base, adapter, IDS % 300), ref)  # PEFT drops the pair
+    why = (r"LoRA tensors of 'lm_head', which target_modules .* does not name, and ensure_weight_tying ties nothing in "
+           rf"--model {re.escape(str(base))} \(its head is untied\): PEFT would not load them")
+    seen: dict = {}
+    _fake_vllm(monkeypatch, seen)
+    with pytest.raises(BadInputError, match=why):  # rollout's and eval's --engine vllm
+        VLLMEngine(base, adapter_dir=adapter, dtype="bf16", max_num_seqs=1, max_model_len=None, seed=0)
+    assert "kw" not in seen  # refused before vLLM started
+    with pytest.raises(BadInputError, match=why):  # rollout's and eval's native engine
+        load_model(base, dtype=torch.float32, adapter_dir=adapter)
+    shard = make_shard(tmp_path / "sh", base_hash_of(base), adapter_hash=adapter_hash(adapter), step=1)
+    with pytest.raises(BadInputError, match=why):  # train-step continuing it
+        quick_step(base, shard, tmp_path / "step", adapter=adapter, lora_rank=None)
+    with pytest.raises(BadInputError, match=why):
+        merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)

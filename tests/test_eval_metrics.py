@@ -300,6 +300,32 @@ def test_compare_notes_runs_generated_on_other_devices_or_dtypes(tmp_path):
             "their samples differ by those numerics too, not by the model alone") in note
     assert "different devices or dtypes (cuda (fp16)" in caption(made_on(gpu, "cuda", "fp16"), gpu1)
 
+
+def test_compare_notes_runs_generated_on_other_gpu_models(tmp_path):
+    # metrics.json recorded "cuda" alone: an A100's eval and an H100's were paired with no word that their samples
+    # differ by two kernels' roundings; it records the GPU model now, compared among the runs that record one
+    from rich.console import Console
+
+    def caption(*runs):
+        console = Console(record=True, width=400)
+        console.print(compare_table(list(runs)))
+        return " ".join(console.export_text().split())
+
+    def made_on(run, gpu):
+        m = json.loads((run / "metrics.json").read_text())
+        m.update(device="cuda", dtype="bf16", **({"gpu": gpu} if gpu != "unrecorded" else {}))
+        (run / "metrics.json").write_text(json.dumps(m))
+        return run
+
+    h100 = made_on(_fake_run(tmp_path / "h", "base", 0.6), "NVIDIA H100 80GB HBM3")
+    h100b = made_on(_fake_run(tmp_path / "h2", "tuned", 0.7), "NVIDIA H100 80GB HBM3")
+    a100 = made_on(_fake_run(tmp_path / "a", "tuned", 0.7), "NVIDIA A100-SXM4-80GB")
+    old = made_on(_fake_run(tmp_path / "old", "tuned", 0.7), "unrecorded")  # before the field: unknown, not different
+    assert "generated on different" not in caption(h100, h100b, old)
+    assert ("note: the runs were generated on different GPU models (cuda (NVIDIA H100 80GB HBM3, bf16): h, h2; cuda "
+            "(NVIDIA A100-SXM4-80GB, bf16): a; cuda (bf16): old); their samples differ by those numerics too") in caption(
+        h100, h100b, a100, old)
+
 def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_path):
     from rich.console import Console
 

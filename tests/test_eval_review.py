@@ -746,6 +746,33 @@ def test_a_stopped_eval_is_not_resumed_on_another_gpu_model(model_dir, tmp_path,
     assert gen.asked == [[4]]
 
 
+def test_a_finished_eval_records_its_gpu_model_and_is_not_completed_on_another(model_dir, tmp_path, monkeypatch):
+    # metrics.json said "cuda" alone: two evals of an A100 and an H100 read alike (--compare said nothing), and a
+    # rescoring that must generate some problems again (their prompts render otherwise today) did so on any GPU model,
+    # two kernels' roundings in one eval (a stopped eval's resume was refused there: check_made_on_this_gpu).
+    import qerl_cli.evaluate as ev
+    from qerl_cli.errors import OutputExistsError
+
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "A100"])
+        m.setattr(ev, "RULE_VERSION", {"gsm8k": 0, "math": 1})  # an older qerl's rules: scored again below
+        made = evaluate(cfg, generate=BySeed())
+    assert made["metrics"]["gpu"] == "H100"
+    assert evaluate(replace(cfg, out=tmp_path / "cpu"), generate=BySeed())["metrics"]["gpu"] is None  # a CPU has none
+    samples = cfg.out / "samples.jsonl"
+    samples.write_text(samples.read_text().replace('"prompt": "q1"', '"prompt": "Q1"'))  # same size: not "damaged"
+    finished = samples.read_bytes()
+    gen = BySeed()
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "A100"])
+        with pytest.raises(OutputExistsError, match="generated on 'H100'.* which this 'A100' would do with other"):
+            evaluate(replace(cfg, device="cuda:1"), generate=gen)
+        assert gen.asked == [] and samples.read_bytes() == finished and not list(tmp_path.glob(".e.partial-*"))
+        res = evaluate(cfg, generate=gen)  # on its model: scored again, the problems generated again
+    assert gen.asked == [[0, 1, 2, 3], [4]] and res["metrics"]["gpu"] == "H100"
+
+
 def test_a_stop_on_one_gpu_and_then_another_keeps_one_partial_dir(model_dir, tmp_path, monkeypatch, capsys):
     # Stopped under --device cuda and under cuda:1, the eval kept two partial directories, and --device cuda resumed
     # the one that kept less (review s57r10): now the second run resumes the first's, and the third the second's.

@@ -868,6 +868,55 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
                      "eval", "eval"], calls  # the config's EVAL_DATASET: base, final, --compare
 
 
+# qerl eval's refusal to resume an eval stopped on another GPU model (eval_devices.check_made_on_this_gpu), as a
+# stand-in qerl gives it: exit 4 unless --force
+GPU_REFUSAL = ('if [ "$1" = eval ] && [[ " $* " != *" --force "* ]] && [[ " $* " != *" --compare "* ]]; then\n'
+               '  echo "error: .e.partial-x holds this eval stopped on \'H100\', another GPU model than this \'A100\'" >&2\n'
+               '  exit 4\nfi\n')
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_grpo_sh_says_an_evals_gpu_model_refusal_for_what_it_is(tmp_path):
+    # The stage's exit 4 was announced as "made from other inputs" whatever refused, and an eval stopped on another GPU
+    # model (its kept problems, which FORCE=1 throws away) was told only of FORCE=1 and a changed STEPS
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n' + GPU_REFUSAL)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\n")
+    env = {**os.environ, "QERL": str(qerl)}
+    run = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 4
+    assert run.stderr.endswith("(start a new RUN_DIR)\nnote: an eval stopped on another GPU model resumes only on a GPU "
+                               "of that model; FORCE=1 starts it afresh here\n"), run.stderr
+    err = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env={**env, "FORCE": "1"},
+                         check=True, capture_output=True, text=True).stderr
+    assert "FORCE=1: qerl eval refused above (exit 4); redoing it with --force" in err
+    assert "made from other inputs" not in err
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("force", ["0", "1"])
+def test_a_slurm_eval_job_requeued_onto_another_gpu_model_says_how_to_go_on(tmp_path, force):
+    # A requeued eval job landing on a node of another GPU model is refused (exit 4): the job said nothing of FORCE=1
+    # (the stage's hint says "pass --force", which a job takes only from submit.env) nor of a constraint, and with
+    # FORCE=1 called the refusal "made from other inputs"
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(tmp_path, "qerl", f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n' + GPU_REFUSAL)
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force)
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "eval", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    if force == "1":
+        assert r.returncode == 0 and "FORCE=1: the stage refused above (exit 4); redoing it with --force" in r.stderr
+        assert "made from other inputs" not in r.stderr
+        return
+    assert r.returncode == 4
+    assert r.stderr.endswith(f"note: the stage refused (exit 4): FORCE=1 in {run}/submit.env (or a chain resubmitted "
+                             "with FORCE=1) redoes it with --force\nnote: an eval stopped on another GPU model resumes "
+                             "only on a GPU of that model (a Slurm constraint: EXTRA_SBATCH_ARGS=--constraint=...); "
+                             "FORCE=1 starts it afresh here\n"), r.stderr
+
+
 def _submit_7b_chain(tmp_path, **env):
     """submit.sh on the 7B config (3 steps) through a fake sbatch, with ``env`` in its environment."""
     sbatch, _ = _fake_sbatch(tmp_path)

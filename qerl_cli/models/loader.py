@@ -205,7 +205,7 @@ def _attach_lora(model: CausalLM, lora: LoraSpec | None, adapter_dir) -> None:
     from qerl_cli.adapters import load_adapter, load_norms, read_adapter_spec, trained_norms
 
     if adapter_dir is not None and lora is None:
-        lora = read_adapter_spec(adapter_dir)
+        lora = read_adapter_spec(adapter_dir, base_dir=model.model_dir)
     if lora is not None:
         try:
             apply_lora(model, lora)
