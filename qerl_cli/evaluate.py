@@ -577,8 +577,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
 
 
 def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:
-    """A stop string is cut from the text scored, as in rollout (`_check_stops_leave_the_think_closed`, the same
-    `think_stop`). Every scorer reads nothing after a `<think>` left open, so one that takes `</think>` out of it
+    """A stop string is cut from the text scored, as in rollout (`rollout_checks.check_stops_leave_the_think_closed`,
+    the same `think_stop`). Every scorer reads nothing after a `<think>` left open, so one that takes `</think>` out of it
     (`--stop '</think>'`) scored 0 every problem whose prompt opens one (R1's and QwQ's chat templates), silently:
     refused; where none does, a sample that opens its own is left inside it: warned of, as one that takes the opening
     `<think>` (`--stop '<think>'`), which cuts such a sample before its answer (both missed until 2026-11-28). One

@@ -6,12 +6,13 @@ How it works
    reward names (user ``module:function`` rewards are imported here), the prompt file (file:line
    errors), whether rewards that need a reference have one (in every row the run takes, not only this
    step's), and adapter lineage (an adapter whose
-   ``trainer_state.json`` names another base hash is refused, naming both).
+   ``trainer_state.json`` names another base hash is refused, naming both). The checks of the flags, stops
+   and rows live in ``qerl_cli.rollout_checks``.
 2. Prompt selection is a pure function of the flags, so every shard of a Slurm array and every
    step of an RL loop agree on it without talking to each other: ``--max-prompts`` caps the
    dataset, ``--prompts-per-step P`` makes step k use rows ``[k*P, (k+1)*P)`` (wrapping around,
    optionally reshuffled every epoch), and ``--shard-index i --num-shards n`` keeps every n-th of
-   those (round robin, so shards are balanced, disjoint, and cover the step).
+   those (round robin, so shards are balanced, disjoint, and cover the step): ``qerl_cli.rollout_selection``.
 3. The output is a resumable ``StageOutput``: records go to ``shard-I-of-N.jsonl`` in a partial
    directory named by the run's fingerprint. Prompts are generated in fixed *batches* (cut from
    the shard's prompt list, so a rerun cuts the same ones); each prompt's completions are sampled
@@ -27,7 +28,7 @@ How it works
    carries ``noise {sigma, seed, step, norms}`` so ``train-step`` rebuilds the same vectors.
 5. Rich progress (prompts, tokens/s, mean reward so far); the manifest's ``summary`` holds reward
    mean/std per function, completion lengths, the fraction of zero-variance groups (which carry
-   no GRPO signal) and throughput.
+   no GRPO signal) and throughput (``qerl_cli.rollout_summary``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import random
-import re
-import statistics
 import sys
 import time
 import warnings
@@ -46,10 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qerl_cli.data import (
-    LONG_PROMPT_POLICIES,
     EncodedPrompt,
     EncodeReport,
-    PromptRow,
     column_names,
     encode_prompts,
     load_prompts,
@@ -57,9 +53,7 @@ from qerl_cli.data import (
     parse_chat_template_kwargs,
     read_chat_template,
     set_chat_template,
-    template_file,
 )
-from qerl_cli.engine.sampling_params import MIN_TEMPERATURE
 from qerl_cli.errors import (
     NONFINITE_LOGITS_HINT,
     BadInputError,
@@ -72,6 +66,19 @@ from qerl_cli.lineage import check_lineage
 from qerl_cli.math_rule import long_math_reference
 from qerl_cli.outputs import StageOutput, WriterLock, check_out_apart, sweep_leftover_partial
 from qerl_cli.rewards import RewardSet
+from qerl_cli.rollout_checks import (
+    check_answers,
+    check_flags,
+    check_stops_leave_the_format_its_think,
+    check_stops_leave_the_rewards_their_tags,
+    check_stops_leave_the_think_closed,
+    check_stops_leave_the_thought_whole,
+    refuse_another_shards_out,
+    warn_of_skipped_aqn_stages,
+    warn_of_unset_columns,
+)
+from qerl_cli.rollout_selection import run_rows, select_prompts
+from qerl_cli.rollout_summary import summarize, summary_table  # noqa: F401 (summary_table re-exported)
 from qerl_cli.runtime import (
     as_many,
     check_field_types,
@@ -82,23 +89,9 @@ from qerl_cli.runtime import (
     split_stops,
 )
 from qerl_cli.shards import ShardWriter, load_complete_groups, make_record, shard_name
-from qerl_cli.stops import (
-    ANSWER_CLOSE,
-    ANSWER_OPEN,
-    THINK_CLOSE,
-    THINK_OPEN,
-    blank_stop,
-    every_stopped,
-    judged_completion,
-    stop_takes_tag,
-    stop_taking,
-    think_stop,
-)
+from qerl_cli.stops import judged_completion
 
 STAGE = "rollout"
-ENGINES = ("native", "vllm")
-DTYPES = ("auto", "bf16", "fp16", "fp32")
-DEVICES = ("auto", "cpu", "cuda")
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]  # hashed as qerl_cli.adapters.adapter_hash does
 
 
@@ -158,197 +151,7 @@ class RolloutConfig:
         self.chat_template_kwargs = parse_chat_template_kwargs(self.chat_template_kwargs)
 
 
-# ---- validation ------------------------------------------------------------------------------
-def _check_flags(cfg: RolloutConfig) -> None:
-    def bad(msg: str, hint: str | None = None):
-        raise BadInputError(msg, hint=hint)
-
-    if cfg.num_generations < 1:
-        bad(f"--num-generations must be >= 1, got {cfg.num_generations}")
-    if cfg.num_generations == 1:  # train-step would refuse every group of its shard, after the whole rollout ran
-        bad("--num-generations 1: a GRPO group needs >= 2 completions per prompt (one has no baseline to compare "
-            "with, so train-step refuses the shard)", hint="pass -G 2 or more; to sample once per prompt, use qerl eval")
-    if cfg.chat_template_file is not None and cfg.chat_template is False:
-        bad("--chat-template-file with --no-chat-template: the file would not be used")
-    if cfg.chat_template_kwargs and cfg.chat_template is False:
-        bad("--chat-template-kwargs with --no-chat-template: no template would read them")
-    if cfg.long_prompts not in LONG_PROMPT_POLICIES:  # here, not at encoding: before an existing --out answers exit 4
-        bad(f"--long-prompts must be one of {', '.join(LONG_PROMPT_POLICIES)}, got {cfg.long_prompts!r}")
-    if cfg.max_new_tokens < 1:
-        bad(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.temperature < 0 or not math.isfinite(cfg.temperature):
-        bad(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
-    if 0 < cfg.temperature < MIN_TEMPERATURE:
-        bad(f"--temperature {cfg.temperature:g} is below {MIN_TEMPERATURE:g}, which vLLM treats as greedy",
-            hint="pass --temperature 0 for greedy decoding")
-    if cfg.engine == "vllm":
-        from qerl_cli.engine_vllm import check_vllm_device, check_vllm_temperature
-
-        check_vllm_temperature(cfg.temperature, cfg.num_generations)
-        check_vllm_device(cfg.device)
-    if cfg.engine == "native" and cfg.num_generations > cfg.max_num_seqs:
-        bad(f"--num-generations {cfg.num_generations} exceeds --max-num-seqs {cfg.max_num_seqs}: a prompt's "
-            "completions decode together", hint=f"pass --max-num-seqs {cfg.num_generations} or more")
-    if not (0 < cfg.top_p <= 1):
-        bad(f"--top-p must be in (0, 1], got {cfg.top_p}")
-    if cfg.top_k < 0:
-        bad(f"--top-k must be >= 0 (0 = off), got {cfg.top_k}")
-    if not (0 <= cfg.min_p < 1):
-        bad(f"--min-p must be in [0, 1), got {cfg.min_p}")
-    if cfg.step < 0:
-        bad(f"--step must be >= 0, got {cfg.step}")
-    if cfg.num_shards < 1 or not (0 <= cfg.shard_index < cfg.num_shards):
-        bad(f"--num-shards must be >= 1, got {cfg.num_shards}" if cfg.num_shards < 1 else
-            f"--shard-index {cfg.shard_index} is outside 0..{cfg.num_shards - 1} (--num-shards {cfg.num_shards})")
-    if cfg.engine not in ENGINES:
-        bad(f"--engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
-    if cfg.device not in DEVICES and not re.fullmatch(r"cuda:\d+", cfg.device):
-        bad(f"--device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
-    if any(not s for s in cfg.stop):
-        bad("--stop strings must be non-empty")
-    if cfg.dtype not in DTYPES:
-        bad(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-    for flag, v in (("--max-prompts", cfg.max_prompts), ("--prompts-per-step", cfg.prompts_per_step),
-                    ("--max-model-len", cfg.max_model_len), ("--batch-prompts", cfg.batch_prompts)):
-        if v is not None and v < 1:
-            bad(f"{flag} must be >= 1, got {v}")
-    if cfg.shuffle and cfg.prompts_per_step is None:  # it changed nothing but the fingerprint
-        bad("--shuffle reorders the epochs of --prompts-per-step; without it the rows are read in order",
-            hint="pass --prompts-per-step P, or drop --shuffle")
-    if cfg.max_num_seqs < 1:
-        bad(f"--max-num-seqs must be >= 1, got {cfg.max_num_seqs}")
-    if not all(math.isfinite(x) and x >= 0 for x in (cfg.aqn_sigma_start, cfg.aqn_sigma_end)):
-        bad(f"--aqn-sigma-start/--aqn-sigma-end must be finite numbers >= 0, got {cfg.aqn_sigma_start} and "
-            f"{cfg.aqn_sigma_end}")
-    if cfg.aqn_sigma_start > 0:
-        if cfg.total_steps is None:
-            bad("--aqn-sigma-start needs --total-steps (the schedule spreads its stages over the run)")
-        if cfg.total_steps < 1 or cfg.aqn_stages < 1:
-            bad("--total-steps and --aqn-stages must be >= 1")
-        if cfg.aqn_stages > 1 and cfg.aqn_sigma_end <= 0:
-            bad("--aqn-sigma-end must be > 0 when --aqn-sigma-start > 0 (the schedule is geometric)",
-                hint="e.g. --aqn-sigma-start 1e-2 --aqn-sigma-end 1e-4")
-    if not Path(cfg.model).is_dir():
-        bad(f"--model {cfg.model} is not a directory")
-    if not (Path(cfg.model) / "config.json").is_file():
-        from qerl_cli.models.config import adapter_as_model_hint
-
-        bad(f"--model {cfg.model} has no config.json (not a Hugging Face model directory)",
-            hint=adapter_as_model_hint(cfg.model))
-    if cfg.adapter is not None and not (Path(cfg.adapter) / "adapter_config.json").is_file():
-        from qerl_cli.adapters import model_not_adapter_hint
-
-        bad(f"--adapter {cfg.adapter} has no adapter_config.json (not a PEFT adapter directory)",
-            hint=model_not_adapter_hint(cfg.adapter))
-    # --force replaces --out: never let that be the model, the adapter or the prompt file's directory, nor hold a
-    # template this run reads (deleted with the old output, after the run read it: the rerun could not be made).
-    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, prompts=cfg.prompts,
-                    chat_template_file=cfg.chat_template_file, prompt_template=template_file(cfg.prompt_template))
-
-
-def _warn_of_skipped_aqn_stages(cfg: RolloutConfig) -> None:
-    # The schedule splits the run into K + 1 intervals; fewer steps than that skip some of them.
-    if cfg.aqn_sigma_start > 0 and cfg.total_steps < cfg.aqn_stages + 1:
-        warnings.warn(QerlWarning(
-            f"--total-steps {cfg.total_steps} < --aqn-stages {cfg.aqn_stages} + 1: the AQN schedule skips stages "
-            "(the noise may never reach --aqn-sigma-start or end at --aqn-sigma-end)"), stacklevel=3)
-
-
-# The tags a completion passing the `format` reward holds (an opening <think> aside: the prompt may open it, so
-# `_check_stops_leave_the_format_its_think` judges a stop that takes it once the prompts are rendered).
-FORMAT_CLOSED_TAGS = ("</think>", "<answer>", "</answer>")
-
-
-def _check_stops_leave_the_rewards_their_tags(cfg: RolloutConfig, reward_set: RewardSet) -> None:
-    """A stop string is cut from the text the rewards judge (as vLLM cuts it). One that takes a tag the `format`
-    reward needs out of that text (`--stop '</answer>'`, how R1-style recipes end a completion at its answer,
-    `'</answer>\\n'`, which holds it, or `'\\n<answer'`, which fires at it: `stop_takes_tag`) scored every completion
-    it stops 0 there, silently: refused. One that takes the opening `<answer>` (`'<answer>'`, `'\\n<answer'`) cuts a
-    completion that answers inside the tag before its answer, its `####` line or box too: gsm8k and math score it 0,
-    warned of (math was told nothing, and gsm8k that its `####` lines and boxes still count, until a review). One that
-    takes only `</answer>` leaves gsm8k and math no closed tag to read (boxes, and gsm8k's `####` lines, still count):
-    warned of (for math since math 2, which reads the tag where no box answers)."""
-    names = {s.name for s in reward_set.specs}
-    kinds = sorted(names & {"gsm8k", "math"})
-    for x in cfg.stop:
-        cut = stop_taking((x,), FORMAT_CLOSED_TAGS)
-        if "format" in names and cut:
-            raise BadInputError(f"--stop {x!r} is cut from the completion text the rewards judge, so that text never "
-                                f"holds {cut[1]} and the format reward scores {every_stopped(*cut)} 0",
-                                hint="drop that --stop (EOS and --max-new-tokens still end completions), or score "
-                                     "the format with your own reward")
-        if kinds and stop_takes_tag(x, ANSWER_OPEN):
-            warnings.warn(QerlWarning(
-                f"--stop {x!r} is cut from the completion text the rewards judge, so a completion that answers inside "
-                f"an <answer> tag is cut before its answer: {' and '.join(kinds)} "
-                f"{'score' if len(kinds) > 1 else 'scores'} it 0 (an answer outside the tag still scores)"), stacklevel=3)
-        elif kinds and stop_takes_tag(x, ANSWER_CLOSE):
-            warnings.warn(QerlWarning(
-                f"--stop {x!r} is cut from the completion text the rewards judge: {' and '.join(kinds)} "
-                f"{'read' if len(kinds) > 1 else 'reads'} no <answer> tag's answer from a completion it stops "
-                f"({'#### lines and ' if 'gsm8k' in kinds else ''}\\boxed{{}} still score)"), stacklevel=3)
-
-
-def _check_stops_leave_the_think_closed(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:
-    """gsm8k and math read nothing after a `<think>` left open (a completion cut short mid-thought). A stop that
-    takes `</think>` out of the judged text (`--stop '</think>'`) leaves it open in each completion it stops, one
-    inside a `<think>` its prompt opened (R1's and QwQ's chat templates) or its own: that completion scores 0. Where
-    a prompt opens one, every completion of it did (silently, until a review): refused; else warned of. One that
-    takes the opening `<think>` (`--stop '<think>'`) cuts a completion that opens its own to the text before it, its
-    answer gone: warned of where a prompt opens none (missed until 2026-11-28). `think_stop` judges, as in eval."""
-    kinds = sorted({s.name for s in reward_set.specs} & {"gsm8k", "math"})
-    found = think_stop(cfg.stop, prompts) if kinds else None
-    if found is None:
-        return
-    x, tag, prompt = found
-    score = f"{' and '.join(kinds)} {'score' if len(kinds) > 1 else 'scores'}"
-    if tag == THINK_OPEN:
-        warnings.warn(QerlWarning(
-            f"--stop {x!r} is cut from the completion text the rewards judge, so a completion that opens its own "
-            f"{THINK_OPEN} (its prompt opens none: {prompt.row.where}) is cut there, before its answer: {score} it 0"),
-            stacklevel=3)
-        return
-    what = (f"--stop {x!r} is cut from the completion text the rewards judge, so that text never holds {THINK_CLOSE}, "
-            f"and {' and '.join(kinds)} {'read' if len(kinds) > 1 else 'reads'} nothing after a <think> left open")
-    if prompt is not None:
-        raise BadInputError(f"{what}: the prompt opens one ({prompt.row.where}), so {every_stopped(x, tag)} scores 0",
-                            hint="drop that --stop (EOS and --max-new-tokens still end completions)")
-    warnings.warn(QerlWarning(f"{what}: a completion it stops that opened its own <think> scores 0"), stacklevel=3)
-
-
-def _check_stops_leave_the_format_its_think(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:
-    """The `format` reward needs the judged text to open with `<think>`: a completion opens it where its prompt does
-    not (a prompt that does, R1's and QwQ's templates, has it put back: `judged_completion`). A stop that takes
-    `<think>` out of that text (`--stop '<think>'`, `'<think'`) cuts such a completion at its first tag, so format
-    scored every completion of a prompt that opens no `<think>` 0, silently (a review): refused. Where every prompt
-    opens one, the completions hold no opening tag of their own to cut: harmless."""
-    if "format" not in {s.name for s in reward_set.specs}:
-        return
-    cut = stop_taking(cfg.stop, (THINK_OPEN,))
-    unopened = next((p for p in prompts if not p.opens_think), None)
-    if cut is None or unopened is None:
-        return
-    raise BadInputError(f"--stop {cut[0]!r} is cut from the completion text the rewards judge, so that text never "
-                        f"holds {THINK_OPEN}, which a completion opens where its prompt does not ({unopened.row.where}): "
-                        f"the format reward scores {every_stopped(*cut)} of such a prompt 0",
-                        hint="drop that --stop (EOS and --max-new-tokens still end completions), or score the format "
-                             "with your own reward")
-
-
-def _check_stops_leave_the_thought_whole(cfg: RolloutConfig, reward_set: RewardSet, prompts) -> None:
-    """A stop made only of whitespace (`--stop $'\\n\\n'`, a base model's few-shot stop) cuts a completion of a
-    prompt that opens `<think>` at its thought's first line break or blank line, the `<think>` left open: gsm8k, math
-    and format score it 0 (nearly every completion, unsaid until 2026-11-28). Warned of, not refused: a thought
-    without such a break escapes it (`blank_stop`, as in eval)."""
-    kinds = sorted({s.name for s in reward_set.specs} & {"gsm8k", "math", "format"})
-    found = blank_stop(cfg.stop, prompts) if kinds else None
-    if found is not None:
-        warnings.warn(QerlWarning(
-            f"--stop {found[0]!r} is only whitespace and the prompt opens a <think> ({found[1].row.where}): a "
-            f"completion is cut at the first {found[0]!r} of its thought, the <think> left open, where "
-            f"{' and '.join(kinds)} {'score' if len(kinds) > 1 else 'scores'} it 0"), stacklevel=3)
-
-
+# ---- noise and seeds -----------------------------------------------------------------------------
 def aqn_sigma(cfg: RolloutConfig) -> float:
     """sigma for ``cfg.step`` under the AQN schedule (0 when AQN is off)."""
     if cfg.aqn_sigma_start <= 0:
@@ -361,71 +164,6 @@ def aqn_sigma(cfg: RolloutConfig) -> float:
         raise BadInputError(f"AQN schedule: {e}") from None
 
 
-# ---- prompt selection -------------------------------------------------------------------------
-def run_rows(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[PromptRow]:
-    """The rows the run's steps take theirs from: the file's, capped by --max-prompts."""
-    return list(rows[: cfg.max_prompts] if cfg.max_prompts else rows)
-
-
-def select_prompts(rows: Sequence[PromptRow], cfg: RolloutConfig) -> list[PromptRow]:
-    """The rows this step and shard use (see the module docstring); deterministic in the flags."""
-    capped = bool(cfg.max_prompts) and cfg.max_prompts < len(rows)
-    rows = run_rows(rows, cfg)
-    n = len(rows)
-    if cfg.prompts_per_step:
-        p = cfg.prompts_per_step
-        if p > n:
-            raise BadInputError(f"--prompts-per-step {p} is more than the {n} prompts "
-                                + (f"--max-prompts {cfg.max_prompts} keeps of" if capped else "in") + f" {cfg.prompts}")
-        start = cfg.step * p
-        shuffled: dict[int, list[int]] = {}
-        ordered: dict[int, list[int]] = {}  # order(epoch) once per epoch: per row it cost O(n), O(P * n) a step
-
-        def raw(epoch: int) -> list[int]:
-            if epoch not in shuffled:
-                idx = list(range(n))
-                if cfg.shuffle:
-                    random.Random(f"qerl-rollout-shuffle:{cfg.run_seed}:{epoch}").shuffle(idx)
-                shuffled[epoch] = idx
-            return shuffled[epoch]
-
-        def order(epoch: int) -> list[int]:
-            """Epoch ``epoch``'s permutation. With --shuffle, the step that crosses into it takes its
-            first rows from the end of the last epoch: those rows are moved out of this epoch's head
-            (the first non-repeating rows go first), so the step holds P distinct rows and the epoch
-            still uses every row once. The head takes rows from the first P positions only, so the
-            last epoch's tail is its raw shuffle's wherever the dataset holds 2P rows or more; below
-            that the tail may reach the last epoch's moved head, so that epoch is built first (back to
-            one whose tail is untouched: at most P / gcd(N, P) epochs)."""
-            if epoch in ordered:
-                return ordered[epoch]
-            first = epoch
-            while cfg.shuffle and first > 0 and 0 < (first * n) % p and n - (first * n) % p < p:
-                first -= 1  # order(first)'s head depends on the moved head of order(first - 1)
-            for e in range(first, epoch + 1):
-                if e in ordered:
-                    continue
-                idx = raw(e)
-                a = (e * n) % p  # rows of the crossing step that come from the last epoch
-                if cfg.shuffle and e > 0 and a > 0:
-                    tail = set((ordered.get(e - 1) or raw(e - 1))[n - a:])
-                    head = [i for i in idx if i not in tail][: p - a]
-                    taken = set(head)
-                    idx = head + [i for i in idx if i not in taken]
-                ordered[e] = idx
-            return ordered[epoch]
-
-        picked, seen = [], set()
-        for j in range(start, start + p):
-            i = order(j // n)[j % n]
-            if i in seen:  # cannot happen: the crossing step's head skips the rows of the last epoch's tail
-                raise AssertionError(f"select_prompts: row {i} twice in step {cfg.step}")
-            seen.add(i)
-            picked.append(rows[i])
-        rows = picked
-    return rows[cfg.shard_index :: cfg.num_shards]
-
-
 def group_id(step: int, prompt_id: str) -> str:
     return f"s{step}:{prompt_id}"
 
@@ -436,79 +174,7 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-# ---- summary -----------------------------------------------------------------------------------
-def _stats(xs: Sequence[float]) -> dict:
-    if not xs:
-        return {"mean": None, "std": None, "min": None, "max": None}
-    return {
-        "mean": statistics.fmean(xs),
-        "std": statistics.pstdev(xs) if len(xs) > 1 else 0.0,
-        "min": min(xs),
-        "max": max(xs),
-    }
-
-
-def summarize(groups: Sequence[Sequence[dict]], reward_names: Sequence[str]) -> dict:
-    """Reward mean/std per function, completion length stats, zero-variance groups."""
-    recs = [r for g in groups for r in g]
-    lengths = [len(r["completion_token_ids"]) for r in recs]
-    totals = [r["reward"] for r in recs]
-    per_fn = {name: _stats([r["rewards"][name] for r in recs if name in r["rewards"]]) for name in reward_names}
-    zero_var = sum(1 for g in groups if len({r["reward"] for r in g}) <= 1)
-    length_stats = _stats(lengths)
-    if lengths:
-        length_stats["p50"] = statistics.median(lengths)
-    return {
-        "groups": len(groups),
-        "completions": len(recs),
-        "reward": _stats(totals),
-        "rewards": per_fn,
-        "completion_tokens": length_stats,
-        "truncated_fraction": (sum(r["finish_reason"] == "length" for r in recs) / len(recs)) if recs else None,
-        "zero_variance_group_fraction": (zero_var / len(groups)) if groups else None,
-    }
-
-
-def summary_table(summary: dict):
-    """A rich Table of a rollout summary (for the command's end-of-run print)."""
-    from rich.table import Table
-
-    def f(x, digits=3):
-        return "-" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
-
-    t = Table(title=f"rollout {summary.get('shard', '')}".strip(), show_header=True, header_style="bold")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_row("prompts (groups)", f"{summary['groups']} ({summary.get('resumed_groups', 0)} resumed)")
-    t.add_row("completions", str(summary["completions"]))
-    if summary.get("skipped_long_prompts"):
-        t.add_row("skipped: prompt too long", str(summary["skipped_long_prompts"]))
-    if summary.get("skipped_bad_rows"):
-        t.add_row("skipped: bad prompt rows", str(summary["skipped_bad_rows"]))
-    r = summary["reward"]
-    t.add_row("reward (weighted) mean ± std", f"{f(r['mean'])} ± {f(r['std'])}")
-    for name, s in summary["rewards"].items():
-        t.add_row(f"  {name} mean ± std", f"{f(s['mean'])} ± {f(s['std'])}")
-    c = summary["completion_tokens"]
-    t.add_row("completion tokens mean / p50 / min / max",
-              f"{f(c['mean'], 1)} / {f(c.get('p50'), 1)} / {f(c['min'])} / {f(c['max'])}")
-    t.add_row("truncated (--max-new-tokens or the context)", f(summary["truncated_fraction"]))
-    t.add_row("zero-variance groups", f(summary["zero_variance_group_fraction"]))
-    sigma = summary.get("sigma")  # %g: a fixed 6 decimals printed 0.000000 for a sigma under 5e-7 that was on
-    t.add_row("AQN sigma", "-" if sigma is None else f"{sigma:.3g}")
-    thr = summary.get("throughput", {})
-    if thr.get("generated_tokens"):
-        t.add_row("generated tokens / s", f"{thr['generated_tokens']} in {thr['generate_s']:.1f}s = {thr['tokens_per_s']:.1f} tok/s")
-    return t
-
-
 # ---- generation ----------------------------------------------------------------------------------
-
-
-
-
-
-
 @dataclass
 class _Generator:
     """Wraps one engine behind ``generate(prompt_ids, n, seeds) -> list[list[Completion]]``, one seed per prompt."""
@@ -564,72 +230,6 @@ def _vllm_generator(cfg: RolloutConfig, tokenizer, device: str, dtype: str, sigm
     return _Generator(engine, sampling, "vllm", noise_extra=noise_extra), None
 
 
-def _refuse_another_shards_out(cfg: RolloutConfig) -> None:
-    """--out holding another shard of the same split: --force (the generic hint) would delete that
-    shard's finished work. Each shard writes its own directory; train-step reads them all."""
-    from qerl_cli.outputs import read_manifest
-
-    m = read_manifest(Path(cfg.out)) if Path(cfg.out).is_dir() else None
-    theirs = (m or {}).get("config", {}) if (m or {}).get("stage") == STAGE else {}
-    if cfg.force or not theirs or theirs.get("num_shards", 1) == 1 == cfg.num_shards:
-        return
-    if (theirs.get("shard_index"), theirs.get("num_shards")) != (cfg.shard_index, cfg.num_shards):
-        raise OutputExistsError(
-            f"{cfg.out} holds shard {theirs.get('shard_index')} of {theirs.get('num_shards')} of a rollout; this is "
-            f"shard {cfg.shard_index} of {cfg.num_shards}",
-            hint="give each --shard-index its own --out (train-step --shards takes them all); --force would delete "
-                 "that shard")
-
-
-def _check_answers(cfg: RolloutConfig, reward_set: RewardSet, rows: Sequence[PromptRow], template) -> None:
-    """A row without the reference a reward needs (gsm8k, math), refused before generating, of every row the run takes
-    (``run_rows``), at every step, as the columns are (``check_columns``): only this step's --prompts-per-step slice
-    was checked, so a long run stopped at the step whose slice held such a row. A row --long-prompts skip drops is
-    never scored: not refused (it was, where the slice held it)."""
-    if not reward_set.needs_answer:
-        return
-    lacking = [r for r in rows if r.answer is None]
-    first = _first_kept(cfg, lacking, template) if cfg.long_prompts == "skip" else next(iter(lacking), None)
-    if first is not None:
-        raise BadInputError(
-            f"{first.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one"
-            + (f" ({len(lacking)} rows of {cfg.prompts} have none)" if len(lacking) > 1 else ""),
-            hint="add answers, or use rewards that need none (format, module:function)",
-        )
-
-
-def _first_kept(cfg: RolloutConfig, rows: Sequence[PromptRow], template) -> PromptRow | None:
-    """The first of ``rows`` whose prompt fits the context, which --long-prompts skip keeps; None where it drops them
-    all. Encoded one at a time, and only these rows (those without an answer): a file whose rows all have one costs
-    nothing here."""
-    if not rows:
-        return None
-    tokenizer = load_tokenizer(cfg.model)
-    if cfg.chat_template_file is not None:
-        set_chat_template(tokenizer, read_chat_template(cfg.chat_template_file)[0], cfg.chat_template_file)
-    limit = context_limit(cfg.model, cfg.max_model_len)[0] - 1
-    return next((r for r in rows if encode_prompts(
-        [r], tokenizer, template=template, system_prompt=cfg.system_prompt, chat_template=cfg.chat_template,
-        chat_template_kwargs=cfg.chat_template_kwargs, max_prompt_tokens=limit, on_long="skip")), None)
-
-
-def _warn_of_unset_columns(reward_set: RewardSet, rows: Sequence[PromptRow]) -> None:
-    """Rows passing None for a column a TRL-style reward requires (a parameter without a default): a JSON row without
-    it, or its null (a Parquet row's too). Said before generating, of every row, but not refused: ``datasets``, and so
-    TRL, pass None for both, as qerl does. A row lacking it was refused, and only where this step's slice held it: a
-    run stopped at a later step, or for a row --long-prompts skip never generates (a review). ``rows``: those the run
-    takes (``run_rows``): rows past --max-prompts were counted too, a warning where no row it takes lacked one."""
-    for s in reward_set.specs:
-        for k in s.reward.needs_columns:
-            unset = [r.where for r in rows if r.columns.get(k) is None]
-            if unset:
-                warnings.warn(QerlWarning(
-                    f"reward {s.name!r} takes the dataset column `{k}` (a parameter without a default), which "
-                    f"{len(unset)} of the {len(rows)} rows hold no value for (first: {unset[0]}): it is passed None "
-                    "for them, as TRL passes it; a default (None) in the signature says that is expected (said at "
-                    "--step 0 only, of every step's rows)"), stacklevel=3)
-
-
 def _batches(prompts: Sequence[EncodedPrompt], size: int) -> list[list[EncodedPrompt]]:
     return [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
 
@@ -678,11 +278,11 @@ def rollout(cfg: RolloutConfig) -> dict:
     t_start = time.time()
     cfg.model, cfg.prompts, cfg.out = Path(cfg.model), Path(cfg.prompts), Path(cfg.out)
     cfg.adapter = Path(cfg.adapter) if cfg.adapter is not None else None
-    _check_flags(cfg)
-    _warn_of_skipped_aqn_stages(cfg)
+    check_flags(cfg)
+    warn_of_skipped_aqn_stages(cfg)
     reward_set = RewardSet.from_specs(cfg.rewards)
-    _check_stops_leave_the_rewards_their_tags(cfg, reward_set)
-    for spec in reward_set.specs:  # a user reward's file, as the templates (_check_flags)
+    check_stops_leave_the_rewards_their_tags(cfg, reward_set)
+    for spec in reward_set.specs:  # a user reward's file, as the templates (check_flags)
         check_out_apart(cfg.out, reward=spec.reward.source and Path(spec.reward.source))
     template = load_template(cfg.prompt_template)
     bad_rows: list[str] = []
@@ -693,11 +293,11 @@ def rollout(cfg: RolloutConfig) -> dict:
         warnings.warn(QerlWarning(
             f"shard {cfg.shard_index} of {cfg.num_shards} gets no prompts (fewer prompts this step than shards): "
             "it writes an empty shard; fewer --num-shards would do"), stacklevel=2)
-    _check_answers(cfg, reward_set, run_rows(rows, cfg), template)
+    check_answers(cfg, reward_set, run_rows(rows, cfg), template)
     columns = column_names(rows)  # the dataset's, of all rows: a reward taking **kwargs gets the same on every shard
     reward_set.check_columns(columns, f" of {cfg.prompts}")  # a column a TRL-style reward requires: before generating
     if cfg.step == 0:  # of every row the run takes: the same at every step, a line per step of a 500-step run
-        _warn_of_unset_columns(reward_set, run_rows(rows, cfg))
+        warn_of_unset_columns(reward_set, run_rows(rows, cfg))
     if "math" in {s.name for s in reward_set.specs}:  # a reference the math rule cannot read: said before generating
         long = long_math_reference(selected)
         if long is not None:
@@ -735,14 +335,14 @@ def rollout(cfg: RolloutConfig) -> dict:
         chat_text, inputs["chat_template"] = read_chat_template(cfg.chat_template_file)
     out = StageOutput(cfg.out, STAGE, config=config, inputs=inputs, force=cfg.force, resumable=True, started=t_start,
                       legacy_configs=_legacy_fingerprint_configs(config, cfg), legacy_inputs=(legacy_inputs,))
-    _refuse_another_shards_out(cfg)
+    refuse_another_shards_out(cfg)
     if out.already_done(check_first=lambda: _encode(cfg, selected, template, chat_text, notes=False)):
         sweep_leftover_partial(out)
         return {"out": str(cfg.out), "already_done": True, "summary": out.manifest.get("summary"), "manifest": out.manifest}
     tokenizer, prompts, max_model_len, raise_hint, enc_report = _encode(cfg, selected, template, chat_text)
-    _check_stops_leave_the_format_its_think(cfg, reward_set, prompts)  # its refusal before the other's warning
-    _check_stops_leave_the_think_closed(cfg, reward_set, prompts)
-    _check_stops_leave_the_thought_whole(cfg, reward_set, prompts)
+    check_stops_leave_the_format_its_think(cfg, reward_set, prompts)  # its refusal before the other's warning
+    check_stops_leave_the_think_closed(cfg, reward_set, prompts)
+    check_stops_leave_the_thought_whole(cfg, reward_set, prompts)
     name = shard_name(cfg.shard_index, cfg.num_shards)
     # norms: the adapter's trained norm weights (--train-norms), which its hash leaves out; train-step checks them
     policy = {"base": base_hash, "adapter": adapter_hash, "norms": inputs.get("adapter_norms")}
@@ -895,8 +495,6 @@ def _run_locked(plan: _Plan) -> dict:
         out.extra["summary"] = summary
         out.timings["generate_s"] = round(t_gen, 3)
     return {"out": str(cfg.out), "already_done": False, "summary": summary, "manifest": out.manifest}
-
-
 
 
 @dataclass
