@@ -7,7 +7,7 @@
 The set (tests/data/math_rule_cases.jsonl, which tests/test_math_rule.py also runs) holds MATH-500-style references
 (fractions, roots, intervals, sets, tuples, matrices, choices, text, units, degrees, percents, equations, big
 numbers) with the answers models box for them, right and wrong, and the verdict a careful grader gives
-(``correct``); ``known_miss`` says why the rule still gets a case wrong. A positive is a right answer: precision is
+(``correct``; ``reason``, where given, says why); ``known_miss`` says why the rule still gets a case wrong. A positive is a right answer: precision is
 the share of the answers scored right that are, recall the share of the right answers scored right. math-verify's
 column is its documented use, ``verify(parse("$" + reference + "$"), parse(completion))`` with default configs.
 """

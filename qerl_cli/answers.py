@@ -51,6 +51,10 @@ ANSWER_KINDS = ("gsm8k", "math")
 # s57r14: an answer math-verify would cut as its unit past a second value or a hedge ("5\text{ cm}, 6\text{ cm}",
 # "5\text{ or 6}", was 5) is none, as is a false equation of arithmetic or in a chain ("2 + 1 = 4", "x = 3 = 4", was 4);
 # TeX spacing and text groups between two tag spans read as between two boxes ("$3$ \quad $4$" is "3, 4", was 4).
+# s58r05: a run of tag spans is one answer ("<answer>$1$ $2$ $3$</answer>" was "2, 3", "The answer is $3$ or maybe $4$"
+# was 3); a slash, "\enspace"/"\hfill" or bold between boxes lists them (was the last); "5\text{ thousand}" is 5000 and
+# "\text{5 squared}", "5\text{ pi}", "\text{5 is wrong}" no answer (were 5); "\frac13 = 0.333" is 1/3 or 0.333 (was
+# none), "\sqrt{2} = 1.5" none (was 1.5).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

@@ -10,13 +10,16 @@ letter reference, else its value; an inequality (``x > 2``) is compared with an 
 math-verify compares it the other way round; an equation of two numbers that differ (``\\boxed{3 = 4}``, read as its
 right side) is no answer, as are one of arithmetic (``2 + 1 = 4``) or a chain holding one (``x = 3 = 4``), and an
 answer math-verify would cut as its unit past a second value or a hedge (``5\\text{ cm}, 6\\text{ cm}``,
-``5\\text{ or 6}``: it drops all from the first text group, so read as 5). Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``,
-``\\hspace{1em}``) are listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x =
+``5\\text{ or 6}``: it drops all from the first text group, so read as 5), or a word there that is no unit (``\\text{5
+squared}``, ``5\\text{ pi}``, ``\\text{5 is wrong}``); a scale word is its power of ten (``5\\text{ thousand}``: 5000);
+an exact number beside the decimal it rounds to (``\\frac13 = 0.333``) is one answer, right against either. Two boxes
+side by side with only spacing between (``\\boxed{3} \\boxed{4}``, ``\\hspace{1em}``, ``\\enspace``, a slash, markdown or
+TeX bold around each) are listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x =
 \\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
 one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
 as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
 math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two boxes: ``3,
-4``, as are two side by side, ``$3$ $4$``, ``$3$ \\quad $4$``; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer.
+4``, as are spans side by side, ``$3$ $4$``, ``$1$ \\quad $2$ \\quad $3$``, the whole run; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer.
 Slower (sympy, ~10 ms a verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly
 repeat a few answers. Each parse and comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout
 is SIGALRM, so scored from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
@@ -81,7 +84,9 @@ def _is_unknown(name: str) -> bool:
 # "x = \boxed{2} \quad\text{or}\quad x = \boxed{3}", "\boxed{2}~\text{and}~\boxed{3}". Left in, the "or"/"and" read
 # as words around the boxes, no hedge or list: the last box alone, a hedge rewarded for its second value (a review).
 # "\hspace{1em}" too: "\boxed{2}\hspace{1em}\text{or}\hspace{1em}\boxed{3}" read as 3 until s57r08.
-_SEPARATOR_TEX_SPACE = re.compile(r"\\q?quad(?![A-Za-z])|\\hspace\*?\s*\{[^{}]*\}|\\[,;:! ()\[\]]|~")
+# "\\enspace", "\\hfill" and their kin too: "\\boxed{3}\\enspace\\boxed{4}" read as 4 until s58r05.
+_SEPARATOR_TEX_SPACE = re.compile(r"\\(?:q?quad|enspace|enskip|hfill?|thinspace|medspace|thickspace|space)(?![A-Za-z])"
+                                  r"|\\hspace\*?\s*\{[^{}]*\}|\\[,;:! ()\[\]]|~")
 # Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
 # their hedge was the last box alone, rewarded for its second value).
 _SEPARATOR_TEX_TEXT = re.compile(_TEXT_GROUP.format("text|textrm|textnormal|textbf|textit|mathrm|mbox"))
@@ -95,8 +100,25 @@ def _plain_separator(between: str) -> str:
 
 # Nothing but spacing between two boxes on a line: "\boxed{3} \boxed{4}", "$\boxed{3}$ $\boxed{4}$",
 # "\boxed{3}\hspace{1em}\boxed{4}" offer two answers, as a list does (read as the last, 4, until s57r08: a human
-# grader marks two answers wrong for either).
-_SIDE_BY_SIDE = re.compile(r"[ \t$]*")
+# grader marks two answers wrong for either). Markdown bold around each ("**\\boxed{3}** **\\boxed{4}**") and a slash
+# between ("\\boxed{3} / \\boxed{4}", "3 or 4") too: each read as the last box, right for 4, until s58r05.
+_SIDE_BY_SIDE = re.compile(r"[ \t$*]*(?:/[ \t$*]*)?")
+# A box in bold, "\\textbf{\\boxed{3}}", "$\\mathbf{\\boxed{3}}$": the box is the bold group's, whose braces stood
+# between two such boxes as words (read as the last box, right for 4, until s58r05). Searched near the box.
+_BOLD_OPEN = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm)\s*\{\s*$")
+_BOLD_CLOSE = re.compile(r"\s*\}")
+
+
+def _bold_widened(text: str, box: tuple[str, int, int]) -> tuple[str, int, int]:
+    """A box (_boxes_from_last's) with the bold groups it alone fills taken as its own start and end."""
+    content, start, end = box
+    for _ in range(4):  # "\\textbf{$\\mathbf{...}$}" at most: nesting deeper is no answer's layout
+        opened = _BOLD_OPEN.search(text, max(0, start - 30), start)
+        closed = _BOLD_CLOSE.match(text, end)
+        if opened is None or closed is None:
+            break
+        start, end = opened.start(), closed.end()
+    return content, start, end
 
 
 def _with_end_before(boxes: Iterator[tuple[str, int, int]]) -> Iterator[tuple[str, int, int, int]]:
@@ -118,7 +140,7 @@ def math_boxes(text: str) -> str | None:
     \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list, nor are boxes named
     as values of two unknowns ("$x = \\boxed{2}$ and $y = \\boxed{3}$": one of them may be what the question asks,
     "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer)."""
-    boxes = _with_end_before(_boxes_from_last(text))
+    boxes = _with_end_before(_bold_widened(text, box) for box in _boxes_from_last(text))
     last = next(boxes, None)
     if last is None:
         return None
@@ -233,25 +255,47 @@ def _repeating_decimal(m: re.Match) -> str:
 # "\text{ or }" a comma): "5\text{ cm}, 6\text{ cm}", "\boxed{5\text{ cm}} or \boxed{6\text{ cm}}" and "5\text{ or 6}" read
 # as 5, a list or hedge right for its first value (s57r14).
 _TEXT_OR = re.compile(r",?\s*\\(?:text(?:normal|bf|it|rm)?|math(?:rm|it|bf))\{\s*(?:and|or)\s*\}")
-_FIRST_TEXT = re.compile(r"\\(?:text(?:normal|bf|it|rm)?|math(?:rm|it|bf)|mbox)\{")
+_TEXT_COMMAND = r"\\(?:text(?:normal|bf|it|rm)?|math(?:rm|it|bf)|mbox)"
+_FIRST_TEXT = re.compile(_TEXT_COMMAND + r"\{")
+# Words math-verify drops as a unit that are none: a scale of or an operation on the number before them
+# ("5\\text{ squared}", "\\text{5 thousandths}", "5\\text{ pi}"), or the answer's own denial ("\\text{5 is wrong}"):
+# each read as 5 until s58r05. The first word only for the former ("5\\text{ cm squared}" is 5 square centimetres).
+_NOT_A_UNIT = re.compile(r"^\W*(?:hundred|thousand|million|billion|trillion|squared|cubed|factorial|pi|halves|thirds|"
+                         r"quarters|(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand|million)ths)\b"
+                         r"|\b(?:not|wrong|incorrect|false|isn't)\b", re.IGNORECASE)
+_TEX_COMMAND_OR_BRACE = re.compile(r"\\[A-Za-z]+|[{}]")
+# A number's scale in a text group after it, "5\\text{ thousand}", "\\text{2.5 million dollars}" (made "2.5\\text{
+# million dollars}" by _TEXT_NUMBER): 5 thousand read as 5, right against 5 and wrong against 5000, until s58r05. Its
+# power of ten, the rest of the group left as the unit.
+_SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
+_SCALE_WORD = re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?)(?:\\[,;: ]|~|\s){0,3}" + _TEXT_COMMAND
+                         + r"\{\s{0,3}(hundred|thousand|million|billion|trillion)\b([^{}]{0,60})\}", re.IGNORECASE)
+
+
+def _scale_word(m: re.Match) -> str:
+    rest = m.group(3).strip()
+    return f"{m.group(1)} \\times 10^{{{_SCALES[m.group(2).lower()]}}}" + (f"\\text{{ {rest}}}" if rest else "")
 _UNIT_POWER = re.compile(r"\}(?:\^\{?-?\d\}?|\{\^\d\})?\s*$")
 
 
 def _unit_cut_drops_answer(tex: str) -> bool:
     """Whether what math-verify would drop from ``tex`` as its unit holds more than a unit: a number past the unit's
-    own power, or a hedge or bound word ("\\text{ or more}"). Such an answer is none."""
+    own power, a hedge or bound word ("\\text{ or more}"), or a word that is no unit (_NOT_A_UNIT). Such an answer is
+    none."""
     tex = _TEXT_OR.sub(",", tex)
     first = _FIRST_TEXT.search(tex)
     power = _UNIT_POWER.search(tex)
     if first is None or power is None or not tex[: first.start()].strip():
         return False
     dropped = tex[first.start() : power.start()]
-    return re.search(rf"\d|{_HEDGE_WORD}", dropped) is not None
+    words = _TEX_COMMAND_OR_BRACE.sub(" ", dropped)
+    return re.search(rf"\d|{_HEDGE_WORD}", dropped) is not None or _NOT_A_UNIT.search(words) is not None
 
 
 def _for_math_verify(tex: str) -> str:
     """An answer's TeX in the forms math-verify reads (see each pattern)."""
     tex = _TEXT_NUMBER.sub(_text_number, tex.strip())
+    tex = _SCALE_WORD.sub(_scale_word, tex)
     tex = _DIGIT_GROUP_SPACE.sub("", tex)
     tex = _DEGREE_SIGN.sub(r"^\\circ", tex)
     tex = _REPEATING_DECIMAL.sub(_repeating_decimal, tex)
@@ -302,27 +346,48 @@ def _math_tag(text: str) -> str | None:
 
 
 def _tag_hedge(tex: str, found: str | None) -> str | None:
-    """``found``, math-verify's reading of a tag's prose, unless it is the last of two math spans offered as a hedge,
-    as two boxes are (_BOX_HEDGE), or either of two side by side (_SIDE_BY_SIDE): then the two as one answer, as
-    math_boxes reads "\\boxed{3} or maybe \\boxed{4}" and "\\boxed{3} \\boxed{4}". math-verify joins spans by a bare
-    "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right, and "$3$ $4$" as 4 ("The answer is $3$ $4$" as 3)."""
+    """``found``, math-verify's reading of a tag's prose, unless the math span it reads is one of a run offered as a
+    hedge, as boxes are (_BOX_HEDGE), or side by side (_SIDE_BY_SIDE): then the run as one answer, as math_boxes
+    reads "\\boxed{3} or maybe \\boxed{4}" and "\\boxed{1} \\boxed{2} \\boxed{3}". math-verify joins spans by a bare
+    "or" only: "$3$ or maybe $4$" read as 4, a hedge scored right, and "$3$ $4$" as 4 ("The answer is $3$ $4$" as 3).
+    The whole run: only the last two spans were looked at until s58r05, so "$1$ $2$ $3$" read "2, 3" and "The answer
+    is $3$ or maybe $4$" (math-verify's "answer is" span, the hedge's first) 3, each right for a reference it hedged."""
     spans = list(_ONE_MATH_SPAN.finditer(tex))
     if found is None or len(spans) < 2:
         return found
-    before, last = ([g for g in m.groups() if g is not None][0].strip() for m in spans[-2:])
-    # Spacing and text groups between the spans as between two boxes: "$3$ \quad $4$", "$3$ \text{or} $4$" read as 4
-    # until s57r14. And math-verify's reading is its normal form: "6" of "$6\text{ cm}$" (a hedge read as it, s57r14).
-    between = _plain_separator(tex[spans[-2].end() : spans[-1].start()])
-    hedged = _read_as(found, last) and _BOX_HEDGE.fullmatch(between)
-    side_by_side = (_read_as(found, before) or _read_as(found, last)) and _SIDE_BY_SIDE.fullmatch(between)
-    if (hedged or side_by_side) and not _math_verify_equal(before, last):
-        return f"{before}, {last}"
-    return found
+    values = [[g for g in m.groups() if g is not None][0].strip() for m in spans]
+    read = _span_read(found, values)
+    if read is None:
+        return found
+    first = last = read
+    while first > 0 and _spans_join(tex, spans[first - 1], spans[first]):
+        first -= 1
+    while last + 1 < len(spans) and _spans_join(tex, spans[last], spans[last + 1]):
+        last += 1
+    run = values[first : last + 1]
+    if len(run) > MAX_LISTED_BOXES:  # a degenerate run, as of boxes
+        return None
+    if all(_math_verify_equal(value, run[-1]) for value in set(run) - {run[-1]}):
+        return found
+    return ", ".join(run)
 
 
-def _read_as(found: str, span: str) -> bool:
-    """Whether math-verify's reading of a tag's prose, ``found``, is the math ``span`` (which it may write otherwise)."""
-    return found == span or _math_verify_equal(span, found)
+def _span_read(found: str, values: list[str]) -> int | None:
+    """The index of the (last) span math-verify's reading ``found`` is: by text first, then by value (its reading is
+    its normal form, "6" of "$6\\text{ cm}$"), the latter on the last MAX_LISTED_BOXES spans and the first (an "answer
+    is" span) only: a verdict each costs ~10 ms."""
+    same = [i for i, value in enumerate(values) if value == found]
+    if same:
+        return same[-1]
+    near = sorted({0, *range(max(0, len(values) - MAX_LISTED_BOXES), len(values))}, reverse=True)
+    return next((i for i in near if _math_verify_equal(values[i], found)), None)
+
+
+def _spans_join(tex: str, before: re.Match, after: re.Match) -> bool:
+    """Whether two math spans in a tag are offered together: nothing but spacing between, or a hedge's "or" (TeX
+    spacing and text groups as between two boxes: "$3$ \\quad $4$", "$3$ \\text{or} $4$" read as 4 until s57r14)."""
+    between = _plain_separator(tex[before.end() : after.start()])
+    return bool(_BOX_HEDGE.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between))
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -376,8 +441,8 @@ def _false_equation(parsed, timeout: int) -> bool:
     one in a chain, "\\boxed{x = 3 = 4}": math-verify reads an equation as its right side ("x = 4", "48 + 24 = 72"), so
     each was right against 4 ("2 + 1 = 4" and "x = 3 = 4" until s57r14, and "3 = 1e3" against 1000 once 1e3 was a
     number). A false statement, two values offered: none. A side is a rational number, arithmetic of such included
-    ("\\pi = 3.14", "\\sqrt{2} = 1.414" are left alone: approximations); the two are compared by math-verify, within its
-    timeout (2^{9e9} is not worked out)."""
+    (an exact number beside a decimal, "\\sqrt{2} = 1.414", is _approximation's); the two are compared by math-verify,
+    within its timeout (2^{9e9} is not worked out)."""
     from math_verify import verify
     from sympy import And, Eq
 
@@ -387,6 +452,34 @@ def _false_equation(parsed, timeout: int) -> bool:
     equations = parsed.args if isinstance(parsed, And) else (parsed,)
     return any(isinstance(eq, Eq) and number(eq.lhs) and number(eq.rhs)
                and not verify([eq.lhs], [eq.rhs], timeout_seconds=timeout) for eq in equations)
+
+
+# An exact value beside the decimal it rounds to, "\\frac13 = 0.333", "0.333 = \\frac{1}{3}", "\\sqrt{2} = 1.414": what a
+# policy writes for one answer, the decimal a note. math-verify reads an equation as its right side: "\\frac13 = 0.333"
+# was a false equation (no answer) and "\\sqrt{2} = 1.414" wrong against \\sqrt{2}, until s58r05 (_approximation).
+# The decimal's digits, on the right or the left.
+_EXACT_THEN_DECIMAL = re.compile(r"[^=]+=\s*-?\d*\.(\d+)\s*")
+_DECIMAL_THEN_EXACT = re.compile(r"\s*-?\d*\.(\d+)\s*=[^=]+")
+
+
+def _approximation(pred: str, parsed, timeout: int) -> tuple | None:
+    """(exact side, decimal side) of an answer, parsed (math-verify's), that is an equation of an exact number and the
+    decimal it rounds to at the digits shown (math-verify's own float rounding): one answer, right against either.
+    () where the decimal is no rounding of it ("\\frac13 = 0.34", "\\sqrt{2} = 1.5", a cut "\\frac23 = 0.66"): a false
+    equation, no answer (one compare: a degenerate side costs math-verify's timeout once). None for an equation of
+    other sides (a variable, two decimals: "0.3 = 0.33"), left to _false_equation."""
+    from math_verify import verify
+    from sympy import Eq, Float
+
+    tex = pred.strip()
+    m = _EXACT_THEN_DECIMAL.fullmatch(tex) or _DECIMAL_THEN_EXACT.fullmatch(tex)
+    if m is None or not isinstance(parsed, Eq):
+        return None
+    exact, decimal = (parsed.lhs, parsed.rhs) if m.re is _EXACT_THEN_DECIMAL else (parsed.rhs, parsed.lhs)
+    if not (decimal.is_Float and exact.is_number) or exact.atoms(Float):
+        return None
+    rounds = verify([decimal], [exact], float_rounding=len(m.group(1)), timeout_seconds=timeout)
+    return (exact, decimal) if rounds else ()
 
 
 def _inequality_against_interval(gold, pred) -> bool:
@@ -416,6 +509,9 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
     if not g or not p:
         return gold.strip() == pred.strip()
+    sides = _approximation(pred, p[0], timeout)
+    if sides is not None:  # (): a decimal that is no rounding of its exact side, a false equation
+        return any(verify(g, [side], timeout_seconds=timeout) for side in sides)
     if _false_equation(p[0], timeout):
         return False
     if _inequality_against_interval(g[0], p[0]):

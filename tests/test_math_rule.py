@@ -331,3 +331,58 @@ def test_spans_in_a_tag_are_side_by_side_or_hedged_as_boxes_are(completion, refe
     """Between two spans in a tag, TeX spacing and text groups were read as they stand ("$3$ \\quad $4$" as 4), and
     math-verify's reading of the last ("6" of "$6\\text{ cm}$") was not the span: each hedge scored for a value."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>$1$ $2$ $3$</answer>", "1, 2, 3", True), ("<answer>$1$ $2$ $3$</answer>", "2, 3", False),
+    ("<answer>$1$ \\quad $2$ \\quad $3$</answer>", "1, 2, 3", True),
+    ("<answer>$1$ or maybe $2$ or maybe $3$</answer>", "2, 3", False),
+    ("<answer>The answer is $3$ or maybe $4$</answer>", "3", False), ("<answer>The answer is $1$ $2$ $3$</answer>", "1", False),
+    ("<answer>" + "$1$ " * 40 + "</answer>", "1", False),
+])
+def test_a_run_of_spans_in_a_tag_is_one_answer(completion, reference, ok):
+    """Only the last two spans in a tag were looked at: three side by side read as the last two ("2, 3"), and a hedge
+    whose first span math-verify reads ("The answer is $3$ or maybe $4$": 3) as that span, each right for a value."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\text{5 thousand}}", "5000", True), ("\\boxed{\\text{5 thousand}}", "5", False),
+    ("\\boxed{2.5\\text{ million}}", "2500000", True), ("\\boxed{5\\,\\text{thousand dollars}}", "5000", True),
+    ("\\boxed{5\\text{ thousand or 6 thousand}}", "5000", False), ("\\boxed{\\text{5 squared}}", "5", False),
+    ("\\boxed{\\text{5 is wrong}}", "5", False), ("\\boxed{\\text{5 thousandths}}", "5", False),
+    ("\\boxed{5\\text{ pi}}", "5", False), ("\\boxed{5\\text{ cm squared}}", "5", True),
+    ("\\boxed{5\\text{ dozen}}", "5", True),
+])
+def test_a_scale_word_is_its_power_of_ten_and_no_unit_word_no_unit(completion, reference, ok):
+    """math-verify drops a trailing text group as the unit whatever it says: "5 thousand", "5 squared", "5 pi" and "5 is
+    wrong" read as 5 (a scale is its power of ten now; an operation, a fraction's name or a denial no answer)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{3} / \\boxed{4}", "4", False), ("\\boxed{3} / \\boxed{4}", "3, 4", True), ("\\boxed{3}/\\boxed{4}", "\\frac34", False),
+    ("\\boxed{3}\\enspace\\boxed{4}", "4", False), ("\\boxed{3}\\hfill\\boxed{4}", "4", False),
+    ("**\\boxed{3}** **\\boxed{4}**", "4", False), ("$\\mathbf{\\boxed{3}}$ $\\mathbf{\\boxed{4}}$", "4", False),
+    ("\\textbf{\\boxed{3}} or \\textbf{\\boxed{4}}", "4", False), ("\\textbf{\\boxed{3}} \\textbf{\\boxed{4}}", "3, 4", True),
+    ("$x = \\mathbf{\\boxed{2}}$, $x = \\mathbf{\\boxed{3}}$", "2, 3", True),
+    ("$x = \\mathbf{\\boxed{2}}$, $y = \\mathbf{\\boxed{3}}$", "3", True),
+    ("\\boxed{3}. Wait, that is wrong.\n\n**Final answer:** \\textbf{\\boxed{4}}", "4", True),
+])
+def test_a_slash_tex_spacing_or_bold_between_boxes_offers_both(completion, reference, ok):
+    """A slash, "\\enspace"/"\\hfill", markdown bold or a bold group around each box stood between two boxes as words:
+    the last box alone, right for 4 of "3 / 4"."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\frac13 = 0.333}", "\\frac{1}{3}", True), ("\\boxed{\\frac13 = 0.333}", "0.333", True),
+    ("\\boxed{0.333 = \\frac{1}{3}}", "\\frac{1}{3}", True), ("\\boxed{\\sqrt{2} = 1.414}", "\\sqrt{2}", True),
+    ("\\boxed{-\\frac13 = -0.333}", "-\\frac{1}{3}", True), ("\\boxed{\\frac13 = 0.333}", "0.33", False),
+    ("\\boxed{\\frac13 = 0.34}", "\\frac{1}{3}", False), ("\\boxed{\\sqrt{2} = 1.5}", "1.5", False),
+    ("\\boxed{\\frac23 = 0.66}", "\\frac{2}{3}", False), ("\\boxed{0.3 = 0.33}", "0.33", False),
+])
+def test_an_exact_value_beside_the_decimal_it_rounds_to_is_one_answer(completion, reference, ok):
+    """math-verify reads an equation as its right side: "\\frac13 = 0.333" was a false equation (no answer) and
+    "\\sqrt{2} = 1.414" wrong against \\sqrt{2}, while "\\sqrt{2} = 1.5", false, was right against 1.5."""
+    assert is_correct(completion, reference, "math") is ok
