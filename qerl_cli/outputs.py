@@ -409,7 +409,7 @@ class StageOutput:
 
     def __enter__(self) -> Path:
         try:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
+            _make_dirs(self.out.parent)
             self._recover_interrupted_swap()
             self._clean_stale()
             if self._seen is _UNSEEN:  # a caller that did not ask already_done(): what is there now
@@ -540,6 +540,9 @@ class StageOutput:
             self._replace(work)
         else:
             os.replace(work, self.out)
+            # In place from here: a SIGTERM during the fsync below (ms on a network file system) said "--out was
+            # not written" of a complete output (a review, session 58)
+            _COMPLETE.append(self.out)
         _fsync_dir(self.out.parent)
 
     def _replace(self, work: Path) -> None:
@@ -555,10 +558,11 @@ class StageOutput:
             except OSError:
                 os.replace(old, self.out)  # the old output back where it was (a crash here: the next run does it)
                 raise
-        _fsync_dir(self.out.parent)
-        # The new output is in place: a stop while the old one is deleted (seconds for a large checkpoint) says
-        # --out is complete, not "--out was not written" (nor a resumable stage's partial directory, now gone)
+        # The new output is in place: a stop while the old one is deleted (seconds for a large checkpoint), or during
+        # the fsync, says --out is complete, not "--out was not written" (nor a resumable stage's partial directory,
+        # now gone)
         _COMPLETE.append(self.out)
+        _fsync_dir(self.out.parent)
         crash_point("mid-swap")
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
@@ -632,6 +636,18 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def copy_beside(path: Path) -> Path:
+    """The name of a rewritten copy of the file ``path``, written beside it and renamed over it: this process's
+    and host's, after the copies dead processes of this host left there are removed (a run killed between
+    writing its copy and the rename left ``.metrics.jsonl.tmp-PID`` beside the run's metrics for good; session 58).
+    Another host's copy may be a live run's on a shared file system: it stays."""
+    for p in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        pid, _, host = p.name.rsplit(".tmp-", 1)[1].partition("-")  # host: none in a copy made before 2026-11-28
+        if pid.isdigit() and (host or _HOST) == _HOST and not _pid_alive(int(pid)) and p.is_file():
+            p.unlink(missing_ok=True)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{_HOST}")
+
+
 def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
 
@@ -639,6 +655,19 @@ def _is_empty_dir(path: Path) -> bool:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p``, each new directory's name fsynced in its parent: the rename into place is fsynced in the output's
+    parent only, so a machine crash could lose a new run/step-000012 from run/ with the finished output in it."""
+    new = []
+    while not path.exists() and path != path.parent:
+        new.append(path)
+        path = path.parent
+    if new:
+        new[0].mkdir(parents=True, exist_ok=True)
+    for d in reversed(new):
+        _fsync_dir(d.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -680,7 +709,7 @@ class WriterLock:
                                hint="wait for it, or stop it; this run resumes where it stops")
         for _ in range(8):
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                _make_dirs(self.path.parent)
                 self.f = open(self.path, "a+")
             except OSError as e:
                 raise self.out.write_error(e) from None

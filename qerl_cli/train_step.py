@@ -59,7 +59,7 @@ from qerl_cli.errors import (
 )
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
-from qerl_cli.outputs import StageOutput, check_out_apart, file_in_the_way
+from qerl_cli.outputs import StageOutput, check_out_apart, copy_beside, file_in_the_way
 from qerl_cli.runtime import as_many, check_field_types, resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.activation_budget import AutoKeep
@@ -1162,15 +1162,15 @@ def _drop_step_lines(path: Path, step: int) -> None:
         kept[-1] += "\n"  # a torn last line (a kill mid-append) stays a line of its own, not glued to ours
     if len(kept) == len(lines) and not torn:
         return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = copy_beside(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("".join(kept))
             f.flush()
             os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
         os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk left the half-written copy beside the file
+    except BaseException:  # a full disk, or a SIGTERM (Slurm) here, left the half-written copy beside the file
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -318,3 +318,51 @@ def test_an_out_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monke
         _run(out, {"k": 2}, force=True)
     assert e.value.exit_code == 7
     assert read_manifest(out)["config"] == {"k": 1} and sorted(os.listdir(tmp_path)) == ["mnt"]
+
+
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_signal_during_the_fsync_after_the_rename_finds_the_output_complete(tmp_path, monkeypatch, replacing):
+    """The rename put the output in place, then its directory's fsync (ms on a network file system) was cut by a
+    SIGTERM (raised there as an exception): the CLI said "--out was not written" of a complete output (session 58)."""
+    from qerl_cli import outputs
+
+    out = tmp_path / "o"
+    if replacing:
+        _run(out, {"k": 0})
+    real = outputs._fsync_dir
+
+    def fsync_dir(path):
+        if (read_manifest(out) or {}).get("config") == {"k": 1}:  # the new output is at --out
+            raise KeyboardInterrupt
+        real(path)
+
+    monkeypatch.setattr(outputs, "_fsync_dir", fsync_dir)
+    outputs.forget_completed()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _run(out, {"k": 1}, force=replacing)
+        assert read_manifest(out)["config"] == {"k": 1}
+        assert outputs.completed_outputs() == [out]
+    finally:
+        outputs.forget_completed()
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+def test_the_directories_an_output_creates_are_fsynced_in_their_parents(tmp_path, monkeypatch, resumable):
+    """A power cut after the rename could lose a new run/step-000012 from run/ (only step-000012, holding the
+    renamed output, was fsynced): each directory made for --out (or for a rollout's writer lock, which makes it
+    first) is fsynced in its parent before the output is published (session 58)."""
+    import contextlib
+
+    from qerl_cli import outputs
+
+    synced = []
+    real = outputs._fsync_dir
+    monkeypatch.setattr(outputs, "_fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    out = tmp_path / "run" / "step-000012" / "adapter"
+    so = StageOutput(out, "demo", config={}, inputs={}, resumable=resumable)
+    assert not so.already_done()
+    with outputs.WriterLock(so) if resumable else contextlib.nullcontext(), so as work:
+        (work / "a.txt").write_text("x")
+    assert read_manifest(out) is not None
+    assert {tmp_path, tmp_path / "run", out.parent} <= set(synced)

@@ -260,6 +260,44 @@ def test_a_failed_metrics_rewrite_leaves_no_temporary_file(tmp_path, monkeypatch
     assert path.read_text() == '{"step":0,"loss":1}\n{"step":1,"loss":2}\n'
 
 
+def test_a_metrics_rewrite_stopped_by_a_signal_leaves_no_temporary_file(tmp_path, monkeypatch):
+    # a SIGTERM (Slurm's time limit) raised between the copy and its rename left .metrics.jsonl.tmp-PID for good
+    import os
+
+    from qerl_cli.train_step import _drop_step_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":0,"loss":1}\n{"step":1,"loss":2}\n')
+
+    def stopped(fd):
+        raise KeyboardInterrupt  # what the CLI's SIGTERM handler raises (Terminated), Ctrl-C
+
+    monkeypatch.setattr(os, "fsync", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        _drop_step_lines(path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_metrics_rewrite_removes_the_copies_killed_runs_left(tmp_path):
+    # SIGKILLed between writing its copy and the rename, a run left .metrics.jsonl.tmp-PID beside the run's metrics,
+    # which no later run removed; a live process's copy, or another host's, stays
+    import os
+
+    from qerl_cli.outputs import _HOST
+    from qerl_cli.train_step import _drop_step_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":0,"loss":1}\n{"step":1,"loss":2}\n')
+    dead = 2 ** 22 + 12345  # no such pid
+    for name in (f".metrics.jsonl.tmp-{dead}", f".metrics.jsonl.tmp-{dead}-{_HOST}", f".metrics.jsonl.tmp-{dead}-elsewhere",
+                 f".metrics.jsonl.tmp-{os.getppid()}-{_HOST}"):
+        (tmp_path / name).write_text("half a copy")
+    _drop_step_lines(path, 1)
+    assert path.read_text() == '{"step":0,"loss":1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["metrics.jsonl", f".metrics.jsonl.tmp-{dead}-elsewhere", f".metrics.jsonl.tmp-{os.getppid()}-{_HOST}"])
+
+
 @pytest.mark.parametrize("field,value", [("optimizer_steps", None), ("lineage", "abc"), ("lineage", [1]),
                                          ("rng", {"torch_cpu": "AAAA"}), ("rng", []), ("base_model_hash", 3),
                                          ("schema", "1"), ("schema", None), ("rng", {"torch_cpu": None}),
