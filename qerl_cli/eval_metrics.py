@@ -254,18 +254,21 @@ def _made_on_note(dirs: Sequence[Path], made: Sequence[tuple[str, str, str | Non
     too (greedy decoding takes another token at a near tie), not by the policy alone. Runs that record none say
     nothing (unknown, not different), and a GPU model is compared only among the runs that record one (an A100's
     eval and an H100's both read "cuda (bf16)" until 2026-11-28)."""
-    where: dict[tuple[str, str, str | None], list[str]] = {}
-    for name, m in zip(_column_names(dirs), made):
-        if m is not None:
-            where.setdefault(m, []).append(name)
-    kinds, gpus = {m[:2] for m in where}, {m[2] for m in where if m[2] is not None}
+    named = [(name, m) for name, m in zip(_column_names(dirs), made) if m is not None]
+    kinds, gpus = {m[:2] for _, m in named}, {m[2] for _, m in named if m[2] is not None}
     if len(kinds) < 2 and len(gpus) < 2:
         return None
     from rich.markup import escape
 
+    where: dict[tuple[str, str, str | None], list[str]] = {}
+    for name, m in named:
+        # grouped by the GPU model only where two are recorded: one model beside runs that record none tells no run
+        # apart ("cuda (H100, bf16): a; cuda (bf16): b; cpu (fp32): c" read a and b as made on two devices)
+        where.setdefault(m if len(gpus) > 1 else (*m[:2], None), []).append(name)
     # escaped: the caption is Rich markup, as the column names (a directory "a[/b]" was a MarkupError)
     listed = "; ".join(escape(f"{d} ({f'{g}, ' if g else ''}{t}): {', '.join(names)}") for (d, t, g), names in where.items())
-    what = "devices or dtypes" if len(kinds) > 1 else "GPU models"
+    what = {(True, False): "devices or dtypes", (False, True): "GPU models"}.get((len(kinds) > 1, len(gpus) > 1),
+                                                                                 "devices, dtypes or GPU models")
     return (f"note: the runs were generated on different {what} ({listed}); their samples differ by those "
             "numerics too, not by the model alone")
 

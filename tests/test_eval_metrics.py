@@ -326,6 +326,33 @@ def test_compare_notes_runs_generated_on_other_gpu_models(tmp_path):
             "(NVIDIA A100-SXM4-80GB, bf16): a; cuda (bf16): old); their samples differ by those numerics too") in caption(
         h100, h100b, a100, old)
 
+
+def test_compare_groups_runs_by_gpu_model_only_where_two_are_recorded(tmp_path):
+    # An H100's eval beside an older one (no "gpu") and a CPU's: the note listed the two cuda (bf16) runs apart, as if
+    # made on two devices (the older one's model is unknown, not another), where it said "cuda (bf16): h, old" before
+    # the field; a note naming both other dtypes and other GPU models called them all "devices or dtypes"
+    from rich.console import Console
+
+    def caption(*runs):
+        console = Console(record=True, width=400)
+        console.print(compare_table(list(runs)))
+        return " ".join(console.export_text().split())
+
+    def made_on(run, device, dtype, gpu=None):
+        m = json.loads((run / "metrics.json").read_text())
+        m.update(device=device, dtype=dtype, **({"gpu": gpu} if gpu else {}))
+        (run / "metrics.json").write_text(json.dumps(m))
+        return run
+
+    h100 = made_on(_fake_run(tmp_path / "h", "base", 0.6), "cuda", "bf16", "NVIDIA H100 80GB HBM3")
+    old = made_on(_fake_run(tmp_path / "old", "tuned", 0.7), "cuda", "bf16")
+    cpu = made_on(_fake_run(tmp_path / "c", "tuned", 0.7), "cpu", "fp32")
+    assert ("note: the runs were generated on different devices or dtypes (cuda (bf16): h, old; cpu (fp32): c); "
+            "their samples differ") in caption(h100, old, cpu)
+    a100 = made_on(_fake_run(tmp_path / "a", "tuned", 0.7), "cuda", "fp16", "NVIDIA A100-SXM4-80GB")
+    assert ("note: the runs were generated on different devices, dtypes or GPU models (cuda (NVIDIA H100 80GB HBM3, "
+            "bf16): h; cuda (NVIDIA A100-SXM4-80GB, fp16): a); their samples differ") in caption(h100, a100)
+
 def test_compare_flags_runs_scored_by_other_versions_of_the_answer_rules(tmp_path):
     from rich.console import Console
 
