@@ -640,11 +640,15 @@ def copy_beside(path: Path) -> Path:
     """The name of a rewritten copy of the file ``path``, written beside it and renamed over it: this process's
     and host's, after the copies dead processes of this host left there are removed (a run killed between
     writing its copy and the rename left ``.metrics.jsonl.tmp-PID`` beside the run's metrics for good; session 58).
-    Another host's copy may be a live run's on a shared file system: it stays."""
+    Another host's copy may be a live run's on a shared file system: it stays. Best effort, as ``_clean_stale``: a copy
+    this user may not remove (another user's, in a shared sticky directory) failed the rewrite, exit 7, at every rerun."""
     for p in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         pid, _, host = p.name.rsplit(".tmp-", 1)[1].partition("-")  # host: none in a copy made before 2026-11-28
         if pid.isdigit() and (host or _HOST) == _HOST and not _pid_alive(int(pid)) and p.is_file():
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{_HOST}")
 
 

@@ -413,8 +413,9 @@ class RewardSet:
                 others = ", ".join(f"`{k}`" for k in columns) or "none"
                 raise BadInputError(f"reward {s.name!r} takes the dataset column `{missing}` (a parameter without a "
                                     f"default), which is not among the columns{where}",
-                                    hint=f"they are {others}; the reference is passed as `answer`, read from "
-                                         "--answer-key's column")
+                                    hint=f"they are {others}; " + (_MESSAGES_PROMPT_HINT if missing == "messages" else
+                                                                   "the reference is passed as `answer`, read from "
+                                                                   "--answer-key's column"))
 
     def score_group(self, completions: Sequence[str], answer: str | None, prompt=None, *, completion_ids=None,
                     columns: dict | None = None, where: str = "") -> list[tuple[dict[str, float], float]]:
@@ -467,6 +468,14 @@ def _called(s: RewardSpec, call: Callable, where: str):
         what = " ".join(str(e).split())  # one line: an assert's message of several came out as several
         raise BadInputError(f"reward {s.name!r} raised {type(e).__name__}{': ' * bool(what)}{what}{where}"
                             f"{_raised_at(e, s.reward.source)}") from None
+
+
+# `messages` is a chat row's prompt (no text `prompt` beside it, or --prompt-key messages), passed as `prompts`, not
+# as a column: a reward requiring it on a chat file was told "they are `id`", of a file plainly holding `messages` (a
+# review; before session 58 it was refused when loaded, "a name qerl passes nothing under")
+_MESSAGES_PROMPT_HINT = ("`messages`, where it is a row's prompt (no text `prompt` beside it, or --prompt-key messages), "
+                         "is no column: it is passed as `prompts` (TRL's conversational prompt), which the reward can "
+                         "take instead")
 
 
 # TRL reads a reward's NaN as its None (both are NaN in its tensor, left out by nansum and nanmean): a TRL reward

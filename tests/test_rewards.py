@@ -1803,6 +1803,30 @@ def test_a_messages_column_beside_a_text_prompt_is_passed_as_trl_passes_it(tmp_p
     assert rs.score_group(["4"], "4", rows[0].prompt_field, columns=rows[0].columns) == [({f"{f}:turns": 2.0}, 2.0)]
 
 
+def test_a_reward_requiring_messages_where_it_is_the_prompt_is_told_it_is_passed_as_prompts(tmp_path):
+    # `messages` left the reserved names (a column beside a text `prompt`): a reward requiring it on a chat file, whose
+    # `messages` is the prompt, was told "not among the columns of p.jsonl (they are `id`; the reference is passed as
+    # `answer`...)" of a file plainly holding `messages`, naming neither why nor `prompts`, where it is passed (a review)
+    import json
+
+    from qerl_cli.data import column_names, load_prompts
+
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"id": 1, "messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
+    f = tmp_path / "turns.py"
+    f.write_text("def turns(completions, messages, **kwargs):\n    return [float(len(m)) for m in messages]\n")
+    rs = RewardSet.from_specs([f"{f}:turns"])
+    with pytest.raises(BadInputError, match=r"takes the dataset column `messages`.*not among the columns of p.jsonl") as e:
+        rs.check_columns(column_names(load_prompts(p)), " of p.jsonl")
+    assert e.value.hint.startswith("they are `id`; `messages`, where it is a row's prompt (no text `prompt` beside it, "
+                                   "or --prompt-key messages), is no column: it is passed as `prompts`")
+    g = tmp_path / "acc.py"
+    g.write_text("def acc(completions, solution, **kwargs):\n    return [0.0 for _ in completions]\n")
+    with pytest.raises(BadInputError) as e:  # another column's refusal keeps its hint
+        RewardSet.from_specs([f"{g}:acc"]).check_columns(["id"], " of p.jsonl")
+    assert e.value.hint == "they are `id`; the reference is passed as `answer`, read from --answer-key's column"
+
+
 def test_a_trl_rewards_nan_is_refused_with_a_hint_naming_none(tmp_path):
     # TRL reads a NaN as it reads None ("does not apply": nansum, nanmean); qerl refuses it, as a bug (0/0) returns one
     # too, but the refusal said only "rewards must be finite", naming no way to say "does not apply"

@@ -298,6 +298,33 @@ def test_a_metrics_rewrite_removes_the_copies_killed_runs_left(tmp_path):
         ["metrics.jsonl", f".metrics.jsonl.tmp-{dead}-elsewhere", f".metrics.jsonl.tmp-{os.getppid()}-{_HOST}"])
 
 
+def test_a_dead_runs_copy_this_user_may_not_remove_does_not_fail_the_metrics_rewrite(tmp_path, monkeypatch):
+    # the sweep of dead runs' copies raised where one was not this user's to remove (another user's, in a shared sticky
+    # run directory: EPERM): the rewrite failed, "cannot append to --metrics-file", exit 7, at every rerun, for a
+    # leftover it only meant to tidy (the stale temp dirs' sweep ignores such errors too)
+    import errno
+    from pathlib import Path
+
+    from qerl_cli.outputs import _HOST
+    from qerl_cli.train_step import _drop_step_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":0,"loss":1}\n{"step":1,"loss":2}\n')
+    theirs = tmp_path / f".metrics.jsonl.tmp-{2 ** 22 + 12345}-{_HOST}"  # a dead pid's
+    theirs.write_text("half a copy")
+    real = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self == theirs:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    _drop_step_lines(path, 1)
+    assert path.read_text() == '{"step":0,"loss":1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["metrics.jsonl", theirs.name])
+
+
 @pytest.mark.parametrize("field,value", [("optimizer_steps", None), ("lineage", "abc"), ("lineage", [1]),
                                          ("rng", {"torch_cpu": "AAAA"}), ("rng", []), ("base_model_hash", 3),
                                          ("schema", "1"), ("schema", None), ("rng", {"torch_cpu": None}),
