@@ -28,6 +28,10 @@ inputs reproduces the adapter bit for bit on the same machine: on a CPU always, 
 Trade-offs: log-probs are recomputed at the training policy instead of trusting the rollout's
 (costs one forward, which the backward needs anyway); the reference policy for ``--beta`` is the
 same model with LoRA switched off (one more no-grad forward per micro-batch, no second model).
+
+The stage's parts of its own: its flag and input checks are ``train.checks``'s, its metrics record and the
+``--metrics-file`` lines ``train.metrics``'s, what it prints (progress bar, notes, warnings, the result line)
+``train.report``'s.
 """
 
 from __future__ import annotations
@@ -35,11 +39,7 @@ from __future__ import annotations
 import array
 import contextlib
 import hashlib
-import json
 import math
-import numbers
-import os
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -47,28 +47,38 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.adapters import NORMS, load_norms, norms_input, trained_norms
+from qerl_cli.adapters import NORMS, load_norms, trained_norms
 from qerl_cli.errors import (
     BadInputError,
     LineageError,
     NumericalError,
     OutOfMemoryError,
-    OutputWriteError,
     QerlError,
     QerlWarning,
 )
 from qerl_cli.hashing import model_hash, sha256_file
 from qerl_cli.layers.lora import DEFAULT_TARGETS
-from qerl_cli.outputs import StageOutput, check_out_apart, copy_beside, file_in_the_way
+from qerl_cli.outputs import StageOutput
 from qerl_cli.runtime import as_many, check_field_types, resolve_device, resolve_dtype
 from qerl_cli.train import distributed
 from qerl_cli.train.activation_budget import AutoKeep
-from qerl_cli.train.advantages import SCALES, group_advantages
+from qerl_cli.train.advantages import group_advantages
 from qerl_cli.train.batching import Microbatch, collate, pack_microbatches
+from qerl_cli.train.checks import (
+    _check_apart_from_shards,
+    _check_covers_every_layer,
+    _check_fits_model,
+    _check_flags,
+    _check_keep_fits,
+    _check_lineage,
+    _check_memory_fits_model,
+    _check_memory_flags,
+)
 from qerl_cli.train.determinism import deterministic_algorithms, prepare_environment
 from qerl_cli.train.logprobs import token_logprobs
 from qerl_cli.train.losses import LossConfig, policy_loss, sequence_weights, tis_weights
-from qerl_cli.train.metrics import Accumulator, append_jsonl, clean
+from qerl_cli.train.metrics import Accumulator, _append_metrics, _ensure_metrics_line, _metrics, append_jsonl
+from qerl_cli.train.metrics import _drop_step_lines as _drop_step_lines  # imported from here by tests
 from qerl_cli.train.optim import (
     OPTIMIZER_FILE,
     grad_norm_and_clip,
@@ -78,6 +88,8 @@ from qerl_cli.train.optim import (
     save_optimizer,
     set_lr,
 )
+from qerl_cli.train.report import _progress, _say, _warn, result_line
+from qerl_cli.train.report import _result_numbers as _result_numbers  # imported from here by tests
 from qerl_cli.train.state import STATE_FILE, TrainerState, capture_rng, foreign_state, restore_rng
 
 STAGE = "train-step"
@@ -197,8 +209,6 @@ class StepData:
 
 
 # ---- inputs --------------------------------------------------------------------------------------
-
-
 
 
 def read_step(cfg: TrainStepConfig) -> StepData:
@@ -346,29 +356,6 @@ def dr_grpo_length(cfg: TrainStepConfig, data: StepData) -> int | None:
     return max(longest, 1)
 
 
-def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
-    """Token ids inside the vocabulary and sequences inside the position range, named per record
-    (otherwise an embedding index error or a rotary-cache error deep in the forward)."""
-    from qerl_cli.models import ModelConfig
-
-    mcfg = ModelConfig.from_dir(Path(cfg.model))
-    limit, what = mcfg.max_position_embeddings, "positions"
-    if mcfg.sliding_window and mcfg.sliding_window < limit:  # windowed attention is not implemented: the
-        limit, what = mcfg.sliding_window, "tokens of the sliding window"  # forward refused it after loading
-    for i, (p, c) in enumerate(zip(data.prompts, data.completions)):
-        rec = data.records[i]
-        # by file:line: "first file: record i" counted i over every file given, and named the first file whatever held it
-        where = "{}:{}".format(*data.origins[i]) if data.origins else f"{data.files[0]}: record {i}"
-        who = f"{where}: record of group {rec['group_id']!r} (prompt {rec['prompt_id']!r})"
-        if len(p) + len(c) > limit:
-            raise BadInputError(f"{who} has {len(p) + len(c)} tokens, more than the {limit} "
-                                f"{what} of --model {cfg.model}")
-        bad = next((t for t in p + c if not 0 <= t < mcfg.vocab_size), None)
-        if bad is not None:
-            raise BadInputError(f"{who} has token id {bad}, outside --model {cfg.model}'s vocabulary "
-                                f"of {mcfg.vocab_size}", hint="were the shards made with another model's tokenizer?")
-
-
 def _noise_key(noise: dict | None, step: int):
     """What decides a record's noise vectors. Without ``step`` (the contract's ``{sigma, seed}``) they are
     drawn for the record's own step, as ``read_step`` applies them: the same noise as qerl's form names."""
@@ -398,43 +385,6 @@ def _adapter_inputs_hash(adapter: Path) -> str:
     return h.hexdigest()
 
 
-def _rollout_adapter_path(shard: Path) -> str | None:
-    """The --adapter path the rollout that wrote ``shard`` was given, from its manifest (a hint only)."""
-    from qerl_cli.outputs import read_manifest
-
-    m = read_manifest(Path(shard).parent) or {}
-    return (m.get("summary") or {}).get("adapter_path") if m.get("stage") == "rollout" else None
-
-
-def _check_lineage(cfg: TrainStepConfig, data: StepData, base_hash: str, adapter_hash: str | None,
-                   state: TrainerState) -> None:
-    src = data.files[0]
-    if data.base_hash != base_hash:
-        raise LineageError(
-            f"{src}: shards were sampled from base model {data.base_hash!s:.12}, but --model {cfg.model} "
-            f"has hash {base_hash:.12}", hint="roll out and train with the same --model")
-    if state.base_model_hash and state.base_model_hash != base_hash:
-        raise LineageError(
-            f"--adapter {cfg.adapter} was trained on base model {state.base_model_hash:.12}, but --model "
-            f"{cfg.model} has hash {base_hash:.12}")
-    if data.adapter_hash != adapter_hash:
-        got = "no adapter (a fresh start)" if adapter_hash is None else f"adapter {adapter_hash:.12} ({cfg.adapter})"
-        was = "no adapter" if data.adapter_hash is None else f"adapter {data.adapter_hash:.12}"
-        where = _rollout_adapter_path(src)
-        was += f" ({where} when it ran)" if where else ""
-        raise LineageError(f"{src}: shards were sampled with {was}, but this step continues from {got}",
-                           hint="pass the --adapter the rollout used")
-    # The PEFT files' hash leaves out the trained norm weights (norms.safetensors): records since
-    # 2026-11-26 carry their hash (null: none); older records do not say, and are taken as they are.
-    policy = data.records[0]["policy"]
-    mine = norms_input(cfg.adapter).get("adapter_norms") if cfg.adapter is not None else None
-    if "norms" in policy and policy["norms"] != mine:
-        was = "no trained norm weights" if policy["norms"] is None else f"trained norm weights {policy['norms']:.12}"
-        has = "none" if mine is None else f"others ({mine:.12})"
-        raise LineageError(f"{src}: shards were sampled with {was}, but --adapter {cfg.adapter} has {has} in {NORMS}",
-                           hint="pass the --adapter the rollout used")
-
-
 # ---- model ---------------------------------------------------------------------------------------
 def _lora_spec(cfg: TrainStepConfig):
     """The LoRA layout: the adapter's own when resuming (flags must agree), else from the flags."""
@@ -460,30 +410,6 @@ def _lora_spec(cfg: TrainStepConfig):
                         dropout=cfg.lora_dropout or 0.0, targets=tuple(cfg.lora_targets or DEFAULT_TARGETS),
                         seed=cfg.seed)
     return spec
-
-
-def _check_covers_every_layer(cfg: TrainStepConfig, spec, adapter_cfg: dict) -> None:
-    """Refuse to continue an adapter PEFT applies to only some layers (``layers_to_transform``, ``exclude_modules``, a
-    ``target_modules`` regex). Rollout and eval apply it as PEFT does (LoRA kept at zero where PEFT puts none), but a
-    step trains LoRA on every layer of its targets and writes an adapter_config.json without those fields: the next
-    adapter would adapt the layers this one leaves out, another layout, without a word."""
-    from qerl_cli.adapters import CONFIG, adapter_leaves_out
-    from qerl_cli.models.loader import lora_module_names
-
-    left = adapter_leaves_out(adapter_cfg, lora_module_names(cfg.model, spec.targets))
-    if left:
-        module, why = left[0]
-        more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-        raise BadInputError(f"--adapter {cfg.adapter}: its {CONFIG} {why} {module!r}{more}, and train-step trains LoRA "
-                            "on every layer and saves no such field, so training on would change the adapter's layout",
-                            hint="rollout and eval apply it as it is; to train on it, `qerl merge` it into the base "
-                                 f"(--dtype {_merge_dtype(cfg.model)}) and start a fresh adapter on the merged model")
-
-
-def _merge_dtype(model_dir) -> str:
-    """The ``qerl merge --dtype`` that keeps --model's format: nvfp4 for a QDIR, bf16 for a plain HF dir (the 16-bit
-    baseline: an NVFP4 merge of it is another experiment, and --baseline bf16 refuses it)."""
-    return "nvfp4" if json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") else "bf16"
 
 
 def _load(cfg: TrainStepConfig, spec, device: str, dtype: torch.dtype):
@@ -561,67 +487,6 @@ def apply_memory_options(cfg: TrainStepConfig, model, device) -> list[str]:
     return notes
 
 
-def _check_numeric_flags(cfg: TrainStepConfig) -> None:
-    """Flags whose out-of-range values would otherwise train something other than what was asked, silently
-    (a zero alpha never learns, a min-LR ratio over 1 raises the LR)."""
-    def need(ok: bool, flag: str, what: str, v) -> None:
-        if not ok:
-            raise BadInputError(f"{flag} must be {what}, got {v}")
-
-    if cfg.lora_rank is not None:
-        need(cfg.lora_rank >= 1, "--lora-rank", ">= 1", cfg.lora_rank)
-    if cfg.lora_alpha is not None:
-        need(cfg.lora_alpha > 0 and math.isfinite(cfg.lora_alpha), "--lora-alpha", "a finite number > 0", cfg.lora_alpha)
-    if cfg.lora_dropout is not None:
-        need(0 <= cfg.lora_dropout < 1, "--lora-dropout", "in [0, 1)", cfg.lora_dropout)
-    need(cfg.warmup_steps >= 0, "--warmup-steps", ">= 0", cfg.warmup_steps)
-    if cfg.total_steps is not None:
-        need(cfg.total_steps >= 1, "--total-steps", ">= 1 (omit it for a constant LR after warmup)", cfg.total_steps)
-        # The cosine runs from the end of warmup to --total-steps; with no room for it the schedule
-        # silently stayed at the peak (and dropped --min-lr-ratio).
-        need(cfg.total_steps > cfg.warmup_steps, "--total-steps", f"> --warmup-steps ({cfg.warmup_steps}): the cosine "
-             "decay runs between them", cfg.total_steps)
-    if cfg.max_completion_length is not None:  # 0 read as unset, a negative one recorded (audit)
-        need(cfg.max_completion_length >= 1, "--max-completion-length", ">= 1", cfg.max_completion_length)
-    need(0 <= cfg.min_lr_ratio <= 1, "--min-lr-ratio", "in [0, 1]", cfg.min_lr_ratio)
-    need(cfg.max_grad_norm >= 0 and math.isfinite(cfg.max_grad_norm), "--max-grad-norm",
-         "a finite number >= 0 (0 turns clipping off)", cfg.max_grad_norm)
-    need(cfg.weight_decay >= 0 and math.isfinite(cfg.weight_decay), "--weight-decay", "a finite number >= 0",
-         cfg.weight_decay)
-    need(0 <= cfg.adam_beta1 < 1 and 0 <= cfg.adam_beta2 < 1, "--adam-beta1/--adam-beta2", "in [0, 1)",
-         (cfg.adam_beta1, cfg.adam_beta2))
-    need(cfg.adam_eps > 0, "adam_eps (no flag; TrainStepConfig)", "> 0", cfg.adam_eps)
-    # AdamW makes fp32 scalars of lr / (1 - beta1^t) and 1 - lr * weight_decay: past fp32's range (--lr 1e38) the
-    # update raised "value cannot be converted to type float without overflow" after the whole step (exit 1)
-    big = torch.finfo(torch.float32).max
-    need(cfg.lr / (1.0 - cfg.adam_beta1) < big and cfg.lr * cfg.weight_decay < big, "--lr/--weight-decay",
-         f"small enough for AdamW's fp32 step (lr / (1 - --adam-beta1) and lr x --weight-decay below {big:.3g})", (cfg.lr, cfg.weight_decay))
-    need(cfg.micro_batch_tokens >= 1, "--micro-batch-tokens", ">= 1", cfg.micro_batch_tokens)
-    need(cfg.logits_chunk_tokens >= 1, "--logits-chunk-tokens", ">= 1", cfg.logits_chunk_tokens)
-
-
-def _check_keep_fits(keep: int, n_layers: int, model: str) -> None:
-    """Refuse a --keep-activations count above the model's layer count (before loading, and in
-    ``apply_memory_options`` for a library caller)."""
-    if keep > n_layers:
-        raise BadInputError(f"--keep-activations {keep}: {model} has {n_layers} decoder layers",
-                            hint=f"at most {n_layers} (every layer kept)")
-
-
-def _check_memory_flags(cfg: TrainStepConfig) -> None:
-    keep = cfg.keep_activations
-    if isinstance(keep, numbers.Integral) and not isinstance(keep, bool) and type(keep).__name__ != "bool_":
-        keep = cfg.keep_activations = int(keep)  # numpy integers, as check_field_types takes them for int fields
-    if isinstance(keep, bool) or not (keep == "auto" or (isinstance(keep, int) and keep >= 0)):
-        raise BadInputError(f"--keep-activations must be a whole number >= 0 or auto, got {keep!r}")
-    if cfg.keep_activations and not cfg.gradient_checkpointing:
-        raise BadInputError("--keep-activations chooses which layers gradient checkpointing leaves out, and "
-                            "--no-checkpointing leaves out all of them", hint="drop one of the two")
-    if cfg.offload_activations and not cfg.gradient_checkpointing:
-        raise BadInputError("--offload-activations moves the checkpointed layer inputs to CPU memory, so it needs "
-                            "gradient checkpointing", hint="drop --no-checkpointing or --offload-activations")
-
-
 # ---- log-probs -----------------------------------------------------------------------------------
 def microbatch_logprobs(model, mb: Microbatch, inv_temp_seq: torch.Tensor, device, chunk: int,
                         cut_seq: torch.Tensor | None = None):
@@ -695,31 +560,7 @@ def _callers_rng_kept():
 
 def _train_step(cfg: TrainStepConfig) -> dict:
     t_start = time.time()
-    LossConfig(cfg.loss, cfg.clip_eps, cfg.clip_eps_high, cfg.beta, cfg.tis_cap).validate()
-    if cfg.scale_rewards not in SCALES:
-        raise BadInputError(f"--scale-rewards must be one of {', '.join(SCALES)}, got {cfg.scale_rewards!r}")
-    if cfg.epochs < 1:
-        raise BadInputError(f"--epochs must be >= 1, got {cfg.epochs}")
-    if cfg.lr < 0 or not math.isfinite(cfg.lr):
-        raise BadInputError(f"--lr must be a finite number >= 0, got {cfg.lr}")
-    _check_numeric_flags(cfg)
-    _check_memory_flags(cfg)
-    if cfg.baseline not in (None, "bf16"):
-        raise BadInputError(f"--baseline must be bf16 (or omitted), got {cfg.baseline!r}")
-    if cfg.adapter is not None and not Path(cfg.adapter).is_dir():
-        raise BadInputError(f"--adapter {cfg.adapter} is not a directory")
-    if not Path(cfg.model).is_dir():
-        raise BadInputError(f"--model {cfg.model} is not a directory")
-    if cfg.adapter is not None and Path(cfg.out).resolve() == Path(cfg.adapter).resolve():
-        # Overwriting the input adapter would make the step impossible to rerun or resume.
-        raise BadInputError(f"--out {cfg.out} is the --adapter directory", hint="write each step to a new directory")
-    # --metrics-file is the whole run's record: inside --out, a --force redo of the step deleted it
-    check_out_apart(cfg.out, model=cfg.model, adapter=cfg.adapter, metrics_file=cfg.metrics_file)
-    if cfg.metrics_file is not None and (Path(cfg.metrics_file).is_dir()
-                                         or file_in_the_way(Path(cfg.metrics_file).parent) is not None):
-        # found only after the step's output was in place, the traceback stopped a `set -e` recipe there
-        raise BadInputError(f"--metrics-file {cfg.metrics_file} is a directory or inside a file",
-                            hint="name a .jsonl file (one for the whole run), e.g. run/metrics.jsonl")
+    _check_flags(cfg)
     device = resolve_device(cfg.device)
     if cfg.deterministic and device.startswith("cuda"):
         prepare_environment()  # before CUDA starts: cuBLAS reads its workspace setting once
@@ -738,12 +579,7 @@ def _train_step(cfg: TrainStepConfig) -> dict:
 def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtype, t_start: float) -> dict:
     """The step once every torchrun rank has joined (a single process: right away)."""
     data = read_step(cfg)
-    for d in {f.parent for f in data.files}:  # --force replaces --out: never a directory the shards are read from
-        check_out_apart(cfg.out, shards=d)
-    if cfg.metrics_file is not None and Path(cfg.metrics_file).resolve() in {f.resolve() for f in data.files}:
-        # its records carry a "step" too: the append dropped every record of this step from the shard
-        raise BadInputError(f"--metrics-file {cfg.metrics_file} is one of the --shards files",
-                            hint="name a .jsonl file of its own for the run's metrics, e.g. run/metrics.jsonl")
+    _check_apart_from_shards(cfg, data)
     from qerl_cli.shards import missing_shards
 
     # Warnings are QerlWarnings: shown with -q (one `warning:` line from the CLI), catchable by a library caller.
@@ -757,16 +593,7 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
         _warn(f"skipped {len(data.bad_lines)} bad shard line(s) (--skip-bad-lines); first: {data.bad_lines[0]}", held)
     base_hash = model_hash(Path(cfg.model))
     _check_fits_model(cfg, data)
-    if cfg.embeddings_on_cpu or cfg.keep_activations:
-        from qerl_cli.models import ModelConfig
-
-        mcfg = ModelConfig.from_dir(Path(cfg.model))
-        if cfg.keep_activations != "auto":
-            _check_keep_fits(cfg.keep_activations, mcfg.num_layers, f"--model {cfg.model}")
-        if cfg.embeddings_on_cpu and mcfg.tie_word_embeddings:
-            raise BadInputError(f"--embeddings-on-cpu: --model {cfg.model} ties its input embedding to the lm_head "
-                                "(tie_word_embeddings), which needs the table on the GPU",
-                                hint="drop --embeddings-on-cpu (it only helps untied models)")
+    _check_memory_fits_model(cfg)
     # Every check that needs no model runs before anything is loaded: a wrong input fails in seconds.
     from qerl_cli.adapters import adapter_hash
 
@@ -1108,89 +935,6 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
     return dict(manifest if manifest is not None else {"metrics": metrics}, already_done=False)
 
 
-def result_line(out, manifest: dict, already_done: bool = False) -> str:
-    """The line a finished (or already done) step prints on stdout: with progress, by train_step; under
-    -q, by the CLI (the result and warnings were lost with the progress bar; docs audit, session 44)."""
-    if already_done:
-        return f"already done: {out} holds this step (pass --force to redo it)"
-    metrics = manifest.get("metrics", {})
-    return f"step {metrics.get('step')} -> {out}: {_result_numbers(metrics)}"
-
-
-def _result_numbers(metrics: dict) -> str:
-    """The result line's numbers; a value the metrics could not hold as a float (None) reads n/a (a
-    reward of 1.7e308 overflowed the mean, and formatting None failed after --out was written; audit)."""
-    def f(key: str, spec: str) -> str:
-        v = metrics.get(key)
-        return "n/a" if v is None else format(v, spec)
-
-    return (f"loss {f('loss', '.4g')}, reward {f('reward_mean', '.3f')}, grad norm {f('grad_norm', '.3g')}, "
-            f"{f('tokens_per_s', '.0f')} tok/s")
-
-
-def _append_metrics(path: Path, metrics: dict) -> None:
-    """--metrics-file after the step is in place, one line per step: a redone step (--force, or its
-    output removed and run again) replaces its earlier line, which a reader of "one line per step"
-    took for a second run (a trial's FORCE=1 rerun left 6 lines for 3 steps). The file system refusing
-    it is exit 7, one line."""
-    try:
-        _drop_step_lines(path, metrics["step"])
-        append_jsonl(path, metrics)
-    except OSError as e:
-        raise OutputWriteError(f"cannot append to --metrics-file {path}: {e.strerror or e} (the step's output at "
-                               "--out is complete; a rerun adds the line)", hint="fix the path, then rerun") from None
-
-
-def _drop_step_lines(path: Path, step: int) -> None:
-    """Rewrite ``path`` (atomically) without its lines for ``step``, ending on a newline; torn or foreign
-    lines stay."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-
-    def of_step(line: str) -> bool:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            return False
-        # a train-step metrics line (not another tool's JSON line that also has a "step")
-        return isinstance(rec, dict) and rec.get("step") == step and "loss" in rec and "group_id" not in rec
-
-    kept = [x for x in lines if not of_step(x)]
-    torn = bool(kept) and not kept[-1].endswith("\n")
-    if torn:
-        kept[-1] += "\n"  # a torn last line (a kill mid-append) stays a line of its own, not glued to ours
-    if len(kept) == len(lines) and not torn:
-        return
-    tmp = copy_beside(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(kept))
-            f.flush()
-            os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, or a SIGTERM (Slurm) here, left the half-written copy beside the file
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _ensure_metrics_line(cfg: TrainStepConfig, manifest: dict) -> None:
-    """A run killed after its output was in place, before the --metrics-file append, left the step's
-    line out for good (every rerun is "already done"): the rerun appends it from the manifest."""
-    metrics = manifest.get("metrics")
-    if cfg.metrics_file is None or not metrics or int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 writes
-        return
-    path = Path(cfg.metrics_file)
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                if json.loads(line) == metrics:
-                    return
-            except ValueError:
-                continue  # a torn line of another step: not this one
-    _append_metrics(path, metrics)
-
-
 def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metrics) -> None:
     from qerl_cli.adapters import save_adapter
     from qerl_cli.checkpoint.safetensors_io import save_small
@@ -1206,98 +950,3 @@ def _write_outputs(work: Path, cfg, model, opt, state: TrainerState, named, metr
     append_jsonl(work / METRICS_FILE, metrics)
 
 
-def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_norms, lrs, step_time, peak, step) -> dict:
-    rewards = torch.tensor(data.rewards, dtype=torch.float64)
-    clen = torch.tensor(data.completion_lengths, dtype=torch.float64)  # every record's: the others' arrays are gone
-    total_tokens = (sum(data.prompt_lengths) + int(clen.sum())) * cfg.epochs
-    n = acc.sums.get("tokens", 0.0)
-    mean = (lambda k: acc.sums.get(k, 0.0) / n if n else None)  # noqa: E731
-    rec = {
-        "step": step,
-        "loss": losses[0],
-        "loss_last_epoch": losses[-1],
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "zero_variance_groups": adv.zero_variance_fraction,
-        "groups": adv.num_groups,
-        "completions": len(data.records),
-        "skipped_bad_lines": len(data.bad_lines),
-        "advantage_abs_mean": float(adv.values.abs().mean()),
-        "entropy": mean("entropy"),
-        "clip_ratio_low": acc.mean("clip_low", "clip_tokens"),
-        "clip_ratio_high": acc.mean("clip_high", "clip_tokens"),
-        "is_ratio_mean": mean("is_ratio"),
-        "is_ratio_min": acc.mins.get("is_ratio"),
-        "is_ratio_max": acc.maxs.get("is_ratio"),
-        "is_capped_fraction": mean("is_capped") if cfg.tis_cap else None,
-        "logprob_abs_diff_mean": mean("lp_abs_diff"),
-        "logprob_abs_diff_max": acc.maxs.get("lp_abs_diff"),
-        "kl": mean("kl") if cfg.beta > 0 else None,
-        "completion_length_mean": float(clen.mean()),
-        "completion_length_min": int(clen.min()),
-        "completion_length_max": int(clen.max()),
-        "truncated_fraction": float(sum(data.truncated) / len(data.truncated)),
-        "trained_tokens": int(sum(live_tokens)),
-        "grad_norm": grad_norms[0],  # epoch 1's, like loss and lr
-        "grad_norm_per_epoch": grad_norms if len(grad_norms) > 1 else None,
-        "lr": lrs[0],
-        "lr_per_epoch": lrs if len(lrs) > 1 else None,
-        "micro_batches": len(groups),
-        "tokens_per_s": total_tokens / step_time if step_time > 0 else None,
-        "step_time_s": step_time,  # the optimisation loop (model loading is load_time_s)
-        "peak_gpu_memory_gib": peak,
-        "aqn_sigma": float(data.noise["sigma"]) if data.noise else 0.0,
-    }
-    return clean({k: v for k, v in rec.items() if v is not None or k in ("kl", "peak_gpu_memory_gib")})
-
-
-class _NoProgress:
-    def advance(self):
-        pass
-
-    def stop(self):
-        pass
-
-
-class _RichProgress:
-    def __init__(self, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.p = Progress(TextColumn("train-step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          transient=True, console=_console())
-        self.task = self.p.add_task("micro-batches", total=total)
-        self.p.start()
-
-    def advance(self):
-        self.p.advance(self.task)
-
-    def stop(self):
-        self.p.stop()
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(file=sys.stderr)
-
-
-def _progress(cfg, dist, total):
-    if cfg.progress and dist.is_main and sys.stderr.isatty():
-        return _RichProgress(total)
-    return _NoProgress()
-
-
-def _warn(msg: str, held: list[str] | None = None) -> None:
-    """A warning of the step, the same on every torchrun rank: rank 0 alone gives it (each rank did, so 8 GPUs
-    printed each line 8 times; a review). Another rank's goes to ``held``, where given, for the caller to say."""
-    if distributed.main_by_environment():
-        warnings.warn(QerlWarning(msg), stacklevel=3)
-    elif held is not None:
-        held.append(msg)
-
-
-def _say(cfg, msg: str, result: bool = False, every_rank: bool = False) -> None:
-    """Notes and warnings to stderr; the result line (and "already done") to stdout, as the other stages.
-    Under torchrun only rank 0 speaks, unless the note is the rank's own (``every_rank``: it names the rank)."""
-    if cfg.progress and (every_rank or distributed.main_by_environment()):
-        print(msg, file=sys.stdout if result else sys.stderr)

@@ -544,22 +544,22 @@ def test_an_empty_completion_alone_in_its_micro_batch_trains(models, tmp_path):
 def test_a_rerun_restores_the_metrics_line_a_kill_lost(models, tmp_path, monkeypatch):
     # Killed after the output was in place, before the --metrics-file append: every rerun is "already
     # done", so the step's line was lost for good. The rerun appends it, once.
-    import qerl_cli.train_step as ts
+    import qerl_cli.train.metrics as train_metrics  # where --metrics-file is appended (_append_metrics)
 
     sh = make_shard(tmp_path / "sh", models["qhash"])
     mf = tmp_path / "run" / "metrics.jsonl"
-    real = ts.append_jsonl
+    real = train_metrics.append_jsonl
 
     def killed(path, record):
         if path == mf:
             raise KeyboardInterrupt  # stands in for the kill
         real(path, record)
 
-    monkeypatch.setattr(ts, "append_jsonl", killed)
+    monkeypatch.setattr(train_metrics, "append_jsonl", killed)
     with pytest.raises(KeyboardInterrupt):
         train_step(_cfg(models["q"], [sh], tmp_path / "a", metrics_file=mf))
     assert (tmp_path / "a" / "manifest.json").is_file() and not mf.exists()
-    monkeypatch.setattr(ts, "append_jsonl", real)
+    monkeypatch.setattr(train_metrics, "append_jsonl", real)
     for _ in range(2):
         m = train_step(_cfg(models["q"], [sh], tmp_path / "a", metrics_file=mf))
     lines = [json.loads(x) for x in mf.read_text().splitlines()]
