@@ -55,6 +55,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # was 3); a slash, "\enspace"/"\hfill" or bold between boxes lists them (was the last); "5\text{ thousand}" is 5000 and
 # "\text{5 squared}", "5\text{ pi}", "\text{5 is wrong}" no answer (were 5); "\frac13 = 0.333" is 1/3 or 0.333 (was
 # none), "\sqrt{2} = 1.5" none (was 1.5).
+# s58r08: the decimal beside an exact value answers a decimal reference only ("\frac13 = 0.3" was right against
+# \frac{3}{10}); an equation of exact numbers that differ is none ("\sqrt{2} = 5" was 5); degrees in an equation are
+# radians ("\sin 30^\circ = 0.5", none since s58r05); "5\text{ hundreds}" is 500, "5\text{ twelfths}" none (were 5).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

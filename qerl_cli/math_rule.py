@@ -12,7 +12,8 @@ right side) is no answer, as are one of arithmetic (``2 + 1 = 4``) or a chain ho
 answer math-verify would cut as its unit past a second value or a hedge (``5\\text{ cm}, 6\\text{ cm}``,
 ``5\\text{ or 6}``: it drops all from the first text group, so read as 5), or a word there that is no unit (``\\text{5
 squared}``, ``5\\text{ pi}``, ``\\text{5 is wrong}``); a scale word is its power of ten (``5\\text{ thousand}``: 5000);
-an exact number beside the decimal it rounds to (``\\frac13 = 0.333``) is one answer, right against either. Two boxes
+an exact number beside the decimal it rounds to (``\\frac13 = 0.333``) is one answer, right against either (the decimal
+against a decimal reference only). Two boxes
 side by side with only spacing between (``\\boxed{3} \\boxed{4}``, ``\\hspace{1em}``, ``\\enspace``, a slash, markdown or
 TeX bold around each) are listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x =
 \\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
@@ -260,8 +261,10 @@ _FIRST_TEXT = re.compile(_TEXT_COMMAND + r"\{")
 # Words math-verify drops as a unit that are none: a scale of or an operation on the number before them
 # ("5\\text{ squared}", "\\text{5 thousandths}", "5\\text{ pi}"), or the answer's own denial ("\\text{5 is wrong}"):
 # each read as 5 until s58r05. The first word only for the former ("5\\text{ cm squared}" is 5 square centimetres).
-_NOT_A_UNIT = re.compile(r"^\W*(?:hundred|thousand|million|billion|trillion|squared|cubed|factorial|pi|halves|thirds|"
-                         r"quarters|(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand|million)ths)\b"
+# A scale in the plural too, and any fraction's name ("5\\text{ hundreds}", "5\\text{ twelfths}" read as 5 until s58r08),
+# not "months".
+_NOT_A_UNIT = re.compile(r"^\W*(?:(?:hundred|thousand|million|billion|trillion)s?|squared|cubed|factorial|pi|halves|thirds|"
+                         r"quarters|(?:four|fif|six|seven|eigh|nin|ten|eleven|twelf|\w+teen|\w+tie|hundred|thousand|million)ths)\b"
                          r"|\b(?:not|wrong|incorrect|false|isn't)\b", re.IGNORECASE)
 _TEX_COMMAND_OR_BRACE = re.compile(r"\\[A-Za-z]+|[{}]")
 # A number's scale in a text group after it, "5\\text{ thousand}", "\\text{2.5 million dollars}" (made "2.5\\text{
@@ -269,7 +272,7 @@ _TEX_COMMAND_OR_BRACE = re.compile(r"\\[A-Za-z]+|[{}]")
 # power of ten, the rest of the group left as the unit.
 _SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
 _SCALE_WORD = re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?)(?:\\[,;: ]|~|\s){0,3}" + _TEXT_COMMAND
-                         + r"\{\s{0,3}(hundred|thousand|million|billion|trillion)\b([^{}]{0,60})\}", re.IGNORECASE)
+                         + r"\{\s{0,3}(hundred|thousand|million|billion|trillion)s?\b([^{}]{0,60})\}", re.IGNORECASE)
 
 
 def _scale_word(m: re.Match) -> str:
@@ -440,14 +443,14 @@ def _false_equation(parsed, timeout: int) -> bool:
     """Whether an answer is an equation of two numbers that differ, "\\boxed{3 = 4}", "\\boxed{2 + 1 = 4}", or holds
     one in a chain, "\\boxed{x = 3 = 4}": math-verify reads an equation as its right side ("x = 4", "48 + 24 = 72"), so
     each was right against 4 ("2 + 1 = 4" and "x = 3 = 4" until s57r14, and "3 = 1e3" against 1000 once 1e3 was a
-    number). A false statement, two values offered: none. A side is a rational number, arithmetic of such included
-    (an exact number beside a decimal, "\\sqrt{2} = 1.414", is _approximation's); the two are compared by math-verify,
-    within its timeout (2^{9e9} is not worked out)."""
+    number). A false statement, two values offered: none. A side is a number, an exact one included ("\\sqrt{2} = 5",
+    "\\pi = \\frac{22}{7}": rational ones only until s58r08; an exact number beside a decimal, "\\sqrt{2} = 1.414", is
+    _approximation's); the two are compared by math-verify, within its timeout (2^{9e9} is not worked out)."""
     from math_verify import verify
     from sympy import And, Eq
 
-    def number(side) -> bool:
-        return bool(side.is_Number or (not side.free_symbols and side.is_rational))
+    def number(side) -> bool:  # an exact one too: "\\sqrt{2} = 5", "\\pi = \\frac{22}{7}" read as 5, 22/7 until s58r08
+        return bool(side.is_Number or (not side.free_symbols and side.is_number))
 
     equations = parsed.args if isinstance(parsed, And) else (parsed,)
     return any(isinstance(eq, Eq) and number(eq.lhs) and number(eq.rhs)
@@ -482,6 +485,36 @@ def _approximation(pred: str, parsed, timeout: int) -> tuple | None:
     return (exact, decimal) if rounds else ()
 
 
+# A number written with a decimal point, "0.333", ".5", "1.41".
+_DECIMAL_NUMBER = re.compile(r"\.\d")
+
+
+def _decimal(gold: str) -> bool:
+    """Whether a reference's TeX holds a decimal ("0.333", "1.41"): the only kind an approximation's decimal side
+    answers. Against an exact one the decimal only notes the exact side, which alone is the answer: "\\frac13 = 0.3" was
+    right against \\frac{3}{10} and "\\frac{355}{113} = 3.141593" against \\pi (each its decimal) until s58r08. The TeX,
+    not math-verify's parse: it reads "0.5" as 1/2."""
+    return _DECIMAL_NUMBER.search(gold) is not None
+
+
+# A number's degree sign (as _DEGREE_SIGN writes it): math-verify reads "30^\\circ" as 30, so an equation of an angle's
+# value, "\\sin 30^\\circ = 0.5" (sin of 30 radians), "\\frac{\\pi}{2} = 90^\\circ", was false to the equation checks
+# (the first none since s58r05, right before; the second once exact sides are compared). They compare it in radians.
+_DEGREES = re.compile(r"(\d+(?:\.\d+)?)\s*\^\s*(?:\{\s*\\circ\s*\}|\\circ)")
+
+
+def _as_equation(pred: str, parsed, cfg, timeout: int):
+    """An answer as the equation checks (_approximation, _false_equation) compare it: ``parsed``, math-verify's, or its
+    parse with each degree in radians."""
+    from math_verify import parse
+
+    if "=" not in pred or _DEGREES.search(pred) is None:  # no equation: a degree answer's parse is math-verify's
+        return parsed
+    tex = _DEGREES.sub(r"\\left(\\frac{\1\\pi}{180}\\right)", pred)
+    radians = parse(f"$\\boxed{{{tex}}}$", extraction_config=cfg, parsing_timeout=timeout)
+    return radians[0] if radians else parsed
+
+
 def _inequality_against_interval(gold, pred) -> bool:
     """Whether an answer is an inequality and its reference an interval ("x > 2", "-2 \\le x \\le 7", "x \\neq -2"
     against "(2, \\infty)", "[-2, 7]", a union): math-verify compares the two only with the inequality as the
@@ -509,10 +542,11 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
     if not g or not p:
         return gold.strip() == pred.strip()
-    sides = _approximation(pred, p[0], timeout)
+    equation = _as_equation(pred, p[0], cfg, timeout)
+    sides = _approximation(pred, equation, timeout)
     if sides is not None:  # (): a decimal that is no rounding of its exact side, a false equation
-        return any(verify(g, [side], timeout_seconds=timeout) for side in sides)
-    if _false_equation(p[0], timeout):
+        return any(verify(g, [side], timeout_seconds=timeout) for side in sides[: 2 if _decimal(gold) else 1])
+    if _false_equation(equation, timeout):
         return False
     if _inequality_against_interval(g[0], p[0]):
         return bool(verify(p, g, timeout_seconds=timeout))

@@ -386,3 +386,53 @@ def test_an_exact_value_beside_the_decimal_it_rounds_to_is_one_answer(completion
     """math-verify reads an equation as its right side: "\\frac13 = 0.333" was a false equation (no answer) and
     "\\sqrt{2} = 1.414" wrong against \\sqrt{2}, while "\\sqrt{2} = 1.5", false, was right against 1.5."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\frac13 = 0.3}", "\\frac{3}{10}", False), ("\\boxed{0.3 = \\frac13}", "\\frac{3}{10}", False),
+    ("\\boxed{\\frac{355}{113} = 3.141593}", "\\pi", False), ("\\boxed{\\sqrt{2} = 1.41}", "\\frac{141}{100}", False),
+    ("\\boxed{\\frac13 = 0.3}", "30\\%", False),
+    ("\\boxed{\\frac13 = 0.3}", "\\frac13", True), ("\\boxed{\\frac13 = 0.3}", "0.3", True),
+    ("\\boxed{\\sqrt{2} = 1.41}", "1.41", True), ("\\boxed{\\pi = 3.14}", "\\pi", True),
+])
+def test_an_approximations_decimal_answers_a_decimal_reference_only(completion, reference, ok):
+    """The decimal beside an exact value was compared with any reference: "\\frac13 = 0.3" was right against 3/10 and
+    "\\frac{355}{113} = 3.141593" against \\pi, a wrong exact answer paid for the decimal that notes it."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\sqrt{2} = 5}", "5", False), ("\\boxed{\\pi = 4}", "4", False),
+    ("\\boxed{\\sqrt{2} = \\frac{3}{2}}", "\\frac32", False), ("\\boxed{\\pi = \\frac{22}{7}}", "\\frac{22}{7}", False),
+    ("\\boxed{\\sqrt{8} = 3\\sqrt{2}}", "3\\sqrt2", False), ("\\boxed{x = \\sqrt{2} = 5}", "5", False),
+    ("\\boxed{\\sqrt{16} = 4}", "4", True), ("\\boxed{2\\sqrt{2} = \\sqrt{8}}", "\\sqrt8", True),
+    ("\\boxed{\\log_2 8 = 3}", "3", True), ("\\boxed{\\frac{\\pi}{2} = 90^\\circ}", "90^\\circ", True),
+    ("\\boxed{\\frac{\\pi}{2} = 45^\\circ}", "45^\\circ", False), ("\\boxed{180° = \\pi}", "\\pi", True),
+])
+def test_a_false_equation_of_exact_irrational_numbers_is_no_answer(completion, reference, ok):
+    """Only rational sides were compared: "\\sqrt{2} = 5" and "\\pi = \\frac{22}{7}", false, were read as their right
+    side (s58r05 made "\\sqrt{2} = 1.5" none, a decimal's case only)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\sin 30^\\circ = 0.5}", "0.5", True), ("\\boxed{\\sin 30^\\circ = 0.5}", "\\frac12", True),
+    ("\\boxed{\\tan 45^\\circ = 1.0}", "1", True), ("\\boxed{\\cos 60\\degree = 0.5}", "0.5", True),
+    ("\\boxed{\\sin 30^\\circ = 0.6}", "0.6", False), ("\\boxed{\\sin 30^{\\circ} = 0.4}", "0.4", False),
+])
+def test_an_equation_of_an_angle_in_degrees_is_compared_in_radians(completion, reference, ok):
+    """math-verify reads "30^\\circ" as 30: "\\sin 30^\\circ = 0.5", sin of 30 radians beside 0.5, was no rounding of its
+    exact side since s58r05 (none; right before), and "\\frac{\\pi}{2} = 90^\\circ" a false equation."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{5\\text{ hundreds}}", "5", False), ("\\boxed{5\\text{ hundreds}}", "500", True),
+    ("\\boxed{\\text{5 thousands}}", "5", False), ("\\boxed{5\\text{ twelfths}}", "5", False),
+    ("\\boxed{5\\text{ elevenths}}", "5", False), ("\\boxed{5\\text{ sixteenths}}", "5", False),
+    ("\\boxed{5\\text{ months}}", "5", True), ("\\boxed{5\\text{ widths}}", "5", True),
+])
+def test_a_plural_scale_or_any_fractions_name_is_no_unit(completion, reference, ok):
+    """"5\\text{ hundreds}" and "5\\text{ twelfths}" read as 5: the scale words were singular only, and the fraction names
+    stopped at tenths."""
+    assert is_correct(completion, reference, "math") is ok
