@@ -44,8 +44,9 @@ run_qerl() {  # qerl ARGS...
   QERL_STOP_WITH_PARENT=1 qerl_run_forwarding "${QERL_WORDS[@]}" "$@"
 }
 
-# A stage that refuses its output exits 4: made from other inputs, damaged, or (eval) a stopped run of it on another
-# GPU model, which this one would finish with other numerics. With FORCE=1 that
+# A stage that refuses its output exits 4: made from other inputs, damaged, or (eval) begun on another GPU model, a run
+# stopped there or a finished one to be scored again with problems generated anew, which this one would finish with
+# other numerics. With FORCE=1 that
 # stage alone is redone with --force; a later stage whose inputs it changed refuses and is redone in
 # turn, and one whose inputs did not change stays "already done" (so changing MERGE_DTYPE redoes
 # merge and eval, not the RL loop). Exit 8 (another qerl run is writing that output, or wrote it meanwhile: two
@@ -62,9 +63,11 @@ stage() {
     if [ "$rc" = 4 ]; then
       echo "note: qerl $1 refused (exit 4): FORCE=1 reruns this script redoing each stage that refuses; a changed STEPS" \
         "cannot extend a run (start a new RUN_DIR)" >&2
-      if [ "$1" = eval ]; then  # its other way out, which FORCE=1 would throw away: the stopped eval's problems
-        echo "note: an eval stopped on another GPU model resumes only on a GPU of that model; FORCE=1 starts it" \
-          "afresh here" >&2
+      # its other way out, which FORCE=1 would throw away: the problems generated there. Not only a stopped eval: a
+      # finished one that today's rules score again with problems generated anew is refused so too (qerl_cli/evaluate.py)
+      if [ "$1" = eval ]; then
+        echo "note: an eval begun on another GPU model, stopped there or to be scored again with problems generated" \
+          "anew (the line above says which), goes on only on a GPU of that model; FORCE=1 generates it all afresh here" >&2
       fi
     fi
     return "$rc"

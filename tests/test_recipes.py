@@ -55,6 +55,63 @@ def test_configs_define_what_the_loop_needs(config):
                    check=True)
 
 
+# The paper's reference settings (its public scripts; ../shared/docs/qerl-method.md, "Reference hyperparameters"), as
+# the stages read them: the Qwen configs' flags and, where a config passes none, the stage's default. The test read
+# only LOSS, CLIP_EPS_HIGH and LORA_RANK of the configs' own text: a config's bf16 baseline ran at NVFP4's LR, and a
+# changed stage default (AdamW's betas, weight decay, the LoRA targets) would have changed every recipe unsaid.
+PAPER_TRAIN = {"loss": "dapo", "beta": 0.0, "clip_eps": 0.2, "clip_eps_high": 0.28, "lora_rank": 16, "lora_alpha": 16,
+               "adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "max_grad_norm": 0.2, "min_lr_ratio": 0.0,
+               "epochs": 1}
+PAPER_LR = {"nvfp4": 1e-5, "bf16": 5e-6}
+PAPER_ROLLOUT = {"max_new_tokens": 2048, "aqn_sigma_start": 1e-2, "aqn_sigma_end": 1e-4, "aqn_stages": 10}
+
+
+def _stage_config(config: Path, cmd: str, env: dict):
+    """The stage config (TrainStepConfig, RolloutConfig, EvalConfig) that the command line lib.sh's ``cmd`` builds from
+    ``config`` (sourced with ``env`` as the whole environment) gives the stage: parsed by the stage's own CLI, its
+    defaults filled in, caught before it runs."""
+    from typer.testing import CliRunner
+
+    from qerl_cli.cli import app
+
+    out = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{config}"; source "{RECIPES / "lib.sh"}"; '
+                          f'qerl_load_config "{config}"; qerl_set_base run; {cmd}; printf "%s\\0" "${{QERL_CMD[@]}}"'],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    args = out.split("\0")[:-1]
+    target = {"train-step": "qerl_cli.train_step.train_step", "rollout": "qerl_cli.rollout.rollout",
+              "eval": "qerl_cli.evaluate.evaluate"}[args[0]]
+    got = []
+
+    def caught(cfg, *_, **__):
+        got.append(cfg)
+        raise SystemExit(0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(target, caught)
+        r = CliRunner().invoke(app, args, env={"COLUMNS": "200", "TERMINAL_WIDTH": ""})
+    assert got, f"{config.name}: qerl {' '.join(args)} -> exit {r.exit_code}: {r.stderr or r.stdout}"
+    return got[0]
+
+
+@pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.name.startswith("qwen2.5-")], ids=lambda p: p.name)
+def test_the_qwen_configs_run_the_stages_with_the_papers_settings(config, base_format):
+    from qerl_cli.layers.lora import DEFAULT_TARGETS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LR", "STEPS", "WARMUP_STEPS")} | {"BASE_FORMAT": base_format}
+    train = _stage_config(config, "qerl_train_cmd 1 --shards s", env)
+    assert {k: getattr(train, k) for k in PAPER_TRAIN} == PAPER_TRAIN
+    assert train.lr == PAPER_LR[base_format]  # the reference: 1e-5 for NVFP4, 5e-6 for the 16-bit LoRA baseline
+    # LoRA on all seven projections; 10% warmup, then cosine over the run
+    assert train.lora_targets is None and set(DEFAULT_TARGETS) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                    "up_proj", "down_proj"}
+    assert train.total_steps >= 100 and train.warmup_steps == train.total_steps // 10
+    rollout = _stage_config(config, "qerl_rollout_cmd 1 s", env)
+    assert {k: getattr(rollout, k) for k in PAPER_ROLLOUT} == PAPER_ROLLOUT and rollout.total_steps == train.total_steps
+    ev = _stage_config(config, "qerl_eval_cmd 0", env)  # GSM8K pass@1, greedy, at the rollout's length
+    assert (ev.k, ev.temperature, ev.max_new_tokens) == (1, None, 2048)
+
+
 def _fake_sbatch(tmp_path):
     log = tmp_path / "sbatch.log"
     counter = tmp_path / "jid"
@@ -873,21 +930,28 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
 GPU_REFUSAL = ('if [ "$1" = eval ] && [[ " $* " != *" --force "* ]] && [[ " $* " != *" --compare "* ]]; then\n'
                '  echo "error: .e.partial-x holds this eval stopped on \'H100\', another GPU model than this \'A100\'" >&2\n'
                '  exit 4\nfi\n')
+# and to score again a finished eval another GPU model generated, where some problems must be generated anew (evaluate.py)
+GPU_RESCORE_REFUSAL = GPU_REFUSAL.replace(".e.partial-x holds this eval stopped on \'H100\', another GPU model than this "
+                                          "\'A100\'", "e was generated on \'H100\': scoring it again, some of its "
+                                          "problems must be generated again (...), which this \'A100\' would do with other numerics")
+# What grpo.sh and a Slurm job say after an eval's refusal: it said "an eval stopped on ...", wrong for a rescoring
+GPU_NOTE = ("note: an eval begun on another GPU model, stopped there or to be scored again with problems generated anew (the "
+            "line above says which), goes on only on a GPU of that model{}; FORCE=1 generates it all afresh here\n")
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_grpo_sh_says_an_evals_gpu_model_refusal_for_what_it_is(tmp_path):
+@pytest.mark.parametrize("refusal", [GPU_REFUSAL, GPU_RESCORE_REFUSAL], ids=["stopped", "rescored"])
+def test_grpo_sh_says_an_evals_gpu_model_refusal_for_what_it_is(tmp_path, refusal):
     # The stage's exit 4 was announced as "made from other inputs" whatever refused, and an eval stopped on another GPU
     # model (its kept problems, which FORCE=1 throws away) was told only of FORCE=1 and a changed STEPS
     log = tmp_path / "qerl.log"
-    qerl = _recorder(tmp_path, "qerl", f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n' + GPU_REFUSAL)
+    qerl = _recorder(tmp_path, "qerl", f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n' + refusal)
     cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\n")
     env = {**os.environ, "QERL": str(qerl)}
     run = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env,
                          capture_output=True, text=True)
     assert run.returncode == 4
-    assert run.stderr.endswith("(start a new RUN_DIR)\nnote: an eval stopped on another GPU model resumes only on a GPU "
-                               "of that model; FORCE=1 starts it afresh here\n"), run.stderr
+    assert run.stderr.endswith("(start a new RUN_DIR)\n" + GPU_NOTE.format("")), run.stderr
     err = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env={**env, "FORCE": "1"},
                          check=True, capture_output=True, text=True).stderr
     assert "FORCE=1: qerl eval refused above (exit 4); redoing it with --force" in err
@@ -912,9 +976,8 @@ def test_a_slurm_eval_job_requeued_onto_another_gpu_model_says_how_to_go_on(tmp_
         return
     assert r.returncode == 4
     assert r.stderr.endswith(f"note: the stage refused (exit 4): FORCE=1 in {run}/submit.env (or a chain resubmitted "
-                             "with FORCE=1) redoes it with --force\nnote: an eval stopped on another GPU model resumes "
-                             "only on a GPU of that model (a Slurm constraint: EXTRA_SBATCH_ARGS=--constraint=...); "
-                             "FORCE=1 starts it afresh here\n"), r.stderr
+                             "with FORCE=1) redoes it with --force\n"
+                             + GPU_NOTE.format(" (a Slurm constraint: EXTRA_SBATCH_ARGS=--constraint=...)")), r.stderr
 
 
 def _submit_7b_chain(tmp_path, **env):
@@ -962,6 +1025,8 @@ def test_a_slurm_job_of_a_force_chain_redoes_a_refusing_stage(tmp_path, force, s
         assert "redoing it with --force" in r.stderr
     else:
         assert r.returncode == refused_rc and calls == [qerl_stage], r.stderr
+        # and says how to redo it: torchrun's exit 1 (not 4) left a refused multi-GPU train job without a word of FORCE
+        assert f"FORCE=1 in {tmp_path}/run/submit.env (or a chain resubmitted with FORCE=1) redoes it" in r.stderr, r.stderr
 
 
 def test_a_force_chains_torchrun_job_does_not_force_over_an_output_another_chain_wrote_meanwhile(tmp_path):

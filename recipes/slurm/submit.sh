@@ -55,7 +55,9 @@ SCRIPT=$HERE/stage.sbatch
   echo "# To change one for a job you rerun alone, edit it here; resubmitting the chain rewrites this file."
   printf 'QERL_RECIPES_DIR=%q\n' "$RECIPES"
   for v in "${QERL_STAGE_VARS[@]}"; do printf '%s=%q\n' "$v" "${!v}"; done
-  printf 'FORCE=%q\n' "${FORCE:-0}"  # 1: a job whose stage refuses (exit 4, other inputs) redoes it with --force
+  # 1: a job whose stage refuses (exit 4: made from other inputs, or an eval another GPU model began, stopped or to
+  # be scored again) redoes it with --force
+  printf 'FORCE=%q\n' "${FORCE:-0}"
 } > "$RUN_DIR/submit.env"
 
 common=(--parsable --chdir "$PWD")
@@ -113,7 +115,8 @@ jid=$qid
 # run (qerl_resume_point), as grpo.sh's rerun does: each earlier step took two GPU jobs only to say "already done"
 # (a review, 2026-11-27). That step's jobs check the current config and inputs; an eval missing before it is
 # submitted. A refusal there cancels the chain (afterok); with FORCE=1 the chain starts at step 0 and each job
-# redoes a stage that refuses (exit 4: made from other inputs) with --force, as grpo.sh does.
+# redoes a stage that refuses (exit 4: made from other inputs, or an eval another GPU model began, stopped or to be
+# scored again, which starts afresh) with --force, as grpo.sh does.
 first=$(qerl_resume_point)
 if [ "$first" -gt 0 ]; then
   echo "steps 0-$((first - 1)): finished; the chain starts at step $first"
