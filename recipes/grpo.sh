@@ -17,6 +17,7 @@
 # Layout:  RUN_DIR/base/                       NVFP4 checkpoint (BASE_FORMAT=nvfp4)
 #          RUN_DIR/step-000012/{shards,adapter,eval}   (a Slurm chain's one-task step: shards-0, kept)
 #          RUN_DIR/metrics.jsonl               one line per train-step
+#          RUN_DIR/shuffle                     SHUFFLE as the run dir's first rollout was begun (1 or 0)
 #          RUN_DIR/merged/, RUN_DIR/eval-final/
 set -euo pipefail
 
@@ -77,6 +78,8 @@ stage() {
 mkdir -p "$RUN_DIR"
 # A run dir a Slurm chain of several rollout tasks began is refused before any stage (qerl_shard_dirs).
 for ((s = 0; s < STEPS; s++)); do qerl_shard_dirs "$s" 1 shards; done
+# Every rollout reshuffles the prompts each epoch, or none does: SHUFFLE, as the run dir's rollouts were begun.
+if [ "$STEPS" -gt 0 ]; then qerl_resolve_shuffle; fi
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
 # 1. The frozen base: NVFP4 (QeRL) or the bf16 checkpoint itself (16-bit LoRA baseline).

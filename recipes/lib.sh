@@ -4,6 +4,7 @@
 # chain alike (they once kept a copy each, and stage.sbatch lost --chat-template-file).
 #
 #   source CONFIG; source recipes/lib.sh; qerl_load_config CONFIG; qerl_set_base RUN_DIR
+#   qerl_resolve_shuffle                                              (before the first qerl_rollout_cmd)
 #   qerl_rollout_cmd STEP OUT [FLAG...]; "$QERL" "${QERL_CMD[@]}"     (and the other *_cmd)
 # shellcheck shell=bash
 
@@ -13,7 +14,8 @@ QERL_REQUIRED_VARS=(MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW
   MICRO_BATCH_TOKENS SEED DEVICE)
 # ... and these have a default (qerl_load_config). ROLLOUT_SHARDS and TRAIN_GPUS are read by the Slurm jobs.
 QERL_OPTIONAL_VARS=(EVAL_DATASET EVAL_MAX_PROBLEMS EVAL_EVERY BASE_FORMAT MERGE_DTYPE DTYPE RUN_SEED
-  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS)
+  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
+  SHUFFLE)
 # shellcheck disable=SC2034
 QERL_STAGE_VARS=("${QERL_REQUIRED_VARS[@]}" "${QERL_OPTIONAL_VARS[@]}")
 
@@ -55,9 +57,11 @@ qerl_load_config() {  # CONFIG (for the messages)
   AQN_STAGES=${AQN_STAGES:-10}
   ROLLOUT_SHARDS=${ROLLOUT_SHARDS:-1}
   TRAIN_GPUS=${TRAIN_GPUS:-1}
+  SHUFFLE=${SHUFFLE:-auto}             # qerl_resolve_shuffle
   # Anything else once ran the 16-bit baseline without a word (BASE_FORMAT=NVFP4 included).
   case "$BASE_FORMAT" in nvfp4 | bf16) ;; *) _qerl_die "BASE_FORMAT=$BASE_FORMAT: use nvfp4 (QeRL) or bf16 (the 16-bit LoRA baseline)" ;; esac
   case "$MERGE_DTYPE" in nvfp4 | bf16) ;; *) _qerl_die "MERGE_DTYPE=$MERGE_DTYPE: use bf16 or nvfp4" ;; esac
+  case "$SHUFFLE" in auto | 1 | 0) ;; *) _qerl_die "SHUFFLE=$SHUFFLE: use auto, 1 (reshuffle the prompts each epoch) or 0 (file order)" ;; esac
   for v in "${QERL_NUMBER_VARS[@]}"; do
     [[ ${!v} =~ $QERL_WHOLE_NUMBER ]] || _qerl_die "$v=${!v}: expected a whole number"
   done
@@ -188,6 +192,47 @@ _qerl_has() {  # DIR NAME (a glob): DIR/NAME, finished or under way (a stage's .
   return 1
 }
 
+# SHUFFLE: whether every rollout of the run reshuffles the prompts each epoch (rollout --shuffle, seeded by RUN_SEED),
+# as the reference (TRL/verl-style) trainer does; until session 58 the recipes read them in file order, each pass over
+# the dataset the same. The flag is in each rollout's fingerprint, so one run's rollouts must all agree: turned on in a
+# run dir begun without it, the next rollout refused (exit 4) and FORCE=1 redid the run. `auto` is on for a new run dir
+# (no step holds a rollout) and, in a begun one, what its rollouts were made with: the first finished one's manifest
+# (recipes/rollout_shuffle.py; step 0's, unless pruned), else (only rollouts under way) RUN_DIR/shuffle, the choice
+# written when the run dir was new, and without that file 0: the recipes before the knob began rollouts without it.
+# 1 or 0 is taken as it is (a run dir of the other choice: its next rollout refuses).
+qerl_resolve_shuffle() {  # -> SHUFFLE (1 or 0), after qerl_set_base; writes RUN_DIR/shuffle for a new run dir
+  local recorded=""
+  if ! _qerl_any_rollout; then
+    if [ "$SHUFFLE" = auto ]; then SHUFFLE=1; fi
+    mkdir -p -- "$RUN_DIR" && echo "$SHUFFLE" > "$RUN_DIR/shuffle"
+    return
+  fi
+  [ "$SHUFFLE" = auto ] || return 0
+  recorded=$(python3 "$QERL_LIB_DIR/rollout_shuffle.py" "$RUN_DIR" "$STEPS") ||
+    _qerl_die "SHUFFLE=auto: cannot read how $RUN_DIR's rollouts were made (above; python3 reads their manifests):" \
+      "set SHUFFLE=1 or 0"
+  if [ -z "$recorded" ] && [ -f "$RUN_DIR/shuffle" ]; then recorded=$(< "$RUN_DIR/shuffle"); fi
+  case "$recorded" in
+    1 | 0) SHUFFLE=$recorded ;;
+    "") SHUFFLE=0 ;;
+    *) _qerl_die "$RUN_DIR/shuffle holds '$recorded', not 1 or 0: set SHUFFLE=1 or 0" ;;
+  esac
+  if [ "$SHUFFLE" = 0 ]; then
+    echo "note: SHUFFLE=auto: $RUN_DIR's rollouts were made in file order (no --shuffle), so this run keeps that" \
+      "order; a new RUN_DIR reshuffles the prompts each epoch" >&2
+  fi
+}
+_qerl_any_rollout() {  # whether a step of the run (below STEPS) holds a rollout, finished or under way
+  local d n
+  for d in "$RUN_DIR"/step-*; do
+    n=${d##*/step-}
+    if [[ $n =~ ^[0-9]+$ ]] && (( 10#$n < STEPS )) && { _qerl_has "$d" shards || _qerl_has "$d" 'shards-[0-9]*'; }; then
+      return 0
+    fi
+  done
+  return 1
+}
+
 # The step a rerun starts qerl from: the last with a finished adapter when every adapter before it is of the same
 # run (recipes/resume_point.py), else 0; 0 too without python3 on the host, and with FORCE=1.
 QERL_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -245,14 +290,19 @@ _qerl_template_flags() {
 qerl_quantize_cmd() { QERL_CMD=(quantize "$MODEL" --out "$RUN_DIR/base" --device "$DEVICE"); }
 
 qerl_rollout_cmd() {  # STEP OUT [FLAG...]: step STEP's rollout, with adapter STEP-1, into OUT
-  local s=$1 out=$2 r rewards=()
+  local s=$1 out=$2 r rewards=() shuffle=()
   shift 2
+  case "$SHUFFLE" in
+    1) shuffle=(--shuffle) ;;
+    0) ;;
+    *) _qerl_die "SHUFFLE=$SHUFFLE: qerl_resolve_shuffle decides it before the first rollout" ;;
+  esac
   # shellcheck disable=SC2153  # the config sets REWARDS
   for r in $REWARDS; do rewards+=(--reward "$r"); done
   _qerl_adapter_before "$s"
   _qerl_template_flags
   QERL_CMD=(rollout --model "$BASE" "${QERL_ADAPTER[@]}" --prompts "$DATASET" --out "$out" "$@"
-    --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" --num-generations "$NUM_GENERATIONS"
+    --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" "${shuffle[@]}" --num-generations "$NUM_GENERATIONS"
     --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${rewards[@]}" "${QERL_TEMPLATE[@]}"
     --aqn-sigma-start "$AQN_SIGMA_START" --aqn-sigma-end "$AQN_SIGMA_END" --aqn-stages "$AQN_STAGES"
     --total-steps "$STEPS" --run-seed "$RUN_SEED" --seed "$SEED" --device "$DEVICE" --dtype "$DTYPE")

@@ -31,6 +31,9 @@ def test_short_quickstart_chains_every_stage(tmp_path):
         assert manifest["outputs"], d
     assert (run / "step-000001/adapter/adapter_model.safetensors").exists()
     assert json.loads((run / "step-000000/shards/manifest.json").read_text())["stage"] == "rollout"
+    # a new run dir reshuffles the prompts each epoch (SHUFFLE=auto), every step alike
+    assert [json.loads((run / f"step-00000{s}/shards/manifest.json").read_text())["config"]["shuffle"]
+            for s in range(2)] == [True, True]
 
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1]

@@ -66,17 +66,17 @@ PAPER_LR = {"nvfp4": 1e-5, "bf16": 5e-6}
 PAPER_ROLLOUT = {"max_new_tokens": 2048, "aqn_sigma_start": 1e-2, "aqn_sigma_end": 1e-4, "aqn_stages": 10}
 
 
-def _stage_config(config: Path, cmd: str, env: dict):
+def _stage_config(config: Path, cmd: str, env: dict, cwd: Path | None = None):
     """The stage config (TrainStepConfig, RolloutConfig, EvalConfig) that the command line lib.sh's ``cmd`` builds from
-    ``config`` (sourced with ``env`` as the whole environment) gives the stage: parsed by the stage's own CLI, its
-    defaults filled in, caught before it runs."""
+    ``config`` (sourced with ``env`` as the whole environment, RUN_DIR ``run`` in ``cwd``) gives the stage: parsed by
+    the stage's own CLI, its defaults filled in, caught before it runs."""
     from typer.testing import CliRunner
 
     from qerl_cli.cli import app
 
     out = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{config}"; source "{RECIPES / "lib.sh"}"; '
                           f'qerl_load_config "{config}"; qerl_set_base run; {cmd}; printf "%s\\0" "${{QERL_CMD[@]}}"'],
-                         env=env, capture_output=True, text=True, check=True).stdout
+                         env=env, capture_output=True, text=True, check=True, cwd=cwd).stdout
     args = out.split("\0")[:-1]
     target = {"train-step": "qerl_cli.train_step.train_step", "rollout": "qerl_cli.rollout.rollout",
               "eval": "qerl_cli.evaluate.evaluate"}[args[0]]
@@ -95,7 +95,7 @@ def _stage_config(config: Path, cmd: str, env: dict):
 
 @pytest.mark.parametrize("base_format", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.name.startswith("qwen2.5-")], ids=lambda p: p.name)
-def test_the_qwen_configs_run_the_stages_with_the_papers_settings(config, base_format):
+def test_the_qwen_configs_run_the_stages_with_the_papers_settings(tmp_path, config, base_format):
     from qerl_cli.layers.lora import DEFAULT_TARGETS
 
     env = {k: v for k, v in os.environ.items() if k not in ("LR", "STEPS", "WARMUP_STEPS")} | {"BASE_FORMAT": base_format}
@@ -106,8 +106,9 @@ def test_the_qwen_configs_run_the_stages_with_the_papers_settings(config, base_f
     assert train.lora_targets is None and set(DEFAULT_TARGETS) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                     "up_proj", "down_proj"}
     assert train.total_steps >= 100 and train.warmup_steps == train.total_steps // 10
-    rollout = _stage_config(config, "qerl_rollout_cmd 1 s", env)
+    rollout = _stage_config(config, "qerl_resolve_shuffle; qerl_rollout_cmd 1 s", env, cwd=tmp_path)
     assert {k: getattr(rollout, k) for k in PAPER_ROLLOUT} == PAPER_ROLLOUT and rollout.total_steps == train.total_steps
+    assert rollout.shuffle  # a new run dir's prompts reshuffled each epoch, as the reference trainer's (SHUFFLE=auto)
     ev = _stage_config(config, "qerl_eval_cmd 0", env)  # GSM8K pass@1, greedy, at the rollout's length
     assert (ev.k, ev.temperature, ev.max_new_tokens) == (1, None, 2048)
 
@@ -721,6 +722,130 @@ def test_a_run_dir_named_with_glob_characters_is_read_as_it_is(tmp_path):
     r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert _shard_args(log, run)[:2] == [("rollout", "step-000000/shards-0"), ("train-step", "step-000000/shards-0")]
+
+
+def _rollouts_shuffled(log):
+    """Whether each rollout in the recorder's log passed --shuffle."""
+    return [" --shuffle " in line + " " for line in log.read_text().splitlines() if line.startswith("rollout ")]
+
+
+def _rollout_made(step_dir, shuffle=None):
+    """A finished rollout's manifest in ``step_dir`` (config.shuffle as given; None: none recorded, older qerl)."""
+    import json as _json
+
+    step_dir.mkdir(parents=True)
+    config = {"step": 0} if shuffle is None else {"step": 0, "shuffle": shuffle}
+    (step_dir / "manifest.json").write_text(_json.dumps({"stage": "rollout", "config": config, "inputs": {}}))
+
+
+@pytest.mark.parametrize("shuffle, want", [(None, True), ("auto", True), ("1", True), ("0", False)])
+def test_a_new_run_dir_reshuffles_the_prompts_each_epoch_unless_told_not_to(tmp_path, shuffle, want):
+    # The recipes never passed rollout --shuffle: a 500-step run at 32 prompts a step went over GSM8K twice in the same
+    # order, where the reference trainer reshuffles each epoch (a review, session 58). grpo.sh and the chain alike.
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, _ = _fake_sbatch(tmp_path)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), **({} if shuffle is None else {"SHUFFLE": shuffle})}
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
+                   capture_output=True)
+    assert _rollouts_shuffled(log) == [want, want]
+    assert (tmp_path / "run" / "shuffle").read_text() == f"{int(want)}\n"  # for a rerun that finds step 0 under way
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(tmp_path / "chain")], env=env,
+                   check=True, capture_output=True)
+    assert f"\nSHUFFLE={int(want)}\n" in (tmp_path / "chain" / "submit.env").read_text()
+    log.unlink()
+    job_env = {**os.environ, "QERL": str(qerl), "SHUFFLE": "auto"}  # the job takes the chain's value (submit.env)
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "chain"), "1"],
+                   env=job_env, check=True, capture_output=True)
+    assert _rollouts_shuffled(log) == [want]
+
+
+@pytest.mark.parametrize("script, begun", [(script, begun) for script in ("grpo.sh", "submit.sh") for begun in (
+    # a finished step-0 rollout, grpo.sh's or a one-task chain's, made without --shuffle (or by qerl before the flag)
+    {"step-000000/shards": False}, {"step-000000/shards-0": None},
+    # step 0's directory pruned to free space: the first step that has a rollout
+    {"step-000003/shards": False},
+    # a rollout under way, begun by the recipes before the knob (no RUN_DIR/shuffle)
+    {"step-000000/.shards.partial-0123456789abcdef": "dir"},
+)] + [("submit.sh", {"step-000000/shards-0": False, "step-000000/shards-1": None})], ids=str)
+def test_a_run_dir_begun_in_file_order_keeps_it(tmp_path, script, begun):
+    # --shuffle is in every rollout's fingerprint: turned on in a run dir begun without it, the next rollout refused
+    # (exit 4), and FORCE=1 would have redone the run. SHUFFLE=auto keeps such a run as it was begun, and says so.
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, _ = _fake_sbatch(tmp_path)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    for d, shuffle in begun.items():
+        if shuffle == "dir":
+            (run / d).mkdir(parents=True)
+        else:
+            _rollout_made(run / d, shuffle)
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "ROLLOUT_SHARDS": str(len(begun))}
+    cmd = ["bash", str(RECIPES / script if script == "grpo.sh" else RECIPES / "slurm" / script), str(cfg), str(run)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "note: SHUFFLE=auto: " in r.stderr and "made in file order (no --shuffle), so this run keeps" in r.stderr
+    shuffled = (lambda: _rollouts_shuffled(log)) if script == "grpo.sh" else (
+        lambda: [line == "SHUFFLE=1" for line in (run / "submit.env").read_text().splitlines() if "SHUFFLE=" in line])
+    assert shuffled() == ([False] * 5 if script == "grpo.sh" else [False])
+    # SHUFFLE=1 is taken as it is (the stage refuses where the run was made otherwise); the run's own choice is kept
+    log.write_text("")
+    r = subprocess.run(cmd, env={**env, "SHUFFLE": "1"}, capture_output=True, text=True)
+    assert r.returncode == 0 and "SHUFFLE=auto" not in r.stderr, r.stderr
+    assert shuffled() == ([True] * 5 if script == "grpo.sh" else [True])
+    assert not (run / "shuffle").exists()
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "stage.sbatch"])
+def test_a_rollout_under_way_in_a_new_run_dir_goes_on_shuffled(tmp_path, script):
+    # The first rollout stopped (a crash, a pre-emption) leaves step 0 a partial directory, no manifest to read:
+    # RUN_DIR/shuffle, written when the run dir was new, keeps its choice (else it read as a run begun before the knob).
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    env = {**os.environ, "QERL": str(qerl)}
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    (run / "step-000000" / ".shards.partial-0123456789abcdef").mkdir(parents=True)
+    log.unlink()
+    argv = [RECIPES / "grpo.sh", cfg, run] if script == "grpo.sh" else [RECIPES / "slurm" / "stage.sbatch", "rollout",
+                                                                         cfg, run, 0]
+    r = subprocess.run(["bash", *map(str, argv)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "SHUFFLE=auto" not in r.stderr, r.stderr
+    assert set(_rollouts_shuffled(log)) == {True}
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "stage.sbatch", "submit.sh"])
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_a_shuffle_value_other_than_auto_1_or_0_is_refused(tmp_path, script, value):
+    # before any stage or job, as the other config values (qerl_load_config): SHUFFLE=yes is not 1
+    qerl, log = _argv_recorder(tmp_path)
+    sbatch, sbatch_log = _fake_sbatch(tmp_path)
+    cfg = _qwen_cfg(tmp_path, f"\nWARMUP_STEPS=0\nSTEPS=2\nSHUFFLE={value}\n")
+    argv = {"grpo.sh": [RECIPES / "grpo.sh", cfg, tmp_path / "run"],
+            "stage.sbatch": [RECIPES / "slurm" / "stage.sbatch", "rollout", cfg, tmp_path / "run", 0],
+            "submit.sh": [RECIPES / "slurm" / "submit.sh", cfg, tmp_path / "run"]}[script]
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch)}
+    r = subprocess.run(["bash", *map(str, argv)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and f"error: SHUFFLE={value}: use auto, 1 (reshuffle the prompts each epoch) or 0" in r.stderr
+    assert not log.exists() and not sbatch_log.exists()
+
+
+def test_a_run_dir_begun_in_file_order_by_real_qerl_is_already_done(tmp_path):
+    # The tiny model through the real stages: a run made without --shuffle (as every run before the knob) is rerun
+    # "already done" under SHUFFLE=auto, where SHUFFLE=1 makes its first rollout refuse (exit 4), the flag's change
+    # named (a new run dir's rollouts record --shuffle: tests/test_quickstart.py).
+    run = tmp_path / "run"
+    env = {**os.environ, "QERL": f"{sys.executable} -m qerl_cli", "STEPS": "1", "WARMUP_STEPS": "0",
+           "PROMPTS_PER_STEP": "4", "NUM_GENERATIONS": "2", "MAX_NEW_TOKENS": "8", "EVAL_DATASET": "",
+           "OMP_NUM_THREADS": "1"}
+    cmd = ["bash", str(RECIPES / "grpo.sh"), str(RECIPES / "configs" / "tiny.env"), str(run)]
+    subprocess.run(cmd, env={**env, "SHUFFLE": "0"}, check=True, capture_output=True)
+    (run / "shuffle").unlink()  # as the recipes before the knob left it
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "wrote" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "already done" in r.stdout + r.stderr and "so this run keeps that order" in r.stderr
+    r = subprocess.run(cmd, env={**env, "SHUFFLE": "1"}, capture_output=True, text=True)
+    assert r.returncode == 4 and "shuffle" in r.stderr, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -44,6 +44,7 @@ mkdir -p -- "$RUN_DIR"; RUN_DIR=$(cd -- "$RUN_DIR" && pwd)
 # refused before a job is queued (qerl_shard_dirs): its first rollout task would fail (with FORCE=1, delete a shard).
 # With one task the chain continues grpo.sh's steps in step-<s>/shards.
 for ((s = 0; s < STEPS; s++)); do qerl_shard_dirs "$s" "$ROLLOUT_SHARDS" shards-; done
+qerl_resolve_shuffle  # SHUFFLE=auto: 1 or 0 as the run dir's rollouts were begun, recorded so in submit.env
 SBATCH=${SBATCH:-sbatch}
 SCRIPT=$HERE/stage.sbatch
 # Every value the stages read, resolved now (the config's ${VAR:-default} and what only the environment
