@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-# qerl_cli.train_step._adapter_inputs_hash: these files of an input adapter, in this order, where present.
+# qerl_cli.train.inputs._adapter_inputs_hash: these files of an input adapter, in this order, where present.
 ADAPTER_INPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors",
                        "trainer_state.json", "norms.safetensors")
 

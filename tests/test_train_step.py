@@ -778,7 +778,7 @@ def test_library_results_say_already_done_and_configs_take_what_the_cli_takes(mo
 def test_shards_named_in_another_order_are_the_same_step(models, tmp_path, monkeypatch):
     # --shards b a was another step than --shards a b (exit 4 over the finished one), since the read order
     # changes float sums; the files are now read in path order, whatever order they were named in.
-    import qerl_cli.train_step as ts
+    import qerl_cli.train.inputs as train_inputs  # where read_step orders the files (_in_path_order)
     from qerl_cli.shards import write_records
 
     q, h = models["q"], models["qhash"]
@@ -794,8 +794,10 @@ def test_shards_named_in_another_order_are_the_same_step(models, tmp_path, monke
     name = "adapter_model.safetensors"
     assert (tmp_path / "o1" / name).read_bytes() == (tmp_path / "o2" / name).read_bytes()
     # a step older qerl finished over --shards b a (read and hashed in that order) stays done
-    monkeypatch.setattr(ts, "_in_path_order", lambda files: files)
+    monkeypatch.setattr(train_inputs, "_in_path_order", lambda files: files)
     train_step(_cfg(q, [b, a], tmp_path / "o3"))
     monkeypatch.undo()
+    # read as named, b's file first (else this run was an ordinary one, and "stays done" tested nothing)
+    assert Path(json.loads((tmp_path / "o3" / "trainer_state.json").read_text())["last_shards"][0]).parent == b.resolve()
     assert train_step(_cfg(q, [b, a], tmp_path / "o3"))["already_done"]
     assert not train_step(_cfg(q, [a, b], tmp_path / "o2", force=True))["already_done"]  # --force still redoes it

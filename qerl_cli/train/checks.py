@@ -25,8 +25,9 @@ from qerl_cli.train.advantages import SCALES
 from qerl_cli.train.losses import LossConfig
 
 if TYPE_CHECKING:
+    from qerl_cli.train.inputs import StepData
     from qerl_cli.train.state import TrainerState
-    from qerl_cli.train_step import StepData, TrainStepConfig
+    from qerl_cli.train_step import TrainStepConfig
 
 
 def _check_flags(cfg: TrainStepConfig) -> None:

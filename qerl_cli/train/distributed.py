@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node N -m qerl_cli train-step ...`` starts N copies of the same step.
 Every rank reads the same shards, builds the same micro-batch list (packing is deterministic),
 and takes micro-batches ``rank, rank + N, ...`` (longest-first order, so the load is roughly
-even), keeping only those micro-batches' token arrays (``train_step._keep_owned``). Losses are
+even), keeping only those micro-batches' token arrays (``train.inputs._keep_owned``). Losses are
 pre-normalized for the whole step (see ``qerl_cli.train.losses``), so the gradients of all ranks
 are *summed*, not averaged, and each rank then takes the same optimizer step on identical
 gradients: the result equals a single-process run up to float summation order.

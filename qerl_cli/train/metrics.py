@@ -27,7 +27,8 @@ from qerl_cli.errors import OutputWriteError
 from qerl_cli.outputs import copy_beside
 
 if TYPE_CHECKING:
-    from qerl_cli.train_step import StepData, TrainStepConfig
+    from qerl_cli.train.inputs import StepData
+    from qerl_cli.train_step import TrainStepConfig
 
 
 class Accumulator:
