@@ -58,6 +58,10 @@ ANSWER_KINDS = ("gsm8k", "math")
 # s58r08: the decimal beside an exact value answers a decimal reference only ("\frac13 = 0.3" was right against
 # \frac{3}{10}); an equation of exact numbers that differ is none ("\sqrt{2} = 5" was 5); degrees in an equation are
 # radians ("\sin 30^\circ = 0.5", none since s58r05); "5\text{ hundreds}" is 500, "5\text{ twelfths}" none (were 5).
+# s59r03: a semicolon, bar, "vs", "\kern" or underline between boxes lists them ("\boxed{2}; \boxed{3}" was 3);
+# "1,000\text{ thousand}" is a million (was none); "5\text{ dozen}" is 5 or 60 (was 5); "\frac13 = 0.333\ldots" is
+# 1/3 (was none); "\text{A, C}" is the letters (was one symbol); "<answer>The answer is $3$. Actually, it is $4$."
+# is none (was 3).
 RULE_VERSION = {"gsm8k": 5, "math": 2}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

@@ -13,14 +13,18 @@ answer math-verify would cut as its unit past a second value or a hedge (``5\\te
 ``5\\text{ or 6}``: it drops all from the first text group, so read as 5), or a word there that is no unit (``\\text{5
 squared}``, ``5\\text{ pi}``, ``\\text{5 is wrong}``); a scale word is its power of ten (``5\\text{ thousand}``: 5000);
 an exact number beside the decimal it rounds to (``\\frac13 = 0.333``) is one answer, right against either (the decimal
-against a decimal reference only). Two boxes
-side by side with only spacing between (``\\boxed{3} \\boxed{4}``, ``\\hspace{1em}``, ``\\enspace``, a slash, markdown or
-TeX bold around each) are listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x =
-\\boxed{12}$, $x = \\boxed{4}$``) are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
+against a decimal reference only), with an ellipsis after the decimal too (``\\frac13 = 0.333\\ldots``, ``0.666...`` of
+2/3); a dozen is a unit or 12 (``5\\text{ dozen}``: 5 or 60), ``1,000\\text{ thousand}`` a million, ``\\text{A, C}``
+the letters. Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``, ``\\hspace{1em}``,
+``\\enspace``, ``\\kern``, a slash, a semicolon, a bar, a "vs", markdown or TeX bold or an underline around each) are
+listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
+are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
 one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
 as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
 math-verify's LaTeX extraction reads from it (two spans offered as a hedge, ``$3$ or maybe $4$``, as two boxes: ``3,
-4``, as are spans side by side, ``$3$ $4$``, ``$1$ \\quad $2$ \\quad $3$``, the whole run; a lone ``$18`` is currency); words alone (``The answer is 5``) are no answer.
+4``, as are spans side by side, ``$3$ $4$``, ``$1$ \\quad $2$ \\quad $3$``, the whole run; a span its words take back,
+``The answer is $3$. Actually, it is $4$.``, is none; a lone ``$18`` is currency); words alone (``The answer is 5``) are no
+answer.
 Slower (sympy, ~10 ms a verdict), so verdicts are cached per (reference, answer): the G completions of a group mostly
 repeat a few answers. Each parse and comparison is cut at 5 s (scored 0) on the main thread only: math-verify's timeout
 is SIGALRM, so scored from another thread a verdict has no time limit (a ``QerlWarning`` says so, once).
@@ -86,8 +90,10 @@ def _is_unknown(name: str) -> bool:
 # as words around the boxes, no hedge or list: the last box alone, a hedge rewarded for its second value (a review).
 # "\hspace{1em}" too: "\boxed{2}\hspace{1em}\text{or}\hspace{1em}\boxed{3}" read as 3 until s57r08.
 # "\\enspace", "\\hfill" and their kin too: "\\boxed{3}\\enspace\\boxed{4}" read as 4 until s58r05.
+# "\\kern1em", "\\mkern{18mu}", "\\hskip 1em" too: "\\boxed{3}\\kern1em\\boxed{4}" read as 4 until s59r03.
 _SEPARATOR_TEX_SPACE = re.compile(r"\\(?:q?quad|enspace|enskip|hfill?|thinspace|medspace|thickspace|space)(?![A-Za-z])"
-                                  r"|\\hspace\*?\s*\{[^{}]*\}|\\[,;:! ()\[\]]|~")
+                                  r"|\\hspace\*?\s*\{[^{}]*\}|\\[,;:! ()\[\]]|~"
+                                  r"|\\(?:m?kern|hskip)\s*(?:\{\s*-?[\d.]{1,8}\s*[a-z]{2}\s*\}|-?[\d.]{1,8}\s*[a-z]{2}(?![A-Za-z]))")
 # Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
 # their hedge was the last box alone, rewarded for its second value).
 _SEPARATOR_TEX_TEXT = re.compile(_TEXT_GROUP.format("text|textrm|textnormal|textbf|textit|mathrm|mbox"))
@@ -102,11 +108,14 @@ def _plain_separator(between: str) -> str:
 # Nothing but spacing between two boxes on a line: "\boxed{3} \boxed{4}", "$\boxed{3}$ $\boxed{4}$",
 # "\boxed{3}\hspace{1em}\boxed{4}" offer two answers, as a list does (read as the last, 4, until s57r08: a human
 # grader marks two answers wrong for either). Markdown bold around each ("**\\boxed{3}** **\\boxed{4}**") and a slash
-# between ("\\boxed{3} / \\boxed{4}", "3 or 4") too: each read as the last box, right for 4, until s58r05.
-_SIDE_BY_SIDE = re.compile(r"[ \t$*]*(?:/[ \t$*]*)?")
+# between ("\\boxed{3} / \\boxed{4}", "3 or 4") too: each read as the last box, right for 4, until s58r05. A semicolon, a
+# bar or a "vs" between ("\\boxed{3}; \\boxed{4}", "\\boxed{3} | \\boxed{4}", "\\boxed{3} \\text{ vs } \\boxed{4}") lists
+# them as a comma does: each read as 4 until s59r03 (a "\\quad \\text{vs} \\quad" too: _plain_separator's spacing).
+_SIDE_BY_SIDE = re.compile(r"[ \t$*]*(?:(?:[/;|]|(?i:vs\.?|versus)(?![A-Za-z]))[ \t$*]*)?")
 # A box in bold, "\\textbf{\\boxed{3}}", "$\\mathbf{\\boxed{3}}$": the box is the bold group's, whose braces stood
 # between two such boxes as words (read as the last box, right for 4, until s58r05). Searched near the box.
-_BOLD_OPEN = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm)\s*\{\s*$")
+# An underline is one ("\\underline{\\boxed{2}}, \\underline{\\boxed{3}}" read as 3 until s59r03).
+_BOLD_OPEN = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm|underline)\s*\{\s*$")
 _BOLD_CLOSE = re.compile(r"\s*\}")
 
 
@@ -238,6 +247,11 @@ _TEXT_NUMBER = re.compile(r"\\(?:text|textrm|textnormal|mathrm|mbox)\s*\{\s*(-?\
 _REPEATING_DECIMAL = re.compile(r"(?<![\d.])(\d{0,50})\.(\d{0,50})\\(?:overline|bar)\s*(?:\{(\d{1,50})\}|(\d))")
 # A number in e-notation, "1.5e3", "2E6": latex2sympy read it as 1.5 * e * 3. Unsigned exponents only: "2e-1" and
 # "2e+1" may be 2e - 1 and 2e + 1.
+# An ellipsis after a decimal, ending the answer or an equation's side: "0.333...", "0.333\\dots", "0.333\\cdots",
+# "0.333…". math-verify reads "0.333\\ldots" as 0.333 but "0.333..." and "0.333\\dots" as no answer and "0.333\\cdots"
+# as 0.333 * s; each is written "\\ldots" (no answer, or "\\frac13 = 0.333 s", until s59r03: _approximation reads it).
+_DECIMAL_ELLIPSIS = re.compile(r"(?<![\d.])(\d*\.\d{1,50})\s{0,3}(?:\\(?:[lc]?dots[cb]?|ldotp\\ldotp\\ldotp)|\.{3}|…)"
+                               r"(?![A-Za-z])(?=\s{0,3}(?:=|$))")
 _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE](\d{1,3})(?![\w.])")
 
 
@@ -271,13 +285,22 @@ _TEX_COMMAND_OR_BRACE = re.compile(r"\\[A-Za-z]+|[{}]")
 # million dollars}" by _TEXT_NUMBER): 5 thousand read as 5, right against 5 and wrong against 5000, until s58r05. Its
 # power of ten, the rest of the group left as the unit.
 _SCALES = {"hundred": 2, "thousand": 3, "million": 6, "billion": 9, "trillion": 12}
-_SCALE_WORD = re.compile(r"(?<![\w.,])(\d+(?:\.\d+)?)(?:\\[,;: ]|~|\s){0,3}" + _TEXT_COMMAND
+# A number with a thousands comma too, "1,000\\text{ thousand}", "1{,}500\\text{ million}" (no answer until s59r03); not
+# "1,5" (a decimal comma, or a list) nor the "5" of "2, 5".
+_SCALE_WORD = re.compile(r"(?<![\w.,])((?:\d{1,3}(?:(?:,|\{,\})\d{3})+(?!\d)|\d+)(?:\.\d+)?)(?:\\[,;: ]|~|\s){0,3}" + _TEXT_COMMAND
                          + r"\{\s{0,3}(hundred|thousand|million|billion|trillion)s?\b([^{}]{0,60})\}", re.IGNORECASE)
 
 
 def _scale_word(m: re.Match) -> str:
     rest = m.group(3).strip()
-    return f"{m.group(1)} \\times 10^{{{_SCALES[m.group(2).lower()]}}}" + (f"\\text{{ {rest}}}" if rest else "")
+    number = m.group(1).replace("{,}", "").replace(",", "")
+    return f"{number} \\times 10^{{{_SCALES[m.group(2).lower()]}}}" + (f"\\text{{ {rest}}}" if rest else "")
+# A count of dozens, "5\\text{ dozen}", "\\text{5 dozen eggs}" (made "5\\text{ dozen eggs}" by _TEXT_NUMBER): the dozen is
+# a unit (right against 5, where the question counts dozens) and a scale, 60 (0 against 60 until s59r03): either. The
+# whole answer, a few words after it at most, none a hedge's ("5\\text{ dozen or more}" stays none).
+_DOZENS = re.compile(r"\s*(\d+(?:\.\d+)?)(?:\\[,;: ]|~|\s){0,3}" + _TEXT_COMMAND
+                     + rf"\{{\s{{0,3}}dozens?\b(?![^{{}}]*{_HEDGE_WORD})((?:\s{{1,3}}[A-Za-z]+){{0,3}})\s{{0,3}}\}}\s*",
+                     re.IGNORECASE)
 _UNIT_POWER = re.compile(r"\}(?:\^\{?-?\d\}?|\{\^\d\})?\s*$")
 
 
@@ -295,14 +318,21 @@ def _unit_cut_drops_answer(tex: str) -> bool:
     return re.search(rf"\d|{_HEDGE_WORD}", dropped) is not None or _NOT_A_UNIT.search(words) is not None
 
 
+# Letters listed in one text group, the whole answer: "\\text{A, C}" (MATH's "which of these" references). latex2sympy
+# read the group as one symbol, so "\\boxed{A, C}" (a set of two letters) was wrong against it until s59r03: the letters.
+_TEXT_LETTERS = re.compile(r"\\(?:text|textrm|textbf|mathrm)\s*\{\s*([A-Z](?:\s{0,3},\s{0,3}[A-Z]){1,25})\s*\}")
+
+
 def _for_math_verify(tex: str) -> str:
     """An answer's TeX in the forms math-verify reads (see each pattern)."""
-    tex = _TEXT_NUMBER.sub(_text_number, tex.strip())
+    tex = _TEXT_LETTERS.sub(r"\1", tex.strip()) if _TEXT_LETTERS.fullmatch(tex.strip()) else tex.strip()
+    tex = _TEXT_NUMBER.sub(_text_number, tex)
     tex = _SCALE_WORD.sub(_scale_word, tex)
     tex = _DIGIT_GROUP_SPACE.sub("", tex)
     tex = _DEGREE_SIGN.sub(r"^\\circ", tex)
     tex = _REPEATING_DECIMAL.sub(_repeating_decimal, tex)
     tex = _E_NOTATION.sub(r"\1 \\times 10^{\2}", tex)
+    tex = _DECIMAL_ELLIPSIS.sub(r"\1\\ldots", tex)
     return _BOX_FULL_STOP.sub("", tex)
 
 
@@ -368,11 +398,29 @@ def _tag_hedge(tex: str, found: str | None) -> str | None:
     while last + 1 < len(spans) and _spans_join(tex, spans[last], spans[last + 1]):
         last += 1
     run = values[first : last + 1]
-    if len(run) > MAX_LISTED_BOXES:  # a degenerate run, as of boxes
-        return None
+    if len(run) > MAX_LISTED_BOXES or _taken_back(tex, spans[last].end(), spans, values, found):
+        return None  # a degenerate run, as of boxes; or a reading its own words take back
     if all(_math_verify_equal(value, run[-1]) for value in set(run) - {run[-1]}):
         return found
     return ", ".join(run)
+
+
+# Words that take back what was said before them: "Actually, it is $4$", "Wait, no: $4$", "I mean $4$", "Sorry, $4$".
+_TAKE_BACK = re.compile(r"\b(?:actually|wait|no(?=\s*[,.:;!])|sorry|oops|I mean|correction|rather|instead|mistake|wrong|"
+                        r"incorrect)\b", re.IGNORECASE)
+
+
+def _taken_back(tex: str, end: int, spans: list[re.Match], values: list[str], found: str) -> bool:
+    """Whether words after math-verify's reading (its run ends at ``end``) take it back before a span of another value:
+    "The answer is $3$. Actually, it is $4$." (math-verify reads its "answer is" span, 3) corrects 3 to 4, as
+    "\\boxed{3}. Actually, it is \\boxed{4}." does (read as 4), but read as 3 until s59r03, right for the answer
+    taken back. No answer: what follows a take-back need not be the answer ("Actually, $4$ is wrong"). A check that
+    restates the value ("Wait, let me check: $1 + 2 = 3$") takes nothing back."""
+    word = _TAKE_BACK.search(tex, end)
+    if word is None:
+        return False
+    later = [value for m, value in zip(spans, values) if m.start() >= word.end()][:MAX_LISTED_BOXES]
+    return any(not _math_verify_equal(found, value) for value in later)
 
 
 def _span_read(found: str, values: list[str]) -> int | None:
@@ -461,8 +509,11 @@ def _false_equation(parsed, timeout: int) -> bool:
 # policy writes for one answer, the decimal a note. math-verify reads an equation as its right side: "\\frac13 = 0.333"
 # was a false equation (no answer) and "\\sqrt{2} = 1.414" wrong against \\sqrt{2}, until s58r05 (_approximation).
 # The decimal's digits, on the right or the left.
-_EXACT_THEN_DECIMAL = re.compile(r"[^=]+=\s*-?\d*\.(\d+)\s*")
-_DECIMAL_THEN_EXACT = re.compile(r"\s*-?\d*\.(\d+)\s*=[^=]+")
+# An ellipsis after the decimal (_for_math_verify writes each as "\\ldots", which math-verify drops) says its digits go
+# on: "\\frac13 = 0.333\\ldots" is the exact side too (a false equation, no answer, until s59r03), and a cut is no
+# rounding then but the digits shown ("\\frac23 = 0.666\\ldots").
+_EXACT_THEN_DECIMAL = re.compile(r"[^=]+=\s*(-?\d*\.(\d+))\s*(\\ldots)?\s*")
+_DECIMAL_THEN_EXACT = re.compile(r"\s*(-?\d*\.(\d+))\s*(\\ldots)?\s*=[^=]+")
 
 
 def _approximation(pred: str, parsed, timeout: int) -> tuple | None:
@@ -481,8 +532,19 @@ def _approximation(pred: str, parsed, timeout: int) -> tuple | None:
     exact, decimal = (parsed.lhs, parsed.rhs) if m.re is _EXACT_THEN_DECIMAL else (parsed.rhs, parsed.lhs)
     if not (decimal.is_Float and exact.is_number) or exact.atoms(Float):
         return None
-    rounds = verify([decimal], [exact], float_rounding=len(m.group(1)), timeout_seconds=timeout)
-    return (exact, decimal) if rounds else ()
+    rounds = verify([decimal], [exact], float_rounding=len(m.group(2)), timeout_seconds=timeout)
+    return (exact, decimal) if rounds or (m.group(3) and _truncates(exact, m.group(1))) else ()
+
+
+def _truncates(exact, decimal: str) -> bool:
+    """Whether ``decimal``'s digits are ``exact``'s first ones (a decimal followed by an ellipsis: "0.666..." of 2/3)."""
+    from sympy import Rational, floor
+
+    if not exact.is_real:
+        return False
+    scale = 10 ** len(decimal.partition(".")[2])
+    shown = Rational(decimal)
+    return floor(abs(exact) * scale) == abs(shown) * scale and (shown == 0 or (exact < 0) == (shown < 0))
 
 
 # A number written with a decimal point, "0.333", ".5", "1.41".
@@ -538,6 +600,9 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
     gold, pred = _for_math_verify(gold), _for_math_verify(_choice_part(gold, pred))
     if _unit_cut_drops_answer(pred):
         return False
+    dozens = _DOZENS.fullmatch(pred)
+    if dozens is not None and _math_verify_equal(gold, f"{dozens.group(1)} \\times 12"):
+        return True  # and against its count of dozens, as a unit below
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)
     if not g or not p:

@@ -436,3 +436,78 @@ def test_a_plural_scale_or_any_fractions_name_is_no_unit(completion, reference, 
     """"5\\text{ hundreds}" and "5\\text{ twelfths}" read as 5: the scale words were singular only, and the fraction names
     stopped at tenths."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{2}; \\boxed{3}", "3", False), ("\\boxed{2}; \\boxed{3}", "2, 3", True), ("$\\boxed{2}$;$\\boxed{3}$", "2", False),
+    ("\\boxed{2} | \\boxed{3}", "3", False), ("\\boxed{2} \\text{ vs } \\boxed{3}", "3", False),
+    ("\\boxed{2} \\quad\\text{versus}\\quad \\boxed{3}", "3", False), ("\\boxed{2}\\kern1em\\boxed{3}", "3", False),
+    ("\\boxed{2}\\mkern{18mu}\\boxed{3}", "3", False), ("\\boxed{2}\\hskip 1em\\boxed{3}", "3", False),
+    ("\\underline{\\boxed{2}}, \\underline{\\boxed{3}}", "3", False),
+    ("\\underline{\\boxed{2}} \\underline{\\boxed{3}}", "2, 3", True), ("<answer>$3$; $4$</answer>", "4", False),
+    ("$x = \\boxed{2}$; $x = \\boxed{3}$", "2, 3", True), ("$x = \\underline{\\boxed{2}}$; $y = \\underline{\\boxed{3}}$", "3", True),
+    ("The area is \\boxed{4}; the perimeter is \\boxed{8}", "8", True), ("\\boxed{\\frac12}; \\boxed{0.5}", "0.5", True),
+])
+def test_a_semicolon_bar_vs_kern_or_underline_between_boxes_lists_them(completion, reference, ok):
+    """A semicolon, a bar, a "vs", a "\\kern" between two boxes, or an underline around each, stood between them as
+    words: the last box alone, right for 3 of "\\boxed{2}; \\boxed{3}" (s58r08 saw them and left them)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{1,000\\text{ thousand}}", "1000000", True), ("\\boxed{1{,}500\\text{ million}}", "1500000000", True),
+    ("\\boxed{12,345\\text{ thousand}}", "12345000", True), ("\\boxed{1,000\\text{ thousand}}", "1000", False),
+    ("\\boxed{1,5\\text{ thousand}}", "1500", False), ("\\boxed{1,5\\text{ thousand}}", "5000", False),
+    ("\\boxed{2, 500\\text{ thousand}}", "2500000", False), ("\\boxed{1,0000\\text{ thousand}}", "10000000", False),
+    ("\\boxed{5\\text{ dozen}}", "60", True), ("\\boxed{\\text{5 dozen eggs}}", "60", True),
+    ("\\boxed{2.5\\text{ dozen}}", "30", True), ("\\boxed{5\\text{ dozen}}", "5", True), ("\\boxed{5\\text{ dozen}}", "61", False),
+    ("\\boxed{5\\text{ dozen}}", "12", False), ("\\boxed{5\\text{ dozen or more}}", "60", False),
+    ("\\boxed{5\\text{ dozen}, 6\\text{ dozen}}", "60", False), ("\\boxed{5\\text{ dozen eggs and 3 more}}", "60", False),
+])
+def test_a_scale_after_a_thousands_comma_and_a_dozen_are_read(completion, reference, ok):
+    """"1,000\\text{ thousand}" was no answer (the scale word's number could hold no comma), and "5\\text{ dozen}" was 5
+    alone: 0 against 60. A dozen is a unit and a scale: either."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\frac13 = 0.333\\ldots}", "\\frac13", True), ("\\boxed{\\frac13 = 0.333...}", "\\frac13", True),
+    ("\\boxed{\\frac13 = 0.333\\dots}", "\\frac13", True), ("\\boxed{\\frac13 = 0.333\\cdots}", "\\frac13", True),
+    ("\\boxed{0.333\\ldots = \\frac13}", "\\frac13", True), ("\\boxed{\\frac23 = 0.666\\ldots}", "\\frac23", True),
+    ("\\boxed{-\\frac23 = -0.666\\ldots}", "-\\frac23", True), ("\\boxed{\\sqrt{2} = 1.41421\\ldots}", "\\sqrt2", True),
+    ("\\boxed{\\frac13 = 0.333\\ldots}", "0.333", True), ("\\boxed{\\frac13 = 0.334\\ldots}", "\\frac13", False),
+    ("\\boxed{\\frac23 = 0.65\\ldots}", "\\frac23", False), ("\\boxed{\\frac13 = 0.333\\ldots}", "0.33", False),
+    ("\\boxed{\\frac13 = 0.333\\ldots}", "\\frac{3}{10}", False), ("\\boxed{-\\frac23 = 0.666\\ldots}", "-\\frac23", False),
+    ("\\boxed{\\frac23 = 0.666}", "\\frac23", False), ("\\boxed{\\frac13 = 0.333\\ldots = 4}", "4", False),
+    ("\\boxed{1, 2, 3, \\ldots}", "3", False), ("\\boxed{1...}", "1", False),
+])
+def test_an_exact_value_beside_its_decimal_and_an_ellipsis_is_one_answer(completion, reference, ok):
+    """"\\frac13 = 0.333\\ldots" was a false equation (no answer): the approximation read a bare decimal only, and
+    math-verify read "0.333..." and "0.333\\dots" as no answer. A cut decimal is right with an ellipsis, not without."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>The answer is $3$. Actually, it is $4$.</answer>", "3", False),
+    ("<answer>The answer is $3$. Wait, no: $4$.</answer>", "3", False), ("<answer>The answer is $3$, I mean $4$.</answer>", "3", False),
+    ("<answer>The answer is $3$. Sorry, $4$.</answer>", "3", False),
+    ("<answer>The answer is $3$. Actually the answer is $4$</answer>", "4", True),
+    ("<answer>The answer is $3$. Wait, let me check: $1 + 2 = 3$.</answer>", "3", True),
+    ("<answer>The final answer is $3$. Let me double check: $2 + 2 = 4$.</answer>", "3", True),
+    ("<answer>The answer is $\\frac12$. Actually, that is $0.5$.</answer>", "0.5", True),
+    ("The answer is \\boxed{3}. Actually, it is \\boxed{4}.", "4", True),
+])
+def test_a_reading_its_own_words_take_back_is_no_answer(completion, reference, ok):
+    """math-verify reads a tag's "answer is" span before a later one: "The answer is $3$. Actually, it is $4$." was 3,
+    right for the answer taken back (boxes so written read as 4). What follows a take-back need not be the answer."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{A, C}", "\\text{A, C}", True), ("\\boxed{C, A}", "\\text{A, C}", True), ("\\boxed{\\text{C, A}}", "A, C", True),
+    ("\\boxed{A}", "\\text{A, C}", False), ("\\boxed{\\text{A}}", "\\text{A, C}", False), ("\\boxed{A, C, E}", "\\text{A, C}", False),
+    ("\\boxed{A, B}", "\\text{A, C}", False), ("\\boxed{\\text{A, B}}", "\\text{A, C}", False),
+])
+def test_letters_listed_in_a_text_group_are_the_letters(completion, reference, ok):
+    """latex2sympy read "\\text{A, C}" as one symbol: "\\boxed{A, C}" was wrong against it (a known miss)."""
+    assert is_correct(completion, reference, "math") is ok
