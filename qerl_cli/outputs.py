@@ -12,10 +12,14 @@ the fingerprint, so a rerun after a crash continues where the last one stopped; 
 beside it refuses a second writer.
 
 Replacing an existing output (``force``) swaps the two directories in one atomic
-``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it; elsewhere it takes
-two renames, and a crash between them is repaired by the next run (the old output is renamed
-back). ``force`` never deletes a non-empty directory that holds no qerl manifest: that is data
+``renameat2(RENAME_EXCHANGE)`` where the kernel and file system support it; elsewhere (NFS) it takes
+two renames, the old output to ``.OUT.old-ID`` for the new one's ``.OUT.tmp-ID``: a signal between
+them finishes the swap, and a kill between them is finished by the next run (the new output found
+by that name). ``force`` never deletes a non-empty directory that holds no qerl manifest: that is data
 qerl did not write.
+
+A temp name records its process as pid, start time and host: a dead run's is removed by the next run,
+also where the pid is a live unrelated process's by then (pids repeat in a restarted container).
 
 ``crash_point(name)`` is the test hook of tests/test_kill.py (see docs/reliability.md).
 """
@@ -143,6 +147,50 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started, as ``TICKS.BOOT`` (its start in clock ticks since boot, Linux's /proc/PID/stat,
+    and the boot's id), or None where that cannot be read (another system, the process gone). With the pid it names
+    one process for good; a pid alone is reused, by a container's next start above all, whose first processes get the
+    same small pids again: a killed run's temp dir whose pid a live unrelated process held was kept for good."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
+        ticks = stat.rsplit(")", 1)[1].split()[19]  # field 22; the command name before it may hold ')' and spaces
+    except (OSError, IndexError):
+        return None
+    return f"{ticks}.{boot}" if ticks.isdigit() and boot else None
+
+
+_OWN: dict[int, str] = {}
+
+
+def _own_id() -> str:
+    """This process as a temp name records it: ``PID.TICKS.BOOT`` (``_started``), ``PID`` where its start cannot be
+    read (no /proc, or one of another pid namespace). Cached per pid (a forked child is another process)."""
+    pid = os.getpid()
+    if pid not in _OWN:
+        try:  # a /proc of another pid namespace (not this process's) would record another process's start
+            mine = os.readlink("/proc/self") == str(pid)
+        except OSError:
+            mine = False
+        started = _started(pid) if mine else None
+        _OWN[pid] = f"{pid}.{started}" if started else str(pid)
+    return _OWN[pid]
+
+
+def _gone(owner: str) -> bool:
+    """Whether the process a temp name records (``_own_id``; ``PID`` alone in a name made before 2026-11-28) is gone
+    from this host: dead, or its pid now another process's (another start). False where ``owner`` is no such record,
+    and where the pid's start cannot be read (a live process stays safe)."""
+    pid, _, started = owner.partition(".")
+    if not pid.isdigit():
+        return False
+    if not _pid_alive(int(pid)):
+        return True
+    now = _started(int(pid)) if started else None
+    return now is not None and now != started
 
 
 def _differences(m: dict, stage: str, config: dict, inputs: dict, most: int = 3) -> str:
@@ -356,7 +404,8 @@ class StageOutput:
     def _tmp_name(self) -> Path:
         # pid + host: a stale temp dir is one whose process is dead *on this host*; on a shared
         # file system another node's live run must not be swept away.
-        return self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_HOST}"
+        # and the process's start (_own_id): its pid alone may be a live unrelated process's by the next run
+        return self.out.parent / f".{self.out.name}.tmp-{_own_id()}-{uuid.uuid4().hex[:8]}-{_HOST}"
 
     def partial_dirs(self) -> list[Path]:
         """The partial directories beside ``out`` of resumable runs into it, whatever their arguments."""
@@ -378,33 +427,53 @@ class StageOutput:
         output's (.run 1.old-*, .qa.old-*)."""
         return f".{glob.escape(self.out.name)}.{kind}-*"
 
+    def _old_name(self, work: Path) -> Path:
+        """Where a replace by two renames puts the old output: ``.<name>.old-ID`` for the new one's ``.<name>.tmp-ID``,
+        so a run killed between the renames is finished by the next, which finds the new output by that name."""
+        prefix = f".{self.out.name}.tmp-"
+        ident = work.name[len(prefix):] if work.name.startswith(prefix) else uuid.uuid4().hex[:8]
+        return self.out.parent / f".{self.out.name}.old-{ident}"
+
+    def _swapped_in_by(self, old: Path) -> Path | None:
+        """The finished new output a replace killed between its renames left beside ``old`` (``_old_name``), or None
+        (an older qerl's ``.<name>.old-RANDOM``; a new one damaged since)."""
+        new = self.out.parent / f".{self.out.name}.tmp-{old.name[len(f'.{self.out.name}.old-'):]}"
+        m = read_manifest(new)
+        return new if m is not None and damaged_output(new, m) is None else None
+
     def _recover_interrupted_swap(self) -> None:
-        """A crash between the two renames of a non-atomic replace leaves ``out`` missing and the
-        old output under ``.<name>.old-*``: put it back (the new one was never complete at ``out``)."""
+        """A kill between the two renames of a non-atomic replace leaves ``out`` missing, the old output under
+        ``.<name>.old-ID`` and the finished new one under ``.<name>.tmp-ID``: finish the swap (until 2026-11-28 the
+        old output was put back and the finished redo deleted as a dead run's temp dir). Without a new one (an older
+        qerl's swap, named otherwise) the old output is put back. Under the lock the swap itself holds."""
         if self.out.exists() or not self.out.parent.is_dir():
             return
-        olds = [p for p in self.out.parent.glob(self._sibling_glob("old")) if read_manifest(p) is not None]
-        if olds:
+        olds = list(self.out.parent.glob(self._sibling_glob("old")))
+        if not olds:
+            return
+        with _DirLock(self.out.parent):
+            if self.out.exists():  # another rank (torchrun's check one --out together) did it meanwhile
+                return
+            news = [n for n in map(self._swapped_in_by, olds) if n is not None]
+            found = news or [p for p in olds if read_manifest(p) is not None]
+            if not found:
+                return
             try:
-                newest = max(olds, key=lambda p: p.stat().st_mtime)
-                os.replace(newest, self.out)
+                os.replace(max(found, key=lambda p: p.stat().st_mtime), self.out)
             except OSError:
                 # torchrun's ranks check one --out together: another rank put it back first (this one died in
                 # os.replace, a traceback, and torchrun stopped the rest; a review)
                 if not self.out.exists():
                     raise
+        _fsync_dir(self.out.parent)
 
     def _clean_stale(self) -> None:
         for p in self.out.parent.glob(self._sibling_glob("old")):
             shutil.rmtree(p, ignore_errors=True)
         for p in self.out.parent.glob(self._sibling_glob("tmp")):
-            parts = p.name.split(".tmp-", 1)[1].split("-", 2)
-            try:
-                pid = int(parts[0])
-            except ValueError:
-                continue
+            parts = p.name[len(f".{self.out.name}.tmp-"):].split("-", 2)  # not at a '.tmp-' in --out's own name
             host = parts[2] if len(parts) > 2 else _HOST
-            if host == _HOST and not _pid_alive(pid):
+            if host == _HOST and _gone(parts[0]):
                 shutil.rmtree(p, ignore_errors=True)
 
     def __enter__(self) -> Path:
@@ -550,13 +619,22 @@ class StageOutput:
         if _exchange(work, self.out):
             old = work  # after the exchange the temp name holds the old output
         else:
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.out, old)
-            crash_point("mid-swap")
+            old = self._old_name(work)
             try:
+                os.replace(self.out, old)
+                crash_point("mid-swap")
                 os.replace(work, self.out)
             except OSError:
-                os.replace(old, self.out)  # the old output back where it was (a crash here: the next run does it)
+                if not self.out.exists():
+                    os.replace(old, self.out)  # the old output back where it was
+                raise
+            except BaseException:
+                # A SIGTERM or Ctrl-C between the renames finishes the swap: it was undone by deleting the finished
+                # redo (--out missing until the next run put the old output back). A kill here: the next run does it.
+                if not self.out.exists():
+                    os.replace(work, self.out)
+                if not work.exists():
+                    _COMPLETE.append(self.out)
                 raise
         # The new output is in place: a stop while the old one is deleted (seconds for a large checkpoint), or during
         # the fsync, says --out is complete, not "--out was not written" (nor a resumable stage's partial directory,
@@ -643,13 +721,13 @@ def copy_beside(path: Path) -> Path:
     Another host's copy may be a live run's on a shared file system: it stays. Best effort, as ``_clean_stale``: a copy
     this user may not remove (another user's, in a shared sticky directory) failed the rewrite, exit 7, at every rerun."""
     for p in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
-        pid, _, host = p.name.rsplit(".tmp-", 1)[1].partition("-")  # host: none in a copy made before 2026-11-28
-        if pid.isdigit() and (host or _HOST) == _HOST and not _pid_alive(int(pid)) and p.is_file():
+        owner, _, host = p.name.rsplit(".tmp-", 1)[1].partition("-")  # host: none in a copy made before 2026-11-28
+        if (host or _HOST) == _HOST and _gone(owner) and p.is_file():
             try:
                 p.unlink(missing_ok=True)
             except OSError:
                 pass
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{_HOST}")
+    return path.with_name(f".{path.name}.tmp-{_own_id()}-{_HOST}")
 
 
 def _is_empty_dir(path: Path) -> bool:

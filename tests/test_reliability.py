@@ -156,13 +156,55 @@ def test_replace_uses_an_atomic_exchange_here(tmp_path):
     assert (tmp_path / "b" / "x").read_text() == "a" and not (tmp_path / "a" / "x").exists()
 
 
-def test_crash_between_the_two_renames_of_the_fallback_is_repaired(tmp_path, monkeypatch):
-    """Where RENAME_EXCHANGE is unsupported a replace takes two renames; a crash between them leaves
-    --out missing: the next run puts the old output back before deciding anything."""
-    import qerl_cli.outputs as outputs
+_SWAP_WITHOUT_EXCHANGE = """
+import sys
+from pathlib import Path
 
-    class Crash(BaseException):
-        pass
+import qerl_cli.outputs as outputs
+
+outputs._exchange = lambda a, b: False  # a file system without RENAME_EXCHANGE (NFS)
+out, v, resumable = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+so = outputs.StageOutput(out, "demo", config={"v": v}, inputs={}, force=True, resumable=resumable)
+assert not so.already_done()
+with so as w:
+    (w / "f").write_text(f"v{v}")
+"""
+
+
+@pytest.mark.parametrize("replaced", ["output", "empty dir", "resumable"])
+def test_a_kill_between_the_two_renames_of_the_fallback_finishes_the_swap(tmp_path, replaced):
+    """Where RENAME_EXCHANGE is unsupported (NFS) a --force replace takes two renames; SIGKILLed between them, the run
+    left --out missing, the old output at .o.old-* and its finished redo in its temp dir. The next run put the old
+    output back and deleted the redo as a dead run's temp dir (a plain rerun of the redo's command: exit 4); where
+    the replaced --out was an empty directory (no manifest to put back) --out stayed missing, the redo deleted all
+    the same. Now the next run finishes the swap: the redo is at --out, "already done", nothing left beside it."""
+    import os
+    import subprocess
+
+    out = tmp_path / "o"
+    if replaced == "empty dir":
+        out.mkdir()
+    else:
+        so = StageOutput(out, "demo", config={"v": 1}, inputs={})
+        assert not so.already_done()
+        with so as w:
+            (w / "f").write_text("v1")
+    env = {**os.environ, "QERL_TEST_KILL_AT": "mid-swap"}  # its first hit: between the two renames
+    r = subprocess.run([sys.executable, "-c", _SWAP_WITHOUT_EXCHANGE, str(out), "2", str(int(replaced == "resumable"))],
+                       env=env, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == -9, r.stderr
+    assert not out.exists()  # the window: the old output renamed away, the new one not yet in
+    assert StageOutput(out, "demo", config={"v": 2}, inputs={}, resumable=replaced == "resumable").already_done()
+    assert (out / "f").read_text() == "v2" and sorted(os.listdir(tmp_path)) == ["o"]
+
+
+def test_a_signal_between_the_two_renames_of_the_fallback_finishes_the_swap(tmp_path, monkeypatch):
+    """A SIGTERM or Ctrl-C (an exception raised there) between the two renames of the fallback: the redo was deleted
+    with its temp dir and --out left missing until the next run put the old output back, the CLI saying "--out was
+    not written". Now the swap is finished first: --out holds the redo, the CLI says it is complete."""
+    import os
+
+    import qerl_cli.outputs as outputs
 
     def make(cfg, force=False):
         return StageOutput(tmp_path / "o", "demo", config=cfg, inputs={}, force=force)
@@ -172,30 +214,26 @@ def test_crash_between_the_two_renames_of_the_fallback_is_repaired(tmp_path, mon
     with so as w:
         (w / "f").write_text("old")
     monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    hits = []
 
-    def crash_at(name):
-        if name == "mid-swap":
-            raise Crash
+    def stopped_at(name):
+        if name == "mid-swap" and not hits:  # the first: between the renames
+            hits.append(name)
+            raise KeyboardInterrupt  # what the CLI's SIGTERM handler raises (Terminated), Ctrl-C
 
-    monkeypatch.setattr(outputs, "crash_point", crash_at)
+    monkeypatch.setattr(outputs, "crash_point", stopped_at)
+    outputs.forget_completed()
     so = make({"v": 2}, force=True)
     assert not so.already_done()
-    with pytest.raises(Crash):
-        with so as w:
-            (w / "f").write_text("new")
-    assert not (tmp_path / "o").exists()  # the window: old output renamed away, new one not yet in
-    monkeypatch.setattr(outputs, "crash_point", lambda name: None)
-    assert make({"v": 1}).already_done()  # repaired: the old output is back, intact
-    assert (tmp_path / "o" / "f").read_text() == "old"
-    so = make({"v": 2}, force=True)
-    assert not so.already_done()
-    with so as w:
-        (w / "f").write_text("new")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with so as w:
+                (w / "f").write_text("new")
+        assert outputs.completed_outputs() == [tmp_path / "o"]
+    finally:
+        outputs.forget_completed()
     assert (tmp_path / "o" / "f").read_text() == "new"
-    # The "crashed" run's temp dir is cleaned once its process is dead; this process is alive.
-    import os
-
-    assert [x.name for x in tmp_path.iterdir() if not x.name.startswith(f".o.tmp-{os.getpid()}-")] == ["o"]
+    assert make({"v": 2}).already_done() and sorted(os.listdir(tmp_path)) == ["o"]  # the old output swept
 
 
 def test_stale_temp_dirs_are_cleaned_only_when_their_process_is_dead_on_this_host(tmp_path):
@@ -217,6 +255,37 @@ def test_stale_temp_dirs_are_cleaned_only_when_their_process_is_dead_on_this_hos
         (w / "f").write_text("x")
     assert not mine.exists() and not legacy.exists()
     assert other_host.exists() and alive.exists()
+
+
+def test_a_temp_dir_whose_pid_a_live_process_took_since_is_cleaned(tmp_path):
+    """PIDs repeat (a container's next start gives its first processes the same small pids): a killed run's temp dir
+    whose pid a live unrelated process held was kept for good (GBs of a checkpoint). A temp name records the process's
+    start beside its pid; one of another start is a dead run's. One of this pid's start stays, as one named before
+    2026-11-28 by the pid alone (a live process's as far as anyone can tell)."""
+    import subprocess
+
+    from qerl_cli.outputs import _HOST, _own_id, _started
+
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        assert _started(live.pid) is not None  # Linux's /proc: the process's start in ticks since boot, the boot's id
+        ticks, boot = _started(live.pid).split(".")
+        reused = tmp_path / f".o.tmp-{live.pid}.{int(ticks) - 1}.{boot}-deadbeef-{_HOST}"  # a killed run's, pid reused
+        rebooted = tmp_path / f".o.tmp-{live.pid}.{ticks}.00000000-cafebabe-{_HOST}"  # a run's of another boot
+        its_own = tmp_path / f".o.tmp-{live.pid}.{_started(live.pid)}-01234567-{_HOST}"
+        legacy = tmp_path / f".o.tmp-{live.pid}-89abcdef-{_HOST}"
+        for d in (reused, rebooted, its_own, legacy):
+            d.mkdir()
+        so = StageOutput(tmp_path / "o", "demo", config={}, inputs={})
+        assert not so.already_done()
+        with so as w:
+            assert w.name.startswith(f".o.tmp-{_own_id()}-") and "." in _own_id()  # this run's start recorded
+            (w / "f").write_text("x")
+        assert not reused.exists() and not rebooted.exists()
+        assert its_own.exists() and legacy.exists()
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_an_already_done_rerun_sweeps_what_a_killed_replace_left(tmp_path):

@@ -298,6 +298,64 @@ def test_a_metrics_rewrite_removes_the_copies_killed_runs_left(tmp_path):
         ["metrics.jsonl", f".metrics.jsonl.tmp-{dead}-elsewhere", f".metrics.jsonl.tmp-{os.getppid()}-{_HOST}"])
 
 
+def test_a_metrics_rewrite_removes_a_killed_runs_copy_whose_pid_a_live_process_took(tmp_path):
+    # pids repeat (a container restarted): the copy a killed run left stayed for good where its pid was a live
+    # process's by then; the copy's name records its process's start, so another start's is a dead run's
+    import subprocess
+
+    from qerl_cli.outputs import _HOST, _started
+    from qerl_cli.train_step import _drop_step_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":0,"loss":1}\n{"step":1,"loss":2}\n')
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        ticks, boot = _started(live.pid).split(".")
+        reused = tmp_path / f".metrics.jsonl.tmp-{live.pid}.{int(ticks) + 1}.{boot}-{_HOST}"
+        its_own = tmp_path / f".metrics.jsonl.tmp-{live.pid}.{ticks}.{boot}-{_HOST}"
+        for p in (reused, its_own):
+            p.write_text("half a copy")
+        _drop_step_lines(path, 1)
+    finally:
+        live.kill()
+        live.wait()
+    assert path.read_text() == '{"step":0,"loss":1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["metrics.jsonl", its_own.name])
+
+
+@pytest.mark.parametrize("redone", [False, True])
+def test_the_metrics_line_is_fsynced_with_its_name(tmp_path, monkeypatch, redone):
+    """--metrics-file's append was not fsynced (nor the file's name where it made it, nor a redone step's rewrite's
+    rename): a machine crash could lose a finished step's line while its output (fsynced) stayed, and a resumed run
+    reruns only its last finished step, which alone adds a lost line back. Now each append is on disk before
+    train-step goes on."""
+    import os
+
+    from qerl_cli.train import metrics
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    if redone:
+        path.parent.mkdir()
+        path.write_text('{"step":0,"loss":1}\n{"step":1,"loss":2}\n')
+    events = []
+    real_fsync = os.fsync
+    from qerl_cli.outputs import _fsync_dir as real_dir
+
+    def fsync(fd):
+        events.append(("file", os.readlink(f"/proc/self/fd/{fd}"), path.read_text()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(metrics, "_fsync_dir", lambda d: (events.append(("dir", str(d), path.read_text())), real_dir(d)),
+                        raising=False)
+    metrics._append_metrics(path, {"step": 1, "loss": 3})
+    final = path.read_text()
+    assert final.endswith('{"step":1,"loss":3}\n')
+    # the file with its new line fsynced, and its name in run/ after it appeared there (made, or renamed in)
+    assert ("file", str(path), final) in events
+    assert ("dir", str(path.parent), final if not redone else '{"step":0,"loss":1}\n') in events
+
+
 def test_a_dead_runs_copy_this_user_may_not_remove_does_not_fail_the_metrics_rewrite(tmp_path, monkeypatch):
     # the sweep of dead runs' copies raised where one was not this user's to remove (another user's, in a shared sticky
     # run directory: EPERM): the rewrite failed, "cannot append to --metrics-file", exit 7, at every rerun, for a

@@ -3,7 +3,7 @@
 ``Accumulator`` keeps named sums, minima and maxima; ``reduce`` all-reduces each kind in one
 collective (three in all), so multi-GPU metrics cost nothing per micro-batch. ``append_jsonl``
 writes one line per step with ``O_APPEND`` in a single write, so another writer's line never lands
-inside it. ``--metrics-file`` is one run's file all the same: train-step replaces a step's earlier
+inside it, and fsyncs it. ``--metrics-file`` is one run's file all the same: train-step replaces a step's earlier
 line (``_append_metrics``), so a second run logging there replaces the first's lines of
 the same step numbers.
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qerl_cli.errors import OutputWriteError
-from qerl_cli.outputs import copy_beside
+from qerl_cli.outputs import _fsync_dir, copy_beside
 
 if TYPE_CHECKING:
     from qerl_cli.train.inputs import StepData
@@ -81,9 +81,14 @@ def clean(record: dict) -> dict:
 
 
 def append_jsonl(path: Path, record: dict) -> None:
+    """Append ``record`` as one line and fsync it (the file's name too, where this append made it): a step's line
+    after its output (fsynced before its rename) was lost by a machine crash while the output stayed, and a resumed
+    run reruns only its last finished step (``_ensure_metrics_line``), so an earlier step's line was gone for good.
+    One fsync a step (ms; a step takes seconds to hours)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    made = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         n = os.write(fd, line)
@@ -92,8 +97,11 @@ def append_jsonl(path: Path, record: dict) -> None:
             # torn line stayed and the step ended with exit 0. Take the part back and fail as ENOSPC would.
             os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {n} of {len(line)} bytes)", str(path))
+        os.fsync(fd)
     finally:
         os.close(fd)
+    if made:
+        _fsync_dir(path.parent)
 
 
 def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_norms, lrs, step_time, peak, step) -> dict:
@@ -183,6 +191,7 @@ def _drop_step_lines(path: Path, step: int) -> None:
             f.flush()
             os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename too: lost, the line appended next went to the file it replaced
     except BaseException:  # a full disk, or a SIGTERM (Slurm) here, left the half-written copy beside the file
         tmp.unlink(missing_ok=True)
         raise
