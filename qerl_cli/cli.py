@@ -344,6 +344,7 @@ def guarded(fn, stage: str | None = None):
             if os.environ.get("QERL_DEBUG"):
                 raise
             print(f"error: {e}", file=sys.stderr)
+            record_error(e)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:
             saved = outputs.KEPT_FOR_RERUN.get(stage)
@@ -365,6 +366,26 @@ def guarded(fn, stage: str | None = None):
             raise typer.Exit(code) from None
 
     return wrapper
+
+
+ERROR_FILE_ENV = "QERL_ERROR_FILE"
+
+
+def record_error(e: QerlError) -> None:
+    """With ``QERL_ERROR_FILE=PATH`` (the recipes set it for each stage), append ``CODE KIND MESSAGE`` to PATH: why the
+    stage failed, for the script that ran it. It told one refusal (exit 4) from another by nothing (any eval's exit 4
+    got the note on an eval begun on another GPU model, ``OtherGpuModelError``), and torchrun exits 1 whatever its
+    ranks' codes (any failure of a multi-GPU train job got the refusal's note; a review, session 59). Not read from
+    the stage's stderr, which stays the terminal (through a pipe its live progress ends). Each torchrun rank appends
+    its own line. Best effort: a file that cannot be written leaves the script without the reason, nothing else."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{e.exit_code} {type(e).__name__} {' '.join(str(e).split())}\n")
+    except OSError:
+        pass
 
 
 def _writer_elsewhere() -> str | None:

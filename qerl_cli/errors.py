@@ -45,6 +45,13 @@ class OutputExistsError(QerlError):
     exit_code = 4
 
 
+class OtherGpuModelError(OutputExistsError):
+    """An eval begun on another GPU model (stopped there, or finished there and to be scored again with some problems
+    generated anew), which this one would go on with other numerics. Exit 4 as any refusal; its own kind so that a
+    script running the stage can tell it from "made from other inputs" (``QERL_ERROR_FILE``: the recipes' note on
+    going on only on a GPU of that model)."""
+
+
 class OutputBusyError(OutputExistsError):
     """Another qerl run is writing the same --out, or wrote it while this one ran. Not exit 4: a loop that
     redoes an exit-4 stage with --force (the recipes' FORCE=1) would replace what the other run made."""

@@ -19,7 +19,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from qerl_cli.errors import BadInputError, OutputExistsError, QerlWarning
+from qerl_cli.errors import BadInputError, OtherGpuModelError, QerlWarning
 from qerl_cli.outputs import StageOutput, WriterLock, partial_dir_of, read_manifest, sweep_partial_of
 
 
@@ -77,7 +77,7 @@ def check_made_on_this_gpu(so: StageOutput, model: str | None) -> None:
     if made is None or made == model:
         return
     if not so.force:
-        raise OutputExistsError(f"{part} holds this eval stopped on {made!r}, another GPU model than this {model!r} "
+        raise OtherGpuModelError(f"{part} holds this eval stopped on {made!r}, another GPU model than this {model!r} "
                                 "(other numerics): its kept problems are not resumed here",
                                 hint="rerun it on a GPU of that model to resume it, or pass --force to start it afresh here")
     warnings.warn(QerlWarning(f"{part} held this eval stopped on {made!r}: started afresh on this {model!r} (--force)"),

@@ -52,6 +52,7 @@ from qerl_cli.errors import (
     NONFINITE_LOGITS_HINT,
     BadInputError,
     NumericalError,
+    OtherGpuModelError,
     OutputExistsError,
     QerlWarning,
 )
@@ -490,6 +491,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         if elsewhere is not None:  # the device as given there (cuda:1), which metrics.json records
             print(f"note: {cfg.out} was generated on {done.get('device', elsewhere[0])} ({elsewhere[1]}), not {device} "
                   f"({dtype_name}): its score is that device's (pass --force to generate it here)", file=sys.stderr)
+        else:
+            _say_made_on_another_gpu_model(cfg.out, done, device)
         if not _rescores(cfg, so.manifest, done):
             return {"out": str(cfg.out), "already_done": True, "metrics": done, "manifest": so.manifest}
         # found done, now redone: a stop midway must not say "a rerun says already done"; so.out, as found done (a
@@ -514,7 +517,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         made_gpu = done.get("gpu") if done is not None else None  # a resume's is checked: check_made_on_this_gpu
         if isinstance(made_gpu, str) and gpu is not None and made_gpu != gpu:  # so too a rescoring's, where recorded
             shutil.rmtree(so.work, ignore_errors=True)
-            raise OutputExistsError(f"{cfg.out} was generated on {made_gpu!r}: scoring it again, some of its problems "
+            raise OtherGpuModelError(f"{cfg.out} was generated on {made_gpu!r}: scoring it again, some of its problems "
                                     "must be generated again (qerl now renders their prompts otherwise), which this "
                                     f"{gpu!r} would do with other numerics",
                                     hint="rerun this eval on a GPU of that model, or pass --force to generate it all here")
@@ -574,6 +577,22 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
             raise
     sweep_other_devices_partials(so)
     return {"out": str(cfg.out), "already_done": False, "metrics": metrics, "manifest": so.manifest}
+
+
+def _say_made_on_another_gpu_model(out: Path, done: dict, device: str) -> None:
+    """A note where the finished eval found done at ``out`` was generated on another GPU model than ``device``'s: its
+    score is that model's numerics (the model is not in the fingerprint: a finished eval is the eval's on any GPU, as
+    on a CPU node, which gets its own note). An A100 node's rerun printed an H100's score unsaid (grpo.sh's rerun, a
+    Slurm job requeued; a review, session 59). CUDA is asked only where metrics.json records a model (none on a CPU)."""
+    from qerl_cli.runtime import gpu_model
+
+    made = done.get("gpu")
+    if not isinstance(made, str):
+        return
+    here = gpu_model(device)
+    if here is not None and here != made:
+        print(f"note: {out} was generated on {made!r}, not this {here!r}: its score is that GPU model's numerics (pass "
+              "--force to generate it here)", file=sys.stderr)
 
 
 def _check_stops_leave_the_scorers_their_tags(cfg: EvalConfig, prompts) -> None:

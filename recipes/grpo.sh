@@ -42,7 +42,8 @@ run_qerl() {  # qerl ARGS...
   # nothing in the stage's own group otherwise; qerl_cli.cli._stop_with_parent). qerl_run_forwarding sets that
   # for the command it starts too, where setpriv or python3 is there; the stage's own covers a QERL wrapper
   # (its parent) and a host with neither.
-  QERL_STOP_WITH_PARENT=1 qerl_run_forwarding "${QERL_WORDS[@]}" "$@"
+  # qerl_run_recording: QERL_FAILED says why it failed (the notes below)
+  QERL_STOP_WITH_PARENT=1 qerl_run_recording qerl_run_forwarding "${QERL_WORDS[@]}" "$@"
 }
 
 # A stage that refuses its output exits 4: made from other inputs, damaged, or (eval) begun on another GPU model, a run
@@ -65,8 +66,10 @@ stage() {
       echo "note: qerl $1 refused (exit 4): FORCE=1 reruns this script redoing each stage that refuses; a changed STEPS" \
         "cannot extend a run (start a new RUN_DIR)" >&2
       # its other way out, which FORCE=1 would throw away: the problems generated there. Not only a stopped eval: a
-      # finished one that today's rules score again with problems generated anew is refused so too (qerl_cli/evaluate.py)
-      if [ "$1" = eval ]; then
+      # finished one that today's rules score again with problems generated anew is refused so too (qerl_cli/evaluate.py).
+      # Only after that refusal (OtherGpuModelError, as the stage recorded it): it followed any eval's exit 4, "made from
+      # other inputs" too (a review, session 59)
+      if [ "$1" = eval ] && qerl_failed_with 4 OtherGpuModelError; then
         echo "note: an eval begun on another GPU model, stopped there or to be scored again with problems generated" \
           "anew (the line above says which), goes on only on a GPU of that model; FORCE=1 generates it all afresh here" >&2
       fi

@@ -208,9 +208,12 @@ qerl_resolve_shuffle() {  # -> SHUFFLE (1 or 0), after qerl_set_base; writes RUN
     return
   fi
   [ "$SHUFFLE" = auto ] || return 0
-  recorded=$(python3 "$QERL_LIB_DIR/rollout_shuffle.py" "$RUN_DIR" "$STEPS") ||
-    _qerl_die "SHUFFLE=auto: cannot read how $RUN_DIR's rollouts were made (above; python3 reads their manifests):" \
-      "set SHUFFLE=1 or 0"
+  qerl_find_python ||
+    _qerl_die "SHUFFLE=auto: reading how $RUN_DIR's rollouts were made takes a Python 3 on this host, and none was" \
+      "found ($QERL_PYTHON_LOOKED): set PYTHON=/path/to/python3, or SHUFFLE=1 or 0"
+  recorded=$("$QERL_PYTHON" "$QERL_LIB_DIR/rollout_shuffle.py" "$RUN_DIR" "$STEPS") ||
+    _qerl_die "SHUFFLE=auto: cannot read how $RUN_DIR's rollouts were made (above; $QERL_PYTHON reads their" \
+      "manifests): set SHUFFLE=1 or 0"
   if [ -z "$recorded" ] && [ -f "$RUN_DIR/shuffle" ]; then recorded=$(< "$RUN_DIR/shuffle"); fi
   case "$recorded" in
     1 | 0) SHUFFLE=$recorded ;;
@@ -234,14 +237,58 @@ _qerl_any_rollout() {  # whether a step of the run (below STEPS) holds a rollout
 }
 
 # The step a rerun starts qerl from: the last with a finished adapter when every adapter before it is of the same
-# run (recipes/resume_point.py), else 0; 0 too without python3 on the host, and with FORCE=1.
+# run (recipes/resume_point.py), else 0; 0 too with FORCE=1, and without a Python 3 on the host, said where a step
+# holds an adapter (it went through every step silently: 35 minutes of "already done" for 500 steps).
 QERL_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 qerl_resume_point() {
-  local first
-  if [ "${FORCE:-0}" = 1 ] || ! first=$(python3 "$QERL_LIB_DIR/resume_point.py" "$RUN_DIR" "$STEPS" 2>/dev/null); then
+  local first=0
+  if [ "${FORCE:-0}" = 1 ]; then :
+  elif ! qerl_find_python; then
+    if _qerl_any_adapter; then
+      echo "note: no Python 3 found on this host ($QERL_PYTHON_LOOKED) to read where $RUN_DIR's finished steps end" \
+        "(recipes/resume_point.py): every step is gone through from step 0; set PYTHON=/path/to/python3 to skip them" >&2
+    fi
+  elif ! first=$("$QERL_PYTHON" "$QERL_LIB_DIR/resume_point.py" "$RUN_DIR" "$STEPS" 2>/dev/null); then
     first=0
   fi
   echo "$first"
+}
+_qerl_any_adapter() {  # whether a step of RUN_DIR holds a finished adapter
+  local f
+  for f in "$RUN_DIR"/step-*/adapter/manifest.json; do
+    if [ -e "$f" ]; then return 0; fi
+  done
+  return 1
+}
+
+# The Python 3 that runs the recipes' helpers on the host (recipes/rollout_shuffle.py and resume_point.py, standard
+# library only; the death signal's prctl): PYTHON where set, else python3 on PATH, else the Python that QERL runs:
+# one beside an absolute qerl (/venv/bin/qerl -> /venv/bin/python3 or python) or QERL's own first word
+# (QERL="python -m qerl_cli"), else python on PATH where it is Python 3. "python3" alone failed a host without one
+# (SHUFFLE=auto exited 2, the resume shortcut was silently gone; a review, session 59). A container's Python (a QERL
+# wrapper) is not the host's: set PYTHON there. Found once per script.
+QERL_PYTHON="" QERL_PYTHON_LOOKED=""
+qerl_find_python() {  # -> QERL_PYTHON (a command), or returns 1 naming in QERL_PYTHON_LOOKED where it looked
+  local words c cands=()
+  if [ -n "$QERL_PYTHON" ]; then return 0; fi
+  if [ -n "${PYTHON:-}" ]; then
+    QERL_PYTHON_LOOKED="PYTHON=$PYTHON"
+    if _qerl_is_python3 "$PYTHON"; then QERL_PYTHON=$PYTHON; return 0; fi
+    return 1
+  fi
+  read -r -a words <<< "${QERL:-qerl}"
+  cands=(python3)
+  case "${words[-1]}" in /*/qerl) cands+=("${words[-1]%/*}/python3" "${words[-1]%/*}/python") ;; esac
+  case "${words[0]##*/}" in python*) cands+=("${words[0]}") ;; esac
+  cands+=(python)
+  for c in "${cands[@]}"; do
+    if _qerl_is_python3 "$c"; then QERL_PYTHON=$c; return 0; fi
+  done
+  QERL_PYTHON_LOOKED="looked for ${cands[*]}"
+  return 1
+}
+_qerl_is_python3() {  # COMMAND: whether it runs and is Python 3
+  command -v -- "$1" > /dev/null && "$1" -c 'import sys; sys.exit(sys.version_info[0] != 3)' 2> /dev/null
 }
 
 # The step directories at or past STEPS, one a line: an earlier run's, when FORCE=1 reran a run dir with fewer STEPS
@@ -343,6 +390,26 @@ qerl_merge_cmd() {  # the last step's adapter merged into RUN_DIR/merged
 
 qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"); }
 
+# Why a stage failed, in its own words: `qerl_run_recording CMD...` runs CMD with QERL_ERROR_FILE naming a file in
+# RUN_DIR, to which a qerl stage that fails with one of its errors appends "CODE KIND MESSAGE" (qerl_cli.cli.record_error;
+# each torchrun rank its own line), and sets QERL_FAILED to those lines (empty: none). The notes after a refusal are
+# chosen from it: any exit 4 of an eval got the note on an eval begun on another GPU model, and any failure of a
+# torchrun job the refusal's (a review, session 59). Not read from the stage's stderr, which stays the terminal's
+# (through a pipe its live progress ends). In RUN_DIR, which a stage writes through any QERL wrapper (a container's
+# /tmp may be its own); made by the stage only when it fails, removed once read.
+qerl_run_recording() {  # CMD... -> CMD's status; QERL_FAILED
+  local rc=0 f
+  f=$(mktemp -u "$RUN_DIR/.qerl-error.XXXXXXXXXX") || f=""
+  QERL_ERROR_FILE=$f "$@" || rc=$?
+  QERL_FAILED=""
+  if [ -n "$f" ] && [ -f "$f" ]; then QERL_FAILED=$(< "$f"); rm -f -- "$f"; fi
+  return "$rc"
+}
+QERL_FAILED=""
+qerl_failed_with() {  # CODE [KIND]: whether a line of QERL_FAILED records that exit code (and that kind of error)
+  [[ $'\n'$QERL_FAILED == *$'\n'"$1 ${2:+$2 }"* ]]
+}
+
 # `qerl_run_forwarding CMD...`: CMD, reading /dev/null, in a process group of its own, passing TERM, INT, HUP and
 # QUIT on to that group (HUP and QUIT as TERM: a closed terminal, Ctrl-\; a qerl stage cleans up as after TERM);
 # returns CMD's status. bash ignores SIGQUIT: Ctrl-\ reached nothing of a stage in its own group.
@@ -426,15 +493,16 @@ qerl_run_forwarding() {
 }
 
 # How CMD gets SIGTERM when the script dies: Linux's PR_SET_PDEATHSIG, which outlives exec. util-linux's
-# `setpriv --pdeathsig` (2.33, 2018: Debian 10, Ubuntu 20.04, RHEL 9 and later), else python3's prctl (RHEL 8's
-# util-linux is 2.32), else none (not Linux: the script's death passes nothing on). Found once per script.
+# `setpriv --pdeathsig` (2.33, 2018: Debian 10, Ubuntu 20.04, RHEL 9 and later), else a Python 3's prctl (RHEL 8's
+# util-linux is 2.32; qerl_find_python's), else none (not Linux: the script's death passes nothing on). Found once per
+# script.
 _qerl_death_tool=""
 _qerl_find_death_tool() {
   if [ -n "$_qerl_death_tool" ]; then return; fi
   _qerl_death_tool=none
   if [ "$(uname -s)" != Linux ]; then return; fi
   if [[ $(setpriv --help 2>/dev/null) == *--pdeathsig* ]]; then _qerl_death_tool=setpriv
-  elif command -v python3 > /dev/null; then _qerl_death_tool=python3; fi
+  elif qerl_find_python; then _qerl_death_tool=python3; fi
 }
 # `_qerl_exec_stopping_with PARENT CMD...` in a child of PARENT (a pid): become CMD, set to get SIGTERM when PARENT
 # dies. A PARENT that died before that (the child re-parented, no signal will come) ends the child at once (143).
@@ -447,7 +515,7 @@ _qerl_exec_stopping_with() {
   # shellcheck disable=SC2016  # bash -c's own $PPID and arguments
   case "$_qerl_death_tool" in
     setpriv) exec setpriv --pdeathsig TERM -- "$BASH" -c '[ "$PPID" = "$0" ] || exit 143; exec "$@"' "$parent" "$@" ;;
-    python3) exec python3 -I -S -c 'import ctypes, os, sys
+    python3) exec "${QERL_PYTHON:-python3}" -I -S -c 'import ctypes, os, sys
 if ctypes.CDLL(None).prctl(1, 15, 0, 0, 0) == 0 and os.getppid() != int(sys.argv[1]):  # PR_SET_PDEATHSIG, SIGTERM
     sys.exit(143)
 try:

@@ -161,6 +161,21 @@ def test_a_cpu_allocation_failure_is_out_of_memory_naming_the_flag_to_lower(caps
     assert "--out was not written; problems finished before it are kept for a rerun" in err, err  # eval resumes
 
 
+def test_a_stage_error_is_recorded_where_the_script_that_runs_it_asks(tmp_path, monkeypatch):
+    # QERL_ERROR_FILE (the recipes set it for each stage): why the stage failed, for grpo.sh's and a Slurm job's notes,
+    # which told an eval's GPU-model refusal from any other exit 4 by nothing, and torchrun's exit 1 from a refusal
+    from qerl_cli.errors import OtherGpuModelError
+
+    record = tmp_path / "record"
+    assert _exit_code(_raising(BadInputError("bad flag")), "eval") == 2 and not record.exists()  # not asked: nothing
+    monkeypatch.setenv("QERL_ERROR_FILE", str(record))
+    assert _exit_code(_raising(OtherGpuModelError("e holds this eval stopped on 'H100'", hint="rerun")), "eval") == 4
+    assert _exit_code(_raising(BadInputError("bad\nflag")), "eval") == 2  # appended, one line each
+    assert record.read_text() == "4 OtherGpuModelError e holds this eval stopped on 'H100' (rerun)\n2 BadInputError bad flag\n"
+    monkeypatch.setenv("QERL_ERROR_FILE", str(tmp_path / "no-such-dir" / "record"))  # unwritable: the error as before
+    assert _exit_code(_raising(BadInputError("bad flag")), "eval") == 2
+
+
 def test_qerl_debug_keeps_the_traceback_of_a_stage_error(monkeypatch):
     monkeypatch.setenv("QERL_DEBUG", "1")
     with pytest.raises(BadInputError, match="bad flag"):

@@ -724,8 +724,9 @@ def test_a_stopped_eval_resumes_on_another_gpu_of_the_same_model(model_dir, tmp_
 
 def test_a_stopped_eval_is_not_resumed_on_another_gpu_model(model_dir, tmp_path, monkeypatch):
     # cuda:0 and cuda:1 of one node (or an A100 node and an H100 node over a shared file system) may be different
-    # GPUs: other numerics, so no resume; refused (exit 4), its kept problems left for a GPU of its model.
-    from qerl_cli.errors import OutputExistsError
+    # GPUs: other numerics, so no resume; refused (exit 4), its kept problems left for a GPU of its model. Its own kind
+    # of exit 4, which the recipes' note tells from the others (QERL_ERROR_FILE).
+    from qerl_cli.errors import OtherGpuModelError
 
     cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
     with monkeypatch.context() as m:
@@ -733,7 +734,7 @@ def test_a_stopped_eval_is_not_resumed_on_another_gpu_model(model_dir, tmp_path,
         stopped = _stopped(replace(cfg, device="cuda:1"), m)
         kept = (stopped / "samples.jsonl").read_bytes()
         gen = BySeed()
-        with pytest.raises(OutputExistsError, match="stopped on 'H100', another GPU model than this 'A100'"):
+        with pytest.raises(OtherGpuModelError, match="stopped on 'H100', another GPU model than this 'A100'"):
             evaluate(cfg, generate=gen)
         assert gen.asked == [] and (stopped / "samples.jsonl").read_bytes() == kept
         assert json.loads((stopped / MADE_ON).read_text())["gpu"] == "H100"  # its record left as it was
@@ -751,7 +752,7 @@ def test_a_finished_eval_records_its_gpu_model_and_is_not_completed_on_another(m
     # rescoring that must generate some problems again (their prompts render otherwise today) did so on any GPU model,
     # two kernels' roundings in one eval (a stopped eval's resume was refused there: check_made_on_this_gpu).
     import qerl_cli.evaluate as ev
-    from qerl_cli.errors import OutputExistsError
+    from qerl_cli.errors import OtherGpuModelError
 
     cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
     with monkeypatch.context() as m:
@@ -766,11 +767,29 @@ def test_a_finished_eval_records_its_gpu_model_and_is_not_completed_on_another(m
     gen = BySeed()
     with monkeypatch.context() as m:
         _gpus(m, ["H100", "A100"])
-        with pytest.raises(OutputExistsError, match="generated on 'H100'.* which this 'A100' would do with other"):
+        with pytest.raises(OtherGpuModelError, match="generated on 'H100'.* which this 'A100' would do with other"):
             evaluate(replace(cfg, device="cuda:1"), generate=gen)
         assert gen.asked == [] and samples.read_bytes() == finished and not list(tmp_path.glob(".e.partial-*"))
         res = evaluate(cfg, generate=gen)  # on its model: scored again, the problems generated again
     assert gen.asked == [[0, 1, 2, 3], [4]] and res["metrics"]["gpu"] == "H100"
+
+
+def test_a_finished_eval_found_done_on_another_gpu_model_says_whose_score_it_is(model_dir, tmp_path, monkeypatch,
+                                                                               capsys):
+    # A finished eval is the eval's on any GPU (the model is not in the fingerprint), but a rerun on an A100 node of an
+    # eval an H100 generated printed the H100's score as "already done" unsaid, where a CPU node's rerun says whose
+    # device's score it is (a review, session 59: grpo.sh's rerun, a requeued Slurm job).
+    cfg = replace(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", ROWS), max_num_seqs=3), device="auto")
+    with monkeypatch.context() as m:
+        _gpus(m, ["H100", "A100"])
+        evaluate(cfg, generate=BySeed())
+        capsys.readouterr()
+        gen = BySeed()
+        assert evaluate(replace(cfg, device="cuda:1"), generate=gen)["already_done"] and gen.asked == []
+        assert capsys.readouterr().err == (f"note: {cfg.out} was generated on 'H100', not this 'A100': its score is that "
+                                           "GPU model's numerics (pass --force to generate it here)\n")
+        assert evaluate(cfg, generate=gen)["already_done"]  # on its model: nothing to say
+        assert "note:" not in capsys.readouterr().err
 
 
 def test_a_stop_on_one_gpu_and_then_another_keeps_one_partial_dir(model_dir, tmp_path, monkeypatch, capsys):

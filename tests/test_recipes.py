@@ -934,6 +934,62 @@ def test_a_rerun_starts_qerl_from_the_last_finished_step(tmp_path, case):
         assert steps == walk, steps
 
 
+def _host_without_python(tmp_path) -> str:
+    """A PATH of this host's tools but no python: a host where QERL is a venv's qerl, or runs in a container."""
+    b = tmp_path / "host-bin"
+    b.mkdir()
+    for d in ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else ():
+            if not name.startswith("python") and not (b / name).exists():
+                (b / name).symlink_to(os.path.join(d, name))
+    return str(b)
+
+
+@pytest.mark.parametrize("python", ["beside", "PYTHON", "none"])
+def test_the_recipes_helpers_run_on_the_python_qerl_runs(tmp_path, python):
+    # SHUFFLE=auto read a begun run dir's rollouts with `python3` alone: on a host without one (QERL a venv's qerl) it
+    # exited 2, and the resume shortcut fell back to step 0 without a word (a review, session 59). Now the python beside
+    # an absolute QERL, or PYTHON; without any, a message naming PYTHON, and a note where steps are gone through again.
+    import shlex
+
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(venv, "qerl", f'printf "%q " "$@" >> {log}; echo >> {log}\n')
+    env = {**os.environ, "PATH": _host_without_python(tmp_path), "QERL": str(qerl)}
+    if python == "beside":
+        (venv / "python3").symlink_to(sys.executable)
+    elif python == "PYTHON":
+        env["PYTHON"] = sys.executable
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=4\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    _finished_steps(run, 3)
+    _rollout_made(run / "step-000000" / "shards", False)  # begun in file order, before the knob
+    cmd = ["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if python == "none":
+        assert r.returncode == 2 and not log.exists(), r.stderr
+        assert r.stderr.startswith(f"error: SHUFFLE=auto: reading how {run}'s rollouts were made takes a Python 3 on this "
+                                   "host, and none was found (looked for python3 "), r.stderr
+        assert r.stderr.endswith("): set PYTHON=/path/to/python3, or SHUFFLE=1 or 0\n"), r.stderr
+        r = subprocess.run(cmd, env={**env, "SHUFFLE": "0"}, capture_output=True, text=True)
+        assert r.returncode == 0 and "note: no Python 3 found on this host (looked for " in r.stderr, r.stderr
+        assert "every step is gone through from step 0; set PYTHON=/path/to/python3 to skip them" in r.stderr
+        first = "step-000000/shards"
+    else:
+        assert r.returncode == 0 and "made in file order (no --shuffle), so this run keeps" in r.stderr, r.stderr
+        assert "no Python 3" not in r.stderr
+        first = "step-000002/shards"  # the resume point, read by resume_point.py
+    rollouts = [shlex.split(x) for x in log.read_text().splitlines() if x.startswith("rollout ")]
+    assert rollouts[0][rollouts[0].index("--out") + 1] == f"{run}/{first}" and not any("--shuffle" in a for a in rollouts)
+    # QERL="python -m qerl_cli": its python
+    (venv / "python3.11").symlink_to(sys.executable)
+    r = subprocess.run(["bash", "-c", f'source {RECIPES / "lib.sh"}; QERL="{venv}/python3.11 -m qerl_cli"; '
+                        'qerl_find_python; echo "$QERL_PYTHON"'], env={**env, "PYTHON": ""}, capture_output=True,
+                       text=True)
+    assert r.stdout == f"{venv}/python3.11\n", r.stderr
+
+
 # ---- a live single-node Slurm (Debian's slurm-wlm + munge), started by the test ----------
 def _slurm_binaries():
     return all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "squeue", "munged", "munge"))
@@ -1050,11 +1106,19 @@ def test_force_redoes_only_the_stages_that_refuse(tmp_path):
                      "eval", "eval"], calls  # the config's EVAL_DATASET: base, final, --compare
 
 
+# What a stand-in qerl records of its failure where the script asks (QERL_ERROR_FILE: qerl_cli.cli.record_error, whose
+# format test_a_stages_recorded_failure_is_what_the_recipes_read holds): `record CODE KIND MESSAGE`
+RECORD = 'record() { [ -z "${QERL_ERROR_FILE:-}" ] || echo "$*" >> "$QERL_ERROR_FILE"; }\n'
 # qerl eval's refusal to resume an eval stopped on another GPU model (eval_devices.check_made_on_this_gpu), as a
 # stand-in qerl gives it: exit 4 unless --force
-GPU_REFUSAL = ('if [ "$1" = eval ] && [[ " $* " != *" --force "* ]] && [[ " $* " != *" --compare "* ]]; then\n'
+GPU_REFUSAL = (RECORD + 'if [ "$1" = eval ] && [[ " $* " != *" --force "* ]] && [[ " $* " != *" --compare "* ]]; then\n'
                '  echo "error: .e.partial-x holds this eval stopped on \'H100\', another GPU model than this \'A100\'" >&2\n'
+               '  record 4 OtherGpuModelError .e.partial-x holds this eval stopped on ...\n'
                '  exit 4\nfi\n')
+# and an eval's refusal of an output made from other inputs: no GPU model's note (it followed every eval's exit 4)
+INPUTS_REFUSAL = GPU_REFUSAL.replace("OtherGpuModelError", "OutputExistsError").replace(
+    ".e.partial-x holds this eval stopped on \'H100\', another GPU model than this \'A100\'",
+    "e holds an eval output made from different inputs or arguments (max_new_tokens: 2048 -> 1024)")
 # and to score again a finished eval another GPU model generated, where some problems must be generated anew (evaluate.py)
 GPU_RESCORE_REFUSAL = GPU_REFUSAL.replace(".e.partial-x holds this eval stopped on \'H100\', another GPU model than this "
                                           "\'A100\'", "e was generated on \'H100\': scoring it again, some of its "
@@ -1105,6 +1169,71 @@ def test_a_slurm_eval_job_requeued_onto_another_gpu_model_says_how_to_go_on(tmp_
                              + GPU_NOTE.format(" (a Slurm constraint: EXTRA_SBATCH_ARGS=--constraint=...)")), r.stderr
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("script", ["grpo.sh", "stage.sbatch"])
+def test_an_evals_refusal_of_other_inputs_gets_no_gpu_model_note(tmp_path, script):
+    # Any exit 4 of an eval was followed by the note on an eval begun on another GPU model ("goes on only on a GPU of
+    # that model"), an eval made from other inputs too (a review, session 59): now only the refusal the stage records
+    # as that (OtherGpuModelError, QERL_ERROR_FILE) gets it
+    qerl = _recorder(tmp_path, "qerl", INPUTS_REFUSAL)
+    if script == "grpo.sh":
+        cfg, run = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\n"), tmp_path / "run"
+        cmd = ["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)]
+    else:
+        cfg, run = _submit_7b_chain(tmp_path)
+        cmd = ["bash", str(RECIPES / "slurm" / "stage.sbatch"), "eval", str(cfg), str(run), "1"]
+    r = subprocess.run(cmd, env={**os.environ, "QERL": str(qerl)}, capture_output=True, text=True)
+    assert r.returncode == 4 and "made from different inputs" in r.stderr, r.stderr
+    assert "redoes it with --force" in r.stderr or "FORCE=1 reruns this script" in r.stderr, r.stderr
+    assert "another GPU model" not in r.stderr.split("made from different inputs")[1], r.stderr
+    assert not list(run.glob(".qerl-error.*"))  # the record, read, is gone
+
+
+def test_a_stages_recorded_failure_is_what_the_recipes_read(tmp_path, monkeypatch):
+    # The recipes choose their notes from the line a failing stage appends to QERL_ERROR_FILE (qerl_cli.cli.record_error):
+    # the real line, read by lib.sh's qerl_failed_with, for each kind they tell apart
+    from qerl_cli.cli import record_error
+    from qerl_cli.errors import OtherGpuModelError, OutputBusyError, OutputExistsError
+
+    f = tmp_path / "rec"
+    monkeypatch.setenv("QERL_ERROR_FILE", str(f))
+    want = {"gpu": "4 OtherGpuModelError", "inputs": "4 OutputExistsError", "busy": "8 OutputBusyError"}
+    for kind, e in (("gpu", OtherGpuModelError("e holds this eval stopped on 'H100',\nanother", hint="rerun")),
+                    ("inputs", OutputExistsError("e holds an eval output made from different inputs")),
+                    ("busy", OutputBusyError("e was written by another run"))):
+        f.write_text("")
+        record_error(e)
+        assert f.read_text().count("\n") == 1  # one line, whatever the message holds
+        checks = " ".join(f"$(qerl_failed_with {w} && echo 1 || echo 0)" for w in want.values())
+        r = subprocess.run(["bash", "-c", f'source {RECIPES / "lib.sh"}; QERL_FAILED=$(< "$1"); echo {checks}; '
+                            'echo "$(qerl_failed_with 4 && echo 1 || echo 0) $(qerl_failed_with 8 && echo 1 || echo 0)"',
+                            "x", str(f)], capture_output=True, text=True, check=True)
+        assert r.stdout.split("\n")[0] == " ".join("1" if k == kind else "0" for k in want), (kind, r.stdout)
+        assert r.stdout.split("\n")[1] == ("0 1" if kind == "busy" else "1 0"), (kind, r.stdout)
+
+
+@pytest.mark.parametrize("force", ["0", "1"])
+@pytest.mark.parametrize("recorded", ["", "record 2 BadInputError --shards x: no shard files\n"], ids=["crash", "bad-input"])
+def test_a_torchrun_jobs_other_failure_is_not_taken_for_a_refusal(tmp_path, force, recorded):
+    # torchrun exits 1 whatever its ranks' codes: a failure of a multi-GPU train job on a step whose adapter was finished
+    # before it was taken for the refusal (a review, session 59): redone with --force under FORCE=1, and otherwise told
+    # "the stage refused it ... FORCE=1 redoes it". Now only the exit 4 its ranks record is the refusal.
+    log = tmp_path / "qerl.log"
+    body = (RECORD + f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            + recorded.replace("record", 'echo "error: no shard files" >&2; record') + "exit 1\n")
+    qerl = _recorder(tmp_path, "qerl", body)
+    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force, TRAIN_GPUS="2")
+    (run / "step-000001" / "adapter").mkdir(parents=True)
+    (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl)}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    calls = [x.strip() for x in log.read_text().splitlines()]
+    assert r.returncode == 1 and calls == ["train-step"], r.stderr
+    assert "refused" not in r.stderr and "--force" not in r.stderr, r.stderr
+
+
 def _submit_7b_chain(tmp_path, **env):
     """submit.sh on the 7B config (3 steps) through a fake sbatch, with ``env`` in its environment."""
     sbatch, _ = _fake_sbatch(tmp_path)
@@ -1119,8 +1248,8 @@ def _force_chain_job(tmp_path, force, stage, **chain_env):
     """A job of a chain submitted with FORCE=``force``, whose stand-in qerl refuses (exit 4) unless --force:
     (the job's result, the qerl calls it made)."""
     log = tmp_path / "qerl.log"
-    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
-            'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; exit 4; fi\n')
+    body = (RECORD + f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; record 4 OutputExistsError exists; exit 4; fi\n')
     qerl = _recorder(tmp_path, "qerl", body)
     # torchrun beside an absolute QERL is the one stage.sbatch runs; like the real one it exits 1 on a failed rank
     _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
@@ -1158,10 +1287,11 @@ def test_a_force_chains_torchrun_job_does_not_force_over_an_output_another_chain
     # torchrun turns the stage's exit 8 (another run wrote --out while this one ran) into 1; stage.sbatch took any
     # failure with a manifest at --out for the exit-4 refusal and redid the step with --force over the other chain's
     log = tmp_path / "qerl.log"
-    body = (f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+    body = (RECORD + f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
             'out=$(for a in "$@"; do [ "${prev:-}" = --out ] && echo "$a"; prev=$a; done)\n'
             'mkdir -p "$out"; echo "{}" > "$out/manifest.json"\n'
-            'echo "error: $out was written by another run while this one ran" >&2; exit 8\n')
+            'echo "error: $out was written by another run while this one ran" >&2\n'
+            'record 8 OutputBusyError "$out was written by another run while this one ran"; exit 8\n')
     qerl = _recorder(tmp_path, "qerl", body)
     _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
     cfg, run = _submit_7b_chain(tmp_path, FORCE="1", TRAIN_GPUS="2")
