@@ -22,8 +22,10 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 # Checked from / : in the repository root `import qerl_cli` finds the source tree itself, installed or not,
 # and the loop below runs the `qerl` command, which only the install provides ("qerl: command not found").
-# A QERL you set runs the stages instead (QERL="python -m qerl_cli" from this root needs no install): then only
-# the plot's matplotlib is checked here.
+# A QERL you set runs the stages instead: then only the plot's matplotlib is checked here. (QERL="python -m qerl_cli"
+# from this root still imports qerl_kernels, a name kernels/ has only through an install or a PYTHONPATH link to it:
+# without one the first stage stops at "No module named 'qerl_kernels'"; with another checkout installed, it runs
+# that checkout's kernels under this tree's qerl_cli.)
 if ! (cd / && python -c "import matplotlib") 2>/dev/null \
    || { [ -z "${QERL:-}" ] && { ! (cd / && python -c "import qerl_cli") 2>/dev/null || ! command -v qerl >/dev/null; }; }; then
   python -m pip install -q -e ".[plot]"
@@ -31,7 +33,7 @@ fi
 if [ -z "${QERL:-}" ]; then  # the qerl command runs whatever tree is installed: say so when it is another one
   installed=$(cd / && python -c "import os, qerl_cli; print(os.path.dirname(os.path.dirname(os.path.realpath(qerl_cli.__file__))))" 2>/dev/null) || installed=""
   if [ -n "$installed" ] && [ "$installed" != "$(pwd -P)" ]; then
-    echo "note: the qerl command runs the checkout installed at $installed, not this one ($(pwd -P)); 'pip install -e .' here, or QERL='python -m qerl_cli', runs this one" >&2
+    echo "note: the qerl command runs the checkout installed at $installed, not this one ($(pwd -P)); 'pip install -e .' here runs this one" >&2
   fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(nproc)} TOKENIZERS_PARALLELISM=false

@@ -12,6 +12,17 @@ triton = pytest.importorskip("triton")
 compile_workers = pytest.importorskip("qerl_kernels.compile_workers")
 
 
+
+def _wait_for_file(path, patience: float = 120) -> None:
+    """Wait until ``path`` exists (a job in a worker made it: the job has reached the worker). A fixed `sleep 0.5`
+    for that found no worker yet on a loaded machine (CI's 2 cores shared with other jobs)."""
+    import time
+
+    end = time.monotonic() + patience
+    while not path.exists():
+        assert time.monotonic() < end, f"no {path.name} after {patience} s"
+        time.sleep(0.05)
+
 def _dequant_job():
     """A real qerl kernel's compile request, as ``JITFunction._do_compile`` would hold it."""
     from qerl_kernels.dequant import _nvfp4_dequant_kernel as k
@@ -62,13 +73,14 @@ def test_a_failed_job_fails_alone_and_the_next_one_runs(tmp_path, monkeypatch):
         pool.close()
 
 
-def test_a_hung_worker_is_killed_at_close_and_its_job_fails(monkeypatch):
+def test_a_hung_worker_is_killed_at_close_and_its_job_fails(tmp_path, monkeypatch):
     import time
 
-    monkeypatch.setattr(compile_workers, "_compile", lambda *job: time.sleep(120))  # the fork inherits it
+    started = tmp_path / "started"
+    monkeypatch.setattr(compile_workers, "_compile", lambda *job: started.touch() or time.sleep(120))  # the fork inherits it
     pool = compile_workers.WorkerPool(1)
     future = pool.submit(("m", "f", {}, {}, {}, {}, None))
-    time.sleep(0.5)  # let it fork and take the job
+    _wait_for_file(started)  # it forked and took the job
     t0 = time.monotonic()
     pool.close(timeout=1.0)
     assert time.monotonic() - t0 < 30
@@ -194,17 +206,18 @@ def test_an_interrupt_while_close_waits_stops_the_workers(monkeypatch):
     _assert_reaped(pool)
 
 
-def test_a_timed_out_close_signals_no_pid_it_reaped_already(monkeypatch):
+def test_a_timed_out_close_signals_no_pid_it_reaped_already(tmp_path, monkeypatch):
     import time
 
+    started = tmp_path / "started"
     monkeypatch.setattr(compile_workers, "_compile",
-                        lambda *job: os._exit(3) if job[0] == "crash" else time.sleep(120))
+                        lambda *job: os._exit(3) if job[0] == "crash" else started.touch() or time.sleep(120))
     pool = compile_workers.WorkerPool(2)
     crashed = pool.submit(("crash", "f", {}, {}, {}, {}, None))
     with pytest.raises(RuntimeError, match="exited"):
         crashed.result(timeout=60)
     hung = pool.submit(("m", "f", {}, {}, {}, {}, None))
-    time.sleep(0.5)
+    _wait_for_file(started)
     reaped = [w.pid for w in pool.workers if w.reaped]
     assert reaped
     signalled = []
@@ -222,13 +235,15 @@ def test_the_parents_signal_handlers_do_not_run_in_a_worker(tmp_path, monkeypatc
     import signal
     import time
 
-    log = tmp_path / "handler.log"
-    monkeypatch.setattr(compile_workers, "_compile", lambda *job: time.sleep(2) or True)
+    log, started = tmp_path / "handler.log", tmp_path / "started"
+    # The job marks that the worker runs it (its signal handling set up): a `sleep 0.5` found no worker yet, or the
+    # fork before it had reset the parent's handler, on a loaded machine.
+    monkeypatch.setattr(compile_workers, "_compile", lambda *job: started.touch() or time.sleep(120))
     previous = signal.signal(signal.SIGTERM, lambda *_: log.open("a").write(f"{os.getpid()}\n"))
     try:
         pool = compile_workers.WorkerPool(1)
         future = pool.submit(("m", "f", {}, {}, {}, {}, None))
-        time.sleep(0.5)
+        _wait_for_file(started)
         (worker,) = pool.workers
         os.kill(worker.pid, signal.SIGTERM)
         with pytest.raises(RuntimeError, match="exited"):

@@ -372,28 +372,81 @@ def test_slurm_eval_stage_scores_the_base_or_a_steps_adapter(tmp_path):
     assert step.endswith(f"--out {run}/step-000002/eval")
 
 
-def _signal_recorder(tmp_path, ticks: int, extra: str = ""):
+# How long a test waits for an event it needs (a stage logging itself, a script ending, its processes gone) before it
+# fails. Generous on purpose: a loaded machine (CI's 2 cores shared with other jobs) is slower, not wrong. Fixed
+# waits (400 polls of 0.05 s, `sleep 1`) sent the signal before quickstart.sh had reached its first stage there,
+# and the tests failed.
+PATIENCE = 180
+
+
+def _wait_for(event, what: str):
+    """Poll ``event()`` until it is true and return its value; fail the test after PATIENCE s, naming ``what``."""
+    end = time.monotonic() + PATIENCE
+    while not (value := event()):
+        if time.monotonic() > end:
+            pytest.fail(f"waited {PATIENCE} s for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def _logged(log: Path, text: str = "") -> bool:
+    """Whether ``log`` has a line yet (and ``text`` in it)."""
+    return log.exists() and bool(log.read_text().strip()) and text in log.read_text()
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid``: a script started with start_new_session=True and every process it
+    started, process groups of their own included (zombies left out: a container's PID 1 may never reap them)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            state, _, _, session = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[:4]
+            if int(session) == sid and state not in "ZX":
+                pids.append(int(d))
+    return pids
+
+
+def _session_ends(p: subprocess.Popen) -> None:
+    """Wait until the session ``p`` leads is empty: then nothing of the run can start anything more, where a fixed
+    `sleep` only gave an orphaned loop a while to show itself. Any process still there after PATIENCE s is
+    killed (this test started it) and the test fails."""
+    try:
+        _wait_for(lambda: not _session(p.pid), f"every process started by {p.args} to end")
+    finally:
+        for pid in _session(p.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+
+
+def _signal_recorder(tmp_path, extra: str = ""):
     """A stand-in stage that logs "STAGE PID{extra}", then the TERM or INT it gets (exiting 143 / 130 as qerl does),
-    or "not signalled" after ``ticks`` x 0.05 s."""
+    or "not signalled" after PATIENCE s (wall-clock: a count of `sleep 0.05` is no time bound on a loaded machine)."""
     log = tmp_path / "qerl.log"
     body = (f'echo "$1 $${extra}" >> {log}\n'
             f"trap 'echo \"$1 got TERM\" >> {log}; exit 143' TERM\n"
             f"trap 'echo \"$1 got INT\" >> {log}; exit 130' INT\n"
-            f'for _ in $(seq {ticks}); do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
+            f'while [ "$SECONDS" -lt {PATIENCE} ]; do sleep 0.05; done; echo "$1 not signalled" >> {log}\n')
     return _recorder(tmp_path, "qerl", body), log
 
 
-def _signal_once_started(cmd, env, log, sig, polls: int = 400, timeout: float = 20) -> int:
-    """Start ``cmd`` as from a terminal (SIGINT not ignored), send ``sig`` to it alone (not its process group) once
-    the first stage has logged itself, and return its exit status."""
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def _signal_once_started(cmd, env, log, sig) -> int:
+    """Start ``cmd`` as from a terminal (SIGINT not ignored) in a session of its own, send ``sig`` to it alone (not
+    its process group) once the first stage has logged itself, and return its exit status once every process it
+    started has ended."""
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for _ in range(polls):
-        if log.exists() and log.read_text().strip():
-            break
-        time.sleep(0.05)
-    p.send_signal(sig)
-    return p.wait(timeout=timeout)
+    try:
+        _wait_for(lambda: _logged(log), "the first stage to log itself")
+        p.send_signal(sig)
+        return p.wait(timeout=PATIENCE)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            p.kill()  # a script still running after a failed wait
+        p.wait()
+        _session_ends(p)  # an orphaned loop or stage would still run
 
 
 def _argv_recorder(tmp_path):
@@ -1515,15 +1568,16 @@ def test_more_than_one_gpu_per_rollout_task_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 def test_a_signal_to_grpo_sh_reaches_the_running_stage(tmp_path, sig):
     # `kill <grpo.sh pid>` left the stage running, still writing: bash passes no signal to a foreground child.
     # A stand-in stage records the signal it gets and exits as qerl does (143 / 130); the script waits for
     # it, ends as killed by the signal (a shell's $?: 143 / 130, the stage's status) and starts no other stage.
-    qerl, log = _signal_recorder(tmp_path, 100, ' ${QERL_STOP_WITH_PARENT:-unset}')
+    qerl, log = _signal_recorder(tmp_path, ' ${QERL_STOP_WITH_PARENT:-unset}')
     cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=2\n")
     rc = _signal_once_started(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")],
-                              {**os.environ, "QERL": str(qerl)}, log, sig, polls=100, timeout=10)
+                              {**os.environ, "QERL": str(qerl)}, log, sig)
     assert rc == -sig
     lines = log.read_text().splitlines()
     assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {sig.name[3:]}"
@@ -1538,26 +1592,25 @@ def _grpo_cfg(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 def test_ctrl_c_to_grpo_sh_stops_a_loop_around_it(tmp_path):
     # grpo.sh exited 130 after Ctrl-C, a normal exit: bash, which waits for a command to die of SIGINT before it
     # stops too, took the signal as handled, and a loop over seeds went on to the next whole run (a review).
-    qerl, log = _signal_recorder(tmp_path, 100)
+    qerl, log = _signal_recorder(tmp_path)
     loop = tmp_path / "seeds.sh"
     loop.write_text(f'for s in 1 2; do bash {RECIPES / "grpo.sh"} {_grpo_cfg(tmp_path)} {tmp_path}/run$s; '
                     f'echo "loop: run $s exited $?" >> {log}; done\n')
     p = subprocess.Popen(["bash", str(loop)], env={**os.environ, "QERL": str(qerl)}, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, process_group=0,  # a terminal's foreground job
+                         stderr=subprocess.DEVNULL, start_new_session=True,  # a terminal's foreground job
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for _ in range(100):
-        if log.exists() and log.read_text().strip():
-            break
-        time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground job's whole group
     try:
-        assert p.wait(timeout=3) == -signal.SIGINT
+        _wait_for(lambda: _logged(log), "the first stage to log itself")
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground job's whole group
+        assert p.wait(timeout=PATIENCE) == -signal.SIGINT
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # a loop that went on
+        _session_ends(p)
     assert [x.split()[0] for x in log.read_text().splitlines()] == ["quantize", "quantize"]  # no second run
 
 
@@ -1568,33 +1621,39 @@ sys.exit(subprocess.Popen(sys.argv[1:], preexec_fn=lambda: signal.signal(signal.
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 def test_ctrl_c_reaches_a_stage_whose_wrapper_ignores_it(tmp_path):
     # QERL="/usr/bin/time -v qerl": grpo.sh passed Ctrl-C to the wrapper alone, which ignores SIGINT, and the
     # stage ran to its end (a review). It goes to the stage's whole group now, as a terminal's Ctrl-C does.
-    qerl, log = _signal_recorder(tmp_path, 100)
+    qerl, log = _signal_recorder(tmp_path)
     wrapper = tmp_path / "wrap.py"
     wrapper.write_text(_IGNORES_SIGINT)
     rc = _signal_once_started(["bash", str(RECIPES / "grpo.sh"), str(_grpo_cfg(tmp_path)), str(tmp_path / "run")],
-                              {**os.environ, "QERL": f"{sys.executable} {wrapper} {qerl}"}, log, signal.SIGINT,
-                              polls=100, timeout=10)
+                              {**os.environ, "QERL": f"{sys.executable} {wrapper} {qerl}"}, log, signal.SIGINT)
     assert log.read_text().splitlines()[1:] == ["quantize got INT"] and rc == -signal.SIGINT
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 def test_a_signal_as_the_command_starts_is_passed_on(tmp_path):
     # bash runs a trap as soon as it has forked a background command, before `$!` names it: a signal then found
     # no group to pass itself to, the script exited 143 and the command ran on, orphaned (1 in 14 under a stream
     # of signals; a review). Here the signal is sent by a DEBUG trap at the first command after the fork.
-    mark = tmp_path / "orphan"
+    # The command runs on only once the test lets it (a file, made after the script ended): a script that waited
+    # for it never ends (where `took < 0.5` s and a `sleep 0.7` told it, and failed on a loaded machine).
+    mark, go = tmp_path / "orphan", tmp_path / "go"
     script = (f'source {RECIPES / "lib.sh"}; set -T; before=${{!:-}}; sent=""\n'
               "trap 'if [ -z \"$sent\" ] && [ \"${!:-}\" != \"$before\" ]; then sent=1; kill -TERM $$; fi' DEBUG\n"
-              f"qerl_run_forwarding sh -c 'sleep 0.5; echo ran on > {mark}'\n")
-    t = time.monotonic()
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
-    took = time.monotonic() - t
-    time.sleep(0.7)
+              f"qerl_run_forwarding sh -c 'until [ -e {go} ]; do sleep 0.05; done; echo ran on > {mark}'\n")
+    p = subprocess.Popen(["bash", "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rc = p.wait(timeout=PATIENCE)
+        go.touch()
+    finally:
+        p.kill()
+        _session_ends(p)  # the command, had it run on, has written the mark
     assert not mark.exists(), "the command ran on"
-    assert r.returncode == -signal.SIGTERM and took < 0.5, r.stderr
+    assert rc == -signal.SIGTERM, p.stderr.read()
 
 
 def test_config_knobs_set_in_the_environment_win(tmp_path):
@@ -1700,6 +1759,7 @@ def test_compare_aqn_rerun_keeps_the_first_runs_logs(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
 def test_a_signal_to_compare_aqn_sh_stops_every_run(tmp_path, sig):
     # `kill <compare_aqn.sh pid>` stopped the script alone: xargs went on starting the remaining runs, and no
@@ -1709,36 +1769,38 @@ def test_a_signal_to_compare_aqn_sh_stops_every_run(tmp_path, sig):
     qerl = _recorder(tmp_path, "qerl", f"""echo "$1 $*" >> {log}
 [ "$1" = rollout ] || exit 0
 trap 'echo "rollout got TERM" >> {log}; exit 143' TERM
-for _ in $(seq 200); do sleep 0.05; done; echo "rollout not signalled" >> {log}
+while [ "$SECONDS" -lt {PATIENCE} ]; do sleep 0.05; done; echo "rollout not signalled" >> {log}
 """)
     env = {**os.environ, "QERL": str(qerl), "SEEDS": "0 1", "PARALLEL": "1", "STEPS": "1", "EVAL_EVERY": "0"}
     p = subprocess.Popen(["bash", str(RECIPES / "compare_aqn.sh"), str(tmp_path / "out")], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(400):
-        if log.exists() and "rollout" in log.read_text():
-            break
-        time.sleep(0.05)
-    p.send_signal(sig)  # to the script alone, not its process group
-    assert p.wait(timeout=20) != 0
-    time.sleep(1.5)  # an orphaned xargs would start the next run here
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: _logged(log, "rollout"), "the first rollout to start")
+        p.send_signal(sig)  # to the script alone, not its process group
+        assert p.wait(timeout=PATIENCE) != 0
+    finally:
+        p.kill()
+        _session_ends(p)  # an orphaned xargs would start the next run meanwhile
     rollouts = [x for x in log.read_text().splitlines() if x.startswith("rollout")]
     assert len(rollouts) == 2 and rollouts[1] == "rollout got TERM", rollouts
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 def test_a_signal_while_compare_aqn_sh_makes_the_shared_base_is_no_failure(tmp_path):
     # qerl_run_forwarding returned the stopped loop's 143, which compare_aqn.sh's `|| { echo FAILED ...; exit 1; }`
     # took for a failed base (a review): the script now ends as killed by the signal, once the loop has stopped.
-    qerl, log = _signal_recorder(tmp_path, 100)
+    qerl, log = _signal_recorder(tmp_path)
     p = subprocess.Popen(["bash", str(RECIPES / "compare_aqn.sh"), str(tmp_path / "out")],
                          env={**os.environ, "QERL": str(qerl), "SEEDS": "0", "STEPS": "1"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for _ in range(200):
-        if log.exists() and log.read_text().strip():
-            break
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    out = p.communicate(timeout=10)[0]
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: _logged(log), "the shared base's quantize to start")
+        p.send_signal(signal.SIGTERM)
+        out = p.communicate(timeout=PATIENCE)[0]
+    finally:
+        p.kill()
+        _session_ends(p)
     assert p.returncode == -signal.SIGTERM and "FAILED" not in out, out
     assert log.read_text().splitlines()[1:] == ["quantize got TERM"]
 
@@ -1825,13 +1887,14 @@ _CHILD = """
 import signal, sys, time
 from qerl_cli import cli
 signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], "w").write("term"), sys.exit(0)))
+signal.signal(signal.SIGWINCH, lambda *a: open(sys.argv[3], "w").write("alive"))  # the test's probe
 cli._stop_with_parent()
 open(sys.argv[2], "w").write("ready")
 time.sleep(30)
 """
 _PARENT = """
 import subprocess, sys
-p = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], start_new_session=True)
+p = subprocess.Popen([sys.executable, "-c", *sys.argv[1:]], start_new_session=True)
 print(p.pid, flush=True)
 p.wait()
 """
@@ -1843,24 +1906,26 @@ def test_a_stage_in_its_own_group_stops_when_grpo_sh_dies(tmp_path, on):
     # grpo.sh runs each stage in a process group of its own (a signal reaches it once); a SIGKILL of
     # the script's group then left the stage running, still writing (a review). With the variable the
     # stage is sent SIGTERM when its parent dies; without it (a stage started by hand) it runs on.
-    term, ready = tmp_path / "term", tmp_path / "ready"
+    # Without the variable, no SIGTERM is what to show: the kernel has sent the death signal once the dead parent
+    # is reaped, and a SIGWINCH probe sent after it is handled after any SIGTERM (Python runs the handlers of pending
+    # signals by number), so the probe's file tells that the child has seen every signal it got (where 1.5 s of
+    # polls for no file passed whatever happened on a loaded machine).
+    term, ready, probed = tmp_path / "term", tmp_path / "ready", tmp_path / "probed"
     env = {k: v for k, v in os.environ.items() if k != "QERL_STOP_WITH_PARENT"}
     if on:
         env["QERL_STOP_WITH_PARENT"] = "1"
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(term), str(ready)], env=env,
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _CHILD, str(term), str(ready), str(probed)], env=env,
                               stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     try:
-        for _ in range(400):
-            if ready.exists():
-                break
-            time.sleep(0.05)
+        _wait_for(ready.exists, "the child to set its death signal")
         parent.kill()
         parent.wait()
-        for _ in range(100 if on else 30):
-            if term.exists():
-                break
-            time.sleep(0.05)
+        if on:
+            _wait_for(term.exists, "the child's SIGTERM")
+        else:
+            os.kill(child, signal.SIGWINCH)
+            _wait_for(lambda: probed.exists() or term.exists(), "the child to handle the probe")
         assert term.exists() == on
     finally:
         try:
@@ -1948,10 +2013,13 @@ def test_quickstart_installs_the_project_when_the_qerl_command_is_missing(tmp_pa
 
 
 def test_quickstart_with_qerl_set_installs_nothing_when_matplotlib_is_there(tmp_path):
-    # QERL="python -m qerl_cli" runs the stages from the repository root without an install; the check above
+    # QERL="python -m qerl_cli" runs the stages from the repository root without the `qerl` command; the check above
     # sent such a machine (qerl_cli not installed: simulated by a stub that fails to import outside the root)
-    # to `pip install -e` before any stage, which fails offline.
+    # to `pip install -e` before any stage, which fails offline. The stages still import qerl_kernels, which only an
+    # install or a PYTHONPATH link names: the stub's link here. The test relied on the machine's own install for it
+    # and failed where that install is another tree, or stale, and a PYTHONPATH link (which it drops) is used.
     stub = _stub_package(tmp_path / "stub", "raise ImportError('not installed')\n")
+    (stub / "qerl_kernels").symlink_to(ROOT / "kernels", target_is_directory=True)
     proc, log = _quickstart(tmp_path, pip_rc=1, pythonpath=stub, QERL="python -m qerl_cli")
     assert not log.exists(), log.read_text()
     assert (tmp_path / "run" / "base" / "manifest.json").exists(), (proc.returncode, proc.stderr[-2000:])
@@ -1968,6 +2036,8 @@ def test_quickstart_names_an_installed_qerl_from_another_checkout(tmp_path):
     proc, _ = _quickstart(tmp_path, pip_rc=1, pythonpath=other)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"note: the qerl command runs the checkout installed at {os.path.realpath(other)}" in proc.stderr
+    # QERL='python -m qerl_cli', once named as a way to run this one, runs the installed tree's qerl_kernels with it
+    assert "python -m qerl_cli" not in proc.stderr, proc.stderr
 
 
 def test_a_run_dir_with_a_leading_dash_is_not_read_as_an_option(tmp_path):
@@ -1982,6 +2052,7 @@ def test_a_run_dir_with_a_leading_dash_is_not_read_as_an_option(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@needs_proc
 @pytest.mark.parametrize("sig, stage_gets, rc", [
     (signal.SIGTERM, "TERM", -signal.SIGTERM), (signal.SIGINT, "INT", -signal.SIGINT),
     (signal.SIGKILL, "TERM", -signal.SIGKILL), (signal.SIGQUIT, "TERM", 143)], ids=["TERM", "INT", "KILL", "QUIT"])
@@ -1992,15 +2063,16 @@ def test_a_signal_to_quickstart_sh_stops_the_loop(tmp_path, sig, stage_gets, rc)
     # SIGKILL, which no script can pass on, left the loop running too, on to its next stages (a review): the loop
     # gets SIGTERM when the script dies, and its stage with it. Ctrl-\ (SIGQUIT, which bash ignores) reached no
     # stage at all: passed on as SIGTERM, the script then exits as the loop did (143).
-    qerl, log = _signal_recorder(tmp_path, 200)
+    qerl, log = _signal_recorder(tmp_path)
     env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    # (once every process it started has ended: an orphaned loop would have started its next stage)
     assert _signal_once_started(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env, log, sig) == rc
-    time.sleep(1)  # an orphaned loop would start its next stage here
     lines = log.read_text().splitlines()
     assert [x.split()[0] for x in lines] == ["quantize", "quantize"] and lines[1] == f"quantize got {stage_gets}"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@needs_proc
 @pytest.mark.parametrize("tool", ["setpriv", "python3"])
 def test_a_command_run_forwarding_gets_sigterm_when_the_script_dies(tmp_path, tool):
     # Each way lib.sh sets the death signal (util-linux's setpriv; python3 where setpriv has no --pdeathsig, as on
@@ -2011,63 +2083,49 @@ def test_a_command_run_forwarding_gets_sigterm_when_the_script_dies(tmp_path, to
         pytest.skip("no setpriv --pdeathsig here")
     mark, ready = tmp_path / "mark", tmp_path / "ready"
     cmd = (f"trap 'echo got TERM >> {mark}; exit 143' TERM; echo $$ > {ready}; "
-           f"for _ in $(seq 100); do sleep 0.05; done; echo ran on >> {mark}")
+           f'while [ "$SECONDS" -lt {PATIENCE} ]; do sleep 0.05; done; echo ran on >> {mark}')
     script = f'source {RECIPES / "lib.sh"}; _qerl_death_tool={tool}; qerl_run_forwarding bash -c "$1"'
-    p = subprocess.Popen(["bash", "-c", script, "script", cmd])
-    for _ in range(200):
-        if ready.exists() and ready.read_text().strip():
-            break
-        time.sleep(0.05)
-    p.kill()
-    p.wait()
-    for _ in range(40):
-        if mark.exists():
-            break
-        time.sleep(0.05)
+    p = subprocess.Popen(["bash", "-c", script, "script", cmd], start_new_session=True)
     try:
+        _wait_for(lambda: _logged(ready), "the command to start")
+        p.kill()
+        p.wait()
+        _wait_for(mark.exists, "the command to end")
         assert mark.read_text() == "got TERM\n"
     finally:
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(ready.read_text()), signal.SIGKILL)
+        p.kill()
+        _session_ends(p)
     r = subprocess.run(["bash", "-c", f'source {RECIPES / "lib.sh"}; _qerl_death_tool={tool}; '
                         f'(_qerl_exec_stopping_with 1 echo ran)'], capture_output=True, text=True)  # 1: not its parent
     assert (r.returncode, r.stdout) == (143, "")
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+@needs_proc
 def test_ctrl_z_stops_the_running_stage_too_and_fg_resumes_it(tmp_path):
     # Ctrl-Z stopped quickstart.sh (the terminal's foreground group) and not the loop in a group of its own: the
     # stage ran on while the script sat stopped. SIGTSTP now goes down the chain (quickstart.sh -> grpo.sh ->
     # stage), and SIGCONT (`fg`) after it.
-    qerl, log = _signal_recorder(tmp_path, 200)
+    qerl, log = _signal_recorder(tmp_path)
     env = {**os.environ, "QERL": str(qerl), "STEPS": "2", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     p = subprocess.Popen(["bash", str(RECIPES / "quickstart.sh"), str(tmp_path / "run")], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)  # a foreground job
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # a foreground job
 
     def state(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
     try:
-        for _ in range(400):
-            if log.exists() and log.read_text().strip():
-                break
-            time.sleep(0.05)
-        stage = int(log.read_text().split()[1])
+        stage = int(_wait_for(lambda: _logged(log) and log.read_text(), "the first stage to log itself").split()[1])
         os.killpg(p.pid, signal.SIGTSTP)  # Ctrl-Z
-        for _ in range(40):
-            if state(stage) == "T":
-                break
-            time.sleep(0.05)
-        assert (state(p.pid), state(stage)) == ("T", "T")
+        _wait_for(lambda: (state(p.pid), state(stage)) == ("T", "T"), "the script and its stage to stop")
         os.killpg(p.pid, signal.SIGCONT)  # fg
-        time.sleep(0.3)
-        assert "T" not in (state(p.pid), state(stage))
+        _wait_for(lambda: "T" not in (state(p.pid), state(stage)), "the script and its stage to resume")
         p.terminate()
-        assert p.wait(timeout=10) == -signal.SIGTERM
+        assert p.wait(timeout=PATIENCE) == -signal.SIGTERM
         assert log.read_text().splitlines()[1:] == ["quantize got TERM"]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
+        _session_ends(p)
 
 
 def test_a_job_rerun_alone_names_a_force_of_the_environment_it_does_not_use(tmp_path):
@@ -2203,15 +2261,24 @@ def test_grpo_sh_names_the_steps_an_earlier_longer_run_left_and_keeps_them(tmp_p
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
+@needs_proc
 def test_timeout_around_grpo_sh_stops_the_stage(tmp_path):
     # `timeout N bash grpo.sh` (and systemd's stop) sends SIGTERM and at once SIGCONT: bash ran the trap of the
     # CONT alone (both came in one `wait`), the TERM was lost and the loop ran on to its end past the timeout (a
     # review). SIGCONT is not trapped now: `fg` resumes the stage from the Ctrl-Z handler itself.
-    qerl, log = _signal_recorder(tmp_path, 200)
-    t = time.monotonic()
-    r = subprocess.run(["timeout", "2", "bash", str(RECIPES / "grpo.sh"), str(_grpo_cfg(tmp_path)), str(tmp_path / "run")],
-                       env={**os.environ, "QERL": str(qerl)}, capture_output=True, text=True, timeout=15)
-    assert r.returncode == 124 and time.monotonic() - t < 6
+    # The timeout expires once the stage runs: coreutils' timeout takes a SIGALRM for its own alarm (`timeout 2` and
+    # a check that it ended within 6 s failed on a loaded machine, the TERM sent before the stage had started).
+    qerl, log = _signal_recorder(tmp_path)
+    p = subprocess.Popen(["timeout", str(PATIENCE), "bash", str(RECIPES / "grpo.sh"), str(_grpo_cfg(tmp_path)),
+                          str(tmp_path / "run")], env={**os.environ, "QERL": str(qerl)}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: _logged(log), "the first stage to log itself")
+        p.send_signal(signal.SIGALRM)
+        assert p.wait(timeout=PATIENCE) == 124
+    finally:
+        p.kill()
+        _session_ends(p)  # a loop that ran on past the timeout
     assert log.read_text().splitlines()[1:] == ["quantize got TERM"]
 
 
@@ -2236,9 +2303,12 @@ def test_qerl_run_forwarding_in_a_subshell_ends_that_subshell_alone(tmp_path, sc
     # `qerl_run_forwarding CMD &` (or `| tee`) in a user script: after a signal it killed $$, the script itself,
     # not the subshell that ran it. And `trap -p` in a subshell shows the parent's traps, which do not run there:
     # put back after CMD, the script's trap ran in the subshell (its clean-up twice, the subshell's status its 9).
-    script = (f'source {RECIPES / "lib.sh"}; {scripts_trap}(qerl_run_forwarding sleep 5) & p=$!; sleep 0.5; '
+    # The subshell is signalled once CMD runs (a `sleep 0.5` before the kill found it still starting when loaded).
+    ready = tmp_path / "ready"
+    script = (f'source {RECIPES / "lib.sh"}; {scripts_trap}(qerl_run_forwarding sh -c "touch {ready}; sleep {PATIENCE}") '
+              f'& p=$!; until [ -e {ready} ]; do sleep 0.05; done; '
               'kill -TERM $p; wait $p; echo "the script goes on: $?"')
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=10)
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=PATIENCE)
     assert (r.returncode, r.stdout) == (0, "the script goes on: 143\n"), r.stderr
 
 
@@ -2249,11 +2319,15 @@ def test_qerl_run_forwarding_keeps_the_callers_traps(tmp_path):
     r = subprocess.run(["bash", "-c", f'source {lib}; trap "echo mine" TERM; qerl_run_forwarding true; trap -p TERM'],
                        capture_output=True, text=True, timeout=10)
     assert r.stdout == "trap -- 'echo mine' SIGTERM\n"
-    script = f'source {lib}; trap "echo clean-up; exit 9" TERM; qerl_run_forwarding sleep 5'
+    ready = tmp_path / "ready"
+    script = f'source {lib}; trap "echo clean-up; exit 9" TERM; qerl_run_forwarding sh -c "touch {ready}; sleep {PATIENCE}"'
     p = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    p.terminate()
-    assert p.wait(timeout=10) == 9 and p.stdout.read() == "clean-up\n"
+    try:
+        _wait_for(ready.exists, "the command to start")  # a `sleep 0.5` found the script still starting when loaded
+        p.terminate()
+        assert p.wait(timeout=PATIENCE) == 9 and p.stdout.read() == "clean-up\n"
+    finally:
+        p.kill()
 
 
 def _plot_printing(script: str, arg, printed: str) -> subprocess.CompletedProcess:

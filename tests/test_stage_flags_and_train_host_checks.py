@@ -842,7 +842,7 @@ def test_a_worker_that_answers_garbage_is_killed_and_its_job_fails(workers, monk
         with pytest.raises(Exception):  # noqa: B017 - pickle's error class for junk varies
             pool.submit(("m", "f", {}, {}, {}, {}, None)).result(timeout=30)
         (worker,) = pool.workers
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 120  # generous: a loaded machine is slower, not wrong
         while not worker.reaped and time.monotonic() < deadline:
             time.sleep(0.05)
         assert worker.reaped, "the worker that failed its job is still running"
@@ -850,13 +850,16 @@ def test_a_worker_that_answers_garbage_is_killed_and_its_job_fails(workers, monk
         pool.close(timeout=5)
 
 
-def test_jobs_queued_behind_a_hung_worker_fail_at_close_without_new_workers(workers, monkeypatch):
+def test_jobs_queued_behind_a_hung_worker_fail_at_close_without_new_workers(workers, monkeypatch, tmp_path):
     import time
 
-    monkeypatch.setattr(workers, "_compile", lambda *job: time.sleep(5))
+    started = tmp_path / "started"
+    monkeypatch.setattr(workers, "_compile", lambda *job: started.touch() or time.sleep(120))
     pool = workers.WorkerPool(1)
     first, second = (pool.submit(("m", f, {}, {}, {}, {}, None)) for f in ("f", "g"))
-    time.sleep(0.3)  # the first job reaches the worker
+    deadline = time.monotonic() + 120  # the first job reaches the worker (a `sleep 0.3` was too short when loaded)
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     pool.close(timeout=0.5)
     assert first.exception(timeout=0) is not None
     with pytest.raises(TimeoutError, match="compile workers timed out"):
