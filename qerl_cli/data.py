@@ -485,6 +485,18 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
     return rows
 
 
+def no_answer(path: str | Path, row: PromptRow, answer_key: str | None) -> tuple[str, str | None]:
+    """What a row without a reference lacks, in words after "row ", and, without --answer-key, a hint naming it with
+    the row's keys. A chat set often keeps its reference under a name of its own (`final_answer`, `gold`): "row has
+    no `answer`" sent the user to add answers the file held, and with --answer-key it named `answer`, not the user's
+    empty column (a review). The keys are read from ``path`` again: an error path, and a row keeps none of them."""
+    if answer_key is not None:
+        return f"has no reference (its `{answer_key}`, named by --answer-key, is null or blank)", None
+    raws = (raw for where, raw in _read_rows(Path(path), []) if where == row.where and isinstance(raw, dict))
+    keys = ", ".join(sorted(map(str, next(raws, {})))) or "none"
+    return "has no `answer`", f"if a column of another name holds the reference, name it: --answer-key COLUMN; the row's keys: {keys}"
+
+
 # ---- rendering -----------------------------------------------------------------------------
 def load_template(template: str | None) -> str | None:
     """A template string, or the text of a file of that name; must contain ``{prompt}``."""

@@ -413,6 +413,7 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
     from qerl_cli.data import (
         load_prompts,
         load_template,
+        no_answer,
         read_chat_template,
     )
     from qerl_cli.lineage import check_lineage
@@ -440,7 +441,8 @@ def evaluate(cfg: EvalConfig, *, generate: GenerateFn | None = None, console=Non
         rows = rows[: cfg.max_problems]
     missing = next((r for r in rows if r.answer is None), None)
     if missing is not None:
-        raise BadInputError(f"{missing.where}: row has no reference `answer`; eval needs one per problem")
+        lacks, key_hint = no_answer(cfg.dataset, missing, cfg.answer_key)
+        raise BadInputError(f"{missing.where}: row {lacks}; eval needs a reference per problem", hint=key_hint)
     long = long_math_reference([r for r in rows if scorer_for(r.answer, cfg.scorer) == "math"], "sample")
     if long is not None:  # a reference the math rule cannot read: said before generating
         warnings.warn(QerlWarning(long), stacklevel=2)

@@ -26,6 +26,7 @@ from qerl_cli.data import (
     LONG_PROMPT_POLICIES,
     PromptRow,
     encode_prompts,
+    no_answer,
     read_chat_template,
     set_chat_template,
     template_file,
@@ -273,10 +274,11 @@ def check_answers(cfg: RolloutConfig, reward_set: RewardSet, rows: Sequence[Prom
     lacking = [r for r in rows if r.answer is None]
     first = _first_kept(cfg, lacking, template) if cfg.long_prompts == "skip" else next(iter(lacking), None)
     if first is not None:
+        lacks, key_hint = no_answer(cfg.prompts, first, cfg.answer_key)
         raise BadInputError(
-            f"{first.where}: row has no `answer`, but reward {reward_set.needs_answer[0]!r} needs one"
+            f"{first.where}: row {lacks}, but reward {reward_set.needs_answer[0]!r} needs one"
             + (f" ({len(lacking)} rows of {cfg.prompts} have none)" if len(lacking) > 1 else ""),
-            hint="add answers, or use rewards that need none (format, module:function)",
+            hint="; ".join(filter(None, (key_hint, "add answers, or use rewards that need none (format, module:function)"))),
         )
 
 

@@ -14,7 +14,7 @@ QERL_REQUIRED_VARS=(MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW
   MICRO_BATCH_TOKENS SEED DEVICE)
 # ... and these have a default (qerl_load_config). ROLLOUT_SHARDS and TRAIN_GPUS are read by the Slurm jobs.
 QERL_OPTIONAL_VARS=(EVAL_DATASET EVAL_MAX_PROBLEMS EVAL_EVERY BASE_FORMAT MERGE_DTYPE DTYPE RUN_SEED
-  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
+  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS PROMPT_KEY ANSWER_KEY TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
   SHUFFLE)
 # shellcheck disable=SC2034
 QERL_STAGE_VARS=("${QERL_REQUIRED_VARS[@]}" "${QERL_OPTIONAL_VARS[@]}")
@@ -51,6 +51,8 @@ qerl_load_config() {  # CONFIG (for the messages)
   PROMPT_TEMPLATE=${PROMPT_TEMPLATE:-}
   CHAT_TEMPLATE_FILE=${CHAT_TEMPLATE_FILE:-}
   CHAT_TEMPLATE_KWARGS=${CHAT_TEMPLATE_KWARGS:-}  # a JSON object, e.g. '{"enable_thinking": false}' (Qwen3)
+  PROMPT_KEY=${PROMPT_KEY:-}           # the datasets' own column names (rollout and eval --prompt-key / --answer-key)
+  ANSWER_KEY=${ANSWER_KEY:-}
   TRAIN_EXTRA=${TRAIN_EXTRA:-}
   AQN_SIGMA_START=${AQN_SIGMA_START:-0}
   AQN_SIGMA_END=${AQN_SIGMA_END:-0}
@@ -326,9 +328,13 @@ _qerl_adapter_before() {  # STEP -> QERL_ADAPTER: the adapter step STEP starts f
 
 # The same instruction around every prompt for rollout and eval (empty: the rows' prompts as they are),
 # a Jinja chat template for a tokenizer without one (a base model's), for `messages` rows, and the template's
-# extra variables (Qwen3's enable_thinking): a policy is scored on the prompts it was trained on.
+# extra variables (Qwen3's enable_thinking): a policy is scored on the prompts it was trained on. And the columns
+# holding the prompt and the reference where the datasets name them otherwise (a chat set's `final_answer`): the
+# recipes passed neither flag, and such a dataset could not be run without rewriting it (a review).
 _qerl_template_flags() {
   QERL_TEMPLATE=()
+  if [ -n "$PROMPT_KEY" ]; then QERL_TEMPLATE+=(--prompt-key "$PROMPT_KEY"); fi
+  if [ -n "$ANSWER_KEY" ]; then QERL_TEMPLATE+=(--answer-key "$ANSWER_KEY"); fi
   if [ -n "$PROMPT_TEMPLATE" ]; then QERL_TEMPLATE+=(--prompt-template "$PROMPT_TEMPLATE"); fi
   if [ -n "$CHAT_TEMPLATE_FILE" ]; then QERL_TEMPLATE+=(--chat-template-file "$CHAT_TEMPLATE_FILE"); fi
   if [ -n "$CHAT_TEMPLATE_KWARGS" ]; then QERL_TEMPLATE+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS"); fi

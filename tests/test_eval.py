@@ -190,7 +190,7 @@ def test_bad_inputs(model_dir, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(BadInputError, match="holds no rows"):
         evaluate(EvalConfig(model=model_dir, dataset=tmp_path / "empty.jsonl", out=tmp_path / "o"), generate=Scripted([]))
-    with pytest.raises(BadInputError, match=r"noans.jsonl:2: row has no reference `answer`"):
+    with pytest.raises(BadInputError, match=r"noans.jsonl:2: row has no `answer`"):
         run(model_dir, tmp_path, [{"prompt": "a", "answer": "1"}, {"prompt": "b"}], [], name="noans")
     with pytest.raises(BadInputError, match="--model .*: not a directory"):
         evaluate(EvalConfig(model=tmp_path / "m", dataset=tmp_path / "empty.jsonl", out=tmp_path / "o"))
@@ -441,7 +441,7 @@ def _without_text_input(cls):
 @pytest.mark.parametrize("answer", ["", "   "])
 def test_blank_reference_answer_is_refused(model_dir, tmp_path, answer):
     # A blank reference was scored against a blank \boxed{} as correct.
-    with pytest.raises(BadInputError, match="row has no reference `answer`"):
+    with pytest.raises(BadInputError, match="row has no `answer`"):
         run(model_dir, tmp_path, [{"question": "1+1?", "answer": answer}], [["\\boxed{}"]])
 
 

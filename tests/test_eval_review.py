@@ -168,14 +168,30 @@ def test_parquet_rows_score_as_their_jsonl_twin(model_dir, tmp_path):
     ([{"id": "a", "prompt": "x", "answer": "1"}, {"id": "a", "prompt": "y", "answer": "2"}], "id 'a' already used"),
     ([{"id": 1, "prompt": "x", "answer": "1"}, {"id": "1", "prompt": "y", "answer": "2"}], "id '1' already used"),
     ([{"prompt": "x", "answer": "1"}, {"id": 0, "prompt": "y", "answer": "2"}], "id '0' already used"),
-    ([{"prompt": "x", "answer": "1"}, {"prompt": "y"}], "d.jsonl:2: row has no reference `answer`"),
-    ([{"prompt": "x", "answer": "1"}, {"prompt": "y", "answer": "  "}], "d.jsonl:2: row has no reference `answer`"),
+    ([{"prompt": "x", "answer": "1"}, {"prompt": "y"}], "d.jsonl:2: row has no `answer`"),
+    ([{"prompt": "x", "answer": "1"}, {"prompt": "y", "answer": "  "}], "d.jsonl:2: row has no `answer`"),
 ])
 def test_duplicate_ids_and_missing_answers_are_refused_before_any_generation(model_dir, tmp_path, rows, message):
     gen = Scripted([["#### 1"] * 3] * 2)
     with pytest.raises(BadInputError, match=message):
         evaluate(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", rows)), generate=gen)
     assert gen.calls == 0 and not (tmp_path / "e").exists()
+
+
+def test_a_row_whose_reference_is_under_another_name_is_told_of_answer_key(model_dir, tmp_path):
+    # "row has no reference `answer`; eval needs one per problem", no hint, of a chat set holding its references in
+    # `final_answer`; and with --answer-key final_answer, a null there was named `answer`
+    rows = [{"messages": [{"role": "user", "content": "1+1?"}], "final_answer": "2"}] * 2
+    gen = Scripted([["#### 2"] * 3] * 2)
+    with pytest.raises(BadInputError) as e:
+        evaluate(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", rows)), generate=gen)
+    assert "d.jsonl:1: row has no `answer`; eval needs a reference per problem" in str(e.value)
+    assert e.value.hint.endswith("--answer-key COLUMN; the row's keys: final_answer, messages")
+    rows = [*rows[:1], {**rows[1], "final_answer": " "}]
+    with pytest.raises(BadInputError, match=r"d.jsonl:2: row has no reference \(its `final_answer`, named by "
+                                            r"--answer-key, is null or blank\)"):
+        evaluate(_cfg(model_dir, tmp_path, _jsonl(tmp_path / "d.jsonl", rows), answer_key="final_answer"), generate=gen)
+    assert gen.calls == 0
 
 
 class BySeed:

@@ -457,6 +457,7 @@ def _argv_recorder(tmp_path):
 
 @pytest.mark.parametrize("config, settings", [(c, {}) for c in CONFIGS] + [
     (RECIPES / "configs" / "tiny.env", {"BASE_FORMAT": "bf16", "TRAIN_EXTRA": "--keep-activations 2 --deterministic"}),
+    (RECIPES / "configs" / "tiny.env", {"PROMPT_KEY": "prompt", "ANSWER_KEY": "answer"}),
 ], ids=lambda x: x.name if isinstance(x, Path) else ",".join(x) or "-")
 def test_every_command_a_config_makes_the_recipes_run_parses_and_passes_the_flag_checks(tmp_path, config, settings,
                                                                                         doc_stand_ins):
@@ -512,6 +513,26 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
                             text=True, check=True).stdout  # as the recorder logs it: one argument, quotes kept
     assert sum(f"--chat-template-kwargs {kwargs} " in c for c in local) == 5
     assert sum("--run-seed 5 " in c for c in local) == 2 and all("--dtype bf16 " in c for c in local[1:-3])
+
+
+def test_a_datasets_own_column_names_reach_every_rollout_and_eval(tmp_path):
+    # a chat set keeping its reference in `final_answer` could not be run by the recipes: they passed no --answer-key
+    # (nor --prompt-key), so eval refused every row, "row has no `answer`", and gsm8k-rewarded rollouts too
+    cfg = _qwen_cfg(tmp_path, "WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\n"
+                              "PROMPT_KEY=conversation\nANSWER_KEY=meta.final_answer\n")
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
+                   capture_output=True)
+    local = log.read_text().splitlines()
+    log.write_text("")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "1"],
+                   env=env, check=True, capture_output=True)
+    for c in local + log.read_text().splitlines():
+        stage = c.split()[0]
+        named = "--prompt-key conversation " in c and "--answer-key meta.final_answer " in c
+        assert named == (stage in ("rollout", "eval") and "--compare" not in c), c
+    assert sum(c.startswith(("rollout", "eval ")) for c in local) == 2 + 4  # evals: the base, step 0, final, --compare
 
 
 def _shard_args(log, run):

@@ -323,6 +323,27 @@ def test_a_row_without_the_answer_a_reward_needs_is_refused_before_the_first_ste
         rollout(cfg_for(model_dir, tmp_path, out=tmp_path / "o9", max_prompts=5, long_prompts="error", **kw))
 
 
+def test_a_row_whose_reference_is_under_another_name_is_told_of_answer_key(model_dir, tmp_path, fake_engine):
+    # a chat set with its reference in `final_answer` was refused "row has no `answer` ... (add answers, or use rewards
+    # that need none)", of a file holding the answers; with --answer-key final_answer a null there was named `answer`
+    prompts = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Q{i}?"}], "final_answer": str(i), "level": 1} for i in range(3)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chat = tmp_path / "chat.jinja"
+    chat.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(BadInputError) as e:
+        rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=("gsm8k",), chat_template_file=chat))
+    assert "chat.jsonl:1: row has no `answer`" in str(e.value)
+    assert "--answer-key COLUMN; the row's keys: final_answer, level, messages" in e.value.hint
+    rows[2]["final_answer"] = None
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(BadInputError, match=r"chat.jsonl:3: row has no reference \(its `final_answer`, named by "
+                                            r"--answer-key, is null or blank\), but reward 'gsm8k' needs one"):
+        rollout(cfg_for(model_dir, tmp_path, prompts=prompts, rewards=("gsm8k",), chat_template_file=chat,
+                        answer_key="final_answer"))
+    assert not fake_engine.calls
+
+
 def test_a_rollout_keeps_the_dataset_columns_only_where_a_reward_takes_them(model_dir, tmp_path, fake_engine,
                                                                             monkeypatch):
     # every row's other columns (a code dataset's test cases: 670 MB of objects for 100k rows of a 150 MB file) were
