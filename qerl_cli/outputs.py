@@ -473,8 +473,21 @@ class StageOutput:
         for p in self.out.parent.glob(self._sibling_glob("tmp")):
             parts = p.name[len(f".{self.out.name}.tmp-"):].split("-", 2)  # not at a '.tmp-' in --out's own name
             host = parts[2] if len(parts) > 2 else _HOST
-            if host == _HOST and _gone(parts[0]):
+            if host == _HOST and _gone(parts[0]) and not self._resume_staged(p):
                 shutil.rmtree(p, ignore_errors=True)
+
+    def _resume_staged(self, tmp: Path) -> bool:
+        """Put back at the partial name a dead run's ``tmp`` that holds this resumable run finished, staged for a
+        --force swap that a kill cut short (``_swap_locked``): the sweep deleted it, and the rerun generated every
+        group (problem) again (kill hunt, session 59). Returns whether it did."""
+        part = self.partial_dir()
+        if not self.resumable or part.exists() or (read_manifest(tmp) or {}).get("fingerprint") != self.fingerprint:
+            return False
+        try:
+            os.rename(tmp, part)
+        except OSError:
+            return False
+        return True
 
     def __enter__(self) -> Path:
         try:
@@ -843,9 +856,10 @@ def sweep_leftover_partial(out: StageOutput, still=None) -> bool:
     review). Only under the writer lock: a redo still running keeps its directory. ``still()``, where given, judges
     it again under the lock (what it holds may have changed since the caller looked). Returns whether it removed one."""
     part = out.partial_dir()
-    if not part.exists():
+    if not part.exists() and not out.writer_lock_path().exists():
         return False
     try:
+        # the lock alone too: a run killed after its rename, before removing its lock file, left it for good (session 59)
         with WriterLock(out) as lock:
             # without flock (NFS without lockd) a live redo's directory cannot be told apart; gone meanwhile (a run
             # that held the lock finished it): nothing removed

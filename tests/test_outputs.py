@@ -366,3 +366,58 @@ def test_the_directories_an_output_creates_are_fsynced_in_their_parents(tmp_path
         (work / "a.txt").write_text("x")
     assert read_manifest(out) is not None
     assert {tmp_path, tmp_path / "run", out.parent} <= set(synced)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def _resumable(out, config, force=False):
+    return StageOutput(out, "demo", config=config, inputs={"x": "h1"}, force=force, resumable=True)
+
+
+def test_a_force_redo_killed_between_staging_and_the_swap_resumes_its_finished_work(tmp_path):
+    """A resumable --force redo renames its finished partial directory to a temp name, then swaps it with --out; a
+    SIGKILL between the two left every finished group (problem) in a dead process's temp dir, which the next run swept
+    away: the redo generated them all again (kill hunt, session 59). Now the rerun finds them at the partial name."""
+    from qerl_cli.outputs import _HOST, WriterLock
+
+    out = tmp_path / "o"
+    so = _resumable(out, {"k": 0})
+    with WriterLock(so), so as work:
+        (work / "groups.jsonl").write_text("old\n")
+    finished = _resumable(tmp_path / "elsewhere" / "o", {"k": 1})  # the same run (fingerprint), finished and staged
+    with WriterLock(finished), finished as work:
+        (work / "groups.jsonl").write_text("kept\n")
+    staged = tmp_path / f".o.tmp-{_dead_pid()}-deadbeef-{_HOST}"
+    (tmp_path / "elsewhere" / "o").rename(staged)
+
+    with pytest.raises(OutputExistsError):  # exit 4 (grpo.sh's FORCE=1 then reruns with --force)
+        _resumable(out, {"k": 1}).already_done()
+    redo = _resumable(out, {"k": 1}, force=True)
+    assert not redo.already_done()
+    with WriterLock(redo), redo as work:
+        assert (work / "groups.jsonl").read_text() == "kept\n"  # resumed, not generated again
+    assert (out / "groups.jsonl").read_text() == "kept\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "o"]
+
+
+def test_an_already_done_rerun_removes_the_writer_lock_a_run_killed_after_its_rename_left(tmp_path):
+    """A resumable run killed after renaming its output into place, before removing its writer lock file, left
+    ``.o.partial-<fp>.lock`` beside --out for good: every "already done" rerun kept it (kill hunt, session 59)."""
+    from qerl_cli.outputs import WriterLock, sweep_leftover_partial
+
+    out = tmp_path / "o"
+    so = _resumable(out, {"k": 1})
+    with WriterLock(so), so as work:
+        (work / "groups.jsonl").write_text("g\n")
+    so.writer_lock_path().write_text("")  # as the killed run left it
+    again = _resumable(out, {"k": 1})
+    assert again.already_done()
+    sweep_leftover_partial(again)  # what rollout's and eval's "already done" do
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
