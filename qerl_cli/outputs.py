@@ -26,6 +26,7 @@ also where the pid is a live unrelated process's by then (pids repeat in a resta
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import glob
@@ -35,6 +36,7 @@ import re
 import shutil
 import signal
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -633,22 +635,24 @@ class StageOutput:
             old = work  # after the exchange the temp name holds the old output
         else:
             old = self._old_name(work)
-            try:
-                os.replace(self.out, old)
-                crash_point("mid-swap")
-                os.replace(work, self.out)
-            except OSError:
-                if not self.out.exists():
-                    os.replace(old, self.out)  # the old output back where it was
-                raise
-            except BaseException:
-                # A SIGTERM or Ctrl-C between the renames finishes the swap: it was undone by deleting the finished
-                # redo (--out missing until the next run put the old output back). A kill here: the next run does it.
-                if not self.out.exists():
+            with _signals_held():  # a second Ctrl-C raised inside the handler below undid the swap (review s59r10)
+                try:
+                    os.replace(self.out, old)
+                    crash_point("mid-swap")
                     os.replace(work, self.out)
-                if not work.exists():
-                    _COMPLETE.append(self.out)
-                raise
+                except OSError:
+                    if not self.out.exists():
+                        os.replace(old, self.out)  # the old output back where it was
+                    raise
+                except BaseException:
+                    # A SIGTERM or Ctrl-C between the renames finishes the swap: it was undone by deleting the finished
+                    # redo (--out missing until the next run put the old output back). A kill here: the next run does it.
+                    if not self.out.exists():
+                        os.replace(work, self.out)
+                    if not work.exists():
+                        _COMPLETE.append(self.out)
+                    raise
+                _COMPLETE.append(self.out)  # before a signal held meanwhile is raised, as the swap ends
         # The new output is in place: a stop while the old one is deleted (seconds for a large checkpoint), or during
         # the fsync, says --out is complete, not "--out was not written" (nor a resumable stage's partial directory,
         # now gone)
@@ -660,6 +664,34 @@ class StageOutput:
         else:
             old.unlink(missing_ok=True)
         _fsync_dir(self.out.parent)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """A SIGINT or SIGTERM that comes meanwhile raised as this ends (by the handler it finds there): a swap by two
+    renames is not cut between them, nor its repair by a second signal (Ctrl-C twice, a Ctrl-C on Slurm's SIGTERM: the
+    second was raised in the handler of _replace before its rename, and the stage's clean-up deleted the finished redo;
+    review s59r10). Python's handlers, not a signal mask: a mask holds for its own thread only, and another thread (torch's,
+    faulthandler's watchdog) took the signal. The main thread only (Python runs handlers there); a handler set outside
+    Python is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if None in old.values():
+        yield
+        return
+    for s, handler in old.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 class _DirLock:

@@ -236,6 +236,58 @@ def test_a_signal_between_the_two_renames_of_the_fallback_finishes_the_swap(tmp_
     assert make({"v": 2}).already_done() and sorted(os.listdir(tmp_path)) == ["o"]  # the old output swept
 
 
+def test_a_second_ctrl_c_between_the_two_renames_of_the_fallback_does_not_undo_the_swap(tmp_path, monkeypatch):
+    """(review s59r10) Ctrl-C pressed twice, or a Ctrl-C on top of Slurm's SIGTERM, between the two renames of the
+    fallback (NFS: each rename a round trip): the second KeyboardInterrupt was raised inside the handler that finishes
+    the swap, before its rename, and the stage's clean-up deleted the finished redo with its temp dir (--out missing,
+    the next run put the old output back). Real signals here: SIGINT and SIGTERM are held over the renames, so the
+    swap is whole before either is raised."""
+    import os
+    import signal
+
+    import qerl_cli.outputs as outputs
+
+    out = tmp_path / "o"
+
+    def make(cfg, force=False):
+        return StageOutput(out, "demo", config=cfg, inputs={}, force=force)
+
+    so = make({"v": 1})
+    assert not so.already_done()
+    with so as w:
+        (w / "f").write_text("old")
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    real = os.replace
+    pressed = []
+
+    def replace(src, dst):
+        if Path(dst).name.startswith(".o.old-"):  # the first rename, then a Ctrl-C
+            real(src, dst)
+            pressed.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        elif Path(dst) == out and Path(src).name.startswith(".o.tmp-"):  # another Ctrl-C before the second
+            pressed.append(2)
+            os.kill(os.getpid(), signal.SIGINT)
+            real(src, dst)
+        else:
+            real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    outputs.forget_completed()
+    so = make({"v": 2}, force=True)
+    assert not so.already_done()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with so as w:
+                (w / "f").write_text("new")
+        assert pressed == [1, 2] and outputs.completed_outputs() == [out]
+    finally:
+        outputs.forget_completed()
+    monkeypatch.setattr(os, "replace", real)
+    assert (out / "f").read_text() == "new"
+    assert make({"v": 2}).already_done() and sorted(os.listdir(tmp_path)) == ["o"]
+
+
 def test_stale_temp_dirs_are_cleaned_only_when_their_process_is_dead_on_this_host(tmp_path):
     import subprocess
 

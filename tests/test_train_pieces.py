@@ -356,6 +356,35 @@ def test_the_metrics_line_is_fsynced_with_its_name(tmp_path, monkeypatch, redone
     assert ("dir", str(path.parent), final if not redone else '{"step":0,"loss":1}\n') in events
 
 
+def test_a_metrics_file_that_cannot_be_fsynced_does_not_fail_the_step(tmp_path, monkeypatch):
+    """(review s59r10) The fsync of each append, new on 2026-11-28, raised where the file cannot be synced:
+    ``--metrics-file /dev/null`` (EINVAL from a device) failed every step after its output was in place, and every
+    "already done" rerun too, exit 7; so did a file system without fsync. The line is written: the step stays done.
+    A sync that fails (EIO) is still exit 7."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from qerl_cli.errors import OutputWriteError
+    from qerl_cli.train import metrics
+
+    metrics._append_metrics(Path(os.devnull), {"step": 1, "loss": 3})  # a real device: no monkeypatch
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":1,"loss":2}\n')  # a redone step: the rewrite's copy is fsynced too
+    refused = []
+
+    def fsync(fd, err=errno.EINVAL):
+        refused.append(fd)
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    metrics._append_metrics(path, {"step": 1, "loss": 3})
+    assert path.read_text() == '{"step":1,"loss":3}\n' and refused  # the copy, the append (and the directory)
+    monkeypatch.setattr(os, "fsync", lambda fd: fsync(fd, errno.EIO))
+    with pytest.raises(OutputWriteError, match="Input/output error"):
+        metrics._append_metrics(path, {"step": 2, "loss": 4})
+
+
 def test_a_dead_runs_copy_this_user_may_not_remove_does_not_fail_the_metrics_rewrite(tmp_path, monkeypatch):
     # the sweep of dead runs' copies raised where one was not this user's to remove (another user's, in a shared sticky
     # run directory: EPERM): the rewrite failed, "cannot append to --metrics-file", exit 7, at every rerun, for a

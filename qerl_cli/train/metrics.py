@@ -3,7 +3,7 @@
 ``Accumulator`` keeps named sums, minima and maxima; ``reduce`` all-reduces each kind in one
 collective (three in all), so multi-GPU metrics cost nothing per micro-batch. ``append_jsonl``
 writes one line per step with ``O_APPEND`` in a single write, so another writer's line never lands
-inside it, and fsyncs it. ``--metrics-file`` is one run's file all the same: train-step replaces a step's earlier
+inside it, and fsyncs it (where it can be). ``--metrics-file`` is one run's file all the same: train-step replaces a step's earlier
 line (``_append_metrics``), so a second run logging there replaces the first's lines of
 the same step numbers.
 
@@ -97,11 +97,23 @@ def append_jsonl(path: Path, record: dict) -> None:
             # torn line stayed and the step ended with exit 0. Take the part back and fail as ENOSPC would.
             os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {n} of {len(line)} bytes)", str(path))
-        os.fsync(fd)
+        _fsync_if_it_can(fd)
     finally:
         os.close(fd)
     if made:
         _fsync_dir(path.parent)
+
+
+def _fsync_if_it_can(fd: int) -> None:
+    """``os.fsync(fd)``, where the file can be synced at all: ``--metrics-file /dev/null`` (a device), a pipe and a file
+    system without fsync say EINVAL (or ENOTSUP): the line is written, there is nothing to sync, and the step stays
+    done (the fsync added on 2026-11-28 failed every step, "already done" reruns too, exit 7: a review). A failed
+    sync (EIO, ENOSPC) is still an error."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+            raise
 
 
 def _metrics(cfg, data: StepData, adv, groups, live_tokens, acc, losses, grad_norms, lrs, step_time, peak, step) -> dict:
@@ -189,7 +201,7 @@ def _drop_step_lines(path: Path, step: int) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write("".join(kept))
             f.flush()
-            os.fsync(f.fileno())  # a machine crash after the rename must not leave an empty file
+            _fsync_if_it_can(f.fileno())  # a machine crash after the rename must not leave an empty file
         os.replace(tmp, path)
         _fsync_dir(path.parent)  # the rename too: lost, the line appended next went to the file it replaced
     except BaseException:  # a full disk, or a SIGTERM (Slurm) here, left the half-written copy beside the file
