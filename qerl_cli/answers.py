@@ -62,7 +62,14 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "1,000\text{ thousand}" is a million (was none); "5\text{ dozen}" is 5 or 60 (was 5); "\frac13 = 0.333\ldots" is
 # 1/3 (was none); "\text{A, C}" is the letters (was one symbol); "<answer>The answer is $3$. Actually, it is $4$."
 # is none (was 3).
-RULE_VERSION = {"gsm8k": 5, "math": 2}
+# s59r09 (review of s59r03): "\textit{A, C}" against "\text{A, C}" is right again; "5\text{ dozen plus one}" is none
+# (was 5 or 60); "\frac23 = 0.66\ldots" is 2/3 only (was 0.66 too), "1 + 0.5 + 0.25..." none (was 1.75); a tag's
+# "$3$ rather than $4$" is 3 (was none), "On second thought, it is $4$" none (was 3), "$x = 3$; $y = 4$" is "y = 4"
+# (was both); gsm8k: "The answer is 18. Actually, it is 19." is none (was 18).
+# math 3 and gsm8k 6 (2026-11-28): s59r03 and s59r09 above. math 2 had taken several sessions' changes unbumped
+# ("unreleased"), which left an eval finished in between "already done" with old verdicts: each kind is bumped now
+# with any change of verdict, as this comment says.
+RULE_VERSION = {"gsm8k": 6, "math": 3}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
 # changes, does not count. Their versions are recorded beside it (metrics.json's ``scorer_packages``).

@@ -28,7 +28,8 @@ sentence that starts with the answer phrase ("The answer is 72.", "**Final Answe
 is: $72", a "So"/"No," lead allowed) and gives the number right after it, read as a ``####`` line's (the same cleaning
 and refusals); one that denies, bounds or hedges ("The answer is not 72", "between 72 and 73", "72 or 73"), asks ("Is
 the answer 72?", "What is the answer? 72"), or comes before a later box, ``<answer>`` tag, ``####`` line or a run-on's
-next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer; it is read to its sentence's end ("The
+next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer, as is one later words take back ("The
+answer is 18. Actually, it is 19."); it is read to its sentence's end ("The
 answer is 6 + 12 = 18. So 18 - 3 = 15." is 18). Deliberately *no* "last number in the text" fallback: it rewards
 rambling that happens to end on the right number and teaches nothing about answering. What a completion holds after
 its closed ``</think>`` is what this rule reads (``answers.extract_answer`` cuts it, for both rules).
@@ -38,10 +39,12 @@ The number reading (normalising, exact fractions, the refusals) is qerl_cli/gsm8
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from qerl_cli.boxes import _answer_tag, _boxes_from_last, final_box, last_boxed
 from qerl_cli.gsm8k_numbers import _DIGIT, _PLAIN_INT, _clean_number_text, _cleaned_span_number, span_number
+from qerl_cli.math_rule import _TAKE_BACK
 
 # A Markdown heading's label ("#### Step 1: Add", "#### **Part 2**"): its number is no answer. Skipped rather than
 # taking the *last* words-first line, which read a note or check after the answer ("#### Note: 7 eggs were broken")
@@ -218,8 +221,12 @@ def _answer_statement(text: str) -> str | None:
     """The number of the last answer statement (_states_the_answer) in ``text``, read to its sentence's end as a ####
     line's is (the same cleaning and refusals: "The answer is 18 or 19" is no answer), or None. Only the last one
     counts, a model correcting itself; one that gives no number right after its phrase ("The answer is not 18", "The
-    answer is between 18 and 20", "The answer is that she has 18") is no answer, not a way back to an earlier one."""
-    for line in reversed(text.splitlines()):
+    answer is between 18 and 20", "The answer is that she has 18") is no answer, not a way back to an earlier one; nor is
+    one its own words take back ("The answer is 18. Actually, it is 19.": _taken_back)."""
+    lines = text.splitlines(keepends=True)
+    ends = list(itertools.accumulate(len(line) for line in lines))
+    for i in reversed(range(len(lines))):
+        line = lines[i].rstrip("\r\n\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # its break: splitlines() as before
         if _DIGIT.search(line) is None or _ANSWER_WORD.search(line) is None:
             continue
         starts = [0] + [m.end() for m in _SENTENCE_END.finditer(line)]
@@ -236,8 +243,27 @@ def _answer_statement(text: str) -> str | None:
             first = _DIGIT.search(s)
             if first is None or not _names_the_answer(s[: first.start()]):  # words between phrase and number
                 return None
-            return _cleaned_span_number(s, span, whole=False)
+            num = _cleaned_span_number(s, span, whole=False)
+            after = text[ends[i] - len(lines[i]) + starts[k] + _ANSWER_WORD.search(span).end() :]
+            return None if _taken_back(after, num) else num
     return None
+
+
+# A number or a chain of arithmetic ending in one ("19", "$19", "6 + 12 = 18"): what words after a take-back say.
+_NUMBER_CHAIN = re.compile(r"[$€£]?\d+(?:,\d{3})*(?:\.\d+)?(?:[ \t]*[-+*/×÷=][ \t]*[$€£]?\d+(?:,\d{3})*(?:\.\d+)?){0,20}")
+
+
+def _taken_back(after: str, num: str | None) -> bool:
+    """Whether the words after an answer statement's phrase take its number back before another number, as the math
+    rule reads a tag's ("The answer is 18. Actually, it is 19.", "Wait, no: 19", "I mean 19", "On second thought, 19":
+    each read as 18 until review s59r09, right for the answer taken back). No answer, not the number after it, which
+    need not be the answer ("Actually, 19 is wrong"); a check that ends on the number ("Wait, let me check: 6 + 12 =
+    18") takes nothing back, nor does a statement that names the answer again (the last one is read)."""
+    word = _TAKE_BACK.search(after)
+    if word is None:
+        return False
+    chains = itertools.islice(_NUMBER_CHAIN.finditer(after, word.end()), 16)  # a few: a degenerate run costs nothing
+    return any(span_number(m.group(0)) != num for m in chains)
 
 
 # A base model's run-on into the next question ("... The answer is 18.\n\nQuestion: Tom has 40 marbles ...\nAnswer: 40 -

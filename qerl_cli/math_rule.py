@@ -250,8 +250,10 @@ _REPEATING_DECIMAL = re.compile(r"(?<![\d.])(\d{0,50})\.(\d{0,50})\\(?:overline|
 # An ellipsis after a decimal, ending the answer or an equation's side: "0.333...", "0.333\\dots", "0.333\\cdots",
 # "0.333…". math-verify reads "0.333\\ldots" as 0.333 but "0.333..." and "0.333\\dots" as no answer and "0.333\\cdots"
 # as 0.333 * s; each is written "\\ldots" (no answer, or "\\frac13 = 0.333 s", until s59r03: _approximation reads it).
-_DECIMAL_ELLIPSIS = re.compile(r"(?<![\d.])(\d*\.\d{1,50})\s{0,3}(?:\\(?:[lc]?dots[cb]?|ldotp\\ldotp\\ldotp)|\.{3}|…)"
-                               r"(?![A-Za-z])(?=\s{0,3}(?:=|$))")
+# The decimal a whole side (after the start, "=" or "\\approx"): after a sum's last term, "1 + 0.5 + 0.25...", the
+# ellipsis is the sum going on, not the term's digits (read as 1.75 from s59r03 to review s59r09; none again).
+_DECIMAL_ELLIPSIS = re.compile(r"(?:^|(?<==)|(?<=\\approx))(\s{0,3}-?\s{0,3}\d*\.\d{1,50})\s{0,3}"
+                               r"(?:\\(?:[lc]?dots[cb]?|ldotp\\ldotp\\ldotp)|\.{3}|…)(?![A-Za-z])(?=\s{0,3}(?:=|$))")
 _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d+)?)[eE](\d{1,3})(?![\w.])")
 
 
@@ -277,9 +279,10 @@ _FIRST_TEXT = re.compile(_TEXT_COMMAND + r"\{")
 # each read as 5 until s58r05. The first word only for the former ("5\\text{ cm squared}" is 5 square centimetres).
 # A scale in the plural too, and any fraction's name ("5\\text{ hundreds}", "5\\text{ twelfths}" read as 5 until s58r08),
 # not "months".
+# "plus"/"minus" anywhere (review s59r09): "5\\text{ plus one}", "5\\text{ dozen minus one}" read as 5 (and as 60).
 _NOT_A_UNIT = re.compile(r"^\W*(?:(?:hundred|thousand|million|billion|trillion)s?|squared|cubed|factorial|pi|halves|thirds|"
                          r"quarters|(?:four|fif|six|seven|eigh|nin|ten|eleven|twelf|\w+teen|\w+tie|hundred|thousand|million)ths)\b"
-                         r"|\b(?:not|wrong|incorrect|false|isn't)\b", re.IGNORECASE)
+                         r"|\b(?:not|wrong|incorrect|false|isn't|plus|minus)\b", re.IGNORECASE)
 _TEX_COMMAND_OR_BRACE = re.compile(r"\\[A-Za-z]+|[{}]")
 # A number's scale in a text group after it, "5\\text{ thousand}", "\\text{2.5 million dollars}" (made "2.5\\text{
 # million dollars}" by _TEXT_NUMBER): 5 thousand read as 5, right against 5 and wrong against 5000, until s58r05. Its
@@ -297,10 +300,11 @@ def _scale_word(m: re.Match) -> str:
     return f"{number} \\times 10^{{{_SCALES[m.group(2).lower()]}}}" + (f"\\text{{ {rest}}}" if rest else "")
 # A count of dozens, "5\\text{ dozen}", "\\text{5 dozen eggs}" (made "5\\text{ dozen eggs}" by _TEXT_NUMBER): the dozen is
 # a unit (right against 5, where the question counts dozens) and a scale, 60 (0 against 60 until s59r03): either. The
-# whole answer, a few words after it at most, none a hedge's ("5\\text{ dozen or more}" stays none).
+# whole answer, a few words after it at most, none a hedge's ("5\\text{ dozen or more}" stays none), nor another dozen
+# or a scale ("5\\text{ dozen dozen}", "5\\text{ dozen thousand}": read as 60 until review s59r09, _NOT_A_UNIT's).
 _DOZENS = re.compile(r"\s*(\d+(?:\.\d+)?)(?:\\[,;: ]|~|\s){0,3}" + _TEXT_COMMAND
-                     + rf"\{{\s{{0,3}}dozens?\b(?![^{{}}]*{_HEDGE_WORD})((?:\s{{1,3}}[A-Za-z]+){{0,3}})\s{{0,3}}\}}\s*",
-                     re.IGNORECASE)
+                     + rf"\{{\s{{0,3}}dozens?\b(?![^{{}}]*(?:{_HEDGE_WORD}|(?i:\bdozen)))((?:\s{{1,3}}[A-Za-z]+){{0,3}})"
+                     r"\s{0,3}\}\s*", re.IGNORECASE)
 _UNIT_POWER = re.compile(r"\}(?:\^\{?-?\d\}?|\{\^\d\})?\s*$")
 
 
@@ -320,13 +324,21 @@ def _unit_cut_drops_answer(tex: str) -> bool:
 
 # Letters listed in one text group, the whole answer: "\\text{A, C}" (MATH's "which of these" references). latex2sympy
 # read the group as one symbol, so "\\boxed{A, C}" (a set of two letters) was wrong against it until s59r03: the letters.
+# A second reading, beside the text's (_math_verify_equal): math-verify compares text groups as text, which took
+# "\\textit{A, C}", "\\text{(A), (C)}", "\\text{A and C}" and "\\text{A, C}." for "\\text{A, C}"; read as letters in
+# their stead (s59r03), each against a reference turned into letters, they were wrong (review s59r09).
 _TEXT_LETTERS = re.compile(r"\\(?:text|textrm|textbf|mathrm)\s*\{\s*([A-Z](?:\s{0,3},\s{0,3}[A-Z]){1,25})\s*\}")
+
+
+def _letters(tex: str) -> str:
+    """``tex``, or the letters of a text group that lists only letters (_TEXT_LETTERS): "\\text{A, C}" is "A, C"."""
+    m = _TEXT_LETTERS.fullmatch(tex.strip())
+    return tex if m is None else m.group(1)
 
 
 def _for_math_verify(tex: str) -> str:
     """An answer's TeX in the forms math-verify reads (see each pattern)."""
-    tex = _TEXT_LETTERS.sub(r"\1", tex.strip()) if _TEXT_LETTERS.fullmatch(tex.strip()) else tex.strip()
-    tex = _TEXT_NUMBER.sub(_text_number, tex)
+    tex = _TEXT_NUMBER.sub(_text_number, tex.strip())
     tex = _SCALE_WORD.sub(_scale_word, tex)
     tex = _DIGIT_GROUP_SPACE.sub("", tex)
     tex = _DEGREE_SIGN.sub(r"^\\circ", tex)
@@ -406,8 +418,14 @@ def _tag_hedge(tex: str, found: str | None) -> str | None:
 
 
 # Words that take back what was said before them: "Actually, it is $4$", "Wait, no: $4$", "I mean $4$", "Sorry, $4$".
-_TAKE_BACK = re.compile(r"\b(?:actually|wait|no(?=\s*[,.:;!])|sorry|oops|I mean|correction|rather|instead|mistake|wrong|"
-                        r"incorrect)\b", re.IGNORECASE)
+# Review s59r09: a contrast or a noun is none ("$3$ rather than $4$", "instead of $4$", "A common mistake is $4$", "the
+# wrong answer $4$": right answers no answer from s59r03), a mistake only owned ("That was wrong: $4$"); and the
+# take-backs the list missed ("On second thought, it is $4$", "Scratch that", "Hmm", "Nope", "Oh,", "My bad", "Let me
+# redo this: $4$", "Hmm, no — $4$": each read as the answer taken back, right for it).
+_TAKE_BACK = re.compile(r"\b(?:actually|wait|(?:no|oh|err)(?=\s*[,.:;!—–-])|nope|sorry|oops|hmm+|I mean|my bad|correct(?:ion|ing|ed)|"
+                        r"rather(?!\s+than)|instead(?!\s+of)|(?:mistake|wrong|incorrect)(?=\s*(?:[,.:;!)—–-]|$))|mistaken|"
+                        r"second thought|scratch that|hold on|not quite|re(?:do|calculat\w*|comput\w*|consider\w*|think\w*))\b",
+                        re.IGNORECASE)
 
 
 def _taken_back(tex: str, end: int, spans: list[re.Match], values: list[str], found: str) -> bool:
@@ -436,9 +454,25 @@ def _span_read(found: str, values: list[str]) -> int | None:
 
 def _spans_join(tex: str, before: re.Match, after: re.Match) -> bool:
     """Whether two math spans in a tag are offered together: nothing but spacing between, or a hedge's "or" (TeX
-    spacing and text groups as between two boxes: "$3$ \\quad $4$", "$3$ \\text{or} $4$" read as 4 until s57r14)."""
+    spacing and text groups as between two boxes: "$3$ \\quad $4$", "$3$ \\text{or} $4$" read as 4 until s57r14); not
+    side by side as values of two unknowns, as boxes are not (math_boxes)."""
     between = _plain_separator(tex[before.end() : after.start()])
-    return bool(_BOX_HEDGE.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between))
+    if _BOX_HEDGE.fullmatch(between):
+        return True
+    return bool(_SIDE_BY_SIDE.fullmatch(between)) and not _two_unknowns(before, after)
+
+
+# A span's name, the left side of its "=": "x" of "$x = 3$", "3x" of "$3x = 12$".
+_SPAN_NAME = re.compile(r"\s*([^=<>]{1,40}?)\s*=(?!=)")
+
+
+def _two_unknowns(before: re.Match, after: re.Match) -> bool:
+    """Whether two spans give values of two unknowns, "$x = 3$; $y = 4$", "$3x = 12$; $x = 4$" (a step and the answer):
+    the later named by a variable, the earlier by another name. A list of them ("x = 3, y = 4") was wrong against 4 once
+    a semicolon, a bar or a "vs" joined spans (s59r03; right before, as boxes so named still are: review s59r09)."""
+    later, earlier = (_SPAN_NAME.match(next(g for g in m.groups() if g is not None)) for m in (after, before))
+    return (later is not None and _is_unknown(later.group(1)) and earlier is not None
+            and earlier.group(1) != later.group(1))
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -519,7 +553,7 @@ _DECIMAL_THEN_EXACT = re.compile(r"\s*(-?\d*\.(\d+))\s*(\\ldots)?\s*=[^=]+")
 def _approximation(pred: str, parsed, timeout: int) -> tuple | None:
     """(exact side, decimal side) of an answer, parsed (math-verify's), that is an equation of an exact number and the
     decimal it rounds to at the digits shown (math-verify's own float rounding): one answer, right against either.
-    () where the decimal is no rounding of it ("\\frac13 = 0.34", "\\sqrt{2} = 1.5", a cut "\\frac23 = 0.66"): a false
+    (exact side,) where the decimal, an ellipsis after it, is a cut of it only ("\\frac23 = 0.666\\ldots"). () where the decimal is no rounding of it ("\\frac13 = 0.34", "\\sqrt{2} = 1.5", a cut "\\frac23 = 0.66"): a false
     equation, no answer (one compare: a degenerate side costs math-verify's timeout once). None for an equation of
     other sides (a variable, two decimals: "0.3 = 0.33"), left to _false_equation."""
     from math_verify import verify
@@ -532,8 +566,11 @@ def _approximation(pred: str, parsed, timeout: int) -> tuple | None:
     exact, decimal = (parsed.lhs, parsed.rhs) if m.re is _EXACT_THEN_DECIMAL else (parsed.rhs, parsed.lhs)
     if not (decimal.is_Float and exact.is_number) or exact.atoms(Float):
         return None
-    rounds = verify([decimal], [exact], float_rounding=len(m.group(2)), timeout_seconds=timeout)
-    return (exact, decimal) if rounds or (m.group(3) and _truncates(exact, m.group(1))) else ()
+    if verify([decimal], [exact], float_rounding=len(m.group(2)), timeout_seconds=timeout):
+        return exact, decimal
+    # a cut before an ellipsis ("\\frac23 = 0.66\\ldots") shows the exact side's digits but is no rounding of it: the
+    # exact side alone (its decimal was right against 0.66 from s59r03 to review s59r09)
+    return (exact,) if m.group(3) and _truncates(exact, m.group(1)) else ()
 
 
 def _truncates(exact, decimal: str) -> bool:
@@ -597,11 +634,15 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
 
     timeout = _math_verify_timeout()
     cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    letters = _letters(gold), _letters(pred)
+    if letters != (gold, pred) and _math_verify_equal(*letters):
+        return True  # listed letters as a set, "\\text{A, C}" against "C, A"; else as the text they are, below
     gold, pred = _for_math_verify(gold), _for_math_verify(_choice_part(gold, pred))
     if _unit_cut_drops_answer(pred):
         return False
     dozens = _DOZENS.fullmatch(pred)
-    if dozens is not None and _math_verify_equal(gold, f"{dozens.group(1)} \\times 12"):
+    if dozens is not None and _NOT_A_UNIT.search(dozens.group(2)) is None \
+            and _math_verify_equal(gold, f"{dozens.group(1)} \\times 12"):
         return True  # and against its count of dozens, as a unit below
     g = parse(f"$\\boxed{{{gold}}}$", extraction_config=cfg, parsing_timeout=timeout)
     p = parse(f"$\\boxed{{{pred}}}$", extraction_config=cfg, parsing_timeout=timeout)

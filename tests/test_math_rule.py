@@ -511,3 +511,92 @@ def test_a_reading_its_own_words_take_back_is_no_answer(completion, reference, o
 def test_letters_listed_in_a_text_group_are_the_letters(completion, reference, ok):
     """latex2sympy read "\\text{A, C}" as one symbol: "\\boxed{A, C}" was wrong against it (a known miss)."""
     assert is_correct(completion, reference, "math") is ok
+
+
+# ---- review s59r09: what 50f8ec4's readings (s59r03) got wrong --------------------------------------------------------
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\textit{A, C}}", "\\text{A, C}", True), ("\\boxed{\\mbox{A, C}}", "\\text{A, C}", True),
+    ("\\boxed{\\text{(A), (C)}}", "\\text{A, C}", True), ("\\boxed{\\text{A and C}}", "\\text{A, C}", True),
+    ("\\boxed{\\text{A, C}.}", "\\text{A, C}", True), ("\\boxed{\\mathbf{A, C}}", "\\text{A, C}", True),
+    ("\\boxed{\\text{A, C}}", "\\text{(A), (C)}", True), ("\\boxed{C, A}", "\\text{A, C}", True),
+    ("\\boxed{\\textit{A}}", "\\text{A, C}", False), ("\\boxed{\\text{(A), (B)}}", "\\text{A, C}", False),
+    ("\\boxed{\\text{A, C}.}", "\\text{A}", False),
+])
+def test_a_text_group_of_letters_is_also_compared_as_text(completion, reference, ok):
+    """s59r03 read "\\text{A, C}" as its letters in place of its text: any other text form of the same letters
+    ("\\textit{A, C}", "\\text{(A), (C)}", "\\text{A, C}." with a full stop), right as text until then, was wrong. The
+    letters are a second reading beside the text's."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{5\\text{ dozen plus one}}", "60", False), ("\\boxed{5\\text{ dozen minus one}}", "60", False),
+    ("\\boxed{5\\text{ dozen plus one}}", "5", False), ("\\boxed{5\\text{ plus one}}", "5", False),
+    ("\\boxed{5\\text{ dozen thousand}}", "60", False), ("\\boxed{5\\text{ dozen dozen}}", "60", False),
+    ("\\boxed{5\\text{ dozen squared}}", "60", False), ("\\boxed{5\\text{ dozen eggs}}", "60", True),
+    ("\\boxed{5\\text{ dozen per hour}}", "60", True), ("\\boxed{5\\text{ dozens}}", "60", True),
+])
+def test_words_after_a_dozen_that_change_the_count_are_no_unit(completion, reference, ok):
+    """s59r03's dozen read any three words after it as the unit: "5\\text{ dozen plus one}", "5\\text{ dozen
+    thousand}" and "5\\text{ dozen dozen}" were right against 60 (and "plus one" against 5, before it too)."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\frac23 = 0.66\\ldots}", "0.66", False), ("\\boxed{\\frac{1}{7} = 0.142...}", "0.142", False),
+    ("\\boxed{\\frac23 = 0.66\\ldots}", "\\frac23", True), ("\\boxed{\\frac{1}{7} = 0.142...}", "\\frac17", True),
+    ("\\boxed{\\frac13 = 0.33\\ldots}", "0.33", True), ("\\boxed{\\frac23 = 0.67\\ldots}", "0.67", True),
+    ("\\boxed{1 + 0.5 + 0.25...}", "1.75", False), ("\\boxed{0.1, 0.01, 0.001...}", "0.1, 0.01, 0.001", False),
+    ("\\boxed{x = 0.333...}", "0.333", True), ("\\boxed{\\frac13 \\approx 0.333...}", "\\frac13", True),
+    ("\\boxed{\\frac13=0.333...}", "\\frac13", True),
+])
+def test_an_ellipsis_cut_answers_the_exact_side_only_and_needs_a_whole_side(completion, reference, ok):
+    """s59r03 took a cut decimal before an ellipsis as the exact side's ("\\frac23 = 0.666\\ldots"), then let it
+    answer a decimal reference as a rounding does: "\\frac23 = 0.66\\ldots" was right against 0.66. And it read an
+    ellipsis after any decimal: "1 + 0.5 + 0.25..." (a sum going on) was 1.75."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>The answer is $3$ rather than $4$.</answer>", "3", True),
+    ("<answer>The answer is $3$ instead of $4$.</answer>", "3", True),
+    ("<answer>The answer is $3$. A common mistake is $4$.</answer>", "3", True),
+    ("<answer>The answer is $3$. An incorrect approach gives $4$.</answer>", "3", True),
+    ("<answer>The answer is $3$; a wrong sign gives $4$.</answer>", "3", True),
+    ("<answer>The answer is $3$, or rather $4$.</answer>", "3", False),
+    ("<answer>The answer is $3$. My mistake: $4$.</answer>", "3", False),
+    ("<answer>The answer is $3$. That was wrong, it is $4$.</answer>", "3", False),
+])
+def test_a_contrast_or_a_mistake_named_takes_nothing_back(completion, reference, ok):
+    """s59r03's take-back words "rather", "instead", "mistake" and "wrong" took back a right answer that only set
+    another value against it ("$3$ rather than $4$", "A common mistake is $4$"): no answer, 3 until then."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer>The answer is $3$. On second thought, it is $4$.</answer>", "<answer>The answer is $3$. Scratch that: $4$.</answer>",
+    "<answer>The answer is $3$. Hmm, no — $4$.</answer>", "<answer>The answer is $3$. Correcting: $4$.</answer>",
+    "<answer>The answer is $3$. I was mistaken; it is $4$.</answer>", "<answer>The answer is $3$. My bad, it is $4$.</answer>",
+    "<answer>The answer is $3$. Let me redo this: $4$.</answer>", "<answer>The answer is $3$. Hold on, it is $4$.</answer>",
+    "<answer>The answer is $3$. Nope, $4$.</answer>", "<answer>The answer is $3$. Not quite: $4$.</answer>",
+    "<answer>The final answer is $3$. Hmm, I think it's $4$.</answer>", "<answer>The answer is $3$. Oh, it is $4$.</answer>",
+    "<answer>The answer is $3$. Recalculating gives $4$.</answer>",
+])
+def test_take_backs_the_word_list_missed_are_no_answer(completion):
+    """The take-back words s59r03 listed missed common ones: each of these was 3, right for the answer taken back."""
+    assert is_correct(completion, "3", "math") is False
+    assert is_correct(completion.replace("$4$", "$3$"), "3", "math") is True  # the value restated takes nothing back
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("<answer>$x = 3$; $y = 4$</answer>", "4", True), ("<answer>$a = 3$ | $b = 4$</answer>", "4", True),
+    ("<answer>$3x = 12$; $x = 4$</answer>", "4", True), ("<answer>$\\theta = 30$ vs $\\phi = 60$</answer>", "60", True),
+    ("<answer>$x = 3$ $y = 4$</answer>", "4", True), ("<answer>$x = 3$; $x = 4$</answer>", "4", False),
+    ("<answer>$x = 3$; $x = 4$</answer>", "3, 4", True), ("<answer>$x = 3$ or $y = 4$</answer>", "4", False),
+    ("<answer>$3$; $4$</answer>", "4", False),
+])
+def test_tag_spans_naming_two_unknowns_are_no_list(completion, reference, ok):
+    """A semicolon, a bar or a "vs" between two tag spans lists them since s59r03, but the spans were listed whatever
+    they named: "$x = 3$; $y = 4$" and "$3x = 12$; $x = 4$" (a step, then the answer) were "x = 3, y = 4", wrong against
+    4, which they were right for before, and which boxes so named still are."""
+    assert is_correct(completion, reference, "math") is ok

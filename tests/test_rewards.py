@@ -1158,6 +1158,20 @@ def test_a_plain_answer_statement_that_hedges_denies_or_asks_is_no_answer(comple
     assert extract_answer(completion) is None and not is_correct(completion, "18", "gsm8k")
 
 
+@pytest.mark.parametrize("completion, answer", [
+    ("The answer is 18. Actually, it is 19.", None), ("The answer is 18. Wait, no: 19.", None),
+    ("The answer is 18. I mean 19.", None), ("The answer is 18.\nOn second thought, it is 19 eggs.", None),
+    ("The answer is 18 (actually 19).", None), ("The answer is 18. Oops, 6 + 13 = 19.", None),
+    ("The answer is 18. Actually, it is 18.", "18"), ("The answer is 18. Wait, let me check: 6 + 12 = 18.", "18"),
+    ("The answer is 18 rather than 19.", "18"), ("The answer is 18. Actually, the answer is 19.", "19"),
+])
+def test_an_answer_statement_its_words_take_back_is_no_answer(completion, answer):
+    """"The answer is 18. Actually, it is 19." read as 18, right for the answer taken back (the later words name no
+    answer, so the statement was the last one): as the math rule reads a tag's prose since s59r03, no answer (review
+    s59r09). A take-back that ends on the same number, or a new statement, is read as before."""
+    assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
+
+
 def test_a_plain_answer_statement_ranks_below_every_other_answer():
     """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
     for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
@@ -1365,17 +1379,26 @@ RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minute
              "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$.",
              "#### 18 dollars and 9 eggs sold", "So the final answer is 18.", "#### The answer is >= 72",
              "The answer is 6 + 12 = 18. So 18 - 3 = 15.", "#### 18 at most", "#### about 18", "\\boxed{5} and \\boxed{7}",
-             "#### \u20ac18"]
+             "#### \u20ac18", "The answer is 18. Actually, it is 19.", "\\boxed{2}; \\boxed{3}"]
 RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
-    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None, "18", "18", "7", None],
-    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None, "18", "18", "7", None],
-    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15", "18", "18", "7", None],
-    ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", "18", "18", "7", None],
-    ("gsm8k", 5): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18"],
+    ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None, "18", "18", "7", None,
+                   None, "3"],
+    ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None, "18", "18", "7", None,
+                   None, "3"],
+    ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15", "18", "18", "7", None,
+                   "18", "3"],
+    ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", "18", "18", "7", None,
+                   "18", "3"],
+    ("gsm8k", 5): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
+                   "18", "3"],
+    ("gsm8k", 6): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
+                   None, "3"],
     ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None, None, None, "7",
-                  None],
+                  None, None, "3"],
     ("math", 2): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
-                  None, "5, 7", None],
+                  None, "5, 7", None, None, "3"],
+    ("math", 3): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
+                  None, "5, 7", None, None, "2, 3"],
 }
 
 
