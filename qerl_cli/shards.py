@@ -371,27 +371,39 @@ def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator
         raise BadInputError(f"cannot read shard {path}: {e.strerror}") from None
     with f:
         for i, raw in enumerate(f, start=1):
-            torn = not raw.endswith(b"\n")  # only the last line can lack its newline: a crash mid-write
             if not raw.strip():
                 continue
-            try:
-                rec = json.loads(raw)
-                err = validate_record(rec)
-            except (ValueError, UnicodeDecodeError) as e:
-                rec, err = None, f"not valid JSON ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
-            if err is not None and torn:
-                err = f"truncated last line, probably a crash mid-write ({err})"
-            if err is not None:
-                msg = f"{path}:{i}: {err}"
+            rec, msg = parse_line(path, i, raw)
+            if msg is not None:
                 if not skip_bad_lines:
-                    raise BadInputError(msg, hint="pass --skip-bad-lines to skip such lines")
+                    raise bad_line_error(msg)
                 report.bad_lines.append(msg)
                 continue
-            for k in OPTIONAL_FIELDS:
-                rec.setdefault(k, None)
             report.records += 1
             report.origins.append((path, i))
             yield rec
+
+
+def parse_line(path: Path, i: int, raw: bytes) -> tuple[dict | None, str | None]:
+    """Line ``i`` of ``path`` (its bytes, newline included) as (record, None), or (None, "path:i: why") when it
+    is no valid record. Shared by the whole-file reader and train-step's ranks, which parse a part each."""
+    torn = not raw.endswith(b"\n")  # only the last line can lack its newline: a crash mid-write
+    try:
+        rec = json.loads(raw)
+        err = validate_record(rec)
+    except (ValueError, UnicodeDecodeError) as e:
+        rec, err = None, f"not valid JSON ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
+    if err is not None and torn:
+        err = f"truncated last line, probably a crash mid-write ({err})"
+    if err is not None:
+        return None, f"{path}:{i}: {err}"
+    for k in OPTIONAL_FIELDS:
+        rec.setdefault(k, None)
+    return rec, None
+
+
+def bad_line_error(msg: str) -> BadInputError:
+    return BadInputError(msg, hint="pass --skip-bad-lines to skip such lines")
 
 
 def iter_records(
@@ -403,15 +415,21 @@ def iter_records(
     version: tuple[int, str] | None = None
     for path in report.files:
         for rec in _iter_file(path, skip_bad_lines, report):
-            v = rec["schema_version"]
-            if version is None:
-                version = (v, f"{path}")
-            elif v != version[0]:
-                raise BadInputError(
-                    f"{path}: schema_version {v} mixed with schema_version {version[0]} from {version[1]}",
-                    hint="regenerate the older shards with this qerl version",
-                )
+            version = one_schema(rec, path, version)
             yield rec
+
+
+def one_schema(rec: dict, path: Path, version: tuple[int, str] | None) -> tuple[int, str]:
+    """The (schema_version, first file) of a read so far, with ``rec`` of ``path`` read next; refuses a mix."""
+    v = rec["schema_version"]
+    if version is None:
+        return v, f"{path}"
+    if v != version[0]:
+        raise BadInputError(
+            f"{path}: schema_version {v} mixed with schema_version {version[0]} from {version[1]}",
+            hint="regenerate the older shards with this qerl version",
+        )
+    return version
 
 
 def check_groups_whole(records: list[dict], origins: list[tuple[Path, int]]) -> None:

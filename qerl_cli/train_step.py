@@ -381,7 +381,7 @@ def _train_step(cfg: TrainStepConfig) -> dict:
 
 def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtype, t_start: float) -> dict:
     """The step once every torchrun rank has joined (a single process: right away)."""
-    data = read_step(cfg)
+    data = read_step(cfg, dist)
     _check_apart_from_shards(cfg, data)
     from qerl_cli.shards import missing_shards
 
@@ -446,15 +446,15 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
               + ("" if floor else " (the weights will not change)"))
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
-    lengths = [len(p) + len(c) for p, c in zip(data.prompts, data.completions)]
+    lengths = [p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)]
     groups = pack_microbatches(lengths, cfg.micro_batch_tokens)
     mb_of = [0] * len(lengths)
     for j, g in enumerate(groups):
         for s in g:
             mb_of[s] = j
-    live_tokens = [0 if (cfg.mask_truncated and tr) else len(c) for c, tr in zip(data.completions, data.truncated)]
-    if cfg.mask_truncated and data.completions and all(data.truncated):  # said only "no completion tokens left"
-        raise BadInputError(f"--mask-truncated masks every completion of this step: all {len(data.completions)} "
+    live_tokens = [0 if (cfg.mask_truncated and tr) else c for c, tr in zip(data.completion_lengths, data.truncated)]
+    if cfg.mask_truncated and data.records and all(data.truncated):  # said only "no completion tokens left"
+        raise BadInputError(f"--mask-truncated masks every completion of this step: all {len(data.records)} "
                             "stopped at the rollout's --max-new-tokens (or the context)",
                             hint="rerun this train-step without --mask-truncated, or the rollout with a larger "
                                  "--max-new-tokens")

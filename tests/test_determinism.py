@@ -123,7 +123,7 @@ def test_the_cublas_setting_is_made_on_a_gpu_before_the_step_reads_anything(step
     class Stop(Exception):
         pass
 
-    def read_step(cfg):  # the first thing after the device is known: CUDA is not touched before it
+    def read_step(cfg, dist=None):  # the first thing after the device is known: CUDA is not touched before it
         raise Stop
 
     monkeypatch.setattr(ts, "resolve_device", lambda d: device)

@@ -148,12 +148,12 @@ def test_dr_grpo_divides_by_the_generation_budget_not_the_longest_trained_comple
 
     comps = [[1] * 10, [1] * 3, [1] * 5, [1] * 2]
     recs = [{"sampling": {"max_new_tokens": 12}} for _ in comps]
-    data = SimpleNamespace(completions=comps, records=recs)
+    data = SimpleNamespace(completion_lengths=[len(c) for c in comps], records=recs)
     cfg = SimpleNamespace(loss="dr_grpo", max_completion_length=None)
     assert dr_grpo_length(cfg, data) == 12
     assert dr_grpo_length(SimpleNamespace(loss="dr_grpo", max_completion_length=64), data) == 64
     assert dr_grpo_length(SimpleNamespace(loss="dapo", max_completion_length=None), data) is None
-    legacy = SimpleNamespace(completions=comps, records=[{"sampling": {}} for _ in comps])  # no budget recorded
+    legacy = SimpleNamespace(completion_lengths=[len(c) for c in comps], records=[{"sampling": {}} for _ in comps])  # no budget recorded
     assert dr_grpo_length(cfg, legacy) == 10
     # the same 3-token completion weighs the same whether or not the longest one is masked
     live = [0, 3, 5, 2]

@@ -270,10 +270,10 @@ def test_dr_grpo_divides_by_no_less_than_the_longest_completion():
     from qerl_cli.train_step import dr_grpo_length
 
     cfg = SimpleNamespace(loss="dr_grpo", max_completion_length=None)
-    data = SimpleNamespace(completions=[[1] * 3, [1] * 12],
+    data = SimpleNamespace(completion_lengths=[3, 12],
                            records=[{"sampling": {"max_new_tokens": 8}}, {"sampling": {"max_new_tokens": 8}}])
     assert dr_grpo_length(cfg, data) == 12
-    data.completions = [[1] * 3, [1] * 5]
+    data.completion_lengths = [3, 5]
     assert dr_grpo_length(cfg, data) == 8  # the budget, not the longest completion
 
 

@@ -428,6 +428,9 @@ def test_a_rank_whose_own_shards_read_otherwise_says_why_when_the_ranks_disagree
         def agree(self, settings):
             raise BadInputError("torchrun ranks disagree: fingerprint: rank 0 'a', rank 1 'b'")
 
+        def all_gather_object(self, obj):  # rank 0's copy holds other bytes: this rank reads its own whole
+            return [None, obj]
+
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     cfg = TrainStepConfig(model=str(q), shards=[str(shard)], out=str(tmp_path / "out"), skip_bad_lines=True,
@@ -437,3 +440,206 @@ def test_a_rank_whose_own_shards_read_otherwise_says_why_when_the_ranks_disagree
         _joined_step(cfg, Rank1(), "cpu", torch.float32, time.time())
     said = [str(w.message) for w in caught if issubclass(w.category, QerlWarning)]
     assert len(said) == 1 and said[0].startswith("skipped 1 bad shard line(s) (--skip-bad-lines)"), said
+
+
+# ---- ranks read a part each (s59r04) ---------------------------------------------------------------------------
+class _ThreadRank:
+    """Rank ``rank`` of ``world`` simulated by a thread: ``all_gather_object`` meets the other threads' at a barrier."""
+
+    def __init__(self, rank: int, world: int, meet: dict):
+        from qerl_cli.train.distributed import Dist
+
+        self.d, self.meet = Dist(rank=rank, world_size=world), meet
+        self.rank, self.world_size, self.enabled, self.owns = rank, world, True, self.d.owns
+
+    def all_gather_object(self, obj) -> list:
+        self.meet["slots"][self.rank] = obj
+        self.meet["barrier"].wait()
+        every = list(self.meet["slots"])
+        self.meet["barrier"].wait()  # every rank has its copy before one writes the next exchange's
+        return every
+
+
+def _as_ranks(world: int, work) -> list:
+    """``work(rank)`` of each simulated rank, run together; what each returned or raised."""
+    import threading
+
+    meet = {"slots": [None] * world, "barrier": threading.Barrier(world, timeout=60)}
+    got: list = [None] * world
+
+    def run(r):
+        try:
+            got[r] = work(_ThreadRank(r, world, meet))
+        except Exception as e:  # noqa: BLE001 - compared by the test
+            got[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def _awkward_shards(out, base: str = "0" * 64):
+    """Three files of very different sizes: groups of 1 to 7 completions of 0 to 300 tokens, ids past int32 in one
+    record, blank lines, a bad line (and a torn last line) for --skip-bad-lines, a file of one line."""
+    import random
+
+    from qerl_cli.shards import make_record, shard_name, write_records
+
+    rnd = random.Random(11)
+    files: list[list[dict]] = [[], [], []]
+    for g, (size, k) in enumerate([(3, 0), (7, 0), (1, 1), (5, 2), (2, 2), (6, 2), (4, 0), (2, 2)]):
+        prompt = [rnd.randrange(3, 384) for _ in range(rnd.randint(1, 40))]
+        for i in range(size):
+            comp = [rnd.randrange(3, 384) for _ in range(rnd.choice([0, 1, 5, 60, 300]))]
+            if g == 3 and i == 1:
+                comp[:1] = [2**40]  # int64 arrays
+            files[k].append(make_record(
+                prompt_id=f"p{g}", group_id=f"g{g}", prompt="x" * rnd.randint(0, 500), prompt_token_ids=prompt,
+                completion_token_ids=comp, completion="y", logprobs=[-rnd.random() for _ in comp],
+                finish_reason=rnd.choice(["stop", "length"]), rewards={"r": 1.0}, reward=float(rnd.random()),
+                answer=None, step=0, policy={"base": base, "adapter": None},
+                sampling={"temperature": rnd.choice([0.0, 0.7, 1.0]), "top_p": rnd.choice([1.0, 0.9]), "top_k": 0},
+                noise={"sigma": 0.0, "seed": 0}, engine="test"))
+    out.mkdir(parents=True, exist_ok=True)
+    for i, recs in enumerate(files):
+        write_records(out / shard_name(i, 3), recs)
+    f0 = out / shard_name(0, 3)
+    lines = f0.read_text().splitlines(keepends=True)
+    f0.write_text("".join(lines[:4]) + "\n  \n" + "not json\n" + "".join(lines[4:]) + '{"torn": ')
+    return out
+
+
+def _read_as_ranks(cfg, world: int, mbt: int, monkeypatch=None):
+    """Each simulated rank's (StepData after ``_keep_owned``, micro-batches, lines it parsed) or its error."""
+    import threading
+    from collections import Counter
+
+    import qerl_cli.shards as shards
+    from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train_step import _keep_owned, read_step
+
+    parsed: Counter = Counter()
+    if monkeypatch is not None:
+        real = shards.parse_line
+
+        def counted(*a):
+            parsed[threading.current_thread().name] += 1
+            return real(*a)
+
+        monkeypatch.setattr(shards, "parse_line", counted)
+
+    def work(rank):
+        data = read_step(cfg, rank)
+        groups = pack_microbatches([p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)], mbt)
+        _keep_owned(data, groups, rank)
+        return data, groups
+
+    got = _as_ranks(world, work)
+    return [g if isinstance(g, Exception) else (*g, parsed[f"rank{r}"]) for r, g in enumerate(got)]
+
+
+_STEP_FIELDS = ("records", "files", "temperatures", "truncated", "rewards", "group_ids", "base_hash", "adapter_hash",
+                "step", "noise", "bad_lines", "cuts", "files_as_named", "origins", "prompt_lengths",
+                "completion_lengths", "id_ranges")
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_ranks_reading_a_part_each_hold_what_a_whole_read_kept_for_them(tmp_path, monkeypatch, world):
+    # Every rank parsed every line of the step, N times the parsing for N ranks, to keep its 1/N (s59r04). Now each
+    # parses a byte-balanced run of the lines plus its own records; what it holds must be what the whole read
+    # kept for it, bit for bit: the same records in the same order (so the same micro-batches and owners), the
+    # same bad lines skipped, and the token arrays of its micro-batches, of the same type.
+    from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train.distributed import Dist
+    from qerl_cli.train_step import _keep_owned, read_step
+
+    sh = _awkward_shards(tmp_path / "sh")
+    cfg = TrainStepConfig(model=tmp_path, shards=[str(sh)], out=tmp_path / "o", progress=False, skip_bad_lines=True)
+    whole = read_step(cfg)
+    assert len(whole.bad_lines) == 2 and len(whole.records) == 30
+    lines = sum(len(f.read_text().splitlines()) for f in sh.glob("*.jsonl"))
+    for mbt in (300, 2000):
+        groups = pack_microbatches([p + c for p, c in zip(whole.prompt_lengths, whole.completion_lengths)], mbt)
+        assert len(groups) > world or mbt == 2000
+        for r, got in enumerate(_read_as_ranks(cfg, world, mbt, monkeypatch)):
+            assert not isinstance(got, Exception), got
+            data, got_groups, parsed = got
+            assert got_groups == groups
+            old = read_step(cfg)
+            _keep_owned(old, groups, Dist(rank=r, world_size=world))
+            for k in _STEP_FIELDS:
+                assert getattr(data, k) == getattr(old, k), (world, r, k)
+            for name in ("prompts", "completions", "sampling_logprobs"):
+                for a, b in zip(getattr(data, name), getattr(old, name)):
+                    assert (a is None and b is None) or (type(a) is type(b) and a.typecode == b.typecode and a == b)
+            owned = sum(len(g) for j, g in enumerate(groups) if j % world == r)
+            assert parsed <= lines // world + 3 + owned, (world, r, parsed, owned)  # its part and its own records
+
+
+def test_a_bad_line_read_by_one_rank_stops_every_rank_with_the_whole_reads_error(tmp_path):
+    from qerl_cli.errors import BadInputError
+    from qerl_cli.train_step import read_step
+
+    sh = _awkward_shards(tmp_path / "sh")
+    cfg = TrainStepConfig(model=tmp_path, shards=[str(sh)], out=tmp_path / "o", progress=False)
+    with pytest.raises(BadInputError) as whole:
+        read_step(cfg)
+    assert "shard-00000-of-00003.jsonl:7: not valid JSON" in str(whole.value)  # after a blank line or two
+    for world in (2, 4):
+        got = _read_as_ranks(cfg, world, 300)
+        assert all(isinstance(e, BadInputError) and str(e) == str(whole.value) for e in got), got
+
+
+def test_ranks_whose_shards_differ_each_read_their_own_whole(tmp_path):
+    # Node-local copies: rank 1's has a line more that --skip-bad-lines skips. The ranks do not share parts of
+    # different bytes; each reads its own as before, and their fingerprints tell them apart later.
+    import shutil
+
+    from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train_step import _keep_owned, read_step
+
+    sh = make_shard(tmp_path / "sh", "0" * 64, groups=4)
+    other = tmp_path / "other"
+    shutil.copytree(sh, other)
+    f = next(other.glob("*.jsonl"))
+    f.write_text(f.read_text() + "garbage\n")
+
+    def work(rank):
+        cfg = TrainStepConfig(model=tmp_path, shards=[str(other if rank.rank else sh)], out=tmp_path / "o",
+                              progress=False, skip_bad_lines=True)
+        data = read_step(cfg, rank)
+        groups = pack_microbatches([p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)], 40)
+        _keep_owned(data, groups, rank)
+        return data, groups
+
+    (d0, g0), (d1, g1) = _as_ranks(2, work)
+    assert not d0.bad_lines and len(d1.bad_lines) == 1 and d0.records == d1.records and g0 == g1
+    for j, g in enumerate(g0):
+        for s in g:
+            assert (d0.completions[s] is None) == (j % 2 == 1) and (d1.completions[s] is None) == (j % 2 == 0)
+
+
+def test_a_token_outside_the_vocabulary_is_named_by_a_rank_that_does_not_hold_it(tmp_path):
+    # Under torchrun a rank holds no token arrays when the step is checked against the model: the lowest and highest
+    # id of each record tell it whether to look, and the record's line, read again, names the id as before.
+    from qerl_cli.errors import BadInputError
+    from qerl_cli.train.checks import _check_fits_model
+    from qerl_cli.train_step import read_step
+
+    _, q = quantized_tiny(tmp_path)
+    sh = _awkward_shards(tmp_path / "sh")  # one record holds the id 2**40
+    cfg = TrainStepConfig(model=q, shards=[str(sh)], out=tmp_path / "o", progress=False, skip_bad_lines=True)
+    with pytest.raises(BadInputError) as whole:
+        _check_fits_model(cfg, read_step(cfg))
+    assert f"has token id {2**40}, outside" in str(whole.value)
+
+    def work(rank):
+        data = read_step(cfg, rank)
+        assert (data.prompts[16] is None) == (rank.rank == 0)  # the record holding it: rank 1's part
+        _check_fits_model(cfg, data)
+
+    got = _as_ranks(2, work)
+    assert all(isinstance(e, BadInputError) and str(e) == str(whole.value) for e in got), got

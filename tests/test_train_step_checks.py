@@ -131,7 +131,7 @@ def test_dr_grpo_length_is_the_longest_completion_when_a_record_has_no_budget():
     from qerl_cli.train_step import dr_grpo_length
 
     cfg = SimpleNamespace(loss="dr_grpo", max_completion_length=None)
-    data = SimpleNamespace(completions=[[1] * 3, [1] * 5],
+    data = SimpleNamespace(completion_lengths=[3, 5],
                            records=[{"sampling": {"max_new_tokens": 8}}, {"sampling": {}}])
     assert dr_grpo_length(cfg, data) == 5
 

@@ -139,16 +139,17 @@ def _check_fits_model(cfg: TrainStepConfig, data: StepData) -> None:
     limit, what = mcfg.max_position_embeddings, "positions"
     if mcfg.sliding_window and mcfg.sliding_window < limit:  # windowed attention is not implemented: the
         limit, what = mcfg.sliding_window, "tokens of the sliding window"  # forward refused it after loading
-    for i, (p, c) in enumerate(zip(data.prompts, data.completions)):
+    for i, (n_p, n_c, (lo, hi)) in enumerate(zip(data.prompt_lengths, data.completion_lengths, data.id_ranges)):
         rec = data.records[i]
         # by file:line: "first file: record i" counted i over every file given, and named the first file whatever held it
         where = "{}:{}".format(*data.origins[i]) if data.origins else f"{data.files[0]}: record {i}"
         who = f"{where}: record of group {rec['group_id']!r} (prompt {rec['prompt_id']!r})"
-        if len(p) + len(c) > limit:
-            raise BadInputError(f"{who} has {len(p) + len(c)} tokens, more than the {limit} "
+        if n_p + n_c > limit:
+            raise BadInputError(f"{who} has {n_p + n_c} tokens, more than the {limit} "
                                 f"{what} of --model {cfg.model}")
-        bad = next((t for t in p + c if not 0 <= t < mcfg.vocab_size), None)
-        if bad is not None:
+        if not 0 <= lo <= hi < mcfg.vocab_size:  # the ids themselves (under torchrun, maybe read again) name it
+            p, c = data.token_ids(i)
+            bad = next(t for t in p + c if not 0 <= t < mcfg.vocab_size)
             raise BadInputError(f"{who} has token id {bad}, outside --model {cfg.model}'s vocabulary "
                                 f"of {mcfg.vocab_size}", hint="were the shards made with another model's tokenizer?")
 

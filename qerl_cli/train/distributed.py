@@ -1,9 +1,10 @@
 """torchrun support: process group setup, micro-batch ownership, gradient and stats all-reduce.
 
 ``torchrun --nproc-per-node N -m qerl_cli train-step ...`` starts N copies of the same step.
-Every rank reads the same shards, builds the same micro-batch list (packing is deterministic),
-and takes micro-batches ``rank, rank + N, ...`` (longest-first order, so the load is roughly
-even), keeping only those micro-batches' token arrays (``train.inputs._keep_owned``). Losses are
+Every rank reads the same shards, each parsing about 1/N of their lines and sharing what it found
+(``train.inputs.read_step``), builds the same micro-batch list (packing is deterministic), and takes
+micro-batches ``rank, rank + N, ...`` (longest-first order, so the load is roughly even), reading only
+those micro-batches' token arrays (``train.inputs._keep_owned``). Losses are
 pre-normalized for the whole step (see ``qerl_cli.train.losses``), so the gradients of all ranks
 are *summed*, not averaged, and each rank then takes the same optimizer step on identical
 gradients: the result equals a single-process run up to float summation order.
@@ -118,14 +119,20 @@ class Dist:
         if not self.enabled:
             return
         mine = json.dumps(settings, sort_keys=True, default=str)
-        every: list = [None] * self.world_size
-        with self._collective():
-            dist.all_gather_object(every, mine)
-        why = disagreement([json.loads(v) for v in every])
+        why = disagreement([json.loads(v) for v in self.all_gather_object(mine)])
         if why:
             from qerl_cli.errors import BadInputError
 
             raise BadInputError(f"torchrun ranks disagree: {why}", hint="start every rank with the same flags and inputs")
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if not self.enabled:
+            return [obj]
+        every: list = [None] * self.world_size
+        with self._collective():
+            dist.all_gather_object(every, obj)
+        return every
 
     def barrier(self) -> None:
         if self.enabled:

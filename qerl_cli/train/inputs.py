@@ -6,7 +6,9 @@ packs each record's token ids and sampling log-probs as it comes (``_compact``),
 step: mixed base models, policies (``_policy_name``), rollout steps or AQN noise records (``_noise_key``), or a
 sampling cut it cannot read (``_sampling_cut``). From what it read: Dr. GRPO's divisor (``dr_grpo_length``) and the
 input hashes of the step's fingerprint (``_shards_hash``; the input adapter's files, ``_adapter_inputs_hash``).
-Under torchrun, once the micro-batches are split, ``_keep_owned`` drops the token arrays of those other ranks own.
+Under torchrun, where the ranks' shards hold the same bytes, each rank parses a byte-balanced run of the lines and
+the ranks exchange what they found (``_read_shared``: records without their arrays, lengths, bad lines); once the
+micro-batches are split, ``_keep_owned`` reads the token arrays of this rank's own, and only those.
 The checks of the step against the flags, the model and the lineage are ``train.checks``'s.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,35 +54,47 @@ class StepData:
     files_as_named: tuple[Path, ...] = ()  # ``files`` in --shards' order (older qerl read and hashed them so)
     origins: tuple[tuple[Path, int], ...] = ()  # (file, line) of each record, for messages that name one
 
-    def __post_init__(self):  # kept when ``_keep_owned`` drops the token arrays of other ranks' micro-batches
-        self.prompt_lengths = [len(p) for p in self.prompts]
-        self.completion_lengths = [len(c) for c in self.completions]
+    # Every record's, kept when the token arrays are only this rank's micro-batches' (``_keep_owned``):
+    prompt_lengths: list[int] | None = None
+    completion_lengths: list[int] | None = None
+    id_ranges: list[tuple[int, int]] | None = None  # (lowest, highest) token id of each record
+    line_offsets: tuple[int, ...] = ()  # byte offset of each record's line: its arrays are read by ``_keep_owned``
+
+    def __post_init__(self):
+        if self.prompt_lengths is None:
+            self.prompt_lengths = [len(p) for p in self.prompts]
+        if self.completion_lengths is None:
+            self.completion_lengths = [len(c) for c in self.completions]
+        if self.id_ranges is None:
+            self.id_ranges = [_id_range(p, c) for p, c in zip(self.prompts, self.completions)]
+
+    def token_ids(self, i: int) -> tuple:
+        """Record ``i``'s prompt and completion token ids, read again from its line if this rank does not hold them."""
+        if self.prompts[i] is not None:
+            return self.prompts[i], self.completions[i]
+        return next(_reread(self, [i]))[1][:2]
 
 
-def read_step(cfg: TrainStepConfig) -> StepData:
-    """Read the shards and check that they form one consistent step."""
-    from qerl_cli.shards import ReadReport, check_groups_whole, iter_records, resolve_shard_files
+def read_step(cfg: TrainStepConfig, dist=None) -> StepData:
+    """Read the shards and check that they form one consistent step. Under torchrun (``dist``), where every rank's
+    shards hold the same bytes, each rank parses a part and they share what the checks and the packing need; the
+    token arrays then come with ``_keep_owned``, each rank's own only."""
+    from qerl_cli.shards import ReadReport, check_groups_whole, resolve_shard_files
 
     report = ReadReport()
     named = resolve_shard_files(cfg.shards)
     # In path order, whatever order --shards named them in: the order changes float sums, so `--shards b a`
     # was another step than `--shards a b` (exit 4 over the finished one)
-    recs, prompts, completions, sampling_lps = [], [], [], []
-    for r in iter_records(_in_path_order(named), skip_bad_lines=cfg.skip_bad_lines, report=report):
-        # Streamed, each record's token arrays packed as it comes: the parsed JSON lists of a whole step were
-        # the bulk of every rank's memory (~800 MiB for 512 x 16 completions of 1024 tokens; docs/train-step.md)
-        p, c, lp = _compact(r)
-        prompts.append(p)
-        completions.append(c)
-        sampling_lps.append(lp)
-        recs.append(r)
+    files = _in_path_order(named)
+    shared = _read_shared(files, cfg.skip_bad_lines, report, dist) if dist is not None and dist.enabled else None
+    recs, prompts, completions, sampling_lps, sizes = shared or _read_whole(files, cfg.skip_bad_lines, report)
     where = ", ".join(str(f) for f in report.files[:3]) + (" ..." if len(report.files) > 3 else "")
     if not recs:
         skipped = (f" (--skip-bad-lines skipped all {len(report.bad_lines)} lines; first: {report.bad_lines[0]})"
                    if report.bad_lines else "")
         raise BadInputError(f"{where}: no rollout records to train on{skipped}")
     check_groups_whole(recs, report.origins)
-    for r, p, (f, line) in zip(recs, prompts, report.origins):
+    for r, (p, _, _), (f, line) in zip(recs, sizes.lengths, report.origins):
         # Caught here, before a process group starts: found later by the one rank that collates it, the
         # other ranks died in gloo (or would wait in NCCL) and torchrun could blame them.
         if not p:
@@ -140,7 +155,150 @@ def read_step(cfg: TrainStepConfig) -> StepData:
         cuts=cuts if any(c != (1.0, 0, 0.0) for c in cuts) else None,
         files_as_named=tuple(named),
         origins=tuple(report.origins),
+        prompt_lengths=[p for p, _, _ in sizes.lengths],
+        completion_lengths=[c for _, c, _ in sizes.lengths],
+        id_ranges=[r for _, _, r in sizes.lengths],
+        line_offsets=tuple(sizes.offsets),
     )
+
+
+@dataclass
+class _Sizes:
+    """What the checks and the packing take from each record's token arrays: (prompt length, completion length,
+    (lowest, highest) token id); and where its line starts in its file when the arrays are read later."""
+
+    lengths: list[tuple[int, int, tuple[int, int]]]
+    offsets: list[int]
+
+
+def _read_whole(files: list[Path], skip_bad_lines: bool, report) -> tuple:
+    """Every record of ``files`` with its token arrays: one process, or a rank whose shards are not the others'."""
+    from qerl_cli.shards import iter_records
+
+    recs, prompts, completions, sampling_lps, sizes = [], [], [], [], _Sizes([], [])
+    for r in iter_records(files, skip_bad_lines=skip_bad_lines, report=report):
+        # Streamed, each record's token arrays packed as it comes: the parsed JSON lists of a whole step were
+        # the bulk of every rank's memory (~800 MiB for 512 x 16 completions of 1024 tokens; docs/train-step.md)
+        p, c, lp = _compact(r)
+        prompts.append(p)
+        completions.append(c)
+        sampling_lps.append(lp)
+        sizes.lengths.append((len(p), len(c), _id_range(p, c)))
+        recs.append(r)
+    return recs, prompts, completions, sampling_lps, sizes
+
+
+def _read_shared(files: list[Path], skip_bad_lines: bool, report, dist) -> tuple | None:
+    """Under torchrun: the step's records, each rank having parsed about 1/N of the lines (a byte-balanced run of
+    them) and the ranks exchanging what they found, bad lines included, so that every rank holds the same records,
+    origins and errors as a whole read; the token arrays of its own run only (the others None). Parsing was the read's cost (~1 s of
+    CPU per 25 MB of JSON lines), and every rank parsed every line (docs/benchmarks.md, "Reading a step under
+    torchrun"). None when the ranks' files do not hold the same bytes (node-local copies that differ): each rank
+    then reads its own whole, and the fingerprints tell them apart later, as before."""
+    from qerl_cli.shards import one_schema
+
+    index = [_index_file(f) for f in files]
+    if len(set(map(json.dumps, dist.all_gather_object([h for h, _ in index])))) > 1:
+        return None
+    parts = _parts([(k, i, off, size) for k, (_, ls) in enumerate(index) for i, off, size in ls], dist.world_size)
+    mine, held = _parse_part(files, parts[dist.rank], skip_bad_lines)
+    held = iter(held)
+    report.files = list(files)
+    recs, sizes, version, arrays = [], _Sizes([], []), None, []
+    for r, (lines, parsed) in enumerate(zip(parts, dist.all_gather_object(mine))):
+        for (k, i, off, _), (rec, msg, size) in zip(lines, parsed):
+            if msg is not None:
+                if not skip_bad_lines:
+                    from qerl_cli.shards import bad_line_error
+
+                    raise bad_line_error(msg)
+                report.bad_lines.append(msg)
+                continue
+            version = one_schema(rec, files[k], version)
+            report.records += 1
+            report.origins.append((files[k], i))
+            recs.append(rec)
+            sizes.lengths.append(size)
+            sizes.offsets.append(off)
+            arrays.append(next(held) if r == dist.rank else (None, None, None))
+    prompts, completions, sampling_lps = (list(x) for x in zip(*arrays)) if arrays else ([], [], [])
+    return recs, prompts, completions, sampling_lps, sizes
+
+
+def _index_file(path: Path) -> tuple[str, list[tuple[int, int, int]]]:
+    """A shard's sha256 and its non-blank lines: (line number, byte offset, size), as ``iter_records`` numbers them."""
+    h, lines, off = hashlib.sha256(), [], 0
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise BadInputError(f"cannot read shard {path}: {e.strerror}") from None
+    with f:
+        for i, raw in enumerate(f, start=1):
+            h.update(raw)
+            if raw.strip():
+                lines.append((i, off, len(raw)))
+            off += len(raw)
+    return h.hexdigest(), lines
+
+
+def _parts(lines: list, world: int) -> list[list]:
+    """``lines`` in ``world`` runs, one a rank: each line goes to the rank whose 1/``world`` of the bytes it starts in."""
+    total = sum(size for *_, size in lines)
+    parts, at = [[] for _ in range(world)], 0
+    for line in lines:
+        parts[at * world // total].append(line)
+        at += line[-1]
+    return parts
+
+
+def _parse_part(files: list[Path], part: list, skip_bad_lines: bool) -> tuple[list[tuple], list[tuple]]:
+    """(record without its arrays, None, sizes) or (None, "file:line: why", None) for each line of ``part``, up to
+    its first bad one unless ``skip_bad_lines``: what the other ranks need of them; and the token arrays of its
+    records, held until the micro-batches are split (those this rank owns need no second parse)."""
+    from qerl_cli.shards import parse_line
+
+    out, held = [], []
+    for (k, i, _, _), raw in zip(part, _lines_at(files, [(k, off) for k, _, off, _ in part])):
+        rec, msg = parse_line(files[k], i, raw)
+        if msg is not None:
+            out.append((None, msg, None))
+            if not skip_bad_lines:
+                break
+            continue
+        p, c, lp = _compact(rec)
+        out.append((rec, None, (len(p), len(c), _id_range(p, c))))
+        held.append((p, c, lp))
+    return out, held
+
+
+def _lines_at(files: list[Path], where: list[tuple[int, int]]):
+    """The lines that start at (file index, byte offset) ``where``, each file opened once for a run of its lines."""
+    f, k_open = None, None
+    try:
+        for k, off in where:
+            if k != k_open:
+                if f is not None:
+                    f.close()
+                f, k_open = open(files[k], "rb"), k
+            f.seek(off)
+            yield f.readline()
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _id_range(p, c) -> tuple[int, int]:
+    """The lowest and highest token id of a record: ``_check_fits_model`` looks at the ids themselves only when
+    these fall outside the vocabulary (its loop over every id took ~0.5 s of CPU per 8M tokens; numpy's, ~0.03)."""
+    import numpy as np
+
+    both = [x for x in (p, c) if len(x)]
+    if not both:
+        return 0, 0
+    if all(isinstance(x, array.array) for x in both):  # ids past int64 stay lists (``_compact``)
+        both = [np.frombuffer(x, dtype=x.typecode) for x in both]
+        return int(min(x.min() for x in both)), int(max(x.max() for x in both))
+    return min(min(x) for x in both), max(max(x) for x in both)
 
 
 def _compact(rec: dict) -> tuple:
@@ -159,14 +317,37 @@ def _compact(rec: dict) -> tuple:
 
 
 def _keep_owned(data: StepData, groups: list[list[int]], dist) -> None:
-    """Under torchrun, drop the token arrays of the sequences in micro-batches other ranks own (None): every
-    rank reads and checks the whole step, and the lengths, advantages and metrics are computed beforehand."""
+    """Under torchrun, the token arrays of the sequences in this rank's micro-batches only: those of other ranks'
+    dropped (None) and, when the ranks read the step in parts (``_read_shared``), those of its own that another
+    rank parsed read from their lines. The lengths, advantages and metrics of every record were computed before."""
     if not dist.enabled:
         return
-    for j, g in enumerate(groups):
-        if not dist.owns(j):
-            for s in g:
-                data.prompts[s] = data.completions[s] = data.sampling_logprobs[s] = None
+    owned = [s for j, g in enumerate(groups) if dist.owns(j) for s in g]
+    mine = set(owned)
+    for s in range(len(data.records)):
+        if s not in mine:
+            data.prompts[s] = data.completions[s] = data.sampling_logprobs[s] = None
+    if data.line_offsets:  # read in parts: the records of its own that other ranks parsed
+        for s, arrays in _reread(data, [s for s in owned if data.prompts[s] is None]):
+            data.prompts[s], data.completions[s], data.sampling_logprobs[s] = arrays
+
+
+def _reread(data: StepData, seqs: list[int]):
+    """(s, token arrays) of records ``seqs``, parsed again from their lines (another rank may have checked them)."""
+    from qerl_cli.shards import parse_line
+
+    files = list(dict.fromkeys(f for f, _ in data.origins))
+    k_of = {f: k for k, f in enumerate(files)}
+    seqs = sorted(seqs, key=lambda s: (k_of[data.origins[s][0]], data.line_offsets[s]))  # file by file, in order
+    where = [(k_of[data.origins[s][0]], data.line_offsets[s]) for s in seqs]
+    for s, raw in zip(seqs, _lines_at(files, where)):
+        f, line = data.origins[s]
+        rec, msg = parse_line(f, line, raw)
+        arrays = _compact(rec) if msg is None else None
+        if arrays is None or (len(arrays[0]), len(arrays[1])) != (data.prompt_lengths[s], data.completion_lengths[s]):
+            raise BadInputError(f"{f}:{line}: the line changed while the step was read ({msg or 'other token counts'})",
+                                hint="do not rewrite the shards while train-step runs")
+        yield s, arrays
 
 
 def _policy_name(policy: dict) -> str:
@@ -194,7 +375,7 @@ def dr_grpo_length(cfg: TrainStepConfig, data: StepData) -> int | None:
     exactly the longest ones, and the divisor would shrink with them."""
     if cfg.loss != "dr_grpo" or cfg.max_completion_length:
         return cfg.max_completion_length
-    longest = max((len(c) for c in data.completions), default=0)
+    longest = max(data.completion_lengths, default=0)
     budgets = [r["sampling"].get("max_new_tokens") for r in data.records]
     if budgets and all(isinstance(b, int) and b > 0 for b in budgets):
         return max(max(budgets), longest)
