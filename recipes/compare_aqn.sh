@@ -23,7 +23,10 @@ abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$here" "$1" ;; e
 OUT=${1:+$(abs "$1")}; OUT=${OUT:-runs/compare}
 CONFIG=${2:+$(abs "$2")}; CONFIG=${CONFIG:-recipes/configs/tiny.env}
 SEEDS=${SEEDS:-0 1 2}
-PARALLEL=${PARALLEL:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+# The cores, not OMP_NUM_THREADS: GNU nproc prints that variable when it is set, so OMP_NUM_THREADS=1 (a shared
+# machine's advice, README) ran one loop at a time, and OMP_NUM_THREADS=16 eight loops on a 2-core VM (s59r07).
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+PARALLEL=${PARALLEL:-$(( cores / 2 > 0 ? cores / 2 : 1 ))}
 export OMP_NUM_THREADS=${THREADS:-2} TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 

@@ -1722,6 +1722,24 @@ def test_compare_aqn_reads_relative_paths_where_it_was_run(tmp_path):
     assert not (ROOT / "out").exists()
 
 
+@pytest.mark.skipif(shutil.which("nproc") is None, reason="needs GNU nproc")
+@pytest.mark.parametrize("omp", ["1", "1000"])
+def test_compare_aqn_runs_half_the_cores_whatever_omp_num_threads_says(tmp_path, omp):
+    # PARALLEL's default was $(nproc) / 2, and GNU nproc prints OMP_NUM_THREADS when it is set: with
+    # OMP_NUM_THREADS=1 (the README's advice on a shared machine) one loop at a time, with 1000 five hundred (s59r07)
+    qerl = _recorder(tmp_path, "qerl", "exit 0\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _recorder(bin_dir, "xargs", f'echo "$@" > {tmp_path / "xargs.args"}\n')  # the runs' xargs: its -P is PARALLEL
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT", "PARALLEL")}
+    cores = int(subprocess.run(["nproc"], env=env, capture_output=True, text=True, check=True).stdout)
+    env.update(QERL=str(qerl), SEEDS="0", STEPS="1", EVAL_EVERY="0", OMP_NUM_THREADS=omp,
+               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    subprocess.run(["bash", str(RECIPES / "compare_aqn.sh"), str(tmp_path / "out")], env=env, capture_output=True)
+    args = (tmp_path / "xargs.args").read_text().split()
+    assert args[args.index("-P") + 1] == str(max(cores // 2, 1)), (cores, args)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_compare_aqn_quantizes_and_scores_each_base_once(tmp_path):
     # Every NVFP4 run quantized the same checkpoint and every run scored its base policy again: 6 quantizes
