@@ -312,18 +312,19 @@ def _text_parts(parts: list, where: str) -> str:
     return "\n".join(texts)
 
 
-def _answer(raw: Any, where: str) -> str | None:
+def _answer(raw: Any, where: str, name: str = "answer") -> str | None:
+    """The reference in column ``name`` as text, None where there is none (null or blank)."""
     if raw is None:
         return None
     if isinstance(raw, Decimal):  # a Parquet decimal column
         if not raw.is_finite():
-            raise BadInputError(f"{where}: `answer` is {raw}, not a number an answer can equal")
+            raise BadInputError(f"{where}: `{name}` is {raw}, not a number an answer can equal")
         return format(raw, "f")
     if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
-        raise BadInputError(f"{where}: `answer` must be a string or number, got {type(raw).__name__}")
+        raise BadInputError(f"{where}: `{name}` must be a string or number, got {type(raw).__name__}")
     if isinstance(raw, float):
         if not math.isfinite(raw):
-            raise BadInputError(f"{where}: `answer` is {raw}, not a number an answer can equal")
+            raise BadInputError(f"{where}: `{name}` is {raw}, not a number an answer can equal")
         # Plain decimals: str(1e16) is "1e+16", which no scorer reads as the number 10000000000000000.
         s = format(Decimal(repr(raw)), "f")
         return s[:-2] if s.endswith(".0") else s
@@ -333,7 +334,7 @@ def _answer(raw: Any, where: str) -> str | None:
     if "####" in s:  # a GSM8K worked solution: the reference is the number after ####
         num = reference_answer(s, "gsm8k")
         if num is None:
-            raise BadInputError(f"{where}: `answer` has #### but no number after it")
+            raise BadInputError(f"{where}: `{name}` has #### but no number after it")
         return num
     return s
 
@@ -347,7 +348,7 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
         raise BadInputError(f"{where}: `id` must be a string or integer")
     answer = _answer(raw.get("answer"), where)  # a blank one is none: the fallbacks below apply
     if answer is None and isinstance(raw.get("reward_model"), dict):  # verl-format rows
-        answer = _answer(raw["reward_model"].get("ground_truth"), where)
+        answer = _answer(raw["reward_model"].get("ground_truth"), where, "reward_model.ground_truth")
     if isinstance(raw.get("prompt"), list):  # TRL / verl conversational rows: `prompt` is the chat
         return PromptRow(str(rid), messages=_check_messages(raw["prompt"], where, "prompt"), answer=answer,
                          where=where)
@@ -362,7 +363,7 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
             if answer is None and isinstance(raw.get("solution"), str):
                 answer = _answer(last_boxed(raw["solution"]), where)  # an empty \boxed{} is no reference
             return PromptRow(str(rid), prompt=raw[key], answer=answer, where=where)
-    keys = ", ".join(sorted(map(str, raw))) or "none"
+    keys = keys_of(raw)
     # A Parquet column (or a JSON key) that is there but null: "keys: answer, prompt" said the row had a prompt.
     nulls = [f"`{k}`" for k in _ROW_KEYS if k in raw and raw[k] is None]
     raise BadInputError(
@@ -371,6 +372,21 @@ def parse_row(raw: Any, where: str, index: int) -> PromptRow:
         hint=_rows_under_a_key(raw)
         or "each row needs `prompt` (text) or `messages` (chat list); GSM8K `question` and MATH `problem` also work",
     )
+
+
+def keys_of(raw: dict, most: int = 20) -> str:
+    """A row's keys for a one-line message: sorted, the first ``most`` (then how many more), each cut at 40 characters
+    and with its line breaks escaped. All of them made the line as long as a wide Parquet file's hundreds of columns,
+    and a JSON key holding a newline broke it in two (review s59r12)."""
+    names = sorted(map(str, raw))
+    shown = [_short_key(k) for k in names[:most]]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(shown) + more or "none"
+
+
+def _short_key(key: str) -> str:
+    key = repr(key)[1:-1]  # \n, \t and other unprintables escaped; text in any script kept
+    return key if len(key) <= 40 else key[:37] + "..."
 
 
 # What a PromptRow holds itself: the prompt (``prompt`` or ``messages``) and the reference (``answer``).
@@ -409,8 +425,7 @@ def _dotted(raw: dict, key: str, where: str, flag: str):
     v: Any = raw
     for part in key.split("."):
         if not isinstance(v, dict) or part not in v:
-            keys = ", ".join(sorted(map(str, raw))) or "none"
-            raise BadInputError(f"{where}: row has no `{key}` (named by {flag}; keys: {keys})")
+            raise BadInputError(f"{where}: row has no `{key}` (named by {flag}; keys: {keys_of(raw)})")
         v = v[part]
     return v
 
@@ -426,7 +441,9 @@ def remap_row(raw: Any, where: str, prompt_key: str | None, answer_key: str | No
             raise BadInputError(f"{where}: `{prompt_key}` (named by --prompt-key) is null")
         raw.pop("messages", None)
     if answer_key is not None:
-        raw["answer"] = _dotted(raw, answer_key, where, "--answer-key")
+        # read here, as the column it is: a list or a bool there was "`answer` must be a string or number", of a file
+        # that may have no `answer` (review s59r12); the text it gives reads the same again in parse_row
+        raw["answer"] = _answer(_dotted(raw, answer_key, where, "--answer-key"), where, answer_key)
         # The named column is the reference: a null there is none, not reward_model's or a solution's.
         raw.pop("reward_model", None)
         raw.pop("solution", None)
@@ -493,7 +510,7 @@ def no_answer(path: str | Path, row: PromptRow, answer_key: str | None) -> tuple
     if answer_key is not None:
         return f"has no reference (its `{answer_key}`, named by --answer-key, is null or blank)", None
     raws = (raw for where, raw in _read_rows(Path(path), []) if where == row.where and isinstance(raw, dict))
-    keys = ", ".join(sorted(map(str, next(raws, {})))) or "none"
+    keys = keys_of(next(raws, {}))
     return "has no `answer`", f"if a column of another name holds the reference, name it: --answer-key COLUMN; the row's keys: {keys}"
 
 

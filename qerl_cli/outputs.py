@@ -481,9 +481,14 @@ class StageOutput:
     def _resume_staged(self, tmp: Path) -> bool:
         """Put back at the partial name a dead run's ``tmp`` that holds this resumable run finished, staged for a
         --force swap that a kill cut short (``_swap_locked``): the sweep deleted it, and the rerun generated every
-        group (problem) again (kill hunt, session 59). Returns whether it did."""
+        group (problem) again (kill hunt, session 59). Not the output a swap replaced, which the exchange leaves at
+        that temp name until it is deleted: of this same run where a --force redid its own arguments, and the next
+        --force resumed it and put it back over the finished redo (review s59r12). A staged redo is newer than --out.
+        Returns whether it did."""
         part = self.partial_dir()
         if not self.resumable or part.exists() or (read_manifest(tmp) or {}).get("fingerprint") != self.fingerprint:
+            return False
+        if _written_after(self.out / MANIFEST, tmp / MANIFEST):  # --out is the redo that replaced it
             return False
         try:
             os.rename(tmp, part)
@@ -775,6 +780,14 @@ def copy_beside(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{_own_id()}-{_HOST}")
 
 
+def _written_after(a: Path, b: Path) -> bool:
+    """Whether file ``a`` was last written after file ``b`` (False where either cannot be read)."""
+    try:
+        return a.stat().st_mtime_ns > b.stat().st_mtime_ns
+    except OSError:
+        return False
+
+
 def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
 
@@ -900,6 +913,10 @@ def sweep_leftover_partial(out: StageOutput, still=None) -> bool:
                 return True
     except OutputExistsError:
         pass  # another run of this stage holds it: leave it alone
+    except OutputWriteError:
+        # a lock file this user may not open (another user's, a read-only mount): a tidy-up, as the stale temp dirs'
+        # sweep; since the lock alone is swept, an "already done" rerun there failed, exit 7 (review s59r12)
+        pass
     return False
 
 

@@ -197,6 +197,43 @@ def test_prompt_and_answer_keys(tmp_path):
         load_prompts(p, prompt_key="query")
 
 
+@pytest.mark.parametrize("gold,said", [
+    ([], "must be a string or number, got list"), ({"value": 7}, "must be a string or number, got dict"),
+    (False, "must be a string or number, got bool"), ("#### ", "has #### but no number after it"),
+])
+def test_a_reference_of_the_wrong_kind_under_answer_key_is_named_by_its_column(tmp_path, gold, said):
+    # "`answer` must be a string or number, got list", of a file with no `answer` at all: the column is the user's
+    # (review s59r12); a null or blank one was named so in s59r06, and 0 is a reference like any number
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "meta": {"gold": 0}}, {"prompt": "b", "meta": {"gold": gold}}])
+    with pytest.raises(BadInputError) as e:
+        load_prompts(p, answer_key="meta.gold")
+    assert str(e.value) == f"{p}:2: `meta.gold` {said}"
+    assert load_prompts(p, answer_key="meta.gold", skip_bad_lines=True)[0].answer == "0"
+    verl = write_jsonl(tmp_path / "v.jsonl", [{"prompt": "b", "reward_model": {"ground_truth": gold}}])
+    with pytest.raises(BadInputError, match=f"v.jsonl:1: `reward_model.ground_truth` {said}"):
+        load_prompts(verl)
+
+
+def test_a_rows_keys_in_a_message_stay_one_short_line(tmp_path):
+    # no_answer's hint (and the other messages listing a row's keys) named every key: 2,500 characters for a row of
+    # 300 columns, and a JSON key holding a newline broke the one-line error in two (review s59r12)
+    from qerl_cli.data import no_answer
+
+    wide = {"prompt": "x", "final\nanswer": "7", "k" * 500: 1, **{f"col{i:03d}": i for i in range(300)}}
+    p = write_jsonl(tmp_path / "d.jsonl", [wide])
+    lacks, hint = no_answer(p, load_prompts(p)[0], None)
+    assert hint.endswith("the row's keys: col000, col001, col002, col003, col004, col005, col006, col007, col008, "
+                         "col009, col010, col011, col012, col013, col014, col015, col016, col017, col018, col019 and "
+                         "283 more")
+    wide = {"prompt": "x", "final\nanswer": "7", "k" * 500: 1}
+    p = write_jsonl(tmp_path / "d.jsonl", [wide])
+    lacks, hint = no_answer(p, load_prompts(p)[0], None)
+    assert hint.endswith("the row's keys: final\\nanswer, " + "k" * 37 + "..., prompt")
+    with pytest.raises(BadInputError) as e:
+        load_prompts(p, answer_key="gold")
+    assert "\n" not in str(e.value) and str(e.value).endswith("keys: final\\nanswer, " + "k" * 37 + "..., prompt)")
+
+
 def test_files_saved_by_windows_tools_load(tmp_path):
     # A UTF-8 byte-order mark and CRLF line ends (Notepad, PowerShell's Out-File) used to fail line 1 as bad JSON.
     bom = "\ufeff"

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,59 @@ def test_an_already_done_rerun_removes_the_writer_lock_a_run_killed_after_its_re
     assert again.already_done()
     sweep_leftover_partial(again)  # what rollout's and eval's "already done" do
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_a_force_redo_killed_after_its_swap_is_not_undone_by_the_next_force(tmp_path):
+    """After the exchange the temp name holds the output the swap replaced, until it is deleted: of this same run where a
+    --force redid its own arguments (a corrupted output). A SIGKILL then, and the next --force took it for a staged redo,
+    resumed it and put it back over the finished redo (review s59r12: a rollout's corrupted records came back)."""
+    from qerl_cli.outputs import _HOST, MANIFEST, WriterLock
+
+    out = tmp_path / "o"
+    so = _resumable(out, {"k": 1})
+    with WriterLock(so), so as work:
+        (work / "groups.jsonl").write_text("corrupted\n")
+    replaced = tmp_path / f".o.tmp-{_dead_pid()}-deadbeef-{_HOST}"
+    out.rename(replaced)
+    redo = _resumable(tmp_path / "elsewhere" / "o", {"k": 1})  # the redo, in place at --out after the exchange
+    with WriterLock(redo), redo as work:
+        (work / "groups.jsonl").write_text("redone\n")
+    (tmp_path / "elsewhere" / "o").rename(out)
+    os.utime(replaced / MANIFEST, ns=(1, 1))  # older than the redo's (file times may be a clock tick coarse)
+
+    again = _resumable(out, {"k": 1}, force=True)
+    assert not again.already_done()
+    with WriterLock(again), again as work:
+        assert not (work / "groups.jsonl").exists()  # generated again, not resumed from the replaced output
+        (work / "groups.jsonl").write_text("redone\n")
+    assert (out / "groups.jsonl").read_text() == "redone\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "o"]
+
+
+def test_an_already_done_rerun_is_done_where_the_lock_file_left_is_not_its_to_open(tmp_path, monkeypatch):
+    """The lock file a killed run left is swept under the lock (session 59): where this user may not open it (another
+    user's 0644 file in a shared run directory, a read-only mount) the "already done" rerun failed, exit 7 "cannot write
+    o ... nothing was left at --out", of a finished output (review s59r12). A tidy-up, as the stale temp dirs' sweep."""
+    import builtins
+    import errno
+
+    from qerl_cli import outputs
+    from qerl_cli.outputs import WriterLock, sweep_leftover_partial
+
+    out = tmp_path / "o"
+    so = _resumable(out, {"k": 1})
+    with WriterLock(so), so as work:
+        (work / "groups.jsonl").write_text("g\n")
+    lock = so.writer_lock_path()
+    lock.write_text("")  # as the killed run left it
+
+    def not_ours(path, mode="r", *args, **kw):
+        if Path(path) == lock:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, mode, *args, **kw)
+
+    monkeypatch.setattr(outputs, "open", not_ours, raising=False)
+    again = _resumable(out, {"k": 1})
+    assert again.already_done()
+    assert not sweep_leftover_partial(again)  # what rollout's and eval's "already done" do: no exit 7
+    assert lock.exists()
