@@ -9,9 +9,9 @@ fingerprints hold both); what they cannot see is an earlier step made otherwise,
 FORCE=1 redo with other flags. So every adapter up to that step must record the same train-step config as it,
 and each one's input adapter must be the one before it (the hash train-step records, rebuilt here from the
 previous manifest's file hashes). Standard library only: it runs on the host even where qerl runs in a container.
+Python 3.6 too (annotations quoted, no ``from __future__ import annotations``): the host's python3 is 3.6 on RHEL 8
+and CentOS 7, where the resume shortcut was silently gone (a SyntaxError; a review, session 59).
 """
-
-from __future__ import annotations
 
 import hashlib
 import json
@@ -38,7 +38,7 @@ def adapter_inputs_hash(outputs: dict) -> str:
     return files_hash(outputs, ADAPTER_INPUT_FILES)
 
 
-def manifest(run_dir: Path, step: int) -> dict | None:
+def manifest(run_dir: Path, step: int) -> "dict | None":
     try:
         m = json.loads((run_dir / f"step-{step:06d}" / "adapter" / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -62,7 +62,7 @@ def resume_point(run_dir: Path, steps: int) -> int:
     return last
 
 
-def main(argv: list[str]) -> int:
+def main(argv: "list[str]") -> int:
     if len(argv) != 2 or not argv[1].isdigit():
         print("usage: resume_point.py RUN_DIR STEPS", file=sys.stderr)
         return 2

@@ -9,10 +9,10 @@ keeps a run dir begun without it (before the knob) in file order: the flag is pa
 turning it on there made the next rollout refuse (exit 4). A step's rollout is grpo.sh's ``shards`` or a Slurm
 chain's ``shards-<i>``; the first step's is read (step 0's, unless its directory was pruned to free space). Rollouts of
 that step that disagree (a step both scripts rolled out, with other flags) exit 3 naming them. Standard library only:
-it runs on the host even where qerl runs in a container.
+it runs on the host even where qerl runs in a container, on Python 3.6 too (annotations quoted, no ``from
+__future__ import annotations``): the host's python3 is 3.6 on RHEL 8 and CentOS 7, where SHUFFLE=auto exited 2
+(a SyntaxError; a review, session 59).
 """
-
-from __future__ import annotations
 
 import json
 import re
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 
-def recorded_shuffle(rollout_dir: Path) -> bool | None:
+def recorded_shuffle(rollout_dir: Path) -> "bool | None":
     """``config.shuffle`` of a finished rollout's manifest (False where qerl recorded none: older than the flag), or
     None where ``rollout_dir`` holds no finished rollout."""
     try:
@@ -32,14 +32,14 @@ def recorded_shuffle(rollout_dir: Path) -> bool | None:
     return m["config"].get("shuffle") is True
 
 
-def step_shuffle(step_dir: Path) -> dict[str, bool]:
+def step_shuffle(step_dir: Path) -> "dict[str, bool]":
     """{directory name: recorded shuffle} of the step's finished rollouts (shards, shards-<i>)."""
     names = sorted(p.name for p in step_dir.glob("shards*") if re.fullmatch(r"shards(-[0-9]+)?", p.name))
     found = {n: recorded_shuffle(step_dir / n) for n in names}
     return {n: s for n, s in found.items() if s is not None}
 
 
-def main(argv: list[str]) -> int:
+def main(argv: "list[str]") -> int:
     if len(argv) != 2 or not argv[1].isdigit():
         print("usage: rollout_shuffle.py RUN_DIR STEPS", file=sys.stderr)
         return 2

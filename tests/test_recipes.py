@@ -1064,6 +1064,69 @@ def test_the_recipes_helpers_run_on_the_python_qerl_runs(tmp_path, python):
     assert r.stdout == f"{venv}/python3.11\n", r.stderr
 
 
+
+# The helpers the recipes run on the host: a python3 there may be 3.6 (RHEL 8's and CentOS 7's).
+HOST_HELPERS = ("resume_point.py", "rollout_shuffle.py")
+
+
+def _python36():
+    """A Python 3.6 on this machine (PATH, or pyenv's; not its shim, which may run none), or None."""
+    for c in [shutil.which("python3.6"), *sorted(Path.home().glob(".pyenv/versions/3.6*/bin/python3.6"))]:
+        r = subprocess.run([c, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True) if c else None
+        if r is not None and r.stdout == "(3, 6)\n":
+            return str(c)
+    return None
+
+
+@pytest.mark.parametrize("helper", HOST_HELPERS)
+def test_the_recipes_host_helpers_evaluate_nothing_python_3_6_lacks(helper):
+    # `from __future__ import annotations` is a SyntaxError before 3.7, and an unquoted `dict | None` a TypeError before
+    # 3.10: a host python3 of 3.6 failed both helpers (a review, session 59). Checked here on any Python.
+    import ast
+
+    tree = ast.parse((RECIPES / helper).read_text(), feature_version=(3, 6))
+    futures = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "__future__"
+               for a in n.names]
+    assert futures == [], futures
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            notes = [a.annotation for a in n.args.args + n.args.kwonlyargs] + [n.returns]
+            for a in notes:  # a bare name (str, Path) is evaluated alike on 3.6; anything else quoted
+                assert a is None or isinstance(a, ast.Name) or (isinstance(a, ast.Constant) and isinstance(a.value, str)), \
+                    f"{helper}:{n.lineno}: {ast.unparse(a)}"
+
+
+def test_the_recipes_helpers_run_on_a_host_python3_of_3_6(tmp_path):
+    # RHEL 8's and CentOS 7's python3 is 3.6, found first on PATH: SHUFFLE=auto exited 2 on a begun run dir ("future
+    # feature annotations is not defined"), and SHUFFLE=0's resume went through every step from step 0 unsaid, though
+    # QERL's venv held a newer Python (a review, session 59).
+    import shlex
+
+    py36 = _python36()
+    if py36 is None:
+        pytest.skip("no Python 3.6 here (python3.6 on PATH, or pyenv's)")
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    log = tmp_path / "qerl.log"
+    qerl = _recorder(venv, "qerl", f'printf "%q " "$@" >> {log}; echo >> {log}\n')
+    (venv / "python3").symlink_to(sys.executable)
+    host = _host_without_python(tmp_path)
+    Path(host, "python3").symlink_to(py36)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {"PATH": host, "QERL": str(qerl)}
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=4\nEVAL_DATASET=\n")
+    run = tmp_path / "run"
+    _finished_steps(run, 3)
+    _rollout_made(run / "step-000000" / "shards", False)  # begun in file order, before the knob
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "made in file order (no --shuffle), so this run keeps" in r.stderr, r.stderr
+    rollouts = [shlex.split(x) for x in log.read_text().splitlines() if x.startswith("rollout ")]
+    assert rollouts[0][rollouts[0].index("--out") + 1] == f"{run}/step-000002/shards"  # resume_point.py's
+    # rollout_shuffle.py's other answer, its disagreeing rollouts (exit 3)
+    _rollout_made(run / "step-000000" / "shards-0", True)
+    r = subprocess.run([py36, str(RECIPES / "rollout_shuffle.py"), str(run), "4"], capture_output=True, text=True)
+    assert r.returncode == 3 and "its rollouts disagree on --shuffle: shards without it, shards-0 with it" in r.stderr, \
+        r.stderr
+
 # ---- a live single-node Slurm (Debian's slurm-wlm + munge), started by the test ----------
 def _slurm_binaries():
     return all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "squeue", "munged", "munge"))
@@ -1305,7 +1368,36 @@ def test_a_torchrun_jobs_other_failure_is_not_taken_for_a_refusal(tmp_path, forc
                        capture_output=True, text=True)
     calls = [x.strip() for x in log.read_text().splitlines()]
     assert r.returncode == 1 and calls == ["train-step"], r.stderr
-    assert "refused" not in r.stderr and "--force" not in r.stderr, r.stderr
+    assert "the stage refused (" not in r.stderr and "--force" not in r.stderr, r.stderr
+    # a crash records nothing, as a refusal through a wrapper that passes no environment on: said so, not redone
+    assert ("no rank recorded why" in r.stderr) == (recorded == ""), r.stderr
+
+
+@pytest.mark.parametrize("force", ["0", "1"])
+def test_a_torchrun_jobs_refusal_through_a_wrapper_without_the_environment_is_said(tmp_path, force):
+    # A QERL wrapper that passes no environment on (docker run without -e) drops QERL_ERROR_FILE: a refused multi-GPU
+    # train job then failed without a word, where before the record it was told of FORCE=1 (and redone under it, as
+    # any failure was; a review, session 59). Now said, naming the record it lacks; still not redone.
+    log = tmp_path / "qerl.log"
+    body = (RECORD + f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+            'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; record 4 OutputExistsError exists; exit 4; fi\n')
+    qerl = _recorder(tmp_path, "qerl", body)
+    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force, TRAIN_GPUS="2")
+    (run / "step-000001" / "adapter").mkdir(parents=True)
+    (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": f"env -u QERL_ERROR_FILE {qerl}"}
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and log.read_text().split() == ["train-step"], r.stderr
+    assert (f"note: torchrun failed (exit 1) on {run}/step-000001/adapter, finished before this job, and no rank "
+            "recorded why: where a rank's exitcode above is 4, the stage refused it, and QERL_ERROR_FILE did not reach "
+            "the stage") in r.stderr, r.stderr
+    # a job the ranks record for, on a step not finished before: no such note
+    (run / "step-000001" / "adapter" / "manifest.json").unlink()
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"],
+                       env=env | {"QERL": str(qerl)}, capture_output=True, text=True)
+    assert "no rank recorded why" not in r.stderr and ("redoing it with --force" in r.stderr) == (force == "1"), r.stderr
 
 
 def _submit_7b_chain(tmp_path, **env):
