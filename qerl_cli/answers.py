@@ -66,9 +66,14 @@ ANSWER_KINDS = ("gsm8k", "math")
 # (was 5 or 60); "\frac23 = 0.66\ldots" is 2/3 only (was 0.66 too), "1 + 0.5 + 0.25..." none (was 1.75); a tag's
 # "$3$ rather than $4$" is 3 (was none), "On second thought, it is $4$" none (was 3), "$x = 3$; $y = 4$" is "y = 4"
 # (was both); gsm8k: "The answer is 18. Actually, it is 19." is none (was 18).
-# math 3 and gsm8k 6 (2026-11-28): s59r03 and s59r09 above. math 2 had taken several sessions' changes unbumped
-# ("unreleased"), which left an eval finished in between "already done" with old verdicts: each kind is bumped now
-# with any change of verdict, as this comment says.
+# s59r14: punctuation between boxes lists them ("\boxed{2} \mid \boxed{3}", "||", a dash, "(or)": was 3), as
+# does a colour, overline or size around each ("\textcolor{red}{\boxed{2}} \textcolor{red}{\boxed{3}}": was 3); a take-
+# back or a value offered after the last box ("\boxed{3}. Actually, it is 4.", "\boxed{3} or 4", "4 or \boxed{3}") is
+# none (was 3); gsm8k: a take-back after a #### line, box or tag ("#### 18\nWait, no, it is 19") is none (was 18), as are
+# "\boxed{18} or 19" and two boxes with TeX or punctuation between ("\boxed{2}; \boxed{3}", "\text{ or }": was the last).
+# math 3 and gsm8k 6 (2026-11-28): s59r03, s59r09 and s59r14 above, one version since none of them landed apart.
+# math 2 had taken several sessions' landed changes unbumped ("unreleased"), which left an eval finished in between
+# "already done" with old verdicts: each kind is bumped now with any landed change of verdict, as this comment says.
 RULE_VERSION = {"gsm8k": 6, "math": 3}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

@@ -29,7 +29,10 @@ is: $72", a "So"/"No," lead allowed) and gives the number right after it, read a
 and refusals); one that denies, bounds or hedges ("The answer is not 72", "between 72 and 73", "72 or 73"), asks ("Is
 the answer 72?", "What is the answer? 72"), or comes before a later box, ``<answer>`` tag, ``####`` line or a run-on's
 next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer, as is one later words take back ("The
-answer is 18. Actually, it is 19."); it is read to its sentence's end ("The
+answer is 18. Actually, it is 19."), and so is a ``####`` line, box or tag so taken back ("#### 18\nWait, no, it is 19"),
+a box with another number offered beside it in prose ("\\boxed{18} or 19", "19 or \\boxed{18}") or two boxes with TeX or
+punctuation between as the math rule reads them ("\\boxed{18} \\text{ or } \\boxed{19}", "\\boxed{18} | \\boxed{19}"); a
+statement is read to its sentence's end ("The
 answer is 6 + 12 = 18. So 18 - 3 = 15." is 18). Deliberately *no* "last number in the text" fallback: it rewards
 rambling that happens to end on the right number and teaches nothing about answering. What a completion holds after
 its closed ``</think>`` is what this rule reads (``answers.extract_answer`` cuts it, for both rules).
@@ -42,9 +45,17 @@ from __future__ import annotations
 import itertools
 import re
 
-from qerl_cli.boxes import _answer_tag, _boxes_from_last, final_box, last_boxed
+from qerl_cli.boxes import _BOX_HEDGE, _BOX_LIST, _answer_tag, _boxes_from_last, final_box, last_boxed
 from qerl_cli.gsm8k_numbers import _DIGIT, _PLAIN_INT, _clean_number_text, _cleaned_span_number, span_number
-from qerl_cli.math_rule import _TAKE_BACK
+from qerl_cli.math_rule import (
+    _AFTER_BOX_HEDGE,
+    _BEFORE_BOX_HEDGE,
+    _SIDE_BY_SIDE,
+    _TAKE_BACK,
+    _UNIT_AFTER,
+    _bold_widened,
+    _plain_separator,
+)
 
 # A Markdown heading's label ("#### Step 1: Add", "#### **Part 2**"): its number is no answer. Skipped rather than
 # taking the *last* words-first line, which read a note or check after the answer ("#### Note: 7 eggs were broken")
@@ -133,7 +144,7 @@ def _same_number(a: str, b: str) -> bool:
     return span_number(a) == span_number(b)
 
 
-HashAnswer = tuple[str, str] | None  # (the span, its number)
+HashAnswer = tuple[str, str, int] | None  # (the span, its number, where its line ends: words after it may take it back)
 
 
 def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
@@ -158,7 +169,7 @@ def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
             # a line that starts with its number ("72", "$72$") leads; a sentence ("She needs 5 more boxes.") is
             # only words-first: prose under "#### Answer" must not outrank the final box
             kind = _read_hash_span(below)[0]
-            span = below
+            span, stop = below, line[1]
             boxed = _box_below(text, line[1], bound)
             if boxed is not None:  # the box right under it is the answer it gives
                 kind, num = "lead", boxed
@@ -169,11 +180,11 @@ def _hash_spans(text: str) -> tuple[HashAnswer, HashAnswer, HashAnswer]:
         if num is None:
             continue
         if kind == "lead":
-            return (span, num), words, numbered
+            return (span, num, stop), words, numbered
         if kind == "words" and words is None:
-            words = span, num
+            words = span, num, stop
         elif kind == "numbered" and numbered is None:
-            numbered = span, num
+            numbered = span, num, stop
     return None, words, numbered
 
 
@@ -303,16 +314,55 @@ def gsm8k_answer(text: str) -> str | None:
     # 1. Understand the problem" must not outrank the final \boxed{72}
     lead, words, numbered = _hash_spans(text)
     if lead is not None:
-        return lead[1]
-    for find in (lambda t: final_box(t, _same_number, lists=True), _answer_tag):
-        span = find(text)
-        if span is not None:
-            num = span_number(span, whole=True)
-            if num is not None:
-                return num
-    found = next((f[1] for f in (words, numbered) if f is not None), None)
+        return _kept(text, lead[2] - len(lead[0]), lead[1])  # its own line too: "#### 18. Hmm, 19?"
+    box = _final_box(text)
+    num = None if box is None else span_number(box[0], whole=True)
+    if num is not None:
+        return None if _hedged_box(text, box[1], box[2], num) else _kept(text, box[2], num)
+    tag = _answer_tag(text)
+    num = None if tag is None else span_number(tag, whole=True)
+    if num is not None:
+        return _kept(text, text.rfind("</answer>"), num)
+    found = next((f for f in (words, numbered) if f is not None), None)
+    if found is not None:
+        return _kept(text, found[2] - len(found[0]), found[1])
     # last, a plain-prose statement "The answer is 18." (no ####, box or tag): instruct models' default
-    return found if found is not None else _answer_statement(_after_answer_markers(_before_a_run_on(text)))
+    return _answer_statement(_after_answer_markers(_before_a_run_on(text)))
+
+
+def _kept(text: str, end: int, num: str) -> str | None:
+    """``num``, the answer a ``####`` line (from its number's line), box or tag ending at ``end`` gives, unless the words after it take it back
+    before another number ("#### 18\nWait, no, it is 19", "\\boxed{18}. Actually, it is 19.": each read as 18 until
+    review s59r14, as a statement's was until review s59r09): then None. Up to a run-on's next question only."""
+    after = text[end:]
+    run_on = _RUN_ON_QUESTION.search(after)
+    return None if _taken_back(after if run_on is None else after[: run_on.start()], num) else num
+
+
+def _final_box(text: str) -> tuple[str, int, int] | None:
+    """The last box (its content, start, end), dressed as the math rule reads it (_bold_widened: "\\textbf{\\boxed{18}}"),
+    or None where the box before it is offered beside it and gives another number: by a hedge or a list (final_box's,
+    with the TeX spacing and text groups between taken off, "\\boxed{18} \\text{ or } \\boxed{19}"), or side by side
+    ("\\boxed{18} \\boxed{19}", "\\boxed{18} | \\boxed{19}"): each read as 19 until review s59r14."""
+    boxes = (_bold_widened(text, box) for box in _boxes_from_last(text))
+    last, before = next(boxes, None), next(boxes, None)
+    if last is None or before is None:
+        return last
+    between = _plain_separator(text[before[2] : last[1]])
+    offered = _BOX_HEDGE.fullmatch(between) or _BOX_LIST.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between)
+    return None if offered and not _same_number(before[0], last[0]) else last
+
+
+def _hedged_box(text: str, start: int, end: int, num: str) -> bool:
+    """Whether a number is offered beside the box's ``num`` in prose on its line: after it ("\\boxed{18} or 19",
+    "\\boxed{18} (or maybe 19)": not a quantity restated in a unit, "(or 1.5 hours)") or right before it ("19 or
+    \\boxed{18}"), as the math rule reads them (each read as 18 until review s59r14)."""
+    hedge = _AFTER_BOX_HEDGE.match(_plain_separator(text[end:].split("\n", 1)[0]))
+    if hedge is not None and any(_UNIT_AFTER.match(hedge.group(1), m.end()) is None and span_number(m.group(0)) != num
+                                 for m in _NUMBER_CHAIN.finditer(hedge.group(1))):
+        return True
+    before = _BEFORE_BOX_HEDGE.search(_plain_separator(text[text.rfind("\n", max(0, start - 80), start) + 1 : start]))
+    return before is not None and span_number((before.group(1) or before.group(2)).strip()) != num
 
 
 def gsm8k_reference(reference: str) -> str | None:

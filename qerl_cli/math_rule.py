@@ -16,8 +16,9 @@ an exact number beside the decimal it rounds to (``\\frac13 = 0.333``) is one an
 against a decimal reference only), with an ellipsis after the decimal too (``\\frac13 = 0.333\\ldots``, ``0.666...`` of
 2/3); a dozen is a unit or 12 (``5\\text{ dozen}``: 5 or 60), ``1,000\\text{ thousand}`` a million, ``\\text{A, C}``
 the letters. Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``, ``\\hspace{1em}``,
-``\\enspace``, ``\\kern``, a slash, a semicolon, a bar, a "vs", markdown or TeX bold or an underline around each) are
-listed. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
+``\\enspace``, ``\\kern``, a slash, a semicolon, a bar, a "vs", any punctuation, ``\\mid``, ``\\lor``, markdown or TeX
+bold, an underline, a colour or a size around each) are listed; words after the last box that take it back or offer
+another value (``\\boxed{3}. Actually, it is 4.``, ``\\boxed{3} or 4``, ``4 or \\boxed{3}``) make it no answer. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
 are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
 one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
 as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
@@ -33,6 +34,7 @@ is SIGALRM, so scored from another thread a verdict has no time limit (a ``QerlW
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import re
 import threading
@@ -91,8 +93,10 @@ def _is_unknown(name: str) -> bool:
 # "\hspace{1em}" too: "\boxed{2}\hspace{1em}\text{or}\hspace{1em}\boxed{3}" read as 3 until s57r08.
 # "\\enspace", "\\hfill" and their kin too: "\\boxed{3}\\enspace\\boxed{4}" read as 4 until s58r05.
 # "\\kern1em", "\\mkern{18mu}", "\\hskip 1em" too: "\\boxed{3}\\kern1em\\boxed{4}" read as 4 until s59r03.
+# "\\phantom{x}" and an empty box (no answer: _boxes_from_last skips it) too: each read as 4 until review s59r14.
 _SEPARATOR_TEX_SPACE = re.compile(r"\\(?:q?quad|enspace|enskip|hfill?|thinspace|medspace|thickspace|space)(?![A-Za-z])"
                                   r"|\\hspace\*?\s*\{[^{}]*\}|\\[,;:! ()\[\]]|~"
+                                  r"|\\[hv]?phantom\s*\{[^{}]{0,40}\}|\\(?:boxed|fbox)\s*\{\s*\}"
                                   r"|\\(?:m?kern|hskip)\s*(?:\{\s*-?[\d.]{1,8}\s*[a-z]{2}\s*\}|-?[\d.]{1,8}\s*[a-z]{2}(?![A-Za-z]))")
 # Any text group: "\quad\mathrm{or}\quad" and "\textbf{or}" hedge as "\text{or}" does (only \text{} read until a review:
 # their hedge was the last box alone, rewarded for its second value).
@@ -111,19 +115,38 @@ def _plain_separator(between: str) -> str:
 # between ("\\boxed{3} / \\boxed{4}", "3 or 4") too: each read as the last box, right for 4, until s58r05. A semicolon, a
 # bar or a "vs" between ("\\boxed{3}; \\boxed{4}", "\\boxed{3} | \\boxed{4}", "\\boxed{3} \\text{ vs } \\boxed{4}") lists
 # them as a comma does: each read as 4 until s59r03 (a "\\quad \\text{vs} \\quad" too: _plain_separator's spacing).
-_SIDE_BY_SIDE = re.compile(r"[ \t$*]*(?:(?:[/;|]|(?i:vs\.?|versus)(?![A-Za-z]))[ \t$*]*)?")
+# Review s59r14: the bar's TeX and its doubles ("\\mid", "\\vert", "\\|", "||", "\\parallel"), a logical or ("\\lor",
+# "\\vee"), a dash, a colon, a question mark, a full stop, brackets ("\\boxed{3} (\\boxed{4})"), an ellipsis, an "&",
+# a hedge's word ("maybe", "perhaps", "alternatively", "otherwise", an "or" in brackets: "\\text{ (or) }") and a run of
+# them ("\\boxed{3}, maybe \\boxed{4}"):
+# punctuation is no words, so no correction; each read as 4 until then. Not an operator or a relation ("+", "=",
+# "\\to"): "\\boxed{2} + \\boxed{3} = \\boxed{5}" is a sum, its last box the answer.
+_SEPARATOR_TOKEN = (r"[/;|:?.,()\[\]&\-–—∣│‖⎮∨]|\.\.\.|\^\{?\*\}?|\\(?:mid|[lr]?[vV]ert|\||parallel|lor|vee|slash|colon|&|\{|\}|[lc]?dots|"
+                    r"left|right|[bB]ig{1,2}[lr]?)(?![A-Za-z])"
+                    r"|(?i:vs\.?|versus|or|maybe|perhaps|possibly|alternatively|otherwise|else)(?![A-Za-z])")
+_SIDE_BY_SIDE = re.compile(rf"[ \t$*]*(?:(?:{_SEPARATOR_TOKEN})[ \t$*]*){{0,6}}")
 # A box in bold, "\\textbf{\\boxed{3}}", "$\\mathbf{\\boxed{3}}$": the box is the bold group's, whose braces stood
 # between two such boxes as words (read as the last box, right for 4, until s58r05). Searched near the box.
 # An underline is one ("\\underline{\\boxed{2}}, \\underline{\\boxed{3}}" read as 3 until s59r03).
-_BOLD_OPEN = re.compile(r"\\(?:textbf|mathbf|boldsymbol|bm|underline)\s*\{\s*$")
+# Review s59r14: any group that only dresses it, a colour ("\\textcolor{red}{\\boxed{2}}", "{\\color{red}\\boxed{2}}"),
+# an overline, italics, roman or text, a size, a bare group: each read as the last box, right for 3, until then. A
+# declaration ("\\color{red}", "\\large", "\\displaystyle") has no group of its own to close: the box's start only.
+_BOLD_OPEN = re.compile(r"(?:\\(?:textbf|mathbf|boldsymbol|bm|underline|overline|textit|mathit|emph|textrm|mathrm|text|mbox"
+                        r"|large|Large|LARGE|huge|Huge)\s*|\\(?:textcolor|colorbox)\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}\s*"
+                        r"|(?<![\w}\]^_\\]))\{\s*$")
 _BOLD_CLOSE = re.compile(r"\s*\}")
+_DECLARATIONS = re.compile(r"(?:\\(?:color\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}|large|Large|LARGE|huge|Huge|"
+                           r"displaystyle|textstyle|bf|bfseries|boldmath)(?![A-Za-z])\s*)+$")
 
 
 def _bold_widened(text: str, box: tuple[str, int, int]) -> tuple[str, int, int]:
-    """A box (_boxes_from_last's) with the bold groups it alone fills taken as its own start and end."""
+    """A box (_boxes_from_last's) with the bold groups (and the dress: _BOLD_OPEN, _DECLARATIONS) it alone fills taken
+    as its own start and end."""
     content, start, end = box
     for _ in range(4):  # "\\textbf{$\\mathbf{...}$}" at most: nesting deeper is no answer's layout
-        opened = _BOLD_OPEN.search(text, max(0, start - 30), start)
+        declared = _DECLARATIONS.search(text, max(0, start - 60), start)
+        start = start if declared is None else declared.start()
+        opened = _BOLD_OPEN.search(text, max(0, start - 60), start)
         closed = _BOLD_CLOSE.match(text, end)
         if opened is None or closed is None:
             break
@@ -172,9 +195,58 @@ def math_boxes(text: str) -> str | None:
             break
         listed.append(box)
         start, name = box_start, earlier
-    if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}):
-        return last[0]
-    return ", ".join(reversed(listed))
+    found = last[0] if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}) else \
+        ", ".join(reversed(listed))
+    before = _plain_separator(text[text.rfind("\n", max(0, start - 80), start) + 1 : start])  # its line, near it
+    return None if _hedged_after_box(text[last[2]:], found) or _hedged_before_box(before, found) else found
+
+
+# What after the last box offers another value or takes it back: a hedge's "or" on its line ("\\boxed{3} or 4",
+# "\\boxed{3} (or maybe $4$)", "\\boxed{3}. Or 4."), or a take-back word anywhere after it ("\\boxed{3}. Actually, it is
+# 4.", "Hmm, I think it's 4"): each read as the box, right for 3, until review s59r14 (a take-back in a tag was none
+# from s59r03). The values it names: a math span, or a number outside one (an arithmetic chain, "1 + 2 = 3", read as
+# its last side, as math-verify reads an equation; a percent, "50\\%", as a half).
+_AFTER_BOX_HEDGE = re.compile(r"[ \t$.,;:)\]*(]*(?:and/)?or\b(?!\s+rather\b)([^\n]{0,40})", re.IGNORECASE)
+_PROSE_VALUE = re.compile(r"\$\$([^$]*)\$\$|\$([^$]*)\$|\\\(((?:(?!\\[()]).)*)\\\)|\\\[((?:(?!\\[\[\]]).)*)\\\]"
+                          r"|(?<![\w.{^_\\])(-?\d+(?:,\d{3})*(?:\.\d+)?(?:[ \t]*[-+*/=×÷][ \t]*-?\d+(?:,\d{3})*(?:\.\d+)?){0,20}"
+                          r"(?:\\?%)?)(?!\w)", re.DOTALL)
+# A number a word follows in a hedge: the quantity restated in another unit ("\\boxed{1.5} (or 90 minutes)"), not a value.
+_UNIT_AFTER = re.compile(r"[ \t]*[A-Za-z]{2}")
+
+
+def _prose_values(text: str, start: int = 0, units: bool = True) -> Iterator[str]:
+    """The values _PROSE_VALUE finds in ``text`` from ``start`` (a few: a degenerate run costs nothing), with or without
+    the numbers a unit follows."""
+    for m in itertools.islice(_PROSE_VALUE.finditer(text, start), MAX_LISTED_BOXES):
+        number = m.group(5)
+        if number is None:
+            yield next(g for g in m.groups() if g is not None).strip()
+        elif units or _UNIT_AFTER.match(text, m.end()) is None:
+            yield number.replace(",", "")
+
+
+# A value offered right before the (first listed) box, "4 or \\boxed{3}", "$4$ or $\\boxed{3}$": read as 3 until review
+# s59r14. Not one named ("$x = -4$ or $x = \\boxed{3}$": the box's name stands between, the solution it picks).
+_BEFORE_BOX_HEDGE = re.compile(r"(?:(?<![\w.{^_\\])(-?\d+(?:\.\d+)?)|\$([^$]{1,40})\$)[ \t$.,;:)\]*]*\bor[ \t$(\[*]*$",
+                               re.IGNORECASE)
+
+
+def _hedged_before_box(before: str, found: str) -> bool:
+    """Whether the words ``before`` the box on its line end by offering another value than its answer ``found``."""
+    m = _BEFORE_BOX_HEDGE.search(before)
+    return m is not None and not _math_verify_equal(found, (m.group(1) or m.group(2)).strip())
+
+
+def _hedged_after_box(after: str, found: str) -> bool:
+    """Whether the words ``after`` the last box offer another value beside its answer ``found``, or take it back before
+    one (a check that restates it, "Wait, let me check: 1 + 2 = 3", takes nothing back): no answer, as a tag's span
+    its words take back (_taken_back) is none."""
+    line = _plain_separator(after.split("\n", 1)[0])
+    hedge = _AFTER_BOX_HEDGE.match(line)
+    offered = [] if hedge is None else list(_prose_values(hedge.group(1), units=False))
+    word = _TAKE_BACK.search(after)
+    later = [] if word is None else list(_prose_values(after, word.end()))
+    return any(not _math_verify_equal(found, value) for value in offered + later)
 
 
 def math_answer(text: str) -> str | None:

@@ -600,3 +600,45 @@ def test_tag_spans_naming_two_unknowns_are_no_list(completion, reference, ok):
     they named: "$x = 3$; $y = 4$" and "$3x = 12$; $x = 4$" (a step, then the answer) were "x = 3, y = 4", wrong against
     4, which they were right for before, and which boxes so named still are."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("separator", [
+    "\\mid", "\\vert", "\\|", "||", "\\Vert", "\\parallel", "\\lor", "\\vee", "-", "\\text{ --- }", ":", "\\colon", "?", ".",
+    "\\&", "\\ldots", ";;", "\\text{ (or) }", ", maybe", "\\text{ alternatively }", "\\phantom{x}", "\\boxed{}", "\\; \\mid \\;",
+])
+def test_a_bar_or_other_punctuation_between_boxes_lists_them(separator):
+    """Review s59r14: between two boxes the bar's TeX, a logical or, a dash, a colon, a hedge's word or any run of such
+    punctuation read as words, a correction: "\\boxed{2} \\mid \\boxed{3}" was 3, right for the hedge's second value."""
+    completion = f"\\boxed{{2}} {separator} \\boxed{{3}}"
+    assert is_correct(completion, "3", "math") is False
+    assert is_correct(completion, "2, 3", "math") is True
+
+
+@pytest.mark.parametrize("dress", [
+    "\\textcolor{red}{BOX}", "{\\color{red}BOX}", "\\color{red}BOX", "\\overline{BOX}", "\\textit{BOX}", "\\mathrm{BOX}",
+    "{\\large BOX}", "\\Large{BOX}", "\\displaystyle BOX", "\\colorbox{yellow}{BOX}",
+])
+def test_a_colour_overline_or_size_around_each_box_lists_them(dress):
+    """Review s59r14: a group or declaration that only dresses each box stood between them as words (bold and underline
+    did not): "\\textcolor{red}{\\boxed{2}} \\textcolor{blue}{\\boxed{3}}" was 3."""
+    completion = dress.replace("BOX", "\\boxed{2}") + ", " + dress.replace("BOX", "\\boxed{3}")
+    assert is_correct(completion, "3", "math") is False
+    assert is_correct(completion, "2, 3", "math") is True
+    assert is_correct(dress.replace("BOX", "\\boxed{3}"), "3", "math") is True  # one box so dressed is still its answer
+
+
+@pytest.mark.parametrize("completion, ok", [
+    ("\\boxed{3}. Actually, it is 4.", False), ("\\boxed{3}. Actually, it is $4$.", False),
+    ("\\boxed{3}\nWait, no: the answer is 4.", False), ("The answer is \\boxed{3}. Hmm, I think it's 4.", False),
+    ("\\boxed{3} (actually 4)", False), ("\\boxed{3} or 4", False), ("\\boxed{3}, or 4", False), ("\\boxed{3} or $4$", False),
+    ("\\boxed{3} (or maybe 4)", False), ("\\boxed{3}. Or 4.", False), ("\\boxed{3} \\text{ or } 4", False),
+    ("4 or \\boxed{3}", False), ("$4$ or $\\boxed{3}$", False),
+    ("\\boxed{3}. Wait, let me check: $1 + 2 = 3$.", True), ("\\boxed{3}. Wait, let me check: 1 + 2 = 3.", True),
+    ("\\boxed{3}. Actually the answer is 3.", True), ("\\boxed{3} (or $\\frac{6}{2}$)", True), ("\\boxed{3} or 3.0", True),
+    ("\\boxed{3} (or 3 apples)", True), ("$x = -4$ or $x = \\boxed{3}$", True), ("\\boxed{3} (since $1 + 2 = 3$)", True),
+])
+def test_words_around_the_last_box_that_offer_or_take_back_another_value_are_no_answer(completion, ok):
+    """Review s59r14: "\\boxed{3}. Actually, it is 4." and "\\boxed{3} or 4" read as the box, right for 3, though a
+    tag's span its words take back is none since s59r03. A check or a restatement of the value keeps it, as does a
+    solution picked by its name ("$x = -4$ or $x = \\boxed{3}$")."""
+    assert is_correct(completion, "3", "math") is ok

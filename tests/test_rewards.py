@@ -1172,6 +1172,25 @@ def test_an_answer_statement_its_words_take_back_is_no_answer(completion, answer
     assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
 
 
+@pytest.mark.parametrize("completion, answer", [
+    ("#### 18\nWait, no, it is 19", None), ("#### 18\nActually, it is 19.", None), ("#### 18. Hmm, 19?", None),
+    ("#### 18 (actually 19)", None), ("#### Final Answer\n18\nActually, 19.", None),
+    ("\\boxed{18}. Actually, it is 19.", None), ("<answer>18</answer> Actually, it is 19.", None),
+    ("\\boxed{18} or 19", None), ("\\boxed{18} (or maybe 19)", None), ("19 or \\boxed{18}", None),
+    ("\\boxed{19} \\text{ or } \\boxed{18}", None), ("\\textbf{\\boxed{19}} or \\textbf{\\boxed{18}}", None),
+    ("\\boxed{19} \\boxed{18}", None), ("\\boxed{19} | \\boxed{18}", None), ("\\boxed{19}; \\boxed{18}", None),
+    ("#### 18\nWait, let me verify: 6 + 12 = 18.", "18"), ("#### 18 eggs instead of 19", "18"),
+    ("\\boxed{18} (or 18.0)", "18"), ("\\boxed{18} (or 1080 minutes)", "18"), ("\\boxed{6} + \\boxed{12} = \\boxed{18}", "18"),
+    ("\\boxed{18}\n\nQuestion: Tom has 40 marbles. Actually, he has 35.", "18"), ("\\boxed{18} or \\boxed{18.0}", "18"),
+])
+def test_words_around_a_final_number_that_offer_or_take_back_another_are_no_answer(completion, answer):
+    """Review s59r14: a take-back after a #### line, box or tag ("#### 18\nWait, no, it is 19") read as 18, as a
+    statement's did until review s59r09; a number offered beside a box in prose ("\\boxed{18} or 19") or a box beside
+    it with TeX between ("\\text{ or }", bold, side by side) read as the last. A check, a contrast, a restatement, a
+    run-on's next question and a sum's boxes read as before."""
+    assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
+
+
 def test_a_plain_answer_statement_ranks_below_every_other_answer():
     """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
     for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
@@ -1379,26 +1398,27 @@ RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minute
              "#### 72", "\\boxed{\\frac{1}{2}}", "So \\boxed{3} or \\boxed{4}", "The answer is $\\boxed{x^2+1}$.",
              "#### 18 dollars and 9 eggs sold", "So the final answer is 18.", "#### The answer is >= 72",
              "The answer is 6 + 12 = 18. So 18 - 3 = 15.", "#### 18 at most", "#### about 18", "\\boxed{5} and \\boxed{7}",
-             "#### \u20ac18", "The answer is 18. Actually, it is 19.", "\\boxed{2}; \\boxed{3}"]
+             "#### \u20ac18", "The answer is 18. Actually, it is 19.", "\\boxed{2}; \\boxed{3}",
+             "\\boxed{3}. Actually, it is 4."]
 RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
     ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None, "18", "18", "7", None,
-                   None, "3"],
+                   None, "3", "3"],
     ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None, "18", "18", "7", None,
-                   None, "3"],
+                   None, "3", "3"],
     ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15", "18", "18", "7", None,
-                   "18", "3"],
+                   "18", "3", "3"],
     ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", "18", "18", "7", None,
-                   "18", "3"],
+                   "18", "3", "3"],
     ("gsm8k", 5): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
-                   "18", "3"],
+                   "18", "3", "3"],
     ("gsm8k", 6): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
-                   None, "3"],
+                   None, None, None],
     ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None, None, None, "7",
-                  None, None, "3"],
+                  None, None, "3", "3"],
     ("math", 2): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
-                  None, "5, 7", None, None, "3"],
+                  None, "5, 7", None, None, "3", "3"],
     ("math", 3): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
-                  None, "5, 7", None, None, "2, 3"],
+                  None, "5, 7", None, None, "2, 3", None],
 }
 
 
