@@ -1,5 +1,8 @@
 """Prompt datasets for rollout and eval: JSONL, JSON or Parquet rows -> token ids.
 
+A ``.json`` file is one JSON array, or JSON Lines (``datasets``' ``to_json`` writes those under any name); a
+``datasets`` directory (``save_to_disk``) or Arrow file is refused with the conversion to a file qerl reads.
+
 Accepted row shapes (first match wins), each with an optional ``id`` (or ``unique_id`` /
 ``prompt_id``; default: the row's index, which is stable as long as the file is):
 
@@ -102,6 +105,16 @@ def _read_rows(path: Path, bad_lines: list[str] | None = None,
     ``stored``: where given, a Parquet file's columns that are read as text here (``_float32_as_text``) are appended
     to it as the file holds them, one dict a row (none for a file without such columns): a reward is passed those."""
     suffix = path.suffix.lower()
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if suffix in (".arrow", ".feather") or head.startswith(_ARROW_MAGIC):  # read as JSONL: "not UTF-8 text (byte 0)"
+        whole = _datasets_dir(path.parent)  # one shard of a save_to_disk directory: the whole dataset is the parent
+        raise BadInputError(f"{path}: is an Arrow file (as Hugging Face datasets stores its data); qerl reads JSONL, "
+                            "JSON or Parquet", hint=_convert_hint(whole, path.parent) if whole else
+                            _convert_hint(f"datasets.Dataset.from_file('{path}')", path))
+    if suffix not in (".parquet", ".pq") and head.startswith(b"PAR1"):
+        raise BadInputError(f"{path}: is a Parquet file without the .parquet suffix, read as JSON Lines by its name",
+                            hint=f"rename it: mv {path} {path.with_suffix('.parquet')}")
     if suffix in (".parquet", ".pq"):
         try:
             import pyarrow.parquet as pq
@@ -182,6 +195,31 @@ def _rows_under_a_key(value) -> str | None:
     lists = [k for k, v in value.items()
              if isinstance(v, list) and any(isinstance(r, dict) and any(f in r for f in _ROW_KEYS) for r in v)]
     return f"its rows are a list under a key: write one a line, jq -c '.{lists[0]}[]' F > F.jsonl" if lists else None
+
+
+# Arrow's IPC file format opens with ARROW1; its stream format, which datasets' save_to_disk and cache write, with
+# a continuation marker before the schema message
+_ARROW_MAGIC = (b"ARROW1", b"\xff\xff\xff\xff")
+
+
+def _convert_hint(load: str, path: Path) -> str:
+    """How to write a Hugging Face ``datasets`` dataset (``load``: the Python that loads it) as a file qerl reads."""
+    stem = path.with_suffix("") if path.suffix else path
+    return (f"convert it: python -c \"import datasets; {load}.to_json('{stem}.jsonl')\" (JSON Lines), or "
+            f".to_parquet('{stem}.parquet')")
+
+
+def _datasets_dir(path: Path) -> str | None:
+    """The load call of a directory ``datasets``' save_to_disk wrote (a Dataset, or a DatasetDict of splits), else None."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or ["train"]
+        except (OSError, ValueError, AttributeError):
+            splits = ["train"]
+        return f"datasets.load_from_disk('{path}')['{splits[0]}']"
+    if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():  # a Dataset's, beside its shards
+        return f"datasets.load_from_disk('{path}')"
+    return None
 
 
 _COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"))
@@ -467,6 +505,9 @@ def load_prompts(path: str | Path, *, skip_bad_lines: bool = False, bad_lines: l
     if not path.exists():
         raise BadInputError(f"prompt file {path} does not exist", hint=f"check {flag}")
     if path.is_dir():
+        if load := _datasets_dir(path):  # said "a directory" alone: how to get a file from it was the user's to find
+            raise BadInputError(f"{flag} {path} is a Hugging Face datasets directory (save_to_disk); name a .jsonl, "
+                                ".json or .parquet file", hint=_convert_hint(load, path))
         raise BadInputError(f"{flag} {path} is a directory; name a .jsonl, .json or .parquet file")
     if not path.is_file():  # a pipe (<(...), a FIFO) reads once: the stage's fingerprint then hashed nothing
         raise BadInputError(f"{flag} {path} is not a regular file (a pipe or device can be read only once, and the "

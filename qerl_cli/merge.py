@@ -71,12 +71,18 @@ class MergeConfig:
     # --dtype nvfp4: the bf16 checkpoint --model was quantized from; the update is added to it and
     # the sum quantized (keeps the update, see requantize_nvfp4), instead of to the dequantized base
     requantize_from: Path | None = None
+    # a Jinja chat template written into the output (chat_template.jinja): the one the rollouts rendered with
+    # (their --chat-template-file), which the base's copied tokenizer files lack
+    chat_template_file: Path | None = None
     force: bool = False
 
     def __post_init__(self):
         self.model, self.adapter, self.out = Path(self.model), Path(self.adapter), Path(self.out)
         if self.requantize_from is not None:
             self.requantize_from = Path(self.requantize_from)
+        if self.chat_template_file is not None:
+            self.chat_template_file = Path(self.chat_template_file)
+        if self.requantize_from is not None:
             if self.dtype != "nvfp4":
                 raise BadInputError("--requantize-from only applies to --dtype nvfp4")
         if self.dtype not in DTYPES:
@@ -88,7 +94,8 @@ class MergeConfig:
         check_field_types(self)  # after "2GB" became its int
         if self.max_shard_size <= 0:
             raise BadInputError(f"--max-shard-size must be positive, got {self.max_shard_size}")
-        check_out_apart(self.out, model=self.model, adapter=self.adapter, requantize_from=self.requantize_from)
+        check_out_apart(self.out, model=self.model, adapter=self.adapter, requantize_from=self.requantize_from,
+                        chat_template_file=self.chat_template_file)
 
 
 # ---- the adapter -----------------------------------------------------------------------------
@@ -586,6 +593,9 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
                                 f"that --model was quantized from")
         validate_pair(adapter, target)
 
+    chat_text, chat_sha = _chat_template(cfg, adapter)
+    if chat_sha is not None:  # in the legacy inputs too: an older merge made without the template is not this one
+        inputs["chat_template"] = chat_sha
     legacy_inputs = dict(inputs)  # qerl before 2026-11-28 did not count the text files merge copies
     inputs["base_text"] = text_files_hash(cfg.model)
     # The tokenizer, chat template and generation config are copied verbatim: a base whose copies were fixed
@@ -624,6 +634,8 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
         write_checkpoint(plan, merged_tensors(target, reader, adapter, stats, device=device, untie=untie), bf16_dir,
                          cfg.max_shard_size, on_tensor=tick)
         write_plain_config(base, bf16_dir, untie=untie)
+        if chat_text is not None:
+            write_chat_template(bf16_dir, chat_text)  # before the nvfp4 re-quantization, which copies it on
         summary = {
             "dtype": cfg.dtype,
             "device": str(device),
@@ -644,6 +656,72 @@ def merge(cfg: MergeConfig, *, progress: bool = True) -> dict:
         so.timings["merge_s"] = round(time.time() - t0, 3)
         so.extra["summary"] = summary
     return dict(so.manifest, already_done=False)  # the key a rerun's has too
+
+
+def _chat_template(cfg: MergeConfig, adapter: Adapter) -> tuple[str | None, str | None]:
+    """(``--chat-template-file``'s text, its sha256), checked by rendering a conversation with --model's
+    tokenizer, or (None, None); and a warning when the adapter's last rollouts rendered their prompts with another
+    template than the output carries: the merged checkpoint then prompts (apply_chat_template, vLLM's chat API,
+    `qerl eval` without the flag) otherwise than the policy was trained on, or fails for want of one (a review)."""
+    from qerl_cli.data import read_chat_template, set_chat_template
+    from qerl_cli.runtime import load_tokenizer
+
+    text = sha = None
+    if cfg.chat_template_file is not None:
+        text, sha = read_chat_template(cfg.chat_template_file)
+        set_chat_template(load_tokenizer(cfg.model), text, cfg.chat_template_file)
+    trained = trained_chat_template(adapter.path)
+    if trained is not None and trained != (sha or own_chat_template(cfg.model)):
+        given = (f"--chat-template-file {cfg.chat_template_file} is another" if sha else
+                 "the merged checkpoint gets --model's template (or none)")
+        warnings.warn(QerlWarning(
+            f"--adapter {adapter.path} was trained on prompts its rollouts rendered with a --chat-template-file "
+            f"(sha256 {trained[:12]}), but {given}: apply_chat_template on the merged model prompts otherwise or "
+            "fails; pass the rollouts' template file as --chat-template-file"),
+            stacklevel=3)
+    return text, sha
+
+
+def trained_chat_template(adapter_dir: Path) -> str | None:
+    """The sha256 of the ``--chat-template-file`` the rollouts of the adapter's last train-step used, from their
+    manifests (trainer_state.json's ``last_shards``); None when they used none or are gone (a hint only)."""
+    from qerl_cli.outputs import read_manifest
+
+    try:
+        shards = json.loads((Path(adapter_dir) / TRAINER_STATE).read_text()).get("last_shards") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    for shard in shards if isinstance(shards, list) else ():
+        m = read_manifest(Path(str(shard)).parent) or {}
+        sha = (m.get("inputs") or {}).get("chat_template") if m.get("stage") == "rollout" else None
+        if isinstance(sha, str):
+            return sha
+    return None
+
+
+def own_chat_template(model_dir: Path) -> str | None:
+    """The sha256 of the default chat template a model directory's tokenizer files hold (chat_template.jinja, else
+    tokenizer_config.json's ``chat_template`` string), as read_chat_template hashes a file's; None without one."""
+    from qerl_cli.hashing import sha256_bytes
+
+    jinja, config = Path(model_dir) / "chat_template.jinja", Path(model_dir) / "tokenizer_config.json"
+    try:
+        text = jinja.read_text(encoding="utf-8") if jinja.is_file() else json.loads(config.read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sha256_bytes(text.encode()) if isinstance(text, str) and text.strip() else None
+
+
+def write_chat_template(out_dir: Path, text: str) -> None:
+    """``text`` as the checkpoint's chat template, as transformers 5 saves one: chat_template.jinja, which its
+    tokenizers read before tokenizer_config.json's ``chat_template`` key; that key (the base's) is dropped, as
+    transformers' save_pretrained drops it, so no reader finds the base's template instead."""
+    (out_dir / "chat_template.jinja").write_text(text, encoding="utf-8")
+    config = out_dir / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        if isinstance(data, dict) and data.pop("chat_template", None) is not None:
+            config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy

@@ -446,6 +446,8 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
               + ("" if floor else " (the weights will not change)"))
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
+    if adv.zero_variance_fraction == 1.0:  # said only by `zero_variance_groups: 1.0` in the metrics (a review)
+        _warn(no_signal_message(data.rewards, adv.num_groups))
     lengths = [p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)]
     groups = pack_microbatches(lengths, cfg.micro_batch_tokens)
     mb_of = [0] * len(lengths)
@@ -468,6 +470,17 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     out.timings["prepare_s"] = round(time.time() - t_start, 3)  # checks, shards, hashes, advantages
     return _run(cfg, out, data, adv, groups, seq_w, live_tokens, state, dist, device, dtype, base_hash, spec,
                 parent_hash)
+
+
+def no_signal_message(rewards: list[float], groups: int) -> str:
+    """The warning of a step whose every group has equal rewards: every advantage is 0, so it prints "loss 0, grad
+    norm 0" and writes an adapter the policy gradient did not move (a user's reward scoring nothing, a reference
+    in a column the rollout did not read, or too few completions a prompt to differ)."""
+    values = set(rewards)
+    same = f"all {len(rewards)} rewards are {values.pop():g}" if len(values) == 1 else "each group's rewards are equal"
+    return (f"no learning signal: in all {groups} groups of this step {same}, so every advantage is 0 and the "
+            "step learns nothing from them; check the reward (does it score these completions?), rollout's "
+            "--answer-key (the column holding the reference) and --num-generations (more completions a prompt differ more)")
 
 
 _PATH_FLAGS = ("model", "shards", "out", "adapter", "metrics_file", "progress")

@@ -14,7 +14,7 @@ QERL_REQUIRED_VARS=(MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW
   MICRO_BATCH_TOKENS SEED DEVICE)
 # ... and these have a default (qerl_load_config). ROLLOUT_SHARDS and TRAIN_GPUS are read by the Slurm jobs.
 QERL_OPTIONAL_VARS=(EVAL_DATASET EVAL_MAX_PROBLEMS EVAL_EVERY BASE_FORMAT MERGE_DTYPE DTYPE RUN_SEED
-  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS PROMPT_KEY ANSWER_KEY TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
+  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS PROMPT_KEY ANSWER_KEY SYSTEM_PROMPT STOP TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
   SHUFFLE)
 # shellcheck disable=SC2034
 QERL_STAGE_VARS=("${QERL_REQUIRED_VARS[@]}" "${QERL_OPTIONAL_VARS[@]}")
@@ -53,6 +53,8 @@ qerl_load_config() {  # CONFIG (for the messages)
   CHAT_TEMPLATE_KWARGS=${CHAT_TEMPLATE_KWARGS:-}  # a JSON object, e.g. '{"enable_thinking": false}' (Qwen3)
   PROMPT_KEY=${PROMPT_KEY:-}           # the datasets' own column names (rollout and eval --prompt-key / --answer-key)
   ANSWER_KEY=${ANSWER_KEY:-}
+  SYSTEM_PROMPT=${SYSTEM_PROMPT:-}     # rollout and eval --system-prompt (with a chat template)
+  STOP=${STOP:-}                       # one --stop string for rollout and eval, e.g. STOP=$'\nQ:' (a base model's few-shot)
   TRAIN_EXTRA=${TRAIN_EXTRA:-}
   AQN_SIGMA_START=${AQN_SIGMA_START:-0}
   AQN_SIGMA_END=${AQN_SIGMA_END:-0}
@@ -330,9 +332,12 @@ _qerl_adapter_before() {  # STEP -> QERL_ADAPTER: the adapter step STEP starts f
 # a Jinja chat template for a tokenizer without one (a base model's), for `messages` rows, and the template's
 # extra variables (Qwen3's enable_thinking): a policy is scored on the prompts it was trained on. And the columns
 # holding the prompt and the reference where the datasets name them otherwise (a chat set's `final_answer`): the
-# recipes passed neither flag, and such a dataset could not be run without rewriting it (a review).
+# recipes passed neither flag, and such a dataset could not be run without rewriting it (a review). And the system
+# prompt and the stop string, for the same reason: none reached the recipes' stages (a review, session 59).
 _qerl_template_flags() {
   QERL_TEMPLATE=()
+  if [ -n "$SYSTEM_PROMPT" ]; then QERL_TEMPLATE+=(--system-prompt "$SYSTEM_PROMPT"); fi
+  if [ -n "$STOP" ]; then QERL_TEMPLATE+=(--stop "$STOP"); fi
   if [ -n "$PROMPT_KEY" ]; then QERL_TEMPLATE+=(--prompt-key "$PROMPT_KEY"); fi
   if [ -n "$ANSWER_KEY" ]; then QERL_TEMPLATE+=(--answer-key "$ANSWER_KEY"); fi
   if [ -n "$PROMPT_TEMPLATE" ]; then QERL_TEMPLATE+=(--prompt-template "$PROMPT_TEMPLATE"); fi
@@ -392,6 +397,8 @@ qerl_merge_cmd() {  # the last step's adapter merged into RUN_DIR/merged
     --dtype "$MERGE_DTYPE")
   # An FP4 merge keeps a small RL update only when it is added to the bf16 source (docs/merge-eval.md).
   if [ "$MERGE_DTYPE" = nvfp4 ] && [ "$BASE" != "$MODEL" ]; then QERL_CMD+=(--requantize-from "$MODEL"); fi
+  # the merged checkpoint carries the template the rollouts rendered with: the base's tokenizer files lack it
+  if [ -n "$CHAT_TEMPLATE_FILE" ]; then QERL_CMD+=(--chat-template-file "$CHAT_TEMPLATE_FILE"); fi
 }
 
 qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eval-final"); }

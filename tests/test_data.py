@@ -608,3 +608,47 @@ def test_parquet_messages_with_a_field_null_in_every_row(tmp_path):
                    tmp_path / "d.parquet")
     [row] = load_prompts(tmp_path / "d.parquet")
     assert row.messages == [{"role": m["role"], "content": m["content"]} for m in chat] and row.answer == "5"
+
+
+def test_a_datasets_directory_or_arrow_file_is_named_with_how_to_convert_it(tmp_path):
+    # s59r06: datasets' save_to_disk directory was "a directory" with no word of how to get a file from it, and its
+    # data-00000-of-00001.arrow (Arrow's stream format, read as JSON Lines by its unknown suffix) was "not UTF-8 text
+    # (byte 0)", an encoding problem it is not. A Parquet file under another name was "not UTF-8 text" too.
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"prompt": ["2+2?"], "answer": ["4"]})
+    ds = tmp_path / "ds"  # as Dataset.save_to_disk lays it out
+    ds.mkdir()
+    with pa.ipc.new_stream(str(ds / "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table)
+    (ds / "dataset_info.json").write_text("{}")
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    convert = f"import datasets; datasets.load_from_disk('{ds}').to_json('{ds}.jsonl')"
+    for path, says in [(ds, "is a Hugging Face datasets directory"), (ds / "data-00000-of-00001.arrow", "is an Arrow file")]:
+        with pytest.raises(BadInputError, match=says) as e:
+            load_prompts(path, flag="--dataset")
+        assert convert in e.value.hint and f".to_parquet('{ds}.parquet')" in e.value.hint
+    splits = tmp_path / "splits"  # a DatasetDict's: its splits in subdirectories
+    splits.mkdir()
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
+    with pytest.raises(BadInputError) as e:
+        load_prompts(splits)
+    assert f"datasets.load_from_disk('{splits}')['test'].to_json(" in e.value.hint
+    loose = tmp_path / "t.arrow"  # Arrow's file format, alone
+    with pa.ipc.new_file(str(loose), table.schema) as w:
+        w.write_table(table)
+    for name in ("t.arrow", "t.bin"):  # by its suffix, and by its first bytes
+        path = loose.rename(tmp_path / name)
+        with pytest.raises(BadInputError, match="is an Arrow file") as e:
+            load_prompts(path)
+        assert f"datasets.Dataset.from_file('{path}').to_json('{tmp_path / 't'}.jsonl')" in e.value.hint
+    pq.write_table(table, tmp_path / "rows.data")
+    with pytest.raises(BadInputError, match="is a Parquet file without the .parquet suffix") as e:
+        load_prompts(tmp_path / "rows.data")
+    assert e.value.hint == f"rename it: mv {tmp_path / 'rows.data'} {tmp_path / 'rows.parquet'}"
+    (tmp_path / "rows.data").rename(tmp_path / "rows.parquet")
+    assert load_prompts(tmp_path / "rows.parquet")[0].answer == "4"
+    # a .json of JSON Lines reads as JSON Lines: datasets' to_json writes them under any name (docs/rollout.md)
+    (tmp_path / "lines.json").write_text('{"prompt": "2+2?", "answer": "4"}\n{"prompt": "3+3?", "answer": "6"}\n')
+    assert [r.answer for r in load_prompts(tmp_path / "lines.json")] == ["4", "6"]

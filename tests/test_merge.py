@@ -645,3 +645,92 @@ def test_nvfp4_merge_of_an_architecture_quantize_refuses_is_refused_before_mergi
                                              r"\(supported: llama, qwen2, qwen3, mistral\).*--dtype bf16 merges"):
         merge(MergeConfig(gemma, adapter, tmp_path / "m", dtype="nvfp4", allow_base_mismatch=True), progress=False)
     assert not (tmp_path / "m").exists()
+
+
+def _trained_with_template(base: Path, adapter0: Path, tmp_path: Path, template: str) -> Path:
+    """A copy of ``adapter0`` whose trainer_state.json names shards of a rollout that rendered its prompts with
+    ``template`` (its manifest's inputs.chat_template, as `qerl rollout --chat-template-file` records it)."""
+    from qerl_cli.hashing import sha256_bytes
+
+    rollout = tmp_path / "rollout"
+    rollout.mkdir()
+    (rollout / "manifest.json").write_text(json.dumps({"stage": "rollout", "fingerprint": "f",
+                                                       "inputs": {"chat_template": sha256_bytes(template.encode())}}))
+    adapter = tmp_path / "adapter"
+    shutil.copytree(adapter0, adapter)
+    state = json.loads((adapter / "trainer_state.json").read_text())
+    (adapter / "trainer_state.json").write_text(json.dumps(dict(state, last_shards=[
+        str(rollout / "shard-00000-of-00001.jsonl")])))
+    return adapter
+
+
+def test_a_merge_writes_the_chat_template_the_rollouts_rendered_with_and_warns_without_it(pair, tmp_path):
+    """A run on a base without a chat template (or with another) rendered its prompts with --chat-template-file;
+    the merge copied the base's tokenizer files only, so transformers' apply_chat_template on the servable model
+    failed ("tokenizer.chat_template is not set"), and nothing said so. --chat-template-file writes it
+    (chat_template.jinja, as transformers 5 saves it); without it the merge warns."""
+    import transformers
+
+    from qerl_cli.errors import QerlWarning
+    from tests.helpers import CHAT_TEMPLATE
+
+    base0, adapter0 = pair
+    base = tmp_path / "base"
+    shutil.copytree(base0, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)  # a base model's tokenizer: no template
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    adapter = _trained_with_template(base, adapter0, tmp_path, CHAT_TEMPLATE)
+    (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
+    chat = [{"role": "user", "content": "Hi"}]
+
+    with pytest.warns(QerlWarning, match=r"rendered with a --chat-template-file \(sha256 \w{12}\), but the merged "
+                                         r"checkpoint gets --model's template \(or none\).*--chat-template-file"):
+        merge(MergeConfig(base, adapter, tmp_path / "plain"), progress=False)
+    with pytest.raises(ValueError, match="chat_template is not set"):
+        transformers.AutoTokenizer.from_pretrained(tmp_path / "plain").apply_chat_template(chat, tokenize=False)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)
+        m = merge(MergeConfig(base, adapter, tmp_path / "m", chat_template_file=tmp_path / "chat.jinja"), progress=False)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert "chat_template" in m["inputs"]  # a merge without it (or with another) is another output
+    with pytest.raises(OutputExistsError, match="--force"), pytest.warns(QerlWarning):
+        merge(MergeConfig(base, adapter, tmp_path / "m"), progress=False)
+
+    (tmp_path / "other.jinja").write_text("{{ messages[0]['content'] }}")
+    with pytest.warns(QerlWarning, match=r"--chat-template-file \S*other.jinja is another"):
+        merge(MergeConfig(base, adapter, tmp_path / "o", chat_template_file=tmp_path / "other.jinja"), progress=False)
+
+
+def test_a_chat_template_file_replaces_the_bases_template_in_tokenizer_config(pair, tmp_path):
+    """transformers reads chat_template.jinja before tokenizer_config.json's chat_template; the base's key there is
+    dropped as transformers' save_pretrained drops it, so no reader finds the base's template instead. A base whose
+    own template is the rollouts' needs no flag: no warning."""
+    import warnings
+
+    import transformers
+
+    from qerl_cli.errors import QerlWarning
+    from tests.helpers import CHAT_TEMPLATE
+
+    base0, adapter0 = pair
+    base = tmp_path / "base"
+    shutil.copytree(base0, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=CHAT_TEMPLATE)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)
+        merge(MergeConfig(base, _trained_with_template(base, adapter0, tmp_path, CHAT_TEMPLATE), tmp_path / "same"),
+              progress=False)
+    (tmp_path / "t.jinja").write_text("T {{ messages[0]['content'] }}")
+    merge(MergeConfig(base, adapter0, tmp_path / "m", chat_template_file=tmp_path / "t.jinja"), progress=False)
+    assert "chat_template" not in json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == "T Hi"

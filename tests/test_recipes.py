@@ -458,6 +458,7 @@ def _argv_recorder(tmp_path):
 @pytest.mark.parametrize("config, settings", [(c, {}) for c in CONFIGS] + [
     (RECIPES / "configs" / "tiny.env", {"BASE_FORMAT": "bf16", "TRAIN_EXTRA": "--keep-activations 2 --deterministic"}),
     (RECIPES / "configs" / "tiny.env", {"PROMPT_KEY": "prompt", "ANSWER_KEY": "answer"}),
+    (RECIPES / "configs" / "tiny.env", {"SYSTEM_PROMPT": "Think step by step.", "STOP": "\nQ:"}),
 ], ids=lambda x: x.name if isinstance(x, Path) else ",".join(x) or "-")
 def test_every_command_a_config_makes_the_recipes_run_parses_and_passes_the_flag_checks(tmp_path, config, settings,
                                                                                         doc_stand_ins):
@@ -508,7 +509,7 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     slurm = [c.replace(" --shard-index 0 --num-shards 1", "").replace("/shards-0 ", "/shards ")
              for c in log.read_text().splitlines()]
     assert slurm == local
-    assert sum("--chat-template-file /t/chat.jinja" in c for c in local) == 5  # 2 rollouts, 3 evals
+    assert sum("--chat-template-file /t/chat.jinja" in c for c in local) == 6  # 2 rollouts, 3 evals, the merge
     kwargs = subprocess.run(["bash", "-c", 'printf %q "$1"', "_", '{"enable_thinking": false}'], capture_output=True,
                             text=True, check=True).stdout  # as the recorder logs it: one argument, quotes kept
     assert sum(f"--chat-template-kwargs {kwargs} " in c for c in local) == 5
@@ -533,6 +534,31 @@ def test_a_datasets_own_column_names_reach_every_rollout_and_eval(tmp_path):
         named = "--prompt-key conversation " in c and "--answer-key meta.final_answer " in c
         assert named == (stage in ("rollout", "eval") and "--compare" not in c), c
     assert sum(c.startswith(("rollout", "eval ")) for c in local) == 2 + 4  # evals: the base, step 0, final, --compare
+
+
+def test_the_system_prompt_and_stop_reach_every_rollout_and_eval_and_the_template_the_merge(tmp_path):
+    # grpo.sh and the Slurm jobs had no knob for --system-prompt or --stop (a base model's few-shot stop, $'\nQ:'):
+    # such a run needed a copy of the recipes. And the merged checkpoint lacked CHAT_TEMPLATE_FILE's template, which
+    # its tokenizer needs to prompt as the policy was trained (apply_chat_template failed on a base model's).
+    cfg = _qwen_cfg(tmp_path, "WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\nCHAT_TEMPLATE_FILE=/t/c.jinja\n"
+                              "SYSTEM_PROMPT='Think step by step.'\nSTOP=$'\\nQ:'\n")
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
+                   capture_output=True)
+    local = log.read_text().splitlines()
+    log.write_text("")
+    for stage in ("rollout", "final"):
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(tmp_path / "run"), "1"],
+                       env=env, check=True, capture_output=True)
+    chain = log.read_text().splitlines()
+    for c in local + chain:
+        stage = c.split()[0]
+        named = "--system-prompt Think\\ step\\ by\\ step. " in c and "--stop $'\\nQ:' " in c
+        assert named == (stage in ("rollout", "eval") and "--compare" not in c), c
+        assert ("--chat-template-file /t/c.jinja " in c) == (stage in ("rollout", "eval", "merge") and "--compare" not in c), c
+    assert sum(c.startswith(("rollout", "eval ", "merge")) for c in local) == 2 + 4 + 1
+    assert sum(c.startswith("merge") for c in chain) == 1
 
 
 def _shard_args(log, run):

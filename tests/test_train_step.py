@@ -801,3 +801,24 @@ def test_shards_named_in_another_order_are_the_same_step(models, tmp_path, monke
     assert Path(json.loads((tmp_path / "o3" / "trainer_state.json").read_text())["last_shards"][0]).parent == b.resolve()
     assert train_step(_cfg(q, [b, a], tmp_path / "o3"))["already_done"]
     assert not train_step(_cfg(q, [a, b], tmp_path / "o2", force=True))["already_done"]  # --force still redoes it
+
+
+def test_a_step_whose_every_group_has_equal_rewards_warns_of_no_learning_signal(models, tmp_path):
+    """All-0 rewards (a reward that scores nothing, the reference in a column rollout did not read) printed "loss 0,
+    grad norm 0" and wrote an adapter without a word; only `zero_variance_groups: 1.0` in the metrics said why."""
+    import warnings
+
+    from qerl_cli.errors import QerlWarning
+    from qerl_cli.shards import write_records
+
+    mixed = make_shard(tmp_path / "mixed", models["qhash"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)  # groups 0 and 2 differ: no warning
+        train_step(_cfg(models["q"], [mixed], tmp_path / "a0"))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    write_records(flat / shard_name(0, 1), [dict(r, reward=0.0, rewards={"r": 0.0}) for r in read_records(mixed)])
+    with pytest.warns(QerlWarning, match=r"no learning signal: in all 3 groups of this step all 12 rewards are 0, so "
+                                         r"every advantage is 0.*the reward.*--answer-key.*--num-generations"):
+        m = train_step(_cfg(models["q"], [flat], tmp_path / "a1"))
+    assert m["metrics"]["zero_variance_groups"] == 1.0 and m["metrics"]["loss"] == 0

@@ -35,6 +35,12 @@ def command(
                                          "is added to it before quantizing, which keeps small updates that "
                                          "re-quantizing the dequantized base rounds away. Example: "
                                          "--requantize-from models/Qwen2.5-7B-Instruct", show_default=False),
+    chat_template_file: Path = typer.Option(None, "--chat-template-file", help="The Jinja chat template the rollouts "
+                                            "rendered with (their --chat-template-file), written into the output as "
+                                            "chat_template.jinja: the base's tokenizer files lack it, and without it "
+                                            "transformers' apply_chat_template on the merged model fails or prompts "
+                                            "otherwise (merge warns when the adapter's rollouts used another). "
+                                            "Example: --chat-template-file chatml.jinja", show_default=False),
     allow_base_mismatch: bool = typer.Option(False, "--allow-base-mismatch", help="Apply an adapter whose "
                                              "trainer_state.json names another base (e.g. trained on the NVFP4 base, "
                                              "applied to the bf16 original); the manifest records it."),
@@ -48,7 +54,8 @@ def command(
 
     cfg = MergeConfig(model=model, adapter=adapter, out=out, dtype=dtype,
                       max_shard_size=parse_size(max_shard_size), device=device,
-                      requantize_from=requantize_from, allow_base_mismatch=allow_base_mismatch, force=force)
+                      requantize_from=requantize_from, chat_template_file=chat_template_file,
+                      allow_base_mismatch=allow_base_mismatch, force=force)
     m = merge(cfg, progress=not quiet)
     console = Console(stderr=False, highlight=False)
     s = m.get("summary", {})
