@@ -114,7 +114,16 @@ def make_record(
 
 
 def _number(v) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
+    return type(v) in (int, float) and _finite(v)
+
+
+def _finite(v) -> bool:
+    """``math.isfinite`` of a JSON number. JSON reads a 1 and 400 zeros as an int no float holds: isfinite raised
+    OverflowError there, a traceback where a bad line is named (and --skip-bad-lines could not skip it)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _noise_problem(noise: dict) -> str | None:
@@ -178,9 +187,9 @@ def validate_record(rec: Any) -> str | None:
         return "logprobs must be numbers"
     # Python's json reads NaN/Infinity. One bad value makes the sum non-finite; only then (or on a
     # freak overflow of huge values) is the exact per-element test paid.
-    if not math.isfinite(rec["reward"]) or (
-            not math.isfinite(sum(lps)) and not all(math.isfinite(x) for x in lps)):
-        return "logprobs and reward must be finite (found NaN or Inf)"
+    if not _finite(rec["reward"]) or (
+            not _finite(_sum(lps)) and not all(_finite(x) for x in lps)):
+        return "logprobs and reward must be finite (found NaN or Inf, or a number past float's range)"
     if abs(rec["reward"]) > REWARD_LIMIT:
         return f"reward {rec['reward']!r} is beyond +-{REWARD_LIMIT:g} (group statistics would overflow)"
     if lps and max(lps) > LOGPROB_SLACK:  # a probability above 1: a wrong field or a sampler fault
@@ -189,6 +198,14 @@ def validate_record(rec: Any) -> str | None:
         if k not in rec["policy"]:
             return f"policy lacks {k!r}"
     return None
+
+
+def _sum(xs: list) -> float:
+    """``sum`` of JSON numbers, inf where an int past float's range makes it raise (adding it to a float)."""
+    try:
+        return sum(xs)
+    except OverflowError:
+        return math.inf
 
 
 LOGPROB_SLACK = 1e-3  # rounding room above 0 for a log-probability computed in low precision
@@ -391,7 +408,7 @@ def parse_line(path: Path, i: int, raw: bytes) -> tuple[dict | None, str | None]
     try:
         rec = json.loads(raw)
         err = validate_record(rec)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: arrays nested ~100k deep
         rec, err = None, f"not valid JSON ({e.__class__.__name__}: {str(e).splitlines()[0][:80]})"
     if err is not None and torn:
         err = f"truncated last line, probably a crash mid-write ({err})"

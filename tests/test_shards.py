@@ -124,10 +124,20 @@ def _write_lines(path, lines):
         (json.dumps(rec(logprobs=[-0.1, 0.5])), "logprob 0.5 is above 0"),  # trained on with exit 0 (a review)
         (json.dumps(rec(reward=-1e20)), "reward -1e\\+20 is beyond"),  # group statistics square rewards
         (json.dumps(rec(step=-1)), "step -1 is not a rollout step"),  # trained on as "step -1" with exit 0 (s54)
+        # ints no float holds (JSON's 1 and 400 zeros), and arrays nested past the recursion limit: an OverflowError
+        # or RecursionError traceback that --skip-bad-lines could not skip, and under torchrun only the rank that
+        # parsed the line raised it (review s59r16)
+        (json.dumps({**rec(), "reward": 10**400}), "must be finite .*past float's range"),
+        (json.dumps({**rec(), "logprobs": [-0.5, -10**400]}), "must be finite"),
+        (json.dumps({**rec(), "logprobs": [-1, -10**400]}), "must be finite"),
+        (json.dumps(rec(noise={"sigma": 10**400, "seed": 1})), "noise.sigma should be a number"),
+        (json.dumps(rec(sampling={"temperature": 10**400})), "sampling.temperature should be a number"),
+        ("[" * 100_000 + "]" * 100_000, "not valid JSON \\(RecursionError"),
     ],
     ids=["not-json", "not-object", "missing", "wrong-type", "bool-step", "finish", "ragged", "token-type", "policy", "future", "nan",
          "noise-empty", "noise-seed", "noise-step", "sampling-empty", "version-0", "logprob-above-0", "huge-reward",
-         "negative-step"],
+         "negative-step", "int-past-float-reward", "int-past-float-logprob", "int-past-float-logprobs",
+         "int-past-float-sigma", "int-past-float-temperature", "nested-too-deep"],
 )
 def test_bad_line_names_file_and_line(tmp_path, bad, why):
     p = tmp_path / shard_name(0, 1)

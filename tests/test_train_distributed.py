@@ -643,3 +643,68 @@ def test_a_token_outside_the_vocabulary_is_named_by_a_rank_that_does_not_hold_it
 
     got = _as_ranks(2, work)
     assert all(isinstance(e, BadInputError) and str(e) == str(whole.value) for e in got), got
+
+
+def test_a_line_only_a_later_rank_parses_that_raised_a_traceback_stops_every_rank_alike(tmp_path):
+    # A reward of a 1 and 400 zeros (JSON reads an int no float holds) raised OverflowError in the validator: a
+    # traceback on the one rank that parsed the line, while the others waited for it in the exchange ("another
+    # torchrun rank stopped"). Now it is a bad line like any other: every rank names it, or skips it (review s59r16).
+    import json
+
+    from qerl_cli.errors import BadInputError
+    from qerl_cli.train_step import read_step
+
+    sh = make_shard(tmp_path / "sh", "0" * 64, groups=4)
+    f = next(sh.glob("*.jsonl"))
+    lines = f.read_text().splitlines(keepends=True)
+    lines[-2] = json.dumps({**json.loads(lines[-2]), "reward": 10**400}) + "\n"  # in the last rank's part
+    f.write_text("".join(lines))
+    for skip in (False, True):
+        cfg = TrainStepConfig(model=tmp_path, shards=[str(sh)], out=tmp_path / "o", progress=False,
+                              skip_bad_lines=skip)
+        got = _as_ranks(3, lambda rank, cfg=cfg: read_step(cfg, rank))
+        if skip:
+            assert all(d.bad_lines == read_step(cfg).bad_lines and len(d.bad_lines) == 1 for d in got), got
+            continue
+        with pytest.raises(BadInputError) as whole:
+            read_step(cfg)
+        assert f"{f.name}:{len(lines) - 1}: logprobs and reward must be finite" in str(whole.value)
+        assert all(isinstance(e, BadInputError) and str(e) == str(whole.value) for e in got), got
+
+
+@pytest.mark.parametrize("change", ["same-length", "removed"])
+def test_a_line_rewritten_to_the_same_token_counts_before_a_rank_reads_its_arrays_is_refused(tmp_path, change):
+    # A rank reads the arrays of its own records that another rank parsed once the micro-batches are split, long
+    # after the records were checked. Its guard compared only the token counts: ids rewritten digit for digit (same
+    # counts, same bytes per line) were trained beside the advantages of the old line, past a vocabulary check that
+    # never saw them; a shard removed meanwhile was a FileNotFoundError traceback (review s59r16).
+    import re
+    import threading
+
+    from qerl_cli.errors import BadInputError
+    from qerl_cli.train.batching import pack_microbatches
+    from qerl_cli.train_step import _keep_owned, read_step
+
+    sh = make_shard(tmp_path / "sh", "0" * 64, groups=4)
+    f = next(sh.glob("*.jsonl"))
+    cfg = TrainStepConfig(model=tmp_path, shards=[str(sh)], out=tmp_path / "o", progress=False)
+    meet = threading.Barrier(2, timeout=60)
+
+    def work(rank):
+        data = read_step(cfg, rank)
+        groups = pack_microbatches([p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)], 40)
+        if meet.wait() == 0:
+            if change == "removed":
+                f.unlink()
+            else:
+                text = f.read_text()
+                bumped = re.sub(r'"completion_token_ids":\[[0-9,]*\]',
+                                lambda m: re.sub("[1-8]", lambda d: str(int(d.group()) + 1), m.group()), text)
+                assert len(bumped) == len(text) and bumped != text
+                f.write_text(bumped)
+        meet.wait()
+        _keep_owned(data, groups, rank)
+
+    got = _as_ranks(2, work)
+    want = "the line changed while the step was read" if change == "same-length" else "cannot read shard"
+    assert all(isinstance(e, BadInputError) and want in str(e) for e in got), got

@@ -285,6 +285,16 @@ def test_a_negative_top_k_is_no_cut_and_a_non_number_is_named(first, tmp_path):
     assert not (tmp_path / "a_text").exists()
 
 
+def test_a_sampling_cut_past_floats_range_is_named():
+    # JSON reads a 1 and 400 zeros as an int no float holds: math.isfinite raised OverflowError, a traceback
+    # (review s59r16)
+    from qerl_cli.train.inputs import _sampling_cut
+
+    for key in ("top_p", "top_k", "min_p"):
+        with pytest.raises(BadInputError, match=f"sampling.{key} should be a number or null"):
+            _sampling_cut({"temperature": 1.0, key: 10**400})
+
+
 def test_a_step_mask_truncated_leaves_nothing_of_is_named_with_its_way_out(first, tmp_path):
     # It said "no completion tokens left to train on" with no hint, and a rerun stopped the same way (a review)
     sh = tmp_path / "sh"

@@ -17,8 +17,8 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +59,7 @@ class StepData:
     completion_lengths: list[int] | None = None
     id_ranges: list[tuple[int, int]] | None = None  # (lowest, highest) token id of each record
     line_offsets: tuple[int, ...] = ()  # byte offset of each record's line: its arrays are read by ``_keep_owned``
+    line_digests: tuple[int, ...] = ()  # crc32 of each record's line as parsed: ``_reread`` refuses other bytes
 
     def __post_init__(self):
         if self.prompt_lengths is None:
@@ -95,8 +96,8 @@ def read_step(cfg: TrainStepConfig, dist=None) -> StepData:
         raise BadInputError(f"{where}: no rollout records to train on{skipped}")
     check_groups_whole(recs, report.origins)
     for r, (p, _, _), (f, line) in zip(recs, sizes.lengths, report.origins):
-        # Caught here, before a process group starts: found later by the one rank that collates it, the
-        # other ranks died in gloo (or would wait in NCCL) and torchrun could blame them.
+        # Caught here, by every rank alike (the ranks have joined, but none has loaded anything): found later by the
+        # one rank that collates it, the other ranks died in gloo (or would wait in NCCL) and torchrun could blame them.
         if not p:
             raise BadInputError(f"{f}:{line}: record of group {r['group_id']!r} has no prompt tokens")
     first = recs[0]
@@ -159,16 +160,18 @@ def read_step(cfg: TrainStepConfig, dist=None) -> StepData:
         completion_lengths=[c for _, c, _ in sizes.lengths],
         id_ranges=[r for _, _, r in sizes.lengths],
         line_offsets=tuple(sizes.offsets),
+        line_digests=tuple(sizes.digests),
     )
 
 
 @dataclass
 class _Sizes:
     """What the checks and the packing take from each record's token arrays: (prompt length, completion length,
-    (lowest, highest) token id); and where its line starts in its file when the arrays are read later."""
+    (lowest, highest) token id); and where its line starts in its file, and its crc32, when the arrays are read later."""
 
     lengths: list[tuple[int, int, tuple[int, int]]]
     offsets: list[int]
+    digests: list[int] = field(default_factory=list)
 
 
 def _read_whole(files: list[Path], skip_bad_lines: bool, report) -> tuple:
@@ -206,7 +209,7 @@ def _read_shared(files: list[Path], skip_bad_lines: bool, report, dist) -> tuple
     report.files = list(files)
     recs, sizes, version, arrays = [], _Sizes([], []), None, []
     for r, (lines, parsed) in enumerate(zip(parts, dist.all_gather_object(mine))):
-        for (k, i, off, _), (rec, msg, size) in zip(lines, parsed):
+        for (k, i, off, _), (rec, msg, size, digest) in zip(lines, parsed):
             if msg is not None:
                 if not skip_bad_lines:
                     from qerl_cli.shards import bad_line_error
@@ -220,6 +223,7 @@ def _read_shared(files: list[Path], skip_bad_lines: bool, report, dist) -> tuple
             recs.append(rec)
             sizes.lengths.append(size)
             sizes.offsets.append(off)
+            sizes.digests.append(digest)
             arrays.append(next(held) if r == dist.rank else (None, None, None))
     prompts, completions, sampling_lps = (list(x) for x in zip(*arrays)) if arrays else ([], [], [])
     return recs, prompts, completions, sampling_lps, sizes
@@ -252,21 +256,21 @@ def _parts(lines: list, world: int) -> list[list]:
 
 
 def _parse_part(files: list[Path], part: list, skip_bad_lines: bool) -> tuple[list[tuple], list[tuple]]:
-    """(record without its arrays, None, sizes) or (None, "file:line: why", None) for each line of ``part``, up to
-    its first bad one unless ``skip_bad_lines``: what the other ranks need of them; and the token arrays of its
-    records, held until the micro-batches are split (those this rank owns need no second parse)."""
+    """(record without its arrays, None, sizes, crc32 of the line) or (None, "file:line: why", None, None) for each
+    line of ``part``, up to its first bad one unless ``skip_bad_lines``: what the other ranks need of them; and the
+    token arrays of its records, held until the micro-batches are split (those this rank owns need no second parse)."""
     from qerl_cli.shards import parse_line
 
     out, held = [], []
     for (k, i, _, _), raw in zip(part, _lines_at(files, [(k, off) for k, _, off, _ in part])):
         rec, msg = parse_line(files[k], i, raw)
         if msg is not None:
-            out.append((None, msg, None))
+            out.append((None, msg, None, None))
             if not skip_bad_lines:
                 break
             continue
         p, c, lp = _compact(rec)
-        out.append((rec, None, (len(p), len(c), _id_range(p, c))))
+        out.append((rec, None, (len(p), len(c), _id_range(p, c)), zlib.crc32(raw)))
         held.append((p, c, lp))
     return out, held
 
@@ -279,7 +283,11 @@ def _lines_at(files: list[Path], where: list[tuple[int, int]]):
             if k != k_open:
                 if f is not None:
                     f.close()
-                f, k_open = open(files[k], "rb"), k
+                try:
+                    f, k_open = open(files[k], "rb"), k
+                except OSError as e:  # gone since it was indexed (a rollout --force redo swapped its directory)
+                    raise BadInputError(f"cannot read shard {files[k]}: {e.strerror}",
+                                        hint="do not move or rewrite the shards while train-step runs") from None
             f.seek(off)
             yield f.readline()
     finally:
@@ -343,11 +351,12 @@ def _reread(data: StepData, seqs: list[int]):
     for s, raw in zip(seqs, _lines_at(files, where)):
         f, line = data.origins[s]
         rec, msg = parse_line(f, line, raw)
-        arrays = _compact(rec) if msg is None else None
-        if arrays is None or (len(arrays[0]), len(arrays[1])) != (data.prompt_lengths[s], data.completion_lengths[s]):
-            raise BadInputError(f"{f}:{line}: the line changed while the step was read ({msg or 'other token counts'})",
+        # its bytes, not only its token counts: a line rewritten to other ids of the same counts (or another reward)
+        # passed, and the rank trained on ids the vocabulary check never saw beside the records' advantages
+        if msg is not None or zlib.crc32(raw) != data.line_digests[s]:
+            raise BadInputError(f"{f}:{line}: the line changed while the step was read ({msg or 'other bytes'})",
                                 hint="do not rewrite the shards while train-step runs")
-        yield s, arrays
+        yield s, _compact(rec)
 
 
 def _policy_name(policy: dict) -> str:
@@ -360,9 +369,11 @@ def _sampling_cut(sampling: dict) -> tuple[float, int, float]:
     """(top_p, top_k, min_p) a record was sampled with: its log-probs are over what that cut kept.
     A top_k <= 0 is no cut (qerl writes 0; vLLM before 0.10 and other tools wrote -1 for "off"): a
     negative one reached ``torch.topk`` and ended the step in a traceback."""
+    from qerl_cli.shards import _number  # an int past float's range is none (math.isfinite raised on it)
+
     top_p, top_k, min_p = sampling.get("top_p"), sampling.get("top_k"), sampling.get("min_p")
     for key, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)):
-        if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
+        if v is not None and not _number(v):
             raise BadInputError(f"sampling.{key} should be a number or null, got {v!r}")
     return (1.0 if top_p is None else float(top_p), 0 if top_k is None else max(int(top_k), 0),
             0.0 if min_p is None else float(min_p))
