@@ -380,13 +380,17 @@ def missing_shards(files: Iterable[Path]) -> list[str]:
     return [shard_name(i, n) for n, idx in sorted(have.items()) for i in range(n) if i not in idx]
 
 
+def open_shard(path: Path, hint: str | None = None):
+    """``path`` opened for reading bytes, or the one-line "cannot read shard" error."""
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise BadInputError(f"cannot read shard {path}: {e.strerror}", hint=hint) from None
+
+
 def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator[dict]:
     # Streamed line by line: a large step's shards need not fit in memory twice.
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise BadInputError(f"cannot read shard {path}: {e.strerror}") from None
-    with f:
+    with open_shard(path) as f:
         for i, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue

@@ -231,12 +231,10 @@ def _read_shared(files: list[Path], skip_bad_lines: bool, report, dist) -> tuple
 
 def _index_file(path: Path) -> tuple[str, list[tuple[int, int, int]]]:
     """A shard's sha256 and its non-blank lines: (line number, byte offset, size), as ``iter_records`` numbers them."""
+    from qerl_cli.shards import open_shard
+
     h, lines, off = hashlib.sha256(), [], 0
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise BadInputError(f"cannot read shard {path}: {e.strerror}") from None
-    with f:
+    with open_shard(path) as f:
         for i, raw in enumerate(f, start=1):
             h.update(raw)
             if raw.strip():
@@ -277,17 +275,16 @@ def _parse_part(files: list[Path], part: list, skip_bad_lines: bool) -> tuple[li
 
 def _lines_at(files: list[Path], where: list[tuple[int, int]]):
     """The lines that start at (file index, byte offset) ``where``, each file opened once for a run of its lines."""
+    from qerl_cli.shards import open_shard
+
     f, k_open = None, None
     try:
         for k, off in where:
             if k != k_open:
                 if f is not None:
                     f.close()
-                try:
-                    f, k_open = open(files[k], "rb"), k
-                except OSError as e:  # gone since it was indexed (a rollout --force redo swapped its directory)
-                    raise BadInputError(f"cannot read shard {files[k]}: {e.strerror}",
-                                        hint="do not move or rewrite the shards while train-step runs") from None
+                # gone since it was indexed (a rollout --force redo swapped its directory)
+                f, k_open = open_shard(files[k], hint="do not move or rewrite the shards while train-step runs"), k
             f.seek(off)
             yield f.readline()
     finally:
