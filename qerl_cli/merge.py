@@ -78,11 +78,10 @@ class MergeConfig:
 
     def __post_init__(self):
         self.model, self.adapter, self.out = Path(self.model), Path(self.adapter), Path(self.out)
-        if self.requantize_from is not None:
-            self.requantize_from = Path(self.requantize_from)
         if self.chat_template_file is not None:
             self.chat_template_file = Path(self.chat_template_file)
         if self.requantize_from is not None:
+            self.requantize_from = Path(self.requantize_from)
             if self.dtype != "nvfp4":
                 raise BadInputError("--requantize-from only applies to --dtype nvfp4")
         if self.dtype not in DTYPES:
