@@ -516,20 +516,28 @@ def test_the_local_loop_and_the_slurm_stages_run_the_same_commands(tmp_path):
     assert sum("--run-seed 5 " in c for c in local) == 2 and all("--dtype bf16 " in c for c in local[1:-3])
 
 
-def test_a_datasets_own_column_names_reach_every_rollout_and_eval(tmp_path):
-    # a chat set keeping its reference in `final_answer` could not be run by the recipes: they passed no --answer-key
-    # (nor --prompt-key), so eval refused every row, "row has no `answer`", and gsm8k-rewarded rollouts too
-    cfg = _qwen_cfg(tmp_path, "WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\n"
-                              "PROMPT_KEY=conversation\nANSWER_KEY=meta.final_answer\n")
+def _recipe_commands(tmp_path, cfg, slurm_stages) -> tuple[list[str], list[str]]:
+    """The qerl command lines grpo.sh runs on ``cfg`` into tmp_path/run, and those the Slurm jobs ``slurm_stages``
+    (stage.sbatch's first argument, step 1) run after it."""
     qerl, log = _argv_recorder(tmp_path)
     env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
     subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
                    capture_output=True)
     local = log.read_text().splitlines()
     log.write_text("")
-    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(tmp_path / "run"), "1"],
-                   env=env, check=True, capture_output=True)
-    for c in local + log.read_text().splitlines():
+    for stage in slurm_stages:
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(tmp_path / "run"), "1"],
+                       env=env, check=True, capture_output=True)
+    return local, log.read_text().splitlines()
+
+
+def test_a_datasets_own_column_names_reach_every_rollout_and_eval(tmp_path):
+    # a chat set keeping its reference in `final_answer` could not be run by the recipes: they passed no --answer-key
+    # (nor --prompt-key), so eval refused every row, "row has no `answer`", and gsm8k-rewarded rollouts too
+    cfg = _qwen_cfg(tmp_path, "WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\n"
+                              "PROMPT_KEY=conversation\nANSWER_KEY=meta.final_answer\n")
+    local, chain = _recipe_commands(tmp_path, cfg, ("rollout",))
+    for c in local + chain:
         stage = c.split()[0]
         named = "--prompt-key conversation " in c and "--answer-key meta.final_answer " in c
         assert named == (stage in ("rollout", "eval") and "--compare" not in c), c
@@ -542,16 +550,7 @@ def test_the_system_prompt_and_stop_reach_every_rollout_and_eval_and_the_templat
     # its tokenizer needs to prompt as the policy was trained (apply_chat_template failed on a base model's).
     cfg = _qwen_cfg(tmp_path, "WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\nCHAT_TEMPLATE_FILE=/t/c.jinja\n"
                               "SYSTEM_PROMPT='Think step by step.'\nSTOP=$'\\nQ:'\n")
-    qerl, log = _argv_recorder(tmp_path)
-    env = {**os.environ, "QERL": str(qerl), "SLURM_ARRAY_TASK_ID": "0"}
-    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], env=env, check=True,
-                   capture_output=True)
-    local = log.read_text().splitlines()
-    log.write_text("")
-    for stage in ("rollout", "final"):
-        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(tmp_path / "run"), "1"],
-                       env=env, check=True, capture_output=True)
-    chain = log.read_text().splitlines()
+    local, chain = _recipe_commands(tmp_path, cfg, ("rollout", "final"))
     for c in local + chain:
         stage = c.split()[0]
         named = "--system-prompt Think\\ step\\ by\\ step. " in c and "--stop $'\\nQ:' " in c
