@@ -74,7 +74,10 @@ ANSWER_KINDS = ("gsm8k", "math")
 # math 3 and gsm8k 6 (2026-11-28): s59r03, s59r09 and s59r14 above, one version since none of them landed apart.
 # math 2 had taken several sessions' landed changes unbumped ("unreleased"), which left an eval finished in between
 # "already done" with old verdicts: each kind is bumped now with any landed change of verdict, as this comment says.
-RULE_VERSION = {"gsm8k": 6, "math": 3}
+# math 4 and gsm8k 7 (review s60r02): words between two boxes that deny the later one ("\boxed{3}, not \boxed{4}",
+# "(not \boxed{4})", "rather than") give the box before, 3 (was 4); a box that only dresses another
+# ("\boxed{\boxed{2}} \boxed{\boxed{3}}") is that one's: math "2, 3" (was 3); gsm8k "\boxed{\boxed{18}}" is 18 (none in 6).
+RULE_VERSION = {"gsm8k": 7, "math": 4}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own
 # changes, does not count. Their versions are recorded beside it (metrics.json's ``scorer_packages``).

@@ -31,7 +31,9 @@ the answer 72?", "What is the answer? 72"), or comes before a later box, ``<answ
 next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer, as is one later words take back ("The
 answer is 18. Actually, it is 19."), and so is a ``####`` line, box or tag so taken back ("#### 18\nWait, no, it is 19"),
 a box with another number offered beside it in prose ("\\boxed{18} or 19", "19 or \\boxed{18}") or two boxes with TeX or
-punctuation between as the math rule reads them ("\\boxed{18} \\text{ or } \\boxed{19}", "\\boxed{18} | \\boxed{19}"); a
+punctuation between as the math rule reads them ("\\boxed{18} \\text{ or } \\boxed{19}", "\\boxed{18} | \\boxed{19}"), while
+a box the words before it deny is none of the answer ("\\boxed{18}, not \\boxed{19}" is 18) and a box around a box
+only dresses it ("\\boxed{\\boxed{18}}" is 18); a
 statement is read to its sentence's end ("The
 answer is 6 + 12 = 18. So 18 - 3 = 15." is 18). Deliberately *no* "last number in the text" fallback: it rewards
 rambling that happens to end on the right number and teaches nothing about answering. What a completion holds after
@@ -53,8 +55,9 @@ from qerl_cli.math_rule import (
     _SIDE_BY_SIDE,
     _TAKE_BACK,
     _UNIT_AFTER,
-    _bold_widened,
+    _dressed_boxes,
     _plain_separator,
+    _without_denied_boxes,
 )
 
 # A Markdown heading's label ("#### Step 1: Add", "#### **Part 2**"): its number is no answer. Skipped rather than
@@ -315,10 +318,11 @@ def gsm8k_answer(text: str) -> str | None:
     lead, words, numbered = _hash_spans(text)
     if lead is not None:
         return _kept(text, lead[2] - len(lead[0]), lead[1])  # its own line too: "#### 18. Hmm, 19?"
-    box = _final_box(text)
+    boxed = _without_denied_boxes(text)  # "\boxed{18}, not \boxed{19}" is 18 (19 until review s60r02)
+    box = _final_box(boxed)
     num = None if box is None else span_number(box[0], whole=True)
     if num is not None:
-        return None if _hedged_box(text, box[1], box[2], num) else _kept(text, box[2], num)
+        return None if _hedged_box(boxed, box[1], box[2], num) else _kept(boxed, box[2], num)
     tag = _answer_tag(text)
     num = None if tag is None else span_number(tag, whole=True)
     if num is not None:
@@ -340,11 +344,11 @@ def _kept(text: str, end: int, num: str) -> str | None:
 
 
 def _final_box(text: str) -> tuple[str, int, int] | None:
-    """The last box (its content, start, end), dressed as the math rule reads it (_bold_widened: "\\textbf{\\boxed{18}}"),
+    """The last box (its content, start, end), dressed as the math rule reads it (_dressed_boxes: "\\textbf{\\boxed{18}}"),
     or None where the box before it is offered beside it and gives another number: by a hedge or a list (final_box's,
     with the TeX spacing and text groups between taken off, "\\boxed{18} \\text{ or } \\boxed{19}"), or side by side
     ("\\boxed{18} \\boxed{19}", "\\boxed{18} | \\boxed{19}"): each read as 19 until review s59r14."""
-    boxes = (_bold_widened(text, box) for box in _boxes_from_last(text))
+    boxes = _dressed_boxes(text)
     last, before = next(boxes, None), next(boxes, None)
     if last is None or before is None:
         return last

@@ -18,7 +18,9 @@ against a decimal reference only), with an ellipsis after the decimal too (``\\f
 the letters. Two boxes side by side with only spacing between (``\\boxed{3} \\boxed{4}``, ``\\hspace{1em}``,
 ``\\enspace``, ``\\kern``, a slash, a semicolon, a bar, a "vs", any punctuation, ``\\mid``, ``\\lor``, markdown or TeX
 bold, an underline, a colour or a size around each) are listed; words after the last box that take it back or offer
-another value (``\\boxed{3}. Actually, it is 4.``, ``\\boxed{3} or 4``, ``4 or \\boxed{3}``) make it no answer. Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
+another value (``\\boxed{3}. Actually, it is 4.``, ``\\boxed{3} or 4``, ``4 or \\boxed{3}``) make it no answer; words that
+deny it leave the box before (``\\boxed{3}, not \\boxed{4}`` is 3), and a box around a box only dresses it
+(``\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}`` is ``2, 3``). Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
 are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
 one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
 as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
@@ -131,8 +133,9 @@ _SIDE_BY_SIDE = re.compile(rf"[ \t$*]*(?:(?:{_SEPARATOR_TOKEN})[ \t$*]*){{0,6}}"
 # Review s59r14: any group that only dresses it, a colour ("\\textcolor{red}{\\boxed{2}}", "{\\color{red}\\boxed{2}}"),
 # an overline, italics, roman or text, a size, a bare group: each read as the last box, right for 3, until then. A
 # declaration ("\\color{red}", "\\large", "\\displaystyle") has no group of its own to close: the box's start only.
+# Review s60r02: a box around the box ("\\boxed{\\boxed{2}}", "\\fbox{\\boxed{2}}") dresses it too (_dressed_boxes).
 _BOLD_OPEN = re.compile(r"(?:\\(?:textbf|mathbf|boldsymbol|bm|underline|overline|textit|mathit|emph|textrm|mathrm|text|mbox"
-                        r"|large|Large|LARGE|huge|Huge)\s*|\\(?:textcolor|colorbox)\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}\s*"
+                        r"|large|Large|LARGE|huge|Huge|boxed|fbox)\s*|\\(?:textcolor|colorbox)\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}\s*"
                         r"|(?<![\w}\]^_\\]))\{\s*$")
 _BOLD_CLOSE = re.compile(r"\s*\}")
 _DECLARATIONS = re.compile(r"(?:\\(?:color\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}|large|Large|LARGE|huge|Huge|"
@@ -154,6 +157,39 @@ def _bold_widened(text: str, box: tuple[str, int, int]) -> tuple[str, int, int]:
     return content, start, end
 
 
+def _dressed_boxes(text: str) -> Iterator[tuple[str, int, int]]:
+    """_boxes_from_last's boxes, each with its dress (_bold_widened), less a box that only dresses a later one: the one
+    inside is the answer ("\\boxed{\\boxed{2}}" is 2). Yielded beside it, the box around stood between two such boxes as words
+    ("\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}" read as 3, right for the second of two answers offered) and, under gsm8k,
+    as another answer beside its own ("\\boxed{\\boxed{18}}" was none from review s59r14 to review s60r02)."""
+    dress = None  # (start, end) of the box yielded last (later in the text), its dress taken
+    for box in _boxes_from_last(text):
+        if dress is not None and dress[0] <= box[1] and box[2] <= dress[1]:  # the later box's dress, "\\boxed{" too
+            continue
+        box = _bold_widened(text, box)
+        dress = box[1:]
+        yield box
+
+
+# Words between two boxes that deny the later one: "\\boxed{3}, not \\boxed{4}", "\\boxed{3} (not \\boxed{4})",
+# "\\boxed{3} rather than \\boxed{4}", "$x = \\boxed{5}$ (rejecting \\boxed{-5})": the answer is the box before. Read as
+# words, a correction, they gave the denied box, 4: a wrong answer scored 1 (and the right one 0) until review s60r02.
+_BOX_DENIAL = re.compile(r"[ \t$.,;:)\]*(—–-]*(?:(?:and|but)[ \t]+)?(?:not|rather[ \t]+than|instead[ \t]+of|rejecting|discarding"
+                         r"|excluding)\b[ \t$(\[*]*", re.IGNORECASE)
+
+
+def _without_denied_boxes(text: str) -> str:
+    """``text`` less each last box its words deny (_BOX_DENIAL) with those words: "\\boxed{3}, not \\boxed{4}." is
+    "\\boxed{3}.", whose box and the words after it are then read as ever."""
+    boxes = _dressed_boxes(text)
+    last = kept = next(boxes, None)
+    for before in itertools.islice(boxes, MAX_LISTED_BOXES):  # a few: "\\boxed{2}, not \\boxed{3}, not \\boxed{4}"
+        if not _BOX_DENIAL.fullmatch(_plain_separator(text[before[2] : kept[1]])):
+            break
+        kept = before
+    return text if kept is last else text[: kept[2]] + text[last[2] :]
+
+
 def _with_end_before(boxes: Iterator[tuple[str, int, int]]) -> Iterator[tuple[str, int, int, int]]:
     """_boxes_from_last's boxes, each with the end of the box before it in the text (0: none), which its name may not
     reach back past (a box nested in another: past its own start, so no name)."""
@@ -173,7 +209,8 @@ def math_boxes(text: str) -> str | None:
     \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list, nor are boxes named
     as values of two unknowns ("$x = \\boxed{2}$ and $y = \\boxed{3}$": one of them may be what the question asks,
     "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer)."""
-    boxes = _with_end_before(_bold_widened(text, box) for box in _boxes_from_last(text))
+    text = _without_denied_boxes(text)
+    boxes = _with_end_before(_dressed_boxes(text))
     last = next(boxes, None)
     if last is None:
         return None

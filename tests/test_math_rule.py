@@ -642,3 +642,33 @@ def test_words_around_the_last_box_that_offer_or_take_back_another_value_are_no_
     tag's span its words take back is none since s59r03. A check or a restatement of the value keeps it, as does a
     solution picked by its name ("$x = -4$ or $x = \\boxed{3}$")."""
     assert is_correct(completion, "3", "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{3}, not \\boxed{4}", "3", True), ("\\boxed{3}, not \\boxed{4}", "4", False),
+    ("The answer is $\\boxed{3}$ (not $\\boxed{4}$).", "4", False), ("\\boxed{3} and not \\boxed{4}", "3", True),
+    ("\\boxed{3}, but not \\boxed{4}", "4", False), ("\\boxed{3} rather than \\boxed{4}", "3", True),
+    ("\\boxed{3} instead of \\boxed{4}", "4", False), ("\\boxed{3} \\text{, not } \\boxed{4}", "3", True),
+    ("\\boxed{2}, not \\boxed{3}, not \\boxed{4}", "2", True), ("\\boxed{2} or \\boxed{3}, not \\boxed{4}", "2, 3", True),
+    ("\\boxed{3}, not \\boxed{4}. Actually, it is 5.", "3", False),  # the words after the box still read
+    ("\\boxed{3}, not quite: \\boxed{4}", "4", True),  # words: a correction
+    ("\\boxed{3}, notably \\boxed{4}", "4", True), ("\\boxed{3}\nNot \\boxed{4}", "4", True),
+    ("$\\boxed{3}$ — not $\\boxed{4}$ as one might expect.", "4", False),
+    ("$x = \\boxed{5}$ (rejecting $\\boxed{-5}$ since lengths are positive)", "-5", False),
+])
+def test_words_that_deny_the_last_box_leave_the_box_before(completion, reference, ok):
+    """Review s60r02: "\\boxed{3}, not \\boxed{4}" read as words between two boxes, a correction: 4, a wrong answer
+    scored 1 and the right one 0. A denial ("not", "and not", "rather than", "instead of") leaves the box before."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}", "3", False), ("\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}", "2, 3", True),
+    ("\\fbox{\\boxed{2}}, \\fbox{\\boxed{3}}", "3", False), ("\\textbf{\\boxed{\\boxed{2}}}, \\textbf{\\boxed{\\boxed{3}}}", "3", False),
+    ("$\\boxed{\\boxed{2}}$", "2", True), ("\\boxed{ \\fbox{2} }", "2", True),
+])
+def test_a_box_around_each_box_lists_them(completion, reference, ok):
+    """Review s60r02: a box around a box ("\\boxed{\\boxed{2}}") stood beside it, so between two such the outer box's
+    brace was words, a correction: "\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}" read as 3, right for the second of two
+    answers offered. It dresses the box inside, as bold does."""
+    assert is_correct(completion, reference, "math") is ok

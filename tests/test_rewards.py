@@ -1191,6 +1191,18 @@ def test_words_around_a_final_number_that_offer_or_take_back_another_are_no_answ
     assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
 
 
+@pytest.mark.parametrize("completion, answer", [
+    ("\\boxed{18}, not \\boxed{19}", "18"), ("So she makes $\\boxed{18}$ (not $\\boxed{19}$).", "18"),
+    ("\\boxed{18} rather than \\boxed{19}", "18"), ("\\boxed{19}, not \\boxed{18}", "19"),
+    ("\\boxed{18}, not \\boxed{19}. Actually, it is 20.", None), ("\\boxed{17} or \\boxed{18}, not \\boxed{19}", None),
+    ("\\boxed{\\boxed{18}}", "18"), ("$\\fbox{\\boxed{18}}$.", "18"), ("\\boxed{\\boxed{19}} \\boxed{\\boxed{18}}", None),
+])
+def test_a_denied_last_box_leaves_the_box_before_and_a_box_around_a_box_is_its_own(completion, answer):
+    """Review s60r02: "\\boxed{18}, not \\boxed{19}" read as 19, a wrong answer scored 1; a box around a box
+    ("\\boxed{\\boxed{18}}") stood beside it as another answer, none since review s59r14 (18 before it)."""
+    assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
+
+
 def test_a_plain_answer_statement_ranks_below_every_other_answer():
     """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
     for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
@@ -1399,26 +1411,30 @@ RULE_PINS = ["#### 3 hours (180 minutes)", "#### 90 minutes (or 1 hour 30 minute
              "#### 18 dollars and 9 eggs sold", "So the final answer is 18.", "#### The answer is >= 72",
              "The answer is 6 + 12 = 18. So 18 - 3 = 15.", "#### 18 at most", "#### about 18", "\\boxed{5} and \\boxed{7}",
              "#### \u20ac18", "The answer is 18. Actually, it is 19.", "\\boxed{2}; \\boxed{3}",
-             "\\boxed{3}. Actually, it is 4."]
+             "\\boxed{3}. Actually, it is 4.", "\\boxed{3}, not \\boxed{4}", "\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}"]
 RULE_READINGS = {  # (kind, version): extract_answer of each of RULE_PINS under that version's rule
     ("gsm8k", 1): [None, None, None, None, "72", "73", "72", "0.5", None, None, None, None, "72", None, "18", "18", "7", None,
-                   None, "3", "3"],
+                   None, "3", "3", "4", "3"],
     ("gsm8k", 2): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", None, "72", None, "18", "18", "7", None,
-                   None, "3", "3"],
+                   None, "3", "3", "4", "3"],
     ("gsm8k", 3): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", "72", "15", "18", "18", "7", None,
-                   "18", "3", "3"],
+                   "18", "3", "3", "4", "3"],
     ("gsm8k", 4): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", "18", "18", "7", None,
-                   "18", "3", "3"],
+                   "18", "3", "3", "4", "3"],
     ("gsm8k", 5): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
-                   "18", "3", "3"],
+                   "18", "3", "3", "4", "3"],
     ("gsm8k", 6): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
-                   None, None, None],
+                   None, None, None, "4", None],
+    ("gsm8k", 7): ["3", "90", "72.5", "72", None, "72", "72", "0.5", None, None, "18", "18", None, "18", None, None, None, "18",
+                   None, None, None, "3", None],
     ("math", 1): [None, None, None, None, None, None, None, "\\frac{1}{2}", None, "x^2+1", None, None, None, None, None, None, "7",
-                  None, None, "3", "3"],
+                  None, None, "3", "3", "4", "3"],
     ("math", 2): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
-                  None, "5, 7", None, None, "3", "3"],
+                  None, "5, 7", None, None, "3", "3", "4", "3"],
     ("math", 3): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
-                  None, "5, 7", None, None, "2, 3", None],
+                  None, "5, 7", None, None, "2, 3", None, "4", "3"],
+    ("math", 4): [None, None, None, None, None, "72, 73", None, "\\frac{1}{2}", "3, 4", "x^2+1", None, None, None, None, None,
+                  None, "5, 7", None, None, "2, 3", None, "3", "2, 3"],
 }
 
 
