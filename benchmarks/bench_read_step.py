@@ -1,8 +1,8 @@
 """What reading a step's shards costs each torchrun rank of a train-step, on CPU.
 
 Each of N ranks (gloo, one process each, started here) does what ``_joined_step`` does from the shards to
-the token arrays it trains on: ``read_step`` (parse, check), the micro-batch packing, and the token arrays
-of its own micro-batches (``_keep_owned``). Per rank it reports the wall time, the CPU time
+the token arrays it trains on: ``read_step`` (parse, check), the micro-batch packing, the token arrays
+of its own micro-batches (``_keep_owned``) and the fingerprint's shard hash (``_shards_hash``). Per rank it reports the wall time, the CPU time
 (the ranks share the machine's cores, so the CPU time is the rank's own cost) and the peak RSS over the RSS
 before reading. The step: ``--prompts`` x ``--per-group`` completions of ``--completion-len`` tokens after
 ``--prompt-len``-token prompts, in ``--shards`` files (made once per ``--workdir``).
@@ -79,13 +79,17 @@ def rank_main(shards: Path, micro_batch_tokens: int) -> None:
     groups = pack_microbatches([p + c for p, c in zip(data.prompt_lengths, data.completion_lengths)],
                                cfg.micro_batch_tokens)
     inputs._keep_owned(data, groups, d)
+    # the fingerprint's shard hash: before 2026-11-28 (session 60) each file was read and hashed again for it
+    shards_hash = (inputs._shards_hash(data.file_hashes) if hasattr(data, "file_hashes")
+                   else inputs._shards_hash(data.files))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     owned = sum(len(g) for j, g in enumerate(groups) if d.owns(j))
     digest = _digest(data, groups, d)
     print(json.dumps({"rank": d.rank, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
                       "peak_rss_over_start_mib": round(peak - rss0, 1), "records": len(data.records),
-                      "owned_records": owned, "micro_batches": len(groups), "digest": digest}), flush=True)
+                      "owned_records": owned, "micro_batches": len(groups), "digest": digest,
+                      "shards_hash": shards_hash[:16]}), flush=True)
     dist.destroy_process_group()
 
 

@@ -49,7 +49,7 @@ from qerl_cli.adapters import (
     unsupported_lora_variant,
 )
 from qerl_cli.errors import BadInputError, LineageError, NumericalError, QerlWarning
-from qerl_cli.hashing import model_hash, text_files_hash
+from qerl_cli.hashing import CHAT_TEMPLATE_DIR, model_hash, text_files_hash
 from qerl_cli.lineage import TRAINER_STATE, check_lineage, recorded_base_hash  # noqa: F401 (re-exported)
 from qerl_cli.outputs import StageOutput, check_out_apart
 from qerl_cli.runtime import check_field_types
@@ -700,27 +700,50 @@ def trained_chat_template(adapter_dir: Path) -> str | None:
 
 def own_chat_template(model_dir: Path) -> str | None:
     """The sha256 of the default chat template a model directory's tokenizer files hold (chat_template.jinja, else
-    tokenizer_config.json's ``chat_template`` string), as read_chat_template hashes a file's; None without one."""
+    tokenizer_config.json's ``chat_template``: a string, or the "default" of a list of named ones), as
+    read_chat_template hashes a file's; None without one."""
     from qerl_cli.hashing import sha256_bytes
 
     jinja, config = Path(model_dir) / "chat_template.jinja", Path(model_dir) / "tokenizer_config.json"
     try:
-        text = jinja.read_text(encoding="utf-8") if jinja.is_file() else json.loads(config.read_text()).get("chat_template")
+        text = (jinja.read_text(encoding="utf-8") if jinja.is_file() else
+                named_chat_templates(json.loads(config.read_text()).get("chat_template")).get("default"))
     except (OSError, ValueError, AttributeError):
         return None
     return sha256_bytes(text.encode()) if isinstance(text, str) and text.strip() else None
 
 
+def named_chat_templates(value) -> dict[str, str]:
+    """tokenizer_config.json's ``chat_template`` by name, as transformers reads it: a string is the "default"; a
+    list of {"name", "template"} is its older form for several ("default", "tool_use", ...); anything else, none."""
+    if isinstance(value, str):
+        return {"default": value}
+    return {t["name"]: t["template"] for t in value if isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)} if isinstance(value, list) else {}
+
+
 def write_chat_template(out_dir: Path, text: str) -> None:
     """``text`` as the checkpoint's chat template, as transformers 5 saves one: chat_template.jinja, which its
     tokenizers read before tokenizer_config.json's ``chat_template`` key; that key (the base's) is dropped, as
-    transformers' save_pretrained drops it, so no reader finds the base's template instead."""
+    transformers' save_pretrained drops it, so no reader finds the base's template instead. The base's other named
+    templates in that key (a list) go to ``CHAT_TEMPLATE_DIR`` as transformers saves them: dropped with the key,
+    the merged tokenizer lost "tool_use" and the like, which a base in the .jinja form kept."""
+    named = out_dir / CHAT_TEMPLATE_DIR
+    # with a .jinja file of the base, transformers ignored the key's templates: the base's are the copied files
+    in_files = (out_dir / "chat_template.jinja").is_file() or any(named.glob("*.jinja"))
     (out_dir / "chat_template.jinja").write_text(text, encoding="utf-8")
     config = out_dir / "tokenizer_config.json"
     if config.is_file():
         data = json.loads(config.read_text())
-        if isinstance(data, dict) and data.pop("chat_template", None) is not None:
+        old = data.pop("chat_template", None) if isinstance(data, dict) else None
+        if old is not None:
             config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        others = {} if in_files else {k: v for k, v in named_chat_templates(old).items() if k != "default"}
+        for name, template in others.items():
+            if Path(name).name != name or name in ("", ".", ".."):  # transformers refuses to save it too
+                raise BadInputError(f"{config}: chat template name {name!r} is no file name")
+            named.mkdir(exist_ok=True)
+            (named / f"{name}.jinja").write_text(template, encoding="utf-8")
 
 
 LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy

@@ -20,6 +20,7 @@ and the file is rewritten atomically to hold only complete groups.
 from __future__ import annotations
 
 import glob as _glob
+import hashlib
 import json
 import math
 import os
@@ -318,6 +319,8 @@ class ReadReport:
     records: int = 0
     bad_lines: list[str] = field(default_factory=list)
     origins: list[tuple[Path, int]] = field(default_factory=list)  # (file, line) of each record yielded
+    # sha256 of each file read to its end, of the bytes parsed: train-step's fingerprint hashes what it trained on
+    hashes: list[str] = field(default_factory=list)
 
 
 def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path]:
@@ -390,8 +393,10 @@ def open_shard(path: Path, hint: str | None = None):
 
 def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator[dict]:
     # Streamed line by line: a large step's shards need not fit in memory twice.
+    h = hashlib.sha256()
     with open_shard(path) as f:
         for i, raw in enumerate(f, start=1):
+            h.update(raw)
             if not raw.strip():
                 continue
             rec, msg = parse_line(path, i, raw)
@@ -403,6 +408,7 @@ def _iter_file(path: Path, skip_bad_lines: bool, report: ReadReport) -> Iterator
             report.records += 1
             report.origins.append((path, i))
             yield rec
+    report.hashes.append(h.hexdigest())
 
 
 def parse_line(path: Path, i: int, raw: bytes) -> tuple[dict | None, str | None]:

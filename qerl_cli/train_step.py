@@ -415,12 +415,15 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
     has_norms = cfg.adapter is not None and trained_norms(cfg.adapter) is not None
     if has_norms and not cfg.train_norms:
         raise BadInputError(f"--adapter {cfg.adapter} has trained norm weights ({NORMS}); pass --train-norms")
-    inputs = {"model": base_hash, "shards": _shards_hash(data.files)}
+    # of the bytes read_step parsed, not of a second read: a shard rewritten in between was fingerprinted as the new bytes
+    inputs = {"model": base_hash, "shards": _shards_hash(data.file_hashes)}
     if cfg.adapter is not None:
         inputs["adapter"] = _adapter_inputs_hash(Path(cfg.adapter))
     # until 2026-11-27 the files were read, and hashed, in the order --shards named them
     as_named = list(data.files_as_named)
-    legacy_inputs = (dict(inputs, shards=_shards_hash(as_named)),) if as_named and as_named != data.files else ()
+    hash_of = dict(zip(data.files, data.file_hashes))
+    legacy_inputs = ((dict(inputs, shards=_shards_hash([hash_of[f] for f in as_named])),)
+                     if as_named and as_named != data.files else ())
     out = StageOutput(Path(cfg.out), STAGE, config=cfg.fingerprint_config(spec.dropout), inputs=inputs, force=cfg.force,
                       legacy_configs=(cfg.legacy_fingerprint_config(),), legacy_inputs=legacy_inputs, started=t_start)
     done = out.already_done()

@@ -454,3 +454,61 @@ def test_a_slot_reused_by_a_shorter_sequence_points_past_its_blocks_at_scratch()
     short = Sequence(group=1, child=0, token_ids=[1] * 3, num_prompt=3, max_len=6, block_table=[2, 3], slot=1)
     ModelRunner.set_block_table(runner, short)
     assert runner.block_tables[1].tolist() == [2, 3] + [BlockManager.SCRATCH] * 4
+
+
+def _cpu_engine_shape(layers, kv_heads, head_dim, max_num_seqs, max_model_len, block_size=16):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
+    model = SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32)
+    return SimpleNamespace(model=model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size)
+
+
+def test_a_cpu_kv_cache_takes_what_the_request_can_use_up_to_its_cap_and_half_the_available_ram(monkeypatch):
+    # CPU engines got a flat 1 GiB: a 1.5B model (28 layers, 2 KV heads of 128, fp32: 0.875 MiB a block of 16
+    # tokens) had 1170 blocks, and one group of 8 completions of 4096 tokens (2056 blocks) was refused with "give
+    # the engine more memory", which no flag did; a machine with 512 MiB free still got 1 GiB.
+    import qerl_cli.engine.llm_engine as le
+
+    big = _cpu_engine_shape(28, 2, 128, max_num_seqs=256, max_model_len=4096)
+    block = 2 * 28 * 16 * 2 * 128 * 4
+    monkeypatch.delenv("QERL_CPU_KV_CACHE_GIB", raising=False)
+    monkeypatch.setattr(le, "available_ram", lambda: 64 << 30)  # 4 GiB at most, not half the RAM: it is zeroed
+    assert LLMEngine._auto_num_blocks(big, 16384, 0.9) == (4 << 30) // block > 8 * 257
+    monkeypatch.setenv("QERL_CPU_KV_CACHE_GIB", "16")
+    assert LLMEngine._auto_num_blocks(big, 16384, 0.9) == (16 << 30) // block
+    monkeypatch.setenv("QERL_CPU_KV_CACHE_GIB", "40")  # still at most half the RAM available
+    assert LLMEngine._auto_num_blocks(big, 16384, 0.9) == (32 << 30) // block
+    for bad in ("0", "-1", "lots", "inf", "nan"):
+        monkeypatch.setenv("QERL_CPU_KV_CACHE_GIB", bad)
+        with pytest.raises(BadInputError, match="QERL_CPU_KV_CACHE_GIB.* is no size in GiB"):
+            LLMEngine._auto_num_blocks(big, 16384, 0.9)
+    monkeypatch.delenv("QERL_CPU_KV_CACHE_GIB")
+    monkeypatch.setattr(le, "available_ram", lambda: 512 << 20)
+    assert LLMEngine._auto_num_blocks(big, 16384, 0.9) == (256 << 20) // block
+    monkeypatch.setattr(le, "available_ram", lambda: None)  # unknown: the cap alone
+    assert LLMEngine._auto_num_blocks(big, 16384, 0.9) == (4 << 30) // block
+    # a tiny model's request fits: every block it can use, as before (CI's engines are these)
+    tiny = _cpu_engine_shape(2, 2, 32, max_num_seqs=256, max_model_len=255)
+    for ram in (16 << 30, 512 << 20, None):
+        monkeypatch.setattr(le, "available_ram", lambda ram=ram: ram)
+        assert LLMEngine._auto_num_blocks(tiny, 16384, 0.9) == 256 * 16 + 1
+    monkeypatch.setattr(le, "available_ram", lambda: 1 << 20)
+    with pytest.raises(BadInputError, match="no memory left") as e:
+        LLMEngine._auto_num_blocks(big, 16384, 0.9)
+    assert "RAM" in e.value.hint
+
+
+def test_a_group_the_cpu_kv_cache_cannot_hold_says_what_bounded_it(tiny, monkeypatch):
+    import qerl_cli.engine.llm_engine as le
+
+    model = load_model(tiny, dtype=torch.float32)
+    c = model.config
+    block = 2 * c.num_layers * 4 * c.num_kv_heads * c.head_dim * 4  # bytes of a block of 4 fp32 tokens
+    monkeypatch.setattr(le, "available_ram", lambda: 2 * 80 * block)  # half of it: 80 blocks
+    engine = LLMEngine(model, None, max_num_seqs=8, block_size=4)
+    assert engine.num_blocks == 80
+    with pytest.raises(BadInputError, match="needs .* KV blocks, the cache has 79") as e:
+        engine.generate(PROMPTS[:1], _greedy(40), n=8)
+    hint = e.value.hint
+    assert "50% of the RAM available" in hint and "80 blocks of 4 tokens" in hint and "raise QERL_CPU_KV_CACHE_GIB" in hint

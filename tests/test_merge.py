@@ -734,3 +734,38 @@ def test_a_chat_template_file_replaces_the_bases_template_in_tokenizer_config(pa
     assert "chat_template" not in json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False) == "T Hi"
+
+
+def test_a_bases_list_form_chat_templates_round_trip_and_its_default_is_compared(pair, tmp_path):
+    """tokenizer_config.json may hold named templates, a list of {"name", "template"} (transformers' older form for
+    several). The warning read a string only: a base whose "default" was the rollouts' template was said to give
+    the merged checkpoint another; and --chat-template-file dropped the whole list with the base's key, so the merged
+    tokenizer lost its other templates ("tool_use": apply_chat_template(..., chat_template="tool_use") failed)."""
+    import warnings
+
+    import transformers
+
+    from qerl_cli.errors import QerlWarning
+    from tests.helpers import CHAT_TEMPLATE
+
+    base0, adapter0 = pair
+    base = tmp_path / "base"
+    shutil.copytree(base0, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    named = [{"name": "default", "template": CHAT_TEMPLATE}, {"name": "tool_use", "template": "TOOL {{ tools | length }}"}]
+    (base / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=named)))
+    chat = [{"role": "user", "content": "Hi"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QerlWarning)
+        merge(MergeConfig(base, _trained_with_template(base, adapter0, tmp_path, CHAT_TEMPLATE), tmp_path / "same"),
+              progress=False)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "same")
+    assert tok.chat_template == {"default": CHAT_TEMPLATE, "tool_use": "TOOL {{ tools | length }}"}
+
+    (tmp_path / "t.jinja").write_text("T {{ messages[0]['content'] }}")
+    merge(MergeConfig(base, adapter0, tmp_path / "m", chat_template_file=tmp_path / "t.jinja"), progress=False)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok.apply_chat_template(chat, tokenize=False) == "T Hi"
+    assert tok.apply_chat_template(chat, tools=[{"type": "function", "function": {"name": "f"}}], tokenize=False,
+                                   chat_template="tool_use") == "TOOL 1"

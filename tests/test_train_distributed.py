@@ -708,3 +708,103 @@ def test_a_line_rewritten_to_the_same_token_counts_before_a_rank_reads_its_array
     got = _as_ranks(2, work)
     want = "the line changed while the step was read" if change == "same-length" else "cannot read shard"
     assert all(isinstance(e, BadInputError) and want in str(e) for e in got), got
+
+
+# ---- the fingerprint hashes the bytes read (s60r04) -------------------------------------------------------------
+def _hashed_again(files) -> str:
+    """The fingerprint's shard hash as train-step computed it until 2026-11-28: each file read and hashed again."""
+    import hashlib
+
+    from qerl_cli.hashing import sha256_file
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_shard_hash_of_the_read_is_the_one_of_the_files_hashed_again(tmp_path, world):
+    # The fingerprint's shard hash now comes from the read itself (a single process's, or the torchrun ranks'
+    # index pass): for unchanged files it must be the value hashing them again gave, or every finished step of
+    # an existing run would be redone (exit 4 over it). Blank, bad and torn lines are hashed too.
+    from qerl_cli.train.inputs import _shards_hash
+    from qerl_cli.train_step import read_step
+
+    sh = _awkward_shards(tmp_path / "sh")
+    named = sorted(sh.glob("*.jsonl"), reverse=True)  # the legacy hash is of --shards' order
+    cfg = TrainStepConfig(model=tmp_path, shards=[str(f) for f in named], out=tmp_path / "o", progress=False,
+                          skip_bad_lines=True)
+    got = [read_step(cfg)] if world == 1 else _as_ranks(world, lambda rank: read_step(cfg, rank))
+    for data in got:
+        assert not isinstance(data, Exception), data
+        assert _shards_hash(data.file_hashes) == _hashed_again(data.files) == _hashed_again(sorted(named))
+        hash_of = dict(zip(data.files, data.file_hashes))
+        assert _shards_hash([hash_of[f] for f in data.files_as_named]) == _hashed_again(named)
+
+
+def test_a_shard_rewritten_after_the_read_is_fingerprinted_as_the_bytes_read(tmp_path, monkeypatch):
+    # The fingerprint hashed the shards in a second read, after read_step had parsed them: a shard rewritten in
+    # between (a rollout --force redo of the step) was trained as the old bytes under a fingerprint of the new
+    # ones, and a rerun on the new bytes said "already done".
+    import time
+
+    import qerl_cli.train_step as ts
+    from qerl_cli.train.distributed import Dist
+
+    _, q = quantized_tiny(tmp_path)
+    shard = make_shard(tmp_path / "sh", base_hash_of(q))
+    f = next(shard.glob("shard-*.jsonl"))
+    read = _hashed_again([f])
+    real_model_hash = ts.model_hash
+
+    def rewrite_then_hash(d):  # after read_step, before the fingerprint
+        f.write_text(f.read_text().replace('"reward":', '"reward": ', 1))
+        return real_model_hash(d)
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def stage_output(*a, inputs, **kw):
+        seen.update(inputs)
+        raise Stop
+
+    monkeypatch.setattr(ts, "model_hash", rewrite_then_hash)
+    monkeypatch.setattr(ts, "StageOutput", stage_output)
+    cfg = TrainStepConfig(model=str(q), shards=[str(shard)], out=str(tmp_path / "out"), device="cpu", progress=False)
+    with pytest.raises(Stop):
+        ts._joined_step(cfg, Dist(), "cpu", torch.float32, time.time())
+    assert _hashed_again([f]) != read and seen["shards"] == read
+
+
+def test_a_line_rewritten_between_the_ranks_index_and_their_parse_stops_every_rank(tmp_path, monkeypatch):
+    # Under torchrun the ranks hash and index the files, then each parses its part: a line rewritten in between
+    # (digit for digit, the same offsets) was parsed as the new bytes by one rank while the hash the ranks compared,
+    # now the fingerprint's, was of the old ones.
+    import re
+    import threading
+
+    import qerl_cli.train.inputs as inputs
+    from qerl_cli.errors import BadInputError
+    from qerl_cli.train_step import read_step
+
+    sh = make_shard(tmp_path / "sh", "0" * 64, groups=4)
+    f = next(sh.glob("*.jsonl"))
+    cfg = TrainStepConfig(model=tmp_path, shards=[str(sh)], out=tmp_path / "o", progress=False)
+    real_parts, once = inputs._parts, threading.Lock()
+
+    def rewrite_then_split(lines, world):  # after every rank's index pass (the hashes were exchanged)
+        if once.acquire(blocking=False):
+            text = f.read_text()
+            bumped = re.sub(r'"completion_token_ids":\[[0-9,]*\]',
+                            lambda m: re.sub("[1-8]", lambda d: str(int(d.group()) + 1), m.group()), text)
+            assert len(bumped) == len(text) and bumped != text
+            (tmp_path / "new").write_text(bumped)
+            os.replace(tmp_path / "new", f)  # whole: no rank reads a half-written file
+        return real_parts(lines, world)
+
+    monkeypatch.setattr(inputs, "_parts", rewrite_then_split)
+    got = _as_ranks(2, lambda rank: read_step(cfg, rank))
+    assert all(isinstance(e, BadInputError) and "the line changed while the step was read" in str(e) for e in got), got

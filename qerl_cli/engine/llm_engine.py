@@ -33,7 +33,61 @@ from qerl_cli.layers.attention import fuse_projections, group_lora
 from qerl_cli.layers.lora import lora_modules
 
 _SEED_MASK = (1 << 62) - 1
+CPU_KV_SHARE = 0.5  # of the RAM available as a CPU engine is built: the rest for activations, logits, other processes
+# A CPU engine's cache in GiB, at most (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE, 4 by default). The cache is zeroed
+# up front, and the default --max-num-seqs of a model's whole context "could use" hundreds of GiB: half the RAM
+# would be taken and written for sequences a CPU never runs at once.
+CPU_KV_ENV, CPU_KV_GIB_DEFAULT = "QERL_CPU_KV_CACHE_GIB", 4.0
 _PREFIX_TOKENS = 5  # decoded before a piece of text so it reads as in the whole (vLLM's prefix offset)
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM a process can still take: psutil's ``available`` where installed, else Linux's MemAvailable (free
+    plus reclaimable page cache), bounded by a cgroup v2 limit (a container's); None when unknown."""
+    try:
+        import psutil
+
+        avail = int(psutil.virtual_memory().available)
+    except ImportError:
+        avail = _meminfo_available()
+    room = _cgroup_room()
+    return avail if room is None else room if avail is None else min(avail, room)
+
+
+def cpu_kv_cap() -> float:
+    """Bytes a CPU engine's KV cache may take at most: QERL_CPU_KV_CACHE_GIB, 4 GiB by default."""
+    raw = os.environ.get(CPU_KV_ENV, "").strip()
+    try:
+        gib = float(raw) if raw else CPU_KV_GIB_DEFAULT
+    except ValueError:
+        gib = -1.0
+    if not gib > 0 or gib == float("inf"):
+        raise BadInputError(f"{CPU_KV_ENV}={raw!r} is no size in GiB", hint=f"e.g. {CPU_KV_ENV}=8; unset: {CPU_KV_GIB_DEFAULT:g}")
+    return gib * 2**30
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2: a container's, a Slurm job's), None without a
+    limit: MemAvailable is the whole machine's."""
+    try:
+        rel = next(line[3:].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        return None if limit == "max" else max(int(limit) - int((base / "memory.current").read_text()), 0)
+    except (OSError, ValueError, StopIteration):
+        return None
 
 
 class LLMEngine:
@@ -77,12 +131,28 @@ class LLMEngine:
             logits = 4 * self.max_num_seqs * cfg.vocab_size * 4
             budget = free * utilization - act - logits - (1 << 30)
         else:
-            budget = 1 << 30  # CPU runs tiny models; 1 GiB of cache is plenty
+            # What the request can use, up to QERL_CPU_KV_CACHE_GIB and a share of the RAM free now. A flat 1 GiB
+            # held a 1.5B model's cache to ~18k tokens: one group of 8 x 4096 was refused ("give the engine more
+            # memory", which nothing did); and on a machine with less free it took RAM the model needed.
+            avail, cap = available_ram(), cpu_kv_cap()
+            budget = min(CPU_KV_SHARE * avail, cap) if avail is not None else cap
         blocks = int(min(wanted, budget // block_bytes))
+        self.kv_cache_gib = blocks * block_bytes / 2**30  # for the hint of a prompt the cache cannot hold
         if blocks < 2:
             raise BadInputError(f"no memory left for the KV cache ({budget / 2**30:.1f} GiB budget)",
-                                hint="lower --max-num-seqs or use a smaller model")
+                                hint="lower --max-num-seqs or use a smaller model" if dev.type == "cuda" else
+                                f"the CPU cache takes at most {CPU_KV_SHARE:.0%} of the RAM available; free RAM or "
+                                "use a smaller model")
         return blocks
+
+    def _cache_hint(self) -> str | None:
+        """What bounded a CPU engine's KV cache, for a prompt group it cannot hold (on a GPU: the free memory)."""
+        if self.model.device.type == "cuda" or not hasattr(self, "kv_cache_gib"):
+            return None
+        return (f"the CPU KV cache is {self.num_blocks} blocks of {self.block_size} tokens ({self.kv_cache_gib:.2f} "
+                f"GiB), at most {CPU_KV_ENV} ({cpu_kv_cap() / 2**30:g} GiB) and {CPU_KV_SHARE:.0%} of the RAM available "
+                f"when the engine was built: raise {CPU_KV_ENV}, free RAM, or lower the completions per prompt, "
+                "--max-new-tokens or --max-model-len")
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model.config.eos_token_ids)
@@ -143,7 +213,7 @@ class LLMEngine:
             for g in groups:
                 sched.add(g)
         except ValueError as e:
-            raise BadInputError(str(e)) from None
+            raise BadInputError(str(e), hint=self._cache_hint()) from None
         self._sync_lora()
         self.runner.bind()
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)

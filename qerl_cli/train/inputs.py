@@ -5,7 +5,8 @@ what the stage takes from them and from the input adapter before anything is loa
 packs each record's token ids and sampling log-probs as it comes (``_compact``), and refuses shards that are not one
 step: mixed base models, policies (``_policy_name``), rollout steps or AQN noise records (``_noise_key``), or a
 sampling cut it cannot read (``_sampling_cut``). From what it read: Dr. GRPO's divisor (``dr_grpo_length``) and the
-input hashes of the step's fingerprint (``_shards_hash``; the input adapter's files, ``_adapter_inputs_hash``).
+input hashes of the step's fingerprint (``_shards_hash``, of the bytes the read parsed: no second read of the files
+that a rewrite in between could make describe other bytes; the input adapter's files, ``_adapter_inputs_hash``).
 Under torchrun, where the ranks' shards hold the same bytes, each rank parses a byte-balanced run of the lines and
 the ranks exchange what they found (``_read_shared``: records without their arrays, lengths, bad lines); once the
 micro-batches are split, ``_keep_owned`` reads the token arrays of this rank's own, and only those.
@@ -60,6 +61,7 @@ class StepData:
     id_ranges: list[tuple[int, int]] | None = None  # (lowest, highest) token id of each record
     line_offsets: tuple[int, ...] = ()  # byte offset of each record's line: its arrays are read by ``_keep_owned``
     line_digests: tuple[int, ...] = ()  # crc32 of each record's line as parsed: ``_reread`` refuses other bytes
+    file_hashes: tuple[str, ...] = ()  # sha256 of each of ``files`` as read: the fingerprint's (``_shards_hash``)
 
     def __post_init__(self):
         if self.prompt_lengths is None:
@@ -161,6 +163,7 @@ def read_step(cfg: TrainStepConfig, dist=None) -> StepData:
         id_ranges=[r for _, _, r in sizes.lengths],
         line_offsets=tuple(sizes.offsets),
         line_digests=tuple(sizes.digests),
+        file_hashes=tuple(report.hashes),
     )
 
 
@@ -203,13 +206,15 @@ def _read_shared(files: list[Path], skip_bad_lines: bool, report, dist) -> tuple
     index = [_index_file(f) for f in files]
     if len(set(map(json.dumps, dist.all_gather_object([h for h, _ in index])))) > 1:
         return None
-    parts = _parts([(k, i, off, size) for k, (_, ls) in enumerate(index) for i, off, size in ls], dist.world_size)
+    parts = _parts([(k, *line) for k, (_, ls) in enumerate(index) for line in ls], dist.world_size)
     mine, held = _parse_part(files, parts[dist.rank], skip_bad_lines)
     held = iter(held)
-    report.files = list(files)
+    report.files, report.hashes = list(files), [h for h, _ in index]
     recs, sizes, version, arrays = [], _Sizes([], []), None, []
     for r, (lines, parsed) in enumerate(zip(parts, dist.all_gather_object(mine))):
-        for (k, i, off, _), (rec, msg, size, digest) in zip(lines, parsed):
+        for (k, i, off, _, _), (rec, msg, size, digest) in zip(lines, parsed):
+            if size == _CHANGED:  # on every rank, skipped or not: the hash of the step is of the indexed bytes
+                raise BadInputError(msg, hint="do not rewrite the shards while train-step runs")
             if msg is not None:
                 if not skip_bad_lines:
                     from qerl_cli.shards import bad_line_error
@@ -229,8 +234,9 @@ def _read_shared(files: list[Path], skip_bad_lines: bool, report, dist) -> tuple
     return recs, prompts, completions, sampling_lps, sizes
 
 
-def _index_file(path: Path) -> tuple[str, list[tuple[int, int, int]]]:
-    """A shard's sha256 and its non-blank lines: (line number, byte offset, size), as ``iter_records`` numbers them."""
+def _index_file(path: Path) -> tuple[str, list[tuple[int, int, int, int]]]:
+    """A shard's sha256 and its non-blank lines: (line number, byte offset, size, crc32), as ``iter_records``
+    numbers them. The sha256 is the fingerprint's; the crc32s make the lines parsed later these bytes."""
     from qerl_cli.shards import open_shard
 
     h, lines, off = hashlib.sha256(), [], 0
@@ -238,29 +244,36 @@ def _index_file(path: Path) -> tuple[str, list[tuple[int, int, int]]]:
         for i, raw in enumerate(f, start=1):
             h.update(raw)
             if raw.strip():
-                lines.append((i, off, len(raw)))
+                lines.append((i, off, len(raw), zlib.crc32(raw)))
             off += len(raw)
     return h.hexdigest(), lines
 
 
 def _parts(lines: list, world: int) -> list[list]:
     """``lines`` in ``world`` runs, one a rank: each line goes to the rank whose 1/``world`` of the bytes it starts in."""
-    total = sum(size for *_, size in lines)
+    total = sum(line[3] for line in lines)  # (file index, line number, offset, size, crc32)
     parts, at = [[] for _ in range(world)], 0
     for line in lines:
         parts[at * world // total].append(line)
-        at += line[-1]
+        at += line[3]
     return parts
+
+
+_CHANGED = "changed"  # ``_parse_part``'s sizes of a line that is no longer the bytes indexed (and hashed)
 
 
 def _parse_part(files: list[Path], part: list, skip_bad_lines: bool) -> tuple[list[tuple], list[tuple]]:
     """(record without its arrays, None, sizes, crc32 of the line) or (None, "file:line: why", None, None) for each
-    line of ``part``, up to its first bad one unless ``skip_bad_lines``: what the other ranks need of them; and the
-    token arrays of its records, held until the micro-batches are split (those this rank owns need no second parse)."""
+    line of ``part``, up to its first bad one unless ``skip_bad_lines``, or its first changed one ((None, "file:line:
+    why", ``_CHANGED``, None)): what the other ranks need of them; and the token arrays of its records, held until the
+    micro-batches are split (those this rank owns need no second parse)."""
     from qerl_cli.shards import parse_line
 
     out, held = [], []
-    for (k, i, _, _), raw in zip(part, _lines_at(files, [(k, off) for k, _, off, _ in part])):
+    for (k, i, _, _, crc), raw in zip(part, _lines_at(files, [(k, off) for k, _, off, *_ in part])):
+        if zlib.crc32(raw) != crc:  # rewritten since ``_index_file`` hashed it: the fingerprint would not be of it
+            out.append((None, f"{files[k]}:{i}: the line changed while the step was read (other bytes)", _CHANGED, None))
+            break
         rec, msg = parse_line(files[k], i, raw)
         if msg is not None:
             out.append((None, msg, None, None))
@@ -402,10 +415,12 @@ def _in_path_order(files: list[Path]) -> list[Path]:
     return sorted(files, key=lambda f: str(f.resolve()))
 
 
-def _shards_hash(files: list[Path]) -> str:
+def _shards_hash(file_hashes: list[str]) -> str:
+    """The fingerprint's hash of a step's shards, from each file's sha256 as read (``StepData.file_hashes``): the value
+    that hashing the files again gave (``sha256_file`` of each, in order), without reading them twice."""
     h = hashlib.sha256()
-    for f in files:
-        h.update(sha256_file(f).encode())
+    for digest in file_hashes:
+        h.update(digest.encode())
     return h.hexdigest()
 
 
