@@ -33,8 +33,7 @@ source "$CONFIG"
 qerl_load_config "$CONFIG"
 qerl_set_base "${2:-${RUN_DIR:-runs/$(basename "$CONFIG" .env)}}"
 QERL=${QERL:-qerl}
-# A wrapper may come first, word-split as CC="ccache gcc" is: QERL="apptainer exec img.sif qerl".
-read -r -a QERL_WORDS <<< "$QERL"
+qerl_read_qerl  # a wrapper may come first: QERL="apptainer exec img.sif qerl"
 
 # The running stage gets the signal this script gets, and the script ends once the stage has (qerl_run_forwarding).
 run_qerl() {  # qerl ARGS...
@@ -108,7 +107,7 @@ fi
 # their adapters are one run's (qerl_resume_point). That step's stages check the current config and inputs
 # first; if one refuses, every step is gone through from step 0, as without the shortcut, so the first stage
 # whose inputs changed is the one that says so (and FORCE=1, which takes no shortcut, redoes from there).
-first=$(qerl_resume_point)
+qerl_resume_point; first=$QERL_FIRST
 if [ "$first" -gt 0 ]; then
   qerl_shard_dirs "$first" 1 shards; d=${QERL_SHARD_DIRS[0]}
   say "step $first / $STEPS: the last finished step, checked against this config"

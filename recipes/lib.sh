@@ -14,12 +14,26 @@ QERL_REQUIRED_VARS=(MODEL DATASET STEPS PROMPTS_PER_STEP NUM_GENERATIONS MAX_NEW
   MICRO_BATCH_TOKENS SEED DEVICE)
 # ... and these have a default (qerl_load_config). ROLLOUT_SHARDS and TRAIN_GPUS are read by the Slurm jobs.
 QERL_OPTIONAL_VARS=(EVAL_DATASET EVAL_MAX_PROBLEMS EVAL_EVERY BASE_FORMAT MERGE_DTYPE DTYPE RUN_SEED
-  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS PROMPT_KEY ANSWER_KEY SYSTEM_PROMPT STOP TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
+  PROMPT_TEMPLATE CHAT_TEMPLATE_FILE CHAT_TEMPLATE_KWARGS PROMPT_KEY ANSWER_KEY EVAL_PROMPT_KEY EVAL_ANSWER_KEY
+  SYSTEM_PROMPT STOP TRAIN_EXTRA AQN_SIGMA_START AQN_SIGMA_END AQN_STAGES ROLLOUT_SHARDS TRAIN_GPUS
   SHUFFLE)
 # shellcheck disable=SC2034
 QERL_STAGE_VARS=("${QERL_REQUIRED_VARS[@]}" "${QERL_OPTIONAL_VARS[@]}")
 
 _qerl_die() { echo "error: $*" >&2; exit 2; }
+
+# One setting as a line bash reads back (submit.sh's submit.env): VAR=value, or VAR=(value ...) where the config made
+# it an array (STOP: several stop strings), every element kept: `%q` of $STOP wrote the first alone.
+qerl_setting_line() {  # VAR
+  local all="$1[@]" x
+  if [[ $(declare -p "$1" 2> /dev/null) =~ ^declare\ -[a-zA-Z]*a ]]; then
+    printf '%s=(' "$1"
+    for x in "${!all}"; do printf ' %q' "$x"; done
+    printf ' )\n'
+  else
+    printf '%s=%q\n' "$1" "${!1}"
+  fi
+}
 
 # The whole-number keys. The configs compute with some of them (WARMUP_STEPS from STEPS) as they are
 # sourced, before qerl_load_config can check them, so STEPS=abc from the environment ended in bash's
@@ -51,10 +65,16 @@ qerl_load_config() {  # CONFIG (for the messages)
   PROMPT_TEMPLATE=${PROMPT_TEMPLATE:-}
   CHAT_TEMPLATE_FILE=${CHAT_TEMPLATE_FILE:-}
   CHAT_TEMPLATE_KWARGS=${CHAT_TEMPLATE_KWARGS:-}  # a JSON object, e.g. '{"enable_thinking": false}' (Qwen3)
-  PROMPT_KEY=${PROMPT_KEY:-}           # the datasets' own column names (rollout and eval --prompt-key / --answer-key)
+  PROMPT_KEY=${PROMPT_KEY:-}           # DATASET's own column names (rollout --prompt-key / --answer-key) ...
   ANSWER_KEY=${ANSWER_KEY:-}
+  # ... and EVAL_DATASET's (eval's), the same unless set: a set of one's own to train on beside a standard test set
+  # named the train set's columns to eval, which refused every row of it ("row has no `question`"; session 59's list)
+  EVAL_PROMPT_KEY=${EVAL_PROMPT_KEY:-$PROMPT_KEY}
+  EVAL_ANSWER_KEY=${EVAL_ANSWER_KEY:-$ANSWER_KEY}
   SYSTEM_PROMPT=${SYSTEM_PROMPT:-}     # rollout and eval --system-prompt (with a chat template)
-  STOP=${STOP:-}                       # one --stop string for rollout and eval, e.g. STOP=$'\nQ:' (a base model's few-shot)
+  # rollout and eval --stop, e.g. STOP=$'\nQ:' (a base model's few-shot); several as a bash array in the config:
+  # STOP=($'\nQ:' '</answer>') (_qerl_template_flags; the environment holds one string)
+  STOP=${STOP:-}
   TRAIN_EXTRA=${TRAIN_EXTRA:-}
   AQN_SIGMA_START=${AQN_SIGMA_START:-0}
   AQN_SIGMA_END=${AQN_SIGMA_END:-0}
@@ -242,9 +262,10 @@ _qerl_any_rollout() {  # whether a step of the run (below STEPS) holds a rollout
 
 # The step a rerun starts qerl from: the last with a finished adapter when every adapter before it is of the same
 # run (recipes/resume_point.py), else 0; 0 too with FORCE=1, and without a Python 3 on the host, said where a step
-# holds an adapter (it went through every step silently: 35 minutes of "already done" for 500 steps).
+# holds an adapter (it went through every step silently: 35 minutes of "already done" for 500 steps). Not in a
+# subshell (`$(...)`), so that the Python it finds, and its note on a PYTHON it skips, are the script's: said once.
 QERL_LIB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-qerl_resume_point() {
+qerl_resume_point() {  # -> QERL_FIRST
   local first=0
   if [ "${FORCE:-0}" = 1 ]; then :
   elif ! qerl_find_python; then
@@ -255,7 +276,8 @@ qerl_resume_point() {
   elif ! first=$("$QERL_PYTHON" "$QERL_LIB_DIR/resume_point.py" "$RUN_DIR" "$STEPS" 2>/dev/null); then
     first=0
   fi
-  echo "$first"
+  # shellcheck disable=SC2034  # the callers' (grpo.sh, submit.sh)
+  QERL_FIRST=$first
 }
 _qerl_any_adapter() {  # whether a step of RUN_DIR holds a finished adapter
   local f
@@ -271,14 +293,19 @@ _qerl_any_adapter() {  # whether a step of RUN_DIR holds a finished adapter
 # (QERL="python -m qerl_cli"), else python on PATH where it is Python 3. "python3" alone failed a host without one
 # (SHUFFLE=auto exited 2, the resume shortcut was silently gone; a review, session 59). A container's Python (a QERL
 # wrapper) is not the host's: set PYTHON there. Found once per script.
+# A PYTHON that is no Python 3 that runs is named in a note and passed over for the others: it stopped the search,
+# and the script then said "no Python 3 found" with python3 on PATH (SHUFFLE=auto in a begun run dir exited 2, the
+# resume went through every step; session 59's list). Not an error: PYTHON is other tools' variable too (node-gyp's,
+# a Makefile's PYTHON=python2), and any Python 3 runs these helpers (the standard library, 3.6 on).
 QERL_PYTHON="" QERL_PYTHON_LOOKED=""
 qerl_find_python() {  # -> QERL_PYTHON (a command), or returns 1 naming in QERL_PYTHON_LOOKED where it looked
   local words c cands=()
   if [ -n "$QERL_PYTHON" ]; then return 0; fi
   if [ -n "${PYTHON:-}" ]; then
-    QERL_PYTHON_LOOKED="PYTHON=$PYTHON"
     if _qerl_is_python3 "$PYTHON"; then QERL_PYTHON=$PYTHON; return 0; fi
-    return 1
+    if [ -z "$QERL_PYTHON_LOOKED" ]; then  # once a script (set where none was found: a second search says none)
+      echo "note: PYTHON=$PYTHON is not a Python 3 that runs here: the recipes' helpers look for another" >&2
+    fi
   fi
   read -r -a words <<< "${QERL:-qerl}"
   cands=(python3)
@@ -288,7 +315,7 @@ qerl_find_python() {  # -> QERL_PYTHON (a command), or returns 1 naming in QERL_
   for c in "${cands[@]}"; do
     if _qerl_is_python3 "$c"; then QERL_PYTHON=$c; return 0; fi
   done
-  QERL_PYTHON_LOOKED="looked for ${cands[*]}"
+  QERL_PYTHON_LOOKED="looked for ${PYTHON:+PYTHON=$PYTHON (not Python 3) and }${cands[*]}"
   return 1
 }
 _qerl_is_python3() {  # COMMAND: whether it runs and is Python 3
@@ -334,12 +361,18 @@ _qerl_adapter_before() {  # STEP -> QERL_ADAPTER: the adapter step STEP starts f
 # holding the prompt and the reference where the datasets name them otherwise (a chat set's `final_answer`): the
 # recipes passed neither flag, and such a dataset could not be run without rewriting it (a review). And the system
 # prompt and the stop string, for the same reason: none reached the recipes' stages (a review, session 59).
-_qerl_template_flags() {
+# The columns are the dataset's (PROMPT_KEY for DATASET, EVAL_PROMPT_KEY for EVAL_DATASET); the rest the policy's,
+# one for both: a policy is scored as it was prompted. STOP may be an array, one --stop each: a second stop in the
+# config's STOP=(...) was dropped without a word (bash's $STOP is its first).
+_qerl_template_flags() {  # PROMPT_KEY ANSWER_KEY (the dataset's)
+  local stop
   QERL_TEMPLATE=()
   if [ -n "$SYSTEM_PROMPT" ]; then QERL_TEMPLATE+=(--system-prompt "$SYSTEM_PROMPT"); fi
-  if [ -n "$STOP" ]; then QERL_TEMPLATE+=(--stop "$STOP"); fi
-  if [ -n "$PROMPT_KEY" ]; then QERL_TEMPLATE+=(--prompt-key "$PROMPT_KEY"); fi
-  if [ -n "$ANSWER_KEY" ]; then QERL_TEMPLATE+=(--answer-key "$ANSWER_KEY"); fi
+  for stop in "${STOP[@]}"; do
+    if [ -n "$stop" ]; then QERL_TEMPLATE+=(--stop "$stop"); fi
+  done
+  if [ -n "$1" ]; then QERL_TEMPLATE+=(--prompt-key "$1"); fi
+  if [ -n "$2" ]; then QERL_TEMPLATE+=(--answer-key "$2"); fi
   if [ -n "$PROMPT_TEMPLATE" ]; then QERL_TEMPLATE+=(--prompt-template "$PROMPT_TEMPLATE"); fi
   if [ -n "$CHAT_TEMPLATE_FILE" ]; then QERL_TEMPLATE+=(--chat-template-file "$CHAT_TEMPLATE_FILE"); fi
   if [ -n "$CHAT_TEMPLATE_KWARGS" ]; then QERL_TEMPLATE+=(--chat-template-kwargs "$CHAT_TEMPLATE_KWARGS"); fi
@@ -358,7 +391,7 @@ qerl_rollout_cmd() {  # STEP OUT [FLAG...]: step STEP's rollout, with adapter ST
   # shellcheck disable=SC2153  # the config sets REWARDS
   for r in $REWARDS; do rewards+=(--reward "$r"); done
   _qerl_adapter_before "$s"
-  _qerl_template_flags
+  _qerl_template_flags "$PROMPT_KEY" "$ANSWER_KEY"
   QERL_CMD=(rollout --model "$BASE" "${QERL_ADAPTER[@]}" --prompts "$DATASET" --out "$out" "$@"
     --step "$s" --prompts-per-step "$PROMPTS_PER_STEP" "${shuffle[@]}" --num-generations "$NUM_GENERATIONS"
     --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --top-p "$TOP_P" "${rewards[@]}" "${QERL_TEMPLATE[@]}"
@@ -385,7 +418,7 @@ qerl_eval_cmd() {  # -1 | STEP | final: the base policy into eval-base, base + a
     final) policy=(--model "$RUN_DIR/merged"); out=$RUN_DIR/eval-final ;;
     *) policy+=(--adapter "$(qerl_step_dir "$1")/adapter"); out=$(qerl_step_dir "$1")/eval ;;
   esac
-  _qerl_template_flags
+  _qerl_template_flags "$EVAL_PROMPT_KEY" "$EVAL_ANSWER_KEY"
   QERL_CMD=(eval "${policy[@]}" --dataset "$EVAL_DATASET" --max-new-tokens "$MAX_NEW_TOKENS" --device "$DEVICE"
     --dtype "$DTYPE" "${QERL_TEMPLATE[@]}")
   if [ "$EVAL_MAX_PROBLEMS" != 0 ]; then QERL_CMD+=(--max-problems "$EVAL_MAX_PROBLEMS"); fi
@@ -410,15 +443,40 @@ qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eva
 # torchrun job the refusal's (a review, session 59). Not read from the stage's stderr, which stays the terminal's
 # (through a pipe its live progress ends). In RUN_DIR, which a stage writes through any QERL wrapper (a container's
 # /tmp may be its own); made by the stage only when it fails, removed once read.
+# Behind a QERL wrapper the file is named on qerl's command line too: the slot qerl_read_qerl leaves there.
 qerl_run_recording() {  # CMD... -> CMD's status; QERL_FAILED
-  local rc=0 f
+  local rc=0 f w cmd=() slot=1
   f=$(mktemp -u "$RUN_DIR/.qerl-error.XXXXXXXXXX") || f=""
-  QERL_ERROR_FILE=$f "$@" || rc=$?
+  for w in "$@"; do
+    if [ "$slot" = 1 ] && [ "$w" = QERL_ERROR_FILE= ]; then w=QERL_ERROR_FILE=$f slot=0; fi
+    cmd+=("$w")
+  done
+  QERL_ERROR_FILE=$f "${cmd[@]}" || rc=$?
   QERL_FAILED=""
   if [ -n "$f" ] && [ -f "$f" ]; then QERL_FAILED=$(< "$f"); rm -f -- "$f"; fi
   return "$rc"
 }
 QERL_FAILED=""
+# QERL's words -> QERL_WORDS (grpo.sh's and the Slurm jobs' stages run "${QERL_WORDS[@]}" SUBCOMMAND ...). QERL may
+# put a wrapper first, word-split as CC="ccache gcc" is: QERL="apptainer exec img.sif qerl". Between such a wrapper
+# and qerl (its last word `qerl`, or `python... -m qerl_cli`) goes `env QERL_ERROR_FILE=`, which qerl_run_recording
+# fills in: a wrapper that starts qerl with an environment of its own (apptainer exec --cleanenv, docker run without
+# -e, srun --export=NONE) dropped the variable, and the notes chosen from the record with it (session 59's list). It
+# needs `env` where qerl runs, and the run dir at the same path there (where the stages write their --out anyway).
+# Another QERL (a script of the user's that runs qerl) passes it in the environment alone.
+qerl_read_qerl() {
+  local n
+  read -r -a QERL_WORDS <<< "${QERL:-qerl}"
+  n=${#QERL_WORDS[@]}
+  if [ "${QERL_WORDS[n - 1]##*/}" = qerl ]; then
+    n=$((n - 1))
+  elif [ "$n" -ge 3 ] && [ "${QERL_WORDS[*]:n-2}" = "-m qerl_cli" ] && [[ ${QERL_WORDS[n - 3]##*/} == python* ]]; then
+    n=$((n - 3))
+  else
+    return 0
+  fi
+  if [ "$n" -gt 0 ]; then QERL_WORDS=("${QERL_WORDS[@]:0:n}" env QERL_ERROR_FILE= "${QERL_WORDS[@]:n}"); fi
+}
 qerl_failed_with() {  # CODE [KIND]: whether a line of QERL_FAILED records that exit code (and that kind of error)
   [[ $'\n'$QERL_FAILED == *$'\n'"$1 ${2:+$2 }"* ]]
 }

@@ -309,7 +309,11 @@ def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torc
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
                    env=env, check=True, capture_output=True)
     launcher = torchrun or "torchrun"
-    assert log.read_text().startswith(f"exec --nv img.sif {launcher} --nproc-per-node 4 -m qerl_cli train-step --model ")
+    # and the ranks' record of why they failed named inside it (qerl_read_qerl): the wrapper may clear the environment
+    import re
+
+    assert re.match(rf"exec --nv img\.sif env QERL_ERROR_FILE={tmp_path}/run/\.qerl-error\.\w+ {launcher} --nproc-per-node 4 "
+                    "-m qerl_cli train-step --model ", log.read_text()), log.read_text()
 
 
 @pytest.mark.parametrize("beside", [True, False])
@@ -558,6 +562,91 @@ def test_the_system_prompt_and_stop_reach_every_rollout_and_eval_and_the_templat
         assert ("--chat-template-file /t/c.jinja " in c) == (stage in ("rollout", "eval", "merge") and "--compare" not in c), c
     assert sum(c.startswith(("rollout", "eval ", "merge")) for c in local) == 2 + 4 + 1
     assert sum(c.startswith("merge") for c in chain) == 1
+
+
+def _json_argv_recorder(tmp_path):
+    """A stand-in qerl that logs each call's arguments as one JSON list a line (a stop's newline kept as it is)."""
+    log = tmp_path / "qerl.jsonl"
+    qerl = tmp_path / "qerl"
+    qerl.write_text(f"#!{sys.executable}\nimport json, sys\nwith open({str(log)!r}, 'a') as f:\n"
+                    "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    qerl.chmod(0o755)
+    return qerl, log
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+
+
+def test_an_eval_set_with_other_columns_than_the_train_set_gets_its_own(tmp_path):
+    # One PROMPT_KEY / ANSWER_KEY reached rollout and eval alike: a set of one's own (question / solution) trained on
+    # beside the bundled or a GSM8K-style test set (prompt / answer) could not be run, eval refusing every row of it
+    # ("row has no `question` (named by --prompt-key ...)"; session 59's list). EVAL_PROMPT_KEY / EVAL_ANSWER_KEY name
+    # the eval set's; unset, they are the train set's (test_a_datasets_own_column_names_reach_every_rollout_and_eval)
+    cfg = _qwen_cfg(tmp_path, "WARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\nPROMPT_KEY=question\n"
+                              "ANSWER_KEY=solution\nEVAL_PROMPT_KEY=prompt\nEVAL_ANSWER_KEY=final.answer\n")
+    local, chain = _recipe_commands(tmp_path, cfg, ("rollout", "eval", "final"))
+    for c in local + chain:
+        stage = c.split()[0]
+        assert ("--prompt-key question --answer-key solution " in c) == (stage == "rollout"), c
+        assert ("--prompt-key prompt --answer-key final.answer " in c) == (stage == "eval" and "--compare" not in c), c
+    assert sum(c.startswith(("rollout", "eval ")) for c in local + chain) == 2 + 4 + 4  # each eval-final, a --compare
+    # the chain's jobs take them from submit.env, the train set's where the eval set's are not set
+    for extra, want in (({"EVAL_PROMPT_KEY": "prompt"}, ("prompt", "solution")), ({}, ("question", "solution"))):
+        sbatch, _ = _fake_sbatch(tmp_path)
+        subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(_qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\n")),
+                        str(tmp_path / "chain")], check=True, capture_output=True,
+                       env={**os.environ, "SBATCH": str(sbatch), "PROMPT_KEY": "question", "ANSWER_KEY": "solution",
+                            **extra})
+        lines = (tmp_path / "chain" / "submit.env").read_text().splitlines()
+        assert [x for x in lines if x.startswith("EVAL_PROMPT_KEY=")] == [f"EVAL_PROMPT_KEY={want[0]}"]
+        assert [x for x in lines if x.startswith("EVAL_ANSWER_KEY=")] == [f"EVAL_ANSWER_KEY={want[1]}"]
+
+
+@pytest.mark.parametrize("stops", [["\nQ:"], ["\nQ:", "</answer> it's \"done\"\n"]], ids=["one", "two"])
+def test_one_or_several_stops_reach_every_rollout_and_eval_of_the_loop_and_the_chain(tmp_path, stops):
+    # STOP held one string: several (a base model's few-shot "\nQ:" and an answer tag) could not be passed, and a
+    # config's STOP=(...) array passed its first alone, the others dropped without a word (session 59's list). Each
+    # element of the array is one --stop, in grpo.sh and in every job of a chain (through submit.env: the jobs below
+    # run with a config that no longer sets STOP)
+    import shlex
+
+    stop = f"STOP={shlex.quote(stops[0])}\n" if len(stops) == 1 else f"STOP=({' '.join(map(shlex.quote, stops))})\n"
+    settings = "\nWARMUP_STEPS=0\nSTEPS=2\nEVAL_EVERY=1\nEVAL_DATASET=t.jsonl\n"
+    cfg = _qwen_cfg(tmp_path, settings + stop)
+    qerl, log = _json_argv_recorder(tmp_path)
+    sbatch, _ = _fake_sbatch(tmp_path)
+    env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "SLURM_ARRAY_TASK_ID": "0"}
+    run, chain = tmp_path / "run", tmp_path / "chain"
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
+                   capture_output=True)
+    cfg.write_text(cfg.read_text().replace(stop, ""))
+    for stage, step in (("rollout", "1"), ("eval", "0"), ("final", "")):
+        subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(chain), step], env=env,
+                       check=True, capture_output=True)
+    import json
+
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    sampled = [c for c in calls if c[0] in ("rollout", "eval") and "--compare" not in c]
+    assert len(sampled) == 2 + 3 + 1 + 2  # grpo.sh: 2 rollouts, 3 evals; the jobs: a rollout, two evals
+    assert all(_flag_values(c, "--stop") == stops for c in sampled), sampled
+    assert not any("--stop" in c for c in calls if c not in sampled)
+
+
+def test_a_chain_submitted_without_stops_keeps_none_when_the_config_gets_several(tmp_path):
+    # submit.env's values win over CONFIG's (stage.sbatch): its STOP='' assigned the first element of a config's
+    # STOP=(...) array alone, so a job passed the config's second stop, one the chain's other jobs never had
+    qerl, log = _json_argv_recorder(tmp_path)
+    cfg, run = _submit_7b_chain(tmp_path)
+    assert "STOP=''" in (run / "submit.env").read_text().splitlines()
+    cfg.write_text(cfg.read_text() + "STOP=($'\\nQ:' '</answer>')\n")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(run), "1"],
+                   env={**os.environ, "QERL": str(qerl)}, check=True, capture_output=True)
+    import json
+
+    (argv,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert argv[0] == "rollout" and "--stop" not in argv, argv
 
 
 def _shard_args(log, run):
@@ -1400,18 +1489,20 @@ def test_a_torchrun_jobs_other_failure_is_not_taken_for_a_refusal(tmp_path, forc
 
 @pytest.mark.parametrize("force", ["0", "1"])
 def test_a_torchrun_jobs_refusal_through_a_wrapper_without_the_environment_is_said(tmp_path, force):
-    # A QERL wrapper that passes no environment on (docker run without -e) drops QERL_ERROR_FILE: a refused multi-GPU
-    # train job then failed without a word, where before the record it was told of FORCE=1 (and redone under it, as
-    # any failure was; a review, session 59). Now said, naming the record it lacks; still not redone.
+    # A launcher that passes no environment on drops QERL_ERROR_FILE: a refused multi-GPU train job then failed without
+    # a word, where before the record it was told of FORCE=1 (and redone under it, as any failure was; a review, session
+    # 59). Now said, naming the record it lacks; still not redone. (A QERL wrapper gets the file named inside it since
+    # session 60, test_a_torchrun_jobs_refusal_crosses_a_wrapper_that_clears_the_environment: here a TORCHRUN one.)
     log = tmp_path / "qerl.log"
     body = (RECORD + f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
             'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; record 4 OutputExistsError exists; exit 4; fi\n')
     qerl = _recorder(tmp_path, "qerl", body)
-    _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
+    torchrun = _recorder(tmp_path, "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')
     cfg, run = _submit_7b_chain(tmp_path, FORCE=force, TRAIN_GPUS="2")
     (run / "step-000001" / "adapter").mkdir(parents=True)
     (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
-    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": f"env -u QERL_ERROR_FILE {qerl}"}
+    env = {k: v for k, v in os.environ.items() if k != "FORCE"} | {"QERL": str(qerl),
+                                                                   "TORCHRUN": f"env -u QERL_ERROR_FILE {torchrun}"}
     r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 1 and log.read_text().split() == ["train-step"], r.stderr
@@ -1421,8 +1512,90 @@ def test_a_torchrun_jobs_refusal_through_a_wrapper_without_the_environment_is_sa
     # a job the ranks record for, on a step not finished before: no such note
     (run / "step-000001" / "adapter" / "manifest.json").unlink()
     r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"],
-                       env=env | {"QERL": str(qerl)}, capture_output=True, text=True)
+                       env=env | {"TORCHRUN": str(torchrun)}, capture_output=True, text=True)
     assert "no rank recorded why" not in r.stderr and ("redoing it with --force" in r.stderr) == (force == "1"), r.stderr
+
+
+@pytest.mark.parametrize("stale", ["python2", "not-there"])
+def test_a_python_that_is_not_python_3_is_named_once_and_passed_over(tmp_path, stale):
+    # PYTHON is other tools' variable too (node-gyp's, a Makefile's PYTHON=python2): a PYTHON that was no Python 3
+    # stopped the recipes' search, and the script said "no Python 3 found on this host (PYTHON=...)" with python3 on
+    # PATH: SHUFFLE=auto in a begun run dir exited 2, and the resume went through every step (session 59's list).
+    # Now one note names it and the next candidate runs the helpers; without any, the error names it beside them.
+    import shlex
+
+    host = Path(_host_without_python(tmp_path))
+    (host / "setpriv").unlink(missing_ok=True)  # the death signal's prctl looks for a Python too: one note still
+    (host / "python3").symlink_to(sys.executable)
+    bad = str(_recorder(tmp_path, "python2", 'echo "Python 2.7.18" >&2; exit 1\n')) if stale == "python2" else "/no/python3"
+    qerl, log = _argv_recorder(tmp_path)
+    env = {**os.environ, "PATH": str(host), "QERL": str(qerl), "PYTHON": bad}
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=4\nEVAL_DATASET=\nBASE_FORMAT=bf16\n")
+    run = tmp_path / "run"
+    _finished_steps(run, 3)
+    _rollout_made(run / "step-000000" / "shards", False)  # begun in file order, before the knob
+    note = f"note: PYTHON={bad} is not a Python 3 that runs here: the recipes' helpers look for another\n"
+    for shuffle in ("auto", "0"):  # SHUFFLE=0: the resume point is the first to look
+        log.unlink(missing_ok=True)
+        r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env | {"SHUFFLE": shuffle},
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and r.stderr.count(note) == 1 and "no Python 3" not in r.stderr, r.stderr
+        rollouts = [shlex.split(x) for x in log.read_text().splitlines() if x.startswith("rollout ")]
+        assert rollouts[0][rollouts[0].index("--out") + 1] == f"{run}/step-000002/shards"  # resume_point.py's
+    (host / "python3").unlink()
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count(note) == 1, r.stderr
+    assert f"none was found (looked for PYTHON={bad} (not Python 3) and python3 " in r.stderr, r.stderr
+
+
+def _clearing_wrapper(tmp_path) -> Path:
+    """A stand-in for `apptainer exec --cleanenv IMAGE CMD...` (docker run without -e, srun --export=NONE): CMD runs
+    with an environment of its own, PATH alone."""
+    return _recorder(tmp_path, "wrap", 'shift 2; exec env -i PATH="$PATH" "$@"\n')
+
+
+@pytest.mark.parametrize("script", ["grpo.sh", "stage.sbatch"])
+def test_a_stages_record_crosses_a_wrapper_that_clears_the_environment(tmp_path, script):
+    # QERL="apptainer exec --cleanenv img.sif qerl" dropped QERL_ERROR_FILE: the eval's refusal on another GPU model
+    # lost its note (and a torchrun job its refusal, below; session 59's list). The file is named inside the wrapper.
+    log = tmp_path / "qerl.log"
+    (tmp_path / "bin").mkdir()
+    qerl = _recorder(tmp_path / "bin", "qerl", f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+                     + GPU_REFUSAL)
+    if script == "grpo.sh":
+        cfg, run = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\n"), tmp_path / "run"
+        cmd, note = ["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], GPU_NOTE.format("")
+    else:
+        cfg, run = _submit_7b_chain(tmp_path)
+        cmd = ["bash", str(RECIPES / "slurm" / "stage.sbatch"), "eval", str(cfg), str(run), "1"]
+        note = GPU_NOTE.format(" (a Slurm constraint: EXTRA_SBATCH_ARGS=--constraint=...)")
+    env = {**os.environ, "QERL": f"{_clearing_wrapper(tmp_path)} exec img.sif {qerl}"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode == 4 and r.stderr.endswith(note), r.stderr
+    assert not list(run.glob(".qerl-error.*"))  # the record, read, is gone
+
+
+@pytest.mark.parametrize("force", ["0", "1"])
+def test_a_torchrun_jobs_refusal_crosses_a_wrapper_that_clears_the_environment(tmp_path, force):
+    # torchrun runs inside QERL's wrapper, where the ranks' record of an exit 4 (torchrun's exit 1) was lost with the
+    # environment: the refusal was not redone under FORCE=1, nor told of FORCE=1 without it
+    log = tmp_path / "qerl.log"
+    (tmp_path / "bin").mkdir()
+    qerl = _recorder(tmp_path / "bin", "qerl", RECORD + f'echo "$1 $([[ " $* " == *" --force "* ]] && echo forced)" >> {log}\n'
+                     'if [[ " $* " != *" --force "* ]]; then echo "error: exists" >&2; record 4 OutputExistsError exists; exit 4; fi\n')
+    _recorder(tmp_path / "bin", "torchrun", f'shift 4; "{qerl}" "$@" || exit 1\n')  # beside an absolute QERL: its own
+    cfg, run = _submit_7b_chain(tmp_path, FORCE=force, TRAIN_GPUS="2")
+    (run / "step-000001" / "adapter").mkdir(parents=True)
+    (run / "step-000001" / "adapter" / "manifest.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE", "TORCHRUN")}
+    env["QERL"] = f"{_clearing_wrapper(tmp_path)} exec img.sif {qerl}"
+    r = subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(run), "1"], env=env,
+                       capture_output=True, text=True)
+    assert "no rank recorded why" not in r.stderr, r.stderr
+    if force == "1":
+        assert r.returncode == 0 and log.read_text().split("\n")[:2] == ["train-step ", "train-step forced"], r.stderr
+    else:
+        assert r.returncode == 1 and "note: the stage refused (a rank's exit 4, torchrun's 1): FORCE=1" in r.stderr
 
 
 def _submit_7b_chain(tmp_path, **env):

@@ -55,7 +55,7 @@ SCRIPT=$HERE/stage.sbatch
   echo "# written by submit.sh $(date -u +%FT%TZ): the chain's settings, read by every job after CONFIG."
   echo "# To change one for a job you rerun alone, edit it here; resubmitting the chain rewrites this file."
   printf 'QERL_RECIPES_DIR=%q\n' "$RECIPES"
-  for v in "${QERL_STAGE_VARS[@]}"; do printf '%s=%q\n' "$v" "${!v}"; done
+  for v in "${QERL_STAGE_VARS[@]}"; do qerl_setting_line "$v"; done
   # 1: a job whose stage refuses (exit 4: made from other inputs, or an eval another GPU model began, stopped or to
   # be scored again) redoes it with --force
   printf 'FORCE=%q\n' "${FORCE:-0}"
@@ -118,7 +118,7 @@ jid=$qid
 # submitted. A refusal there cancels the chain (afterok); with FORCE=1 the chain starts at step 0 and each job
 # redoes a stage that refuses (exit 4: made from other inputs, or an eval another GPU model began, stopped or to be
 # scored again, which starts afresh) with --force, as grpo.sh does.
-first=$(qerl_resume_point)
+qerl_resume_point; first=$QERL_FIRST
 if [ "$first" -gt 0 ]; then
   echo "steps 0-$((first - 1)): finished; the chain starts at step $first"
   for ((s = 0; s < first; s++)); do
