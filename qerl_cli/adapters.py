@@ -359,6 +359,16 @@ def _weights_path(adapter_dir: Path) -> Path:
     return path
 
 
+def require_weights(adapter_dir) -> Path:
+    """The adapter's weights file, or the one-line "not found" error: train-step checks it before the lineage check,
+    which called a half-copied adapter (its config without its weights) another adapter than the rollout's."""
+    path = _weights_path(Path(adapter_dir))
+    if not path.is_file():
+        raise BadInputError(f"{path}: not found ({adapter_dir} holds {CONFIG} but not its LoRA weights)",
+                            hint="copy the adapter directory whole, or rerun the train-step that wrote it")
+    return path
+
+
 def _weight_modules(adapter_dir: Path) -> set[str]:
     """The base module names the adapter file holds LoRA tensors of."""
     with _open_weights(_weights_path(adapter_dir)) as fh:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import BadInputError
-from qerl_cli.outputs import MANIFEST, crash_point, read_manifest
+from qerl_cli.outputs import MANIFEST, crash_point, damaged_output, read_manifest
 
 SCHEMA_VERSION = 1
 
@@ -346,10 +346,17 @@ def resolve_shard_files(sources: str | Path | Iterable[str | Path]) -> list[Path
                 if (p / "adapter_config.json").is_file():  # --adapter and --shards swapped: its metrics.jsonl is no shard
                     raise BadInputError(f"{p} is a LoRA adapter directory, not rollout shards",
                                         hint="pass it as --adapter, and the rollout output as --shards")
-                stage = (read_manifest(p) or {}).get("stage")
+                manifest = read_manifest(p) or {}
+                stage = manifest.get("stage")
                 if stage not in (None, "rollout"):  # its *.jsonl (eval's samples, metrics) are no shards
                     raise BadInputError(f"{p} is the output of `qerl {stage}`, not rollout shards",
                                         hint=f"narrow the glob {s!r}" if globbed else "pass a rollout output as --shards")
+                # A finished rollout whose shard was deleted or cut since: it was called no rollout output ("narrow
+                # the glob", "is it a rollout output dir?"), a torn line "a crash mid-write", and a cut at a line
+                # end trained on what was left without a word.
+                if stage == "rollout" and (damage := damaged_output(p, manifest)):
+                    raise BadInputError(f"{p} holds a rollout output damaged after it was written ({damage})",
+                                        hint="rerun that rollout with --force into it, or restore the file")
                 if globbed and not any(p.glob(SHARD_GLOB)):  # a directory a glob swept in: only rollout's files
                     raise BadInputError(f"{p} (matched by {s!r}) holds no rollout shards ({SHARD_GLOB})",
                                         hint="narrow the glob to rollout output directories")

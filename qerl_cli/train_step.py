@@ -191,11 +191,14 @@ class TrainStepConfig:
 # ---- model ---------------------------------------------------------------------------------------
 def _lora_spec(cfg: TrainStepConfig):
     """The LoRA layout: the adapter's own when resuming (flags must agree), else from the flags."""
-    from qerl_cli.adapters import read_adapter_config, read_adapter_spec
+    from qerl_cli.adapters import read_adapter_config, read_adapter_spec, require_weights
     from qerl_cli.layers.lora import LoraSpec
 
     if cfg.adapter is not None:
         adapter_cfg = read_adapter_config(cfg.adapter)  # read once: the layout and the layers check see one file
+        # the layout needs only the config; a half-copied adapter (no weights) failed the lineage check below with
+        # "pass the --adapter the rollout used", the one passed
+        require_weights(cfg.adapter)
         spec = read_adapter_spec(cfg.adapter, adapter_cfg, base_dir=cfg.model)
         _check_covers_every_layer(cfg, spec, adapter_cfg)
         for flag, mine, theirs in (("--lora-rank", cfg.lora_rank, spec.r), ("--lora-alpha", cfg.lora_alpha, spec.alpha),
@@ -448,6 +451,11 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
               f"the schedule's floor, --min-lr-ratio x --lr = {floor:g}"
               + ("" if floor else " (the weights will not change)"))
 
+    if _optimizer_state_lost(cfg, state):  # was a note, gone under -q and from a library caller's warnings
+        _warn(f"{cfg.adapter} has no {OPTIMIZER_FILE}, though its {STATE_FILE} counts {state.optimizer_steps} optimizer "
+              "step(s): AdamW's moments start from zero, so this is not the step the run would take from it "
+              "(restore the file from the step that wrote it, or rerun that step)")
+
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
     if adv.zero_variance_fraction == 1.0:  # said only by `zero_variance_groups: 1.0` in the metrics (a review)
         _warn(no_signal_message(data.rewards, adv.num_groups))
@@ -645,6 +653,12 @@ def run_epochs(cfg: TrainStepConfig, model, params: list[torch.Tensor], opt, bat
     return LoopResult(acc, losses_per_epoch, grad_norms, lrs, kept, auto.retries if auto is not None else 0)
 
 
+def _optimizer_state_lost(cfg: TrainStepConfig, state: TrainerState) -> bool:
+    """Whether --adapter is qerl's, past an optimizer step, without its AdamW moments (pruned to free space, copied
+    in part): a step from it is not the run's. An adapter from elsewhere (no qerl state) starts them at zero by design."""
+    return cfg.adapter is not None and state.optimizer_steps > 0 and not (Path(cfg.adapter) / OPTIMIZER_FILE).exists()
+
+
 def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash,
          spec, parent_hash):
     from qerl_cli.aqn import apply_noise, clear_noise
@@ -682,7 +696,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
                          weight_decay=cfg.weight_decay)
     if cfg.adapter is not None and (Path(cfg.adapter) / OPTIMIZER_FILE).exists():
         load_optimizer(opt, Path(cfg.adapter) / OPTIMIZER_FILE)
-    elif cfg.adapter is not None:
+    elif cfg.adapter is not None and not _optimizer_state_lost(cfg, state):  # (a lost one was warned of)
         _say(cfg, f"note: {cfg.adapter} has no {OPTIMIZER_FILE}; AdamW moments start from zero")
     if state.rng:
         restore_rng(state.rng)

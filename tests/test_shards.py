@@ -298,3 +298,26 @@ def test_a_glob_over_a_rollout_directory_leaves_its_manifest_out(tmp_path):
     assert resolve_shard_files(str(tmp_path / "r0" / "*")) == [tmp_path / "r0" / shard_name(0, 1)]
     with pytest.raises(BadInputError, match="no files match"):
         resolve_shard_files(str(tmp_path / "r0" / "man*"))
+
+
+def test_a_finished_rollout_whose_shard_was_deleted_or_cut_since_is_named_damaged(tmp_path):
+    # One task's shard deleted was "holds no rollout shards (narrow the glob ...)", which then trained on the other
+    # task's half of the step; a shard cut at a group's end trained on what was left without a word.
+    from qerl_cli.shards import resolve_shard_files
+
+    for i in range(2):
+        d = tmp_path / f"shards-{i}"
+        write_records(d / shard_name(i, 2), group(f"p{i}") + group(f"q{i}"))
+        size = (d / shard_name(i, 2)).stat().st_size
+        (d / "manifest.json").write_text(json.dumps({"stage": "rollout", "fingerprint": "f", "outputs": {
+            shard_name(i, 2): "h"}, "output_bytes": {shard_name(i, 2): size}}))
+    assert len(resolve_shard_files(str(tmp_path / "shards-*"))) == 2
+    cut = tmp_path / "shards-0" / shard_name(0, 2)
+    cut.write_text("".join(cut.read_text().splitlines(keepends=True)[:2]))  # one whole group left
+    with pytest.raises(BadInputError, match=rf"shards-0 holds a rollout output damaged after it was written "
+                                            rf"\({shard_name(0, 2)} has \d+ bytes, the manifest says \d+\)") as e:
+        resolve_shard_files(str(tmp_path / "shards-*"))
+    assert "rerun that rollout with --force" in e.value.hint
+    (tmp_path / "shards-1" / shard_name(1, 2)).unlink()
+    with pytest.raises(BadInputError, match=rf"shards-1 holds a rollout output damaged .*\({shard_name(1, 2)} is missing\)"):
+        resolve_shard_files(str(tmp_path / "shards-1"))

@@ -205,6 +205,28 @@ def test_removing_the_adapters_optimizer_state_makes_a_rerun_a_new_step(first, t
         _step(first, sh, tmp_path / "a", adapter=adapter)
 
 
+def test_a_qerl_adapter_that_lost_its_optimizer_state_is_warned_about_under_quiet_too(first, tmp_path):
+    # pruned to free space (docs/recipes.md, Disk), then a step rerun from it to debug: only a note said the moments
+    # start from zero, none under -q, and the step differed from the run's
+    adapter = shutil.copytree(first.out, tmp_path / "in")
+    (adapter / "optimizer.safetensors").unlink()
+    with pytest.warns(QerlWarning, match=r"in has no optimizer.safetensors, though its trainer_state.json counts 1 "
+                                         r"optimizer step\(s\): AdamW's moments start from zero"):
+        _step(first, _resume_shard(first, tmp_path), tmp_path / "a", adapter=adapter)
+
+
+def test_an_adapter_copied_without_its_weights_is_named_not_called_another_adapter(first, tmp_path):
+    # the rollout's own adapter, half copied: the lineage check called it another adapter ("pass the --adapter the
+    # rollout used", exit 3), which it was given
+    adapter = shutil.copytree(first.out, tmp_path / "in")
+    sh = _resume_shard(first, tmp_path)
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(BadInputError, match=r"in/adapter_model.safetensors: not found \(.* holds adapter_config.json but "
+                                            r"not its LoRA weights\)") as e:
+        _step(first, sh, tmp_path / "a", adapter=adapter)
+    assert "rerun the train-step that wrote it" in e.value.hint and not (tmp_path / "a").exists()
+
+
 def test_an_already_done_step_leaves_its_metrics_file_line_where_it_is(first, tmp_path):
     metrics_file = tmp_path / "metrics.jsonl"
     again = dict(tis_cap=0.0, metrics_file=metrics_file)
