@@ -585,7 +585,10 @@ def _alloc_conf_variable() -> str:
 
 
 def main() -> None:
+    from qerl_cli.outputs import record_invocation
+
     try:
+        record_invocation(sys.argv[1:])
         use_expandable_segments()
         app()  # a stage's own stop (guarded) exits inside; before the stage, Typer builds the command table
     except KeyboardInterrupt:

@@ -245,6 +245,24 @@ def _missing_before_dotdot(out: Path) -> Path | None:
     return None
 
 
+# The command line that started this process, for manifest.json's ``command``: set by the CLI (cli.main), None where a
+# library caller writes the output. A user rerunning one stage of a recipe's loop to debug it had to rebuild its ~20
+# flags from recipes/lib.sh (session 60): `jq -r .command OUT/manifest.json` now prints it, to edit and run.
+_INVOCATION: dict[str, Any] | None = None
+
+
+def record_invocation(argv: list[str], cwd: str | None = None) -> None:
+    """Record ``qerl ARGV...`` (shell-quoted) and the directory it ran in, as a stage's manifest will show them; under
+    torchrun, the ranks (its launch line is torchrun's, outside this process)."""
+    import shlex
+
+    global _INVOCATION
+    _INVOCATION = {"command": shlex.join(["qerl", *argv]), "cwd": cwd if cwd is not None else os.getcwd()}
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        _INVOCATION["world_size"] = int(world)
+
+
 @dataclass
 class StageOutput:
     """Context manager owning one stage's output directory.
@@ -578,6 +596,7 @@ class StageOutput:
             "outputs": {str(p.relative_to(work)): d for p, d in zip(files, digests)},
             "output_bytes": {str(p.relative_to(work)): p.stat().st_size for p in files},
             "timings": self.timings,
+            **(_INVOCATION or {}),
             **self.extra,
         }
         tmp = work / (MANIFEST + ".tmp")

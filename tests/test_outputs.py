@@ -478,3 +478,46 @@ def test_an_already_done_rerun_is_done_where_the_lock_file_left_is_not_its_to_op
     assert again.already_done()
     assert not sweep_leftover_partial(again)  # what rollout's and eval's "already done" do: no exit 7
     assert lock.exists()
+
+
+def test_a_stages_manifest_records_the_command_that_reruns_it(tmp_path):
+    """A user rerunning one stage of a recipe's loop to debug it rebuilt its ~20 flags from recipes/lib.sh by hand
+    (session 60): the manifest's ``command`` (with ``cwd``), run there with another --out, is the same stage."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.reliability_fixtures import REPO, cli_env
+
+    tiny = REPO / "qerl_cli" / "assets" / "tiny_model"
+    run = subprocess.run([sys.executable, "-m", "qerl_cli", "quantize", str(tiny), "--out", "q one", "--device", "cpu",
+                          "--quiet"], env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    first = read_manifest(tmp_path / "q one")
+    assert first["cwd"] == str(tmp_path) and "world_size" not in first
+    argv = shlex.split(first["command"])
+    assert argv[:2] == ["qerl", "quantize"] and "q one" in argv
+    argv[argv.index("q one")] = "q two"
+    again = subprocess.run([sys.executable, "-m", "qerl_cli", *argv[1:]], env=cli_env(), cwd=first["cwd"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    second = read_manifest(tmp_path / "q two")
+    assert second["fingerprint"] == first["fingerprint"] and second["outputs"] == first["outputs"]
+
+
+def test_a_library_callers_manifest_has_no_command_and_a_torchrun_rank_says_the_ranks(tmp_path, monkeypatch):
+    from qerl_cli import outputs
+
+    assert outputs._INVOCATION is None  # only the CLI's main() records one
+    so = StageOutput(tmp_path / "o", "demo", config={}, inputs={})
+    with so as work:
+        (work / "x.txt").write_text("x")
+    assert "command" not in so.manifest and "cwd" not in so.manifest
+    monkeypatch.setattr(outputs, "_INVOCATION", None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    outputs.record_invocation(["train-step", "--out", "a b", "--lr", "1e-5"], cwd="/runs")
+    so = StageOutput(tmp_path / "t", "demo", config={}, inputs={})
+    with so as work:
+        (work / "x.txt").write_text("x")
+    assert (so.manifest["command"], so.manifest["cwd"], so.manifest["world_size"]) == (
+        "qerl train-step --out 'a b' --lr 1e-5", "/runs", 4)
