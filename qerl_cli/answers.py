@@ -77,6 +77,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # math 4 and gsm8k 7 (review s60r02): words between two boxes that deny the later one ("\boxed{3}, not \boxed{4}",
 # "(not \boxed{4})", "rather than") give the box before, 3 (was 4); a box that only dresses another
 # ("\boxed{\boxed{2}} \boxed{\boxed{3}}") is that one's: math "2, 3" (was 3); gsm8k "\boxed{\boxed{18}}" is 18 (none in 6).
+# Review s60r07, before math 4 / gsm8k 7 were released, so in them: a denied box's name is no words ("$x = \boxed{3}$, not
+# $x = \boxed{4}$" is 3, was 4), nor is a run of denials cut at 16; a box inside a box holding more is part of it, the
+# box around the answer ("\boxed{\boxed{2} + 1}" is "2 + 1", was 2 under math 3).
 RULE_VERSION = {"gsm8k": 7, "math": 4}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

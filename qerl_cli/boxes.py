@@ -13,6 +13,7 @@ _BARE_TOKEN = re.compile(r"[^\s$]+")
 # \boxed."). Read as the last box, it hid the answer boxed before it. A letter ("\boxed x"), a number or a command
 # ("\boxed\pi") stays an argument.
 _PROSE_TOKEN = re.compile(r"[A-Za-z]{2,}[^\w\\]*|[^\w\\]+")
+_CONTENT = re.compile(r"\S")
 
 
 def _closing_braces(text: str) -> dict[int, int]:
@@ -33,9 +34,10 @@ def _closing_braces(text: str) -> dict[int, int]:
     return pairs
 
 
-def _boxes_from_last(text: str) -> Iterator[tuple[str, int, int]]:
-    """(content, start, end) of each closed ``\\boxed{...}`` (or ``\\fbox{...}``, or a bare ``\\boxed 5``) with content,
-    the last first, braces matched (see last_boxed)."""
+def _box_spans(text: str) -> Iterator[tuple[int, int, int, int]]:
+    """(start, content start, content end, end) of each closed ``\\boxed{...}`` (or ``\\fbox{...}``, or a bare
+    ``\\boxed 5``) with content, the last first, braces matched (see last_boxed). Spans only: the content of each box
+    of a run nested in one another, cut out, is quadratic (the math rule reads the outermost, _outer_boxes)."""
     pairs = None
     for m in reversed(list(_BOX.finditer(text))):
         i = m.end()
@@ -43,12 +45,17 @@ def _boxes_from_last(text: str) -> Iterator[tuple[str, int, int]]:
             if pairs is None:
                 pairs = _closing_braces(text)
             j = pairs.get(i)
-            if j is not None and text[i + 1 : j].strip():  # an empty box is the prompt's "within \boxed{}" echoed
-                yield text[i + 1 : j].strip(), m.start(), j + 1
+            if j is not None and _CONTENT.search(text, i + 1, j):  # an empty box is the prompt's "within \boxed{}" echoed
+                yield m.start(), i + 1, j, j + 1
         else:  # "\\boxed 5": TeX allows a single token without braces
             tok = _BARE_TOKEN.match(text, i)
             if tok and _PROSE_TOKEN.fullmatch(tok.group(0)) is None:
-                yield tok.group(0).strip(), m.start(), tok.end()
+                yield m.start(), i, tok.end(), tok.end()
+
+
+def _boxes_from_last(text: str) -> Iterator[tuple[str, int, int]]:
+    """(content, start, end) of each closed box with content, the last first (_box_spans)."""
+    return ((text[inner : inner_end].strip(), start, end) for start, inner, inner_end, end in _box_spans(text))
 
 
 def last_boxed(text: str) -> str | None:

@@ -19,8 +19,9 @@ the letters. Two boxes side by side with only spacing between (``\\boxed{3} \\bo
 ``\\enspace``, ``\\kern``, a slash, a semicolon, a bar, a "vs", any punctuation, ``\\mid``, ``\\lor``, markdown or TeX
 bold, an underline, a colour or a size around each) are listed; words after the last box that take it back or offer
 another value (``\\boxed{3}. Actually, it is 4.``, ``\\boxed{3} or 4``, ``4 or \\boxed{3}``) make it no answer; words that
-deny it leave the box before (``\\boxed{3}, not \\boxed{4}`` is 3), and a box around a box only dresses it
-(``\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}`` is ``2, 3``). Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
+deny it leave the box before (``\\boxed{3}, not \\boxed{4}`` is 3, ``$x = \\boxed{3}$, not $x = \\boxed{4}$`` too), and a
+box around a box only dresses it (``\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}`` is ``2, 3``); a box inside a box holding more is
+part of it (``\\boxed{\\boxed{2} + 1}`` is ``2 + 1``). Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
 are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
 one answer). Without a box, the last closed ``<answer>`` tag is read (R1-Zero's layout, as gsm8k reads it): its content
 as a box's (``5``, ``\\frac{1}{2}``, ``$\\frac12$``), or, words around math (``The answer is $\\frac12$.``), what
@@ -43,7 +44,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-from qerl_cli.boxes import _BOX_HEDGE, _BOX_LIST, _TEXT_GROUP, _answer_tag, _boxes_from_last, last_boxed
+from qerl_cli.boxes import _BOX_HEDGE, _BOX_LIST, _TEXT_GROUP, _answer_tag, _box_spans, last_boxed
 from qerl_cli.errors import QerlWarning
 
 # More boxes listed than any answer holds ("\boxed{1}, \boxed{2}, ..." repeated): no answer.
@@ -133,9 +134,9 @@ _SIDE_BY_SIDE = re.compile(rf"[ \t$*]*(?:(?:{_SEPARATOR_TOKEN})[ \t$*]*){{0,6}}"
 # Review s59r14: any group that only dresses it, a colour ("\\textcolor{red}{\\boxed{2}}", "{\\color{red}\\boxed{2}}"),
 # an overline, italics, roman or text, a size, a bare group: each read as the last box, right for 3, until then. A
 # declaration ("\\color{red}", "\\large", "\\displaystyle") has no group of its own to close: the box's start only.
-# Review s60r02: a box around the box ("\\boxed{\\boxed{2}}", "\\fbox{\\boxed{2}}") dresses it too (_dressed_boxes).
+# A box around the box ("\\boxed{\\boxed{2}}", "\\fbox{\\boxed{2}}") dresses it too: _dressed_boxes reads the one around.
 _BOLD_OPEN = re.compile(r"(?:\\(?:textbf|mathbf|boldsymbol|bm|underline|overline|textit|mathit|emph|textrm|mathrm|text|mbox"
-                        r"|large|Large|LARGE|huge|Huge|boxed|fbox)\s*|\\(?:textcolor|colorbox)\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}\s*"
+                        r"|large|Large|LARGE|huge|Huge)\s*|\\(?:textcolor|colorbox)\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}\s*"
                         r"|(?<![\w}\]^_\\]))\{\s*$")
 _BOLD_CLOSE = re.compile(r"\s*\}")
 _DECLARATIONS = re.compile(r"(?:\\(?:color\s*(?:\[[^\[\]{}]{0,20}\])?\s*\{[^{}]{0,30}\}|large|Large|LARGE|huge|Huge|"
@@ -157,18 +158,38 @@ def _bold_widened(text: str, box: tuple[str, int, int]) -> tuple[str, int, int]:
     return content, start, end
 
 
+def _outer_boxes(text: str) -> Iterator[tuple[str, int, int]]:
+    """The boxes (_box_spans) less those inside another, that one read with them unwrapped (_unboxed): the box
+    around is the answer ("\\boxed{\\boxed{2}, 3}" is "2, 3", "\\boxed{\\boxed{2} + 1}" is "2 + 1", "\\boxed{\\boxed{2}}"
+    is 2). Review s60r07: the box inside was read as the last, and math-verify reads a box inside a box too: each was 2,
+    a wrong answer scored 1, and a hedge ("\\boxed{3 \\text{ or } \\boxed{2}}") rewarded for its second value."""
+    held: list[tuple[tuple[int, int, int, int], list[tuple[int, int, int, int]]]] = []  # each with the boxes inside it
+    for span in reversed(list(_box_spans(text))):  # first to last: a box that starts inside the one before is in it
+        if held and span[0] < held[-1][0][3]:
+            held[-1][1].append(span)
+        else:
+            held.append((span, []))
+    for (start, inner, inner_end, end), inside in reversed(held):
+        yield _unboxed(text, inner, inner_end, inside), start, end
+
+
+def _unboxed(text: str, inner: int, inner_end: int, inside: list[tuple[int, int, int, int]]) -> str:
+    """The content ``text[inner:inner_end]`` of a box with the boxes ``inside`` it (_box_spans') unwrapped: their
+    "\\boxed{" and "}" taken off."""
+    cuts = sorted([(start, content) for start, content, _, _ in inside] + [(content_end, end) for _, _, content_end, end in inside])
+    pieces, at = [], inner
+    for cut, cut_end in cuts:
+        pieces.append(text[at:cut])
+        at = max(at, cut_end)  # a bare box's token may hold the closing brace of the box around it: "\\boxed{\\boxed 2}"
+    return ("".join(pieces) + text[at:inner_end]).strip()
+
+
 def _dressed_boxes(text: str) -> Iterator[tuple[str, int, int]]:
-    """_boxes_from_last's boxes, each with its dress (_bold_widened), less a box that only dresses a later one: the one
-    inside is the answer ("\\boxed{\\boxed{2}}" is 2). Yielded beside it, the box around stood between two such boxes as words
+    """The boxes no box holds (_outer_boxes), each with its dress (_bold_widened). A box around a box only dresses it
+    ("\\boxed{\\boxed{2}}" is 2): yielded beside it, the box around stood between two such boxes as words
     ("\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}" read as 3, right for the second of two answers offered) and, under gsm8k,
     as another answer beside its own ("\\boxed{\\boxed{18}}" was none from review s59r14 to review s60r02)."""
-    dress = None  # (start, end) of the box yielded last (later in the text), its dress taken
-    for box in _boxes_from_last(text):
-        if dress is not None and dress[0] <= box[1] and box[2] <= dress[1]:  # the later box's dress, "\\boxed{" too
-            continue
-        box = _bold_widened(text, box)
-        dress = box[1:]
-        yield box
+    return (_bold_widened(text, box) for box in _outer_boxes(text))
 
 
 # Words between two boxes that deny the later one: "\\boxed{3}, not \\boxed{4}", "\\boxed{3} (not \\boxed{4})",
@@ -180,11 +201,15 @@ _BOX_DENIAL = re.compile(r"[ \t$.,;:)\]*(—–-]*(?:(?:and|but)[ \t]+)?(?:not|r
 
 def _without_denied_boxes(text: str) -> str:
     """``text`` less each last box its words deny (_BOX_DENIAL) with those words: "\\boxed{3}, not \\boxed{4}." is
-    "\\boxed{3}.", whose box and the words after it are then read as ever."""
+    "\\boxed{3}.", whose box and the words after it are then read as ever. Its unknown's name is no words ("$x =
+    \\boxed{3}$, not $x = \\boxed{4}$": 4 until review s60r07, as math_boxes reads a list of named boxes). All of a run
+    ("\\boxed{2}, not \\boxed{3}, not \\boxed{4}"): cut at 16, the 17th box from the last, denied, was the answer."""
     boxes = _dressed_boxes(text)
     last = kept = next(boxes, None)
-    for before in itertools.islice(boxes, MAX_LISTED_BOXES):  # a few: "\\boxed{2}, not \\boxed{3}, not \\boxed{4}"
-        if not _BOX_DENIAL.fullmatch(_plain_separator(text[before[2] : kept[1]])):
+    for before in boxes:
+        name = _box_name(text, kept[1], before[2])
+        named = name is not None and _is_unknown(name[1])
+        if not _BOX_DENIAL.fullmatch(_plain_separator(text[before[2] : name[0] if named else kept[1]])):
             break
         kept = before
     return text if kept is last else text[: kept[2]] + text[last[2] :]

@@ -672,3 +672,28 @@ def test_a_box_around_each_box_lists_them(completion, reference, ok):
     brace was words, a correction: "\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}" read as 3, right for the second of two
     answers offered. It dresses the box inside, as bold does."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{\\boxed{2} + 1}", "2", False), ("\\boxed{\\boxed{2} + 1}", "3", True), ("\\boxed{2 + \\boxed{1}}", "1", False),
+    ("\\boxed{3 \\text{ or } \\boxed{2}}", "2", False), ("\\boxed{\\boxed{2}, 3}", "2", False),
+    ("\\boxed{\\boxed{2}, \\boxed{3}}", "2, 3", True), ("\\boxed{\\frac{\\boxed{1}}{2}}", "1", False),
+    ("\\boxed{x = \\boxed{2}}", "2", True), ("\\boxed{\\boxed{\\boxed{2}}}", "2", True),
+])
+def test_a_box_inside_a_box_is_part_of_the_box_around(completion, reference, ok):
+    """Review s60r07: a box inside a box that holds more than it was read as the last box, and math-verify reads a box
+    inside a box too: "\\boxed{\\boxed{2} + 1}" was 2, a wrong answer scored 1, and a hedge inside the box
+    ("\\boxed{3 \\text{ or } \\boxed{2}}") rewarded for its second value. The box around is the answer, unwrapped."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("So $x = \\boxed{3}$, not $x = \\boxed{4}$.", "4", False), ("So $x = \\boxed{3}$, not $x = \\boxed{4}$.", "3", True),
+    ("\\boxed{3}, not $x = \\boxed{4}$", "4", False), ("\\(x = \\boxed{3}\\) (not \\(x = \\boxed{4}\\))", "4", False),
+    (", not ".join(f"\\boxed{{{i}}}" for i in range(20)), "3", False),  # the 17th box from the last, denied
+    (", not ".join(f"\\boxed{{{i}}}" for i in range(20)), "0", True),
+])
+def test_a_denial_before_a_named_box_or_a_long_run_of_them_leaves_the_box_before(completion, reference, ok):
+    """Review s60r07: the name of a denied box ("not $x = \\boxed{4}$") read as words, a correction: 4, a wrong answer
+    scored 1; and a run of denials was cut at 16, so the 17th box from the last, itself denied, was the answer."""
+    assert is_correct(completion, reference, "math") is ok

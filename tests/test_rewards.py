@@ -1203,6 +1203,17 @@ def test_a_denied_last_box_leaves_the_box_before_and_a_box_around_a_box_is_its_o
     assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
 
 
+@pytest.mark.parametrize("completion, answer", [
+    ("So $x = \\boxed{18}$, not $x = \\boxed{19}$.", "18"), ("\\boxed{18}, not $x = \\boxed{19}$", "18"),
+    (", not ".join(f"\\boxed{{{n}}}" for n in range(18, 38)), "18"), ("\\boxed{x = \\boxed{18}}", "18"),
+    ("\\boxed{\\boxed{18} + 1}", None), ("\\boxed{19 \\text{ or } \\boxed{18}}", None),
+])
+def test_a_denied_named_box_leaves_the_box_before_and_a_box_inside_a_box_is_the_box_arounds(completion, answer):
+    """Review s60r07: "$x = \\boxed{18}$, not $x = \\boxed{19}$" read as 19 (the name read as words), a wrong answer
+    scored 1, as did the 17th box from the last of a longer run of denials; a box inside a box is part of it."""
+    assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
+
+
 def test_a_plain_answer_statement_ranks_below_every_other_answer():
     """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
     for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
