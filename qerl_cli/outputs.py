@@ -312,6 +312,7 @@ class StageOutput:
         self.work: Path | None = None
         self._t0 = self.started if self.started is not None else time.time()
         self._seen = _UNSEEN  # the fingerprint at `out` when this run decided to write (None: nothing)
+        self._manifest_id: tuple[int, int] | None = None  # the manifest this run wrote (_in_place)
 
     # ---- rerun logic -------------------------------------------------------------------
     def already_done(self, check_first=None) -> bool:
@@ -545,6 +546,12 @@ class StageOutput:
                 return False
             except BaseException as e:  # noqa: BLE001 - cleaned up, then re-raised (or made one line)
                 exc = e
+                if self.out not in _COMPLETE and self._in_place():
+                    # A SIGTERM during the rename (or the exchange) into --out is raised as the call returns, before
+                    # _swap_locked notes the output: the CLI said "--out was not written" of a complete output, and
+                    # a rollout or eval named its partial directory, gone (kill hunt, session 60). After an exchange
+                    # the work dir holds the old output, which the clean-up below deletes as the swap would have.
+                    _COMPLETE.append(self.out)
         if not self.resumable:
             shutil.rmtree(self.work, ignore_errors=True)
         if _is_write_error(exc):
@@ -552,6 +559,18 @@ class StageOutput:
         if exc_type is None:
             raise exc
         return False
+
+    def _in_place(self) -> bool:
+        """Whether ``out`` holds this run's output, whatever cut the swap short after its rename: the manifest this
+        run wrote is there (the same file, its device and inode, which the renames keep; an equal dict could be an
+        earlier run's of the same arguments)."""
+        if self._manifest_id is None:
+            return False
+        try:
+            st = os.stat(self.out / MANIFEST)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._manifest_id
 
     def drop_work_if_nothing_kept(self, pattern: str) -> None:
         """A resumable run stopped (an error, Ctrl-C) before it saved anything its rerun could resume (no file
@@ -603,6 +622,8 @@ class StageOutput:
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n")
         _fsync_file(tmp)
         os.replace(tmp, work / MANIFEST)
+        st = os.stat(work / MANIFEST)
+        self._manifest_id = (st.st_dev, st.st_ino)
         return manifest
 
     def _swap_into_place(self, work: Path) -> None:
@@ -643,6 +664,8 @@ class StageOutput:
                 except BaseException:
                     if staged.is_dir() and read_manifest(staged) == self.manifest:
                         os.replace(staged, work)  # not swapped in: a rerun finds it all done at the partial name
+                    elif self._in_place():  # a signal as the exchange returned: staged holds the replaced output
+                        shutil.rmtree(staged, ignore_errors=True)
                     raise
                 return
             self._replace(work)

@@ -349,6 +349,40 @@ def test_a_signal_during_the_fsync_after_the_rename_finds_the_output_complete(tm
 
 
 @pytest.mark.parametrize("resumable", [False, True])
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_signal_during_the_rename_into_out_finds_the_output_complete(tmp_path, monkeypatch, replacing, resumable):
+    """A SIGTERM that lands while the rename (or the exchange) into --out runs (ms on a network file system) is raised
+    as the call returns, before the swap notes the output in place: the CLI said "--out was not written" (a rollout
+    or eval "saved in" its partial directory, gone) of a complete output (kill hunt, session 60)."""
+    from qerl_cli import outputs
+
+    out = tmp_path / "o"
+    if replacing:
+        _run(out, {"k": 0})
+    real_replace, real_exchange = os.replace, outputs._exchange
+
+    def then_signal(done):  # the handler's KeyboardInterrupt, raised as the call returns
+        if done and (read_manifest(out) or {}).get("config") == {"k": 1}:
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr(os, "replace", lambda a, b: then_signal(real_replace(a, b) or True) and None)
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: then_signal(real_exchange(a, b)))
+    outputs.forget_completed()
+    try:
+        so = StageOutput(out, "demo", config={"k": 1}, inputs={"x": "h1"}, force=replacing, resumable=resumable)
+        assert not so.already_done()
+        with pytest.raises(KeyboardInterrupt):
+            with so as work:
+                (work / "a.txt").write_text("hello")
+        assert read_manifest(out)["config"] == {"k": 1} and (out / "a.txt").read_text() == "hello"
+        assert outputs.completed_outputs() == [out]
+        assert sorted(os.listdir(tmp_path)) == ["o"]  # the replaced output deleted, as the swap would have
+    finally:
+        outputs.forget_completed()
+
+
+@pytest.mark.parametrize("resumable", [False, True])
 def test_the_directories_an_output_creates_are_fsynced_in_their_parents(tmp_path, monkeypatch, resumable):
     """A power cut after the rename could lose a new run/step-000012 from run/ (only step-000012, holding the
     renamed output, was fsynced): each directory made for --out (or for a rollout's writer lock, which makes it
