@@ -304,7 +304,7 @@ qerl_find_python() {  # -> QERL_PYTHON (a command), or returns 1 naming in QERL_
   if [ -n "${PYTHON:-}" ]; then
     if _qerl_is_python3 "$PYTHON"; then QERL_PYTHON=$PYTHON; return 0; fi
     if [ -z "$QERL_PYTHON_LOOKED" ]; then  # once a script (set where none was found: a second search says none)
-      echo "note: PYTHON=$PYTHON is not a Python 3 that runs here: the recipes' helpers look for another" >&2
+      echo "note: PYTHON=$PYTHON is not a Python 3 (3.6 or later) that runs here: the recipes' helpers look for another" >&2
     fi
   fi
   read -r -a words <<< "${QERL:-qerl}"
@@ -315,11 +315,13 @@ qerl_find_python() {  # -> QERL_PYTHON (a command), or returns 1 naming in QERL_
   for c in "${cands[@]}"; do
     if _qerl_is_python3 "$c"; then QERL_PYTHON=$c; return 0; fi
   done
-  QERL_PYTHON_LOOKED="looked for ${PYTHON:+PYTHON=$PYTHON (not Python 3) and }${cands[*]}"
+  QERL_PYTHON_LOOKED="looked for ${PYTHON:+PYTHON=$PYTHON (not Python 3.6+) and }${cands[*]}"
   return 1
 }
-_qerl_is_python3() {  # COMMAND: whether it runs and is Python 3
-  command -v -- "$1" > /dev/null && "$1" -c 'import sys; sys.exit(sys.version_info[0] != 3)' 2> /dev/null
+# 3.6 or later: the helpers' f-strings are a SyntaxError before, so a host python3 of 3.4 or 3.5 (SLES 12's, Ubuntu
+# 16.04's) was taken and then, where the death signal needs it (no setpriv), started no stage at all (review s60r08).
+_qerl_is_python3() {  # COMMAND: whether it runs and is Python 3.6 or later
+  command -v -- "$1" > /dev/null && "$1" -c 'import sys; sys.exit(sys.version_info < (3, 6))' 2> /dev/null
 }
 
 # The step directories at or past STEPS, one a line: an earlier run's, when FORCE=1 reran a run dir with fewer STEPS
@@ -464,9 +466,12 @@ QERL_FAILED=""
 # -e, srun --export=NONE) dropped the variable, and the notes chosen from the record with it (session 59's list). It
 # needs `env` where qerl runs, and the run dir at the same path there (where the stages write their --out anyway).
 # Another QERL (a script of the user's that runs qerl) passes it in the environment alone.
-qerl_read_qerl() {
+# QERL_WRAPPER: the words before qerl's own, the slot included (none without a wrapper): a Slurm train job of several
+# GPUs runs torchrun in them (stage.sbatch).
+qerl_read_qerl() {  # -> QERL_WORDS, QERL_WRAPPER
   local n
   read -r -a QERL_WORDS <<< "${QERL:-qerl}"
+  QERL_WRAPPER=()
   n=${#QERL_WORDS[@]}
   if [ "${QERL_WORDS[n - 1]##*/}" = qerl ]; then
     n=$((n - 1))
@@ -475,7 +480,10 @@ qerl_read_qerl() {
   else
     return 0
   fi
-  if [ "$n" -gt 0 ]; then QERL_WORDS=("${QERL_WORDS[@]:0:n}" env QERL_ERROR_FILE= "${QERL_WORDS[@]:n}"); fi
+  if [ "$n" -gt 0 ]; then
+    QERL_WRAPPER=("${QERL_WORDS[@]:0:n}" env QERL_ERROR_FILE=)
+    QERL_WORDS=("${QERL_WRAPPER[@]}" "${QERL_WORDS[@]:n}")
+  fi
 }
 qerl_failed_with() {  # CODE [KIND]: whether a line of QERL_FAILED records that exit code (and that kind of error)
   [[ $'\n'$QERL_FAILED == *$'\n'"$1 ${2:+$2 }"* ]]
@@ -572,8 +580,12 @@ _qerl_find_death_tool() {
   if [ -n "$_qerl_death_tool" ]; then return; fi
   _qerl_death_tool=none
   if [ "$(uname -s)" != Linux ]; then return; fi
+  # The Python's prctl is ctypes', which a Python built without libffi lacks (pyenv's on a host without libffi-devel):
+  # there every stage failed to start, "No module named '_ctypes'", exit 1 (review s60r08). Without it, none.
   if [[ $(setpriv --help 2>/dev/null) == *--pdeathsig* ]]; then _qerl_death_tool=setpriv
-  elif qerl_find_python; then _qerl_death_tool=python3; fi
+  elif qerl_find_python && "$QERL_PYTHON" -I -S -c 'import ctypes; ctypes.CDLL(None).prctl' 2> /dev/null; then
+    _qerl_death_tool=python3
+  fi
 }
 # `_qerl_exec_stopping_with PARENT CMD...` in a child of PARENT (a pid): become CMD, set to get SIGTERM when PARENT
 # dies. A PARENT that died before that (the child re-parented, no signal will come) ends the child at once (143).

@@ -296,14 +296,16 @@ def test_multi_gpu_training_with_qerl_as_a_python_module_runs_a_bare_torchrun(tm
     assert log.read_text().startswith("--nproc-per-node 2 -m qerl_cli train-step --model ")
 
 
+@pytest.mark.parametrize("qerl", ["qerl", "python3 -m qerl_cli"])
 @pytest.mark.parametrize("torchrun", [None, "/venv/bin/torchrun --rdzv-backend c10d"])
-def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torchrun):
-    # TRAIN_GPUS > 1 ran a bare `torchrun -m qerl_cli`, outside QERL's container (docs audit, session 44)
+def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torchrun, qerl):
+    # TRAIN_GPUS > 1 ran a bare `torchrun -m qerl_cli`, outside QERL's container (docs audit, session 44); behind a
+    # wrapper's `python3 -m qerl_cli` it still did (review s60r08), where the job's other stages ran inside the wrapper
     log = tmp_path / "wrapper.log"
     wrapper = _recorder(tmp_path, "wrap", f'echo "$*" >> {log}\n')
     cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=4\n")
     env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
-    env["QERL"] = f"{wrapper} exec --nv img.sif qerl"
+    env["QERL"] = f"{wrapper} exec --nv img.sif {qerl}"
     if torchrun:
         env["TORCHRUN"] = torchrun
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
@@ -1534,7 +1536,7 @@ def test_a_python_that_is_not_python_3_is_named_once_and_passed_over(tmp_path, s
     run = tmp_path / "run"
     _finished_steps(run, 3)
     _rollout_made(run / "step-000000" / "shards", False)  # begun in file order, before the knob
-    note = f"note: PYTHON={bad} is not a Python 3 that runs here: the recipes' helpers look for another\n"
+    note = f"note: PYTHON={bad} is not a Python 3 (3.6 or later) that runs here: the recipes' helpers look for another\n"
     for shuffle in ("auto", "0"):  # SHUFFLE=0: the resume point is the first to look
         log.unlink(missing_ok=True)
         r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env | {"SHUFFLE": shuffle},
@@ -1545,7 +1547,35 @@ def test_a_python_that_is_not_python_3_is_named_once_and_passed_over(tmp_path, s
     (host / "python3").unlink()
     r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count(note) == 1, r.stderr
-    assert f"none was found (looked for PYTHON={bad} (not Python 3) and python3 " in r.stderr, r.stderr
+    assert f"none was found (looked for PYTHON={bad} (not Python 3.6+) and python3 " in r.stderr, r.stderr
+
+
+# Host python3s the helpers cannot run on, as stand-ins over this Python: one built without libffi (no ctypes: pyenv's
+# on a host without libffi-devel), and a 3.5 (SLES 12's 3.4, Ubuntu 16.04's 3.5), to which every f-string (the death
+# signal's prctl program, resume_point.py, rollout_shuffle.py) is a SyntaxError.
+UNFIT_PYTHONS = {
+    "no-ctypes": 'for a; do case $a in *"import ctypes"*) echo "ModuleNotFoundError: No module named \'_ctypes\'" >&2; '
+                 'exit 1 ;; esac; done\nexec {python} "$@"\n',
+    "3.5": 'code="" prev=""; for a; do [ "$prev" = -c ] && code=$a; prev=$a; done\n'
+           'case $code in "" | *\'f"\'*) echo "SyntaxError: invalid syntax" >&2; exit 1 ;; esac\n'
+           'exec {python} -c \'import sys; sys.version_info = (3, 5, 10, "final", 0); exec(sys.argv[1])\' "$code"\n',
+}
+
+
+@pytest.mark.parametrize("python", sorted(UNFIT_PYTHONS))
+def test_a_host_python_the_helpers_cannot_run_on_starts_the_stages_all_the_same(tmp_path, python):
+    # Without setpriv (RHEL 8's util-linux), the death signal is set by the host Python's prctl: a python3 without ctypes
+    # or older than 3.6 was taken for it, and every stage failed to start (exit 1, "No module named '_ctypes'" or a
+    # SyntaxError; review s60r08). Now such a Python is passed over: the stages run, without the kernel's SIGTERM.
+    host = Path(_host_without_python(tmp_path))
+    (host / "setpriv").unlink(missing_ok=True)
+    _recorder(host, "python3", UNFIT_PYTHONS[python].format(python=sys.executable))
+    qerl, log = _argv_recorder(tmp_path)
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=\nBASE_FORMAT=bf16\n")
+    r = subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(tmp_path / "run")], capture_output=True,
+                       text=True, env={**os.environ, "PATH": str(host), "QERL": str(qerl), "PYTHON": ""})
+    assert r.returncode == 0, r.stderr
+    assert [x.split()[0] for x in log.read_text().splitlines()] == ["rollout", "train-step", "merge"]
 
 
 def _clearing_wrapper(tmp_path) -> Path:
