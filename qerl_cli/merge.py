@@ -669,6 +669,7 @@ def _chat_template(cfg: MergeConfig, adapter: Adapter) -> tuple[str | None, str 
     if cfg.chat_template_file is not None:
         text, sha = read_chat_template(cfg.chat_template_file)
         set_chat_template(load_tokenizer(cfg.model), text, cfg.chat_template_file)
+        kept_named_templates(cfg.model)  # a name write_chat_template cannot save: refused before the merge, not after
     trained = trained_chat_template(adapter.path)
     if trained is not None and trained != (sha or own_chat_template(cfg.model)):
         given = (f"--chat-template-file {cfg.chat_template_file} is another" if sha else
@@ -722,28 +723,44 @@ def named_chat_templates(value) -> dict[str, str]:
             and isinstance(t.get("template"), str)} if isinstance(value, list) else {}
 
 
+def kept_named_templates(model_dir: Path) -> dict[str, str]:
+    """The named chat templates other than "default" of a model directory's tokenizer_config.json (a list), which a
+    merge with --chat-template-file saves as files (``write_chat_template``); none where the directory has .jinja
+    files, which transformers reads instead of that key. A name that is no file name ("../x") is refused, as
+    transformers refuses to save it: merge checks --model's before the merge (found in the copy after it, the error
+    came after the whole merge and named the temporary directory's copy)."""
+    model_dir = Path(model_dir)
+    config = model_dir / "tokenizer_config.json"
+    if ((model_dir / "chat_template.jinja").is_file() or any((model_dir / CHAT_TEMPLATE_DIR).glob("*.jinja"))
+            or not config.is_file()):
+        return {}
+    data = json.loads(config.read_text())
+    others = {k: v for k, v in named_chat_templates(data.get("chat_template") if isinstance(data, dict) else None).items()
+              if k != "default"}
+    for name in others:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise BadInputError(f"{config}: chat template name {name!r} is no file name",
+                                hint="rename it there (a file name: transformers saves each as NAME.jinja), or merge "
+                                "without --chat-template-file")
+    return others
+
+
 def write_chat_template(out_dir: Path, text: str) -> None:
     """``text`` as the checkpoint's chat template, as transformers 5 saves one: chat_template.jinja, which its
     tokenizers read before tokenizer_config.json's ``chat_template`` key; that key (the base's) is dropped, as
     transformers' save_pretrained drops it, so no reader finds the base's template instead. The base's other named
     templates in that key (a list) go to ``CHAT_TEMPLATE_DIR`` as transformers saves them: dropped with the key,
     the merged tokenizer lost "tool_use" and the like, which a base in the .jinja form kept."""
-    named = out_dir / CHAT_TEMPLATE_DIR
-    # with a .jinja file of the base, transformers ignored the key's templates: the base's are the copied files
-    in_files = (out_dir / "chat_template.jinja").is_file() or any(named.glob("*.jinja"))
+    others = kept_named_templates(out_dir)  # before chat_template.jinja is written: with the base's, the key was ignored
     (out_dir / "chat_template.jinja").write_text(text, encoding="utf-8")
     config = out_dir / "tokenizer_config.json"
     if config.is_file():
         data = json.loads(config.read_text())
-        old = data.pop("chat_template", None) if isinstance(data, dict) else None
-        if old is not None:
+        if isinstance(data, dict) and data.pop("chat_template", None) is not None:
             config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-        others = {} if in_files else {k: v for k, v in named_chat_templates(old).items() if k != "default"}
-        for name, template in others.items():
-            if Path(name).name != name or name in ("", ".", ".."):  # transformers refuses to save it too
-                raise BadInputError(f"{config}: chat template name {name!r} is no file name")
-            named.mkdir(exist_ok=True)
-            (named / f"{name}.jinja").write_text(template, encoding="utf-8")
+    for name, template in others.items():
+        (out_dir / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+        (out_dir / CHAT_TEMPLATE_DIR / f"{name}.jinja").write_text(template, encoding="utf-8")
 
 
 LOW_RETENTION = 0.5  # below this the FP4 merge is closer to the base than to the trained policy

@@ -278,7 +278,10 @@ def test_cpu_64_completions_under_30s():
     cfg = ModelConfig.from_hf(dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
     model = build_random_model(cfg, device="cpu", dtype=torch.float32, quantized=True)
-    engine = LLMEngine(model, None, max_num_seqs=64)
+    # the context it needs (32 + 64 tokens): with the model's whole one, the CPU cache zeroed what 64 sequences of it
+    # could use, 1 GiB and since the cap rose 4 (test_engine.py's peak RSS 1.6 -> 4.7 GB, on a CI box shared by workers)
+    engine = LLMEngine(model, None, max_num_seqs=64, max_model_len=128)
+    assert engine.runner.kv.numel() * engine.runner.kv.element_size() < 64 << 20
     prompts = [list(range(3 + i, 35 + i)) for i in range(16)]
     t0 = time.perf_counter()
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True), n=4)
@@ -512,3 +515,48 @@ def test_a_group_the_cpu_kv_cache_cannot_hold_says_what_bounded_it(tiny, monkeyp
         engine.generate(PROMPTS[:1], _greedy(40), n=8)
     hint = e.value.hint
     assert "50% of the RAM available" in hint and "80 blocks of 4 tokens" in hint and "raise QERL_CPU_KV_CACHE_GIB" in hint
+
+
+def _fake_cgroups(root, monkeypatch, cgroup_line: str, levels: dict) -> None:
+    """/proc/self/cgroup and a cgroup v2 tree under ``root``, which llm_engine reads in place of the machine's:
+    ``levels`` maps a path under /sys/fs/cgroup to its (memory.max, memory.current, page cache in memory.stat)."""
+    from pathlib import Path
+
+    import qerl_cli.engine.llm_engine as le
+
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup_line + "\n")
+    for rel, (limit, current, cache) in levels.items():
+        d = root / "sys/fs/cgroup" / rel
+        d.mkdir(parents=True, exist_ok=True)
+        if limit is not None:  # the root cgroup has no memory.max
+            (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").write_text(f"anon 1\nfile {cache}\nactive_file {cache // 4}\n"
+                                       f"inactive_file {cache - cache // 4}\nshmem 0\n")
+    monkeypatch.setattr(le, "Path", lambda p: Path(root) / str(p).lstrip("/"))
+
+
+def test_a_cgroup_limit_is_read_on_the_parents_too_and_its_page_cache_is_room(tmp_path, monkeypatch):
+    # The CPU KV cache's cgroup bound read memory.max - memory.current of the process's own cgroup only:
+    # - a limit on a parent only (a Slurm job's, over its step's cgroup of "max") was none: the host's MemAvailable
+    #   was taken, and the zeroed cache could push the job past its limit;
+    # - memory.current counts the page cache the job's reads and writes left, which the kernel reclaims and which
+    #   fills up to the limit in a long job: a full cgroup gave 0 bytes, "no memory left for the KV cache" where the
+    #   flat 1 GiB of before had run.
+    import qerl_cli.engine.llm_engine as le
+
+    gib = 2**30
+    job, step = "system.slice/slurmstepd.scope/job_7", "system.slice/slurmstepd.scope/job_7/step_0/user/task_0"
+    _fake_cgroups(tmp_path / "a", monkeypatch, f"0::/{step}", {"": (None, 60 * gib, 0), job: (8 * gib, 3 * gib, gib),
+                                                               step: ("max", 3 * gib, gib)})
+    assert le._cgroup_room() == 6 * gib  # the job's 8 GiB less the 2 GiB it cannot give back
+    _fake_cgroups(tmp_path / "b", monkeypatch, "0::/", {"": (16 * gib, 16 * gib, 12 * gib)})  # a container, full
+    assert le._cgroup_room() == 12 * gib
+    tight = {"": (None, 60 * gib, 0), job: (8 * gib, 7 * gib, 0), step: (4 * gib, 1 * gib, 0)}
+    _fake_cgroups(tmp_path / "c", monkeypatch, f"0::/{step}", tight)
+    assert le._cgroup_room() == gib  # the least room of every level: the job's
+    _fake_cgroups(tmp_path / "d", monkeypatch, f"0::/{step}", {"": (None, 60 * gib, 0), job: ("max", gib, 0)})
+    assert le._cgroup_room() is None  # no limit anywhere (and the root has no memory.max)
+    _fake_cgroups(tmp_path / "e", monkeypatch, "4:memory:/x", {"": (8 * gib, gib, 0)})
+    assert le._cgroup_room() is None  # cgroup v1 only: not read

@@ -769,3 +769,29 @@ def test_a_bases_list_form_chat_templates_round_trip_and_its_default_is_compared
     assert tok.apply_chat_template(chat, tokenize=False) == "T Hi"
     assert tok.apply_chat_template(chat, tools=[{"type": "function", "function": {"name": "f"}}], tokenize=False,
                                    chat_template="tool_use") == "TOOL 1"
+
+
+def test_a_bases_named_template_that_is_no_file_name_is_refused_before_the_merge(pair, tmp_path, monkeypatch):
+    """--chat-template-file saves the base's named templates as files (additional_chat_templates/NAME.jinja): a name
+    that is none ("../x") was refused only after the whole merge, naming the temporary directory's copy of
+    tokenizer_config.json; now --model's, before a tensor is merged."""
+    import qerl_cli.merge as merge_mod
+    from tests.helpers import CHAT_TEMPLATE
+
+    base = tmp_path / "base"
+    shutil.copytree(pair[0], base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    named = [{"name": "default", "template": CHAT_TEMPLATE}, {"name": "../x", "template": "X"}]
+    (base / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=named)))
+    (tmp_path / "t.jinja").write_text("T {{ messages[0]['content'] }}")
+    merged = []
+    real = merge_mod.write_checkpoint
+    monkeypatch.setattr(merge_mod, "write_checkpoint", lambda *a, **k: (merged.append(1), real(*a, **k))[1])
+    with pytest.raises(BadInputError, match="chat template name '../x' is no file name") as e:
+        merge(MergeConfig(base, pair[1], tmp_path / "m", chat_template_file=tmp_path / "t.jinja"), progress=False)
+    assert str(e.value).startswith(f"{base / 'tokenizer_config.json'}:") and not merged
+    assert not (tmp_path / "m").exists() and not (tmp_path / "x.jinja").exists()
+    # without the flag the list is copied as it is: nothing is written by name, and the merge runs
+    merge(MergeConfig(base, pair[1], tmp_path / "m"), progress=False)
+    assert json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())["chat_template"] == named

@@ -78,16 +78,49 @@ def _meminfo_available() -> int | None:
 
 
 def _cgroup_room() -> int | None:
-    """memory.max - memory.current of this process's cgroup (v2: a container's, a Slurm job's), None without a
-    limit: MemAvailable is the whole machine's."""
+    """The least room under a cgroup v2 ``memory.max`` of this process's cgroup and of its parents (a container's, a
+    Slurm job's), None without a limit: MemAvailable is the whole machine's. A limit may sit on a parent only (a Slurm
+    job's, over the step's own cgroup of "max"): the leaf alone read none, and the host's MemAvailable was taken."""
+    mount = Path("/sys/fs/cgroup")
     try:
         rel = next(line[3:].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
                    if line.startswith("0::"))
-        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (base / "memory.max").read_text().strip()
-        return None if limit == "max" else max(int(limit) - int((base / "memory.current").read_text()), 0)
-    except (OSError, ValueError, StopIteration):
+    except (OSError, StopIteration):
         return None
+    level, rooms = mount / rel.lstrip("/"), []
+    while True:
+        room = _cgroup_level_room(level)
+        if room is not None:
+            rooms.append(room)
+        if level == mount or mount not in level.parents:
+            return min(rooms, default=None)
+        level = level.parent
+
+
+def _cgroup_level_room(level: Path) -> int | None:
+    """``memory.max`` less what the cgroup holds and cannot give back, None without a limit (the root has no file).
+    Its ``memory.current`` counts the page cache its reads and writes left, which the kernel reclaims and which fills
+    up to the limit over a long job (a Slurm job's earlier stages, a container's model downloads): taken as used, it
+    left a CPU engine "no memory left for the KV cache" that the flat 1 GiB of before had (MemAvailable counts it free)."""
+    try:
+        limit = (level / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = int((level / "memory.current").read_text())
+        limit = int(limit)
+    except (OSError, ValueError):
+        return None
+    return max(limit - max(used - _cgroup_page_cache(level), 0), 0)
+
+
+def _cgroup_page_cache(level: Path) -> int:
+    """Bytes of page cache on the cgroup's reclaim lists: ``memory.stat``'s active_file + inactive_file (tmpfs pages
+    sit on the anon lists: not counted); 0 where unread."""
+    try:
+        stat = dict(line.split() for line in (level / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+        return int(stat.get("active_file", 0)) + int(stat.get("inactive_file", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 class LLMEngine:
