@@ -518,11 +518,11 @@ def test_a_group_the_cpu_kv_cache_cannot_hold_says_what_bounded_it(tiny, monkeyp
 
 
 def _fake_cgroups(root, monkeypatch, cgroup_line: str, levels: dict) -> None:
-    """/proc/self/cgroup and a cgroup v2 tree under ``root``, which llm_engine reads in place of the machine's:
+    """/proc/self/cgroup and a cgroup v2 tree under ``root``, which host_memory reads in place of the machine's:
     ``levels`` maps a path under /sys/fs/cgroup to its (memory.max, memory.current, page cache in memory.stat)."""
     from pathlib import Path
 
-    import qerl_cli.engine.llm_engine as le
+    import qerl_cli.engine.host_memory as hm
 
     (root / "proc/self").mkdir(parents=True)
     (root / "proc/self/cgroup").write_text(cgroup_line + "\n")
@@ -534,7 +534,7 @@ def _fake_cgroups(root, monkeypatch, cgroup_line: str, levels: dict) -> None:
         (d / "memory.current").write_text(f"{current}\n")
         (d / "memory.stat").write_text(f"anon 1\nfile {cache}\nactive_file {cache // 4}\n"
                                        f"inactive_file {cache - cache // 4}\nshmem 0\n")
-    monkeypatch.setattr(le, "Path", lambda p: Path(root) / str(p).lstrip("/"))
+    monkeypatch.setattr(hm, "Path", lambda p: Path(root) / str(p).lstrip("/"))
 
 
 def test_a_cgroup_limit_is_read_on_the_parents_too_and_its_page_cache_is_room(tmp_path, monkeypatch):
@@ -544,19 +544,19 @@ def test_a_cgroup_limit_is_read_on_the_parents_too_and_its_page_cache_is_room(tm
     # - memory.current counts the page cache the job's reads and writes left, which the kernel reclaims and which
     #   fills up to the limit in a long job: a full cgroup gave 0 bytes, "no memory left for the KV cache" where the
     #   flat 1 GiB of before had run.
-    import qerl_cli.engine.llm_engine as le
+    import qerl_cli.engine.host_memory as hm
 
     gib = 2**30
     job, step = "system.slice/slurmstepd.scope/job_7", "system.slice/slurmstepd.scope/job_7/step_0/user/task_0"
     _fake_cgroups(tmp_path / "a", monkeypatch, f"0::/{step}", {"": (None, 60 * gib, 0), job: (8 * gib, 3 * gib, gib),
                                                                step: ("max", 3 * gib, gib)})
-    assert le._cgroup_room() == 6 * gib  # the job's 8 GiB less the 2 GiB it cannot give back
+    assert hm._cgroup_room() == 6 * gib  # the job's 8 GiB less the 2 GiB it cannot give back
     _fake_cgroups(tmp_path / "b", monkeypatch, "0::/", {"": (16 * gib, 16 * gib, 12 * gib)})  # a container, full
-    assert le._cgroup_room() == 12 * gib
+    assert hm._cgroup_room() == 12 * gib
     tight = {"": (None, 60 * gib, 0), job: (8 * gib, 7 * gib, 0), step: (4 * gib, 1 * gib, 0)}
     _fake_cgroups(tmp_path / "c", monkeypatch, f"0::/{step}", tight)
-    assert le._cgroup_room() == gib  # the least room of every level: the job's
+    assert hm._cgroup_room() == gib  # the least room of every level: the job's
     _fake_cgroups(tmp_path / "d", monkeypatch, f"0::/{step}", {"": (None, 60 * gib, 0), job: ("max", gib, 0)})
-    assert le._cgroup_room() is None  # no limit anywhere (and the root has no memory.max)
+    assert hm._cgroup_room() is None  # no limit anywhere (and the root has no memory.max)
     _fake_cgroups(tmp_path / "e", monkeypatch, "4:memory:/x", {"": (8 * gib, gib, 0)})
-    assert le._cgroup_room() is None  # cgroup v1 only: not read
+    assert hm._cgroup_room() is None  # cgroup v1 only: not read
