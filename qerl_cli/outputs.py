@@ -257,7 +257,11 @@ def record_invocation(argv: list[str], cwd: str | None = None) -> None:
     import shlex
 
     global _INVOCATION
-    _INVOCATION = {"command": shlex.join(["qerl", *argv]), "cwd": cwd if cwd is not None else os.getcwd()}
+    _INVOCATION = {"command": shlex.join(["qerl", *argv])}
+    try:
+        _INVOCATION["cwd"] = cwd if cwd is not None else os.getcwd()
+    except OSError:  # the directory deleted under the shell: every command, --version too, was a traceback (s60r10)
+        pass
     world = os.environ.get("WORLD_SIZE", "")
     if world.isdigit() and int(world) > 1:
         _INVOCATION["world_size"] = int(world)
@@ -313,6 +317,7 @@ class StageOutput:
         self._t0 = self.started if self.started is not None else time.time()
         self._seen = _UNSEEN  # the fingerprint at `out` when this run decided to write (None: nothing)
         self._manifest_id: tuple[int, int] | None = None  # the manifest this run wrote (_in_place)
+        self._old: Path | None = None  # where a replace by two renames parks the old output (_finish_stopped_swap)
 
     # ---- rerun logic -------------------------------------------------------------------
     def already_done(self, check_first=None) -> bool:
@@ -489,8 +494,12 @@ class StageOutput:
         _fsync_dir(self.out.parent)
 
     def _clean_stale(self) -> None:
-        for p in self.out.parent.glob(self._sibling_glob("old")):
-            shutil.rmtree(p, ignore_errors=True)
+        if next(self.out.parent.glob(self._sibling_glob("old")), None) is not None:
+            # Under the lock the swap holds: a live replace by two renames parks the old output here between them,
+            # and puts it back if the second fails (this sweep deleted it there: --out left missing; review s60r10)
+            with _DirLock(self.out.parent):
+                for p in self.out.parent.glob(self._sibling_glob("old")):
+                    shutil.rmtree(p, ignore_errors=True)
         for p in self.out.parent.glob(self._sibling_glob("tmp")):
             parts = p.name[len(f".{self.out.name}.tmp-"):].split("-", 2)  # not at a '.tmp-' in --out's own name
             host = parts[2] if len(parts) > 2 else _HOST
@@ -546,12 +555,14 @@ class StageOutput:
                 return False
             except BaseException as e:  # noqa: BLE001 - cleaned up, then re-raised (or made one line)
                 exc = e
-                if self.out not in _COMPLETE and self._in_place():
-                    # A SIGTERM during the rename (or the exchange) into --out is raised as the call returns, before
-                    # _swap_locked notes the output: the CLI said "--out was not written" of a complete output, and
-                    # a rollout or eval named its partial directory, gone (kill hunt, session 60). After an exchange
-                    # the work dir holds the old output, which the clean-up below deletes as the swap would have.
-                    _COMPLETE.append(self.out)
+                if self._in_place():
+                    if self.out not in _COMPLETE:
+                        # A SIGTERM during the rename (or the exchange) into --out is raised as the call returns, before
+                        # _swap_locked notes the output: the CLI said "--out was not written" of a complete output, and
+                        # a rollout or eval named its partial directory, gone (kill hunt, session 60). After an exchange
+                        # the work dir holds the old output, which the clean-up below deletes as the swap would have.
+                        _COMPLETE.append(self.out)
+                    self._finish_stopped_swap()
         if not self.resumable:
             shutil.rmtree(self.work, ignore_errors=True)
         if _is_write_error(exc):
@@ -559,6 +570,18 @@ class StageOutput:
         if exc_type is None:
             raise exc
         return False
+
+    def _finish_stopped_swap(self) -> None:
+        """What a swap stopped after its rename still owes: the fsync of --out's parent that makes the rename durable,
+        and, after the two renames of the NFS path (a signal held over them is raised as they end), deleting the old
+        output parked at .OUT.old-ID (left there, GBs, until a next run into that --out; review s60r10)."""
+        _fsync_dir(self.out.parent)
+        if self._old is not None and (self._old.exists() or self._old.is_symlink()):
+            if self._old.is_dir() and not self._old.is_symlink():
+                shutil.rmtree(self._old, ignore_errors=True)
+            else:
+                self._old.unlink(missing_ok=True)
+            _fsync_dir(self.out.parent)
 
     def _in_place(self) -> bool:
         """Whether ``out`` holds this run's output, whatever cut the swap short after its rename: the manifest this
@@ -658,8 +681,9 @@ class StageOutput:
                 # The exchange leaves the old output at the temp name: never at the resumable
                 # partial name, where a later run would resume from it.
                 staged = self._tmp_name()
-                os.replace(work, staged)
                 try:
+                    # in the try: a signal raised as this rename returns moves it back too (review s60r10)
+                    os.replace(work, staged)
                     self._replace(staged)
                 except BaseException:
                     if staged.is_dir() and read_manifest(staged) == self.manifest:
@@ -681,7 +705,7 @@ class StageOutput:
         if _exchange(work, self.out):
             old = work  # after the exchange the temp name holds the old output
         else:
-            old = self._old_name(work)
+            old = self._old = self._old_name(work)
             with _signals_held():  # a second Ctrl-C raised inside the handler below undid the swap (review s59r10)
                 try:
                     os.replace(self.out, old)

@@ -555,3 +555,158 @@ def test_a_library_callers_manifest_has_no_command_and_a_torchrun_rank_says_the_
         (work / "x.txt").write_text("x")
     assert (so.manifest["command"], so.manifest["cwd"], so.manifest["world_size"]) == (
         "qerl train-step --out 'a b' --lr 1e-5", "/runs", 4)
+
+
+def test_the_sweep_of_old_outputs_waits_for_a_live_swap_between_its_renames(tmp_path, monkeypatch):
+    """(s60r10) Where RENAME_EXCHANGE is unsupported (NFS) a --force replace parks the old output at .o.old-ID between
+    its two renames, under the directory lock. Another run's sweep of leftover .o.old-* (its already_done or start)
+    took no lock and deleted it there: when the second rename then failed, the old output could not be put back and
+    --out was left missing, old and new outputs both gone. The sweep now waits for the swap."""
+    import errno
+    import threading
+
+    from qerl_cli import outputs
+
+    out = tmp_path / "o"
+    _run(out, {"k": 0})
+    monkeypatch.setattr(outputs, "_exchange", lambda a, b: False)
+    real_replace = os.replace
+    between, go, failed = threading.Event(), threading.Event(), []
+
+    def replace(src, dst):
+        if Path(dst).name.startswith(".o.old-"):  # the first rename: then wait, and fail the second
+            real_replace(src, dst)
+            between.set()
+            go.wait(10)
+        elif Path(dst) == out and Path(src).name.startswith(".o.tmp-"):
+            raise OSError(errno.EIO, "Input/output error", str(dst))
+        else:
+            real_replace(src, dst)
+
+    def redo():
+        try:
+            _run(out, {"k": 1}, force=True)
+        except Exception as e:  # noqa: BLE001 - the second rename's failure, as a write error
+            failed.append(e)
+
+    monkeypatch.setattr(os, "replace", replace)
+    swap = threading.Thread(target=redo)
+    swap.start()
+    assert between.wait(10)
+    sweep = threading.Thread(target=StageOutput(out, "demo", config={"k": 0}, inputs={"x": "h1"})._clean_stale)
+    sweep.start()
+    sweep.join(0.5)  # a sweep that does not wait deletes .o.old-* now
+    go.set()
+    swap.join(10)
+    sweep.join(10)
+    assert failed and read_manifest(out)["config"] == {"k": 0}  # the old output put back whole
+    assert sorted(os.listdir(tmp_path)) == ["o"]
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+@pytest.mark.parametrize("how", ["rename", "exchange", "two renames"])
+def test_a_signal_in_the_swap_into_out_still_fsyncs_its_parent_and_deletes_the_old_output(tmp_path, monkeypatch,
+                                                                                           how, resumable):
+    """(s60r10) A SIGTERM or Ctrl-C raised as the rename (or the exchange) into --out returns, or held over the two
+    renames of the NFS replace and raised as they end, skipped the fsync of --out's parent that publishes the rename
+    (a machine crash then could lose it), and on the NFS path left the replaced output at .o.old-ID (a checkpoint's
+    GBs, until a next run into that --out, which a loop's step never has)."""
+    import signal
+
+    from qerl_cli import outputs
+
+    out = tmp_path / "o"
+    if how != "rename":
+        _run(out, {"k": 0})
+    real_replace, real_exchange, real_fsync = os.replace, outputs._exchange, outputs._fsync_dir
+    synced = []
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if how == "rename" and Path(dst) == out:
+            raise KeyboardInterrupt  # the handler's, raised as the call returns
+        if how == "two renames" and Path(dst).name.startswith(".o.old-"):
+            os.kill(os.getpid(), signal.SIGINT)  # held until both renames are done
+
+    def exchange(a, b):
+        if how == "two renames":
+            return False
+        real_exchange(a, b)
+        raise KeyboardInterrupt
+
+    def fsync_dir(path):
+        if Path(path) == tmp_path and (read_manifest(out) or {}).get("config") == {"k": 1}:
+            synced.append(path)
+        real_fsync(path)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(outputs, "_exchange", exchange)
+    monkeypatch.setattr(outputs, "_fsync_dir", fsync_dir)
+    outputs.forget_completed()
+    try:
+        so = StageOutput(out, "demo", config={"k": 1}, inputs={"x": "h1"}, force=how != "rename", resumable=resumable)
+        assert not so.already_done()
+        with pytest.raises(KeyboardInterrupt):
+            with so as work:
+                (work / "a.txt").write_text("hello")
+        assert outputs.completed_outputs()[-1] == out and read_manifest(out)["config"] == {"k": 1}
+        assert synced  # the rename made durable
+        assert sorted(os.listdir(tmp_path)) == ["o"]  # the replaced output deleted, as the swap would have
+    finally:
+        outputs.forget_completed()
+
+
+def test_the_cli_runs_in_a_directory_deleted_under_it(tmp_path):
+    """(s60r10) Recording the manifest's ``cwd`` (os.getcwd()) raised FileNotFoundError where the shell's directory
+    had been deleted (a scratch dir cleaned up under a running loop's shell): every command, --version included,
+    became a traceback before it began. The command is recorded without ``cwd`` there."""
+    import subprocess
+    import sys
+
+    from tests.reliability_fixtures import cli_env
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    run = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m qerl_cli --version', "sh", str(gone),
+                          sys.executable], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_a_command_recorded_where_the_directory_is_gone_has_no_cwd(monkeypatch):
+    from qerl_cli import outputs
+
+    def gone():
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(outputs, "_INVOCATION", None)
+    monkeypatch.setattr(os, "getcwd", gone)
+    outputs.record_invocation(["eval", "--compare", "a", "b"])
+    assert outputs._INVOCATION == {"command": "qerl eval --compare a b"}
+
+
+def test_a_signal_as_a_resumable_force_redo_is_staged_keeps_it_at_its_partial_name(tmp_path, monkeypatch):
+    """(s60r10) A rollout's or eval's --force redo first renames its finished partial directory to a temp name, then
+    swaps that in. A SIGTERM raised as that first rename returns came before the clean-up that moves it back: the
+    stop line said the groups "are saved in .o.partial-...", a directory then gone (the finished work sat at
+    .o.tmp-PID-..., which only a later run put back)."""
+    from qerl_cli import outputs
+
+    out = tmp_path / "o"
+    _run(out, {"k": 0})
+    real_replace = os.replace
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if Path(src).name.startswith(".o.partial-") and Path(dst).name.startswith(".o.tmp-"):
+            raise KeyboardInterrupt  # the handler's, raised as the call returns
+
+    monkeypatch.setattr(os, "replace", replace)
+    outputs.forget_completed()
+    so = StageOutput(out, "demo", config={"k": 1}, inputs={"x": "h1"}, force=True, resumable=True)
+    assert not so.already_done()
+    with pytest.raises(KeyboardInterrupt):
+        with so as work:
+            (work / "a.txt").write_text("hello")
+    assert outputs.completed_outputs() == [] and read_manifest(out)["config"] == {"k": 0}
+    assert sorted(os.listdir(tmp_path)) == sorted(["o", so.partial_dir().name])  # where the stop line says it is
+    assert read_manifest(so.partial_dir())["config"] == {"k": 1}
