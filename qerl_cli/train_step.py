@@ -410,7 +410,8 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
         state = TrainerState.load(state_file)
     elif cfg.adapter is not None:
         why = f": its {STATE_FILE} is {who}, not qerl's" if who else f" has no {STATE_FILE}"
-        _say(cfg, f"note: {cfg.adapter}{why}; starting the schedule at step {data.step}")
+        if not _state_lost(cfg):  # (a qerl adapter's lost state is warned of below, after the checks)
+            _say(cfg, f"note: {cfg.adapter}{why}; starting the schedule at step {data.step}")
         state.global_step = data.step
     spec = _lora_spec(cfg)
     parent_hash = adapter_hash(cfg.adapter) if cfg.adapter is not None else None
@@ -455,6 +456,13 @@ def _joined_step(cfg: TrainStepConfig, dist: distributed.Dist, device: str, dtyp
         _warn(f"{cfg.adapter} has no {OPTIMIZER_FILE}, though its {STATE_FILE} counts {state.optimizer_steps} optimizer "
               "step(s): AdamW's moments start from zero, so this is not the step the run would take from it "
               "(restore the file from the step that wrote it, or rerun that step)")
+    if _state_lost(cfg):  # was a note, gone under -q, though the adapter this step writes forgets the run's lineage
+        moments = (f", and with no {OPTIMIZER_FILE} either AdamW's moments start from zero"
+                   if not (Path(cfg.adapter) / OPTIMIZER_FILE).exists() else "")
+        _warn(f"{cfg.adapter} has no {STATE_FILE}, though its manifest.json says qerl's {STAGE} wrote it: the schedule "
+              f"goes on at the shards' step {data.step}, but the lineage of adapters and the count of optimizer steps "
+              f"start over in the adapter this step writes{moments} (restore the file from the step that wrote it, or "
+              "rerun that step)")
 
     adv = group_advantages(data.rewards, data.group_ids, scale=cfg.scale_rewards, where=str(data.files[0]))
     if adv.zero_variance_fraction == 1.0:  # said only by `zero_variance_groups: 1.0` in the metrics (a review)
@@ -659,6 +667,16 @@ def _optimizer_state_lost(cfg: TrainStepConfig, state: TrainerState) -> bool:
     return cfg.adapter is not None and state.optimizer_steps > 0 and not (Path(cfg.adapter) / OPTIMIZER_FILE).exists()
 
 
+def _state_lost(cfg: TrainStepConfig) -> bool:
+    """Whether --adapter is a qerl train-step's output (its manifest.json says so) without its trainer_state.json
+    (copied in part, pruned): the step trains to the same weights, but what the run recorded of its adapters (the
+    lineage, the optimizer steps) starts over. An adapter from elsewhere has no such record to lose."""
+    from qerl_cli.outputs import read_manifest
+
+    return (cfg.adapter is not None and not (Path(cfg.adapter) / STATE_FILE).exists()
+            and (read_manifest(Path(cfg.adapter)) or {}).get("stage") == STAGE)
+
+
 def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: TrainerState, dist, device, dtype, base_hash,
          spec, parent_hash):
     from qerl_cli.aqn import apply_noise, clear_noise
@@ -696,7 +714,7 @@ def _run(cfg, out, data: StepData, adv, groups, seq_w, live_tokens, state: Train
                          weight_decay=cfg.weight_decay)
     if cfg.adapter is not None and (Path(cfg.adapter) / OPTIMIZER_FILE).exists():
         load_optimizer(opt, Path(cfg.adapter) / OPTIMIZER_FILE)
-    elif cfg.adapter is not None and not _optimizer_state_lost(cfg, state):  # (a lost one was warned of)
+    elif cfg.adapter is not None and not _optimizer_state_lost(cfg, state) and not _state_lost(cfg):  # (lost: warned)
         _say(cfg, f"note: {cfg.adapter} has no {OPTIMIZER_FILE}; AdamW moments start from zero")
     if state.rng:
         restore_rng(state.rng)

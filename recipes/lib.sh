@@ -26,7 +26,7 @@ _qerl_die() { echo "error: $*" >&2; exit 2; }
 # it an array (STOP: several stop strings), every element kept: `%q` of $STOP wrote the first alone.
 qerl_setting_line() {  # VAR
   local all="$1[@]" x
-  if [[ $(declare -p "$1" 2> /dev/null) =~ ^declare\ -[a-zA-Z]*a ]]; then
+  if _qerl_is_array "$1"; then
     printf '%s=(' "$1"
     for x in "${!all}"; do printf ' %q' "$x"; done
     printf ' )\n'
@@ -34,6 +34,7 @@ qerl_setting_line() {  # VAR
     printf '%s=%q\n' "$1" "${!1}"
   fi
 }
+_qerl_is_array() { [[ $(declare -p "$1" 2> /dev/null) =~ ^declare\ -[a-zA-Z]*a ]]; }  # VAR
 
 # The whole-number keys. The configs compute with some of them (WARMUP_STEPS from STEPS) as they are
 # sourced, before qerl_load_config can check them, so STEPS=abc from the environment ended in bash's
@@ -68,9 +69,10 @@ qerl_load_config() {  # CONFIG (for the messages)
   PROMPT_KEY=${PROMPT_KEY:-}           # DATASET's own column names (rollout --prompt-key / --answer-key) ...
   ANSWER_KEY=${ANSWER_KEY:-}
   # ... and EVAL_DATASET's (eval's), the same unless set: a set of one's own to train on beside a standard test set
-  # named the train set's columns to eval, which refused every row of it ("row has no `question`"; session 59's list)
-  EVAL_PROMPT_KEY=${EVAL_PROMPT_KEY:-$PROMPT_KEY}
-  EVAL_ANSWER_KEY=${EVAL_ANSWER_KEY:-$ANSWER_KEY}
+  # named the train set's columns to eval, which refused every row of it ("row has no `question`"; session 59's list).
+  # Set empty: eval's own columns (no flag), which `:-` made the train set's again once PROMPT_KEY was set.
+  EVAL_PROMPT_KEY=${EVAL_PROMPT_KEY-$PROMPT_KEY}
+  EVAL_ANSWER_KEY=${EVAL_ANSWER_KEY-$ANSWER_KEY}
   SYSTEM_PROMPT=${SYSTEM_PROMPT:-}     # rollout and eval --system-prompt (with a chat template)
   # rollout and eval --stop, e.g. STOP=$'\nQ:' (a base model's few-shot); several as a bash array in the config:
   # STOP=($'\nQ:' '</answer>') (_qerl_template_flags; the environment holds one string)
@@ -390,8 +392,14 @@ qerl_rollout_cmd() {  # STEP OUT [FLAG...]: step STEP's rollout, with adapter ST
     0) ;;
     *) _qerl_die "SHUFFLE=$SHUFFLE: qerl_resolve_shuffle decides it before the first rollout" ;;
   esac
+  # REWARDS: names word-split ("gsm8k format"), or a bash array in the config, one --reward an element, kept whole (a
+  # file.py:function path with a space): `$REWARDS` of REWARDS=(gsm8k format) passed gsm8k alone, without a word
   # shellcheck disable=SC2153  # the config sets REWARDS
-  for r in $REWARDS; do rewards+=(--reward "$r"); done
+  if _qerl_is_array REWARDS; then
+    for r in "${REWARDS[@]}"; do if [ -n "$r" ]; then rewards+=(--reward "$r"); fi; done
+  else
+    for r in $REWARDS; do rewards+=(--reward "$r"); done
+  fi
   _qerl_adapter_before "$s"
   _qerl_template_flags "$PROMPT_KEY" "$ANSWER_KEY"
   QERL_CMD=(rollout --model "$BASE" "${QERL_ADAPTER[@]}" --prompts "$DATASET" --out "$out" "$@"
@@ -445,13 +453,22 @@ qerl_compare_cmd() { QERL_CMD=(eval --compare "$RUN_DIR/eval-base" "$RUN_DIR/eva
 # torchrun job the refusal's (a review, session 59). Not read from the stage's stderr, which stays the terminal's
 # (through a pipe its live progress ends). In RUN_DIR, which a stage writes through any QERL wrapper (a container's
 # /tmp may be its own); made by the stage only when it fails, removed once read.
-# Behind a QERL wrapper the file is named on qerl's command line too: the slot qerl_read_qerl leaves there.
+# Behind a QERL wrapper the file is named on qerl's command line too: the slot qerl_read_qerl leaves there. So are the
+# variables named in QERL_CARRIED that are set, which such a wrapper dropped too: grpo.sh's QERL_STOP_WITH_PARENT (a
+# stage under a wrapper that forks it and dies of the TERM passed on when grpo.sh is killed ran on, orphaned) and
+# stage.sbatch's TRITON_CACHE_DIR in the run dir (each job compiled its kernels anew, or kept them in $HOME).
+QERL_CARRIED=(QERL_STOP_WITH_PARENT)
 qerl_run_recording() {  # CMD... -> CMD's status; QERL_FAILED
-  local rc=0 f w cmd=() slot=1
+  local rc=0 f w v cmd=() slot=1
   f=$(mktemp -u "$RUN_DIR/.qerl-error.XXXXXXXXXX") || f=""
   for w in "$@"; do
-    if [ "$slot" = 1 ] && [ "$w" = QERL_ERROR_FILE= ]; then w=QERL_ERROR_FILE=$f slot=0; fi
     cmd+=("$w")
+    if [ "$slot" = 1 ] && [ "$w" = QERL_ERROR_FILE= ]; then
+      cmd[-1]=QERL_ERROR_FILE=$f slot=0
+      for v in "${QERL_CARRIED[@]}"; do
+        if [ -n "${!v+x}" ]; then cmd+=("$v=${!v}"); fi
+      done
+    fi
   done
   QERL_ERROR_FILE=$f "${cmd[@]}" || rc=$?
   QERL_FAILED=""

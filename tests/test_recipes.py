@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -304,17 +305,19 @@ def test_multi_gpu_training_runs_torchrun_inside_the_qerl_wrapper(tmp_path, torc
     log = tmp_path / "wrapper.log"
     wrapper = _recorder(tmp_path, "wrap", f'echo "$*" >> {log}\n')
     cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=5\nTRAIN_GPUS=4\n")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHRUN"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHRUN", "TRITON_CACHE_DIR")}
     env["QERL"] = f"{wrapper} exec --nv img.sif {qerl}"
     if torchrun:
         env["TORCHRUN"] = torchrun
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "train", str(cfg), str(tmp_path / "run"), "0"],
                    env=env, check=True, capture_output=True)
     launcher = torchrun or "torchrun"
-    # and the ranks' record of why they failed named inside it (qerl_read_qerl): the wrapper may clear the environment
+    # and the ranks' record of why they failed named inside it (qerl_read_qerl), and the run's kernel cache
+    # (QERL_CARRIED): the wrapper may clear the environment
     import re
 
-    assert re.match(rf"exec --nv img\.sif env QERL_ERROR_FILE={tmp_path}/run/\.qerl-error\.\w+ {launcher} --nproc-per-node 4 "
+    assert re.match(rf"exec --nv img\.sif env QERL_ERROR_FILE={tmp_path}/run/\.qerl-error\.\w+ "
+                    rf"TRITON_CACHE_DIR={tmp_path}/run/\.triton-cache {launcher} --nproc-per-node 4 "
                     "-m qerl_cli train-step --model ", log.read_text()), log.read_text()
 
 
@@ -605,6 +608,32 @@ def test_an_eval_set_with_other_columns_than_the_train_set_gets_its_own(tmp_path
         assert [x for x in lines if x.startswith("EVAL_ANSWER_KEY=")] == [f"EVAL_ANSWER_KEY={want[1]}"]
 
 
+def test_an_eval_key_set_empty_leaves_eval_its_own_columns_in_the_loop_and_the_chain(tmp_path):
+    # EVAL_PROMPT_KEY=${EVAL_PROMPT_KEY:-$PROMPT_KEY}: once PROMPT_KEY was set, eval could not go back to its own
+    # columns (prompt, messages, question, problem; answer), an empty value read as unset (session 60's list). Set
+    # empty, eval gets no --prompt-key; submit.env keeps it empty, not unset, for the chain's jobs
+    import json
+
+    cfg = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\nEVAL_DATASET=t.jsonl\nPROMPT_KEY=question\nANSWER_KEY=solution\n")
+    qerl, log = _json_argv_recorder(tmp_path)
+    sbatch, _ = _fake_sbatch(tmp_path)
+    env = {**{k: v for k, v in os.environ.items() if k != "EVAL_ANSWER_KEY"}, "QERL": str(qerl), "SBATCH": str(sbatch),
+           "EVAL_PROMPT_KEY": ""}
+    run, chain = tmp_path / "run", tmp_path / "chain"
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
+                   capture_output=True)
+    assert {"EVAL_PROMPT_KEY=''", "EVAL_ANSWER_KEY=solution"} <= set((chain / "submit.env").read_text().splitlines())
+    del env["EVAL_PROMPT_KEY"]  # the job's environment need not hold it
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "eval", str(cfg), str(chain), "0"], env=env,
+                   check=True, capture_output=True)
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    evals = [c for c in calls if c[0] == "eval" and "--compare" not in c]
+    assert len(evals) == 2 + 1  # grpo.sh: the base, the final; the chain's eval job
+    assert all("--prompt-key" not in c and _flag_values(c, "--answer-key") == ["solution"] for c in evals), evals
+    assert all(_flag_values(c, "--prompt-key") == ["question"] for c in calls if c[0] == "rollout")
+
+
 @pytest.mark.parametrize("stops", [["\nQ:"], ["\nQ:", "</answer> it's \"done\"\n"]], ids=["one", "two"])
 def test_one_or_several_stops_reach_every_rollout_and_eval_of_the_loop_and_the_chain(tmp_path, stops):
     # STOP held one string: several (a base model's few-shot "\nQ:" and an answer tag) could not be passed, and a
@@ -634,6 +663,42 @@ def test_one_or_several_stops_reach_every_rollout_and_eval_of_the_loop_and_the_c
     assert len(sampled) == 2 + 3 + 1 + 2  # grpo.sh: 2 rollouts, 3 evals; the jobs: a rollout, two evals
     assert all(_flag_values(c, "--stop") == stops for c in sampled), sampled
     assert not any("--stop" in c for c in calls if c not in sampled)
+
+
+@pytest.mark.parametrize("setting, rewards", [
+    ("REWARDS='gsm8k format=0.5'", ["gsm8k", "format=0.5"]),  # names word-split, as before
+    ("REWARDS=(gsm8k 'format=0.5' 'my rewards.py:judge')", ["gsm8k", "format=0.5", "my rewards.py:judge"]),
+], ids=["words", "array"])
+def test_a_config_s_rewards_reach_every_rollout_of_the_loop_and_the_chain(tmp_path, setting, rewards):
+    # REWARDS was word-split alone (`for r in $REWARDS`): a config's REWARDS=(a b) array passed its first reward, the
+    # others dropped without a word (session 60's list). Each element is one --reward now, in grpo.sh and in a chain's
+    # jobs (through submit.env: the job below runs with a config that no longer sets REWARDS, then with the config's
+    # array under an older submit.env's one string, which the job keeps whole)
+    import json
+
+    cfg = _qwen_cfg(tmp_path, f"\nWARMUP_STEPS=0\nSTEPS=2\n{setting}\n")
+    qerl, log = _json_argv_recorder(tmp_path)
+    sbatch, _ = _fake_sbatch(tmp_path)
+    env = {**{k: v for k, v in os.environ.items() if k != "REWARDS"}, "QERL": str(qerl), "SBATCH": str(sbatch),
+           "SLURM_ARRAY_TASK_ID": "0"}
+    run, chain = tmp_path / "run", tmp_path / "chain"
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
+                   capture_output=True)
+    cfg.write_text(cfg.read_text().replace(setting, ""))
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(chain), "1"], env=env,
+                   check=True, capture_output=True)
+    rollouts = [c for c in map(json.loads, log.read_text().splitlines()) if c[0] == "rollout"]
+    assert len(rollouts) == 2 + 1 and all(_flag_values(c, "--reward") == rewards for c in rollouts), rollouts
+    submitted = (chain / "submit.env").read_text()
+    submitted = "\n".join(x for x in submitted.splitlines() if not x.startswith("REWARDS="))
+    (chain / "submit.env").write_text(submitted + "\nREWARDS=gsm8k\n")
+    cfg.write_text(cfg.read_text() + f"\n{setting}\n")
+    log.write_text("")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(chain), "1"], env=env,
+                   check=True, capture_output=True)
+    (argv,) = map(json.loads, log.read_text().splitlines())
+    assert _flag_values(argv, "--reward") == ["gsm8k"], argv
 
 
 def test_a_chain_submitted_without_stops_keeps_none_when_the_config_gets_several(tmp_path):
@@ -1605,6 +1670,36 @@ def test_a_stages_record_crosses_a_wrapper_that_clears_the_environment(tmp_path,
     assert not list(run.glob(".qerl-error.*"))  # the record, read, is gone
 
 
+@pytest.mark.parametrize("script, triton", [("grpo.sh", None), ("stage.sbatch", None), ("stage.sbatch", "/mine")])
+def test_the_stop_with_parent_flag_and_the_kernel_cache_cross_a_wrapper_that_clears_the_environment(tmp_path, script,
+                                                                                                     triton):
+    # Dropped as QERL_ERROR_FILE was (session 60's list): grpo.sh's QERL_STOP_WITH_PARENT=1, so a stage under a wrapper
+    # that forks it ran on, orphaned, once grpo.sh was killed and the wrapper died of the TERM passed on
+    # (test_a_stage_in_its_own_group_stops_when_grpo_sh_dies: what the variable does); and stage.sbatch's
+    # TRITON_CACHE_DIR in the run dir, so each job compiled its kernels anew or kept them in $HOME. Both are named inside
+    # the wrapper, a FORCE=1 job's rerun with --force included; a TRITON_CACHE_DIR of one's own is left to the
+    # environment (its path may not be there inside a container)
+    log = tmp_path / "qerl.log"
+    (tmp_path / "bin").mkdir()
+    qerl = _recorder(tmp_path / "bin", "qerl", f'echo "$1 ${{QERL_STOP_WITH_PARENT:-unset}} ${{TRITON_CACHE_DIR:-unset}}" '
+                     f'>> {log}\n[[ " $* " == *" --force "* ]] || [ "$1" != rollout ] || [ "{script}" = grpo.sh ] || exit 4\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("QERL_STOP_WITH_PARENT", "TRITON_CACHE_DIR", "FORCE")}
+    env["QERL"] = f"{_clearing_wrapper(tmp_path)} exec img.sif {qerl}"
+    if script == "grpo.sh":
+        cfg, run = _qwen_cfg(tmp_path, "\nWARMUP_STEPS=0\nSTEPS=1\n"), tmp_path / "run"
+        subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+        lines = log.read_text().splitlines()
+        assert len(lines) == 7 and all(x.split()[1:] == ["1", "unset"] for x in lines), lines  # 3 evals, --compare
+        return
+    if triton:
+        env["TRITON_CACHE_DIR"] = triton
+    cfg, run = _submit_7b_chain(tmp_path, FORCE="1")
+    subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(run), "1"], env=env,
+                   check=True, capture_output=True)
+    want = "unset" if triton else f"{run}/.triton-cache"
+    assert log.read_text().splitlines() == [f"rollout unset {want}"] * 2  # refused, then redone with --force
+
+
 @pytest.mark.parametrize("force", ["0", "1"])
 def test_a_torchrun_jobs_refusal_crosses_a_wrapper_that_clears_the_environment(tmp_path, force):
     # torchrun runs inside QERL's wrapper, where the ranks' record of an exit 4 (torchrun's exit 1) was lost with the
@@ -2026,6 +2121,31 @@ def test_every_config_key_can_be_set_from_the_environment(tmp_path):
         out = subprocess.run(["bash", "-c", f'source "{cfg}"; echo "[$TRAIN_EXTRA][$PROMPT_TEMPLATE][$EVAL_DATASET]"'],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()
         assert out == "[][][]", (cfg.name, out)
+
+
+def test_a_short_run_of_a_config_spreads_its_aqn_stages_over_its_steps():
+    # tiny.env's 4 stages (the Qwen configs' 10) over a quickstart of STEPS <= 4 made every rollout warn "--total-steps
+    # 3 < --aqn-stages 4 + 1: the AQN schedule skips stages" (session 60's list): a shorter run takes one stage a step
+    # after its noise-free first, and a run of the config's length or longer its stages as before
+    import warnings
+
+    from qerl_cli.rollout_checks import warn_of_skipped_aqn_stages
+
+    for cfg in CONFIGS:
+        script = (f'for s in $(seq 1 12); do (STEPS=$s; source "{cfg}" >/dev/null; source "{RECIPES / "lib.sh"}"; '
+                  f'qerl_load_config "{cfg}"; echo "$STEPS $AQN_STAGES $AQN_SIGMA_START"); done')
+        env = {k: v for k, v in os.environ.items() if k not in ("AQN_STAGES", "AQN_SIGMA_START", "WARMUP_STEPS")}
+        out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+        stages = {}
+        for line in out.splitlines():
+            steps, k, sigma = line.split()
+            stages[int(steps)] = int(k)
+            rollout = SimpleNamespace(aqn_sigma_start=float(sigma), total_steps=int(steps), aqn_stages=int(k))
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                warn_of_skipped_aqn_stages(rollout)
+            assert not said or int(steps) == 1, (cfg.name, line, str(said[0].message))  # one step: noise-free alone
+        assert stages[12] == (4 if cfg.name == "tiny.env" else 10) and stages[3] == 2, (cfg.name, stages)
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

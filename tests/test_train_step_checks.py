@@ -215,6 +215,26 @@ def test_a_qerl_adapter_that_lost_its_optimizer_state_is_warned_about_under_quie
         _step(first, _resume_shard(first, tmp_path), tmp_path / "a", adapter=adapter)
 
 
+def test_a_qerl_adapter_that_lost_its_trainer_state_is_warned_about_under_quiet_too(first, tmp_path):
+    # copied in part: the step trained to the same weights, but its adapter's lineage and optimizer steps started over,
+    # said by a note alone, none under -q (session 60's list). qerl's own is known by its manifest; another's keeps
+    # the note (it has no such record to lose)
+    import warnings
+
+    sh = _resume_shard(first, tmp_path)
+    adapter = shutil.copytree(first.out, tmp_path / "in")
+    (adapter / "trainer_state.json").unlink()
+    with pytest.warns(QerlWarning, match=r"in has no trainer_state.json, though its manifest.json says qerl's "
+                                         r"train-step wrote it: .* the lineage of adapters and the count of optimizer "
+                                         r"steps start over"):
+        _step(first, sh, tmp_path / "a", adapter=adapter)
+    assert _state(tmp_path / "a")["optimizer_steps"] == 1  # what the warning is about (the run's would count 2)
+    (adapter / "manifest.json").unlink()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*trainer_state.json", category=QerlWarning)
+        _step(first, sh, tmp_path / "b", adapter=adapter)
+
+
 def test_an_adapter_copied_without_its_weights_is_named_not_called_another_adapter(first, tmp_path):
     # the rollout's own adapter, half copied: the lineage check called it another adapter ("pass the --adapter the
     # rollout used", exit 3), which it was given
