@@ -197,8 +197,12 @@ def test_a_token_budget_below_max_model_len_still_prefills_short_prompts_togethe
     assert sizes == [2]  # the budget is raised to max_model_len: one prefill of both
 
 
-def test_a_kv_cache_of_one_block_is_refused_before_it_is_allocated():
+def test_a_kv_cache_of_one_block_is_refused_before_it_is_allocated(monkeypatch):
     # CPU budget: 1 GiB of cache. A block of 600 MiB fits once; the pipelined decode needs a spare block.
+    import qerl_cli.engine.llm_engine as le
+
+    monkeypatch.setenv("QERL_CPU_KV_CACHE_GIB", "1")
+    monkeypatch.setattr(le, "available_ram", lambda: 64 << 30)
     model = _model(num_hidden_layers=1)
     c = model.config
     block_size = 600 * 2**20 // (2 * c.num_layers * c.num_kv_heads * c.head_dim * 4)
