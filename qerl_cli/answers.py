@@ -80,6 +80,11 @@ ANSWER_KINDS = ("gsm8k", "math")
 # Review s60r07, before math 4 / gsm8k 7 were released, so in them: a denied box's name is no words ("$x = \boxed{3}$, not
 # $x = \boxed{4}$" is 3, was 4), nor is a run of denials cut at 16; a box inside a box holding more is part of it, the
 # box around the answer ("\boxed{\boxed{2} + 1}" is "2 + 1", was 2 under math 3).
+# Review s60r13, still in math 4 / gsm8k 7: a unit or "is the answer" between the box and the denial, "- not -",
+# "(_not_ ...)", "though not" and "which is not" deny too ("\boxed{18} dollars, not \boxed{19}" is 18, was 19); two
+# boxes said to differ ("\boxed{3} \neq \boxed{4}", "is not") are none (was 4); math: a denied box is none of the list
+# before it ("\boxed{-5}, \boxed{5} (rejecting \boxed{-5})" is 5, was "-5, 5"), and boxes listed after a denial are
+# none ("\boxed{18}, not \boxed{19}, \boxed{20}", was "19, 20").
 RULE_VERSION = {"gsm8k": 7, "math": 4}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

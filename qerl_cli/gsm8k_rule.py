@@ -32,7 +32,8 @@ next question ("Question:", "Problem:", "**Question 2:**", "Q.") is no answer, a
 answer is 18. Actually, it is 19."), and so is a ``####`` line, box or tag so taken back ("#### 18\nWait, no, it is 19"),
 a box with another number offered beside it in prose ("\\boxed{18} or 19", "19 or \\boxed{18}") or two boxes with TeX or
 punctuation between as the math rule reads them ("\\boxed{18} \\text{ or } \\boxed{19}", "\\boxed{18} | \\boxed{19}"), while
-a box the words before it deny is none of the answer ("\\boxed{18}, not \\boxed{19}" is 18) and a box around a box
+a box the words before it deny is none of the answer ("\\boxed{18}, not \\boxed{19}" is 18, "\\boxed{18} dollars (not
+\\boxed{19})" too; "\\boxed{18} \\neq \\boxed{19}" and "is not" are none) and a box around a box
 only dresses it ("\\boxed{\\boxed{18}}" is 18); a
 statement is read to its sentence's end ("The
 answer is 6 + 12 = 18. So 18 - 3 = 15." is 18). Deliberately *no* "last number in the text" fallback: it rewards
@@ -52,6 +53,7 @@ from qerl_cli.gsm8k_numbers import _DIGIT, _PLAIN_INT, _clean_number_text, _clea
 from qerl_cli.math_rule import (
     _AFTER_BOX_HEDGE,
     _BEFORE_BOX_HEDGE,
+    _BOX_INEQUALITY,
     _SIDE_BY_SIDE,
     _TAKE_BACK,
     _UNIT_AFTER,
@@ -353,7 +355,8 @@ def _final_box(text: str) -> tuple[str, int, int] | None:
     if last is None or before is None:
         return last
     between = _plain_separator(text[before[2] : last[1]])
-    offered = _BOX_HEDGE.fullmatch(between) or _BOX_LIST.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between)
+    offered = _BOX_HEDGE.fullmatch(between) or _BOX_LIST.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between) \
+        or _BOX_INEQUALITY.fullmatch(between)  # "\boxed{18} \neq \boxed{19}": 19 until review s60r13
     return None if offered and not _same_number(before[0], last[0]) else last
 
 

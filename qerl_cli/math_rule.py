@@ -19,7 +19,10 @@ the letters. Two boxes side by side with only spacing between (``\\boxed{3} \\bo
 ``\\enspace``, ``\\kern``, a slash, a semicolon, a bar, a "vs", any punctuation, ``\\mid``, ``\\lor``, markdown or TeX
 bold, an underline, a colour or a size around each) are listed; words after the last box that take it back or offer
 another value (``\\boxed{3}. Actually, it is 4.``, ``\\boxed{3} or 4``, ``4 or \\boxed{3}``) make it no answer; words that
-deny it leave the box before (``\\boxed{3}, not \\boxed{4}`` is 3, ``$x = \\boxed{3}$, not $x = \\boxed{4}$`` too), and a
+deny it leave the box before (``\\boxed{3}, not \\boxed{4}`` is 3, ``$x = \\boxed{3}$, not $x = \\boxed{4}$``, ``\\boxed{3}
+dollars, not \\boxed{4}`` and ``\\boxed{3} (_not_ \\boxed{4})`` too; ``\\boxed{-5}, \\boxed{5} (rejecting \\boxed{-5})``
+is 5; boxes listed after a denial, ``\\boxed{3}, not \\boxed{4}, \\boxed{5}``, or said to differ, ``\\boxed{3} \\neq
+\\boxed{4}``, ``is not``, are no answer), and a
 box around a box only dresses it (``\\boxed{\\boxed{2}} \\boxed{\\boxed{3}}`` is ``2, 3``); a box inside a box holding more is
 part of it (``\\boxed{\\boxed{2} + 1}`` is ``2 + 1``). Boxes naming two unknowns (``$x = \\boxed{2}$ and $y = \\boxed{3}$``, ``$3x = \\boxed{12}$, $x = \\boxed{4}$``)
 are no list: the last box (a hedge, ``$x = \\boxed{3}$ or $y = \\boxed{4}$``, still is
@@ -195,24 +198,63 @@ def _dressed_boxes(text: str) -> Iterator[tuple[str, int, int]]:
 # Words between two boxes that deny the later one: "\\boxed{3}, not \\boxed{4}", "\\boxed{3} (not \\boxed{4})",
 # "\\boxed{3} rather than \\boxed{4}", "$x = \\boxed{5}$ (rejecting \\boxed{-5})": the answer is the box before. Read as
 # words, a correction, they gave the denied box, 4: a wrong answer scored 1 (and the right one 0) until review s60r02.
-_BOX_DENIAL = re.compile(r"[ \t$.,;:)\]*(—–-]*(?:(?:and|but)[ \t]+)?(?:not|rather[ \t]+than|instead[ \t]+of|rejecting|discarding"
-                         r"|excluding)\b[ \t$(\[*]*", re.IGNORECASE)
+# A dash or Markdown emphasis around the word too, "\\boxed{3} - not - \\boxed{4}", "(_not_ \\boxed{4})" (4 until review
+# s60r13: "_" is a word's, so "\\b" found no end to "not"), "though not" and the answer's pronoun, "\\boxed{3}, which is
+# not \\boxed{4}", "\\boxed{18} dollars. It is not \\boxed{19}" (4 and 19 until then).
+_BOX_DENIAL = re.compile(r"[ \t$.,;:)\]*_(—–-]*(?:(?:and|but|(?:al)?though|yet)[ \t]+|(?:which|that|it|this)[ \t]+is[ \t]+)?"
+                         r"(?:not|rather[ \t]+than|instead[ \t]+of|rejecting|discarding|excluding)(?![A-Za-z0-9])[ \t$(\[*_—–-]*",
+                         re.IGNORECASE)
+# The box's unit between it and the denial: "\\boxed{18} dollars, not \\boxed{19}", "$\\boxed{5}$ cm (not $\\boxed{6}$)",
+# "\\boxed{18}\\text{ dollars}, not" (read as words, a correction, 19 until review s60r13: a wrong answer scored 1).
+# Words right after the box, as _UNIT_AFTER reads a word after a number: in lower case, three at most ("square feet",
+# "miles per hour"), then the denial's punctuation or "and"/"but"; or words that say the box is the answer
+# ("\\boxed{3} is the answer, not \\boxed{4}", "is correct": 4 until then too). Not a question ("\\boxed{3}? Why not
+# \\boxed{4}", "why not", "if not"), nor words that say the box is wrong ("\\boxed{3} is wrong, not \\boxed{4}", "fails"),
+# nor a take-back (_denies): each still a correction, 4.
+_UNIT_WORD = (r"(?!(?:is|are|was|were|be|why|how|what|if|or|nor|and|but|so|then|maybe|perhaps|fails?|wrong|incorrect|false"
+              r"|invalid|rejected|extraneous|impossible|eliminated|excluded|discarded|ruled|not|rather|instead)(?![A-Za-z]))"
+              r"[a-z][\w^{}/]*")
+_UNIT_BEFORE_DENIAL = re.compile(rf"[ \t$*]*(?:{_UNIT_WORD}(?:[ \t]+{_UNIT_WORD}){{0,2}}|(?:is|was)[ \t]+(?:correct|right"
+                                 r"|the[ \t]+(?:(?:final|correct|right)[ \t]+)?answer))"
+                                 r"(?=[ \t$*]*(?:[.,;:(\[—–-]|(?:and|but)[ \t]+not\b))")
+# Two boxes said to differ, "\\boxed{3} \\neq \\boxed{4}", "\\boxed{3} is not \\boxed{4}": which is the answer the words do
+# not say (read as the last, 4, until review s60r13): no answer.
+_BOX_INEQUALITY = re.compile(r"[ \t$]*(?:\\neq?(?![A-Za-z])|\\not[ \t]*="
+                             r"|≠|is[ \t]+not(?:[ \t]+equal[ \t]+to)?|isn't|does[ \t]+not[ \t]+equal|doesn't[ \t]+equal)[ \t$]*",
+                             re.IGNORECASE)
+
+
+def _denies(between: str) -> bool:
+    """Whether the words between two boxes (_plain_separator's) deny the later one: a denial (_BOX_DENIAL), after the
+    box's unit at most (_UNIT_BEFORE_DENIAL)."""
+    unit = _UNIT_BEFORE_DENIAL.match(between)
+    back = None if unit is None else _TAKE_BACK.search(between)  # in all of it: "no", "oh" are one before a comma
+    start = 0 if unit is None or (back is not None and back.start() < unit.end()) else unit.end()
+    return _BOX_DENIAL.fullmatch(between, start) is not None
 
 
 def _without_denied_boxes(text: str) -> str:
-    """``text`` less each last box its words deny (_BOX_DENIAL) with those words: "\\boxed{3}, not \\boxed{4}." is
-    "\\boxed{3}.", whose box and the words after it are then read as ever. Its unknown's name is no words ("$x =
-    \\boxed{3}$, not $x = \\boxed{4}$": 4 until review s60r07, as math_boxes reads a list of named boxes). All of a run
-    ("\\boxed{2}, not \\boxed{3}, not \\boxed{4}"): cut at 16, the 17th box from the last, denied, was the answer."""
+    """``text`` less each last box its words deny (_denied_boxes)."""
+    return _denied_boxes(text)[0]
+
+
+def _denied_boxes(text: str) -> tuple[str, frozenset[str]]:
+    """(``text`` less each last box its words deny (_denies) with those words, the denied boxes' contents, spaces
+    taken out): "\\boxed{3}, not \\boxed{4}." is "\\boxed{3}.", whose box and the words after it are then read as ever.
+    Its unknown's name is no words ("$x = \\boxed{3}$, not $x = \\boxed{4}$": 4 until review s60r07, as math_boxes reads
+    a list of named boxes). All of a run ("\\boxed{2}, not \\boxed{3}, not \\boxed{4}"): cut at 16, the 17th box from
+    the last, denied, was the answer."""
     boxes = _dressed_boxes(text)
     last = kept = next(boxes, None)
+    denied = set()
     for before in boxes:
         name = _box_name(text, kept[1], before[2])
         named = name is not None and _is_unknown(name[1])
-        if not _BOX_DENIAL.fullmatch(_plain_separator(text[before[2] : name[0] if named else kept[1]])):
+        if not _denies(_plain_separator(text[before[2] : name[0] if named else kept[1]])):
             break
+        denied.add("".join(kept[0].split()))
         kept = before
-    return text if kept is last else text[: kept[2]] + text[last[2] :]
+    return (text if kept is last else text[: kept[2]] + text[last[2] :]), frozenset(denied)
 
 
 def _with_end_before(boxes: Iterator[tuple[str, int, int]]) -> Iterator[tuple[str, int, int, int]]:
@@ -233,8 +275,10 @@ def math_boxes(text: str) -> str | None:
     reference, "1", rewarded the second of two answers listed. A list of one answer restated ("\\boxed{\\frac12} or
     \\boxed{0.5}") is that answer; a correction on a new line or after other words is not a list, nor are boxes named
     as values of two unknowns ("$x = \\boxed{2}$ and $y = \\boxed{3}$": one of them may be what the question asks,
-    "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer)."""
-    text = _without_denied_boxes(text)
+    "$3x = \\boxed{12}$, $x = \\boxed{4}$": a step and the answer). A box its words deny is none of the list ("\\boxed{-5},
+    \\boxed{5} (rejecting \\boxed{-5})" is 5), and boxes said to differ (_BOX_INEQUALITY) or listed after a denial
+    ("\\boxed{18}, not \\boxed{19}, \\boxed{20}": is 20 denied too?) are no answer."""
+    text, denied = _denied_boxes(text)
     boxes = _with_end_before(_dressed_boxes(text))
     last = next(boxes, None)
     if last is None:
@@ -248,6 +292,8 @@ def math_boxes(text: str) -> str | None:
         between = _plain_separator(text[end : name[0] if named else start])
         hedged = _BOX_HEDGE.fullmatch(between)
         if not (hedged or _BOX_LIST.fullmatch(between) or _SIDE_BY_SIDE.fullmatch(between)):
+            if _BOX_INEQUALITY.fullmatch(between) or (len(listed) > 1 and _denies(between)):
+                return None  # each read as the last boxes, "4", "19, 20", until review s60r13
             break
         earlier = _box_name(text, box_start, end_before)
         if named and not hedged and earlier is not None and earlier[1] != name[1]:
@@ -257,7 +303,12 @@ def math_boxes(text: str) -> str | None:
             break
         listed.append(box)
         start, name = box_start, earlier
-    found = last[0] if all(_math_verify_equal(box, last[0]) for box in set(listed) - {last[0]}) else \
+    # a box denied after the list: "-5, 5" until review s60r13, right against a reference of both; one its own words
+    # deny ("\\boxed{4}, not \\boxed{4}") is no answer
+    listed = [box for box in listed if "".join(box.split()) not in denied]
+    if not listed:
+        return None
+    found = listed[0] if all(_math_verify_equal(box, listed[0]) for box in set(listed) - {listed[0]}) else \
         ", ".join(reversed(listed))
     before = _plain_separator(text[text.rfind("\n", max(0, start - 80), start) + 1 : start])  # its line, near it
     return None if _hedged_after_box(text[last[2]:], found) or _hedged_before_box(before, found) else found

@@ -697,3 +697,43 @@ def test_a_denial_before_a_named_box_or_a_long_run_of_them_leaves_the_box_before
     """Review s60r07: the name of a denied box ("not $x = \\boxed{4}$") read as words, a correction: 4, a wrong answer
     scored 1; and a run of denials was cut at 16, so the 17th box from the last, itself denied, was the answer."""
     assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("\\boxed{18} dollars, not \\boxed{19}", "19", False), ("\\boxed{18} dollars, not \\boxed{19}", "18", True),
+    ("$\\boxed{18}$ apples (not $\\boxed{19}$)", "19", False), ("\\boxed{18}\\text{ dollars}, not \\boxed{19}", "19", False),
+    ("The speed is \\boxed{45} miles per hour, not \\boxed{50}.", "50", False),
+    ("$x = \\boxed{18}$ dollars, not $x = \\boxed{19}$", "19", False), ("\\boxed{18} dollars but not \\boxed{19}", "19", False),
+    ("\\boxed{3} is the answer, not \\boxed{4}", "4", False), ("\\boxed{3} is correct, not \\boxed{4}", "3", True),
+    ("\\boxed{3} - not - \\boxed{4}", "4", False), ("\\boxed{3} (_not_ \\boxed{4})", "4", False),
+    ("\\boxed{3} (__not__ \\boxed{4})", "4", False), ("\\boxed{3}, though not \\boxed{4}", "4", False),
+    ("\\boxed{3}, which is not \\boxed{4}", "3", True), ("\\boxed{18} dollars. It is not \\boxed{19}.", "19", False),
+    # a question, words that say the box is wrong, a take-back, a new line: a correction still, the later box
+    ("\\boxed{3}? Why not \\boxed{4}", "4", True), ("\\boxed{3} why not \\boxed{4}", "4", True),
+    ("\\boxed{3} is wrong, not \\boxed{4}", "4", True), ("\\boxed{3} gets eliminated, not \\boxed{4}", "4", True),
+    ("\\boxed{3} no, not \\boxed{4}", "4", True), ("\\boxed{3} hmm, not \\boxed{4}", "4", True),
+    ("\\boxed{3} dollars,\nnot \\boxed{4}", "4", True), ("\\boxed{3} apples not \\boxed{4}", "4", True),
+])
+def test_a_unit_or_emphasis_before_a_denial_leaves_the_box_before(completion, reference, ok):
+    """Review s60r13: a unit between the box and the denial ("\\boxed{18} dollars, not \\boxed{19}"), a dash or Markdown
+    emphasis around "not" ("- not -", "(_not_ ...)"), "though not" and "which is not" read as words, a correction: the denied box, a
+    wrong answer scored 1. Words after the box that ask or say it is wrong still correct it."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("$x = \\boxed{-5}$, $x = \\boxed{5}$ (rejecting $\\boxed{-5}$)", "-5, 5", False),
+    ("$x = \\boxed{-5}$, $x = \\boxed{5}$ (rejecting $\\boxed{-5}$)", "5", True),
+    ("\\boxed{5}, \\boxed{-5} (rejecting \\boxed{-5})", "5", True), ("\\boxed{5}, not \\boxed{5}", "5", False),
+    ("\\boxed{18}, not \\boxed{19}, \\boxed{20}", "19, 20", False), ("\\boxed{18}, not \\boxed{19} or \\boxed{20}", "19, 20", False),
+    ("\\boxed{18}, not \\boxed{19}, \\boxed{20}", "18", False),
+    ("\\boxed{3} \\neq \\boxed{4}", "4", False), ("\\boxed{3} \\neq \\boxed{4}", "3, 4", False),
+    ("\\boxed{3} is not \\boxed{4}", "4", False), ("\\boxed{3} is not \\boxed{4}", "3", False),
+    ("\\boxed{3} \\ne \\boxed{4}", "3", False), ("\\boxed{2} or \\boxed{3}, not \\boxed{4}", "2, 3", True),
+])
+def test_a_box_denied_after_a_list_leaves_the_list_and_boxes_said_to_differ_are_none(completion, reference, ok):
+    """Review s60r13: "\\boxed{-5}, \\boxed{5} (rejecting \\boxed{-5})" read as "-5, 5", right against a reference of both
+    though -5 was rejected: a denied box is none of the list before (5). Boxes listed after a denial ("\\boxed{18}, not
+    \\boxed{19}, \\boxed{20}": 20 denied too?) read as "19, 20", and boxes said to differ ("\\boxed{3} \\neq \\boxed{4}",
+    "is not") as the last, 4: no answer."""
+    assert is_correct(completion, reference, "math") is ok

@@ -1214,6 +1214,21 @@ def test_a_denied_named_box_leaves_the_box_before_and_a_box_inside_a_box_is_the_
     assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
 
 
+@pytest.mark.parametrize("completion, answer", [
+    ("So she makes $\\boxed{18}$ dollars, not $\\boxed{19}$.", "18"), ("\\boxed{18} eggs (not \\boxed{19} eggs)", "18"),
+    ("\\boxed{18}\\text{ dollars}, not \\boxed{19}", "18"), ("\\boxed{18} - not - \\boxed{19}", "18"),
+    ("\\boxed{18} (_not_ \\boxed{19})", "18"), ("\\boxed{18} is the answer, not \\boxed{19}", "18"),
+    ("\\boxed{19}? Why not \\boxed{18}", "18"), ("\\boxed{19} is wrong, not \\boxed{18}", "18"),  # a correction still
+    ("\\boxed{18} \\neq \\boxed{19}", None), ("\\boxed{18} is not \\boxed{19}", None),
+    ("\\boxed{18}, which is not \\boxed{19}", "18"), ("The total is \\boxed{18} dollars. It is not \\boxed{19}.", "18"),
+])
+def test_a_unit_or_emphasis_before_a_denied_box_leaves_the_box_before_and_boxes_said_to_differ_are_none(completion, answer):
+    """Review s60r13: a unit between the box and the denial ("\\boxed{18} dollars, not \\boxed{19}"), "- not -" and
+    "(_not_ ...)" read as words, a correction: 19, a wrong answer scored 1; so did two boxes said to differ
+    ("\\boxed{18} \\neq \\boxed{19}"), which say neither is the answer: none."""
+    assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
+
+
 def test_a_plain_answer_statement_ranks_below_every_other_answer():
     """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
     for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
