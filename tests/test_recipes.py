@@ -608,6 +608,16 @@ def test_an_eval_set_with_other_columns_than_the_train_set_gets_its_own(tmp_path
         assert [x for x in lines if x.startswith("EVAL_ANSWER_KEY=")] == [f"EVAL_ANSWER_KEY={want[1]}"]
 
 
+def _loop_and_chain(tmp_path, cfg, env) -> tuple:
+    """grpo.sh run on ``cfg`` into tmp_path/run, then a Slurm chain of it submitted into tmp_path/chain (its jobs are
+    the caller's to run): (run, chain)."""
+    run, chain = tmp_path / "run", tmp_path / "chain"
+    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
+                   capture_output=True)
+    return run, chain
+
+
 def test_an_eval_key_set_empty_leaves_eval_its_own_columns_in_the_loop_and_the_chain(tmp_path):
     # EVAL_PROMPT_KEY=${EVAL_PROMPT_KEY:-$PROMPT_KEY}: once PROMPT_KEY was set, eval could not go back to its own
     # columns (prompt, messages, question, problem; answer), an empty value read as unset (session 60's list). Set
@@ -619,10 +629,7 @@ def test_an_eval_key_set_empty_leaves_eval_its_own_columns_in_the_loop_and_the_c
     sbatch, _ = _fake_sbatch(tmp_path)
     env = {**{k: v for k, v in os.environ.items() if k != "EVAL_ANSWER_KEY"}, "QERL": str(qerl), "SBATCH": str(sbatch),
            "EVAL_PROMPT_KEY": ""}
-    run, chain = tmp_path / "run", tmp_path / "chain"
-    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
-    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
-                   capture_output=True)
+    run, chain = _loop_and_chain(tmp_path, cfg, env)
     assert {"EVAL_PROMPT_KEY=''", "EVAL_ANSWER_KEY=solution"} <= set((chain / "submit.env").read_text().splitlines())
     del env["EVAL_PROMPT_KEY"]  # the job's environment need not hold it
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "eval", str(cfg), str(chain), "0"], env=env,
@@ -648,10 +655,7 @@ def test_one_or_several_stops_reach_every_rollout_and_eval_of_the_loop_and_the_c
     qerl, log = _json_argv_recorder(tmp_path)
     sbatch, _ = _fake_sbatch(tmp_path)
     env = {**os.environ, "QERL": str(qerl), "SBATCH": str(sbatch), "SLURM_ARRAY_TASK_ID": "0"}
-    run, chain = tmp_path / "run", tmp_path / "chain"
-    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
-    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
-                   capture_output=True)
+    run, chain = _loop_and_chain(tmp_path, cfg, env)
     cfg.write_text(cfg.read_text().replace(stop, ""))
     for stage, step in (("rollout", "1"), ("eval", "0"), ("final", "")):
         subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), stage, str(cfg), str(chain), step], env=env,
@@ -681,10 +685,7 @@ def test_a_config_s_rewards_reach_every_rollout_of_the_loop_and_the_chain(tmp_pa
     sbatch, _ = _fake_sbatch(tmp_path)
     env = {**{k: v for k, v in os.environ.items() if k != "REWARDS"}, "QERL": str(qerl), "SBATCH": str(sbatch),
            "SLURM_ARRAY_TASK_ID": "0"}
-    run, chain = tmp_path / "run", tmp_path / "chain"
-    subprocess.run(["bash", str(RECIPES / "grpo.sh"), str(cfg), str(run)], env=env, check=True, capture_output=True)
-    subprocess.run(["bash", str(RECIPES / "slurm" / "submit.sh"), str(cfg), str(chain)], env=env, check=True,
-                   capture_output=True)
+    run, chain = _loop_and_chain(tmp_path, cfg, env)
     cfg.write_text(cfg.read_text().replace(setting, ""))
     subprocess.run(["bash", str(RECIPES / "slurm" / "stage.sbatch"), "rollout", str(cfg), str(chain), "1"], env=env,
                    check=True, capture_output=True)
