@@ -233,3 +233,150 @@ def test_what_stands_around_the_last_box_is_read_whole(completion, reference, ok
     from qerl_cli.answers import is_correct
 
     assert is_correct(completion, reference, "math") is ok
+
+
+# ---- the unrun half (s60r14): more of session 59's readings ---------------------------------------------------------
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    # _two_unknowns' later name a variable's: "2y = 4" gives 2y's value, not y's, so the two spans are listed
+    ("<answer>$x = 3$; $2y = 4$</answer>", "4", False), ("<answer>$x = 3$; $2y = 4$</answer>", "3, 4", True),
+    # _SPAN_NAME's "=(?!=)": "y == 4" tests an equality, it names no value
+    ("<answer>$x = 3$; $y == 4$</answer>", "4", False), ("<answer>$x == 3$; $y = 4$</answer>", "4", False),
+    # _TEXT_LETTERS' two letters at least: a one-letter text group is compared as text, and \text{I} is no sqrt(-1)
+    ("\\boxed{\\sqrt{-1}}", "\\text{I}", False),
+    # _bold_widened's 60 characters before the box: a long colour declaration is still the dress
+    ("{\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{2}}, {\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{3}}", "3", False),
+    ("{\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{2}}, {\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{3}}", "2, 3", True),    # _DECIMAL_ELLIPSIS' end of the side: an ellipsis a term is followed by is no decimal's cut digits
+    ("\\boxed{0.333... + 1}", "1.333", False),
+])
+def test_names_letters_and_dress_of_an_answer_are_read_whole(completion, reference, ok):
+    """Mutants of session 59's math readings: _two_unknowns without ``_is_unknown(later...)`` (any later name split the
+    spans), _SPAN_NAME without ``(?!=)`` ("y == 4" named y), _TEXT_LETTERS' ``{1,25}`` as ``{0,25}`` (one letter taken
+    out of its text group: "\\sqrt{-1}" right against the choice "\\text{I}"), _bold_widened's declaration window of
+    60 characters as 20 (a declaration longer than the window stood between two boxes as words: the last box alone),
+    _DECIMAL_ELLIPSIS without its lookahead for the side's end ("0.333... + 1" read as 0.333\\ldots + 1)."""
+    from qerl_cli.answers import is_correct
+
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, ok", [
+    ("The total is 18.0 or \\boxed{18}", True), ("The total is 19 or \\boxed{18}", False),
+])
+def test_a_value_before_a_gsm8k_box_that_restates_it_is_no_hedge(completion, ok):
+    """Mutant: gsm8k's _hedged_box taking any number before "or" for a hedge, not only one of another value: "18.0 or
+    \\boxed{18}" (the box restating it) was no answer, as the math rule's ``0.5 or \\boxed{\\frac12}`` was (round 12)."""
+    from qerl_cli.answers import is_correct
+
+    assert is_correct(completion, "18", "gsm8k") is ok
+
+
+@pytest.mark.parametrize("completion", [
+    "So she has \\boxed{18}. Actually, 18 is wrong: it is 19.",
+    "The answer is 18. Wait, 18 counts the eggs twice; it is 19.",
+])
+def test_a_take_back_that_names_the_answer_before_another_number_is_no_answer(completion):
+    """Mutant: gsm8k's _taken_back reading one number after the take-back word, not up to 16: the answer named again
+    first ("Actually, 18 is wrong") hid the number that replaces it, and the taken-back 18 scored 1."""
+    from qerl_cli.answers import is_correct
+
+    assert is_correct(completion, "18", "gsm8k") is False
+
+
+@pytestmark_bash
+def test_step_1_starts_from_step_0s_adapter_and_step_0_from_none(tmp_path):
+    """Mutant: _qerl_adapter_before's ``-gt 0`` as ``-gt 1``: step 1 sampled and trained from the base again, step 0's
+    adapter dropped (the tests read step 0's, without one, and step 2's)."""
+    r = subprocess.run([BASH, "-c", f'source {RECIPES / "lib.sh"}; RUN_DIR={tmp_path}; for s in 0 1 2; do '
+                        '_qerl_adapter_before "$s"; echo "$s: ${QERL_ADAPTER[*]}"; done'],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines() == ["0: ", f"1: --adapter {tmp_path}/step-000000/adapter",
+                                     f"2: --adapter {tmp_path}/step-000001/adapter"], r.stderr
+
+
+@pytestmark_bash
+def test_a_rollout_past_the_end_does_not_make_a_run_dir_begun(tmp_path):
+    """Mutant: _qerl_any_rollout's ``< STEPS`` as ``<= STEPS``: step STEPS's rollout (an earlier, longer run's, left by
+    a FORCE=1 rerun with fewer STEPS) made the run dir begun, SHUFFLE=auto read how its rollouts below STEPS were made
+    (none) and kept file order, where a new run dir shuffles."""
+    run = tmp_path / "run"
+    (run / "step-000003" / "shards").mkdir(parents=True)
+    r = subprocess.run([BASH, "-c", f'source {RECIPES / "lib.sh"}; RUN_DIR={run} STEPS=3 SHUFFLE=auto; '
+                        'qerl_resolve_shuffle; echo "$SHUFFLE"'], capture_output=True, text=True)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "1\n", ""), r.stderr
+    assert (run / "shuffle").read_text() == "1\n"
+
+
+def _resume_point(tmp_path: Path, path_names: dict[str, str], **env: str) -> subprocess.CompletedProcess:
+    """``qerl_resume_point`` on ``tmp_path/run`` (STEPS=3) with a PATH of only ``path_names`` and ``dirname`` (lib.sh
+    finds its directory with it): "QERL_FIRST=..."."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, target in {**path_names, "dirname": shutil.which("dirname")}.items():
+        if not (bin_dir / name).is_symlink():
+            (bin_dir / name).symlink_to(target)
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "QERL", "FORCE")}
+    return subprocess.run([BASH, "-c", f'source {RECIPES / "lib.sh"}; RUN_DIR={tmp_path / "run"} STEPS=3; '
+                           'qerl_resume_point; echo "QERL_FIRST=$QERL_FIRST"'],
+                          env={**base, "PATH": str(bin_dir), **env}, capture_output=True, text=True, check=True)
+
+
+@pytestmark_bash
+def test_a_resume_point_helper_that_fails_starts_from_step_0(tmp_path):
+    """Mutant: qerl_resume_point without ``first=0`` where recipes/resume_point.py fails: QERL_FIRST was its empty
+    output, and grpo.sh's ``[ "$first" -gt 0 ]`` said "integer expression expected"."""
+    (tmp_path / "run" / "step-000001" / "adapter").mkdir(parents=True)
+    (tmp_path / "run" / "step-000001" / "adapter" / "manifest.json").write_text("{}")
+    fails = tmp_path / "python3-that-fails-scripts"
+    fails.write_text(f'#!{BASH}\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\nexit 1\n')
+    fails.chmod(0o755)
+    r = _resume_point(tmp_path, {}, PYTHON=str(fails))
+    assert (r.stdout, r.stderr) == ("QERL_FIRST=0\n", "")
+
+
+@pytestmark_bash
+def test_no_python_note_only_where_a_step_holds_an_adapter(tmp_path):
+    """Mutant: qerl_resume_point's "no Python 3 found ... every step is gone through from step 0" without
+    ``_qerl_any_adapter``: said of a new run dir too, where there is no step to skip."""
+    (tmp_path / "run").mkdir()
+    r = _resume_point(tmp_path, {}, QERL="qerl")
+    assert (r.stdout, r.stderr) == ("QERL_FIRST=0\n", "")
+    (tmp_path / "run" / "step-000000" / "adapter").mkdir(parents=True)
+    (tmp_path / "run" / "step-000000" / "adapter" / "manifest.json").write_text("{}")
+    r = _resume_point(tmp_path, {}, QERL="qerl")
+    assert r.stdout == "QERL_FIRST=0\n" and "note: no Python 3 found on this host" in r.stderr
+
+
+@pytest.mark.parametrize("completion", [
+    "The answer is 19.\nNo, the answer is 18 (she kept 2 of the 20).",
+    # a statement's line ended by a break splitlines() sees (a vertical tab, a form feed, U+2028), the text's last
+    "The answer is 18\v", "The answer is 18\f", "The answer is 18\u2028",
+])
+def test_a_gsm8k_answer_statement_is_read_from_its_phrase_to_its_lines_end(completion):
+    """Mutants of gsm8k's _answer_statement: the words after it read from its sentence's start, not its phrase's end
+    (a correction's lead "No," taken for a take-back of the 18 it states, its later numbers another answer), and its
+    line kept with the break splitlines() ended it on (the break read as part of the number: no answer)."""
+    from qerl_cli.answers import is_correct
+
+    assert is_correct(completion, "18", "gsm8k") is True
+
+
+@pytestmark_bash
+def test_a_hangup_as_the_command_starts_is_passed_on_as_sigterm(tmp_path):
+    """Mutant: _qerl_forward keeping a signal that came while CMD was starting as it came (``$1``), not as the TERM it
+    passes HUP and QUIT on as: a hangup then, as after, must stop a stage as SIGTERM (its clean-up), and the script
+    exit as the stage did (143), as test_recipes.py's signal tests have it once CMD runs. The signal is sent as there,
+    by a DEBUG trap at the first command after the fork."""
+    import signal
+
+    go = tmp_path / "go"
+    script = (f'source {RECIPES / "lib.sh"}; set -T; before=${{!:-}}; sent=""\n'
+              "trap 'if [ -z \"$sent\" ] && [ \"${!:-}\" != \"$before\" ]; then sent=1; kill -HUP $$; fi' DEBUG\n"
+              f"qerl_run_forwarding sh -c 'until [ -e {go} ]; do sleep 0.05; done'\n")
+    p = subprocess.Popen([BASH, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rc = p.wait(timeout=60)
+    finally:
+        go.touch()  # a command run on ends by itself
+        p.kill()
+    assert rc == 128 + signal.SIGTERM, (rc, p.stderr.read())
