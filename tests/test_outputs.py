@@ -667,8 +667,12 @@ def test_the_cli_runs_in_a_directory_deleted_under_it(tmp_path):
 
     gone = tmp_path / "gone"
     gone.mkdir()
+    env = cli_env()
+    # an empty PYTHONPATH entry (cli_env's where the caller's is unset) is the current directory, which Python itself
+    # cannot make absolute there ("Fatal Python error: error evaluating path", before any of qerl runs)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p)
     run = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -m qerl_cli --version', "sh", str(gone),
-                          sys.executable], env=cli_env(), capture_output=True, text=True, timeout=120)
+                          sys.executable], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
