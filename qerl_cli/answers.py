@@ -84,7 +84,9 @@ ANSWER_KINDS = ("gsm8k", "math")
 # "(_not_ ...)", "though not" and "which is not" deny too ("\boxed{18} dollars, not \boxed{19}" is 18, was 19); two
 # boxes said to differ ("\boxed{3} \neq \boxed{4}", "is not") are none (was 4); math: a denied box is none of the list
 # before it ("\boxed{-5}, \boxed{5} (rejecting \boxed{-5})" is 5, was "-5, 5"), and boxes listed after a denial are
-# none ("\boxed{18}, not \boxed{19}, \boxed{20}", was "19, 20").
+# none ("\boxed{18}, not \boxed{19}, \boxed{20}", was "19, 20"). Review s60r16, still in them: a box whose value a
+# denial only repeats ("\boxed{25}, not \boxed{25}\%") is the answer again (none from s60r13), and a verb rejecting the
+# box ("\boxed{3} failed, not \boxed{4}") is no unit (3 from s60r13, 4 again).
 RULE_VERSION = {"gsm8k": 7, "math": 4}
 # The math rule's verdicts are math-verify's, which reads LaTeX with latex2sympy2_extended and compares in sympy: a
 # release of any of them may turn a verdict (how a set, an interval or 0.333333 compares) that RULE_VERSION, qerl's own

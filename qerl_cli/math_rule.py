@@ -210,9 +210,11 @@ _BOX_DENIAL = re.compile(r"[ \t$.,;:)\]*_(—–-]*(?:(?:and|but|(?:al)?though|y
 # "miles per hour"), then the denial's punctuation or "and"/"but"; or words that say the box is the answer
 # ("\\boxed{3} is the answer, not \\boxed{4}", "is correct": 4 until then too). Not a question ("\\boxed{3}? Why not
 # \\boxed{4}", "why not", "if not"), nor words that say the box is wrong ("\\boxed{3} is wrong, not \\boxed{4}", "fails"),
-# nor a take-back (_denies): each still a correction, 4.
-_UNIT_WORD = (r"(?!(?:is|are|was|were|be|why|how|what|if|or|nor|and|but|so|then|maybe|perhaps|fails?|wrong|incorrect|false"
-              r"|invalid|rejected|extraneous|impossible|eliminated|excluded|discarded|ruled|not|rather|instead)(?![A-Za-z]))"
+# nor a take-back (_denies): each still a correction, 4. A verb that says so in any form, "failed", "failing",
+# "miscounted", "contradicts", "violates" (3, a wrong answer scored 1, from review s60r13 to review s60r16: "fails" only).
+_UNIT_WORD = (r"(?!(?:is|are|was|were|be|why|how|what|if|or|nor|and|but|so|then|maybe|perhaps|fail\w*|wrong|incorrect|false"
+              r"|invalid|reject\w*|extraneous|impossible|eliminat\w*|exclud\w*|discard\w*|ruled|not|rather|instead"
+              r"|mis(?:count|calculat|read)\w*|(?:over|under|double)count\w*|contradict\w*|violat\w*)(?![A-Za-z]))"
               r"[a-z][\w^{}/]*")
 _UNIT_BEFORE_DENIAL = re.compile(rf"[ \t$*]*(?:{_UNIT_WORD}(?:[ \t]+{_UNIT_WORD}){{0,2}}|(?:is|was)[ \t]+(?:correct|right"
                                  r"|the[ \t]+(?:(?:final|correct|right)[ \t]+)?answer))"
@@ -303,11 +305,10 @@ def math_boxes(text: str) -> str | None:
             break
         listed.append(box)
         start, name = box_start, earlier
-    # a box denied after the list: "-5, 5" until review s60r13, right against a reference of both; one its own words
-    # deny ("\\boxed{4}, not \\boxed{4}") is no answer
-    listed = [box for box in listed if "".join(box.split()) not in denied]
-    if not listed:
-        return None
+    # a box denied after the list: "-5, 5" until review s60r13, right against a reference of both; not the list's
+    # all, whose value then is no denied one's: "\\boxed{25}, not \\boxed{25}\\%", "\\boxed{6} cm, not \\boxed{6} mm" deny
+    # the unit (none from review s60r13 to review s60r16, a right answer scored 0; 25 and 6 before, as gsm8k reads them)
+    listed = [box for box in listed if "".join(box.split()) not in denied] or listed
     found = listed[0] if all(_math_verify_equal(box, listed[0]) for box in set(listed) - {listed[0]}) else \
         ", ".join(reversed(listed))
     before = _plain_separator(text[text.rfind("\n", max(0, start - 80), start) + 1 : start])  # its line, near it

@@ -724,7 +724,7 @@ def test_a_unit_or_emphasis_before_a_denial_leaves_the_box_before(completion, re
 @pytest.mark.parametrize("completion, reference, ok", [
     ("$x = \\boxed{-5}$, $x = \\boxed{5}$ (rejecting $\\boxed{-5}$)", "-5, 5", False),
     ("$x = \\boxed{-5}$, $x = \\boxed{5}$ (rejecting $\\boxed{-5}$)", "5", True),
-    ("\\boxed{5}, \\boxed{-5} (rejecting \\boxed{-5})", "5", True), ("\\boxed{5}, not \\boxed{5}", "5", False),
+    ("\\boxed{5}, \\boxed{-5} (rejecting \\boxed{-5})", "5", True), ("\\boxed{5}, not \\boxed{5}", "5", True),
     ("\\boxed{18}, not \\boxed{19}, \\boxed{20}", "19, 20", False), ("\\boxed{18}, not \\boxed{19} or \\boxed{20}", "19, 20", False),
     ("\\boxed{18}, not \\boxed{19}, \\boxed{20}", "18", False),
     ("\\boxed{3} \\neq \\boxed{4}", "4", False), ("\\boxed{3} \\neq \\boxed{4}", "3, 4", False),
@@ -736,4 +736,21 @@ def test_a_box_denied_after_a_list_leaves_the_list_and_boxes_said_to_differ_are_
     though -5 was rejected: a denied box is none of the list before (5). Boxes listed after a denial ("\\boxed{18}, not
     \\boxed{19}, \\boxed{20}": 20 denied too?) read as "19, 20", and boxes said to differ ("\\boxed{3} \\neq \\boxed{4}",
     "is not") as the last, 4: no answer."""
+    assert is_correct(completion, reference, "math") is ok
+
+
+@pytest.mark.parametrize("completion, reference, ok", [
+    ("The answer is $\\boxed{25}$, not $\\boxed{25}\\%$.", "25", True), ("$\\boxed{25}$ (not $\\boxed{25}\\%$)", "25", True),
+    ("The side is $\\boxed{6}$ cm, not $\\boxed{6}$ mm.", "6", True), ("\\boxed{5}, \\boxed{-5} (rejecting \\boxed{-5})", "-5", False),
+    ("\\boxed{3} failed, not \\boxed{4}", "3", False), ("$n = \\boxed{3}$ failed the check, not $\\boxed{4}$", "3", False),
+    ("\\boxed{3} failing, not \\boxed{4}", "3", False), ("\\boxed{3} miscounted, not \\boxed{4}", "3", False),
+    ("\\boxed{3} overcounts, not \\boxed{4}", "3", False), ("\\boxed{3} contradicts the condition, not \\boxed{4}", "3", False),
+    ("\\boxed{3} violates the constraint, not \\boxed{4}", "3", False), ("\\boxed{3} was rejected, not \\boxed{4}", "3", False),
+    ("\\boxed{18} dollars, not \\boxed{19}", "18", True),  # a unit still
+])
+def test_a_box_whose_value_a_denial_repeats_is_the_answer_and_a_verb_rejecting_it_is_no_unit(completion, reference, ok):
+    """Review s60r16: a box its own words seem to deny, its value only repeated with another unit ("\\boxed{25}, not
+    \\boxed{25}\\%"), was no answer from review s60r13 on (25 before, as gsm8k reads it): a right answer scored 0. And a
+    verb that rejects the box ("failed", "miscounted", "contradicts"; only "fails" was blocked) read as its unit, so
+    the box before the denial, 3, was the answer: a wrong answer scored 1."""
     assert is_correct(completion, reference, "math") is ok

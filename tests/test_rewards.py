@@ -1229,6 +1229,16 @@ def test_a_unit_or_emphasis_before_a_denied_box_leaves_the_box_before_and_boxes_
     assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
 
 
+@pytest.mark.parametrize("completion, answer", [
+    ("\\boxed{19} failed, not \\boxed{18}", "18"), ("\\boxed{19} miscounted, not \\boxed{18}", "18"),
+    ("$\\boxed{19}$ contradicts the total, not $\\boxed{18}$", "18"), ("\\boxed{18} eggs, not \\boxed{18} dozen", "18"),
+])
+def test_a_verb_that_rejects_the_box_before_a_denial_is_no_unit(completion, answer):
+    """Review s60r16: a verb rejecting the box ("failed", "miscounted"; "fails" alone was blocked) read as its unit, so
+    the box before the denial, 19, was the answer: a wrong answer scored 1."""
+    assert extract_answer(completion) == answer and is_correct(completion, "18", "gsm8k") is (answer == "18")
+
+
 def test_a_plain_answer_statement_ranks_below_every_other_answer():
     """The statement is the last resort: a #### line, a box, a tag, a words-first #### line outrank it."""
     for completion in ("The answer is 17.\n#### 18", "The answer is 17.\n\\boxed{18}", "The answer is 17. <answer>18</answer>",
