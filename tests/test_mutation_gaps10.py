@@ -359,24 +359,3 @@ def test_a_gsm8k_answer_statement_is_read_from_its_phrase_to_its_lines_end(compl
     from qerl_cli.answers import is_correct
 
     assert is_correct(completion, "18", "gsm8k") is True
-
-
-@pytestmark_bash
-def test_a_hangup_as_the_command_starts_is_passed_on_as_sigterm(tmp_path):
-    """Mutant: _qerl_forward keeping a signal that came while CMD was starting as it came (``$1``), not as the TERM it
-    passes HUP and QUIT on as: a hangup then, as after, must stop a stage as SIGTERM (its clean-up), and the script
-    exit as the stage did (143), as test_recipes.py's signal tests have it once CMD runs. The signal is sent as there,
-    by a DEBUG trap at the first command after the fork."""
-    import signal
-
-    go = tmp_path / "go"
-    script = (f'source {RECIPES / "lib.sh"}; set -T; before=${{!:-}}; sent=""\n'
-              "trap 'if [ -z \"$sent\" ] && [ \"${!:-}\" != \"$before\" ]; then sent=1; kill -HUP $$; fi' DEBUG\n"
-              f"qerl_run_forwarding sh -c 'until [ -e {go} ]; do sleep 0.05; done'\n")
-    p = subprocess.Popen([BASH, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        rc = p.wait(timeout=60)
-    finally:
-        go.touch()  # a command run on ends by itself
-        p.kill()
-    assert rc == 128 + signal.SIGTERM, (rc, p.stderr.read())
