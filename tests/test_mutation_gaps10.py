@@ -246,7 +246,8 @@ def test_what_stands_around_the_last_box_is_read_whole(completion, reference, ok
     ("\\boxed{\\sqrt{-1}}", "\\text{I}", False),
     # _bold_widened's 60 characters before the box: a long colour declaration is still the dress
     ("{\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{2}}, {\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{3}}", "3", False),
-    ("{\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{2}}, {\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{3}}", "2, 3", True),    # _DECIMAL_ELLIPSIS' end of the side: an ellipsis a term is followed by is no decimal's cut digits
+    ("{\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{2}}, {\\color[rgb]{0.8,0.1,0.1}\\Large \\boxed{3}}", "2, 3", True),
+    # _DECIMAL_ELLIPSIS' end of the side: an ellipsis a term is followed by is no decimal's cut digits
     ("\\boxed{0.333... + 1}", "1.333", False),
 ])
 def test_names_letters_and_dress_of_an_answer_are_read_whole(completion, reference, ok):
